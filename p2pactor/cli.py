@@ -1,0 +1,42 @@
+"""The ``p2pactor`` command line.
+
+Subcommands arrive with the features they drive (``demo``, ``serve``,
+``replay``, ``bench``); the parser is built so each can register itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from p2pactor import __version__
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the argument parser of the ``p2pactor`` command."""
+    parser = argparse.ArgumentParser(
+        prog="p2pactor",
+        description=(
+            "Peer-to-peer KV-cache sharing for LLM inference engines. "
+            "Nodes look up, fetch and serve KV blocks over ZeroMQ and NIXL."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"p2pactor {__version__}")
+    parser.add_subparsers(dest="command", metavar="COMMAND")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line and return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return 0  # pragma: no cover - no subcommands yet

@@ -1,0 +1,506 @@
+"""The consumer request: our request, pulling blocks from one peer.
+
+Life of a consumer (PROTOCOL.md "Lookup", "Fetch, rounds and completion"):
+
+* the engine registers keys; each step's new keys go out as one lookup; until the
+  answer comes a key answers RETRY, afterwards HIT or MISS from the cached answer;
+* a fetch loads hits into our blocks and closes the round; cached answers are
+  forgotten (both sides unpin), and later lookups belong to the next round;
+* the peer answers each fetch with ``transfer_done``; a load unanswered for 30 s
+  is aborted, an abort unacknowledged for 10 s fails the load anyway;
+* a lookup that resolves nothing for 30 s fails this request only;
+* when the engine finishes the request: loads in flight are aborted, and a lookup
+  still open is closed with the terminal empty fetch.
+
+The phase only moves forward: REGISTERED -> PROBING -> FETCH_SENT -> DONE, FAILED
+or ABORTED. Everything here is pure: time is the ``now`` argument.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final, assert_never
+
+import attrs
+
+from p2pactor import protocol as wire
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core.builder import Builder
+from p2pactor.core.events import ConsumerPhase
+from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
+from p2pactor.errors import ReplayError
+
+__all__ = [
+    "ConsumerInput",
+    "ConsumerState",
+    "Load",
+    "decide_consumer",
+    "evolve_consumer",
+    "next_consumer_deadline",
+    "probe_answer",
+    "step_consumer",
+]
+
+ConsumerInput = (
+    inp.Open
+    | inp.Register
+    | inp.Flush
+    | inp.SubmitLoad
+    | inp.Finish
+    | inp.Tick
+    | inp.SessionEnded
+    | wire.LookupResp
+    | wire.TransferDone
+    | wire.AbortAck
+)
+"""Everything a consumer actor reacts to."""
+
+# Phases in the order they may be entered; evolve never moves backwards.
+_ORDER: Final = {phase: rank for rank, phase in enumerate(ConsumerPhase)}
+# The running outcome only gets worse: DONE < FAILED < ABORTED.
+_SEVERITY: Final = {ConsumerPhase.DONE: 0, ConsumerPhase.FAILED: 1, ConsumerPhase.ABORTED: 2}
+
+
+@attrs.frozen(kw_only=True)
+class Load:
+    """One fetch in flight.
+
+    Attributes:
+        job_id: The engine's load job.
+        deadline: When it is aborted if the peer has not answered.
+        ack_deadline: Set once an abort went out: when the load fails anyway.
+    """
+
+    job_id: int
+    deadline: float
+    ack_deadline: float | None = None
+
+    @property
+    def aborting(self) -> bool:
+        """Whether an abort for this load went out."""
+        return self.ack_deadline is not None
+
+
+@attrs.frozen(kw_only=True)
+class ConsumerState:
+    """Everything a consumer actor knows, rebuilt exactly by replaying its events.
+
+    Attributes:
+        actor: Who this is.
+        seq: The sequence number of the last event applied.
+        phase: Where the request is; only moves forward.
+        round_seq: The round the next lookup or fetch belongs to.
+        probes: Cached answers: True (HIT), False (MISS), None (asked or about
+            to be asked, unanswered).
+        unsent: Registered keys not yet on the wire, in registration order.
+        lookup_open: A lookup went out and no fetch has closed it since.
+        lookup_deadline: When the request fails if no probe resolves before.
+        lookup_failed: The lookup timed out; every key answers MISS from now.
+        loads: Loads in flight by round.
+        finishing: The engine finished the request; waiting for loads to end.
+        session_lost: The session ended; nothing can be sent.
+        outcome: The worst outcome so far (DONE, FAILED or ABORTED).
+        problem: What made the outcome worse, first time it got worse.
+    """
+
+    actor: ActorId
+    seq: int = 0
+    phase: ConsumerPhase = ConsumerPhase.REGISTERED
+    round_seq: int = 0
+    probes: Mapping[bytes, bool | None] = attrs.field(factory=dict)
+    unsent: tuple[bytes, ...] = ()
+    lookup_open: bool = False
+    lookup_deadline: float | None = None
+    lookup_failed: bool = False
+    loads: Mapping[int, Load] = attrs.field(factory=dict)
+    finishing: bool = False
+    session_lost: bool = False
+    outcome: ConsumerPhase = ConsumerPhase.DONE
+    problem: str = ""
+
+    @classmethod
+    def new(cls, actor: ActorId) -> ConsumerState:
+        """The state of a consumer before its first event."""
+        if actor.role is not Role.CONSUMER:
+            raise ValueError(f"{actor} is not a consumer")
+        return cls(actor=actor)
+
+    def waiting_keys(self) -> tuple[bytes, ...]:
+        """Keys asked on the wire and not answered yet."""
+        unsent = set(self.unsent)
+        return tuple(k for k, v in self.probes.items() if v is None and k not in unsent)
+
+
+def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> ConsumerState:
+    if _SEVERITY[outcome] <= _SEVERITY[state.outcome]:
+        return state
+    return attrs.evolve(state, outcome=outcome, problem=problem)
+
+
+def _advance(state: ConsumerState, phase: ConsumerPhase) -> ConsumerPhase:
+    return phase if _ORDER[phase] > _ORDER[state.phase] else state.phase
+
+
+def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
+    rest = dict(loads)
+    del rest[round_seq]
+    return rest
+
+
+def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerState:
+    """Apply one event to a consumer state; pure.
+
+    Raises:
+        ReplayError: The event belongs to another actor or does not follow the
+            last one applied.
+    """
+    if event.actor != state.actor:
+        raise ReplayError(f"event of {event.actor} applied to {state.actor}")
+    if event.seq != state.seq + 1:
+        raise ReplayError(f"{state.actor}: event seq {event.seq} after seq {state.seq}")
+    s = attrs.evolve(state, seq=event.seq)
+    match event:
+        case ev.Ignored() | ev.Rejected():
+            return s
+        case ev.Opened():
+            return attrs.evolve(s, round_seq=event.round_seq)
+        case ev.Registered():
+            probes = dict(s.probes)
+            probes.update(dict.fromkeys(event.keys))
+            return attrs.evolve(s, probes=probes, unsent=s.unsent + event.keys)
+        case ev.Probed():
+            return attrs.evolve(
+                s,
+                phase=_advance(s, ConsumerPhase.PROBING),
+                unsent=(),
+                lookup_open=True,
+                lookup_deadline=event.lookup_deadline,
+            )
+        case ev.LookupResp():
+            probes = dict(s.probes)
+            probes.update(zip(event.keys, event.hits, strict=True))
+            return attrs.evolve(s, probes=probes, lookup_deadline=event.lookup_deadline)
+        case ev.LookupTimedOut():
+            s = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
+            return attrs.evolve(s, probes={}, unsent=(), lookup_deadline=None, lookup_failed=True)
+        case ev.FetchSent():
+            loads = dict(s.loads)
+            loads[event.round_seq] = Load(job_id=event.job_id, deadline=event.load_deadline)
+            return attrs.evolve(
+                s,
+                phase=_advance(s, ConsumerPhase.FETCH_SENT),
+                round_seq=event.next_round,
+                probes={},
+                unsent=(),
+                lookup_open=False,
+                lookup_deadline=None,
+                loads=loads,
+            )
+        case ev.FetchSkipped():
+            return s if event.success else _worse(s, ConsumerPhase.FAILED, event.reason)
+        case ev.LookupCancelled():
+            return attrs.evolve(s, phase=_advance(s, ConsumerPhase.FETCH_SENT), lookup_open=False)
+        case ev.TransferDone():
+            s = attrs.evolve(s, loads=_without(s.loads, event.round_seq))
+            if event.success:
+                return s
+            return _worse(s, ConsumerPhase.FAILED, f"round {event.round_seq}: the transfer failed")
+        case ev.AbortSent():
+            loads = dict(s.loads)
+            loads[event.round_seq] = attrs.evolve(
+                loads[event.round_seq], ack_deadline=event.ack_deadline
+            )
+            s = attrs.evolve(s, loads=loads)
+            return _worse(s, ConsumerPhase.ABORTED, f"round {event.round_seq}: {event.reason}")
+        case ev.AbortAcked():
+            return attrs.evolve(s, loads=_without(s.loads, event.round_seq))
+        case ev.Aborted():
+            s = attrs.evolve(s, loads=_without(s.loads, event.round_seq))
+            return _worse(s, ConsumerPhase.ABORTED, f"round {event.round_seq}: {event.reason}")
+        case ev.FinishRequested():
+            return attrs.evolve(s, finishing=True, probes={}, unsent=(), lookup_deadline=None)
+        case ev.SessionLost():
+            return attrs.evolve(s, session_lost=True, lookup_deadline=None)
+        case ev.Finished():
+            return attrs.evolve(
+                s,
+                phase=event.phase,
+                outcome=event.phase,
+                probes={},
+                unsent=(),
+                lookup_open=False,
+                lookup_deadline=None,
+            )
+        case _:
+            assert_never(event)
+
+
+def _builder(state: ConsumerState, now: float) -> Builder[ConsumerState, ev.ConsumerEvent]:
+    return Builder(state, now, evolve_consumer)
+
+
+def step_consumer(
+    state: ConsumerState,
+    event_input: ConsumerInput,
+    now: float,
+    timings: Timings = DEFAULT_TIMINGS,
+) -> tuple[ConsumerState, tuple[ev.ConsumerEvent, ...]]:
+    """Decide what ``event_input`` means for the request at time ``now``.
+
+    Returns:
+        The new state and the events that lead to it (possibly none). Folding
+        the events over ``state`` with :func:`evolve_consumer` gives the same
+        state.
+    """
+    if state.phase.terminal:
+        return state, ()
+    b = _builder(state, now)
+    if state.seq == 0 and not isinstance(event_input, inp.Open):
+        b.emit(ev.Opened(**b.head, round_seq=0))
+    match event_input:
+        case inp.Open():
+            if state.seq == 0:
+                b.emit(ev.Opened(**b.head, round_seq=event_input.first_round))
+        case inp.Register():
+            _register(b, event_input.keys)
+        case inp.Flush():
+            _flush(b, timings)
+        case inp.SubmitLoad():
+            _submit_load(b, event_input, timings)
+        case inp.Finish():
+            _finish(b, timings)
+        case inp.Tick():
+            _tick(b, timings)
+        case inp.SessionEnded():
+            _session_ended(b, event_input.reason)
+        case wire.LookupResp():
+            _on_lookup_resp(b, event_input, timings)
+        case wire.TransferDone():
+            _on_transfer_done(b, event_input)
+        case wire.AbortAck():
+            _on_abort_ack(b, event_input)
+        case _:
+            assert_never(event_input)
+    return b.state, tuple(b.events)
+
+
+def decide_consumer(
+    state: ConsumerState,
+    event_input: ConsumerInput,
+    now: float,
+    timings: Timings = DEFAULT_TIMINGS,
+) -> tuple[ev.ConsumerEvent, ...]:
+    """The events that ``event_input`` at time ``now`` produces; pure."""
+    return step_consumer(state, event_input, now, timings)[1]
+
+
+def _accepting_keys(state: ConsumerState) -> bool:
+    return not (state.finishing or state.lookup_failed or state.session_lost)
+
+
+def _register(b: Builder[ConsumerState, ev.ConsumerEvent], keys: tuple[bytes, ...]) -> None:
+    if not _accepting_keys(b.state):
+        return  # every key answers MISS now; nothing to ask
+    probes = b.state.probes
+    new = [k for k in dict.fromkeys(keys) if k not in probes]
+    if new:
+        b.emit(ev.Registered(**b.head, keys=new))
+
+
+def _flush(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
+    s = b.state
+    if not s.unsent or not _accepting_keys(s):
+        return
+    # The progress deadline is armed by the first lookup and only moved by
+    # answers, so a request that keeps asking can't keep itself alive forever.
+    deadline = (
+        s.lookup_deadline if s.lookup_deadline is not None else b.now + t.lookup_progress_timeout
+    )
+    b.emit(ev.Probed(**b.head, round_seq=s.round_seq, keys=s.unsent, lookup_deadline=deadline))
+
+
+def _on_lookup_resp(
+    b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.LookupResp, t: Timings
+) -> None:
+    s = b.state
+    if s.finishing or s.lookup_failed:
+        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="the request no longer looks up"))
+        return
+    if msg.round_seq is not None and msg.round_seq != s.round_seq:
+        reason = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
+        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        return
+    waiting = set(s.waiting_keys())
+    applied: dict[bytes, bool] = {}
+    for key, hit in zip(msg.keys, msg.hits, strict=True):
+        if key in waiting and key not in applied:
+            applied[key] = hit
+    if not applied:
+        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="it answers no key that is waiting"))
+        return
+    still_waiting = len(waiting) > len(applied)
+    deadline = b.now + t.lookup_progress_timeout if still_waiting else None
+    b.emit(
+        ev.LookupResp(
+            **b.head,
+            round_seq=msg.round_seq,
+            keys=applied.keys(),
+            hits=applied.values(),
+            lookup_deadline=deadline,
+        )
+    )
+
+
+def _submit_load(
+    b: Builder[ConsumerState, ev.ConsumerEvent], load: inp.SubmitLoad, t: Timings
+) -> None:
+    s = b.state
+
+    def skip(reason: str, *, success: bool = False) -> None:
+        b.emit(ev.FetchSkipped(**b.head, job_id=load.job_id, success=success, reason=reason))
+
+    if s.finishing:
+        skip("the request already finished")
+    elif len(load.keys) != len(load.block_indexes):
+        skip(
+            f"{len(load.keys)} keys but {len(load.block_indexes)} block indexes; "
+            "pass one destination block per key"
+        )
+    elif not load.keys:
+        skip("nothing to load", success=True)
+    elif load.next_round is not None and load.next_round <= s.round_seq:
+        skip(f"next_round {load.next_round} must be above round {s.round_seq}")
+    else:
+        next_round = s.round_seq + 1 if load.next_round is None else load.next_round
+        b.emit(
+            ev.FetchSent(
+                **b.head,
+                round_seq=s.round_seq,
+                job_id=load.job_id,
+                keys=load.keys,
+                block_indexes=load.block_indexes,
+                load_deadline=b.now + t.load_timeout,
+                next_round=next_round,
+            )
+        )
+
+
+def _on_transfer_done(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.TransferDone) -> None:
+    load = b.state.loads.get(msg.round_seq)
+    if load is None:
+        reason = f"no load in flight for round {msg.round_seq}"
+        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        return
+    # A transfer_done that crosses our abort is still the truth: the write ended.
+    b.emit(
+        ev.TransferDone(**b.head, round_seq=msg.round_seq, job_id=load.job_id, success=msg.success)
+    )
+    _maybe_finished(b)
+
+
+def _on_abort_ack(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.AbortAck) -> None:
+    load = b.state.loads.get(msg.round_seq)
+    if load is None or not load.aborting:
+        # An unsolicited ack must not release blocks a write may still reach.
+        reason = f"no abort of round {msg.round_seq} is waiting for an ack"
+        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        return
+    b.emit(ev.AbortAcked(**b.head, round_seq=msg.round_seq, job_id=load.job_id))
+    _maybe_finished(b)
+
+
+def _finish(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
+    if b.state.finishing:
+        return
+    b.emit(ev.FinishRequested(**b.head))
+    for round_seq, load in sorted(b.state.loads.items()):
+        if not load.aborting:
+            b.emit(
+                ev.AbortSent(
+                    **b.head,
+                    round_seq=round_seq,
+                    job_id=load.job_id,
+                    reason="the request finished while its load was in flight",
+                    ack_deadline=b.now + t.abort_ack_timeout,
+                )
+            )
+    if b.state.lookup_open:
+        b.emit(ev.LookupCancelled(**b.head, round_seq=b.state.round_seq))
+    _maybe_finished(b)
+
+
+def _tick(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
+    now = b.now
+    for round_seq, load in sorted(b.state.loads.items()):
+        if load.ack_deadline is not None:
+            if now >= load.ack_deadline:
+                reason = f"no abort_ack within {t.abort_ack_timeout:g} s"
+                b.emit(ev.Aborted(**b.head, round_seq=round_seq, job_id=load.job_id, reason=reason))
+        elif now >= load.deadline:
+            b.emit(
+                ev.AbortSent(
+                    **b.head,
+                    round_seq=round_seq,
+                    job_id=load.job_id,
+                    reason=f"no transfer_done within {t.load_timeout:g} s",
+                    ack_deadline=now + t.abort_ack_timeout,
+                )
+            )
+    deadline = b.state.lookup_deadline
+    if deadline is not None and now >= deadline:
+        b.emit(ev.LookupTimedOut(**b.head, keys=b.state.waiting_keys()))
+    _maybe_finished(b)
+
+
+def _session_ended(b: Builder[ConsumerState, ev.ConsumerEvent], reason: str) -> None:
+    waiting = bool(b.state.waiting_keys())
+    b.emit(ev.SessionLost(**b.head, reason=reason))
+    for round_seq, load in sorted(b.state.loads.items()):
+        b.emit(
+            ev.Aborted(
+                **b.head, round_seq=round_seq, job_id=load.job_id, reason=f"session lost: {reason}"
+            )
+        )
+    s = b.state
+    phase = s.outcome
+    if phase is ConsumerPhase.DONE and waiting:
+        phase = ConsumerPhase.FAILED
+    summary = s.problem if s.problem else f"session lost: {reason}"
+    b.emit(ev.Finished(**b.head, phase=phase, reason=summary))
+
+
+def _maybe_finished(b: Builder[ConsumerState, ev.ConsumerEvent]) -> None:
+    s = b.state
+    if s.finishing and not s.loads:
+        reason = s.problem if s.problem else "finished"
+        b.emit(ev.Finished(**b.head, phase=s.outcome, reason=reason))
+
+
+def next_consumer_deadline(state: ConsumerState) -> float | None:
+    """When the actor next needs a :class:`~p2pactor.core.inputs.Tick`, if ever."""
+    if state.phase.terminal:
+        return None
+    times = [
+        load.ack_deadline if load.ack_deadline is not None else load.deadline
+        for load in state.loads.values()
+    ]
+    if state.lookup_deadline is not None:
+        times.append(state.lookup_deadline)
+    return min(times, default=None)
+
+
+def probe_answer(state: ConsumerState, key: bytes) -> inp.LookupResult:
+    """What the engine's lookup of ``key`` answers now: HIT, MISS or RETRY.
+
+    RETRY means "not known yet": the key is being asked (or must be registered
+    first). Once the request has finished, failed its lookup or lost its
+    session, every key is a MISS: the engine computes it locally.
+    """
+    if state.phase.terminal or state.finishing or state.lookup_failed:
+        return inp.LookupResult.MISS
+    answer = state.probes.get(key)
+    if answer is None:
+        return inp.LookupResult.RETRY
+    return inp.LookupResult.HIT if answer else inp.LookupResult.MISS

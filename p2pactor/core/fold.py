@@ -1,0 +1,78 @@
+"""Role-agnostic entry points: initial states, evolve, replay."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final, get_args
+
+from p2pactor.core import events as ev
+from p2pactor.core.consumer import ConsumerState, evolve_consumer, next_consumer_deadline
+from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.producer import (
+    ProducerPhase,
+    ProducerState,
+    evolve_producer,
+    next_producer_deadline,
+)
+from p2pactor.errors import ReplayError
+
+__all__ = ["ActorState", "evolve", "fold", "initial_state", "is_terminal", "next_deadline"]
+
+ActorState = ConsumerState | ProducerState
+"""The state of an actor of either role."""
+
+_CONSUMER_KINDS: Final = frozenset(get_args(ev.ConsumerEvent))
+_PRODUCER_KINDS: Final = frozenset(get_args(ev.ProducerEvent))
+
+
+def initial_state(actor: ActorId) -> ActorState:
+    """The state of ``actor`` before its first event."""
+    if actor.role is Role.CONSUMER:
+        return ConsumerState.new(actor)
+    return ProducerState.new(actor)
+
+
+def evolve(state: ActorState, event: ev.AnyEvent) -> ActorState:
+    """Apply one event of either role to the matching state.
+
+    Raises:
+        ReplayError: The event does not belong to this actor, is of the other
+            role, or breaks the sequence.
+    """
+    if isinstance(state, ConsumerState):
+        if type(event) not in _CONSUMER_KINDS:
+            raise ReplayError(f"{event.KIND} is not a consumer event ({state.actor})")
+        return evolve_consumer(state, event)  # type: ignore[arg-type]
+    if type(event) not in _PRODUCER_KINDS:
+        raise ReplayError(f"{event.KIND} is not a producer event ({state.actor})")
+    return evolve_producer(state, event)  # type: ignore[arg-type]
+
+
+def fold(events: Iterable[ev.AnyEvent], state: ActorState | None = None) -> ActorState:
+    """Replay ``events`` (all of one actor, in order) from ``state`` or the start.
+
+    Raises:
+        ReplayError: ``events`` is empty with no starting state, or is not one
+            actor's unbroken sequence.
+    """
+    for event in events:
+        if state is None:
+            state = initial_state(event.actor)
+        state = evolve(state, event)
+    if state is None:
+        raise ReplayError("nothing to replay: no events and no starting state")
+    return state
+
+
+def is_terminal(state: ActorState) -> bool:
+    """Whether the actor has ended (terminal states absorb every input)."""
+    if isinstance(state, ConsumerState):
+        return state.phase.terminal
+    return state.phase is ProducerPhase.CLOSED
+
+
+def next_deadline(state: ActorState) -> float | None:
+    """When the actor next needs a tick, if ever."""
+    if isinstance(state, ConsumerState):
+        return next_consumer_deadline(state)
+    return next_producer_deadline(state)

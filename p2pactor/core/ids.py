@@ -1,0 +1,45 @@
+"""Who an actor is: its role, its peer and its kv_request_id."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+__all__ = ["ActorId", "Role"]
+
+
+class Role(enum.Enum):
+    """Which side of a request an actor plays."""
+
+    CONSUMER = "consumer"
+    """Our request, pulling blocks from a peer."""
+
+    PRODUCER = "producer"
+    """A peer's request, served from our blocks."""
+
+
+@attrs.frozen(order=True)
+class ActorId:
+    """The identity of one request actor.
+
+    One actor exists per (peer, kv_request_id, role). A kv_request_id that a
+    peer reuses after its actor has ended gets a new ``incarnation``, so two
+    lives of the same id never share an event stream.
+
+    Attributes:
+        role: Consumer (our request) or producer (a peer's request we serve).
+        peer: The peer's id, ``"host:port"`` exactly as it bound its socket.
+        kv_request_id: The request id both peers use on the wire.
+        incarnation: 0 for the first actor with this id on this peer, then 1, 2...
+    """
+
+    role: Role
+    peer: str
+    kv_request_id: str
+    incarnation: int = 0
+
+    def __str__(self) -> str:
+        tag = "c" if self.role is Role.CONSUMER else "p"
+        suffix = f"#{self.incarnation}" if self.incarnation else ""
+        return f"{tag}:{self.peer}:{self.kv_request_id}{suffix}"

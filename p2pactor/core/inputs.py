@@ -1,0 +1,182 @@
+"""Inputs to the pure core that are not wire messages.
+
+An actor's inputs are: the engine's calls (:class:`Register`, :class:`Flush`,
+:class:`SubmitLoad`, :class:`Finish`, :class:`AddStore`), the parent's answers
+(:class:`ParentAnswer`), the data plane's reports (:class:`TransferResult`), the
+passage of time (:class:`Tick`), the end of the session (:class:`SessionEnded`),
+and decoded wire messages from :mod:`p2pactor.protocol`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import attrs
+
+__all__ = [
+    "AddStore",
+    "Finish",
+    "Flush",
+    "LookupResult",
+    "Open",
+    "ParentAnswer",
+    "Pin",
+    "Register",
+    "SessionEnded",
+    "SubmitLoad",
+    "Tick",
+    "TransferResult",
+]
+
+
+def _keys(value: Iterable[bytes]) -> tuple[bytes, ...]:
+    return tuple(value)
+
+
+def _ints(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+class LookupResult(enum.Enum):
+    """What a cache says about one key (the same four answers as vLLM's)."""
+
+    HIT = "hit"
+    """Present and readable now."""
+    MISS = "miss"
+    """Not present."""
+    HIT_PENDING = "hit_pending"
+    """Present but not readable yet (a write or promotion in flight)."""
+    RETRY = "retry"
+    """Not known yet; ask again later."""
+
+
+def _results(
+    value: Iterable[tuple[bytes, LookupResult]],
+) -> tuple[tuple[bytes, LookupResult], ...]:
+    return tuple(value)
+
+
+@attrs.frozen
+class Open:
+    """Start a consumer request at ``first_round`` (0 in vLLM's dialect).
+
+    Optional: a consumer whose first input is anything else starts at round 0.
+    """
+
+    first_round: int = 0
+
+
+@attrs.frozen
+class Register:
+    """The engine wants to know whether the peer holds ``keys``."""
+
+    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
+
+
+@attrs.frozen
+class Flush:
+    """The engine step ended: put newly registered keys on the wire."""
+
+
+@attrs.frozen(kw_only=True)
+class SubmitLoad:
+    """The engine wants ``keys`` written into its ``block_indexes``.
+
+    Attributes:
+        job_id: The engine's job, reported back exactly once.
+        keys: What to load.
+        block_indexes: Destination blocks in our pool, parallel to ``keys``.
+        next_round: The round to use after this fetch; None means the next
+            integer (vLLM's dialect). p2pactor peers may use a session-wide
+            counter so that a round number never repeats.
+    """
+
+    job_id: int
+    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
+    block_indexes: tuple[int, ...] = attrs.field(converter=_ints)
+    next_round: int | None = None
+
+
+@attrs.frozen
+class Finish:
+    """The engine is done with the request.
+
+    For a consumer: abort what is in flight and close the peer's side. For a
+    prefill/decode producer: no more blocks will be stored for it.
+    """
+
+
+@attrs.frozen
+class Tick:
+    """Time passed: act on every deadline at or before ``now``."""
+
+
+@attrs.frozen
+class SessionEnded:
+    """The control session to the peer is gone; nothing can be sent any more."""
+
+    reason: str
+
+
+@attrs.frozen
+class Pin:
+    """A parent job that pins blocks: release it exactly once.
+
+    Attributes:
+        job_id: The parent's job id.
+        keys: The pinned keys.
+        blocks: Our block index for each key, parallel to ``keys``.
+    """
+
+    job_id: int
+    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
+    blocks: tuple[int, ...] = attrs.field(converter=_ints)
+
+
+@attrs.frozen(kw_only=True)
+class ParentAnswer:
+    """The parent served one :class:`~p2pactor.core.effects.ParentLookup`.
+
+    Attributes:
+        lookup_id: The lookup it was for.
+        results: ``(key, result)`` for each key looked up.
+        pin: The job pinning the hits, if any hit.
+        expired: The request arrived after its ``not_after`` and the parent
+            was not asked at all.
+    """
+
+    lookup_id: int
+    results: tuple[tuple[bytes, LookupResult], ...] = attrs.field(converter=_results, default=())
+    pin: Pin | None = None
+    expired: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class AddStore:
+    """The engine stored (and pinned) blocks of a prefill/decode request.
+
+    Attributes:
+        job_id: The engine's store job, released exactly once.
+        keys: The stored keys.
+        blocks: Our block index for each key, parallel to ``keys``.
+    """
+
+    job_id: int
+    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
+    blocks: tuple[int, ...] = attrs.field(converter=_ints)
+
+
+@attrs.frozen(kw_only=True)
+class TransferResult:
+    """The data plane finished a transfer, and no part of it is still running.
+
+    Attributes:
+        transfer_id: The transfer.
+        ok: Whether every byte arrived.
+        reason: Why not, when not.
+    """
+
+    transfer_id: int
+    ok: bool
+    reason: str = ""

@@ -1,0 +1,911 @@
+"""Example tests of the wire codec, ``p2pactor.protocol``.
+
+Three things are checked here. First, byte-for-byte compatibility with vLLM
+0.33.0: each message encodes to exactly ``msgspec.msgpack.encode`` of the dict
+a stock vLLM peer builds (written out literally below, in vLLM's key order).
+Second, the p2pactor extensions: absent when unset, round-tripping when set,
+ignored by structure when a stock peer leaves them out. Third, every
+validation rule of ``decode``, one readable test each, asserting the exception
+class and that the error names the message type and the field.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from typing import Any
+
+import msgspec
+import pytest
+
+from p2pactor.errors import (
+    ConfigError,
+    FrameTooLarge,
+    InvalidField,
+    MalformedFrame,
+    ProtocolError,
+    UnknownMessageType,
+)
+from p2pactor.protocol import (
+    DEFAULT_LIMITS,
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_ADDRESS,
+    MAX_AGENT_METADATA_BYTES,
+    MAX_BLOCK_INDEX,
+    MAX_DEADLINE_MS,
+    MAX_FEATURE_CHARS,
+    MAX_FEATURES,
+    MAX_KEY_BYTES,
+    MAX_LIST_ITEMS,
+    MAX_NUM_BLOCKS,
+    MAX_STRING_CHARS,
+    MESSAGE_TYPES,
+    AbortAck,
+    AbortFetch,
+    Connect,
+    ConnectAck,
+    ConnectExtension,
+    Disconnect,
+    Fetch,
+    Limits,
+    Lookup,
+    LookupResp,
+    Message,
+    TransferDone,
+    decode,
+    encode,
+)
+
+KEY_A = bytes.fromhex("aa" * 32) + (0).to_bytes(4, "big")
+KEY_B = bytes.fromhex("bb" * 32) + (1).to_bytes(4, "big")
+METADATA = b"\x00\x01nixl-agent-metadata\xff"
+BASE_ADDR = 0x7F3A_0000_0000
+
+
+# ---------------------------------------------------------------------------
+# The dicts a stock vLLM 0.33.0 peer builds, key for key and in its order.
+# ---------------------------------------------------------------------------
+
+
+def vllm_connect() -> dict[str, Any]:
+    return {
+        "type": "connect",
+        "peer_id": "10.0.0.1:5710",
+        "agent_metadata": METADATA,
+        "base_addr": BASE_ADDR,
+        "num_blocks": 1024,
+        "block_len": 65536,
+        "config_fingerprint": "0123456789abcdef",
+        "hash_seed": "vllm-none-hash",
+    }
+
+
+def vllm_connect_ack() -> dict[str, Any]:
+    return {"type": "connect_ack", "peer_id": "10.0.0.2:5710"}
+
+
+def vllm_disconnect() -> dict[str, Any]:
+    return {"type": "disconnect"}
+
+
+def vllm_lookup() -> dict[str, Any]:
+    return {"type": "lookup", "kv_request_id": "req-1", "keys": [KEY_A, KEY_B], "round_seq": 2}
+
+
+def vllm_lookup_resp() -> dict[str, Any]:
+    return {
+        "type": "lookup_resp",
+        "kv_request_id": "req-1",
+        "keys": [KEY_A, KEY_B],
+        "hits": [True, False],
+    }
+
+
+def vllm_fetch() -> dict[str, Any]:
+    return {
+        "type": "fetch",
+        "kv_request_id": "req-1",
+        "keys": [KEY_A, KEY_B],
+        "block_indexes": [7, 300],
+        "round_seq": 2,
+    }
+
+
+def vllm_transfer_done() -> dict[str, Any]:
+    return {"type": "transfer_done", "kv_request_id": "req-1", "success": True, "round_seq": 2}
+
+
+def vllm_abort_fetch() -> dict[str, Any]:
+    return {"type": "abort_fetch", "kv_request_id": "req-1", "round_seq": 2}
+
+
+def vllm_abort_ack() -> dict[str, Any]:
+    return {"type": "abort_ack", "kv_request_id": "req-1", "round_seq": 2}
+
+
+# The same nine messages as p2pactor values, without extensions.
+PAIRS: list[tuple[Message, dict[str, Any]]] = [
+    (
+        Connect(
+            peer_id="10.0.0.1:5710",
+            agent_metadata=METADATA,
+            base_addr=BASE_ADDR,
+            num_blocks=1024,
+            block_len=65536,
+            config_fingerprint="0123456789abcdef",
+            hash_seed="vllm-none-hash",
+        ),
+        vllm_connect(),
+    ),
+    (ConnectAck(peer_id="10.0.0.2:5710"), vllm_connect_ack()),
+    (Disconnect(), vllm_disconnect()),
+    (Lookup(kv_request_id="req-1", keys=[KEY_A, KEY_B], round_seq=2), vllm_lookup()),
+    (
+        LookupResp(kv_request_id="req-1", keys=[KEY_A, KEY_B], hits=[True, False]),
+        vllm_lookup_resp(),
+    ),
+    (
+        Fetch(kv_request_id="req-1", keys=[KEY_A, KEY_B], block_indexes=[7, 300], round_seq=2),
+        vllm_fetch(),
+    ),
+    (TransferDone(kv_request_id="req-1", success=True, round_seq=2), vllm_transfer_done()),
+    (AbortFetch(kv_request_id="req-1", round_seq=2), vllm_abort_fetch()),
+    (AbortAck(kv_request_id="req-1", round_seq=2), vllm_abort_ack()),
+]
+PAIR_IDS = [msg.TYPE for msg, _ in PAIRS]
+
+
+def frame_of(wire: object) -> bytes:
+    return msgspec.msgpack.encode(wire)
+
+
+def without(wire: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in wire.items() if k != key}
+
+
+def expect_invalid(
+    wire: object, *, message_type: str, field: str, problem: str, limits: Limits = DEFAULT_LIMITS
+) -> InvalidField:
+    """Decode ``wire`` and check the InvalidField names type, field and problem."""
+    with pytest.raises(InvalidField) as info:
+        decode(frame_of(wire), limits=limits)
+    err = info.value
+    assert err.message_type == message_type
+    assert err.field == field
+    text = str(err)
+    assert repr(message_type) in text
+    assert repr(field) in text
+    assert problem in text, text
+    return err
+
+
+# ---------------------------------------------------------------------------
+# Byte-for-byte compatibility with vLLM 0.33.0
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("msg", "wire"), PAIRS, ids=PAIR_IDS)
+def test_encode_matches_vllm_bytes(msg: Message, wire: dict[str, Any]) -> None:
+    assert encode(msg) == msgspec.msgpack.encode(wire)
+
+
+@pytest.mark.parametrize(("msg", "wire"), PAIRS, ids=PAIR_IDS)
+def test_round_trip(msg: Message, wire: dict[str, Any]) -> None:
+    assert decode(encode(msg)) == msg
+
+
+@pytest.mark.parametrize(("msg", "wire"), PAIRS, ids=PAIR_IDS)
+def test_decodes_what_vllm_sends(msg: Message, wire: dict[str, Any]) -> None:
+    assert decode(msgspec.msgpack.encode(wire)) == msg
+
+
+def test_type_key_comes_first_and_keys_travel_as_bin() -> None:
+    frame = encode(PAIRS[3][0])
+    # fixmap of 4, then fixstr "type"; the keys are bin 8 (0xc4) of 36 bytes.
+    assert frame.startswith(b"\x84\xa4type\xa6lookup")
+    assert b"\xc4\x24" + KEY_A in frame
+
+
+def test_empty_fetch_matches_vllm_request_finished_signal() -> None:
+    wire = {
+        "type": "fetch",
+        "kv_request_id": "req-1",
+        "keys": [],
+        "block_indexes": [],
+        "round_seq": 0,
+    }
+    msg = Fetch(kv_request_id="req-1", keys=[], block_indexes=[], round_seq=0)
+    assert encode(msg) == msgspec.msgpack.encode(wire)
+    assert decode(encode(msg)) == msg
+
+
+def test_stock_connect_without_fingerprint_decodes_as_empty() -> None:
+    msg = decode(frame_of(without(vllm_connect(), "config_fingerprint")))
+    assert isinstance(msg, Connect)
+    assert msg.config_fingerprint == ""
+
+
+def test_message_types_maps_every_wire_type() -> None:
+    assert set(MESSAGE_TYPES) == {msg.TYPE for msg, _ in PAIRS}
+    for type_name, cls in MESSAGE_TYPES.items():
+        assert type_name == cls.TYPE
+
+
+def test_sequences_are_tuples_and_messages_hashable() -> None:
+    msg = Fetch(kv_request_id="r", keys=[KEY_A], block_indexes=[1], round_seq=0)
+    assert msg.keys == (KEY_A,)
+    assert msg.block_indexes == (1,)
+    decoded = decode(encode(msg))
+    assert isinstance(decoded, Fetch)
+    assert type(decoded.keys) is tuple
+    assert type(decoded.block_indexes) is tuple
+    assert hash(decoded) == hash(msg)
+
+
+# ---------------------------------------------------------------------------
+# Extensions
+# ---------------------------------------------------------------------------
+
+EXTENSION = ConnectExtension(version=1, features=frozenset({"round_seq", "deadline_ms"}))
+
+
+def test_extensions_absent_when_none() -> None:
+    connect = PAIRS[0][0]
+    assert isinstance(connect, Connect)
+    assert connect.extension is None
+    assert encode(connect) == msgspec.msgpack.encode(vllm_connect())
+    assert encode(Lookup(kv_request_id="req-1", keys=[KEY_A, KEY_B], round_seq=2)) == (
+        msgspec.msgpack.encode(vllm_lookup())
+    )
+    assert encode(
+        LookupResp(kv_request_id="req-1", keys=[KEY_A, KEY_B], hits=[True, False])
+    ) == msgspec.msgpack.encode(vllm_lookup_resp())
+
+
+def test_connect_extension_round_trips_after_the_base_keys() -> None:
+    connect = Connect(
+        peer_id="10.0.0.1:5710",
+        agent_metadata=METADATA,
+        base_addr=BASE_ADDR,
+        num_blocks=1024,
+        block_len=65536,
+        config_fingerprint="0123456789abcdef",
+        hash_seed="vllm-none-hash",
+        extension=EXTENSION,
+    )
+    frame = encode(connect)
+    # Features sorted, so the bytes are deterministic.
+    expected = {
+        **vllm_connect(),
+        "p2pactor": {"version": 1, "features": ["deadline_ms", "round_seq"]},
+    }
+    assert frame == msgspec.msgpack.encode(expected)
+    assert decode(frame) == connect
+
+
+def test_lookup_deadline_round_trips_after_the_base_keys() -> None:
+    msg = Lookup(kv_request_id="req-1", keys=[KEY_A, KEY_B], round_seq=2, deadline_ms=1500)
+    frame = encode(msg)
+    assert frame == msgspec.msgpack.encode({**vllm_lookup(), "deadline_ms": 1500})
+    assert decode(frame) == msg
+
+
+def test_lookup_resp_round_seq_round_trips_after_the_base_keys() -> None:
+    msg = LookupResp(kv_request_id="req-1", keys=[KEY_A, KEY_B], hits=[True, False], round_seq=4)
+    frame = encode(msg)
+    assert frame == msgspec.msgpack.encode({**vllm_lookup_resp(), "round_seq": 4})
+    assert decode(frame) == msg
+
+
+def test_stock_peer_messages_decode_with_extensions_none() -> None:
+    connect = decode(frame_of(vllm_connect()))
+    lookup = decode(frame_of(vllm_lookup()))
+    lookup_resp = decode(frame_of(vllm_lookup_resp()))
+    assert isinstance(connect, Connect)
+    assert connect.extension is None
+    assert isinstance(lookup, Lookup)
+    assert lookup.deadline_ms is None
+    assert isinstance(lookup_resp, LookupResp)
+    assert lookup_resp.round_seq is None
+
+
+def test_unknown_keys_in_extension_map_are_ignored() -> None:
+    wire = {**vllm_connect(), "p2pactor": {"version": 9, "features": ["x"], "later": [1, 2]}}
+    msg = decode(frame_of(wire))
+    assert isinstance(msg, Connect)
+    assert msg.extension == ConnectExtension(version=9, features=frozenset({"x"}))
+
+
+def test_extension_features_from_a_list() -> None:
+    ext = ConnectExtension(version=1, features=["b", "a", "b"])
+    assert ext.features == frozenset({"a", "b"})
+
+
+def test_extension_features_reject_a_bare_string() -> None:
+    with pytest.raises(TypeError, match="not one str"):
+        ConnectExtension(version=1, features="round_seq")
+
+
+def test_extension_not_a_map() -> None:
+    expect_invalid(
+        {**vllm_connect(), "p2pactor": [1, ["x"]]},
+        message_type="connect",
+        field="p2pactor",
+        problem="is list, expected a map",
+    )
+
+
+def test_extension_version_missing() -> None:
+    expect_invalid(
+        {**vllm_connect(), "p2pactor": {"features": []}},
+        message_type="connect",
+        field="p2pactor.version",
+        problem="missing",
+    )
+
+
+def test_extension_version_bool() -> None:
+    expect_invalid(
+        {**vllm_connect(), "p2pactor": {"version": True, "features": []}},
+        message_type="connect",
+        field="p2pactor.version",
+        problem="is bool, expected int",
+    )
+
+
+def test_extension_feature_not_str() -> None:
+    expect_invalid(
+        {**vllm_connect(), "p2pactor": {"version": 1, "features": ["ok", b"bad"]}},
+        message_type="connect",
+        field="p2pactor.features",
+        problem="item 1 is bytes, expected str",
+    )
+
+
+def test_extension_too_many_features() -> None:
+    features = [f"f{i}" for i in range(MAX_FEATURES + 1)]
+    expect_invalid(
+        {**vllm_connect(), "p2pactor": {"version": 1, "features": features}},
+        message_type="connect",
+        field="p2pactor.features",
+        problem=f"has {MAX_FEATURES + 1} items, more than the limit of {MAX_FEATURES}",
+    )
+
+
+def test_extension_feature_too_long() -> None:
+    features = ["ok", "x" * (MAX_FEATURE_CHARS + 1)]
+    expect_invalid(
+        {**vllm_connect(), "p2pactor": {"version": 1, "features": features}},
+        message_type="connect",
+        field="p2pactor.features",
+        problem=f"item 1 is {MAX_FEATURE_CHARS + 1} characters",
+    )
+
+
+def test_lookup_deadline_out_of_range() -> None:
+    expect_invalid(
+        {**vllm_lookup(), "deadline_ms": MAX_DEADLINE_MS + 1},
+        message_type="lookup",
+        field="deadline_ms",
+        problem=f"more than the limit of {MAX_DEADLINE_MS}",
+    )
+
+
+def test_lookup_deadline_nil() -> None:
+    expect_invalid(
+        {**vllm_lookup(), "deadline_ms": None},
+        message_type="lookup",
+        field="deadline_ms",
+        problem="is nil, expected int",
+    )
+
+
+def test_lookup_resp_round_seq_negative() -> None:
+    expect_invalid(
+        {**vllm_lookup_resp(), "round_seq": -1},
+        message_type="lookup_resp",
+        field="round_seq",
+        problem="is -1, expected at least 0",
+    )
+
+
+# ---------------------------------------------------------------------------
+# Validation, mirroring vLLM's validate() rules and going beyond them
+# ---------------------------------------------------------------------------
+
+
+def test_connect_valid() -> None:
+    msg = decode(frame_of(vllm_connect()))
+    assert msg == PAIRS[0][0]
+
+
+def test_connect_missing_peer_id() -> None:
+    expect_invalid(
+        without(vllm_connect(), "peer_id"),
+        message_type="connect",
+        field="peer_id",
+        problem="missing",
+    )
+
+
+def test_connect_ack_peer_id_not_str() -> None:
+    expect_invalid(
+        {"type": "connect_ack", "peer_id": 5},
+        message_type="connect_ack",
+        field="peer_id",
+        problem="is int, expected str",
+    )
+
+
+def test_connect_missing_metadata() -> None:
+    expect_invalid(
+        without(vllm_connect(), "agent_metadata"),
+        message_type="connect",
+        field="agent_metadata",
+        problem="missing",
+    )
+
+
+def test_connect_wrong_metadata_type() -> None:
+    expect_invalid(
+        {**vllm_connect(), "agent_metadata": "not-bytes"},
+        message_type="connect",
+        field="agent_metadata",
+        problem="is str, expected bytes",
+    )
+
+
+def test_connect_negative_base_addr() -> None:
+    expect_invalid(
+        {**vllm_connect(), "base_addr": -1},
+        message_type="connect",
+        field="base_addr",
+        problem="is -1, expected at least 0",
+    )
+
+
+def test_connect_num_blocks_zero() -> None:
+    expect_invalid(
+        {**vllm_connect(), "num_blocks": 0},
+        message_type="connect",
+        field="num_blocks",
+        problem="is 0, expected at least 1",
+    )
+
+
+def test_connect_num_blocks_above_limit() -> None:
+    expect_invalid(
+        {**vllm_connect(), "num_blocks": MAX_NUM_BLOCKS + 1},
+        message_type="connect",
+        field="num_blocks",
+        problem=f"more than the limit of {MAX_NUM_BLOCKS}",
+    )
+
+
+def test_connect_block_len_zero() -> None:
+    expect_invalid(
+        {**vllm_connect(), "block_len": 0},
+        message_type="connect",
+        field="block_len",
+        problem="is 0, expected at least 1",
+    )
+
+
+def test_connect_bool_num_blocks() -> None:
+    # vLLM's isinstance check would take True as num_blocks=1.
+    expect_invalid(
+        {**vllm_connect(), "num_blocks": True},
+        message_type="connect",
+        field="num_blocks",
+        problem="is bool, expected int",
+    )
+
+
+def test_connect_base_addr_overflow() -> None:
+    expect_invalid(
+        {**vllm_connect(), "base_addr": MAX_ADDRESS - 1000, "num_blocks": 2, "block_len": 1000},
+        message_type="connect",
+        field="base_addr",
+        problem="past the 64-bit address space",
+    )
+
+
+def test_connect_region_ending_at_top_of_address_space_is_accepted() -> None:
+    wire = {**vllm_connect(), "base_addr": MAX_ADDRESS - 2000, "num_blocks": 2, "block_len": 1000}
+    msg = decode(frame_of(wire))
+    assert isinstance(msg, Connect)
+    assert msg.base_addr == MAX_ADDRESS - 2000
+
+
+def test_connect_missing_hash_seed() -> None:
+    expect_invalid(
+        without(vllm_connect(), "hash_seed"),
+        message_type="connect",
+        field="hash_seed",
+        problem="missing",
+    )
+
+
+def test_connect_non_str_hash_seed() -> None:
+    expect_invalid(
+        {**vllm_connect(), "hash_seed": 42},
+        message_type="connect",
+        field="hash_seed",
+        problem="is int, expected str",
+    )
+
+
+def test_connect_non_str_fingerprint() -> None:
+    expect_invalid(
+        {**vllm_connect(), "config_fingerprint": None},
+        message_type="connect",
+        field="config_fingerprint",
+        problem="is nil, expected str",
+    )
+
+
+def test_connect_oversized_string() -> None:
+    expect_invalid(
+        {**vllm_connect(), "peer_id": "h" * (MAX_STRING_CHARS + 1)},
+        message_type="connect",
+        field="peer_id",
+        problem=f"is {MAX_STRING_CHARS + 1} characters, more than the limit of {MAX_STRING_CHARS}",
+    )
+
+
+def test_connect_oversized_metadata() -> None:
+    metadata = bytes(MAX_AGENT_METADATA_BYTES + 1)
+    expect_invalid(
+        {**vllm_connect(), "agent_metadata": metadata},
+        message_type="connect",
+        field="agent_metadata",
+        problem=f"more than the limit of {MAX_AGENT_METADATA_BYTES}",
+    )
+
+
+def test_connect_metadata_limit_is_configurable() -> None:
+    limits = Limits(max_agent_metadata_bytes=8)
+    expect_invalid(
+        {**vllm_connect(), "agent_metadata": bytes(9)},
+        message_type="connect",
+        field="agent_metadata",
+        problem="is 9 bytes, more than the limit of 8",
+        limits=limits,
+    )
+
+
+def test_fetch_valid() -> None:
+    assert decode(frame_of(vllm_fetch())) == PAIRS[5][0]
+
+
+def test_fetch_length_mismatch() -> None:
+    expect_invalid(
+        {**vllm_fetch(), "block_indexes": [7]},
+        message_type="fetch",
+        field="block_indexes",
+        problem="has 1 items but 'keys' has 2",
+    )
+
+
+def test_fetch_negative_index() -> None:
+    expect_invalid(
+        {**vllm_fetch(), "block_indexes": [7, -1]},
+        message_type="fetch",
+        field="block_indexes",
+        problem="item 1 is -1",
+    )
+
+
+def test_fetch_index_above_max() -> None:
+    expect_invalid(
+        {**vllm_fetch(), "block_indexes": [MAX_BLOCK_INDEX, MAX_BLOCK_INDEX + 1]},
+        message_type="fetch",
+        field="block_indexes",
+        problem=f"item 1 is {MAX_BLOCK_INDEX + 1}, expected 0 to {MAX_BLOCK_INDEX}",
+    )
+
+
+def test_fetch_bool_block_index() -> None:
+    expect_invalid(
+        {**vllm_fetch(), "block_indexes": [7, True]},
+        message_type="fetch",
+        field="block_indexes",
+        problem="item 1 is bool, expected int",
+    )
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [vllm_lookup(), vllm_fetch(), vllm_transfer_done(), vllm_abort_fetch(), vllm_abort_ack()],
+    ids=lambda wire: wire["type"],
+)
+def test_bool_round_seq(wire: dict[str, Any]) -> None:
+    expect_invalid(
+        {**wire, "round_seq": False},
+        message_type=wire["type"],
+        field="round_seq",
+        problem="is bool, expected int",
+    )
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [vllm_lookup(), vllm_fetch(), vllm_transfer_done(), vllm_abort_fetch(), vllm_abort_ack()],
+    ids=lambda wire: wire["type"],
+)
+def test_negative_round_seq(wire: dict[str, Any]) -> None:
+    expect_invalid(
+        {**wire, "round_seq": -3},
+        message_type=wire["type"],
+        field="round_seq",
+        problem="is -3, expected at least 0",
+    )
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [vllm_lookup(), vllm_lookup_resp(), vllm_fetch(), vllm_transfer_done(), vllm_abort_ack()],
+    ids=lambda wire: wire["type"],
+)
+def test_missing_kv_request_id(wire: dict[str, Any]) -> None:
+    expect_invalid(
+        without(wire, "kv_request_id"),
+        message_type=wire["type"],
+        field="kv_request_id",
+        problem="missing",
+    )
+
+
+def test_oversized_kv_request_id() -> None:
+    expect_invalid(
+        {**vllm_abort_fetch(), "kv_request_id": "r" * (MAX_STRING_CHARS + 1)},
+        message_type="abort_fetch",
+        field="kv_request_id",
+        problem=f"more than the limit of {MAX_STRING_CHARS}",
+    )
+
+
+def test_transfer_done_non_bool_success() -> None:
+    expect_invalid(
+        {**vllm_transfer_done(), "success": 1},
+        message_type="transfer_done",
+        field="success",
+        problem="is int, expected bool",
+    )
+
+
+def test_lookup_resp_non_bool_hit() -> None:
+    expect_invalid(
+        {**vllm_lookup_resp(), "hits": [True, 0]},
+        message_type="lookup_resp",
+        field="hits",
+        problem="item 1 is int, expected bool",
+    )
+
+
+def test_lookup_resp_length_mismatch() -> None:
+    expect_invalid(
+        {**vllm_lookup_resp(), "hits": [True, False, True]},
+        message_type="lookup_resp",
+        field="hits",
+        problem="has 3 items but 'keys' has 2",
+    )
+
+
+def test_str_key_instead_of_bytes() -> None:
+    expect_invalid(
+        {**vllm_lookup(), "keys": [KEY_A, "deadbeef"]},
+        message_type="lookup",
+        field="keys",
+        problem="item 1 is str, expected bytes",
+    )
+
+
+def test_int_key_is_rejected_not_coerced() -> None:
+    # vLLM would turn 1_000_000 into a megabyte of zero bytes via bytes(n).
+    expect_invalid(
+        {**vllm_fetch(), "keys": [1_000_000, KEY_B]},
+        message_type="fetch",
+        field="keys",
+        problem="item 0 is int, expected bytes",
+    )
+
+
+def test_keys_not_a_list() -> None:
+    expect_invalid(
+        {**vllm_lookup(), "keys": KEY_A},
+        message_type="lookup",
+        field="keys",
+        problem="is bytes, expected list",
+    )
+
+
+def test_oversized_key_list() -> None:
+    wire = {**vllm_lookup(), "keys": [b""] * (MAX_LIST_ITEMS + 1)}
+    expect_invalid(
+        wire,
+        message_type="lookup",
+        field="keys",
+        problem=f"has {MAX_LIST_ITEMS + 1} items, more than the limit of {MAX_LIST_ITEMS}",
+    )
+
+
+def test_full_key_list_is_accepted() -> None:
+    msg = decode(frame_of({**vllm_lookup(), "keys": [KEY_A] * MAX_LIST_ITEMS}))
+    assert isinstance(msg, Lookup)
+    assert len(msg.keys) == MAX_LIST_ITEMS
+
+
+def test_full_lookup_decodes_quickly() -> None:
+    # About 6 ms on a laptop; the bound is loose so a loaded CI box passes.
+    keys = [i.to_bytes(32, "big") + bytes(4) for i in range(MAX_LIST_ITEMS)]
+    frame = encode(Lookup(kv_request_id="req-1", keys=keys, round_seq=0))
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        decode(frame)
+        best = min(best, time.perf_counter() - start)
+    assert best < 0.1
+
+
+def test_oversized_key() -> None:
+    expect_invalid(
+        {**vllm_lookup_resp(), "keys": [KEY_A, bytes(MAX_KEY_BYTES + 1)]},
+        message_type="lookup_resp",
+        field="keys",
+        problem=f"item 1 is {MAX_KEY_BYTES + 1} bytes, more than the limit of {MAX_KEY_BYTES}",
+    )
+
+
+def test_ext_type_in_typed_position() -> None:
+    expect_invalid(
+        {**vllm_abort_ack(), "round_seq": msgspec.msgpack.Ext(5, b"\x01")},
+        message_type="abort_ack",
+        field="round_seq",
+        problem="is Ext, expected int",
+    )
+
+
+def test_timestamp_in_typed_position() -> None:
+    stamp = datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)
+    expect_invalid(
+        {**vllm_connect_ack(), "peer_id": stamp},
+        message_type="connect_ack",
+        field="peer_id",
+        problem="is datetime, expected str",
+    )
+
+
+def test_float_in_typed_position() -> None:
+    expect_invalid(
+        {**vllm_fetch(), "block_indexes": [7, 3.0]},
+        message_type="fetch",
+        field="block_indexes",
+        problem="item 1 is float, expected int",
+    )
+
+
+def test_unknown_extra_keys_are_ignored() -> None:
+    wire = {**vllm_transfer_done(), "from_the_future": {"x": [1, 2.5, None]}}
+    assert decode(frame_of(wire)) == PAIRS[6][0]
+
+
+# ---------------------------------------------------------------------------
+# Framing
+# ---------------------------------------------------------------------------
+
+
+def test_frame_over_the_limit_rejected_before_decoding() -> None:
+    # Garbage that would be a MalformedFrame if it were decoded at all.
+    frame = b"\xc1" * 101
+    with pytest.raises(FrameTooLarge, match="101 bytes, more than the limit of 100"):
+        decode(frame, limits=Limits(max_frame_bytes=100))
+    with pytest.raises(MalformedFrame):
+        decode(frame, limits=Limits(max_frame_bytes=101))
+
+
+def test_unknown_extra_keys_count_toward_the_frame_limit() -> None:
+    frame = frame_of({**vllm_disconnect(), "padding": bytes(200)})
+    assert decode(frame, limits=Limits(max_frame_bytes=len(frame))) == Disconnect()
+    with pytest.raises(FrameTooLarge):
+        decode(frame, limits=Limits(max_frame_bytes=len(frame) - 1))
+
+
+def test_default_frame_limit_fits_the_largest_connect() -> None:
+    assert DEFAULT_LIMITS.max_frame_bytes == DEFAULT_MAX_FRAME_BYTES
+    assert DEFAULT_MAX_FRAME_BYTES > MAX_AGENT_METADATA_BYTES + 5 * MAX_STRING_CHARS * 4
+
+
+def test_unknown_type_reported_by_name() -> None:
+    with pytest.raises(UnknownMessageType) as info:
+        decode(frame_of({"type": "gossip", "x": 1}))
+    assert info.value.message_type == "gossip"
+    assert "'gossip'" in str(info.value)
+
+
+def test_unknown_type_name_is_clipped() -> None:
+    with pytest.raises(UnknownMessageType) as info:
+        decode(frame_of({"type": "z" * 10_000}))
+    assert len(str(info.value)) < 500
+
+
+def test_non_map_top_level() -> None:
+    with pytest.raises(MalformedFrame, match="top-level value is list, expected a map"):
+        decode(frame_of(["type", "connect"]))
+
+
+def test_empty_map() -> None:
+    with pytest.raises(MalformedFrame, match="no 'type' key"):
+        decode(frame_of({}))
+
+
+def test_type_not_str() -> None:
+    with pytest.raises(MalformedFrame, match="'type' is bytes, expected str"):
+        decode(frame_of({"type": b"connect"}))
+
+
+def test_garbage_bytes() -> None:
+    with pytest.raises(MalformedFrame, match="not valid msgpack"):
+        decode(b"\xc1\x00garbage")
+
+
+def test_empty_frame() -> None:
+    with pytest.raises(MalformedFrame):
+        decode(b"")
+
+
+def test_trailing_bytes() -> None:
+    with pytest.raises(MalformedFrame):
+        decode(frame_of(vllm_disconnect()) + b"\x00")
+
+
+def test_invalid_utf8() -> None:
+    with pytest.raises(MalformedFrame):
+        decode(b"\x81\xa4type\xa2\xff\xfe")
+
+
+def test_deep_nesting() -> None:
+    with pytest.raises(ProtocolError):
+        decode(b"\x91" * 200_000 + b"\xc0")
+
+
+def test_truncated_huge_array_header() -> None:
+    with pytest.raises(MalformedFrame):
+        decode(b"\xdd\xff\xff\xff\xff")
+
+
+def test_protocol_errors_are_value_errors() -> None:
+    # Sessions treat ValueError-class violations as grounds to disconnect.
+    with pytest.raises(ValueError):  # noqa: PT011
+        decode(b"\xc1")
+
+
+# ---------------------------------------------------------------------------
+# Limits
+# ---------------------------------------------------------------------------
+
+
+def test_limits_reject_negative_bound() -> None:
+    with pytest.raises(ConfigError, match="max_list_items"):
+        Limits(max_list_items=-1)
+
+
+def test_limits_reject_zero_frame_bound() -> None:
+    with pytest.raises(ConfigError, match="max_frame_bytes"):
+        Limits(max_frame_bytes=0)
+
+
+def test_limits_reject_non_int() -> None:
+    with pytest.raises(ConfigError, match="max_key_bytes is bool"):
+        Limits(max_key_bytes=True)
+
+
+def test_limits_list_bound_is_configurable() -> None:
+    expect_invalid(
+        vllm_lookup(),
+        message_type="lookup",
+        field="keys",
+        problem="has 2 items, more than the limit of 1",
+        limits=Limits(max_list_items=1),
+    )
