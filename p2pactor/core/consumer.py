@@ -217,8 +217,10 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
         case ev.AbortAcked():
             return attrs.evolve(s, loads=_without(s.loads, event.round_seq))
         case ev.Aborted():
+            # An abort that went out already made the outcome ABORTED; a load
+            # lost with its session failed without one.
             s = attrs.evolve(s, loads=_without(s.loads, event.round_seq))
-            return _worse(s, ConsumerPhase.ABORTED, f"round {event.round_seq}: {event.reason}")
+            return _worse(s, ConsumerPhase.FAILED, f"round {event.round_seq}: {event.reason}")
         case ev.FinishRequested():
             return attrs.evolve(s, finishing=True, probes={}, unsent=(), lookup_deadline=None)
         case ev.SessionLost():
@@ -330,6 +332,10 @@ def _on_lookup_resp(
         return
     if msg.round_seq is not None and msg.round_seq != s.round_seq:
         reason = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
+        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        return
+    if len(msg.keys) != len(msg.hits):
+        reason = f"{len(msg.keys)} keys but {len(msg.hits)} hits"
         b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
         return
     waiting = set(s.waiting_keys())

@@ -123,6 +123,8 @@ class Violation(enum.Enum):
     """An abort for a round that was never fetched."""
     AFTER_CLOSE = "after_close"
     """A lookup or fetch after the consumer closed the request."""
+    MALFORMED = "malformed"
+    """Parallel lists of different lengths (the codec rejects these on the wire)."""
 
 
 @attrs.frozen(kw_only=True)

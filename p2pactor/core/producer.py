@@ -782,6 +782,10 @@ def _on_fetch(b: _B, msg: wire.Fetch) -> None:
         else:
             b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="the request is already closed"))
         return
+    if len(msg.keys) != len(msg.block_indexes):
+        detail = f"{len(msg.keys)} keys but {len(msg.block_indexes)} block indexes"
+        _reject(b, msg, Violation.MALFORMED, detail)
+        return
     if not msg.keys:
         reason = "the consumer finished the request (empty fetch)"
         b.emit(ev.CloseRequested(**b.head, round_seq=r, reason=reason))

@@ -16,7 +16,7 @@ import msgspec
 from p2pactor.core.events import EVENT_TYPES, AnyEvent
 from p2pactor.errors import EventFormatError
 
-__all__ = ["Format", "decode_event", "encode_event", "event_to_builtins"]
+__all__ = ["Format", "decode_event", "encode_event"]
 
 Format = Literal["msgpack", "json"]
 """The two encodings of an event."""
@@ -69,13 +69,3 @@ def decode_event(data: bytes, fmt: Format = "msgpack") -> AnyEvent:
         raise EventFormatError(f"malformed {envelope.kind} event: {exc}") from None
     # EVENT_TYPES holds exactly the members of AnyEvent.
     return cast("AnyEvent", event)
-
-
-def event_to_builtins(event: AnyEvent) -> dict[str, object]:
-    """The event as plain JSON-ready values, ``kind`` and ``v`` included.
-
-    Bytes become base64 strings, enums their values, tuples lists.
-    """
-    body = msgspec.to_builtins(event)
-    assert isinstance(body, dict)
-    return {"kind": event.KIND, "v": event.VERSION, **body}

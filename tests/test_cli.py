@@ -1,0 +1,41 @@
+"""The ``p2pactor`` command line: ``--help``, ``--version``, bare invocation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import p2pactor
+from p2pactor.cli import main
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"p2pactor {p2pactor.__version__}"
+
+
+def test_help_describes_the_tool(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: p2pactor")
+    assert "KV-cache sharing" in out
+
+
+def test_no_command_prints_usage_to_stderr_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "usage: p2pactor" in captured.err
+
+
+def test_module_entry_point_runs() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "p2pactor", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == f"p2pactor {p2pactor.__version__}"

@@ -1,0 +1,425 @@
+"""Hypothesis state machines over the pure consumer and producer cores.
+
+Random sequences of engine calls, peer messages (well-formed and hostile), parent
+answers, transfer results, session ends and arbitrary jumps in time. After every
+step:
+
+* replaying the event log through ``evolve`` gives exactly the live state;
+* phases never go back, and a terminal state absorbs every input;
+* every event survives a msgpack and a JSON round trip;
+* a tick at ``now`` leaves no deadline at or before ``now``;
+* each load job is reported at most once, each pin released at most once, each
+  synthetic parent request closed at most once and only if it was opened.
+
+At the end of every run the request is driven to its end (finish, session end,
+transfers drained, parent served) and must then have reported every load, released
+every pin and closed every context exactly once.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from p2pactor import protocol as wire
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core.consumer import next_consumer_deadline, probe_answer
+from p2pactor.core.fold import fold
+from p2pactor.core.producer import ProducerPhase, next_producer_deadline
+from p2pactor.core.serde import decode_event, encode_event
+from tests.harness import KV, ConsumerHarness, ProducerHarness, key
+
+KEYS = [key(i) for i in range(6)]
+key_lists = st.lists(st.sampled_from(KEYS), min_size=0, max_size=6)
+nonempty_keys = st.lists(st.sampled_from(KEYS), min_size=1, max_size=6)
+rounds = st.integers(min_value=0, max_value=6)
+jumps = st.sampled_from(
+    [0.0, 0.001, 0.004, 0.006, 0.5, 4.999, 5.0, 9.9, 10.0, 29.9, 30.0, 31.0, 100.0]
+)
+
+MACHINE_SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+CONSUMER_PHASE_RANK = {phase: rank for rank, phase in enumerate(ev.ConsumerPhase)}
+PRODUCER_PHASE_RANK = {phase: rank for rank, phase in enumerate(ProducerPhase)}
+
+
+def check_serde(events: tuple[ev.AnyEvent, ...]) -> None:
+    for event in events:
+        assert decode_event(encode_event(event, "msgpack"), "msgpack") == event
+        assert decode_event(encode_event(event, "json"), "json") == event
+
+
+class ConsumerMachine(RuleBasedStateMachine):
+    """A consumer request under a random engine and a random, maybe hostile, peer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = ConsumerHarness()
+        self.next_job = 1
+        self.submitted: set[int] = set()
+        self.max_rank = 0
+
+    def feed(self, event_input: object) -> None:
+        was_terminal = self.h.state.phase.terminal
+        before = self.h.state
+        events = self.h.feed(event_input)  # type: ignore[arg-type]
+        if was_terminal:
+            assert events == ()
+            assert self.h.state == before
+        check_serde(events)
+
+    @rule(keys=key_lists)
+    def register(self, keys: list[bytes]) -> None:
+        self.feed(inp.Register(keys))
+
+    @rule()
+    def flush(self) -> None:
+        self.feed(inp.Flush())
+
+    @rule(keys=nonempty_keys)
+    def engine_step(self, keys: list[bytes]) -> None:
+        self.feed(inp.Register(keys))
+        self.feed(inp.Flush())
+
+    @rule(
+        keys=key_lists,
+        data=st.data(),
+        stamped=st.sampled_from(["none", "current", "other"]),
+    )
+    def lookup_resp(self, keys: list[bytes], data: st.DataObject, stamped: str) -> None:
+        hits = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+        round_seq = {
+            "none": None,
+            "current": self.h.state.round_seq,
+            "other": self.h.state.round_seq + 1,
+        }[stamped]
+        self.feed(wire.LookupResp(kv_request_id=KV, keys=keys, hits=hits, round_seq=round_seq))
+
+    @precondition(lambda self: self.h.state.waiting_keys())
+    @rule(data=st.data())
+    def peer_answers_waiting_keys(self, data: st.DataObject) -> None:
+        waiting = list(self.h.state.waiting_keys())
+        keys = data.draw(st.lists(st.sampled_from(waiting), min_size=1, max_size=len(waiting)))
+        hits = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+        round_seq = data.draw(st.sampled_from([None, self.h.state.round_seq]))
+        self.feed(wire.LookupResp(kv_request_id=KV, keys=keys, hits=hits, round_seq=round_seq))
+
+    @precondition(lambda self: any(v for v in self.h.state.probes.values()))
+    @rule(data=st.data())
+    def engine_loads_hits(self, data: st.DataObject) -> None:
+        hits = [k for k, v in self.h.state.probes.items() if v]
+        keys = data.draw(st.lists(st.sampled_from(hits), min_size=1, max_size=len(hits)))
+        job = self.next_job
+        self.next_job += 1
+        self.submitted.add(job)
+        self.feed(inp.SubmitLoad(job_id=job, keys=keys, block_indexes=range(len(keys))))
+
+    @precondition(lambda self: self.h.state.loads)
+    @rule(data=st.data(), success=st.booleans())
+    def peer_finishes_a_load(self, data: st.DataObject, success: bool) -> None:
+        round_seq = data.draw(st.sampled_from(sorted(self.h.state.loads)))
+        if self.h.state.loads[round_seq].aborting and data.draw(st.booleans()):
+            self.feed(wire.AbortAck(kv_request_id=KV, round_seq=round_seq))
+        else:
+            self.feed(wire.TransferDone(kv_request_id=KV, success=success, round_seq=round_seq))
+
+    @precondition(lambda self: any(load.aborting for load in self.h.state.loads.values()))
+    @rule(data=st.data())
+    def peer_acks_an_abort(self, data: st.DataObject) -> None:
+        aborting = [r for r, load in self.h.state.loads.items() if load.aborting]
+        round_seq = data.draw(st.sampled_from(sorted(aborting)))
+        self.feed(wire.AbortAck(kv_request_id=KV, round_seq=round_seq))
+
+    @rule(keys=key_lists, data=st.data(), mismatched=st.booleans())
+    def submit_load(self, keys: list[bytes], data: st.DataObject, mismatched: bool) -> None:
+        n = len(keys) + (1 if mismatched else 0)
+        blocks = data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n))
+        job = self.next_job
+        self.next_job += 1
+        if not self.h.state.phase.terminal:
+            # A retired actor absorbs everything; the runtime answers loads
+            # for it without asking the core.
+            self.submitted.add(job)
+        self.feed(inp.SubmitLoad(job_id=job, keys=keys, block_indexes=blocks))
+
+    @rule(round_seq=rounds, success=st.booleans())
+    def transfer_done(self, round_seq: int, success: bool) -> None:
+        self.feed(wire.TransferDone(kv_request_id=KV, success=success, round_seq=round_seq))
+
+    @rule(round_seq=rounds)
+    def abort_ack(self, round_seq: int) -> None:
+        self.feed(wire.AbortAck(kv_request_id=KV, round_seq=round_seq))
+
+    @precondition(lambda self: len(self.h.log) >= 6)
+    @rule()
+    def finish(self) -> None:
+        self.feed(inp.Finish())
+
+    @rule(seconds=jumps)
+    def time_passes(self, seconds: float) -> None:
+        self.h.advance(seconds)
+        self.feed(inp.Tick())
+        deadline = next_consumer_deadline(self.h.state)
+        assert deadline is None or deadline > self.h.now
+
+    @precondition(lambda self: len(self.h.log) >= 6)
+    @rule(reason=st.sampled_from(["peer died", "heartbeat timeout"]))
+    def session_ends(self, reason: str) -> None:
+        self.feed(inp.SessionEnded(reason))
+        assert self.h.state.phase.terminal
+
+    @invariant()
+    def replay_equals_live_state(self) -> None:
+        if self.h.log:
+            assert fold(self.h.log) == self.h.state
+
+    @invariant()
+    def phase_only_moves_forward(self) -> None:
+        rank = CONSUMER_PHASE_RANK[self.h.state.phase]
+        if not self.h.state.phase.terminal:
+            assert rank >= self.max_rank
+        self.max_rank = max(self.max_rank, rank)
+
+    @invariant()
+    def loads_reported_at_most_once(self) -> None:
+        assert all(count == 1 for count in self.h.reported.values())
+        assert set(self.h.reported) <= self.submitted
+        in_flight = {load.job_id for load in self.h.state.loads.values()}
+        assert not (in_flight & set(self.h.reported))
+
+    @invariant()
+    def answers_are_consistent(self) -> None:
+        for k in KEYS:
+            answer = probe_answer(self.h.state, k)
+            if self.h.state.phase.terminal or self.h.state.lookup_failed:
+                assert answer is inp.LookupResult.MISS
+
+    def teardown(self) -> None:
+        # Drive the request to its end, answering nothing: the deadlines alone
+        # must end it, with every load reported exactly once.
+        self.feed(inp.Finish())
+        for _ in range(3):
+            self.h.advance(31.0)
+            self.feed(inp.Tick())
+        assert self.h.state.phase.terminal
+        assert self.h.retired
+        assert Counter(self.h.reported) == Counter(self.submitted)
+        assert self.h.state.loads == {}
+
+
+class ProducerMachine(RuleBasedStateMachine):
+    """A producer request under a random, maybe hostile, peer and a random cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = ProducerHarness(auto_serve=False)
+        self.h.cache.stored = {KEYS[0]: 0, KEYS[1]: 1, KEYS[2]: 2}
+        self.h.cache.pending = {KEYS[3]}
+        self.h.cache.retry = {KEYS[4]}
+        self.next_store = 1
+        self.max_rank = 0
+        self.session_over = False
+        self.sends_after_loss = 0
+
+    def feed(self, event_input: object) -> None:
+        was_closed = self.h.state.phase is ProducerPhase.CLOSED
+        before = self.h.state
+        sent_before = len(self.h.sent)
+        events = self.h.feed(event_input)  # type: ignore[arg-type]
+        if was_closed:
+            assert events == ()
+            assert self.h.state == before
+        check_serde(events)
+        self._check_events(events)
+        if self.session_over:
+            assert len(self.h.sent) == sent_before, "sent a message after the session ended"
+
+    def _check_events(self, events: tuple[ev.ProducerEvent, ...]) -> None:
+        for event in events:
+            if isinstance(event, ev.AbortAckSent):
+                # The ack lets the consumer reuse its blocks: nothing of that
+                # round may still be writing.
+                assert not any(
+                    t.round_seq == event.round_seq for t in self.h.state.transfers.values()
+                ), "abort acknowledged while a write of the round is in flight"
+            if isinstance(event, ev.SessionLost):
+                self.session_over = True
+
+    # the cache changes under the request
+    @rule(k=st.sampled_from(KEYS), block=st.integers(0, 50))
+    def cache_stores(self, k: bytes, block: int) -> None:
+        self.h.cache.pending.discard(k)
+        self.h.cache.retry.discard(k)
+        self.h.cache.stored[k] = block
+
+    @rule(k=st.sampled_from(KEYS), how=st.sampled_from(["pending", "retry", "evict"]))
+    def cache_changes(self, k: bytes, how: str) -> None:
+        self.h.cache.stored.pop(k, None)
+        if how == "pending":
+            self.h.cache.pending.add(k)
+        elif how == "retry":
+            self.h.cache.retry.add(k)
+
+    @rule()
+    def serve(self) -> None:
+        self.h.serve()
+
+    @rule(auto=st.booleans())
+    def parent_lent_continuously(self, auto: bool) -> None:
+        self.h.auto_serve = auto
+        if auto:
+            self.h.serve()
+
+    # the peer, playing by the rules
+    def _next_round(self) -> int:
+        return self.h.state.closed_through + 1
+
+    @rule(keys=nonempty_keys, deadline_ms=st.none() | st.integers(0, 8000))
+    def honest_lookup(self, keys: list[bytes], deadline_ms: int | None) -> None:
+        self.feed(
+            wire.Lookup(
+                kv_request_id=KV, keys=keys, round_seq=self._next_round(), deadline_ms=deadline_ms
+            )
+        )
+
+    @rule(data=st.data())
+    def honest_fetch(self, data: st.DataObject) -> None:
+        rnd = self.h.state.rounds.get(self._next_round())
+        candidates = sorted(rnd.supply) if rnd is not None and rnd.supply else KEYS
+        keys = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=4))
+        self.feed(
+            wire.Fetch(
+                kv_request_id=KV,
+                keys=keys,
+                block_indexes=range(len(keys)),
+                round_seq=self._next_round(),
+            )
+        )
+
+    @precondition(lambda self: self.h.state.closed_through >= 0)
+    @rule(data=st.data())
+    def honest_abort(self, data: st.DataObject) -> None:
+        fetched = [r for r, rnd in self.h.state.rounds.items() if rnd.fetched]
+        round_seq = data.draw(st.sampled_from(fetched or [self.h.state.closed_through]))
+        self.feed(wire.AbortFetch(kv_request_id=KV, round_seq=round_seq))
+
+    @precondition(lambda self: len(self.h.log) >= 6)
+    @rule()
+    def honest_close(self) -> None:
+        self.feed(
+            wire.Fetch(kv_request_id=KV, keys=(), block_indexes=(), round_seq=self._next_round())
+        )
+
+    # the peer, any which way
+    @rule(keys=key_lists, round_seq=rounds, deadline_ms=st.none() | st.integers(0, 8000))
+    def lookup(self, keys: list[bytes], round_seq: int, deadline_ms: int | None) -> None:
+        self.feed(
+            wire.Lookup(kv_request_id=KV, keys=keys, round_seq=round_seq, deadline_ms=deadline_ms)
+        )
+
+    @rule(keys=key_lists, data=st.data(), round_seq=rounds)
+    def fetch(self, keys: list[bytes], data: st.DataObject, round_seq: int) -> None:
+        blocks = data.draw(st.lists(st.integers(0, 100), min_size=len(keys), max_size=len(keys)))
+        self.feed(
+            wire.Fetch(kv_request_id=KV, keys=keys, block_indexes=blocks, round_seq=round_seq)
+        )
+
+    @rule(round_seq=rounds)
+    def abort(self, round_seq: int) -> None:
+        self.feed(wire.AbortFetch(kv_request_id=KV, round_seq=round_seq))
+
+    # the engine
+    @rule(keys=nonempty_keys, data=st.data())
+    def store(self, keys: list[bytes], data: st.DataObject) -> None:
+        blocks = data.draw(st.lists(st.integers(0, 50), min_size=len(keys), max_size=len(keys)))
+        job = 10_000 + self.next_store
+        self.next_store += 1
+        self.feed(inp.AddStore(job_id=job, keys=keys, blocks=blocks))
+
+    @precondition(lambda self: len(self.h.log) >= 6)
+    @rule()
+    def engine_finishes(self) -> None:
+        self.feed(inp.Finish())
+
+    # the data plane
+    @precondition(lambda self: self.h.transfers)
+    @rule(data=st.data(), ok=st.booleans())
+    def transfer_ends(self, data: st.DataObject, ok: bool) -> None:
+        tid = data.draw(st.sampled_from(sorted(self.h.transfers)))
+        self.h.complete(tid, ok=ok, reason="" if ok else "injected failure")
+        if self.h.log:
+            assert fold(self.h.log) == self.h.state
+
+    @rule(transfer_id=st.integers(0, 20), ok=st.booleans())
+    def stray_transfer_result(self, transfer_id: int, ok: bool) -> None:
+        if transfer_id not in self.h.transfers:
+            self.feed(inp.TransferResult(transfer_id=transfer_id, ok=ok))
+
+    @rule(seconds=jumps)
+    def time_passes(self, seconds: float) -> None:
+        self.h.advance(seconds)
+        self.feed(inp.Tick())
+        deadline = next_producer_deadline(self.h.state)
+        assert deadline is None or deadline > self.h.now
+
+    @precondition(lambda self: len(self.h.log) >= 6)
+    @rule()
+    def session_ends(self) -> None:
+        self.feed(inp.SessionEnded("peer went away"))
+
+    @invariant()
+    def replay_equals_live_state(self) -> None:
+        if self.h.log:
+            assert fold(self.h.log) == self.h.state
+
+    @invariant()
+    def phase_only_moves_forward(self) -> None:
+        rank = PRODUCER_PHASE_RANK[self.h.state.phase]
+        assert rank >= self.max_rank
+        self.max_rank = rank
+
+    @invariant()
+    def pins_and_contexts_settle_at_most_once(self) -> None:
+        created = set(self.h.cache.pins) | {
+            e.job_id for e in self.h.log if isinstance(e, ev.StoreAdded)
+        }
+        assert all(count == 1 for count in self.h.released.values())
+        assert set(self.h.released) <= created
+        held = set(self.h.state.jobs)
+        assert not (held & set(self.h.released)), "a job is both held and released"
+        closed = Counter(self.h.cache.closed)
+        assert all(count == 1 for count in closed.values())
+        assert set(closed) <= set(self.h.cache.opened)
+
+    @invariant()
+    def one_answer_per_lookup(self) -> None:
+        answered = Counter(e.lookup_id for e in self.h.log if isinstance(e, ev.LookupAnswered))
+        assert all(count == 1 for count in answered.values())
+
+    def teardown(self) -> None:
+        # End the session, let every write finish, lend the parent: the request
+        # must end holding nothing, every pin and context settled exactly once.
+        self.feed(inp.SessionEnded("teardown"))
+        while self.h.transfers or self.h.parent_queue:
+            self.h.serve()
+            for tid in sorted(self.h.transfers):
+                self.h.complete(tid)
+        assert self.h.state.phase is ProducerPhase.CLOSED
+        assert self.h.retired
+        assert self.h.pinned_jobs() == set()
+        assert sorted(self.h.cache.closed) == sorted(set(self.h.cache.opened))
+
+
+TestConsumerMachine = ConsumerMachine.TestCase
+TestConsumerMachine.settings = MACHINE_SETTINGS
+TestProducerMachine = ProducerMachine.TestCase
+TestProducerMachine.settings = MACHINE_SETTINGS
