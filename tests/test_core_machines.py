@@ -401,6 +401,20 @@ class ProducerMachine(RuleBasedStateMachine):
         assert set(closed) <= set(self.h.cache.opened)
 
     @invariant()
+    def inflight_bookkeeping_agrees(self) -> None:
+        # vLLM's "inflight per request" invariant, in our terms: every transfer
+        # is counted by its round and by the jobs it reads, and nothing else is.
+        s = self.h.state
+        by_round = {tid for rnd in s.rounds.values() for tid in rnd.inflight}
+        assert by_round == set(s.transfers)
+        assert set(s.transfers) == set(self.h.transfers)
+        for job in s.jobs.values():
+            assert job.readers <= set(s.transfers)
+        for tid, t in s.transfers.items():
+            assert tid in s.rounds[t.round_seq].inflight
+            assert all(tid in s.jobs[j].readers for j in t.job_ids)
+
+    @invariant()
     def one_answer_per_lookup(self) -> None:
         answered = Counter(e.lookup_id for e in self.h.log if isinstance(e, ev.LookupAnswered))
         assert all(count == 1 for count in answered.values())

@@ -101,6 +101,8 @@ class ActiveLookup:
         pending: Keys without an answer yet.
         outstanding: A parent request for it is posted and not answered.
         next_poll_at: When to ask the parent again about ``pending``.
+        answered: The answer went out at the deadline while the parent still
+            had not served a request for it; its late answer is only cleaned up.
         dropped: The request closed; no answer will be sent.
     """
 
@@ -112,6 +114,7 @@ class ActiveLookup:
     pending: frozenset[bytes] = frozenset()
     outstanding: bool = True
     next_poll_at: float | None = None
+    answered: bool = False
     dropped: bool = False
 
 
@@ -155,7 +158,10 @@ class PinJob:
         blocks: Our block index for each key.
         expires_at: When it is released if no fetch uses it.
         readers: Transfers reading its blocks right now.
-        failed: A transfer reading it failed or was aborted.
+        serving: Rounds not yet ended that its blocks were written for; a
+            store job settles with those rounds, as vLLM settles every job of
+            a round when the round ends.
+        failed: A round it served failed or was aborted.
     """
 
     job_id: int
@@ -164,6 +170,7 @@ class PinJob:
     blocks: tuple[int, ...]
     expires_at: float
     readers: frozenset[int] = frozenset()
+    serving: frozenset[int] = frozenset()
     failed: bool = False
 
 
@@ -289,7 +296,9 @@ def _evolve_transfer_started(s: ProducerState, e: ev.TransferStarted) -> Produce
     jobs = dict(s.jobs)
     for job_id in set(e.job_ids):
         job = jobs[job_id]
-        jobs[job_id] = attrs.evolve(job, readers=job.readers | {e.transfer_id})
+        jobs[job_id] = attrs.evolve(
+            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
+        )
     rounds = dict(s.rounds)
     rounds[e.round_seq] = attrs.evolve(
         rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
@@ -352,6 +361,16 @@ def _evolve_pin_released(s: ProducerState, job_id: int) -> ProducerState:
         supply = {k: v for k, v in rnd.supply.items() if v.job_id != job_id}
         rounds = _put(rounds, job.round_seq, attrs.evolve(rnd, supply=supply))
     return attrs.evolve(s, jobs=_drop(s.jobs, job_id), rounds=rounds, pool=pool)
+
+
+def _evolve_round_ended(s: ProducerState, round_seq: int, *, served: bool) -> ProducerState:
+    jobs = dict(s.jobs)
+    for job_id, job in s.jobs.items():
+        if round_seq in job.serving:
+            jobs[job_id] = attrs.evolve(
+                job, serving=job.serving - {round_seq}, failed=job.failed or not served
+            )
+    return attrs.evolve(s, rounds=_drop(s.rounds, round_seq), jobs=jobs)
 
 
 def _round(s: ProducerState, round_seq: int) -> RoundState:
@@ -443,6 +462,12 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             )
             return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, lookup))
         case ev.LookupAnswered():
+            answered = s.lookups[event.lookup_id]
+            if answered.outstanding:
+                # Answered at its deadline with the parent still busy: keep it
+                # until the parent's answer, whose pin must be released.
+                answered = attrs.evolve(answered, answered=True, next_poll_at=None)
+                return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, answered))
             return attrs.evolve(s, lookups=_drop(s.lookups, event.lookup_id))
         case ev.LookupDropped():
             lookup = s.lookups[event.lookup_id]
@@ -455,7 +480,7 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
         case ev.ContextClosed():
             lookups = s.lookups
             closing = lookups.get(event.lookup_id)
-            if closing is not None and closing.dropped and not closing.outstanding:
+            if closing is not None and (closing.dropped or closing.answered):
                 lookups = _drop(lookups, event.lookup_id)
             return attrs.evolve(
                 s, lookups=lookups, open_contexts=s.open_contexts - {event.lookup_id}
@@ -491,7 +516,8 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
         case ev.TransferFailed():
             return _evolve_transfer_ended(s, event.transfer_id, event.reason)
         case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
-            return attrs.evolve(s, rounds=_drop(s.rounds, event.round_seq))
+            served = isinstance(event, ev.TransferDoneSent) and event.success
+            return _evolve_round_ended(s, event.round_seq, served=served)
         case ev.AbortReceived():
             aborted = s.rounds.get(event.round_seq)
             if aborted is None:
@@ -605,6 +631,8 @@ def _pin_refusal(s: ProducerState, lookup: ActiveLookup) -> str:
     """Why a fresh pin for ``lookup`` can't be kept, or "" if it can."""
     if lookup.dropped or s.phase is not ProducerPhase.OPEN:
         return "the request closed before the pin arrived"
+    if lookup.answered:
+        return "the lookup was answered at its deadline before the parent served it"
     if lookup.round_seq <= s.closed_through:
         return f"round {lookup.round_seq} was fetched before the pin arrived"
     return ""
@@ -646,7 +674,8 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
     else:
         _resolve(b, lookup, answer, t)
     lookup = b.state.lookups[answer.lookup_id]
-    if lookup.pending and not lookup.dropped and b.now >= lookup.deadline:
+    done = lookup.dropped or lookup.answered
+    if lookup.pending and not done and b.now >= lookup.deadline:
         b.emit(ev.PendingExpired(**b.head, lookup_id=lookup.lookup_id, keys=_ordered(lookup)))
     _settle_lookup(b, answer.lookup_id)
 
@@ -708,21 +737,25 @@ def _settle_lookup(b: _B, lookup_id: int) -> None:
     lookup = b.state.lookups.get(lookup_id)
     if lookup is None or lookup.outstanding:
         return
-    if not lookup.dropped:
+    if not (lookup.dropped or lookup.answered):
         if lookup.pending:
             return
-        hits = tuple(lookup.resolved[k] for k in lookup.keys)
-        b.emit(
-            ev.LookupAnswered(
-                **b.head,
-                lookup_id=lookup_id,
-                round_seq=lookup.round_seq,
-                keys=lookup.keys,
-                hits=hits,
-            )
-        )
+        _answer(b, lookup)
     if lookup_id in b.state.open_contexts:
         b.emit(ev.ContextClosed(**b.head, lookup_id=lookup_id))
+
+
+def _answer(b: _B, lookup: ActiveLookup) -> None:
+    """Send the lookup's one answer, keys in wire order, duplicates included."""
+    b.emit(
+        ev.LookupAnswered(
+            **b.head,
+            lookup_id=lookup.lookup_id,
+            round_seq=lookup.round_seq,
+            keys=lookup.keys,
+            hits=tuple(lookup.resolved[k] for k in lookup.keys),
+        )
+    )
 
 
 def _drop_lookups(b: _B, reason: str) -> None:
@@ -877,7 +910,7 @@ def _on_session_ended(b: _B, reason: str) -> None:
 
 def _expirable(s: ProducerState, job: PinJob) -> bool:
     """A pin no fetch is using or about to use: it may time out."""
-    if job.readers:
+    if job.readers or job.serving:
         return False
     if job.round_seq is None:
         return True
@@ -888,11 +921,18 @@ def _expirable(s: ProducerState, job: PinJob) -> bool:
 def _tick(b: _B, t: Timings) -> None:
     now = b.now
     for lookup_id, lookup in sorted(b.state.lookups.items()):
-        if lookup.outstanding or lookup.dropped or not lookup.pending:
+        if lookup.answered or lookup.dropped or not lookup.pending:
             continue
         if now >= lookup.deadline:
+            # The deadline holds even while the parent has not served us (an
+            # engine that stopped stepping): answer now, clean up when it does.
             b.emit(ev.PendingExpired(**b.head, lookup_id=lookup_id, keys=_ordered(lookup)))
-            _settle_lookup(b, lookup_id)
+            if lookup.outstanding:
+                _answer(b, b.state.lookups[lookup_id])
+            else:
+                _settle_lookup(b, lookup_id)
+        elif lookup.outstanding:
+            continue
         elif lookup.next_poll_at is not None and now >= lookup.next_poll_at:
             b.emit(
                 ev.PendingPolled(
@@ -960,8 +1000,12 @@ def _sweep(b: _B) -> None:
         _sweep_round(b, rnd)
     s = b.state
     in_pool = {sup.job_id for entries in s.pool.values() for sup in entries}
+    # Once the engine stored its last block and every fetch so far was served,
+    # leftover stored blocks can serve nobody.
+    served_out = s.finishing and s.closed_through >= 0 and not s.rounds
     for job_id, job in sorted(s.jobs.items()):
-        if job.round_seq is not None or job.readers:
+        # A failed job's outcome is settled; a good one waits for its rounds.
+        if job.round_seq is not None or job.readers or (job.serving and not job.failed):
             continue
         if job_id not in in_pool:
             b.emit(
@@ -971,6 +1015,9 @@ def _sweep(b: _B) -> None:
             )
         elif s.phase is not ProducerPhase.OPEN:
             b.emit(ev.PinReleased(**b.head, job_id=job_id, success=False, reason=s.close_reason))
+        elif served_out:
+            reason = "the engine finished and no fetch is waiting for these blocks"
+            b.emit(ev.PinReleased(**b.head, job_id=job_id, success=False, reason=reason))
     if b.state.idle:
         reason = b.state.close_reason or "nothing left to serve"
         b.emit(ev.Closed(**b.head, reason=reason))
@@ -982,10 +1029,10 @@ def next_producer_deadline(state: ProducerState) -> float | None:
         return None
     times: list[float] = []
     for lookup in state.lookups.values():
-        if lookup.outstanding or lookup.dropped or not lookup.pending:
+        if lookup.answered or lookup.dropped or not lookup.pending:
             continue
         times.append(lookup.deadline)
-        if lookup.next_poll_at is not None:
+        if lookup.next_poll_at is not None and not lookup.outstanding:
             times.append(lookup.next_poll_at)
     times.extend(job.expires_at for job in state.jobs.values() if _expirable(state, job))
     return min(times, default=None)
