@@ -10,10 +10,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from p2pactor import __version__
+from p2pactor import __version__, replay_cli
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
 __all__ = ["build_parser", "main"]
 
@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"p2pactor {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    replay_cli.register(commands)
     return parser
 
 
@@ -39,4 +40,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
-    return 0  # pragma: no cover - no subcommands yet
+    # Each subcommand's register() sets the function that runs it.
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    return handler(args)

@@ -15,6 +15,8 @@ __all__ = [
     "EventFormatError",
     "FrameTooLarge",
     "InvalidField",
+    "LogError",
+    "LogFormatError",
     "MalformedFrame",
     "P2PActorError",
     "ProtocolError",
@@ -96,4 +98,21 @@ class EventFormatError(P2PActorError):
 
     Not an event envelope, an unknown event kind, or a schema version this
     p2pactor cannot read.
+    """
+
+
+class LogError(P2PActorError):
+    """The event log cannot be written as asked.
+
+    The file already exists, cannot be created or written, or the log was
+    used after :meth:`~p2pactor.log.EventLog.close`.
+    """
+
+
+class LogFormatError(LogError):
+    """A file is not an event log this p2pactor can read.
+
+    It does not start with the log's magic bytes, its header is damaged, or it
+    was written in a newer log format. Corruption *after* a good header is not
+    raised: the reader reports it and stops (see ``docs/log-format.md``).
     """

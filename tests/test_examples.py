@@ -22,3 +22,18 @@ def test_core_walkthrough_moves_bytes_and_replays() -> None:
     assert "engine   answers ['hit', 'hit', 'hit', 'miss']" in out.stdout
     assert "engine   load 1 ok=True" in out.stdout
     assert any(line.endswith("Finished") for line in lines)
+
+
+def test_two_nodes_share_blocks_both_ways() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "two_nodes.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    lines = out.stdout.splitlines()
+    assert lines[0] == "a pulled 8 blocks from b; b pulled 8 blocks from a"
+    assert "a:5710  c:b:5710:a-req  -> done" in lines
+    assert "b:5710  p:a:5710:a-req  -> closed" in lines
+    assert lines[-1] == "bytes equal on both sides"

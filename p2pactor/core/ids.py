@@ -19,7 +19,7 @@ class Role(enum.Enum):
     """A peer's request, served from our blocks."""
 
 
-@attrs.frozen(order=True)
+@attrs.frozen
 class ActorId:
     """The identity of one request actor.
 

@@ -1,0 +1,181 @@
+"""Node configuration: one frozen value, from keyword arguments or the environment.
+
+Defaults follow vLLM 0.33.0 wherever vLLM has one, and the same environment
+variables are read, so an operator's existing settings carry over:
+
+============================== =========================== ==========
+variable                       field                       default
+============================== =========================== ==========
+``VLLM_P2P_SIDE_CHANNEL_HOST`` ``host``                    localhost
+``VLLM_P2P_SIDE_CHANNEL_PORT`` ``port``                    5710
+``VLLM_P2P_MAX_PEERS``         ``max_peers``               128
+``VLLM_P2P_HANDSHAKE_TIMEOUT_S`` ``handshake_timeout``     30
+``VLLM_P2P_IDLE_TIMEOUT_S``    ``idle_timeout``            300
+``PYTHONHASHSEED``             ``hash_seed``               vllm-none-hash
+============================== =========================== ==========
+
+p2pactor's own settings use the ``P2PACTOR_`` prefix (see :meth:`NodeConfig.from_env`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+import attrs
+
+from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
+from p2pactor.errors import ConfigError
+from p2pactor.protocol import DEFAULT_LIMITS, Limits
+
+__all__ = ["DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"]
+
+DEFAULT_HASH_SEED: Final = "vllm-none-hash"
+"""The hash seed vLLM uses for sha256 block hashing when PYTHONHASHSEED is unset."""
+
+
+def fingerprint_of(fields: Mapping[str, Any]) -> str:
+    """The config fingerprint peers compare in the handshake.
+
+    The first 16 hex digits of sha256 over the sorted, compact JSON of the
+    layout fields that make blocks interchangeable (model, dtype, block sizes...),
+    as vLLM computes it; "" when there are no fields (then nothing is compared).
+    """
+    if not fields:
+        return ""
+    text = json.dumps(dict(fields), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or value <= 0:
+        raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{attribute.name} must be positive, got {value!r}")
+
+
+def _port(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or not 0 <= value <= 65535:
+        raise ConfigError(f"{attribute.name} must be a TCP port (0-65535), got {value!r}")
+
+
+def _peers(value: Iterable[str] | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        raise ConfigError("allowed_peers takes a collection of 'host:port' strings, not one string")
+    return frozenset(value)
+
+
+@attrs.frozen(kw_only=True)
+class NodeConfig:
+    """Everything a node needs to know before it starts.
+
+    Attributes:
+        host: The address this node binds and that peers dial back; it is
+            also half of the node's id. Use the address peers reach you at
+            (vLLM's default, ``localhost``, only works on one machine).
+        port: The control port (vLLM: 5710 plus the data-parallel rank).
+        num_blocks: Blocks in the node's KV block pool.
+        block_len: Bytes per block; must equal every peer's.
+        hash_seed: The seed block hashes chain from; must equal every
+            peer's, or the same tokens get different keys.
+        fingerprint: The layout fingerprint (see :func:`fingerprint_of`);
+            compared with a peer's only when both are non-empty.
+        timings: The protocol's timers.
+        limits: Bounds on what peers may send.
+        max_peers: Most sessions at once, inbound and outbound together.
+        handshake_timeout: A session not ready after this many seconds dies.
+        idle_timeout: A session idle this long may be closed when near
+            ``max_peers``.
+        allowed_peers: Peers this node may dial, as ``host:port``; None
+            allows any (vLLM's behaviour). Request parameters can never make
+            the node dial anything outside this set.
+        actor_inbox: Inputs queued per actor before its sender waits.
+        session_outbox: Messages queued per peer before the peer counts as
+            dead for not reading (vLLM: ZeroMQ SNDHWM 1000).
+        max_dispatch_errors: Consecutive internal errors on one session
+            before it is disconnected (vLLM: 5).
+        engine_inbox: Engine calls queued for the node's trio thread before
+            new lookups are answered RETRY without asking and new loads fail
+            (the node is overloaded or stalled).
+        drain_timeout: How long a closing session waits for writes in flight
+            and owed parent answers before it gives up on them.
+        unbound_store_timeout: How long stored blocks of a prefill/decode
+            request wait for the fetch that binds them (vLLM: 60 s).
+        round_extension: Use a session-wide round counter with p2pactor peers.
+    """
+
+    host: str = "localhost"
+    port: int = attrs.field(default=5710, validator=_port)
+    num_blocks: int = attrs.field(default=1024, validator=_positive_int)
+    block_len: int = attrs.field(default=4096, validator=_positive_int)
+    hash_seed: str = DEFAULT_HASH_SEED
+    fingerprint: str = ""
+    timings: Timings = DEFAULT_TIMINGS
+    limits: Limits = DEFAULT_LIMITS
+    max_peers: int = attrs.field(default=128, validator=_positive_int)
+    handshake_timeout: float = attrs.field(default=30.0, validator=_positive)
+    idle_timeout: float = attrs.field(default=300.0, validator=_positive)
+    allowed_peers: frozenset[str] | None = attrs.field(default=None, converter=_peers)
+    actor_inbox: int = attrs.field(default=256, validator=_positive_int)
+    session_outbox: int = attrs.field(default=1000, validator=_positive_int)
+    max_dispatch_errors: int = attrs.field(default=5, validator=_positive_int)
+    engine_inbox: int = attrs.field(default=100_000, validator=_positive_int)
+    drain_timeout: float = attrs.field(default=30.0, validator=_positive)
+    unbound_store_timeout: float = attrs.field(default=60.0, validator=_positive)
+    round_extension: bool = True
+
+    @property
+    def node_id(self) -> str:
+        """The node's id on the wire: ``host:port``, exactly as bound."""
+        return f"{self.host}:{self.port}"
+
+    def may_dial(self, peer_id: str) -> bool:
+        """Whether this node may open a connection to ``peer_id``."""
+        return self.allowed_peers is None or peer_id in self.allowed_peers
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
+        """Build a config from environment variables, then keyword overrides.
+
+        Reads vLLM's variables (see the module docstring) and
+        ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``, ``P2PACTOR_FINGERPRINT``
+        and ``P2PACTOR_ALLOWED_PEERS`` (comma-separated ``host:port``).
+
+        Raises:
+            ConfigError: A variable is set to something unusable; the message
+                names it.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+
+        def read(name: str, field: str, parse: Any) -> None:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return
+            try:
+                values[field] = parse(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
+
+        read("VLLM_P2P_SIDE_CHANNEL_HOST", "host", str)
+        read("VLLM_P2P_SIDE_CHANNEL_PORT", "port", int)
+        read("VLLM_P2P_MAX_PEERS", "max_peers", int)
+        read("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "handshake_timeout", float)
+        read("VLLM_P2P_IDLE_TIMEOUT_S", "idle_timeout", float)
+        read("PYTHONHASHSEED", "hash_seed", str)
+        read("P2PACTOR_NUM_BLOCKS", "num_blocks", int)
+        read("P2PACTOR_BLOCK_LEN", "block_len", int)
+        read("P2PACTOR_FINGERPRINT", "fingerprint", str)
+        allowed = env.get("P2PACTOR_ALLOWED_PEERS")
+        if allowed:
+            values["allowed_peers"] = frozenset(p.strip() for p in allowed.split(",") if p.strip())
+        values.update(overrides)
+        return cls(**values)

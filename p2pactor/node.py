@@ -1,0 +1,682 @@
+"""Node: the public API of p2pactor.
+
+A node owns its peer sessions, their request actors, the transports and the event
+log, all under one trio nursery::
+
+    async with open_node(config, control=..., data=..., parent=cache) as node:
+        answers = await node.lookup(peer, "req-1", keys)
+        result = await node.fetch(peer, "req-1", hits, dest_blocks)
+        node.finish("req-1")
+
+Two ways in, for two kinds of engines:
+
+* **async** (:meth:`Node.lookup`, :meth:`Node.fetch`), for engines written on trio;
+* **sync and thread-safe** (:meth:`Node.register_lookup`, :meth:`Node.flush`,
+  :meth:`Node.submit_load`, :meth:`Node.finish`, :meth:`Node.finished_jobs`,
+  :meth:`Node.submit_store`), for engines that step on their own thread (vLLM).
+  These never wait on trio: they hand work over and read what trio already
+  published.
+
+The parent (the engine's cache) is served continuously when the node is given
+one (an in-process cache), or only inside :meth:`Node.serve_parent`, which an
+engine calls while it lends its cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+
+from p2pactor.actor import RequestActor
+from p2pactor.config import NodeConfig
+from p2pactor.core import effects as fx
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core.consumer import ConsumerState, probe_answer
+from p2pactor.core.inputs import LookupResult
+from p2pactor.log import EventLog
+from p2pactor.parent import Parent, serve_parent_request
+from p2pactor.session import PeerSession, SessionCloseResult
+from p2pactor.transport import ControlConnection, ControlTransport, DataTransport
+
+__all__ = ["FetchResult", "LoadResult", "Node", "open_node"]
+
+log = logging.getLogger("p2pactor.node")
+
+
+@attrs.frozen
+class LoadResult:
+    """One of the engine's load jobs finished.
+
+    Attributes:
+        job_id: The engine's job.
+        success: Whether every block arrived.
+        reason: Why not, when not.
+    """
+
+    job_id: int
+    success: bool
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class FetchResult:
+    """The outcome of :meth:`Node.fetch`.
+
+    Attributes:
+        success: Whether every block arrived.
+        blocks: How many blocks were written into ours.
+        reason: Why not, when not.
+    """
+
+    success: bool
+    blocks: int
+    reason: str = ""
+
+
+# What the engine's threads hand to the trio thread.
+@attrs.frozen
+class _Register:
+    peer: str
+    kv_request_id: str
+    keys: tuple[bytes, ...]
+
+
+@attrs.frozen
+class _Flush:
+    pass
+
+
+@attrs.frozen
+class _Load:
+    peer: str
+    kv_request_id: str
+    job_id: int
+    keys: tuple[bytes, ...]
+    blocks: tuple[int, ...]
+
+
+@attrs.frozen
+class _Finish:
+    kv_request_id: str
+
+
+@attrs.frozen
+class _Store:
+    kv_request_id: str
+    job_id: int
+    keys: tuple[bytes, ...]
+    blocks: tuple[int, ...]
+
+
+@attrs.frozen
+class _Answer:
+    actor: RequestActor
+    answer: inp.ParentAnswer
+
+
+_EngineItem = _Register | _Flush | _Load | _Finish | _Store | _Answer
+
+
+@attrs.frozen
+class _Release:
+    job_id: int
+    success: bool
+
+
+# What actors ask of the parent, in order, with the actor owed the answer.
+_ParentItem = tuple[RequestActor | None, fx.ParentRequest | _Release]
+
+
+class Node:
+    """A p2pactor node. Create it with :func:`open_node`."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        control: ControlTransport,
+        data: DataTransport,
+        parent: Parent | None,
+        event_log: EventLog,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._config = config
+        self._control = control
+        self._data = data
+        self._parent = parent
+        self._log = event_log
+        self._nursery = nursery
+        self._token = trio.lowlevel.current_trio_token()
+        self._clock = trio.lowlevel.current_clock()
+        self._sessions: dict[str, PeerSession] = {}
+        self._closing: set[PeerSession] = set()
+        self._consumers: dict[tuple[str, str], RequestActor] = {}
+        self._dirty: set[RequestActor] = set()
+        self._inbox: deque[_EngineItem] = deque()
+        self._lock = threading.Lock()
+        self._wake_pending = False
+        self._engine_wakeup = trio.Event()
+        self._parent_queue: deque[_ParentItem] = deque()
+        self._parent_wakeup = trio.Event()
+        self._results: deque[LoadResult] = deque()
+        self._waiters: dict[int, trio.MemorySendChannel[LoadResult]] = {}
+        self._job_ids = itertools.count(start=-1, step=-1)  # the async API's own jobs
+        self._unbound: dict[str, list[tuple[float, _Store]]] = {}
+        self._store_finished: set[str] = set()
+        self._bound: dict[str, RequestActor] = {}
+        self._closed_results: list[SessionCloseResult] = []
+        self._actor_watchers: list[Callable[[RequestActor], None]] = []
+        self._closing_node = False
+
+    # --- identity and state ------------------------------------------------------
+
+    @property
+    def config(self) -> NodeConfig:
+        """The node's configuration."""
+        return self._config
+
+    @property
+    def node_id(self) -> str:
+        """``host:port``: this node's id on the wire."""
+        return self._config.node_id
+
+    @property
+    def control(self) -> ControlTransport:
+        """The control transport."""
+        return self._control
+
+    @property
+    def data(self) -> DataTransport:
+        """The data transport."""
+        return self._data
+
+    @property
+    def event_log(self) -> EventLog:
+        """The node's event log."""
+        return self._log
+
+    def sessions(self) -> list[PeerSession]:
+        """Live sessions, one per peer."""
+        return list(self._sessions.values())
+
+    def session(self, peer: str) -> PeerSession | None:
+        """The live session with ``peer``, if any."""
+        return self._sessions.get(peer)
+
+    def closed_sessions(self) -> list[SessionCloseResult]:
+        """What every session that has closed left behind, oldest first."""
+        return list(self._closed_results)
+
+    def has_pending_work(self) -> bool:
+        """Whether anything is really outstanding: handshakes, loads, writes, parent work."""
+        if self._parent_queue or self._inbox or self._closing:
+            return True
+        return any(s.has_pending_work() for s in list(self._sessions.values()))
+
+    # --- the async API (trio thread) ---------------------------------------------
+
+    async def lookup(
+        self, peer: str, kv_request_id: str, keys: Sequence[bytes]
+    ) -> list[LookupResult]:
+        """Ask ``peer`` which of ``keys`` it holds, for request ``kv_request_id``.
+
+        Waits until every key is answered: HIT or MISS (MISS for all when the
+        peer may not be dialed, or the request's lookup failed).
+        """
+        actor = await self._consumer(peer, kv_request_id)
+        if actor is None:
+            return [LookupResult.MISS] * len(keys)
+        await actor.deliver(inp.Register(keys))
+        await actor.deliver(inp.Flush())
+        while True:
+            answers = [probe_answer(actor.state, k) for k in keys]  # type: ignore[arg-type]
+            if LookupResult.RETRY not in answers:
+                return answers
+            await actor.wait_changed()
+
+    async def fetch(
+        self,
+        peer: str,
+        kv_request_id: str,
+        keys: Sequence[bytes],
+        dest_blocks: Sequence[int],
+    ) -> FetchResult:
+        """Load ``keys`` from ``peer`` into our ``dest_blocks`` and wait for the outcome."""
+        job_id = next(self._job_ids)
+        send, receive = trio.open_memory_channel[LoadResult](1)
+        self._waiters[job_id] = send
+        try:
+            actor = await self._consumer(peer, kv_request_id)
+            if actor is None:
+                return FetchResult(success=False, blocks=0, reason=f"{peer} may not be dialed")
+            await self._submit(actor, job_id, tuple(keys), tuple(dest_blocks))
+            result = await receive.receive()
+        finally:
+            self._waiters.pop(job_id, None)
+        blocks = len(keys) if result.success else 0
+        return FetchResult(success=result.success, blocks=blocks, reason=result.reason)
+
+    # --- the sync, thread-safe API ------------------------------------------------
+
+    def register_lookup(
+        self, peer: str, kv_request_id: str, keys: Sequence[bytes]
+    ) -> list[LookupResult]:
+        """Answer what is known about ``keys`` now; ask the peer about the rest.
+
+        Returns HIT or MISS for keys already answered and RETRY for keys still
+        being asked (newly registered keys go out at the next :meth:`flush`).
+        Never blocks; safe from any thread.
+        """
+        if not self._config.may_dial(peer):
+            return [LookupResult.MISS] * len(keys)
+        actor = self._consumers.get((peer, kv_request_id))
+        if actor is None:
+            self._post_optional(_Register(peer, kv_request_id, tuple(keys)))
+            return [LookupResult.RETRY] * len(keys)
+        state = actor.state
+        assert isinstance(state, ConsumerState)
+        answers = [probe_answer(state, k) for k in keys]
+        new = tuple(
+            k
+            for k, a in zip(keys, answers, strict=True)
+            if a is LookupResult.RETRY and k not in state.probes
+        )
+        if new:
+            self._post_optional(_Register(peer, kv_request_id, new))
+        return answers
+
+    def flush(self) -> None:
+        """Send the lookups of every request that registered new keys. Thread-safe."""
+        self._post(_Flush())
+
+    def submit_load(
+        self,
+        peer: str,
+        kv_request_id: str,
+        job_id: int,
+        keys: Sequence[bytes],
+        dest_blocks: Sequence[int],
+    ) -> None:
+        """Load ``keys`` from ``peer`` into our ``dest_blocks`` as the engine's ``job_id``.
+
+        The result arrives in :meth:`finished_jobs`. Thread-safe, never blocks.
+        """
+        if len(self._inbox) >= self._config.engine_inbox:
+            reason = f"the node is overloaded ({len(self._inbox)} engine calls queued)"
+            self._results.append(LoadResult(job_id, success=False, reason=reason))
+            return
+        self._post(_Load(peer, kv_request_id, job_id, tuple(keys), tuple(dest_blocks)))
+
+    def finish(self, kv_request_id: str) -> None:
+        """The engine is done with ``kv_request_id`` (either role). Thread-safe."""
+        self._post(_Finish(kv_request_id))
+
+    def submit_store(
+        self, kv_request_id: str, job_id: int, keys: Sequence[bytes], blocks: Sequence[int]
+    ) -> None:
+        """Offer pinned blocks of a prefill/decode request to the peer that will fetch them.
+
+        ``job_id`` is released through the parent exactly once. Thread-safe.
+        """
+        self._post(_Store(kv_request_id, job_id, tuple(keys), tuple(blocks)))
+
+    def finished_jobs(self) -> list[LoadResult]:
+        """Load results since the last call. Thread-safe, never blocks."""
+        out = []
+        while True:
+            try:
+                out.append(self._results.popleft())
+            except IndexError:
+                return out
+
+    def serve_parent(self, parent: Parent) -> int:
+        """Run the parent requests that are waiting, while the engine lends ``parent``.
+
+        Call it from the engine's thread, holding the engine's lock; ``parent``
+        is used only during this call and never kept.
+
+        Returns:
+            How many requests were served.
+        """
+        answers = self._serve(parent)
+        for actor, answer in answers:
+            self._post(_Answer(actor, answer), wake=False)
+        if answers:
+            self._wake()
+        return len(answers)
+
+    # --- internals: hand-over from any thread ----------------------------------
+
+    def _post_optional(self, item: _EngineItem) -> None:
+        """Post something the engine will ask again for if it is dropped (a lookup)."""
+        if len(self._inbox) < self._config.engine_inbox:
+            self._post(item, wake=False)
+
+    def _post(self, item: _EngineItem, *, wake: bool = True) -> None:
+        self._inbox.append(item)
+        if wake:
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        # If the node is gone, nothing will read the inbox again anyway.
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._wake_in_trio)
+
+    def _wake_in_trio(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+        self._engine_wakeup.set()
+
+    async def _engine_loop(self) -> None:
+        while True:
+            await self._engine_wakeup.wait()
+            self._engine_wakeup = trio.Event()
+            while self._inbox:
+                await self._apply(self._inbox.popleft())
+
+    async def _apply(self, item: _EngineItem) -> None:
+        match item:
+            case _Register(peer, kv_id, keys):
+                actor = await self._consumer(peer, kv_id)
+                if actor is not None and await actor.deliver(inp.Register(keys)):
+                    self._dirty.add(actor)
+            case _Flush():
+                dirty, self._dirty = self._dirty, set()
+                for actor in dirty:
+                    await actor.deliver(inp.Flush())
+            case _Load(peer, kv_id, job_id, keys, blocks):
+                actor = await self._consumer(peer, kv_id)
+                if actor is None:
+                    self.report_load(job_id, success=False, reason=f"{peer} is not an allowed peer")
+                else:
+                    await self._submit(actor, job_id, keys, blocks)
+            case _Finish(kv_id):
+                await self._finish(kv_id)
+            case _Store():
+                await self._store(item)
+            case _Answer(actor, answer):
+                if not await actor.deliver(answer):
+                    log.error("%s ended before its parent answer; releasing its pin", actor.id)
+                    if answer.pin is not None:
+                        self.release_pin(answer.pin.job_id, success=False)
+
+    async def _submit(
+        self, actor: RequestActor, job_id: int, keys: tuple[bytes, ...], blocks: tuple[int, ...]
+    ) -> None:
+        session = self._sessions.get(actor.id.peer)
+        next_round = session.next_round() if session is not None else None
+        load = inp.SubmitLoad(job_id=job_id, keys=keys, block_indexes=blocks, next_round=next_round)
+        if not await actor.deliver(load):
+            self.report_load(job_id, success=False, reason="the request already ended")
+
+    async def _finish(self, kv_id: str) -> None:
+        for key in [k for k in self._consumers if k[1] == kv_id]:
+            actor = self._consumers.pop(key)
+            self._dirty.discard(actor)
+            await actor.deliver(inp.Finish())
+        bound = self._bound.get(kv_id)
+        if bound is not None and not bound.done:
+            await bound.deliver(inp.Finish())
+        elif kv_id in self._unbound:
+            self._store_finished.add(kv_id)
+
+    async def _store(self, item: _Store) -> None:
+        bound = self._bound.get(item.kv_request_id)
+        store = inp.AddStore(job_id=item.job_id, keys=item.keys, blocks=item.blocks)
+        if bound is not None and not bound.done and await bound.deliver(store):
+            return
+        self._bound.pop(item.kv_request_id, None)
+        parked = self._unbound.setdefault(item.kv_request_id, [])
+        parked.append((trio.current_time(), item))
+
+    async def _consumer(self, peer: str, kv_id: str) -> RequestActor | None:
+        """The consumer actor for (peer, kv_id), created with its session if needed."""
+        actor = self._consumers.get((peer, kv_id))
+        if actor is not None:
+            return actor  # a finished or failed one answers MISS until the engine finishes
+        session = await self._session_for(peer)
+        if session is None:
+            return None
+        actor = self._consumers.get((peer, kv_id))
+        if actor is not None:  # created while we waited for the session to start
+            return actor
+        actor = session.consumer(kv_id)
+        self._consumers[peer, kv_id] = actor
+        return actor
+
+    async def _session_for(self, peer: str) -> PeerSession | None:
+        session = self._sessions.get(peer)
+        if session is not None and session.alive:
+            return session
+        if not self._config.may_dial(peer) or self._closing_node:
+            return None
+        if len(self._sessions) >= self._config.max_peers:
+            log.warning("not dialing %s: already %d peers (max_peers)", peer, len(self._sessions))
+            return None
+        return await self._start_session(peer, None)
+
+    async def _start_session(self, peer: str, conn: ControlConnection | None) -> PeerSession:
+        session = PeerSession(self, peer, conn)
+        self._sessions[peer] = session
+        await self._nursery.start(self._run_session, session, name=f"session {peer}")
+        return session
+
+    async def _run_session(
+        self, session: PeerSession, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            await session.run(task_status=task_status)
+        finally:
+            if self._sessions.get(session.peer_id) is session:
+                del self._sessions[session.peer_id]
+            self._closing.discard(session)
+            if session.result is not None:
+                self._session_closed(session.result)
+
+    def _session_closed(self, result: SessionCloseResult) -> None:
+        self._closed_results.append(result)
+        for job_id in result.held_pins:
+            log.warning("%s closed holding pin %d; releasing it", result.peer_id, job_id)
+            self.release_pin(job_id, success=False)
+        for context in result.open_contexts:
+            self._enqueue_parent((None, fx.ParentClose(context)))
+        for kv_id, actor in list(self._bound.items()):
+            if actor.id.peer == result.peer_id:
+                del self._bound[kv_id]
+
+    async def _accept_loop(self) -> None:
+        while True:
+            conn = await self._control.accept()
+            peer = conn.peer_id
+            existing = self._sessions.get(peer)
+            if existing is not None and existing.alive:
+                log.warning("%s connected again while its session lives; refused", peer)
+                await conn.aclose()
+            elif len(self._sessions) >= self._config.max_peers or self._closing_node:
+                log.warning("refused %s: at max_peers (%d)", peer, self._config.max_peers)
+                await conn.aclose()
+            else:
+                if existing is not None:
+                    self._closing.add(existing)
+                await self._start_session(peer, conn)
+
+    async def _reaper(self) -> None:
+        """Expire stored blocks that no fetch came for."""
+        while True:
+            await trio.sleep(1.0)
+            cutoff = trio.current_time() - self._config.unbound_store_timeout
+            for kv_id, parked in list(self._unbound.items()):
+                if parked and parked[0][0] <= cutoff:
+                    del self._unbound[kv_id]
+                    self._store_finished.discard(kv_id)
+                    for _, item in parked:
+                        log.warning("no fetch came for %s; releasing its stored blocks", kv_id)
+                        self.release_pin(item.job_id, success=False)
+
+    # --- what sessions ask of the node (SessionHost) ------------------------------
+
+    def watch_actors(self, watcher: Callable[[RequestActor], None]) -> Callable[[], None]:
+        """Call ``watcher`` with every actor created from now on; returns an unsubscribe."""
+        self._actor_watchers.append(watcher)
+        return lambda: self._actor_watchers.remove(watcher)
+
+    def actor_created(self, actor: RequestActor) -> None:
+        """Tell the watchers about a new actor."""
+        for watcher in list(self._actor_watchers):
+            watcher(actor)
+
+    def record(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+        """Append an actor's events to the log."""
+        del actor
+        self._log.append(events)
+
+    def post_parent(self, actor: RequestActor, request: fx.ParentRequest) -> None:
+        """Queue a parent request for the next serve."""
+        self._enqueue_parent((actor, request))
+
+    def release_pin(self, job_id: int, *, success: bool) -> None:
+        """Queue the release of a pin job for the next serve."""
+        self._enqueue_parent((None, _Release(job_id, success)))
+
+    def _enqueue_parent(self, item: _ParentItem) -> None:
+        self._parent_queue.append(item)
+        self._parent_wakeup.set()
+
+    def report_load(self, job_id: int, *, success: bool, reason: str) -> None:
+        """Hand a load result to whoever waits for it."""
+        result = LoadResult(job_id, success, reason)
+        waiter = self._waiters.get(job_id)
+        if waiter is not None:
+            waiter.send_nowait(result)
+        else:
+            self._results.append(result)
+
+    def producer_opened(self, session: PeerSession, actor: RequestActor) -> None:
+        """Bind a prefill/decode request's parked stores to the actor that will serve them."""
+        del session
+        kv_id = actor.id.kv_request_id
+        # As vLLM binds a request id to the session its fetch came on: stores
+        # for it go to this actor from now on.
+        self._bound[kv_id] = actor
+        parked = self._unbound.pop(kv_id, None)
+        finished = kv_id in self._store_finished
+        self._store_finished.discard(kv_id)
+        if parked or finished:
+            self._nursery.start_soon(self._feed_stores, actor, parked or [], finished)
+
+    async def _feed_stores(
+        self, actor: RequestActor, parked: list[tuple[float, _Store]], finished: bool
+    ) -> None:
+        for _, item in parked:
+            store = inp.AddStore(job_id=item.job_id, keys=item.keys, blocks=item.blocks)
+            if not await actor.deliver(store):
+                self.release_pin(item.job_id, success=False)
+        if finished:
+            await actor.deliver(inp.Finish())
+
+    # --- the parent -----------------------------------------------------------------
+
+    def _serve(self, parent: Parent) -> list[tuple[RequestActor, inp.ParentAnswer]]:
+        """Run every queued parent request against ``parent`` (any thread)."""
+        answers: list[tuple[RequestActor, inp.ParentAnswer]] = []
+        now = self._clock.current_time()
+        while True:
+            try:
+                actor, request = self._parent_queue.popleft()
+            except IndexError:
+                return answers
+            match request:
+                case fx.ParentLookup():
+                    assert actor is not None
+                    answers.append((actor, serve_parent_request(parent, request, now)))
+                case fx.ParentClose(context):
+                    try:
+                        parent.on_request_finished(context)
+                    except Exception:
+                        log.exception("the parent failed to finish %s", context)
+                case _Release(job_id, success):
+                    try:
+                        parent.release_job(job_id, success=success)
+                    except Exception:
+                        log.exception("the parent failed to release job %d", job_id)
+
+    async def _serve_embedded(self, parent: Parent) -> None:
+        while True:
+            await self._parent_wakeup.wait()
+            self._parent_wakeup = trio.Event()
+            for actor, answer in self._serve(parent):
+                if not await actor.deliver(answer) and answer.pin is not None:
+                    self.release_pin(answer.pin.job_id, success=False)
+
+    # --- lifetime -----------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close every session (draining them), then the log. Idempotent."""
+        self._closing_node = True
+        sessions = [*self._sessions.values(), *self._closing]
+        for session in sessions:
+            session.close("the node is shutting down")
+        for session in sessions:
+            await session.wait_closed()
+        if self._parent is not None:
+            for actor, answer in self._serve(self._parent):
+                del actor
+                if answer.pin is not None:
+                    self._parent.release_job(answer.pin.job_id, success=False)
+        self._log.close()
+
+
+@asynccontextmanager
+async def open_node(
+    config: NodeConfig,
+    *,
+    control: ControlTransport,
+    data: DataTransport,
+    parent: Parent | None = None,
+    event_log: EventLog | None = None,
+) -> AsyncIterator[Node]:
+    """Start a node; close it (draining its sessions) when the block exits.
+
+    Args:
+        config: The node's configuration.
+        control: Its control transport (ZeroMQ, or in-memory for tests).
+        data: Its data transport (NIXL, or in-memory for tests).
+        parent: An in-process cache to serve continuously; None when the engine
+            lends its cache through :meth:`Node.serve_parent`.
+        event_log: Where events go; by default an in-memory log.
+    """
+    event_log = event_log or EventLog(config.node_id)
+    async with trio.open_nursery() as nursery:
+        node = Node(
+            config,
+            control=control,
+            data=data,
+            parent=parent,
+            event_log=event_log,
+            nursery=nursery,
+        )
+        nursery.start_soon(node._accept_loop)
+        nursery.start_soon(node._engine_loop)
+        nursery.start_soon(node._reaper)
+        if parent is not None:
+            nursery.start_soon(node._serve_embedded, parent)
+        nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
+        try:
+            yield node
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
+                await node.aclose()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,149 @@
+"""The two transports a node runs on, as small interfaces.
+
+The runtime depends only on these; adapters implement them (ZeroMQ for control,
+NIXL for data) and :mod:`p2pactor.testing` implements them in memory, with fault
+injection, for tests.
+
+* :class:`ControlTransport` / :class:`ControlConnection` carry frames (encoded
+  protocol messages) between this node and each peer, in order, per direction.
+* :class:`DataTransport` writes blocks of this node's pool into a peer's pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from p2pactor.errors import P2PActorError
+
+__all__ = [
+    "ConnectionLost",
+    "ControlConnection",
+    "ControlTransport",
+    "DataTransport",
+    "TransferError",
+]
+
+
+class ConnectionLost(P2PActorError):
+    """The control connection to a peer is gone; the reason says why."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class TransferError(P2PActorError):
+    """A write into a peer's blocks failed; no part of it is still running."""
+
+
+class ControlConnection(Protocol):
+    """One peer's control channel: frames to it and frames from it."""
+
+    @property
+    def peer_id(self) -> str:
+        """The peer's id, ``host:port``."""
+        ...
+
+    async def send(self, frame: bytes) -> None:
+        """Queue ``frame`` for the peer, in order.
+
+        Raises:
+            ConnectionLost: The connection is dead, or the peer stopped reading
+                (its queue is full).
+        """
+        ...
+
+    async def receive(self) -> bytes:
+        """Wait for the peer's next frame.
+
+        Raises:
+            ConnectionLost: The connection died; no frame will come.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Close the connection. Idempotent."""
+        ...
+
+
+class ControlTransport(Protocol):
+    """The node's control endpoint: dials peers and hears from new ones."""
+
+    @property
+    def local_id(self) -> str:
+        """This node's id, ``host:port``, as peers dial it."""
+        ...
+
+    async def connect(self, peer_id: str) -> ControlConnection:
+        """Open (or return the existing) connection to ``peer_id``.
+
+        Raises:
+            ConnectionLost: The peer cannot be dialed at all.
+        """
+        ...
+
+    async def accept(self) -> ControlConnection:
+        """Wait for a peer this node has no connection with to send a frame.
+
+        The connection is returned once, with that first frame buffered.
+        """
+        ...
+
+
+class DataTransport(Protocol):
+    """Moves blocks from this node's pool into peers' pools (one-sided WRITE)."""
+
+    @property
+    def agent_metadata(self) -> bytes:
+        """What a peer needs to register this node (sent in ``connect``)."""
+        ...
+
+    @property
+    def base_addr(self) -> int:
+        """Address of block 0 of this node's pool, as peers must name it."""
+        ...
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in this node's pool."""
+        ...
+
+    @property
+    def block_len(self) -> int:
+        """Bytes per block."""
+        ...
+
+    async def add_peer(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+    ) -> None:
+        """Register a peer's pool so blocks can be written into it.
+
+        May take a while (O(num_blocks)); it never blocks the event loop.
+
+        Raises:
+            TransferError: The peer's pool cannot be registered.
+        """
+        ...
+
+    async def remove_peer(self, peer_id: str) -> None:
+        """Forget a peer. Writes to it that are still running are waited for."""
+        ...
+
+    async def write(
+        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    ) -> None:
+        """Write our ``local_blocks`` into the peer's ``remote_blocks``.
+
+        Returns once every byte has arrived.
+
+        Raises:
+            TransferError: The write failed; it raises only once no part of it
+                can still be running, so the peer may reuse its blocks.
+        """
+        ...

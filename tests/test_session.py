@@ -1,0 +1,326 @@
+"""PeerSession at the wire: a real node against a scripted raw peer.
+
+The raw peer speaks frames directly on the in-memory network, so tests can play
+a stock vLLM peer, a buggy one or a hostile one, and check exactly what the node
+sends back and when: the handshake and its checks, queuing until the ack,
+routing, the error policy, and closing. Time is trio's mock clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import msgspec
+import pytest
+import trio
+
+import p2pactor.actor
+from p2pactor import protocol as wire
+from p2pactor.config import NodeConfig
+from p2pactor.core.inputs import LookupResult
+from p2pactor.node import Node, open_node
+from p2pactor.parent import EmbeddedCache
+from p2pactor.testing import MemoryConnection, MemoryDataPlane, MemoryNetwork
+from tests.cluster import BLOCK_LEN, block_bytes, key
+
+NODE = "node:5710"
+PEER = "peer:5710"
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+class RawPeer:
+    """A peer scripted frame by frame: sends what the test says, records what arrives."""
+
+    def __init__(self, network: MemoryNetwork, plane: MemoryDataPlane, peer_id: str = PEER):
+        self.transport = network.transport(peer_id)
+        self.memory = bytearray(16 * BLOCK_LEN)
+        self.data = plane.transport(self.memory, BLOCK_LEN)
+        self.peer_id = peer_id
+        self.conn: MemoryConnection | None = None
+
+    def connect_msg(self, **changes: object) -> wire.Connect:
+        fields: dict[str, object] = {
+            "peer_id": self.peer_id,
+            "agent_metadata": self.data.agent_metadata,
+            "base_addr": self.data.base_addr,
+            "num_blocks": self.data.num_blocks,
+            "block_len": BLOCK_LEN,
+            "config_fingerprint": "",
+            "hash_seed": "vllm-none-hash",
+        }
+        fields.update(changes)
+        return wire.Connect(**fields)  # type: ignore[arg-type]
+
+    async def dial(self, node_id: str = NODE) -> None:
+        self.conn = await self.transport.connect(node_id)
+
+    async def accept(self) -> None:
+        self.conn = await self.transport.accept()
+
+    async def send(self, msg: wire.Message) -> None:
+        await self.send_raw(wire.encode(msg))
+
+    async def send_raw(self, frame: bytes) -> None:
+        assert self.conn is not None
+        await self.conn.send(frame)
+
+    async def receive(self) -> wire.Message:
+        assert self.conn is not None
+        with trio.fail_after(60):
+            return wire.decode(await self.conn.receive())
+
+    async def expect(self, cls: type[wire.Message]) -> wire.Message:
+        msg = await self.receive()
+        assert isinstance(msg, cls), f"expected {cls.__name__}, got {msg}"
+        return msg
+
+    async def handshake_as_server(self) -> wire.Connect:
+        """The node dialed us: accept, read its connect, send ours, ack its."""
+        await self.accept()
+        connect = await self.expect(wire.Connect)
+        await self.send(self.connect_msg())
+        await self.send(wire.ConnectAck(peer_id=self.peer_id))
+        await self.expect(wire.ConnectAck)
+        assert isinstance(connect, wire.Connect)
+        return connect
+
+    async def handshake_as_client(self) -> wire.Connect:
+        """We dial the node: send connect, read its connect and ack, ack it."""
+        await self.dial()
+        await self.send(self.connect_msg())
+        connect = await self.expect(wire.Connect)
+        await self.expect(wire.ConnectAck)
+        await self.send(wire.ConnectAck(peer_id=self.peer_id))
+        assert isinstance(connect, wire.Connect)
+        return connect
+
+
+@asynccontextmanager
+async def node_and_peer(**config: object) -> AsyncIterator[tuple[Node, EmbeddedCache, RawPeer]]:
+    network = MemoryNetwork()
+    plane = MemoryDataPlane()
+    settings: dict[str, object] = {"num_blocks": 16, "block_len": BLOCK_LEN, **config}
+    cfg = NodeConfig(host="node", port=5710, **settings)  # type: ignore[arg-type]
+    cache = EmbeddedCache(cfg.num_blocks, cfg.block_len)
+    peer = RawPeer(network, plane)
+    async with open_node(
+        cfg,
+        control=network.transport(cfg.node_id),
+        data=plane.transport(cache.memory, cfg.block_len),
+        parent=cache,
+    ) as node:
+        yield node, cache, peer
+
+
+async def closed_reason(node: Node) -> str:
+    with trio.fail_after(60):
+        while not node.closed_sessions():  # noqa: ASYNC110 - no event to wait on
+            await trio.sleep(0.01)
+    return node.closed_sessions()[-1].reason
+
+
+class TestHandshake:
+    async def test_connect_is_sent_first_and_advertises_the_node(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer(fingerprint="abcd") as (node, _, peer):
+            node.register_lookup(PEER, "r", [key(1)])
+            node.flush()
+            connect = await peer.handshake_as_server()
+            assert connect.peer_id == NODE
+            assert connect.block_len == BLOCK_LEN
+            assert connect.num_blocks == 16
+            assert connect.config_fingerprint == "abcd"
+            assert connect.hash_seed == "vllm-none-hash"
+            assert connect.extension is not None  # p2pactor offers its extensions
+
+    async def test_messages_wait_for_the_ack_of_our_connect(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer() as (node, _, peer):
+            node.register_lookup(PEER, "r", [key(1)])
+            node.flush()
+            await peer.accept()
+            await peer.expect(wire.Connect)
+            await peer.send(peer.connect_msg())
+            await peer.expect(wire.ConnectAck)  # the node acks ours...
+            with trio.move_on_after(5):  # ...but holds its lookup until we ack its connect
+                msg = await peer.receive()
+                pytest.fail(f"sent {msg} before its connect was acked")
+            await peer.send(wire.ConnectAck(peer_id=PEER))
+            lookup = await peer.expect(wire.Lookup)
+            assert isinstance(lookup, wire.Lookup)
+            assert lookup.keys == (key(1),)
+            assert lookup.deadline_ms is None  # a stock peer sees vLLM's dialect
+
+    async def test_ack_comes_only_after_the_peer_is_registered(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer() as (node, _, peer):
+            # registration takes 3 s on this data plane
+            peer.data._plane.registration_delay = 3.0
+            await peer.dial()
+            start = trio.current_time()
+            await peer.send(peer.connect_msg())
+            await peer.expect(wire.Connect)
+            await peer.expect(wire.ConnectAck)
+            assert trio.current_time() - start >= 3.0
+            del node
+
+    @pytest.mark.parametrize(
+        ("change", "words"),
+        [
+            ({"block_len": BLOCK_LEN * 2}, "block size differs"),
+            ({"hash_seed": "42"}, "set PYTHONHASHSEED to the same value"),
+            ({"config_fingerprint": "ffff"}, "config fingerprint differs"),
+            ({"peer_id": "evil:1"}, "a peer's id must be the host:port it bound"),
+        ],
+    )
+    async def test_incompatible_peer_is_rejected_without_an_ack(
+        self, autojump_clock: trio.abc.Clock, change: dict[str, object], words: str
+    ) -> None:
+        async with node_and_peer(fingerprint="abcd") as (node, _, peer):
+            await peer.dial()
+            await peer.send(peer.connect_msg(**change))
+            await peer.expect(wire.Connect)
+            await peer.expect(wire.Disconnect)  # no ack, a disconnect
+            assert words in await closed_reason(node)
+            assert peer.data.registered() == []
+
+    async def test_missing_fingerprint_is_accepted(self, autojump_clock: trio.abc.Clock) -> None:
+        async with node_and_peer(fingerprint="abcd") as (_, _, peer):
+            await peer.handshake_as_client()  # config_fingerprint="" on our side
+
+    async def test_handshake_times_out_after_thirty_seconds(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer() as (node, _, peer):
+            await peer.dial()
+            await peer.send(peer.connect_msg())
+            start = trio.current_time()
+            # never ack: the node gives up at exactly the handshake timeout
+            reason = await closed_reason(node)
+            assert "handshake not complete after 30 s" in reason
+            assert trio.current_time() - start == pytest.approx(30.0, abs=0.05)
+
+    async def test_second_connect_is_a_protocol_violation(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer() as (node, _, peer):
+            await peer.handshake_as_client()
+            await peer.send(peer.connect_msg())
+            await peer.expect(wire.Disconnect)
+            assert "a second connect" in await closed_reason(node)
+
+    async def test_a_duplicate_ack_does_no_harm(self, autojump_clock: trio.abc.Clock) -> None:
+        async with node_and_peer() as (node, cache, peer):
+            cache.store(key(1), block_bytes(key(1)))
+            await peer.handshake_as_client()
+            await peer.send(wire.ConnectAck(peer_id=PEER))
+            await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
+            resp = await peer.expect(wire.LookupResp)
+            assert isinstance(resp, wire.LookupResp)
+            assert resp.hits == (True,)
+            assert node.session(PEER) is not None
+
+
+class TestErrorPolicy:
+    async def test_undecodable_frame_disconnects(self, autojump_clock: trio.abc.Clock) -> None:
+        async with node_and_peer() as (node, _, peer):
+            await peer.handshake_as_client()
+            await peer.send_raw(b"\x93\x01\x02")  # msgpack, but not a map
+            await peer.expect(wire.Disconnect)
+            assert "undecodable message" in await closed_reason(node)
+
+    async def test_unknown_message_type_is_dropped_not_fatal(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer() as (node, cache, peer):
+            cache.store(key(1), block_bytes(key(1)))
+            await peer.handshake_as_client()
+            await peer.send_raw(msgspec.msgpack.encode({"type": "teleport", "x": 1}))
+            await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
+            await peer.expect(wire.LookupResp)
+            assert node.session(PEER) is not None
+
+    async def test_message_before_connect_disconnects(self, autojump_clock: trio.abc.Clock) -> None:
+        async with node_and_peer() as (node, _, peer):
+            await peer.dial()
+            await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
+            await peer.expect(wire.Connect)
+            await peer.expect(wire.Disconnect)
+            assert "before the peer's connect" in await closed_reason(node)
+
+    async def test_fetch_outside_the_peers_pool_disconnects(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer() as (node, cache, peer):
+            cache.store(key(1), block_bytes(key(1)))
+            await peer.handshake_as_client()
+            await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
+            await peer.expect(wire.LookupResp)
+            await peer.send(
+                wire.Fetch(kv_request_id="r", keys=(key(1),), block_indexes=(16,), round_seq=0)
+            )
+            await peer.expect(wire.Disconnect)
+            assert "writes block 16, but the peer has 16 blocks" in await closed_reason(node)
+            await trio.sleep(1)
+            assert cache.held_jobs() == set()
+            assert cache.opened == set()
+
+    async def test_duplicate_fetch_disconnects_after_the_write_in_flight_ends(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer() as (node, cache, peer):
+            cache.store(key(1), block_bytes(key(1)))
+            await peer.handshake_as_client()
+            await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
+            await peer.expect(wire.LookupResp)
+            plane = peer.data._plane
+            plane.hold_writes()
+            fetch = wire.Fetch(kv_request_id="r", keys=(key(1),), block_indexes=(0,), round_seq=0)
+            await peer.send(fetch)
+            await peer.send(fetch)
+            await peer.expect(wire.Disconnect)
+            await trio.sleep(5)
+            # the session is dead but still draining: the write may still land
+            assert node.closed_sessions() == []
+            assert cache.pinned() == 1
+            plane.release_writes()
+            assert "duplicate_fetch" in await closed_reason(node)
+            assert peer.memory[:BLOCK_LEN] == block_bytes(key(1))
+            assert cache.held_jobs() == set()
+            assert cache.opened == set()
+
+
+class TestDispatchErrors:
+    async def test_five_internal_errors_in_a_row_disconnect_one_success_resets(
+        self, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        real = p2pactor.actor.step_producer
+
+        def buggy(state, event_input, now, timings):  # type: ignore[no-untyped-def]
+            if isinstance(event_input, wire.Lookup) and event_input.keys == (b"boom",):
+                raise RuntimeError("a bug in the core")
+            return real(state, event_input, now, timings)
+
+        monkeypatch.setattr(p2pactor.actor, "step_producer", buggy)
+
+        async def boom(n: int) -> None:
+            await peer.send(wire.Lookup(kv_request_id=f"b{n}", keys=(b"boom",), round_seq=0))
+
+        async with node_and_peer() as (node, cache, peer):
+            cache.store(key(1), block_bytes(key(1)))
+            await peer.handshake_as_client()
+            for n in range(4):
+                await boom(n)
+            await peer.send(wire.Lookup(kv_request_id="ok", keys=(key(1),), round_seq=0))
+            await peer.expect(wire.LookupResp)  # alive after 4; the success resets
+            for n in range(4):
+                await boom(10 + n)
+            await trio.sleep(1)
+            assert node.session(PEER) is not None, "4 in a row after a reset is survivable"
+            await boom(20)
+            await peer.expect(wire.Disconnect)
+            assert "5 handler errors in a row" in await closed_reason(node)
