@@ -116,3 +116,11 @@ class LogFormatError(LogError):
     was written in a newer log format. Corruption *after* a good header is not
     raised: the reader reports it and stops (see ``docs/log-format.md``).
     """
+
+
+class DataPlaneError(P2PActorError):
+    """The data plane (NIXL) cannot be set up as asked.
+
+    NIXL is not installed, its agent cannot be created, or the block pool
+    cannot be registered with it. The message names what to install or fix.
+    """

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -167,6 +168,7 @@ class Node:
         self._engine_wakeup = trio.Event()
         self._parent_queue: deque[_ParentItem] = deque()
         self._parent_wakeup = trio.Event()
+        self._parked: list[tuple[RequestActor, fx.ParentLookup]] = []
         self._results: deque[LoadResult] = deque()
         self._waiters: dict[int, trio.MemorySendChannel[LoadResult]] = {}
         self._job_ids = itertools.count(start=-1, step=-1)  # the async API's own jobs
@@ -218,7 +220,7 @@ class Node:
 
     def has_pending_work(self) -> bool:
         """Whether anything is really outstanding: handshakes, loads, writes, parent work."""
-        if self._parent_queue or self._inbox or self._closing:
+        if self._parent_queue or self._parked or self._inbox or self._closing:
             return True
         return any(s.has_pending_work() for s in list(self._sessions.values()))
 
@@ -590,18 +592,33 @@ class Node:
     # --- the parent -----------------------------------------------------------------
 
     def _serve(self, parent: Parent) -> list[tuple[RequestActor, inp.ParentAnswer]]:
-        """Run every queued parent request against ``parent`` (any thread)."""
+        """Run the parked and the queued parent requests against ``parent`` (any thread).
+
+        A re-poll of pending keys that finds nothing new stays parked and is
+        asked again at the next serve, as vLLM re-polls parked lookups: the
+        actor hears back only when something changed or time ran out, so a
+        key pending for 5 s costs two events, not one per poll.
+        """
         answers: list[tuple[RequestActor, inp.ParentAnswer]] = []
         now = self._clock.current_time()
+        parked: list[_ParentItem] = list(self._parked)
+        self._parked = []
         while True:
-            try:
-                actor, request = self._parent_queue.popleft()
-            except IndexError:
-                return answers
+            if parked:
+                actor, request = parked.pop()
+            else:
+                try:
+                    actor, request = self._parent_queue.popleft()
+                except IndexError:
+                    return answers
             match request:
                 case fx.ParentLookup():
                     assert actor is not None
-                    answers.append((actor, serve_parent_request(parent, request, now)))
+                    answer = serve_parent_request(parent, request, now)
+                    if _no_news(request, answer) and not actor.done:
+                        self._parked.append((actor, request))
+                    else:
+                        answers.append((actor, answer))
                 case fx.ParentClose(context):
                     try:
                         parent.on_request_finished(context)
@@ -614,8 +631,10 @@ class Node:
                         log.exception("the parent failed to release job %d", job_id)
 
     async def _serve_embedded(self, parent: Parent) -> None:
+        poll = self._config.timings.pending_poll_interval
         while True:
-            await self._parent_wakeup.wait()
+            with trio.move_on_after(poll if self._parked else math.inf):
+                await self._parent_wakeup.wait()
             self._parent_wakeup = trio.Event()
             for actor, answer in self._serve(parent):
                 if not await actor.deliver(answer) and answer.pin is not None:
@@ -637,6 +656,14 @@ class Node:
                 if answer.pin is not None:
                     self._parent.release_job(answer.pin.job_id, success=False)
         self._log.close()
+
+
+def _no_news(request: fx.ParentLookup, answer: inp.ParentAnswer) -> bool:
+    """A re-poll that resolved nothing and has time left: keep it parked."""
+    if request.open_context or answer.expired or answer.pin is not None:
+        return False
+    pending = (LookupResult.HIT_PENDING, LookupResult.RETRY)
+    return all(result in pending for _, result in answer.results)
 
 
 @asynccontextmanager

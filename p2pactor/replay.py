@@ -359,6 +359,8 @@ def describe(event: ev.AnyEvent) -> str:
                 f"lookup {event.lookup_id}: {_n(len(event.hits), 'hit')}, "
                 f"{_n(len(event.misses), 'miss')}, {len(event.pending)} pending"
             )
+        case ev.ParentExpired():
+            return f"lookup {event.lookup_id}: the parent was not asked, too late"
         case ev.KeysPinned():
             return (
                 f"lookup {event.lookup_id}, round {event.round_seq}, job {event.job_id}, "
@@ -633,13 +635,10 @@ class _ProducerCheck:
 def _stray_release(prev: ev.AnyEvent | None) -> bool:
     """Whether a release of a job never pinned is the core's cleanup of a stray pin.
 
-    A parent answer nobody waits for is Ignored and its pin released at once;
-    a pin that arrives with an expired answer is released right after the
-    answer's KeysResolved, without a KeysPinned.
+    A parent answer nobody waits for (or one that should not carry a pin) is
+    Ignored and its pin released at once, without a KeysPinned.
     """
-    if isinstance(prev, ev.Ignored):
-        return prev.input == "parent_answer"
-    return isinstance(prev, ev.KeysResolved)
+    return isinstance(prev, ev.Ignored) and prev.input == "parent_answer"
 
 
 # --- the engine ---------------------------------------------------------------------

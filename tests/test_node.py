@@ -132,6 +132,9 @@ async def test_pending_key_times_out_as_miss_after_five_seconds(
         answers = await a.node.lookup(b.id, "req", [key(7)])
         assert answers == [MISS]
         assert trio.current_time() - start == pytest.approx(5.0, abs=1e-6)
+        # the parent was polled every 5 ms, but only progress is an event
+        polls = [e for e in b.log.recent() if e.KIND == "PendingPolled"]
+        assert len(polls) == 1
         a.node.finish("req")
         await trio.sleep(1)
     assert_settled(cluster)

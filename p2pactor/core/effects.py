@@ -60,6 +60,10 @@ class ParentLookup:
     request ``context`` first if ``open_context``; skip everything and answer
     ``expired`` if the time is past ``not_after``; look each key up; pin all
     hits with one job. The answer is a :class:`~p2pactor.core.inputs.ParentAnswer`.
+
+    A re-poll (``open_context`` false) that finds every key still pending may
+    be kept by the runtime and asked again at its next serve, answering only
+    once a key resolves or ``not_after`` passes; the core works either way.
     """
 
     context: str
@@ -253,6 +257,7 @@ def effects_of(event: ev.AnyEvent) -> tuple[Effect, ...]:
             | ev.LookupTimedOut()
             | ev.KeysResolved()
             | ev.KeysPinned()
+            | ev.ParentExpired()
             | ev.PendingExpired()
             | ev.LookupDropped()
             | ev.StoreAdded()

@@ -50,6 +50,7 @@ __all__ = [
     "LookupResp",
     "LookupTimedOut",
     "Opened",
+    "ParentExpired",
     "PendingExpired",
     "PendingPolled",
     "PinReleased",
@@ -486,6 +487,18 @@ class PendingPolled(Event):
 
 
 @attrs.frozen(kw_only=True)
+class ParentExpired(Event):
+    """A re-poll reached the parent only after its ``not_after``: nothing was asked.
+
+    Attributes:
+        lookup_id: Which lookup.
+    """
+
+    KIND: ClassVar[str] = "ParentExpired"
+    lookup_id: int
+
+
+@attrs.frozen(kw_only=True)
 class PendingExpired(Event):
     """Pending keys ran out of time; they count as TIMEOUT and answer MISS.
 
@@ -745,6 +758,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         KeysResolved,
         KeysPinned,
         PendingPolled,
+        ParentExpired,
         PendingExpired,
         LookupAnswered,
         LookupDropped,
@@ -792,6 +806,7 @@ ProducerEvent = (
     | KeysResolved
     | KeysPinned
     | PendingPolled
+    | ParentExpired
     | PendingExpired
     | LookupAnswered
     | LookupDropped

@@ -450,6 +450,9 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
         case ev.PendingPolled():
             lookup = attrs.evolve(s.lookups[event.lookup_id], outstanding=True, next_poll_at=None)
             return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, lookup))
+        case ev.ParentExpired():
+            lookup = attrs.evolve(s.lookups[event.lookup_id], outstanding=False)
+            return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, lookup))
         case ev.PendingExpired():
             lookup = s.lookups[event.lookup_id]
             resolved = dict(lookup.resolved)
@@ -652,25 +655,11 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
             )
         return
     if answer.expired:
-        b.emit(
-            ev.KeysResolved(
-                **b.head,
-                lookup_id=lookup.lookup_id,
-                hits=(),
-                misses=(),
-                pending=tuple(k for k in dict.fromkeys(lookup.keys) if k in lookup.pending),
-                next_poll_at=None,
-            )
-        )
-        if answer.pin is not None:
-            b.emit(
-                ev.PinReleased(
-                    **b.head,
-                    job_id=answer.pin.job_id,
-                    success=False,
-                    reason="pinned after the lookup expired",
-                )
-            )
+        b.emit(ev.ParentExpired(**b.head, lookup_id=lookup.lookup_id))
+        if answer.pin is not None:  # the runtime never pins past not_after; if it did:
+            reason = "an expired parent answer carried a pin"
+            b.emit(ev.Ignored(**b.head, input="parent_answer", reason=reason))
+            b.emit(ev.PinReleased(**b.head, job_id=answer.pin.job_id, success=False, reason=reason))
     else:
         _resolve(b, lookup, answer, t)
     lookup = b.state.lookups[answer.lookup_id]
