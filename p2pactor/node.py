@@ -501,10 +501,16 @@ class Node:
 
     async def _accept_loop(self) -> None:
         while True:
-            conn = await self._control.accept()
+            try:
+                conn = await self._control.accept()
+            except trio.ClosedResourceError:
+                return  # the transport was closed under us: no more peers
             peer = conn.peer_id
             existing = self._sessions.get(peer)
-            if existing is not None and existing.alive:
+            if not self._config.may_dial(peer):
+                log.warning("refused %s: not in allowed_peers", peer)
+                await conn.aclose()
+            elif existing is not None and existing.alive:
                 log.warning("%s connected again while its session lives; refused", peer)
                 await conn.aclose()
             elif len(self._sessions) >= self._config.max_peers or self._closing_node:

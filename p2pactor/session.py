@@ -290,9 +290,16 @@ class PeerSession:
     async def _talk(self) -> None:
         """Connect, handshake and carry messages until the session dies."""
         try:
+            first: wire.Connect | None = None
             if self._conn is None:
                 self._conn = await self._host.control.connect(self.peer_id)
+            else:
+                first = await self._first_connect()
+                if first is None:
+                    return
             await self._conn.send(wire.encode(self._connect_message()))
+            if first is not None:
+                self._on_connect(first)
             async with trio.open_nursery() as io:
                 io.start_soon(self._receive_loop)
                 io.start_soon(self._send_loop)
@@ -301,6 +308,30 @@ class PeerSession:
                 io.cancel_scope.cancel()
         except ConnectionLost as exc:
             self._die(exc.reason)
+
+    async def _first_connect(self) -> wire.Connect | None:
+        """Read an inbound peer's first message, which must be its ``connect``.
+
+        Nothing is sent to a peer whose first word is anything else: answering
+        a stray frame (a ``disconnect`` that crossed our own close, say) with a
+        ``connect`` would open a session it never asked for, and two nodes could
+        bounce such sessions back and forth forever.
+        """
+        assert self._conn is not None
+        with trio.move_on_after(self._config.handshake_timeout):
+            frame = await self._conn.receive()
+            self.last_activity = trio.current_time()
+            try:
+                msg = wire.decode(frame, limits=self._config.limits)
+            except ProtocolError as exc:
+                self._die(f"its first message is undecodable: {exc}")
+                return None
+            if isinstance(msg, wire.Connect):
+                return msg
+            self._die(f"its first message is a {msg.TYPE}, not a connect; not answering")
+            return None
+        self._die(f"no connect within {self._config.handshake_timeout:g} s of its first frame")
+        return None
 
     def _connect_message(self) -> wire.Connect:
         data = self._host.data
@@ -614,6 +645,10 @@ class PeerSession:
         if self._send_disconnect and self._conn is not None:
             with trio.move_on_after(0.5), contextlib.suppress(ConnectionLost):
                 await self._conn.send(wire.encode(wire.Disconnect()))
+        if self._conn is not None:
+            # Close now, not after the drain: a peer that dials again must
+            # open a fresh connection, not talk into this dying one.
+            await self._conn.aclose()
         self._outbox_send.close()
         for actor in self.live_actors():
             await actor.deliver(inp.SessionEnded(reason))
@@ -640,7 +675,7 @@ class PeerSession:
             ),
         )
         if self._conn is not None:
-            await self._conn.aclose()
+            await self._conn.aclose()  # idempotent; the drain may not have run
         if self._peer_accepted:
             await self._host.data.remove_peer(self.data_name)
         self.state = SessionState.CLOSED

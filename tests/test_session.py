@@ -244,11 +244,37 @@ class TestErrorPolicy:
             await peer.expect(wire.LookupResp)
             assert node.session(PEER) is not None
 
-    async def test_message_before_connect_disconnects(self, autojump_clock: trio.abc.Clock) -> None:
+    async def test_a_first_message_that_is_not_connect_gets_no_answer(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
         async with node_and_peer() as (node, _, peer):
             await peer.dial()
             await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
+            assert "its first message is a lookup, not a connect" in await closed_reason(node)
+            assert peer.conn is not None
+            assert peer.conn.alive  # nothing came back: not even a connect
+
+    async def test_a_stray_disconnect_opens_no_session(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        # Answering it with a connect is how two nodes bounce sessions forever.
+        async with node_and_peer() as (node, _, peer):
+            await peer.dial()
+            await peer.send(wire.Disconnect())
+            assert "its first message is a disconnect" in await closed_reason(node)
+            with trio.move_on_after(5):
+                msg = await peer.receive()
+                pytest.fail(f"the node answered a stray disconnect with {msg}")
+
+    async def test_message_before_connect_on_an_outbound_session_disconnects(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer() as (node, _, peer):
+            node.register_lookup(PEER, "r", [key(1)])
+            node.flush()
+            await peer.accept()
             await peer.expect(wire.Connect)
+            await peer.send(wire.Lookup(kv_request_id="x", keys=(key(1),), round_seq=0))
             await peer.expect(wire.Disconnect)
             assert "before the peer's connect" in await closed_reason(node)
 

@@ -1,0 +1,982 @@
+"""The control transport over ZeroMQ, on trio, wire-compatible with vLLM 0.33.0's P2P tier.
+
+Socket layout (``docs/protocol.md``, "Transport and framing")::
+
+    this node                                   peer "H:P"
+    ROUTER bound on tcp://host:port   <-----   DEALER identity "H:P"     (peer -> us)
+    DEALER identity local_id          ----->   ROUTER bound on tcp://H:P (us -> peer)
+
+One ROUTER per node, receive only; one DEALER per peer, send only, with
+``identity = local_id``. The ROUTER sees ``[identity, payload]``; the identity
+names the peer, and is also the address its connection dials back to.
+
+Use it as an async context manager::
+
+    async with open_zmq_transport("10.0.0.5:5710", port=5710) as control:
+        async with open_node(config, control=control, data=..., parent=...) as node:
+            ...
+
+How trio and libzmq meet (``shared/reference/trio-stack.md`` section 1):
+
+* Every socket is used on the trio thread only; only ``Context.term`` runs in a
+  worker thread, once every socket is closed.
+* ``zmq.FD`` is edge-triggered relative to the socket's state: it signals that
+  libzmq has internal commands to process, not that a message is there, and any
+  zmq call on the socket may consume the edge. ``zmq.EVENTS`` is the only truth.
+  So every operation first tries ``NOBLOCK``; a task that must wait re-reads
+  ``EVENTS`` right before it parks; and it parks on a :class:`trio.Event`, never
+  on the fd. Exactly one *watcher* task per waited-on socket parks on the fd,
+  drains it with ``getsockopt(EVENTS)`` and wakes the waiters.
+* Sockets that are waited on: the ROUTER (one receive task that demultiplexes
+  frames into per-connection bounded channels, so a slow or flooding peer never
+  holds up the others), each DEALER's monitor socket (one task per connection),
+  and a DEALER only once its queue is full (``SNDHWM``): its watcher starts then,
+  and senders wait for room at most ``send_timeout``.
+* A receive either returns a message or raises ``Cancelled`` having taken none
+  (try, then ``cancel_shielded_checkpoint``); connections hand frames over
+  through trio memory channels, which give the same guarantee.
+* ``trio.lowlevel.notify_closing`` runs before every ``close``, so a task parked
+  on a closing socket's fd is woken instead of sleeping on a reused fd.
+
+How a connection dies (never silently), with a reason in :class:`ConnectionLost`:
+
+* the DEALER's monitor reports ``DISCONNECTED`` (the peer closed the connection or
+  its process died, or no heartbeat came for ``heartbeat_timeout``), ``CLOSED``
+  (refused, or closed before the ZeroMQ handshake) or ``HANDSHAKE_FAILED_*``;
+* no ZeroMQ handshake with the peer within ``connect_timeout`` of dialing it
+  (unreachable host, unresolvable name, nothing that speaks ZMTP there). Without
+  this deadline an unreachable peer never "disconnects" in ZeroMQ: libzmq retries
+  forever; vLLM leaves it to its 30 s handshake timeout, which still backs this up
+  for a peer that speaks ZMTP but never answers ``connect``;
+* a send finds ``SNDHWM`` frames queued and no room for ``send_timeout``: the
+  peer is not reading;
+* the peer sent more frames than ``inbound_queue`` before they were received
+  here: it floods us;
+* :meth:`ZmqConnection.aclose`, or the transport closing.
+
+A dead connection leaves the transport's table at once: the peer's next frame
+(say, after it restarted) opens a fresh inbound connection and never lands in the
+dead one (vLLM #49809), and :meth:`ZmqControlTransport.connect` dials afresh.
+Frames that arrived before the death are still received from the dead connection,
+then :class:`ConnectionLost`. A dead connection's DEALER closes with linger 0:
+nothing queued for a peer we gave up on reaches it later; ``aclose()`` and the
+transport's close give queued frames ``dealer_linger`` (a final ``disconnect``).
+
+Detection times measured on 127.0.0.1 (heartbeat 0.2 s, timeout 1 s): a peer
+process killed with SIGKILL is seen dead in ~2 ms (its OS closes the socket); a
+stopped one (SIGSTOP) in ~1.2 s (heartbeat timeout plus an interval).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import cast
+
+import attrs
+import trio
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from p2pactor.errors import P2PActorError
+from p2pactor.protocol import DEFAULT_MAX_FRAME_BYTES
+from p2pactor.transport import ConnectionLost
+
+__all__ = [
+    "ZmqConnection",
+    "ZmqControlTransport",
+    "ZmqOptions",
+    "ZmqStatistics",
+    "ZmqTransportError",
+    "open_zmq_transport",
+]
+
+log = logging.getLogger("p2pactor.zmq")
+
+
+class ZmqTransportError(P2PActorError):
+    """The ZeroMQ transport itself failed (it cannot bind, or its ROUTER broke)."""
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be a positive number, got {value!r}")
+
+
+def _not_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value >= 0 or not math.isfinite(value):
+        raise ValueError(f"{attribute.name} must be zero or more, got {value!r}")
+
+
+def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ZmqOptions:
+    """Socket options and bounds of the ZeroMQ control transport.
+
+    Times are in seconds (libzmq takes milliseconds; they are rounded). The
+    defaults are vLLM 0.33.0's wherever it has one.
+
+    Attributes:
+        heartbeat_interval: ZMTP heartbeat period on every socket (vLLM: 2 s).
+        heartbeat_timeout: A connection whose peer sends nothing, not even a
+            heartbeat, for this long is dropped (vLLM: 10 s).
+        heartbeat_ttl: How long the peer should wait for our traffic before it
+            drops us, sent in our heartbeats (vLLM: 10 s).
+        send_hwm: Frames a DEALER queues for its peer (vLLM: 1000).
+        send_timeout: How long a send waits for room once ``send_hwm`` frames
+            are queued; then the connection is dead, as the peer is not
+            reading. 0 is vLLM's rule (dead at once). The default rides out a
+            burst that outruns libzmq's I/O thread for a moment (on a busy
+            2-core machine 1000 small frames take ~5 ms to send).
+        dealer_linger: How long a closed DEALER keeps trying to deliver what it
+            still queues, such as a final ``disconnect`` (vLLM: 0.5 s).
+        router_linger: The ROUTER's linger; it never sends (vLLM: 0).
+        max_frame_bytes: Largest frame the ROUTER accepts (``ZMQ_MAXMSGSIZE``).
+            libzmq drops a larger one before we read it, and with it the TCP
+            connection it came on: the *sender's* connection dies; ours to the
+            sender lives on.
+        inbound_queue: Frames queued per connection until they are received;
+            one more and the peer counts as flooding us and the connection dies.
+        inbound_bytes: The same bound in bytes (a frame arriving at an empty
+            queue always fits): frames may be up to ``max_frame_bytes`` each.
+        accept_backlog: New inbound connections waiting for :meth:`accept`;
+            frames from further new peers are dropped (and logged) meanwhile.
+        connect_timeout: A connection that has not completed the ZeroMQ
+            handshake this long after dialing is dead (unreachable peer).
+        redial_delay: After a DEALER to a peer closes, ``connect()`` waits
+            this long before it dials the same peer again. A stock vLLM ROUTER
+            does not set ``ZMQ_ROUTER_HANDOVER``: it ignores, for good, a new
+            connection that shows our identity while the old one is still
+            open there (measured: 19 in 100 immediate re-dials on 127.0.0.1,
+            none after 1 ms). An inbound connection's dial-back does not wait.
+        receive_batch: Frames the ROUTER task reads before it yields to others.
+    """
+
+    heartbeat_interval: float = attrs.field(default=2.0, validator=_positive)
+    heartbeat_timeout: float = attrs.field(default=10.0, validator=_positive)
+    heartbeat_ttl: float = attrs.field(default=10.0, validator=_positive)
+    send_hwm: int = attrs.field(default=1000, validator=_positive_int)
+    send_timeout: float = attrs.field(default=1.0, validator=_not_negative)
+    dealer_linger: float = attrs.field(default=0.5, validator=_not_negative)
+    router_linger: float = attrs.field(default=0.0, validator=_not_negative)
+    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_FRAME_BYTES, validator=_positive_int)
+    inbound_queue: int = attrs.field(default=10_000, validator=_positive_int)
+    inbound_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_positive_int)
+    accept_backlog: int = attrs.field(default=128, validator=_positive_int)
+    connect_timeout: float = attrs.field(default=10.0, validator=_positive)
+    redial_delay: float = attrs.field(default=0.05, validator=_not_negative)
+    receive_batch: int = attrs.field(default=64, validator=_positive_int)
+
+
+@attrs.frozen(kw_only=True)
+class ZmqStatistics:
+    """Counters of a :class:`ZmqControlTransport`, from :meth:`~ZmqControlTransport.statistics`.
+
+    Attributes:
+        connections: Live connections.
+        pending_accepts: Inbound connections waiting for ``accept()`` (some may
+            have died or been claimed by ``connect()`` since).
+        frames_received: Frames read from the ROUTER.
+        frames_dropped: Of those, frames dropped (malformed, bad identity, full
+            accept backlog, a flooding peer's frame that did not fit); oversize
+            frames never reach us and are not counted.
+        connections_opened: Connections opened so far, both directions.
+        connections_died: Connections that died or were closed so far.
+    """
+
+    connections: int
+    pending_accepts: int
+    frames_received: int
+    frames_dropped: int
+    connections_opened: int
+    connections_died: int
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+def _peer_address(peer_id: str) -> str | None:
+    """``tcp://host:port`` for a peer id, or None if it is not ``host:port``."""
+    host, sep, port = peer_id.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
+        return None
+    if any(c.isspace() or c in "/;" for c in host):
+        return None
+    return f"tcp://{host}:{port}"
+
+
+_FAILED_HANDSHAKE: dict[int, str] = {
+    # libzmq's "no detail": mostly the connection dropping mid-handshake.
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: (
+        "the ZeroMQ handshake with {peer} broke off: the peer went away, or does not speak ZeroMQ"
+    ),
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: (
+        "the ZeroMQ handshake with {peer} failed: protocol error (not a compatible ZeroMQ peer?)"
+    ),
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: (
+        "the ZeroMQ handshake with {peer} failed: authentication (security settings differ?)"
+    ),
+}
+# vLLM's fatal events, plus HANDSHAKE_SUCCEEDED, which tells a refused or
+# unreachable peer from one that went away after we reached it.
+_MONITOR_MASK = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CLOSED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+_transport_serials = itertools.count(1)
+
+
+def _events(sock: zmq.Socket[bytes]) -> int:
+    """``zmq.EVENTS`` (``POLLIN`` / ``POLLOUT``): the only truth about readiness."""
+    return cast("int", sock.getsockopt(zmq.EVENTS))
+
+
+class _AsyncSocket:
+    """A zmq socket waited on from trio: one watcher task parks on its ``zmq.FD``.
+
+    Tasks that need the socket ready wait on a :class:`trio.Event` the watcher
+    sets, so any number of them can wait, and none is ever woken by
+    cancellation. Run :meth:`watch` in a nursery for the socket's lifetime.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock = sock
+        self._fd: int = sock.FD
+        self._changed = trio.Event()
+        self._wanted: dict[int, int] = {}  # flag -> tasks waiting for it
+        self.closed = False
+        self.watched = False  # its watcher task was started
+
+    def start_watching(self, nursery: trio.Nursery, name: str) -> None:
+        """Start the socket's one watcher task (:meth:`watch`) in ``nursery``."""
+        assert not self.watched, "one watcher per socket"
+        self.watched = True
+        nursery.start_soon(self.watch, name=name)
+
+    async def watch(self) -> None:
+        """The one task parked on the fd; returns once the socket closes."""
+        try:
+            # Check before parking too: the socket may close before this task
+            # first runs, and its fd number may then belong to something else.
+            while not self._is_closed():
+                await trio.lowlevel.wait_readable(self._fd)
+                if self._is_closed():
+                    return
+                # Reading EVENTS makes libzmq process its pending commands: that
+                # drains the fd (or wait_readable would return at once forever)
+                # and may make the socket ready; whoever waits re-checks.
+                self.sock.getsockopt(zmq.EVENTS)
+                self._wake()
+        except trio.ClosedResourceError:
+            return  # notify_closing: the socket is being closed
+
+    def _is_closed(self) -> bool:
+        # A method, not the attribute: the type checker would assume that an
+        # attribute it has just checked cannot change across an await.
+        return self.closed
+
+    def _wake(self) -> None:
+        if self._wanted:
+            self._changed.set()
+            self._changed = trio.Event()
+
+    def after_operation(self) -> None:
+        """Wake waiters whose condition this task's zmq call may have satisfied.
+
+        The call may have consumed the fd edge their watcher was parked on, so
+        the watcher may never see it: look at EVENTS ourselves.
+        """
+        if not self._wanted:
+            return  # nobody waits: the hot path pays nothing
+        self._wake_for(_events(self.sock))
+
+    def _wake_for(self, events: int) -> None:
+        if any(events & flag for flag in self._wanted):
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def wait(self, flag: int) -> None:
+        """Wait until ``zmq.EVENTS`` has ``flag``.
+
+        Raises:
+            trio.ClosedResourceError: The socket closed.
+        """
+        while True:
+            if self.closed:
+                raise trio.ClosedResourceError("the socket is closed")
+            # Re-read EVENTS right before parking: a message queued before we
+            # came gives no new edge (the trap this whole class exists for).
+            events = _events(self.sock)
+            # Reading it may have consumed an edge that others parked for.
+            self._wake_for(events)
+            if events & flag:
+                return
+            changed = self._changed
+            self._wanted[flag] = self._wanted.get(flag, 0) + 1
+            try:
+                await changed.wait()
+            finally:
+                self._wanted[flag] -= 1
+                if not self._wanted[flag]:
+                    del self._wanted[flag]
+
+    async def receive_batch(self, limit: int) -> list[list[bytes]]:
+        """Receive between 1 and ``limit`` multipart messages; a checkpoint.
+
+        Cancellation never loses a message: either this returns what it took,
+        or it raises ``Cancelled`` having taken nothing.
+
+        Raises:
+            trio.ClosedResourceError: The socket closed.
+            zmq.ZMQError: libzmq failed (not for want of a message).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self.closed:
+                raise trio.ClosedResourceError("the socket is closed")
+            batch: list[list[bytes]] = []
+            while len(batch) < limit:
+                try:
+                    batch.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            if batch:
+                self.after_operation()
+                # From here on we own the messages: no cancellation may lose them.
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return batch
+            await self.wait(zmq.POLLIN)
+
+    def close(self, linger: float) -> None:
+        """Close the socket, waking every task parked on it first. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        self._changed.set()
+        self.sock.close(linger=_ms(linger))
+
+
+class ZmqConnection:
+    """One peer's control channel: frames out through our DEALER, in from our ROUTER.
+
+    Created by :meth:`ZmqControlTransport.connect` (outbound) or returned by
+    :meth:`ZmqControlTransport.accept` (inbound); never directly.
+    """
+
+    def __init__(
+        self,
+        transport: ZmqControlTransport,
+        peer_id: str,
+        dealer: _AsyncSocket,
+        monitor: _AsyncSocket,
+        *,
+        inbound: bool,
+    ) -> None:
+        self._transport = transport
+        self._peer_id = peer_id
+        self._dealer = dealer
+        self._monitor = monitor
+        self._inbound = inbound
+        self._capacity = transport.options.inbound_queue
+        self._frames_in, self._frames_out = trio.open_memory_channel[bytes](self._capacity)
+        self._queued_bytes = 0
+        self._dead_reason: str | None = None
+        self._reached = False  # the ZeroMQ handshake with the peer completed
+        self._claimed = False  # connect() or accept() handed it out
+
+    def __repr__(self) -> str:
+        way = "inbound" if self._inbound else "outbound"
+        state = "alive" if self.alive else f"dead: {self._dead_reason}"
+        return f"<ZmqConnection {self._transport.local_id} -> {self._peer_id} {way} ({state})>"
+
+    @property
+    def peer_id(self) -> str:
+        """The peer's id, ``host:port``."""
+        return self._peer_id
+
+    @property
+    def inbound(self) -> bool:
+        """Whether the peer opened it (by sending us a frame first)."""
+        return self._inbound
+
+    @property
+    def alive(self) -> bool:
+        """Whether the connection still works."""
+        return self._dead_reason is None
+
+    @property
+    def reached(self) -> bool:
+        """Whether the ZeroMQ handshake with the peer has completed."""
+        return self._reached
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the connection died, or None while it lives."""
+        return self._dead_reason
+
+    async def send(self, frame: bytes) -> None:
+        """Queue ``frame`` for the peer, in order.
+
+        Returns at once unless ``send_hwm`` frames are already queued; then it
+        waits for room, at most ``send_timeout``. Always a checkpoint.
+        Cancellation: either the frame was queued and this returns, or it was
+        not and ``Cancelled`` is raised.
+
+        Raises:
+            ConnectionLost: The connection is dead, or the peer has not read
+                what was queued for ``send_timeout`` (the connection dies of it).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._dead_reason is not None:
+            raise ConnectionLost(self._dead_reason)
+        if self._try_send(frame):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        options = self._transport.options
+        with trio.move_on_after(options.send_timeout):
+            if not self._dealer.watched:  # the first full queue: start watching it
+                self._dealer.start_watching(self._transport._nursery, f"zmq dealer fd {self}")
+            while True:
+                try:
+                    await self._dealer.wait(zmq.POLLOUT)
+                except trio.ClosedResourceError:  # it died meanwhile
+                    raise self._lost() from None
+                if self._try_send(frame):
+                    return  # sent: no checkpoint may follow that could lose it
+        # vLLM's rule, with a grace period: control frames are small, so a queue
+        # that stays full means the peer stopped reading. Failing beats stalling.
+        reason = (
+            f"{self._peer_id} is not reading: {options.send_hwm} frames queued for it "
+            f"and no room for {options.send_timeout:g} s"
+        )
+        self._die(reason)
+        raise ConnectionLost(reason)
+
+    def _try_send(self, frame: bytes) -> bool:
+        """Queue ``frame`` if there is room (never blocks).
+
+        Raises:
+            ConnectionLost: libzmq refused it for another reason than room.
+        """
+        try:
+            self._dealer.sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            reason = f"sending to {self._peer_id} failed: {exc}"
+            self._die(reason)
+            raise ConnectionLost(reason) from exc
+        self._dealer.after_operation()
+        return True
+
+    async def receive(self) -> bytes:
+        """Wait for the peer's next frame.
+
+        Any number of tasks may wait at once; each frame goes to one of them.
+        Cancellation never loses a frame. Frames that arrived before the
+        connection died are still returned, then :class:`ConnectionLost`.
+
+        Raises:
+            ConnectionLost: The connection died (or was closed); no frame will come.
+        """
+        try:
+            frame = await self._frames_out.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise self._lost() from None
+        self._queued_bytes -= len(frame)
+        return frame
+
+    async def aclose(self) -> None:
+        """Close the connection: frames still queued for the peer get ``dealer_linger``.
+
+        Frames received but not yet taken are dropped. Idempotent. The peer is not
+        told (send it a ``disconnect`` first); its own side lives on until it
+        notices. A checkpoint.
+        """
+        self._die("connection closed", linger=self._transport.options.dealer_linger)
+        self._frames_out.close()
+        await trio.lowlevel.checkpoint()
+
+    # --- what the transport does ------------------------------------------------
+
+    def _lost(self) -> ConnectionLost:
+        return ConnectionLost(self._dead_reason or "connection closed")
+
+    def _deliver(self, frame: bytes) -> bool:
+        """Queue a frame from the peer for :meth:`receive` (ROUTER task).
+
+        Returns whether it was queued; a frame that does not fit kills the
+        connection (the peer floods us) and is dropped.
+        """
+        most = self._transport.options.inbound_bytes
+        if self._queued_bytes and self._queued_bytes + len(frame) > most:
+            self._die(
+                f"{self._peer_id} flooded us: more than {most} bytes "
+                "queued before they were received"
+            )
+            return False
+        try:
+            self._frames_in.send_nowait(frame)
+        except trio.WouldBlock:
+            self._die(
+                f"{self._peer_id} flooded us: more than {self._capacity} frames "
+                "queued before they were received"
+            )
+            return False
+        except trio.ClosedResourceError:
+            return False  # died meanwhile (it is out of the table already)
+        self._queued_bytes += len(frame)
+        return True
+
+    def _die(self, reason: str, *, linger: float = 0.0) -> None:
+        """Make the connection dead and release its sockets. Idempotent.
+
+        ``linger`` is how long frames still queued on the DEALER may take to
+        leave: ``dealer_linger`` when we close it (a final ``disconnect``), 0
+        when it died, so that nothing queued for a peer we gave up on reaches
+        it later (a refused peer that comes up, a stalled one that wakes).
+        """
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        self._frames_in.close()  # receivers drain what came, then ConnectionLost
+        self._transport._retire(self)
+        # Stop the monitor before closing our end of it. libzmq's I/O thread
+        # sends monitor events *blocking*: one emitted after our PAIR closed
+        # (say, by a closed DEALER that reconnects while it lingers) blocks
+        # that thread for good, and every socket of the context freezes.
+        with contextlib.suppress(zmq.ZMQError):
+            self._dealer.sock.disable_monitor()
+        # Then the PAIR: our monitor task is parked on it (notify_closing wakes it).
+        self._monitor.close(0)
+        self._dealer.close(linger)  # wakes senders waiting for room
+
+
+class ZmqControlTransport:
+    """A node's ZeroMQ control endpoint. Open it with :func:`open_zmq_transport`.
+
+    Implements :class:`p2pactor.transport.ControlTransport`.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        router: _AsyncSocket,
+        *,
+        local_id: str,
+        port: int,
+        options: ZmqOptions,
+        nursery: trio.Nursery,
+    ) -> None:
+        self._ctx = ctx
+        self._router = router
+        self._local_id = local_id
+        self._port = port
+        self._options = options
+        self._nursery = nursery
+        self._serial = next(_transport_serials)
+        self._monitor_serials = itertools.count()
+        self._connections: dict[str, ZmqConnection] = {}
+        self._accept_in, self._accept_out = trio.open_memory_channel[ZmqConnection](
+            options.accept_backlog
+        )
+        self._last_close: dict[str, float] = {}
+        self._closed = False
+        self._received = 0
+        self._dropped = 0
+        self._opened = 0
+        self._died = 0
+
+    def __repr__(self) -> str:
+        return f"<ZmqControlTransport {self._local_id} ({len(self._connections)} connections)>"
+
+    @property
+    def local_id(self) -> str:
+        """This node's id, ``host:port``: the DEALER identity, and where peers dial."""
+        return self._local_id
+
+    @property
+    def port(self) -> int:
+        """The TCP port the ROUTER is bound on (the ephemeral one if 0 was asked)."""
+        return self._port
+
+    @property
+    def options(self) -> ZmqOptions:
+        """The transport's options."""
+        return self._options
+
+    @property
+    def closed(self) -> bool:
+        """Whether the transport has been closed."""
+        return self._closed
+
+    def connections(self) -> list[ZmqConnection]:
+        """The live connections, one per peer."""
+        return list(self._connections.values())
+
+    def statistics(self) -> ZmqStatistics:
+        """Counters, for tests and monitoring."""
+        return ZmqStatistics(
+            connections=len(self._connections),
+            pending_accepts=self._accept_in.statistics().current_buffer_used,
+            frames_received=self._received,
+            frames_dropped=self._dropped,
+            connections_opened=self._opened,
+            connections_died=self._died,
+        )
+
+    async def connect(self, peer_id: str) -> ZmqConnection:
+        """The live connection to ``peer_id``, or a new outbound one.
+
+        A new connection is returned at once: frames sent before the TCP and
+        ZeroMQ handshakes complete are queued (up to ``send_hwm``). If the peer
+        cannot be reached, the connection dies with a reason soon after.
+
+        Raises:
+            ConnectionLost: ``peer_id`` is not ``host:port``, or the transport
+                is closed.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._closed:
+                raise ConnectionLost("the control transport is closed")
+            conn = self._connections.get(peer_id)
+            if conn is not None:  # the table holds live connections only
+                break
+            last = self._last_close.get(peer_id)
+            if last is None or trio.current_time() >= last + self._options.redial_delay:
+                conn = self._open(peer_id, inbound=False)
+                break
+            # Let the peer's ROUTER see our old connection close before it
+            # sees the new one (see ZmqOptions.redial_delay); then look again,
+            # as the peer may have opened an inbound connection meanwhile.
+            await trio.sleep_until(last + self._options.redial_delay)
+        conn._claimed = True
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return conn
+
+    async def accept(self) -> ZmqConnection:
+        """Wait for a peer we have no connection with to send a frame.
+
+        Each connection is returned once, with that frame queued; one that died
+        or that ``connect()`` claimed before it was accepted is skipped.
+
+        Raises:
+            trio.ClosedResourceError: The transport is closed.
+        """
+        while True:
+            try:
+                conn = await self._accept_out.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                raise trio.ClosedResourceError("the control transport is closed") from None
+            if conn.alive and not conn._claimed:
+                conn._claimed = True
+                return conn
+
+    async def aclose(self) -> None:
+        """Close every connection and the ROUTER; wake everyone waiting. Idempotent.
+
+        Waiting receivers get :class:`ConnectionLost`, waiting ``accept()`` calls
+        ``trio.ClosedResourceError``. Closing the context manager calls this.
+        """
+        self._close()
+        await trio.lowlevel.checkpoint()
+
+    # --- internals --------------------------------------------------------------
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._connections.values()):
+            conn._die("the control transport closed", linger=self._options.dealer_linger)
+        self._accept_in.close()
+        # Closing the sockets ends every task of ours (each sees its socket
+        # closed); the nursery is not cancelled here, as the caller's body runs
+        # in it too.
+        self._router.close(self._options.router_linger)
+
+    def _open(self, peer_id: str, *, inbound: bool) -> ZmqConnection:
+        """A new connection to ``peer_id``: DEALER, monitor, and their task.
+
+        Raises:
+            ConnectionLost: The peer id is not a dialable ``host:port``.
+        """
+        address = _peer_address(peer_id)
+        if address is None:
+            raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
+        opts = self._options
+        dealer = self._ctx.socket(zmq.DEALER)
+        monitor: zmq.Socket[bytes] | None = None
+        try:
+            _apply_heartbeat(dealer, opts)
+            dealer.setsockopt(zmq.IDENTITY, self._local_id.encode())
+            dealer.setsockopt(zmq.SNDHWM, opts.send_hwm)
+            dealer.setsockopt(zmq.LINGER, _ms(opts.dealer_linger))
+            if address.startswith("tcp://["):
+                dealer.setsockopt(zmq.IPV6, 1)
+            # ZMQ_IMMEDIATE stays 0 (vLLM): frames queue before the connection
+            # completes, so the `connect` sent right away fits.
+            # A monitor endpoint unique per connection, not per peer: libzmq
+            # releases an inproc name on its reaper thread after close()
+            # returned, so reusing it on a reconnect fails with EADDRINUSE.
+            endpoint = f"inproc://p2pactor-monitor-{self._serial}-{next(self._monitor_serials)}"
+            dealer.monitor(endpoint, _MONITOR_MASK)
+            # Our PAIR connects before the DEALER dials: no event may find the
+            # monitor without a reader (libzmq would block on it; see _die).
+            monitor = self._ctx.socket(zmq.PAIR)
+            monitor.connect(endpoint)
+            dealer.connect(address)
+        except zmq.ZMQError as exc:
+            with contextlib.suppress(zmq.ZMQError):
+                dealer.disable_monitor()  # before the PAIR closes: see ZmqConnection._die
+            if monitor is not None:
+                monitor.close(linger=0)
+            dealer.close(linger=0)
+            raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
+        watched = _AsyncSocket(monitor)
+        conn = ZmqConnection(self, peer_id, _AsyncSocket(dealer), watched, inbound=inbound)
+        self._connections[peer_id] = conn
+        self._opened += 1
+        watched.start_watching(self._nursery, f"zmq monitor fd {peer_id}")
+        self._nursery.start_soon(self._watch_connection, conn, name=f"zmq monitor {peer_id}")
+        log.info(
+            "%s: %s connection to %s opened",
+            self._local_id,
+            "inbound" if inbound else "outbound",
+            peer_id,
+        )
+        return conn
+
+    def _retire(self, conn: ZmqConnection) -> None:
+        """Take a dead connection out of the table (called by the connection)."""
+        self._died += 1
+        if self._connections.get(conn.peer_id) is conn:
+            del self._connections[conn.peer_id]
+        now = trio.current_time()
+        horizon = now - self._options.redial_delay
+        if len(self._last_close) > 1024:  # keep the table bounded
+            self._last_close = {p: t for p, t in self._last_close.items() if t > horizon}
+        self._last_close[conn.peer_id] = now
+        if self._closed:
+            return
+        log.info("%s: connection to %s ended: %s", self._local_id, conn.peer_id, conn.dead_reason)
+
+    async def _watch_connection(self, conn: ZmqConnection) -> None:
+        """Turn the DEALER's monitor events (and a missed dial deadline) into death."""
+        opts = self._options
+        deadline = trio.current_time() + opts.connect_timeout
+        monitor = conn._monitor
+        try:
+            while conn.alive:
+                batch: list[list[bytes]] = []
+                with trio.move_on_at(math.inf if conn._reached else deadline):
+                    batch = await monitor.receive_batch(16)
+                if not batch and not conn._reached:
+                    conn._die(
+                        f"could not reach {conn.peer_id} within {opts.connect_timeout:g} s "
+                        "(no ZeroMQ handshake: host unreachable, name unresolvable, or "
+                        "no ZeroMQ peer at that address)"
+                    )
+                    return
+                for frames in batch:
+                    event = parse_monitor_message(frames)["event"]
+                    log.debug("%s: monitor of %r: %r", self._local_id, conn, event)
+                    reason = self._death_reason(conn, event)
+                    if reason is not None:
+                        conn._die(reason)
+                        return
+        except trio.ClosedResourceError:
+            return  # the connection closed its monitor
+
+    def _death_reason(self, conn: ZmqConnection, event: int) -> str | None:
+        """What a monitor event means: a reason to die, or None."""
+        peer = conn.peer_id
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            conn._reached = True
+            return None
+        if event == zmq.EVENT_DISCONNECTED:
+            # libzmq reports a heartbeat timeout as a plain disconnect.
+            return (
+                f"{peer} went away: the connection dropped (the peer closed it or "
+                f"died, or sent nothing for {self._options.heartbeat_timeout:g} s)"
+            )
+        if event == zmq.EVENT_CLOSED:
+            if conn._reached:
+                return f"{peer} went away: the connection closed"
+            return f"cannot connect to {peer}: refused (nothing listens there?)"
+        if event in _FAILED_HANDSHAKE:
+            return _FAILED_HANDSHAKE[event].format(peer=peer)
+        return None
+
+    async def _receive_loop(self) -> None:
+        """The ROUTER's one receive task: demultiplex frames to connections."""
+        try:
+            while True:
+                try:
+                    batch = await self._router.receive_batch(self._options.receive_batch)
+                except zmq.ZMQError as exc:
+                    if self._closed:
+                        return
+                    raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
+                for frames in batch:
+                    self._route(frames)
+        except trio.ClosedResourceError:
+            return
+
+    def _route(self, frames: list[bytes]) -> None:
+        self._received += 1
+        if len(frames) != 2:
+            self._drop(f"a message of {len(frames) - 1} frames (expected [identity, payload])")
+            return
+        identity, payload = frames
+        try:
+            peer_id = identity.decode()
+        except UnicodeDecodeError:
+            self._drop(f"a frame from identity {identity[:64]!r}, which is not host:port")
+            return
+        conn = self._connections.get(peer_id)
+        if conn is None:
+            conn = self._accept_new(peer_id)
+            if conn is None:
+                return
+        if not conn._deliver(payload):
+            self._dropped += 1  # its connection died of it: logged there
+
+    def _accept_new(self, peer_id: str) -> ZmqConnection | None:
+        """An inbound connection for a peer's first frame, or None (frame dropped)."""
+        if self._closed:
+            return None
+        if _peer_address(peer_id) is None:
+            self._drop(f"a frame from identity {peer_id[:64]!r}, which is not host:port")
+            return None
+        if self._accept_in.statistics().current_buffer_used >= self._options.accept_backlog:
+            self._drop(f"a frame from new peer {peer_id}: {self._options.accept_backlog} wait")
+            return None
+        try:
+            conn = self._open(peer_id, inbound=True)
+        except ConnectionLost as exc:
+            self._drop(f"a frame from {peer_id}: {exc.reason}")
+            return None
+        self._accept_in.send_nowait(conn)  # room checked above
+        return conn
+
+    def _drop(self, what: str) -> None:
+        self._dropped += 1
+        # A misbehaving peer must not flood the log: the first few, then 1 in 1000.
+        if self._dropped <= 10 or self._dropped % 1000 == 0:
+            log.warning("%s: dropped %s (%d dropped so far)", self._local_id, what, self._dropped)
+
+
+def _apply_heartbeat(sock: zmq.Socket[bytes], options: ZmqOptions) -> None:
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(options.heartbeat_interval))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(options.heartbeat_timeout))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(options.heartbeat_ttl))
+
+
+def _bind_router(
+    ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int, options: ZmqOptions
+) -> tuple[zmq.Socket[bytes], int]:
+    router = ctx.socket(zmq.ROUTER)
+    endpoint = f"tcp://{host}:{port or '*'}"
+    try:
+        _apply_heartbeat(router, options)
+        router.setsockopt(zmq.LINGER, _ms(options.router_linger))
+        # libzmq drops an oversize frame before we read it (and the TCP
+        # connection it came on); the decoder's own bound stays as a backstop.
+        router.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
+        # A peer that reconnects (restarted, or re-dialing after its old
+        # DEALER closed) takes its identity over; without this, libzmq ignores
+        # its new connection for good while the old one is still open.
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if host.startswith("["):
+            router.setsockopt(zmq.IPV6, 1)
+        router.bind(endpoint)
+        bound = router.getsockopt(zmq.LAST_ENDPOINT)
+    except zmq.ZMQError as exc:
+        router.close(linger=0)
+        raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
+    assert isinstance(bound, bytes)
+    return router, int(bound.decode().rpartition(":")[2])
+
+
+@asynccontextmanager
+async def open_zmq_transport(
+    local_id: str,
+    *,
+    bind_host: str | None = None,
+    port: int,
+    options: ZmqOptions | None = None,
+) -> AsyncIterator[ZmqControlTransport]:
+    """Bind the node's ROUTER and run the transport until the block exits.
+
+    On exit every connection and socket is closed (frames still queued on a
+    DEALER get ``dealer_linger`` to leave), then the context is terminated in a
+    worker thread so a lingering DEALER never blocks trio.
+
+    Args:
+        local_id: This node's id, ``host:port``: the identity our DEALERs show
+            and the address peers dial back. With ``port=0`` its port must be 0
+            too and is replaced by the bound one.
+        bind_host: Where to bind the ROUTER (e.g. ``0.0.0.0``); default: the
+            host of ``local_id``.
+        port: The ROUTER's TCP port; 0 binds an ephemeral one (see
+            :attr:`ZmqControlTransport.port`).
+        options: Socket options and bounds; vLLM's defaults if None.
+
+    Raises:
+        ValueError: ``local_id`` is not ``host:port`` or does not match ``port``.
+        ZmqTransportError: The ROUTER cannot be bound.
+    """
+    options = options or ZmqOptions()
+    host, sep, id_port = local_id.rpartition(":")
+    if not sep or not host or not (id_port.isascii() and id_port.isdigit()) or int(id_port) != port:
+        raise ValueError(f"local_id must be 'host:{port}', got {local_id!r}")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        router, bound_port = _bind_router(ctx, bind_host or host, port, options)
+        try:
+            async with trio.open_nursery() as nursery:
+                transport = ZmqControlTransport(
+                    ctx,
+                    _AsyncSocket(router),
+                    local_id=f"{host}:{bound_port}",
+                    port=bound_port,
+                    options=options,
+                    nursery=nursery,
+                )
+                transport._router.start_watching(nursery, "zmq router fd")
+                nursery.start_soon(transport._receive_loop, name="zmq router")
+                log.info("%s: control ROUTER bound on port %d", transport.local_id, bound_port)
+                try:
+                    yield transport
+                finally:
+                    transport._close()
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Our tasks never fail on their own: a lone exception is the body's;
+            # raise it as itself, not wrapped by our nursery.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        finally:
+            router.close(linger=0)  # already closed unless the nursery failed to start
+    finally:
+        with trio.CancelScope(shield=True):
+            # Every socket is closed; term() waits for lingering DEALERs (at most
+            # dealer_linger), so it must not run on the trio thread.
+            await trio.to_thread.run_sync(ctx.term)

@@ -1,0 +1,545 @@
+"""The NIXL data transport, against real NIXL agents (UCX, DRAM to DRAM, this host).
+
+Rules of this module:
+
+* Everything runs on real NIXL: two agents in this process, or one in a
+  subprocess (``tests/nixl_peer.py``). Nothing is mocked except, where a test
+  says so, what an agent *reports* (a transfer that stays "running"), to reach
+  the timeout paths deterministically; the bytes still move for real.
+* The clock is real (NIXL and worker threads do not run on trio's mock clock):
+  every wait is bounded with ``trio.fail_after``, and sleeps are short.
+* The module is skipped, with the reason, only when no NIXL wheel imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import pytest
+import trio
+
+from p2pactor.adapters.nixl import (
+    NixlDataTransport,
+    NixlOptions,
+    import_nixl,
+    open_nixl_transport,
+)
+from p2pactor.config import NodeConfig
+from p2pactor.core.inputs import LookupResult
+from p2pactor.errors import ConfigError, DataPlaneError
+from p2pactor.node import open_node
+from p2pactor.parent import EmbeddedCache
+from p2pactor.testing import MemoryNetwork
+from p2pactor.transport import TransferError
+
+try:
+    import_nixl()
+except DataPlaneError as exc:
+    pytest.skip(f"no NIXL wheel imports: {exc}", allow_module_level=True)
+
+BL = 4096
+N = 32
+PEER_SCRIPT = Path(__file__).with_name("nixl_peer.py")
+
+
+def pattern(seed: int, num_blocks: int = N, block_len: int = BL) -> bytearray:
+    """A pool whose every block is different and recognisable."""
+    out = bytearray()
+    for i in range(num_blocks):
+        out += hashlib.sha256(f"{seed}:{i}".encode()).digest() * (block_len // 32)
+    return out
+
+
+def block(pool: bytes | bytearray | memoryview, i: int, block_len: int = BL) -> bytes:
+    return bytes(pool[i * block_len : (i + 1) * block_len])
+
+
+async def register(x: NixlDataTransport, y: NixlDataTransport, name: str) -> None:
+    """Register ``y`` with ``x`` under ``name``."""
+    await x.add_peer(name, y.agent_metadata, y.base_addr, y.num_blocks, y.block_len)
+
+
+@asynccontextmanager
+async def pair(
+    options: NixlOptions | None = None,
+) -> AsyncIterator[tuple[NixlDataTransport, NixlDataTransport, bytearray, bytearray]]:
+    """Two transports over patterned pools, each registered with the other."""
+    pool_a, pool_b = pattern(1), pattern(2)
+    with trio.fail_after(20):
+        async with (
+            open_nixl_transport(pool_a, BL, name="a", options=options) as a,
+            open_nixl_transport(pool_b, BL, name="b", options=options) as b,
+        ):
+            await register(a, b, "b")
+            await register(b, a, "a")
+            yield a, b, pool_a, pool_b
+
+
+class Stuck:
+    """Make an agent *report* every write running until :attr:`held` is cleared.
+
+    The WRITE itself still runs for real (it is done long before the test looks);
+    only ``transfer()`` and ``check_xfer_state`` say "PROC" while held, and
+    ``release_xfer_handle`` refuses (as NIXL does for a transfer it cannot
+    cancel) unless ``refuse`` is False.
+    """
+
+    def __init__(self, agent: Any, monkeypatch: pytest.MonkeyPatch, *, refuse: bool) -> None:
+        self.held = True
+        self.refused = 0
+        self.released = 0
+        real_transfer = agent.transfer
+        real_check = agent.check_xfer_state
+        real_release = agent.release_xfer_handle
+
+        def transfer(handle: Any) -> str:
+            state = real_transfer(handle)
+            return "PROC" if state != "ERR" else state
+
+        def check(handle: Any) -> str:
+            return "PROC" if self.held else real_check(handle)
+
+        def release(handle: Any) -> None:
+            if self.held and refuse:
+                self.refused += 1
+                raise RuntimeError("NIXL_ERR_REPOST_ACTIVE (refused by the test)")
+            real_release(handle)
+            self.released += 1
+
+        monkeypatch.setattr(agent, "transfer", transfer)
+        monkeypatch.setattr(agent, "check_xfer_state", check)
+        monkeypatch.setattr(agent, "release_xfer_handle", release)
+
+
+async def wait_for(condition: Callable[[], bool], limit: float = 5.0) -> None:
+    """Poll ``condition`` until it holds (NIXL's side has no event to wait on)."""
+    with trio.fail_after(limit):
+        while True:
+            if condition():
+                return
+            await trio.sleep(0.005)
+
+
+# --- writes --------------------------------------------------------------------------
+
+
+async def test_write_lands_at_the_given_indexes_and_nowhere_else() -> None:
+    async with pair() as (a, _b, pool_a, pool_b):
+        before = bytes(pool_b)
+        with trio.fail_after(5):
+            await a.write("b", [0, 3, 5, 31], [7, 1, 2, 30])
+        for src, dst in [(0, 7), (3, 1), (5, 2), (31, 30)]:
+            assert block(pool_b, dst) == block(pool_a, src)
+        for i in set(range(N)) - {7, 1, 2, 30}:
+            assert block(pool_b, i) == block(before, i)
+        assert pool_a == pattern(1)  # the source is only read
+        stats = a.statistics()
+        assert (stats.writes_done, stats.bytes_written, stats.writes_in_flight) == (1, 4 * BL, 0)
+
+
+async def test_torch_tensor_pools() -> None:
+    torch = pytest.importorskip("torch")
+    src = torch.arange(N * BL, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(N, BL)
+    dst = torch.zeros(N, BL, dtype=torch.uint8)
+    with trio.fail_after(20):
+        async with (
+            open_nixl_transport(src, BL) as a,
+            open_nixl_transport(dst.view(-1), BL) as b,
+        ):
+            assert (a.num_blocks, a.block_len, a.base_addr) == (N, BL, src.data_ptr())
+            await register(a, b, "b")
+            await a.write("b", [4, 5], [0, 9])
+    assert torch.equal(dst[0], src[4])
+    assert torch.equal(dst[9], src[5])
+    assert int(dst[1:9].sum()) == 0
+
+
+async def test_many_concurrent_writes_in_both_directions() -> None:
+    async with pair() as (a, b, pool_a, pool_b):
+        src_a, src_b = bytes(pool_a), bytes(pool_b)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for i in range(16):
+                    # a's blocks 0..15 -> b's 16..31; b's 0..15 -> a's 16..31.
+                    nursery.start_soon(a.write, "b", [i], [16 + i])
+                    nursery.start_soon(b.write, "a", [i], [16 + i])
+        for i in range(16):
+            assert block(pool_b, 16 + i) == block(src_a, i)
+            assert block(pool_a, 16 + i) == block(src_b, i)
+        assert a.statistics().writes_done == b.statistics().writes_done == 16
+
+
+async def test_a_batch_is_one_write_of_many_blocks() -> None:
+    async with pair() as (a, _b, pool_a, pool_b):
+        blocks = list(range(N))
+        with trio.fail_after(5):
+            await a.write("b", blocks, blocks[::-1])
+        for i in blocks:
+            assert block(pool_b, N - 1 - i) == block(pool_a, i)
+        assert a.statistics().writes_done == 1
+
+
+async def test_an_empty_write_does_nothing() -> None:
+    async with pair() as (a, _b, _pool_a, pool_b):
+        before = bytes(pool_b)
+        await a.write("b", [], [])
+        assert pool_b == before
+        assert a.statistics().writes_done == 0
+
+
+# --- refused writes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("peer", "local", "remote", "message"),
+    [
+        ("nobody", [0], [0], "nobody is not registered"),
+        ("b", [N], [0], "local block index 32 is out of range"),
+        ("b", [0], [N], "b's block index 32 is out of range"),
+        ("b", [-1], [0], "local block index -1 is out of range"),
+        ("b", [0, 1], [0], "2 local blocks but 1 remote blocks"),
+        ("b", [0.5], [0], "must be ints"),
+    ],
+)
+async def test_bad_writes_are_refused_before_nixl(
+    peer: str, local: list[Any], remote: list[Any], message: str
+) -> None:
+    async with pair() as (a, _b, _pool_a, pool_b):
+        before = bytes(pool_b)
+        with pytest.raises(TransferError, match=message):
+            await a.write(peer, local, remote)
+        assert pool_b == before
+        stats = a.statistics()
+        assert (stats.writes_done, stats.writes_failed, stats.writes_in_flight) == (0, 0, 0)
+
+
+async def test_a_peer_with_other_blocks_or_garbage_metadata_is_refused() -> None:
+    async with pair() as (a, b, _pool_a, _pool_b):
+        with pytest.raises(TransferError, match="uses 8192-byte blocks, this node 4096"):
+            await a.add_peer("odd", b.agent_metadata, b.base_addr, N, 2 * BL)
+        with pytest.raises(TransferError, match="cannot register junk's pool with NIXL"):
+            await a.add_peer("junk", b"not nixl metadata", b.base_addr, N, BL)
+        with pytest.raises(TransferError, match="already registered"):
+            await register(a, b, "b")
+        stats = a.statistics()
+        assert (stats.peers, stats.remote_agents) == (1, 1)
+        await a.write("b", [0], [0])  # the good registration is untouched
+
+
+async def test_remove_then_write_fails_and_adding_again_works() -> None:
+    async with pair() as (a, b, pool_a, pool_b):
+        await a.write("b", [1], [1])
+        await a.remove_peer("b")
+        assert (a.statistics().peers, a.statistics().remote_agents) == (0, 0)
+        with pytest.raises(TransferError, match="b is not registered"):
+            await a.write("b", [2], [2])
+        assert block(pool_b, 2) == block(pattern(2), 2)
+        await a.remove_peer("b")  # idempotent
+        await register(a, b, "b")
+        with trio.fail_after(5):
+            await a.write("b", [2], [2])
+        assert block(pool_b, 2) == block(pool_a, 2)
+
+
+async def test_one_agent_under_two_names_survives_removing_either() -> None:
+    """The reconnect-while-draining case: session #1 drains while #2 is live."""
+    async with pair() as (a, b, pool_a, pool_b):
+        await register(a, b, "b#2")
+        assert (a.statistics().peers, a.statistics().remote_agents) == (2, 1)
+        with trio.fail_after(5):
+            await a.write("b", [1], [1])
+            await a.write("b#2", [2], [2])
+            await a.remove_peer("b")
+            await a.write("b#2", [3], [3])  # NIXL still knows b's agent
+        assert (a.statistics().peers, a.statistics().remote_agents) == (1, 1)
+        for i in (1, 2, 3):
+            assert block(pool_b, i) == block(pool_a, i)
+        await a.remove_peer("b#2")
+        assert (a.statistics().peers, a.statistics().remote_agents) == (0, 0)
+        await register(a, b, "b#3")
+        with trio.fail_after(5):
+            await a.write("b#3", [4], [4])
+        assert block(pool_b, 4) == block(pool_a, 4)
+
+
+# --- writes that do not finish ------------------------------------------------------
+
+
+async def test_a_write_past_its_deadline_fails_only_once_nixl_lets_go(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with pair(NixlOptions(transfer_timeout=0.2)) as (a, _b, _pool_a, _pool_b):
+        await a.write("b", [0], [0])  # connection set up for real
+        stuck = Stuck(a._agent, monkeypatch, refuse=True)
+        failed: list[tuple[float, str]] = []
+
+        async def writer() -> None:
+            with pytest.raises(TransferError) as info:
+                await a.write("b", [1], [1])
+            failed.append((trio.current_time(), str(info.value)))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                await trio.sleep(0.6)  # three deadlines
+                assert failed == []  # never while NIXL says it is running
+                stats = a.statistics()
+                assert (stats.writes_in_flight, stats.zombies) == (1, 1)
+                assert stuck.refused >= 1
+                let_go = trio.current_time()
+                stuck.held = False
+        [(when, message)] = failed
+        assert when >= let_go
+        assert "no completion within 0.2 s; it completed only afterwards" in message
+        stats = a.statistics()
+        assert (stats.writes_in_flight, stats.zombies, stats.writes_failed) == (0, 0, 1)
+        assert stuck.released == 1  # the zombie's handle, and nothing else
+
+
+async def test_a_write_past_its_deadline_is_cancelled_through_nixl(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with pair(NixlOptions(transfer_timeout=0.2)) as (a, _b, _pool_a, _pool_b):
+        await a.write("b", [0], [0])
+        stuck = Stuck(a._agent, monkeypatch, refuse=False)
+        start = trio.current_time()
+        with trio.fail_after(5), pytest.raises(TransferError, match="NIXL cancelled it"):
+            await a.write("b", [1], [1])
+        assert 0.2 <= trio.current_time() - start < 2
+        assert stuck.released == 1
+        assert a.statistics().writes_in_flight == 0
+
+
+async def test_remove_peer_waits_for_the_writes_in_flight(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with pair() as (a, _b, pool_a, pool_b):
+        await a.write("b", [0], [0])
+        stuck = Stuck(a._agent, monkeypatch, refuse=True)
+        events: list[str] = []
+
+        async def writer() -> None:
+            await a.write("b", [5], [6])
+            events.append("written")
+
+        async def remover() -> None:
+            await a.remove_peer("b")
+            events.append("removed")
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(writer)
+                await wait_for(lambda: a.statistics().writes_in_flight == 1)
+                nursery.start_soon(remover)
+                await trio.sleep(0.3)
+                assert events == []
+                with pytest.raises(TransferError, match="not registered"):
+                    await a.write("b", [7], [7])  # a peer being removed takes no new writes
+                stuck.held = False
+        assert events == ["written", "removed"]
+        assert block(pool_b, 6) == block(pool_a, 5)
+        assert (a.statistics().peers, a.statistics().remote_agents) == (0, 0)
+
+
+async def test_a_cancelled_write_is_still_seen_through_by_the_pump(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with pair() as (a, _b, _pool_a, _pool_b):
+        await a.write("b", [0], [0])
+        stuck = Stuck(a._agent, monkeypatch, refuse=True)
+        with trio.move_on_after(0.2) as scope:
+            await a.write("b", [1], [1])
+        assert scope.cancelled_caught
+        await wait_for(lambda: a.statistics().zombies == 1)
+        assert a.statistics().writes_in_flight == 1  # tracked, not forgotten
+        stuck.held = False
+        await wait_for(lambda: a.statistics().writes_in_flight == 0)
+        assert stuck.released == 1
+        await a.remove_peer("b")
+
+
+async def test_closing_with_a_zombie_releases_it_after_close_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    options = NixlOptions(transfer_timeout=0.1, close_timeout=0.3)
+    outcome: list[str] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery, pair(options) as (a, _b, _pool_a, _pool_b):
+            await a.write("b", [0], [0])
+            Stuck(a._agent, monkeypatch, refuse=True)
+
+            async def writer() -> None:
+                with pytest.raises(TransferError) as info:
+                    await a.write("b", [1], [1])
+                outcome.append(str(info.value))
+
+            nursery.start_soon(writer)
+            await wait_for(lambda: a.statistics().zombies == 1)
+        # The pair exited first: the zombie got close_timeout, then went with the agent.
+    assert outcome == ["the NIXL transport closed while it was in flight"]
+
+
+# --- setup --------------------------------------------------------------------------
+
+
+async def test_pools_that_cannot_be_registered_are_refused() -> None:
+    with pytest.raises(ConfigError, match="whole, non-zero number of 4096-byte blocks"):
+        async with open_nixl_transport(bytearray(BL + 1), BL):
+            pass
+    with pytest.raises(ConfigError, match="writable"):
+        async with open_nixl_transport(memoryview(bytes(BL)), BL):
+            pass
+    with pytest.raises(ConfigError, match="not str"):
+        async with open_nixl_transport("pool", BL):  # type: ignore[arg-type]
+            pass
+
+
+async def test_agent_names_are_unique_and_the_pool_is_released_on_exit() -> None:
+    pool = bytearray(N * BL)
+    async with (
+        open_nixl_transport(pool, BL, name="same") as x,
+        open_nixl_transport(bytearray(N * BL), BL, name="same") as y,
+    ):
+        assert x.agent_name != y.agent_name
+        assert x.agent_name.startswith("same-")
+        with pytest.raises(BufferError):
+            pool.extend(b"x")  # registered: it must not move
+    pool.extend(b"x")  # deregistered and released on exit
+
+
+# --- across processes ---------------------------------------------------------------
+
+
+class PeerProcess:
+    """``tests/nixl_peer.py`` in a subprocess, talked to line by line."""
+
+    def __init__(self, process: trio.Process) -> None:
+        self.process = process
+        self._buffer = b""
+
+    async def line(self, keyword: str) -> list[str]:
+        """The next protocol line starting with ``keyword`` (NIXL's logs skipped)."""
+        assert self.process.stdout is not None
+        while True:
+            while b"\n" not in self._buffer:
+                chunk = await self.process.stdout.receive_some()
+                if not chunk:
+                    raise AssertionError("the peer process exited")
+                self._buffer += chunk
+            raw, self._buffer = self._buffer.split(b"\n", 1)
+            words = raw.decode().split()
+            if words and words[0] == keyword:
+                return words[1:]
+
+    async def ask(self, command: str, keyword: str) -> list[str]:
+        assert self.process.stdin is not None
+        await self.process.stdin.send_all(command.encode() + b"\n")
+        return await self.line(keyword)
+
+
+async def test_write_into_another_process() -> None:
+    num_blocks, block_len = 64, 64 * 1024
+    pool = pattern(3, num_blocks, block_len)
+    with trio.fail_after(60):
+        process = await trio.lowlevel.open_process(
+            [sys.executable, str(PEER_SCRIPT), str(num_blocks), str(block_len)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        peer = PeerProcess(process)
+        try:
+            metadata, base_addr, blocks, length = await peer.line("READY")
+            async with open_nixl_transport(pool, block_len, name="test") as data:
+                await data.add_peer(
+                    "peer:1#1", bytes.fromhex(metadata), int(base_addr), int(blocks), int(length)
+                )
+                local, remote = [0, 5, 63, 17], [63, 0, 10, 11]
+                await data.write("peer:1#1", local, remote)
+                await data.write("peer:1#1", list(range(32, 40)), list(range(20, 28)))
+                expected = hashlib.sha256(
+                    b"".join(block(pool, i, block_len) for i in local)
+                ).hexdigest()
+                got = await peer.ask("SUM " + " ".join(map(str, remote)), "SUM")
+                assert got == [expected]
+                expected = hashlib.sha256(
+                    b"".join(block(pool, i, block_len) for i in range(32, 40))
+                ).hexdigest()
+                got = await peer.ask("SUM " + " ".join(map(str, range(20, 28))), "SUM")
+                assert got == [expected]
+                assert await peer.ask("ZEROS", "ZEROS") == [str(num_blocks - 12)]
+                await data.remove_peer("peer:1#1")
+            assert process.stdin is not None
+            await process.stdin.send_all(b"EXIT\n")
+            assert await process.wait() == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                with trio.CancelScope(shield=True):
+                    await process.wait()
+
+
+# --- two nodes ----------------------------------------------------------------------
+
+
+async def test_two_nodes_fetch_over_nixl() -> None:
+    torch = pytest.importorskip("torch")
+    num_blocks, block_len = 16, 16 * 1024
+    network = MemoryNetwork()
+    tensors = {n: torch.zeros(num_blocks, block_len, dtype=torch.uint8) for n in "ab"}
+    caches = {
+        n: EmbeddedCache(num_blocks, block_len, memory=memoryview(t.numpy()))
+        for n, t in tensors.items()
+    }
+    configs = {
+        n: NodeConfig(host=n, port=5710, num_blocks=num_blocks, block_len=block_len) for n in "ab"
+    }
+    keys = [i.to_bytes(32, "big") + bytes(4) for i in range(6)]
+    contents = {k: hashlib.sha256(k).digest() * (block_len // 32) for k in keys}
+    for k in keys[:4]:  # b holds 0..3; 4 and 5 are nowhere
+        caches["b"].store(k, contents[k])
+    with trio.fail_after(30):
+        async with (
+            open_nixl_transport(tensors["a"], block_len, name="a") as data_a,
+            open_nixl_transport(tensors["b"], block_len, name="b") as data_b,
+            open_node(
+                configs["a"],
+                control=network.transport(configs["a"].node_id),
+                data=data_a,
+                parent=caches["a"],
+            ) as a,
+            open_node(
+                configs["b"],
+                control=network.transport(configs["b"].node_id),
+                data=data_b,
+                parent=caches["b"],
+            ) as b,
+        ):
+            answers = await a.lookup(b.node_id, "req-1", keys)
+            assert answers == [LookupResult.HIT] * 4 + [LookupResult.MISS] * 2
+            hits = keys[:4]
+            dest = caches["a"].allocate(len(hits))
+            result = await a.fetch(b.node_id, "req-1", hits, dest)
+            assert result.success, result.reason
+            for k, i in zip(hits, dest, strict=True):
+                caches["a"].commit(k, i)
+                assert caches["a"].read(k) == contents[k]
+                assert bytes(tensors["a"][i].numpy()) == contents[k]
+            a.finish("req-1")
+            await wait_for(lambda: not caches["b"].held_jobs(), limit=10)
+            assert data_b.statistics().writes_done == 1
+            assert data_b.statistics().bytes_written == 4 * block_len
+    for cache in caches.values():
+        assert cache.held_jobs() == set()
+        assert cache.opened == set()
+        assert all(n == 1 for n in cache.finished.values())
+        assert all(n == 1 for n in cache.released.values())
+    assert data_a.statistics().peers == data_b.statistics().peers == 0
