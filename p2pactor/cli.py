@@ -10,7 +10,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from p2pactor import __version__, replay_cli
+from p2pactor import __version__, replay_cli, serve
+from p2pactor.demo import cli as demo_cli
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -29,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"p2pactor {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo_cli.register(commands)
+    serve.register(commands)
     replay_cli.register(commands)
     return parser
 

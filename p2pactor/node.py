@@ -462,6 +462,7 @@ class Node:
     async def _session_for(self, peer: str) -> PeerSession | None:
         session = self._sessions.get(peer)
         if session is not None and session.alive:
+            await session.wait_started()  # another task may be starting it right now
             return session
         if not self._config.may_dial(peer) or self._closing_node:
             return None
@@ -513,7 +514,10 @@ class Node:
             elif existing is not None and existing.alive:
                 log.warning("%s connected again while its session lives; refused", peer)
                 await conn.aclose()
-            elif len(self._sessions) >= self._config.max_peers or self._closing_node:
+            elif self._closing_node:
+                log.info("refused %s: this node is shutting down", peer)
+                await conn.aclose()
+            elif len(self._sessions) >= self._config.max_peers:
                 log.warning("refused %s: at max_peers (%d)", peer, self._config.max_peers)
                 await conn.aclose()
             else:

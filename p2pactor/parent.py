@@ -196,14 +196,17 @@ class EmbeddedCache:
         return blocks
 
     def commit(self, key: bytes, block: int) -> None:
-        """A load into ``block`` (from :meth:`allocate`) finished: index it as ``key``."""
+        """A load into ``block`` (from :meth:`allocate`) finished: index it as ``key``.
+
+        If ``key`` is stored already, the loaded copy is given back instead: the
+        stored block may be pinned and read by a transfer right now.
+        """
         self._pins[block] -= 1
         if self._pins[block] <= 0:
             del self._pins[block]
-        old = self._index.pop(key, None)
-        if old is not None and old != block:
-            self._key_of.pop(old, None)
-            self._free.append(old)
+        if key in self._index:
+            self._free.append(block)
+            return
         self._index[key] = block
         self._key_of[block] = key
         self._pending.discard(key)

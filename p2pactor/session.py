@@ -189,6 +189,7 @@ class PeerSession:
         self._dispatch_errors = 0
         self._round_counter = itertools.count(1)
         self._nursery: trio.Nursery | None = None
+        self._started = trio.Event()
         self._failed_loads: tuple[int, ...] = ()
         self._failed_requests: tuple[str, ...] = ()
 
@@ -265,6 +266,10 @@ class PeerSession:
         """Close the session: tell the peer, end every actor, drain. Idempotent."""
         self._die(reason, disconnect=True)
 
+    async def wait_started(self) -> None:
+        """Wait until the session's task runs (it can take actors from then on)."""
+        await self._started.wait()
+
     async def wait_closed(self) -> SessionCloseResult:
         """Wait until the session has closed and return what it left owed."""
         await self._closed.wait()
@@ -279,6 +284,7 @@ class PeerSession:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.last_activity = trio.current_time()
+                self._started.set()
                 task_status.started()
                 await self._talk()
                 await self._drain()

@@ -37,3 +37,16 @@ def test_two_nodes_share_blocks_both_ways() -> None:
     assert "a:5710  c:b:5710:a-req  -> done" in lines
     assert "b:5710  p:a:5710:a-req  -> closed" in lines
     assert lines[-1] == "bytes equal on both sides"
+
+
+def test_serve_and_fetch_over_real_transports() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "serve_and_fetch.py")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    lines = [line for line in out.stdout.splitlines() if not line.startswith("20")]
+    assert lines[-2].endswith("holds 16 of the 18 blocks asked for")
+    assert lines[-1] == "fetched 16 blocks (1024 KiB), all verified"
