@@ -121,3 +121,7 @@ async def open_cluster(
             node.watch_actors(actors.append)
             cluster.members[name] = Member(name, node, cache, event_log, actors)
         yield cluster
+    # Every end-to-end test checks the design's central promise on the way out:
+    # replaying each node's log rebuilds exactly the states its actors ended in.
+    for member in cluster.members.values():
+        assert member.replayed_states() == member.live_states(), member.name

@@ -17,8 +17,13 @@ import trio
 
 import p2pactor.actor
 from p2pactor import protocol as wire
+from p2pactor.actor import RequestActor
 from p2pactor.config import NodeConfig
+from p2pactor.core.events import AnyEvent
+from p2pactor.core.fold import fold
+from p2pactor.core.ids import ActorId
 from p2pactor.core.inputs import LookupResult
+from p2pactor.log import EventLog
 from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
 from p2pactor.testing import MemoryConnection, MemoryDataPlane, MemoryNetwork
@@ -104,13 +109,22 @@ async def node_and_peer(**config: object) -> AsyncIterator[tuple[Node, EmbeddedC
     cfg = NodeConfig(host="node", port=5710, **settings)  # type: ignore[arg-type]
     cache = EmbeddedCache(cfg.num_blocks, cfg.block_len)
     peer = RawPeer(network, plane)
+    event_log = EventLog(cfg.node_id, keep=None)
+    actors: list[RequestActor] = []
     async with open_node(
         cfg,
         control=network.transport(cfg.node_id),
         data=plane.transport(cache.memory, cfg.block_len),
         parent=cache,
+        event_log=event_log,
     ) as node:
+        node.watch_actors(actors.append)
         yield node, cache, peer
+    # replay rebuilds exactly the states the actors ended in
+    by_actor: dict[ActorId, list[AnyEvent]] = {}
+    for event in event_log.recent():
+        by_actor.setdefault(event.actor, []).append(event)
+    assert {a: fold(e) for a, e in by_actor.items()} == {a.id: a.state for a in actors}
 
 
 async def closed_reason(node: Node) -> str:
