@@ -27,10 +27,9 @@ from p2pactor import protocol as wire
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.builder import Builder
-from p2pactor.core.events import ConsumerPhase
+from p2pactor.core.events import ConsumerPhase, check_follows
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
-from p2pactor.errors import ReplayError
 
 __all__ = [
     "ConsumerInput",
@@ -156,10 +155,7 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
         ReplayError: The event belongs to another actor or does not follow the
             last one applied.
     """
-    if event.actor != state.actor:
-        raise ReplayError(f"event of {event.actor} applied to {state.actor}")
-    if event.seq != state.seq + 1:
-        raise ReplayError(f"{state.actor}: event seq {event.seq} after seq {state.seq}")
+    check_follows(state.actor, state.seq, event)
     s = attrs.evolve(state, seq=event.seq)
     match event:
         case ev.Ignored() | ev.Rejected():

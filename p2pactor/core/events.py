@@ -20,6 +20,7 @@ from typing import ClassVar
 import attrs
 
 from p2pactor.core.ids import ActorId
+from p2pactor.errors import ReplayError
 
 __all__ = [
     "EVENT_TYPES",
@@ -68,6 +69,7 @@ __all__ = [
     "TransferFailed",
     "TransferStarted",
     "Violation",
+    "check_follows",
 ]
 
 Keys = tuple[bytes, ...]
@@ -144,6 +146,18 @@ class Event:
     actor: ActorId
     seq: int
     at: float
+
+
+def check_follows(actor: ActorId, seq: int, event: Event) -> None:
+    """Check that ``event`` is the next event of ``actor``, whose last was ``seq``.
+
+    Raises:
+        ReplayError: It belongs to another actor, or skips or repeats a number.
+    """
+    if event.actor != actor:
+        raise ReplayError(f"event of {event.actor} applied to {actor}")
+    if event.seq != seq + 1:
+        raise ReplayError(f"{actor}: event seq {event.seq} after seq {seq}")
 
 
 # --- shared by both roles ---------------------------------------------------------

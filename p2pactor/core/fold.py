@@ -39,13 +39,20 @@ def evolve(state: ActorState, event: ev.AnyEvent) -> ActorState:
         ReplayError: The event does not belong to this actor, is of the other
             role, or breaks the sequence.
     """
-    if isinstance(state, ConsumerState):
-        if type(event) not in _CONSUMER_KINDS:
-            raise ReplayError(f"{event.KIND} is not a consumer event ({state.actor})")
-        return evolve_consumer(state, event)  # type: ignore[arg-type]
-    if type(event) not in _PRODUCER_KINDS:
-        raise ReplayError(f"{event.KIND} is not a producer event ({state.actor})")
-    return evolve_producer(state, event)  # type: ignore[arg-type]
+    try:
+        if isinstance(state, ConsumerState):
+            if type(event) not in _CONSUMER_KINDS:
+                raise ReplayError(f"{event.KIND} is not a consumer event ({state.actor})")
+            return evolve_consumer(state, event)  # type: ignore[arg-type]
+        if type(event) not in _PRODUCER_KINDS:
+            raise ReplayError(f"{event.KIND} is not a producer event ({state.actor})")
+        return evolve_producer(state, event)  # type: ignore[arg-type]
+    except (KeyError, ValueError) as exc:
+        # evolve trusts its input; a log that names a lookup, round or job the
+        # state never had is corrupt, and says so in one exception type.
+        raise ReplayError(
+            f"{state.actor}: {event.KIND} #{event.seq} does not fit the state: {exc!r}"
+        ) from exc
 
 
 def fold(events: Iterable[ev.AnyEvent], state: ActorState | None = None) -> ActorState:
