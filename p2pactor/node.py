@@ -119,12 +119,17 @@ class _Store:
 
 
 @attrs.frozen
+class _Dial:
+    peer: str
+
+
+@attrs.frozen
 class _Answer:
     actor: RequestActor
     answer: inp.ParentAnswer
 
 
-_EngineItem = _Register | _Flush | _Load | _Finish | _Store | _Answer
+_EngineItem = _Register | _Flush | _Load | _Finish | _Store | _Dial | _Answer
 
 
 @attrs.frozen
@@ -149,8 +154,11 @@ class Node:
         parent: Parent | None,
         event_log: EventLog,
         nursery: trio.Nursery,
+        hash_seed: Callable[[], str] | None = None,
     ) -> None:
         self._config = config
+        self._hash_seed_source = hash_seed
+        self._hash_seed: str | None = None if hash_seed is not None else config.hash_seed
         self._control = control
         self._data = data
         self._parent = parent
@@ -192,6 +200,18 @@ class Node:
         return self._config.node_id
 
     @property
+    def hash_seed(self) -> str:
+        """The hash seed this node advertises and requires of peers.
+
+        Resolved on first use when the node was given a source for it: vLLM
+        knows its seed only once the engine has started, after the tier exists.
+        """
+        if self._hash_seed is None:
+            assert self._hash_seed_source is not None
+            self._hash_seed = self._hash_seed_source()
+        return self._hash_seed
+
+    @property
     def control(self) -> ControlTransport:
         """The control transport."""
         return self._control
@@ -217,6 +237,10 @@ class Node:
     def closed_sessions(self) -> list[SessionCloseResult]:
         """What every session that has closed left behind, oldest first."""
         return list(self._closed_results)
+
+    def has_transfers_in_flight(self) -> bool:
+        """Whether a load of ours or a write of ours is still running. Thread-safe."""
+        return any(s.has_transfers_in_flight() for s in list(self._sessions.values()))
 
     def has_pending_work(self) -> bool:
         """Whether anything is really outstanding: handshakes, loads, writes, parent work."""
@@ -295,6 +319,14 @@ class Node:
         if new:
             self._post_optional(_Register(peer, kv_request_id, new))
         return answers
+
+    def prepare(self, peer: str) -> None:
+        """Open the session with ``peer`` now: its handshake is done when a lookup comes.
+
+        Thread-safe, never blocks; a peer that may not be dialed is ignored.
+        """
+        if self._config.may_dial(peer):
+            self._post(_Dial(peer))
 
     def flush(self) -> None:
         """Send the lookups of every request that registered new keys. Thread-safe."""
@@ -409,6 +441,8 @@ class Node:
                 await self._finish(kv_id)
             case _Store():
                 await self._store(item)
+            case _Dial(peer):
+                await self._session_for(peer)
             case _Answer(actor, answer):
                 if not await actor.deliver(answer):
                     log.error("%s ended before its parent answer; releasing its pin", actor.id)
@@ -684,6 +718,7 @@ async def open_node(
     data: DataTransport,
     parent: Parent | None = None,
     event_log: EventLog | None = None,
+    hash_seed: Callable[[], str] | None = None,
 ) -> AsyncIterator[Node]:
     """Start a node; close it (draining its sessions) when the block exits.
 
@@ -694,6 +729,8 @@ async def open_node(
         parent: An in-process cache to serve continuously; None when the engine
             lends its cache through :meth:`Node.serve_parent`.
         event_log: Where events go; by default an in-memory log.
+        hash_seed: Where to read the hash seed from, on first need, instead of
+            ``config.hash_seed``.
     """
     event_log = event_log or EventLog(config.node_id)
     async with trio.open_nursery() as nursery:
@@ -704,6 +741,7 @@ async def open_node(
             parent=parent,
             event_log=event_log,
             nursery=nursery,
+            hash_seed=hash_seed,
         )
         nursery.start_soon(node._accept_loop)
         nursery.start_soon(node._engine_loop)

@@ -130,6 +130,11 @@ class SessionHost(Protocol):
         ...
 
     @property
+    def hash_seed(self) -> str:
+        """The hash seed to advertise and require."""
+        ...
+
+    @property
     def control(self) -> ControlTransport:
         """The node's control transport."""
         ...
@@ -243,6 +248,17 @@ class PeerSession:
                 return True
         return False
 
+    def has_transfers_in_flight(self) -> bool:
+        """Whether a load or a write of this session is still running. Thread-safe."""
+        for actor in list(self._consumers.values()):
+            state = actor.state
+            if isinstance(state, ConsumerState) and state.loads and not state.phase.terminal:
+                return True
+        return any(
+            isinstance(actor.state, ProducerState) and actor.state.transfers
+            for actor in list(self._producers.values())
+        )
+
     def consumer(self, kv_request_id: str) -> RequestActor:
         """The live consumer actor for ``kv_request_id``, created if needed."""
         actor = self._consumers.get(kv_request_id)
@@ -348,7 +364,7 @@ class PeerSession:
             num_blocks=data.num_blocks,
             block_len=data.block_len,
             config_fingerprint=self._config.fingerprint,
-            hash_seed=self._config.hash_seed,
+            hash_seed=self._host.hash_seed,
             extension=EXTENSION if self._config.round_extension else None,
         )
 
@@ -458,9 +474,10 @@ class PeerSession:
                 f"config fingerprint differs ({msg.config_fingerprint} vs {cfg.fingerprint}): "
                 "the peers run different models, dtypes or block sizes; align them"
             )
-        if msg.hash_seed != cfg.hash_seed:
+        seed = self._host.hash_seed
+        if msg.hash_seed != seed:
             return (
-                f"hash seed differs ({msg.hash_seed!r} vs {cfg.hash_seed!r}): the same tokens "
+                f"hash seed differs ({msg.hash_seed!r} vs {seed!r}): the same tokens "
                 "would get different keys; set PYTHONHASHSEED to the same value on every node"
             )
         return ""

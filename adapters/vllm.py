@@ -1,0 +1,483 @@
+"""p2pactor as a secondary tier of vLLM's tiered KV offloading (vLLM 0.33).
+
+Load it out of tree by naming it in the engine's KV transfer config::
+
+    "secondary_tiers": [{"type": "P2PActorTierManager",
+                         "module_path": "p2pactor.adapters.vllm",
+                         "host": "10.0.0.1", "port": 5710}]
+
+It speaks vLLM's P2P wire dialect, so engines running it and engines running
+vLLM's own ``p2p`` tier share blocks with each other.
+
+How it meets vLLM's threading contract: vLLM calls every method synchronously,
+under its lock, from the scheduler thread or its tier-poll thread. A p2pactor
+node runs on its own trio thread (sockets, timers, decoding, NIXL completions
+all live there); the methods here only hand work over without waiting
+(``Node.register_lookup``, ``flush``, ``submit_load``, ...) and read what the
+trio thread has already published. The parent handle vLLM lends to
+``serve_external_requests`` is used only inside that call, through
+:class:`_LentParent`, and never kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Collection, Iterable, Sequence
+from typing import Any, ClassVar
+
+import attrs
+import trio
+
+from p2pactor.config import NodeConfig, fingerprint_of
+from p2pactor.core import inputs as inp
+from p2pactor.core.inputs import LookupResult as Answer
+from p2pactor.errors import ConfigError, P2PActorError
+from p2pactor.log import EventLog
+from p2pactor.node import Node, open_node
+
+try:
+    from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext
+    from vllm.v1.kv_offload.tiering.base import (
+        JobResult,
+        ParentManager,
+        SecondaryTierManager,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "p2pactor.adapters.vllm needs vLLM 0.26 or newer (tiered KV offloading with "
+        "ParentManager); install vLLM, or p2pactor with its 'vllm' extra. "
+        f"The import failed with: {exc}"
+    ) from exc
+
+# API variants in the field, detected once at import time: a job's chunk ids
+# are TransferJob.chunk_ids since vLLM ~0.27 (JobMetadata.block_ids before);
+# LookupResult arrived in 0.25 (tiers answered True/False/None before).
+from vllm.v1.kv_offload import base as _vllm_base
+from vllm.v1.kv_offload.tiering import base as _tiering_base
+
+_JOB_IDS = "chunk_ids" if hasattr(_tiering_base, "TransferJob") else "block_ids"
+_VllmLookup = getattr(_vllm_base, "LookupResult", None)
+OffloadPolicy = getattr(_vllm_base, "OffloadPolicy", None)
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - before per-source hit metrics
+    CacheHitSource = None
+
+__all__ = ["P2PActorTierManager"]
+
+log = logging.getLogger("p2pactor.vllm")
+
+_SHUTDOWN_DRAIN_S = 3.0  # vLLM's own: wait this long for writes, then give up
+_START_TIMEOUT_S = 60.0
+
+
+@attrs.frozen
+class _Source:
+    """A consumer request: pull ``kv_request_id`` from ``peer``."""
+
+    peer: str
+    kv_request_id: str
+    probe: bool  # remote_kv_source probes first; remote_prefiller does not
+
+
+@attrs.frozen
+class _Dest:
+    """A prefill/decode producer request: keep its blocks for a remote puller."""
+
+    kv_request_id: str | None
+
+
+def _peer_of(role: dict[str, Any]) -> str | None:
+    host, port = role.get("remote_host"), role.get("remote_port")
+    return f"{host}:{port}" if host and port else None
+
+
+def _parse_source(params: dict[str, Any] | None) -> _Source | None:
+    """The consumer role of ``kv_transfer_params``, as vLLM reads it."""
+    if not params:
+        return None
+    for name, probe in (("remote_prefiller", False), ("remote_kv_source", True)):
+        role = params.get(name)
+        if isinstance(role, dict):
+            peer = _peer_of(role)
+            kv_id = role.get("kv_request_id")
+            if peer is None or not kv_id:
+                return None
+            return _Source(peer, str(kv_id), probe)
+    return None
+
+
+def _parse_dest(params: dict[str, Any] | None) -> _Dest | None:
+    """The producer (remote_decoder) role of ``kv_transfer_params``."""
+    if not params or not isinstance(params.get("remote_decoder"), dict):
+        return None
+    kv_id = params["remote_decoder"].get("kv_request_id")
+    return _Dest(str(kv_id) if kv_id else None)
+
+
+def _to_vllm(answer: Answer) -> Any:
+    """Our answer as vLLM's LookupResult (or the legacy bool/None)."""
+    if _VllmLookup is None:  # pragma: no cover - legacy vLLM
+        return {Answer.HIT: True, Answer.MISS: False}.get(answer)
+    return {
+        Answer.HIT: _VllmLookup.HIT,
+        Answer.MISS: _VllmLookup.MISS,
+        Answer.RETRY: _VllmLookup.RETRY,
+        Answer.HIT_PENDING: _VllmLookup.HIT_PENDING,
+    }[answer]
+
+
+def _from_vllm(result: Any) -> Answer:
+    """VLLM's LookupResult (or a legacy bool/None) as our answer."""
+    if result is True:
+        return Answer.HIT
+    if result is False:
+        return Answer.MISS
+    if result is None:
+        return Answer.RETRY
+    return Answer(result.name.lower())
+
+
+def _job_ids(job: Any) -> list[int]:
+    return [int(i) for i in getattr(job, _JOB_IDS)]
+
+
+def _hash_seed() -> str:
+    """VLLM's own seed resolution (PYTHONHASHSEED, else its sha256 default)."""
+    from vllm.v1.core.kv_cache_utils import get_none_hash_seed  # noqa: PLC0415 - lazy on purpose
+
+    return str(get_none_hash_seed())
+
+
+def _fingerprint(offloading_spec: Any) -> str:
+    """The layout fingerprint from the same fields vLLM's own P2P tier uses."""
+    try:
+        from vllm.v1.kv_offload.file_mapper import FileMapper  # noqa: PLC0415
+
+        fields = FileMapper.from_offloading_spec(
+            root_dir="",
+            offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True,
+        ).get_run_config()
+    except Exception:
+        log.warning("could not derive the layout fingerprint; peers will not compare it")
+        return ""
+    return fingerprint_of(fields)
+
+
+class _NodeThread:
+    """A p2pactor node on its own trio thread, started and stopped from vLLM's."""
+
+    def __init__(self, config: NodeConfig, pool: memoryview, log_path: str | None) -> None:
+        self.config = config
+        self._pool = pool
+        self._log_path = log_path
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: trio.Event | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.node: Node | None = None
+        self._thread = threading.Thread(target=self._main, name="p2pactor-node", daemon=True)
+
+    def start(self) -> Node:
+        self._thread.start()
+        if not self._ready.wait(_START_TIMEOUT_S):
+            raise P2PActorError(f"the p2pactor node did not start within {_START_TIMEOUT_S:g} s")
+        if self._error is not None:
+            raise P2PActorError(
+                f"the p2pactor node failed to start: {self._error}"
+            ) from self._error
+        assert self.node is not None
+        return self.node
+
+    def stop(self, timeout: float) -> None:
+        if self._token is not None and self._stop is not None:
+            with contextlib.suppress(trio.RunFinishedError):  # already stopped
+                self._token.run_sync_soon(self._stop.set)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("the p2pactor node thread did not stop within %.0f s", timeout)
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._run)
+        except BaseException as exc:
+            self._error = exc
+            log.exception("the p2pactor node stopped with an error")
+        finally:
+            self._ready.set()
+
+    async def _run(self) -> None:
+        from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
+        from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
+
+        config = self.config
+        self._stop = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        event_log = EventLog(
+            config.node_id,
+            path=self._log_path,
+            clock_origin=(time.time(), trio.current_time()),
+            keep=10_000,
+            overwrite=True,
+        )
+        async with (
+            open_zmq_transport(config.node_id, bind_host=config.host, port=config.port) as control,
+            open_nixl_transport(self._pool, config.block_len) as data,
+            open_node(
+                config, control=control, data=data, event_log=event_log, hash_seed=_hash_seed
+            ) as node,
+        ):
+            self.node = node
+            self._ready.set()
+            await self._stop.wait()
+
+
+class _LentParent:
+    """vLLM's ParentManager, lent for one ``serve_external_requests`` call, as a p2pactor Parent.
+
+    Synthetic requests are named by p2pactor and live across serves, so their
+    vLLM ``ReqContext`` objects are kept by the tier, not here.
+    """
+
+    def __init__(self, tier: P2PActorTierManager, parent: ParentManager) -> None:
+        self._tier = tier
+        self._parent = parent
+
+    def on_new_request(self, context: str) -> None:
+        ctx = ReqContext(req_id=context, kv_transfer_params=None)
+        self._tier._contexts[context] = ctx
+        self._parent.on_new_request(ctx)
+
+    def lookup(self, key: bytes, context: str) -> Answer:
+        ctx = self._tier._contexts[context]
+        return _from_vllm(self._parent.lookup(key, ctx))
+
+    def create_store_job(self, keys: Sequence[bytes], context: str) -> inp.Pin:
+        ctx = self._tier._contexts[context]
+        job = self._parent.create_store_job(list(keys), ctx)
+        return inp.Pin(int(job.job_id), tuple(job.keys), tuple(_job_ids(job)))
+
+    def on_request_finished(self, context: str) -> None:
+        ctx = self._tier._contexts.pop(context)
+        self._parent.on_request_finished(ctx)
+
+    def release_job(self, job_id: int, *, success: bool) -> None:
+        # vLLM unpins a job when the tier reports it in get_finished_jobs().
+        self._tier._finished.append(JobResult(job_id=job_id, success=success))
+
+
+class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM is Any to mypy
+    """A vLLM secondary tier backed by a p2pactor node.
+
+    Args:
+        offloading_spec: What vLLM's factory passes: the offloading
+            configuration (model and cache layout give the fingerprint; the
+            data-parallel index offsets the port).
+        primary_kv_view: The CPU primary tier's memory, one row per chunk: it
+            becomes the NIXL block pool.
+        tier_type: The tier's type name.
+        backpressure_detector: Must be None: like vLLM's P2P tier, this tier
+            can't fail fast on store backpressure.
+        host: Address to bind and to be known by (default
+            ``VLLM_P2P_SIDE_CHANNEL_HOST``, ``localhost``; set the pod's IP for
+            cross-host use).
+        port: Base control port (default ``VLLM_P2P_SIDE_CHANNEL_PORT``,
+            5710), plus the data-parallel index.
+        unbound_store_timeout_s: How long stored blocks of a prefill/decode
+            request wait for their fetch (vLLM's default, 60 s).
+        allowed_peers: Peers this engine may dial, as ``host:port`` (a list
+            or a comma-separated string); request parameters naming anything
+            else are treated as having no source. Default: any peer.
+        event_log: Write the node's event log to this file (for
+            ``p2pactor replay``).
+        **kwargs: Keys vLLM's own P2P tier takes (``backends``,
+            ``num_threads``) are accepted and ignored; anything else is an error.
+    """
+
+    cache_hit_source: ClassVar[Any] = CacheHitSource.P2P if CacheHitSource is not None else None
+    tolerates_off_thread_polling: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str = "p2pactor",
+        *,
+        backpressure_detector: Any = None,
+        host: str | None = None,
+        port: int | str | None = None,
+        unbound_store_timeout_s: float = 60.0,
+        allowed_peers: Collection[str] | str | None = None,
+        event_log: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if backpressure_detector is not None:
+            raise ValueError(
+                "Backpressure is not supported for the p2pactor tier (as for vLLM's p2p "
+                "tier): remove the 'backpressure' config from its secondary_tiers entry."
+            )
+        for ignored in ("backends", "num_threads", "locality"):
+            kwargs.pop(ignored, None)
+        if kwargs:
+            raise ValueError(f"unknown p2pactor tier options: {sorted(kwargs)}")
+        super().__init__(offloading_spec, primary_kv_view, tier_type)
+        if isinstance(allowed_peers, str):
+            allowed_peers = [p.strip() for p in allowed_peers.split(",") if p.strip()]
+        dp_index = int(offloading_spec.config.parallel.data_parallel_index)
+        base = NodeConfig.from_env()
+        view = primary_kv_view
+        try:
+            config = attrs.evolve(
+                base,
+                host=host if host is not None else base.host,
+                port=int(port if port is not None else base.port) + dp_index,
+                num_blocks=int(view.shape[0]) if view.shape else 0,
+                block_len=int(self.block_size_bytes),
+                fingerprint=_fingerprint(offloading_spec),
+                allowed_peers=None if allowed_peers is None else frozenset(allowed_peers),
+                unbound_store_timeout=float(unbound_store_timeout_s),
+                drain_timeout=_SHUTDOWN_DRAIN_S,
+            )
+        except (ConfigError, TypeError) as exc:
+            raise ValueError(f"bad p2pactor tier configuration: {exc}") from exc
+        self._contexts: dict[str, ReqContext] = {}
+        self._finished: list[JobResult] = []
+        self._load_requests: dict[int, str] = {}
+        self._failed: set[str] = set()
+        self._runner = _NodeThread(config, view, event_log)
+        self._node: Node = self._runner.start()
+        log.info(
+            "p2pactor tier %s ready (%d blocks of %d bytes)",
+            config.node_id,
+            config.num_blocks,
+            config.block_len,
+        )
+
+    # --- per request -------------------------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """Read the request's role from its kv_transfer_params, once."""
+        params = req_context.kv_transfer_params
+        source = _parse_source(params)
+        if source is not None and not self._node.config.may_dial(source.peer):
+            log.warning(
+                "request %s names %s, which is not in allowed_peers; not dialing it",
+                req_context.req_id,
+                source.peer,
+            )
+            source = None
+        if source is not None:
+            req_context.set_state(source)
+            self._node.prepare(source.peer)  # handshake now, before its lookups
+        dest = _parse_dest(params)
+        if dest is not None:
+            req_context.set_state(dest)
+            if dest.kv_request_id is not None and OffloadPolicy is not None:
+                return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: Any, req_context: ReqContext) -> Any:
+        """HIT, MISS or RETRY (while the peer is being asked) for one key."""
+        source = req_context.get_state(_Source)
+        if source is None or source.kv_request_id in self._failed:
+            return _to_vllm(Answer.MISS)
+        if not source.probe:
+            return _to_vllm(Answer.HIT)  # prefill/decode: the prefiller holds everything
+        answer = self._node.register_lookup(source.peer, source.kv_request_id, [bytes(key)])[0]
+        return _to_vllm(answer)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """The engine is done with the request (either role)."""
+        source = req_context.get_state(_Source)
+        dest = req_context.get_state(_Dest)
+        for kv_id in {
+            source.kv_request_id if source else None,
+            dest.kv_request_id if dest else None,
+        } - {None}:
+            assert kv_id is not None
+            self._failed.discard(kv_id)
+            self._node.finish(kv_id)
+
+    def submit_store(self, job_metadata: Any) -> None:
+        """Keep a prefill/decode request's blocks for its remote puller."""
+        dest = job_metadata.req_context.get_state(_Dest)
+        if dest is None:
+            # Symmetric P2P: blocks stay in the CPU primary tier; nothing to do.
+            self._finished.append(JobResult(job_id=job_metadata.job_id, success=True))
+        elif dest.kv_request_id is None:
+            self._finished.append(JobResult(job_id=job_metadata.job_id, success=False))
+        else:
+            self._node.submit_store(
+                dest.kv_request_id,
+                int(job_metadata.job_id),
+                [bytes(k) for k in job_metadata.keys],
+                _job_ids(job_metadata),
+            )
+
+    def submit_load(self, job_metadata: Any) -> None:
+        """Pull keys from the request's source peer into the given chunks."""
+        source = job_metadata.req_context.get_state(_Source)
+        job_id = int(job_metadata.job_id)
+        keys = [bytes(k) for k in job_metadata.keys]
+        if source is None:
+            self._finished.append(JobResult(job_id=job_id, success=False))
+        elif not keys:
+            self._finished.append(JobResult(job_id=job_id, success=True))
+        else:
+            self._load_requests[job_id] = source.kv_request_id
+            self._node.submit_load(
+                source.peer, source.kv_request_id, job_id, keys, _job_ids(job_metadata)
+            )
+
+    # --- per step ----------------------------------------------------------------
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        """Loads and stores that finished since the last call, each exactly once."""
+        for result in self._node.finished_jobs():
+            kv_id = self._load_requests.pop(result.job_id, None)
+            if not result.success and kv_id is not None:
+                self._failed.add(kv_id)  # its lookups answer MISS: prefill locally
+            self._finished.append(JobResult(job_id=result.job_id, success=result.success))
+        finished, self._finished = self._finished, []
+        return finished
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        """Let peers' lookups, pins and releases run against the lent parent."""
+        self._node.serve_parent(_LentParent(self, parent))
+
+    def on_schedule_end(self, context: Any) -> None:
+        """The step ended: send the lookups registered during it."""
+        del context
+        self._node.flush()
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping for this tier."""
+        return self._node.has_pending_work()
+
+    def drain_jobs(self) -> None:
+        """Wait (bounded) until no load or write of ours is in flight."""
+        deadline = time.monotonic() + 30.0
+        while self._node.has_transfers_in_flight():
+            if time.monotonic() > deadline:
+                log.warning("drain_jobs gave up after 30 s with transfers still in flight")
+                return
+            time.sleep(0.001)
+
+    def shutdown(self) -> None:
+        """Close the node: sessions drain for up to 3 s, as vLLM's tier does."""
+        self._runner.stop(timeout=_SHUTDOWN_DRAIN_S + 10)
+
+    # --- introspection -------------------------------------------------------------
+
+    @property
+    def node(self) -> Node:
+        """The p2pactor node behind the tier."""
+        return self._node
+
+    def __repr__(self) -> str:
+        return f"<P2PActorTierManager {self._node.node_id}>"
