@@ -55,6 +55,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 # API variants in the field, detected once at import time: a job's chunk ids
 # are TransferJob.chunk_ids since vLLM ~0.27 (JobMetadata.block_ids before);
 # LookupResult arrived in 0.25 (tiers answered True/False/None before).
+from vllm.v1.core import kv_cache_utils as _kv_cache_utils
 from vllm.v1.kv_offload import base as _vllm_base
 from vllm.v1.kv_offload.tiering import base as _tiering_base
 
@@ -71,6 +72,7 @@ __all__ = ["P2PActorTierManager"]
 log = logging.getLogger("p2pactor.vllm")
 
 _SHUTDOWN_DRAIN_S = 3.0  # vLLM's own: wait this long for writes, then give up
+_DRAIN_TIMEOUT_S = 30.0
 _START_TIMEOUT_S = 60.0
 
 
@@ -146,10 +148,12 @@ def _job_ids(job: Any) -> list[int]:
 
 
 def _hash_seed() -> str:
-    """VLLM's own seed resolution (PYTHONHASHSEED, else its sha256 default)."""
-    from vllm.v1.core.kv_cache_utils import get_none_hash_seed  # noqa: PLC0415 - lazy on purpose
+    """VLLM's own seed resolution (PYTHONHASHSEED, else its sha256 default).
 
-    return str(get_none_hash_seed())
+    Called on the node's thread at the first handshake: only by then has the
+    engine set the seed up. The module is imported with this one, not then.
+    """
+    return str(_kv_cache_utils.get_none_hash_seed())
 
 
 def _fingerprint(offloading_spec: Any) -> str:
@@ -163,8 +167,8 @@ def _fingerprint(offloading_spec: Any) -> str:
             blocks_per_file=offloading_spec.blocks_per_chunk,
             parallel_agnostic=True,
         ).get_run_config()
-    except Exception:
-        log.warning("could not derive the layout fingerprint; peers will not compare it")
+    except Exception as exc:  # a partial spec: no fingerprint, as vLLM with no fields
+        log.warning("could not derive the layout fingerprint (%s); peers will not compare it", exc)
         return ""
     return fingerprint_of(fields)
 
@@ -438,13 +442,17 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Loads and stores that finished since the last call, each exactly once."""
+        self._collect()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def _collect(self) -> None:
+        """Move the node's load results into the tier's list of finished jobs."""
         for result in self._node.finished_jobs():
             kv_id = self._load_requests.pop(result.job_id, None)
             if not result.success and kv_id is not None:
                 self._failed.add(kv_id)  # its lookups answer MISS: prefill locally
             self._finished.append(JobResult(job_id=result.job_id, success=result.success))
-        finished, self._finished = self._finished, []
-        return finished
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         """Let peers' lookups, pins and releases run against the lent parent."""
@@ -460,11 +468,23 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         return self._node.has_pending_work()
 
     def drain_jobs(self) -> None:
-        """Wait (bounded) until no load or write of ours is in flight."""
-        deadline = time.monotonic() + 30.0
-        while self._node.has_transfers_in_flight():
+        """Wait (bounded) until every load submitted has finished and no write runs.
+
+        Loads are tracked here from the moment vLLM submits them, not from when
+        the node's thread picks them up: a load still queued for the node must
+        hold the drain too, or it would write into chunks vLLM reuses.
+        """
+        deadline = time.monotonic() + _DRAIN_TIMEOUT_S
+        while True:
+            self._collect()
+            if not self._load_requests and not self._node.has_transfers_in_flight():
+                return
             if time.monotonic() > deadline:
-                log.warning("drain_jobs gave up after 30 s with transfers still in flight")
+                log.warning(
+                    "drain_jobs gave up after %.0f s: %d loads still in flight",
+                    _DRAIN_TIMEOUT_S,
+                    len(self._load_requests),
+                )
                 return
             time.sleep(0.001)
 

@@ -52,6 +52,8 @@ __all__ = ["FetchResult", "LoadResult", "Node", "open_node"]
 
 log = logging.getLogger("p2pactor.node")
 
+_REAPED_MEMORY_S = 60.0
+
 
 @attrs.frozen
 class LoadResult:
@@ -173,6 +175,7 @@ class Node:
         self._inbox: deque[_EngineItem] = deque()
         self._lock = threading.Lock()
         self._wake_pending = False
+        self._registered = False
         self._engine_wakeup = trio.Event()
         self._parent_queue: deque[_ParentItem] = deque()
         self._parent_wakeup = trio.Event()
@@ -183,6 +186,10 @@ class Node:
         self._unbound: dict[str, list[tuple[float, _Store]]] = {}
         self._store_finished: set[str] = set()
         self._bound: dict[str, RequestActor] = {}
+        # kv_request_ids whose stored blocks were reaped, and when: nothing can
+        # be served under them any more, so a late fetch fails at once and a
+        # late store is refused (vLLM keeps these 60 s too).
+        self._reaped: dict[str, float] = {}
         self._closed_results: list[SessionCloseResult] = []
         self._actor_watchers: list[Callable[[RequestActor], None]] = []
         self._closing_node = False
@@ -329,8 +336,15 @@ class Node:
             self._post(_Dial(peer))
 
     def flush(self) -> None:
-        """Send the lookups of every request that registered new keys. Thread-safe."""
-        self._post(_Flush())
+        """Send the lookups of every request that registered new keys. Thread-safe.
+
+        A step that registered nothing posts nothing: an idle engine must not
+        look busy to :meth:`has_pending_work`.
+        """
+        with self._lock:
+            registered, self._registered = self._registered, False
+        if registered:
+            self._post(_Flush())
 
     def submit_load(
         self,
@@ -390,9 +404,11 @@ class Node:
 
     # --- internals: hand-over from any thread ----------------------------------
 
-    def _post_optional(self, item: _EngineItem) -> None:
+    def _post_optional(self, item: _Register) -> None:
         """Post something the engine will ask again for if it is dropped (a lookup)."""
         if len(self._inbox) < self._config.engine_inbox:
+            with self._lock:
+                self._registered = True
             self._post(item, wake=False)
 
     def _post(self, item: _EngineItem, *, wake: bool = True) -> None:
@@ -473,6 +489,10 @@ class Node:
         bound = self._bound.get(item.kv_request_id)
         store = inp.AddStore(job_id=item.job_id, keys=item.keys, blocks=item.blocks)
         if bound is not None and not bound.done and await bound.deliver(store):
+            return
+        if item.kv_request_id in self._reaped:
+            log.warning("%s was reaped; refusing its late store", item.kv_request_id)
+            self.release_pin(item.job_id, success=False)
             return
         self._bound.pop(item.kv_request_id, None)
         parked = self._unbound.setdefault(item.kv_request_id, [])
@@ -563,14 +583,20 @@ class Node:
         """Expire stored blocks that no fetch came for."""
         while True:
             await trio.sleep(1.0)
-            cutoff = trio.current_time() - self._config.unbound_store_timeout
+            now = trio.current_time()
+            cutoff = now - self._config.unbound_store_timeout
             for kv_id, parked in list(self._unbound.items()):
                 if parked and parked[0][0] <= cutoff:
                     del self._unbound[kv_id]
                     self._store_finished.discard(kv_id)
+                    self._reaped[kv_id] = now
                     for _, item in parked:
                         log.warning("no fetch came for %s; releasing its stored blocks", kv_id)
                         self.release_pin(item.job_id, success=False)
+            remembered = now - _REAPED_MEMORY_S
+            for kv_id, when in list(self._reaped.items()):
+                if when <= remembered:
+                    del self._reaped[kv_id]
 
     # --- what sessions ask of the node (SessionHost) ------------------------------
 
@@ -618,7 +644,9 @@ class Node:
         # for it go to this actor from now on.
         self._bound[kv_id] = actor
         parked = self._unbound.pop(kv_id, None)
-        finished = kv_id in self._store_finished
+        # A reaped id can never be served: finished at once, its fetch fails now
+        # instead of waiting for the consumer's 30 s load timeout.
+        finished = kv_id in self._store_finished or kv_id in self._reaped
         self._store_finished.discard(kv_id)
         if parked or finished:
             self._nursery.start_soon(self._feed_stores, actor, parked or [], finished)
