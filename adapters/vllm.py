@@ -120,16 +120,13 @@ def _parse_dest(params: dict[str, Any] | None) -> _Dest | None:
     return _Dest(str(kv_id) if kv_id else None)
 
 
-def _to_vllm(answer: Answer) -> Any:
-    """Our answer as vLLM's LookupResult (or the legacy bool/None)."""
-    if _VllmLookup is None:  # pragma: no cover - legacy vLLM
-        return {Answer.HIT: True, Answer.MISS: False}.get(answer)
-    return {
-        Answer.HIT: _VllmLookup.HIT,
-        Answer.MISS: _VllmLookup.MISS,
-        Answer.RETRY: _VllmLookup.RETRY,
-        Answer.HIT_PENDING: _VllmLookup.HIT_PENDING,
-    }[answer]
+# Our answers as vLLM's LookupResult (or, before vLLM 0.25, True/False/None).
+_TO_VLLM: dict[Answer, Any] = (
+    {Answer.HIT: True, Answer.MISS: False, Answer.RETRY: None, Answer.HIT_PENDING: None}
+    if _VllmLookup is None
+    else {a: getattr(_VllmLookup, a.name) for a in Answer}
+)
+_VLLM_HIT, _VLLM_MISS = _TO_VLLM[Answer.HIT], _TO_VLLM[Answer.MISS]
 
 
 def _from_vllm(result: Any) -> Answer:
@@ -352,6 +349,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._contexts: dict[str, ReqContext] = {}
         self._finished: list[JobResult] = []
         self._load_requests: dict[int, str] = {}
+        self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
         self._failed: set[str] = set()
         self._runner = _NodeThread(config, view, event_log)
         self._node: Node = self._runner.start()
@@ -377,7 +375,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             source = None
         if source is not None:
             req_context.set_state(source)
-            self._node.prepare(source.peer)  # handshake now, before its lookups
+            self._node.prepare(source.peer, wake=False)  # handshake before its lookups
         dest = _parse_dest(params)
         if dest is not None:
             req_context.set_state(dest)
@@ -389,11 +387,16 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         """HIT, MISS or RETRY (while the peer is being asked) for one key."""
         source = req_context.get_state(_Source)
         if source is None or source.kv_request_id in self._failed:
-            return _to_vllm(Answer.MISS)
+            return _VLLM_MISS
         if not source.probe:
-            return _to_vllm(Answer.HIT)  # prefill/decode: the prefiller holds everything
-        answer = self._node.register_lookup(source.peer, source.kv_request_id, [bytes(key)])[0]
-        return _to_vllm(answer)
+            return _VLLM_HIT  # prefill/decode: the prefiller holds everything
+        k = bytes(key)
+        answer = self._node.peek_lookup(source.peer, source.kv_request_id, (k,))[0]
+        if answer is Answer.RETRY:
+            # Asked at the step's end, all keys of the request in one go: vLLM
+            # calls this once per key per step while the answer is out.
+            self._asks.setdefault((source.peer, source.kv_request_id), {})[k] = None
+        return _TO_VLLM[answer]
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """The engine is done with the request (either role)."""
@@ -405,7 +408,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         } - {None}:
             assert kv_id is not None
             self._failed.discard(kv_id)
-            self._node.finish(kv_id)
+            self._node.finish(kv_id, wake=False)
 
     def submit_store(self, job_metadata: Any) -> None:
         """Keep a prefill/decode request's blocks for its remote puller."""
@@ -421,7 +424,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 int(job_metadata.job_id),
                 [bytes(k) for k in job_metadata.keys],
                 _job_ids(job_metadata),
-            )
+            )  # woken at once: a store may come with no step to follow it
 
     def submit_load(self, job_metadata: Any) -> None:
         """Pull keys from the request's source peer into the given chunks."""
@@ -435,7 +438,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         else:
             self._load_requests[job_id] = source.kv_request_id
             self._node.submit_load(
-                source.peer, source.kv_request_id, job_id, keys, _job_ids(job_metadata)
+                source.peer,
+                source.kv_request_id,
+                job_id,
+                keys,
+                _job_ids(job_metadata),
+                wake=False,
             )
 
     # --- per step ----------------------------------------------------------------
@@ -459,8 +467,11 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._node.serve_parent(_LentParent(self, parent))
 
     def on_schedule_end(self, context: Any) -> None:
-        """The step ended: send the lookups registered during it."""
+        """The step ended: hand its new lookups and calls to the node, wake it once."""
         del context
+        asks, self._asks = self._asks, {}
+        for (peer, kv_id), keys in asks.items():
+            self._node.ask(peer, kv_id, list(keys))
         self._node.flush()
 
     def has_pending_work(self) -> bool:
@@ -474,6 +485,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         the node's thread picks them up: a load still queued for the node must
         hold the drain too, or it would write into chunks vLLM reuses.
         """
+        self._node.kick()
         deadline = time.monotonic() + _DRAIN_TIMEOUT_S
         while True:
             self._collect()

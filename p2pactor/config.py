@@ -105,6 +105,8 @@ class NodeConfig:
         engine_inbox: Engine calls queued for the node's trio thread before
             new lookups are answered RETRY without asking and new loads fail
             (the node is overloaded or stalled).
+        engine_poll_interval: How often the node's thread looks for engine
+            calls handed over without waking it (``wake=False``).
         drain_timeout: How long a closing session waits for writes in flight
             and owed parent answers before it gives up on them.
         unbound_store_timeout: How long stored blocks of a prefill/decode
@@ -128,6 +130,7 @@ class NodeConfig:
     session_outbox: int = attrs.field(default=1000, validator=_positive_int)
     max_dispatch_errors: int = attrs.field(default=5, validator=_positive_int)
     engine_inbox: int = attrs.field(default=100_000, validator=_positive_int)
+    engine_poll_interval: float = attrs.field(default=0.005, validator=_positive)
     drain_timeout: float = attrs.field(default=30.0, validator=_positive)
     unbound_store_timeout: float = attrs.field(default=60.0, validator=_positive)
     round_extension: bool = True

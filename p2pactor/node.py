@@ -43,6 +43,7 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState, probe_answer
 from p2pactor.core.inputs import LookupResult
+from p2pactor.core.producer import ProducerState
 from p2pactor.log import EventLog
 from p2pactor.parent import Parent, serve_parent_request
 from p2pactor.session import PeerSession, SessionCloseResult
@@ -51,6 +52,8 @@ from p2pactor.transport import ControlConnection, ControlTransport, DataTranspor
 __all__ = ["FetchResult", "LoadResult", "Node", "open_node"]
 
 log = logging.getLogger("p2pactor.node")
+
+RETRY = LookupResult.RETRY
 
 _REAPED_MEMORY_S = 60.0
 
@@ -176,6 +179,7 @@ class Node:
         self._lock = threading.Lock()
         self._wake_pending = False
         self._registered = False
+        self._posted: dict[tuple[str, str], set[bytes]] = {}
         self._engine_wakeup = trio.Event()
         self._parent_queue: deque[_ParentItem] = deque()
         self._parent_wakeup = trio.Event()
@@ -309,31 +313,57 @@ class Node:
         being asked (newly registered keys go out at the next :meth:`flush`).
         Never blocks; safe from any thread.
         """
+        answers = self.peek_lookup(peer, kv_request_id, keys)
+        self.ask(peer, kv_request_id, [k for k, a in zip(keys, answers, strict=True) if a is RETRY])
+        return answers
+
+    def peek_lookup(
+        self, peer: str, kv_request_id: str, keys: Sequence[bytes]
+    ) -> list[LookupResult]:
+        """What is known about ``keys`` now, without asking anything. Thread-safe.
+
+        HIT or MISS for keys answered; RETRY for keys being asked or never
+        asked (see :meth:`ask`); MISS for everything when ``peer`` may not be
+        dialed or the request's lookup failed.
+        """
         if not self._config.may_dial(peer):
             return [LookupResult.MISS] * len(keys)
         actor = self._consumers.get((peer, kv_request_id))
         if actor is None:
-            self._post_optional(_Register(peer, kv_request_id, tuple(keys)))
-            return [LookupResult.RETRY] * len(keys)
+            return [RETRY] * len(keys)
         state = actor.state
         assert isinstance(state, ConsumerState)
-        answers = [probe_answer(state, k) for k in keys]
-        new = tuple(
-            k
-            for k, a in zip(keys, answers, strict=True)
-            if a is LookupResult.RETRY and k not in state.probes
-        )
-        if new:
-            self._post_optional(_Register(peer, kv_request_id, new))
-        return answers
+        return [probe_answer(state, k) for k in keys]
 
-    def prepare(self, peer: str) -> None:
+    def ask(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
+        """Ask ``peer`` about ``keys`` at the next :meth:`flush`. Thread-safe, never blocks.
+
+        A key is handed to the node's thread once, however often the engine
+        asks about it before the answer comes: an engine that re-asks every
+        step must not flood the node (and the node must not fall behind).
+        """
+        if not keys or not self._config.may_dial(peer):
+            return
+        actor = self._consumers.get((peer, kv_request_id))
+        state = actor.state if actor is not None else None
+        known = state.probes if isinstance(state, ConsumerState) else {}
+        with self._lock:
+            posted = self._posted.setdefault((peer, kv_request_id), set())
+            posted.difference_update(k for k in list(posted) if k in known)
+            new = tuple(k for k in dict.fromkeys(keys) if k not in known and k not in posted)
+            if not new or len(self._inbox) >= self._config.engine_inbox:
+                return
+            posted.update(new)
+            self._registered = True
+        self._post(_Register(peer, kv_request_id, new), wake=False)
+
+    def prepare(self, peer: str, *, wake: bool = True) -> None:
         """Open the session with ``peer`` now: its handshake is done when a lookup comes.
 
         Thread-safe, never blocks; a peer that may not be dialed is ignored.
         """
         if self._config.may_dial(peer):
-            self._post(_Dial(peer))
+            self._post(_Dial(peer), wake=wake)
 
     def flush(self) -> None:
         """Send the lookups of every request that registered new keys. Thread-safe.
@@ -344,7 +374,17 @@ class Node:
         with self._lock:
             registered, self._registered = self._registered, False
         if registered:
-            self._post(_Flush())
+            self._inbox.append(_Flush())
+        self.kick()
+
+    def kick(self) -> None:
+        """Wake the node's thread if anything was handed over without waking it.
+
+        Engines that batch (``wake=False`` on the calls of a step) call this, or
+        :meth:`flush`, once per step: one wake-up instead of one per call.
+        """
+        if self._inbox:
+            self._wake()
 
     def submit_load(
         self,
@@ -353,29 +393,42 @@ class Node:
         job_id: int,
         keys: Sequence[bytes],
         dest_blocks: Sequence[int],
+        *,
+        wake: bool = True,
     ) -> None:
         """Load ``keys`` from ``peer`` into our ``dest_blocks`` as the engine's ``job_id``.
 
-        The result arrives in :meth:`finished_jobs`. Thread-safe, never blocks.
+        The result arrives in :meth:`finished_jobs`. Thread-safe, never blocks;
+        with ``wake=False`` the node's thread picks it up at the next
+        :meth:`flush` or :meth:`kick`.
         """
         if len(self._inbox) >= self._config.engine_inbox:
             reason = f"the node is overloaded ({len(self._inbox)} engine calls queued)"
             self._results.append(LoadResult(job_id, success=False, reason=reason))
             return
-        self._post(_Load(peer, kv_request_id, job_id, tuple(keys), tuple(dest_blocks)))
+        self._post(_Load(peer, kv_request_id, job_id, tuple(keys), tuple(dest_blocks)), wake=wake)
 
-    def finish(self, kv_request_id: str) -> None:
+    def finish(self, kv_request_id: str, *, wake: bool = True) -> None:
         """The engine is done with ``kv_request_id`` (either role). Thread-safe."""
-        self._post(_Finish(kv_request_id))
+        with self._lock:
+            for key in [k for k in self._posted if k[1] == kv_request_id]:
+                del self._posted[key]
+        self._post(_Finish(kv_request_id), wake=wake)
 
     def submit_store(
-        self, kv_request_id: str, job_id: int, keys: Sequence[bytes], blocks: Sequence[int]
+        self,
+        kv_request_id: str,
+        job_id: int,
+        keys: Sequence[bytes],
+        blocks: Sequence[int],
+        *,
+        wake: bool = True,
     ) -> None:
         """Offer pinned blocks of a prefill/decode request to the peer that will fetch them.
 
         ``job_id`` is released through the parent exactly once. Thread-safe.
         """
-        self._post(_Store(kv_request_id, job_id, tuple(keys), tuple(blocks)))
+        self._post(_Store(kv_request_id, job_id, tuple(keys), tuple(blocks)), wake=wake)
 
     def finished_jobs(self) -> list[LoadResult]:
         """Load results since the last call. Thread-safe, never blocks."""
@@ -404,13 +457,6 @@ class Node:
 
     # --- internals: hand-over from any thread ----------------------------------
 
-    def _post_optional(self, item: _Register) -> None:
-        """Post something the engine will ask again for if it is dropped (a lookup)."""
-        if len(self._inbox) < self._config.engine_inbox:
-            with self._lock:
-                self._registered = True
-            self._post(item, wake=False)
-
     def _post(self, item: _EngineItem, *, wake: bool = True) -> None:
         self._inbox.append(item)
         if wake:
@@ -431,8 +477,13 @@ class Node:
         self._engine_wakeup.set()
 
     async def _engine_loop(self) -> None:
+        # Engine calls made with wake=False are picked up within one poll
+        # interval even if no flush or kick follows: the engine's thread never
+        # pays a wake-up for them.
+        poll = self._config.engine_poll_interval
         while True:
-            await self._engine_wakeup.wait()
+            with trio.move_on_after(poll):
+                await self._engine_wakeup.wait()
             self._engine_wakeup = trio.Event()
             while self._inbox:
                 await self._apply(self._inbox.popleft())
@@ -686,8 +737,14 @@ class Node:
             match request:
                 case fx.ParentLookup():
                     assert actor is not None
+                    if not _wanted(actor, request):
+                        # Dropped (the peer closed the request) or answered at
+                        # its deadline: don't ask the parent, don't pin.
+                        expired = inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
+                        answers.append((actor, expired))
+                        continue
                     answer = serve_parent_request(parent, request, now)
-                    if _no_news(request, answer) and not actor.done:
+                    if _no_news(request, answer):
                         self._parked.append((actor, request))
                     else:
                         answers.append((actor, answer))
@@ -728,6 +785,15 @@ class Node:
                 if answer.pin is not None:
                     self._parent.release_job(answer.pin.job_id, success=False)
         self._log.close()
+
+
+def _wanted(actor: RequestActor, request: fx.ParentLookup) -> bool:
+    """Whether the actor still waits for this lookup's answer (any thread)."""
+    state = actor.state
+    if not isinstance(state, ProducerState):
+        return False
+    lookup = state.lookups.get(request.lookup_id)
+    return lookup is not None and not (lookup.dropped or lookup.answered)
 
 
 def _no_news(request: fx.ParentLookup, answer: inp.ParentAnswer) -> bool:

@@ -407,3 +407,27 @@ class TestFaultInjection:
             assert b.cache.held_jobs() == set()
             failed = [e for e in b.log.recent() if e.KIND == "TransferFailed"]
             assert [e.reason for e in failed] == ["NIXL_ERR_REMOTE_DISCONNECT"]  # type: ignore[attr-defined]
+
+
+class TestClosingAParkedLookup:
+    async def test_the_empty_fetch_closes_a_lookup_whose_re_poll_is_parked(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        # The re-poll of a pending key waits at the parent for news; the peer's
+        # close must not wait for it (it did, until the 5 s deadline).
+        async with open_cluster("a", "b") as cluster:
+            a, b = cluster["a"], cluster["b"]
+            b.store(key(1))
+            b.cache.mark_pending(key(2))
+            a.node.register_lookup(b.id, "req", [key(1), key(2)])
+            a.node.flush()
+            await trio.sleep(1.0)  # answered? no: key 2 is pending, re-polls parked
+            assert a.node.register_lookup(b.id, "req", [key(1), key(2)]) == [RETRY, RETRY]
+            assert b.cache.pinned() == 1
+            closed_at = trio.current_time()
+            a.node.finish("req")  # the consumer's terminal empty fetch
+            with trio.fail_after(60):
+                while b.cache.pinned() or b.cache.opened:  # noqa: ASYNC110 - cache has no event
+                    await trio.sleep(0.001)
+            assert trio.current_time() - closed_at < 0.1
+            assert b.cache.held_jobs() == set()
