@@ -1277,3 +1277,31 @@ def test_shutdown_closes_cleanly_and_frees_the_port(h: Harness, b: Engine) -> No
     h.finish(again, ctx)
     h.retire(again)
     h.check()
+
+
+# --- vLLM API variants ---------------------------------------------------------------
+
+
+def test_lookup_results_map_both_ways_including_legacy_bools() -> None:
+    from vllm.v1.kv_offload.base import LookupResult as VllmLookupResult  # noqa: PLC0415
+
+    from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
+
+    for ours in LookupResult:
+        theirs = adapter._TO_VLLM[ours]
+        assert theirs is getattr(VllmLookupResult, ours.name)
+        assert adapter._from_vllm(theirs) is ours
+    # tiers before vLLM 0.25 answered with bools, and None for "not yet"
+    assert adapter._from_vllm(True) is LookupResult.HIT
+    assert adapter._from_vllm(False) is LookupResult.MISS
+    assert adapter._from_vllm(None) is LookupResult.RETRY
+
+
+def test_job_chunk_ids_are_read_from_the_field_this_vllm_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert adapter._JOB_IDS == "chunk_ids"
+    current = SimpleNamespace(chunk_ids=np.array([3, 4]))
+    assert adapter._job_ids(current) == [3, 4]
+    monkeypatch.setattr(adapter, "_JOB_IDS", "block_ids")  # JobMetadata, vLLM <= 0.26
+    assert adapter._job_ids(SimpleNamespace(block_ids=[5, 6])) == [5, 6]
