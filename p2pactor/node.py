@@ -42,6 +42,7 @@ from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState, probe_answer
+from p2pactor.core.fold import ActorState
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
 from p2pactor.log import EventLog
@@ -49,11 +50,14 @@ from p2pactor.parent import Parent, serve_parent_request
 from p2pactor.session import PeerSession, SessionCloseResult
 from p2pactor.transport import ControlConnection, ControlTransport, DataTransport
 
-__all__ = ["FetchResult", "LoadResult", "Node", "open_node"]
+__all__ = ["EventWatcher", "FetchResult", "LoadResult", "Node", "open_node"]
 
 log = logging.getLogger("p2pactor.node")
 
 RETRY = LookupResult.RETRY
+
+EventWatcher = Callable[[Sequence[ev.AnyEvent], ActorState], None]
+"""Called with an actor's events of one step and its state after them."""
 
 _REAPED_MEMORY_S = 60.0
 
@@ -196,6 +200,7 @@ class Node:
         self._reaped: dict[str, float] = {}
         self._closed_results: list[SessionCloseResult] = []
         self._actor_watchers: list[Callable[[RequestActor], None]] = []
+        self._event_watchers: list[EventWatcher] = []
         self._closing_node = False
 
     # --- identity and state ------------------------------------------------------
@@ -661,10 +666,25 @@ class Node:
         for watcher in list(self._actor_watchers):
             watcher(actor)
 
+    def watch_events(self, watcher: EventWatcher) -> Callable[[], None]:
+        """Call ``watcher(events, state)`` after every actor step; returns an unsubscribe.
+
+        ``state`` is the actor's state after ``events``. Watchers run on the
+        node's thread inside the step: they must be quick and must not block
+        (the live timeline queues and returns). An exception in a watcher is
+        logged and otherwise ignored.
+        """
+        self._event_watchers.append(watcher)
+        return lambda: self._event_watchers.remove(watcher)
+
     def record(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
-        """Append an actor's events to the log."""
-        del actor
+        """Append an actor's events to the log and show them to the watchers."""
         self._log.append(events)
+        for watcher in list(self._event_watchers):
+            try:
+                watcher(events, actor.state)
+            except Exception:
+                log.exception("an event watcher failed; it keeps its subscription")
 
     def post_parent(self, actor: RequestActor, request: fx.ParentRequest) -> None:
         """Queue a parent request for the next serve."""
