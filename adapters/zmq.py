@@ -65,6 +65,24 @@ transport's close give queued frames ``dealer_linger`` (a final ``disconnect``).
 Detection times measured on 127.0.0.1 (heartbeat 0.2 s, timeout 1 s): a peer
 process killed with SIGKILL is seen dead in ~2 ms (its OS closes the socket); a
 stopped one (SIGSTOP) in ~1.2 s (heartbeat timeout plus an interval).
+
+Security (``docs/security.md``). Without ``curve`` the channel is vLLM's: no
+authentication, no encryption, and the ROUTER believes the identity a DEALER
+claims; the transport says so in a warning when it opens. With ``curve`` (a
+:class:`~p2pactor.keys.CurveSecurity`) every connection is ZeroMQ CURVE,
+encrypted and authenticated both ways:
+
+* our ROUTER is a CURVE server. A ZAP handler (a task of ours, on
+  ``inproc://zeromq.zap.01`` in the transport's own context, bound before the
+  ROUTER and closed after it: libzmq lets every client in when no handler
+  answers, and ``ZMQ_ZAP_ENFORCE_DOMAIN`` turns that into "refuse") admits a
+  client only if its key is in the keyring, and names the key as its User-Id;
+* the ROUTER drops every frame whose claimed identity (``host:port``) is not
+  an address the keyring binds to the key that authenticated it: a trusted
+  peer cannot pose as another, and no dial-back goes to an address whose key
+  did not sign the frame;
+* each DEALER is a CURVE client that expects the keyring's key for the peer it
+  dials; a peer with no trusted key is not dialed at all.
 """
 
 from __future__ import annotations
@@ -75,14 +93,16 @@ import logging
 import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import cast
+from typing import Literal, cast
 
 import attrs
 import trio
 import zmq
+from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from p2pactor.errors import P2PActorError
+from p2pactor.keys import CurveSecurity
 from p2pactor.protocol import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.transport import ConnectionLost
 
@@ -190,6 +210,8 @@ class ZmqStatistics:
             frames never reach us and are not counted.
         connections_opened: Connections opened so far, both directions.
         connections_died: Connections that died or were closed so far.
+        auth_refused: Clients our CURVE ZAP handler refused (key not trusted,
+            or not a CURVE handshake); 0 without CURVE.
     """
 
     connections: int
@@ -198,6 +220,7 @@ class ZmqStatistics:
     frames_dropped: int
     connections_opened: int
     connections_died: int
+    auth_refused: int = 0
 
 
 def _ms(seconds: float) -> int:
@@ -226,6 +249,11 @@ _FAILED_HANDSHAKE: dict[int, str] = {
         "the ZeroMQ handshake with {peer} failed: authentication (security settings differ?)"
     ),
 }
+ZAP_DOMAIN: bytes = b"p2pactor"
+"""The ZAP domain of a CURVE ROUTER: our handler answers for it only."""
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
+_ZAP_VERSION = b"1.0"
+_ZAP_REQUEST_FRAMES = 8  # routing id, delimiter, version, id, domain, address, identity, mechanism
 # vLLM's fatal events, plus HANDSHAKE_SUCCEEDED, which tells a refused or
 # unreachable peer from one that went away after we reached it.
 _MONITOR_MASK = (
@@ -259,6 +287,10 @@ class _AsyncSocket:
         self._wanted: dict[int, int] = {}  # flag -> tasks waiting for it
         self.closed = False
         self.watched = False  # its watcher task was started
+        # A CURVE ROUTER: each message comes with its sender's User-Id (see
+        # _recv_authenticated). A flag read once per batch, so the plain path
+        # pays nothing for it.
+        self.authenticated = False
 
     def start_watching(self, nursery: trio.Nursery, name: str) -> None:
         """Start the socket's one watcher task (:meth:`watch`) in ``nursery``."""
@@ -348,9 +380,10 @@ class _AsyncSocket:
             if self.closed:
                 raise trio.ClosedResourceError("the socket is closed")
             batch: list[list[bytes]] = []
+            recv = self._recv_authenticated if self.authenticated else self.sock.recv_multipart
             while len(batch) < limit:
                 try:
-                    batch.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                    batch.append(recv(zmq.NOBLOCK))
                 except zmq.Again:
                     break
             if batch:
@@ -359,6 +392,19 @@ class _AsyncSocket:
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
             await self.wait(zmq.POLLIN)
+
+    def _recv_authenticated(self, flags: int) -> list[bytes]:
+        """A message's frames and, appended, the User-Id ZAP gave its sender ("" if none).
+
+        The User-Id is a property of the connection the message came on, which
+        only a zero-copy receive exposes.
+        """
+        frames = self.sock.recv_multipart(flags, copy=False)
+        try:
+            user_id = frames[-1].get("User-Id")
+        except zmq.ZMQError:  # no ZAP handler answered for that connection
+            user_id = ""
+        return [*(frame.bytes for frame in frames), str(user_id).encode()]
 
     def close(self, linger: float) -> None:
         """Close the socket, waking every task parked on it first. Idempotent."""
@@ -581,6 +627,7 @@ class ZmqControlTransport:
         port: int,
         options: ZmqOptions,
         nursery: trio.Nursery,
+        curve: CurveSecurity | None = None,
     ) -> None:
         self._ctx = ctx
         self._router = router
@@ -600,6 +647,8 @@ class ZmqControlTransport:
         self._dropped = 0
         self._opened = 0
         self._died = 0
+        self._curve = curve
+        self._auth_refused = 0
 
     def __repr__(self) -> str:
         return f"<ZmqControlTransport {self._local_id} ({len(self._connections)} connections)>"
@@ -624,6 +673,21 @@ class ZmqControlTransport:
         """Whether the transport has been closed."""
         return self._closed
 
+    @property
+    def security(self) -> Literal["curve", "none"]:
+        """How the control channel is protected.
+
+        ``"curve"``: every connection is authenticated and encrypted with
+        ZeroMQ CURVE, and peers are bound to their keys. ``"none"``: vLLM's
+        plain ZeroMQ, which anyone who reaches the port can use and read.
+        """
+        return "none" if self._curve is None else "curve"
+
+    @property
+    def curve(self) -> CurveSecurity | None:
+        """The CURVE keys the transport uses, or None without CURVE."""
+        return self._curve
+
     def connections(self) -> list[ZmqConnection]:
         """The live connections, one per peer."""
         return list(self._connections.values())
@@ -637,6 +701,7 @@ class ZmqControlTransport:
             frames_dropped=self._dropped,
             connections_opened=self._opened,
             connections_died=self._died,
+            auth_refused=self._auth_refused,
         )
 
     async def connect(self, peer_id: str) -> ZmqConnection:
@@ -647,8 +712,8 @@ class ZmqControlTransport:
         cannot be reached, the connection dies with a reason soon after.
 
         Raises:
-            ConnectionLost: ``peer_id`` is not ``host:port``, or the transport
-                is closed.
+            ConnectionLost: ``peer_id`` is not ``host:port``, no CURVE key is
+                trusted for it (with CURVE), or the transport is closed.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
@@ -714,11 +779,24 @@ class ZmqControlTransport:
         """A new connection to ``peer_id``: DEALER, monitor, and their task.
 
         Raises:
-            ConnectionLost: The peer id is not a dialable ``host:port``.
+            ConnectionLost: The peer id is not a dialable ``host:port``, or
+                (with CURVE) no key is trusted for it.
         """
         address = _peer_address(peer_id)
         if address is None:
             raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
+        curve = self._curve
+        server_key: str | None = None
+        if curve is not None:
+            server_key = curve.keyring.key_for(peer_id)
+            if server_key is None:
+                # Never dial without knowing whom to expect: CURVE would refuse
+                # anyway, and an untrusted address is no one we should reach.
+                raise ConnectionLost(
+                    f"cannot dial {peer_id}: no trusted CURVE key for it; put its public "
+                    f".key file (made on that node by `p2pactor keygen STEM --address "
+                    f"{peer_id}`) in {curve.keyring.where()} and restart this node"
+                )
         opts = self._options
         dealer = self._ctx.socket(zmq.DEALER)
         monitor: zmq.Socket[bytes] | None = None
@@ -729,6 +807,11 @@ class ZmqControlTransport:
             dealer.setsockopt(zmq.LINGER, _ms(opts.dealer_linger))
             if address.startswith("tcp://["):
                 dealer.setsockopt(zmq.IPV6, 1)
+            if curve is not None and server_key is not None:
+                # A CURVE client that accepts only the key we trust for the peer.
+                dealer.setsockopt(zmq.CURVE_SERVERKEY, server_key.encode("ascii"))
+                dealer.setsockopt(zmq.CURVE_PUBLICKEY, curve.keypair.public_key.encode("ascii"))
+                dealer.setsockopt(zmq.CURVE_SECRETKEY, curve.keypair.secret_key.encode("ascii"))
             # ZMQ_IMMEDIATE stays 0 (vLLM): frames queue before the connection
             # completes, so the `connect` sent right away fits.
             # A monitor endpoint unique per connection, not per peer: libzmq
@@ -794,17 +877,18 @@ class ZmqControlTransport:
                     )
                     return
                 for frames in batch:
-                    event = parse_monitor_message(frames)["event"]
-                    log.debug("%s: monitor of %r: %r", self._local_id, conn, event)
-                    reason = self._death_reason(conn, event)
+                    message = parse_monitor_message(frames)
+                    event, value = message["event"], message["value"]
+                    log.debug("%s: monitor of %r: %r %r", self._local_id, conn, event, value)
+                    reason = self._death_reason(conn, event, value)
                     if reason is not None:
                         conn._die(reason)
                         return
         except trio.ClosedResourceError:
             return  # the connection closed its monitor
 
-    def _death_reason(self, conn: ZmqConnection, event: int) -> str | None:
-        """What a monitor event means: a reason to die, or None."""
+    def _death_reason(self, conn: ZmqConnection, event: int, value: int) -> str | None:
+        """What a monitor event (and its value) means: a reason to die, or None."""
         peer = conn.peer_id
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             conn._reached = True
@@ -820,11 +904,44 @@ class ZmqControlTransport:
                 return f"{peer} went away: the connection closed"
             return f"cannot connect to {peer}: refused (nothing listens there?)"
         if event in _FAILED_HANDSHAKE:
-            return _FAILED_HANDSHAKE[event].format(peer=peer)
+            return self._handshake_failure(peer, event, value)
         return None
+
+    def _handshake_failure(self, peer: str, event: int, value: int) -> str:
+        """Why a ZeroMQ handshake failed, in words that say what to change."""
+        curve = self._curve
+        if (
+            event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        ):
+            if curve is not None:
+                return (
+                    f"{peer} does not use CURVE (a stock vLLM peer, or a p2pactor node without "
+                    "curve keys): this node has CURVE keys and talks only to peers that have "
+                    f"them too; give {peer} a key pair (docs/security.md) or stop trusting it"
+                )
+            return (
+                f"{peer} requires CURVE (authenticated, encrypted) connections and this node "
+                "has no keys: configure curve_secret_key and curve_trusted (docs/security.md)"
+            )
+        if curve is not None and event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            ours = curve.keypair.public_path() or "this node's public .key file"
+            return (
+                f"{peer} refused this node's CURVE key (ZAP status {value}): it does not "
+                f"trust us; give its operator {ours} to put in its trusted directory, and "
+                f"restart {peer}"
+            )
+        if curve is not None and event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            return (
+                f"the CURVE handshake with {peer} broke off: {peer} went away, or its key is "
+                f"not the one trusted for it in {curve.keyring.where()} (did it make a new "
+                "key pair? then get its current .key file)"
+            )
+        return _FAILED_HANDSHAKE[event].format(peer=peer)
 
     async def _receive_loop(self) -> None:
         """The ROUTER's one receive task: demultiplex frames to connections."""
+        route = self._route if self._curve is None else self._route_authenticated
         try:
             while True:
                 try:
@@ -834,9 +951,82 @@ class ZmqControlTransport:
                         return
                     raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
                 for frames in batch:
-                    self._route(frames)
+                    route(frames)
         except trio.ClosedResourceError:
             return
+
+    def _route_authenticated(self, frames: list[bytes]) -> None:
+        """:meth:`_route` for a CURVE ROUTER: the claimed identity must be the key's.
+
+        ``frames`` ends with the sender's User-Id, its public key, which our ZAP
+        handler vouched for. The identity (``host:port``) is only what the
+        sender claims: a frame whose identity the keyring binds to another key
+        (or to none) is dropped, before it can open a connection or a dial-back.
+        """
+        assert self._curve is not None
+        user_id = frames.pop().decode("ascii", "replace")
+        keyring = self._curve.keyring
+        try:
+            bound = keyring.key_for(frames[0].decode())
+        except UnicodeDecodeError:
+            bound = None
+        if not user_id or bound != user_id:
+            self._received += 1
+            owner = ", ".join(sorted(keyring.addresses_of(user_id))) or "no trusted peer"
+            self._drop(
+                f"a frame claiming to come from {frames[0][:64]!r} but sent with the CURVE "
+                f"key of {owner}: a trusted peer posing as another, or a .key file whose "
+                "address is not its node's id"
+            )
+            return
+        self._route(frames)
+
+    async def _zap_loop(self, zap: _AsyncSocket) -> None:
+        """Answer libzmq's ZAP requests: admit the CURVE clients whose key we trust."""
+        try:
+            while True:
+                for request in await zap.receive_batch(16):
+                    reply = self._zap_answer(request)
+                    if reply is None:
+                        continue
+                    # Room is never short on inproc for one small reply; if
+                    # libzmq refuses it, that handshake simply does not finish.
+                    with contextlib.suppress(zmq.ZMQError):
+                        zap.sock.send_multipart(reply, zmq.NOBLOCK)
+                    zap.after_operation()
+        except trio.ClosedResourceError:
+            return
+
+    def _zap_answer(self, request: list[bytes]) -> list[bytes] | None:
+        """The reply to one ZAP request (RFC 27), or None for something that is not one."""
+        assert self._curve is not None
+        if len(request) < _ZAP_REQUEST_FRAMES:
+            return None  # libzmq never sends this; there is no request id to answer
+        routing_id, _, version, request_id, domain, address, _, mechanism, *credentials = request
+        head = [routing_id, b"", _ZAP_VERSION, request_id]
+        if version != _ZAP_VERSION:
+            return [*head, b"500", b"unsupported ZAP version", b"", b""]
+        keyring = self._curve.keyring
+        if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+            why = f"it used the {mechanism.decode('ascii', 'replace')} mechanism, not CURVE"
+        else:
+            key = z85.encode(credentials[0]).decode("ascii")
+            if domain == ZAP_DOMAIN and keyring.trusts(key):
+                return [*head, b"200", b"OK", key.encode("ascii"), b""]
+            why = (
+                f"its key {key} is not trusted: if it is a peer of ours, put its .key "
+                f"file in {keyring.where()} and restart this node"
+            )
+        self._auth_refused += 1
+        if self._auth_refused <= 10 or self._auth_refused % 1000 == 0:
+            log.warning(
+                "%s: refused a CURVE client at %s: %s (%d refused so far)",
+                self._local_id,
+                address.decode("ascii", "replace"),
+                why,
+                self._auth_refused,
+            )
+        return [*head, b"400", b"key not trusted", b"", b""]
 
     def _route(self, frames: list[bytes]) -> None:
         self._received += 1
@@ -888,13 +1078,45 @@ def _apply_heartbeat(sock: zmq.Socket[bytes], options: ZmqOptions) -> None:
     sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(options.heartbeat_ttl))
 
 
+def _bind_zap(ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
+    """The socket libzmq sends its ZAP requests to (answered by ``_zap_loop``)."""
+    zap = ctx.socket(zmq.ROUTER)
+    try:
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(_ZAP_ENDPOINT)
+    except zmq.ZMQError as exc:
+        zap.close(linger=0)
+        raise ZmqTransportError(f"cannot bind the CURVE ZAP handler: {exc}") from exc
+    return zap
+
+
+def _make_curve_server(router: zmq.Socket[bytes], curve: CurveSecurity) -> None:
+    router.setsockopt(zmq.CURVE_SERVER, 1)
+    router.setsockopt(zmq.CURVE_SECRETKEY, curve.keypair.secret_key.encode("ascii"))
+    router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    # libzmq admits every client when no ZAP handler answers (RFC 27). Ours is
+    # bound before the ROUTER and closed after it; this option (a draft in
+    # libzmq 4.3's header, honoured by its builds: a client is refused when no
+    # handler is bound) makes sure a missing handler can only mean "refuse".
+    try:
+        router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    except zmq.ZMQError as exc:  # an older libzmq: the handler's lifetime still covers us
+        log.debug("ZMQ_ZAP_ENFORCE_DOMAIN not supported by this libzmq: %s", exc)
+
+
 def _bind_router(
-    ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int, options: ZmqOptions
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    host: str,
+    port: int,
+    options: ZmqOptions,
+    curve: CurveSecurity | None = None,
 ) -> tuple[zmq.Socket[bytes], int]:
     router = ctx.socket(zmq.ROUTER)
     endpoint = f"tcp://{host}:{port or '*'}"
     try:
         _apply_heartbeat(router, options)
+        if curve is not None:
+            _make_curve_server(router, curve)
         router.setsockopt(zmq.LINGER, _ms(options.router_linger))
         # libzmq drops an oversize frame before we read it (and the TCP
         # connection it came on); the decoder's own bound stays as a backstop.
@@ -914,6 +1136,29 @@ def _bind_router(
     return router, int(bound.decode().rpartition(":")[2])
 
 
+def _log_security(transport: ZmqControlTransport, port: int) -> None:
+    curve = transport.curve
+    if curve is None:
+        log.warning(
+            "%s: the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE "
+            "keys configured): any host that reaches it can connect, read the hash seed and "
+            "block keys, and look up and fetch blocks. Configure curve_secret_key and "
+            "curve_trusted (docs/security.md) unless every peer is a stock vLLM node on a "
+            "network you trust",
+            transport.local_id,
+            port,
+        )
+        return
+    log.info(
+        "%s: control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)",
+        transport.local_id,
+        port,
+        curve.keypair.public_key,
+        len(curve.keyring),
+        curve.keyring.where(),
+    )
+
+
 @asynccontextmanager
 async def open_zmq_transport(
     local_id: str,
@@ -921,6 +1166,7 @@ async def open_zmq_transport(
     bind_host: str | None = None,
     port: int,
     options: ZmqOptions | None = None,
+    curve: CurveSecurity | None = None,
 ) -> AsyncIterator[ZmqControlTransport]:
     """Bind the node's ROUTER and run the transport until the block exits.
 
@@ -937,6 +1183,11 @@ async def open_zmq_transport(
         port: The ROUTER's TCP port; 0 binds an ephemeral one (see
             :attr:`ZmqControlTransport.port`).
         options: Socket options and bounds; vLLM's defaults if None.
+        curve: This node's CURVE keys and the peers it trusts (see
+            :meth:`CurveSecurity.load <p2pactor.keys.CurveSecurity.load>`):
+            authenticate and encrypt every connection, bind each peer to its
+            key. None (the default) is vLLM's plain ZeroMQ, which stock vLLM
+            peers speak; a warning says the channel is open.
 
     Raises:
         ValueError: ``local_id`` is not ``host:port`` or does not match ``port``.
@@ -948,33 +1199,46 @@ async def open_zmq_transport(
         raise ValueError(f"local_id must be 'host:{port}', got {local_id!r}")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        router, bound_port = _bind_router(ctx, bind_host or host, port, options)
+        # The ZAP handler's socket is bound before the ROUTER and closed after
+        # it: a CURVE ROUTER with no handler to ask would let any client in.
+        zap = _bind_zap(ctx) if curve is not None else None
         try:
-            async with trio.open_nursery() as nursery:
-                transport = ZmqControlTransport(
-                    ctx,
-                    _AsyncSocket(router),
-                    local_id=f"{host}:{bound_port}",
-                    port=bound_port,
-                    options=options,
-                    nursery=nursery,
-                )
-                transport._router.start_watching(nursery, "zmq router fd")
-                nursery.start_soon(transport._receive_loop, name="zmq router")
-                log.info("%s: control ROUTER bound on port %d", transport.local_id, bound_port)
-                try:
-                    yield transport
-                finally:
-                    transport._close()
-                    nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as group:
-            # Our tasks never fail on their own: a lone exception is the body's;
-            # raise it as itself, not wrapped by our nursery.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+            router, bound_port = _bind_router(ctx, bind_host or host, port, options, curve)
+            try:
+                async with trio.open_nursery() as nursery:
+                    transport = ZmqControlTransport(
+                        ctx,
+                        _AsyncSocket(router),
+                        local_id=f"{host}:{bound_port}",
+                        port=bound_port,
+                        options=options,
+                        nursery=nursery,
+                        curve=curve,
+                    )
+                    if zap is not None:
+                        transport._router.authenticated = True
+                        zap_socket = _AsyncSocket(zap)
+                        zap_socket.start_watching(nursery, "zmq zap fd")
+                        nursery.start_soon(transport._zap_loop, zap_socket, name="zmq zap")
+                    transport._router.start_watching(nursery, "zmq router fd")
+                    nursery.start_soon(transport._receive_loop, name="zmq router")
+                    _log_security(transport, bound_port)
+                    try:
+                        yield transport
+                    finally:
+                        transport._close()
+                        nursery.cancel_scope.cancel()
+            except BaseExceptionGroup as group:
+                # Our tasks never fail on their own: a lone exception is the body's;
+                # raise it as itself, not wrapped by our nursery.
+                if len(group.exceptions) == 1:
+                    raise group.exceptions[0] from None
+                raise
+            finally:
+                router.close(linger=0)  # already closed unless the nursery failed to start
         finally:
-            router.close(linger=0)  # already closed unless the nursery failed to start
+            if zap is not None:
+                zap.close(linger=0)  # only now that the ROUTER is closed
     finally:
         with trio.CancelScope(shield=True):
             # Every socket is closed; term() waits for lingering DEALERs (at most
