@@ -34,7 +34,14 @@ ActorInput = ConsumerInput | ProducerInput
 
 
 class ActorHost(Protocol):
-    """What an actor needs from its owner (the session): record and act."""
+    """What an actor needs from its owner (the session): judge, record and act."""
+
+    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
+        """The input the core steps for ``event_input``: itself, or a quota verdict on it.
+
+        Called just before the step, so that the verdict sees the counts of
+        every earlier step. Must not block.
+        """
 
     def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
         """Log ``events`` and perform their effects. Must not block."""
@@ -126,10 +133,11 @@ class RequestActor:
         """Feed one input through the core now and hand its events to the host."""
         now = trio.current_time()
         try:
+            admitted = self._host.admit(self, event_input)
             if isinstance(self.state, ConsumerState):
                 self.state, events = step_consumer(
                     self.state,
-                    event_input,  # type: ignore[arg-type]
+                    admitted,  # type: ignore[arg-type]
                     now,
                     self._timings,
                 )
@@ -137,7 +145,7 @@ class RequestActor:
                 assert isinstance(self.state, ProducerState)
                 self.state, producer_events = step_producer(
                     self.state,
-                    event_input,  # type: ignore[arg-type]
+                    admitted,  # type: ignore[arg-type]
                     now,
                     self._timings,
                 )

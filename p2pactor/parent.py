@@ -54,13 +54,29 @@ class Parent(Protocol):
         """Unpin the blocks of ``job_id``; ``success`` says whether they served a fetch."""
 
 
-def serve_parent_request(parent: Parent, request: fx.ParentLookup, now: float) -> inp.ParentAnswer:
+def serve_parent_request(
+    parent: Parent,
+    request: fx.ParentLookup,
+    now: float,
+    *,
+    pin_budget: int | None = None,
+    refusal: str = "",
+) -> inp.ParentAnswer:
     """Serve one lookup request against ``parent`` while it is lent.
 
     Looks every key up and pins all hits with one job, in one go, so nothing can
     be evicted in between. A request past its ``not_after`` is not served at
     all. Errors from the parent turn the affected keys into misses rather than
     escaping: the engine's cache must not be able to crash the node.
+
+    Args:
+        parent: The lent cache.
+        request: What to look up.
+        now: The time, checked against ``request.not_after``.
+        pin_budget: Most blocks to pin (the peer's pinned-blocks quota left);
+            hits past it, in the request's key order so a prefix is kept, are
+            returned in ``refused`` and not pinned. None: no limit.
+        refusal: The reason to give for ``refused`` keys.
     """
     if request.not_after is not None and now >= request.not_after:
         return inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
@@ -80,13 +96,23 @@ def serve_parent_request(parent: Parent, request: fx.ParentLookup, now: float) -
             result = LookupResult.MISS
         results.append((key, result))
     hits = [k for k, r in results if r is LookupResult.HIT]
+    refused: list[bytes] = []
+    if pin_budget is not None and len(hits) > pin_budget:
+        cut = max(0, pin_budget)
+        hits, refused = hits[:cut], hits[cut:]
     pin = None
     if hits:
         try:
             pin = parent.create_store_job(hits, request.context)
         except Exception:
             log.exception("parent could not pin %d hits in %s", len(hits), request.context)
-    return inp.ParentAnswer(lookup_id=request.lookup_id, results=results, pin=pin)
+    return inp.ParentAnswer(
+        lookup_id=request.lookup_id,
+        results=results,
+        pin=pin,
+        refused=refused,
+        refusal=refusal if refused else "",
+    )
 
 
 class ParentMisuse(P2PActorError):

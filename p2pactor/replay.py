@@ -207,7 +207,8 @@ class Summary:
         phases: Actors by role, then by final phase (``{"consumer": {"done": 3}}``).
         unfinished_actors: Actors whose log ended before they did.
         lookups_sent: Lookups our requests sent (``Probed``).
-        lookups_received: Lookups peers sent us (``LookupReceived``).
+        lookups_received: Lookups peers sent us (``LookupReceived``, and
+            ``LookupLimited`` and ``LookupRefused`` for lookups over a quota).
         keys_hit: Keys peers answered HIT.
         keys_missed: Keys peers answered MISS.
         keys_timed_out: Keys whose lookup timed out on our side.
@@ -226,6 +227,8 @@ class Summary:
         pins_created: Pin jobs created (lookup pins and stores).
         pins_released: Pin jobs released.
         rejected: Protocol violations by peers (``Rejected``).
+        quota_refusals: Refusals of peers over a quota, by quota
+            (``{"pinned_blocks": 3}``; see :class:`p2pactor.quotas.PeerQuotas`).
         violations: Invariant violations found.
         by_kind: Events by type.
     """
@@ -254,6 +257,7 @@ class Summary:
     pins_created: int = 0
     pins_released: int = 0
     rejected: int = 0
+    quota_refusals: Mapping[str, int] = attrs.field(factory=dict)
     violations: int = 0
     by_kind: Mapping[str, int] = attrs.field(factory=dict)
 
@@ -354,6 +358,23 @@ def describe(event: ev.AnyEvent) -> str:
             return (
                 f"lookup {event.lookup_id}, round {event.round_seq}, {_n(len(event.keys), 'key')}"
             )
+        case ev.LookupLimited():
+            return (
+                f"lookup {event.lookup_id}, round {event.round_seq}, "
+                f"{event.admitted}/{_n(len(event.keys), 'key')} looked up: {event.reason}"
+            )
+        case ev.LookupRefused():
+            return (
+                f"round {event.round_seq}, {_n(len(event.keys), 'key')} answered MISS, "
+                f"over {event.quota.value}: {event.reason}"
+            )
+        case ev.KeysRefused():
+            return (
+                f"lookup {event.lookup_id}, {_n(len(event.keys), 'hit')} not pinned, "
+                f"over {event.quota.value}: {event.reason}"
+            )
+        case ev.FetchRefused():
+            return f"round {event.round_seq}, over {event.quota.value}: {event.reason}"
         case ev.KeysResolved():
             return (
                 f"lookup {event.lookup_id}: {_n(len(event.hits), 'hit')}, "
@@ -708,6 +729,7 @@ class Replayer:
         self._seen = 0
         self._kinds: Counter[str] = Counter()
         self._counts: Counter[str] = Counter()
+        self._refusals: Counter[str] = Counter()
         self._phases: dict[str, Counter[str]] = {}
         self._unfinished_actors = 0
         self.violations: list[InvariantViolation] = []
@@ -779,7 +801,7 @@ class Replayer:
             phases={role: dict(sorted(p.items())) for role, p in sorted(self._phases.items())},
             unfinished_actors=self._unfinished_actors,
             lookups_sent=k["Probed"],
-            lookups_received=k["LookupReceived"],
+            lookups_received=k["LookupReceived"] + k["LookupLimited"] + k["LookupRefused"],
             keys_hit=c["keys_hit"],
             keys_missed=c["keys_missed"],
             keys_timed_out=c["keys_timed_out"],
@@ -798,6 +820,7 @@ class Replayer:
             pins_created=k["KeysPinned"] + k["StoreAdded"],
             pins_released=k["PinReleased"],
             rejected=k["Rejected"],
+            quota_refusals=dict(sorted(self._refusals.items())),
             violations=len(self.violations),
             by_kind=dict(sorted(k.items())),
         )
@@ -822,6 +845,10 @@ class Replayer:
                 c["loads_failed"] += 1
             case ev.FetchSkipped() if not event.success:
                 c["loads_failed"] += 1
+            case ev.LookupRefused() | ev.KeysRefused() | ev.FetchRefused():
+                self._refusals[event.quota.value] += 1
+            case ev.LookupLimited():
+                self._refusals[ev.Quota.KEYS_PER_LOOKUP.value] += 1
             case _:
                 pass
 

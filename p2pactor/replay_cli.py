@@ -268,6 +268,10 @@ def _summary_lines(s: Summary, logs: list[LogInfo]) -> Iterator[str]:
         ("aborts", f"sent {s.aborts_sent}, received {s.aborts_received}"),
         ("pins", f"created {s.pins_created}, released {s.pins_released}"),
         ("rejected", f"{s.rejected}"),
+        (
+            "quota refusals",
+            ", ".join(f"{quota} {n}" for quota, n in s.quota_refusals.items()) or "0",
+        ),
         ("violations", f"{s.violations}"),
     ]
     yield "summary\n"

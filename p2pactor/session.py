@@ -43,6 +43,7 @@ from p2pactor.core.effects import context_name
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerState
 from p2pactor.errors import ProtocolError, UnknownMessageType
+from p2pactor.quotas import QuotaLedger
 from p2pactor.transport import (
     ConnectionLost,
     ControlConnection,
@@ -137,6 +138,11 @@ class SessionHost(Protocol):
     @property
     def control(self) -> ControlTransport:
         """The node's control transport."""
+        ...
+
+    @property
+    def quotas(self) -> QuotaLedger:
+        """The node's per-peer quota counts."""
         ...
 
     def record(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
@@ -521,6 +527,10 @@ class PeerSession:
                 return
             actor = self._spawn(Role.PRODUCER, kv_id)
             self._producers[kv_id] = actor
+            # Counted before its first step; a request over the peer's quota
+            # still gets an actor, so that its refusal is in the event log,
+            # and that actor closes after the one step.
+            self._host.quotas.open_request(self.peer_id, actor)
             self._host.producer_opened(self, actor)
         await actor.deliver(msg)
 
@@ -557,8 +567,15 @@ class PeerSession:
 
     # --- effects -------------------------------------------------------------------
 
+    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
+        """The quota verdict on a peer's lookup or fetch, just before its actor steps it."""
+        if isinstance(event_input, wire.Lookup | wire.Fetch):
+            return self._host.quotas.admit(actor, event_input)
+        return event_input
+
     def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
-        """Log an actor's events and perform their effects (never blocks)."""
+        """Log an actor's events, count what they hold, and perform their effects."""
+        self._host.quotas.observe(actor, events, trio.current_time())
         self._host.record(actor, events)
         for event in events:
             for effect in fx.effects_of(event):
@@ -681,6 +698,9 @@ class PeerSession:
 
     async def _finish(self) -> None:
         reason = self.death_reason or "closed"
+        # Whatever the peer's requests still held here is no longer theirs:
+        # the node releases their pins (counted until released) below.
+        self._host.quotas.forget_all(self._producers.values())
         producers = [a.state for a in self._producers.values()]
         self.result = SessionCloseResult(
             peer_id=self.peer_id,

@@ -202,6 +202,27 @@ def effects_of(event: ev.AnyEvent) -> tuple[Effect, ...]:
                     not_after=None,
                 ),
             )
+        case ev.LookupLimited():
+            return (
+                ParentLookup(
+                    context=context_name(event.actor, event.lookup_id),
+                    lookup_id=event.lookup_id,
+                    keys=tuple(dict.fromkeys(event.keys[: event.admitted])),
+                    open_context=True,
+                    not_after=None,
+                ),
+            )
+        case ev.LookupRefused():
+            return (
+                Send(
+                    wire.LookupResp(
+                        kv_request_id=kv_id,
+                        keys=event.keys,
+                        hits=(False,) * len(event.keys),
+                        round_seq=event.round_seq,
+                    )
+                ),
+            )
         case ev.PendingPolled():
             return (
                 ParentLookup(
@@ -257,6 +278,8 @@ def effects_of(event: ev.AnyEvent) -> tuple[Effect, ...]:
             | ev.LookupTimedOut()
             | ev.KeysResolved()
             | ev.KeysPinned()
+            | ev.KeysRefused()
+            | ev.FetchRefused()
             | ev.ParentExpired()
             | ev.PendingExpired()
             | ev.LookupDropped()

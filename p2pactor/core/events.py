@@ -37,17 +37,21 @@ __all__ = [
     "ContextClosed",
     "Event",
     "FetchReceived",
+    "FetchRefused",
     "FetchSent",
     "FetchSkipped",
     "FinishRequested",
     "Finished",
     "Ignored",
     "KeysPinned",
+    "KeysRefused",
     "KeysResolved",
     "LookupAnswered",
     "LookupCancelled",
     "LookupDropped",
+    "LookupLimited",
     "LookupReceived",
+    "LookupRefused",
     "LookupResp",
     "LookupTimedOut",
     "Opened",
@@ -57,6 +61,7 @@ __all__ = [
     "PinReleased",
     "Probed",
     "ProducerEvent",
+    "Quota",
     "Registered",
     "Rejected",
     "RoundClosed",
@@ -128,6 +133,24 @@ class Violation(enum.Enum):
     """A lookup or fetch after the consumer closed the request."""
     MALFORMED = "malformed"
     """Parallel lists of different lengths (the codec rejects these on the wire)."""
+
+
+class Quota(enum.Enum):
+    """The per-peer quotas a node enforces on what a peer may make it hold.
+
+    See :class:`p2pactor.quotas.PeerQuotas` for the limits and their defaults.
+    """
+
+    PINNED_BLOCKS = "pinned_blocks"
+    """Blocks pinned for the peer's lookups and not yet released."""
+    OPEN_LOOKUPS = "open_lookups"
+    """Lookups received from the peer and not yet answered."""
+    KEYS_PER_LOOKUP = "keys_per_lookup"
+    """Keys in one lookup."""
+    FETCH_ROUNDS = "fetch_rounds"
+    """Fetch rounds of the peer in flight (fetched, not yet ended)."""
+    OPEN_REQUESTS = "open_requests"
+    """Requests of the peer we serve at once (live producer actors)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -571,6 +594,94 @@ class ContextClosed(Event):
 
 
 @attrs.frozen(kw_only=True)
+class LookupRefused(Event):
+    """A whole lookup was refused because the peer is over a quota.
+
+    It is answered at once, every key MISS; the parent is not asked and nothing
+    is pinned. Its round counts as looked up, so a fetch for it fails fast.
+
+    Attributes:
+        round_seq: The round it belongs to.
+        keys: Its keys in wire order, duplicates included (the answer's keys).
+        quota: Which quota the peer is over.
+        reason: The specifics, with the numbers, for the log.
+    """
+
+    KIND: ClassVar[str] = "LookupRefused"
+    round_seq: int
+    keys: Keys = attrs.field(converter=_keys)
+    quota: Quota
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class LookupLimited(Event):
+    """A lookup had more keys than the peer's quota allows: only a prefix is looked up.
+
+    Like :class:`LookupReceived`, but only the first ``admitted`` keys (in wire
+    order) go to the parent; the others are answered MISS and never pinned.
+    The one answer still lists every key.
+
+    Attributes:
+        lookup_id: Our number for this lookup, unique within the actor.
+        round_seq: The round it belongs to.
+        keys: All its keys in wire order, duplicates included.
+        admitted: How many keys, from the first, are looked up.
+        deadline: When admitted keys still pending are answered MISS.
+        reason: The specifics, with the numbers, for the log.
+    """
+
+    KIND: ClassVar[str] = "LookupLimited"
+    lookup_id: int
+    round_seq: int
+    keys: Keys = attrs.field(converter=_keys)
+    admitted: int
+    deadline: float
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class KeysRefused(Event):
+    """Hits of a lookup were not pinned because the peer is over a quota.
+
+    The keys are answered MISS (the :class:`KeysResolved` that follows lists
+    them as misses).
+
+    Attributes:
+        lookup_id: Which lookup.
+        keys: The hits refused.
+        quota: Which quota the peer is over.
+        reason: The specifics, with the numbers, for the log.
+    """
+
+    KIND: ClassVar[str] = "KeysRefused"
+    lookup_id: int
+    keys: Keys = attrs.field(converter=_keys)
+    quota: Quota
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class FetchRefused(Event):
+    """A fetch was refused because the peer is over a quota; its round fails.
+
+    Follows the fetch's :class:`FetchReceived`. The round then ends with a
+    failed ``transfer_done`` and every pin of the round is released; nothing
+    is written.
+
+    Attributes:
+        round_seq: The round.
+        quota: Which quota the peer is over.
+        reason: The specifics, with the numbers, for the log.
+    """
+
+    KIND: ClassVar[str] = "FetchRefused"
+    round_seq: int
+    quota: Quota
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
 class StoreAdded(Event):
     """The engine stored blocks for a prefill/decode request (already pinned).
 
@@ -769,8 +880,11 @@ EVENT_TYPES: dict[str, type[Event]] = {
         Aborted,
         Finished,
         LookupReceived,
+        LookupRefused,
+        LookupLimited,
         KeysResolved,
         KeysPinned,
+        KeysRefused,
         PendingPolled,
         ParentExpired,
         PendingExpired,
@@ -779,6 +893,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         ContextClosed,
         StoreAdded,
         FetchReceived,
+        FetchRefused,
         TransferStarted,
         TransferCompleted,
         TransferFailed,
@@ -817,8 +932,11 @@ ConsumerEvent = (
 ProducerEvent = (
     SharedEvent
     | LookupReceived
+    | LookupRefused
+    | LookupLimited
     | KeysResolved
     | KeysPinned
+    | KeysRefused
     | PendingPolled
     | ParentExpired
     | PendingExpired
@@ -827,6 +945,7 @@ ProducerEvent = (
     | ContextClosed
     | StoreAdded
     | FetchReceived
+    | FetchRefused
     | TransferStarted
     | TransferCompleted
     | TransferFailed

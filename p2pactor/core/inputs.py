@@ -4,7 +4,8 @@ An actor's inputs are: the engine's calls (:class:`Register`, :class:`Flush`,
 :class:`SubmitLoad`, :class:`Finish`, :class:`AddStore`), the parent's answers
 (:class:`ParentAnswer`), the data plane's reports (:class:`TransferResult`), the
 passage of time (:class:`Tick`), the end of the session (:class:`SessionEnded`),
-and decoded wire messages from :mod:`p2pactor.protocol`.
+decoded wire messages from :mod:`p2pactor.protocol`, and the runtime's quota
+verdicts on such messages (:class:`OverQuota`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ from collections.abc import Iterable
 
 import attrs
 
+from p2pactor import protocol as wire
+from p2pactor.core.events import Quota
+
 __all__ = [
     "AddStore",
     "Finish",
     "Flush",
     "LookupResult",
     "Open",
+    "OverQuota",
     "ParentAnswer",
     "Pin",
     "Register",
@@ -144,12 +149,47 @@ class ParentAnswer:
         pin: The job pinning the hits, if any hit.
         expired: The request arrived after its ``not_after`` and the parent
             was not asked at all.
+        refused: Hits left unpinned because the peer is over its
+            :attr:`~p2pactor.core.events.Quota.PINNED_BLOCKS` quota; they are
+            answered MISS.
+        refusal: Why, with the numbers, when ``refused`` is not empty.
     """
 
     lookup_id: int
     results: tuple[tuple[bytes, LookupResult], ...] = attrs.field(converter=_results, default=())
     pin: Pin | None = None
     expired: bool = False
+    refused: tuple[bytes, ...] = attrs.field(converter=_keys, default=())
+    refusal: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class OverQuota:
+    """The runtime's verdict: a peer's lookup or fetch goes over one of its quotas.
+
+    The runtime counts what each peer makes the node hold, across all of the
+    peer's requests, and hands the core this instead of the bare message when
+    a limit is reached; the core records the refusal and answers safely. A
+    message within every quota arrives bare.
+
+    * a lookup is answered at once, every key MISS, with nothing pinned
+      (``admit`` 0), or, over :attr:`~p2pactor.core.events.Quota.KEYS_PER_LOOKUP`,
+      only its first ``admit`` keys are looked up and the rest answered MISS;
+    * a (non-empty) fetch fails its round: ``transfer_done(false)``, every pin
+      of the round released, nothing written.
+
+    Attributes:
+        message: The peer's lookup or fetch.
+        quota: Which quota it goes over.
+        reason: The specifics, with the numbers, for the log.
+        admit: For a lookup: how many of its keys, from the first, may still
+            be looked up (0: none).
+    """
+
+    message: wire.Lookup | wire.Fetch
+    quota: Quota
+    reason: str
+    admit: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -35,7 +35,7 @@ from p2pactor import protocol as wire
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.builder import Builder
-from p2pactor.core.events import Violation, check_follows
+from p2pactor.core.events import Quota, Violation, check_follows
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
@@ -58,6 +58,7 @@ ProducerInput = (
     wire.Lookup
     | wire.Fetch
     | wire.AbortFetch
+    | inp.OverQuota
     | inp.ParentAnswer
     | inp.AddStore
     | inp.TransferResult
@@ -372,6 +373,29 @@ def _evolve_round_ended(s: ProducerState, round_seq: int, *, served: bool) -> Pr
     return attrs.evolve(s, rounds=_drop(s.rounds, round_seq), jobs=jobs)
 
 
+def _evolve_lookup_opened(
+    s: ProducerState, e: ev.LookupReceived | ev.LookupLimited, admitted: int
+) -> ProducerState:
+    """Open a lookup whose first ``admitted`` keys go to the parent; the rest answer MISS."""
+    asked = frozenset(e.keys[:admitted])
+    lookup = ActiveLookup(
+        lookup_id=e.lookup_id,
+        round_seq=e.round_seq,
+        keys=e.keys,
+        deadline=e.deadline,
+        resolved={k: False for k in e.keys[admitted:] if k not in asked},
+        pending=asked,
+    )
+    rnd = attrs.evolve(_round(s, e.round_seq), lookup_supplied=True)
+    return attrs.evolve(
+        s,
+        lookups=_put(s.lookups, e.lookup_id, lookup),
+        rounds=_put(s.rounds, e.round_seq, rnd),
+        next_lookup_id=e.lookup_id + 1,
+        looked_up_through=max(s.looked_up_through, e.round_seq),
+    )
+
+
 def _round(s: ProducerState, round_seq: int) -> RoundState:
     return s.rounds.get(round_seq) or RoundState(round_seq=round_seq)
 
@@ -395,21 +419,20 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
         case ev.FinishRequested():
             return attrs.evolve(s, finishing=True)
         case ev.LookupReceived():
-            lookup = ActiveLookup(
-                lookup_id=event.lookup_id,
-                round_seq=event.round_seq,
-                keys=event.keys,
-                deadline=event.deadline,
-                pending=frozenset(event.keys),
-            )
-            rnd = attrs.evolve(_round(s, event.round_seq), lookup_supplied=True)
-            return attrs.evolve(
-                s,
-                lookups=_put(s.lookups, event.lookup_id, lookup),
-                rounds=_put(s.rounds, event.round_seq, rnd),
-                next_lookup_id=event.lookup_id + 1,
-                looked_up_through=max(s.looked_up_through, event.round_seq),
-            )
+            return _evolve_lookup_opened(s, event, len(event.keys))
+        case ev.LookupLimited():
+            return _evolve_lookup_opened(s, event, event.admitted)
+        case ev.LookupRefused():
+            # No lookup opens and nothing is held (so a refused request can
+            # close at once), but the round counts as looked up: a fetch for
+            # it fails fast instead of waiting for stored blocks.
+            return attrs.evolve(s, looked_up_through=max(s.looked_up_through, event.round_seq))
+        case ev.KeysRefused():
+            return s  # the KeysResolved that follows counts the keys as misses
+        case ev.FetchRefused():
+            refused = s.rounds[event.round_seq]
+            refused = attrs.evolve(refused, demand=(), failure=refused.failure or event.reason)
+            return attrs.evolve(s, rounds=_put(s.rounds, event.round_seq, refused))
         case ev.KeysResolved():
             lookup = s.lookups[event.lookup_id]
             resolved = dict(lookup.resolved)
@@ -563,6 +586,11 @@ def step_producer(
             _on_lookup(b, event_input, timings)
         case wire.Fetch():
             _on_fetch(b, event_input)
+        case inp.OverQuota():
+            if isinstance(event_input.message, wire.Lookup):
+                _on_lookup(b, event_input.message, timings, event_input)
+            else:
+                _on_fetch(b, event_input.message, event_input)
         case wire.AbortFetch():
             _on_abort(b, event_input)
         case inp.ParentAnswer():
@@ -597,7 +625,7 @@ def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None
     b.emit(ev.Rejected(**b.head, input=msg.TYPE, violation=violation, detail=detail))
 
 
-def _on_lookup(b: _B, msg: wire.Lookup, t: Timings) -> None:
+def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | None = None) -> None:
     s = b.state
     if s.phase is ProducerPhase.CLOSING:
         _reject(b, msg, Violation.AFTER_CLOSE, "lookup after the request was closed")
@@ -612,9 +640,36 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings) -> None:
     if not msg.keys:
         b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="a lookup without keys"))
         return
+    # A quota refusal is checked after the protocol's own rules: a peer over
+    # quota that also breaks the protocol is still disconnected.
+    admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
+    if verdict is not None and admit <= 0:
+        b.emit(
+            ev.LookupRefused(
+                **b.head,
+                round_seq=msg.round_seq,
+                keys=msg.keys,
+                quota=verdict.quota,
+                reason=verdict.reason,
+            )
+        )
+        return
     budget = t.pending_timeout
     if msg.deadline_ms is not None:
         budget = min(budget, msg.deadline_ms / 1000)
+    if verdict is not None and admit < len(msg.keys):
+        b.emit(
+            ev.LookupLimited(
+                **b.head,
+                lookup_id=s.next_lookup_id,
+                round_seq=msg.round_seq,
+                keys=msg.keys,
+                admitted=admit,
+                deadline=b.now + budget,
+                reason=verdict.reason,
+            )
+        )
+        return
     b.emit(
         ev.LookupReceived(
             **b.head,
@@ -673,6 +728,19 @@ def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:
 def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> None:
     results = dict(answer.results)
     pinned = set(answer.pin.keys) if answer.pin is not None else set()
+    if answer.refused:
+        refused = set(answer.refused) - pinned
+        keys = tuple(k for k in _ordered(lookup) if k in refused)
+        if keys:
+            b.emit(
+                ev.KeysRefused(
+                    **b.head,
+                    lookup_id=lookup.lookup_id,
+                    keys=keys,
+                    quota=Quota.PINNED_BLOCKS,
+                    reason=answer.refusal or "the peer is over its pinned-blocks quota",
+                )
+            )
     hits: list[bytes] = []
     misses: list[bytes] = []
     pending: list[bytes] = []
@@ -791,7 +859,7 @@ def _start(b: _B, round_seq: int, matched: list[tuple[bytes, int, Supply]]) -> N
     )
 
 
-def _on_fetch(b: _B, msg: wire.Fetch) -> None:
+def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> None:
     s = b.state
     r = msg.round_seq
     if s.phase is ProducerPhase.CLOSING:
@@ -818,6 +886,10 @@ def _on_fetch(b: _B, msg: wire.Fetch) -> None:
         _reject(b, msg, Violation.STALE_ROUND, detail)
         return
     b.emit(ev.FetchReceived(**b.head, round_seq=r, keys=msg.keys, block_indexes=msg.block_indexes))
+    if verdict is not None:
+        # The round fails whole and at once; the sweep ends it, releasing its pins.
+        b.emit(ev.FetchRefused(**b.head, round_seq=r, quota=verdict.quota, reason=verdict.reason))
+        return
     matched, unmatched = _plan(b.state, r)
     symmetric = b.state.rounds[r].lookup_supplied or r <= b.state.looked_up_through
     if unmatched and (symmetric or b.state.finishing):

@@ -29,6 +29,7 @@ from p2pactor.demo.workload import DemoPlan, Expect, Request, block_bytes, reque
 from p2pactor.log import Durability, EventLog
 from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
+from p2pactor.quotas import PeerQuotas
 
 __all__ = ["PREFIX", "main", "run_node"]
 
@@ -158,6 +159,9 @@ async def run_node(index: int, plan: DemoPlan, log_dir: str) -> None:
             num_blocks=num_blocks,
             block_len=plan.block_len,
             hash_seed=plan.hash_seed,
+            # The pool is sized to the workload, not to a real tier: every
+            # held block may be pinned at once by one honest peer here.
+            quotas=PeerQuotas(pinned_blocks_fraction=1.0),
         )
         log = EventLog(
             config.node_id,

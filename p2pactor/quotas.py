@@ -1,0 +1,426 @@
+"""Per-peer quotas: what one peer may make this node hold, and the ledger that counts it.
+
+A peer that is served is trusted with a share of the node: the blocks its lookups
+pin, the lookups it leaves unanswered, the fetch rounds it keeps in flight and
+the requests it keeps open. vLLM 0.33.0 bounds none of these per peer
+(``vllm-p2p-0.33.md`` §6.1.7): one peer can pin the whole cache with lookups it
+never fetches. :class:`PeerQuotas` sets the limits (``NodeConfig.quotas``);
+:class:`QuotaLedger` is the runtime's count, per peer, across all of the peer's
+requests, and turns a message over a limit into a
+:class:`~p2pactor.core.inputs.OverQuota` verdict for the pure core, which records
+the refusal in the event log and answers safely:
+
+================== ============================================================
+quota              past the limit
+================== ============================================================
+pinned blocks      hits beyond the budget are not pinned and answer MISS
+                   (``KeysRefused``); checked when the parent pins, so re-polls
+                   of HIT_PENDING keys that resolve later count too
+open lookups       the lookup is answered at once, all MISS, nothing pinned
+                   (``LookupRefused``)
+keys per lookup    only the first keys are looked up, the rest answer MISS
+                   (``LookupLimited``)
+fetch rounds       the round fails: ``transfer_done(false)``, its pins released,
+                   nothing written (``FetchRefused``)
+open requests      every lookup of the new request is answered all MISS and its
+                   fetches fail; it closes at once (``LookupRefused``,
+                   ``FetchRefused``)
+================== ============================================================
+
+Every refusal is an event (so ``p2pactor replay`` and timelines show it, with
+its reason) and a log line, rate-limited per peer and quota so that a flood
+cannot flood the log. A peer's counts return to zero when its session ends and
+its pins are released. Another peer on the same node is never affected: every
+count and every limit is per peer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Final
+
+import attrs
+
+from p2pactor import protocol as wire
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core.events import Quota
+from p2pactor.errors import ConfigError
+
+__all__ = ["DEFAULT_QUOTAS", "PeerQuotas", "PeerUsage", "QuotaLedger"]
+
+log = logging.getLogger("p2pactor.quotas")
+
+
+def _limit(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or value <= 0:
+        raise ConfigError(
+            f"PeerQuotas.{attribute.name} must be a positive integer, got {value!r}; "
+            "set a large number to make it effectively unlimited"
+        )
+
+
+def _optional_limit(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is not None and (type(value) is not int or value < 0):
+        raise ConfigError(
+            f"PeerQuotas.{attribute.name} must be None or an integer >= 0, got {value!r}"
+        )
+
+
+def _fraction(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not 0 < value <= 1:
+        raise ConfigError(
+            f"PeerQuotas.{attribute.name} must be in (0, 1], got {value!r}; "
+            "it is the share of the node's blocks one peer may keep pinned"
+        )
+
+
+def _interval(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value >= 0:
+        raise ConfigError(f"PeerQuotas.{attribute.name} must be >= 0 seconds, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class PeerQuotas:
+    """Limits on what one peer may make this node hold at once.
+
+    Every limit is per peer (per ``host:port``), counted across all of the
+    peer's requests and sessions. The defaults protect a node from one greedy
+    or hostile peer and never bother an honest vLLM-like one:
+
+    * **Pinned blocks**: a quarter of the node's blocks. An honest peer pins
+      blocks only between its lookup and its fetch (milliseconds), so what it
+      holds at once is about one engine step of prompts; a quarter of a 64 GB
+      tier of 5 MiB blocks (a 70B model) is 3,200 blocks, a 51k-token prompt,
+      and a longer prompt still gets its prefix up to the limit (the first hits
+      are pinned, later ones answer MISS) rather than nothing. Three quarters
+      stay for the engine itself and for other peers, so a peer that looks up
+      everything and never fetches cannot stop the engine from caching. Set
+      ``max_pinned_blocks`` for an absolute number instead.
+    * **Open lookups** (received, not yet answered): 1,024. A lookup is
+      answered within one serve of the parent (milliseconds), or 5 s at most
+      for keys still being written; an honest peer has about one per running
+      request, and vLLM runs at most a few hundred per engine.
+    * **Keys per lookup**: 8,192, a 131k-token prompt at 16 tokens per block
+      (a consumer sends only the keys it has not asked yet, so one lookup is
+      at most one prompt). A longer lookup is not refused: its first 8,192
+      keys are looked up and the rest answer MISS, so the peer still gets
+      that prefix.
+    * **Fetch rounds in flight**: 1,024, one per request being loaded at once;
+      a round ends as soon as its blocks are written.
+    * **Open requests**: 4,096 requests of one peer served at once. A request
+      stays open from its first lookup until its fetch is served or the peer
+      closes it; each costs the node a task and its state, which is what a
+      flood of lookups under fresh request ids would otherwise pile up.
+
+    Attributes:
+        max_pinned_blocks: Most blocks pinned for the peer's lookups at once;
+            None: ``pinned_blocks_fraction`` of the node's blocks.
+        pinned_blocks_fraction: The share of the node's blocks one peer may
+            keep pinned when ``max_pinned_blocks`` is None.
+        max_open_lookups: Most lookups of the peer received and not yet answered.
+        max_keys_per_lookup: Most keys of one lookup that are looked up.
+        max_fetch_rounds: Most fetch rounds of the peer in flight (fetched and
+            not yet ended).
+        max_open_requests: Most requests of the peer served at once.
+        log_interval: At most one log line per peer and quota this often
+            (seconds); the refusals in between are counted in the next line.
+            Every refusal is in the event log regardless.
+    """
+
+    max_pinned_blocks: int | None = attrs.field(default=None, validator=_optional_limit)
+    pinned_blocks_fraction: float = attrs.field(default=0.25, validator=_fraction)
+    max_open_lookups: int = attrs.field(default=1024, validator=_limit)
+    max_keys_per_lookup: int = attrs.field(default=8192, validator=_limit)
+    max_fetch_rounds: int = attrs.field(default=1024, validator=_limit)
+    max_open_requests: int = attrs.field(default=4096, validator=_limit)
+    log_interval: float = attrs.field(default=10.0, validator=_interval)
+
+    def pinned_blocks_limit(self, num_blocks: int) -> int:
+        """The most blocks one peer may keep pinned on a node of ``num_blocks`` blocks."""
+        if self.max_pinned_blocks is not None:
+            return self.max_pinned_blocks
+        return max(1, int(num_blocks * self.pinned_blocks_fraction))
+
+
+DEFAULT_QUOTAS: Final = PeerQuotas()
+"""The quotas a node enforces unless configured otherwise."""
+
+
+@attrs.frozen(kw_only=True)
+class PeerUsage:
+    """What one peer holds on this node right now, and what it was refused.
+
+    Attributes:
+        pinned_blocks: Blocks pinned for its lookups and not yet released.
+        peak_pinned_blocks: The most it ever had pinned at once.
+        open_lookups: Its lookups received and not yet answered.
+        fetch_rounds: Its fetch rounds in flight.
+        open_requests: Its requests being served (live producer actors).
+        refusals: Refusals so far, by quota (``{"pinned_blocks": 12}``).
+    """
+
+    pinned_blocks: int = 0
+    peak_pinned_blocks: int = 0
+    open_lookups: int = 0
+    fetch_rounds: int = 0
+    open_requests: int = 0
+    refusals: Mapping[str, int] = attrs.field(factory=dict)
+
+    @property
+    def holds_nothing(self) -> bool:
+        """Whether the peer holds nothing on the node (its counts are all zero)."""
+        return not (self.pinned_blocks or self.open_lookups or self.fetch_rounds) and not (
+            self.open_requests
+        )
+
+
+class _Peer:
+    """One peer's counts (mutable, runtime only)."""
+
+    __slots__ = (
+        "fetch_rounds",
+        "last_logged",
+        "open_lookups",
+        "open_requests",
+        "peak_pinned",
+        "pinned",
+        "refusals",
+        "unlogged",
+    )
+
+    def __init__(self) -> None:
+        self.pinned = 0
+        self.peak_pinned = 0
+        self.open_lookups = 0
+        self.fetch_rounds = 0
+        self.open_requests = 0
+        self.refusals: Counter[Quota] = Counter()
+        self.last_logged: dict[Quota, float] = {}
+        self.unlogged: Counter[Quota] = Counter()
+
+
+class _Request:
+    """What one producer request of a peer holds (mutable, runtime only)."""
+
+    __slots__ = ("lookups", "peer", "refusal", "rounds")
+
+    def __init__(self, peer: str, refusal: str) -> None:
+        self.peer = peer
+        self.refusal = refusal  # why the request is refused whole, or ""
+        self.lookups: set[int] = set()
+        self.rounds: set[int] = set()
+
+
+class QuotaLedger:
+    """The runtime's per-peer counts, and its verdicts on what goes over a limit.
+
+    Requests are tracked by a handle (the runtime's actor object), so that two
+    sessions of the same peer (an old one draining, a new one) never mix their
+    counts. Lookups, rounds and requests are counted from the actors' own
+    events, right after each step (:meth:`observe`); a verdict is asked right
+    before a step (:meth:`admit`). Both happen inside one synchronous step on
+    the node's thread, so a count can never be overtaken by messages queued
+    behind it. Pins are counted where the parent pins them (:meth:`pin_budget`,
+    :meth:`pinned`, :meth:`released`), on whichever thread lends the parent;
+    those three are only ever called from one thread at a time.
+
+    Args:
+        quotas: The limits.
+        num_blocks: The node's blocks, for a pinned-blocks limit given as a
+            fraction.
+    """
+
+    def __init__(self, quotas: PeerQuotas, num_blocks: int) -> None:
+        self.quotas = quotas
+        self.pinned_limit = quotas.pinned_blocks_limit(num_blocks)
+        self._peers: dict[str, _Peer] = {}
+        self._requests: dict[Hashable, _Request] = {}
+        self._pins: dict[int, tuple[str, int]] = {}  # job -> (peer, blocks)
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            p = self._peers[peer] = _Peer()
+        return p
+
+    # --- requests ---------------------------------------------------------------------
+
+    def open_request(self, peer: str, handle: Hashable) -> bool:
+        """Count a new producer request of ``peer``.
+
+        Returns:
+            False if the peer is over its open-requests quota: the request is
+            still counted (it lives for one step), but every lookup of it is
+            answered all MISS and every fetch fails.
+        """
+        p = self._peer(peer)
+        refusal = ""
+        if p.open_requests >= self.quotas.max_open_requests:
+            refusal = (
+                f"{peer} already has {p.open_requests} requests open here "
+                f"(quota {self.quotas.max_open_requests} per peer)"
+            )
+        p.open_requests += 1
+        self._requests[handle] = _Request(peer, refusal)
+        return not refusal
+
+    def admit(
+        self, handle: Hashable, message: wire.Lookup | wire.Fetch
+    ) -> wire.Lookup | wire.Fetch | inp.OverQuota:
+        """The verdict on a peer's lookup or fetch, just before its request steps it.
+
+        Returns:
+            ``message`` itself when it is within every quota, else an
+            :class:`~p2pactor.core.inputs.OverQuota` carrying it.
+        """
+        request = self._requests.get(handle)
+        if request is None:
+            return message  # not a counted request (a consumer's, or a test's)
+        q = self.quotas
+        p = self._peer(request.peer)
+        if isinstance(message, wire.Fetch):
+            if not message.keys:
+                return message  # the empty fetch closes the request: never refused
+            if request.refusal:
+                return inp.OverQuota(
+                    message=message, quota=Quota.OPEN_REQUESTS, reason=request.refusal
+                )
+            if p.fetch_rounds >= q.max_fetch_rounds:
+                reason = (
+                    f"{request.peer} already has {p.fetch_rounds} fetch rounds in flight here "
+                    f"(quota {q.max_fetch_rounds} per peer)"
+                )
+                return inp.OverQuota(message=message, quota=Quota.FETCH_ROUNDS, reason=reason)
+            return message
+        if request.refusal:
+            return inp.OverQuota(message=message, quota=Quota.OPEN_REQUESTS, reason=request.refusal)
+        if p.open_lookups >= q.max_open_lookups:
+            reason = (
+                f"{request.peer} already has {p.open_lookups} lookups unanswered here "
+                f"(quota {q.max_open_lookups} per peer)"
+            )
+            return inp.OverQuota(message=message, quota=Quota.OPEN_LOOKUPS, reason=reason)
+        if len(message.keys) > q.max_keys_per_lookup:
+            reason = (
+                f"a lookup of {len(message.keys)} keys; only the first "
+                f"{q.max_keys_per_lookup} are looked up (quota per lookup)"
+            )
+            return inp.OverQuota(
+                message=message,
+                quota=Quota.KEYS_PER_LOOKUP,
+                reason=reason,
+                admit=q.max_keys_per_lookup,
+            )
+        return message
+
+    def observe(self, handle: Hashable, events: Sequence[ev.AnyEvent], now: float) -> None:
+        """Count what a request's step made it hold or let go of; log its refusals."""
+        request = self._requests.get(handle)
+        if request is None:
+            return
+        p = self._peer(request.peer)
+        for event in events:
+            match event:
+                case ev.LookupReceived() | ev.LookupLimited():
+                    if event.lookup_id not in request.lookups:
+                        request.lookups.add(event.lookup_id)
+                        p.open_lookups += 1
+                    if isinstance(event, ev.LookupLimited):
+                        self._refused(request.peer, Quota.KEYS_PER_LOOKUP, event.reason, now)
+                case ev.LookupAnswered() | ev.LookupDropped():
+                    # A lookup answered at its deadline may be dropped later
+                    # too: the set makes the second one a no-op.
+                    if event.lookup_id in request.lookups:
+                        request.lookups.remove(event.lookup_id)
+                        p.open_lookups -= 1
+                case ev.FetchReceived():
+                    if event.round_seq not in request.rounds:
+                        request.rounds.add(event.round_seq)
+                        p.fetch_rounds += 1
+                case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
+                    if event.round_seq in request.rounds:
+                        request.rounds.remove(event.round_seq)
+                        p.fetch_rounds -= 1
+                case ev.LookupRefused() | ev.KeysRefused() | ev.FetchRefused():
+                    self._refused(request.peer, event.quota, event.reason, now)
+                case ev.Closed():
+                    self.forget(handle)
+                    return
+                case _:
+                    pass
+
+    def forget(self, handle: Hashable) -> None:
+        """The request ended (or its session did): it holds nothing any more. Idempotent."""
+        request = self._requests.pop(handle, None)
+        if request is None:
+            return
+        p = self._peer(request.peer)
+        p.open_requests -= 1
+        p.open_lookups -= len(request.lookups)
+        p.fetch_rounds -= len(request.rounds)
+
+    def forget_all(self, handles: Iterable[Hashable]) -> None:
+        """Forget every request in ``handles`` (a session ended)."""
+        for handle in handles:
+            self.forget(handle)
+
+    # --- pins ---------------------------------------------------------------------------
+
+    def pin_budget(self, peer: str) -> int:
+        """How many more blocks ``peer`` may have pinned now."""
+        p = self._peers.get(peer)
+        return self.pinned_limit - (p.pinned if p is not None else 0)
+
+    def pin_refusal(self, peer: str) -> str:
+        """Why hits of ``peer`` are left unpinned, with the numbers."""
+        p = self._peers.get(peer)
+        held = p.pinned if p is not None else 0
+        return f"{peer} already has {held} blocks pinned here (quota {self.pinned_limit} per peer)"
+
+    def pinned(self, peer: str, job_id: int, blocks: int) -> None:
+        """The parent pinned ``blocks`` blocks for ``peer`` as job ``job_id``."""
+        p = self._peer(peer)
+        self._pins[job_id] = (peer, blocks)
+        p.pinned += blocks
+        p.peak_pinned = max(p.peak_pinned, p.pinned)
+
+    def released(self, job_id: int) -> None:
+        """The parent released job ``job_id`` (a store job, not counted, is ignored)."""
+        held = self._pins.pop(job_id, None)
+        if held is not None:
+            self._peer(held[0]).pinned -= held[1]
+
+    # --- reporting ----------------------------------------------------------------------
+
+    def usage(self, peer: str) -> PeerUsage:
+        """What ``peer`` holds now and what it was refused (zeros for a stranger)."""
+        p = self._peers.get(peer)
+        if p is None:
+            return PeerUsage()
+        return PeerUsage(
+            pinned_blocks=p.pinned,
+            peak_pinned_blocks=p.peak_pinned,
+            open_lookups=p.open_lookups,
+            fetch_rounds=p.fetch_rounds,
+            open_requests=p.open_requests,
+            refusals={q.value: n for q, n in sorted(p.refusals.items(), key=lambda i: i[0].value)},
+        )
+
+    def usages(self) -> dict[str, PeerUsage]:
+        """:meth:`usage` of every peer seen so far."""
+        return {peer: self.usage(peer) for peer in sorted(self._peers)}
+
+    def _refused(self, peer: str, quota: Quota, reason: str, now: float) -> None:
+        p = self._peer(peer)
+        p.refusals[quota] += 1
+        last = p.last_logged.get(quota)
+        if last is not None and now - last < self.quotas.log_interval:
+            p.unlogged[quota] += 1
+            return
+        more = p.unlogged.pop(quota, 0)
+        tail = f" ({more} more refusals of this kind since the last message)" if more else ""
+        log.warning("refused %s over its %s quota: %s%s", peer, quota.value, reason, tail)
+        p.last_logged[quota] = now
