@@ -29,7 +29,9 @@ import attrs
 
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 from p2pactor.errors import ConfigError
+from p2pactor.keys import CurveSecurity
 from p2pactor.protocol import DEFAULT_LIMITS, Limits
+from p2pactor.quotas import DEFAULT_QUOTAS, PeerQuotas
 
 __all__ = ["DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"]
 
@@ -63,6 +65,17 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
 def _port(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if type(value) is not int or not 0 <= value <= 65535:
         raise ConfigError(f"{attribute.name} must be a TCP port (0-65535), got {value!r}")
+
+
+def _optional_port(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is not None and (type(value) is not int or not 0 <= value <= 65535):
+        raise ConfigError(
+            f"{attribute.name} must be a TCP port (0-65535) or None (off), got {value!r}"
+        )
+
+
+def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
+    return None if value is None else os.fspath(value)
 
 
 def _peers(value: Iterable[str] | None) -> frozenset[str] | None:
@@ -111,7 +124,25 @@ class NodeConfig:
             and owed parent answers before it gives up on them.
         unbound_store_timeout: How long stored blocks of a prefill/decode
             request wait for the fetch that binds them (vLLM: 60 s).
+        quotas: What one peer may make this node hold at once (pinned blocks,
+            open lookups, keys per lookup, fetch rounds, open requests); see
+            :class:`~p2pactor.quotas.PeerQuotas` and ``docs/quotas.md``.
         round_extension: Use a session-wide round counter with p2pactor peers.
+        dashboard_port: Serve the live timeline (the dashboard page and its
+            websocket feed, see ``docs/timeline.md``) on this port; 0 picks a
+            free one (``Node.dashboard`` says which); None serves nothing.
+        dashboard_host: The address the dashboard binds. Loopback by default:
+            the feed shows peers, request ids and timings, so serving it
+            anywhere else is an explicit choice.
+        curve_secret_key: Path of this node's secret CURVE certificate
+            (``STEM.key_secret`` from ``p2pactor keygen``; mode 0600). With
+            ``curve_trusted``, the control channel is authenticated and
+            encrypted (``docs/security.md``) and talks only to peers that have
+            keys too, never to stock vLLM peers. None (with ``curve_trusted``
+            None): vLLM's plain, unauthenticated ZeroMQ.
+        curve_trusted: Directory of the public certificates (``*.key``) of
+            the peers this node trusts: only they may connect, and only they
+            may be dialed. Read once when the config is made.
     """
 
     host: str = "localhost"
@@ -133,7 +164,43 @@ class NodeConfig:
     engine_poll_interval: float = attrs.field(default=0.005, validator=_positive)
     drain_timeout: float = attrs.field(default=30.0, validator=_positive)
     unbound_store_timeout: float = attrs.field(default=60.0, validator=_positive)
+    quotas: PeerQuotas = DEFAULT_QUOTAS
     round_extension: bool = True
+    dashboard_port: int | None = attrs.field(default=None, validator=_optional_port)
+    dashboard_host: str = "127.0.0.1"
+    curve_secret_key: str | None = attrs.field(default=None, converter=_optional_path)
+    curve_trusted: str | None = attrs.field(default=None, converter=_optional_path)
+    _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        # The key files are read once, here: a bad one fails the config at
+        # startup, not the first dial, and may_dial stays a dict lookup.
+        curve: CurveSecurity | None = None
+        if (self.curve_secret_key is None) != (self.curve_trusted is None):
+            raise ConfigError(
+                "curve_secret_key and curve_trusted go together: give both (this node's "
+                ".key_secret file and the directory of trusted peers' .key files) to "
+                "authenticate the control channel, or neither"
+            )
+        if self.curve_secret_key is not None and self.curve_trusted is not None:
+            curve = CurveSecurity.load(self.curve_secret_key, self.curve_trusted)
+            own = curve.keypair.addresses
+            if self.port and self.node_id not in own:
+                # Peers would drop every frame we send: our identity would not
+                # be the address they bind to our key.
+                raise ConfigError(
+                    f"{self.curve_secret_key} speaks for {', '.join(sorted(own))}, but this "
+                    f"node is {self.node_id}: make a key pair for it with `p2pactor keygen "
+                    f"STEM --address {self.node_id}` (several comma-separated addresses for "
+                    "one key are allowed) and give its .key file to the peers"
+                )
+        # A derived value of a frozen config: set once, here.
+        object.__setattr__(self, "_curve", curve)
+
+    @property
+    def curve(self) -> CurveSecurity | None:
+        """The CURVE keys loaded from ``curve_secret_key`` and ``curve_trusted``, or None."""
+        return self._curve
 
     @property
     def node_id(self) -> str:
@@ -141,16 +208,24 @@ class NodeConfig:
         return f"{self.host}:{self.port}"
 
     def may_dial(self, peer_id: str) -> bool:
-        """Whether this node may open a connection to ``peer_id``."""
-        return self.allowed_peers is None or peer_id in self.allowed_peers
+        """Whether this node may open a connection to ``peer_id``.
+
+        It must be in ``allowed_peers`` (when set) and, with CURVE, have a
+        trusted key: a peer we hold no key for could not be authenticated.
+        """
+        if self.allowed_peers is not None and peer_id not in self.allowed_peers:
+            return False
+        return self._curve is None or self._curve.trusts(peer_id)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
         """Build a config from environment variables, then keyword overrides.
 
         Reads vLLM's variables (see the module docstring) and
-        ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``, ``P2PACTOR_FINGERPRINT``
-        and ``P2PACTOR_ALLOWED_PEERS`` (comma-separated ``host:port``).
+        ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``, ``P2PACTOR_FINGERPRINT``,
+        ``P2PACTOR_ALLOWED_PEERS`` (comma-separated ``host:port``),
+        ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
+        ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``.
 
         Raises:
             ConfigError: A variable is set to something unusable; the message
@@ -177,6 +252,10 @@ class NodeConfig:
         read("P2PACTOR_NUM_BLOCKS", "num_blocks", int)
         read("P2PACTOR_BLOCK_LEN", "block_len", int)
         read("P2PACTOR_FINGERPRINT", "fingerprint", str)
+        read("P2PACTOR_DASHBOARD_PORT", "dashboard_port", int)
+        read("P2PACTOR_DASHBOARD_HOST", "dashboard_host", str)
+        read("P2PACTOR_CURVE_SECRET_KEY", "curve_secret_key", str)
+        read("P2PACTOR_CURVE_TRUSTED", "curve_trusted", str)
         allowed = env.get("P2PACTOR_ALLOWED_PEERS")
         if allowed:
             values["allowed_peers"] = frozenset(p.strip() for p in allowed.split(",") if p.strip())

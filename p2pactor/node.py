@@ -47,7 +47,9 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
 from p2pactor.log import EventLog
 from p2pactor.parent import Parent, serve_parent_request
+from p2pactor.quotas import PeerUsage, QuotaLedger
 from p2pactor.session import PeerSession, SessionCloseResult
+from p2pactor.timeline import TimelineServer, open_timeline_server
 from p2pactor.transport import ControlConnection, ControlTransport, DataTransport
 
 __all__ = ["EventWatcher", "FetchResult", "LoadResult", "Node", "open_node"]
@@ -202,6 +204,8 @@ class Node:
         self._actor_watchers: list[Callable[[RequestActor], None]] = []
         self._event_watchers: list[EventWatcher] = []
         self._closing_node = False
+        self._quotas = QuotaLedger(config.quotas, config.num_blocks)
+        self._dashboard: TimelineServer | None = None
 
     # --- identity and state ------------------------------------------------------
 
@@ -241,6 +245,27 @@ class Node:
     def event_log(self) -> EventLog:
         """The node's event log."""
         return self._log
+
+    @property
+    def dashboard(self) -> TimelineServer | None:
+        """The live timeline server (``config.dashboard_port``), or None when off."""
+        return self._dashboard
+
+    @property
+    def quotas(self) -> QuotaLedger:
+        """The per-peer quota counts (see :mod:`p2pactor.quotas`)."""
+        return self._quotas
+
+    def peer_usage(self, peer: str) -> PeerUsage:
+        """What ``peer`` holds on this node now, and what its quotas refused.
+
+        Safe from any thread (a snapshot; counts may move right after).
+        """
+        return self._quotas.usage(peer)
+
+    def quota_usage(self) -> dict[str, PeerUsage]:
+        """:meth:`peer_usage` of every peer seen so far, by peer id."""
+        return self._quotas.usages()
 
     def sessions(self) -> list[PeerSession]:
         """Live sessions, one per peer."""
@@ -763,7 +788,17 @@ class Node:
                         expired = inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
                         answers.append((actor, expired))
                         continue
-                    answer = serve_parent_request(parent, request, now)
+                    # The pinned-blocks quota is checked here, where pins are
+                    # made, so that no path (first lookups, re-polls of keys
+                    # that were pending) can take a peer over it.
+                    peer = actor.id.peer
+                    budget = self._quotas.pin_budget(peer)
+                    refusal = self._quotas.pin_refusal(peer) if budget < len(request.keys) else ""
+                    answer = serve_parent_request(
+                        parent, request, now, pin_budget=budget, refusal=refusal
+                    )
+                    if answer.pin is not None:
+                        self._quotas.pinned(peer, answer.pin.job_id, len(answer.pin.blocks))
                     if _no_news(request, answer):
                         self._parked.append((actor, request))
                     else:
@@ -774,6 +809,7 @@ class Node:
                     except Exception:
                         log.exception("the parent failed to finish %s", context)
                 case _Release(job_id, success):
+                    self._quotas.released(job_id)
                     try:
                         parent.release_job(job_id, success=success)
                     except Exception:
@@ -803,6 +839,7 @@ class Node:
             for actor, answer in self._serve(self._parent):
                 del actor
                 if answer.pin is not None:
+                    self._quotas.released(answer.pin.job_id)
                     self._parent.release_job(answer.pin.job_id, success=False)
         self._log.close()
 
@@ -863,9 +900,18 @@ async def open_node(
         if parent is not None:
             nursery.start_soon(node._serve_embedded, parent)
         nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
-        try:
-            yield node
-        finally:
-            with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
-                await node.aclose()
-            nursery.cancel_scope.cancel()
+        # The dashboard is closed last, so that its subscribers see the node's
+        # last events (sessions ending, requests failing) go by.
+        async with contextlib.AsyncExitStack() as dashboard:
+            try:
+                if config.dashboard_port is not None:
+                    node._dashboard = await dashboard.enter_async_context(
+                        open_timeline_server(
+                            node, host=config.dashboard_host, port=config.dashboard_port
+                        )
+                    )
+                yield node
+            finally:
+                with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
+                    await node.aclose()
+                nursery.cancel_scope.cancel()

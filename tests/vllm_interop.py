@@ -21,8 +21,9 @@ top of ``tests/vllm_tier_host.py``; keys are ``bytes`` here and hex on the wire.
 
 Each host's stderr (vLLM, NIXL and UCX logs, tracebacks) goes to
 ``<log_dir>/<name>.log``; errors quote its tail. ``TierHost.kill`` SIGKILLs a
-host; :class:`HostPool` starts many hosts side by side (their vLLM imports
-overlap) for tests to share, restarting one that was killed.
+host (``TierHost.signal`` sends any signal without waiting, e.g. SIGSTOP);
+:class:`HostPool` starts many hosts side by side (their vLLM imports overlap)
+for tests to share, restarting one that was killed.
 """
 
 from __future__ import annotations
@@ -253,6 +254,11 @@ class TierHost:
             self.proc.send_signal(sig)
         self.proc.wait(timeout=10)
 
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` without waiting (``SIGSTOP`` freezes the host, sockets open)."""
+        if self.alive:
+            self.proc.send_signal(sig)
+
     def begin_close(self) -> None:
         """End of input: the host shuts its tier down and exits (see ``close``)."""
         if self.proc.stdin is not None and not self.proc.stdin.closed:
@@ -344,6 +350,11 @@ class TierHost:
     def verify(self, keys: Iterable[bytes]) -> list[bool]:
         return list(self.call("verify", keys=_hex(keys)))
 
+    def load_state(self, job_id: int, exact: bool = False) -> dict[str, Any]:
+        """How far a load's writes got: ``chunks``, ``touched``, ``exact``, ``result``."""
+        out: dict[str, Any] = self.call("load_state", job_id=job_id, exact=exact)
+        return out
+
     # -- checks ----------------------------------------------------------------------
 
     def parent_report(self, calls: bool = False) -> dict[str, Any]:
@@ -357,6 +368,18 @@ class TierHost:
         """Step until the parent has no open context, pin or load: the report, with ``quiet``."""
         out: dict[str, Any] = self.call("wait_quiet", reply_timeout=timeout + 10, timeout=timeout)
         return out
+
+    def closed_sessions(self) -> list[dict[str, Any]] | None:
+        """A p2pactor tier's closed sessions (``peer_id``, ``reason``, ...); None for others."""
+        out: list[dict[str, Any]] | None = self.call("closed_sessions")
+        return out
+
+    def log_text(self) -> str:
+        """Everything the host has logged so far (vLLM, NIXL, UCX, p2pactor)."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def selftest(self) -> dict[str, Any]:
         out: dict[str, Any] = self.call("selftest")

@@ -93,6 +93,12 @@ Cache side (this engine's primary tier, as the parent sees it):
   ``evict(keys)`` -> the keys evicted (nothing is, if any is pinned).
 * ``read(keys)`` -> sha256 hex of each key's chunk (null if absent);
   ``verify(keys)`` -> whether each chunk holds the key's expected bytes.
+* ``load_state(job_id, exact=false)``: how far a load's writes have got in this
+  engine's memory, read without stepping (to catch a transfer mid-way) ->
+  ``{"chunks", "touched", "exact", "result"}``: ``touched`` counts the load's
+  chunks where any sampled byte (every 4096th, and the last) is no longer the
+  0xEE fill; with ``exact``, ``exact`` counts those holding the key's full
+  expected bytes (else null); ``result`` is the job's result once reported.
 
 Checks:
 
@@ -106,6 +112,10 @@ Checks:
   seconds since the host started, ``thread`` "main" or "poll").
 * ``wait_quiet(timeout=10)``: steps until no context is open, no pin is held
   and no load is in flight -> the report, with ``quiet``.
+* ``closed_sessions()``: for a tier with a p2pactor node (``tier.node``), what
+  each session that has closed left behind, oldest first: ``[{"peer_id",
+  "reason", "failed_loads", "failed_requests", "held_pins", "open_contexts"}]``;
+  null for a tier without one (vLLM's own tier only logs why a session ended).
 * ``selftest()``: runs a scratch :class:`FakeParent` through deliberate contract
   breaches and returns its report (to check the checker).
 """
@@ -814,6 +824,38 @@ class Host:
                     bytes(k), self.parent.chunk_bytes
                 )
                 out.append(ok)
+        return out
+
+    def cmd_load_state(self, job_id: int, exact: bool = False) -> dict[str, Any]:
+        with self.lock:
+            job = self.parent.jobs.get(job_id)
+            if job is None or job.kind != "load":
+                raise CommandError("usage", f"no load job {job_id}")
+            result = job.result
+        array = self.parent.array
+        chunks = np.asarray(job.chunks, dtype=np.int64)
+        step = max(1, min(4096, self.parent.chunk_bytes))
+        samples = np.concatenate([array[chunks, ::step], array[chunks, -1:]], axis=1)
+        touched = int(np.any(samples != LOAD_FILL, axis=1).sum())
+        full = None
+        if exact:
+            full = sum(
+                array[c].tobytes() == contents(k, self.parent.chunk_bytes)
+                for k, c in zip(job.keys, job.chunks, strict=True)
+            )
+        return {"chunks": len(job.chunks), "touched": touched, "exact": full, "result": result}
+
+    def cmd_closed_sessions(self) -> list[dict[str, Any]] | None:
+        node = getattr(self.tier, "node", None)
+        closed = getattr(node, "closed_sessions", None)
+        if closed is None:
+            return None
+        out = []
+        for r in closed():
+            entry: dict[str, Any] = {"peer_id": str(r.peer_id), "reason": str(r.reason)}
+            for name in ("failed_loads", "failed_requests", "held_pins", "open_contexts"):
+                entry[name] = list(getattr(r, name, ()))
+            out.append(entry)
         return out
 
     def cmd_parent_report(self, calls: bool = False) -> dict[str, Any]:
