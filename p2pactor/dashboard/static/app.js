@@ -80,6 +80,19 @@
       this.structure = 0; // bumped when lanes or actors are added
       this.hosts = new Set();
       this.ports = new Set();
+      this.blockLens = new Map(); // node -> bytes per block, when its hello says
+      this.security = new Map(); // node -> "curve" | "none" | other, when its hello says
+      this.derived = null;
+    }
+
+    /** Remember what a hello says of one node: its clock, block size, control security. */
+    setNode(node) {
+      if (!node || typeof node.node !== "string") return;
+      this.setClock(node);
+      const blockLen = Number(node.block_len);
+      if (Number.isFinite(blockLen) && blockLen > 0) this.blockLens.set(node.node, blockLen);
+      const security = securityOf(node);
+      if (security != null) this.security.set(node.node, security);
     }
 
     setClock(node) {
@@ -213,7 +226,119 @@
       }
       const keysSeen = total.keys_hit + total.keys_missed;
       total.hit_rate = keysSeen ? total.keys_hit / keysSeen : null;
+      total.source = "node";
       return total;
+    }
+
+    /**
+     * Counters and per-peer activity rebuilt from the events seen up to time t
+     * (below the arrival cutoff): what replay shows at the slider's time, and
+     * what a live page shows before the first `counters` message. The same
+     * rules as the node's own counters (p2pactor/timeline/feed.py Counters).
+     */
+    derive(t, cutoff) {
+      const key = `${t}|${cutoff}|${this.events}`;
+      if (this.derived && this.derived.key === key) return this.derived.value;
+      const c = {
+        lookups: 0, keys_hit: 0, keys_missed: 0, pending: 0, expired: 0,
+        fetches: 0, blocks: 0, bytes: 0, failures: 0, bytes_known: true,
+      };
+      const pairs = new Map(); // node + "\0" + peer -> {node, peer, consumer, producer, open, transfers}
+      const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : 0);
+      for (const a of this.actors.values()) {
+        const loads = new Map(); // round -> blocks asked
+        const writes = new Map(); // transfer -> blocks written
+        const waiting = new Map(); // lookup -> keys still pending
+        const blockLen = this.blockLens.get(a.node) || 0;
+        let last = null;
+        for (const e of a.events) {
+          if (e.t > t || e.arrival > cutoff) continue;
+          last = e;
+          const d = e.data;
+          switch (e.kind) {
+            case "Probed":
+              c.lookups++;
+              break;
+            case "LookupResp": {
+              const hits = num(d.hits);
+              c.keys_hit += hits;
+              c.keys_missed += Math.max(0, num(d.keys) - hits);
+              break;
+            }
+            case "FetchSent":
+              c.fetches++;
+              loads.set(d.round_seq, num(d.keys));
+              break;
+            case "TransferDone": {
+              const blocks = loads.get(d.round_seq) || 0;
+              loads.delete(d.round_seq);
+              if (d.success) {
+                c.blocks += blocks;
+                if (blockLen) c.bytes += blocks * blockLen;
+                else if (blocks) c.bytes_known = false;
+              }
+              break;
+            }
+            case "AbortAcked":
+            case "Aborted":
+              loads.delete(d.round_seq);
+              break;
+            case "Finished":
+              if (d.phase !== "done") c.failures++;
+              break;
+            case "KeysResolved": {
+              const before = waiting.get(d.lookup_id) || 0;
+              const resolved = Math.min(before, num(d.hits) + num(d.misses));
+              c.pending += resolved;
+              const left = Math.max(before - resolved, num(d.pending));
+              if (left) waiting.set(d.lookup_id, left);
+              else waiting.delete(d.lookup_id);
+              break;
+            }
+            case "PendingExpired": {
+              const keys = num(d.keys);
+              c.expired += keys;
+              const before = waiting.get(d.lookup_id) || 0;
+              if (before) waiting.set(d.lookup_id, Math.max(0, before - keys));
+              break;
+            }
+            case "LookupAnswered":
+            case "LookupDropped":
+              waiting.delete(d.lookup_id);
+              break;
+            case "TransferStarted":
+              writes.set(d.transfer_id, num(d.keys));
+              break;
+            case "TransferCompleted":
+              writes.delete(d.transfer_id);
+              break;
+            case "TransferFailed":
+              c.failures++;
+              writes.delete(d.transfer_id);
+              break;
+            default:
+              break;
+          }
+        }
+        if (!last) continue;
+        const pk = a.node + "\0" + a.peer;
+        let p = pairs.get(pk);
+        if (!p) {
+          p = { node: a.node, peer: a.peer, consumer: 0, producer: 0, open: 0, transfers: 0 };
+          pairs.set(pk, p);
+        }
+        p[a.role]++;
+        if (!TERMINAL.has(last.phase)) {
+          p.open++;
+          p.transfers += a.role === "consumer" ? loads.size : writes.size;
+        }
+      }
+      const keysSeen = c.keys_hit + c.keys_missed;
+      c.hit_rate = keysSeen ? c.keys_hit / keysSeen : null;
+      c.source = "events";
+      const value = { counters: c, pairs: [...pairs.values()] };
+      this.derived = { key, value };
+      return value;
     }
   }
 
@@ -222,6 +347,21 @@
     if (a.node !== b.node) return a.node < b.node ? -1 : 1;
     if (a.incarnation !== b.incarnation) return a.incarnation - b.incarnation;
     return a.actor < b.actor ? -1 : a.actor > b.actor ? 1 : 0;
+  }
+
+  /**
+   * A node's control-channel security from its hello entry: "curve", "none",
+   * or null when the feed does not say. Accepts `security` (docs/timeline.md)
+   * and a few spellings a feed might use.
+   */
+  function securityOf(node) {
+    for (const k of ["security", "control_security", "control", "auth"]) {
+      const v = node[k];
+      if (typeof v === "string" && v) return v.toLowerCase();
+      if (v && typeof v === "object" && typeof v.security === "string") return v.security.toLowerCase();
+    }
+    if (typeof node.curve === "boolean") return node.curve ? "curve" : "none";
+    return null;
   }
 
   function hostOf(node) {
@@ -403,7 +543,8 @@
           feed.mode = m.mode === "replay" ? "replay" : "live";
           feed.version = m.version;
           feed.nodes = Array.isArray(m.nodes) ? m.nodes.map((n) => n.node) : [];
-          for (const n of m.nodes || []) this.store.setClock(n);
+          for (const n of m.nodes || []) this.store.setNode(n);
+          this.securityDirty = true;
           if (this.mode == null || feed.mode === "replay") this.setMode(feed.mode);
           if (m.version !== 1) this.setNotice(`Feed ${feed.label()} speaks version ${m.version}; this page understands version 1.`);
           break;
@@ -649,6 +790,7 @@
       if (this.mode === "replay") this.syncSlider();
       if (this.paused) this.syncPauseButton();
       this.renderNotice();
+      if (this.securityDirty) this.renderSecurity();
       const body = document.body.dataset;
       body.lanes = String(this.store.lanes.size);
       body.connected = String(this.connected());
@@ -925,6 +1067,38 @@
       if (this.mode == null) $("mode").textContent = this.feeds.some((f) => f.state === "retrying" || f.state === "error") ? "offline" : "connecting";
     }
 
+    /**
+     * The control channel's security, as each node's hello says: a loud badge when
+     * any node runs it unauthenticated ("none"), a quiet one when all use CURVE.
+     */
+    renderSecurity() {
+      this.securityDirty = false;
+      const badge = $("security");
+      const all = [...this.store.security];
+      const open = all.filter(([, v]) => v === "none").map(([n]) => n);
+      const curve = all.filter(([, v]) => v === "curve").map(([n]) => n);
+      let state = "unknown";
+      if (open.length) {
+        state = "none";
+        badge.textContent = "\u26a0 unauthenticated control channel";
+        badge.className = "badge security insecure";
+        badge.title =
+          `The ZeroMQ control channel of ${open.join(", ")} is not authenticated: any host that ` +
+          "can reach its port may speak for a peer. Configure curve_secret_key and curve_trusted.";
+        badge.hidden = false;
+      } else if (curve.length && curve.length === all.length) {
+        state = "curve";
+        badge.textContent = "\u{1f512} CURVE";
+        badge.className = "badge security secure";
+        badge.title = `The control channel of ${curve.join(", ")} is authenticated and encrypted with CURVE.`;
+        badge.hidden = false;
+      } else {
+        badge.hidden = true;
+        badge.textContent = "";
+      }
+      document.body.dataset.security = state;
+    }
+
     renderSide() {
       this.sideDirty = false;
       this.renderCounters();
@@ -936,40 +1110,46 @@
       const items = [];
       const s = this.store;
       const tView = this.viewTime();
-      if (this.mode !== "replay" && s.counters.size) {
-        const c = s.sumCounters();
-        items.push(["lookups", fmtInt(c.lookups), "info"]);
-        items.push(["hit rate", c.hit_rate == null ? "\u2013" : (100 * c.hit_rate).toFixed(1) + "%", "good"]);
-        items.push(["pending", fmtInt(c.pending), c.pending ? "warn" : ""]);
-        items.push(["expired", fmtInt(c.expired), c.expired ? "warn" : ""]);
-        items.push(["fetches", fmtInt(c.fetches), "info"]);
-        items.push(["bytes", fmtBytes(c.bytes), "info"]);
-        items.push(["failures", fmtInt(c.failures), c.failures ? "bad" : "good"]);
-        items.push(null);
-      }
-      // From the events themselves (as of the view's time in replay).
+      const derived = s.derive(tView, this.cutoff);
+      // Live: the nodes' own counters (they see every event, not just the history a
+      // snapshot holds); replay, or before the first report: rebuilt from the events.
+      const fromNodes = this.mode !== "replay" && s.counters.size > 0;
+      const c = fromNodes ? s.sumCounters() : derived.counters;
+      const asOf = fromNodes ? "reported by the nodes" : this.mode === "replay" ? "at the slider's time, from the events" : "from the events received";
+      items.push(["lookups", fmtInt(c.lookups), "info", `Lookups sent by this node's requests (${asOf})`]);
+      items.push(["hit rate", c.hit_rate == null ? "\u2013" : (100 * c.hit_rate).toFixed(1) + "%", "good", `Keys the peers answered hit, of all keys looked up: ${fmtInt(c.keys_hit)} of ${fmtInt(c.keys_hit + c.keys_missed)}`]);
+      items.push(["pending", fmtInt(c.pending), c.pending ? "warn" : "", "Pending keys (still being written at a lookup) that resolved later"]);
+      items.push(["expired", fmtInt(c.expired), c.expired ? "warn" : "", "Pending keys that ran out of time and were answered miss"]);
+      items.push(["fetches", fmtInt(c.fetches), "info", "Fetch rounds sent"]);
+      if (fromNodes || c.bytes_known) items.push(["bytes", fmtBytes(c.bytes), "info", "Bytes loaded by fetches that succeeded"]);
+      else items.push(["blocks", fmtInt(c.blocks), "info", "Blocks loaded by fetches that succeeded (the logs do not say the block size)"]);
+      items.push(["failures", fmtInt(c.failures), c.failures ? "bad" : "good", "Requests that ended failed or aborted, and failed writes"]);
+      items.push(null);
+      // Requests by phase (as of the view's time in replay).
       let inflight = 0;
       let done = 0;
       let bad = 0;
+      let shown = 0;
       for (const lane of s.lanes.values()) {
         if (lane.arrival > this.cutoff) continue;
         const p = rolePhase(lane, "consumer", tView, this.cutoff);
         if (p == null) continue;
+        shown++;
         if (p === "done") done++;
         else if (BAD_PHASES.has(p)) bad++;
         else inflight++;
       }
-      items.push(["requests", fmtInt(s.lanes.size), ""]);
-      items.push(["in flight", fmtInt(inflight), inflight ? "info" : ""]);
-      items.push(["done", fmtInt(done), "good"]);
-      items.push(["failed/aborted", fmtInt(bad), bad ? "bad" : "good"]);
-      items.push(["events", fmtInt(s.events), ""]);
-      if (s.missed) items.push(["missed (gaps)", fmtInt(s.missed), "bad"]);
+      items.push(["requests", fmtInt(this.mode === "replay" ? shown : s.lanes.size), "", this.mode === "replay" ? `Requests started by the slider's time, of ${fmtInt(s.lanes.size)}` : "Requests (lanes) seen"]);
+      items.push(["in flight", fmtInt(inflight), inflight ? "info" : "", "Requests not finished yet"]);
+      items.push(["done", fmtInt(done), "good", "Requests that finished done"]);
+      items.push(["failed/aborted", fmtInt(bad), bad ? "bad" : "good", "Requests that finished failed or aborted"]);
+      items.push(["events", fmtInt(s.events), "", "Events received"]);
+      if (s.missed) items.push(["missed (gaps)", fmtInt(s.missed), "bad", "Events the node dropped for this page (it fell behind)"]);
       const html = items
         .map((it) =>
           it == null
             ? '<div class="group-sep"></div>'
-            : `<div class="counter ${it[2]}" data-counter="${esc(it[0])}"><div class="value">${esc(it[1])}</div><div class="label">${esc(it[0])}</div></div>`,
+            : `<div class="counter ${it[2]}" data-counter="${esc(it[0])}" title="${esc(it[3] || "")}"><div class="value">${esc(it[1])}</div><div class="label">${esc(it[0])}</div></div>`,
         )
         .join("");
       const box = $("counters");
@@ -1004,19 +1184,28 @@
         }
         rows.push("</tbody></table>");
       } else if (s.actors.size) {
-        // Replay (or before the first report): the peers seen in the events.
-        const pairs = new Map();
-        for (const a of s.actors.values()) {
-          const k = a.node + "\0" + a.peer;
-          const c = pairs.get(k) || { node: a.node, peer: a.peer, consumer: 0, producer: 0 };
-          c[a.role]++;
-          pairs.set(k, c);
+        // Replay (or before the first report): the peers seen in the events, as of the
+        // view's time: actors still open and their transfers in flight.
+        const pairs = s.derive(this.viewTime(), this.cutoff).pairs;
+        const note = this.mode === "replay" ? "From the recorded events, at the slider's time." : "From the events (no peer report yet).";
+        rows.push(`<p class="muted small">${note}</p>`);
+        rows.push('<table><thead><tr><th>peer</th><th title="requests this node made of the peer (consumer actors)">asked</th><th title="requests this node served the peer (producer actors)">served</th><th title="actors not finished">open</th><th title="transfers in flight">xfers</th></tr></thead><tbody>');
+        const byNode = new Map();
+        for (const c of pairs) {
+          if (!byNode.has(c.node)) byNode.set(c.node, []);
+          byNode.get(c.node).push(c);
         }
-        rows.push('<p class="muted small">From the recorded events (no live peer reports).</p>');
-        rows.push("<table><thead><tr><th>node</th><th>peer</th><th title=\"consumer actors\">C</th><th title=\"producer actors\">P</th></tr></thead><tbody>");
-        for (const c of [...pairs.values()].sort((a, b) => (a.node + a.peer < b.node + b.peer ? -1 : 1))) {
-          rows.push(`<tr><td>${esc(c.node)}</td><td>${esc(c.peer)}</td><td>${c.consumer}</td><td>${c.producer}</td></tr>`);
+        for (const node of [...byNode.keys()].sort()) {
+          rows.push(`<tr class="node-row"><td colspan="5">${esc(node)}</td></tr>`);
+          for (const c of byNode.get(node).sort((x, y) => (x.peer < y.peer ? -1 : 1))) {
+            const shown = hostOf(c.peer) === hostOf(node) ? c.peer.slice(hostOf(c.peer).length) : c.peer;
+            rows.push(
+              `<tr><td title="${esc(c.peer)}">${esc(shown)}</td><td>${c.consumer}</td><td>${c.producer}</td>` +
+                `<td>${c.open ? `<span class="state handshaking">${c.open}</span>` : "0"}</td><td>${c.transfers}</td></tr>`,
+            );
+          }
         }
+        if (!pairs.length) rows.push('<tr><td colspan="5" class="muted">no request has started yet</td></tr>');
         rows.push("</tbody></table>");
       } else {
         rows.push('<p class="muted">No peer reports yet.</p>');
@@ -1384,7 +1573,12 @@
           out.events.sort((a, b) => a.t - b.t || a.seq - b.seq);
           return out;
         },
-        counters: () => app.store.sumCounters(),
+        counters: () => (app.mode !== "replay" && app.store.counters.size ? app.store.sumCounters() : app.store.derive(app.viewTime(), app.cutoff).counters),
+        security: () => Object.fromEntries(app.store.security),
+        securityBadge: () => {
+          const b = $("security");
+          return b.hidden ? null : b.textContent;
+        },
         peers: () => Object.fromEntries([...app.store.peers].map(([n, p]) => [n, p.peers])),
         gaps: () => app.store.gaps.map((g) => ({ feed: g.feed, t: g.t, missed: g.missed })),
         replayStart: () => (Number.isFinite(app.store.tMin) ? app.store.tMin : null),
