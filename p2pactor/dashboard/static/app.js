@@ -241,7 +241,9 @@
       if (this.derived && this.derived.key === key) return this.derived.value;
       const c = {
         lookups: 0, keys_hit: 0, keys_missed: 0, pending: 0, expired: 0,
-        fetches: 0, blocks: 0, bytes: 0, failures: 0, bytes_known: true,
+        fetches: 0, blocks: 0, bytes: 0, failures: 0,
+        // Bytes need each node's block size (a hello may say; recorded logs do not).
+        bytes_known: this.clocks.size > 0 && [...this.clocks.keys()].every((n) => this.blockLens.has(n)),
       };
       const pairs = new Map(); // node + "\0" + peer -> {node, peer, consumer, producer, open, transfers}
       const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : 0);
@@ -274,8 +276,7 @@
               loads.delete(d.round_seq);
               if (d.success) {
                 c.blocks += blocks;
-                if (blockLen) c.bytes += blocks * blockLen;
-                else if (blocks) c.bytes_known = false;
+                c.bytes += blocks * blockLen;
               }
               break;
             }
@@ -697,14 +698,17 @@
     /** Visible lanes in order, with their y offsets; recomputed only when needed. */
     computeLayout() {
       const s = this.store;
-      const key = `${s.structure}|${this.filter}|${this.cutoff}|${s.actors.size}|${this.filterVersion || 0}`;
+      // Replay shows the lanes of the requests started by the slider's time: scrubbing
+      // back makes the later ones go away, as they were not there yet.
+      const until = this.mode === "replay" ? this.viewTime() : Infinity;
+      const key = `${s.structure}|${this.filter}|${this.cutoff}|${s.actors.size}|${until}`;
       const filterMoves = this.filter && s.arrival !== this.layout.arrival;
       if (this.layout.key === key && !filterMoves) return this.layout;
       const t0 = performance.now();
       const terms = this.filter.toLowerCase().split(/\s+/).filter(Boolean);
       const lanes = [];
       for (const lane of s.lanes.values()) {
-        if (lane.arrival > this.cutoff) continue;
+        if (lane.arrival > this.cutoff || lane.start > until) continue;
         if (terms.length) {
           const text = s.laneSearch(lane);
           if (!terms.every((w) => text.includes(w))) continue;
@@ -779,7 +783,9 @@
       const scroller = $("scroller");
       const spacer = $("spacer");
       if (spacer.style.height !== layout.height + "px") spacer.style.height = layout.height + "px";
-      if (this.stick && this.mode !== "replay" && !this.paused) {
+      // Follow the newest lanes (live), or the latest started by the slider's time
+      // (replay), unless the user scrolled up.
+      if (this.stick && !this.paused) {
         const bottom = Math.max(0, layout.height - scroller.clientHeight);
         if (Math.abs(scroller.scrollTop - bottom) > 1) scroller.scrollTop = bottom;
       }
@@ -797,7 +803,7 @@
       body.ready = String(this.ready());
       $("empty").style.display = layout.lanes.length ? "none" : "flex";
       $("empty").textContent = this.store.lanes.size
-        ? "No lane matches the filter."
+        ? this.filter ? "No lane matches the filter." : "No request has started by this time."
         : this.connected() ? "Connected; no request events yet." : "Waiting for the feed\u2026";
       const ms = performance.now() - t0;
       this.stats.draws++;
@@ -1557,7 +1563,7 @@
           })),
         lanes: () => {
           const t = app.viewTime();
-          return [...app.store.lanes.values()].filter((l) => l.arrival <= app.cutoff).map((l) => app.laneSummary(l, t));
+          return [...app.store.lanes.values()].filter((l) => l.arrival <= app.cutoff && l.start <= t).map((l) => app.laneSummary(l, t));
         },
         visibleLanes: () => app.computeLayout().lanes.map((l) => l.request),
         lane: (request) => {
@@ -1616,6 +1622,16 @@
           return { ms: performance.now() - t0, top: sc.scrollTop, visibleLanes: app.stats.visibleLanes };
         },
         scrollHeight: () => $("scroller").scrollHeight,
+        follow: () => {
+          app.stick = true;
+          app.draw();
+          return $("scroller").scrollTop;
+        },
+        setZoom: (z) => {
+          app.setZoom(z === "fit" ? "fit" : Number(z));
+          app.draw();
+          return app.timeRange();
+        },
         scrollToLane: (request) => {
           const layout = app.computeLayout();
           const i = layout.lanes.findIndex((l) => l.request === request);
