@@ -264,6 +264,9 @@ _MONITOR_MASK = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
+# A CURVE ROUTER's failed handshakes: clients without CURVE (protocol, mechanism
+# mismatch) and broken handshakes; ZAP refusals are logged by the handler.
+_ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _transport_serials = itertools.count(1)
 
 
@@ -649,6 +652,7 @@ class ZmqControlTransport:
         self._died = 0
         self._curve = curve
         self._auth_refused = 0
+        self._router_monitor: _AsyncSocket | None = None  # with CURVE: failed handshakes
 
     def __repr__(self) -> str:
         return f"<ZmqControlTransport {self._local_id} ({len(self._connections)} connections)>"
@@ -770,6 +774,11 @@ class ZmqControlTransport:
         for conn in list(self._connections.values()):
             conn._die("the control transport closed", linger=self._options.dealer_linger)
         self._accept_in.close()
+        if self._router_monitor is not None:
+            # As for a DEALER (ZmqConnection._die): stop the events, then their PAIR.
+            with contextlib.suppress(zmq.ZMQError):
+                self._router.sock.disable_monitor()
+            self._router_monitor.close(0)
         # Closing the sockets ends every task of ours (each sees its socket
         # closed); the nursery is not cancelled here, as the caller's body runs
         # in it too.
@@ -982,10 +991,22 @@ class ZmqControlTransport:
         self._route(frames)
 
     async def _zap_loop(self, zap: _AsyncSocket) -> None:
-        """Answer libzmq's ZAP requests: admit the CURVE clients whose key we trust."""
+        """Answer libzmq's ZAP requests: admit the CURVE clients whose key we trust.
+
+        Raises:
+            ZmqTransportError: The handler's socket failed: no client could be
+                admitted any more, so the transport fails rather than hang
+                every handshake.
+        """
         try:
             while True:
-                for request in await zap.receive_batch(16):
+                try:
+                    batch = await zap.receive_batch(16)
+                except zmq.ZMQError as exc:
+                    if self._closed:
+                        return
+                    raise ZmqTransportError(f"the CURVE ZAP handler failed: {exc}") from exc
+                for request in batch:
                     reply = self._zap_answer(request)
                     if reply is None:
                         continue
@@ -1017,16 +1038,45 @@ class ZmqControlTransport:
                 f"its key {key} is not trusted: if it is a peer of ours, put its .key "
                 f"file in {keyring.where()} and restart this node"
             )
+        self._refused(f"a CURVE client at {address.decode('ascii', 'replace')}: {why}")
+        return [*head, b"400", b"key not trusted", b"", b""]
+
+    async def _router_monitor_loop(self, monitor: _AsyncSocket) -> None:
+        """Log the clients a CURVE ROUTER turned away before ZAP was asked.
+
+        A client without CURVE (a stock vLLM peer, a p2pactor node without
+        keys, a scanner) fails the ZMTP handshake on the mechanism; libzmq
+        reports it on the ROUTER only, with our own endpoint, not the client's.
+        """
+        try:
+            while True:
+                for frames in await monitor.receive_batch(16):
+                    message = parse_monitor_message(frames)
+                    event, value = message["event"], message["value"]
+                    if (
+                        event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                        and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+                    ):
+                        why = (
+                            "it does not use CURVE (a stock vLLM peer, a p2pactor node "
+                            "without keys, or not a peer at all); this node talks only to "
+                            "peers with trusted CURVE keys"
+                        )
+                    elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                        why = f"it broke the ZeroMQ protocol (error {value:#x})"
+                    else:
+                        why = "it went away or sent garbage before the handshake completed"
+                    self._refused(f"a client: {why}")
+        except (trio.ClosedResourceError, zmq.ZMQError):
+            return  # the transport closed the monitor (or its ROUTER)
+
+    def _refused(self, what: str) -> None:
+        """Count a client turned away, and log it (a flood must not flood the log)."""
         self._auth_refused += 1
         if self._auth_refused <= 10 or self._auth_refused % 1000 == 0:
             log.warning(
-                "%s: refused a CURVE client at %s: %s (%d refused so far)",
-                self._local_id,
-                address.decode("ascii", "replace"),
-                why,
-                self._auth_refused,
+                "%s: refused %s (%d refused so far)", self._local_id, what, self._auth_refused
             )
-        return [*head, b"400", b"key not trusted", b"", b""]
 
     def _route(self, frames: list[bytes]) -> None:
         self._received += 1
@@ -1100,7 +1150,7 @@ def _make_curve_server(router: zmq.Socket[bytes], curve: CurveSecurity) -> None:
     # handler is bound) makes sure a missing handler can only mean "refuse".
     try:
         router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-    except zmq.ZMQError as exc:  # an older libzmq: the handler's lifetime still covers us
+    except (zmq.ZMQError, AttributeError) as exc:  # older: the handler's lifetime covers us
         log.debug("ZMQ_ZAP_ENFORCE_DOMAIN not supported by this libzmq: %s", exc)
 
 
@@ -1110,13 +1160,21 @@ def _bind_router(
     port: int,
     options: ZmqOptions,
     curve: CurveSecurity | None = None,
-) -> tuple[zmq.Socket[bytes], int]:
+) -> tuple[zmq.Socket[bytes], int, zmq.Socket[bytes] | None]:
+    """The bound ROUTER, its port, and (with CURVE) the PAIR its handshake failures reach."""
     router = ctx.socket(zmq.ROUTER)
+    monitor: zmq.Socket[bytes] | None = None
     endpoint = f"tcp://{host}:{port or '*'}"
     try:
         _apply_heartbeat(router, options)
         if curve is not None:
             _make_curve_server(router, curve)
+            # Watched before it binds, its PAIR connected before any client can
+            # come: libzmq must never hold an event with no reader (see _die).
+            events = f"inproc://p2pactor-router-monitor-{next(_transport_serials)}"
+            router.monitor(events, _ROUTER_MONITOR_MASK)
+            monitor = ctx.socket(zmq.PAIR)
+            monitor.connect(events)
         router.setsockopt(zmq.LINGER, _ms(options.router_linger))
         # libzmq drops an oversize frame before we read it (and the TCP
         # connection it came on); the decoder's own bound stays as a backstop.
@@ -1130,10 +1188,14 @@ def _bind_router(
         router.bind(endpoint)
         bound = router.getsockopt(zmq.LAST_ENDPOINT)
     except zmq.ZMQError as exc:
+        if monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                router.disable_monitor()
+            monitor.close(linger=0)
         router.close(linger=0)
         raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
     assert isinstance(bound, bytes)
-    return router, int(bound.decode().rpartition(":")[2])
+    return router, int(bound.decode().rpartition(":")[2]), monitor
 
 
 def _log_security(transport: ZmqControlTransport, port: int) -> None:
@@ -1203,7 +1265,9 @@ async def open_zmq_transport(
         # it: a CURVE ROUTER with no handler to ask would let any client in.
         zap = _bind_zap(ctx) if curve is not None else None
         try:
-            router, bound_port = _bind_router(ctx, bind_host or host, port, options, curve)
+            router, bound_port, router_monitor = _bind_router(
+                ctx, bind_host or host, port, options, curve
+            )
             try:
                 async with trio.open_nursery() as nursery:
                     transport = ZmqControlTransport(
@@ -1220,6 +1284,12 @@ async def open_zmq_transport(
                         zap_socket = _AsyncSocket(zap)
                         zap_socket.start_watching(nursery, "zmq zap fd")
                         nursery.start_soon(transport._zap_loop, zap_socket, name="zmq zap")
+                    if router_monitor is not None:
+                        watched = transport._router_monitor = _AsyncSocket(router_monitor)
+                        watched.start_watching(nursery, "zmq router monitor fd")
+                        nursery.start_soon(
+                            transport._router_monitor_loop, watched, name="zmq router monitor"
+                        )
                     transport._router.start_watching(nursery, "zmq router fd")
                     nursery.start_soon(transport._receive_loop, name="zmq router")
                     _log_security(transport, bound_port)
@@ -1235,7 +1305,12 @@ async def open_zmq_transport(
                     raise group.exceptions[0] from None
                 raise
             finally:
-                router.close(linger=0)  # already closed unless the nursery failed to start
+                # Already closed unless the nursery failed to start.
+                if router_monitor is not None and not router_monitor.closed:
+                    with contextlib.suppress(zmq.ZMQError):
+                        router.disable_monitor()
+                    router_monitor.close(linger=0)
+                router.close(linger=0)
         finally:
             if zap is not None:
                 zap.close(linger=0)  # only now that the ROUTER is closed

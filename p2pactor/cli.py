@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from p2pactor import __version__, replay_cli, serve
+from p2pactor import __version__, keygen_cli, replay_cli, serve
 from p2pactor.demo import cli as demo_cli
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_cli.register(commands)
     serve.register(commands)
     replay_cli.register(commands)
+    keygen_cli.register(commands)
     return parser
 
 
