@@ -1020,7 +1020,8 @@
         ctx.lineTo(tx, h);
         ctx.stroke();
         ctx.fillStyle = "#374151";
-        ctx.fillText(formatTick(t, step), tx + 3, h / 2 - 2);
+        const text = formatTick(t, step);
+        if (tx + 3 + ctx.measureText(text).width <= w) ctx.fillText(text, tx + 3, h / 2 - 2);
       }
       // Gap markers on the axis, with how many events were missed (close ones merged).
       ctx.font = "600 10px system-ui, sans-serif";
