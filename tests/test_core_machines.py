@@ -20,18 +20,20 @@ from __future__ import annotations
 
 from collections import Counter
 
+import attrs
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from p2pactor import protocol as wire
+from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import next_consumer_deadline, probe_answer
 from p2pactor.core.fold import fold
 from p2pactor.core.producer import ProducerPhase, next_producer_deadline
 from p2pactor.core.serde import decode_event, encode_event
-from tests.harness import KV, ConsumerHarness, ProducerHarness, key
+from tests.harness import KV, ConsumerHarness, FakeCache, ProducerHarness, key
 
 KEYS = [key(i) for i in range(6)]
 key_lists = st.lists(st.sampled_from(KEYS), min_size=0, max_size=6)
@@ -216,12 +218,51 @@ class ConsumerMachine(RuleBasedStateMachine):
         assert self.h.state.loads == {}
 
 
+@attrs.define
+class BudgetedCache(FakeCache):
+    """A FakeCache that pins at most ``budget`` blocks at once, as a node under a quota.
+
+    Hits past the budget (in key order, so a prefix is pinned) are handed back
+    as ``refused``, the way :func:`p2pactor.parent.serve_parent_request` does.
+    """
+
+    budget: int | None = None
+    released_jobs: set[int] = attrs.field(factory=set)
+
+    def held_blocks(self) -> int:
+        return sum(len(keys) for job, keys in self.pins.items() if job not in self.released_jobs)
+
+    def serve(self, req: fx.ParentLookup, now: float) -> inp.ParentAnswer:
+        answer = super().serve(req, now)
+        if self.budget is None or answer.pin is None:
+            return answer
+        room = max(0, self.budget - (self.held_blocks() - len(answer.pin.keys)))
+        if len(answer.pin.keys) <= room:
+            return answer
+        job = answer.pin.job_id
+        keep = answer.pin.keys[:room]
+        refused = answer.pin.keys[room:]
+        if keep:
+            self.pins[job] = keep
+            pin: inp.Pin | None = inp.Pin(job, keep, answer.pin.blocks[:room])
+        else:
+            del self.pins[job]
+            pin = None
+        assert self.held_blocks() <= max(self.budget, 0) or pin is None
+        return attrs.evolve(answer, pin=pin, refused=refused, refusal="over the test's budget")
+
+
 class ProducerMachine(RuleBasedStateMachine):
-    """A producer request under a random, maybe hostile, peer and a random cache."""
+    """A producer request under a random, maybe hostile, peer and a random cache.
+
+    The peer may also be over a quota: its lookups and fetches then arrive as
+    :class:`~p2pactor.core.inputs.OverQuota` verdicts, and the cache pins at
+    most a (changing) budget of blocks, refusing the hits past it.
+    """
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = ProducerHarness(auto_serve=False)
+        self.h = ProducerHarness(auto_serve=False, cache=BudgetedCache(budget=2))
         self.h.cache.stored = {KEYS[0]: 0, KEYS[1]: 1, KEYS[2]: 2}
         self.h.cache.pending = {KEYS[3]}
         self.h.cache.retry = {KEYS[4]}
@@ -240,6 +281,8 @@ class ProducerMachine(RuleBasedStateMachine):
             assert self.h.state == before
         check_serde(events)
         self._check_events(events)
+        assert isinstance(self.h.cache, BudgetedCache)
+        self.h.cache.released_jobs = set(self.h.released)
         if self.session_over:
             assert len(self.h.sent) == sent_before, "sent a message after the session ended"
 
@@ -337,6 +380,37 @@ class ProducerMachine(RuleBasedStateMachine):
     def abort(self, round_seq: int) -> None:
         self.feed(wire.AbortFetch(kv_request_id=KV, round_seq=round_seq))
 
+    # the peer, over a quota
+    @rule(
+        keys=nonempty_keys,
+        round_seq=rounds,
+        honest=st.booleans(),
+        quota=st.sampled_from(ev.Quota),
+        admit=st.sampled_from([0, 0, 0, 1, 2, 7]),
+    )
+    def lookup_over_quota(
+        self, keys: list[bytes], round_seq: int, honest: bool, quota: ev.Quota, admit: int
+    ) -> None:
+        round_seq = self._next_round() if honest else round_seq
+        msg = wire.Lookup(kv_request_id=KV, keys=keys, round_seq=round_seq)
+        self.feed(inp.OverQuota(message=msg, quota=quota, reason="over quota", admit=admit))
+
+    @rule(data=st.data(), quota=st.sampled_from(ev.Quota), honest=st.booleans())
+    def fetch_over_quota(self, data: st.DataObject, quota: ev.Quota, honest: bool) -> None:
+        rnd = self.h.state.rounds.get(self._next_round())
+        candidates = sorted(rnd.supply) if rnd is not None and rnd.supply else KEYS
+        keys = data.draw(st.lists(st.sampled_from(candidates), min_size=0, max_size=4))
+        round_seq = self._next_round() if honest else data.draw(rounds)
+        msg = wire.Fetch(
+            kv_request_id=KV, keys=keys, block_indexes=range(len(keys)), round_seq=round_seq
+        )
+        self.feed(inp.OverQuota(message=msg, quota=quota, reason="over quota"))
+
+    @rule(budget=st.none() | st.integers(0, 4))
+    def pin_budget_changes(self, budget: int | None) -> None:
+        assert isinstance(self.h.cache, BudgetedCache)
+        self.h.cache.budget = budget
+
     # the engine
     @rule(keys=nonempty_keys, data=st.data())
     def store(self, keys: list[bytes], data: st.DataObject) -> None:
@@ -418,6 +492,36 @@ class ProducerMachine(RuleBasedStateMachine):
     def one_answer_per_lookup(self) -> None:
         answered = Counter(e.lookup_id for e in self.h.log if isinstance(e, ev.LookupAnswered))
         assert all(count == 1 for count in answered.values())
+
+    @invariant()
+    def refusals_answer_miss_and_pin_nothing(self) -> None:
+        # Keys refused by a quota (a whole lookup, the keys past a lookup's
+        # admitted prefix, hits over the pin budget) are answered MISS and
+        # never pinned; a refused fetch writes nothing and its round fails.
+        never: dict[int, set[bytes]] = {}
+        refused_rounds: set[int] = set()
+        for e in self.h.log:
+            match e:
+                case ev.LookupLimited():
+                    never[e.lookup_id] = set(e.keys[e.admitted :]) - set(e.keys[: e.admitted])
+                case ev.KeysRefused():
+                    never.setdefault(e.lookup_id, set()).update(e.keys)
+                case ev.KeysPinned():
+                    assert not set(e.keys) & never.get(e.lookup_id, set())
+                case ev.LookupAnswered():
+                    for k, hit in zip(e.keys, e.hits, strict=True):
+                        assert not (hit and k in never.get(e.lookup_id, set()))
+                case ev.FetchRefused():
+                    refused_rounds.add(e.round_seq)
+                case ev.TransferStarted():
+                    assert e.round_seq not in refused_rounds
+                case ev.TransferDoneSent() if e.round_seq in refused_rounds:
+                    assert not e.success
+                case _:
+                    pass
+        for msg in self.h.sent:
+            if isinstance(msg, wire.LookupResp) and msg.kv_request_id == KV:
+                assert len(msg.keys) == len(msg.hits)
 
     def teardown(self) -> None:
         # End the session, let every write finish, lend the parent: the request

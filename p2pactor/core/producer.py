@@ -915,8 +915,10 @@ def _on_abort(b: _B, msg: wire.AbortFetch) -> None:
         # The round ended before the abort arrived (its transfer_done crossed
         # the abort on the wire): nothing of it can still write.
         b.emit(ev.AbortReceived(**b.head, round_seq=r))
-        if not s.session_lost:
+        if rnd is None and not s.session_lost:
             b.emit(ev.AbortAckSent(**b.head, round_seq=r))
+        # A looked-up round that a later round's fetch skipped is still here,
+        # holding its pins: the sweep releases them, then acks.
     else:
         _reject(b, msg, Violation.UNKNOWN_ROUND, f"abort for round {r}, which was never fetched")
 
