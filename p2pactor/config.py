@@ -225,7 +225,8 @@ class NodeConfig:
         ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``, ``P2PACTOR_FINGERPRINT``,
         ``P2PACTOR_ALLOWED_PEERS`` (comma-separated ``host:port``),
         ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
-        ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``.
+        ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``, and the
+        quotas' ``P2PACTOR_QUOTA_*`` (:meth:`~p2pactor.quotas.PeerQuotas.from_env`).
 
         Raises:
             ConfigError: A variable is set to something unusable; the message
@@ -256,6 +257,9 @@ class NodeConfig:
         read("P2PACTOR_DASHBOARD_HOST", "dashboard_host", str)
         read("P2PACTOR_CURVE_SECRET_KEY", "curve_secret_key", str)
         read("P2PACTOR_CURVE_TRUSTED", "curve_trusted", str)
+        quotas = PeerQuotas.from_env(env)  # P2PACTOR_QUOTA_*: see docs/quotas.md
+        if quotas is not None:
+            values["quotas"] = quotas
         allowed = env.get("P2PACTOR_ALLOWED_PEERS")
         if allowed:
             values["allowed_peers"] = frozenset(p.strip() for p in allowed.split(",") if p.strip())

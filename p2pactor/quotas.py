@@ -36,7 +36,9 @@ count and every limit is per peer.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Final
@@ -144,9 +146,56 @@ class PeerQuotas:
             return self.max_pinned_blocks
         return max(1, int(num_blocks * self.pinned_blocks_fraction))
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> PeerQuotas | None:
+        """The quotas set by environment variables, the defaults for the rest.
+
+        Reads ``P2PACTOR_QUOTA_PINNED_BLOCKS``, ``P2PACTOR_QUOTA_PINNED_FRACTION``,
+        ``P2PACTOR_QUOTA_OPEN_LOOKUPS``, ``P2PACTOR_QUOTA_KEYS_PER_LOOKUP``,
+        ``P2PACTOR_QUOTA_FETCH_ROUNDS`` and ``P2PACTOR_QUOTA_OPEN_REQUESTS``
+        (:meth:`p2pactor.config.NodeConfig.from_env` calls this).
+
+        Returns:
+            None when none of them is set.
+
+        Raises:
+            ConfigError: A variable is set to something unusable; the message
+                names it.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, int | float] = {}
+        for name, field, parse in _ENV:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                continue
+            try:
+                values[field] = parse(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
+        if not values:
+            return None
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except ConfigError as exc:
+            names = ", ".join(n for n, f, _ in _ENV if f in values)
+            raise ConfigError(f"{exc} (from {names})") from None
+
+
+_ENV: Final[tuple[tuple[str, str, type[int] | type[float]], ...]] = (
+    ("P2PACTOR_QUOTA_PINNED_BLOCKS", "max_pinned_blocks", int),
+    ("P2PACTOR_QUOTA_PINNED_FRACTION", "pinned_blocks_fraction", float),
+    ("P2PACTOR_QUOTA_OPEN_LOOKUPS", "max_open_lookups", int),
+    ("P2PACTOR_QUOTA_KEYS_PER_LOOKUP", "max_keys_per_lookup", int),
+    ("P2PACTOR_QUOTA_FETCH_ROUNDS", "max_fetch_rounds", int),
+    ("P2PACTOR_QUOTA_OPEN_REQUESTS", "max_open_requests", int),
+)
+
 
 DEFAULT_QUOTAS: Final = PeerQuotas()
 """The quotas a node enforces unless configured otherwise."""
+
+_REMEMBERED_PEERS: Final = 4096
+"""Peers whose counts the ledger keeps before it forgets those holding nothing."""
 
 
 @attrs.frozen(kw_only=True)
@@ -172,9 +221,13 @@ class PeerUsage:
     @property
     def holds_nothing(self) -> bool:
         """Whether the peer holds nothing on the node (its counts are all zero)."""
-        return not (self.pinned_blocks or self.open_lookups or self.fetch_rounds) and not (
-            self.open_requests
+        return not (
+            self.pinned_blocks or self.open_lookups or self.fetch_rounds or self.open_requests
         )
+
+    def to_json(self) -> str:
+        """The usage as one line of JSON (``p2pactor serve`` prints it at exit)."""
+        return json.dumps(attrs.asdict(self), sort_keys=True)
 
 
 class _Peer:
@@ -243,8 +296,21 @@ class QuotaLedger:
     def _peer(self, peer: str) -> _Peer:
         p = self._peers.get(peer)
         if p is None:
+            if len(self._peers) >= _REMEMBERED_PEERS:
+                self._forget_idle_peers()
             p = self._peers[peer] = _Peer()
         return p
+
+    def _forget_idle_peers(self) -> None:
+        """Drop the counts of peers that hold nothing (their refusal totals go too).
+
+        Without CURVE a peer is whoever claims a ``host:port``: one that comes
+        back under ever new ids must not grow the ledger without bound.
+        """
+        holding = {r.peer for r in self._requests.values()}
+        holding.update(peer for peer, _ in self._pins.values())
+        for peer in [peer for peer in self._peers if peer not in holding]:
+            del self._peers[peer]
 
     # --- requests ---------------------------------------------------------------------
 

@@ -431,6 +431,52 @@ class TestLedger:
         assert "(4 more refusals of this kind since the last message)" in lines[1]
         assert ledger.usage(PEER).refusals == {"open_lookups": 6}
 
+    def test_quotas_from_the_environment(self) -> None:
+        assert PeerQuotas.from_env({}) is None
+        env = {
+            "P2PACTOR_QUOTA_PINNED_BLOCKS": "100",
+            "P2PACTOR_QUOTA_OPEN_LOOKUPS": "7",
+            "P2PACTOR_QUOTA_KEYS_PER_LOOKUP": "9",
+            "P2PACTOR_QUOTA_FETCH_ROUNDS": "3",
+            "P2PACTOR_QUOTA_OPEN_REQUESTS": "11",
+            "P2PACTOR_QUOTA_PINNED_FRACTION": "0.5",
+        }
+        assert PeerQuotas.from_env(env) == PeerQuotas(
+            max_pinned_blocks=100,
+            pinned_blocks_fraction=0.5,
+            max_open_lookups=7,
+            max_keys_per_lookup=9,
+            max_fetch_rounds=3,
+            max_open_requests=11,
+        )
+        assert NodeConfig.from_env(env).quotas.max_open_requests == 11
+        assert NodeConfig.from_env({}).quotas == DEFAULT_QUOTAS
+        with pytest.raises(ConfigError, match="P2PACTOR_QUOTA_OPEN_LOOKUPS='many'"):
+            PeerQuotas.from_env({"P2PACTOR_QUOTA_OPEN_LOOKUPS": "many"})
+        with pytest.raises(ConfigError, match="P2PACTOR_QUOTA_FETCH_ROUNDS"):
+            NodeConfig.from_env({"P2PACTOR_QUOTA_FETCH_ROUNDS": "0"})
+
+    def test_usage_prints_as_json(self) -> None:
+        usage = PeerUsage(pinned_blocks=2, peak_pinned_blocks=5, refusals={"fetch_rounds": 1})
+        assert json.loads(usage.to_json()) == {
+            "pinned_blocks": 2,
+            "peak_pinned_blocks": 5,
+            "open_lookups": 0,
+            "fetch_rounds": 0,
+            "open_requests": 0,
+            "refusals": {"fetch_rounds": 1},
+        }
+
+    def test_idle_peers_are_forgotten_past_a_bound(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr("p2pactor.quotas._REMEMBERED_PEERS", 3)
+        ledger = QuotaLedger(DEFAULT_QUOTAS, 100)
+        ledger.open_request("holds-a-request:1", "r")
+        ledger.pinned("holds-a-pin:1", 1, 2)
+        ledger.pinned("idle:1", 2, 1)
+        ledger.released(2)
+        ledger.pinned("newcomer:1", 3, 1)
+        assert set(ledger.usages()) == {"holds-a-request:1", "holds-a-pin:1", "newcomer:1"}
+
     def test_unknown_handles_are_let_through(self) -> None:
         ledger = QuotaLedger(DEFAULT_QUOTAS, 100)
         look = lookup_msg(key(1))
