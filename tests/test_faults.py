@@ -140,7 +140,16 @@ class Serve:
     stderr_path: Path
 
     def alive(self) -> bool:
+        """Whether the process runs (trio thread only: it may reap the process)."""
         return self.process.returncode is None and self.process.poll() is None
+
+    def running(self) -> bool:
+        """Whether the process runs, from any thread: its state, without reaping it."""
+        try:
+            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
 
     def kill(self) -> None:
         self.process.kill()  # SIGKILL
@@ -834,7 +843,7 @@ async def test_malformed_frames_fuzzed_into_a_live_node_hurt_only_their_own_sess
             @given(frames=frames, handshake=handshakes)
             def fuzz(frames: list[bytes], handshake: bool) -> None:
                 fuzzer.session(frames, handshake)
-                assert s.alive(), f"the node died: {s.stderr()[-2000:]}"
+                assert s.running(), f"the node died: {s.stderr()[-2000:]}"
 
             async def honest_peer() -> None:
                 nonlocal rounds
@@ -882,8 +891,9 @@ async def test_the_event_log_survives_a_sigkill_of_its_node(tmp_path: Path) -> N
     """``p2pactor serve --log`` is SIGKILLed in the middle of traffic.
 
     Its log reads back without error up to the kill: every request the
-    consumer saw completed well before the kill (ten flush intervals) is there
-    in full, the request left holding pins is there with its pins, and
+    consumer saw completed a second before the kill (twenty flush intervals of
+    the default durability) is there in full, the request left holding pins is
+    there with its pins, and
     ``p2pactor replay --check`` passes, listing what was still open as
     unfinished (the node stopped), not as violations.
     """
@@ -926,7 +936,7 @@ async def test_the_event_log_survives_a_sigkill_of_its_node(tmp_path: Path) -> N
     by_request: dict[str, set[str]] = {}
     for e in events:
         by_request.setdefault(e.actor.kv_request_id, set()).add(e.KIND)
-    durable = [r for r, t in completed.items() if t <= killed_at - 0.5]
+    durable = [r for r, t in completed.items() if t <= killed_at - 1.0]
     assert len(durable) > 3, completed
     for req in durable:
         assert {"TransferCompleted", "TransferDoneSent"} <= by_request[req], req
