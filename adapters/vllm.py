@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -74,6 +75,7 @@ log = logging.getLogger("p2pactor.vllm")
 _SHUTDOWN_DRAIN_S = 3.0  # vLLM's own: wait this long for writes, then give up
 _DRAIN_TIMEOUT_S = 30.0
 _START_TIMEOUT_S = 60.0
+_CURVE_ENV = frozenset({"P2PACTOR_CURVE_SECRET_KEY", "P2PACTOR_CURVE_TRUSTED"})
 
 
 @attrs.frozen
@@ -227,7 +229,9 @@ class _NodeThread:
             overwrite=True,
         )
         async with (
-            open_zmq_transport(config.node_id, bind_host=config.host, port=config.port) as control,
+            open_zmq_transport(
+                config.node_id, bind_host=config.host, port=config.port, curve=config.curve
+            ) as control,
             open_nixl_transport(self._pool, config.block_len) as data,
             open_node(
                 config, control=control, data=data, event_log=event_log, hash_seed=_hash_seed
@@ -296,6 +300,15 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             else are treated as having no source. Default: any peer.
         event_log: Write the node's event log to this file (for
             ``p2pactor replay``).
+        curve_secret_key: This engine's secret CURVE certificate (made by
+            ``p2pactor keygen``, with an ``--address`` for every data-parallel
+            rank's ``host:port``); with ``curve_trusted``, the control channel is
+            authenticated and encrypted and talks only to trusted p2pactor
+            peers, never to stock vLLM ones (``docs/security.md``). Default:
+            ``P2PACTOR_CURVE_SECRET_KEY``, else off.
+        curve_trusted: Folder of the trusted peers' ``.key`` files (default
+            ``P2PACTOR_CURVE_TRUSTED``); with CURVE, request parameters naming
+            a peer without a trusted key are treated as having no source.
         **kwargs: Keys vLLM's own P2P tier takes (``backends``,
             ``num_threads``) are accepted and ignored; anything else is an error.
     """
@@ -315,6 +328,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         unbound_store_timeout_s: float = 60.0,
         allowed_peers: Collection[str] | str | None = None,
         event_log: str | None = None,
+        curve_secret_key: str | None = None,
+        curve_trusted: str | None = None,
         **kwargs: Any,
     ) -> None:
         if backpressure_detector is not None:
@@ -330,7 +345,13 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         if isinstance(allowed_peers, str):
             allowed_peers = [p.strip() for p in allowed_peers.split(",") if p.strip()]
         dp_index = int(offloading_spec.config.parallel.data_parallel_index)
-        base = NodeConfig.from_env()
+        # The CURVE keys are read once host and port are known: the key must
+        # speak for this rank's id, not for the environment's default one.
+        base = NodeConfig.from_env({k: v for k, v in os.environ.items() if k not in _CURVE_ENV})
+        if curve_secret_key is None:
+            curve_secret_key = os.environ.get("P2PACTOR_CURVE_SECRET_KEY") or None
+        if curve_trusted is None:
+            curve_trusted = os.environ.get("P2PACTOR_CURVE_TRUSTED") or None
         view = primary_kv_view
         try:
             config = attrs.evolve(
@@ -343,6 +364,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 allowed_peers=None if allowed_peers is None else frozenset(allowed_peers),
                 unbound_store_timeout=float(unbound_store_timeout_s),
                 drain_timeout=_SHUTDOWN_DRAIN_S,
+                curve_secret_key=curve_secret_key,
+                curve_trusted=curve_trusted,
             )
         except (ConfigError, TypeError) as exc:
             raise ValueError(f"bad p2pactor tier configuration: {exc}") from exc
@@ -368,7 +391,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         source = _parse_source(params)
         if source is not None and not self._node.config.may_dial(source.peer):
             log.warning(
-                "request %s names %s, which is not in allowed_peers; not dialing it",
+                "request %s names %s, which is not in allowed_peers or has no trusted CURVE "
+                "key; not dialing it",
                 req_context.req_id,
                 source.peer,
             )

@@ -940,6 +940,13 @@ class ZmqControlTransport:
                 f"trust us; give its operator {ours} to put in its trusted directory, and "
                 f"restart {peer}"
             )
+        if curve is None and event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
+            # A CURVE peer often closes before our side has read why.
+            return (
+                f"the ZeroMQ handshake with {peer} broke off: the peer went away, does not "
+                "speak ZeroMQ, or requires CURVE keys, which this node does not have "
+                "(docs/security.md)"
+            )
         if curve is not None and event == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL:
             return (
                 f"the CURVE handshake with {peer} broke off: {peer} went away, or its key is "
@@ -1058,14 +1065,17 @@ class ZmqControlTransport:
                         and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
                     ):
                         why = (
-                            "it does not use CURVE (a stock vLLM peer, a p2pactor node "
+                            "it came without CURVE keys (a stock vLLM peer, a p2pactor node "
                             "without keys, or not a peer at all); this node talks only to "
                             "peers with trusted CURVE keys"
                         )
                     elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                         why = f"it broke the ZeroMQ protocol (error {value:#x})"
                     else:
-                        why = "it went away or sent garbage before the handshake completed"
+                        why = (
+                            "the handshake broke off (a client without CURVE keys, one that "
+                            "went away, or not a ZeroMQ peer)"
+                        )
                     self._refused(f"a client: {why}")
         except (trio.ClosedResourceError, zmq.ZMQError):
             return  # the transport closed the monitor (or its ROUTER)

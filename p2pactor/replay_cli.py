@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Iterator
 from typing import IO, Any, Final
+from urllib.parse import quote
 
 import attrs
 
@@ -102,6 +103,20 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
             "--request or --json); the summary and checks still cover every actor"
         ),
     )
+    parser.add_argument(
+        "--serve",
+        type=int,
+        metavar="PORT",
+        help=(
+            "serve the logs to the dashboard page on PORT (0: a free one) instead of "
+            "printing, with a time slider to scrub through the run; until Ctrl-C"
+        ),
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="with --serve: the address to bind (default %(default)s; anything else is exposed)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -120,6 +135,10 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(exc))
     except OSError as exc:
         return _error(f"{exc.filename}: {exc.strerror}; check the path and its permissions")
+    if getattr(args, "serve", None) is not None:
+        if args.check or args.json:
+            return _error("--serve shows the logs in the dashboard; drop --check and --json")
+        return _serve(args)
     if "limit" in args:
         limit: int | None = args.limit
     else:
@@ -152,6 +171,40 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.check and (replay_run.violations or damaged):
         return 1
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """``--serve PORT``: the logs in the dashboard page until Ctrl-C or SIGTERM."""
+    import signal  # noqa: PLC0415
+
+    import trio  # noqa: PLC0415
+
+    from p2pactor.timeline import open_replay_server  # noqa: PLC0415
+
+    if not 0 <= args.serve <= 65535:
+        return _error(f"--serve {args.serve}: not a TCP port (0 picks a free one)")
+
+    async def serve() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with open_replay_server(args.logs, host=args.host, port=args.serve) as server:
+                url = server.url
+                if args.request is not None:
+                    url += f"?request={quote(args.request)}"
+                sys.stdout.write(
+                    f"Serving {len(args.logs)} event {'log' if len(args.logs) == 1 else 'logs'} "
+                    f"to the dashboard; Ctrl-C to stop\ndashboard: {url}\n"
+                )
+                sys.stdout.flush()
+                async for _ in signals:
+                    break
+
+    try:
+        trio.run(serve)
+    except OSError as exc:
+        return _error(f"cannot serve on {args.host}:{args.serve}: {exc.strerror or exc}")
+    except LogFormatError as exc:
+        return _error(str(exc))
     return 0
 
 

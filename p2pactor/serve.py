@@ -60,12 +60,16 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
         async with (
             open_zmq_transport(config.node_id, port=config.port) as control,
             open_nixl_transport(pool, config.block_len, name=f"serve-{config.port}") as data,
-            open_node(config, control=control, data=data, parent=cache, event_log=event_log),
+            open_node(
+                config, control=control, data=data, parent=cache, event_log=event_log
+            ) as node,
         ):
             sys.stdout.write(
                 f"p2pactor node {config.node_id} serving {config.num_blocks} blocks of "
                 f"{config.block_len} bytes ({len(keys)} preloaded); Ctrl-C to stop\n"
             )
+            if node.dashboard is not None:
+                sys.stdout.write(f"dashboard: {node.dashboard.url}\n")
             sys.stdout.flush()
             async for signum in signals:
                 log.info("stopping on signal %d", signum)
@@ -96,6 +100,17 @@ def register(commands: Any) -> None:
     )
     parser.add_argument("--preload", type=int, default=0, help="store N demo blocks at start")
     parser.add_argument("--log", help="write the event log to this file")
+    parser.add_argument(
+        "--dashboard",
+        type=int,
+        metavar="PORT",
+        help="serve the live dashboard (page and websocket feed) on PORT; 0 picks a free one",
+    )
+    parser.add_argument(
+        "--dashboard-host",
+        metavar="HOST",
+        help="address the dashboard binds (default 127.0.0.1; anything else is exposed)",
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -109,6 +124,8 @@ def _run(args: argparse.Namespace) -> int:
             ("block_len", args.block_len),
             ("hash_seed", args.hash_seed),
             ("fingerprint", args.fingerprint),
+            ("dashboard_port", args.dashboard),
+            ("dashboard_host", args.dashboard_host),
         )
         if value is not None
     }

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final, Literal, Protocol
+from urllib.parse import urlsplit
 
 import trio
 from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
@@ -101,6 +102,22 @@ def _authority(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+_WILDCARDS: Final = frozenset({"0.0.0.0", "::", ""})  # noqa: S104 - recognised, not bound
+
+
+def _relative_page(feeds: Sequence[str], request_host: str) -> str:
+    """``/?feeds=...``, wildcard hosts in ``feeds`` replaced by the browser's host."""
+    browser_host = urlsplit(f"//{request_host}").hostname or "127.0.0.1"
+    named = []
+    for url in feeds:
+        parts = urlsplit(url)
+        if (parts.hostname or "") in _WILDCARDS and parts.port is not None:
+            named.append(parts._replace(netloc=_authority(browser_host, parts.port)).geturl())
+        else:
+            named.append(url)
+    return page_url("/", named)
+
+
 def page_url(page: str, feeds: Sequence[str]) -> str:
     """The page at ``page`` (``http://HOST:PORT/``) reading every feed in ``feeds``.
 
@@ -122,11 +139,14 @@ class TimelineServer:
         feed: The live feed (None in replay mode).
     """
 
-    def __init__(self, mode: Mode, host: str, port: int, feed: Feed | None) -> None:
+    def __init__(
+        self, mode: Mode, host: str, port: int, feed: Feed | None, site: _Site | None = None
+    ) -> None:
         self.mode: Mode = mode
         self.host = host
         self.port = port
         self.feed = feed
+        self._site = site
 
     def __repr__(self) -> str:
         return f"<TimelineServer {self.mode} {self.url}>"
@@ -145,6 +165,18 @@ class TimelineServer:
         """The live feed's counts (None in replay mode)."""
         return None if self.feed is None else self.feed.stats()
 
+    def set_page_feeds(self, feeds: Sequence[str] | None) -> None:
+        """Make ``GET /`` (without a query) redirect to the page reading ``feeds``.
+
+        ``p2pactor demo --dashboard`` runs one server per node process and
+        gives the first one every node's feed URL, so that the bare
+        ``http://HOST:PORT/`` shows every node. A feed URL whose host is a
+        wildcard address (``0.0.0.0``, ``::``) gets the host the browser used.
+        None (the default) serves the page as is: it reads this server's feed.
+        """
+        if self._site is not None:
+            self._site.page_feeds = None if feeds is None else list(feeds)
+
 
 # --- connections ----------------------------------------------------------------------
 
@@ -154,6 +186,7 @@ class _Site:
 
     def __init__(self, bound_host: str) -> None:
         self.bound_host = bound_host
+        self.page_feeds: list[str] | None = None
 
     async def handle(self, stream: trio.SocketStream) -> None:
         """Serve one TCP connection: one plain response, or one websocket.
@@ -190,6 +223,12 @@ class _Site:
             return
         if request.method not in ("GET", "HEAD"):
             await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
+            return
+        if request.path == "/" and not request.query and self.page_feeds:
+            location = _relative_page(self.page_feeds, request.headers.get("host", ""))
+            await send_response(
+                stream, 302, f"see {location}\n".encode(), headers=[("Location", location)]
+            )
             return
         found = await trio.to_thread.run_sync(dashboard_file, request.path)
         if found is None:
@@ -424,7 +463,7 @@ async def open_timeline_server(
             await nursery.start(trio.serve_listeners, site.handle, listeners)
             nursery.start_soon(site.tick)
             nursery.start_soon(site.watch_laggards)
-            server = TimelineServer("live", host, bound, feed)
+            server = TimelineServer("live", host, bound, feed, site)
             log.info("timeline of %s at %s", node.node_id, server.url)
             yield server
             nursery.cancel_scope.cancel()
@@ -518,7 +557,7 @@ async def open_replay_server(
     listeners, bound = await _listen(host, port)
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, site.handle, listeners)
-        server = TimelineServer("replay", host, bound, None)
+        server = TimelineServer("replay", host, bound, None, site)
         log.info("replay of %d logs at %s", len(names), server.url)
         yield server
         nursery.cancel_scope.cancel()
