@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -135,26 +134,29 @@ async def _run_request(
     return out
 
 
-async def run_node(
-    index: int, plan: DemoPlan, log_dir: str, dashboard: tuple[str, int] | None = None
-) -> None:
-    """Run demo node ``index`` until the orchestrator says stop.
-
-    With ``dashboard`` (host, port), the node serves its live timeline there
-    (``docs/timeline.md``).
-    """
+async def run_node(index: int, plan: DemoPlan, log_dir: str) -> None:
+    """Run demo node ``index`` until the orchestrator says stop."""
     import torch  # noqa: PLC0415 - only the demo's processes need torch loaded
 
     from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
     from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
+    from p2pactor.demo.curve import node_curve  # noqa: PLC0415
+    from p2pactor.keys import CurveSecurity  # noqa: PLC0415
 
+    curve_setup = node_curve()  # p2pactor demo --curve: a fixed port, the key speaks for it
+    curve = (
+        None
+        if curve_setup is None
+        else CurveSecurity.load(curve_setup.secret_key, curve_setup.trusted)
+    )
+    listen = 0 if curve_setup is None else curve_setup.port
     num_blocks = plan.pool_blocks()
     pool = torch.zeros(num_blocks * plan.block_len, dtype=torch.uint8)
     cache = EmbeddedCache(num_blocks, plan.block_len, memory=pool.numpy().data)
     pending, _ = _fill(cache, plan, index)
     commands_send, commands = trio.open_memory_channel[dict[str, Any]](16)
     async with (
-        open_zmq_transport("127.0.0.1:0", port=0) as control,
+        open_zmq_transport(f"127.0.0.1:{listen}", port=listen, curve=curve) as control,
         open_nixl_transport(pool, plan.block_len, name=f"demo-{index}") as data,
         trio.open_nursery() as nursery,
     ):
@@ -169,8 +171,8 @@ async def run_node(
             # The pool is sized to the workload, not to a real tier: every
             # held block may be pinned at once by one honest peer here.
             quotas=PeerQuotas(pinned_blocks_fraction=1.0),
-            dashboard_host=dashboard[0] if dashboard else "127.0.0.1",
-            dashboard_port=dashboard[1] if dashboard else None,
+            curve_secret_key=None if curve_setup is None else curve_setup.secret_key,
+            curve_trusted=None if curve_setup is None else curve_setup.trusted,
         )
         log = EventLog(
             config.node_id,
@@ -182,18 +184,9 @@ async def run_node(
         async with open_node(
             config, control=control, data=data, parent=cache, event_log=log
         ) as node:
-            board = node.dashboard
-            say(
-                event="ready",
-                index=index,
-                node_id=node.node_id,
-                pid=os.getpid(),
-                dashboard=None if board is None else {"page": board.url, "feed": board.events_url},
-            )
+            say(event="ready", index=index, node_id=node.node_id, pid=os.getpid())
             go = await commands.receive()
             peers: list[str] = go["peers"]
-            if board is not None and go.get("feeds"):
-                board.set_page_feeds(go["feeds"])  # the bare page URL shows every node
             await trio.lowlevel.checkpoint()
 
             async def finish_pending() -> None:
@@ -233,17 +226,10 @@ async def run_node(
 
 
 def main() -> None:
-    """Entry point: ``python -m p2pactor.demo.node INDEX PLAN_JSON LOG_DIR [HOST:PORT]``."""
+    """Entry point: ``python -m p2pactor.demo.node INDEX PLAN_JSON LOG_DIR``."""
     index, plan_json, log_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     plan = DemoPlan(**json.loads(plan_json))
-    dashboard = None
-    if len(sys.argv) > 4:
-        host, port = sys.argv[4].rsplit(":", 1)
-        dashboard = (host, int(port))
-        # Ctrl-C in the terminal reaches the whole process group; it ends the
-        # dashboard's linger, and the orchestrator then tells us to stop.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    trio.run(run_node, index, plan, log_dir, dashboard)
+    trio.run(run_node, index, plan, log_dir)
 
 
 if __name__ == "__main__":
