@@ -58,7 +58,7 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
     )
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with (
-            open_zmq_transport(config.node_id, port=config.port) as control,
+            open_zmq_transport(config.node_id, port=config.port, curve=config.curve) as control,
             open_nixl_transport(pool, config.block_len, name=f"serve-{config.port}") as data,
             open_node(
                 config, control=control, data=data, parent=cache, event_log=event_log
@@ -67,6 +67,12 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
             sys.stdout.write(
                 f"p2pactor node {config.node_id} serving {config.num_blocks} blocks of "
                 f"{config.block_len} bytes ({len(keys)} preloaded); Ctrl-C to stop\n"
+            )
+            sys.stdout.write(
+                "control channel: CURVE, authenticated and encrypted "
+                f"({len(config.curve.keyring)} trusted peer ids)\n"
+                if config.curve is not None
+                else "control channel: UNAUTHENTICATED (no CURVE keys; see docs/security.md)\n"
             )
             if node.dashboard is not None:
                 sys.stdout.write(f"dashboard: {node.dashboard.url}\n")
@@ -101,6 +107,18 @@ def register(commands: Any) -> None:
     parser.add_argument("--preload", type=int, default=0, help="store N demo blocks at start")
     parser.add_argument("--log", help="write the event log to this file")
     parser.add_argument(
+        "--curve-secret-key",
+        metavar="PATH",
+        help="this node's CURVE secret key (STEM.key_secret from `p2pactor keygen`): "
+        "authenticate and encrypt the control channel (docs/security.md); needs --curve-trusted",
+    )
+    parser.add_argument(
+        "--curve-trusted",
+        metavar="DIR",
+        help="folder of the .key files of the peers this node trusts (only they may connect "
+        "or be dialed)",
+    )
+    parser.add_argument(
         "--dashboard",
         type=int,
         metavar="PORT",
@@ -124,6 +142,8 @@ def _run(args: argparse.Namespace) -> int:
             ("block_len", args.block_len),
             ("hash_seed", args.hash_seed),
             ("fingerprint", args.fingerprint),
+            ("curve_secret_key", args.curve_secret_key),
+            ("curve_trusted", args.curve_trusted),
             ("dashboard_port", args.dashboard),
             ("dashboard_host", args.dashboard_host),
         )

@@ -58,6 +58,30 @@ def register(commands: Any) -> None:
         "--timeout", type=float, default=120.0, help="give up after this many seconds"
     )
     parser.add_argument(
+        "--dashboard",
+        type=int,
+        metavar="PORT",
+        help=(
+            "serve the live dashboard: node i's timeline on PORT+i (0: free ports); the "
+            "printed 'dashboard:' URL shows every node's requests in one page"
+        ),
+    )
+    parser.add_argument(
+        "--dashboard-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the dashboards bind (default %(default)s; anything else is exposed)",
+    )
+    parser.add_argument(
+        "--linger",
+        type=float,
+        metavar="SECONDS",
+        help=(
+            "with --dashboard, keep the nodes and their dashboards up this long after the "
+            "summary (default: until Ctrl-C)"
+        ),
+    )
+    parser.add_argument(
         "--curve",
         action="store_true",
         help=(
@@ -83,5 +107,22 @@ def _run(args: argparse.Namespace) -> int:
         )
     except ConfigError as exc:
         raise SystemExit(f"p2pactor demo: {exc}") from None
-    report = run_demo(plan, log_dir=args.log_dir, timeout=args.timeout, curve=args.curve)
+    if args.dashboard is not None and not 0 <= args.dashboard <= 65535 - (plan.nodes - 1):
+        raise SystemExit(
+            f"p2pactor demo: --dashboard {args.dashboard}: ports {args.dashboard}.."
+            f"{args.dashboard + plan.nodes - 1} must be TCP ports (or give 0 for free ones)"
+        )
+    if args.linger is not None and args.linger < 0:
+        raise SystemExit(f"p2pactor demo: --linger must be 0 or more, got {args.linger:g}")
+    if args.linger is not None and args.dashboard is None:
+        raise SystemExit("p2pactor demo: --linger keeps the dashboard up; give --dashboard PORT")
+    dashboard = None if args.dashboard is None else (args.dashboard_host, args.dashboard)
+    report = run_demo(
+        plan,
+        log_dir=args.log_dir,
+        timeout=args.timeout,
+        dashboard=dashboard,
+        linger=args.linger,
+        curve=args.curve,
+    )
     return 0 if report.ok else 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -134,8 +135,14 @@ async def _run_request(
     return out
 
 
-async def run_node(index: int, plan: DemoPlan, log_dir: str) -> None:
-    """Run demo node ``index`` until the orchestrator says stop."""
+async def run_node(
+    index: int, plan: DemoPlan, log_dir: str, dashboard: tuple[str, int] | None = None
+) -> None:
+    """Run demo node ``index`` until the orchestrator says stop.
+
+    With ``dashboard`` (host, port), the node serves its live timeline there
+    (``docs/timeline.md``).
+    """
     import torch  # noqa: PLC0415 - only the demo's processes need torch loaded
 
     from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
@@ -171,6 +178,8 @@ async def run_node(index: int, plan: DemoPlan, log_dir: str) -> None:
             # The pool is sized to the workload, not to a real tier: every
             # held block may be pinned at once by one honest peer here.
             quotas=PeerQuotas(pinned_blocks_fraction=1.0),
+            dashboard_host=dashboard[0] if dashboard else "127.0.0.1",
+            dashboard_port=dashboard[1] if dashboard else None,
             curve_secret_key=None if curve_setup is None else curve_setup.secret_key,
             curve_trusted=None if curve_setup is None else curve_setup.trusted,
         )
@@ -184,9 +193,18 @@ async def run_node(index: int, plan: DemoPlan, log_dir: str) -> None:
         async with open_node(
             config, control=control, data=data, parent=cache, event_log=log
         ) as node:
-            say(event="ready", index=index, node_id=node.node_id, pid=os.getpid())
+            board = node.dashboard
+            say(
+                event="ready",
+                index=index,
+                node_id=node.node_id,
+                pid=os.getpid(),
+                dashboard=None if board is None else {"page": board.url, "feed": board.events_url},
+            )
             go = await commands.receive()
             peers: list[str] = go["peers"]
+            if board is not None and go.get("feeds"):
+                board.set_page_feeds(go["feeds"])  # the bare page URL shows every node
             await trio.lowlevel.checkpoint()
 
             async def finish_pending() -> None:
@@ -226,10 +244,17 @@ async def run_node(index: int, plan: DemoPlan, log_dir: str) -> None:
 
 
 def main() -> None:
-    """Entry point: ``python -m p2pactor.demo.node INDEX PLAN_JSON LOG_DIR``."""
+    """Entry point: ``python -m p2pactor.demo.node INDEX PLAN_JSON LOG_DIR [HOST:PORT]``."""
     index, plan_json, log_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     plan = DemoPlan(**json.loads(plan_json))
-    trio.run(run_node, index, plan, log_dir)
+    dashboard = None
+    if len(sys.argv) > 4:
+        host, port = sys.argv[4].rsplit(":", 1)
+        dashboard = (host, int(port))
+        # Ctrl-C in the terminal reaches the whole process group; it ends the
+        # dashboard's linger, and the orchestrator then tells us to stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    trio.run(run_node, index, plan, log_dir, dashboard)
 
 
 if __name__ == "__main__":

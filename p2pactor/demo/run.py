@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,6 +47,7 @@ class _Child:
     total: int = 0
     result: dict[str, Any] | None = None
     closed: dict[str, Any] | None = None
+    dashboard: dict[str, str] | None = None
 
 
 @attrs.define
@@ -119,15 +122,52 @@ async def _send(child: _Child, message: dict[str, Any]) -> None:
     await stdin.send_all(json.dumps(message).encode() + b"\n")
 
 
+def _dashboard_url(children: list[_Child]) -> str:
+    """The first node's page, reading every node's feed (wildcard hosts as loopback)."""
+    from p2pactor.timeline import page_url  # noqa: PLC0415
+
+    def shown(url: str) -> str:
+        for wildcard in ("//0.0.0.0:", "//[::]:"):
+            url = url.replace(wildcard, "//127.0.0.1:")
+        return url
+
+    boards = [c.dashboard for c in children if c.dashboard is not None]
+    return shown(page_url(boards[0]["page"], [b["feed"] for b in boards]))
+
+
+async def _linger(
+    seconds: float | None, url: str, out: TextIO, children: list[_Child], deadline: trio.CancelScope
+) -> None:
+    """Keep the nodes (and their dashboards) up, then tell them to stop."""
+    how_long = "until Ctrl-C" if seconds is None else f"for {seconds:g} s (Ctrl-C stops sooner)"
+    out.write(f"\nThe dashboard stays up {how_long}: {url}\n")
+    out.flush()
+    left = deadline.deadline - trio.current_time()
+    deadline.deadline = math.inf  # looking at the page is not the demo being slow
+    with (
+        trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals,
+        trio.move_on_after(math.inf if seconds is None else seconds),
+    ):
+        async for _ in signals:
+            break
+    deadline.deadline = trio.current_time() + left
+    for c in children:
+        await _send(c, {"stop": True})
+
+
 async def _orchestrate(
     plan: DemoPlan,
     log_dir: Path,
     out: TextIO,
     limit: float,
     *,
+    dashboard: tuple[str, int] | None = None,
+    linger: float | None = 0.0,
     curve: list[NodeCurve] | None = None,
 ) -> DemoReport:
     problems: list[str] = []
+    summarised = False
+    url = ""
     env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
     env.pop(CURVE_ENV, None)
     plan_json = json.dumps(attrs.asdict(plan))
@@ -147,6 +187,11 @@ async def _orchestrate(
                             str(index),
                             plan_json,
                             str(log_dir),
+                            *(
+                                [f"{dashboard[0]}:{dashboard[1] + index if dashboard[1] else 0}"]
+                                if dashboard
+                                else []
+                            ),
                         ],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
@@ -170,16 +215,22 @@ async def _orchestrate(
                 kind = message.get("event")
                 if kind == "ready":
                     child.node_id = message["node_id"]
+                    child.dashboard = message.get("dashboard")
                     ready += 1
                     if ready == plan.nodes:
                         peers = [c.node_id for c in children]
                         out.write(
                             "  " + "  ".join(f"node {c.index}: {c.node_id}" for c in children)
                         )
+                        go: dict[str, Any] = {"go": True, "peers": peers}
+                        if dashboard is not None:
+                            url = _dashboard_url(children)
+                            out.write(f"\ndashboard: {url}")
+                            go["feeds"] = [c.dashboard["feed"] for c in children if c.dashboard]
                         out.write("\nRunning requests...\n")
                         out.flush()
                         for c in children:
-                            await _send(c, {"go": True, "peers": peers})
+                            await _send(c, go)
                 elif kind == "progress":
                     child.done = message["done"]
                     progress.update(sum(c.done for c in children))
@@ -187,8 +238,13 @@ async def _orchestrate(
                     child.result = message
                     if all(c.result is not None for c in children):
                         progress.finish()
-                        for c in children:
-                            await _send(c, {"stop": True})
+                        if dashboard is not None and linger != 0:
+                            _summarise(plan, children, out, problems)
+                            summarised = True
+                            nursery.start_soon(_linger, linger, url, out, children, deadline)
+                        else:
+                            for c in children:
+                                await _send(c, {"stop": True})
                 elif kind == "closed":
                     child.closed = message
                 elif kind == "eof" and child.closed is None:
@@ -211,7 +267,8 @@ async def _orchestrate(
                 f"node {c.index} closed with {c.closed['held_jobs']} pins held and "
                 f"{c.closed['open']} synthetic requests open"
             )
-    _summarise(plan, children, out, problems)
+    if not summarised:
+        _summarise(plan, children, out, problems)
     paths = sorted(Path(p) for p in await trio.Path(log_dir).glob("node-*.p2plog"))
     if paths:
         result = replay(paths, check=True)
@@ -336,10 +393,17 @@ def run_demo(
     log_dir: str | os.PathLike[str] | None = None,
     out: TextIO = sys.stdout,
     timeout: float = 120.0,
+    dashboard: tuple[str, int] | None = None,
+    linger: float | None = 0.0,
     curve: bool = False,
 ) -> DemoReport:
     """Run the demo and print its summary to ``out``; see the module docstring.
 
+    With ``dashboard`` (host, port), node ``i`` serves its live timeline on
+    ``port + i`` (every node on a free port when ``port`` is 0), and the first
+    node's page, reading every node's feed, is printed as ``dashboard: URL``
+    before the requests run. ``linger`` keeps the nodes and their dashboards
+    up that many seconds after the summary (None: until Ctrl-C or SIGTERM).
     With ``curve``, the control channel is CURVE: keys for every node are made
     in a temporary folder (deleted at the end), and every node trusts the others.
     """
@@ -351,7 +415,9 @@ def run_demo(
         for old in folder.glob("node-*.p2plog"):
             old.unlink()
     with demo_keys(plan.nodes) if curve else contextlib.nullcontext() as keys:
-        orchestrate = functools.partial(_orchestrate, curve=keys)
+        orchestrate = functools.partial(
+            _orchestrate, dashboard=dashboard, linger=linger, curve=keys
+        )
         report = trio.run(orchestrate, plan, folder, out, timeout)
     if report.ok:
         out.write(
