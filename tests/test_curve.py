@@ -515,6 +515,74 @@ async def test_an_eavesdropper_reads_the_seed_and_keys_without_curve_and_nothing
     assert b"CURVE" in sealed  # the ZMTP greeting names the mechanism; nothing else is clear
 
 
+@pytest.mark.parametrize("impostor", ["a CURVE server with another key", "a raw TCP listener"])
+async def test_the_hash_seed_never_leaves_for_a_peer_that_cannot_prove_its_key(
+    keys: Keys, impostor: str
+) -> None:
+    """Something listens at a trusted peer's address without that peer's secret key.
+
+    Our node dials it (the address is trusted) and queues its ``connect``, with
+    the hash seed; CURVE sends nothing until the server has proved it holds the
+    trusted key, so the impostor receives a greeting and nothing else.
+    """
+    me, peer = f"{HOST}:{free_port()}", f"{HOST}:{free_port()}"
+    keys.add("me", me)
+    keys.add("peer", peer)
+    received = bytearray()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    listener = socket.socket()
+    try:
+        if impostor == "a raw TCP listener":
+            listener.bind((HOST, int(peer.rpartition(":")[2])))
+            listener.listen()
+        else:
+            router.curve_server = True
+            router.curve_secretkey = zmq.curve_keypair()[1]
+            router.bind(f"tcp://{peer}")
+        config = NodeConfig(
+            host=HOST,
+            port=int(me.rpartition(":")[2]),
+            num_blocks=NUM_BLOCKS,
+            block_len=BLOCK_LEN,
+            hash_seed=SEED,
+            curve_secret_key=keys.secrets["me"],
+            curve_trusted=keys.trusted,
+        )
+        cache = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
+        with trio.fail_after(TIMEOUT):
+            async with (
+                curve_transport(me, keys.security("me")) as control,
+                open_node(
+                    config,
+                    control=control,
+                    data=MemoryDataPlane().transport(cache.memory, BLOCK_LEN),
+                    parent=cache,
+                ) as node,
+            ):
+                assert config.may_dial(peer)
+                node.prepare(peer)  # dials, and queues connect (hash seed and all)
+                if impostor == "a raw TCP listener":
+                    conn, _ = await trio.to_thread.run_sync(listener.accept)
+                    with conn:
+                        conn.settimeout(1.0)
+                        with contextlib.suppress(TimeoutError):
+                            while chunk := conn.recv(65536):
+                                received.extend(chunk)
+                    # The start of a ZMTP greeting (it waits for the server's), nothing more.
+                    assert received.startswith(b"\xff")
+                    assert len(received) <= 64
+                else:
+                    await trio.sleep(1.0)
+                    assert router.poll(0) == 0  # no frame got through
+                    assert await node.lookup(peer, "req-1", [b"k" * 36]) == [LookupResult.MISS]
+    finally:
+        listener.close()
+        router.close(linger=0)
+        ctx.term()
+    assert SEED.encode() not in received
+
+
 # --- nodes: outbound allowlist --------------------------------------------------------
 
 
