@@ -587,6 +587,7 @@
     addEvent(feed, e) {
       if (this.store.addEvent(e)) {
         feed.eventsIn++;
+        this.sideDirty = true;
         const actor = this.store.actors.get(e.node + "\0" + e.actor);
         const last = actor && actor.events[actor.events.length - 1];
         if (last && (feed.lastT == null || last.t > feed.lastT)) feed.lastT = last.t;
@@ -680,6 +681,7 @@
       this.replayT = Math.min(hi, Math.max(lo, Number(t)));
       this.replayUserSet = true;
       this.sideDirty = true;
+      this.sideUrgent = true;
       this.requestDraw();
     }
 
@@ -792,7 +794,13 @@
       this.drawLanes(layout);
       this.drawAxis();
       if (this.feedsDirty) this.renderFeeds();
-      if (this.sideDirty) this.renderSide();
+      // Side panels (counters, peers, details) redraw at most 5 times a second while
+      // events stream in, at once when the user moved the view's time.
+      if (this.sideDirty && (this.sideUrgent || performance.now() - this.lastSide > 200)) {
+        this.sideUrgent = false;
+        this.lastSide = performance.now();
+        this.renderSide();
+      }
       if (this.mode === "replay") this.syncSlider();
       if (this.paused) this.syncPauseButton();
       this.renderNotice();
@@ -1326,7 +1334,7 @@
           else this.pause();
         } else if (ev.key === "Escape") {
           this.selected = null;
-          this.sideDirty = true;
+          this.sideDirty = this.sideUrgent = true;
           this.requestDraw();
         } else if (ev.key === "f") {
           this.setZoom("fit");
@@ -1438,7 +1446,7 @@
         last = ts;
         this.replayT = Math.min(s.tMax, this.viewTime() + dt * speed);
         this.replayUserSet = true;
-        this.sideDirty = true;
+        this.sideDirty = this.sideUrgent = true;
         this.draw();
         if (this.replayT >= s.tMax) this.stopPlay();
         else this.playing = requestAnimationFrame(step);
@@ -1500,7 +1508,7 @@
       if (ev.target !== scroller) return;
       const hit = this.pick(ev);
       this.selected = hit ? (this.selected === hit.lane.request ? null : hit.lane.request) : null;
-      this.sideDirty = true;
+      this.sideDirty = this.sideUrgent = true;
       this.requestDraw();
     }
 
@@ -1607,7 +1615,7 @@
         paused: () => app.paused,
         select: (request) => {
           app.selected = request;
-          app.sideDirty = true;
+          app.sideDirty = app.sideUrgent = true;
           app.draw();
         },
         redraw: () => {
@@ -1762,12 +1770,13 @@
   }
 
   function formatClock(t, decimals) {
-    const d = new Date(t * 1000);
+    // Round first: 19.99996 s shown to 0.1 s is 20.0, not 19.0.
+    const scale = Math.pow(10, Math.max(0, decimals));
+    const units = Math.round(t * scale);
+    const whole = Math.floor(units / scale);
+    const d = new Date(whole * 1000);
     let s = `${pad2(d.getHours())}:${pad2(d.getMinutes())}:${pad2(d.getSeconds())}`;
-    if (decimals > 0) {
-      const frac = t - Math.floor(t);
-      s += "." + frac.toFixed(decimals).slice(2);
-    }
+    if (decimals > 0) s += "." + String(units - whole * scale).padStart(decimals, "0");
     return s;
   }
 
