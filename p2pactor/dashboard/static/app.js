@@ -796,10 +796,18 @@
       if (this.feedsDirty) this.renderFeeds();
       // Side panels (counters, peers, details) redraw at most 5 times a second while
       // events stream in, at once when the user moved the view's time.
-      if (this.sideDirty && (this.sideUrgent || performance.now() - this.lastSide > 200)) {
-        this.sideUrgent = false;
-        this.lastSide = performance.now();
-        this.renderSide();
+      if (this.sideDirty) {
+        const wait = this.sideUrgent ? 0 : 200 - (performance.now() - this.lastSide);
+        if (wait <= 0) {
+          this.sideUrgent = false;
+          this.lastSide = performance.now();
+          this.renderSide();
+        } else if (!this.sideTimer) {
+          this.sideTimer = setTimeout(() => {
+            this.sideTimer = 0;
+            this.requestDraw();
+          }, wait);
+        }
       }
       if (this.mode === "replay") this.syncSlider();
       if (this.paused) this.syncPauseButton();
@@ -1103,7 +1111,7 @@
         badge.hidden = false;
       } else if (curve.length && curve.length === all.length) {
         state = "curve";
-        badge.textContent = "\u{1f512} CURVE";
+        badge.textContent = "\u2713 CURVE";
         badge.className = "badge security secure";
         badge.title = `The control channel of ${curve.join(", ")} is authenticated and encrypted with CURVE.`;
         badge.hidden = false;
