@@ -496,23 +496,21 @@ async def test_a_consumer_killed_with_lookups_and_fetches_open_leaves_nothing_he
             assert (await c.reply(pinned))["answers"] == ["hit"] * 4
             await c.send("lookup", peer=p.node.node_id, req="parked", keys=hexes[8:10])
 
-            def parked() -> bool:
-                return any(
-                    isinstance(e, ev.PendingPolled | ev.KeysPinned)
-                    for e in p.events()
-                    if e.actor.kv_request_id == "parked"
-                )
+            def of_parked(kind: type[ev.Event]) -> list[Any]:
+                return [e for e in p.events(kind) if e.actor.kv_request_id == "parked"]
 
             await wait_until(lambda: p.gated is not None and p.gated.waiting == 1)
-            await wait_until(parked)
+            await wait_until(lambda: of_parked(ev.KeysPinned))  # its hit, at the first serve
+            assert of_parked(ev.LookupAnswered) == []  # still waiting for its pending key
             assert p.cache.pinned() == 9  # 4 being written, 4 unfetched, 1 of "parked"
             assert len(p.cache.opened) >= 1  # the parked lookup's synthetic request
 
             c.process.kill()
             await c.process.wait()
             await wait_until(lambda: (s := p.node.session(c.node_id)) is None or not s.alive)
-            await trio.sleep(0.5)
             # The write may still read its 4 blocks: they stay pinned; the rest is let go.
+            await wait_until(lambda: p.cache.pinned() <= 4 and not p.cache.opened)
+            await trio.sleep(0.5)
             assert p.cache.pinned() == 4
             assert p.cache.opened == set()
             assert not any(r.peer_id == c.node_id for r in p.node.closed_sessions())
