@@ -91,7 +91,7 @@ import contextlib
 import itertools
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Literal, cast
 
@@ -653,6 +653,7 @@ class ZmqControlTransport:
         self._curve = curve
         self._auth_refused = 0
         self._router_monitor: _AsyncSocket | None = None  # with CURVE: failed handshakes
+        self._allowed: Callable[[str], bool] | None = None
 
     def __repr__(self) -> str:
         return f"<ZmqControlTransport {self._local_id} ({len(self._connections)} connections)>"
@@ -755,6 +756,16 @@ class ZmqControlTransport:
             if conn.alive and not conn._claimed:
                 conn._claimed = True
                 return conn
+
+    def accept_only(self, allowed: Callable[[str], bool]) -> None:
+        """Drop the first frame of any peer for which ``allowed`` is False.
+
+        The check comes before the dial-back to the address the frame's
+        identity claims, so a sender outside ``allowed`` never makes this
+        node connect anywhere. :func:`~p2pactor.node.open_node` sets it to
+        :meth:`NodeConfig.may_dial <p2pactor.config.NodeConfig.may_dial>`.
+        """
+        self._allowed = allowed
 
     async def aclose(self) -> None:
         """Close every connection and the ROUTER; wake everyone waiting. Idempotent.
@@ -1113,6 +1124,11 @@ class ZmqControlTransport:
             return None
         if _peer_address(peer_id) is None:
             self._drop(f"a frame from identity {peer_id[:64]!r}, which is not host:port")
+            return None
+        if self._allowed is not None and not self._allowed(peer_id):
+            # Checked before _open, which dials back: the frame's identity is
+            # the sender's claim, and must not pick our outbound connections.
+            self._drop(f"a frame from {peer_id}, which this node may not dial (allowed peers)")
             return None
         if self._accept_in.statistics().current_buffer_used >= self._options.accept_backlog:
             self._drop(f"a frame from new peer {peer_id}: {self._options.accept_backlog} wait")

@@ -894,6 +894,9 @@ async def open_node(
             nursery=nursery,
             hash_seed=hash_seed,
         )
+        # Peers we may not dial are dropped by the transport itself, before
+        # it dials back to the address their frames claim.
+        control.accept_only(config.may_dial)
         nursery.start_soon(node._accept_loop)
         nursery.start_soon(node._engine_loop)
         nursery.start_soon(node._reaper)

@@ -158,6 +158,8 @@ class MemoryControlTransport:
             network.capacity
         )
         self.dead = False
+        self._allowed: Callable[[str], bool] | None = None
+        self.refused = 0  # first frames dropped by accept_only
 
     @property
     def local_id(self) -> str:
@@ -185,6 +187,10 @@ class MemoryControlTransport:
                 conn.claimed = True
                 return conn
 
+    def accept_only(self, allowed: Callable[[str], bool]) -> None:
+        """Drop first frames of peers for which ``allowed`` is False."""
+        self._allowed = allowed
+
     def _new(self, peer_id: str) -> MemoryConnection:
         conn = MemoryConnection(self, peer_id, self.network.capacity)
         self.connections[peer_id] = conn
@@ -195,6 +201,9 @@ class MemoryControlTransport:
             return
         conn = self.connections.get(src)
         if conn is None or not conn.alive:
+            if self._allowed is not None and not self._allowed(src):
+                self.refused += 1
+                return
             conn = self._new(src)
             self._accept_send.send_nowait(conn)
         conn._incoming(frame)

@@ -11,7 +11,7 @@ injection, for tests.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from p2pactor.errors import P2PActorError
@@ -87,6 +87,16 @@ class ControlTransport(Protocol):
         """Wait for a peer this node has no connection with to send a frame.
 
         The connection is returned once, with that first frame buffered.
+        """
+        ...
+
+    def accept_only(self, allowed: Callable[[str], bool]) -> None:
+        """From now on, drop the first frame of any peer for which ``allowed`` is False.
+
+        The transport must decide before it spends anything on the peer: a
+        ZeroMQ transport would otherwise dial back to whatever address the
+        frame claims, which lets any sender steer this node's outbound
+        connections (``allowed_peers``, CURVE keys).
         """
         ...
 
