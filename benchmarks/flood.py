@@ -386,6 +386,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     report[kind] = await hostile_phase(args, victim, kind, honest, sampler)
                     say(f"{kind}: {json.dumps(report[kind])}")
                 report["honest_failures"] = honest.failures[:10]
+                # Let the last hostile session drain before the victim reports
+                # (its requests end with it): it must hold nothing.
+                await trio.sleep(args.settle)
     finally:
         sampler.close()
         report["victim_peak_rss_mib"] = round(victim.peak_kib() / 1024, 1)
@@ -420,7 +423,11 @@ def summary(report: dict[str, Any], quota: int) -> bool:
             data["hostile_peak_pinned_blocks"] = pinned
             data["hostile_peak_pinned_blocks_from_log"] = logged
             data["hostile_refusals"] = usage.get("refusals", {})
-            if max(pinned, logged) > quota:
+            data["hostile_holds_at_end"] = {
+                k: usage.get(k, 0)
+                for k in ("pinned_blocks", "open_lookups", "fetch_rounds", "open_requests")
+            }
+            if max(pinned, logged) > quota or any(data["hostile_holds_at_end"].values()):
                 ok = False
         say(
             f"{phase:<9} {rate:>9} {pinned!s:>10} {logged!s:>6} "
@@ -431,7 +438,9 @@ def summary(report: dict[str, Any], quota: int) -> bool:
         if h["failures"]:
             ok = False
     for phase in ("random", "real"):
-        say(f"{phase} refusals: {report[phase]['hostile_refusals']}")
+        data = report[phase]
+        held = data["hostile_holds_at_end"]
+        say(f"{phase} refusals: {data['hostile_refusals']}; held once it left: {held}")
     honest_usage = report["victim_quota_usage"].get(report["honest_peer"], {})
     say(f"honest peer refusals: {honest_usage.get('refusals', {})}")
     if honest_usage.get("refusals"):
@@ -458,6 +467,9 @@ def main() -> None:
     )
     parser.add_argument("--baseline", type=float, default=20.0, help="seconds without flood")
     parser.add_argument("--pause", type=float, default=0.01, help="honest pause between requests")
+    parser.add_argument(
+        "--settle", type=float, default=10.0, help="seconds before the victim reports"
+    )
     args = parser.parse_args()
     if args.quick:
         args.lookups = min(args.lookups, 5000)

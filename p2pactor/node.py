@@ -739,6 +739,11 @@ class Node:
         # As vLLM binds a request id to the session its fetch came on: stores
         # for it go to this actor from now on.
         self._bound[kv_id] = actor
+        if len(self._bound) % 1024 == 0:
+            # An ended actor binds nothing (every use checks `done`): forget
+            # them, or a peer flooding fresh request ids piles them up here.
+            for ended in [k for k, a in self._bound.items() if a.done]:
+                del self._bound[ended]
         parked = self._unbound.pop(kv_id, None)
         # A reaped id can never be served: finished at once, its fetch fails now
         # instead of waiting for the consumer's 30 s load timeout.

@@ -763,6 +763,23 @@ class TestNodes:
             assert cache.opened == set()
             assert node.peer_usage(peer.peer_id).peak_pinned_blocks == 3
 
+    async def test_a_flood_of_request_ids_does_not_pile_up_ended_actors(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer(quotas=quotas(max_open_requests=8)) as (node, cache, peer):
+            cache.store(key(1), block_bytes(key(1)))
+            await peer.handshake_as_client()
+            for i in range(3000):
+                await peer.send(wire.Lookup(kv_request_id=f"r{i}", keys=(key(1),), round_seq=0))
+                if i % 100 == 99:
+                    for _ in range(100):
+                        await peer.expect(wire.LookupResp)
+            assert len(node._bound) < 1100  # the 8 open ones and at most 1024 ended
+            assert node.peer_usage(peer.peer_id).open_requests == 8
+            for i in range(8):
+                await peer.send(fetch_msg([], kv=f"r{i}"))
+            await settle(lambda: node.peer_usage(peer.peer_id).holds_nothing)
+
     async def test_a_refused_peer_keeps_its_session(self, autojump_clock: trio.abc.Clock) -> None:
         async with node_and_peer(quotas=quotas(max_open_requests=1)) as (node, cache, peer):
             cache.store(key(1), block_bytes(key(1)))
