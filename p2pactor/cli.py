@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from p2pactor import __version__, keygen_cli, replay_cli, serve
+from p2pactor.bench import cli as bench_cli
 from p2pactor.demo import cli as demo_cli
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.register(commands)
     replay_cli.register(commands)
     keygen_cli.register(commands)
+    bench_cli.register(commands)
     return parser
 
 

@@ -1,0 +1,187 @@
+"""What a benchmark section reports: statistics over repeats, rows, ratios, notes.
+
+The JSON written by ``p2pactor bench --json`` is :meth:`BenchReport.to_json`:
+``{"version", "machine", "quick", "started", "sections": [...]}``, each section
+``{"name", "title", "skipped", "rows", "ratios", "notes", "seconds"}``; a row
+is a flat object of numbers and strings (statistics as
+``{"median", "min", "max", "n"}``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+__all__ = ["BenchOptions", "BenchReport", "SectionResult", "Stat", "machine"]
+
+REPORT_VERSION = 1
+
+
+@attrs.frozen(kw_only=True)
+class Stat:
+    """A median over repeats, with the spread (min, max) and the count."""
+
+    median: float
+    min: float
+    max: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Iterable[float]) -> Stat:
+        """The statistics of ``values`` (at least one)."""
+        xs = sorted(values)
+        if not xs:
+            raise ValueError("Stat.of needs at least one value")
+        return cls(median=statistics.median(xs), min=xs[0], max=xs[-1], n=len(xs))
+
+    def scaled(self, factor: float) -> Stat:
+        """The same statistics multiplied by ``factor`` (e.g. seconds to ms)."""
+        return Stat(
+            median=self.median * factor, min=self.min * factor, max=self.max * factor, n=self.n
+        )
+
+    def text(self, digits: int = 2) -> str:
+        """``median [min..max]``, for tables."""
+        if self.n == 1:
+            return f"{self.median:.{digits}f}"
+        return f"{self.median:.{digits}f} [{self.min:.{digits}f}..{self.max:.{digits}f}]"
+
+    def to_json(self) -> dict[str, float | int]:
+        """The JSON object of these statistics."""
+        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
+
+
+Cell = str | int | float | Stat | None
+
+
+@attrs.frozen(kw_only=True)
+class BenchOptions:
+    """How a section should run.
+
+    Attributes:
+        quick: A smoke run for CI: small sizes, one or two repeats; it must
+            finish in about a minute per section and still produce every key.
+        repeats: Repeats for the statistics (sections may use fewer in quick mode).
+        work_dir: A scratch directory the section may use (logs, sockets).
+    """
+
+    quick: bool = False
+    repeats: int = 5
+    work_dir: str = "."
+
+
+@attrs.frozen(kw_only=True)
+class SectionResult:
+    """One section's results.
+
+    Attributes:
+        name: The section's short name (``dataplane``).
+        title: One line saying what was measured.
+        rows: The table, one mapping per row, same keys in every row.
+        ratios: Headline ratios (ours over reference), by a readable name.
+        notes: Sentences printed under the table (targets met or missed, skips).
+        skipped: Why the whole section did not run (e.g. vLLM not installed), or None.
+        seconds: How long the section took.
+    """
+
+    name: str
+    title: str
+    rows: Sequence[Mapping[str, Cell]] = ()
+    ratios: Mapping[str, Stat] = attrs.field(factory=dict)
+    notes: Sequence[str] = ()
+    skipped: str | None = None
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON object of this section."""
+        return {
+            "name": self.name,
+            "title": self.title,
+            "skipped": self.skipped,
+            "rows": [{k: _cell_json(v) for k, v in row.items()} for row in self.rows],
+            "ratios": {k: v.to_json() for k, v in self.ratios.items()},
+            "notes": list(self.notes),
+            "seconds": self.seconds,
+        }
+
+    def table(self) -> str:
+        """The section as text: title, aligned table, ratios, notes."""
+        lines = [f"== {self.name}: {self.title}"]
+        if self.skipped:
+            lines.append(f"   skipped: {self.skipped}")
+        if self.rows:
+            keys = list(self.rows[0])
+            cells = [[_cell_text(row.get(k)) for k in keys] for row in self.rows]
+            widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+            lines.append("   " + "  ".join(k.ljust(w) for k, w in zip(keys, widths, strict=True)))
+            lines.append("   " + "  ".join("-" * w for w in widths))
+            lines.extend(
+                "   " + "  ".join(v.ljust(w) for v, w in zip(c, widths, strict=True)) for c in cells
+            )
+        for name, stat in self.ratios.items():
+            lines.append(f"   ratio {name}: {stat.text()}")
+        lines.extend(f"   note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+def _cell_json(value: Cell) -> Any:
+    return value.to_json() if isinstance(value, Stat) else value
+
+
+def _cell_text(value: Cell) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, Stat):
+        return value.text()
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = -1.0
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "load_1min_at_start": load,
+    }
+
+
+@attrs.frozen(kw_only=True)
+class BenchReport:
+    """A whole ``p2pactor bench`` run."""
+
+    quick: bool
+    started: str
+    machine: Mapping[str, Any]
+    sections: Sequence[SectionResult]
+
+    def to_json(self) -> dict[str, Any]:
+        """The JSON document ``--json`` writes."""
+        return {
+            "version": REPORT_VERSION,
+            "quick": self.quick,
+            "started": self.started,
+            "machine": dict(self.machine),
+            "sections": [s.to_json() for s in self.sections],
+        }
