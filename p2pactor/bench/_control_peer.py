@@ -1,0 +1,379 @@
+"""One process of the ``control`` section: a producer or a consumer, ours or vLLM's.
+
+``python -m p2pactor.bench._control_peer --side ours|vllm --role producer|consumer
+--port N [--peer-port M]``, over real ZeroMQ (and a NIXL agent each, since both
+handshakes exchange NIXL metadata) on 127.0.0.1:
+
+* **producer**: holds :data:`NUM_KEYS` blocks in an
+  :class:`~p2pactor.parent.EmbeddedCache` and serves lookups from it. ``ours``:
+  a p2pactor node with the cache as its embedded parent. ``vllm``: vLLM
+  0.33.0's ``P2PSecondaryTierManager`` (its ``P2PSession`` per peer, its
+  ``ZmqTransport``), driven by an event loop that wakes when its ROUTER socket
+  is readable (or every 1 ms, like vLLM's tier-poll thread) and then calls
+  ``get_finished_jobs()`` and ``serve_external_requests(parent)`` with
+  :class:`CacheParent`, a vLLM ``ParentManager`` over the same cache class.
+  It prints ``READY``, serves until its stdin closes, then prints one JSON
+  line of counters (pins still held, synthetic requests still open).
+* **consumer**: prints ``READY``, then reads one JSON command per line:
+  ``{"keys": K, "conc": C, "seconds": T}`` runs C concurrent lookup loops for
+  T seconds (each: a fresh request id, a lookup of K keys the producer holds,
+  wait for every answer, finish the request) and answers one JSON line:
+  lookups done, elapsed seconds, latency p50/p99/mean (seconds), hits, misses
+  and this process's CPU seconds. ``ours``: ``Node.lookup`` then
+  ``Node.finish`` in C trio tasks. ``vllm``: the tier driven as vLLM's
+  scheduler drives it (``on_new_request``, ``lookup`` of every key, which
+  registers it and answers RETRY, ``on_schedule_end`` to send the lookups, then
+  polling until ``lookup`` answers HIT or MISS, ``on_request_finished``), one
+  loop over the C requests in flight, waking when its ROUTER is readable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["BLOCK_LEN", "HASH_SEED", "HOST", "NUM_KEYS", "control_key", "key_window", "main"]
+
+HOST = "127.0.0.1"
+"""Every process binds here."""
+NUM_KEYS = 4096
+"""Blocks the producer holds; lookups ask for windows of these keys (all hits)."""
+BLOCK_LEN = 1024
+"""Bytes per block: the data plane is not measured here, only registered."""
+HASH_SEED = "0"
+"""Both sides' hash seed (vLLM's comes from PYTHONHASHSEED, set to this)."""
+CONSUMER_BLOCKS = 64
+"""The consumer's own pool (nothing is fetched into it)."""
+
+
+def control_key(i: int) -> bytes:
+    """Key ``i``: a vLLM OffloadKey (a 32-byte block hash, then the 4-byte group index)."""
+    return hashlib.sha256(f"p2pactor-bench-control/{i}".encode()).digest() + bytes(4)
+
+
+KEYS: tuple[bytes, ...] = tuple(control_key(i) for i in range(NUM_KEYS))
+
+
+def key_window(n: int, count: int) -> list[bytes]:
+    """The keys of lookup number ``n``: ``count`` consecutive keys from a spot that moves."""
+    start = (n * 97) % NUM_KEYS
+    return [KEYS[(start + j) % NUM_KEYS] for j in range(count)]
+
+
+def _say(obj: Any) -> None:
+    sys.stdout.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
+    sys.stdout.flush()
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
+def _result(latencies: list[float], elapsed: float, hits: int, misses: int, cpu: float) -> Any:
+    return {
+        "lookups": len(latencies),
+        "elapsed_s": elapsed,
+        "p50_s": _pct(latencies, 0.5),
+        "p99_s": _pct(latencies, 0.99),
+        "mean_s": sum(latencies) / len(latencies) if latencies else 0.0,
+        "hits": hits,
+        "misses": misses,
+        "cpu_s": cpu,
+    }
+
+
+class _Tally:
+    """What one cell's lookups measured so far."""
+
+    def __init__(self) -> None:
+        self.latencies: list[float] = []
+        self.hits = self.misses = 0
+        self.last = 0.0
+
+    def add(self, latency: float, at: float, hits: int, keys: int) -> None:
+        self.latencies.append(latency)
+        self.last = at
+        self.hits += hits
+        self.misses += keys - hits
+
+    def result(self, start: float, cpu: float) -> Any:
+        return _result(self.latencies, self.last - start, self.hits, self.misses, cpu)
+
+
+def _fill(memory: Any, cache: Any) -> None:
+    for i, key in enumerate(KEYS):
+        cache.store(key, i.to_bytes(8, "little") * (BLOCK_LEN // 8))
+
+
+# --- ours -------------------------------------------------------------------------------
+
+
+async def _ours(args: argparse.Namespace) -> None:
+    import trio  # noqa: PLC0415
+
+    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
+    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
+    from p2pactor.config import NodeConfig  # noqa: PLC0415
+    from p2pactor.node import open_node  # noqa: PLC0415
+    from p2pactor.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.quotas import PeerQuotas  # noqa: PLC0415
+
+    producer = args.role == "producer"
+    blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
+    pool = bytearray(blocks * BLOCK_LEN)
+    cache = EmbeddedCache(blocks, BLOCK_LEN, memory=memoryview(pool))
+    if producer:
+        _fill(pool, cache)
+    # No quota may refuse: 64 lookups of 256 keys pin 16,384 blocks at once,
+    # and vLLM's tier has no quotas to compare with.
+    quotas = PeerQuotas(max_pinned_blocks=10**9, max_open_lookups=100_000)
+    config = NodeConfig(
+        host=HOST,
+        port=args.port,
+        num_blocks=blocks,
+        block_len=BLOCK_LEN,
+        hash_seed=HASH_SEED,
+        quotas=quotas,
+    )
+    node_id = f"{HOST}:{args.port}"
+    async with (
+        open_zmq_transport(node_id, port=args.port) as control,
+        open_nixl_transport(pool, BLOCK_LEN, name=f"bench-{args.role}") as data,
+        open_node(config, control=control, data=data, parent=cache if producer else None) as node,
+    ):
+        _say("READY")
+        if producer:
+            await trio.to_thread.run_sync(sys.stdin.read)
+            _say(
+                {
+                    "pinned": cache.pinned(),
+                    "held_jobs": len(cache.held_jobs()),
+                    "open": len(cache.opened),
+                }
+            )
+            return
+        peer = f"{HOST}:{args.peer_port}"
+        counter = iter(range(10**12))
+        while True:
+            line = await trio.to_thread.run_sync(sys.stdin.readline)
+            if not line:
+                return
+            cmd = json.loads(line)
+            keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
+            tally = _Tally()
+            cpu0 = _cpu_s()
+            start = tally.last = time.perf_counter()
+            deadline = start + seconds
+
+            async def worker(tally: _Tally, keys: int, deadline: float) -> None:
+                while time.perf_counter() < deadline:
+                    n = next(counter)
+                    kv = f"bench-{n}"
+                    wanted = key_window(n, keys)
+                    t0 = time.perf_counter()
+                    answers = await node.lookup(peer, kv, wanted)
+                    t1 = time.perf_counter()
+                    node.finish(kv)
+                    tally.add(t1 - t0, t1, sum(1 for a in answers if a.name == "HIT"), len(answers))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(conc):
+                    nursery.start_soon(worker, tally, keys, deadline)
+            _say(tally.result(start, _cpu_s() - cpu0))
+
+
+# --- vLLM -------------------------------------------------------------------------------
+
+
+def _vllm(args: argparse.Namespace) -> None:
+    os.environ["PYTHONHASHSEED"] = HASH_SEED
+    import numpy as np  # noqa: PLC0415
+    import zmq  # noqa: PLC0415
+
+    from p2pactor.bench import _vllm_tier as shared  # noqa: PLC0415 - imports vLLM
+    from p2pactor.parent import EmbeddedCache  # noqa: PLC0415
+
+    vbase = sys.modules["vllm.v1.kv_offload.base"]
+    tbase = sys.modules["vllm.v1.kv_offload.tiering.base"]
+    LookupResult, ReqContext = vbase.LookupResult, vbase.ReqContext  # noqa: N806
+    ScheduleEndContext = vbase.ScheduleEndContext  # noqa: N806
+
+    producer = args.role == "producer"
+    blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
+    pool = np.zeros((blocks, BLOCK_LEN), dtype=np.uint8)
+    cache = EmbeddedCache(blocks, BLOCK_LEN, memory=pool.data.cast("B"))
+    if producer:
+        _fill(pool, cache)
+    tier = shared.make_tier("vllm", pool, args.port)
+    poller = zmq.Poller()
+    poller.register(tier._control._router, zmq.POLLIN)
+    stop = threading.Event()
+
+    def watch() -> None:
+        if producer:
+            sys.stdin.read()
+            stop.set()
+
+    _say("READY")
+    if producer:
+        parent = CacheParent(cache, tbase.TransferJob, vbase.RequestOffloadingContext, LookupResult)
+        threading.Thread(target=watch, daemon=True).start()
+        while not stop.is_set():
+            poller.poll(1)  # vLLM's tier-poll interval, unless a message arrives first
+            for result in tier.get_finished_jobs():
+                cache.release_job(int(result.job_id), success=bool(result.success))
+            tier.serve_external_requests(parent)
+        tier.shutdown()
+        _say(
+            {
+                "pinned": cache.pinned(),
+                "held_jobs": len(cache.held_jobs()),
+                "open": len(cache.opened),
+            }
+        )
+        return
+
+    source = {"remote_host": HOST, "remote_port": args.peer_port}
+    counter = iter(range(10**12))
+    retry, hit = LookupResult.RETRY, LookupResult.HIT
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            tier.shutdown()
+            return
+        cmd = json.loads(line)
+        keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
+        tally = _Tally()
+        cpu0 = _cpu_s()
+        start = tally.last = time.perf_counter()
+        deadline = start + seconds
+        # in flight: (context, keys, start time)
+        flight: list[tuple[Any, list[bytes], float]] = []
+        new_ids: list[str] = []
+
+        def begin(
+            keys: int,
+            flight: list[tuple[Any, list[bytes], float]],
+            new_ids: list[str],
+        ) -> None:
+            n = next(counter)
+            ctx = ReqContext(
+                req_id=f"req-{n}",
+                kv_transfer_params={"remote_kv_source": {**source, "kv_request_id": f"bench-{n}"}},
+            )
+            wanted = key_window(n, keys)
+            t0 = time.perf_counter()
+            tier.on_new_request(ctx)
+            for key in wanted:
+                tier.lookup(key, ctx)  # registers the key: RETRY until the answer comes
+            flight.append((ctx, wanted, t0))
+            new_ids.append(ctx.req_id)
+
+        for _ in range(conc):
+            begin(keys, flight, new_ids)
+        while flight:
+            tier.on_schedule_end(
+                ScheduleEndContext(new_req_ids=list(new_ids), preempted_req_ids=())
+            )
+            new_ids.clear()
+            poller.poll(1)
+            tier.get_finished_jobs()
+            still = []
+            for ctx, wanted, t0 in flight:
+                # One LookupResp answers every key of the request at once.
+                if tier.lookup(wanted[0], ctx) is retry:
+                    still.append((ctx, wanted, t0))
+                    continue
+                answers = [tier.lookup(k, ctx) for k in wanted]
+                t1 = time.perf_counter()
+                tally.add(t1 - t0, t1, sum(1 for a in answers if a is hit), len(answers))
+                tier.on_request_finished(ctx)
+            done = len(flight) - len(still)
+            flight = still
+            if time.perf_counter() < deadline:
+                for _ in range(done):
+                    begin(keys, flight, new_ids)
+        _say(tally.result(start, _cpu_s() - cpu0))
+
+
+class CacheParent:
+    """VLLM's ``ParentManager`` over an :class:`~p2pactor.parent.EmbeddedCache`.
+
+    The same cache class our producer serves from, so both producers do the
+    same work per key (a dict lookup, a pin per job). Built on the fly (vLLM's
+    classes are passed in) so that this module imports without vLLM; the tier
+    only calls these four methods.
+    """
+
+    def __init__(self, cache: Any, job_cls: Any, ctx_cls: Any, results: Any) -> None:
+        self._cache = cache
+        self._job = job_cls
+        self._ctx = ctx_cls
+        self._results = {
+            "HIT": results.HIT,
+            "MISS": results.MISS,
+            "HIT_PENDING": results.HIT_PENDING,
+            "RETRY": results.RETRY,
+        }
+
+    def on_new_request(self, req_context: Any) -> Any:
+        """Open the synthetic request of a peer's lookup."""
+        self._cache.on_new_request(req_context.req_id)
+        return self._ctx()
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        """The cache's answer, as vLLM's LookupResult."""
+        return self._results[self._cache.lookup(bytes(key), req_context.req_id).name]
+
+    def create_store_job(self, keys: Any, req_context: Any) -> Any:
+        """Pin the blocks of ``keys``; the tier reports the job when it lets go."""
+        import numpy as np  # noqa: PLC0415
+
+        keys = [bytes(k) for k in keys]
+        pin = self._cache.create_store_job(keys, req_context.req_id)
+        return self._job(
+            job_id=pin.job_id,
+            keys=keys,
+            chunk_ids=np.array(pin.blocks, dtype=np.int64),
+            is_promotion=False,
+            req_context=req_context,
+        )
+
+    def on_request_finished(self, req_context: Any) -> None:
+        """Close the synthetic request."""
+        self._cache.on_request_finished(req_context.req_id)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one producer or consumer until its stdin closes."""
+    parser = argparse.ArgumentParser(description="a process of the control benchmark")
+    parser.add_argument("--side", choices=("ours", "vllm"), required=True)
+    parser.add_argument("--role", choices=("producer", "consumer"), required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--peer-port", type=int, default=0)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    if args.side == "ours":
+        import trio  # noqa: PLC0415
+
+        trio.run(_ours, args)
+    else:
+        _vllm(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
