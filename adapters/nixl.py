@@ -41,6 +41,13 @@ How trio and NIXL meet (``shared/reference/trio-stack.md`` section 2):
   (measured 20-40 ms for 64 MiB), and peer registration is O(blocks). Both run
   in a worker thread (``trio.to_thread.run_sync``) so the event loop never
   stalls on them; polls cost about a microsecond and run on the trio thread.
+  The hop to the worker thread and back costs about 0.25-0.4 ms, though, so a
+  write whose ``transfer()`` is *predicted* to return within
+  ``inline_post_budget`` (from the time per byte earlier posts took) is posted
+  on the trio thread instead: the loop stalls at most about that long, and
+  small writes (and every write on RDMA, where ``transfer()`` only queues)
+  skip the hop. The first write, and any write predicted slower, still goes
+  to the worker thread.
 * The agent runs with ``NIXL_THREAD_SYNC_NONE``: it is not thread-safe. Every
   call into it, from the trio thread or a worker thread, is made while holding
   one :class:`trio.Lock`, so the agent never sees two calls at once.
@@ -79,6 +86,7 @@ import logging
 import math
 import operator
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -112,6 +120,7 @@ NIXL_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
 
 _MAX_BLOCKS = 2**31 - 1  # NIXL takes descriptor indexes as int32
 _IN_PROGRESS = frozenset({"PROC", "PEND"})
+_RATE_WEIGHT = 0.25  # of the newest post in the moving average of post times
 
 Index = npt.NDArray[np.int32]
 Descs = npt.NDArray[np.uint64]
@@ -185,6 +194,11 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
         raise ConfigError(f"{attribute.name} must be a positive number, got {value!r}")
 
 
+def _not_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value >= 0 or not math.isfinite(value):
+        raise ConfigError(f"{attribute.name} must be a number >= 0, got {value!r}")
+
+
 def _not_negative_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if type(value) is not int or value < 0:
         raise ConfigError(f"{attribute.name} must be an int >= 0, got {value!r}")
@@ -221,6 +235,10 @@ class NixlOptions:
         idle_poll_interval: How often the pump drives the agent's progress with
             nothing of its own in flight. Peers' writes into this pool may need
             it (for connection setup, and for every write on TCP).
+        inline_post_budget: Post a write on the trio thread when its
+            ``transfer()`` is predicted to return within this many seconds
+            (the longest the loop may stall for it); slower ones, and the first
+            write, are posted from a worker thread. 0 always uses the thread.
     """
 
     transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
@@ -232,6 +250,7 @@ class NixlOptions:
     min_poll_interval: float = attrs.field(default=20e-6, validator=_positive)
     max_poll_interval: float = attrs.field(default=1e-3, validator=_positive)
     idle_poll_interval: float = attrs.field(default=1e-3, validator=_positive)
+    inline_post_budget: float = attrs.field(default=4e-3, validator=_not_negative)
 
     def poll_intervals(self) -> Iterator[float]:
         """The pump's sleeps between polls that found nothing new (0: a checkpoint)."""
@@ -254,6 +273,7 @@ class NixlStatistics:
         writes_done: Writes that completed.
         writes_failed: Writes that raised :class:`TransferError` after reaching NIXL.
         bytes_written: Bytes of the completed writes.
+        posted_inline: Writes posted on the trio thread (predicted quick).
     """
 
     peers: int
@@ -263,6 +283,7 @@ class NixlStatistics:
     writes_done: int
     writes_failed: int
     bytes_written: int
+    posted_inline: int = 0
 
 
 @attrs.define(eq=False)
@@ -414,6 +435,10 @@ class NixlDataTransport:
         self._done = 0
         self._failed = 0
         self._bytes = 0
+        self._inline = 0
+        # Seconds per byte that posts took (moving average), to predict which
+        # writes are quick enough to post without the worker thread's hop.
+        self._post_rate: float | None = None
 
     # --- setup and teardown ------------------------------------------------------------
 
@@ -551,6 +576,7 @@ class NixlDataTransport:
             writes_done=self._done,
             writes_failed=self._failed,
             bytes_written=self._bytes,
+            posted_inline=self._inline,
         )
 
     async def add_peer(
@@ -748,9 +774,15 @@ class NixlDataTransport:
             if self._closing or agent is None:
                 self._end(write, "the NIXL transport is closed", failed=False)
                 return
-            posted = await trio.to_thread.run_sync(
-                self._post_sync, agent, write.peer.dlist, local, remote
-            )
+            rate, budget = self._post_rate, self._options.inline_post_budget
+            if rate is not None and rate * write.nbytes <= budget:
+                # Predicted quicker than the thread's round trip is worth.
+                self._inline += 1
+                posted = self._post_sync(agent, write.peer.dlist, local, remote)
+            else:
+                posted = await trio.to_thread.run_sync(
+                    self._post_sync, agent, write.peer.dlist, local, remote
+                )
             # No checkpoint from here on: the handle is tracked before anything
             # (a cancellation included) can interrupt us.
             if posted.handle is not None:
@@ -763,11 +795,13 @@ class NixlDataTransport:
             self._lock.release()
 
     def _post_sync(self, agent: _Agent, dlist: object, local: Index, remote: Index) -> _Posted:
-        """Make and post the WRITE (worker thread, lock held).
+        """Make and post the WRITE (worker thread or trio thread, lock held).
 
         ``transfer()`` may copy everything before it returns (shared memory):
-        then the handle is released here and the write is over already.
+        then the handle is released here and the write is over already. How
+        long the post took feeds the prediction of which posts may run inline.
         """
+        start = time.perf_counter()
         try:
             handle = agent.make_prepped_xfer("WRITE", self._local_dlist, local, dlist, remote)
         except Exception as exc:
@@ -778,6 +812,9 @@ class NixlDataTransport:
             state, why = "ERR", _nixl_error(exc)
         else:
             why = f"transfer() returned {state}"
+            rate = (time.perf_counter() - start) / (len(local) * self._block_len)
+            old = self._post_rate  # one writer at a time: the lock is held
+            self._post_rate = rate if old is None else old + _RATE_WEIGHT * (rate - old)
         if state in _IN_PROGRESS:
             return _Posted(handle)
         try:

@@ -58,11 +58,15 @@ class DemoReport:
         ok: Every byte verified, every answer expected, nothing leaked, no violation.
         problems: What went wrong, one line each.
         log_dir: Where the event logs are.
+        results: Each node's ``done`` message (its ``elapsed`` seconds from
+            ``go`` and its requests' ``outcomes``), for programmatic callers
+            such as ``p2pactor bench``.
     """
 
     ok: bool
     problems: list[str]
     log_dir: Path
+    results: list[dict[str, Any]] = attrs.field(factory=list)
 
 
 def _percentile(values: Sequence[float], q: float) -> float:
@@ -279,7 +283,8 @@ async def _orchestrate(
             f"Inspect them: {_p2pactor_command()} replay --check "
             f"{' '.join(shlex.quote(str(p)) for p in paths)}\n"
         )
-    return DemoReport(ok=not problems, problems=problems, log_dir=log_dir)
+    results = [c.result for c in children if c.result is not None]
+    return DemoReport(ok=not problems, problems=problems, log_dir=log_dir, results=results)
 
 
 def _p2pactor_command() -> str:
