@@ -9,7 +9,9 @@ Three processes on 127.0.0.1, real ZeroMQ and real NIXL:
   handshake, then ``--lookups`` lookups (100,000) of ``--keys`` keys each, every
   one under a fresh request id, never fetched, never closed, at most
   ``--window`` unanswered at once. One process per phase: **random** keys,
-  then **real** keys (the ones the victim holds, so every admitted lookup pins);
+  then **real** keys (the ones the victim holds, so every admitted lookup pins),
+  then **rounds**: real keys, all lookups in one request, each for a new round
+  (what the rounds-per-request quota stops);
 * the **honest peer**, a p2pactor node in this process: lookup 16 real keys,
   fetch them over NIXL, verify every byte, finish; again and again, with a
   short pause, before the flood (**baseline**) and during each flood phase.
@@ -65,6 +67,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FLOOD_PEER = ROOT / "tests" / "flood_peer.py"
 HASH_SEED = "flood-benchmark"
 HONEST_KEYS = 16
+PHASES = ("random", "real", "rounds")
+"""The flood phases, one hostile process (session) each."""
 
 
 def say(line: str = "") -> None:
@@ -382,7 +386,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     "victim_rss_peak_mib": round(sampler.take() / 1024, 1),
                 }
                 say(f"baseline: {json.dumps(report['baseline'])}")
-                for kind in ("random", "real"):
+                for kind in PHASES:
                     report[kind] = await hostile_phase(args, victim, kind, honest, sampler)
                     say(f"{kind}: {json.dumps(report[kind])}")
                 report["honest_failures"] = honest.failures[:10]
@@ -410,7 +414,7 @@ def summary(report: dict[str, Any], quota: int) -> bool:
         f"{'lookup p50':>10} {'p99':>7} {'max':>7} {'fetch p50':>9} {'p99':>7} "
         f"{'verified':>8} {'RSS MiB':>8}"
     )
-    for phase in ("baseline", "random", "real"):
+    for phase in ("baseline", *PHASES):
         data = report[phase]
         h = data["honest"]
         rate = pinned = logged = "-"
@@ -437,7 +441,7 @@ def summary(report: dict[str, Any], quota: int) -> bool:
         )
         if h["failures"]:
             ok = False
-    for phase in ("random", "real"):
+    for phase in PHASES:
         data = report[phase]
         held = data["hostile_holds_at_end"]
         say(f"{phase} refusals: {data['hostile_refusals']}; held once it left: {held}")

@@ -25,6 +25,9 @@ fetch rounds       the round fails: ``transfer_done(false)``, its pins released,
 open requests      every lookup of the new request is answered all MISS and its
                    fetches fail; it closes at once (``LookupRefused``,
                    ``FetchRefused``)
+rounds per request a lookup or fetch that would open one more round in the
+                   request is answered all MISS / fails (``LookupRefused``,
+                   ``FetchRefused``); its rounds already open go on
 ================== ============================================================
 
 Every refusal is an event (so ``p2pactor replay`` and timelines show it, with
@@ -116,6 +119,12 @@ class PeerQuotas:
       stays open from its first lookup until its fetch is served or the peer
       closes it; each costs the node a task and its state, which is what a
       flood of lookups under fresh request ids would otherwise pile up.
+    * **Rounds per request**: 16 rounds held by one request (looked up or
+      fetched, not ended yet). An honest consumer has one or two: it looks a
+      round up, then fetches it. A looked-up round is kept until its fetch or
+      the request's end, and every step of a request walks its rounds, so
+      lookups for ever new rounds of one request would otherwise cost the node
+      memory and, per lookup, time growing with their number.
 
     Attributes:
         max_pinned_blocks: Most blocks pinned for the peer's lookups at once;
@@ -127,6 +136,8 @@ class PeerQuotas:
         max_fetch_rounds: Most fetch rounds of the peer in flight (fetched and
             not yet ended).
         max_open_requests: Most requests of the peer served at once.
+        max_rounds_per_request: Most rounds one request of the peer holds
+            (looked up or fetched, not ended).
         log_interval: At most one log line per peer and quota this often
             (seconds); the refusals in between are counted in the next line.
             Every refusal is in the event log regardless.
@@ -138,6 +149,7 @@ class PeerQuotas:
     max_keys_per_lookup: int = attrs.field(default=8192, validator=_limit)
     max_fetch_rounds: int = attrs.field(default=1024, validator=_limit)
     max_open_requests: int = attrs.field(default=4096, validator=_limit)
+    max_rounds_per_request: int = attrs.field(default=16, validator=_limit)
     log_interval: float = attrs.field(default=10.0, validator=_interval)
 
     def pinned_blocks_limit(self, num_blocks: int) -> int:
@@ -152,7 +164,8 @@ class PeerQuotas:
 
         Reads ``P2PACTOR_QUOTA_PINNED_BLOCKS``, ``P2PACTOR_QUOTA_PINNED_FRACTION``,
         ``P2PACTOR_QUOTA_OPEN_LOOKUPS``, ``P2PACTOR_QUOTA_KEYS_PER_LOOKUP``,
-        ``P2PACTOR_QUOTA_FETCH_ROUNDS`` and ``P2PACTOR_QUOTA_OPEN_REQUESTS``
+        ``P2PACTOR_QUOTA_FETCH_ROUNDS``, ``P2PACTOR_QUOTA_OPEN_REQUESTS`` and
+        ``P2PACTOR_QUOTA_ROUNDS_PER_REQUEST``
         (:meth:`p2pactor.config.NodeConfig.from_env` calls this).
 
         Returns:
@@ -188,6 +201,7 @@ _ENV: Final[tuple[tuple[str, str, type[int] | type[float]], ...]] = (
     ("P2PACTOR_QUOTA_KEYS_PER_LOOKUP", "max_keys_per_lookup", int),
     ("P2PACTOR_QUOTA_FETCH_ROUNDS", "max_fetch_rounds", int),
     ("P2PACTOR_QUOTA_OPEN_REQUESTS", "max_open_requests", int),
+    ("P2PACTOR_QUOTA_ROUNDS_PER_REQUEST", "max_rounds_per_request", int),
 )
 
 
@@ -258,13 +272,14 @@ class _Peer:
 class _Request:
     """What one producer request of a peer holds (mutable, runtime only)."""
 
-    __slots__ = ("lookups", "peer", "refusal", "rounds")
+    __slots__ = ("held", "lookups", "peer", "refusal", "rounds")
 
     def __init__(self, peer: str, refusal: str) -> None:
         self.peer = peer
         self.refusal = refusal  # why the request is refused whole, or ""
         self.lookups: set[int] = set()
-        self.rounds: set[int] = set()
+        self.rounds: set[int] = set()  # fetched, not ended
+        self.held: set[int] = set()  # looked up or fetched, not ended
 
 
 class QuotaLedger:
@@ -354,6 +369,8 @@ class QuotaLedger:
                 return inp.OverQuota(
                     message=message, quota=Quota.OPEN_REQUESTS, reason=request.refusal
                 )
+            if over := self._rounds_refusal(request, message):
+                return over
             if p.fetch_rounds >= q.max_fetch_rounds:
                 reason = (
                     f"{request.peer} already has {p.fetch_rounds} fetch rounds in flight here "
@@ -363,6 +380,8 @@ class QuotaLedger:
             return message
         if request.refusal:
             return inp.OverQuota(message=message, quota=Quota.OPEN_REQUESTS, reason=request.refusal)
+        if over := self._rounds_refusal(request, message):
+            return over
         if p.open_lookups >= q.max_open_lookups:
             reason = (
                 f"{request.peer} already has {p.open_lookups} lookups unanswered here "
@@ -382,6 +401,19 @@ class QuotaLedger:
             )
         return message
 
+    def _rounds_refusal(
+        self, request: _Request, message: wire.Lookup | wire.Fetch
+    ) -> inp.OverQuota | None:
+        """The verdict on a message that would open one more round of ``request``."""
+        limit = self.quotas.max_rounds_per_request
+        if message.round_seq in request.held or len(request.held) < limit:
+            return None
+        reason = (
+            f"request {message.kv_request_id!r} of {request.peer} already holds "
+            f"{len(request.held)} rounds here (quota {limit} per request)"
+        )
+        return inp.OverQuota(message=message, quota=Quota.ROUNDS_PER_REQUEST, reason=reason)
+
     def observe(self, handle: Hashable, events: Sequence[ev.AnyEvent], now: float) -> None:
         """Count what a request's step made it hold or let go of; log its refusals."""
         request = self._requests.get(handle)
@@ -391,6 +423,7 @@ class QuotaLedger:
         for event in events:
             match event:
                 case ev.LookupReceived() | ev.LookupLimited():
+                    request.held.add(event.round_seq)
                     if event.lookup_id not in request.lookups:
                         request.lookups.add(event.lookup_id)
                         p.open_lookups += 1
@@ -403,10 +436,12 @@ class QuotaLedger:
                         request.lookups.remove(event.lookup_id)
                         p.open_lookups -= 1
                 case ev.FetchReceived():
+                    request.held.add(event.round_seq)
                     if event.round_seq not in request.rounds:
                         request.rounds.add(event.round_seq)
                         p.fetch_rounds += 1
                 case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
+                    request.held.discard(event.round_seq)
                     if event.round_seq in request.rounds:
                         request.rounds.remove(event.round_seq)
                         p.fetch_rounds -= 1

@@ -10,7 +10,8 @@ It prints ``READY host:port`` (its peer id) once the handshake is done, then
 floods phase after phase (``--phase random:N`` looks up N lookups of random
 keys, ``--phase real:N`` of keys the victim holds: ``--preload`` blocks of
 ``p2pactor serve --preload``), each lookup under a fresh request id and with
-``--keys`` keys, keeping at most ``--window`` lookups unanswered (more, and the
+``--keys`` keys (``--phase rounds:N``: real keys, all in one request, each
+lookup for a new round), keeping at most ``--window`` lookups unanswered (more, and the
 victim's transport would drop the connection as a flood before any quota is
 reached). After each phase it prints one line ``PHASE {json}``: lookups sent
 and answered, keys answered HIT, seconds. With ``--close`` it closes every
@@ -123,8 +124,12 @@ class Flooder:
         last_progress = time.monotonic()
         while answered < count:
             while sent - answered < window and sent < count:
-                kv = f"flood-{kind}-{sent}"
-                self.send(wire.Lookup(kv_request_id=kv, keys=self.keys(kind), round_seq=0))
+                if kind == "rounds":  # one request, a new round every lookup
+                    msg = wire.Lookup(kv_request_id="flood", keys=self.keys(kind), round_seq=sent)
+                else:
+                    kv = f"flood-{kind}-{sent}"
+                    msg = wire.Lookup(kv_request_id=kv, keys=self.keys(kind), round_seq=0)
+                self.send(msg)
                 sent += 1
             for msg in self.receive(1.0):
                 if isinstance(msg, wire.LookupResp):
@@ -163,9 +168,9 @@ def parse_phases(specs: list[str], *, real: bool) -> list[tuple[str, int]]:
     phases = []
     for spec in specs:
         kind, _, count = spec.partition(":")
-        if kind not in ("random", "real") or not count.isdigit():
-            raise Failure(f"bad --phase {spec!r}: random:N or real:N")
-        if kind == "real" and not real:
+        if kind not in ("random", "real", "rounds") or not count.isdigit():
+            raise Failure(f"bad --phase {spec!r}: random:N, real:N or rounds:N")
+        if kind in ("real", "rounds") and not real:
             raise Failure("--phase real needs --preload")
         phases.append((kind, int(count)))
     return phases

@@ -440,6 +440,7 @@ class TestLedger:
             "P2PACTOR_QUOTA_FETCH_ROUNDS": "3",
             "P2PACTOR_QUOTA_OPEN_REQUESTS": "11",
             "P2PACTOR_QUOTA_PINNED_FRACTION": "0.5",
+            "P2PACTOR_QUOTA_ROUNDS_PER_REQUEST": "5",
         }
         assert PeerQuotas.from_env(env) == PeerQuotas(
             max_pinned_blocks=100,
@@ -448,6 +449,7 @@ class TestLedger:
             max_keys_per_lookup=9,
             max_fetch_rounds=3,
             max_open_requests=11,
+            max_rounds_per_request=5,
         )
         assert NodeConfig.from_env(env).quotas.max_open_requests == 11
         assert NodeConfig.from_env({}).quotas == DEFAULT_QUOTAS
@@ -850,6 +852,7 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
                         f"--preload={REAL_BLOCKS}",
                         "--phase=real:1500",
                         "--phase=random:1500",
+                        "--phase=rounds:500",
                         "--keys=16",
                         "--window=128",
                     ],
@@ -893,12 +896,14 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
                 ready = [line for line in lines if line.startswith("READY ")]
                 phases = [json.loads(line[6:]) for line in lines if line.startswith("PHASE ")]
                 assert len(ready) == 1
-                assert [p["answered"] for p in phases] == [1500, 1500]
+                assert [p["answered"] for p in phases] == [1500, 1500, 500]
                 hostile = ready[0].split()[1]
                 usage = victim.peer_usage(hostile)
                 assert 0 < usage.peak_pinned_blocks <= REAL_QUOTA
                 assert usage.refusals.get("pinned_blocks", 0) > 0
                 assert usage.refusals.get("open_requests", 0) == 0
+                # one request, a new round per lookup: 16 rounds held, the rest refused
+                assert usage.refusals.get("rounds_per_request", 0) == 500 - 16
                 assert victim.peer_usage(honest.node_id).refusals == {}
                 assert fetched >= 40
                 await settle(
@@ -909,3 +914,59 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
                 )
                 assert victim_cache.held_jobs() == set()
                 assert victim_cache.opened == set()
+
+
+class TestRoundsPerRequest:
+    def test_the_ledger_counts_rounds_held_from_events(self) -> None:
+        ledger = QuotaLedger(PeerQuotas(max_rounds_per_request=2), 100)
+        a = producer(kv="a")
+        ledger.open_request(PEER, "a")
+        opened = [
+            ev.LookupReceived(
+                **head(a, r + 1),  # type: ignore[arg-type]
+                lookup_id=r,
+                round_seq=r,
+                keys=(key(1),),
+                deadline=5,
+            )
+            for r in range(2)
+        ]
+        ledger.observe("a", opened, 0.0)
+        same_round = lookup_msg(key(2), round_seq=1, kv="a")
+        assert ledger.admit("a", same_round) is same_round
+        out = ledger.admit("a", lookup_msg(key(2), round_seq=2, kv="a"))
+        assert isinstance(out, inp.OverQuota)
+        assert out.quota is Quota.ROUNDS_PER_REQUEST
+        assert "already holds 2 rounds" in out.reason
+        fetch = ledger.admit("a", fetch_msg([key(1)], round_seq=5, kv="a"))
+        assert isinstance(fetch, inp.OverQuota)
+        ended = ev.RoundClosed(**head(a, 3), round_seq=0, reason="x")  # type: ignore[arg-type]
+        ledger.observe("a", [ended], 0.0)
+        again = lookup_msg(key(2), round_seq=2, kv="a")
+        assert ledger.admit("a", again) is again
+
+    async def test_lookups_for_ever_new_rounds_of_one_request_are_refused(
+        self, autojump_clock: trio.abc.Clock
+    ) -> None:
+        async with node_and_peer(quotas=quotas(max_rounds_per_request=4)) as (node, cache, peer):
+            cache.store(key(1), block_bytes(key(1)))
+            await peer.handshake_as_client()
+            for r in range(10):
+                await peer.send(wire.Lookup(kv_request_id="one", keys=(key(1),), round_seq=r))
+            hits = []
+            for _ in range(10):
+                resp = await peer.expect(wire.LookupResp)
+                hits.append(resp.hits)  # type: ignore[attr-defined]
+            # refused lookups are answered at once, maybe before admitted ones
+            assert sorted(hits) == [(False,)] * 6 + [(True,)] * 4
+            assert node.peer_usage(peer.peer_id).refusals == {"rounds_per_request": 6}
+            # the rounds it holds are still served (0..2 stay until the request closes)
+            await peer.send(
+                wire.Fetch(kv_request_id="one", keys=(key(1),), block_indexes=(2,), round_seq=3)
+            )
+            done = await peer.expect(wire.TransferDone)
+            assert done.success  # type: ignore[attr-defined]
+            assert bytes(peer.memory[2 * 64 : 3 * 64]) == block_bytes(key(1))
+            await peer.send(fetch_msg([], kv="one", round_seq=4))
+            await settle(lambda: node.peer_usage(peer.peer_id).holds_nothing)
+            assert cache.held_jobs() == set()

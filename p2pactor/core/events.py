@@ -151,6 +151,8 @@ class Quota(enum.Enum):
     """Fetch rounds of the peer in flight (fetched, not yet ended)."""
     OPEN_REQUESTS = "open_requests"
     """Requests of the peer we serve at once (live producer actors)."""
+    ROUNDS_PER_REQUEST = "rounds_per_request"
+    """Rounds one request of the peer holds (looked up or fetched, not ended)."""
 
 
 @attrs.frozen(kw_only=True)
