@@ -113,6 +113,11 @@ class _Tally:
         return _result(self.latencies, self.last - start, self.hits, self.misses, cpu)
 
 
+def _dump(path: str, lines: list[str]) -> None:
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def _fill(memory: Any, cache: Any) -> None:
     for i, key in enumerate(KEYS):
         cache.store(key, i.to_bytes(8, "little") * (BLOCK_LEN // 8))
@@ -154,9 +159,20 @@ async def _ours(args: argparse.Namespace) -> None:
         open_nixl_transport(pool, BLOCK_LEN, name=f"bench-{args.role}") as data,
         open_node(config, control=control, data=data, parent=cache if producer else None) as node,
     ):
+        trace = os.environ.get("P2PACTOR_BENCH_TRACE")
+        seen: list[str] = []
+        if trace:  # where a lookup's time goes: every event with the wall clock
+            node.watch_events(
+                lambda events, _state: seen.extend(
+                    f"{time.time():.6f} {args.role} {type(e).__name__} {e.actor.kv_request_id}"
+                    for e in events
+                )
+            )
         _say("READY")
         if producer:
             await trio.to_thread.run_sync(sys.stdin.read)
+            if trace:
+                _dump(f"{trace}.{args.role}", seen)
             _say(
                 {
                     "pinned": cache.pinned(),
@@ -170,6 +186,8 @@ async def _ours(args: argparse.Namespace) -> None:
         while True:
             line = await trio.to_thread.run_sync(sys.stdin.readline)
             if not line:
+                if trace:
+                    _dump(f"{trace}.{args.role}", seen)
                 return
             cmd = json.loads(line)
             keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
