@@ -119,8 +119,10 @@ async def send_response(
 ) -> None:
     """Send one complete response and mark the connection for closing."""
     conn = h11.Connection(h11.SERVER)
-    # h11 writes only after it has seen a request: give it a minimal one.
-    conn.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    # h11 writes only after it has seen a request: give it a minimal one (a
+    # HEAD for a head-only answer, whose Content-Length announces no body).
+    method = b"HEAD" if head_only else b"GET"
+    conn.receive_data(method + b" / HTTP/1.1\r\nHost: x\r\n\r\n")
     conn.next_event()
     all_headers = [
         ("Content-Type", content_type),

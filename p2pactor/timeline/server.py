@@ -60,7 +60,14 @@ from p2pactor.timeline.http import (
     send_response,
 )
 
-__all__ = ["FeedSource", "TimelineServer", "open_replay_server", "open_timeline_server", "page_url"]
+__all__ = [
+    "FeedSource",
+    "TimelineServer",
+    "control_security",
+    "open_replay_server",
+    "open_timeline_server",
+    "page_url",
+]
 
 log = logging.getLogger("p2pactor.timeline")
 
@@ -96,6 +103,17 @@ class FeedSource(Protocol):
     def sessions(self) -> list[PeerSession]:
         """The node's live sessions."""
         ...
+
+
+def control_security(node: object) -> Literal["curve", "none"]:
+    """How ``node``'s control channel is protected: ``"curve"`` or ``"none"``.
+
+    The control transport's ``security`` property when it has one (the ZeroMQ
+    transport does, see ``adapters/zmq.py``); ``"none"`` otherwise: a
+    transport that does not say it authenticates its peers is taken not to.
+    """
+    security = getattr(getattr(node, "control", None), "security", None)
+    return "curve" if security == "curve" else "none"
 
 
 def _authority(host: str, port: int) -> str:
@@ -204,6 +222,11 @@ class _Site:
             pass  # the client went away; nothing to tell anyone
         except Exception:
             log.exception("the timeline server failed on a connection; it goes on")
+        finally:
+            # One request per connection (responses say Connection: close).
+            # aclose never blocks on the peer; it cannot fail but on a cancel.
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await stream.aclose()
 
     async def _route(self, stream: trio.SocketStream, request: HttpRequest) -> None:
         problem = forbidden(request, self.bound_host)
@@ -377,7 +400,14 @@ class _LiveSite(_Site):
         self._node = node
         self._feed = feed
         wall, mono = origin
-        self._nodes = [{"node": node.node_id, "created_wall": wall, "created_mono": mono}]
+        self._nodes = [
+            {
+                "node": node.node_id,
+                "created_wall": wall,
+                "created_mono": mono,
+                "security": control_security(node),
+            }
+        ]
 
     def subscribe(self, filters: FeedFilters) -> Subscriber | None:
         return self._feed.subscribe(filters)
@@ -483,6 +513,7 @@ class _ReplaySite(_Site):
                 "node": r.header.node_id,
                 "created_wall": r.header.created_wall,
                 "created_mono": r.header.created_mono,
+                "security": None,  # logs do not record it
                 "path": r.path,
             }
             for r in readers
