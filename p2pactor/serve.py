@@ -80,6 +80,8 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
             async for signum in signals:
                 log.info("stopping on signal %d", signum)
                 break
+            for peer, usage in node.quota_usage().items():  # docs/quotas.md
+                sys.stdout.write(f"quota usage {peer} {usage.to_json()}\n")
     sys.stdout.write(f"p2pactor node {config.node_id} stopped\n")
 
 
