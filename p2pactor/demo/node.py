@@ -178,6 +178,7 @@ async def run_node(
             # The pool is sized to the workload, not to a real tier: every
             # held block may be pinned at once by one honest peer here.
             quotas=PeerQuotas(pinned_blocks_fraction=1.0),
+            handshake_timeout=plan.handshake_timeout,
             dashboard_host=dashboard[0] if dashboard else "127.0.0.1",
             dashboard_port=dashboard[1] if dashboard else None,
             curve_secret_key=None if curve_setup is None else curve_setup.secret_key,

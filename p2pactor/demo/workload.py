@@ -69,6 +69,8 @@ class DemoPlan:
         expire_every: Every n-th conversation never finishes writing (0: none).
         pending_delay: Seconds until a pending conversation is stored.
         concurrency: Requests a node keeps in flight at once.
+        handshake_timeout: Seconds a node gives a session's handshake (the
+            node default, 30 s, unless many nodes share very few cores).
     """
 
     nodes: int = attrs.field(default=3, validator=_at_least(2))
@@ -83,6 +85,7 @@ class DemoPlan:
     expire_every: int = attrs.field(default=7, validator=_at_least(0))
     pending_delay: float = 0.3
     concurrency: int = attrs.field(default=4, validator=_at_least(1))
+    handshake_timeout: float = 30.0
 
     @property
     def hash_seed(self) -> str:
