@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -150,11 +151,28 @@ class _Side:
         result["producer_cpu_s"] = _proc_cpu_s(self.producer.pid) - p0
         return result
 
+    def pause(self, *, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) both processes.
+
+        An idle side must not run beside the measured one: vLLM's NIXL agent
+        runs a progress thread that spins, and on two cores two idle vLLM
+        processes took half the CPU from our side's run. Cells are seconds
+        long, well inside both sides' 10 s heartbeat timeout.
+        """
+        sig = signal.SIGSTOP if paused else signal.SIGCONT
+        for proc in (self.consumer, self.producer):
+            if proc.proc.poll() is None:
+                os.kill(proc.pid, sig)
+        if not paused:
+            time.sleep(0.05)  # let them catch up with their sockets before measuring
+
     def close(self) -> dict[str, Any]:
+        self.pause(paused=False)
         self.consumer.close()
         return self.producer.close()
 
     def kill(self) -> None:
+        self.pause(paused=False)
         self.consumer.kill()
         self.producer.kill()
 
@@ -180,6 +198,8 @@ def run(options: BenchOptions) -> SectionResult:
             order = sides if rep % 2 == 0 else list(reversed(sides))
             for keys, conc in cells:
                 for side in order:
+                    for other, p in procs.items():
+                        p.pause(paused=other != side)
                     r = procs[side].cell(keys, conc, seconds)
                     results.setdefault((side, keys, conc), []).append(r)
         for side, p in procs.items():
@@ -266,6 +286,7 @@ def _tabulate(
             f"processes started in {startup:.0f} s (both sides at once)"
         ),
         (
+            "the side not being measured is stopped (SIGSTOP) meanwhile; "
             "vLLM side: P2PSecondaryTierManager on both ends, each woken as soon as its ROUTER "
             "is readable (else every 1 ms); producer parent: a vLLM ParentManager over the same "
             "EmbeddedCache class"
