@@ -70,6 +70,7 @@ import argparse
 import hashlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -481,7 +482,7 @@ def run_tier(
 ) -> dict[str, Any]:
     """One producer and one consumer of ``kind``: warm up, measure, tear down.
 
-    ``spawned``: a producer already started (and its port), from :func:`spawn_producer`.
+    ``spawned``: a producer already started, ready and stopped (SIGSTOP), and its port.
     """
     specs = shared.workload(args.requests, args.keys, args.seed)
     consumer_port = free_port()
@@ -489,7 +490,9 @@ def run_tier(
         producer_port = free_port()
         producer = start_producer(kind, producer_port, args)
     else:
-        producer, producer_port = wait_ready(kind, spawned[0]), spawned[1]
+        # Started, made ready and stopped by main(): let it run again.
+        producer, producer_port = spawned
+        os.kill(producer.pid, signal.SIGCONT)
     try:
         before_tier = set(thread_cpu())
         pool = shared.make_pool(args.consumer_blocks, args.block_bytes)
@@ -725,6 +728,12 @@ def main(
             for kind in order:
                 port = free_port()
                 spawned[kind] = (spawn_producer(kind, port, args), port)
+        # A producer waiting for its turn must not run beside the measured
+        # one (vLLM's NIXL progress thread spins): ready, then stopped until
+        # run_tier continues it.
+        for kind, (proc, _) in spawned.items():
+            wait_ready(kind, proc)
+            os.kill(proc.pid, signal.SIGSTOP)
         for kind in order:
             run = run_tier(kind, rep, args, spawned.get(kind))
             runs[kind].append(run)
