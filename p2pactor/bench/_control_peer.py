@@ -59,6 +59,7 @@ def control_key(i: int) -> bytes:
 
 
 KEYS: tuple[bytes, ...] = tuple(control_key(i) for i in range(NUM_KEYS))
+"""Every key the producer holds, in order."""
 
 
 def key_window(n: int, count: int) -> list[bytes]:

@@ -46,10 +46,13 @@ TITLE = "lookup throughput and latency over ZeroMQ vs vLLM 0.33.0's P2P sessions
 """One line saying what is measured."""
 
 KEYS_FULL = (1, 16, 256)
+"""Keys per lookup in a full run."""
 CONC_FULL = (1, 8, 64)
+"""Concurrent lookups in a full run."""
 QUICK_CELLS = ((16, 1), (16, 8))
+"""(keys, concurrent) cells of a quick run."""
 HELPER = "p2pactor.bench._control_peer"
-START_TIMEOUT_S = 180.0
+"""The module each producer and consumer process runs."""
 
 
 def _cells(quick: bool) -> list[tuple[int, int]]:

@@ -31,7 +31,9 @@ TITLE = "N concurrent requests on one node (in-memory network, logs on disk); re
 """One line saying what is measured."""
 
 HELPER = "p2pactor.bench._control_scale"
+"""The module each measurement runs in (a fresh interpreter)."""
 REPLAY_MODES = ("read", "replay", "replay --check")
+"""Reading the log only; replaying it; replaying it with invariant checks."""
 
 
 def _json(out: str) -> dict[str, Any]:
