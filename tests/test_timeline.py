@@ -418,7 +418,8 @@ async def test_a_subscriber_that_never_reads_gets_a_gap_and_never_slows_the_node
 async def test_a_subscriber_behind_for_too_long_is_closed() -> None:
     async with dashboards() as cluster:
         a = cluster["a"]
-        limits = FeedLimits(queue=4, max_behind_s=0.5, close_timeout_s=0.5)
+        # An eager writer (batch_interval_s), so the socket is what stops it.
+        limits = FeedLimits(queue=16, max_behind_s=0.5, close_timeout_s=0.5, batch_interval_s=0.001)
         async with open_timeline_server(a.node, limits=limits) as server:
             assert server.feed is not None
             feed = server.feed

@@ -111,6 +111,9 @@ class FeedLimits:
         snapshot_events: The most events one snapshot holds (the newest).
         max_subscribers: Subscribers at once; more are refused (HTTP 503).
         status_interval_s: How often ``peers`` and ``counters`` go out.
+        batch_interval_s: A subscriber that has caught up waits this long for
+            events to gather before it is sent the next ones, together (unless
+            its queue is half full).
     """
 
     queue: int = attrs.field(default=1000, validator=_positive_int)
@@ -121,6 +124,7 @@ class FeedLimits:
     snapshot_events: int = attrs.field(default=10_000, validator=_positive_int)
     max_subscribers: int = attrs.field(default=64, validator=_positive_int)
     status_interval_s: float = attrs.field(default=1.0, validator=_positive)
+    batch_interval_s: float = attrs.field(default=0.05, validator=_positive)
 
 
 # --- the event object ---------------------------------------------------------------
@@ -551,6 +555,32 @@ class Subscriber:
         if self.evicted:  # what is still queued is not worth the wait
             return None
         return item if isinstance(item, str) else item.text()
+
+    async def next_batch(self) -> list[str] | None:
+        """Every message queued now (at least one, waiting for it), oldest first.
+
+        None once the feed is done with us. A gap still owed ends the batch,
+        as it would :meth:`next_message`.
+        """
+        first = await self.next_message()
+        if first is None:
+            return None
+        batch = [first]
+        while True:
+            try:
+                item = self._receive.receive_nowait()
+            except trio.WouldBlock:
+                # Not caught up yet: that is when the batch has gone out and
+                # the next call finds the queue still empty (next_message).
+                if self._missed:
+                    batch.append(gap_message(self._missed))
+                    self._missed = 0
+                return batch
+            except trio.EndOfChannel:
+                return batch
+            if self.evicted:
+                return None
+            batch.append(item if isinstance(item, str) else item.text())
 
     def close(self) -> None:
         """No more messages: :meth:`next_message` returns what is queued, then None."""

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import ipaddress
 import string
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from importlib import resources
 from importlib.resources.abc import Traversable
 from typing import Final
@@ -31,6 +32,9 @@ __all__ = [
     "read_request",
     "send_response",
 ]
+
+CORK_BYTES: Final = 256 * 1024
+"""The most a corked :class:`ReplayedStream` holds before it writes anyway."""
 
 MAX_HEAD_BYTES: Final = 16 * 1024
 """The largest request head accepted; a browser's is a few hundred bytes."""
@@ -149,6 +153,24 @@ class ReplayedStream(trio.abc.Stream):
     def __init__(self, stream: trio.SocketStream, prefix: bytes) -> None:
         self.stream = stream
         self._prefix = prefix
+        self._corked = False
+        self._held = bytearray()
+
+    @asynccontextmanager
+    async def corked(self) -> AsyncIterator[None]:
+        """Hold what is sent in the block and write it at once at the end.
+
+        Many small websocket messages then cost one system call, not one each
+        (writes are still flushed every :data:`CORK_BYTES`).
+        """
+        self._corked = True
+        try:
+            yield
+        finally:
+            self._corked = False
+            if self._held:
+                data, self._held = bytes(self._held), bytearray()
+                await self.stream.send_all(data)
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:  # noqa: D102
         if self._prefix:
@@ -159,6 +181,11 @@ class ReplayedStream(trio.abc.Stream):
         return await self.stream.receive_some(max_bytes)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:  # noqa: D102
+        if self._corked:
+            self._held += data
+            if len(self._held) < CORK_BYTES:
+                return
+            data, self._held = bytes(self._held), bytearray()
         await self.stream.send_all(data)
 
     async def wait_send_all_might_not_block(self) -> None:  # noqa: D102

@@ -275,25 +275,26 @@ class _Site:
         try:
             async with trio.open_nursery() as nursery:
                 ws: WebSocketConnection | None = None
+                replayed = ReplayedStream(stream, request.raw)
                 with trio.move_on_after(_HANDSHAKE_TIMEOUT_S):
                     handshake = await wrap_server_stream(
                         nursery,
-                        ReplayedStream(stream, request.raw),
+                        replayed,
                         message_queue_size=1,
                         max_message_size=_CLIENT_MESSAGE_BYTES,
                     )
                     ws = await handshake.accept()
                 if ws is not None:
-                    await self._run_session(ws, filters, subscriber)
+                    await self._run_session(_Sender(ws, replayed), filters, subscriber)
                 nursery.cancel_scope.cancel()  # trio-websocket's reader task
         finally:
             if subscriber is not None:
                 self.unsubscribe(subscriber)
 
     async def _run_session(
-        self, ws: WebSocketConnection, filters: FeedFilters, subscriber: Subscriber | None
+        self, sender: _Sender, filters: FeedFilters, subscriber: Subscriber | None
     ) -> None:
-        sender = _Sender(ws)
+        ws = sender.ws
         scope = subscriber.scope if subscriber is not None else trio.CancelScope()
         try:
             with scope:
@@ -328,13 +329,22 @@ class _Site:
 class _Sender:
     """Sends messages on a websocket, knowing whether a send is half done."""
 
-    def __init__(self, ws: WebSocketConnection) -> None:
+    def __init__(self, ws: WebSocketConnection, stream: ReplayedStream) -> None:
         self.ws = ws
+        self.stream = stream
         self.busy = False
 
     async def send(self, text: str) -> None:
         self.busy = True
         await self.ws.send_message(text)
+        self.busy = False
+
+    async def send_batch(self, texts: list[str]) -> None:
+        """Send ``texts`` as as many messages, written to the socket together."""
+        self.busy = True
+        async with self.stream.corked():
+            for text in texts:
+                await self.ws.send_message(text)
         self.busy = False
 
 
@@ -428,8 +438,14 @@ class _LiveSite(_Site):
             truncated = 0  # said once, in the first snapshot message
         del records
         await sender.send(_snapshot_end(total, subscriber.truncated))
-        while (text := await subscriber.next_message()) is not None:
-            await sender.send(text)
+        limits = self._feed.limits
+        while (batch := await subscriber.next_batch()) is not None:
+            await sender.send_batch(batch)
+            if len(batch) < limits.queue // 2:
+                # Caught up: let events gather for a moment, then send them
+                # together. Waking for every event, with every subscriber, is
+                # what would cost the node's loop the most.
+                await trio.sleep(limits.batch_interval_s)
         if subscriber.evicted:
             limit = self._feed.limits.max_behind_s
             await sender.ws.aclose(
