@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import re
 import signal
@@ -461,7 +462,9 @@ async def test_a_feed_with_no_reader_drops_and_counts_without_blocking() -> None
 # --- disconnects -----------------------------------------------------------------------
 
 
-async def test_clients_that_leave_mid_stream_leave_no_task_behind() -> None:
+async def test_clients_that_leave_mid_stream_leave_no_task_behind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     async with dashboards() as cluster:
         a = cluster["a"]
         assert a.node.dashboard is not None
@@ -498,6 +501,8 @@ async def test_clients_that_leave_mid_stream_leave_no_task_behind() -> None:
         await wait_for(lambda: feed.stats().subscribers == 0, "every subscriber forgotten")
         await wait_for(lambda: task_count() == baseline, "every connection's task ended")
         await many_requests(cluster, 2)  # the node goes on as before
+    # Clients leaving is ordinary: nothing logged as an error.
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_closing_the_node_says_goodbye_to_its_subscribers() -> None:

@@ -26,7 +26,7 @@ from typing import Any, Final, Literal, Protocol
 from urllib.parse import urlsplit
 
 import trio
-from trio_websocket import ConnectionClosed, WebSocketConnection, wrap_server_stream
+from trio_websocket import CloseReason, ConnectionClosed, WebSocketConnection, wrap_server_stream
 
 from p2pactor.config import NodeConfig
 from p2pactor.core import events as ev
@@ -342,9 +342,14 @@ class _Sender:
     async def send_batch(self, texts: list[str]) -> None:
         """Send ``texts`` as as many messages, written to the socket together."""
         self.busy = True
-        async with self.stream.corked():
-            for text in texts:
-                await self.ws.send_message(text)
+        try:
+            async with self.stream.corked():
+                for text in texts:
+                    await self.ws.send_message(text)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            # The held bytes went straight to the socket: say it as
+            # trio-websocket says it when its own write finds the peer gone.
+            raise ConnectionClosed(CloseReason(1006, "the connection broke")) from exc
         self.busy = False
 
 
