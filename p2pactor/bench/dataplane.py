@@ -336,8 +336,23 @@ def _iters(quick: bool, block_len: int) -> int:
     return 3 if block_len >= MIB else 8
 
 
+def _nixl_missing() -> str:
+    """Why NIXL cannot be used here ('' when it can): the section needs it."""
+    from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415
+    from p2pactor.errors import DataPlaneError  # noqa: PLC0415
+
+    try:
+        import_nixl()
+    except DataPlaneError as exc:
+        return f"NIXL is not installed: {exc}"
+    return ""
+
+
 def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (:data:`QUICK_SIZES` with ``--quick``)."""
+    missing = _nixl_missing()
+    if missing:
+        return SectionResult(name=NAME, title=TITLE, skipped=missing)
     sizes = QUICK_SIZES if options.quick else SIZES
     groups: dict[int, list[int]] = defaultdict(list)
     for count, block_len in sizes:

@@ -69,10 +69,25 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
+def _nixl_missing() -> str:
+    """Why NIXL cannot be used here ('' when it can): the section needs it."""
+    from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415
+    from p2pactor.errors import DataPlaneError  # noqa: PLC0415
+
+    try:
+        import_nixl()
+    except DataPlaneError as exc:
+        return f"NIXL is not installed: {exc}"
+    return ""
+
+
 def run(options: BenchOptions) -> SectionResult:
     """Run the demo's N nodes ``repeats`` times (at most 2) and summarise."""
     from p2pactor.demo.run import run_demo  # noqa: PLC0415
 
+    missing = _nixl_missing()
+    if missing:
+        return SectionResult(name=NAME, title=TITLE, skipped=missing)
     nodes = QUICK_NODES if options.quick else NODES
     repeats = max(1, min(options.repeats, 2))
     # Several requests per peer: the first to each peer also sets its session up.
