@@ -746,7 +746,10 @@ async def test_demo_with_a_dashboard_prints_a_url_whose_feeds_show_every_request
         assert len(feeds) == 2
         assert all(f.startswith("ws://127.0.0.1:") for f in feeds)
         assert page.port is not None
-        assert (await http(page.port, "/"))[0] == 302  # the bare URL names every feed
+        # The bare URL names every feed (once node 0 has been told them, right after).
+        with trio.fail_after(WAIT_S):
+            while (await http(page.port, "/"))[0] != 302:  # noqa: ASYNC110
+                await trio.sleep(0.05)
         # Every request of the demo ends done, on the feed of the node that ran it.
         done: dict[str, str] = {}
         for feed in feeds:

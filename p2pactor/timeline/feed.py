@@ -490,6 +490,9 @@ class Subscriber:
         self._missed = 0
         self._behind_since: float | None = None
         self._send, self._receive = trio.open_memory_channel[_Item](queue)
+        # Known full since the last put failed and nothing was taken since: a
+        # stalled subscriber then costs a flag test per event, not an exception.
+        self._full = False
 
     @property
     def evicted(self) -> bool:
@@ -509,7 +512,7 @@ class Subscriber:
 
     def offer(self, record: FeedRecord) -> None:
         """Queue ``record`` if there is room, else drop and count it. Never blocks."""
-        if self._missed and self._put(gap_message(self._missed)):
+        if self._missed and not self._full and self._put(gap_message(self._missed)):
             self._missed = 0
         # While a gap is still owed, later events must not overtake it.
         if not self._missed and self._put(record):
@@ -527,9 +530,14 @@ class Subscriber:
         self._put(text)
 
     def _put(self, item: _Item) -> bool:
+        if self._full:
+            return False
         try:
             self._send.send_nowait(item)
-        except (trio.WouldBlock, trio.ClosedResourceError):
+        except trio.WouldBlock:
+            self._full = True
+            return False
+        except trio.ClosedResourceError:
             return False
         return True
 
@@ -541,6 +549,7 @@ class Subscriber:
         """
         try:
             item = self._receive.receive_nowait()
+            self._full = False
         except trio.WouldBlock:
             self._behind_since = None
             if self._missed:
@@ -548,6 +557,7 @@ class Subscriber:
                 return gap_message(missed)
             try:
                 item = await self._receive.receive()
+                self._full = False
             except trio.EndOfChannel:
                 return None
         except trio.EndOfChannel:
@@ -569,6 +579,7 @@ class Subscriber:
         while True:
             try:
                 item = self._receive.receive_nowait()
+                self._full = False
             except trio.WouldBlock:
                 # Not caught up yet: that is when the batch has gone out and
                 # the next call finds the queue still empty (next_message).
