@@ -145,7 +145,9 @@ async def _ours(args: argparse.Namespace) -> None:
         _fill(pool, cache)
     # No quota may refuse: 64 lookups of 256 keys pin 16,384 blocks at once,
     # and vLLM's tier has no quotas to compare with.
-    quotas = PeerQuotas(max_pinned_blocks=10**9, max_open_lookups=100_000)
+    quotas = PeerQuotas(
+        max_pinned_blocks=10**9, max_open_lookups=100_000, max_open_requests=100_000
+    )
     config = NodeConfig(
         host=HOST,
         port=args.port,

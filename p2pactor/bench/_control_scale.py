@@ -66,7 +66,12 @@ async def _requests(n: int, folder: str) -> dict[str, Any]:
     consumer_blocks = n * (KEYS_PER_REQUEST - 1) + 16
     consumer_cache = EmbeddedCache(consumer_blocks, BLOCK_LEN)
     # Nothing may be refused: the point is N requests at once from one peer.
-    quotas = PeerQuotas(max_pinned_blocks=10**9, max_open_lookups=10**7, max_fetch_rounds=10**7)
+    quotas = PeerQuotas(
+        max_pinned_blocks=10**9,
+        max_open_lookups=10**7,
+        max_fetch_rounds=10**7,
+        max_open_requests=10**7,
+    )
     network, plane = MemoryNetwork(capacity=10 * n + 1000), MemoryDataPlane()
 
     def config(name: str, blocks: int) -> Any:
