@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import io
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +110,12 @@ def run(options: BenchOptions) -> SectionResult:
         # The demo's progress bar goes to stderr; the bench prints its own table.
         with contextlib.redirect_stderr(io.StringIO()):
             report = run_demo(plan, log_dir=log_dir, out=out, timeout=600.0)
+        if report.problems:
+            # The work dir goes with the run: keep the failed run's event logs
+            # and node stderr for `p2pactor replay --check`.
+            kept = tempfile.mkdtemp(prefix="p2pactor-bench-peers-failed-")
+            shutil.copytree(log_dir, kept, dirs_exist_ok=True)
+            problems.append(f"repeat {repeat}: its event logs and stderr are kept in {kept}")
         problems += report.problems
         outcomes = [o for r in report.results for o in r["outcomes"]]
         wall = max((r["elapsed"] for r in report.results), default=0.0)
@@ -157,7 +165,7 @@ def run(options: BenchOptions) -> SectionResult:
         ),
         f"{verified} of {fetched} fetched blocks verified byte for byte; {failed} failures",
     ]
-    notes += [f"problem: {p}" for p in problems[:10]]
+    notes += [f"problem: {p}" for p in problems[:12]]
     skipped = f"failed: {failed} failures ({problems[:1] or 'see notes'})" if failed else None
     return SectionResult(
         name=NAME, title=TITLE, rows=[row], ratios={}, notes=notes, skipped=skipped
