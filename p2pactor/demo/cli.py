@@ -82,6 +82,27 @@ def register(commands: Any) -> None:
         ),
     )
     parser.add_argument(
+        "--wait-for-page",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help=(
+            "with --dashboard, start the requests when a page connects to the feeds, so "
+            "it sees them from the start (at most this long; 0: start at once; "
+            "default %(default)g)"
+        ),
+    )
+    parser.add_argument(
+        "--pace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help=(
+            "start each node's requests this far apart (default: 0.25 with --dashboard, "
+            "so the page shows them moving through their phases; 0 without)"
+        ),
+    )
+    parser.add_argument(
         "--curve",
         action="store_true",
         help=(
@@ -114,6 +135,8 @@ def _run(args: argparse.Namespace) -> int:
         )
     if args.linger is not None and args.linger < 0:
         raise SystemExit(f"p2pactor demo: --linger must be 0 or more, got {args.linger:g}")
+    if args.wait_for_page < 0 or (args.pace is not None and args.pace < 0):
+        raise SystemExit("p2pactor demo: --wait-for-page and --pace must be 0 or more")
     if args.linger is not None and args.dashboard is None:
         raise SystemExit("p2pactor demo: --linger keeps the dashboard up; give --dashboard PORT")
     dashboard = None if args.dashboard is None else (args.dashboard_host, args.dashboard)
@@ -124,5 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         dashboard=dashboard,
         linger=args.linger,
         curve=args.curve,
+        wait_for_page=args.wait_for_page if dashboard else 0.0,
+        pace=args.pace if args.pace is not None else (0.25 if dashboard else 0.0),
     )
     return 0 if report.ok else 1

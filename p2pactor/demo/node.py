@@ -207,6 +207,15 @@ async def run_node(
             if board is not None and go.get("feeds"):
                 board.set_page_feeds(go["feeds"])  # the bare page URL shows every node
             await trio.lowlevel.checkpoint()
+            if board is not None and go.get("wait_for_page"):
+                # A page that connects late would see finished lanes only; the
+                # demo is for watching requests move through their phases.
+                # The feed signals no subscriptions; polling at 20 Hz while
+                # nothing else runs costs nothing.
+                with trio.move_on_after(go["wait_for_page"]):
+                    while (stats := board.stats()) is not None and stats.subscribers == 0:  # noqa: ASYNC110
+                        await trio.sleep(0.05)
+            pace = float(go.get("pace", 0.0))
 
             async def finish_pending() -> None:
                 await trio.sleep(plan.pending_delay)
@@ -228,7 +237,9 @@ async def run_node(
 
             started = trio.current_time()
             async with trio.open_nursery() as requests:
-                for request in mine:
+                for i, request in enumerate(mine):
+                    if pace and i:
+                        await trio.sleep(pace)
                     requests.start_soon(one, request)
             elapsed = trio.current_time() - started
             say(

@@ -168,6 +168,8 @@ async def _orchestrate(
     dashboard: tuple[str, int] | None = None,
     linger: float | None = 0.0,
     curve: list[NodeCurve] | None = None,
+    wait_for_page: float = 0.0,
+    pace: float = 0.0,
 ) -> DemoReport:
     problems: list[str] = []
     summarised = False
@@ -226,11 +228,17 @@ async def _orchestrate(
                         out.write(
                             "  " + "  ".join(f"node {c.index}: {c.node_id}" for c in children)
                         )
-                        go: dict[str, Any] = {"go": True, "peers": peers}
+                        go: dict[str, Any] = {"go": True, "peers": peers, "pace": pace}
                         if dashboard is not None:
                             url = _dashboard_url(children)
                             out.write(f"\ndashboard: {url}")
                             go["feeds"] = [c.dashboard["feed"] for c in children if c.dashboard]
+                            go["wait_for_page"] = wait_for_page
+                            if wait_for_page > 0:
+                                out.write(
+                                    "\nOpen it: the requests start when the page connects "
+                                    f"(or in {wait_for_page:g} s; --wait-for-page 0 starts at once)"
+                                )
                         out.write("\nRunning requests...\n")
                         out.flush()
                         for c in children:
@@ -401,6 +409,8 @@ def run_demo(
     dashboard: tuple[str, int] | None = None,
     linger: float | None = 0.0,
     curve: bool = False,
+    wait_for_page: float = 0.0,
+    pace: float = 0.0,
 ) -> DemoReport:
     """Run the demo and print its summary to ``out``; see the module docstring.
 
@@ -409,6 +419,9 @@ def run_demo(
     node's page, reading every node's feed, is printed as ``dashboard: URL``
     before the requests run. ``linger`` keeps the nodes and their dashboards
     up that many seconds after the summary (None: until Ctrl-C or SIGTERM).
+    ``wait_for_page`` holds the requests until a page subscribes to the feeds
+    (at most that many seconds, not counted in ``timeout``), so it sees them
+    from their start; ``pace`` starts each node's requests that far apart.
     With ``curve``, the control channel is CURVE: keys for every node are made
     in a temporary folder (deleted at the end), and every node trusts the others.
     """
@@ -421,9 +434,14 @@ def run_demo(
             old.unlink()
     with demo_keys(plan.nodes) if curve else contextlib.nullcontext() as keys:
         orchestrate = functools.partial(
-            _orchestrate, dashboard=dashboard, linger=linger, curve=keys
+            _orchestrate,
+            dashboard=dashboard,
+            linger=linger,
+            curve=keys,
+            wait_for_page=wait_for_page,
+            pace=pace,
         )
-        report = trio.run(orchestrate, plan, folder, out, timeout)
+        report = trio.run(orchestrate, plan, folder, out, timeout + wait_for_page)
     if report.ok:
         out.write(
             "\nDemo OK: every fetched byte verified, every pin released, no invariant broken.\n"
