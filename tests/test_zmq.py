@@ -27,6 +27,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import cast
 
+import attrs
 import msgspec
 import pytest
 import trio
@@ -846,3 +847,24 @@ async def test_two_nodes_share_blocks_over_zmq() -> None:
                 session = a.session(zb.local_id)
                 assert session is not None
                 assert session.extended  # p2pactor <-> p2pactor over real ZeroMQ
+
+
+def _zmq_threads() -> dict[int, str]:
+    """This process's libzmq threads: id -> name (Linux)."""
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    names = {int(t.name): (t / "comm").read_text().strip() for t in tasks.iterdir()}
+    return {tid: name for tid, name in names.items() if name.startswith("ZMQbg/")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.parametrize("batch", [True, False])
+async def test_io_threads_never_preempt_the_trio_thread(batch: bool) -> None:
+    before = _zmq_threads()
+    with trio.fail_after(10):
+        async with transport(attrs.evolve(FAST, batch_io_threads=batch)):
+            new: dict[int, str] = {}
+            while not any(name.startswith("ZMQbg/IO") for name in new.values()):
+                await trio.sleep(0.01)  # libzmq names its threads once they run
+                new = {t: n for t, n in _zmq_threads().items() if t not in before}
+            policies = {os.sched_getscheduler(tid) for tid in new}
+    assert policies == ({os.SCHED_BATCH} if batch else {os.SCHED_OTHER})
