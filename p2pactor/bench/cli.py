@@ -48,6 +48,7 @@ def run_bench(
     """Run the sections (all, or ``only``) and return the report; print each table."""
     results: list[SectionResult] = []
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    where = machine()  # before the sections: its load average is the one they started at
     for name in SECTIONS:
         if only and name not in only:
             continue
@@ -67,7 +68,7 @@ def run_bench(
         results.append(result)
         out.write(result.table() + "\n\n")
         out.flush()
-    return BenchReport(quick=options.quick, started=started, machine=machine(), sections=results)
+    return BenchReport(quick=options.quick, started=started, machine=where, sections=results)
 
 
 def _with_seconds(result: SectionResult, seconds: float) -> SectionResult:
