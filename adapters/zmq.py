@@ -26,7 +26,9 @@ How trio and libzmq meet (``shared/reference/trio-stack.md`` section 1):
   So every operation first tries ``NOBLOCK``; a task that must wait re-reads
   ``EVENTS`` right before it parks; and it parks on a :class:`trio.Event`, never
   on the fd. Exactly one *watcher* task per waited-on socket parks on the fd,
-  drains it with ``getsockopt(EVENTS)`` and wakes the waiters.
+  drains it with ``getsockopt(EVENTS)`` and wakes the waiters. The ROUTER is
+  the exception: its receive task is its only user, so it parks on the fd
+  itself, and each batch costs one task wake-up, not two.
 * Sockets that are waited on: the ROUTER (one receive task that demultiplexes
   frames into per-connection bounded channels, so a slow or flooding peer never
   holds up the others), each DEALER's monitor socket (one task per connection),
@@ -295,8 +297,11 @@ class _AsyncSocket:
     cancellation. Run :meth:`watch` in a nursery for the socket's lifetime.
     """
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], *, sole_reader: bool = False) -> None:
         self.sock = sock
+        # One task only ever uses the socket, to receive (the ROUTER): it parks
+        # on the fd itself in receive_batch, and the socket has no watcher.
+        self.sole_reader = sole_reader
         self._fd: int = sock.FD
         self._changed = trio.Event()
         self._wanted: dict[int, int] = {}  # flag -> tasks waiting for it
@@ -406,7 +411,14 @@ class _AsyncSocket:
                 # From here on we own the messages: no cancellation may lose them.
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
-            await self.wait(zmq.POLLIN)
+            if not self.sole_reader:
+                await self.wait(zmq.POLLIN)
+            elif not _events(self.sock) & zmq.POLLIN:
+                # This task is the socket's only user (the ROUTER's receive
+                # task) and parks on the fd itself, sparing a watcher's
+                # wake-up per batch. EVENTS was read right before parking,
+                # and nothing touches the socket in between.
+                await trio.lowlevel.wait_readable(self._fd)
 
     def _recv_authenticated(self, flags: int) -> list[bytes]:
         """A message's frames and, appended, the User-Id ZAP gave its sender ("" if none).
@@ -526,6 +538,25 @@ class ZmqConnection:
         )
         self._die(reason)
         raise ConnectionLost(reason)
+
+    def send_nowait(self, frame: bytes) -> bool:
+        """Queue ``frame`` for the peer now if there is room; never blocks, no checkpoint.
+
+        For a caller on the trio thread that would otherwise hand the frame to
+        a sender task: it spares that task's wake-up per frame. In order with
+        :meth:`send` only if no ``send`` is in progress.
+
+        Returns:
+            Whether the frame was queued: False if ``send_hwm`` frames already
+            are (then :meth:`send` waits for room).
+
+        Raises:
+            ConnectionLost: The connection is dead, or libzmq refused the frame
+                for another reason than room (the connection dies of it).
+        """
+        if self._dead_reason is not None:
+            raise ConnectionLost(self._dead_reason)
+        return self._try_send(frame)
 
     def _try_send(self, frame: bytes) -> bool:
         """Queue ``frame`` if there is room (never blocks).
@@ -1316,7 +1347,7 @@ async def open_zmq_transport(
                 async with trio.open_nursery() as nursery:
                     transport = ZmqControlTransport(
                         ctx,
-                        _AsyncSocket(router),
+                        _AsyncSocket(router, sole_reader=True),
                         local_id=f"{host}:{bound_port}",
                         port=bound_port,
                         options=options,
@@ -1334,7 +1365,8 @@ async def open_zmq_transport(
                         nursery.start_soon(
                             transport._router_monitor_loop, watched, name="zmq router monitor"
                         )
-                    transport._router.start_watching(nursery, "zmq router fd")
+                    # No watcher for the ROUTER: its receive task is its only
+                    # user and parks on its fd itself (see receive_batch).
                     nursery.start_soon(transport._receive_loop, name="zmq router")
                     _log_security(transport, bound_port)
                     try:

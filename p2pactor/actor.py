@@ -11,7 +11,6 @@ happens in the host. The actor itself never blocks on anything but its inbox.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -121,8 +120,11 @@ class RequestActor:
                 while not self.done:
                     deadline = next_deadline(self.state)
                     event_input: ActorInput = inp.Tick()
-                    with trio.move_on_at(math.inf if deadline is None else deadline):
+                    if deadline is None:  # no cancel scope to pay for (one per step)
                         event_input = await self._receive.receive()
+                    else:
+                        with trio.move_on_at(deadline):
+                            event_input = await self._receive.receive()
                     self.step(event_input)
         finally:
             self._send.close()

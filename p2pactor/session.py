@@ -26,7 +26,7 @@ import enum
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -190,6 +190,12 @@ class PeerSession:
         self._outbox_send, self._outbox_recv = trio.open_memory_channel[bytes](
             self._config.session_outbox
         )
+        # Frames in the outbox or in the send loop's hands, not yet sent. While
+        # there are none, send() hands a frame to the connection itself (if it
+        # offers send_nowait, as ZeroMQ's does), sparing the send loop's
+        # wake-up per message; otherwise it queues behind them, in order.
+        self._unsent = 0
+        self._send_now: Callable[[bytes], bool] | None = None
         self._acked = trio.Event()
         self._peer_accepted = False
         self._peer_registered = trio.Event()
@@ -397,12 +403,16 @@ class PeerSession:
     async def _send_loop(self) -> None:
         await self._acked.wait()
         assert self._conn is not None
+        # Optional in ControlConnection: the in-memory test transport has none.
+        send_now = getattr(self._conn, "send_nowait", None)
+        self._send_now = send_now if callable(send_now) else None
         async for frame in self._outbox_recv:
             try:
                 await self._conn.send(frame)
             except ConnectionLost as exc:
                 self._die(exc.reason)
                 return
+            self._unsent -= 1
 
     async def _receive_loop(self) -> None:
         assert self._conn is not None
@@ -614,13 +624,22 @@ class PeerSession:
         """Queue a message for the peer (sent once our connect is acked)."""
         if not self.alive:
             return
-        msg = self._to_dialect(msg)
+        frame = wire.encode(self._to_dialect(msg))
+        if self._send_now is not None and not self._unsent:
+            try:
+                if self._send_now(frame):
+                    return
+            except ConnectionLost as exc:
+                self._die(exc.reason)
+                return
         try:
-            self._outbox_send.send_nowait(wire.encode(msg))
+            self._outbox_send.send_nowait(frame)
         except trio.WouldBlock:
             self._die(
                 f"the peer is not reading: {self._config.session_outbox} messages queued for it"
             )
+        else:
+            self._unsent += 1
 
     def _to_dialect(self, msg: wire.Message) -> wire.Message:
         """Strip p2pactor's extension fields for a peer that speaks vLLM's dialect."""
