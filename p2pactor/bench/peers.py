@@ -166,7 +166,16 @@ def run(options: BenchOptions) -> SectionResult:
         f"{verified} of {fetched} fetched blocks verified byte for byte; {failed} failures",
     ]
     notes += [f"problem: {p}" for p in problems[:12]]
-    skipped = f"failed: {failed} failures ({problems[:1] or 'see notes'})" if failed else None
+    if failed:
+        notes.insert(
+            0,
+            f"FAILURES: {failed} (a known open bug: sessions one side declared dead "
+            "while the other kept using them; see docs/benchmarks.md, 16 peers)",
+        )
+    # Failures are a figure this section reports (the JSON has them); only
+    # wrong bytes, or a run with nothing fetched, make the section itself fail.
+    broken = fetched - verified or not fetched
+    skipped = f"failed: {failed} failures ({problems[:1] or 'see notes'})" if broken else None
     return SectionResult(
         name=NAME, title=TITLE, rows=[row], ratios={}, notes=notes, skipped=skipped
     )
