@@ -1,4 +1,4 @@
-"""Helpers the control, engine and scale sections share: subprocesses, ports, percentiles."""
+"""Helpers the bench sections share: subprocesses, ports, percentiles, what is installed."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ __all__ = [
     "child_env",
     "free_port",
     "module_command",
+    "nixl_missing",
     "peak_rss_kib",
     "percentile",
     "ratio_or_none",
@@ -58,6 +59,18 @@ def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedP
         tail = (done.stdout[-1500:] + "\n" + done.stderr[-3000:]).strip()
         raise RuntimeError(f"{module} exited with {done.returncode}:\n{tail}")
     return done
+
+
+def nixl_missing() -> str:
+    """Why NIXL cannot be used here ('' when it can): the data sections need it."""
+    from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415 - loads NIXL
+    from p2pactor.errors import DataPlaneError  # noqa: PLC0415
+
+    try:
+        import_nixl()
+    except DataPlaneError as exc:
+        return f"NIXL is not installed: {exc}"
+    return ""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

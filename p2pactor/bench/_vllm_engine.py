@@ -87,7 +87,8 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from p2pactor.bench import _vllm_tier as shared
-from p2pactor.bench._vllm_launch import free_port, make_parser, spawn_producer
+from p2pactor.bench._control_common import free_port
+from p2pactor.bench._vllm_launch import make_parser, spawn_producer
 
 METHODS = (
     "has_pending_work",

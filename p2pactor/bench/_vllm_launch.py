@@ -11,21 +11,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 
-__all__ = ["free_port", "main", "make_parser", "spawn_producer"]
+from p2pactor.bench._control_common import free_port
+
+__all__ = ["main", "make_parser", "spawn_producer"]
 
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A TCP port that is free on 127.0.0.1 now."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def make_parser() -> argparse.ArgumentParser:

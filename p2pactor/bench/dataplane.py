@@ -45,6 +45,7 @@ import numpy as np
 import trio
 import trio.lowlevel
 
+from p2pactor.bench._control_common import nixl_missing
 from p2pactor.bench._dataplane_peer import HASH_SEED, PREFIX, bench_keys, block_content
 from p2pactor.bench.report import BenchOptions, Cell, SectionResult, Stat
 
@@ -336,21 +337,9 @@ def _iters(quick: bool, block_len: int) -> int:
     return 3 if block_len >= MIB else 8
 
 
-def _nixl_missing() -> str:
-    """Why NIXL cannot be used here ('' when it can): the section needs it."""
-    from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415
-    from p2pactor.errors import DataPlaneError  # noqa: PLC0415
-
-    try:
-        import_nixl()
-    except DataPlaneError as exc:
-        return f"NIXL is not installed: {exc}"
-    return ""
-
-
 def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (:data:`QUICK_SIZES` with ``--quick``)."""
-    missing = _nixl_missing()
+    missing = nixl_missing()
     if missing:
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     sizes = QUICK_SIZES if options.quick else SIZES

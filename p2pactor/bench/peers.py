@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from p2pactor.bench._control_common import nixl_missing, percentile
 from p2pactor.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 __all__ = ["NAME", "NODES", "QUICK_NODES", "TITLE", "plan_for", "run"]
@@ -66,28 +67,11 @@ def plan_for(nodes: int, requests_per_peer: int = 1) -> Any:
     )
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def _nixl_missing() -> str:
-    """Why NIXL cannot be used here ('' when it can): the section needs it."""
-    from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415
-    from p2pactor.errors import DataPlaneError  # noqa: PLC0415
-
-    try:
-        import_nixl()
-    except DataPlaneError as exc:
-        return f"NIXL is not installed: {exc}"
-    return ""
-
-
 def run(options: BenchOptions) -> SectionResult:
     """Run the demo's N nodes ``repeats`` times (at most 2) and summarise."""
     from p2pactor.demo.run import run_demo  # noqa: PLC0415
 
-    missing = _nixl_missing()
+    missing = nixl_missing()
     if missing:
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     nodes = QUICK_NODES if options.quick else NODES
@@ -132,10 +116,10 @@ def run(options: BenchOptions) -> SectionResult:
         rates.append(fetches / wall)
         lookups = [o["lookup_s"] * 1e3 for o in outcomes]
         fetch_ms = [o["fetch_s"] * 1e3 for o in outcomes if o["fetched"]]
-        lookup50.append(_percentile(lookups, 0.5))
-        lookup99.append(_percentile(lookups, 0.99))
-        fetch50.append(_percentile(fetch_ms, 0.5))
-        fetch99.append(_percentile(fetch_ms, 0.99))
+        lookup50.append(percentile(lookups, 0.5))
+        lookup99.append(percentile(lookups, 0.99))
+        fetch50.append(percentile(fetch_ms, 0.5))
+        fetch99.append(percentile(fetch_ms, 0.99))
     failed = failures + len(problems) + (fetched - verified)
 
     def stat(values: list[float]) -> Stat | None:
