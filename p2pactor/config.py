@@ -134,6 +134,12 @@ class NodeConfig:
         dashboard_host: The address the dashboard binds. Loopback by default:
             the feed shows peers, request ids and timings, so serving it
             anywhere else is an explicit choice.
+        metrics_port: Serve ``/metrics`` (Prometheus) and ``/status`` on
+            this port of their own; 0 picks a free one (``Node.http_url``
+            says which); None (the default) serves them only on the
+            dashboard's port, when it is on. See ``docs/metrics.md``.
+        metrics_host: The address the metrics port binds (loopback by
+            default; ``0.0.0.0`` lets a Prometheus on another host scrape).
         curve_secret_key: Path of this node's secret CURVE certificate
             (``STEM.key_secret`` from ``p2pactor keygen``; mode 0600). With
             ``curve_trusted``, the control channel is authenticated and
@@ -168,6 +174,8 @@ class NodeConfig:
     round_extension: bool = True
     dashboard_port: int | None = attrs.field(default=None, validator=_optional_port)
     dashboard_host: str = "127.0.0.1"
+    metrics_port: int | None = attrs.field(default=None, validator=_optional_port)
+    metrics_host: str = "127.0.0.1"
     curve_secret_key: str | None = attrs.field(default=None, converter=_optional_path)
     curve_trusted: str | None = attrs.field(default=None, converter=_optional_path)
     _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
@@ -225,6 +233,7 @@ class NodeConfig:
         ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``, ``P2PACTOR_FINGERPRINT``,
         ``P2PACTOR_ALLOWED_PEERS`` (comma-separated ``host:port``),
         ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
+        ``P2PACTOR_METRICS_PORT``, ``P2PACTOR_METRICS_HOST``,
         ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``, and the
         quotas' ``P2PACTOR_QUOTA_*`` (:meth:`~p2pactor.quotas.PeerQuotas.from_env`).
 
@@ -255,6 +264,8 @@ class NodeConfig:
         read("P2PACTOR_FINGERPRINT", "fingerprint", str)
         read("P2PACTOR_DASHBOARD_PORT", "dashboard_port", int)
         read("P2PACTOR_DASHBOARD_HOST", "dashboard_host", str)
+        read("P2PACTOR_METRICS_PORT", "metrics_port", int)
+        read("P2PACTOR_METRICS_HOST", "metrics_host", str)
         read("P2PACTOR_CURVE_SECRET_KEY", "curve_secret_key", str)
         read("P2PACTOR_CURVE_TRUSTED", "curve_trusted", str)
         quotas = PeerQuotas.from_env(env)  # P2PACTOR_QUOTA_*: see docs/quotas.md

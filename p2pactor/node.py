@@ -45,7 +45,10 @@ from p2pactor.core.consumer import ConsumerState, probe_answer
 from p2pactor.core.fold import ActorState
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
+from p2pactor.httpserve import MetricsServer, open_metrics_server
 from p2pactor.log import EventLog
+from p2pactor.logsetup import parent_request_context, peer_context, request_context
+from p2pactor.metrics import NodeMetrics
 from p2pactor.parent import Parent, serve_parent_request
 from p2pactor.quotas import PeerUsage, QuotaLedger
 from p2pactor.session import PeerSession, SessionCloseResult
@@ -219,7 +222,11 @@ class Node:
         self._event_watchers: list[EventWatcher] = []
         self._closing_node = False
         self._quotas = QuotaLedger(config.quotas, config.num_blocks)
+        self._started_at = self._clock.current_time()  # for uptime (status reports)
         self._dashboard: TimelineServer | None = None
+        self._metrics_server: MetricsServer | None = None
+        # Last: it subscribes to this node's events, and reads its state when scraped.
+        self._metrics = NodeMetrics(self)
 
     # --- identity and state ------------------------------------------------------
 
@@ -266,6 +273,24 @@ class Node:
         return self._dashboard
 
     @property
+    def metrics(self) -> NodeMetrics:
+        """The node's Prometheus metrics (``docs/metrics.md``); always on."""
+        return self._metrics
+
+    @property
+    def http_url(self) -> str | None:
+        """``http://HOST:PORT/`` answering ``/metrics`` and ``/status``, or None when not served.
+
+        The dashboard's port when it is on, else the metrics-only port
+        (``config.metrics_port``).
+        """
+        if self._dashboard is not None:
+            return self._dashboard.url
+        if self._metrics_server is not None:
+            return self._metrics_server.url
+        return None
+
+    @property
     def quotas(self) -> QuotaLedger:
         """The per-peer quota counts (see :mod:`p2pactor.quotas`)."""
         return self._quotas
@@ -281,9 +306,27 @@ class Node:
         """:meth:`peer_usage` of every peer seen so far, by peer id."""
         return self._quotas.usages()
 
+    def now(self) -> float:
+        """The node's clock (trio's): session activity times are on it. Any thread."""
+        return self._clock.current_time()
+
+    @property
+    def uptime(self) -> float:
+        """Seconds since the node started. Any thread."""
+        return self._clock.current_time() - self._started_at
+
+    @property
+    def engine_backlog(self) -> int:
+        """Engine calls handed over and not yet applied (bounded by ``engine_inbox``)."""
+        return len(self._inbox)
+
     def sessions(self) -> list[PeerSession]:
         """Live sessions, one per peer."""
         return list(self._sessions.values())
+
+    def replaced_sessions(self) -> list[PeerSession]:
+        """Sessions a reconnecting peer replaced, still draining (not in :meth:`sessions`)."""
+        return list(self._closing)
 
     def session(self, peer: str) -> PeerSession | None:
         """The live session with ``peer``, if any."""
@@ -567,7 +610,13 @@ class Node:
                 await self._session_for(peer)
             case _Answer(actor, answer):
                 if not await actor.deliver(answer):
-                    log.error("%s ended before its parent answer; releasing its pin", actor.id)
+                    log.error(
+                        "%s ended before its parent answer; releasing its pin",
+                        actor.id,
+                        extra=request_context(
+                            actor.id.peer, actor.id.kv_request_id, node=self._config.node_id
+                        ),
+                    )
                     if answer.pin is not None:
                         self.release_pin(answer.pin.job_id, success=False)
 
@@ -597,7 +646,13 @@ class Node:
         if bound is not None and not bound.done and await bound.deliver(store):
             return
         if item.kv_request_id in self._reaped:
-            log.warning("%s was reaped; refusing its late store", item.kv_request_id)
+            log.warning(
+                "%s: refused a store that came after its blocks were released (no fetch "
+                "within unbound_store_timeout, %g s); raise it if fetches come this late",
+                item.kv_request_id,
+                self._config.unbound_store_timeout,
+                extra=request_context(None, item.kv_request_id, node=self._config.node_id),
+            )
             self.release_pin(item.job_id, success=False)
             return
         self._bound.pop(item.kv_request_id, None)
@@ -627,7 +682,13 @@ class Node:
         if not self._config.may_dial(peer) or self._closing_node:
             return None
         if len(self._sessions) >= self._config.max_peers:
-            log.warning("not dialing %s: already %d peers (max_peers)", peer, len(self._sessions))
+            log.warning(
+                "not dialing %s: already %d peers (max_peers); raise max_peers "
+                "(VLLM_P2P_MAX_PEERS) to allow more",
+                peer,
+                len(self._sessions),
+                extra=peer_context(peer, node=self._config.node_id),
+            )
             return None
         return await self._start_session(peer, None)
 
@@ -652,12 +713,20 @@ class Node:
     def _session_closed(self, result: SessionCloseResult) -> None:
         self._closed_results.append(result)
         for job_id in result.held_pins:
-            log.warning("%s closed holding pin %d; releasing it", result.peer_id, job_id)
+            log.warning(
+                "%s closed holding pin %d; releasing it",
+                result.peer_id,
+                job_id,
+                extra=peer_context(result.peer_id, node=self._config.node_id),
+            )
             self.release_pin(job_id, success=False)
         for context in result.open_contexts:
             self._enqueue_parent((None, fx.ParentClose(context)))
+        # A session that replaced this one (the peer connected again) keeps its
+        # own bound producers; only the ended ones of this peer go.
+        replaced = self._sessions.get(result.peer_id) is not None
         for kv_id, actor in list(self._bound.items()):
-            if actor.id.peer == result.peer_id:
+            if actor.id.peer == result.peer_id and (actor.done or not replaced):
                 del self._bound[kv_id]
 
     async def _accept_loop(self) -> None:
@@ -669,16 +738,48 @@ class Node:
             peer = conn.peer_id
             existing = self._sessions.get(peer)
             if not self._config.may_dial(peer):
-                log.warning("refused %s: not in allowed_peers", peer)
+                log.warning(
+                    "refused %s: not in allowed_peers; add it to allowed_peers "
+                    "(P2PACTOR_ALLOWED_PEERS) to accept it",
+                    peer,
+                    extra=peer_context(peer, node=self._config.node_id),
+                )
                 await conn.aclose()
+            elif existing is not None and existing.dialing:
+                # Both nodes dialed each other at once, and the peer's frame came
+                # before this node's session ran its connect(): that connect()
+                # takes this very connection from the transport's table. Closing
+                # it would lose the peer's `connect`, and the session would never
+                # finish its handshake (seen with 16 nodes starting together).
+                log.debug("%s dialed us while we dial it; the session takes its connection", peer)
             elif existing is not None and existing.alive:
-                log.warning("%s connected again while its session lives; refused", peer)
-                await conn.aclose()
+                # A transport opens an inbound connection only for a peer it has
+                # no live connection with: the session's own connection is gone
+                # (the peer restarted or dropped it) and the session is about to
+                # notice. The new connection is the peer now; the old session ends.
+                log.info(
+                    "%s connected again; its old session ends and a new one starts",
+                    peer,
+                    extra=peer_context(peer, node=self._config.node_id),
+                )
+                existing.close("the peer connected again: this session's connection is gone")
+                self._closing.add(existing)
+                await self._start_session(peer, conn)
             elif self._closing_node:
-                log.info("refused %s: this node is shutting down", peer)
+                log.info(
+                    "refused %s: this node is shutting down",
+                    peer,
+                    extra=peer_context(peer, node=self._config.node_id),
+                )
                 await conn.aclose()
             elif len(self._sessions) >= self._config.max_peers:
-                log.warning("refused %s: at max_peers (%d)", peer, self._config.max_peers)
+                log.warning(
+                    "refused %s: at max_peers (%d); raise max_peers (VLLM_P2P_MAX_PEERS) "
+                    "to accept more",
+                    peer,
+                    self._config.max_peers,
+                    extra=peer_context(peer, node=self._config.node_id),
+                )
                 await conn.aclose()
             else:
                 if existing is not None:
@@ -697,7 +798,14 @@ class Node:
                     self._store_finished.discard(kv_id)
                     self._reaped[kv_id] = now
                     for _, item in parked:
-                        log.warning("no fetch came for %s; releasing its stored blocks", kv_id)
+                        log.warning(
+                            "no fetch came for %s within unbound_store_timeout (%g s); "
+                            "releasing its stored blocks (check that the decode side runs "
+                            "and reaches this node)",
+                            kv_id,
+                            self._config.unbound_store_timeout,
+                            extra=request_context(None, kv_id, node=self._config.node_id),
+                        )
                         self.release_pin(item.job_id, success=False)
             remembered = now - _REAPED_MEMORY_S
             for kv_id, when in list(self._reaped.items()):
@@ -710,6 +818,10 @@ class Node:
         """Call ``watcher`` with every actor created from now on; returns an unsubscribe."""
         self._actor_watchers.append(watcher)
         return lambda: self._actor_watchers.remove(watcher)
+
+    def handshake_ended(self, peer: str, outcome: str) -> None:
+        """Count a session's handshake outcome (see :data:`p2pactor.metrics.HANDSHAKE_OUTCOMES`)."""
+        self._metrics.handshake(peer, outcome)
 
     def actor_created(self, actor: RequestActor) -> None:
         """Tell the watchers about a new actor."""
@@ -734,7 +846,14 @@ class Node:
             try:
                 watcher(events, actor.state)
             except Exception:
-                log.exception("an event watcher failed; it keeps its subscription")
+                log.exception(
+                    "an event watcher failed on %s; it keeps its subscription (fix the "
+                    "watcher: see the traceback)",
+                    actor.id,
+                    extra=request_context(
+                        actor.id.peer, actor.id.kv_request_id, node=self._config.node_id
+                    ),
+                )
 
     def post_parent(self, actor: RequestActor, request: fx.ParentRequest) -> None:
         """Queue a parent request for the next serve."""
@@ -837,13 +956,23 @@ class Node:
                     try:
                         parent.on_request_finished(context)
                     except Exception:
-                        log.exception("the parent failed to finish %s", context)
+                        log.exception(
+                            "the parent failed to finish %s; a bug in the engine's parent "
+                            "(see the traceback)",
+                            context,
+                            extra=parent_request_context(context, node=self._config.node_id),
+                        )
                 case _Release(job_id, success):
                     self._quotas.released(job_id)
                     try:
                         parent.release_job(job_id, success=success)
                     except Exception:
-                        log.exception("the parent failed to release job %d", job_id)
+                        log.exception(
+                            "the parent failed to release job %d; a bug in the engine's "
+                            "parent (see the traceback)",
+                            job_id,
+                            extra=request_context(None, None, node=self._config.node_id),
+                        )
 
     async def _serve_embedded(self, parent: Parent) -> None:
         poll = self._config.timings.pending_poll_interval
@@ -944,6 +1073,10 @@ async def open_node(
                         open_timeline_server(
                             node, host=config.dashboard_host, port=config.dashboard_port
                         )
+                    )
+                if config.metrics_port is not None:
+                    node._metrics_server = await dashboard.enter_async_context(
+                        open_metrics_server(node, config.metrics_host, config.metrics_port)
                     )
                 yield node
             finally:

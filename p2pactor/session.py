@@ -43,6 +43,7 @@ from p2pactor.core.effects import context_name
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerState
 from p2pactor.errors import ProtocolError, UnknownMessageType
+from p2pactor.logsetup import peer_context, request_context
 from p2pactor.quotas import QuotaLedger
 from p2pactor.transport import (
     ConnectionLost,
@@ -163,6 +164,9 @@ class SessionHost(Protocol):
     def actor_created(self, actor: RequestActor) -> None:
         """An actor was created (observers may watch it)."""
 
+    def handshake_ended(self, peer: str, outcome: str) -> None:
+        """The handshake with ``peer`` ended: ``ok`` or why not (for metrics)."""
+
 
 class PeerSession:
     """The control session with one peer, and the request actors on it."""
@@ -179,6 +183,9 @@ class PeerSession:
         self.result: SessionCloseResult | None = None
         self.peer_extension: wire.ConnectExtension | None = None
         self.last_activity = 0.0
+        # trio clock, as last_activity (the session's start or its last frame
+        # received): when send() last queued a message; None before the first.
+        self.last_sent: float | None = None
         self._host = host
         self._config = host.config
         self._conn = conn
@@ -235,6 +242,20 @@ class PeerSession:
         return self._acked.is_set() and self._peer_registered.is_set()
 
     @property
+    def unsent(self) -> int:
+        """Frames queued for the peer and not yet sent (bounded by ``session_outbox``)."""
+        return self._unsent
+
+    def handshake_steps(self) -> dict[str, bool]:
+        """Which steps of the handshake are done, by name (for status reports). Any thread."""
+        return {
+            "connected": self._conn is not None,
+            "peer_connect_accepted": self._peer_accepted,
+            "our_connect_acked": self._acked.is_set(),
+            "peer_memory_registered": self._peer_registered.is_set(),
+        }
+
+    @property
     def extended(self) -> bool:
         """Whether the peer speaks p2pactor's extensions (else: vLLM's dialect)."""
         return self.peer_extension is not None
@@ -289,6 +310,16 @@ class PeerSession:
     def live_actors(self) -> list[RequestActor]:
         """Every actor of this session that has not ended."""
         return [a for a in (*self._consumers.values(), *self._producers.values()) if not a.done]
+
+    @property
+    def dialing(self) -> bool:
+        """Whether the session has no connection yet (it is about to dial the peer).
+
+        Its ``control.connect()`` takes the peer's live connection from the
+        transport, so a connection the peer opened meanwhile becomes this
+        session's, not a second one.
+        """
+        return self._conn is None and not self._dead.is_set()
 
     def close(self, reason: str) -> None:
         """Close the session: tell the peer, end every actor, drain. Idempotent."""
@@ -364,6 +395,7 @@ class PeerSession:
                 return msg
             self._die(f"its first message is a {msg.TYPE}, not a connect; not answering")
             return None
+        self._host.handshake_ended(self.peer_id, "timeout")
         self._die(f"no connect within {self._config.handshake_timeout:g} s of its first frame")
         return None
 
@@ -385,8 +417,15 @@ class PeerSession:
             await self._acked.wait()
             await self._peer_registered.wait()
             self.state = SessionState.READY
-            log.info("session with %s ready (%s dialect)", self.peer_id, self._dialect())
+            self._host.handshake_ended(self.peer_id, "ok")
+            log.info(
+                "session with %s ready (%s dialect)",
+                self.peer_id,
+                self._dialect(),
+                extra=peer_context(self.peer_id, node=self._config.node_id),
+            )
             return
+        self._host.handshake_ended(self.peer_id, "timeout")
         what = (
             "our connect was not acknowledged"
             if not self._acked.is_set()
@@ -427,7 +466,13 @@ class PeerSession:
                 msg = wire.decode(frame, limits=self._config.limits)
             except UnknownMessageType as exc:
                 # A newer peer may add message types; vLLM drops them too.
-                log.warning("%s: dropped a message: %s", self.peer_id, exc)
+                log.warning(
+                    "%s: dropped a message: %s; harmless, but upgrade p2pactor on this node "
+                    "if the peer needs what it says",
+                    self.peer_id,
+                    exc,
+                    extra=peer_context(self.peer_id, node=self._config.node_id),
+                )
                 self._dispatch_errors = 0
                 continue
             except ProtocolError as exc:
@@ -436,7 +481,16 @@ class PeerSession:
             try:
                 await self._dispatch(msg)
             except Exception:
-                log.exception("%s: failed to handle a %s message", self.peer_id, msg.TYPE)
+                log.exception(
+                    "%s: failed to handle a %s message; a bug in p2pactor, please report it "
+                    "with this traceback (the session ends after %d such errors in a row)",
+                    self.peer_id,
+                    msg.TYPE,
+                    self._config.max_dispatch_errors,
+                    extra=request_context(
+                        self.peer_id, getattr(msg, "kv_request_id", None), node=self._config.node_id
+                    ),
+                )
                 self._count_error()
             if not self.alive:
                 return
@@ -461,9 +515,15 @@ class PeerSession:
         if self._peer_accepted:
             self._violation("a second connect on a live session")
             return
-        problem = self._incompatibility(msg)
+        outcome, problem = self._incompatibility(msg)
         if problem:
-            log.error("rejected %s: %s", self.peer_id, problem)
+            self._host.handshake_ended(self.peer_id, outcome)
+            log.error(
+                "rejected %s: %s",
+                self.peer_id,
+                problem,
+                extra=peer_context(self.peer_id, node=self._config.node_id),
+            )
             self._die(f"incompatible peer: {problem}", disconnect=True)
             return
         self._peer_accepted = True
@@ -473,30 +533,34 @@ class PeerSession:
         assert self._nursery is not None
         self._nursery.start_soon(self._register_peer, msg)
 
-    def _incompatibility(self, msg: wire.Connect) -> str:
+    def _incompatibility(self, msg: wire.Connect) -> tuple[str, str]:
+        """``(outcome, problem)``: why the peer can't be talked to (for metrics, for people).
+
+        ``("", "")`` when it can.
+        """
         cfg = self._config
         if msg.peer_id != self.peer_id:
-            return (
+            return "identity_mismatch", (
                 f"it connected as {msg.peer_id!r} but its connection says {self.peer_id!r}; "
                 "a peer's id must be the host:port it bound"
             )
         if msg.block_len != cfg.block_len:
-            return (
+            return "block_size_mismatch", (
                 f"block size differs: {self.peer_id} uses {msg.block_len}-byte blocks, this node "
                 f"{cfg.block_len}; every peer must use the same KV block layout"
             )
         if msg.config_fingerprint and cfg.fingerprint and msg.config_fingerprint != cfg.fingerprint:
-            return (
+            return "fingerprint_mismatch", (
                 f"config fingerprint differs ({msg.config_fingerprint} vs {cfg.fingerprint}): "
                 "the peers run different models, dtypes or block sizes; align them"
             )
         seed = self._host.hash_seed
         if msg.hash_seed != seed:
-            return (
+            return "seed_mismatch", (
                 f"hash seed differs ({msg.hash_seed!r} vs {seed!r}): the same tokens "
                 "would get different keys; set PYTHONHASHSEED to the same value on every node"
             )
-        return ""
+        return "", ""
 
     async def _register_peer(self, msg: wire.Connect) -> None:
         # O(num_blocks) on a real data plane: never on the receive path.
@@ -547,7 +611,13 @@ class PeerSession:
     async def _to_consumer(self, msg: wire.LookupResp | wire.TransferDone | wire.AbortAck) -> None:
         actor = self._consumers.get(msg.kv_request_id)
         if actor is None or actor.done:
-            log.debug("%s: late %s for %s ignored", self.peer_id, msg.TYPE, msg.kv_request_id)
+            log.debug(
+                "%s: late %s for %s ignored",
+                self.peer_id,
+                msg.TYPE,
+                msg.kv_request_id,
+                extra=request_context(self.peer_id, msg.kv_request_id, node=self._config.node_id),
+            )
             return
         if not self.extended and isinstance(msg, wire.LookupResp):
             msg = attrs.evolve(msg, round_seq=None)
@@ -624,6 +694,7 @@ class PeerSession:
         """Queue a message for the peer (sent once our connect is acked)."""
         if not self.alive:
             return
+        self.last_sent = trio.current_time()
         frame = wire.encode(self._to_dialect(msg))
         if self._send_now is not None and not self._unsent:
             try:
@@ -665,7 +736,13 @@ class PeerSession:
         await actor.deliver(result)
 
     def _violation(self, what: str) -> None:
-        log.warning("%s broke the protocol: %s; disconnecting", self.peer_id, what)
+        log.warning(
+            "%s broke the protocol: %s; disconnecting (check that both nodes run compatible "
+            "p2pactor or vLLM versions)",
+            self.peer_id,
+            what,
+            extra=peer_context(self.peer_id, node=self._config.node_id),
+        )
         self._die(f"protocol violation: {what}", disconnect=True)
 
     def _count_error(self) -> None:
@@ -682,7 +759,12 @@ class PeerSession:
         self.death_reason = reason
         self._send_disconnect = disconnect
         self.state = SessionState.CLOSING
-        log.info("session with %s ended: %s", self.peer_id, reason)
+        log.info(
+            "session with %s ended: %s",
+            self.peer_id,
+            reason,
+            extra=peer_context(self.peer_id, node=self._config.node_id),
+        )
         self._dead.set()
 
     # --- close ---------------------------------------------------------------------

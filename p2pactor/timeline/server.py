@@ -221,7 +221,10 @@ class _Site:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client went away; nothing to tell anyone
         except Exception:
-            log.exception("the timeline server failed on a connection; it goes on")
+            log.exception(
+                "the timeline server failed on a connection; it goes on (a bug in p2pactor: "
+                "please report it with this traceback)"
+            )
         finally:
             # One request per connection (responses say Connection: close).
             # aclose never blocks on the peer; it cannot fail but on a cancel.
@@ -229,6 +232,8 @@ class _Site:
                 await stream.aclose()
 
     async def _route(self, stream: trio.SocketStream, request: HttpRequest) -> None:
+        if await self.answer_node(stream, request):
+            return  # /metrics and /status have their own Host/Origin rule (httpserve)
         problem = forbidden(request, self.bound_host)
         if problem is not None:
             await send_response(stream, 403, problem.encode() + b"\n")
@@ -309,6 +314,11 @@ class _Site:
                 # in half by a cancellation (a close after it would garble it).
                 with trio.CancelScope(shield=True), trio.move_on_after(_SHUTDOWN_CLOSE_S):
                     await ws.aclose(1001, "the server is shutting down")
+
+    async def answer_node(self, stream: trio.SocketStream, request: HttpRequest) -> bool:
+        """Answer ``/metrics`` or ``/status`` if this site serves a node; False otherwise."""
+        del stream, request
+        return False
 
     def subscribe(self, filters: FeedFilters) -> Subscriber | None:
         """A live subscriber for a new connection (None in replay mode)."""
@@ -424,6 +434,16 @@ class _LiveSite(_Site):
             }
         ]
 
+    async def answer_node(self, stream: trio.SocketStream, request: HttpRequest) -> bool:
+        # Imported here: both modules import this one.
+        from p2pactor.httpserve import NODE_PATHS, answer  # noqa: PLC0415
+        from p2pactor.node import Node  # noqa: PLC0415
+
+        if request.path not in NODE_PATHS or not isinstance(self._node, Node):
+            return False  # a FeedSource that is not a node has no metrics
+        await answer(stream, request, self._node, self.bound_host)
+        return True
+
     def subscribe(self, filters: FeedFilters) -> Subscriber | None:
         return self._feed.subscribe(filters)
 
@@ -473,10 +493,13 @@ class _LiveSite(_Site):
             await trio.sleep(period)
             for subscriber in feed.evict_laggards(trio.current_time()):
                 log.warning(
-                    "closing a timeline subscriber of %s: behind for over %g s, %d events dropped",
+                    "closing a timeline subscriber of %s: behind for over %g s, %d events "
+                    "dropped; the page reconnects (if this repeats, the browser or its "
+                    "network is too slow for this node's event rate)",
                     feed.node,
                     feed.limits.max_behind_s,
                     subscriber.dropped,
+                    extra={"node": feed.node},
                 )
 
 
@@ -515,7 +538,7 @@ async def open_timeline_server(
             nursery.start_soon(site.tick)
             nursery.start_soon(site.watch_laggards)
             server = TimelineServer("live", host, bound, feed, site)
-            log.info("timeline of %s at %s", node.node_id, server.url)
+            log.info("timeline of %s at %s", node.node_id, server.url, extra={"node": node.node_id})
             yield server
             nursery.cancel_scope.cancel()
     finally:

@@ -1,0 +1,252 @@
+"""Prometheus metrics: exact counts from known lookups, real HTTP, and the demo's own figures.
+
+* Unit: two in-memory nodes (mock clock) run lookups with known answers (hits,
+  misses, a pending key that resolves, one that expires); both nodes' exposition,
+  parsed with prometheus-client's parser, must say exactly that.
+* HTTP: the metrics-only port over a real socket: 200s with the right content
+  types, 404 elsewhere, 405 for POST, 403 for a foreign Host or Origin.
+* Demo: ``run_demo`` with real processes, ZeroMQ and NIXL; ``/metrics`` of every
+  node scraped over HTTP while requests run and after (during the linger); the
+  sums must equal the demo summary's hits, misses, blocks and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.error
+import urllib.request
+
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from p2pactor.core.inputs import LookupResult
+from p2pactor.metrics import CONTENT_TYPE
+from tests.cluster import BLOCK_LEN, Cluster, key, node_id, open_cluster
+
+HIT = LookupResult.HIT
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def samples(text: str | bytes) -> Samples:
+    """Every sample of an exposition, by (name, labels)."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    out: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[s.name, frozenset(s.labels.items())] = s.value
+    return out
+
+
+def value(found: Samples, name: str, **labels: str) -> float:
+    """One sample's value (0 when absent, as Prometheus would treat a missing series)."""
+    return found.get((name, frozenset(labels.items())), 0.0)
+
+
+def total(found: Samples, name: str, **labels: str) -> float:
+    """The sum of ``name`` over every series whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in found.items() if n == name and want <= ls)
+
+
+async def pull(cluster: Cluster, me: str, peer: str, kv: str, keys: list[bytes]) -> int:
+    member = cluster[me]
+    answers = await member.node.lookup(node_id(peer), kv, keys)
+    hits = [k for k, a in zip(keys, answers, strict=True) if a is HIT]
+    prefix = []
+    for k, a in zip(keys, answers, strict=True):
+        if a is not HIT:
+            break
+        prefix.append(k)
+    fetched = 0
+    if prefix:
+        blocks = member.cache.allocate(len(prefix))
+        result = await member.node.fetch(node_id(peer), kv, prefix, blocks)
+        assert result.success, result.reason
+        fetched = result.blocks
+        for k, block in zip(prefix, blocks, strict=True):
+            member.cache.commit(k, block)
+    member.node.finish(kv)
+    del hits
+    return fetched
+
+
+async def test_counters_equal_what_the_lookups_and_fetches_did(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        a.store(*[key(i) for i in range(4)])
+        a.cache.mark_pending(key(4))  # stored 1 s later: a pending hit
+        a.cache.mark_pending(key(5))  # never stored: expires, answered miss
+
+        async def store_later() -> None:
+            await trio.sleep(1.0)
+            a.store(key(4))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(store_later)
+            # 6 hits (0..4, then 0..3 again), 1 pending hit, 1 expired, 3 plain misses
+            first = await pull(cluster, "b", "a", "r1", [key(i) for i in range(7)])
+            second = await pull(cluster, "b", "a", "r2", [key(i) for i in (0, 1, 2, 3, 8, 9)])
+        assert (first, second) == (5, 4)
+        await trio.sleep(1.0)  # let the producers close
+
+        got_b = samples(b.node.metrics.exposition())
+        peer_a = a.node.node_id
+        assert value(got_b, "p2pactor_lookups_total", peer=peer_a) == 2
+        assert value(got_b, "p2pactor_lookup_keys_total", peer=peer_a, outcome="hit") == 9
+        assert value(got_b, "p2pactor_lookup_keys_total", peer=peer_a, outcome="miss") == 4
+        assert value(got_b, "p2pactor_lookup_keys_total", peer=peer_a, outcome="timeout") == 0
+        assert value(got_b, "p2pactor_blocks_received_total", peer=peer_a) == 9
+        assert value(got_b, "p2pactor_received_bytes_total", peer=peer_a) == 9 * BLOCK_LEN
+        assert value(got_b, "p2pactor_keys_per_lookup_count") == 2
+        assert value(got_b, "p2pactor_keys_per_lookup_sum") == 13
+        assert value(got_b, "p2pactor_fetch_seconds_count") == 2
+        assert value(got_b, "p2pactor_lookup_seconds_count") == 2
+        # the expiring key held the first lookup the 5 s pending timeout (mock clock)
+        assert 5.0 <= value(got_b, "p2pactor_lookup_seconds_sum") < 5.5
+        assert value(got_b, "p2pactor_handshakes_total", peer=peer_a, outcome="ok") == 1
+
+        got_a = samples(a.node.metrics.exposition())
+        peer_b = b.node.node_id
+        served = "p2pactor_served_lookup_keys_total"
+        assert value(got_a, "p2pactor_served_lookups_total", peer=peer_b) == 2
+        assert value(got_a, served, peer=peer_b, outcome="hit") == 8
+        assert value(got_a, served, peer=peer_b, outcome="pending_resolved") == 1
+        assert value(got_a, served, peer=peer_b, outcome="pending_expired") == 1
+        assert value(got_a, served, peer=peer_b, outcome="miss") == 3
+        assert value(got_a, served, peer=peer_b, outcome="refused") == 0
+        assert value(got_a, "p2pactor_blocks_written_total", peer=peer_b) == 9
+        assert value(got_a, "p2pactor_written_bytes_total", peer=peer_b) == 9 * BLOCK_LEN
+        assert total(got_a, "p2pactor_transfers_failed_total") == 0
+        assert value(got_a, "p2pactor_peers") == 1
+        assert value(got_a, "p2pactor_sessions", state="ready") == 1
+        assert value(got_a, "p2pactor_pinned_blocks", peer=peer_b) == 0
+        stats = a.log.statistics()
+        assert value(got_a, "p2pactor_event_log_events_total") == stats.events_appended > 0
+        assert value(got_a, "p2pactor_event_log_appends_total") == stats.appends > 0
+        assert value(got_a, "p2pactor_event_log_appended_bytes_total") == stats.bytes_appended
+
+        totals = b.node.metrics.totals()
+        assert totals["lookups_hit"] == 9
+        assert totals["lookups_miss"] == 4
+        assert totals["keys_looked_up"] == 13
+        assert totals["blocks_received"] == 9
+        assert totals["bytes_received"] == 9 * BLOCK_LEN
+        assert totals["sessions_alive"] == 1
+        assert a.node.metrics.totals()["served_pending_resolved"] == 1
+
+
+async def test_each_node_has_its_own_registry(autojump_clock: trio.abc.Clock) -> None:
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        a.store(key(0))
+        await pull(cluster, "b", "a", "r", [key(0)])
+        assert a.node.metrics.registry is not b.node.metrics.registry
+        got_a = samples(a.node.metrics.exposition())
+        assert total(got_a, "p2pactor_lookups_total") == 0  # b's lookups are not a's
+        assert total(got_a, "p2pactor_served_lookups_total") == 1
+
+
+async def test_a_seed_mismatch_is_counted(autojump_clock: trio.abc.Clock) -> None:
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        object.__setattr__(b.node, "_hash_seed", "another seed")
+        answers = await b.node.lookup(a.id, "r", [key(0)])
+        assert answers != [HIT]
+        await trio.sleep(1.0)
+        got = samples(a.node.metrics.exposition())
+        assert value(got, "p2pactor_handshakes_total", peer=b.id, outcome="seed_mismatch") == 1
+        assert value(got, "p2pactor_handshakes_total", peer=b.id, outcome="ok") == 0
+
+
+# --- HTTP ----------------------------------------------------------------------------
+
+
+def http(
+    url: str, *, method: str = "GET", headers: dict[str, str] | None = None
+) -> tuple[int, str, bytes]:
+    """(status, content type, body) of one request; HTTP errors are answers too."""
+    request = urllib.request.Request(url, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, response.headers["Content-Type"], response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers["Content-Type"], exc.read()
+
+
+async def in_thread(url: str, **kwargs: object) -> tuple[int, str, bytes]:
+    return await trio.to_thread.run_sync(lambda: http(url, **kwargs))  # type: ignore[arg-type]
+
+
+def raw_get(port: int, head: str) -> int:
+    """Send a hand-written request head; return the status code."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        data = b""
+        while b"\r\n" not in data:
+            chunk = sock.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    return int(data.split(b" ", 2)[1])
+
+
+async def test_the_metrics_port_serves_metrics_and_status_only() -> None:
+    async with open_cluster("a", metrics_port=0) as cluster:
+        node = cluster["a"].node
+        url = node.http_url
+        assert url is not None
+        assert url.startswith("http://127.0.0.1:")
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        status, ctype, body = await in_thread(url + "metrics")
+        assert (status, ctype) == (200, CONTENT_TYPE)
+        assert "p2pactor_handshakes_total" in body.decode()
+        status, ctype, body = await in_thread(url + "status")
+        assert (status, ctype) == (200, "application/json")
+        assert json.loads(body)["node_id"] == node.node_id
+        assert (await in_thread(url))[0] == 404
+        assert (await in_thread(url + "events"))[0] == 404
+        assert (await in_thread(url + "metrics", method="POST"))[0] == 405
+        assert (await in_thread(url + "nothing", method="POST"))[0] == 405
+        status, _, body = await in_thread(url + "metrics", method="HEAD")
+        assert (status, body) == (200, b"")
+        # A loopback server answers loopback names only (DNS rebinding)...
+        head = "GET /metrics HTTP/1.1\r\nHost: {}\r\n{}\r\n"
+        assert await trio.to_thread.run_sync(raw_get, port, head.format("evil.example", "")) == 403
+        assert await trio.to_thread.run_sync(raw_get, port, head.format("localhost", "")) == 200
+        # ...and never to a page of another origin.
+        cross = head.format("127.0.0.1", "Origin: http://evil.example\r\n")
+        assert await trio.to_thread.run_sync(raw_get, port, cross) == 403
+        same = head.format(f"127.0.0.1:{port}", f"Origin: http://127.0.0.1:{port}\r\n")
+        assert await trio.to_thread.run_sync(raw_get, port, same) == 200
+
+
+async def test_a_wildcard_bound_port_answers_any_host_but_not_foreign_pages() -> None:
+    async with open_cluster("a", metrics_port=0, metrics_host="0.0.0.0") as cluster:
+        url = cluster["a"].node.http_url
+        assert url is not None
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        head = "GET /metrics HTTP/1.1\r\nHost: {}\r\n{}\r\n"
+        named = head.format(f"node7.example:{port}", "")
+        assert await trio.to_thread.run_sync(raw_get, port, named) == 200
+        cross = head.format(f"node7.example:{port}", "Origin: http://evil.example\r\n")
+        assert await trio.to_thread.run_sync(raw_get, port, cross) == 403
+
+
+async def test_the_dashboard_port_serves_metrics_and_status() -> None:
+    async with open_cluster("a", dashboard_port=0) as cluster:
+        node = cluster["a"].node
+        assert node.dashboard is not None
+        assert node.http_url == node.dashboard.url
+        status, ctype, body = await in_thread(node.dashboard.url + "metrics")
+        assert (status, ctype) == (200, CONTENT_TYPE)
+        assert samples(body)  # parses
+        status, ctype, body = await in_thread(node.dashboard.url + "status")
+        assert (status, ctype) == (200, "application/json")
+        assert json.loads(body)["node_id"] == node.node_id
+        cross = {"Origin": "http://evil.example"}
+        assert (await in_thread(node.dashboard.url + "metrics", headers=cross))[0] == 403
