@@ -25,6 +25,7 @@ from p2pactor.config import NodeConfig
 from p2pactor.demo.workload import block_bytes, chain_keys
 from p2pactor.errors import ConfigError
 from p2pactor.log import EventLog
+from p2pactor.logsetup import configure_from_args
 from p2pactor.parent import EmbeddedCache
 
 __all__ = ["preload_keys", "register", "serve"]
@@ -77,6 +78,11 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
             if node.dashboard is not None:
                 sys.stdout.write(f"dashboard: {node.dashboard.url}\n")
             sys.stdout.flush()
+            if node.http_url is not None:  # docs/metrics.md
+                sys.stderr.write(
+                    f"metrics: {node.http_url}metrics  status: {node.http_url}status\n"
+                )
+                sys.stderr.flush()
             async for signum in signals:
                 log.info("stopping on signal %d", signum)
                 break
@@ -131,6 +137,19 @@ def register(commands: Any) -> None:
         metavar="HOST",
         help="address the dashboard binds (default 127.0.0.1; anything else is exposed)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve /metrics (Prometheus) and /status on PORT of their own; 0 picks a free "
+        "one (with --dashboard they are on the dashboard's port too); see docs/metrics.md",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        metavar="HOST",
+        help="address the metrics port binds (default 127.0.0.1; 0.0.0.0 lets a Prometheus "
+        "on another host scrape)",
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -148,6 +167,8 @@ def _run(args: argparse.Namespace) -> int:
             ("curve_trusted", args.curve_trusted),
             ("dashboard_port", args.dashboard),
             ("dashboard_host", args.dashboard_host),
+            ("metrics_port", args.metrics_port),
+            ("metrics_host", args.metrics_host),
         )
         if value is not None
     }
@@ -164,6 +185,6 @@ def _run(args: argparse.Namespace) -> int:
         sys.stderr.write("p2pactor serve: --preload cannot exceed --num-blocks\n")
         return 2
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    configure_from_args(args)  # stderr only: stdout carries the lines above for programs
     trio.run(functools.partial(serve, config, preload=args.preload, log_path=args.log))
     return 0

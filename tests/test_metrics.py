@@ -12,15 +12,22 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 import socket
+import threading
+import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from p2pactor.core.inputs import LookupResult
+from p2pactor.demo.run import run_demo
+from p2pactor.demo.workload import DemoPlan
 from p2pactor.metrics import CONTENT_TYPE
 from tests.cluster import BLOCK_LEN, Cluster, key, node_id, open_cluster
 
@@ -250,3 +257,109 @@ async def test_the_dashboard_port_serves_metrics_and_status() -> None:
         assert json.loads(body)["node_id"] == node.node_id
         cross = {"Origin": "http://evil.example"}
         assert (await in_thread(node.dashboard.url + "metrics", headers=cross))[0] == 403
+
+
+# --- the demo, scraped ---------------------------------------------------------------
+
+
+class _Captured(io.StringIO):
+    """What the demo prints, readable from another thread while it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            return super().write(text)
+
+    def text(self) -> str:
+        with self._lock:
+            return self.getvalue()
+
+
+def _scrape_all(urls: list[str]) -> list[Samples]:
+    return [samples(http(url)[2]) for url in urls]
+
+
+def _sum(scrapes: list[Samples], name: str, **labels: str) -> float:
+    return sum(total(found, name, **labels) for found in scrapes)
+
+
+class _Scraper:
+    """Scrapes every node the demo prints while it runs (a thread: the demo needs the main one)."""
+
+    def __init__(self, out: _Captured, nodes: int) -> None:
+        self.out = out
+        self.nodes = nodes
+        self.during: list[float] = []  # hits all nodes had seen, while the requests ran
+        self.after: list[Samples] = []  # scraped during the linger
+        self.statuses: list[tuple[int, str, bytes]] = []
+        self.problem = ""
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._scrape()
+        except Exception as exc:
+            self.problem = repr(exc)
+
+    def _scrape(self) -> None:
+        deadline = time.monotonic() + 90
+        urls: list[str] = []
+        while len(urls) < self.nodes and time.monotonic() < deadline:
+            urls = re.findall(r"metrics: (http://\S+/metrics)", self.out.text())
+            time.sleep(0.05)
+        while "stay up" not in (text := self.out.text()) and time.monotonic() < deadline:
+            if "Running requests" in text and "total " not in text:
+                found = _scrape_all(urls)
+                self.during.append(_sum(found, "p2pactor_lookup_keys_total", outcome="hit"))
+            time.sleep(0.05)
+        if "stay up" in self.out.text():
+            self.after = _scrape_all(urls)  # everything is counted by now
+            self.statuses = [http(url.removesuffix("metrics") + "status") for url in urls]
+
+
+def test_the_demos_metrics_equal_its_summary(tmp_path: Path) -> None:
+    plan = DemoPlan(nodes=2, requests=4, block_len=4096)
+    out = _Captured()
+    scraper = _Scraper(out, plan.nodes)
+    scraper.thread.start()
+    report = run_demo(plan, log_dir=tmp_path, out=out, timeout=90, linger=3.0, pace=0.4)
+    scraper.thread.join(timeout=30)
+    assert not scraper.problem, scraper.problem
+    assert scraper.after, out.text()
+    after, during = scraper.after, scraper.during
+    assert report.ok, out.text()
+    row = next(line for line in out.text().splitlines() if line.startswith("total "))
+    _, _, _, hits, misses, _, _, blocks, *_ = row.split()
+    hits_, misses_, blocks_ = int(hits), int(misses), int(blocks)
+    assert hits_ > 0
+    assert blocks_ > 0
+    # What the consumers saw equals the summary...
+    assert _sum(after, "p2pactor_lookup_keys_total", outcome="hit") == hits_
+    missed = _sum(after, "p2pactor_lookup_keys_total", outcome="miss")
+    assert missed + _sum(after, "p2pactor_lookup_keys_total", outcome="timeout") == misses_
+    assert _sum(after, "p2pactor_blocks_received_total") == blocks_
+    assert _sum(after, "p2pactor_received_bytes_total") == blocks_ * plan.block_len
+    assert _sum(after, "p2pactor_lookups_total") == plan.nodes * plan.requests
+    # ...and so does what the producers served.
+    served = "p2pactor_served_lookup_keys_total"
+    assert _sum(after, served, outcome="hit") + _sum(after, served, outcome="pending_resolved") == (
+        hits_
+    )
+    assert _sum(after, "p2pactor_blocks_written_total") == blocks_
+    assert _sum(after, "p2pactor_written_bytes_total") == blocks_ * plan.block_len
+    assert _sum(after, "p2pactor_transfers_failed_total") == 0
+    assert _sum(after, "p2pactor_handshakes_total", outcome="ok") == plan.nodes * (plan.nodes - 1)
+    assert _sum(after, "p2pactor_peers") == plan.nodes * (plan.nodes - 1)
+    # Scraped while requests ran: counts only grow, and some scrape saw them midway.
+    assert during, "no scrape while the requests ran"
+    assert during == sorted(during)
+    assert during[-1] <= hits_
+    assert any(0 < seen < hits_ for seen in during), during
+    node_ids = re.findall(r"node \d+: (\S+)", out.text())
+    assert len(scraper.statuses) == plan.nodes
+    for (status, ctype, body), node in zip(scraper.statuses, node_ids, strict=False):
+        assert (status, ctype) == (200, "application/json")
+        assert json.loads(body)["node_id"] == node

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any
 
 from p2pactor.demo.workload import DemoPlan
 from p2pactor.errors import ConfigError
+from p2pactor.logsetup import FORMAT_ENV, LEVEL_ENV
 
 __all__ = ["register"]
 
@@ -77,9 +79,26 @@ def register(commands: Any) -> None:
         type=float,
         metavar="SECONDS",
         help=(
-            "with --dashboard, keep the nodes and their dashboards up this long after the "
-            "summary (default: until Ctrl-C)"
+            "keep the nodes (their /metrics, /status and dashboards) up this long after the "
+            "summary (default: until Ctrl-C with --dashboard, 0 without)"
         ),
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        metavar="BASE",
+        help=(
+            "node i serves /metrics (Prometheus) and /status on BASE+i (default 0: free "
+            "ports; with --dashboard, on the dashboard's ports); the URLs are printed at "
+            "start (docs/metrics.md)"
+        ),
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="address the metrics ports bind (default %(default)s)",
     )
     parser.add_argument(
         "--wait-for-page",
@@ -137,17 +156,25 @@ def _run(args: argparse.Namespace) -> int:
         raise SystemExit(f"p2pactor demo: --linger must be 0 or more, got {args.linger:g}")
     if args.wait_for_page < 0 or (args.pace is not None and args.pace < 0):
         raise SystemExit("p2pactor demo: --wait-for-page and --pace must be 0 or more")
-    if args.linger is not None and args.dashboard is None:
-        raise SystemExit("p2pactor demo: --linger keeps the dashboard up; give --dashboard PORT")
+    if not 0 <= args.metrics_port <= 65535 - (plan.nodes - 1):
+        raise SystemExit(
+            f"p2pactor demo: --metrics-port {args.metrics_port}: ports {args.metrics_port}.."
+            f"{args.metrics_port + plan.nodes - 1} must be TCP ports (or give 0 for free ones)"
+        )
     dashboard = None if args.dashboard is None else (args.dashboard_host, args.dashboard)
+    # The node processes inherit the environment: their stderr logs match ours.
+    for name, value in ((FORMAT_ENV, args.log_format), (LEVEL_ENV, args.log_level)):
+        if value is not None:
+            os.environ[name] = value
     report = run_demo(
         plan,
         log_dir=args.log_dir,
         timeout=args.timeout,
         dashboard=dashboard,
-        linger=args.linger,
+        linger=args.linger if args.linger is not None else (None if dashboard else 0.0),
         curve=args.curve,
         wait_for_page=args.wait_for_page if dashboard else 0.0,
         pace=args.pace if args.pace is not None else (0.25 if dashboard else 0.0),
+        metrics=(args.metrics_host, args.metrics_port),
     )
     return 0 if report.ok else 1

@@ -28,6 +28,7 @@ from p2pactor.config import NodeConfig
 from p2pactor.core.inputs import LookupResult
 from p2pactor.demo.workload import DemoPlan, Expect, Request, block_bytes, requests_of
 from p2pactor.log import Durability, EventLog
+from p2pactor.logsetup import configure_logging
 from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
 from p2pactor.quotas import PeerQuotas
@@ -36,6 +37,17 @@ __all__ = ["PREFIX", "main", "run_node"]
 
 PREFIX = "@p2pactor "
 """Marks the lines the orchestrator reads."""
+
+METRICS_PORT_ENV = "P2PACTOR_METRICS_PORT"
+"""The node's metrics-only port (``NodeConfig.metrics_port``), set by the orchestrator."""
+METRICS_HOST_ENV = "P2PACTOR_METRICS_HOST"
+"""The address it binds (``NodeConfig.metrics_host``)."""
+
+
+def _metrics_port(dashboard: tuple[str, int] | None) -> int | None:
+    """The node's metrics-only port: none with a dashboard (it serves them), else the env's."""
+    raw = os.environ.get(METRICS_PORT_ENV)
+    return None if dashboard is not None or not raw else int(raw)
 
 
 def say(**message: Any) -> None:
@@ -181,6 +193,10 @@ async def run_node(
             handshake_timeout=plan.handshake_timeout,
             dashboard_host=dashboard[0] if dashboard else "127.0.0.1",
             dashboard_port=dashboard[1] if dashboard else None,
+            # /metrics and /status: on the dashboard's port, else on their own
+            # (the orchestrator sets these per node; docs/metrics.md).
+            metrics_port=_metrics_port(dashboard),
+            metrics_host=os.environ.get(METRICS_HOST_ENV) or "127.0.0.1",
             curve_secret_key=None if curve_setup is None else curve_setup.secret_key,
             curve_trusted=None if curve_setup is None else curve_setup.trusted,
         )
@@ -201,6 +217,7 @@ async def run_node(
                 node_id=node.node_id,
                 pid=os.getpid(),
                 dashboard=None if board is None else {"page": board.url, "feed": board.events_url},
+                http=node.http_url,
             )
             go = await commands.receive()
             peers: list[str] = go["peers"]
@@ -259,6 +276,7 @@ def main() -> None:
     """Entry point: ``python -m p2pactor.demo.node INDEX PLAN_JSON LOG_DIR [HOST:PORT]``."""
     index, plan_json, log_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     plan = DemoPlan(**json.loads(plan_json))
+    configure_logging()  # P2PACTOR_LOG_FORMAT/LEVEL from the orchestrator; stderr only
     dashboard = None
     if len(sys.argv) > 4:
         host, port = sys.argv[4].rsplit(":", 1)

@@ -30,7 +30,7 @@ import trio
 
 from p2pactor.demo.curve import ENV as CURVE_ENV
 from p2pactor.demo.curve import NodeCurve, demo_keys
-from p2pactor.demo.node import PREFIX
+from p2pactor.demo.node import METRICS_HOST_ENV, METRICS_PORT_ENV, PREFIX
 from p2pactor.demo.workload import DemoPlan
 from p2pactor.replay import replay
 
@@ -48,6 +48,7 @@ class _Child:
     result: dict[str, Any] | None = None
     closed: dict[str, Any] | None = None
     dashboard: dict[str, str] | None = None
+    http: str | None = None  # where its /metrics and /status are served
 
 
 @attrs.define
@@ -126,17 +127,28 @@ async def _send(child: _Child, message: dict[str, Any]) -> None:
     await stdin.send_all(json.dumps(message).encode() + b"\n")
 
 
+def _shown(url: str) -> str:
+    """``url`` with a wildcard host as loopback, so that it can be opened as printed."""
+    for wildcard in ("//0.0.0.0:", "//[::]:"):
+        url = url.replace(wildcard, "//127.0.0.1:")
+    return url
+
+
+def _scrape_lines(children: list[_Child]) -> str:
+    """Where to scrape each node: ``  node I metrics: URL  status: URL`` lines."""
+    return "".join(
+        f"  node {c.index} metrics: {_shown(c.http)}metrics  status: {_shown(c.http)}status\n"
+        for c in children
+        if c.http is not None
+    )
+
+
 def _dashboard_url(children: list[_Child]) -> str:
     """The first node's page, reading every node's feed (wildcard hosts as loopback)."""
     from p2pactor.timeline import page_url  # noqa: PLC0415
 
-    def shown(url: str) -> str:
-        for wildcard in ("//0.0.0.0:", "//[::]:"):
-            url = url.replace(wildcard, "//127.0.0.1:")
-        return url
-
     boards = [c.dashboard for c in children if c.dashboard is not None]
-    return shown(page_url(boards[0]["page"], [b["feed"] for b in boards]))
+    return _shown(page_url(boards[0]["page"], [b["feed"] for b in boards]))
 
 
 async def _linger(
@@ -144,7 +156,10 @@ async def _linger(
 ) -> None:
     """Keep the nodes (and their dashboards) up, then tell them to stop."""
     how_long = "until Ctrl-C" if seconds is None else f"for {seconds:g} s (Ctrl-C stops sooner)"
-    out.write(f"\nThe dashboard stays up {how_long}: {url}\n")
+    if url:
+        out.write(f"\nThe dashboard stays up {how_long}: {url}\n")
+    else:
+        out.write(f"\nThe nodes stay up {how_long}; scrape them at the URLs above\n")
     out.flush()
     left = deadline.deadline - trio.current_time()
     deadline.deadline = math.inf  # looking at the page is not the demo being slow
@@ -170,12 +185,17 @@ async def _orchestrate(
     curve: list[NodeCurve] | None = None,
     wait_for_page: float = 0.0,
     pace: float = 0.0,
+    metrics: tuple[str, int] | None = None,
 ) -> DemoReport:
     problems: list[str] = []
     summarised = False
     url = ""
     env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
     env.pop(CURVE_ENV, None)
+    env.pop(METRICS_PORT_ENV, None)
+    env.pop(METRICS_HOST_ENV, None)
+    if metrics is not None and dashboard is None:  # with a dashboard, its ports serve them
+        env[METRICS_HOST_ENV] = metrics[0]
     plan_json = json.dumps(attrs.asdict(plan))
     children: list[_Child] = []
     send_events, events = trio.open_memory_channel[tuple[int, dict[str, Any]]](1000)
@@ -202,7 +222,15 @@ async def _orchestrate(
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         stderr=stderr,
-                        env=env if curve is None else {**env, CURVE_ENV: curve[index].to_env()},
+                        env={
+                            **env,
+                            **({} if curve is None else {CURVE_ENV: curve[index].to_env()}),
+                            **(
+                                {METRICS_PORT_ENV: str(metrics[1] + index if metrics[1] else 0)}
+                                if metrics is not None and dashboard is None
+                                else {}
+                            ),
+                        },
                     )
                 child = _Child(index, process, stderr_path)
                 children.append(child)
@@ -222,12 +250,15 @@ async def _orchestrate(
                 if kind == "ready":
                     child.node_id = message["node_id"]
                     child.dashboard = message.get("dashboard")
+                    child.http = message.get("http")
                     ready += 1
                     if ready == plan.nodes:
                         peers = [c.node_id for c in children]
                         out.write(
                             "  " + "  ".join(f"node {c.index}: {c.node_id}" for c in children)
                         )
+                        if metrics is not None:  # docs/metrics.md
+                            out.write("\n" + _scrape_lines(children).rstrip("\n"))
                         go: dict[str, Any] = {"go": True, "peers": peers, "pace": pace}
                         if dashboard is not None:
                             url = _dashboard_url(children)
@@ -250,7 +281,7 @@ async def _orchestrate(
                     child.result = message
                     if all(c.result is not None for c in children):
                         progress.finish()
-                        if dashboard is not None and linger != 0:
+                        if (dashboard is not None or metrics is not None) and linger != 0:
                             _summarise(plan, children, out, problems)
                             summarised = True
                             nursery.start_soon(_linger, linger, url, out, children, deadline)
@@ -411,6 +442,7 @@ def run_demo(
     curve: bool = False,
     wait_for_page: float = 0.0,
     pace: float = 0.0,
+    metrics: tuple[str, int] | None = ("127.0.0.1", 0),
 ) -> DemoReport:
     """Run the demo and print its summary to ``out``; see the module docstring.
 
@@ -424,6 +456,10 @@ def run_demo(
     from their start; ``pace`` starts each node's requests that far apart.
     With ``curve``, the control channel is CURVE: keys for every node are made
     in a temporary folder (deleted at the end), and every node trusts the others.
+    With ``metrics`` (host, port), every node serves ``/metrics`` and
+    ``/status`` (``docs/metrics.md``): on its dashboard's port with
+    ``dashboard``, else node ``i`` on ``port + i`` (free ports when ``port`` is
+    0); where is printed per node before the requests run. None serves none.
     """
     if log_dir is None:
         folder = Path(tempfile.mkdtemp(prefix="p2pactor-demo-"))
@@ -440,6 +476,7 @@ def run_demo(
             curve=keys,
             wait_for_page=wait_for_page,
             pace=pace,
+            metrics=metrics,
         )
         report = trio.run(orchestrate, plan, folder, out, timeout + wait_for_page)
     if report.ok:
