@@ -84,6 +84,8 @@ def node_status(node: Node) -> dict[str, Any]:
         "quotas": limits,
         "quota_usage": {peer: _usage(u) for peer, u in usages.items()},
         "closed_sessions": _closed(node.closed_sessions()),
+        # the same cumulative figures /metrics exposes, so the two agree
+        "totals": node.metrics.totals(),
     }
 
 
