@@ -1148,6 +1148,13 @@ class ZmqControlTransport:
             self._drop(f"a message of {len(frames) - 1} frames (expected [identity, payload])")
             return
         identity, payload = frames
+        if len(identity) == 5 and identity[0] == 0:
+            # libzmq's own name for a connection our ROUTER handed over to a
+            # newer one of the same peer (ROUTER_HANDOVER): its last frames
+            # belong to a connection both sides have given up. Not news.
+            self._dropped += 1
+            log.debug("%s: dropped a frame from a replaced connection", self._local_id)
+            return
         try:
             peer_id = identity.decode()
         except UnicodeDecodeError:
