@@ -11,7 +11,9 @@ Two halves, for two costs:
   (:meth:`p2pactor.node.Node.watch_events`). The node steps ~10k events/s, so
   the watcher does one dict lookup per event and adds to plain integers kept
   per peer; nothing is formatted, no label is resolved per event. Histograms
-  have no labels, so each is one pre-bound object.
+  have no labels; each is a list of bucket counts (a bisect per observation:
+  prometheus-client's own ``Histogram.observe`` takes a lock and costs several
+  times more).
 * **gauges** (sessions, peers, actors, pinned blocks) and the event log's
   counters are read from the node only when someone scrapes (or calls
   :meth:`NodeMetrics.totals`), by a custom collector: no cost per event.
@@ -23,11 +25,17 @@ A kv_request_id is never a label.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from p2pactor.core import events as ev
@@ -97,6 +105,33 @@ _KEY_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _UNKNOWN_PEER: Final = "unknown"  # the transport refuses unauthenticated peers before naming them
 
 
+class _Histogram:
+    """A histogram without labels: bucket counts, a sum; exported at scrape time."""
+
+    __slots__ = ("bounds", "counts", "doc", "name", "sum")
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float]) -> None:
+        self.name = name
+        self.doc = doc
+        self.bounds = tuple(float(b) for b in bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: over every bound (+Inf only)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """Count one observation (in the first bucket whose bound is >= ``value``)."""
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def family(self) -> HistogramMetricFamily:
+        """The histogram as Prometheus has it: cumulative buckets up to ``+Inf``."""
+        buckets: list[tuple[str, float]] = []
+        seen = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            seen += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), seen))
+        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
+
+
 class _Peer:
     """Cumulative counts for one peer. Plain ints: the trio thread alone adds to them."""
 
@@ -124,18 +159,51 @@ class _Peer:
         self.handshakes: dict[str, int] = {}
 
 
-class _Open:
-    """What the metrics remember of one actor until it ends (only when needed)."""
+class _Keys:
+    """A producer lookup's keys that were ever pending, that expired, that were refused."""
 
-    __slots__ = ("expired", "fetches", "lookup_since", "pending", "refused", "writes")
+    __slots__ = ("expired", "pending", "refused")
+
+    def __init__(self) -> None:
+        self.pending: set[bytes] = set()
+        self.expired: set[bytes] = set()
+        self.refused: set[bytes] = set()
+
+
+class _Open:
+    """What the metrics remember of one actor until it ends.
+
+    Each table is made on first need: most actors need one or none.
+    """
+
+    __slots__ = ("fetches", "lookup_since", "lookups", "writes")
 
     def __init__(self) -> None:
         self.lookup_since: float | None = None  # consumer: when the open lookup went out
-        self.fetches: dict[int, tuple[float, int]] = {}  # consumer: round -> (sent at, blocks)
-        self.writes: dict[int, int] = {}  # producer: transfer -> blocks
-        self.pending: dict[int, set[bytes]] = {}  # producer: lookup -> keys ever pending
-        self.expired: dict[int, set[bytes]] = {}  # producer: lookup -> keys that expired
-        self.refused: dict[int, set[bytes]] = {}  # producer: lookup -> keys refused by quota
+        self.fetches: dict[int, tuple[float, int]] | None = None  # round -> (sent at, blocks)
+        self.writes: dict[int, int] | None = None  # producer: transfer -> blocks
+        self.lookups: dict[int, _Keys] | None = None  # producer: lookups with unusual keys
+
+    def keys_of(self, lookup_id: int) -> _Keys:
+        """The unusual keys of one producer lookup, made if needed."""
+        if self.lookups is None:
+            self.lookups = {}
+        found = self.lookups.get(lookup_id)
+        if found is None:
+            found = self.lookups[lookup_id] = _Keys()
+        return found
+
+    def pop_fetch(self, round_seq: int) -> tuple[float, int] | None:
+        """Forget a consumer round's fetch; what it was, or None if none is remembered."""
+        return None if self.fetches is None else self.fetches.pop(round_seq, None)
+
+    def pop_write(self, transfer_id: int) -> int:
+        """Forget a producer write; its blocks (0 if unknown)."""
+        return 0 if self.writes is None else self.writes.pop(transfer_id, 0)
+
+    def pop_lookup(self, lookup_id: int) -> _Keys | None:
+        """Forget a producer lookup's unusual keys; them, or None if there were none."""
+        return None if self.lookups is None else self.lookups.pop(lookup_id, None)
 
 
 class NodeMetrics:
@@ -153,23 +221,18 @@ class NodeMetrics:
         self._open: dict[ActorId, _Open] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         """This node's registry (never the process-wide default one)."""
-        self._lookup_seconds = Histogram(
+        self._lookup_seconds = _Histogram(
             "p2pactor_lookup_seconds",
             "Time from a lookup sent to its last key answered (lookups that timed out excluded).",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self._fetch_seconds = Histogram(
+        self._fetch_seconds = _Histogram(
             "p2pactor_fetch_seconds",
             "Time from a fetch sent to the peer's transfer_done, for fetches that succeeded.",
-            buckets=_LATENCY_BUCKETS,
-            registry=self.registry,
+            _LATENCY_BUCKETS,
         )
-        self._lookup_keys = Histogram(
-            "p2pactor_keys_per_lookup",
-            "Keys per lookup this node sent.",
-            buckets=_KEY_BUCKETS,
-            registry=self.registry,
+        self._lookup_keys = _Histogram(
+            "p2pactor_keys_per_lookup", "Keys per lookup this node sent.", _KEY_BUCKETS
         )
         self.registry.register(_NodeCollector(self))
         self._handlers: dict[type[ev.Event], Callable[[Any], None]] = {
@@ -333,11 +396,14 @@ class NodeMetrics:
 
     def _fetch_sent(self, event: ev.FetchSent) -> None:
         if event.keys:
-            self._track(event.actor).fetches[event.round_seq] = (event.at, len(event.keys))
+            track = self._track(event.actor)
+            if track.fetches is None:
+                track.fetches = {}
+            track.fetches[event.round_seq] = (event.at, len(event.keys))
 
     def _transfer_done(self, event: ev.TransferDone) -> None:
         track = self._open.get(event.actor)
-        sent = None if track is None else track.fetches.pop(event.round_seq, None)
+        sent = None if track is None else track.pop_fetch(event.round_seq)
         if sent is None:
             return  # after an abort already counted it, or a fetch of no keys
         peer = self._peer(event.actor.peer)
@@ -349,12 +415,12 @@ class NodeMetrics:
 
     def _abort_sent(self, event: ev.AbortSent) -> None:
         track = self._open.get(event.actor)
-        if track is not None and track.fetches.pop(event.round_seq, None) is not None:
+        if track is not None and track.pop_fetch(event.round_seq) is not None:
             self._peer(event.actor.peer).failures["timeout"] += 1
 
     def _aborted(self, event: ev.Aborted) -> None:
         track = self._open.get(event.actor)
-        if track is not None and track.fetches.pop(event.round_seq, None) is not None:
+        if track is not None and track.pop_fetch(event.round_seq) is not None:
             self._peer(event.actor.peer).failures["session_lost"] += 1
 
     # producer: what peers ask of us
@@ -366,7 +432,8 @@ class NodeMetrics:
         self._peer(event.actor.peer).served_lookups += 1
         self._refused(event.actor.peer, "keys_per_lookup")
         if event.admitted < len(event.keys):
-            self._track(event.actor).refused[event.lookup_id] = set(event.keys[event.admitted :])
+            refused = self._track(event.actor).keys_of(event.lookup_id).refused
+            refused.update(event.keys[event.admitted :])
 
     def _lookup_refused(self, event: ev.LookupRefused) -> None:
         peer = self._peer(event.actor.peer)
@@ -376,7 +443,7 @@ class NodeMetrics:
 
     def _keys_refused(self, event: ev.KeysRefused) -> None:
         self._refused(event.actor.peer, event.quota.value)
-        self._track(event.actor).refused.setdefault(event.lookup_id, set()).update(event.keys)
+        self._track(event.actor).keys_of(event.lookup_id).refused.update(event.keys)
 
     def _fetch_refused(self, event: ev.FetchRefused) -> None:
         self._refused(event.actor.peer, event.quota.value)
@@ -387,33 +454,26 @@ class NodeMetrics:
 
     def _keys_resolved(self, event: ev.KeysResolved) -> None:
         if event.pending:
-            self._track(event.actor).pending.setdefault(event.lookup_id, set()).update(
-                event.pending
-            )
+            self._track(event.actor).keys_of(event.lookup_id).pending.update(event.pending)
 
     def _pending_expired(self, event: ev.PendingExpired) -> None:
-        self._track(event.actor).expired.setdefault(event.lookup_id, set()).update(event.keys)
+        self._track(event.actor).keys_of(event.lookup_id).expired.update(event.keys)
 
     def _lookup_answered(self, event: ev.LookupAnswered) -> None:
         served = self._peer(event.actor.peer).served
         track = self._open.get(event.actor)
-        lookup = event.lookup_id
-        if track is None or not (
-            lookup in track.pending or lookup in track.refused or lookup in track.expired
-        ):
+        unusual = None if track is None else track.pop_lookup(event.lookup_id)
+        if unusual is None:
             hits = sum(event.hits)  # the common case: no key was ever pending or refused
             served["hit"] += hits
             served["miss"] += len(event.hits) - hits
             return
-        pending = track.pending.pop(lookup, set())
-        expired = track.expired.pop(lookup, set())
-        refused = track.refused.pop(lookup, set())
         for key, hit in zip(event.keys, event.hits, strict=True):
             if hit:
-                served["pending_resolved" if key in pending else "hit"] += 1
-            elif key in refused:
+                served["pending_resolved" if key in unusual.pending else "hit"] += 1
+            elif key in unusual.refused:
                 served["refused"] += 1
-            elif key in expired:
+            elif key in unusual.expired:
                 served["pending_expired"] += 1
             else:
                 served["miss"] += 1
@@ -421,22 +481,23 @@ class NodeMetrics:
     def _lookup_dropped(self, event: ev.LookupDropped) -> None:
         track = self._open.get(event.actor)
         if track is not None:
-            track.pending.pop(event.lookup_id, None)
-            track.expired.pop(event.lookup_id, None)
-            track.refused.pop(event.lookup_id, None)
+            track.pop_lookup(event.lookup_id)
 
     def _transfer_started(self, event: ev.TransferStarted) -> None:
-        self._track(event.actor).writes[event.transfer_id] = len(event.keys)
+        track = self._track(event.actor)
+        if track.writes is None:
+            track.writes = {}
+        track.writes[event.transfer_id] = len(event.keys)
 
     def _transfer_completed(self, event: ev.TransferCompleted) -> None:
         track = self._open.get(event.actor)
-        blocks = 0 if track is None else track.writes.pop(event.transfer_id, 0)
+        blocks = 0 if track is None else track.pop_write(event.transfer_id)
         self._peer(event.actor.peer).blocks_written += blocks
 
     def _transfer_failed(self, event: ev.TransferFailed) -> None:
         track = self._open.get(event.actor)
         if track is not None:
-            track.writes.pop(event.transfer_id, None)
+            track.pop_write(event.transfer_id)
         self._peer(event.actor.peer).failures["write_error"] += 1
 
     # --- read at scrape time ---------------------------------------------------------
@@ -490,6 +551,8 @@ class _NodeCollector(Collector):
         m = self._m
         peers = list(m._peers.items())
         yield from _counters(peers, m._block_len, m._unauthenticated())
+        for histogram in (m._lookup_seconds, m._fetch_seconds, m._lookup_keys):
+            yield histogram.family()
         gauges = m._gauges()
         family = GaugeMetricFamily(
             "p2pactor_sessions", "Sessions with peers, by state.", labels=["state"]
