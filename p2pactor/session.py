@@ -377,10 +377,15 @@ class PeerSession:
     async def _first_connect(self) -> wire.Connect | None:
         """Read an inbound peer's first message, which must be its ``connect``.
 
-        Nothing is sent to a peer whose first word is anything else: answering
-        a stray frame (a ``disconnect`` that crossed our own close, say) with a
-        ``connect`` would open a session it never asked for, and two nodes could
-        bounce such sessions back and forth forever.
+        No ``connect`` goes to a peer whose first word is anything else:
+        answering a stray frame (a ``disconnect`` that crossed our own close,
+        say) with a ``connect`` would open a session it never asked for, and two
+        nodes could bounce such sessions back and forth forever. A request
+        (a lookup, say) means the peer still talks in a session whose connection
+        died on this side only: it gets a ``disconnect``, so that its session
+        ends now and its next request dials afresh, instead of its requests
+        waiting out their deadlines. A ``disconnect`` is never answered, so
+        this cannot bounce either.
         """
         assert self._conn is not None
         with trio.move_on_after(self._config.handshake_timeout):
@@ -393,7 +398,14 @@ class PeerSession:
                 return None
             if isinstance(msg, wire.Connect):
                 return msg
-            self._die(f"its first message is a {msg.TYPE}, not a connect; not answering")
+            if isinstance(msg, wire.Disconnect):
+                self._die("its first message is a disconnect, not a connect; not answering")
+            else:
+                self._die(
+                    f"its first message is a {msg.TYPE}, not a connect: it talks in a "
+                    "session that ended here; told it to disconnect",
+                    disconnect=True,
+                )
             return None
         self._host.handshake_ended(self.peer_id, "timeout")
         self._die(f"no connect within {self._config.handshake_timeout:g} s of its first frame")

@@ -1,0 +1,103 @@
+"""Sessions two nodes open towards each other at the same moment.
+
+With 16 node processes starting together, node B's frame often reached node A
+after A had created its session for B but before that session dialed: A's node
+saw an inbound connection for a peer whose session was alive, refused it, and
+lost B's ``connect``; A's session then never finished its handshake and every
+lookup on it waited 30 s and failed. These tests make both nodes dial each
+other at once, many times over, and require one session per pair and answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+from p2pactor.core.inputs import LookupResult
+from tests.cluster import key, open_cluster
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+async def test_a_peer_dialing_us_while_our_session_is_about_to_dial_it_is_that_session() -> None:
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        a.store(key(1))
+        b.store(key(2))
+        transport = b.node.control
+        dial = transport.connect
+
+        async def dial_once_a_has_dialed_us(peer: str) -> Any:
+            # b's session exists but has not dialed yet when a's `connect` arrives.
+            while a.id not in transport.connections:  # type: ignore[attr-defined]  # noqa: ASYNC110 - no event to wait on
+                await trio.sleep(0.001)
+            await trio.sleep(0.05)  # and b's node has seen the inbound connection
+            return await dial(peer)
+
+        transport.connect = dial_once_a_has_dialed_us  # type: ignore[method-assign]
+        answers: dict[str, list[LookupResult]] = {}
+
+        async def ask(name: str, peer: str, k: bytes) -> None:
+            answers[name] = await cluster[name].node.lookup(peer, "r", [k])
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ask, "b", a.id, key(1))
+                await trio.sleep(0.01)  # b's session is created and waits to dial
+                nursery.start_soon(ask, "a", b.id, key(2))
+        assert answers == {"a": [HIT], "b": [HIT]}
+        for member, peer in ((a, b), (b, a)):
+            assert member.node.closed_sessions() == []
+            (session,) = member.node.sessions()
+            assert session.peer_id == peer.id
+            assert session.ready
+
+
+async def test_nodes_dialing_each_other_at_once_share_one_session() -> None:
+    for attempt in range(10):
+        async with open_cluster("a", "b") as cluster:
+            a, b = cluster["a"], cluster["b"]
+            a.store(key(1))
+            b.store(key(2))
+            answers: dict[str, list[LookupResult]] = {}
+
+            async def ask(
+                name: str, peer: str, k: bytes, answers: dict[str, list[LookupResult]] = answers
+            ) -> None:
+                answers[name] = await cluster[name].node.lookup(peer, "r", [k])
+
+            with trio.fail_after(10):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(ask, "a", b.id, key(2))
+                    nursery.start_soon(ask, "b", a.id, key(1))
+            assert answers == {"a": [HIT], "b": [HIT]}, attempt
+            for member, peer in ((a, b), (b, a)):
+                assert member.node.closed_sessions() == [], attempt
+                (session,) = member.node.sessions()
+                assert session.peer_id == peer.id
+                assert session.ready
+
+
+async def test_a_peer_still_talking_in_a_session_that_died_here_is_told_to_disconnect() -> None:
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        b.store(key(2), key(3), key(4))
+        with trio.fail_after(10):
+            assert await a.node.lookup(b.id, "r1", [key(2)]) == [HIT]
+            (first,) = a.node.sessions()
+            # b's side of the connection dies and b's session ends; a has not
+            # noticed and sends its next lookup on the old session.
+            b.node.control.connections[a.id].kill("dropped on b's side only")  # type: ignore[attr-defined]
+            while b.node.sessions():  # noqa: ASYNC110 - no event to wait on
+                await trio.sleep(0.01)
+            start = trio.current_time()
+            # Answered at once (b's new inbound session says disconnect), not
+            # after the 30 s lookup deadline.
+            assert await a.node.lookup(b.id, "r2", [key(3)]) == [MISS]
+            assert trio.current_time() - start < 5
+            assert not first.alive
+            assert await a.node.lookup(b.id, "r3", [key(4)]) == [HIT]
+            (second,) = a.node.sessions()
+            assert second is not first
+            assert second.ready
