@@ -153,8 +153,8 @@ def run(options: BenchOptions) -> SectionResult:
     if failed:
         notes.insert(
             0,
-            f"FAILURES: {failed} (a known open bug: sessions one side declared dead "
-            "while the other kept using them; see docs/benchmarks.md, 16 peers)",
+            f"FAILURES: {failed} (requests not answered as expected; the node stderr "
+            "and event logs of a failed repeat are kept: see the problem notes)",
         )
     # Failures are a figure this section reports (the JSON has them); only
     # wrong bytes, or a run with nothing fetched, make the section itself fail.
