@@ -100,6 +100,7 @@ import numpy.typing as npt
 import trio
 
 from p2pactor.errors import ConfigError, DataPlaneError
+from p2pactor.logsetup import peer_context
 from p2pactor.transport import TransferError
 
 if TYPE_CHECKING:
@@ -515,7 +516,13 @@ class NixlDataTransport:
             try:
                 call()
             except Exception as exc:
-                log.warning("NIXL agent %s: %s failed: %s", self._agent_name, what, exc)
+                log.warning(
+                    "NIXL agent %s: %s failed: %s; its NIXL state leaks until the process "
+                    "exits (NIXL_LOG_LEVEL=INFO shows why)",
+                    self._agent_name,
+                    what,
+                    exc,
+                )
 
         for handle in left.handles:
             attempt("releasing a write in flight", partial(agent.release_xfer_handle, handle))
@@ -634,7 +641,13 @@ class NixlDataTransport:
             self._signal()
         if isinstance(outcome, str):
             raise TransferError(f"cannot register {peer_id}'s pool with NIXL: {outcome}")
-        log.debug("NIXL agent %s: %s registered (agent %s)", self._agent_name, peer_id, peer.remote)
+        log.debug(
+            "NIXL agent %s: %s registered (agent %s)",
+            self._agent_name,
+            peer_id,
+            peer.remote,
+            extra=peer_context(peer_id),
+        )
 
     def _add_sync(
         self,
@@ -703,7 +716,9 @@ class NixlDataTransport:
                     await trio.to_thread.run_sync(
                         self._remove_sync, agent, peer.dlist, peer.remote if refs <= 0 else None
                     )
-        log.debug("NIXL agent %s: %s removed", self._agent_name, peer_id)
+        log.debug(
+            "NIXL agent %s: %s removed", self._agent_name, peer_id, extra=peer_context(peer_id)
+        )
 
     def _remove_sync(self, agent: _Agent, dlist: object, remote: str | None) -> None:
         """The NIXL half of :meth:`remove_peer` (worker thread, lock held)."""
@@ -937,6 +952,7 @@ class NixlDataTransport:
                     self._agent_name,
                     write.peer.peer_id,
                     _nixl_error(exc),
+                    extra=peer_context(write.peer.peer_id),
                 )
             return False
         return True

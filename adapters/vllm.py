@@ -37,6 +37,8 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.errors import ConfigError, P2PActorError
 from p2pactor.log import EventLog
+from p2pactor.logsetup import request_context
+from p2pactor.metrics import LOOKUP_OUTCOMES, SERVED_LOOKUP_OUTCOMES
 from p2pactor.node import Node, open_node
 
 try:
@@ -67,6 +69,13 @@ try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - before per-source hit metrics
     CacheHitSource = None
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+except ImportError:  # pragma: no cover - before tiers reported their own metrics
+    OffloadingConnectorStats = None
 
 __all__ = ["P2PActorTierManager"]
 
@@ -167,9 +176,127 @@ def _fingerprint(offloading_spec: Any) -> str:
             parallel_agnostic=True,
         ).get_run_config()
     except Exception as exc:  # a partial spec: no fingerprint, as vLLM with no fields
-        log.warning("could not derive the layout fingerprint (%s); peers will not compare it", exc)
+        log.warning(
+            "could not derive the layout fingerprint (%s); peers will not compare it, so "
+            "check by hand that every peer runs the same model, dtype and block size",
+            exc,
+        )
         return ""
     return fingerprint_of(fields)
+
+
+# --- p2pactor's figures in vLLM's /metrics -----------------------------------------
+
+# vLLM's tiers name theirs vllm:kv_offload_<tier>_<what>; Prometheus adds _total
+# to counters.
+_METRIC_PREFIX = "vllm:kv_offload_p2pactor_"
+# How often the node's thread publishes its totals for get_stats. vLLM's
+# frontend keeps what get_stats returned until a scrape, seconds apart.
+_STATS_INTERVAL_S = 0.1
+
+# Metric (without the prefix) -> (is a gauge, help text, label names). The names
+# after the prefix are p2pactor's own (docs/metrics.md), summed over peers.
+_METRICS: dict[str, tuple[bool, str, tuple[str, ...]]] = {
+    "lookups": (False, "Lookups this engine sent to peers.", ()),
+    "lookup_keys": (
+        False,
+        "Keys this engine asked peers about, by answer (hit, miss, timeout).",
+        ("outcome",),
+    ),
+    "served_lookups": (False, "Lookups peers sent to this engine.", ()),
+    "served_lookup_keys": (
+        False,
+        (
+            "Keys peers asked this engine about, by answer "
+            "(hit, miss, pending_resolved, pending_expired, refused)."
+        ),
+        ("outcome",),
+    ),
+    "blocks_received": (False, "KV blocks loaded from peers by fetches that succeeded.", ()),
+    "received_bytes": (False, "Bytes loaded from peers by fetches that succeeded.", ()),
+    "blocks_written": (False, "KV blocks this engine wrote into peers' memory.", ()),
+    "written_bytes": (False, "Bytes this engine wrote into peers' memory.", ()),
+    "transfers_failed": (False, "Block transfers that failed, loads and writes.", ()),
+    "quota_refusals": (False, "Requests of peers refused over a quota.", ()),
+    "handshakes": (False, "Session handshakes, by outcome (ok, failed).", ("outcome",)),
+    "sessions": (True, "Sessions with peers now, in any state.", ()),
+    "peers": (True, "Peers whose session is ready now.", ()),
+    "actors": (True, "Live p2pactor request actors now.", ()),
+    "pinned_blocks": (
+        True,
+        "Blocks of this engine pinned for peers' lookups and not yet released.",
+        (),
+    ),
+}
+
+
+@attrs.frozen
+class _Series:
+    """Where one figure of ``node.metrics.totals()`` goes in vLLM's metrics."""
+
+    metric: str
+    gauge: bool
+    labels: tuple[str, ...] = ()
+
+
+def _series(metric: str, *labels: str) -> _Series:
+    return _Series(_METRIC_PREFIX + metric, _METRICS[metric][0], labels)
+
+
+# Figures without a series here are not sent: vLLM's frontend refuses a metric
+# its tiers did not define at start.
+_SERIES: dict[str, _Series] = {
+    "lookups": _series("lookups"),
+    **{f"lookups_{o}": _series("lookup_keys", o) for o in LOOKUP_OUTCOMES},
+    "served_lookups": _series("served_lookups"),
+    **{f"served_{o}": _series("served_lookup_keys", o) for o in SERVED_LOOKUP_OUTCOMES},
+    "blocks_received": _series("blocks_received"),
+    "bytes_received": _series("received_bytes"),
+    "blocks_written": _series("blocks_written"),
+    "bytes_written": _series("written_bytes"),
+    "transfers_failed": _series("transfers_failed"),
+    "quota_refusals": _series("quota_refusals"),
+    "handshakes_ok": _series("handshakes", "ok"),
+    "handshakes_failed": _series("handshakes", "failed"),
+    "sessions_alive": _series("sessions"),
+    "peers_ready": _series("peers"),
+    "actors": _series("actors"),
+    "pins_outstanding": _series("pinned_blocks"),
+}
+
+
+def _metric_definitions() -> dict[str, Any]:
+    """The tier's metrics, as vLLM's OffloadingMetricMetadata by name."""
+    if OffloadingConnectorStats is None:  # pragma: no cover - vLLM without tier metrics
+        return {}
+    return {
+        _METRIC_PREFIX + name: (OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata)(
+            documentation=doc, labelnames=labelnames
+        )
+        for name, (gauge, doc, labelnames) in _METRICS.items()
+    }
+
+
+def _tier_stats(before: dict[str, float], now: dict[str, float]) -> Any:
+    """What changed from ``before`` to ``now`` as vLLM's stats, or None if nothing.
+
+    Counters carry their increase (vLLM's frontend adds it to the Prometheus
+    counter), gauges their value now.
+    """
+    if OffloadingConnectorStats is None:  # pragma: no cover - vLLM without tier metrics
+        return None
+    stats = OffloadingConnectorStats()
+    for figure, value in now.items():
+        series = _SERIES.get(figure)
+        if series is None:
+            continue
+        if series.gauge:
+            stats.set_gauge(series.metric, value, series.labels)
+        else:
+            increase = value - before.get(figure, 0.0)
+            if increase > 0:  # a Prometheus counter refuses to go down
+                stats.increase_counter(series.metric, increase, series.labels)
+    return None if stats.is_empty() else stats
 
 
 class _NodeThread:
@@ -184,6 +311,9 @@ class _NodeThread:
         self._stop: trio.Event | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self.node: Node | None = None
+        # node.metrics.totals(), published by the node's thread: engine threads
+        # read it without waiting, and never read the node's state themselves.
+        self.totals: dict[str, float] = {}
         self._thread = threading.Thread(target=self._main, name="p2pactor-node", daemon=True)
 
     def start(self) -> Node:
@@ -203,14 +333,21 @@ class _NodeThread:
                 self._token.run_sync_soon(self._stop.set)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("the p2pactor node thread did not stop within %.0f s", timeout)
+            log.warning(
+                "the p2pactor node thread did not stop within %.0f s; it is left running "
+                "(a peer or transfer that never ended: see the lines above)",
+                timeout,
+            )
 
     def _main(self) -> None:
         try:
             trio.run(self._run)
         except BaseException as exc:
             self._error = exc
-            log.exception("the p2pactor node stopped with an error")
+            log.exception(
+                "the p2pactor node stopped with an error; the tier serves no more loads "
+                "(restart the engine once the cause in this traceback is fixed)"
+            )
         finally:
             self._ready.set()
 
@@ -239,7 +376,25 @@ class _NodeThread:
         ):
             self.node = node
             self._ready.set()
-            await self._stop.wait()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._publish_totals, node)
+                await self._stop.wait()
+                nursery.cancel_scope.cancel()
+
+    async def _publish_totals(self, node: Node) -> None:
+        """Publish the figures vLLM gets whenever they change (checked every 0.1 s)."""
+        while True:
+            try:
+                totals = {k: v for k, v in node.metrics.totals().items() if k in _SERIES}
+            except Exception:  # the tier serves on; only its figures in vLLM stop
+                log.exception(
+                    "p2pactor stopped reporting to vLLM's metrics: node.metrics.totals() "
+                    "failed; the tier still works (report this as a p2pactor bug)"
+                )
+                return
+            if totals != self.totals:
+                self.totals = totals
+            await trio.sleep(_STATS_INTERVAL_S)
 
 
 class _LentParent:
@@ -375,6 +530,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
         self._failed: set[str] = set()
         self._runner = _NodeThread(config, view, event_log)
+        self._reported: dict[str, float] = {}  # the totals get_stats last reported
         self._node: Node = self._runner.start()
         log.info(
             "p2pactor tier %s ready (%d blocks of %d bytes)",
@@ -392,9 +548,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         if source is not None and not self._node.config.may_dial(source.peer):
             log.warning(
                 "request %s names %s, which is not in allowed_peers or has no trusted CURVE "
-                "key; not dialing it",
+                "key; not dialing it (add it to allowed_peers, or its .key to curve_trusted)",
                 req_context.req_id,
                 source.peer,
+                extra=request_context(
+                    source.peer, source.kv_request_id, node=self._node.config.node_id
+                ),
             )
             source = None
         if source is not None:
@@ -517,7 +676,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 return
             if time.monotonic() > deadline:
                 log.warning(
-                    "drain_jobs gave up after %.0f s: %d loads still in flight",
+                    "drain_jobs gave up after %.0f s: %d loads still in flight (their peers "
+                    "stopped answering; see the session lines above)",
                     _DRAIN_TIMEOUT_S,
                     len(self._load_requests),
                 )
@@ -527,6 +687,27 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def shutdown(self) -> None:
         """Close the node: sessions drain for up to 3 s, as vLLM's tier does."""
         self._runner.stop(timeout=_SHUTDOWN_DRAIN_S + 10)
+
+    # --- vLLM's /metrics -----------------------------------------------------------
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
+        """The ``vllm:kv_offload_p2pactor_*`` metrics this tier reports (docs/vllm.md)."""
+        del extra_config  # always on: the figures cost the engine's thread nothing
+        return _metric_definitions()
+
+    def get_stats(self) -> Any:
+        """What the node counted since the last call: counter increases, gauges now.
+
+        Never waits: it reads the totals the node's thread last published (at
+        most 0.1 s old), and returns None while they have not changed.
+        """
+        totals = self._runner.totals
+        if totals is self._reported:
+            return None
+        stats = _tier_stats(self._reported, totals)
+        self._reported = totals
+        return stats
 
     # --- introspection -------------------------------------------------------------
 

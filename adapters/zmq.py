@@ -106,6 +106,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from p2pactor.errors import P2PActorError
 from p2pactor.keys import CurveSecurity
+from p2pactor.logsetup import peer_context, request_context
 from p2pactor.protocol import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.transport import ConnectionLost
 
@@ -905,6 +906,7 @@ class ZmqControlTransport:
             self._local_id,
             "inbound" if inbound else "outbound",
             peer_id,
+            extra=peer_context(peer_id, node=self._local_id),
         )
         return conn
 
@@ -920,7 +922,13 @@ class ZmqControlTransport:
         self._last_close[conn.peer_id] = now
         if self._closed:
             return
-        log.info("%s: connection to %s ended: %s", self._local_id, conn.peer_id, conn.dead_reason)
+        log.info(
+            "%s: connection to %s ended: %s",
+            self._local_id,
+            conn.peer_id,
+            conn.dead_reason,
+            extra=peer_context(conn.peer_id, node=self._local_id),
+        )
 
     async def _watch_connection(self, conn: ZmqConnection) -> None:
         """Turn the DEALER's monitor events (and a missed dial deadline) into death."""
@@ -942,7 +950,14 @@ class ZmqControlTransport:
                 for frames in batch:
                     message = parse_monitor_message(frames)
                     event, value = message["event"], message["value"]
-                    log.debug("%s: monitor of %r: %r %r", self._local_id, conn, event, value)
+                    log.debug(
+                        "%s: monitor of %r: %r %r",
+                        self._local_id,
+                        conn,
+                        event,
+                        value,
+                        extra=peer_context(conn.peer_id, node=self._local_id),
+                    )
                     reason = self._death_reason(conn, event, value)
                     if reason is not None:
                         conn._die(reason)
@@ -1139,7 +1154,11 @@ class ZmqControlTransport:
         self._auth_refused += 1
         if self._auth_refused <= 10 or self._auth_refused % 1000 == 0:
             log.warning(
-                "%s: refused %s (%d refused so far)", self._local_id, what, self._auth_refused
+                "%s: refused %s (%d refused so far)",
+                self._local_id,
+                what,
+                self._auth_refused,
+                extra={"node": self._local_id},
             )
 
     def _route(self, frames: list[bytes]) -> None:
@@ -1178,24 +1197,37 @@ class ZmqControlTransport:
         if self._allowed is not None and not self._allowed(peer_id):
             # Checked before _open, which dials back: the frame's identity is
             # the sender's claim, and must not pick our outbound connections.
-            self._drop(f"a frame from {peer_id}, which this node may not dial (allowed peers)")
+            self._drop(
+                f"a frame from {peer_id}, which is not in allowed_peers; add it to "
+                "allowed_peers (P2PACTOR_ALLOWED_PEERS) to accept it",
+                peer=peer_id,
+            )
             return None
         if self._accept_in.statistics().current_buffer_used >= self._options.accept_backlog:
-            self._drop(f"a frame from new peer {peer_id}: {self._options.accept_backlog} wait")
+            self._drop(
+                f"a frame from new peer {peer_id}: {self._options.accept_backlog} wait",
+                peer=peer_id,
+            )
             return None
         try:
             conn = self._open(peer_id, inbound=True)
         except ConnectionLost as exc:
-            self._drop(f"a frame from {peer_id}: {exc.reason}")
+            self._drop(f"a frame from {peer_id}: {exc.reason}", peer=peer_id)
             return None
         self._accept_in.send_nowait(conn)  # room checked above
         return conn
 
-    def _drop(self, what: str) -> None:
+    def _drop(self, what: str, *, peer: str | None = None) -> None:
         self._dropped += 1
         # A misbehaving peer must not flood the log: the first few, then 1 in 1000.
         if self._dropped <= 10 or self._dropped % 1000 == 0:
-            log.warning("%s: dropped %s (%d dropped so far)", self._local_id, what, self._dropped)
+            log.warning(
+                "%s: dropped %s (%d dropped so far)",
+                self._local_id,
+                what,
+                self._dropped,
+                extra=request_context(peer, None, node=self._local_id),
+            )
 
 
 def _apply_heartbeat(sock: zmq.Socket[bytes], options: ZmqOptions) -> None:
@@ -1285,6 +1317,7 @@ def _log_security(transport: ZmqControlTransport, port: int) -> None:
             "network you trust",
             transport.local_id,
             port,
+            extra={"node": transport.local_id},
         )
         return
     log.info(
@@ -1294,6 +1327,7 @@ def _log_security(transport: ZmqControlTransport, port: int) -> None:
         curve.keypair.public_key,
         len(curve.keyring),
         curve.keyring.where(),
+        extra={"node": transport.local_id},
     )
 
 

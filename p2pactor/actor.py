@@ -23,6 +23,7 @@ from p2pactor.core.fold import ActorState, initial_state, is_terminal, next_dead
 from p2pactor.core.ids import ActorId
 from p2pactor.core.producer import ProducerInput, ProducerState, step_producer
 from p2pactor.core.timings import Timings
+from p2pactor.logsetup import request_context
 
 __all__ = ["ActorHost", "ActorInput", "RequestActor"]
 
@@ -153,7 +154,13 @@ class RequestActor:
                 )
                 events = producer_events  # type: ignore[assignment]
         except Exception as exc:  # a bug in the core must not take the node down
-            log.exception("%s: the core failed on %r; input dropped", self.id, event_input)
+            log.exception(
+                "%s: the core failed on %r; input dropped (a bug in p2pactor: please report "
+                "it with this traceback)",
+                self.id,
+                event_input,
+                extra=request_context(self.id.peer, self.id.kv_request_id),
+            )
             self._host.actor_failed(self, event_input, exc)
             return
         self._host.actor_handled(self, event_input)

@@ -7,17 +7,22 @@ Subcommands arrive with the features they drive (``demo``, ``serve``,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import TYPE_CHECKING
 
-from p2pactor import __version__, keygen_cli, replay_cli, serve
+from p2pactor import __version__, keygen_cli, logsetup, replay_cli, serve, status_cli
 from p2pactor.bench import cli as bench_cli
 from p2pactor.demo import cli as demo_cli
+from p2pactor.errors import ConfigError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
 __all__ = ["build_parser", "main"]
+
+# Commands that run nodes or long work take the logging flags after their name too.
+_LOGGING_COMMANDS = ("demo", "serve", "replay", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,12 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"p2pactor {__version__}")
+    logsetup.add_logging_arguments(parser, default=None)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo_cli.register(commands)
     serve.register(commands)
     replay_cli.register(commands)
     keygen_cli.register(commands)
+    status_cli.register(commands)
     bench_cli.register(commands)
+    for name in _LOGGING_COMMANDS:
+        logsetup.add_logging_arguments(commands.choices[name])
     return parser
 
 
@@ -48,4 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # Each subcommand's register() sets the function that runs it.
     handler: Callable[[argparse.Namespace], int] = args.handler
-    return handler(args)
+    with contextlib.ExitStack() as scope:
+        try:  # diagnostics go to stderr, never stdout
+            scope.enter_context(logsetup.command_logging(args))
+        except ConfigError as exc:
+            sys.stderr.write(f"p2pactor: {exc}\n")
+            return 2
+        return handler(args)

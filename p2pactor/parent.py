@@ -21,6 +21,7 @@ from p2pactor.core import effects as fx
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import P2PActorError
+from p2pactor.logsetup import parent_request_context
 
 __all__ = ["CacheFull", "EmbeddedCache", "Parent", "ParentMisuse", "serve_parent_request"]
 
@@ -84,7 +85,12 @@ def serve_parent_request(
         try:
             parent.on_new_request(request.context)
         except Exception:
-            log.exception("parent refused to open %s; answering MISS", request.context)
+            log.exception(
+                "parent refused to open %s; answering MISS (a bug in the engine's parent: "
+                "see the traceback)",
+                request.context,
+                extra=parent_request_context(request.context),
+            )
             misses = [(key, LookupResult.MISS) for key in request.keys]
             return inp.ParentAnswer(lookup_id=request.lookup_id, results=misses)
     results: list[tuple[bytes, LookupResult]] = []
@@ -92,7 +98,12 @@ def serve_parent_request(
         try:
             result = parent.lookup(key, request.context)
         except Exception:
-            log.exception("parent lookup failed in %s; answering MISS", request.context)
+            log.exception(
+                "parent lookup failed in %s; answering MISS (a bug in the engine's parent: "
+                "see the traceback)",
+                request.context,
+                extra=parent_request_context(request.context),
+            )
             result = LookupResult.MISS
         results.append((key, result))
     hits = [k for k, r in results if r is LookupResult.HIT]
@@ -105,7 +116,13 @@ def serve_parent_request(
         try:
             pin = parent.create_store_job(hits, request.context)
         except Exception:
-            log.exception("parent could not pin %d hits in %s", len(hits), request.context)
+            log.exception(
+                "parent could not pin %d hits in %s; none pinned (a bug in the engine's "
+                "parent: see the traceback)",
+                len(hits),
+                request.context,
+                extra=parent_request_context(request.context),
+            )
     return inp.ParentAnswer(
         lookup_id=request.lookup_id,
         results=results,

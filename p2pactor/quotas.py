@@ -52,7 +52,9 @@ from p2pactor import protocol as wire
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.events import Quota
+from p2pactor.core.ids import ActorId
 from p2pactor.errors import ConfigError
+from p2pactor.logsetup import request_context
 
 __all__ = ["DEFAULT_QUOTAS", "PeerQuotas", "PeerUsage", "QuotaLedger"]
 
@@ -428,7 +430,9 @@ class QuotaLedger:
                         request.lookups.add(event.lookup_id)
                         p.open_lookups += 1
                     if isinstance(event, ev.LookupLimited):
-                        self._refused(request.peer, Quota.KEYS_PER_LOOKUP, event.reason, now)
+                        self._refused(
+                            request.peer, event.actor, Quota.KEYS_PER_LOOKUP, event.reason, now
+                        )
                 case ev.LookupAnswered() | ev.LookupDropped():
                     # A lookup answered at its deadline may be dropped later
                     # too: the set makes the second one a no-op.
@@ -446,7 +450,7 @@ class QuotaLedger:
                         request.rounds.remove(event.round_seq)
                         p.fetch_rounds -= 1
                 case ev.LookupRefused() | ev.KeysRefused() | ev.FetchRefused():
-                    self._refused(request.peer, event.quota, event.reason, now)
+                    self._refused(request.peer, event.actor, event.quota, event.reason, now)
                 case ev.Closed():
                     self.forget(handle)
                     return
@@ -514,7 +518,7 @@ class QuotaLedger:
         """:meth:`usage` of every peer seen so far."""
         return {peer: self.usage(peer) for peer in sorted(self._peers)}
 
-    def _refused(self, peer: str, quota: Quota, reason: str, now: float) -> None:
+    def _refused(self, peer: str, actor: ActorId, quota: Quota, reason: str, now: float) -> None:
         p = self._peer(peer)
         p.refusals[quota] += 1
         last = p.last_logged.get(quota)
@@ -523,5 +527,14 @@ class QuotaLedger:
             return
         more = p.unlogged.pop(quota, 0)
         tail = f" ({more} more refusals of this kind since the last message)" if more else ""
-        log.warning("refused %s over its %s quota: %s%s", peer, quota.value, reason, tail)
+        log.warning(
+            "refused %s over its %s quota: %s%s; if this peer may use more, raise "
+            "P2PACTOR_QUOTA_%s (docs/quotas.md)",
+            peer,
+            quota.value,
+            reason,
+            tail,
+            quota.value.upper(),
+            extra=request_context(peer, actor.kv_request_id),
+        )
         p.last_logged[quota] = now
