@@ -140,7 +140,10 @@ async def _handle(stream: trio.SocketStream, node: Node, bound_host: str) -> Non
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # the client went away
     except Exception:
-        log.exception("the metrics server failed on a connection; it goes on")
+        log.exception(
+            "the metrics server failed on a connection; it goes on (a bug in p2pactor: "
+            "please report it with this traceback)"
+        )
     finally:
         with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
             await stream.aclose()
@@ -175,6 +178,8 @@ async def open_metrics_server(
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, handler, listeners)
         server = MetricsServer(host, bound)
-        log.info("metrics of %s at %s", node.node_id, server.metrics_url)
+        log.info(
+            "metrics of %s at %s", node.node_id, server.metrics_url, extra={"node": node.node_id}
+        )
         yield server
         nursery.cancel_scope.cancel()

@@ -78,11 +78,13 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
             if node.dashboard is not None:
                 sys.stdout.write(f"dashboard: {node.dashboard.url}\n")
             sys.stdout.flush()
-            if node.http_url is not None:  # docs/metrics.md
-                sys.stderr.write(
-                    f"metrics: {node.http_url}metrics  status: {node.http_url}status\n"
+            if node.http_url is not None:  # docs/metrics.md; a log line: stderr, any format
+                log.info(
+                    "metrics: %smetrics  status: %sstatus",
+                    node.http_url,
+                    node.http_url,
+                    extra={"node": config.node_id},
                 )
-                sys.stderr.flush()
             async for signum in signals:
                 log.info("stopping on signal %d", signum)
                 break

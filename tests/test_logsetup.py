@@ -294,6 +294,7 @@ def test_serve_with_json_logs_writes_only_json_to_stderr(tmp_path: Path) -> None
     argv = [sys.executable, "-m", "p2pactor", "serve", "--log-format", "json"]
     argv += ["--host", "127.0.0.1", "--port", str(port), "--num-blocks", "8"]
     argv += ["--block-len", "64", "--preload", "2", "--allowed-peers", "127.0.0.1:1"]
+    argv += ["--metrics-port", "0"]  # where to scrape is said on stderr: JSON too
     stderr_path = tmp_path / "serve.stderr"
     with stderr_path.open("w") as stderr:
         process = subprocess.Popen(
@@ -336,6 +337,8 @@ def test_serve_with_json_logs_writes_only_json_to_stderr(tmp_path: Path) -> None
     assert refused["node"] == f"127.0.0.1:{port}"
     assert "add it to allowed_peers (P2PACTOR_ALLOWED_PEERS)" in refused["message"]
     assert any(line["message"] == "stopping on signal 15" for line in lines)
+    (metrics,) = [line for line in lines if line["message"].startswith("metrics: http://")]
+    assert metrics["node"] == f"127.0.0.1:{port}"
 
 
 def test_demo_passes_json_logging_to_its_node_processes(tmp_path: Path) -> None:
