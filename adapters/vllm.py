@@ -14,7 +14,8 @@ under its lock, from the scheduler thread or its tier-poll thread. A p2pactor
 node runs on its own trio thread (sockets, timers, decoding, NIXL completions
 all live there); the methods here only hand work over without waiting
 (``Node.register_lookup``, ``flush``, ``submit_load``, ...) and read what the
-trio thread has already published. The parent handle vLLM lends to
+trio thread has already published (``get_stats`` too: the node's metrics reach
+vLLM's ``/metrics`` as ``vllm:kv_offload_p2pactor_*``). The parent handle vLLM lends to
 ``serve_external_requests`` is used only inside that call, through
 :class:`_LentParent`, and never kept.
 """
