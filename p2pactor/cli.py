@@ -23,6 +23,8 @@ __all__ = ["build_parser", "main"]
 
 # Commands that run nodes or long work take the logging flags after their name too.
 _LOGGING_COMMANDS = ("demo", "serve", "replay", "bench")
+# bench opens hundreds of sessions: a line for each would bury its tables.
+_DEFAULT_LEVELS = {"bench": "WARNING"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,7 +61,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     with contextlib.ExitStack() as scope:
         try:  # diagnostics go to stderr, never stdout
-            scope.enter_context(logsetup.command_logging(args))
+            level = _DEFAULT_LEVELS.get(args.command, "INFO")
+            scope.enter_context(logsetup.command_logging(args, default_level=level))
         except ConfigError as exc:
             sys.stderr.write(f"p2pactor: {exc}\n")
             return 2

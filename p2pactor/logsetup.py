@@ -226,15 +226,19 @@ def add_logging_arguments(
     )
 
 
-def configure_from_args(args: argparse.Namespace) -> logging.Logger:
-    """:func:`configure_logging` with ``--log-format`` / ``--log-level`` when given."""
-    return configure_logging(
-        level=getattr(args, "log_level", None), fmt=getattr(args, "log_format", None)
-    )
+def configure_from_args(args: argparse.Namespace, *, default_level: str = "INFO") -> logging.Logger:
+    """:func:`configure_logging` with ``--log-format`` / ``--log-level`` when given.
+
+    The level is ``--log-level``, else ``P2PACTOR_LOG_LEVEL``, else ``default_level``.
+    """
+    level = getattr(args, "log_level", None) or os.environ.get(LEVEL_ENV) or default_level
+    return configure_logging(level=level, fmt=getattr(args, "log_format", None))
 
 
 @contextlib.contextmanager
-def command_logging(args: argparse.Namespace) -> Iterator[logging.Logger]:
+def command_logging(
+    args: argparse.Namespace, *, default_level: str = "INFO"
+) -> Iterator[logging.Logger]:
     """:func:`configure_from_args` for one command, then the ``p2pactor`` logger as it was.
 
     The command line runs each command inside it, so that calling
@@ -244,7 +248,7 @@ def command_logging(args: argparse.Namespace) -> Iterator[logging.Logger]:
     logger = logging.getLogger(ROOT)
     level, propagate, handlers = logger.level, logger.propagate, list(logger.handlers)
     try:
-        yield configure_from_args(args)
+        yield configure_from_args(args, default_level=default_level)
     finally:
         for handler in [h for h in logger.handlers if h not in handlers]:
             logger.removeHandler(handler)

@@ -25,6 +25,8 @@ import pytest
 import trio
 import zmq
 
+from p2pactor.bench import cli as bench_cli
+from p2pactor.bench.report import BenchOptions, SectionResult
 from p2pactor.cli import build_parser, main
 from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import ConfigError
@@ -36,6 +38,7 @@ from p2pactor.logsetup import (
     TextFormatter,
     configure_logging,
     parent_request_context,
+    peer_context,
     request_context,
 )
 from p2pactor.quotas import PeerQuotas
@@ -363,3 +366,28 @@ def test_demo_passes_json_logging_to_its_node_processes(tmp_path: Path) -> None:
         ids |= {(line["node"], line["peer"]) for line in ready}
     (a, b) = {node for node, _ in ids}
     assert ids == {(a, b), (b, a)}  # each node names itself and the other
+
+
+def test_bench_json_to_stdout_keeps_tables_and_logs_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench --json -``: stdout is the JSON document alone (a fake section: no benchmark)."""
+
+    class Section:
+        NAME = "control"
+        TITLE = "a section that only logs"
+
+        @staticmethod
+        def run(options: BenchOptions) -> SectionResult:
+            logging.getLogger("p2pactor.session").info("session with x:1 ready")  # bench: hidden
+            logging.getLogger("p2pactor.node").warning("refused x:1", extra=peer_context("x:1"))
+            return SectionResult(name="control", title=Section.TITLE, rows=[{"n": 1}])
+
+    monkeypatch.setattr(bench_cli, "_load", lambda name: Section)
+    assert main(["bench", "--log-format", "json", "--json", "-", "--only", "control"]) == 0
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert [s["name"] for s in report["sections"]] == ["control"]
+    assert "a section that only logs" in err  # the table
+    logged = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+    assert [(line["message"], line["peer"]) for line in logged] == [("refused x:1", "x:1")]

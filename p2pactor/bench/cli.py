@@ -89,8 +89,14 @@ def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="p2pactor-bench-") as work:
         repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
         options = BenchOptions(quick=args.quick, repeats=repeats, work_dir=work)
-        report = run_bench(options, args.only)
-    if args.json:
+        # With --json -, stdout holds the JSON document alone: the tables go to stderr.
+        to_stdout = args.json == "-"
+        report = run_bench(options, args.only, out=sys.stderr if to_stdout else sys.stdout)
+    if to_stdout:
+        json.dump(report.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    elif args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=2)
             f.write("\n")
@@ -117,7 +123,11 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     parser.add_argument(
         "--quick", action="store_true", help="a smoke run for CI (small sizes, few repeats)"
     )
-    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH; '-': to stdout, with the tables on stderr",
+    )
     parser.add_argument(
         "--only",
         nargs="+",
