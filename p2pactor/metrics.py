@@ -103,6 +103,9 @@ _LATENCY_BUCKETS: Final = (
 )
 _KEY_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _UNKNOWN_PEER: Final = "unknown"  # the transport refuses unauthenticated peers before naming them
+_OTHER_PEERS: Final = "other"
+"""The ``peer`` of the counts of peers folded away (see :meth:`NodeMetrics._peer`)."""
+_MIN_REMEMBERED_PEERS: Final = 256
 
 
 class _Histogram:
@@ -157,6 +160,22 @@ class _Peer:
         self.failures = dict.fromkeys(TRANSFER_FAILURE_REASONS, 0)
         self.refusals: dict[str, int] = {}
         self.handshakes: dict[str, int] = {}
+
+    def absorb(self, other: _Peer) -> None:
+        """Add ``other``'s counts to these."""
+        self.lookups += other.lookups
+        self.served_lookups += other.served_lookups
+        self.blocks_received += other.blocks_received
+        self.blocks_written += other.blocks_written
+        for mine, theirs in (
+            (self.keys, other.keys),
+            (self.served, other.served),
+            (self.failures, other.failures),
+            (self.refusals, other.refusals),
+            (self.handshakes, other.handshakes),
+        ):
+            for name, n in theirs.items():
+                mine[name] = mine.get(name, 0) + n
 
 
 class _Keys:
@@ -218,6 +237,7 @@ class NodeMetrics:
         self._node = node
         self._block_len = node.config.block_len
         self._peers: dict[str, _Peer] = {}
+        self._remembered_peers = max(_MIN_REMEMBERED_PEERS, 2 * node.config.max_peers)
         self._open: dict[ActorId, _Open] = {}
         self.registry = CollectorRegistry(auto_describe=False)
         """This node's registry (never the process-wide default one)."""
@@ -267,7 +287,7 @@ class NodeMetrics:
         return generate_latest(self.registry)
 
     def totals(self) -> dict[str, float]:
-        """Flat cumulative figures over every peer, and the gauges now.
+        """Flat cumulative figures over every peer, and the gauges now (call on the node's thread).
 
         Names are stable (other code builds on them): ``lookups``,
         ``keys_looked_up``, ``lookups_hit``, ``lookups_miss``,
@@ -356,8 +376,24 @@ class NodeMetrics:
     def _peer(self, peer: str) -> _Peer:
         found = self._peers.get(peer)
         if found is None:
+            if len(self._peers) >= self._remembered_peers:
+                self._fold_idle_peers()
             found = self._peers[peer] = _Peer()
         return found
+
+    def _fold_idle_peers(self) -> None:
+        """Fold the counts of peers without a session into ``peer="other"``.
+
+        Without CURVE a peer is whoever claims a ``host:port``: one that comes
+        back under ever new ids must not grow the label set without bound.
+        Totals stay whole (and every counter monotonic); only the idle peers'
+        own series end.
+        """
+        live = {session.peer_id for session in self._node.sessions()}
+        other = self._peers.get(_OTHER_PEERS) or _Peer()
+        for name in [p for p in self._peers if p not in live and p != _OTHER_PEERS]:
+            other.absorb(self._peers.pop(name))
+        self._peers[_OTHER_PEERS] = other
 
     def _track(self, actor: ActorId) -> _Open:
         found = self._open.get(actor)

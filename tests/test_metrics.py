@@ -170,6 +170,25 @@ async def test_a_seed_mismatch_is_counted(autojump_clock: trio.abc.Clock) -> Non
         assert value(got, "p2pactor_handshakes_total", peer=b.id, outcome="ok") == 0
 
 
+async def test_peers_without_a_session_fold_into_other_past_the_bound(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        await pull(cluster, "b", "a", "r", [key(0)])  # a live session with a
+        metrics = b.node.metrics
+        metrics._remembered_peers = 3  # as if max_peers were tiny
+        for peer in ("x:1", "y:1", "z:1"):  # strangers that came and went
+            metrics.handshake(peer, "timeout")
+        got = samples(metrics.exposition())
+        handshakes = "p2pactor_handshakes_total"
+        assert value(got, handshakes, peer=a.id, outcome="ok") == 1  # live: kept
+        assert value(got, handshakes, peer="other", outcome="timeout") == 2  # x and y
+        assert value(got, handshakes, peer="z:1", outcome="timeout") == 1
+        assert total(got, handshakes) == 4  # nothing lost
+        assert value(got, "p2pactor_lookups_total", peer=a.id) == 1
+
+
 # --- HTTP ----------------------------------------------------------------------------
 
 
