@@ -1172,7 +1172,11 @@ class ZmqControlTransport:
             # newer one of the same peer (ROUTER_HANDOVER): its last frames
             # belong to a connection both sides have given up. Not news.
             self._dropped += 1
-            log.debug("%s: dropped a frame from a replaced connection", self._local_id)
+            log.debug(
+                "%s: dropped a frame from a replaced connection",
+                self._local_id,
+                extra={"node": self._local_id},
+            )
             return
         try:
             peer_id = identity.decode()

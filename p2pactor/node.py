@@ -751,7 +751,11 @@ class Node:
                 # takes this very connection from the transport's table. Closing
                 # it would lose the peer's `connect`, and the session would never
                 # finish its handshake (seen with 16 nodes starting together).
-                log.debug("%s dialed us while we dial it; the session takes its connection", peer)
+                log.debug(
+                    "%s dialed us while we dial it; the session takes its connection",
+                    peer,
+                    extra=peer_context(peer, node=self._config.node_id),
+                )
             elif existing is not None and existing.alive:
                 # A transport opens an inbound connection only for a peer it has
                 # no live connection with: the session's own connection is gone
