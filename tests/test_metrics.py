@@ -25,10 +25,15 @@ from pathlib import Path
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from p2pactor.config import NodeConfig
 from p2pactor.core.inputs import LookupResult
 from p2pactor.demo.run import run_demo
 from p2pactor.demo.workload import DemoPlan
 from p2pactor.metrics import CONTENT_TYPE
+from p2pactor.node import open_node
+from p2pactor.parent import EmbeddedCache
+from p2pactor.quotas import PeerQuotas
+from p2pactor.testing import MemoryDataPlane
 from tests.cluster import BLOCK_LEN, Cluster, key, node_id, open_cluster
 
 HIT = LookupResult.HIT
@@ -170,6 +175,25 @@ async def test_a_seed_mismatch_is_counted(autojump_clock: trio.abc.Clock) -> Non
         assert value(got, "p2pactor_handshakes_total", peer=b.id, outcome="ok") == 0
 
 
+async def test_keys_over_a_quota_are_counted_refused(autojump_clock: trio.abc.Clock) -> None:
+    async with open_cluster("a", "b", quotas=PeerQuotas(max_keys_per_lookup=2)) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        a.store(*[key(i) for i in range(4)])
+        answers = await b.node.lookup(a.id, "r", [key(i) for i in range(4)])
+        assert answers[:2] == [HIT, HIT]
+        assert HIT not in answers[2:]
+        b.node.finish("r")
+        await trio.sleep(1.0)
+        got = samples(a.node.metrics.exposition())
+        served = "p2pactor_served_lookup_keys_total"
+        assert value(got, served, peer=b.id, outcome="hit") == 2
+        assert value(got, served, peer=b.id, outcome="refused") == 2
+        assert value(got, served, peer=b.id, outcome="miss") == 0
+        refusals = "p2pactor_quota_refusals_total"
+        assert value(got, refusals, peer=b.id, quota="keys_per_lookup") == 1
+        assert a.node.metrics.totals()["quota_refusals"] == 1
+
+
 async def test_peers_without_a_session_fold_into_other_past_the_bound(
     autojump_clock: trio.abc.Clock,
 ) -> None:
@@ -187,6 +211,42 @@ async def test_peers_without_a_session_fold_into_other_past_the_bound(
         assert value(got, handshakes, peer="z:1", outcome="timeout") == 1
         assert total(got, handshakes) == 4  # nothing lost
         assert value(got, "p2pactor_lookups_total", peer=a.id) == 1
+
+
+async def test_peers_the_transport_refuses_unauthenticated_are_counted(tmp_path: Path) -> None:
+    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415 - pyzmq only here
+    from p2pactor.keys import CurveSecurity, generate_keypair  # noqa: PLC0415
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    (tmp_path / "trusted").mkdir()
+    _, secret = generate_keypair(tmp_path / "trusted" / "a", address)
+    config = NodeConfig(
+        host="127.0.0.1",
+        port=port,
+        curve_secret_key=str(secret),
+        curve_trusted=str(tmp_path / "trusted"),
+    )
+    curve = CurveSecurity.load(secret, tmp_path / "trusted")
+    cache = EmbeddedCache(config.num_blocks, config.block_len)
+    with trio.fail_after(60):
+        async with (
+            open_zmq_transport(address, port=port, curve=curve) as control,
+            open_node(
+                config, control=control, data=MemoryDataPlane().transport(cache.memory, 4096)
+            ) as node,
+            open_zmq_transport("127.0.0.1:0", port=0) as plain,  # no CURVE: refused
+        ):
+            conn = await plain.connect(address)
+            await conn.send(b"let me in")
+            while node.metrics.totals()["handshakes_failed"] < 1:  # noqa: ASYNC110 - libzmq's
+                await trio.sleep(0.01)
+            got = samples(node.metrics.exposition())
+            handshakes = "p2pactor_handshakes_total"
+            assert value(got, handshakes, peer="unknown", outcome="unauthenticated") >= 1
+            assert total(got, handshakes, outcome="ok") == 0
 
 
 # --- HTTP ----------------------------------------------------------------------------
