@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 from typing import TYPE_CHECKING
 
@@ -66,4 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except ConfigError as exc:
             sys.stderr.write(f"p2pactor: {exc}\n")
             return 2
-        return handler(args)
+        try:
+            return handler(args)
+        except Exception:
+            # Through logging, so that with --log-format json the traceback is a JSON line too.
+            logging.getLogger("p2pactor.cli").critical(
+                "p2pactor %s stopped on an unexpected error; if the traceback does not point "
+                "at a cause of your own (a file, a port, a setting), please report it with it",
+                args.command,
+                exc_info=True,
+            )
+            return 1

@@ -25,6 +25,7 @@ import pytest
 import trio
 import zmq
 
+from p2pactor import replay_cli
 from p2pactor.bench import cli as bench_cli
 from p2pactor.bench.report import BenchOptions, SectionResult
 from p2pactor.cli import build_parser, main
@@ -391,3 +392,20 @@ def test_bench_json_to_stdout_keeps_tables_and_logs_on_stderr(
     assert "a section that only logs" in err  # the table
     logged = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
     assert [(line["message"], line["peer"]) for line in logged] == [("refused x:1", "x:1")]
+
+
+def test_an_unexpected_error_is_one_json_line_with_its_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(args: object) -> int:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(replay_cli, "run", broken)
+    assert main(["--log-format", "json", "replay", "x.p2plog"]) == 1
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = json_lines(err)
+    assert (line["level"], line["logger"]) == ("CRITICAL", "p2pactor.cli")
+    assert "p2pactor replay stopped on an unexpected error" in line["message"]
+    assert line["exc_info"].startswith("Traceback")
+    assert line["exc_info"].endswith("RuntimeError: boom")
