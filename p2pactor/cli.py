@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Build the argument parser of the ``p2pactor`` command."""
     parser = argparse.ArgumentParser(
         prog="p2pactor",
+        # Never guess: "serve --log FILE" must not read as an abbreviation of
+        # the top-level --log-format/--log-level.
+        allow_abbrev=False,
         description=(
             "Peer-to-peer KV-cache sharing for LLM inference engines. "
             "Nodes look up, fetch and serve KV blocks over ZeroMQ and NIXL."

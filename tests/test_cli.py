@@ -39,3 +39,13 @@ def test_module_entry_point_runs() -> None:
         [sys.executable, "-m", "p2pactor", "--version"], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == f"p2pactor {p2pactor.__version__}"
+
+
+def test_a_subcommand_option_is_never_read_as_an_abbreviated_global_one() -> None:
+    # serve's --log (the event log) against the top-level --log-format/--log-level.
+    from p2pactor.cli import build_parser  # noqa: PLC0415
+
+    args = build_parser().parse_args(["serve", "--log", "node.p2plog"])
+    assert args.log == "node.p2plog"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--log-f", "json", "serve"])  # no guessing at the top either
