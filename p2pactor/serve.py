@@ -183,6 +183,14 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"p2pactor serve: {exc}\n")
         return 2
+    if config.port == 0:
+        # Peers dial a node at the HOST:PORT its id names: an ephemeral port
+        # would give it an id nobody can dial back.
+        sys.stderr.write(
+            "p2pactor serve: the control port must be a real port (peers dial HOST:PORT, "
+            "the node's id); give --port (vLLM's default is 5710)\n"
+        )
+        return 2
     if args.preload > config.num_blocks:
         sys.stderr.write("p2pactor serve: --preload cannot exceed --num-blocks\n")
         return 2

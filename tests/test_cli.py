@@ -49,3 +49,11 @@ def test_a_subcommand_option_is_never_read_as_an_abbreviated_global_one() -> Non
     assert args.log == "node.p2plog"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--log-f", "json", "serve"])  # no guessing at the top either
+
+
+def test_serve_refuses_an_ephemeral_control_port(capsys: pytest.CaptureFixture[str]) -> None:
+    # The node's id is HOST:PORT and peers dial it: HOST:0 could never be reached.
+    assert main(["serve", "--host", "127.0.0.1", "--port", "0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "give --port" in captured.err
