@@ -442,3 +442,36 @@ def test_the_demos_metrics_equal_its_summary(tmp_path: Path) -> None:
     for (status, ctype, body), node in zip(scraper.statuses, node_ids, strict=False):
         assert (status, ctype) == (200, "application/json")
         assert json.loads(body)["node_id"] == node
+
+
+async def test_failed_transfers_are_counted_by_reason(autojump_clock: trio.abc.Clock) -> None:
+    # A scripted peer: one fetch it never answers (aborted at 30 s: "timeout"),
+    # one it answers transfer_done(success=False) ("peer_failed").
+    from p2pactor import protocol as wire  # noqa: PLC0415
+    from tests.test_node_flows import wait_results  # noqa: PLC0415
+    from tests.test_session import PEER, node_and_peer  # noqa: PLC0415
+
+    async with node_and_peer() as (node, _, peer):
+        node.submit_load(PEER, "silent", 7, [key(1)], [3])
+        await peer.handshake_as_server()
+        await peer.expect(wire.Fetch)
+        abort = await peer.expect(wire.AbortFetch)
+        assert isinstance(abort, wire.AbortFetch)
+        await peer.send(wire.AbortAck(kv_request_id="silent", round_seq=abort.round_seq))
+        (first,) = await wait_results(node, 1)
+        node.submit_load(PEER, "refused", 8, [key(2)], [4])
+        fetch = await peer.expect(wire.Fetch)
+        assert isinstance(fetch, wire.Fetch)
+        await peer.send(
+            wire.TransferDone(kv_request_id="refused", success=False, round_seq=fetch.round_seq)
+        )
+        (second,) = await wait_results(node, 1)
+        assert not first.success
+        assert not second.success
+        found = samples(node.metrics.exposition())
+        failed = "p2pactor_transfers_failed_total"
+        assert value(found, failed, peer=PEER, reason="timeout") == 1
+        assert value(found, failed, peer=PEER, reason="peer_failed") == 1
+        assert total(found, failed) == 2
+        assert total(found, "p2pactor_blocks_received_total") == 0
+        assert node.metrics.totals()["transfers_failed"] == 2
