@@ -59,6 +59,9 @@ __all__ = ["EventWatcher", "FetchResult", "LoadResult", "Node", "open_node"]
 
 log = logging.getLogger("p2pactor.node")
 
+_CLOSED_KEPT = 1024
+"""Closed sessions whose results :meth:`Node.closed_sessions` keeps."""
+
 RETRY = LookupResult.RETRY
 
 EventWatcher = Callable[[Sequence[ev.AnyEvent], ActorState], None]
@@ -217,7 +220,10 @@ class Node:
         # be served under them any more, so a late fetch fails at once and a
         # late store is refused (vLLM keeps these 60 s too).
         self._reaped: dict[str, float] = {}
-        self._closed_results: list[SessionCloseResult] = []
+        # The most recent only: a long-lived node sees peers come and go for
+        # ever, and each result holds what its session left owed.
+        self._closed_results: deque[SessionCloseResult] = deque(maxlen=_CLOSED_KEPT)
+        self._closed_count = 0
         self._actor_watchers: list[Callable[[RequestActor], None]] = []
         self._event_watchers: list[EventWatcher] = []
         self._closing_node = False
@@ -333,8 +339,13 @@ class Node:
         return self._sessions.get(peer)
 
     def closed_sessions(self) -> list[SessionCloseResult]:
-        """What every session that has closed left behind, oldest first."""
+        """What the sessions that closed left behind, oldest first (the last 1,024)."""
         return list(self._closed_results)
+
+    @property
+    def closed_session_count(self) -> int:
+        """How many sessions have closed since the node started."""
+        return self._closed_count
 
     def has_transfers_in_flight(self) -> bool:
         """Whether a load of ours or a write of ours is still running. Thread-safe."""
@@ -712,6 +723,7 @@ class Node:
 
     def _session_closed(self, result: SessionCloseResult) -> None:
         self._closed_results.append(result)
+        self._closed_count += 1
         for job_id in result.held_pins:
             log.warning(
                 "%s closed holding pin %d; releasing it",

@@ -83,7 +83,7 @@ def node_status(node: Node) -> dict[str, Any]:
         "limits": _limits(node, len(sessions), sum(pinned_by_peer.values())),
         "quotas": limits,
         "quota_usage": {peer: _usage(u) for peer, u in usages.items()},
-        "closed_sessions": _closed(node.closed_sessions()),
+        "closed_sessions": _closed(node.closed_sessions(), node.closed_session_count),
         # the same cumulative figures /metrics exposes, so the two agree
         "totals": node.metrics.totals(),
     }
@@ -222,9 +222,9 @@ def _usage(usage: PeerUsage) -> dict[str, Any]:
     }
 
 
-def _closed(results: list[SessionCloseResult]) -> dict[str, Any]:
+def _closed(results: list[SessionCloseResult], total: int) -> dict[str, Any]:
     return {
-        "total": len(results),
+        "total": total,
         "recent": [
             {
                 "peer": r.peer_id,

@@ -101,3 +101,28 @@ async def test_a_peer_still_talking_in_a_session_that_died_here_is_told_to_disco
             (second,) = a.node.sessions()
             assert second is not first
             assert second.ready
+
+
+async def test_a_node_keeps_the_last_closed_sessions_and_counts_them_all(
+    autojump_clock: trio.abc.Clock, monkeypatch: Any
+) -> None:
+    # A long-lived node sees peers come and go for ever: what their sessions
+    # left behind is kept for the most recent ones only.
+    import p2pactor.node  # noqa: PLC0415
+    from p2pactor import protocol as wire  # noqa: PLC0415
+    from tests.test_session import node_and_peer  # noqa: PLC0415
+
+    monkeypatch.setattr(p2pactor.node, "_CLOSED_KEPT", 2)
+    async with node_and_peer() as (node, _, peer):
+        for closed in range(1, 4):
+            await peer.dial()
+            await peer.send(wire.Disconnect())  # a stray disconnect: the session ends
+            while node.closed_session_count < closed:  # noqa: ASYNC110 - no event to wait on
+                await trio.sleep(0.01)
+            assert peer.conn is not None
+            await peer.conn.aclose()
+            while node.sessions():  # noqa: ASYNC110 - no event to wait on
+                await trio.sleep(0.01)
+        assert node.closed_session_count == 3
+        assert len(node.closed_sessions()) == 2
+        assert all("disconnect" in r.reason for r in node.closed_sessions())
