@@ -36,6 +36,7 @@ from contextlib import asynccontextmanager
 import attrs
 import trio
 
+from p2pactor import protocol as wire
 from p2pactor.actor import RequestActor
 from p2pactor.config import NodeConfig
 from p2pactor.core import effects as fx
@@ -720,6 +721,17 @@ class Node:
             self._closing.discard(session)
             if session.result is not None:
                 self._session_closed(session.result)
+
+    def session_restarted(
+        self, old: PeerSession, conn: ControlConnection, first: wire.Connect
+    ) -> None:
+        """The peer opened a new session on ``old``'s connection: start one with ``first``."""
+        self._closing.add(old)
+        if self._closing_node:
+            return  # the connection closes with the node
+        session = PeerSession(self, old.peer_id, conn, first=first)
+        self._sessions[old.peer_id] = session
+        self._nursery.start_soon(self._run_session, session, name=f"session {old.peer_id}")
 
     def _session_closed(self, result: SessionCloseResult) -> None:
         self._closed_results.append(result)

@@ -167,6 +167,11 @@ class SessionHost(Protocol):
     def handshake_ended(self, peer: str, outcome: str) -> None:
         """The handshake with ``peer`` ended: ``ok`` or why not (for metrics)."""
 
+    def session_restarted(
+        self, old: PeerSession, conn: ControlConnection, first: wire.Connect
+    ) -> None:
+        """The peer opened a new session on ``old``'s connection: start one with ``first``."""
+
 
 class PeerSession:
     """The control session with one peer, and the request actors on it."""
@@ -174,7 +179,12 @@ class PeerSession:
     _serials = itertools.count(1)
 
     def __init__(
-        self, host: SessionHost, peer_id: str, conn: ControlConnection | None = None
+        self,
+        host: SessionHost,
+        peer_id: str,
+        conn: ControlConnection | None = None,
+        *,
+        first: wire.Connect | None = None,
     ) -> None:
         self.peer_id = peer_id
         self.serial = next(self._serials)
@@ -189,6 +199,11 @@ class PeerSession:
         self._host = host
         self._config = host.config
         self._conn = conn
+        # The peer's connect, already read by the session this one replaces.
+        self._first = first
+        # Set when a new session of the peer's took this session's connection:
+        # it is then neither told to disconnect nor closed by this session.
+        self._handed_over = False
         self._consumers: dict[str, RequestActor] = {}
         self._producers: dict[str, RequestActor] = {}
         # Recently ended ids, so that a reused kv_request_id gets a new
@@ -355,10 +370,10 @@ class PeerSession:
     async def _talk(self) -> None:
         """Connect, handshake and carry messages until the session dies."""
         try:
-            first: wire.Connect | None = None
+            first: wire.Connect | None = self._first
             if self._conn is None:
                 self._conn = await self._host.control.connect(self.peer_id)
-            else:
+            elif first is None:
                 first = await self._first_connect()
                 if first is None:
                     return
@@ -525,7 +540,15 @@ class PeerSession:
 
     def _on_connect(self, msg: wire.Connect) -> None:
         if self._peer_accepted:
-            self._violation("a second connect on a live session")
+            # The peer started a new session on this connection: its side of
+            # this one died (it dialed again, and its new connection took this
+            # one's place at our ROUTER). This session ends without a word (a
+            # disconnect would end the peer's new one), and a new session takes
+            # the connection from this connect on.
+            assert self._conn is not None
+            self._handed_over = True
+            self._die("the peer started a new session on this connection")
+            self._host.session_restarted(self, self._conn, msg)
             return
         outcome, problem = self._incompatibility(msg)
         if problem:
@@ -795,10 +818,10 @@ class PeerSession:
             for s in consumers
             if isinstance(s, ConsumerState) and (s.loads or s.waiting_keys())
         )
-        if self._send_disconnect and self._conn is not None:
+        if self._send_disconnect and self._conn is not None and not self._handed_over:
             with trio.move_on_after(0.5), contextlib.suppress(ConnectionLost):
                 await self._conn.send(wire.encode(wire.Disconnect()))
-        if self._conn is not None:
+        if self._conn is not None and not self._handed_over:
             # Close now, not after the drain: a peer that dials again must
             # open a fresh connection, not talk into this dying one.
             await self._conn.aclose()
@@ -830,7 +853,7 @@ class PeerSession:
                 for lookup_id in s.open_contexts
             ),
         )
-        if self._conn is not None:
+        if self._conn is not None and not self._handed_over:
             await self._conn.aclose()  # idempotent; the drain may not have run
         if self._peer_accepted:
             await self._host.data.remove_peer(self.data_name)

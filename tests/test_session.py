@@ -218,14 +218,27 @@ class TestHandshake:
             assert "handshake not complete after 30 s" in reason
             assert trio.current_time() - start == pytest.approx(30.0, abs=0.05)
 
-    async def test_second_connect_is_a_protocol_violation(
+    async def test_a_second_connect_starts_a_new_session_on_the_connection(
         self, autojump_clock: trio.abc.Clock
     ) -> None:
-        async with node_and_peer() as (node, _, peer):
+        # The peer's side of the session died and it started a new one, whose
+        # connection took the old one's place: the old session ends without a
+        # disconnect (that would end the new one) and a new one shakes hands.
+        async with node_and_peer() as (node, cache, peer):
+            cache.store(key(1), block_bytes(key(1)))
             await peer.handshake_as_client()
+            (old,) = node.sessions()
             await peer.send(peer.connect_msg())
-            await peer.expect(wire.Disconnect)
-            assert "a second connect" in await closed_reason(node)
+            assert isinstance(await peer.expect(wire.Connect), wire.Connect)  # not a disconnect
+            await peer.expect(wire.ConnectAck)
+            await peer.send(wire.ConnectAck(peer_id=peer.peer_id))
+            assert "started a new session" in await closed_reason(node)
+            (new,) = node.sessions()
+            assert new is not old
+            await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
+            resp = await peer.expect(wire.LookupResp)
+            assert isinstance(resp, wire.LookupResp)
+            assert new.ready
 
     async def test_a_duplicate_ack_does_no_harm(self, autojump_clock: trio.abc.Clock) -> None:
         async with node_and_peer() as (node, cache, peer):

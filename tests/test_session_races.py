@@ -126,3 +126,30 @@ async def test_a_node_keeps_the_last_closed_sessions_and_counts_them_all(
         assert node.closed_session_count == 3
         assert len(node.closed_sessions()) == 2
         assert all("disconnect" in r.reason for r in node.closed_sessions())
+
+
+async def test_a_peer_whose_side_of_the_session_died_starts_afresh_without_losing_a_request() -> (
+    None
+):
+    # a's side of the connection dies; b's does not. a's next request dials
+    # again and its `connect` reaches b's old, still live session: b hands the
+    # connection to a new session instead of treating it as a violation, so
+    # the request is answered (before, b disconnected and it was a MISS).
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        b.store(key(2), key(3))
+        with trio.fail_after(10):
+            assert await a.node.lookup(b.id, "r1", [key(2)]) == [HIT]
+            (old_b,) = b.node.sessions()
+            a.node.control.connections[b.id].kill("dropped on a's side only")  # type: ignore[attr-defined]
+            while a.node.sessions():  # noqa: ASYNC110 - no event to wait on
+                await trio.sleep(0.01)
+            assert old_b.alive  # b saw nothing
+            assert await a.node.lookup(b.id, "r2", [key(3)]) == [HIT]
+            (new_b,) = b.node.sessions()
+            assert new_b is not old_b
+            assert new_b.ready
+            assert not old_b.alive
+            assert [r.reason for r in b.node.closed_sessions()] == [
+                "the peer started a new session on this connection"
+            ]
