@@ -849,6 +849,53 @@ async def test_two_nodes_share_blocks_over_zmq() -> None:
                 assert session.extended  # p2pactor <-> p2pactor over real ZeroMQ
 
 
+async def test_a_session_that_died_on_one_side_only_restarts_over_zmq() -> None:
+    # a's side of its connection to b dies (a closes it); b's stays up. a's next
+    # lookup dials again: libzmq hands b's ROUTER identity over to the new
+    # connection, a's `connect` reaches b's old session, and b starts a new one
+    # on the same connection. The lookup is answered over real sockets.
+    plane = MemoryDataPlane()
+    with trio.fail_after(30):
+        async with transport() as za, transport() as zb:
+            config_a = NodeConfig(
+                host="127.0.0.1", port=za.port, num_blocks=NUM_BLOCKS, block_len=BLOCK_LEN
+            )
+            config_b = NodeConfig(
+                host="127.0.0.1", port=zb.port, num_blocks=NUM_BLOCKS, block_len=BLOCK_LEN
+            )
+            cache_a = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
+            cache_b = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
+            for i in range(2):
+                cache_b.store(block_key(i), block_data(i))
+            async with (
+                open_node(
+                    config_a,
+                    control=za,
+                    data=plane.transport(cache_a.memory, BLOCK_LEN),
+                    parent=cache_a,
+                ) as a,
+                open_node(
+                    config_b,
+                    control=zb,
+                    data=plane.transport(cache_b.memory, BLOCK_LEN),
+                    parent=cache_b,
+                ) as b,
+            ):
+                assert await a.lookup(zb.local_id, "r1", [block_key(0)]) == [LookupResult.HIT]
+                (old_b,) = b.sessions()
+                (conn,) = za.connections()
+                await conn.aclose()  # a's side only: b's DEALER to a stays connected
+                while a.sessions():  # noqa: ASYNC110 - no event to wait on
+                    await trio.sleep(0.01)
+                assert old_b.alive
+                assert await a.lookup(zb.local_id, "r2", [block_key(1)]) == [LookupResult.HIT]
+                (new_b,) = b.sessions()
+                assert new_b is not old_b
+                assert new_b.ready
+                reasons = [r.reason for r in b.closed_sessions()]
+                assert reasons == ["the peer started a new session on this connection"]
+
+
 def _zmq_threads() -> dict[int, str]:
     """This process's libzmq threads: id -> name (Linux)."""
     tasks = Path(f"/proc/{os.getpid()}/task")
