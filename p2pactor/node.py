@@ -42,7 +42,7 @@ from p2pactor.config import NodeConfig
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import ConsumerState, probe_answer
+from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.fold import ActorState
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
@@ -374,7 +374,7 @@ class Node:
         await actor.deliver(inp.Register(keys))
         await actor.deliver(inp.Flush())
         while True:
-            answers = [probe_answer(actor.state, k) for k in keys]  # type: ignore[arg-type]
+            answers = probe_answers(actor.state, keys)  # type: ignore[arg-type]
             if LookupResult.RETRY not in answers:
                 return answers
             await actor.wait_changed()
@@ -432,7 +432,7 @@ class Node:
             return [RETRY] * len(keys)
         state = actor.state
         assert isinstance(state, ConsumerState)
-        return [probe_answer(state, k) for k in keys]
+        return probe_answers(state, keys)
 
     def ask(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
         """Ask ``peer`` about ``keys`` at the next :meth:`flush`. Thread-safe, never blocks.

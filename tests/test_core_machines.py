@@ -29,7 +29,7 @@ from p2pactor import protocol as wire
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import next_consumer_deadline, probe_answer
+from p2pactor.core.consumer import next_consumer_deadline, probe_answer, probe_answers
 from p2pactor.core.fold import fold
 from p2pactor.core.producer import ProducerPhase, next_producer_deadline
 from p2pactor.core.serde import decode_event, encode_event
@@ -204,6 +204,8 @@ class ConsumerMachine(RuleBasedStateMachine):
             answer = probe_answer(self.h.state, k)
             if self.h.state.phase.terminal or self.h.state.lookup_failed:
                 assert answer is inp.LookupResult.MISS
+        # The batch form (what Node.lookup and peek_lookup use) says the same.
+        assert probe_answers(self.h.state, KEYS) == [probe_answer(self.h.state, k) for k in KEYS]
 
     def teardown(self) -> None:
         # Drive the request to its end, answering nothing: the deadlines alone

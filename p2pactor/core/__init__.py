@@ -18,6 +18,7 @@ from p2pactor.core.consumer import (
     decide_consumer,
     evolve_consumer,
     probe_answer,
+    probe_answers,
     step_consumer,
 )
 from p2pactor.core.effects import effects_of
@@ -56,6 +57,7 @@ __all__ = [
     "is_terminal",
     "next_deadline",
     "probe_answer",
+    "probe_answers",
     "step_consumer",
     "step_producer",
 ]

@@ -18,7 +18,7 @@ or ABORTED. Everything here is pure: time is the ``now`` argument.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Final, assert_never
 
 import attrs
@@ -39,6 +39,7 @@ __all__ = [
     "evolve_consumer",
     "next_consumer_deadline",
     "probe_answer",
+    "probe_answers",
     "step_consumer",
 ]
 
@@ -491,6 +492,26 @@ def next_consumer_deadline(state: ConsumerState) -> float | None:
     if state.lookup_deadline is not None:
         times.append(state.lookup_deadline)
     return min(times, default=None)
+
+
+def probe_answers(state: ConsumerState, keys: Sequence[bytes]) -> list[inp.LookupResult]:
+    """:func:`probe_answer` for every key of ``keys``, in order.
+
+    The request-wide checks are made once, not once per key: an engine asks
+    about hundreds of keys at a time, after every step of the request.
+    """
+    if state.phase.terminal or state.finishing or state.lookup_failed:
+        return [inp.LookupResult.MISS] * len(keys)
+    probes = state.probes
+    answer = _ANSWER.__getitem__
+    return [answer(probes.get(k)) for k in keys]
+
+
+_ANSWER: Final[Mapping[bool | None, inp.LookupResult]] = {
+    None: inp.LookupResult.RETRY,
+    True: inp.LookupResult.HIT,
+    False: inp.LookupResult.MISS,
+}
 
 
 def probe_answer(state: ConsumerState, key: bytes) -> inp.LookupResult:
