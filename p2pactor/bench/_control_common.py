@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 __all__ = [
+    "TIER_METHODS",
     "child_env",
     "free_port",
     "module_command",
@@ -21,6 +22,18 @@ __all__ = [
     "run_module",
     "vllm_missing",
 ]
+
+TIER_METHODS = (
+    "has_pending_work",
+    "on_new_request",
+    "get_finished_jobs",
+    "lookup",
+    "serve_external_requests",
+    "submit_load",
+    "on_schedule_end",
+    "on_request_finished",
+)
+"""The tier methods the engine section times on the engine's thread, in report order."""
 
 
 def vllm_missing() -> str | None:

@@ -37,7 +37,15 @@ from p2pactor.config import NodeConfig
 from p2pactor.demo.workload import chain_keys
 from p2pactor.quotas import PeerQuotas
 
-__all__ = ["HASH_SEED", "INLINE_BUDGET_ENV", "PREFIX", "bench_keys", "block_content", "main"]
+__all__ = [
+    "HASH_SEED",
+    "INLINE_BUDGET_ENV",
+    "PREFIX",
+    "bench_config",
+    "bench_keys",
+    "block_content",
+    "main",
+]
 
 PREFIX = "@bench "
 """Marks the lines the benchmark reads."""
@@ -48,6 +56,22 @@ HASH_SEED = "p2pactor-bench"
 INLINE_BUDGET_ENV = "P2PACTOR_BENCH_INLINE_POST_BUDGET"
 """If set, the producer's ``NixlOptions.inline_post_budget`` (seconds; 0: always
 post from the worker thread, as before inline posting existed)."""
+
+
+def bench_config(local_id: str, num_blocks: int, block_len: int) -> NodeConfig:
+    """A bench node's config at ``local_id`` (its bound ``host:port``).
+
+    A peer may pin every block: the bench fetches whole pools at once.
+    """
+    host, port = local_id.rsplit(":", 1)
+    return NodeConfig(
+        host=host,
+        port=int(port),
+        num_blocks=num_blocks,
+        block_len=block_len,
+        hash_seed=HASH_SEED,
+        quotas=PeerQuotas(pinned_blocks_fraction=1.0),
+    )
 
 
 def bench_keys(count: int, block_len: int) -> list[bytes]:
@@ -188,15 +212,7 @@ async def _serve(num_blocks: int, block_len: int) -> None:
         _instrument(data, trace)
         nursery.start_soon(_commands, trio.lowlevel.FdStream(os.dup(0)), commands_send)
         nursery.start_soon(ticker)
-        host, port = control.local_id.rsplit(":", 1)
-        config = NodeConfig(
-            host=host,
-            port=int(port),
-            num_blocks=num_blocks,
-            block_len=block_len,
-            hash_seed=HASH_SEED,
-            quotas=PeerQuotas(pinned_blocks_fraction=1.0),
-        )
+        config = bench_config(control.local_id, num_blocks, block_len)
         async with open_node(config, control=control, data=data, parent=cache) as node:
             blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
             _say(event="ready", node_id=node.node_id, blocks=blocks, pid=os.getpid())

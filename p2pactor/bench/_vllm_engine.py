@@ -87,19 +87,9 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from p2pactor.bench import _vllm_tier as shared
-from p2pactor.bench._control_common import free_port
+from p2pactor.bench._control_common import TIER_METHODS, free_port
 from p2pactor.bench._vllm_launch import make_parser, spawn_producer
 
-METHODS = (
-    "has_pending_work",
-    "on_new_request",
-    "get_finished_jobs",
-    "lookup",
-    "serve_external_requests",
-    "submit_load",
-    "on_schedule_end",
-    "on_request_finished",
-)
 LABEL = {"ours": "p2pactor", "vllm": "vLLM"}
 WARMUP_REQUESTS = 8
 RUN_TIMEOUT_S = 300.0
@@ -159,9 +149,9 @@ class Meter:
     """Wall time of tier calls made by one thread, by method, per call and per step."""
 
     def __init__(self) -> None:
-        self.calls: dict[str, array[int]] = {m: array("q") for m in METHODS}
+        self.calls: dict[str, array[int]] = {m: array("q") for m in TIER_METHODS}
         self.steps: list[dict[str, int]] = []
-        self._step: dict[str, int] = dict.fromkeys(METHODS, 0)
+        self._step: dict[str, int] = dict.fromkeys(TIER_METHODS, 0)
         self.lock_wait: array[int] = array("q")
 
     def call(self, method: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -182,13 +172,13 @@ class Meter:
     def end_step(self) -> None:
         """Close the current step."""
         self.steps.append(self._step)
-        self._step = dict.fromkeys(METHODS, 0)
+        self._step = dict.fromkeys(TIER_METHODS, 0)
 
     def summary(self) -> dict[str, Any]:
         """Totals and distributions, in microseconds (totals in milliseconds)."""
         per_step = [sum(s.values()) / 1e3 for s in self.steps]
         methods: dict[str, dict[str, float]] = {}
-        for m in METHODS:
+        for m in TIER_METHODS:
             calls = self.calls[m]
             steps = [s[m] / 1e3 for s in self.steps]
             methods[m] = {
@@ -597,7 +587,7 @@ ROWS: list[tuple[str, str, str]] = [
     ("  per step, max (us)", "engine.step_max_us", "{:.0f}"),
     *[
         row
-        for m in METHODS
+        for m in TIER_METHODS
         for row in (
             (f"  {m}: total (ms)", f"engine.methods.{m}.total_ms", "{:.2f}"),
             (f"  {m}: calls", f"engine.methods.{m}.calls", "{:.0f}"),

@@ -46,7 +46,12 @@ import trio
 import trio.lowlevel
 
 from p2pactor.bench._control_common import nixl_missing
-from p2pactor.bench._dataplane_peer import HASH_SEED, PREFIX, bench_keys, block_content
+from p2pactor.bench._dataplane_peer import (
+    PREFIX,
+    bench_config,
+    bench_keys,
+    block_content,
+)
 from p2pactor.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 __all__ = ["NAME", "QUICK_SIZES", "SIZES", "TITLE", "run"]
@@ -158,11 +163,9 @@ async def _measure_group(
 
     from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
     from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
-    from p2pactor.config import NodeConfig  # noqa: PLC0415
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
     from p2pactor.node import open_node  # noqa: PLC0415
     from p2pactor.parent import EmbeddedCache  # noqa: PLC0415
-    from p2pactor.quotas import PeerQuotas  # noqa: PLC0415
 
     most = max(counts)
     keys = bench_keys(most, block_len)
@@ -203,15 +206,7 @@ async def _measure_group(
                 open_zmq_transport("127.0.0.1:0", port=0) as control,
                 open_nixl_transport(pool, block_len, name="bench-consumer") as data,
             ):
-                host, port = control.local_id.rsplit(":", 1)
-                config = NodeConfig(
-                    host=host,
-                    port=int(port),
-                    num_blocks=most,
-                    block_len=block_len,
-                    hash_seed=HASH_SEED,
-                    quotas=PeerQuotas(pinned_blocks_fraction=1.0),
-                )
+                config = bench_config(control.local_id, most, block_len)
                 async with open_node(config, control=control, data=data, parent=cache) as node:
                     dest = cache.allocate(most)
                     if dest != list(range(most)):

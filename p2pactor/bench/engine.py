@@ -20,7 +20,7 @@ import os
 import statistics
 from typing import Any
 
-from p2pactor.bench._control_common import run_module, vllm_missing
+from p2pactor.bench._control_common import TIER_METHODS, run_module, vllm_missing
 from p2pactor.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 __all__ = ["NAME", "TITLE", "run"]
@@ -34,19 +34,7 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("engine thread in tier calls (ms)", "engine.tier_ms"),
     ("engine step p99 in tier calls (us)", "engine.step_p99_us"),
     ("engine step max in tier calls (us)", "engine.step_max_us"),
-    *(
-        (f"  {m} on the engine thread (ms)", f"engine.methods.{m}.total_ms")
-        for m in (
-            "has_pending_work",
-            "on_new_request",
-            "get_finished_jobs",
-            "lookup",
-            "serve_external_requests",
-            "submit_load",
-            "on_schedule_end",
-            "on_request_finished",
-        )
-    ),
+    *((f"  {m} on the engine thread (ms)", f"engine.methods.{m}.total_ms") for m in TIER_METHODS),
     ("  waiting for the engine's lock (ms)", "engine.lock_wait_ms"),
     ("poll thread in tier calls (ms)", "poll.tier_ms"),
     ("CPU: engine thread (ms)", "cpu_ms.engine_thread"),
