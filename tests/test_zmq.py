@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import cast
 
@@ -44,7 +44,7 @@ from p2pactor.adapters.zmq import (
 )
 from p2pactor.config import NodeConfig
 from p2pactor.core.inputs import LookupResult
-from p2pactor.node import open_node
+from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
 from p2pactor.testing import MemoryDataPlane
 from p2pactor.transport import ConnectionLost
@@ -805,48 +805,46 @@ def block_data(i: int) -> bytes:
     return bytes([i % 256]) * BLOCK_LEN
 
 
-async def test_two_nodes_share_blocks_over_zmq() -> None:
+@asynccontextmanager
+async def zmq_nodes(
+    cache_a: EmbeddedCache, cache_b: EmbeddedCache
+) -> AsyncIterator[tuple[ZmqControlTransport, ZmqControlTransport, Node, Node]]:
+    """Two nodes over real ZeroMQ (in-memory data plane), each serving its cache."""
     plane = MemoryDataPlane()
+    async with transport() as za, transport() as zb:
+        nodes = []
+        async with AsyncExitStack() as stack:
+            for z, cache in ((za, cache_a), (zb, cache_b)):
+                config = NodeConfig(
+                    host="127.0.0.1", port=z.port, num_blocks=NUM_BLOCKS, block_len=BLOCK_LEN
+                )
+                assert config.node_id == z.local_id
+                data = plane.transport(cache.memory, BLOCK_LEN)
+                node = open_node(config, control=z, data=data, parent=cache)
+                nodes.append(await stack.enter_async_context(node))
+            yield za, zb, nodes[0], nodes[1]
+
+
+async def test_two_nodes_share_blocks_over_zmq() -> None:
+    cache_a = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
+    cache_b = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
+    for i in range(4):
+        cache_b.store(block_key(i), block_data(i))
     with trio.fail_after(30):
-        async with transport() as za, transport() as zb:
-            config_a = NodeConfig(
-                host="127.0.0.1", port=za.port, num_blocks=NUM_BLOCKS, block_len=BLOCK_LEN
-            )
-            config_b = NodeConfig(
-                host="127.0.0.1", port=zb.port, num_blocks=NUM_BLOCKS, block_len=BLOCK_LEN
-            )
-            assert (config_a.node_id, config_b.node_id) == (za.local_id, zb.local_id)
-            cache_a = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
-            cache_b = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
-            for i in range(4):
-                cache_b.store(block_key(i), block_data(i))
-            async with (
-                open_node(
-                    config_a,
-                    control=za,
-                    data=plane.transport(cache_a.memory, BLOCK_LEN),
-                    parent=cache_a,
-                ) as a,
-                open_node(
-                    config_b,
-                    control=zb,
-                    data=plane.transport(cache_b.memory, BLOCK_LEN),
-                    parent=cache_b,
-                ),
-            ):
-                keys = [block_key(i) for i in range(5)]  # 0..3 on b, 4 nowhere
-                answers = await a.lookup(zb.local_id, "req-1", keys)
-                assert answers == [LookupResult.HIT] * 4 + [LookupResult.MISS]
-                blocks = cache_a.allocate(4)
-                result = await a.fetch(zb.local_id, "req-1", keys[:4], blocks)
-                assert result.success, result.reason
-                for i, block in enumerate(blocks):
-                    cache_a.commit(block_key(i), block)
-                    assert cache_a.read(block_key(i)) == block_data(i)
-                a.finish("req-1")
-                session = a.session(zb.local_id)
-                assert session is not None
-                assert session.extended  # p2pactor <-> p2pactor over real ZeroMQ
+        async with zmq_nodes(cache_a, cache_b) as (_, zb, a, _b):
+            keys = [block_key(i) for i in range(5)]  # 0..3 on b, 4 nowhere
+            answers = await a.lookup(zb.local_id, "req-1", keys)
+            assert answers == [LookupResult.HIT] * 4 + [LookupResult.MISS]
+            blocks = cache_a.allocate(4)
+            result = await a.fetch(zb.local_id, "req-1", keys[:4], blocks)
+            assert result.success, result.reason
+            for i, block in enumerate(blocks):
+                cache_a.commit(block_key(i), block)
+                assert cache_a.read(block_key(i)) == block_data(i)
+            a.finish("req-1")
+            session = a.session(zb.local_id)
+            assert session is not None
+            assert session.extended  # p2pactor <-> p2pactor over real ZeroMQ
 
 
 async def test_a_session_that_died_on_one_side_only_restarts_over_zmq() -> None:
@@ -854,46 +852,25 @@ async def test_a_session_that_died_on_one_side_only_restarts_over_zmq() -> None:
     # lookup dials again: libzmq hands b's ROUTER identity over to the new
     # connection, a's `connect` reaches b's old session, and b starts a new one
     # on the same connection. The lookup is answered over real sockets.
-    plane = MemoryDataPlane()
+    cache_a = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
+    cache_b = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
+    for i in range(2):
+        cache_b.store(block_key(i), block_data(i))
     with trio.fail_after(30):
-        async with transport() as za, transport() as zb:
-            config_a = NodeConfig(
-                host="127.0.0.1", port=za.port, num_blocks=NUM_BLOCKS, block_len=BLOCK_LEN
-            )
-            config_b = NodeConfig(
-                host="127.0.0.1", port=zb.port, num_blocks=NUM_BLOCKS, block_len=BLOCK_LEN
-            )
-            cache_a = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
-            cache_b = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN)
-            for i in range(2):
-                cache_b.store(block_key(i), block_data(i))
-            async with (
-                open_node(
-                    config_a,
-                    control=za,
-                    data=plane.transport(cache_a.memory, BLOCK_LEN),
-                    parent=cache_a,
-                ) as a,
-                open_node(
-                    config_b,
-                    control=zb,
-                    data=plane.transport(cache_b.memory, BLOCK_LEN),
-                    parent=cache_b,
-                ) as b,
-            ):
-                assert await a.lookup(zb.local_id, "r1", [block_key(0)]) == [LookupResult.HIT]
-                (old_b,) = b.sessions()
-                (conn,) = za.connections()
-                await conn.aclose()  # a's side only: b's DEALER to a stays connected
-                while a.sessions():  # noqa: ASYNC110 - no event to wait on
-                    await trio.sleep(0.01)
-                assert old_b.alive
-                assert await a.lookup(zb.local_id, "r2", [block_key(1)]) == [LookupResult.HIT]
-                (new_b,) = b.sessions()
-                assert new_b is not old_b
-                assert new_b.ready
-                reasons = [r.reason for r in b.closed_sessions()]
-                assert reasons == ["the peer started a new session on this connection"]
+        async with zmq_nodes(cache_a, cache_b) as (za, zb, a, b):
+            assert await a.lookup(zb.local_id, "r1", [block_key(0)]) == [LookupResult.HIT]
+            (old_b,) = b.sessions()
+            (conn,) = za.connections()
+            await conn.aclose()  # a's side only: b's DEALER to a stays connected
+            while a.sessions():  # noqa: ASYNC110 - no event to wait on
+                await trio.sleep(0.01)
+            assert old_b.alive
+            assert await a.lookup(zb.local_id, "r2", [block_key(1)]) == [LookupResult.HIT]
+            (new_b,) = b.sessions()
+            assert new_b is not old_b
+            assert new_b.ready
+            reasons = [r.reason for r in b.closed_sessions()]
+            assert reasons == ["the peer started a new session on this connection"]
 
 
 def _zmq_threads() -> dict[int, str]:
