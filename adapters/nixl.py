@@ -24,15 +24,18 @@ How trio and NIXL meet (``shared/reference/trio-stack.md`` section 2):
 
 * NIXL has no completion fd and no callback: completion is learned only by
   polling. One **pump** task per agent polls every write in flight
-  (``check_xfer_state``, about 1 µs each) and drives the agent's progress
-  (``get_new_notifs``) even when nothing is in flight, because a *target's*
-  progress matters too: a WRITE into an agent that nobody progresses can stay
-  in flight forever (measured: a 1 MiB WRITE stalled until the target polled).
+  (``check_xfer_state``, about 1 µs each) and reports each write's end to the
+  callback its :meth:`~NixlDataTransport.start_write` was given (no task per
+  write). It also drives the agent's progress (``get_new_notifs``) while a
+  peer's write into our pool is *expected* (the node has a load in flight,
+  :meth:`~NixlDataTransport.expect_writes`), because a *target's* progress
+  matters too: a WRITE into an agent that nobody progresses can stay in
+  flight forever (measured: a 1 MiB WRITE stalled until the target polled).
   The pump backs off when nothing changes (a few checkpoints, then 20 µs
   doubling to a 1 ms cap; see :class:`NixlOptions` for what epoll makes of
   sub-millisecond sleeps), is kicked by an event when new work arrives, and
-  idles at ``idle_poll_interval`` (measured: two idle transports use 0.10-0.17
-  of a core at 1 ms, nearly all of it trio waking up; 0.03 at 5 ms).
+  with nothing in flight and nothing expected it sleeps until there is (it
+  used to poll every 1 ms for ever: 0.05-0.11 of a core per idle node).
 * The **progress thread is off**. NIXL's Python wrapper hard-codes the progress
   thread's delay to 0, so with the default ``enable_prog_thread=True`` every
   agent spins a full core even when idle (measured 2.0 cores for two agents);
@@ -44,17 +47,18 @@ How trio and NIXL meet (``shared/reference/trio-stack.md`` section 2):
   The hop to the worker thread and back costs about 0.25-0.4 ms, though, so a
   write whose ``transfer()`` is *predicted* to return within
   ``inline_post_budget`` (from the time per byte earlier posts took) is posted
-  on the trio thread instead: the loop stalls at most about that long, and
-  small writes (and every write on RDMA, where ``transfer()`` only queues)
-  skip the hop. The first write, and any write predicted slower, still goes
-  to the worker thread.
+  on the trio thread instead, right inside ``start_write``: the loop stalls at
+  most about that long, and small writes (and every write on RDMA, where
+  ``transfer()`` only queues) skip the hop. The first write, and any write
+  predicted slower, goes to the one *poster* task, which posts writes in
+  order from a worker thread.
 * The agent runs with ``NIXL_THREAD_SYNC_NONE``: it is not thread-safe. Every
   call into it, from the trio thread or a worker thread, is made while holding
   one :class:`trio.Lock`, so the agent never sees two calls at once.
 * Every write has a deadline (``transfer_timeout``). A write that misses it is
   cancelled through NIXL (``release_xfer_handle``); if NIXL refuses because the
   transfer is still running, the handle stays tracked as a *zombie* and the
-  pump keeps polling it. :meth:`NixlDataTransport.write` raises only once the
+  pump keeps polling it. A write's callback hears of a failure only once the
   transfer is over or NIXL has released it, never while NIXL still reports it
   running: a failure lets the consumer reuse its blocks. (NIXL's release is
   its only cancel. Its UCX backend accepts it for a running transfer and
@@ -88,6 +92,7 @@ import operator
 import sys
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -101,7 +106,7 @@ import trio
 
 from p2pactor.errors import ConfigError, DataPlaneError
 from p2pactor.logsetup import peer_context
-from p2pactor.transport import TransferError
+from p2pactor.transport import TransferError, WriteDone
 
 if TYPE_CHECKING:
     import torch
@@ -233,9 +238,12 @@ class NixlOptions:
             engine's threads for the GIL.
         max_poll_interval: The longest the pump sleeps while writes are in
             flight: the most latency polling adds to a write.
-        idle_poll_interval: How often the pump drives the agent's progress with
-            nothing of its own in flight. Peers' writes into this pool may need
-            it (for connection setup, and for every write on TCP).
+        idle_poll_interval: How often the pump drives the agent's progress
+            while a peer's write into this pool is expected (the node has a
+            load in flight: :meth:`NixlDataTransport.expect_writes`) and no
+            write of its own is. Peers' writes may need it (for connection
+            setup, and for every write on TCP). With nothing expected and
+            nothing in flight the pump sleeps.
         inline_post_budget: Post a write on the trio thread when its
             ``transfer()`` is predicted to return within this many seconds
             (the longest the loop may stall for it); slower ones, and the first
@@ -245,6 +253,10 @@ class NixlOptions:
             to 10 ms stalled), hence a default well under the few ms a
             control message may wait. It skips the hop (0.25-0.6 ms there)
             for writes up to about 4 MiB on shared memory.
+        wireup_grace: How long after registering a peer the pump keeps
+            driving progress (every ``idle_poll_interval``) even with nothing
+            in flight or expected: the peer's side of the connection setup
+            may need our agent to answer.
     """
 
     transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
@@ -257,6 +269,7 @@ class NixlOptions:
     max_poll_interval: float = attrs.field(default=1e-3, validator=_positive)
     idle_poll_interval: float = attrs.field(default=1e-3, validator=_positive)
     inline_post_budget: float = attrs.field(default=2e-3, validator=_not_negative)
+    wireup_grace: float = attrs.field(default=2.0, validator=_not_negative)
 
     def poll_intervals(self) -> Iterator[float]:
         """The pump's sleeps between polls that found nothing new (0: a checkpoint)."""
@@ -280,6 +293,8 @@ class NixlStatistics:
         writes_failed: Writes that raised :class:`TransferError` after reaching NIXL.
         bytes_written: Bytes of the completed writes.
         posted_inline: Writes posted on the trio thread (predicted quick).
+        progress_polls: Times the pump drove the agent's progress.
+        idle: The pump sleeps: nothing in flight, nothing expected.
     """
 
     peers: int
@@ -290,6 +305,8 @@ class NixlStatistics:
     writes_failed: int
     bytes_written: int
     posted_inline: int = 0
+    progress_polls: int = 0
+    idle: bool = False
 
 
 @attrs.define(eq=False)
@@ -371,12 +388,16 @@ class _Write:
     """One write, from validation to its terminal state."""
 
     peer: _Peer
+    local: Index
+    remote: Index
     nbytes: int
+    deadline: float  # on trio's clock: cancelled through NIXL if still running then
+    done: WriteDone  # told the outcome exactly once, by _end
     handle: object | None = None  # NIXL's transfer handle while it is in flight
-    expired: str | None = None  # why its writer stopped waiting, once it did
+    expired: str | None = None  # why it stopped being waited for, once it did
     zombie: bool = False
     error: str | None = None
-    over: trio.Event = attrs.field(factory=trio.Event)
+    over: bool = False
 
 
 @attrs.frozen
@@ -435,13 +456,22 @@ class NixlDataTransport:
         self._peers: dict[str, _Peer] = {}
         self._remote_refs: dict[str, int] = {}  # remote agent -> peer names using it
         self._inflight: list[_Write] = []  # posted, polled by the pump
+        self._to_post: deque[_Write] = deque()  # waiting for the poster task
         self._kick = trio.Event()  # new work for the pump
+        self._post_kick = trio.Event()  # new work for the poster
+        # Peer writes into our pool that may be running (the node's loads in
+        # flight): the pump drives progress for them, and sleeps when there
+        # are none and no write of ours is in flight.
+        self._expected = 0
+        self._wireup_until = -math.inf  # progress for peers' connection setup until then
         self._changed = trio.Event()  # some write ended or a peer was settled
         self._closing = False
         self._done = 0
         self._failed = 0
         self._bytes = 0
         self._inline = 0
+        self._polls = 0
+        self._idle = False
         # Seconds per byte that posts took (moving average), to predict which
         # writes are quick enough to post without the worker thread's hop.
         self._post_rate: float | None = None
@@ -545,6 +575,8 @@ class NixlDataTransport:
     async def _drain(self) -> None:
         """Stop taking work and let the writes in flight end, for ``close_timeout``."""
         self._closing = True
+        while self._to_post:
+            self._end(self._to_post.popleft(), "the NIXL transport is closed", failed=False)
         for write in self._inflight:
             write.expired = write.expired or "the NIXL transport is closing"
         self._kick.set()
@@ -589,6 +621,8 @@ class NixlDataTransport:
             writes_failed=self._failed,
             bytes_written=self._bytes,
             posted_inline=self._inline,
+            progress_polls=self._polls,
+            idle=self._idle,
         )
 
     async def add_peer(
@@ -621,6 +655,8 @@ class NixlDataTransport:
             raise TransferError(f"{peer_id} is already registered; remove it first")
         peer = _Peer(peer_id, num_blocks)
         self._peers[peer_id] = peer
+        self._wireup_until = trio.current_time() + self._options.wireup_grace
+        self._kick.set()
         outcome: _Added | str = "cancelled"
         try:
             async with self._lock:
@@ -737,24 +773,67 @@ class NixlDataTransport:
                     exc,
                 )
 
-    async def write(
-        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    def start_write(
+        self,
+        peer_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        done: WriteDone,
     ) -> None:
-        """Write our ``local_blocks`` into the peer's ``remote_blocks``: one NIXL WRITE.
+        """Start one NIXL WRITE of our ``local_blocks`` into the peer's ``remote_blocks``.
 
-        Returns once NIXL reports every byte written. If the calling task is
-        cancelled meanwhile, the write is left to the pump, which cancels it
-        through NIXL or polls it until it ends; :meth:`remove_peer` and closing
-        wait for it either way.
+        Never blocks. ``done`` is told the outcome exactly once, on the trio
+        thread (possibly before this returns): None once NIXL reports every
+        byte written; otherwise why not, once NIXL reports the write over or
+        has released (cancelled) it. The peer and the indexes are checked
+        before NIXL is asked anything.
 
-        Raises:
-            TransferError: The peer is unknown, an index is out of range (both
-                checked before NIXL is asked anything), NIXL failed the write, or
-                it missed its deadline. It is raised only once NIXL reports the
-                write over or has released (cancelled) it.
+        A write predicted to post quickly (see ``inline_post_budget``) is
+        posted right here when the agent is free; others go to the poster
+        task, which posts them in order from a worker thread. The pump polls
+        it to its end, and cancels it if it runs past ``transfer_timeout``.
         """
+        self._start(peer_id, local_blocks, remote_blocks, done)
+
+    def _start(
+        self,
+        peer_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        done: WriteDone,
+    ) -> _Write | None:
+        try:
+            peer, local, remote = self._checked(peer_id, local_blocks, remote_blocks)
+        except TransferError as exc:
+            _tell(done, str(exc))
+            return None
+        if not len(local):
+            _tell(done, None)
+            return None
+        deadline = trio.current_time() + self._options.transfer_timeout
+        write = _Write(peer, local, remote, len(local) * self._block_len, deadline, done)
+        peer.writes.add(write)
+        if not self._to_post and self._quick(write):
+            try:
+                self._lock.acquire_nowait()
+            except trio.WouldBlock:
+                pass  # a worker thread holds the agent: queue behind it
+            else:
+                try:
+                    self._inline += 1
+                    self._posted(write, self._post_sync(self._live_agent(), write))
+                finally:
+                    self._lock.release()
+                return write
+        self._to_post.append(write)
+        self._post_kick.set()
+        return write
+
+    def _checked(
+        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    ) -> tuple[_Peer, Index, Index]:
         peer = self._peers.get(peer_id)
-        if self._closing:
+        if self._closing or self._agent is None:
             raise TransferError("the NIXL transport is closed")
         if peer is None or peer.removing or peer.dlist is None:
             raise TransferError(f"{peer_id} is not registered")
@@ -764,57 +843,89 @@ class NixlDataTransport:
             )
         local = _indexes(local_blocks, self._num_blocks, "local")
         remote = _indexes(remote_blocks, peer.num_blocks, f"{peer_id}'s")
-        if not len(local):
-            await trio.lowlevel.checkpoint()
-            return
-        deadline = trio.current_time() + self._options.transfer_timeout
-        write = _Write(peer, len(local) * self._block_len)
-        peer.writes.add(write)
-        try:
-            await self._post(write, local, remote, deadline)
-            if write.handle is not None:
-                await self._wait(write, deadline)
-        finally:
-            if write.handle is None and not write.over.is_set():
-                # Never reached NIXL (cancelled before posting): nothing to wait for.
-                self._end(write, "cancelled before it started", failed=False)
-        if write.error is not None:
-            raise TransferError(write.error)
+        return peer, local, remote
 
-    async def _post(self, write: _Write, local: Index, remote: Index, deadline: float) -> None:
-        acquired = False
-        with trio.move_on_at(deadline):
-            await self._lock.acquire()  # cancel-safe: either acquired or not
-            acquired = True
-        if not acquired:
-            self._end(write, "timed out waiting to reach the NIXL agent", failed=False)
-            return
+    def _quick(self, write: _Write) -> bool:
+        """Whether the write's post is predicted quicker than the worker thread's round trip."""
+        rate = self._post_rate
+        return rate is not None and rate * write.nbytes <= self._options.inline_post_budget
+
+    async def write(
+        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    ) -> None:
+        """Write our ``local_blocks`` into the peer's ``remote_blocks`` and wait for the end.
+
+        :meth:`start_write` for a caller that waits. If the calling task is
+        cancelled meanwhile, the write is cancelled through NIXL (or polled
+        until it ends); :meth:`remove_peer` and closing wait for it either way.
+
+        Raises:
+            TransferError: The peer is unknown, an index is out of range, NIXL
+                failed the write, or it missed its deadline. It is raised only
+                once NIXL reports the write over or has released (cancelled) it.
+        """
+        over = trio.Event()
+        outcome: list[str | None] = []
+
+        def done(error: str | None) -> None:
+            outcome.append(error)
+            over.set()
+
+        write = self._start(peer_id, local_blocks, remote_blocks, done)
         try:
-            agent = self._agent
-            if self._closing or agent is None:
-                self._end(write, "the NIXL transport is closed", failed=False)
-                return
-            rate, budget = self._post_rate, self._options.inline_post_budget
-            if rate is not None and rate * write.nbytes <= budget:
-                # Predicted quicker than the thread's round trip is worth.
-                self._inline += 1
-                posted = self._post_sync(agent, write.peer.dlist, local, remote)
-            else:
-                posted = await trio.to_thread.run_sync(
-                    self._post_sync, agent, write.peer.dlist, local, remote
-                )
-            # No checkpoint from here on: the handle is tracked before anything
-            # (a cancellation included) can interrupt us.
-            if posted.handle is not None:
-                write.handle = posted.handle
-                self._inflight.append(write)
+            await over.wait()
+        except BaseException:
+            if write is not None and not write.over:
+                write.expired = write.expired or "the writing task was cancelled"
                 self._kick.set()
-            else:
-                self._end(write, posted.error)
-        finally:
-            self._lock.release()
+            raise
+        if outcome[0] is not None:
+            raise TransferError(outcome[0])
 
-    def _post_sync(self, agent: _Agent, dlist: object, local: Index, remote: Index) -> _Posted:
+    def expect_writes(self, delta: int) -> None:
+        """``delta`` more (or fewer) peer writes into our pool may be running now.
+
+        While any may, the pump drives the agent's progress every
+        ``idle_poll_interval``: a write into an agent that nobody progresses
+        can stay in flight (on TCP, every write). With none expected and none
+        of our own in flight, the pump sleeps.
+        """
+        self._expected = max(0, self._expected + delta)
+        if delta > 0:
+            self._kick.set()
+
+    def _posted(self, write: _Write, posted: _Posted) -> None:
+        """Track a posted write (no checkpoint before this: nothing may lose the handle)."""
+        if posted.handle is not None:
+            write.handle = posted.handle
+            self._inflight.append(write)
+            self._kick.set()
+        else:
+            self._end(write, posted.error)
+
+    async def _poster(self) -> None:
+        """Post queued writes in order: from a worker thread, unless predicted quick."""
+        while True:
+            while not self._to_post:
+                await self._post_kick.wait()
+                self._post_kick = trio.Event()
+            write = self._to_post.popleft()
+            if trio.current_time() >= write.deadline:
+                self._end(write, "timed out waiting to reach the NIXL agent", failed=False)
+                continue
+            async with self._lock:
+                agent = self._agent
+                if self._closing or agent is None:
+                    self._end(write, "the NIXL transport is closed", failed=False)
+                    continue
+                if self._quick(write):
+                    self._inline += 1
+                    posted = self._post_sync(agent, write)
+                else:
+                    posted = await trio.to_thread.run_sync(self._post_sync, agent, write)
+                self._posted(write, posted)
+
+    def _post_sync(self, agent: _Agent, write: _Write) -> _Posted:
         """Make and post the WRITE (worker thread or trio thread, lock held).
 
         ``transfer()`` may copy everything before it returns (shared memory):
@@ -823,7 +934,9 @@ class NixlDataTransport:
         """
         start = time.perf_counter()
         try:
-            handle = agent.make_prepped_xfer("WRITE", self._local_dlist, local, dlist, remote)
+            handle = agent.make_prepped_xfer(
+                "WRITE", self._local_dlist, write.local, write.peer.dlist, write.remote
+            )
         except Exception as exc:
             return _Posted(None, f"NIXL could not prepare the write: {_nixl_error(exc)}")
         try:
@@ -832,7 +945,7 @@ class NixlDataTransport:
             state, why = "ERR", _nixl_error(exc)
         else:
             why = f"transfer() returned {state}"
-            rate = (time.perf_counter() - start) / (len(local) * self._block_len)
+            rate = (time.perf_counter() - start) / write.nbytes
             old = self._post_rate  # one writer at a time: the lock is held
             self._post_rate = rate if old is None else old + _RATE_WEIGHT * (rate - old)
         if state in _IN_PROGRESS:
@@ -849,30 +962,25 @@ class NixlDataTransport:
             return _Posted(None)
         return _Posted(None, f"NIXL failed the write: {why}")
 
-    async def _wait(self, write: _Write, deadline: float) -> None:
-        try:
-            with trio.move_on_at(deadline):
-                await write.over.wait()
-        except BaseException:
-            # Cancelled: the pump cancels the transfer or keeps it until it ends.
-            if not write.over.is_set():
-                write.expired = "the writing task was cancelled"
-                self._kick.set()
-            raise
-        if not write.over.is_set():
-            write.expired = f"no completion within {self._options.transfer_timeout:g} s"
-            self._kick.set()
-            # Unbounded on purpose: failing while NIXL may still write would let the
-            # consumer reuse blocks under a running WRITE.
-            await write.over.wait()
-
     # --- the pump ---------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        """Poll writes in flight and drive the agent's progress, forever."""
+        """Poll writes in flight and drive the agent's progress while anything may run.
+
+        With no write of ours in flight and none of a peer's expected, it
+        sleeps until :meth:`start_write` or :meth:`expect_writes` wakes it: an
+        idle node costs nothing.
+        """
         intervals = self._options.poll_intervals()
         while True:
             busy = bool(self._inflight)
+            if not busy and self._expected <= 0 and trio.current_time() >= self._wireup_until:
+                self._idle = True
+                await self._kick.wait()
+                self._idle = False
+                self._kick = trio.Event()
+                intervals = self._options.poll_intervals()
+                continue
             async with self._lock:
                 progressed = self._poll_round() if busy else self._drive_progress()
             if progressed:
@@ -894,6 +1002,7 @@ class NixlDataTransport:
         agent = self._agent
         if agent is None:
             return False
+        self._polls += 1
         try:
             notifs = agent.get_new_notifs()
         except Exception as exc:
@@ -913,7 +1022,12 @@ class NixlDataTransport:
             return False
         self._drive_progress()
         ended = False
+        now = trio.current_time()
         for write in list(self._inflight):
+            if write.expired is None and now >= write.deadline:
+                # Unbounded after this on purpose: failing while NIXL may still
+                # write would let the consumer reuse blocks under a running WRITE.
+                write.expired = f"no completion within {self._options.transfer_timeout:g} s"
             try:
                 state = agent.check_xfer_state(write.handle)
             except Exception as exc:
@@ -958,9 +1072,10 @@ class NixlDataTransport:
         return True
 
     def _end(self, write: _Write, error: str | None, *, failed: bool = True) -> None:
-        """Record that ``write`` is over (no part of it can still run)."""
-        if write.over.is_set():
+        """Record that ``write`` is over (no part of it can still run) and say so."""
+        if write.over:
             return
+        write.over = True
         write.error = error
         write.handle = None
         if write in self._inflight:
@@ -971,8 +1086,8 @@ class NixlDataTransport:
             self._bytes += write.nbytes
         elif failed:
             self._failed += 1
-        write.over.set()
         self._signal()
+        _tell(write.done, error)
 
     # --- helpers ----------------------------------------------------------------------
 
@@ -988,6 +1103,17 @@ class NixlDataTransport:
     async def _wait_until(self, condition: Callable[[], bool]) -> None:
         while not condition():
             await self._changed.wait()
+
+
+def _tell(done: WriteDone, error: str | None) -> None:
+    try:
+        done(error)
+    except Exception:
+        # The caller's bug must not stop the pump (every other write).
+        log.exception(
+            "a write's completion callback failed (a bug in p2pactor: please report it with "
+            "this traceback)"
+        )
 
 
 def _indexes(blocks: Sequence[int], limit: int, whose: str) -> Index:
@@ -1041,6 +1167,7 @@ async def open_nixl_transport(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(transport._pump)
+            nursery.start_soon(transport._poster)
             try:
                 yield transport
             finally:

@@ -29,14 +29,15 @@ How trio and libzmq meet (``shared/reference/trio-stack.md`` section 1):
   drains it with ``getsockopt(EVENTS)`` and wakes the waiters. The ROUTER is
   the exception: its receive task is its only user, so it parks on the fd
   itself, and each batch costs one task wake-up, not two.
-* Sockets that are waited on: the ROUTER (one receive task that demultiplexes
-  frames into per-connection bounded channels, so a slow or flooding peer never
-  holds up the others), each DEALER's monitor socket (one task per connection),
-  and a DEALER only once its queue is full (``SNDHWM``): its watcher starts then,
-  and senders wait for room at most ``send_timeout``.
-* A receive either returns a message or raises ``Cancelled`` having taken none
-  (try, then ``cancel_shielded_checkpoint``); connections hand frames over
-  through trio memory channels, which give the same guarantee.
+* Sockets that are waited on: the ROUTER (one receive task that hands each
+  frame, as it is read, to the session attached to its connection: the session
+  steps it right there, and libzmq's round-robin across connections keeps a
+  flooding peer from holding up the others), each DEALER's monitor socket (one
+  task per connection), and a DEALER only once its queue is full (``SNDHWM``):
+  its watcher starts then, and senders wait for room at most ``send_timeout``.
+* A frame read from the ROUTER is handled before the task next checkpoints, so
+  cancellation never loses one. A connection no session has attached yet keeps
+  its frames in a bounded trio memory channel (:meth:`ZmqConnection.receive`).
 * ``trio.lowlevel.notify_closing`` runs before every ``close``, so a task parked
   on a closing socket's fd is woken instead of sleeping on a reused fd.
 
@@ -108,7 +109,7 @@ from p2pactor.errors import P2PActorError
 from p2pactor.keys import CurveSecurity
 from p2pactor.logsetup import peer_context, request_context
 from p2pactor.protocol import DEFAULT_MAX_FRAME_BYTES
-from p2pactor.transport import ConnectionLost
+from p2pactor.transport import ConnectionLost, FrameReceiver
 
 __all__ = [
     "ZmqConnection",
@@ -298,11 +299,8 @@ class _AsyncSocket:
     cancellation. Run :meth:`watch` in a nursery for the socket's lifetime.
     """
 
-    def __init__(self, sock: zmq.Socket[bytes], *, sole_reader: bool = False) -> None:
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
         self.sock = sock
-        # One task only ever uses the socket, to receive (the ROUTER): it parks
-        # on the fd itself in receive_batch, and the socket has no watcher.
-        self.sole_reader = sole_reader
         self._fd: int = sock.FD
         self._changed = trio.Event()
         self._wanted: dict[int, int] = {}  # flag -> tasks waiting for it
@@ -412,14 +410,7 @@ class _AsyncSocket:
                 # From here on we own the messages: no cancellation may lose them.
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
-            if not self.sole_reader:
-                await self.wait(zmq.POLLIN)
-            elif not _events(self.sock) & zmq.POLLIN:
-                # This task is the socket's only user (the ROUTER's receive
-                # task) and parks on the fd itself, sparing a watcher's
-                # wake-up per batch. EVENTS was read right before parking,
-                # and nothing touches the socket in between.
-                await trio.lowlevel.wait_readable(self._fd)
+            await self.wait(zmq.POLLIN)
 
     def _recv_authenticated(self, flags: int) -> list[bytes]:
         """A message's frames and, appended, the User-Id ZAP gave its sender ("" if none).
@@ -471,6 +462,10 @@ class ZmqConnection:
         self._dead_reason: str | None = None
         self._reached = False  # the ZeroMQ handshake with the peer completed
         self._claimed = False  # connect() or accept() handed it out
+        # Once a session attaches, the ROUTER task hands it each frame where it
+        # arrives; until then (and while detached) frames wait in the channel.
+        self._receiver: FrameReceiver | None = None
+        self._told_lost = False
 
     def __repr__(self) -> str:
         way = "inbound" if self._inbound else "outbound"
@@ -576,8 +571,59 @@ class ZmqConnection:
         self._dealer.after_operation()
         return True
 
+    def attach(self, receiver: FrameReceiver | None) -> None:
+        """Hand every frame from now on to ``receiver``, on the ROUTER's task (None: buffer).
+
+        Frames buffered so far are handed over first, before this returns; if
+        the connection has died, ``receiver.connection_lost`` follows them.
+        """
+        self._receiver = None
+        if receiver is None:
+            return
+        while True:
+            try:
+                frame = self._frames_out.receive_nowait()
+            except trio.WouldBlock:
+                break
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            self._queued_bytes -= len(frame)
+            self._hand(receiver, frame)
+        self._receiver = receiver
+        if self._dead_reason is not None:
+            self._tell_lost()
+
+    def _hand(self, receiver: FrameReceiver, frame: bytes) -> None:
+        try:
+            receiver.frame_received(frame)
+        except Exception:
+            # The receiver's bug must not take the ROUTER (every peer) down.
+            log.exception(
+                "%s: the receiver of %s failed on a frame; frame dropped (a bug in "
+                "p2pactor: please report it with this traceback)",
+                self._transport.local_id,
+                self._peer_id,
+                extra=peer_context(self._peer_id, node=self._transport.local_id),
+            )
+
+    def _tell_lost(self) -> None:
+        receiver = self._receiver
+        if receiver is None or self._told_lost:
+            return
+        self._told_lost = True
+        try:
+            receiver.connection_lost(self._dead_reason or "connection closed")
+        except Exception:
+            log.exception(
+                "%s: the receiver of %s failed when told the connection died (a bug in "
+                "p2pactor: please report it with this traceback)",
+                self._transport.local_id,
+                self._peer_id,
+                extra=peer_context(self._peer_id, node=self._transport.local_id),
+            )
+
     async def receive(self) -> bytes:
-        """Wait for the peer's next frame.
+        """Wait for the peer's next frame (while no receiver is attached).
 
         Any number of tasks may wait at once; each frame goes to one of them.
         Cancellation never loses a frame. Frames that arrived before the
@@ -610,11 +656,18 @@ class ZmqConnection:
         return ConnectionLost(self._dead_reason or "connection closed")
 
     def _deliver(self, frame: bytes) -> bool:
-        """Queue a frame from the peer for :meth:`receive` (ROUTER task).
+        """Hand a frame from the peer to the receiver, or queue it for :meth:`receive`.
 
-        Returns whether it was queued; a frame that does not fit kills the
-        connection (the peer floods us) and is dropped.
+        Called by the ROUTER task. Returns whether it was taken; a frame that
+        does not fit the queue kills the connection (the peer floods us) and is
+        dropped.
         """
+        receiver = self._receiver
+        if receiver is not None:
+            if self._dead_reason is not None:
+                return False
+            self._hand(receiver, frame)
+            return True
         most = self._transport.options.inbound_bytes
         if self._queued_bytes and self._queued_bytes + len(frame) > most:
             self._die(
@@ -657,6 +710,7 @@ class ZmqConnection:
         # Then the PAIR: our monitor task is parked on it (notify_closing wakes it).
         self._monitor.close(0)
         self._dealer.close(linger)  # wakes senders waiting for room
+        self._tell_lost()  # last: the receiver may close or replace us
 
 
 class ZmqControlTransport:
@@ -1025,18 +1079,42 @@ class ZmqControlTransport:
         return _FAILED_HANDSHAKE[event].format(peer=peer)
 
     async def _receive_loop(self) -> None:
-        """The ROUTER's one receive task: demultiplex frames to connections."""
+        """The ROUTER's one receive task: each frame goes to its connection as it is read.
+
+        A frame is handed on (to its session, which steps it) before the next
+        is read. libzmq's ROUTER takes messages round-robin across its
+        connections, so a peer that floods us gets one frame handled in turn
+        with each other peer's, never a batch of its own ahead of theirs. After
+        ``receive_batch`` frames the task lets the node's other tasks run.
+        """
         route = self._route if self._curve is None else self._route_authenticated
+        router = self._router
+        recv = router._recv_authenticated if router.authenticated else router.sock.recv_multipart
+        limit = self._options.receive_batch
         try:
             while True:
-                try:
-                    batch = await self._router.receive_batch(self._options.receive_batch)
-                except zmq.ZMQError as exc:
-                    if self._closed:
-                        return
-                    raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
-                for frames in batch:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                handled = 0
+                while handled < limit and not router.closed:
+                    try:
+                        frames = recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError as exc:
+                        if self._closed:
+                            return
+                        raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
+                    handled += 1
                     route(frames)
+                if router.closed:
+                    return
+                if handled:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                elif not _events(router.sock) & zmq.POLLIN:
+                    # This task is the ROUTER's only user: it parks on the fd
+                    # itself. EVENTS was read right before, with no zmq call
+                    # on the socket in between (see _AsyncSocket).
+                    await trio.lowlevel.wait_readable(router._fd)
         except trio.ClosedResourceError:
             return
 
@@ -1392,7 +1470,7 @@ async def open_zmq_transport(
                 async with trio.open_nursery() as nursery:
                     transport = ZmqControlTransport(
                         ctx,
-                        _AsyncSocket(router, sole_reader=True),
+                        _AsyncSocket(router),
                         local_id=f"{host}:{bound_port}",
                         port=bound_port,
                         options=options,

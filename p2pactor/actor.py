@@ -1,16 +1,22 @@
-"""RequestActor: one request on one side of one session, as a trio task.
+"""Request actors: records stepped where their inputs arrive, and the queue that steps them.
 
-The actor is the driver loop around the pure core, in the manner of h11's
-``next_event()`` loop: wait for the next input on a bounded channel, or for the
-state's next deadline (then the input is a tick); step the core; hand the events
-to the host (which logs them and performs their effects); repeat until the state
-is terminal. All the deciding happens in :mod:`p2pactor.core`; all the doing
-happens in the host. The actor itself never blocks on anything but its inbox.
+An actor is one (peer, kv_request_id, role): its state, its next deadline and
+nothing else. It has no task and no inbox of its own. Whoever has an input for
+it (the session a frame arrived on, the engine bridge, the parent service, a
+transfer's completion, the node's timer) hands it to the node's
+:class:`Runner`, which steps actors one input at a time, to completion, in
+arrival order: an input that arrives while another is being stepped (an
+embedded parent answering inside the step that asked it) waits until that step
+and its effects are done. Stepping is the h11 driver loop without the loop:
+admit the input, ``step = decide + evolve`` in the pure core, hand the events
+to the host (which logs them and performs their effects), note the next
+deadline for the timer.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -25,7 +31,7 @@ from p2pactor.core.producer import ProducerInput, ProducerState, step_producer
 from p2pactor.core.timings import Timings
 from p2pactor.logsetup import request_context
 
-__all__ = ["ActorHost", "ActorInput", "RequestActor"]
+__all__ = ["ActorHost", "ActorInput", "RequestActor", "Runner"]
 
 log = logging.getLogger("p2pactor.actor")
 
@@ -34,7 +40,12 @@ ActorInput = ConsumerInput | ProducerInput
 
 
 class ActorHost(Protocol):
-    """What an actor needs from its owner (the session): judge, record and act."""
+    """What an actor needs from its owner (the session): judge, record, act and time."""
+
+    @property
+    def runner(self) -> Runner:
+        """The node's runner, through which every input reaches the actor."""
+        ...
 
     def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
         """The input the core steps for ``event_input``: itself, or a quota verdict on it.
@@ -52,91 +63,59 @@ class ActorHost(Protocol):
     def actor_handled(self, actor: RequestActor, event_input: ActorInput) -> None:
         """The core handled ``event_input`` without error."""
 
+    def input_dropped(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """``event_input`` came after the actor ended; whatever it carries must be undone."""
+
+    def deadline_changed(self, actor: RequestActor) -> None:
+        """The actor's :attr:`~RequestActor.deadline` moved (the timer must know)."""
+
 
 class RequestActor:
-    """One (peer, kv_request_id, role): its state, its inbox and its loop.
+    """One (peer, kv_request_id, role): its state and when it next needs a tick.
 
     Attributes:
         id: Who this actor is.
         state: Its current state; replaced, never mutated, after every step.
+        deadline: When it next needs a :class:`~p2pactor.core.inputs.Tick`
+            (``next_deadline(state)``), or None.
+        abandoned: Its session closed without it ending (the drain gave up):
+            it takes no input any more, and what it held was reported.
     """
 
-    def __init__(self, actor_id: ActorId, host: ActorHost, timings: Timings, inbox: int) -> None:
+    __slots__ = ("_host", "_timings", "abandoned", "deadline", "id", "state")
+
+    def __init__(self, actor_id: ActorId, host: ActorHost, timings: Timings) -> None:
         self.id = actor_id
         self.state: ActorState = initial_state(actor_id)
+        self.deadline: float | None = None
+        self.abandoned = False
         self._host = host
         self._timings = timings
-        self._send, self._receive = trio.open_memory_channel[ActorInput](inbox)
-        self._changed = trio.Event()
-        self._done = trio.Event()
 
     def __repr__(self) -> str:
         return f"<RequestActor {self.id} seq={self.state.seq}>"
 
     @property
     def done(self) -> bool:
-        """Whether the actor reached a terminal state (its task has ended or is ending)."""
-        return is_terminal(self.state)
+        """Whether the actor reached a terminal state (or was abandoned)."""
+        return self.abandoned or is_terminal(self.state)
 
-    async def deliver(self, event_input: ActorInput) -> bool:
-        """Queue an input, waiting while the inbox is full.
+    @property
+    def host(self) -> ActorHost:
+        """The session that owns the actor."""
+        return self._host
 
-        Returns:
-            False if the actor has ended and will never read it.
+    def step(self, event_input: ActorInput, now: float) -> None:
+        """Feed one input through the core at ``now`` and hand its events to the host.
+
+        Call it through a :class:`Runner`, never from inside another step.
         """
         if self.done:
-            return False
+            self._host.input_dropped(self, event_input)
+            return
+        host = self._host
         try:
-            await self._send.send(event_input)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return False
-        return True
-
-    def deliver_nowait(self, event_input: ActorInput) -> bool:
-        """Queue an input if there is room now.
-
-        Returns:
-            False if the inbox is full or the actor has ended.
-        """
-        if self.done:
-            return False
-        try:
-            self._send.send_nowait(event_input)
-        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-            return False
-        return True
-
-    async def wait_changed(self) -> None:
-        """Wait until the next step that recorded events (or the actor's end)."""
-        await self._changed.wait()
-
-    async def wait_done(self) -> None:
-        """Wait until the actor's task has ended."""
-        await self._done.wait()
-
-    async def run(self) -> None:
-        """The actor's task: step inputs and deadlines until the state is terminal."""
-        try:
-            async with self._receive:
-                while not self.done:
-                    deadline = next_deadline(self.state)
-                    event_input: ActorInput = inp.Tick()
-                    if deadline is None:  # no cancel scope to pay for (one per step)
-                        event_input = await self._receive.receive()
-                    else:
-                        with trio.move_on_at(deadline):
-                            event_input = await self._receive.receive()
-                    self.step(event_input)
-        finally:
-            self._send.close()
-            self._done.set()
-            self._notify()
-
-    def step(self, event_input: ActorInput) -> None:
-        """Feed one input through the core now and hand its events to the host."""
-        now = trio.current_time()
-        try:
-            admitted = self._host.admit(self, event_input)
+            admitted = host.admit(self, event_input)
             if isinstance(self.state, ConsumerState):
                 self.state, events = step_consumer(
                     self.state,
@@ -161,13 +140,67 @@ class RequestActor:
                 event_input,
                 extra=request_context(self.id.peer, self.id.kv_request_id),
             )
-            self._host.actor_failed(self, event_input, exc)
+            host.actor_failed(self, event_input, exc)
             return
-        self._host.actor_handled(self, event_input)
-        if events:
-            self._host.actor_stepped(self, events)
-            self._notify()
+        host.actor_handled(self, event_input)
+        if not events:
+            return
+        deadline = next_deadline(self.state)
+        if deadline != self.deadline:
+            self.deadline = deadline
+            host.deadline_changed(self)
+        try:
+            host.actor_stepped(self, events)
+        except Exception as exc:  # nor may a bug in performing its effects
+            log.exception(
+                "%s: performing the effects of %s failed (a bug in p2pactor: please report "
+                "it with this traceback)",
+                self.id,
+                [e.KIND for e in events],
+                extra=request_context(self.id.peer, self.id.kv_request_id),
+            )
+            host.actor_failed(self, event_input, exc)
 
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+    def expire(self) -> None:
+        """Its deadline passed: hand it a tick (the node's timer calls this)."""
+        self._host.runner.deliver(self, inp.Tick())
+
+    def abandon(self) -> None:
+        """Take no input any more (its session closed without it ending)."""
+        self.abandoned = True
+        self.deadline = None
+
+
+class Runner:
+    """Steps actors one input at a time, to completion, in arrival order.
+
+    There is one per node, on the node's thread. :meth:`deliver` steps the
+    input at once unless a step is already running, in which case it queues
+    behind it: a step's effects never see another step begin halfway through.
+    """
+
+    __slots__ = ("_queue", "_running")
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[RequestActor, ActorInput]] = deque()
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        """Whether a step is under way (an input delivered now waits for it)."""
+        return self._running
+
+    def deliver(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """Step ``event_input`` on ``actor`` now, or right after the steps under way."""
+        self._queue.append((actor, event_input))
+        if self._running:
+            return
+        self._running = True
+        queue = self._queue
+        clock = trio.current_time
+        try:
+            while queue:
+                target, item = queue.popleft()
+                target.step(item, clock())
+        finally:
+            self._running = False

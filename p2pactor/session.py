@@ -1,22 +1,29 @@
 """PeerSession: everything between this node and one peer.
 
 A session owns the control connection to its peer, the handshake, the routing of
-the peer's messages to request actors, the actors themselves (each a task in the
-session's nursery) and the transfers they start. Its life:
+the peer's messages to request actors, the actors themselves (records it steps,
+through the node's runner, when their inputs arrive) and the transfers they
+start. It has one task, which dials, shakes hands, waits for the end and then
+drains; its frames are stepped where they arrive, on the transport's receive
+path, not in a task of its own. Its life:
 
 1. **Handshake** (PROTOCOL.md "Handshake"): send ``connect`` at once; check the
    peer's ``connect`` (block size, fingerprint, hash seed: a mismatch fails loudly
    with what to align), register the peer's memory off the receive path, and only
-   then ``connect_ack``. Our own messages wait until our ``connect`` is acked.
+   then ``connect_ack``. Our own messages wait until our ``connect`` is acked
+   and our ``connect_ack`` has gone out.
    Not ready within the handshake timeout: dead.
-2. **Routing**: lookups, fetches and aborts go to the producer actor of their
-   kv_request_id (created on first contact); answers, transfer results and acks
-   to the consumer actor. A protocol violation disconnects the session; so do
-   ``max_dispatch_errors`` internal errors in a row.
+2. **Routing**: the transport hands each frame to :meth:`PeerSession.frame_received`,
+   which decodes it and steps it at once: lookups, fetches and aborts on the
+   producer actor of their kv_request_id (created on first contact), answers,
+   acks and transfer_done on the consumer actor. A protocol violation
+   disconnects the session; so do ``max_dispatch_errors`` internal errors in a row.
 3. **Close**: every live actor is told the session ended; the session waits (up
    to ``drain_timeout``) for them to finish what can't be abandoned (writes in
    flight, parent answers owed), then reports what is still owed in a
-   :class:`SessionCloseResult`.
+   :class:`SessionCloseResult`. No actor outlives its session: one still
+   running when the drain gives up is abandoned (it takes no more input) and
+   what it held is in the result, for the node to release.
 """
 
 from __future__ import annotations
@@ -25,15 +32,16 @@ import contextlib
 import enum
 import itertools
 import logging
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from functools import partial
+from typing import Final, Protocol
 
 import attrs
 import trio
 
 from p2pactor import protocol as wire
-from p2pactor.actor import ActorInput, RequestActor
+from p2pactor.actor import ActorInput, RequestActor, Runner
 from p2pactor.config import NodeConfig
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
@@ -45,6 +53,7 @@ from p2pactor.core.producer import ProducerState
 from p2pactor.errors import ProtocolError, UnknownMessageType
 from p2pactor.logsetup import peer_context, request_context
 from p2pactor.quotas import QuotaLedger
+from p2pactor.timers import Timers
 from p2pactor.transport import (
     ConnectionLost,
     ControlConnection,
@@ -72,6 +81,15 @@ _PEER_MESSAGES = (
     wire.TransferDone,
     wire.AbortAck,
 )
+
+# How each consumer event changes the loads in flight (writes a peer may be
+# making into our pool): the data transport polls for progress only while any is.
+_LOADS: Final[dict[type[ev.Event], int]] = {
+    ev.FetchSent: 1,
+    ev.TransferDone: -1,
+    ev.AbortAcked: -1,
+    ev.Aborted: -1,
+}
 
 FEATURE_RESP_ROUND = "lookup_resp_round"
 FEATURE_SESSION_ROUNDS = "session_rounds"
@@ -146,6 +164,16 @@ class SessionHost(Protocol):
         """The node's per-peer quota counts."""
         ...
 
+    @property
+    def runner(self) -> Runner:
+        """The node's runner: every input reaches an actor through it."""
+        ...
+
+    @property
+    def timers(self) -> Timers:
+        """The node's timer: actors' deadlines are armed on it."""
+        ...
+
     def record(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
         """Append ``events`` to the node's event log."""
 
@@ -174,7 +202,11 @@ class SessionHost(Protocol):
 
 
 class PeerSession:
-    """The control session with one peer, and the request actors on it."""
+    """The control session with one peer, and the request actors on it.
+
+    Implements :class:`~p2pactor.transport.FrameReceiver` (for its connection)
+    and :class:`~p2pactor.actor.ActorHost` (for its actors).
+    """
 
     _serials = itertools.count(1)
 
@@ -198,6 +230,7 @@ class PeerSession:
         self.last_sent: float | None = None
         self._host = host
         self._config = host.config
+        self._runner = host.runner
         self._conn = conn
         # The peer's connect, already read by the session this one replaces.
         self._first = first
@@ -209,26 +242,28 @@ class PeerSession:
         # Recently ended ids, so that a reused kv_request_id gets a new
         # incarnation; bounded, and replay copes when an old one is forgotten.
         self._retired: OrderedDict[tuple[Role, str], int] = OrderedDict()
-        self._outbox_send, self._outbox_recv = trio.open_memory_channel[bytes](
-            self._config.session_outbox
-        )
-        # Frames in the outbox or in the send loop's hands, not yet sent. While
-        # there are none, send() hands a frame to the connection itself (if it
-        # offers send_nowait, as ZeroMQ's does), sparing the send loop's
-        # wake-up per message; otherwise it queues behind them, in order.
-        self._unsent = 0
-        self._send_now: Callable[[bytes], bool] | None = None
+        # Frames for the peer: until both connects are acked they wait in _early;
+        # afterwards each goes straight to the connection (send_nowait), unless
+        # its queue is full, and then they wait in _backlog for a sender task.
+        # Both together stay under session_outbox.
+        self._early: deque[bytes] = deque()
+        self._backlog: deque[bytes] = deque()
+        self._alive = True
+        self._flowing = False  # our messages go out (both connects acked)
+        self._ack_sent = False
         self._acked = trio.Event()
+        self._established = trio.Event()  # both connects acked: READY
         self._peer_accepted = False
         self._peer_registered = trio.Event()
         self._peer_num_blocks = 0
         self._dead = trio.Event()
+        self._closing = False
+        self._quiet = trio.Event()  # closing, and every actor has ended
         self._closed = trio.Event()
         self._send_disconnect = False
         self._dispatch_errors = 0
         self._round_counter = itertools.count(1)
         self._nursery: trio.Nursery | None = None
-        self._started = trio.Event()
         self._failed_loads: tuple[int, ...] = ()
         self._failed_requests: tuple[str, ...] = ()
 
@@ -236,6 +271,11 @@ class PeerSession:
         return f"<PeerSession {self.peer_id} #{self.serial} {self.state.value}>"
 
     # --- what the node asks ------------------------------------------------------
+
+    @property
+    def runner(self) -> Runner:
+        """The node's runner (the actors' host hands their inputs to it)."""
+        return self._runner
 
     @property
     def data_name(self) -> str:
@@ -249,7 +289,7 @@ class PeerSession:
     @property
     def alive(self) -> bool:
         """Whether the session can still carry requests."""
-        return not self._dead.is_set()
+        return self._alive
 
     @property
     def ready(self) -> bool:
@@ -259,7 +299,7 @@ class PeerSession:
     @property
     def unsent(self) -> int:
         """Frames queued for the peer and not yet sent (bounded by ``session_outbox``)."""
-        return self._unsent
+        return len(self._early) + len(self._backlog)
 
     def handshake_steps(self) -> dict[str, bool]:
         """Which steps of the handshake are done, by name (for status reports). Any thread."""
@@ -308,14 +348,14 @@ class PeerSession:
         )
 
     def consumer(self, kv_request_id: str) -> RequestActor:
-        """The live consumer actor for ``kv_request_id``, created if needed."""
+        """The live consumer actor for ``kv_request_id``, created (and opened) if needed."""
         actor = self._consumers.get(kv_request_id)
         if actor is not None and not actor.done:
             return actor
         actor = self._spawn(Role.CONSUMER, kv_request_id)
         self._consumers[kv_request_id] = actor
         first = next(self._round_counter) if self._session_rounds() else 0
-        actor.deliver_nowait(inp.Open(first_round=first))  # the inbox is empty: always fits
+        self._runner.deliver(actor, inp.Open(first_round=first))
         return actor
 
     def next_round(self) -> int | None:
@@ -334,15 +374,11 @@ class PeerSession:
         transport, so a connection the peer opened meanwhile becomes this
         session's, not a second one.
         """
-        return self._conn is None and not self._dead.is_set()
+        return self._conn is None and self._alive
 
     def close(self, reason: str) -> None:
         """Close the session: tell the peer, end every actor, drain. Idempotent."""
         self._die(reason, disconnect=True)
-
-    async def wait_started(self) -> None:
-        """Wait until the session's task runs (it can take actors from then on)."""
-        await self._started.wait()
 
     async def wait_closed(self) -> SessionCloseResult:
         """Wait until the session has closed and return what it left owed."""
@@ -358,7 +394,6 @@ class PeerSession:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 self.last_activity = trio.current_time()
-                self._started.set()
                 task_status.started()
                 await self._talk()
                 await self._drain()
@@ -368,24 +403,27 @@ class PeerSession:
                 await self._finish()
 
     async def _talk(self) -> None:
-        """Connect, handshake and carry messages until the session dies."""
+        """Connect, handshake, and let frames flow until the session dies."""
         try:
             first: wire.Connect | None = self._first
+            if not self._alive:
+                return  # closed before its task ran
             if self._conn is None:
                 self._conn = await self._host.control.connect(self.peer_id)
             elif first is None:
                 first = await self._first_connect()
                 if first is None:
                     return
+            if self._dead.is_set():
+                return  # closed while it dialed
             await self._conn.send(wire.encode(self._connect_message()))
             if first is not None:
                 self._on_connect(first)
-            async with trio.open_nursery() as io:
-                io.start_soon(self._receive_loop)
-                io.start_soon(self._send_loop)
-                io.start_soon(self._watch_handshake)
-                await self._dead.wait()
-                io.cancel_scope.cancel()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._watch_handshake)
+            # From here on the transport steps each frame as it arrives.
+            self._conn.attach(self)
+            await self._dead.wait()
         except ConnectionLost as exc:
             self._die(exc.reason)
 
@@ -440,17 +478,9 @@ class PeerSession:
         )
 
     async def _watch_handshake(self) -> None:
+        """The handshake's deadline: not complete within ``handshake_timeout``, dead."""
         with trio.move_on_after(self._config.handshake_timeout):
-            await self._acked.wait()
-            await self._peer_registered.wait()
-            self.state = SessionState.READY
-            self._host.handshake_ended(self.peer_id, "ok")
-            log.info(
-                "session with %s ready (%s dialect)",
-                self.peer_id,
-                self._dialect(),
-                extra=peer_context(self.peer_id, node=self._config.node_id),
-            )
+            await self._established.wait()
             return
         self._host.handshake_ended(self.peer_id, "timeout")
         what = (
@@ -466,77 +496,87 @@ class PeerSession:
     def _dialect(self) -> str:
         return "p2pactor" if self.extended else "vLLM base"
 
-    async def _send_loop(self) -> None:
-        await self._acked.wait()
-        assert self._conn is not None
-        # Optional in ControlConnection: the in-memory test transport has none.
-        send_now = getattr(self._conn, "send_nowait", None)
-        self._send_now = send_now if callable(send_now) else None
-        async for frame in self._outbox_recv:
-            try:
-                await self._conn.send(frame)
-            except ConnectionLost as exc:
-                self._die(exc.reason)
-                return
-            self._unsent -= 1
+    # --- frames, as the transport hands them over (FrameReceiver) -------------------
 
-    async def _receive_loop(self) -> None:
-        assert self._conn is not None
-        while True:
-            try:
-                frame = await self._conn.receive()
-            except ConnectionLost as exc:
-                self._die(exc.reason)
-                return
-            self.last_activity = trio.current_time()
-            try:
-                msg = wire.decode(frame, limits=self._config.limits)
-            except UnknownMessageType as exc:
-                # A newer peer may add message types; vLLM drops them too.
-                log.warning(
-                    "%s: dropped a message: %s; harmless, but upgrade p2pactor on this node "
-                    "if the peer needs what it says",
-                    self.peer_id,
-                    exc,
-                    extra=peer_context(self.peer_id, node=self._config.node_id),
-                )
-                self._dispatch_errors = 0
-                continue
-            except ProtocolError as exc:
-                self._violation(f"undecodable message: {exc}")
-                return
-            try:
-                await self._dispatch(msg)
-            except Exception:
-                log.exception(
-                    "%s: failed to handle a %s message; a bug in p2pactor, please report it "
-                    "with this traceback (the session ends after %d such errors in a row)",
-                    self.peer_id,
-                    msg.TYPE,
-                    self._config.max_dispatch_errors,
-                    extra=request_context(
-                        self.peer_id, getattr(msg, "kv_request_id", None), node=self._config.node_id
-                    ),
-                )
-                self._count_error()
-            if not self.alive:
-                return
+    def frame_received(self, frame: bytes) -> None:
+        """Decode one frame of the peer's and step it now (on the transport's receive path)."""
+        if not self._alive:
+            return
+        self.last_activity = trio.current_time()
+        try:
+            msg = wire.decode(frame, limits=self._config.limits)
+        except UnknownMessageType as exc:
+            # A newer peer may add message types; vLLM drops them too.
+            log.warning(
+                "%s: dropped a message: %s; harmless, but upgrade p2pactor on this node "
+                "if the peer needs what it says",
+                self.peer_id,
+                exc,
+                extra=peer_context(self.peer_id, node=self._config.node_id),
+            )
+            self._dispatch_errors = 0
+            return
+        except ProtocolError as exc:
+            self._violation(f"undecodable message: {exc}")
+            return
+        try:
+            self._dispatch(msg)
+        except Exception:
+            log.exception(
+                "%s: failed to handle a %s message; a bug in p2pactor, please report it "
+                "with this traceback (the session ends after %d such errors in a row)",
+                self.peer_id,
+                msg.TYPE,
+                self._config.max_dispatch_errors,
+                extra=request_context(
+                    self.peer_id, getattr(msg, "kv_request_id", None), node=self._config.node_id
+                ),
+            )
+            self._count_error()
 
-    async def _dispatch(self, msg: wire.Message) -> None:
+    def connection_lost(self, reason: str) -> None:
+        """The connection died: so does the session."""
+        self._die(reason)
+
+    def _dispatch(self, msg: wire.Message) -> None:
         match msg:
+            case wire.Lookup() | wire.Fetch() | wire.AbortFetch() if self._peer_accepted:
+                self._to_producer(msg)
+            case wire.LookupResp() | wire.TransferDone() | wire.AbortAck() if self._peer_accepted:
+                self._to_consumer(msg)
             case wire.Connect():
                 self._on_connect(msg)
             case wire.ConnectAck():
-                self._acked.set()
-                self._dispatch_errors = 0
+                self._on_ack()
             case wire.Disconnect():
                 self._die("the peer disconnected")
-            case _ if not self._peer_accepted:
+            case _:
                 self._violation(f"a {msg.TYPE} message before the peer's connect")
-            case wire.Lookup() | wire.Fetch() | wire.AbortFetch():
-                await self._to_producer(msg)
-            case wire.LookupResp() | wire.TransferDone() | wire.AbortAck():
-                await self._to_consumer(msg)
+
+    def _on_ack(self) -> None:
+        self._dispatch_errors = 0
+        if self._acked.is_set():
+            return
+        self._acked.set()
+        self._open_gate()
+
+    def _open_gate(self) -> None:
+        """Once both connects are acked the session is ready: send what waited, in order."""
+        if not (self._acked.is_set() and self._ack_sent) or self._flowing or not self._alive:
+            return
+        self._flowing = True
+        self.state = SessionState.READY
+        self._established.set()
+        self._host.handshake_ended(self.peer_id, "ok")
+        log.info(
+            "session with %s ready (%s dialect)",
+            self.peer_id,
+            self._dialect(),
+            extra=peer_context(self.peer_id, node=self._config.node_id),
+        )
+        early, self._early = self._early, deque()
+        for frame in early:
+            self._put(frame)
 
     def _on_connect(self, msg: wire.Connect) -> None:
         if self._peer_accepted:
@@ -547,6 +587,7 @@ class PeerSession:
             # the connection from this connect on.
             assert self._conn is not None
             self._handed_over = True
+            self._conn.attach(None)  # frames wait for the new session
             self._die("the peer started a new session on this connection")
             self._host.session_restarted(self, self._conn, msg)
             return
@@ -607,15 +648,18 @@ class PeerSession:
             self._die(f"could not register the peer's memory: {exc}", disconnect=True)
             return
         self._peer_registered.set()
-        if not self.alive:
+        if not self._alive:
             return
         assert self._conn is not None
         try:
             await self._conn.send(wire.encode(wire.ConnectAck(peer_id=self._config.node_id)))
         except ConnectionLost as exc:
             self._die(exc.reason)
+            return
+        self._ack_sent = True
+        self._open_gate()
 
-    async def _to_producer(self, msg: wire.Lookup | wire.Fetch | wire.AbortFetch) -> None:
+    def _to_producer(self, msg: wire.Lookup | wire.Fetch | wire.AbortFetch) -> None:
         kv_id = msg.kv_request_id
         if isinstance(msg, wire.Fetch) and msg.block_indexes:
             top = max(msg.block_indexes)
@@ -640,10 +684,14 @@ class PeerSession:
             # still gets an actor, so that its refusal is in the event log,
             # and that actor closes after the one step.
             self._host.quotas.open_request(self.peer_id, actor)
+            self._runner.deliver(actor, msg)
+            # After its first message: stores waiting for the request (and an
+            # engine's finish) follow the fetch that binds them.
             self._host.producer_opened(self, actor)
-        await actor.deliver(msg)
+            return
+        self._runner.deliver(actor, msg)
 
-    async def _to_consumer(self, msg: wire.LookupResp | wire.TransferDone | wire.AbortAck) -> None:
+    def _to_consumer(self, msg: wire.LookupResp | wire.TransferDone | wire.AbortAck) -> None:
         actor = self._consumers.get(msg.kv_request_id)
         if actor is None or actor.done:
             log.debug(
@@ -656,15 +704,13 @@ class PeerSession:
             return
         if not self.extended and isinstance(msg, wire.LookupResp):
             msg = attrs.evolve(msg, round_seq=None)
-        await actor.deliver(msg)
+        self._runner.deliver(actor, msg)
 
     def _spawn(self, role: Role, kv_request_id: str) -> RequestActor:
         previous = self._retired.pop((role, kv_request_id), None)
         incarnation = 0 if previous is None else previous + 1
         actor_id = ActorId(role, self.peer_id, kv_request_id, incarnation)
-        actor = RequestActor(actor_id, self, self._config.timings, self._config.actor_inbox)
-        assert self._nursery is not None
-        self._nursery.start_soon(actor.run, name=str(actor_id))
+        actor = RequestActor(actor_id, self, self._config.timings)
         self._host.actor_created(actor)
         return actor
 
@@ -675,12 +721,14 @@ class PeerSession:
         self._retired[actor.id.role, actor.id.kv_request_id] = actor.id.incarnation
         if len(self._retired) > _RETIRED_MEMORY:
             self._retired.popitem(last=False)
+        if self._closing and not self.live_actors():
+            self._quiet.set()
 
     def _session_rounds(self) -> bool:
         ext = self.peer_extension
         return ext is not None and FEATURE_SESSION_ROUNDS in ext.features
 
-    # --- effects -------------------------------------------------------------------
+    # --- the actors' host (ActorHost) ---------------------------------------------
 
     def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
         """The quota verdict on a peer's lookup or fetch, just before its actor steps it."""
@@ -690,11 +738,19 @@ class PeerSession:
 
     def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
         """Log an actor's events, count what they hold, and perform their effects."""
-        self._host.quotas.observe(actor, events, trio.current_time())
-        self._host.record(actor, events)
+        host = self._host
+        producer = actor.id.role is Role.PRODUCER
+        if producer:
+            host.quotas.observe(actor, events, trio.current_time())
+        host.record(actor, events)
+        loads = 0
         for event in events:
+            if not producer:
+                loads += _LOADS.get(type(event), 0)
             for effect in fx.effects_of(event):
                 self._perform(actor, effect)
+        if loads:
+            host.data.expect_writes(loads)
 
     def _perform(self, actor: RequestActor, effect: fx.Effect) -> None:
         host = self._host
@@ -725,27 +781,67 @@ class PeerSession:
         if isinstance(event_input, _PEER_MESSAGES):
             self._dispatch_errors = 0
 
+    def input_dropped(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """An input reached ``actor`` after it ended: release a pin it carries."""
+        if isinstance(event_input, inp.ParentAnswer) and event_input.pin is not None:
+            log.error(
+                "%s ended before its parent answer; releasing its pin",
+                actor.id,
+                extra=request_context(
+                    actor.id.peer, actor.id.kv_request_id, node=self._config.node_id
+                ),
+            )
+            self._host.release_pin(event_input.pin.job_id, success=False)
+
+    def deadline_changed(self, actor: RequestActor) -> None:
+        """Arm the node's timer for the actor's new deadline."""
+        self._host.timers.arm(actor)
+
+    # --- sending ---------------------------------------------------------------------
+
     def send(self, msg: wire.Message) -> None:
-        """Queue a message for the peer (sent once our connect is acked)."""
-        if not self.alive:
+        """Queue a message for the peer (sent once our connect is acked). Never blocks."""
+        if not self._alive:
             return
         self.last_sent = trio.current_time()
         frame = wire.encode(self._to_dialect(msg))
-        if self._send_now is not None and not self._unsent:
+        if self._flowing:
+            self._put(frame)
+        elif self._room():
+            self._early.append(frame)
+
+    def _room(self) -> bool:
+        if len(self._early) + len(self._backlog) < self._config.session_outbox:
+            return True
+        self._die(f"the peer is not reading: {self._config.session_outbox} messages queued for it")
+        return False
+
+    def _put(self, frame: bytes) -> None:
+        """Hand ``frame`` to the connection now, or behind the frames waiting for room."""
+        if not self._backlog:
+            assert self._conn is not None
             try:
-                if self._send_now(frame):
+                if self._conn.send_nowait(frame):
                     return
             except ConnectionLost as exc:
                 self._die(exc.reason)
                 return
-        try:
-            self._outbox_send.send_nowait(frame)
-        except trio.WouldBlock:
-            self._die(
-                f"the peer is not reading: {self._config.session_outbox} messages queued for it"
-            )
-        else:
-            self._unsent += 1
+        if not self._room():
+            return
+        self._backlog.append(frame)
+        if len(self._backlog) == 1 and self._nursery is not None:
+            self._nursery.start_soon(self._send_backlog)
+
+    async def _send_backlog(self) -> None:
+        """Send the frames that found the connection's queue full, in order, as room comes."""
+        assert self._conn is not None
+        while self._backlog and self._alive:
+            try:
+                await self._conn.send(self._backlog[0])
+            except ConnectionLost as exc:
+                self._die(exc.reason)
+                return
+            self._backlog.popleft()
 
     def _to_dialect(self, msg: wire.Message) -> wire.Message:
         """Strip p2pactor's extension fields for a peer that speaks vLLM's dialect."""
@@ -757,18 +853,22 @@ class PeerSession:
         return msg
 
     def start_transfer(self, actor: RequestActor, effect: fx.StartTransfer) -> None:
-        """Run one WRITE for ``actor``; its result goes back to the actor."""
-        assert self._nursery is not None
-        self._nursery.start_soon(self._transfer, actor, effect)
+        """Start one WRITE for ``actor``; its end comes back to the actor as an input."""
+        self._host.data.start_write(
+            self.data_name,
+            effect.local_blocks,
+            effect.remote_blocks,
+            partial(self._transfer_ended, actor, effect.transfer_id),
+        )
 
-    async def _transfer(self, actor: RequestActor, effect: fx.StartTransfer) -> None:
-        try:
-            await self._host.data.write(self.data_name, effect.local_blocks, effect.remote_blocks)
-        except TransferError as exc:
-            result = inp.TransferResult(transfer_id=effect.transfer_id, ok=False, reason=str(exc))
+    def _transfer_ended(self, actor: RequestActor, transfer_id: int, error: str | None) -> None:
+        if error is None:
+            result = inp.TransferResult(transfer_id=transfer_id, ok=True)
         else:
-            result = inp.TransferResult(transfer_id=effect.transfer_id, ok=True)
-        await actor.deliver(result)
+            result = inp.TransferResult(transfer_id=transfer_id, ok=False, reason=error)
+        self._runner.deliver(actor, result)
+
+    # --- errors and death ----------------------------------------------------------
 
     def _violation(self, what: str) -> None:
         log.warning(
@@ -789,8 +889,9 @@ class PeerSession:
             )
 
     def _die(self, reason: str, *, disconnect: bool = False) -> None:
-        if self._dead.is_set():
+        if not self._alive:
             return
+        self._alive = False
         self.death_reason = reason
         self._send_disconnect = disconnect
         self.state = SessionState.CLOSING
@@ -818,22 +919,38 @@ class PeerSession:
             for s in consumers
             if isinstance(s, ConsumerState) and (s.loads or s.waiting_keys())
         )
-        if self._send_disconnect and self._conn is not None and not self._handed_over:
-            with trio.move_on_after(0.5), contextlib.suppress(ConnectionLost):
-                await self._conn.send(wire.encode(wire.Disconnect()))
-        if self._conn is not None and not self._handed_over:
+        conn = None if self._handed_over else self._conn
+        if conn is not None:
+            conn.attach(None)  # frames from now on are the next session's, or nobody's
+            if self._send_disconnect:
+                with trio.move_on_after(0.5), contextlib.suppress(ConnectionLost):
+                    await conn.send(wire.encode(wire.Disconnect()))
             # Close now, not after the drain: a peer that dials again must
             # open a fresh connection, not talk into this dying one.
-            await self._conn.aclose()
-        self._outbox_send.close()
+            await conn.aclose()
+        self._early.clear()
+        self._backlog.clear()
+        self._closing = True
         for actor in self.live_actors():
-            await actor.deliver(inp.SessionEnded(reason))
-        with trio.move_on_after(self._config.drain_timeout):
-            for actor in self.live_actors():
-                await actor.wait_done()
+            self._runner.deliver(actor, inp.SessionEnded(reason))
+        if self.live_actors():
+            with trio.move_on_after(self._config.drain_timeout):
+                await self._quiet.wait()
 
     async def _finish(self) -> None:
         reason = self.death_reason or "closed"
+        self._closing = True
+        # No actor outlives its session: those the drain gave up on take no
+        # more input, and what they still hold is reported below.
+        abandoned_loads = 0
+        for actor in (*self._consumers.values(), *self._producers.values()):
+            if not actor.done:
+                state = actor.state
+                if isinstance(state, ConsumerState):
+                    abandoned_loads += len(state.loads)
+                actor.abandon()
+        if abandoned_loads:
+            self._host.data.expect_writes(-abandoned_loads)
         # Whatever the peer's requests still held here is no longer theirs:
         # the node releases their pins (counted until released) below.
         self._host.quotas.forget_all(self._producers.values())

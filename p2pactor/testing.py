@@ -10,12 +10,18 @@
   ``bytearray``; a write copies blocks into the peer's pool. Faults: fail the
   next writes, hold writes in flight until released, slow registration down.
 
+Both deliver what happens the way the real transports do: frames reach a
+session on the trio thread, never inside the sender's call; a write's end is
+reported to its callback.
+
 Everything here runs on trio's clock, so tests can use ``autojump_clock``.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -23,7 +29,7 @@ import trio
 
 from p2pactor import protocol as wire
 from p2pactor.errors import ProtocolError
-from p2pactor.transport import ConnectionLost, TransferError
+from p2pactor.transport import ConnectionLost, FrameReceiver, TransferError, WriteDone
 
 __all__ = [
     "FrameRule",
@@ -34,6 +40,8 @@ __all__ = [
     "MemoryNetwork",
     "message_is",
 ]
+
+log = logging.getLogger("p2pactor.testing")
 
 FramePredicate = Callable[[str, str, bytes], bool]
 """``(source id, destination id, frame) -> matches?``"""
@@ -94,7 +102,10 @@ class MemoryConnection:
     def __init__(self, transport: MemoryControlTransport, peer_id: str, capacity: int) -> None:
         self._transport = transport
         self._peer_id = peer_id
+        self._capacity = capacity
         self._send, self._receive = trio.open_memory_channel[bytes](capacity)
+        self._receiver: FrameReceiver | None = None
+        self._told_lost = False
         self.dead_reason: str | None = None
         self.claimed = False
 
@@ -111,15 +122,35 @@ class MemoryConnection:
         """Whether the connection still works."""
         return self.dead_reason is None
 
-    async def send(self, frame: bytes) -> None:
-        """Deliver ``frame`` to the peer (after any delay rule)."""
+    def send_nowait(self, frame: bytes) -> bool:
+        """Put ``frame`` on the network to the peer (after any fault rule); always fits."""
         if self.dead_reason is not None:
             raise ConnectionLost(self.dead_reason)
-        await self._transport.network.route(self._transport.local_id, self._peer_id, frame)
+        self._transport.network.post(self._transport.local_id, self._peer_id, frame)
+        return True
+
+    async def send(self, frame: bytes) -> None:
+        """:meth:`send_nowait`, as a checkpoint."""
         await trio.lowlevel.checkpoint()
+        self.send_nowait(frame)
+
+    def attach(self, receiver: FrameReceiver | None) -> None:
+        """Hand frames to ``receiver`` from now on, the buffered ones first (None: buffer)."""
+        self._receiver = None
+        if receiver is None:
+            return
+        while True:
+            try:
+                frame = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            receiver.frame_received(frame)
+        self._receiver = receiver
+        if self.dead_reason is not None:
+            self._tell_lost()
 
     async def receive(self) -> bytes:
-        """The peer's next frame."""
+        """The peer's next frame (while no receiver is attached)."""
         try:
             return await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
@@ -131,20 +162,35 @@ class MemoryConnection:
         await trio.lowlevel.checkpoint()
 
     def kill(self, reason: str) -> None:
-        """Make the connection dead: pending and future receives fail with ``reason``."""
+        """Make the connection dead: pending and future receives fail with ``reason``.
+
+        Frames already sent on the network arrive first.
+        """
+        self._transport.network.settle()
         if self.dead_reason is None:
             self.dead_reason = reason
             self._send.close()
         if self._transport.connections.get(self._peer_id) is self:
             del self._transport.connections[self._peer_id]
+        self._tell_lost()
+
+    def _tell_lost(self) -> None:
+        receiver = self._receiver
+        if receiver is not None and not self._told_lost:
+            self._told_lost = True
+            receiver.connection_lost(self.dead_reason or "connection closed")
 
     def _incoming(self, frame: bytes) -> None:
+        if self.dead_reason is not None:
+            return
+        receiver = self._receiver
+        if receiver is not None:
+            receiver.frame_received(frame)
+            return
         try:
             self._send.send_nowait(frame)
         except trio.WouldBlock:
             self.kill(f"{self._peer_id} sent more frames than we could queue")
-        except trio.ClosedResourceError:
-            pass
 
 
 class MemoryControlTransport:
@@ -215,8 +261,20 @@ class MemoryControlTransport:
             conn.kill(reason)
 
 
+@attrs.define(eq=False)
+class _Link:
+    """Frames from one node to another held back by a delay rule, in order."""
+
+    src: str
+    dst: str
+    held: deque[tuple[float, bytes]] = attrs.field(factory=deque)
+
+
 class MemoryNetwork:
     """ZeroMQ, in memory: delivers frames between :class:`MemoryControlTransport` s.
+
+    A sent frame reaches its destination on the trio thread soon after, never
+    inside the sender's call (as over a socket), in order per direction.
 
     Args:
         capacity: Frames queued per connection before the receiver counts the
@@ -228,6 +286,10 @@ class MemoryNetwork:
         self._nodes: dict[str, MemoryControlTransport] = {}
         self.rules: list[FrameRule] = []
         self.frames = 0
+        self._in_flight: deque[tuple[str, str, bytes]] = deque()
+        self._scheduled = False
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._links: dict[tuple[str, str], _Link] = {}
 
     def transport(self, node_id: str) -> MemoryControlTransport:
         """The endpoint of ``node_id`` (a fresh one after :meth:`kill`: a restart)."""
@@ -244,7 +306,11 @@ class MemoryNetwork:
         return node is not None and not node.dead
 
     def kill(self, node_id: str, reason: str | None = None) -> None:
-        """Kill a node: its endpoint dies, and so does every peer's connection to it."""
+        """Kill a node: its endpoint dies, and so does every peer's connection to it.
+
+        Frames already sent arrive first (a test's kill comes after what it sent).
+        """
+        self.settle()
         why = reason or f"{node_id} went away (no heartbeat)"
         node = self._nodes.get(node_id)
         if node is not None:
@@ -263,22 +329,72 @@ class MemoryNetwork:
     def delay(
         self, predicate: FramePredicate, seconds: float, *, count: int | None = None
     ) -> FrameRule:
-        """Hold back frames matching ``predicate`` for ``seconds`` each."""
+        """Hold back frames matching ``predicate`` for ``seconds`` each.
+
+        Later frames on the same direction wait behind a held one.
+        """
         rule = FrameRule(predicate, delay=seconds, remaining=count)
         self.rules.append(rule)
         return rule
 
     async def route(self, src: str, dst: str, frame: bytes) -> None:
-        """Deliver one frame from ``src`` to ``dst``, applying the fault rules."""
+        """:meth:`post`, as a checkpoint."""
+        await trio.lowlevel.checkpoint()
+        self.post(src, dst, frame)
+
+    def post(self, src: str, dst: str, frame: bytes) -> None:
+        """Send one frame from ``src`` to ``dst``, applying the fault rules; never blocks."""
+        delay = 0.0
         for rule in self.rules:
             if rule.take(src, dst, frame):
                 if rule.drop:
                     return
-                await trio.sleep(rule.delay)
-        node = self._nodes.get(dst)
-        if node is not None:
+                delay += rule.delay
+        link = self._links.get((src, dst))
+        if delay or (link is not None and link.held):
+            if link is None:
+                link = self._links[src, dst] = _Link(src, dst)
+            link.held.append((trio.current_time() + delay, frame))
+            if len(link.held) == 1:
+                trio.lowlevel.spawn_system_task(self._release, link, name=f"delay {src}->{dst}")
+            return
+        self._enqueue(src, dst, frame)
+
+    async def _release(self, link: _Link) -> None:
+        """Let a link's held frames go, each at its time, in order."""
+        while link.held:
+            when, frame = link.held[0]
+            await trio.sleep_until(when)
+            link.held.popleft()
+            self._enqueue(link.src, link.dst, frame)
+
+    def _enqueue(self, src: str, dst: str, frame: bytes) -> None:
+        self._in_flight.append((src, dst, frame))
+        if not self._scheduled:
+            self._scheduled = True
+            if self._token is None:
+                self._token = trio.lowlevel.current_trio_token()
+            # Delivered from trio's run loop, as a socket's receive task would:
+            # never inside the sender's own step.
+            self._token.run_sync_soon(self._deliver)
+
+    def settle(self) -> None:
+        """Deliver every frame in flight now (held ones excepted)."""
+        self._deliver()
+
+    def _deliver(self) -> None:
+        self._scheduled = False
+        while self._in_flight:
+            src, dst, frame = self._in_flight.popleft()
+            node = self._nodes.get(dst)
+            if node is None:
+                continue
             self.frames += 1
-            node._incoming(src, frame)
+            try:
+                node._incoming(src, frame)
+            except Exception:
+                # A crash here would end the whole trio run: log it instead.
+                log.exception("delivering a frame from %s to %s failed", src, dst)
 
 
 @attrs.define
@@ -307,6 +423,7 @@ class MemoryDataTransport:
         self._inflight: dict[str, int] = {}
         self._idle: dict[str, trio.Event] = {}
         self.closed = False
+        self.expected = 0  # peer writes into this pool that may be running
 
     @property
     def agent_metadata(self) -> bytes:
@@ -363,36 +480,88 @@ class MemoryDataTransport:
         self._peers.pop(peer_id, None)
         await trio.lowlevel.checkpoint()
 
-    async def write(
-        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    def start_write(
+        self,
+        peer_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        done: WriteDone,
     ) -> None:
-        """Copy our blocks into the peer's, after the plane's faults have had their say."""
+        """Copy our blocks into the peer's, once the plane's faults have had their say.
+
+        Without a fault the copy happens at once and ``done`` is told before
+        this returns; a held write waits for :meth:`MemoryDataPlane.release_writes`.
+        """
         entry = self._peers.get(peer_id)
         if entry is None:
-            raise TransferError(f"{peer_id} is not registered")
+            done(f"{peer_id} is not registered")
+            return
         remote, remote_blocks_total = entry
         if len(local_blocks) != len(remote_blocks):
-            raise TransferError("local and remote block lists differ in length")
+            done("local and remote block lists differ in length")
+            return
         if any(not 0 <= b < self.num_blocks for b in local_blocks) or any(
             not 0 <= b < remote_blocks_total for b in remote_blocks
         ):
-            raise TransferError("a block index is out of range")
+            done("a block index is out of range")
+            return
         self._inflight[peer_id] = self._inflight.get(peer_id, 0) + 1
-        try:
-            await self._plane.before_write(peer_id)
+        write = _Pending(self, peer_id, remote, tuple(local_blocks), tuple(remote_blocks), done)
+        self._plane.submit(write)
+
+    def _finish(self, write: _Pending, error: str | None = None) -> None:
+        """Run a write the plane let through (or failed), then tell its caller."""
+        error = error or self._plane.fault_for(write.peer_id)
+        if error is None:
             size = self._block_len
-            for src, dst in zip(local_blocks, remote_blocks, strict=True):
-                remote.memory[dst * size : (dst + 1) * size] = self.memory[
+            for src, dst in zip(write.local, write.remote, strict=True):
+                write.target.memory[dst * size : (dst + 1) * size] = self.memory[
                     src * size : (src + 1) * size
                 ]
-            self._plane.bytes_written += size * len(local_blocks)
+            self._plane.bytes_written += size * len(write.local)
             self._plane.writes += 1
-        finally:
-            self._inflight[peer_id] -= 1
-            if not self._inflight[peer_id]:
-                event = self._idle.pop(peer_id, None)
-                if event is not None:
-                    event.set()
+        self._inflight[write.peer_id] -= 1
+        if not self._inflight[write.peer_id]:
+            event = self._idle.pop(write.peer_id, None)
+            if event is not None:
+                event.set()
+        write.done(error)
+
+    async def write(
+        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    ) -> None:
+        """:meth:`start_write`, waiting for the end.
+
+        Raises:
+            TransferError: The write failed.
+        """
+        over = trio.Event()
+        outcome: list[str | None] = []
+
+        def done(error: str | None) -> None:
+            outcome.append(error)
+            over.set()
+
+        self.start_write(peer_id, local_blocks, remote_blocks, done)
+        await over.wait()
+        if outcome[0] is not None:
+            raise TransferError(outcome[0])
+
+    def expect_writes(self, delta: int) -> None:
+        """Count peer writes that may be running into this pool (nothing to poll in memory)."""
+        self.expected += delta
+
+
+@attrs.define(eq=False)
+class _Pending:
+    """A write started and not yet run."""
+
+    source: MemoryDataTransport
+    peer_id: str
+    target: MemoryDataTransport
+    local: tuple[int, ...]
+    remote: tuple[int, ...]
+    done: WriteDone
 
 
 class MemoryDataPlane:
@@ -400,6 +569,7 @@ class MemoryDataPlane:
 
     Attributes:
         registration_delay: Seconds every peer registration takes.
+        transfer_timeout: How long a held write waits before it fails.
         writes: Writes completed so far.
         bytes_written: Bytes copied by them.
     """
@@ -407,9 +577,11 @@ class MemoryDataPlane:
     def __init__(self) -> None:
         self._pools: dict[bytes, MemoryDataTransport] = {}
         self._faults: list[_WriteFault] = []
-        self._gate: trio.Event | None = None
+        self._holding = False
+        self._held: deque[_Pending] = deque()
         self.held = 0
         self.registration_delay = 0.0
+        self.transfer_timeout = 30.0
         self.writes = 0
         self.bytes_written = 0
 
@@ -431,27 +603,40 @@ class MemoryDataPlane:
 
     def hold_writes(self) -> None:
         """Keep every write from now on in flight until :meth:`release_writes`."""
-        if self._gate is None:
-            self._gate = trio.Event()
+        self._holding = True
 
     def release_writes(self) -> None:
-        """Let held writes run."""
-        if self._gate is not None:
-            self._gate.set()
-            self._gate = None
+        """Let held writes run (in the order they were started)."""
+        self._holding = False
+        while self._held and not self._holding:
+            write = self._held.popleft()
+            self.held -= 1
+            write.source._finish(write)
 
-    async def before_write(self, peer_id: str) -> None:
-        """Apply the faults to one write: wait at the gate, or fail."""
-        gate = self._gate
-        if gate is not None:
+    def submit(self, write: _Pending) -> None:
+        """Run a started write now, or hold it while writes are held.
+
+        A held write that is still held ``transfer_timeout`` later fails, as
+        NIXL's transport cancels a write that runs past its deadline.
+        """
+        if self._holding or self._held:
+            self._held.append(write)
             self.held += 1
-            try:
-                await gate.wait()
-            finally:
-                self.held -= 1
-        else:
-            await trio.lowlevel.checkpoint()
+            trio.lowlevel.spawn_system_task(self._expire, write, name="held write")
+            return
+        write.source._finish(write)
+
+    async def _expire(self, write: _Pending) -> None:
+        await trio.sleep(self.transfer_timeout)
+        if write in self._held:
+            self._held.remove(write)
+            self.held -= 1
+            write.source._finish(write, f"no completion within {self.transfer_timeout:g} s")
+
+    def fault_for(self, peer_id: str) -> str | None:
+        """Why a write to ``peer_id`` fails now (one injected fault used), or None."""
         for fault in self._faults:
             if fault.remaining and (fault.peer is None or peer_id.startswith(fault.peer)):
                 fault.remaining -= 1
-                raise TransferError(fault.reason)
+                return fault.reason
+        return None

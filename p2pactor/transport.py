@@ -6,7 +6,11 @@ injection, for tests.
 
 * :class:`ControlTransport` / :class:`ControlConnection` carry frames (encoded
   protocol messages) between this node and each peer, in order, per direction.
-* :class:`DataTransport` writes blocks of this node's pool into a peer's pool.
+  A session *attaches* a :class:`FrameReceiver` to its connection: from then on
+  the transport hands it each frame synchronously, on the node's thread, where
+  the frame arrives (no channel, no task in between).
+* :class:`DataTransport` writes blocks of this node's pool into a peer's pool;
+  a write is started without waiting and its end is reported to a callback.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ __all__ = [
     "ControlConnection",
     "ControlTransport",
     "DataTransport",
+    "FrameReceiver",
     "TransferError",
+    "WriteDone",
 ]
 
 
@@ -37,6 +43,20 @@ class TransferError(P2PActorError):
     """A write into a peer's blocks failed; no part of it is still running."""
 
 
+class FrameReceiver(Protocol):
+    """Who a connection hands its frames to once attached (a session)."""
+
+    def frame_received(self, frame: bytes) -> None:
+        """One frame from the peer, in order. Must not block; exceptions are logged."""
+
+    def connection_lost(self, reason: str) -> None:
+        """The connection died (after its last frame was handed over). Called once."""
+
+
+WriteDone = Callable[[str | None], None]
+"""How a write's end is reported: ``None`` when every byte arrived, else why not."""
+
+
 class ControlConnection(Protocol):
     """One peer's control channel: frames to it and frames from it."""
 
@@ -45,17 +65,36 @@ class ControlConnection(Protocol):
         """The peer's id, ``host:port``."""
         ...
 
-    async def send(self, frame: bytes) -> None:
-        """Queue ``frame`` for the peer, in order.
+    def send_nowait(self, frame: bytes) -> bool:
+        """Queue ``frame`` for the peer now if there is room; never blocks.
+
+        Returns:
+            Whether it was queued; False when the connection's queue is full
+            (:meth:`send` then waits for room).
 
         Raises:
-            ConnectionLost: The connection is dead, or the peer stopped reading
-                (its queue is full).
+            ConnectionLost: The connection is dead.
         """
         ...
 
+    async def send(self, frame: bytes) -> None:
+        """Queue ``frame`` for the peer, in order, waiting for room if need be.
+
+        Raises:
+            ConnectionLost: The connection is dead, or the peer stopped reading
+                (its queue stayed full).
+        """
+        ...
+
+    def attach(self, receiver: FrameReceiver | None) -> None:
+        """Hand every frame from now on to ``receiver`` (None: buffer them again).
+
+        Frames that arrived before are handed over at once, in order, before
+        this returns; so is the death of a connection that already died.
+        """
+
     async def receive(self) -> bytes:
-        """Wait for the peer's next frame.
+        """Wait for the peer's next frame, while no receiver is attached.
 
         Raises:
             ConnectionLost: The connection died; no frame will come.
@@ -98,7 +137,6 @@ class ControlTransport(Protocol):
         frame claims, which lets any sender steer this node's outbound
         connections (``allowed_peers``, CURVE keys).
         """
-        ...
 
 
 class DataTransport(Protocol):
@@ -145,15 +183,25 @@ class DataTransport(Protocol):
         """Forget a peer. Writes to it that are still running are waited for."""
         ...
 
-    async def write(
-        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    def start_write(
+        self,
+        peer_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        done: WriteDone,
     ) -> None:
-        """Write our ``local_blocks`` into the peer's ``remote_blocks``.
+        """Start writing our ``local_blocks`` into the peer's ``remote_blocks``; never blocks.
 
-        Returns once every byte has arrived.
-
-        Raises:
-            TransferError: The write failed; it raises only once no part of it
-                can still be running, so the peer may reuse its blocks.
+        ``done`` is called exactly once, on the node's thread, possibly before
+        this returns: with None once every byte has arrived, or with the reason
+        it failed once no part of it can still be running (so the peer may
+        reuse its blocks).
         """
-        ...
+
+    def expect_writes(self, delta: int) -> None:
+        """Say that ``delta`` more (or, negative, fewer) peer writes into our pool may be running.
+
+        A one-sided write may need its target's agent to make progress too; a
+        transport that polls for progress polls only while a write of its own
+        or an expected one may be running, so an idle node costs nothing.
+        """

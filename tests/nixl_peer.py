@@ -36,6 +36,9 @@ async def main(num_blocks: int, block_len: int) -> None:
     pool = bytearray(num_blocks * block_len)
     stdin = trio.wrap_file(sys.stdin)
     async with open_nixl_transport(pool, block_len, name="peer") as data:
+        # A pool other processes write into, whenever they like: its agent
+        # must make progress all along, as a node's does while it has loads.
+        data.expect_writes(1)
         say(f"READY {data.agent_metadata.hex()} {data.base_addr} {num_blocks} {block_len}")
         while True:
             words = (await stdin.readline()).split()

@@ -29,7 +29,12 @@ from p2pactor import protocol as wire
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import next_consumer_deadline, probe_answer, probe_answers
+from p2pactor.core.consumer import (
+    next_consumer_deadline,
+    probe_answer,
+    probe_answers,
+    step_consumer,
+)
 from p2pactor.core.fold import fold
 from p2pactor.core.producer import ProducerPhase, next_producer_deadline
 from p2pactor.core.serde import decode_event, encode_event
@@ -91,6 +96,17 @@ class ConsumerMachine(RuleBasedStateMachine):
     def engine_step(self, keys: list[bytes]) -> None:
         self.feed(inp.Register(keys))
         self.feed(inp.Flush())
+
+    @rule(keys=key_lists)
+    def lookup_in_one_input(self, keys: list[bytes]) -> None:
+        # Node.lookup's one input is exactly a Register and then a Flush.
+        state, now, timings = self.h.state, self.h.now, self.h.timings
+        registered, first = step_consumer(state, inp.Register(keys), now, timings)
+        flushed, second = step_consumer(registered, inp.Flush(), now, timings)
+        before = len(self.h.log)
+        self.feed(inp.Register(keys, flush=True))
+        assert tuple(self.h.log[before:]) == first + second
+        assert self.h.state == flushed
 
     @rule(
         keys=key_lists,

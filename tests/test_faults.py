@@ -62,6 +62,7 @@ from p2pactor.quotas import PeerQuotas
 from p2pactor.replay import replay
 from p2pactor.serve import preload_keys
 from p2pactor.session import SessionCloseResult
+from p2pactor.transport import WriteDone
 
 try:
     import_nixl()
@@ -266,8 +267,19 @@ class GatedWrites:
 
     def __init__(self, inner: NixlDataTransport) -> None:
         self.inner = inner
-        self.gate = trio.Event()
-        self.waiting = 0
+        self.opened = False
+        self.held: list[tuple[str, Sequence[int], Sequence[int], WriteDone]] = []
+
+    @property
+    def waiting(self) -> int:
+        return len(self.held)
+
+    def open(self) -> None:
+        """Let the held writes (and every later one) go to NIXL."""
+        self.opened = True
+        held, self.held = self.held, []
+        for write in held:
+            self.inner.start_write(*write)
 
     @property
     def agent_metadata(self) -> bytes:
@@ -293,15 +305,20 @@ class GatedWrites:
     async def remove_peer(self, peer_id: str) -> None:
         await self.inner.remove_peer(peer_id)
 
-    async def write(
-        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    def start_write(
+        self,
+        peer_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        done: WriteDone,
     ) -> None:
-        self.waiting += 1
-        try:
-            await self.gate.wait()
-        finally:
-            self.waiting -= 1
-        await self.inner.write(peer_id, local_blocks, remote_blocks)
+        if self.opened:
+            self.inner.start_write(peer_id, local_blocks, remote_blocks, done)
+        else:
+            self.held.append((peer_id, local_blocks, remote_blocks, done))
+
+    def expect_writes(self, delta: int) -> None:
+        self.inner.expect_writes(delta)
 
 
 @attrs.define
@@ -528,7 +545,7 @@ async def test_a_consumer_killed_with_lookups_and_fetches_open_leaves_nothing_he
             assert p.cache.opened == set()
             assert not any(r.peer_id == c.node_id for r in p.node.closed_sessions())
 
-            p.gated.gate.set()  # the WRITE goes to NIXL, into a dead agent
+            p.gated.open()  # the WRITE goes to NIXL, into a dead agent
             reason = await closed_with(p.node, c.node_id)
             assert "went away" in reason
             [failed] = p.events(ev.TransferFailed)
@@ -570,7 +587,7 @@ async def test_control_lost_while_a_write_runs_no_ack_and_no_release_until_it_en
 
             c.process.send_signal(signal.SIGSTOP)
             try:
-                p.gated.gate.set()
+                p.gated.open()
                 await wait_until(lambda: p.data.statistics().writes_in_flight == 1)
                 await wait_until(lambda: (s := p.node.session(c.node_id)) is None or not s.alive)
                 await trio.sleep(1.0)

@@ -41,7 +41,7 @@ from p2pactor.errors import ConfigError, DataPlaneError
 from p2pactor.node import FetchResult, open_node
 from p2pactor.parent import EmbeddedCache
 from p2pactor.testing import MemoryNetwork
-from p2pactor.transport import TransferError
+from p2pactor.transport import TransferError, WriteDone
 
 try:
     import_nixl()
@@ -66,8 +66,14 @@ def block(pool: bytes | bytearray | memoryview, i: int, block_len: int = BL) -> 
 
 
 async def register(x: NixlDataTransport, y: NixlDataTransport, name: str) -> None:
-    """Register ``y`` with ``x`` under ``name``."""
+    """Register ``y`` with ``x`` under ``name``; ``y`` expects ``x``'s writes from now on.
+
+    A one-sided WRITE may need its target's agent to make progress; a node's
+    transport does so while the node has loads in flight, and these raw
+    transports say so here, as a node would.
+    """
     await x.add_peer(name, y.agent_metadata, y.base_addr, y.num_blocks, y.block_len)
+    y.expect_writes(1)
 
 
 @asynccontextmanager
@@ -721,10 +727,17 @@ class DataPlaneElsewhere:
     async def remove_peer(self, peer_id: str) -> None:
         await self.local.remove_peer(peer_id)
 
-    async def write(
-        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    def start_write(
+        self,
+        peer_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        done: WriteDone,
     ) -> None:
-        await self.local.write(peer_id, local_blocks, remote_blocks)
+        self.local.start_write(peer_id, local_blocks, remote_blocks, done)
+
+    def expect_writes(self, delta: int) -> None:
+        self.local.expect_writes(delta)
 
 
 async def test_a_fetch_whose_destination_process_dies_mid_write_fails_with_a_reason() -> None:
@@ -847,3 +860,21 @@ async def test_regression_guard_large_writes_never_stall_the_trio_loop() -> None
     assert pool_b[-1] == 7
     worst = sorted(gaps)[-5:]
     assert max(gaps) < 0.050, f"the trio loop stalled; longest gaps (s): {worst}"
+
+
+async def test_an_idle_transport_sleeps_and_polls_only_while_writes_may_run() -> None:
+    """Nothing in flight and nothing expected: the pump makes no call at all."""
+    with trio.fail_after(20):
+        async with open_nixl_transport(pattern(1), BL, name="idle") as a:
+            await wait_for(lambda: a.statistics().idle)
+            polls = a.statistics().progress_polls
+            await trio.sleep(0.3)  # polling every 1 ms, as it used to, would be ~300 polls
+            assert a.statistics().progress_polls == polls
+            a.expect_writes(1)  # a load in flight: a peer's write may need our progress
+            await wait_for(lambda: a.statistics().progress_polls >= polls + 5)
+            assert not a.statistics().idle
+            a.expect_writes(-1)
+            await wait_for(lambda: a.statistics().idle)
+            polls = a.statistics().progress_polls
+            await trio.sleep(0.3)
+            assert a.statistics().progress_polls == polls

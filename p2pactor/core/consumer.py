@@ -29,6 +29,7 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.builder import Builder
 from p2pactor.core.events import ConsumerPhase, check_follows
 from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.records import replace
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
 __all__ = [
@@ -133,10 +134,11 @@ class ConsumerState:
         return tuple(k for k, v in self.probes.items() if v is None and k not in unsent)
 
 
-def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> ConsumerState:
+def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> tuple[ConsumerPhase, str]:
+    """``(outcome, problem)`` after an outcome of ``outcome``: it only gets worse."""
     if _SEVERITY[outcome] <= _SEVERITY[state.outcome]:
-        return state
-    return attrs.evolve(state, outcome=outcome, problem=problem)
+        return state.outcome, state.problem
+    return outcome, problem
 
 
 def _advance(state: ConsumerState, phase: ConsumerPhase) -> ConsumerPhase:
@@ -150,26 +152,28 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
 
 
 def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerState:
-    """Apply one event to a consumer state; pure.
+    """Apply one event to a consumer state; pure. One copy of the state per event.
 
     Raises:
         ReplayError: The event belongs to another actor or does not follow the
             last one applied.
     """
     check_follows(state.actor, state.seq, event)
-    s = attrs.evolve(state, seq=event.seq)
+    s = state
+    seq = event.seq
     match event:
         case ev.Ignored() | ev.Rejected():
-            return s
+            return replace(s, seq=seq)
         case ev.Opened():
-            return attrs.evolve(s, round_seq=event.round_seq)
+            return replace(s, seq=seq, round_seq=event.round_seq)
         case ev.Registered():
             probes = dict(s.probes)
             probes.update(dict.fromkeys(event.keys))
-            return attrs.evolve(s, probes=probes, unsent=s.unsent + event.keys)
+            return replace(s, seq=seq, probes=probes, unsent=s.unsent + event.keys)
         case ev.Probed():
-            return attrs.evolve(
+            return replace(
                 s,
+                seq=seq,
                 phase=_advance(s, ConsumerPhase.PROBING),
                 unsent=(),
                 lookup_open=True,
@@ -178,15 +182,27 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
         case ev.LookupResp():
             probes = dict(s.probes)
             probes.update(zip(event.keys, event.hits, strict=True))
-            return attrs.evolve(s, probes=probes, lookup_deadline=event.lookup_deadline)
+            return replace(s, seq=seq, probes=probes, lookup_deadline=event.lookup_deadline)
         case ev.LookupTimedOut():
-            s = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
-            return attrs.evolve(s, probes={}, unsent=(), lookup_deadline=None, lookup_failed=True)
+            outcome, problem = _worse(
+                s, ConsumerPhase.FAILED, "the peer answered no lookup key in time"
+            )
+            return replace(
+                s,
+                seq=seq,
+                probes={},
+                unsent=(),
+                lookup_deadline=None,
+                lookup_failed=True,
+                outcome=outcome,
+                problem=problem,
+            )
         case ev.FetchSent():
             loads = dict(s.loads)
             loads[event.round_seq] = Load(job_id=event.job_id, deadline=event.load_deadline)
-            return attrs.evolve(
+            return replace(
                 s,
+                seq=seq,
                 phase=_advance(s, ConsumerPhase.FETCH_SENT),
                 round_seq=event.next_round,
                 probes={},
@@ -196,35 +212,54 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
                 loads=loads,
             )
         case ev.FetchSkipped():
-            return s if event.success else _worse(s, ConsumerPhase.FAILED, event.reason)
-        case ev.LookupCancelled():
-            return attrs.evolve(s, phase=_advance(s, ConsumerPhase.FETCH_SENT), lookup_open=False)
-        case ev.TransferDone():
-            s = attrs.evolve(s, loads=_without(s.loads, event.round_seq))
             if event.success:
-                return s
-            return _worse(s, ConsumerPhase.FAILED, f"round {event.round_seq}: the transfer failed")
+                return replace(s, seq=seq)
+            outcome, problem = _worse(s, ConsumerPhase.FAILED, event.reason)
+            return replace(s, seq=seq, outcome=outcome, problem=problem)
+        case ev.LookupCancelled():
+            return replace(
+                s, seq=seq, phase=_advance(s, ConsumerPhase.FETCH_SENT), lookup_open=False
+            )
+        case ev.TransferDone():
+            loads = _without(s.loads, event.round_seq)
+            if event.success:
+                return replace(s, seq=seq, loads=loads)
+            outcome, problem = _worse(
+                s, ConsumerPhase.FAILED, f"round {event.round_seq}: the transfer failed"
+            )
+            return replace(s, seq=seq, loads=loads, outcome=outcome, problem=problem)
         case ev.AbortSent():
             loads = dict(s.loads)
-            loads[event.round_seq] = attrs.evolve(
+            loads[event.round_seq] = replace(
                 loads[event.round_seq], ack_deadline=event.ack_deadline
             )
-            s = attrs.evolve(s, loads=loads)
-            return _worse(s, ConsumerPhase.ABORTED, f"round {event.round_seq}: {event.reason}")
+            outcome, problem = _worse(
+                s, ConsumerPhase.ABORTED, f"round {event.round_seq}: {event.reason}"
+            )
+            return replace(s, seq=seq, loads=loads, outcome=outcome, problem=problem)
         case ev.AbortAcked():
-            return attrs.evolve(s, loads=_without(s.loads, event.round_seq))
+            return replace(s, seq=seq, loads=_without(s.loads, event.round_seq))
         case ev.Aborted():
             # An abort that went out already made the outcome ABORTED; a load
             # lost with its session failed without one.
-            s = attrs.evolve(s, loads=_without(s.loads, event.round_seq))
-            return _worse(s, ConsumerPhase.FAILED, f"round {event.round_seq}: {event.reason}")
-        case ev.FinishRequested():
-            return attrs.evolve(s, finishing=True, probes={}, unsent=(), lookup_deadline=None)
-        case ev.SessionLost():
-            return attrs.evolve(s, session_lost=True, lookup_deadline=None)
-        case ev.Finished():
-            return attrs.evolve(
+            outcome, problem = _worse(
+                s, ConsumerPhase.FAILED, f"round {event.round_seq}: {event.reason}"
+            )
+            return replace(
                 s,
+                seq=seq,
+                loads=_without(s.loads, event.round_seq),
+                outcome=outcome,
+                problem=problem,
+            )
+        case ev.FinishRequested():
+            return replace(s, seq=seq, finishing=True, probes={}, unsent=(), lookup_deadline=None)
+        case ev.SessionLost():
+            return replace(s, seq=seq, session_lost=True, lookup_deadline=None)
+        case ev.Finished():
+            return replace(
+                s,
+                seq=seq,
                 phase=event.phase,
                 outcome=event.phase,
                 probes={},
@@ -264,6 +299,8 @@ def step_consumer(
                 b.emit(ev.Opened(**b.head, round_seq=event_input.first_round))
         case inp.Register():
             _register(b, event_input.keys)
+            if event_input.flush:
+                _flush(b, timings)
         case inp.Flush():
             _flush(b, timings)
         case inp.SubmitLoad():

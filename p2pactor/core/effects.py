@@ -7,7 +7,8 @@ not performed again: replay rebuilds state, it does not resend messages.
 
 from __future__ import annotations
 
-from typing import assert_never
+from collections.abc import Callable
+from typing import Any, Final
 
 import attrs
 
@@ -16,6 +17,7 @@ from p2pactor.core import events as ev
 from p2pactor.core.ids import ActorId
 
 __all__ = [
+    "EFFECTFUL",
     "Disconnect",
     "Effect",
     "ParentClose",
@@ -142,155 +144,178 @@ def _deadline_ms(deadline: float, now: float) -> int:
     return min(max(0, round((deadline - now) * 1000)), wire.MAX_DEADLINE_MS)
 
 
+_Maker = Callable[[Any], tuple[Effect, ...]]
+_MAKERS: dict[type[ev.Event], _Maker] = {}
+
+
+def _of(*kinds: type[ev.Event]) -> Callable[[_Maker], _Maker]:
+    """Register what events of ``kinds`` make the runtime do (the table is data)."""
+
+    def register(make: _Maker) -> _Maker:
+        for kind in kinds:
+            _MAKERS[kind] = make
+        return make
+
+    return register
+
+
+# consumer
+
+
+@_of(ev.Probed)
+def _probed(e: ev.Probed) -> tuple[Effect, ...]:
+    lookup = wire.Lookup(
+        kv_request_id=e.actor.kv_request_id,
+        keys=e.keys,
+        round_seq=e.round_seq,
+        deadline_ms=_deadline_ms(e.lookup_deadline, e.at),
+    )
+    return (Send(lookup),)
+
+
+@_of(ev.FetchSent)
+def _fetch_sent(e: ev.FetchSent) -> tuple[Effect, ...]:
+    fetch = wire.Fetch(
+        kv_request_id=e.actor.kv_request_id,
+        keys=e.keys,
+        block_indexes=e.block_indexes,
+        round_seq=e.round_seq,
+    )
+    return (Send(fetch),)
+
+
+@_of(ev.LookupCancelled)
+def _lookup_cancelled(e: ev.LookupCancelled) -> tuple[Effect, ...]:
+    close = wire.Fetch(
+        kv_request_id=e.actor.kv_request_id, keys=(), block_indexes=(), round_seq=e.round_seq
+    )
+    return (Send(close),)
+
+
+@_of(ev.AbortSent)
+def _abort_sent(e: ev.AbortSent) -> tuple[Effect, ...]:
+    return (Send(wire.AbortFetch(kv_request_id=e.actor.kv_request_id, round_seq=e.round_seq)),)
+
+
+@_of(ev.TransferDone)
+def _transfer_done(e: ev.TransferDone) -> tuple[Effect, ...]:
+    reason = "" if e.success else "the peer reported the transfer failed"
+    return (ReportLoad(job_id=e.job_id, success=e.success, reason=reason),)
+
+
+@_of(ev.AbortAcked)
+def _abort_acked(e: ev.AbortAcked) -> tuple[Effect, ...]:
+    reason = "aborted; the peer confirmed no write can still land"
+    return (ReportLoad(job_id=e.job_id, success=False, reason=reason),)
+
+
+@_of(ev.Aborted)
+def _aborted(e: ev.Aborted) -> tuple[Effect, ...]:
+    return (ReportLoad(job_id=e.job_id, success=False, reason=e.reason),)
+
+
+@_of(ev.FetchSkipped)
+def _fetch_skipped(e: ev.FetchSkipped) -> tuple[Effect, ...]:
+    return (ReportLoad(job_id=e.job_id, success=e.success, reason=e.reason),)
+
+
+_RETIRE: tuple[Effect, ...] = (Retire(),)
+
+
+@_of(ev.Finished, ev.Closed)
+def _ended(e: ev.Finished | ev.Closed) -> tuple[Effect, ...]:
+    del e
+    return _RETIRE
+
+
+# producer
+
+
+@_of(ev.LookupReceived, ev.LookupLimited)
+def _lookup_received(e: ev.LookupReceived | ev.LookupLimited) -> tuple[Effect, ...]:
+    keys = e.keys if isinstance(e, ev.LookupReceived) else e.keys[: e.admitted]
+    ask = ParentLookup(
+        context=context_name(e.actor, e.lookup_id),
+        lookup_id=e.lookup_id,
+        keys=tuple(dict.fromkeys(keys)),
+        open_context=True,
+        not_after=None,
+    )
+    return (ask,)
+
+
+@_of(ev.LookupRefused)
+def _lookup_refused(e: ev.LookupRefused) -> tuple[Effect, ...]:
+    resp = wire.LookupResp(
+        kv_request_id=e.actor.kv_request_id,
+        keys=e.keys,
+        hits=(False,) * len(e.keys),
+        round_seq=e.round_seq,
+    )
+    return (Send(resp),)
+
+
+@_of(ev.PendingPolled)
+def _pending_polled(e: ev.PendingPolled) -> tuple[Effect, ...]:
+    ask = ParentLookup(
+        context=context_name(e.actor, e.lookup_id),
+        lookup_id=e.lookup_id,
+        keys=e.keys,
+        open_context=False,
+        not_after=e.not_after,
+    )
+    return (ask,)
+
+
+@_of(ev.LookupAnswered)
+def _lookup_answered(e: ev.LookupAnswered) -> tuple[Effect, ...]:
+    resp = wire.LookupResp(
+        kv_request_id=e.actor.kv_request_id, keys=e.keys, hits=e.hits, round_seq=e.round_seq
+    )
+    return (Send(resp),)
+
+
+@_of(ev.ContextClosed)
+def _context_closed(e: ev.ContextClosed) -> tuple[Effect, ...]:
+    return (ParentClose(context_name(e.actor, e.lookup_id)),)
+
+
+@_of(ev.PinReleased)
+def _pin_released(e: ev.PinReleased) -> tuple[Effect, ...]:
+    return (ReleasePin(job_id=e.job_id, success=e.success),)
+
+
+@_of(ev.TransferStarted)
+def _transfer_started(e: ev.TransferStarted) -> tuple[Effect, ...]:
+    start = StartTransfer(
+        transfer_id=e.transfer_id, local_blocks=e.local_blocks, remote_blocks=e.remote_blocks
+    )
+    return (start,)
+
+
+@_of(ev.TransferDoneSent)
+def _transfer_done_sent(e: ev.TransferDoneSent) -> tuple[Effect, ...]:
+    done = wire.TransferDone(
+        kv_request_id=e.actor.kv_request_id, success=e.success, round_seq=e.round_seq
+    )
+    return (Send(done),)
+
+
+@_of(ev.AbortAckSent)
+def _abort_ack_sent(e: ev.AbortAckSent) -> tuple[Effect, ...]:
+    return (Send(wire.AbortAck(kv_request_id=e.actor.kv_request_id, round_seq=e.round_seq)),)
+
+
+@_of(ev.Rejected)
+def _rejected(e: ev.Rejected) -> tuple[Effect, ...]:
+    return (Disconnect(f"{e.violation.value} in {e.input}: {e.detail}"),)
+
+
+EFFECTFUL: Final[frozenset[type[ev.Event]]] = frozenset(_MAKERS)
+"""The event types that make the runtime do something; every other event is a record only."""
+
+
 def effects_of(event: ev.AnyEvent) -> tuple[Effect, ...]:
     """Derive what the runtime must do because ``event`` happened."""
-    kv_id = event.actor.kv_request_id
-    match event:
-        # consumer
-        case ev.Probed():
-            return (
-                Send(
-                    wire.Lookup(
-                        kv_request_id=kv_id,
-                        keys=event.keys,
-                        round_seq=event.round_seq,
-                        deadline_ms=_deadline_ms(event.lookup_deadline, event.at),
-                    )
-                ),
-            )
-        case ev.FetchSent():
-            return (
-                Send(
-                    wire.Fetch(
-                        kv_request_id=kv_id,
-                        keys=event.keys,
-                        block_indexes=event.block_indexes,
-                        round_seq=event.round_seq,
-                    )
-                ),
-            )
-        case ev.LookupCancelled():
-            return (
-                Send(
-                    wire.Fetch(
-                        kv_request_id=kv_id, keys=(), block_indexes=(), round_seq=event.round_seq
-                    )
-                ),
-            )
-        case ev.AbortSent():
-            return (Send(wire.AbortFetch(kv_request_id=kv_id, round_seq=event.round_seq)),)
-        case ev.TransferDone():
-            reason = "" if event.success else "the peer reported the transfer failed"
-            return (ReportLoad(job_id=event.job_id, success=event.success, reason=reason),)
-        case ev.AbortAcked():
-            reason = "aborted; the peer confirmed no write can still land"
-            return (ReportLoad(job_id=event.job_id, success=False, reason=reason),)
-        case ev.Aborted():
-            return (ReportLoad(job_id=event.job_id, success=False, reason=event.reason),)
-        case ev.FetchSkipped():
-            return (ReportLoad(job_id=event.job_id, success=event.success, reason=event.reason),)
-        case ev.Finished() | ev.Closed():
-            return (Retire(),)
-        # producer
-        case ev.LookupReceived():
-            return (
-                ParentLookup(
-                    context=context_name(event.actor, event.lookup_id),
-                    lookup_id=event.lookup_id,
-                    keys=tuple(dict.fromkeys(event.keys)),
-                    open_context=True,
-                    not_after=None,
-                ),
-            )
-        case ev.LookupLimited():
-            return (
-                ParentLookup(
-                    context=context_name(event.actor, event.lookup_id),
-                    lookup_id=event.lookup_id,
-                    keys=tuple(dict.fromkeys(event.keys[: event.admitted])),
-                    open_context=True,
-                    not_after=None,
-                ),
-            )
-        case ev.LookupRefused():
-            return (
-                Send(
-                    wire.LookupResp(
-                        kv_request_id=kv_id,
-                        keys=event.keys,
-                        hits=(False,) * len(event.keys),
-                        round_seq=event.round_seq,
-                    )
-                ),
-            )
-        case ev.PendingPolled():
-            return (
-                ParentLookup(
-                    context=context_name(event.actor, event.lookup_id),
-                    lookup_id=event.lookup_id,
-                    keys=event.keys,
-                    open_context=False,
-                    not_after=event.not_after,
-                ),
-            )
-        case ev.LookupAnswered():
-            return (
-                Send(
-                    wire.LookupResp(
-                        kv_request_id=kv_id,
-                        keys=event.keys,
-                        hits=event.hits,
-                        round_seq=event.round_seq,
-                    )
-                ),
-            )
-        case ev.ContextClosed():
-            return (ParentClose(context_name(event.actor, event.lookup_id)),)
-        case ev.PinReleased():
-            return (ReleasePin(job_id=event.job_id, success=event.success),)
-        case ev.TransferStarted():
-            return (
-                StartTransfer(
-                    transfer_id=event.transfer_id,
-                    local_blocks=event.local_blocks,
-                    remote_blocks=event.remote_blocks,
-                ),
-            )
-        case ev.TransferDoneSent():
-            return (
-                Send(
-                    wire.TransferDone(
-                        kv_request_id=kv_id, success=event.success, round_seq=event.round_seq
-                    )
-                ),
-            )
-        case ev.AbortAckSent():
-            return (Send(wire.AbortAck(kv_request_id=kv_id, round_seq=event.round_seq)),)
-        case ev.Rejected():
-            return (Disconnect(f"{event.violation.value} in {event.input}: {event.detail}"),)
-        case (
-            ev.Ignored()
-            | ev.SessionLost()
-            | ev.FinishRequested()
-            | ev.Opened()
-            | ev.Registered()
-            | ev.LookupResp()
-            | ev.LookupTimedOut()
-            | ev.KeysResolved()
-            | ev.KeysPinned()
-            | ev.KeysRefused()
-            | ev.FetchRefused()
-            | ev.ParentExpired()
-            | ev.PendingExpired()
-            | ev.LookupDropped()
-            | ev.StoreAdded()
-            | ev.FetchReceived()
-            | ev.TransferCompleted()
-            | ev.TransferFailed()
-            | ev.AbortReceived()
-            | ev.RoundClosed()
-            | ev.CloseRequested()
-        ):
-            return ()
-        case _:
-            assert_never(event)
+    make = _MAKERS.get(type(event))
+    return () if make is None else make(event)

@@ -74,9 +74,14 @@ class Open:
 
 @attrs.frozen
 class Register:
-    """The engine wants to know whether the peer holds ``keys``."""
+    """The engine wants to know whether the peer holds ``keys``.
+
+    With ``flush``, the lookup goes out in the same step (what a
+    :class:`Flush` right after would do): one input per engine lookup.
+    """
 
     keys: tuple[bytes, ...] = attrs.field(converter=_keys)
+    flush: bool = False
 
 
 @attrs.frozen

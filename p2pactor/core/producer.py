@@ -37,6 +37,7 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.builder import Builder
 from p2pactor.core.events import Quota, Violation, check_follows
 from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.records import replace
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
 __all__ = [
@@ -296,11 +297,11 @@ def _evolve_transfer_started(s: ProducerState, e: ev.TransferStarted) -> Produce
     jobs = dict(s.jobs)
     for job_id in set(e.job_ids):
         job = jobs[job_id]
-        jobs[job_id] = attrs.evolve(
+        jobs[job_id] = replace(
             job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
         )
     rounds = dict(s.rounds)
-    rounds[e.round_seq] = attrs.evolve(
+    rounds[e.round_seq] = replace(
         rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
     )
     transfers = dict(s.transfers)
@@ -310,8 +311,9 @@ def _evolve_transfer_started(s: ProducerState, e: ev.TransferStarted) -> Produce
         job_ids=frozenset(e.job_ids),
         blocks=len(e.keys),
     )
-    return attrs.evolve(
+    return replace(
         s,
+        seq=e.seq,
         rounds=rounds,
         jobs=jobs,
         pool=pool,
@@ -321,35 +323,35 @@ def _evolve_transfer_started(s: ProducerState, e: ev.TransferStarted) -> Produce
 
 
 def _evolve_transfer_ended(
-    s: ProducerState, transfer_id: int, failure: str | None
+    s: ProducerState, seq: int, transfer_id: int, failure: str | None
 ) -> ProducerState:
     t = s.transfers[transfer_id]
     jobs = dict(s.jobs)
     for job_id in t.job_ids:
         job = jobs.get(job_id)
         if job is not None:
-            jobs[job_id] = attrs.evolve(
+            jobs[job_id] = replace(
                 job, readers=job.readers - {transfer_id}, failed=job.failed or failure is not None
             )
     rounds = dict(s.rounds)
     rnd = rounds.get(t.round_seq)
     if rnd is not None:
         if failure is None:
-            rnd = attrs.evolve(
+            rnd = replace(
                 rnd, inflight=rnd.inflight - {transfer_id}, remaining=rnd.remaining - t.blocks
             )
         else:
-            rnd = attrs.evolve(
+            rnd = replace(
                 rnd, inflight=rnd.inflight - {transfer_id}, failure=rnd.failure or failure
             )
         rounds[t.round_seq] = rnd
-    return attrs.evolve(s, jobs=jobs, rounds=rounds, transfers=_drop(s.transfers, transfer_id))
+    return replace(s, seq=seq, jobs=jobs, rounds=rounds, transfers=_drop(s.transfers, transfer_id))
 
 
-def _evolve_pin_released(s: ProducerState, job_id: int) -> ProducerState:
+def _evolve_pin_released(s: ProducerState, seq: int, job_id: int) -> ProducerState:
     job = s.jobs.get(job_id)
     if job is None:
-        return s  # a stray pin released without ever being held
+        return replace(s, seq=seq)  # a stray pin released without ever being held
     rounds = s.rounds
     pool = s.pool
     if job.round_seq is None:
@@ -359,18 +361,20 @@ def _evolve_pin_released(s: ProducerState, job_id: int) -> ProducerState:
     elif job.round_seq in rounds:
         rnd = rounds[job.round_seq]
         supply = {k: v for k, v in rnd.supply.items() if v.job_id != job_id}
-        rounds = _put(rounds, job.round_seq, attrs.evolve(rnd, supply=supply))
-    return attrs.evolve(s, jobs=_drop(s.jobs, job_id), rounds=rounds, pool=pool)
+        rounds = _put(rounds, job.round_seq, replace(rnd, supply=supply))
+    return replace(s, seq=seq, jobs=_drop(s.jobs, job_id), rounds=rounds, pool=pool)
 
 
-def _evolve_round_ended(s: ProducerState, round_seq: int, *, served: bool) -> ProducerState:
+def _evolve_round_ended(
+    s: ProducerState, seq: int, round_seq: int, *, served: bool
+) -> ProducerState:
     jobs = dict(s.jobs)
     for job_id, job in s.jobs.items():
         if round_seq in job.serving:
-            jobs[job_id] = attrs.evolve(
+            jobs[job_id] = replace(
                 job, serving=job.serving - {round_seq}, failed=job.failed or not served
             )
-    return attrs.evolve(s, rounds=_drop(s.rounds, round_seq), jobs=jobs)
+    return replace(s, seq=seq, rounds=_drop(s.rounds, round_seq), jobs=jobs)
 
 
 def _evolve_lookup_opened(
@@ -386,9 +390,10 @@ def _evolve_lookup_opened(
         resolved={k: False for k in e.keys[admitted:] if k not in asked},
         pending=asked,
     )
-    rnd = attrs.evolve(_round(s, e.round_seq), lookup_supplied=True)
-    return attrs.evolve(
+    rnd = replace(_round(s, e.round_seq), lookup_supplied=True)
+    return replace(
         s,
+        seq=e.seq,
         lookups=_put(s.lookups, e.lookup_id, lookup),
         rounds=_put(s.rounds, e.round_seq, rnd),
         next_lookup_id=e.lookup_id + 1,
@@ -400,24 +405,34 @@ def _round(s: ProducerState, round_seq: int) -> RoundState:
     return s.rounds.get(round_seq) or RoundState(round_seq=round_seq)
 
 
+def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerState:
+    return replace(s, seq=seq, lookups=_put(s.lookups, lookup.lookup_id, lookup))
+
+
 def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerState:
-    """Apply one event to a producer state; pure.
+    """Apply one event to a producer state; pure. One copy of the state per event.
 
     Raises:
         ReplayError: The event belongs to another actor or does not follow the
             last one applied.
     """
     check_follows(state.actor, state.seq, event)
-    s = attrs.evolve(state, seq=event.seq)
+    s = state
+    seq = event.seq
     match event:
-        case ev.Ignored() | ev.Rejected():
-            return s
+        case ev.Ignored() | ev.Rejected() | ev.KeysRefused():
+            # KeysRefused: the KeysResolved that follows counts the keys as misses.
+            return replace(s, seq=seq)
         case ev.SessionLost():
-            return attrs.evolve(
-                s, phase=ProducerPhase.CLOSING, session_lost=True, close_reason=event.reason
+            return replace(
+                s,
+                seq=seq,
+                phase=ProducerPhase.CLOSING,
+                session_lost=True,
+                close_reason=event.reason,
             )
         case ev.FinishRequested():
-            return attrs.evolve(s, finishing=True)
+            return replace(s, seq=seq, finishing=True)
         case ev.LookupReceived():
             return _evolve_lookup_opened(s, event, len(event.keys))
         case ev.LookupLimited():
@@ -426,27 +441,26 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             # No lookup opens and nothing is held (so a refused request can
             # close at once), but the round counts as looked up: a fetch for
             # it fails fast instead of waiting for stored blocks.
-            return attrs.evolve(s, looked_up_through=max(s.looked_up_through, event.round_seq))
-        case ev.KeysRefused():
-            return s  # the KeysResolved that follows counts the keys as misses
+            return replace(s, seq=seq, looked_up_through=max(s.looked_up_through, event.round_seq))
         case ev.FetchRefused():
             refused = s.rounds[event.round_seq]
-            refused = attrs.evolve(refused, demand=(), failure=refused.failure or event.reason)
-            return attrs.evolve(s, rounds=_put(s.rounds, event.round_seq, refused))
+            refused = replace(refused, demand=(), failure=refused.failure or event.reason)
+            return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, refused))
         case ev.KeysResolved():
             lookup = s.lookups[event.lookup_id]
             resolved = dict(lookup.resolved)
             resolved.update(dict.fromkeys(event.hits, True))
             resolved.update(dict.fromkeys(event.misses, False))
-            lookup = attrs.evolve(
+            lookup = replace(
                 lookup,
                 resolved=resolved,
                 pending=frozenset(event.pending),
                 outstanding=False,
                 next_poll_at=event.next_poll_at,
             )
-            return attrs.evolve(
+            return replace(
                 s,
+                seq=seq,
                 lookups=_put(s.lookups, event.lookup_id, lookup),
                 open_contexts=s.open_contexts | {event.lookup_id},
             )
@@ -464,48 +478,45 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
                 supply = dict(rnd.supply)
                 for key, block in zip(event.keys, event.blocks, strict=True):
                     supply[key] = Supply(event.job_id, block)
-                rounds = _put(rounds, event.round_seq, attrs.evolve(rnd, supply=supply))
-            return attrs.evolve(s, jobs=_put(s.jobs, event.job_id, job), rounds=rounds)
+                rounds = _put(rounds, event.round_seq, replace(rnd, supply=supply))
+            return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), rounds=rounds)
         case ev.PendingPolled():
-            lookup = attrs.evolve(s.lookups[event.lookup_id], outstanding=True, next_poll_at=None)
-            return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, lookup))
+            lookup = replace(s.lookups[event.lookup_id], outstanding=True, next_poll_at=None)
+            return _with_lookup(s, seq, lookup)
         case ev.ParentExpired():
-            lookup = attrs.evolve(s.lookups[event.lookup_id], outstanding=False)
-            return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, lookup))
+            return _with_lookup(s, seq, replace(s.lookups[event.lookup_id], outstanding=False))
         case ev.PendingExpired():
             lookup = s.lookups[event.lookup_id]
             resolved = dict(lookup.resolved)
             resolved.update(dict.fromkeys(event.keys, False))
-            lookup = attrs.evolve(
+            lookup = replace(
                 lookup,
                 resolved=resolved,
                 pending=lookup.pending - frozenset(event.keys),
                 next_poll_at=None,
             )
-            return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, lookup))
+            return _with_lookup(s, seq, lookup)
         case ev.LookupAnswered():
             answered = s.lookups[event.lookup_id]
             if answered.outstanding:
                 # Answered at its deadline with the parent still busy: keep it
                 # until the parent's answer, whose pin must be released.
-                answered = attrs.evolve(answered, answered=True, next_poll_at=None)
-                return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, answered))
-            return attrs.evolve(s, lookups=_drop(s.lookups, event.lookup_id))
+                return _with_lookup(s, seq, replace(answered, answered=True, next_poll_at=None))
+            return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
         case ev.LookupDropped():
             lookup = s.lookups[event.lookup_id]
             if lookup.outstanding:
                 # Keep it until the parent's answer arrives: that answer may
                 # carry a pin that must still be released.
-                lookup = attrs.evolve(lookup, dropped=True, next_poll_at=None)
-                return attrs.evolve(s, lookups=_put(s.lookups, event.lookup_id, lookup))
-            return attrs.evolve(s, lookups=_drop(s.lookups, event.lookup_id))
+                return _with_lookup(s, seq, replace(lookup, dropped=True, next_poll_at=None))
+            return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
         case ev.ContextClosed():
             lookups = s.lookups
             closing = lookups.get(event.lookup_id)
             if closing is not None and (closing.dropped or closing.answered):
                 lookups = _drop(lookups, event.lookup_id)
-            return attrs.evolve(
-                s, lookups=lookups, open_contexts=s.open_contexts - {event.lookup_id}
+            return replace(
+                s, seq=seq, lookups=lookups, open_contexts=s.open_contexts - {event.lookup_id}
             )
         case ev.StoreAdded():
             job = PinJob(
@@ -518,44 +529,45 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             pool = dict(s.pool)
             for key, block in zip(event.keys, event.blocks, strict=True):
                 pool[key] = (*pool.get(key, ()), Supply(event.job_id, block))
-            return attrs.evolve(s, jobs=_put(s.jobs, event.job_id, job), pool=pool)
+            return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), pool=pool)
         case ev.FetchReceived():
-            rnd = attrs.evolve(
+            rnd = replace(
                 _round(s, event.round_seq),
                 fetched=True,
                 demand=tuple(zip(event.keys, event.block_indexes, strict=True)),
                 remaining=len(event.keys),
             )
-            return attrs.evolve(
+            return replace(
                 s,
+                seq=seq,
                 rounds=_put(s.rounds, event.round_seq, rnd),
                 closed_through=max(s.closed_through, event.round_seq),
             )
         case ev.TransferStarted():
             return _evolve_transfer_started(s, event)
         case ev.TransferCompleted():
-            return _evolve_transfer_ended(s, event.transfer_id, None)
+            return _evolve_transfer_ended(s, seq, event.transfer_id, None)
         case ev.TransferFailed():
-            return _evolve_transfer_ended(s, event.transfer_id, event.reason)
+            return _evolve_transfer_ended(s, seq, event.transfer_id, event.reason)
         case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
             served = isinstance(event, ev.TransferDoneSent) and event.success
-            return _evolve_round_ended(s, event.round_seq, served=served)
+            return _evolve_round_ended(s, seq, event.round_seq, served=served)
         case ev.AbortReceived():
             aborted = s.rounds.get(event.round_seq)
             if aborted is None:
-                return s
+                return replace(s, seq=seq)
             jobs = dict(s.jobs)
             for tid in aborted.inflight:
                 for job_id in s.transfers[tid].job_ids:
-                    jobs[job_id] = attrs.evolve(jobs[job_id], failed=True)
-            aborted = attrs.evolve(aborted, cancelled=True, demand=())
-            return attrs.evolve(s, rounds=_put(s.rounds, event.round_seq, aborted), jobs=jobs)
+                    jobs[job_id] = replace(jobs[job_id], failed=True)
+            aborted = replace(aborted, cancelled=True, demand=())
+            return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, aborted), jobs=jobs)
         case ev.PinReleased():
-            return _evolve_pin_released(s, event.job_id)
+            return _evolve_pin_released(s, seq, event.job_id)
         case ev.CloseRequested():
-            return attrs.evolve(s, phase=ProducerPhase.CLOSING, close_reason=event.reason)
+            return replace(s, seq=seq, phase=ProducerPhase.CLOSING, close_reason=event.reason)
         case ev.Closed():
-            return attrs.evolve(s, phase=ProducerPhase.CLOSED)
+            return replace(s, seq=seq, phase=ProducerPhase.CLOSED)
         case _:
             assert_never(event)
 
