@@ -41,6 +41,7 @@ from p2pactor.log import EventLog
 from p2pactor.logsetup import request_context
 from p2pactor.metrics import LOOKUP_OUTCOMES, SERVED_LOOKUP_OUTCOMES
 from p2pactor.node import Node, open_node
+from p2pactor.surface import OperatorSurface, open_operator_surface
 
 try:
     from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext
@@ -233,7 +234,7 @@ _METRICS: dict[str, tuple[bool, str, tuple[str, ...]]] = {
 
 @attrs.frozen
 class _Series:
-    """Where one figure of ``node.metrics.totals()`` goes in vLLM's metrics."""
+    """Where one figure of the node's ``metrics.totals()`` goes in vLLM's metrics."""
 
     metric: str
     gauge: bool
@@ -312,7 +313,8 @@ class _NodeThread:
         self._stop: trio.Event | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self.node: Node | None = None
-        # node.metrics.totals(), published by the node's thread: engine threads
+        self.surface: OperatorSurface | None = None
+        # metrics.totals(), published by the node's thread: engine threads
         # read it without waiting, and never read the node's state themselves.
         self.totals: dict[str, float] = {}
         self._thread = threading.Thread(target=self._main, name="p2pactor-node", daemon=True)
@@ -374,22 +376,24 @@ class _NodeThread:
             open_node(
                 config, control=control, data=data, event_log=event_log, hash_seed=_hash_seed
             ) as node,
+            open_operator_surface(node) as surface,
         ):
             self.node = node
+            self.surface = surface
             self._ready.set()
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._publish_totals, node)
+                nursery.start_soon(self._publish_totals, surface)
                 await self._stop.wait()
                 nursery.cancel_scope.cancel()
 
-    async def _publish_totals(self, node: Node) -> None:
+    async def _publish_totals(self, surface: OperatorSurface) -> None:
         """Publish the figures vLLM gets whenever they change (checked every 0.1 s)."""
         while True:
             try:
-                totals = {k: v for k, v in node.metrics.totals().items() if k in _SERIES}
+                totals = {k: v for k, v in surface.metrics.totals().items() if k in _SERIES}
             except Exception:  # the tier serves on; only its figures in vLLM stop
                 log.exception(
-                    "p2pactor stopped reporting to vLLM's metrics: node.metrics.totals() "
+                    "p2pactor stopped reporting to vLLM's metrics: metrics.totals() "
                     "failed; the tier still works (report this as a p2pactor bug)"
                 )
                 return

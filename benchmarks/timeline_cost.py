@@ -212,7 +212,7 @@ async def node_once(requests: int, per_feed: int) -> dict[str, float]:
     lateness: list[float] = []
     async with open_cluster("a", "b", dashboard_port=0, **NODES) as cluster:
         cluster["b"].store(*[key(i) for i in range(4 * KEYS)])
-        boards = [cluster[n].node.dashboard for n in ("a", "b")]
+        boards = [cluster[n].surface.dashboard for n in ("a", "b")]
         assert all(b is not None for b in boards)
         feeds = [b.feed for b in boards if b is not None and b.feed is not None]
         process: trio.Process | None = None

@@ -25,24 +25,38 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Final
+from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
 
 import trio
 
 from p2pactor.metrics import CONTENT_TYPE
-from p2pactor.status import node_status
 from p2pactor.timeline.http import HttpRequest, forbidden, read_request, send_response
 
-if TYPE_CHECKING:
-    from p2pactor.node import Node
-
-__all__ = ["NODE_PATHS", "MetricsServer", "answer", "open_metrics_server", "refusal"]
+__all__ = ["NODE_PATHS", "MetricsServer", "Served", "answer", "open_metrics_server", "refusal"]
 
 log = logging.getLogger("p2pactor.http")
 
 NODE_PATHS: Final = frozenset({"/metrics", "/status"})
 """The paths :func:`answer` serves."""
+
+
+class Served(Protocol):
+    """What these routes show of a node (its operator surface is one)."""
+
+    @property
+    def node_id(self) -> str:
+        """The node's id."""
+        ...
+
+    def exposition(self) -> bytes:
+        """Its metrics in Prometheus' text format."""
+        ...
+
+    def status(self) -> dict[str, Any]:
+        """Its status document (``docs/status.md``)."""
+        ...
+
 
 _HEAD_TIMEOUT_S: Final = 10.0
 
@@ -70,7 +84,7 @@ def refusal(request: HttpRequest, bound_host: str) -> str | None:
 
 
 async def answer(
-    stream: trio.abc.SendStream, request: HttpRequest, node: Node, bound_host: str
+    stream: trio.abc.SendStream, request: HttpRequest, node: Served, bound_host: str
 ) -> None:
     """Answer one request for a path in :data:`NODE_PATHS` on ``stream``."""
     problem = refusal(request, bound_host)
@@ -82,11 +96,9 @@ async def answer(
         return
     head_only = request.method == "HEAD"
     if request.path == "/metrics":
-        await send_response(
-            stream, 200, node.metrics.exposition(), CONTENT_TYPE, head_only=head_only
-        )
+        await send_response(stream, 200, node.exposition(), CONTENT_TYPE, head_only=head_only)
         return
-    body = json.dumps(node_status(node)).encode() + b"\n"
+    body = json.dumps(node.status()).encode() + b"\n"
     await send_response(stream, 200, body, "application/json", head_only=head_only)
 
 
@@ -121,7 +133,7 @@ class MetricsServer:
         return self.url + "status"
 
 
-async def _handle(stream: trio.SocketStream, node: Node, bound_host: str) -> None:
+async def _handle(stream: trio.SocketStream, node: Served, bound_host: str) -> None:
     """Serve one connection: one response, then close. Never raises (it runs in the node)."""
     try:
         request: HttpRequest | None = None
@@ -151,7 +163,7 @@ async def _handle(stream: trio.SocketStream, node: Node, bound_host: str) -> Non
 
 @asynccontextmanager
 async def open_metrics_server(
-    node: Node, host: str = "127.0.0.1", port: int = 0
+    node: Served, host: str = "127.0.0.1", port: int = 0
 ) -> AsyncIterator[MetricsServer]:
     """Serve ``node``'s ``/metrics`` and ``/status`` (and nothing else) until the block exits.
 

@@ -1,14 +1,16 @@
 """Prometheus metrics of one node: counters fed by its events, gauges read when scraped.
 
-Every node has a :class:`NodeMetrics` (``Node.metrics``) with its own
-``CollectorRegistry``: several nodes may share a process (tests, the bench), and
-the global default registry would mix them. What they mean, their labels and
+A node's operator surface (:func:`p2pactor.surface.open_operator_surface`) makes
+its :class:`NodeMetrics`, with its own ``CollectorRegistry``: several nodes may
+share a process (tests, the bench), and the global default registry would mix
+them. The runtime does not know it exists: it follows the node's read-only view
+(:class:`p2pactor.view.NodeView`). What they mean, their labels and
 where they are served: ``docs/metrics.md``.
 
 Two halves, for two costs:
 
 * **counters and histograms** follow the node's event stream
-  (:meth:`p2pactor.node.Node.watch_events`). The node steps ~10k events/s, so
+  (:meth:`p2pactor.view.NodeView.watch_events`) and its handshakes. The node steps ~10k events/s, so
   the watcher does one dict lookup per event and adds to plain integers kept
   per peer; nothing is formatted, no label is resolved per event. Histograms
   have no labels; each is a list of bucket counts (a bisect per observation:
@@ -43,7 +45,7 @@ from p2pactor.core.fold import ActorState
 from p2pactor.core.ids import ActorId, Role
 
 if TYPE_CHECKING:
-    from p2pactor.node import Node
+    from p2pactor.view import NodeView
 
 __all__ = [
     "CONTENT_TYPE",
@@ -228,12 +230,13 @@ class _Open:
 class NodeMetrics:
     """The Prometheus metrics of one node; see the module docstring and ``docs/metrics.md``.
 
-    Created by :func:`p2pactor.node.open_node` (``Node.metrics``); it subscribes
-    to the node's events at once. Read it with :meth:`exposition` (the text
-    format) or :meth:`totals` (flat numbers, for programs).
+    Made by the node's operator surface
+    (:func:`p2pactor.surface.open_operator_surface`); it subscribes to the
+    node's events and handshakes at once. Read it with :meth:`exposition`
+    (the text format) or :meth:`totals` (flat numbers, for programs).
     """
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: NodeView) -> None:
         self._node = node
         self._block_len = node.config.block_len
         self._peers: dict[str, _Peer] = {}
@@ -279,6 +282,7 @@ class NodeMetrics:
             ev.Closed: self._ended,
         }
         self._unwatch = node.watch_events(self._watch)
+        self._unwatch_handshakes = node.watch_handshakes(self.handshake)
 
     # --- reading -------------------------------------------------------------------
 
@@ -355,6 +359,7 @@ class NodeMetrics:
     def close(self) -> None:
         """Stop following the node's events (the counts stay readable)."""
         self._unwatch()
+        self._unwatch_handshakes()
 
     # --- what the session reports -----------------------------------------------------
 
@@ -692,7 +697,7 @@ def _counters(
     )
 
 
-def _log_families(node: Node) -> Iterator[Metric]:
+def _log_families(node: NodeView) -> Iterator[Metric]:
     stats = node.event_log.statistics()
     yield CounterMetricFamily(
         "p2pactor_event_log_appends", "Batches appended to the event log.", value=stats.appends

@@ -30,7 +30,6 @@ is woken once, when every key is answered.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -46,31 +45,25 @@ from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState, probe_answers
-from p2pactor.core.fold import ActorState
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.stores import StoreBook, StoreRefused, Unbound
 from p2pactor.engine import EngineBridge, LoadResult
-from p2pactor.httpserve import MetricsServer, open_metrics_server
 from p2pactor.log import EventLog
 from p2pactor.logsetup import peer_context, request_context
-from p2pactor.metrics import NodeMetrics
 from p2pactor.parent import Parent
 from p2pactor.peers import PeerRegistry
 from p2pactor.quotas import PeerUsage, QuotaLedger
 from p2pactor.serving import ParentService
 from p2pactor.session import PeerSession, SessionCloseResult
-from p2pactor.timeline import TimelineServer, open_timeline_server
 from p2pactor.timers import Timers
 from p2pactor.transport import ControlConnection, ControlTransport, DataTransport
+from p2pactor.view import EventWatcher, HandshakeWatcher
 
 __all__ = ["EventWatcher", "FetchResult", "LoadResult", "Node", "open_node"]
 
 log = logging.getLogger("p2pactor.node")
 
 RETRY = LookupResult.RETRY
-
-EventWatcher = Callable[[Sequence[ev.AnyEvent], ActorState], None]
-"""Called with an actor's events of one step and its state after them."""
 
 
 @attrs.frozen(kw_only=True)
@@ -168,10 +161,7 @@ class Node:
         self._job_ids = itertools.count(start=-1, step=-1)  # the async API's own jobs
         self._actor_watchers: list[Callable[[RequestActor], None]] = []
         self._event_watchers: list[EventWatcher] = []
-        self._dashboard: TimelineServer | None = None
-        self._metrics_server: MetricsServer | None = None
-        # Last: it subscribes to this node's events, and reads its state when scraped.
-        self._metrics = NodeMetrics(self)
+        self._handshake_watchers: list[HandshakeWatcher] = []
 
     # --- identity and state ------------------------------------------------------
 
@@ -221,29 +211,6 @@ class Node:
     def timers(self) -> Timers:
         """The node's one timer (node's thread only)."""
         return self._timers
-
-    @property
-    def dashboard(self) -> TimelineServer | None:
-        """The live timeline server (``config.dashboard_port``), or None when off."""
-        return self._dashboard
-
-    @property
-    def metrics(self) -> NodeMetrics:
-        """The node's Prometheus metrics (``docs/metrics.md``); always on."""
-        return self._metrics
-
-    @property
-    def http_url(self) -> str | None:
-        """``http://HOST:PORT/`` answering ``/metrics`` and ``/status``, or None when not served.
-
-        The dashboard's port when it is on, else the metrics-only port
-        (``config.metrics_port``).
-        """
-        if self._dashboard is not None:
-            return self._dashboard.url
-        if self._metrics_server is not None:
-            return self._metrics_server.url
-        return None
 
     @property
     def quotas(self) -> QuotaLedger:
@@ -564,9 +531,18 @@ class Node:
         self._actor_watchers.append(watcher)
         return lambda: self._actor_watchers.remove(watcher)
 
+    def watch_handshakes(self, watcher: HandshakeWatcher) -> Callable[[], None]:
+        """Call ``watcher(peer, outcome)`` as each handshake ends; returns an unsubscribe.
+
+        ``outcome`` is ``ok`` or why not (``timeout``, ``seed_mismatch``, ...).
+        """
+        self._handshake_watchers.append(watcher)
+        return lambda: self._handshake_watchers.remove(watcher)
+
     def handshake_ended(self, peer: str, outcome: str) -> None:
-        """Count a session's handshake outcome (see :data:`p2pactor.metrics.HANDSHAKE_OUTCOMES`)."""
-        self._metrics.handshake(peer, outcome)
+        """Tell the handshake watchers how a session's handshake ended."""
+        for watcher in list(self._handshake_watchers):
+            watcher(peer, outcome)
 
     def actor_created(self, actor: RequestActor) -> None:
         """Tell the watchers about a new actor."""
@@ -715,22 +691,9 @@ async def open_node(
         nursery.start_soon(node._bridge.run, name="engine bridge")
         nursery.start_soon(node._timers.run, name="timers")
         nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
-        # The dashboard is closed last, so that its subscribers see the node's
-        # last events (sessions ending, requests failing) go by.
-        async with contextlib.AsyncExitStack() as dashboard:
-            try:
-                if config.dashboard_port is not None:
-                    node._dashboard = await dashboard.enter_async_context(
-                        open_timeline_server(
-                            node, host=config.dashboard_host, port=config.dashboard_port
-                        )
-                    )
-                if config.metrics_port is not None:
-                    node._metrics_server = await dashboard.enter_async_context(
-                        open_metrics_server(node, config.metrics_host, config.metrics_port)
-                    )
-                yield node
-            finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
-                    await node.aclose()
-                nursery.cancel_scope.cancel()
+        try:
+            yield node
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
+                await node.aclose()
+            nursery.cancel_scope.cancel()

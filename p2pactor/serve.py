@@ -45,6 +45,7 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
     from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
     from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
     from p2pactor.node import open_node  # noqa: PLC0415
+    from p2pactor.surface import open_operator_surface  # noqa: PLC0415
 
     pool = torch.zeros(config.num_blocks * config.block_len, dtype=torch.uint8)
     cache = EmbeddedCache(config.num_blocks, config.block_len, memory=pool.numpy().data)
@@ -64,6 +65,7 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
             open_node(
                 config, control=control, data=data, parent=cache, event_log=event_log
             ) as node,
+            open_operator_surface(node) as surface,
         ):
             sys.stdout.write(
                 f"p2pactor node {config.node_id} serving {config.num_blocks} blocks of "
@@ -75,14 +77,14 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
                 if config.curve is not None
                 else "control channel: UNAUTHENTICATED (no CURVE keys; see docs/security.md)\n"
             )
-            if node.dashboard is not None:
-                sys.stdout.write(f"dashboard: {node.dashboard.url}\n")
+            if surface.dashboard is not None:
+                sys.stdout.write(f"dashboard: {surface.dashboard.url}\n")
             sys.stdout.flush()
-            if node.http_url is not None:  # docs/metrics.md; a log line: stderr, any format
+            if surface.http_url is not None:  # docs/metrics.md; a log line: stderr, any format
                 log.info(
                     "metrics: %smetrics  status: %sstatus",
-                    node.http_url,
-                    node.http_url,
+                    surface.http_url,
+                    surface.http_url,
                     extra={"node": config.node_id},
                 )
             async for signum in signals:

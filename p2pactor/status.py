@@ -18,11 +18,12 @@ from p2pactor import __version__
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.producer import ProducerState
 from p2pactor.session import EXTENSION, SessionState
+from p2pactor.view import control_security
 
 if TYPE_CHECKING:
-    from p2pactor.node import Node
     from p2pactor.quotas import PeerUsage
     from p2pactor.session import PeerSession, SessionCloseResult
+    from p2pactor.view import NodeView
 
 __all__ = ["SCHEMA", "node_status"]
 
@@ -33,15 +34,20 @@ _CLOSED_SHOWN: Final = 20
 """Closed sessions listed (the most recent); ``closed_sessions.total`` counts them all."""
 
 
-def node_status(node: Node) -> dict[str, Any]:
+def node_status(
+    node: NodeView, *, totals: dict[str, float], dashboard: str | None = None
+) -> dict[str, Any]:
     """The node's status, JSON-serialisable (see docs/status.md).
 
     Call it on the node's trio thread (the HTTP server does): it reads the
     sessions' and actors' state without locking.
-    """
-    # Imported here: the timeline server imports this module to serve /status.
-    from p2pactor.timeline.server import control_security  # noqa: PLC0415
 
+    Args:
+        node: The node, as its operator surface sees it.
+        totals: Its metrics' cumulative figures (``NodeMetrics.totals()``), so
+            that ``/status`` and ``/metrics`` agree.
+        dashboard: The URL of its live timeline, if it serves one.
+    """
     config = node.config
     now = node.now()
     uptime = node.uptime
@@ -59,7 +65,6 @@ def node_status(node: Node) -> dict[str, Any]:
         pins["jobs"] += peer["pins"]["jobs"]
         pins["blocks"] += peer["pins"]["blocks"]
     pinned_by_peer = {peer: u.pinned_blocks for peer, u in usages.items() if u.pinned_blocks}
-    dashboard = node.dashboard
     return {
         "schema": SCHEMA,
         "node_id": node.node_id,
@@ -74,7 +79,7 @@ def node_status(node: Node) -> dict[str, Any]:
             ),
             "extensions": bool(config.round_extension),
         },
-        "dashboard": None if dashboard is None else dashboard.url,
+        "dashboard": dashboard,
         "peers": peers,
         "requests": requests,
         "transfers": transfers,
@@ -85,7 +90,7 @@ def node_status(node: Node) -> dict[str, Any]:
         "quota_usage": {peer: _usage(u) for peer, u in usages.items()},
         "closed_sessions": _closed(node.closed_sessions(), node.closed_session_count),
         # the same cumulative figures /metrics exposes, so the two agree
-        "totals": node.metrics.totals(),
+        "totals": totals,
     }
 
 
@@ -150,7 +155,7 @@ def _limit(name: str, used: int, limit: int, what: str) -> dict[str, Any]:
     }
 
 
-def _limits(node: Node, sessions: int, pinned: int) -> list[dict[str, Any]]:
+def _limits(node: NodeView, sessions: int, pinned: int) -> list[dict[str, Any]]:
     """The node-wide limits, with how much of each is used now."""
     config = node.config
     peers = node.sessions()
@@ -179,7 +184,7 @@ def _limits(node: Node, sessions: int, pinned: int) -> list[dict[str, Any]]:
     ]
 
 
-def _quota_limits(node: Node) -> dict[str, int]:
+def _quota_limits(node: NodeView) -> dict[str, int]:
     """The per-peer quota limits in force (docs/quotas.md)."""
     q = node.quotas.quotas
     return {

@@ -1,6 +1,7 @@
 """Several nodes in one trio run, on in-memory transports: for runtime tests.
 
-``open_cluster("a", "b")`` starts one node per name, each with an
+``open_cluster("a", "b")`` starts one node per name (with its operator surface:
+metrics, and the dashboard or metrics server its config asks for), each with an
 :class:`EmbeddedCache` parent (or, with ``lent=True``, a cache the test lends
 through ``node.serve_parent``), and records every actor each node creates so
 tests can compare live states with replayed logs.
@@ -23,6 +24,7 @@ from p2pactor.core.ids import ActorId
 from p2pactor.log import Durability, EventLog
 from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
+from p2pactor.surface import OperatorSurface, open_operator_surface
 from p2pactor.testing import MemoryDataPlane, MemoryNetwork
 
 BLOCK_LEN = 64
@@ -48,6 +50,7 @@ class Member:
     cache: EmbeddedCache
     log: EventLog
     actors: list[RequestActor]
+    surface: OperatorSurface
 
     @property
     def id(self) -> str:
@@ -117,9 +120,10 @@ async def open_cluster(
                     event_log=event_log,
                 )
             )
+            surface = await stack.enter_async_context(open_operator_surface(node))
             actors: list[RequestActor] = []
             node.watch_actors(actors.append)
-            cluster.members[name] = Member(name, node, cache, event_log, actors)
+            cluster.members[name] = Member(name, node, cache, event_log, actors, surface)
         yield cluster
     # Every end-to-end test checks the design's central promise on the way out:
     # replaying each node's log rebuilds exactly the states its actors ended in.

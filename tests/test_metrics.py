@@ -33,6 +33,7 @@ from p2pactor.metrics import CONTENT_TYPE
 from p2pactor.node import open_node
 from p2pactor.parent import EmbeddedCache
 from p2pactor.quotas import PeerQuotas
+from p2pactor.surface import open_operator_surface
 from p2pactor.testing import MemoryDataPlane
 from tests.cluster import BLOCK_LEN, Cluster, key, node_id, open_cluster
 
@@ -106,7 +107,7 @@ async def test_counters_equal_what_the_lookups_and_fetches_did(
         assert (first, second) == (5, 4)
         await trio.sleep(1.0)  # let the producers close
 
-        got_b = samples(b.node.metrics.exposition())
+        got_b = samples(b.surface.metrics.exposition())
         peer_a = a.node.node_id
         assert value(got_b, "p2pactor_lookups_total", peer=peer_a) == 2
         assert value(got_b, "p2pactor_lookup_keys_total", peer=peer_a, outcome="hit") == 9
@@ -122,7 +123,7 @@ async def test_counters_equal_what_the_lookups_and_fetches_did(
         assert 5.0 <= value(got_b, "p2pactor_lookup_seconds_sum") < 5.5
         assert value(got_b, "p2pactor_handshakes_total", peer=peer_a, outcome="ok") == 1
 
-        got_a = samples(a.node.metrics.exposition())
+        got_a = samples(a.surface.metrics.exposition())
         peer_b = b.node.node_id
         served = "p2pactor_served_lookup_keys_total"
         assert value(got_a, "p2pactor_served_lookups_total", peer=peer_b) == 2
@@ -142,14 +143,14 @@ async def test_counters_equal_what_the_lookups_and_fetches_did(
         assert value(got_a, "p2pactor_event_log_appends_total") == stats.appends > 0
         assert value(got_a, "p2pactor_event_log_appended_bytes_total") == stats.bytes_appended
 
-        totals = b.node.metrics.totals()
+        totals = b.surface.metrics.totals()
         assert totals["lookups_hit"] == 9
         assert totals["lookups_miss"] == 4
         assert totals["keys_looked_up"] == 13
         assert totals["blocks_received"] == 9
         assert totals["bytes_received"] == 9 * BLOCK_LEN
         assert totals["sessions_alive"] == 1
-        assert a.node.metrics.totals()["served_pending_resolved"] == 1
+        assert a.surface.metrics.totals()["served_pending_resolved"] == 1
 
 
 async def test_each_node_has_its_own_registry(autojump_clock: trio.abc.Clock) -> None:
@@ -157,8 +158,8 @@ async def test_each_node_has_its_own_registry(autojump_clock: trio.abc.Clock) ->
         a, b = cluster["a"], cluster["b"]
         a.store(key(0))
         await pull(cluster, "b", "a", "r", [key(0)])
-        assert a.node.metrics.registry is not b.node.metrics.registry
-        got_a = samples(a.node.metrics.exposition())
+        assert a.surface.metrics.registry is not b.surface.metrics.registry
+        got_a = samples(a.surface.metrics.exposition())
         assert total(got_a, "p2pactor_lookups_total") == 0  # b's lookups are not a's
         assert total(got_a, "p2pactor_served_lookups_total") == 1
 
@@ -170,7 +171,7 @@ async def test_a_seed_mismatch_is_counted(autojump_clock: trio.abc.Clock) -> Non
         answers = await b.node.lookup(a.id, "r", [key(0)])
         assert answers != [HIT]
         await trio.sleep(1.0)
-        got = samples(a.node.metrics.exposition())
+        got = samples(a.surface.metrics.exposition())
         assert value(got, "p2pactor_handshakes_total", peer=b.id, outcome="seed_mismatch") == 1
         assert value(got, "p2pactor_handshakes_total", peer=b.id, outcome="ok") == 0
 
@@ -184,14 +185,14 @@ async def test_keys_over_a_quota_are_counted_refused(autojump_clock: trio.abc.Cl
         assert HIT not in answers[2:]
         b.node.finish("r")
         await trio.sleep(1.0)
-        got = samples(a.node.metrics.exposition())
+        got = samples(a.surface.metrics.exposition())
         served = "p2pactor_served_lookup_keys_total"
         assert value(got, served, peer=b.id, outcome="hit") == 2
         assert value(got, served, peer=b.id, outcome="refused") == 2
         assert value(got, served, peer=b.id, outcome="miss") == 0
         refusals = "p2pactor_quota_refusals_total"
         assert value(got, refusals, peer=b.id, quota="keys_per_lookup") == 1
-        assert a.node.metrics.totals()["quota_refusals"] == 1
+        assert a.surface.metrics.totals()["quota_refusals"] == 1
 
 
 async def test_peers_without_a_session_fold_into_other_past_the_bound(
@@ -200,7 +201,7 @@ async def test_peers_without_a_session_fold_into_other_past_the_bound(
     async with open_cluster("a", "b") as cluster:
         a, b = cluster["a"], cluster["b"]
         await pull(cluster, "b", "a", "r", [key(0)])  # a live session with a
-        metrics = b.node.metrics
+        metrics = b.surface.metrics
         metrics._remembered_peers = 3  # as if max_peers were tiny
         for peer in ("x:1", "y:1", "z:1"):  # strangers that came and went
             metrics.handshake(peer, "timeout")
@@ -237,13 +238,14 @@ async def test_peers_the_transport_refuses_unauthenticated_are_counted(tmp_path:
             open_node(
                 config, control=control, data=MemoryDataPlane().transport(cache.memory, 4096)
             ) as node,
+            open_operator_surface(node) as surface,
             open_zmq_transport("127.0.0.1:0", port=0) as plain,  # no CURVE: refused
         ):
             conn = await plain.connect(address)
             await conn.send(b"let me in")
-            while node.metrics.totals()["handshakes_failed"] < 1:  # noqa: ASYNC110 - libzmq's
+            while surface.metrics.totals()["handshakes_failed"] < 1:  # noqa: ASYNC110 - libzmq's
                 await trio.sleep(0.01)
-            got = samples(node.metrics.exposition())
+            got = samples(surface.metrics.exposition())
             handshakes = "p2pactor_handshakes_total"
             assert value(got, handshakes, peer="unknown", outcome="unauthenticated") >= 1
             assert total(got, handshakes, outcome="ok") == 0
@@ -283,8 +285,7 @@ def raw_get(port: int, head: str) -> int:
 
 async def test_the_metrics_port_serves_metrics_and_status_only() -> None:
     async with open_cluster("a", metrics_port=0) as cluster:
-        node = cluster["a"].node
-        url = node.http_url
+        url = cluster["a"].surface.http_url
         assert url is not None
         assert url.startswith("http://127.0.0.1:")
         port = int(url.rsplit(":", 1)[1].strip("/"))
@@ -293,7 +294,7 @@ async def test_the_metrics_port_serves_metrics_and_status_only() -> None:
         assert "p2pactor_handshakes_total" in body.decode()
         status, ctype, body = await in_thread(url + "status")
         assert (status, ctype) == (200, "application/json")
-        assert json.loads(body)["node_id"] == node.node_id
+        assert json.loads(body)["node_id"] == cluster["a"].node.node_id
         assert (await in_thread(url))[0] == 404
         assert (await in_thread(url + "events"))[0] == 404
         assert (await in_thread(url + "metrics", method="POST"))[0] == 405
@@ -313,7 +314,7 @@ async def test_the_metrics_port_serves_metrics_and_status_only() -> None:
 
 async def test_a_wildcard_bound_port_answers_any_host_but_not_foreign_pages() -> None:
     async with open_cluster("a", metrics_port=0, metrics_host="0.0.0.0") as cluster:
-        url = cluster["a"].node.http_url
+        url = cluster["a"].surface.http_url
         assert url is not None
         port = int(url.rsplit(":", 1)[1].strip("/"))
         head = "GET /metrics HTTP/1.1\r\nHost: {}\r\n{}\r\n"
@@ -325,7 +326,7 @@ async def test_a_wildcard_bound_port_answers_any_host_but_not_foreign_pages() ->
 
 async def test_the_dashboard_port_serves_metrics_and_status() -> None:
     async with open_cluster("a", dashboard_port=0) as cluster:
-        node = cluster["a"].node
+        node = cluster["a"].surface
         assert node.dashboard is not None
         assert node.http_url == node.dashboard.url
         status, ctype, body = await in_thread(node.dashboard.url + "metrics")
@@ -451,7 +452,7 @@ async def test_failed_transfers_are_counted_by_reason(autojump_clock: trio.abc.C
     from tests.test_node_flows import wait_results  # noqa: PLC0415
     from tests.test_session import PEER, node_and_peer  # noqa: PLC0415
 
-    async with node_and_peer() as (node, _, peer):
+    async with node_and_peer() as (node, _, peer), open_operator_surface(node) as surface:
         node.submit_load(PEER, "silent", 7, [key(1)], [3])
         await peer.handshake_as_server()
         await peer.expect(wire.Fetch)
@@ -468,10 +469,10 @@ async def test_failed_transfers_are_counted_by_reason(autojump_clock: trio.abc.C
         (second,) = await wait_results(node, 1)
         assert not first.success
         assert not second.success
-        found = samples(node.metrics.exposition())
+        found = samples(surface.metrics.exposition())
         failed = "p2pactor_transfers_failed_total"
         assert value(found, failed, peer=PEER, reason="timeout") == 1
         assert value(found, failed, peer=PEER, reason="peer_failed") == 1
         assert total(found, failed) == 2
         assert total(found, "p2pactor_blocks_received_total") == 0
-        assert node.metrics.totals()["transfers_failed"] == 2
+        assert surface.metrics.totals()["transfers_failed"] == 2

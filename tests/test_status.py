@@ -33,7 +33,7 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.node import Node
 from p2pactor.protocol import Connect, ConnectAck
 from p2pactor.session import EXTENSION, PeerSession
-from p2pactor.status import SCHEMA, node_status
+from p2pactor.status import SCHEMA
 from p2pactor.status_cli import format_status
 from p2pactor.testing import message_is
 from tests.cluster import key, node_id, open_cluster
@@ -75,7 +75,7 @@ async def test_status_shows_the_session_requests_pins_and_quotas(
         assert answers == [HIT] * 4 + [MISS] * 2
 
         # b holds the 4 hits pinned for a until a fetches them
-        status = node_status(b.node)
+        status = b.surface.status()
         assert json.loads(json.dumps(status)) == status
         assert status["schema"] == SCHEMA
         assert status["node_id"] == node_id("b")
@@ -103,7 +103,7 @@ async def test_status_shows_the_session_requests_pins_and_quotas(
         assert entry["last_activity_s"] >= 0
 
         # a sees its own request to b, and holds no pins
-        mine = node_status(a.node)
+        mine = a.surface.status()
         theirs = peer_entry(mine, node_id("b"))
         assert theirs["requests"] == {"consumer": 1, "producer": 0}
         assert theirs["pins"] == {"jobs": 0, "blocks": 0}
@@ -119,13 +119,13 @@ async def test_status_shows_the_session_requests_pins_and_quotas(
         await wait_for(lambda: not b.cache.held_jobs(), "b's pins released")
         await wait_for(lambda: not a.node.has_pending_work(), "a settled")
         await trio.sleep(1)
-        after = node_status(b.node)
+        after = b.surface.status()
         entry = peer_entry(after, node_id("a"))
         assert entry["pins"] == {"jobs": 0, "blocks": 0}
         assert after["pins_by_peer"] == {}
         assert after["quota_usage"] == usage_json(b.node)
         assert after["quota_usage"][node_id("a")]["peak_pinned_blocks"] == 4
-        assert peer_entry(node_status(a.node), node_id("b"))["requests"]["consumer"] == 0
+        assert peer_entry(a.surface.status(), node_id("b"))["requests"]["consumer"] == 0
 
 
 async def test_a_closed_session_leaves_the_peers_and_is_listed_with_its_reason(
@@ -139,7 +139,7 @@ async def test_a_closed_session_leaves_the_peers_and_is_listed_with_its_reason(
         session.close("the test closed it")
         await session.wait_closed()
         await trio.lowlevel.checkpoint()
-        status = node_status(a.node)
+        status = a.surface.status()
         assert status["peers"] == []
         assert status["closed_sessions"]["total"] == 1
         (closed,) = status["closed_sessions"]["recent"]
@@ -153,13 +153,13 @@ async def test_a_peer_without_extensions_shows_the_vllm_dialect(
     async with open_cluster("a", "b", round_extension=False) as cluster:
         a = cluster["a"]
         await a.node.lookup(node_id("b"), "req-1", [key(1)])
-        entry = peer_entry(node_status(a.node), node_id("b"))
+        entry = peer_entry(a.surface.status(), node_id("b"))
         assert (entry["dialect"], entry["features"], entry["extension_version"]) == (
             "vllm",
             [],
             None,
         )
-        assert node_status(a.node)["control"]["extensions"] is False
+        assert a.surface.status()["control"]["extensions"] is False
 
 
 async def test_a_stalled_handshake_shows_connecting_and_the_missing_step(
@@ -171,7 +171,7 @@ async def test_a_stalled_handshake_shows_connecting_and_the_missing_step(
         cluster.network.drop(message_is(Connect, ConnectAck, src=node_id("b")))
         a.node.prepare(node_id("b"))
         await trio.sleep(1)
-        entry = peer_entry(node_status(a.node), node_id("b"))
+        entry = peer_entry(a.surface.status(), node_id("b"))
         assert entry["state"] == "connecting"
         assert entry["established"] is False
         assert entry["dialect"] == "unknown"
@@ -236,7 +236,7 @@ async def test_the_dashboard_serves_status_and_the_command_prints_it() -> None:
             HIT,
             MISS,
         ]
-        board = a.node.dashboard
+        board = a.surface.dashboard
         assert board is not None
         address = f"127.0.0.1:{board.port}"
 
@@ -245,7 +245,7 @@ async def test_the_dashboard_serves_status_and_the_command_prints_it() -> None:
         assert content_type.startswith("application/json")
         served = json.loads(body)
         assert served["node_id"] == node_id("a")
-        assert steady(served) == steady(node_status(a.node))
+        assert steady(served) == steady(a.surface.status())
         (entry,) = served["peers"]
         assert (entry["peer"], entry["state"], entry["dialect"]) == (
             node_id("b"),
@@ -268,10 +268,10 @@ async def test_the_dashboard_serves_status_and_the_command_prints_it() -> None:
         # --json: the node's answer as it came
         raw = await p2pactor("status", address, "--json")
         assert raw.returncode == 0, raw.stderr.decode()
-        assert steady(json.loads(raw.stdout)) == steady(node_status(a.node))
+        assert steady(json.loads(raw.stdout)) == steady(a.surface.status())
 
         # b's status names a as its peer, serving a's request with 2 blocks pinned
-        b_board = b.node.dashboard
+        b_board = b.surface.dashboard
         assert b_board is not None
         _, _, b_body = await trio.to_thread.run_sync(get, f"{b_board.url.rstrip('/')}/status")
         (theirs,) = json.loads(b_body)["peers"]
@@ -333,7 +333,7 @@ async def test_the_command_refuses_a_server_without_a_status() -> None:
         nursery.cancel_scope.cancel()
 
     async with open_cluster("a", dashboard_port=0) as cluster:
-        board = cluster["a"].node.dashboard
+        board = cluster["a"].surface.dashboard
         assert board is not None
         # the dashboard's own 404 for a path that has no /status under it
         run = await p2pactor("status", f"http://127.0.0.1:{board.port}/nothing")

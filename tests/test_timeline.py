@@ -36,7 +36,7 @@ from trio_websocket import (
 from p2pactor.config import NodeConfig
 from p2pactor.core import events as ev
 from p2pactor.log import read_log
-from p2pactor.node import Node
+from p2pactor.surface import OperatorSurface
 from p2pactor.timeline import (
     BadFilter,
     Feed,
@@ -45,7 +45,7 @@ from p2pactor.timeline import (
     open_replay_server,
     open_timeline_server,
 )
-from p2pactor.timeline.server import control_security
+from p2pactor.view import control_security
 from tests.cluster import Cluster, key, node_id, open_cluster
 from tests.test_node import pull
 
@@ -123,7 +123,7 @@ async def rejection(
     pytest.fail(f"{url} accepted the handshake")
 
 
-def feed_url(node: Node, query: str = "") -> str:
+def feed_url(node: OperatorSurface, query: str = "") -> str:
     assert node.dashboard is not None
     return node.dashboard.events_url + (f"?{query}" if query else "")
 
@@ -202,7 +202,7 @@ async def test_a_subscriber_gets_hello_then_the_snapshot_then_live_events_in_ord
         b.store(*[key(i) for i in range(8)])
         assert await pull("a", cluster, "b", "req-1", [key(i) for i in range(6)]) == 6
         a.node.finish("req-1")
-        async with open_websocket_url(feed_url(a.node)) as ws:
+        async with open_websocket_url(feed_url(a.surface)) as ws:
             hello, snapshot, end = await opening(ws)
             assert hello["version"] == 1
             assert hello["mode"] == "live"
@@ -254,7 +254,7 @@ async def test_a_subscriber_gets_hello_then_the_snapshot_then_live_events_in_ord
             assert seen["counters"]["bytes"] == 10 * a.node.config.block_len
             assert seen["counters"]["failures"] == 0
             assert [p["peer"] for p in seen["peers"]["peers"]] == [b.id]
-        stats = a.node.dashboard.stats() if a.node.dashboard else None
+        stats = a.surface.dashboard.stats() if a.surface.dashboard else None
         assert stats is not None
         assert stats.dropped == 0
 
@@ -264,7 +264,7 @@ async def test_a_late_subscriber_sees_a_request_in_flight_from_its_first_event()
         a, b = cluster["a"], cluster["b"]
         b.store(key(1), key(2))
         await a.node.lookup(b.id, "open-req", [key(1), key(2)])  # looked up, not yet fetched
-        async with open_websocket_url(feed_url(a.node)) as ws:
+        async with open_websocket_url(feed_url(a.surface)) as ws:
             _, snapshot, _ = await opening(ws)
             mine = [e for e in snapshot if e["request"] == "open-req"]
             assert mine
@@ -288,9 +288,9 @@ async def test_filters_by_request_peer_and_kind_apply_to_snapshot_and_live() -> 
         assert await pull("a", cluster, "c", "from-c", [key(10), key(11)]) == 2
         a.node.finish("from-c")
         async with (
-            open_websocket_url(feed_url(a.node, "request=from-c")) as by_request,
-            open_websocket_url(feed_url(a.node, f"peer={b.id}")) as by_peer,
-            open_websocket_url(feed_url(a.node, "kinds=LookupResp,%20FetchSent")) as by_kind,
+            open_websocket_url(feed_url(a.surface, "request=from-c")) as by_request,
+            open_websocket_url(feed_url(a.surface, f"peer={b.id}")) as by_peer,
+            open_websocket_url(feed_url(a.surface, "kinds=LookupResp,%20FetchSent")) as by_kind,
         ):
             hello, snapshot, _ = await opening(by_request)
             assert hello["filters"] == {"peer": None, "request": "from-c", "kinds": None}
@@ -326,7 +326,7 @@ async def test_filters_by_request_peer_and_kind_apply_to_snapshot_and_live() -> 
 
 async def test_an_unknown_event_kind_is_refused_with_the_known_ones() -> None:
     async with dashboards() as cluster:
-        refused = await rejection(feed_url(cluster["a"].node, "kinds=LookupResp,Nope"))
+        refused = await rejection(feed_url(cluster["a"].surface, "kinds=LookupResp,Nope"))
         assert refused.status_code == 400
         body = (refused.body or b"").decode()
         assert "unknown event kinds Nope" in body
@@ -467,9 +467,9 @@ async def test_clients_that_leave_mid_stream_leave_no_task_behind(
 ) -> None:
     async with dashboards() as cluster:
         a = cluster["a"]
-        assert a.node.dashboard is not None
-        assert a.node.dashboard.feed is not None
-        feed = a.node.dashboard.feed
+        assert a.surface.dashboard is not None
+        assert a.surface.dashboard.feed is not None
+        feed = a.surface.dashboard.feed
         await many_requests(cluster, 1)  # the session and its tasks are up
         await trio.sleep(0.5)
         baseline = task_count()
@@ -480,13 +480,13 @@ async def test_clients_that_leave_mid_stream_leave_no_task_behind(
                 a.node.finish(f"t-{i}")
 
         # A polite goodbye, mid-stream.
-        async with open_websocket_url(feed_url(a.node)) as ws:
+        async with open_websocket_url(feed_url(a.surface)) as ws:
             await opening(ws)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(traffic, 5)
                 await events_until(ws, lambda got: len(got) >= 3)
         # A rude one: the TCP connection just closes.
-        stream = await trio.open_tcp_stream("127.0.0.1", a.node.dashboard.port)
+        stream = await trio.open_tcp_stream("127.0.0.1", a.surface.dashboard.port)
         async with trio.open_nursery() as nursery:
             ws = await wrap_client_stream(nursery, stream, "127.0.0.1", "/events")
             await ws.get_message()  # hello
@@ -494,7 +494,7 @@ async def test_clients_that_leave_mid_stream_leave_no_task_behind(
             await stream.aclose()
             nursery.cancel_scope.cancel()
         # A client that never finishes its handshake, then leaves.
-        raw = await trio.open_tcp_stream("127.0.0.1", a.node.dashboard.port)
+        raw = await trio.open_tcp_stream("127.0.0.1", a.surface.dashboard.port)
         await raw.send_all(b"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         await raw.aclose()
 
@@ -508,8 +508,8 @@ async def test_clients_that_leave_mid_stream_leave_no_task_behind(
 async def test_closing_the_node_says_goodbye_to_its_subscribers() -> None:
     async with trio.open_nursery() as nursery:
         async with dashboards() as cluster:
-            assert cluster["a"].node.dashboard is not None
-            stream = await trio.open_tcp_stream("127.0.0.1", cluster["a"].node.dashboard.port)
+            assert cluster["a"].surface.dashboard is not None
+            stream = await trio.open_tcp_stream("127.0.0.1", cluster["a"].surface.dashboard.port)
             ws = await wrap_client_stream(nursery, stream, "127.0.0.1", "/events")
             await opening(ws)
         closed = await until_closed(ws)
@@ -522,7 +522,7 @@ async def test_closing_the_node_says_goodbye_to_its_subscribers() -> None:
 
 async def test_the_page_is_served_at_the_root_and_nothing_else_is() -> None:
     async with dashboards() as cluster:
-        board = cluster["a"].node.dashboard
+        board = cluster["a"].surface.dashboard
         assert board is not None
         port = board.port
         status, headers, body = await http(port, "/")
@@ -551,7 +551,7 @@ async def test_the_page_is_served_at_the_root_and_nothing_else_is() -> None:
 
 async def test_only_loopback_names_and_pages_may_reach_a_loopback_dashboard() -> None:
     async with dashboards() as cluster:
-        node = cluster["a"].node
+        node = cluster["a"].surface
         assert node.dashboard is not None
         port = node.dashboard.port
         # A DNS name rebound to 127.0.0.1 by some web page: refused.
@@ -574,7 +574,7 @@ async def test_only_loopback_names_and_pages_may_reach_a_loopback_dashboard() ->
 
 async def test_the_bare_page_url_can_name_every_feed() -> None:
     async with dashboards() as cluster:
-        a, b = cluster["a"].node, cluster["b"].node
+        a, b = cluster["a"].surface, cluster["b"].surface
         assert a.dashboard is not None
         assert b.dashboard is not None
         feeds = [a.dashboard.events_url, b.dashboard.events_url, "ws://0.0.0.0:1234/events"]
@@ -599,7 +599,7 @@ async def test_the_dashboard_binds_loopback_unless_told_otherwise() -> None:
     assert NodeConfig().dashboard_host == "127.0.0.1"
     assert NodeConfig().dashboard_port is None
     async with open_cluster("a", "quiet", dashboard_port=0) as cluster:
-        board = cluster["a"].node.dashboard
+        board = cluster["a"].surface.dashboard
         assert board is not None
         assert board.host == "127.0.0.1"
         assert board.url == f"http://127.0.0.1:{board.port}/"
@@ -610,7 +610,7 @@ async def test_the_dashboard_binds_loopback_unless_told_otherwise() -> None:
             with pytest.raises(OSError, match=r"refused|Connection|connect"):
                 await trio.open_tcp_stream(other, board.port)
     async with open_cluster("off") as cluster:
-        assert cluster["off"].node.dashboard is None
+        assert cluster["off"].surface.dashboard is None
 
 
 def _non_loopback_address() -> str | None:

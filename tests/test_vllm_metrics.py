@@ -406,7 +406,7 @@ def test_a_failing_totals_stops_the_figures_not_the_tier(
     try:
         time.sleep(QUIET_S)
         assert extra.tier.get_stats() is not None  # what it published before the bug
-        monkeypatch.setattr(extra.tier.node.metrics, "totals", broken)
+        monkeypatch.setattr(extra.tier._runner.surface.metrics, "totals", broken)
         time.sleep(QUIET_S)
         extra.tier.get_stats()  # at most one more snapshot was published before the patch
         keys = new_keys(2)

@@ -32,6 +32,7 @@ from p2pactor.logsetup import configure_logging
 from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
 from p2pactor.quotas import PeerQuotas
+from p2pactor.surface import open_operator_surface
 
 __all__ = ["PREFIX", "main", "run_node"]
 
@@ -207,17 +208,18 @@ async def run_node(
             clock_origin=(time.time(), trio.current_time()),
             keep=0,
         )
-        async with open_node(
-            config, control=control, data=data, parent=cache, event_log=log
-        ) as node:
-            board = node.dashboard
+        async with (
+            open_node(config, control=control, data=data, parent=cache, event_log=log) as node,
+            open_operator_surface(node) as surface,
+        ):
+            board = surface.dashboard
             say(
                 event="ready",
                 index=index,
                 node_id=node.node_id,
                 pid=os.getpid(),
                 dashboard=None if board is None else {"page": board.url, "feed": board.events_url},
-                http=node.http_url,
+                http=surface.http_url,
             )
             go = await commands.receive()
             peers: list[str] = go["peers"]

@@ -20,7 +20,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, Final, Literal, Protocol
 from urllib.parse import urlsplit
@@ -59,11 +59,12 @@ from p2pactor.timeline.http import (
     read_request,
     send_response,
 )
+from p2pactor.view import control_security
 
 __all__ = [
     "FeedSource",
+    "NodeRoutes",
     "TimelineServer",
-    "control_security",
     "open_replay_server",
     "open_timeline_server",
     "page_url",
@@ -103,17 +104,6 @@ class FeedSource(Protocol):
     def sessions(self) -> list[PeerSession]:
         """The node's live sessions."""
         ...
-
-
-def control_security(node: object) -> Literal["curve", "none"]:
-    """How ``node``'s control channel is protected: ``"curve"`` or ``"none"``.
-
-    The control transport's ``security`` property when it has one (the ZeroMQ
-    transport does, see ``adapters/zmq.py``); ``"none"`` otherwise: a
-    transport that does not say it authenticates its peers is taken not to.
-    """
-    security = getattr(getattr(node, "control", None), "security", None)
-    return "curve" if security == "curve" else "none"
 
 
 def _authority(host: str, port: int) -> str:
@@ -419,11 +409,23 @@ async def _listen(host: str, port: int) -> tuple[list[trio.SocketListener], int]
 # --- live -----------------------------------------------------------------------------
 
 
+NodeRoutes = Callable[[trio.SocketStream, HttpRequest, str], Awaitable[bool]]
+"""``(stream, request, bound host) -> answered?``: more routes a live site serves."""
+
+
 class _LiveSite(_Site):
-    def __init__(self, bound_host: str, node: FeedSource, feed: Feed, origin: tuple[float, float]):
+    def __init__(
+        self,
+        bound_host: str,
+        node: FeedSource,
+        feed: Feed,
+        origin: tuple[float, float],
+        routes: NodeRoutes | None,
+    ):
         super().__init__(bound_host)
         self._node = node
         self._feed = feed
+        self._routes = routes
         wall, mono = origin
         self._nodes = [
             {
@@ -435,14 +437,9 @@ class _LiveSite(_Site):
         ]
 
     async def answer_node(self, stream: trio.SocketStream, request: HttpRequest) -> bool:
-        # Imported here: both modules import this one.
-        from p2pactor.httpserve import NODE_PATHS, answer  # noqa: PLC0415
-        from p2pactor.node import Node  # noqa: PLC0415
-
-        if request.path not in NODE_PATHS or not isinstance(self._node, Node):
-            return False  # a FeedSource that is not a node has no metrics
-        await answer(stream, request, self._node, self.bound_host)
-        return True
+        if self._routes is None:
+            return False  # served without a node's /metrics and /status
+        return await self._routes(stream, request, self.bound_host)
 
     def subscribe(self, filters: FeedFilters) -> Subscriber | None:
         return self._feed.subscribe(filters)
@@ -514,6 +511,7 @@ async def open_timeline_server(
     host: str = "127.0.0.1",
     port: int = 0,
     limits: FeedLimits | None = None,
+    routes: NodeRoutes | None = None,
 ) -> AsyncIterator[TimelineServer]:
     """Serve ``node``'s live timeline and the dashboard page until the block exits.
 
@@ -523,13 +521,15 @@ async def open_timeline_server(
             (the feed shows peers, request ids and timings).
         port: The port; 0 picks a free one (see :attr:`TimelineServer.port`).
         limits: Queue, history and eviction bounds.
+        routes: The node's own routes (``/metrics``, ``/status``) to serve on
+            the same port; the operator surface passes them.
 
     Raises:
         OSError: The address can't be bound (the port is taken, say).
     """
     feed = Feed(node.node_id, block_len=node.config.block_len, limits=limits)
     origin = (time.time(), trio.current_time())
-    site = _LiveSite(host, node, feed, origin)
+    site = _LiveSite(host, node, feed, origin, routes)
     unwatch = node.watch_events(feed.watch)
     try:
         listeners, bound = await _listen(host, port)
