@@ -157,7 +157,8 @@ class EngineBridge:
         self._registered = False
         # Keys handed over per (peer, request) and not yet known to its actor:
         # an engine that asks again every step must not flood the node.
-        self._posted: dict[tuple[str, str], set[bytes]] = {}
+        # (by kv_request_id, then peer: a finish forgets its request's at once)
+        self._posted: dict[str, dict[str, set[bytes]]] = {}
         # Keys applied on the node's thread, waiting for the step's flush; and
         # actors given their keys early (another input of theirs came first),
         # whose flush is still owed.
@@ -194,7 +195,7 @@ class EngineBridge:
         state = actor.state if actor is not None else None
         known = state.probes if isinstance(state, ConsumerState) else {}
         with self._lock:
-            posted = self._posted.setdefault((peer, kv_request_id), set())
+            posted = self._posted.setdefault(kv_request_id, {}).setdefault(peer, set())
             posted.difference_update(k for k in list(posted) if k in known)
             new = tuple(k for k in dict.fromkeys(keys) if k not in known and k not in posted)
             if not new or len(self._inbox) >= self._inbox_limit:
@@ -237,8 +238,7 @@ class EngineBridge:
     def finish(self, kv_request_id: str, *, wake: bool) -> None:
         """Hand over the end of a request."""
         with self._lock:
-            for key in [k for k in self._posted if k[1] == kv_request_id]:
-                del self._posted[key]
+            self._posted.pop(kv_request_id, None)
         self.post(_Finish(kv_request_id), wake=wake)
 
     def store(self, kv_request_id: str, store: inp.AddStore, *, wake: bool) -> None:

@@ -155,7 +155,8 @@ class Node:
             inbox_limit=config.engine_inbox,
             poll_interval=config.engine_poll_interval,
         )
-        self._consumers: dict[tuple[str, str], RequestActor] = {}
+        # Consumer actors by kv_request_id, then peer: a finish finds its own at once.
+        self._consumers: dict[str, dict[str, RequestActor]] = {}
         self._answers: dict[RequestActor, list[_Answers]] = {}
         self._loads: dict[int, _Load] = {}
         self._job_ids = itertools.count(start=-1, step=-1)  # the async API's own jobs
@@ -350,7 +351,7 @@ class Node:
         """
         if not self._config.may_dial(peer):
             return [LookupResult.MISS] * len(keys)
-        actor = self._consumers.get((peer, kv_request_id))
+        actor = self._consumers.get(kv_request_id, {}).get(peer)
         if actor is None:
             return [RETRY] * len(keys)
         state = actor.state
@@ -451,18 +452,20 @@ class Node:
 
     def consumer_for(self, peer: str, kv_request_id: str) -> RequestActor | None:
         """The consumer actor for (peer, request), created with its session if needed."""
-        actor = self._consumers.get((peer, kv_request_id))
+        mine = self._consumers.get(kv_request_id)
+        actor = None if mine is None else mine.get(peer)
         if actor is not None:
             return actor  # a finished or failed one answers MISS until the engine finishes
         session = self._peers.session_for(peer)
         if session is None:
             return None
-        actor = self._consumers[peer, kv_request_id] = session.consumer(kv_request_id)
+        actor = session.consumer(kv_request_id)
+        self._consumers.setdefault(kv_request_id, {})[peer] = actor
         return actor
 
     def known_consumer(self, peer: str, kv_request_id: str) -> RequestActor | None:
         """The consumer actor of (peer, request), if there is one. Any thread."""
-        return self._consumers.get((peer, kv_request_id))
+        return self._consumers.get(kv_request_id, {}).get(peer)
 
     def submit(
         self, actor: RequestActor, job_id: int, keys: tuple[bytes, ...], blocks: tuple[int, ...]
@@ -478,8 +481,8 @@ class Node:
 
     def finish_request(self, kv_request_id: str) -> None:
         """The engine is done with ``kv_request_id``: finish its consumers and its producer."""
-        for key in [k for k in self._consumers if k[1] == kv_request_id]:
-            self._runner.deliver(self._consumers.pop(key), inp.Finish())
+        for actor in self._consumers.pop(kv_request_id, {}).values():
+            self._runner.deliver(actor, inp.Finish())
         bound = self._stores.finish(kv_request_id)
         if bound is not None:
             self._runner.deliver(bound, inp.Finish())

@@ -284,6 +284,25 @@ class _Request:
         self.held: set[int] = set()  # looked up or fetched, not ended
 
 
+_COUNTED: Final = frozenset(
+    {
+        ev.LookupReceived,
+        ev.LookupLimited,
+        ev.LookupAnswered,
+        ev.LookupDropped,
+        ev.FetchReceived,
+        ev.TransferDoneSent,
+        ev.AbortAckSent,
+        ev.RoundClosed,
+        ev.LookupRefused,
+        ev.KeysRefused,
+        ev.FetchRefused,
+        ev.Closed,
+    }
+)
+"""The events :meth:`QuotaLedger.observe` counts (its match's arms)."""
+
+
 class QuotaLedger:
     """The runtime's per-peer counts, and its verdicts on what goes over a limit.
 
@@ -423,6 +442,8 @@ class QuotaLedger:
             return
         p = self._peer(request.peer)
         for event in events:
+            if type(event) not in _COUNTED:
+                continue  # most events change no count: skip the match
             match event:
                 case ev.LookupReceived() | ev.LookupLimited():
                     request.held.add(event.round_seq)

@@ -162,8 +162,6 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
     s = state
     seq = event.seq
     match event:
-        case ev.Ignored() | ev.Rejected():
-            return replace(s, seq=seq)
         case ev.Opened():
             return replace(s, seq=seq, round_seq=event.round_seq)
         case ev.Registered():
@@ -183,19 +181,22 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
             probes = dict(s.probes)
             probes.update(zip(event.keys, event.hits, strict=True))
             return replace(s, seq=seq, probes=probes, lookup_deadline=event.lookup_deadline)
-        case ev.LookupTimedOut():
-            outcome, problem = _worse(
-                s, ConsumerPhase.FAILED, "the peer answered no lookup key in time"
+        case ev.FinishRequested():
+            return replace(s, seq=seq, finishing=True, probes={}, unsent=(), lookup_deadline=None)
+        case ev.LookupCancelled():
+            return replace(
+                s, seq=seq, phase=_advance(s, ConsumerPhase.FETCH_SENT), lookup_open=False
             )
+        case ev.Finished():
             return replace(
                 s,
                 seq=seq,
+                phase=event.phase,
+                outcome=event.phase,
                 probes={},
                 unsent=(),
+                lookup_open=False,
                 lookup_deadline=None,
-                lookup_failed=True,
-                outcome=outcome,
-                problem=problem,
             )
         case ev.FetchSent():
             loads = dict(s.loads)
@@ -211,15 +212,6 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
                 lookup_deadline=None,
                 loads=loads,
             )
-        case ev.FetchSkipped():
-            if event.success:
-                return replace(s, seq=seq)
-            outcome, problem = _worse(s, ConsumerPhase.FAILED, event.reason)
-            return replace(s, seq=seq, outcome=outcome, problem=problem)
-        case ev.LookupCancelled():
-            return replace(
-                s, seq=seq, phase=_advance(s, ConsumerPhase.FETCH_SENT), lookup_open=False
-            )
         case ev.TransferDone():
             loads = _without(s.loads, event.round_seq)
             if event.success:
@@ -228,6 +220,27 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
                 s, ConsumerPhase.FAILED, f"round {event.round_seq}: the transfer failed"
             )
             return replace(s, seq=seq, loads=loads, outcome=outcome, problem=problem)
+        case ev.Ignored() | ev.Rejected():
+            return replace(s, seq=seq)
+        case ev.LookupTimedOut():
+            outcome, problem = _worse(
+                s, ConsumerPhase.FAILED, "the peer answered no lookup key in time"
+            )
+            return replace(
+                s,
+                seq=seq,
+                probes={},
+                unsent=(),
+                lookup_deadline=None,
+                lookup_failed=True,
+                outcome=outcome,
+                problem=problem,
+            )
+        case ev.FetchSkipped():
+            if event.success:
+                return replace(s, seq=seq)
+            outcome, problem = _worse(s, ConsumerPhase.FAILED, event.reason)
+            return replace(s, seq=seq, outcome=outcome, problem=problem)
         case ev.AbortSent():
             loads = dict(s.loads)
             loads[event.round_seq] = replace(
@@ -252,21 +265,8 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
                 outcome=outcome,
                 problem=problem,
             )
-        case ev.FinishRequested():
-            return replace(s, seq=seq, finishing=True, probes={}, unsent=(), lookup_deadline=None)
         case ev.SessionLost():
             return replace(s, seq=seq, session_lost=True, lookup_deadline=None)
-        case ev.Finished():
-            return replace(
-                s,
-                seq=seq,
-                phase=event.phase,
-                outcome=event.phase,
-                probes={},
-                unsent=(),
-                lookup_open=False,
-                lookup_deadline=None,
-            )
         case _:
             assert_never(event)
 

@@ -420,32 +420,8 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
     s = state
     seq = event.seq
     match event:
-        case ev.Ignored() | ev.Rejected() | ev.KeysRefused():
-            # KeysRefused: the KeysResolved that follows counts the keys as misses.
-            return replace(s, seq=seq)
-        case ev.SessionLost():
-            return replace(
-                s,
-                seq=seq,
-                phase=ProducerPhase.CLOSING,
-                session_lost=True,
-                close_reason=event.reason,
-            )
-        case ev.FinishRequested():
-            return replace(s, seq=seq, finishing=True)
         case ev.LookupReceived():
             return _evolve_lookup_opened(s, event, len(event.keys))
-        case ev.LookupLimited():
-            return _evolve_lookup_opened(s, event, event.admitted)
-        case ev.LookupRefused():
-            # No lookup opens and nothing is held (so a refused request can
-            # close at once), but the round counts as looked up: a fetch for
-            # it fails fast instead of waiting for stored blocks.
-            return replace(s, seq=seq, looked_up_through=max(s.looked_up_through, event.round_seq))
-        case ev.FetchRefused():
-            refused = s.rounds[event.round_seq]
-            refused = replace(refused, demand=(), failure=refused.failure or event.reason)
-            return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, refused))
         case ev.KeysResolved():
             lookup = s.lookups[event.lookup_id]
             resolved = dict(lookup.resolved)
@@ -480,35 +456,12 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
                     supply[key] = Supply(event.job_id, block)
                 rounds = _put(rounds, event.round_seq, replace(rnd, supply=supply))
             return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), rounds=rounds)
-        case ev.PendingPolled():
-            lookup = replace(s.lookups[event.lookup_id], outstanding=True, next_poll_at=None)
-            return _with_lookup(s, seq, lookup)
-        case ev.ParentExpired():
-            return _with_lookup(s, seq, replace(s.lookups[event.lookup_id], outstanding=False))
-        case ev.PendingExpired():
-            lookup = s.lookups[event.lookup_id]
-            resolved = dict(lookup.resolved)
-            resolved.update(dict.fromkeys(event.keys, False))
-            lookup = replace(
-                lookup,
-                resolved=resolved,
-                pending=lookup.pending - frozenset(event.keys),
-                next_poll_at=None,
-            )
-            return _with_lookup(s, seq, lookup)
         case ev.LookupAnswered():
             answered = s.lookups[event.lookup_id]
             if answered.outstanding:
                 # Answered at its deadline with the parent still busy: keep it
                 # until the parent's answer, whose pin must be released.
                 return _with_lookup(s, seq, replace(answered, answered=True, next_poll_at=None))
-            return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
-        case ev.LookupDropped():
-            lookup = s.lookups[event.lookup_id]
-            if lookup.outstanding:
-                # Keep it until the parent's answer arrives: that answer may
-                # carry a pin that must still be released.
-                return _with_lookup(s, seq, replace(lookup, dropped=True, next_poll_at=None))
             return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
         case ev.ContextClosed():
             lookups = s.lookups
@@ -518,18 +471,22 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             return replace(
                 s, seq=seq, lookups=lookups, open_contexts=s.open_contexts - {event.lookup_id}
             )
-        case ev.StoreAdded():
-            job = PinJob(
-                job_id=event.job_id,
-                round_seq=None,
-                keys=event.keys,
-                blocks=event.blocks,
-                expires_at=event.expires_at,
-            )
-            pool = dict(s.pool)
-            for key, block in zip(event.keys, event.blocks, strict=True):
-                pool[key] = (*pool.get(key, ()), Supply(event.job_id, block))
-            return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), pool=pool)
+        case ev.CloseRequested():
+            return replace(s, seq=seq, phase=ProducerPhase.CLOSING, close_reason=event.reason)
+        case ev.LookupDropped():
+            lookup = s.lookups[event.lookup_id]
+            if lookup.outstanding:
+                # Keep it until the parent's answer arrives: that answer may
+                # carry a pin that must still be released.
+                return _with_lookup(s, seq, replace(lookup, dropped=True, next_poll_at=None))
+            return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
+        case ev.PinReleased():
+            return _evolve_pin_released(s, seq, event.job_id)
+        case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
+            served = isinstance(event, ev.TransferDoneSent) and event.success
+            return _evolve_round_ended(s, seq, event.round_seq, served=served)
+        case ev.Closed():
+            return replace(s, seq=seq, phase=ProducerPhase.CLOSED)
         case ev.FetchReceived():
             rnd = replace(
                 _round(s, event.round_seq),
@@ -547,11 +504,60 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             return _evolve_transfer_started(s, event)
         case ev.TransferCompleted():
             return _evolve_transfer_ended(s, seq, event.transfer_id, None)
+        case ev.FinishRequested():
+            return replace(s, seq=seq, finishing=True)
+        case ev.Ignored() | ev.Rejected() | ev.KeysRefused():
+            # KeysRefused: the KeysResolved that follows counts the keys as misses.
+            return replace(s, seq=seq)
+        case ev.SessionLost():
+            return replace(
+                s,
+                seq=seq,
+                phase=ProducerPhase.CLOSING,
+                session_lost=True,
+                close_reason=event.reason,
+            )
+        case ev.LookupLimited():
+            return _evolve_lookup_opened(s, event, event.admitted)
+        case ev.LookupRefused():
+            # No lookup opens and nothing is held (so a refused request can
+            # close at once), but the round counts as looked up: a fetch for
+            # it fails fast instead of waiting for stored blocks.
+            return replace(s, seq=seq, looked_up_through=max(s.looked_up_through, event.round_seq))
+        case ev.FetchRefused():
+            refused = s.rounds[event.round_seq]
+            refused = replace(refused, demand=(), failure=refused.failure or event.reason)
+            return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, refused))
+        case ev.PendingPolled():
+            lookup = replace(s.lookups[event.lookup_id], outstanding=True, next_poll_at=None)
+            return _with_lookup(s, seq, lookup)
+        case ev.ParentExpired():
+            return _with_lookup(s, seq, replace(s.lookups[event.lookup_id], outstanding=False))
+        case ev.PendingExpired():
+            lookup = s.lookups[event.lookup_id]
+            resolved = dict(lookup.resolved)
+            resolved.update(dict.fromkeys(event.keys, False))
+            lookup = replace(
+                lookup,
+                resolved=resolved,
+                pending=lookup.pending - frozenset(event.keys),
+                next_poll_at=None,
+            )
+            return _with_lookup(s, seq, lookup)
+        case ev.StoreAdded():
+            job = PinJob(
+                job_id=event.job_id,
+                round_seq=None,
+                keys=event.keys,
+                blocks=event.blocks,
+                expires_at=event.expires_at,
+            )
+            pool = dict(s.pool)
+            for key, block in zip(event.keys, event.blocks, strict=True):
+                pool[key] = (*pool.get(key, ()), Supply(event.job_id, block))
+            return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), pool=pool)
         case ev.TransferFailed():
             return _evolve_transfer_ended(s, seq, event.transfer_id, event.reason)
-        case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
-            served = isinstance(event, ev.TransferDoneSent) and event.success
-            return _evolve_round_ended(s, seq, event.round_seq, served=served)
         case ev.AbortReceived():
             aborted = s.rounds.get(event.round_seq)
             if aborted is None:
@@ -562,12 +568,6 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
                     jobs[job_id] = replace(jobs[job_id], failed=True)
             aborted = replace(aborted, cancelled=True, demand=())
             return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, aborted), jobs=jobs)
-        case ev.PinReleased():
-            return _evolve_pin_released(s, seq, event.job_id)
-        case ev.CloseRequested():
-            return replace(s, seq=seq, phase=ProducerPhase.CLOSING, close_reason=event.reason)
-        case ev.Closed():
-            return replace(s, seq=seq, phase=ProducerPhase.CLOSED)
         case _:
             assert_never(event)
 
