@@ -11,8 +11,8 @@
   its session dies; every pin is released; another peer is never affected;
   replay equals live.
 * **Real transports**: a victim node on ZeroMQ + NIXL, a hostile raw peer in
-  its own process (``tests/flood_peer.py``) flooding lookups, and an honest
-  p2pactor node whose fetches still verify byte for byte.
+  its own process (``p2pactor.bench._flood_hostile``) flooding lookups, and an
+  honest p2pactor node whose fetches still verify byte for byte.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
 import trio
@@ -776,7 +775,7 @@ class TestNodes:
                 if i % 100 == 99:
                     for _ in range(100):
                         await peer.expect(wire.LookupResp)
-            assert node._stores.bound < 1100  # the 8 open ones and at most 1024 ended
+            assert node._host.stores.book.bound < 1100  # the 8 open ones and at most 1024 ended
             assert node.peer_usage(peer.peer_id).open_requests == 8
             for i in range(8):
                 await peer.send(fetch_msg([], kv=f"r{i}"))
@@ -796,7 +795,8 @@ class TestNodes:
 
 # --- real transports: a hostile raw peer floods, an honest node fetches --------------------
 
-FLOOD_PEER = Path(__file__).with_name("flood_peer.py")
+FLOOD_PEER = "p2pactor.bench._flood_hostile"
+"""The hostile raw peer, a module of the bench (``python -m``)."""
 REAL_BLOCK_LEN = 4096
 REAL_BLOCKS = 64
 REAL_QUOTA = 8
@@ -845,7 +845,8 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
                 flooder = await trio.lowlevel.open_process(
                     [
                         sys.executable,
-                        str(FLOOD_PEER),
+                        "-m",
+                        FLOOD_PEER,
                         f"--victim={victim.node_id}",
                         f"--hash-seed={seed}",
                         f"--block-len={REAL_BLOCK_LEN}",

@@ -13,5 +13,8 @@ Sections (``docs/benchmarks.md`` has the latest full run):
 * ``control``: lookup throughput and latency vs vLLM 0.33.0's own P2P sessions;
 * ``engine``: the vLLM adapter's engine-thread cost vs vLLM's tier;
 * ``scale``: 10,000 concurrent requests on one node, and replay speed;
-* ``peers``: 16 nodes as processes on loopback, each fetching from the others.
+* ``peers``: 16 nodes as processes on loopback, each fetching from the others;
+* ``flood``: an honest peer's lookup latency while a hostile peer floods the
+  producer, ours and vLLM's tier as the producer;
+* ``idle``: the CPU of an idle node with one peer connected, ours vs vLLM's tier.
 """

@@ -3,23 +3,29 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import signal
 import socket
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "TIER_METHODS",
+    "LineProcess",
     "child_env",
     "free_port",
     "module_command",
     "nixl_missing",
     "peak_rss_kib",
     "percentile",
+    "process_cpu_s",
     "ratio_or_none",
     "run_module",
+    "thread_cpu_ns",
     "vllm_missing",
 ]
 
@@ -118,3 +124,130 @@ def peak_rss_kib() -> int:
     except OSError:
         pass
     return 0
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of process ``pid`` so far; 0 if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            # The command name may hold spaces: the fields start after its ")".
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def thread_cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
+    """Each live thread of process ``pid``: its name and CPU nanoseconds so far (schedstat).
+
+    Finer than :func:`process_cpu_s` (clock ticks), but a thread that exits
+    takes its time with it: for processes whose threads live on (idle ones).
+    """
+    out: dict[int, tuple[str, int]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                ns = int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except (OSError, IndexError, ValueError):
+            continue  # it just exited
+        out[int(tid)] = (name, ns)
+    return out
+
+
+class LineProcess:
+    """A helper process (``python -m module args``) spoken to by lines of JSON.
+
+    It says ``READY`` when it is set up; each command is one JSON line on its
+    stdin and gets one JSON line back on its stdout (other lines, a library's
+    logging say, are skipped); closing its stdin stops it, and it may print
+    one last JSON line then.
+    """
+
+    def __init__(self, module: str, *args: str, stderr: str | None = None, **env: str) -> None:
+        """Start it; ``stderr``: a file for its stderr (else dropped); ``env``: extra variables."""
+        self.module = module
+        self.stderr = stderr
+        err = open(stderr, "w") if stderr else subprocess.DEVNULL  # noqa: SIM115 - the child's
+        try:
+            self.proc = subprocess.Popen(  # noqa: S603 - runs our own helper module
+                module_command(module, *args),
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=child_env(**env),
+            )
+        finally:
+            if not isinstance(err, int):
+                err.close()  # the child has its own copy
+        self.pid = self.proc.pid
+
+    def _why(self) -> str:
+        tail = ""
+        if self.stderr:
+            try:
+                with open(self.stderr) as f:
+                    tail = f.read()[-2000:].strip()
+            except OSError:
+                pass
+        return f"{self.module} (pid {self.pid}) exited with {self.proc.wait()}" + (
+            f":\n{tail}" if tail else ""
+        )
+
+    def line(self) -> str:
+        """Its next line of output; raise if it exited."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(self._why())
+        return line.strip()
+
+    def wait_ready(self) -> None:
+        """Wait for its ``READY``."""
+        while self.line() != "READY":
+            pass
+
+    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """Send one command; its JSON answer."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            line = self.line()
+            if line.startswith("{"):
+                answer: dict[str, Any] = json.loads(line)
+                return answer
+
+    def close(self) -> dict[str, Any]:
+        """Close its stdin and wait; its last JSON line (a producer's counters), if any."""
+        try:
+            out, _ = self.proc.communicate(input="", timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.communicate()
+            return {}
+        except (BrokenPipeError, ValueError):
+            return {}
+        for line in reversed(out.splitlines()):
+            if line.startswith("{"):
+                result: dict[str, Any] = json.loads(line)
+                return result
+        return {}
+
+    def pause(self, *, paused: bool) -> None:
+        """Stop it (SIGSTOP) or let it go on (SIGCONT), while it runs."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
+    def kill(self) -> None:
+        """Kill it if it still runs (after a failure), and reap it."""
+        if self.proc.poll() is None:
+            os.kill(self.pid, signal.SIGCONT)  # a stopped process dies only once continued
+            self.proc.kill()
+            self.proc.wait()

@@ -13,7 +13,11 @@ handshakes exchange NIXL metadata) on 127.0.0.1:
   ``get_finished_jobs()`` and ``serve_external_requests(parent)`` with
   :class:`CacheParent`, a vLLM ``ParentManager`` over the same cache class.
   It prints ``READY``, serves until its stdin closes, then prints one JSON
-  line of counters (pins still held, synthetic requests still open).
+  line of counters (pins still held, synthetic requests still open, and per
+  peer the most blocks pinned at once and those still pinned: see
+  :class:`PinCountingCache`). With ``--default-quotas`` (the ``flood``
+  section) our node keeps its default per-peer quotas instead of limits no
+  workload reaches.
 * **consumer**: prints ``READY``, then reads one JSON command per line:
   ``{"keys": K, "conc": C, "seconds": T}`` runs C concurrent lookup loops for
   T seconds (each: a fresh request id, a lookup of K keys the producer holds,
@@ -36,10 +40,25 @@ import os
 import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["BLOCK_LEN", "HASH_SEED", "HOST", "NUM_KEYS", "control_key", "key_window", "main"]
+from p2pactor.core.inputs import Pin
+from p2pactor.parent import EmbeddedCache
+
+__all__ = [
+    "BLOCK_LEN",
+    "HASH_SEED",
+    "HOST",
+    "NUM_KEYS",
+    "CacheParent",
+    "PinCountingCache",
+    "block_content",
+    "control_key",
+    "key_window",
+    "main",
+]
 
 HOST = "127.0.0.1"
 """Every process binds here."""
@@ -119,9 +138,69 @@ def _dump(path: str, lines: list[str]) -> None:
         f.write("\n".join(lines) + "\n")
 
 
-def _fill(memory: Any, cache: Any) -> None:
+def block_content(i: int, block_len: int = BLOCK_LEN) -> bytes:
+    """The bytes the producer stores under key ``i``: what a fetch of it must read."""
+    return i.to_bytes(8, "little") * (block_len // 8)
+
+
+def _fill(cache: Any) -> None:
     for i, key in enumerate(KEYS):
-        cache.store(key, i.to_bytes(8, "little") * (BLOCK_LEN // 8))
+        cache.store(key, block_content(i))
+
+
+class PinCountingCache(EmbeddedCache):
+    """An :class:`~p2pactor.parent.EmbeddedCache` that counts the blocks each peer pins.
+
+    Both producers (ours and vLLM's, through :class:`CacheParent`) pin through
+    :meth:`create_store_job` with the synthetic request's name as context,
+    ``p2p:{peer}:{kv_request_id}:lu{n}`` on both sides, so the peer is read from
+    it. A peer's count is the sum of the blocks of its jobs not yet released
+    (what our pinned-blocks quota counts); ``peak_by_peer`` is the most it
+    ever reached.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_len: int, memory: bytearray | memoryview | None = None
+    ) -> None:
+        """The cache, with nothing pinned by anyone."""
+        super().__init__(num_blocks, block_len, memory)
+        self.held_by_peer: Counter[str] = Counter()
+        self.peak_by_peer: Counter[str] = Counter()
+        self._job_peer: dict[int, tuple[str, int]] = {}
+
+    def create_store_job(self, keys: Sequence[bytes], context: str) -> Pin:
+        """Pin as the cache does, and count the blocks against the context's peer."""
+        pin = super().create_store_job(keys, context)
+        peer = _peer_of(context)
+        self._job_peer[pin.job_id] = (peer, len(pin.blocks))
+        self.held_by_peer[peer] += len(pin.blocks)
+        self.peak_by_peer[peer] = max(self.peak_by_peer[peer], self.held_by_peer[peer])
+        return pin
+
+    def release_job(self, job_id: int, *, success: bool) -> None:
+        """Unpin as the cache does, and take the blocks off the peer's count."""
+        super().release_job(job_id, success=success)
+        peer, blocks = self._job_peer.pop(job_id, ("", 0))
+        if peer:
+            self.held_by_peer[peer] -= blocks
+
+
+def _peer_of(context: str) -> str:
+    # "p2p:HOST:PORT:kv_request_id:luN"; every bench process binds an IPv4
+    # address, so the peer is the two fields after the prefix.
+    parts = context.split(":", 3)
+    return f"{parts[1]}:{parts[2]}" if len(parts) > 3 and parts[0] == "p2p" else context
+
+
+def _producer_counters(cache: Any) -> dict[str, Any]:
+    """What the producer prints when it stops (``pinned``, ``held_jobs``, ``open`` must be 0)."""
+    return {
+        "pinned": cache.pinned(),
+        "held_jobs": len(cache.held_jobs()),
+        "open": len(cache.opened),
+        "peak_pinned_by_peer": dict(cache.peak_by_peer),
+        "pinned_by_peer": {p: n for p, n in cache.held_by_peer.items() if n},
+    }
 
 
 # --- ours -------------------------------------------------------------------------------
@@ -134,19 +213,23 @@ async def _ours(args: argparse.Namespace) -> None:
     from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
     from p2pactor.config import NodeConfig  # noqa: PLC0415
     from p2pactor.node import open_node  # noqa: PLC0415
-    from p2pactor.parent import EmbeddedCache  # noqa: PLC0415
     from p2pactor.quotas import PeerQuotas  # noqa: PLC0415
 
     producer = args.role == "producer"
     blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
     pool = bytearray(blocks * BLOCK_LEN)
-    cache = EmbeddedCache(blocks, BLOCK_LEN, memory=memoryview(pool))
+    cache = PinCountingCache(blocks, BLOCK_LEN, memory=memoryview(pool))
     if producer:
-        _fill(pool, cache)
+        _fill(cache)
     # No quota may refuse: 64 lookups of 256 keys pin 16,384 blocks at once,
-    # and vLLM's tier has no quotas to compare with.
-    quotas = PeerQuotas(
-        max_pinned_blocks=10**9, max_open_lookups=100_000, max_open_requests=100_000
+    # and vLLM's tier has no quotas to compare with. The flood keeps the
+    # defaults: they are what protects the node from the hostile peer.
+    quotas = (
+        PeerQuotas()
+        if args.default_quotas
+        else PeerQuotas(
+            max_pinned_blocks=10**9, max_open_lookups=100_000, max_open_requests=100_000
+        )
     )
     config = NodeConfig(
         host=HOST,
@@ -176,13 +259,7 @@ async def _ours(args: argparse.Namespace) -> None:
             await trio.to_thread.run_sync(sys.stdin.read)
             if trace:
                 _dump(f"{trace}.{args.role}", seen)
-            _say(
-                {
-                    "pinned": cache.pinned(),
-                    "held_jobs": len(cache.held_jobs()),
-                    "open": len(cache.opened),
-                }
-            )
+            _say(_producer_counters(cache))
             return
         peer = f"{HOST}:{args.peer_port}"
         counter = iter(range(10**12))
@@ -225,7 +302,6 @@ def _vllm(args: argparse.Namespace) -> None:
     import zmq  # noqa: PLC0415
 
     from p2pactor.bench import _vllm_tier as shared  # noqa: PLC0415 - imports vLLM
-    from p2pactor.parent import EmbeddedCache  # noqa: PLC0415
 
     vbase = sys.modules["vllm.v1.kv_offload.base"]
     tbase = sys.modules["vllm.v1.kv_offload.tiering.base"]
@@ -235,9 +311,9 @@ def _vllm(args: argparse.Namespace) -> None:
     producer = args.role == "producer"
     blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
     pool = np.zeros((blocks, BLOCK_LEN), dtype=np.uint8)
-    cache = EmbeddedCache(blocks, BLOCK_LEN, memory=pool.data.cast("B"))
+    cache = PinCountingCache(blocks, BLOCK_LEN, memory=pool.data.cast("B"))
     if producer:
-        _fill(pool, cache)
+        _fill(cache)
     tier = shared.make_tier("vllm", pool, args.port)
     poller = zmq.Poller()
     poller.register(tier._control._router, zmq.POLLIN)
@@ -258,13 +334,7 @@ def _vllm(args: argparse.Namespace) -> None:
                 cache.release_job(int(result.job_id), success=bool(result.success))
             tier.serve_external_requests(parent)
         tier.shutdown()
-        _say(
-            {
-                "pinned": cache.pinned(),
-                "held_jobs": len(cache.held_jobs()),
-                "open": len(cache.opened),
-            }
-        )
+        _say(_producer_counters(cache))
         return
 
     source = {"remote_host": HOST, "remote_port": args.peer_port}
@@ -385,6 +455,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--role", choices=("producer", "consumer"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--peer-port", type=int, default=0)
+    parser.add_argument(
+        "--default-quotas",
+        action="store_true",
+        help="ours: keep the node's default per-peer quotas (the flood section)",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.side == "ours":

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SECTIONS", "register", "run_bench"]
 
-SECTIONS: tuple[str, ...] = ("dataplane", "control", "engine", "scale", "peers")
+SECTIONS: tuple[str, ...] = ("dataplane", "control", "engine", "scale", "peers", "flood", "idle")
 """Section names, in the order they run; each is the module ``p2pactor.bench.<name>``."""
 
 
@@ -115,8 +115,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="measure p2pactor against raw NIXL, memcpy and vLLM's own P2P tier",
         description=(
             "Measure the data plane (vs raw NIXL and memcpy), the control plane and "
-            "engine-thread cost (vs vLLM 0.33.0's P2P tier when vLLM is installed), "
-            "actor scale and many peers, side by side in one run. Results are "
+            "engine-thread cost, lookup latency under a flood and idle CPU (vs vLLM "
+            "0.33.0's P2P tier when vLLM is installed), actor scale and many peers, "
+            "side by side in one run. Results are "
             "medians over repeats with [min..max]; see docs/benchmarks.md."
         ),
     )

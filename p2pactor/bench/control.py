@@ -21,19 +21,15 @@ repeats with [min..max]; the ratios ours/vLLM per repeat.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.bench._control_common import (
-    child_env,
+    LineProcess,
     free_port,
-    module_command,
+    process_cpu_s,
     vllm_missing,
 )
 from p2pactor.bench.report import BenchOptions, Cell, SectionResult, Stat
@@ -61,73 +57,8 @@ def _cells(quick: bool) -> list[tuple[int, int]]:
     return [(k, c) for k in KEYS_FULL for c in CONC_FULL]
 
 
-class _Proc:
-    """A helper process spoken to by lines of JSON."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen(  # noqa: S603 - runs our own helper module
-            module_command(HELPER, *args),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=child_env(PYTHONHASHSEED="0"),
-        )
-        self.pid = self.proc.pid
-
-    def line(self) -> str:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{HELPER} (pid {self.pid}) exited with {self.proc.wait()}")
-        return line.strip()
-
-    def wait_ready(self) -> None:
-        while True:
-            line = self.line()
-            if line == "READY":
-                return
-
-    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        while True:
-            line = self.line()
-            if line.startswith("{"):
-                answer: dict[str, Any] = json.loads(line)
-                return answer
-
-    def close(self) -> dict[str, Any]:
-        """Close stdin; its last JSON line (the producer's counters), if any."""
-        try:
-            out, _ = self.proc.communicate(input="", timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
-            return {}
-        except (BrokenPipeError, ValueError):
-            return {}
-        for line in reversed(out.splitlines()):
-            if line.startswith("{"):
-                result: dict[str, Any] = json.loads(line)
-                return result
-        return {}
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def _proc_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` so far; 0 if unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
+def _helper(*args: str) -> LineProcess:
+    return LineProcess(HELPER, *args, PYTHONHASHSEED="0")
 
 
 class _Side:
@@ -136,8 +67,8 @@ class _Side:
     def __init__(self, side: str) -> None:
         self.side = side
         producer_port, consumer_port = free_port(), free_port()
-        self.producer = _Proc(f"--side={side}", "--role=producer", f"--port={producer_port}")
-        self.consumer = _Proc(
+        self.producer = _helper(f"--side={side}", "--role=producer", f"--port={producer_port}")
+        self.consumer = _helper(
             f"--side={side}",
             "--role=consumer",
             f"--port={consumer_port}",
@@ -149,9 +80,9 @@ class _Side:
         self.consumer.wait_ready()
 
     def cell(self, keys: int, conc: int, seconds: float) -> dict[str, Any]:
-        p0 = _proc_cpu_s(self.producer.pid)
+        p0 = process_cpu_s(self.producer.pid)
         result = self.consumer.ask({"keys": keys, "conc": conc, "seconds": seconds})
-        result["producer_cpu_s"] = _proc_cpu_s(self.producer.pid) - p0
+        result["producer_cpu_s"] = process_cpu_s(self.producer.pid) - p0
         return result
 
     def pause(self, *, paused: bool) -> None:
@@ -162,10 +93,8 @@ class _Side:
         processes took half the CPU from our side's run. Cells are seconds
         long, well inside both sides' 10 s heartbeat timeout.
         """
-        sig = signal.SIGSTOP if paused else signal.SIGCONT
         for proc in (self.consumer, self.producer):
-            if proc.proc.poll() is None:
-                os.kill(proc.pid, sig)
+            proc.pause(paused=paused)
         if not paused:
             time.sleep(0.05)  # let them catch up with their sockets before measuring
 
@@ -300,8 +229,9 @@ def _tabulate(
     if misses:
         notes.append(f"ours answered {misses} MISS for keys the producer holds (should be 0)")
     for side, counters in leftovers.items():
-        if counters and any(counters.values()):
-            notes.append(f"{side} producer still held after the run: {counters}")
+        held = {k: counters[k] for k in ("pinned", "held_jobs", "open") if counters.get(k)}
+        if held:
+            notes.append(f"{side} producer still held after the run: {held}")
     if tput_ratios:
         missed = []
         for (keys, conc), t, p in zip(cells, tput_ratios, p99_ratios, strict=False):
