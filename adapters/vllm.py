@@ -23,6 +23,7 @@ vLLM's ``/metrics`` as ``vllm:kv_offload_p2pactor_*``). The parent handle vLLM l
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -65,6 +66,10 @@ from vllm.v1.kv_offload import base as _vllm_base
 from vllm.v1.kv_offload.tiering import base as _tiering_base
 
 _JOB_IDS = "chunk_ids" if hasattr(_tiering_base, "TransferJob") else "block_ids"
+# JobResult.transfer_time and transfer_bytes (vLLM's tier metrics read them).
+_TRANSFER_FIELDS = {"transfer_time", "transfer_bytes"} <= {
+    f.name for f in dataclasses.fields(JobResult)
+}
 _VllmLookup = getattr(_vllm_base, "LookupResult", None)
 OffloadPolicy = getattr(_vllm_base, "OffloadPolicy", None)
 try:
@@ -87,6 +92,15 @@ _SHUTDOWN_DRAIN_S = 3.0  # vLLM's own: wait this long for writes, then give up
 _DRAIN_TIMEOUT_S = 30.0
 _START_TIMEOUT_S = 60.0
 _CURVE_ENV = frozenset({"P2PACTOR_CURVE_SECRET_KEY", "P2PACTOR_CURVE_TRUSTED"})
+# The clock of the jobs' transfer_time, bound once: vLLM's own (its
+# TransferJob.submit_time is time.monotonic), read on the engine's threads only.
+_now = time.monotonic
+# Most store jobs (prefill/decode stores and peers' pins) tracked for their
+# results at once. Each is released within unbound_store_timeout or the pin
+# timeout, so a working node holds far fewer; this bounds the tier's memory if
+# releases stop coming (a node that died), at the cost of the oldest jobs'
+# transfer fields (None) and their failure line.
+_MAX_TRACKED_STORES = 1 << 16
 
 
 @attrs.frozen
@@ -155,6 +169,22 @@ def _from_vllm(result: Any) -> Answer:
 
 def _job_ids(job: Any) -> list[int]:
     return [int(i) for i in getattr(job, _JOB_IDS)]
+
+
+def _job_result(job_id: int, *, success: bool, seconds: float | None, size: int | None) -> Any:
+    """A job's result for vLLM, with its transfer time (s) and bytes where vLLM has them.
+
+    What vLLM 0.33 reads of them: ``TieringMetricsTracker`` adds
+    ``transfer_time`` to ``kv_offload_tiering_read_time`` (loads) or
+    ``write_time`` (stores) for a job that succeeded, and reads neither field of
+    a failed one (``tiering/metrics.py:205-240``; its byte counters count the
+    job's keys times the chunk size instead). ``transfer_bytes`` feeds only a
+    successful store's backpressure detector (``tiering/manager.py:559-576``),
+    which this tier refuses.
+    """
+    if _TRANSFER_FIELDS:
+        return JobResult(job_id=job_id, success=success, transfer_time=seconds, transfer_bytes=size)
+    return JobResult(job_id=job_id, success=success)  # pragma: no cover - older vLLM
 
 
 def _hash_seed() -> str:
@@ -425,7 +455,9 @@ class _LentParent:
     def create_store_job(self, keys: Sequence[bytes], context: str) -> inp.Pin:
         ctx = self._tier._contexts[context]
         job = self._parent.create_store_job(list(keys), ctx)
-        return inp.Pin(int(job.job_id), tuple(job.keys), tuple(_job_ids(job)))
+        job_id = int(job.job_id)
+        self._tier._track_store(job_id, None, len(job.keys))
+        return inp.Pin(job_id, tuple(job.keys), tuple(_job_ids(job)))
 
     def on_request_finished(self, context: str) -> None:
         ctx = self._tier._contexts.pop(context)
@@ -433,7 +465,7 @@ class _LentParent:
 
     def release_job(self, job_id: int, *, success: bool) -> None:
         # vLLM unpins a job when the tier reports it in get_finished_jobs().
-        self._tier._finished.append(JobResult(job_id=job_id, success=success))
+        self._tier._store_released(job_id, success)
 
 
 class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM is Any to mypy
@@ -531,7 +563,17 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             raise ValueError(f"bad p2pactor tier configuration: {exc}") from exc
         self._contexts: dict[str, ReqContext] = {}
         self._finished: list[JobResult] = []
-        self._load_requests: dict[int, str] = {}
+        self._block_len = config.block_len
+        # Loads submitted and not yet reported: job id -> (kv_request_id, when
+        # submitted (_now), blocks). An entry goes when its result is collected;
+        # the node reports every load it was handed (its load timeout bounds
+        # the wait), and each holds primary chunks of its own until then.
+        self._load_requests: dict[int, tuple[str, float, int]] = {}
+        # Store jobs not yet released: job id -> (kv_request_id of a
+        # prefill/decode store, None for a peer's pin; when submitted or
+        # pinned (_now); blocks). An entry goes at the job's one release
+        # (_store_released), at shutdown, or past _MAX_TRACKED_STORES.
+        self._stores: dict[int, tuple[str | None, float, int]] = {}
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
         self._failed: set[str] = set()
         self._runner = _NodeThread(config, view, event_log)
@@ -601,17 +643,17 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def submit_store(self, job_metadata: Any) -> None:
         """Keep a prefill/decode request's blocks for its remote puller."""
         dest = job_metadata.req_context.get_state(_Dest)
+        job_id = int(job_metadata.job_id)
         if dest is None:
-            # Symmetric P2P: blocks stay in the CPU primary tier; nothing to do.
-            self._finished.append(JobResult(job_id=job_metadata.job_id, success=True))
+            # Symmetric P2P: blocks stay in the CPU primary tier; nothing moves.
+            self._finished.append(_job_result(job_id, success=True, seconds=0.0, size=0))
         elif dest.kv_request_id is None:
-            self._finished.append(JobResult(job_id=job_metadata.job_id, success=False))
+            self._finished.append(_job_result(job_id, success=False, seconds=0.0, size=0))
         else:
+            keys = [bytes(k) for k in job_metadata.keys]
+            self._track_store(job_id, dest.kv_request_id, len(keys))
             self._node.submit_store(
-                dest.kv_request_id,
-                int(job_metadata.job_id),
-                [bytes(k) for k in job_metadata.keys],
-                _job_ids(job_metadata),
+                dest.kv_request_id, job_id, keys, _job_ids(job_metadata)
             )  # woken at once: a store may come with no step to follow it
 
     def submit_load(self, job_metadata: Any) -> None:
@@ -620,11 +662,11 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         job_id = int(job_metadata.job_id)
         keys = [bytes(k) for k in job_metadata.keys]
         if source is None:
-            self._finished.append(JobResult(job_id=job_id, success=False))
+            self._finished.append(_job_result(job_id, success=False, seconds=0.0, size=0))
         elif not keys:
-            self._finished.append(JobResult(job_id=job_id, success=True))
+            self._finished.append(_job_result(job_id, success=True, seconds=0.0, size=0))
         else:
-            self._load_requests[job_id] = source.kv_request_id
+            self._load_requests[job_id] = (source.kv_request_id, _now(), len(keys))
             self._node.submit_load(
                 source.peer,
                 source.kv_request_id,
@@ -643,12 +685,84 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         return finished
 
     def _collect(self) -> None:
-        """Move the node's load results into the tier's list of finished jobs."""
-        for result in self._node.finished_jobs():
-            kv_id = self._load_requests.pop(result.job_id, None)
-            if not result.success and kv_id is not None:
+        """Move the node's load results into the tier's list of finished jobs.
+
+        A load's ``transfer_time`` is the seconds from its ``submit_load`` to
+        this call, the first to see its result (so it includes the wait for
+        the node's thread, the fetch round trip, the peer's write and the time
+        until vLLM polls next). Its ``transfer_bytes`` is its blocks times the
+        block size if it succeeded, else 0: a load is all or nothing (no
+        ``successful_keys``), so vLLM recomputes every block of a failed one
+        and counts none of it (``tiering/metrics.py``).
+        """
+        results = self._node.finished_jobs()
+        if not results:
+            return
+        now = _now()
+        for result in results:
+            entry = self._load_requests.pop(result.job_id, None)
+            if entry is None:  # submitted before a shutdown: nothing known of it
+                self._finished.append(
+                    _job_result(result.job_id, success=result.success, seconds=None, size=None)
+                )
+                continue
+            kv_id, submitted, blocks = entry
+            if result.success:
+                size = blocks * self._block_len
+            else:
                 self._failed.add(kv_id)  # its lookups answer MISS: prefill locally
-            self._finished.append(JobResult(job_id=result.job_id, success=result.success))
+                size = 0
+            self._finished.append(
+                _job_result(
+                    result.job_id, success=result.success, seconds=now - submitted, size=size
+                )
+            )
+
+    def _track_store(self, job_id: int, kv_request_id: str | None, blocks: int) -> None:
+        """A store job starts: a prefill/decode store (``kv_request_id``) or a peer's pin."""
+        stores = self._stores
+        if len(stores) >= _MAX_TRACKED_STORES:
+            del stores[next(iter(stores))]  # the oldest; see _MAX_TRACKED_STORES
+        stores[job_id] = (kv_request_id, _now(), blocks)
+
+    def _store_released(self, job_id: int, success: bool) -> None:
+        """A store job's one release (through the lent parent): report it to vLLM.
+
+        ``transfer_time`` is the seconds from its ``submit_store`` (a peer's
+        pin: from ``create_store_job``) to this release, which comes once the
+        fetch was served, or when the job failed or timed out.
+        ``transfer_bytes`` is its blocks times the block size if it succeeded
+        (a prefill/decode store succeeds once every block of it was written to
+        the decoder; a pin, once the fetch of its round was served, counted
+        whole as vLLM counts a job's keys), else 0.
+        """
+        entry = self._stores.pop(job_id, None)
+        if entry is None:  # over _MAX_TRACKED_STORES: its figures are gone
+            self._finished.append(_job_result(job_id, success=success, seconds=None, size=None))
+            return
+        kv_id, submitted, blocks = entry
+        seconds = _now() - submitted
+        self._finished.append(
+            _job_result(
+                job_id,
+                success=success,
+                seconds=seconds,
+                size=blocks * self._block_len if success else 0,
+            )
+        )
+        if not success and kv_id is not None:  # a pin that no fetch used is routine
+            config = self._node.config
+            log.warning(
+                "store job %d of %s failed %.1f s after it was stored, and vLLM unpins its "
+                "blocks: the decode side did not fetch them all within "
+                "unbound_store_timeout (%g s), or its fetch failed (check that the decoder "
+                "runs and reaches this node, and the lines above for this request)",
+                job_id,
+                kv_id,
+                seconds,
+                config.unbound_store_timeout,
+                extra=request_context(None, kv_id, node=config.node_id),
+            )
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         """Let peers' lookups, pins and releases run against the lent parent."""
@@ -692,6 +806,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def shutdown(self) -> None:
         """Close the node: sessions drain for up to 3 s, as vLLM's tier does."""
         self._runner.stop(timeout=_SHUTDOWN_DRAIN_S + 10)
+        # No result can come from a stopped node: forget the jobs still out.
+        self._load_requests.clear()
+        self._stores.clear()
 
     # --- vLLM's /metrics -----------------------------------------------------------
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import os
 import socket
 import threading
@@ -475,6 +476,28 @@ def assert_bytes_moved(
     for s, d in zip(src_chunks, dst_chunks, strict=True):
         assert torch.equal(src.memory[s], dst.memory[d]), f"chunk {s} -> {d}"
         assert bool(dst.memory[d].any()), f"chunk {d} is still zero"
+
+
+def assert_transfer(result: JobResult, *, success: bool, blocks: int, within: float) -> None:
+    """``result`` carries what vLLM's tier metrics read: its seconds and its bytes.
+
+    ``blocks`` blocks' bytes if it succeeded, else 0; more than 0 s, and at most
+    ``within`` s (the wall time the test saw around the job: no speed is asserted).
+    """
+    assert result.success is success
+    assert result.transfer_bytes == (blocks * CHUNK_BYTES if success else 0)
+    assert result.transfer_time is not None
+    assert 0 < result.transfer_time <= within, (result.transfer_time, within)
+
+
+def assert_forgotten(engine: Engine, *job_ids: int) -> None:
+    """The tier keeps nothing of ``job_ids`` once it has reported them."""
+    tracked = set(engine.tier._load_requests) | set(engine.tier._stores)
+    assert tracked.isdisjoint(job_ids), sorted(tracked.intersection(job_ids))
+
+
+def adapter_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "p2pactor.vllm" and r.levelno >= logging.WARNING]
 
 
 @contextlib.contextmanager
@@ -965,6 +988,169 @@ def test_a_peer_outside_allowed_peers_is_no_source_and_never_dialed(
     h.finish(guarded, ctx)
     h.retire(guarded)
     h.check()
+
+
+# --- transfer_time and transfer_bytes of the job results ------------------------------
+
+
+def test_a_load_and_the_pin_it_fetched_report_their_time_and_bytes(
+    h: Harness, a: Engine, b: Engine
+) -> None:
+    """vLLM's tier metrics read ``transfer_time`` (s) and ``transfer_bytes`` of every job.
+
+    The load: its blocks times the block bytes, timed from ``submit_load`` to
+    the result. ``b``'s pin of those blocks (a store job of ``b``'s, created
+    through the lent parent): the same bytes, timed from the pin to its release
+    once the fetch was served.
+    """
+    started = time.monotonic()
+    keys = new_keys(3)
+    src = b.put(keys)
+    ctx, _ = h.open(a, source("remote_kv_source", new_id("kv"), b))
+    assert h.lookup_all(a, ctx, keys) == [HIT] * 3
+    (pin,) = b.parent.pins  # one lookup, one job pinning its hits
+    dst = a.chunks(3)
+    submitted = time.monotonic()
+    load = h.load(a, ctx, keys, dst)
+    assert_transfer(h.result(a, load), success=True, blocks=3, within=time.monotonic() - submitted)
+    assert_bytes_moved(b, src, a, dst)
+    assert_transfer(h.result(b, pin), success=True, blocks=3, within=time.monotonic() - started)
+    h.finish(a, ctx)
+    h.check()
+    assert_forgotten(a, load)
+    assert_forgotten(b, pin)
+
+
+def test_a_failed_load_and_store_report_no_bytes(h: Harness, a: Engine, b: Engine) -> None:
+    """A failed job reports ``transfer_bytes`` 0 and the seconds until it failed.
+
+    vLLM reads neither field of a failed job (``TieringMetricsTracker`` counts
+    the bytes of successful keys only, and a load of ours has none: it is all or
+    nothing); 0 says that nothing it can use arrived. PD here: the prefiller
+    finishes without one demanded block, so the load and the store both fail.
+    A load that fails at once (no source) took no time.
+    """
+    kv_id = new_id("pd")
+    keys = new_keys(2)
+    b.put(keys[:1])
+    pctx, _ = h.open(b, decoder(kv_id))
+    stored = time.monotonic()
+    store = h.store(b, pctx, keys[:1])
+    ctx, _ = h.open(a, source("remote_prefiller", kv_id, b))
+    submitted = time.monotonic()
+    load = h.load(a, ctx, keys, a.chunks(2))
+    h.steps_until(lambda: bool(b.events("FetchReceived", kv_id)), "b received the fetch")
+    h.finish(b, pctx)  # keys[1] will never be stored
+    assert_transfer(h.result(a, load), success=False, blocks=2, within=time.monotonic() - submitted)
+    assert_transfer(h.result(b, store), success=False, blocks=1, within=time.monotonic() - stored)
+    h.finish(a, ctx)
+    nowhere, _ = h.open(a, None)
+    at_once = h.load(a, nowhere, keys, a.chunks(2))
+    result = h.result(a, at_once)
+    assert (result.success, result.transfer_time, result.transfer_bytes) == (False, 0.0, 0)
+    h.check()
+    assert_forgotten(a, load, at_once)
+    assert_forgotten(b, store)
+
+
+def test_a_served_store_reports_its_time_and_bytes(
+    h: Harness, a: Engine, b: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """PD: the prefiller's store, parked until the decoder's fetch, then served.
+
+    Its time runs from ``submit_store`` to its release after the write (the
+    wait for the fetch included); its bytes are all of its blocks. It logs no
+    WARNING. A store with no decoder moves nothing (success, 0 bytes, 0 s), one
+    for a decoder without an id fails the same way, both reported at once.
+    """
+    caplog.set_level(logging.WARNING, logger="p2pactor.vllm")
+    kv_id = new_id("pd")
+    keys = new_keys(4)
+    src = b.put(keys)
+    pctx, _ = h.open(b, decoder(kv_id))
+    stored = time.monotonic()
+    store = h.store(b, pctx, keys)
+    h.finish(b, pctx)
+    ctx, _ = h.open(a, source("remote_prefiller", kv_id, b))
+    dst = a.chunks(4)
+    submitted = time.monotonic()
+    load = h.load(a, ctx, keys, dst)
+    assert_transfer(h.result(a, load), success=True, blocks=4, within=time.monotonic() - submitted)
+    assert_transfer(h.result(b, store), success=True, blocks=4, within=time.monotonic() - stored)
+    assert_bytes_moved(b, src, a, dst)
+    h.finish(a, ctx)
+    for params, success in ((None, True), (decoder(None), False)):
+        other, _ = h.open(b, params)
+        job = h.store(b, other, keys)
+        b.parent.take(b.tier.get_finished_jobs())  # the very next call reports it
+        result = b.parent.results[job]
+        assert (result.success, result.transfer_time, result.transfer_bytes) == (success, 0.0, 0)
+    h.check()
+    assert_forgotten(a, load)
+    assert_forgotten(b, store)
+    assert adapter_warnings(caplog) == []
+
+
+def test_a_timed_out_store_logs_one_warning(h: Harness, caplog: pytest.LogCaptureFixture) -> None:
+    """A store no fetch came for: one WARNING, naming the job and its request.
+
+    vLLM's tier logs "store job N timed out"; ours says which job of which
+    request failed after how long, and what to check, once for the job, with
+    the request's context fields. The result carries the wait and no bytes.
+    """
+    caplog.set_level(logging.WARNING, logger="p2pactor.vllm")
+    producer = h.add(Engine("reaper", unbound_store_timeout_s=0.2))
+    kv_id = new_id("pd")
+    keys = new_keys(2)
+    producer.put(keys)
+    pctx, _ = h.open(producer, decoder(kv_id))
+    stored = time.monotonic()
+    job = h.store(producer, pctx, keys)
+    result = h.result(producer, job)
+    assert_transfer(result, success=False, blocks=2, within=time.monotonic() - stored)
+    assert result.transfer_time > 0.19  # released by the reap, unbound_store_timeout later
+    assert_forgotten(producer, job)
+    h.finish(producer, pctx)
+    h.retire(producer)
+    h.check()
+    (line,) = adapter_warnings(caplog)
+    message = line.getMessage()
+    assert f"store job {job} of {kv_id} failed" in message
+    assert "within unbound_store_timeout (0.2 s)" in message
+    assert (line.kv_request_id, line.node) == (kv_id, producer.peer_id)
+
+
+def test_store_bookkeeping_is_bounded(
+    h: Harness, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past its bound the tier forgets its oldest store job, not the job itself.
+
+    (The bound is for releases that never come: a node that died.) The
+    forgotten job is still reported, without transfer figures (None: unknown)
+    and without its WARNING; the others keep theirs.
+    """
+    caplog.set_level(logging.WARNING, logger="p2pactor.vllm")
+    monkeypatch.setattr(adapter, "_MAX_TRACKED_STORES", 2)
+    producer = h.add(Engine("bounded", unbound_store_timeout_s=0.2))
+    kv_id = new_id("pd")
+    keys = new_keys(3)
+    producer.put(keys)
+    pctx, _ = h.open(producer, decoder(kv_id))
+    jobs = [h.store(producer, pctx, [k]) for k in keys]
+    assert len(producer.tier._stores) == 2
+    results = [h.result(producer, job) for job in jobs]
+    oldest = results[0]
+    assert (oldest.success, oldest.transfer_time, oldest.transfer_bytes) == (False, None, None)
+    for result in results[1:]:
+        assert result.success is False
+        assert result.transfer_bytes == 0
+        assert result.transfer_time is not None
+    assert producer.tier._stores == {}
+    h.finish(producer, pctx)
+    h.retire(producer)
+    h.check()
+    logged = sorted(int(line.getMessage().split()[2]) for line in adapter_warnings(caplog))
+    assert logged == jobs[1:]
 
 
 # --- on_request_finished -------------------------------------------------------------
