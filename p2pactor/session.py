@@ -32,6 +32,7 @@ import contextlib
 import enum
 import itertools
 import logging
+import math
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from functools import partial
@@ -49,7 +50,7 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.effects import context_name
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import ProducerState
+from p2pactor.core.producer import ProducerState, pin_expired
 from p2pactor.errors import ProtocolError, UnknownMessageType
 from p2pactor.logsetup import peer_context, request_context
 from p2pactor.quotas import QuotaLedger
@@ -73,6 +74,8 @@ __all__ = [
 log = logging.getLogger("p2pactor.session")
 
 _RETIRED_MEMORY = 4096
+_EXPIRY_LOG_INTERVAL_S = 10.0  # pins expired: at most one WARNING per session this often
+_ENDED_PER_TURN = 32  # actors told their session ended before the drain lets others run
 _PEER_MESSAGES = (
     wire.Lookup,
     wire.Fetch,
@@ -239,6 +242,9 @@ class PeerSession:
         self._handed_over = False
         self._consumers: dict[str, RequestActor] = {}
         self._producers: dict[str, RequestActor] = {}
+        self._live = 0  # actors spawned and not retired (the drain waits for 0)
+        self._expiry_logged_at = -math.inf
+        self._expiries_unlogged = 0
         # Recently ended ids, so that a reused kv_request_id gets a new
         # incarnation; bounded, and replay copes when an old one is forgotten.
         self._retired: OrderedDict[tuple[Role, str], int] = OrderedDict()
@@ -711,6 +717,7 @@ class PeerSession:
         incarnation = 0 if previous is None else previous + 1
         actor_id = ActorId(role, self.peer_id, kv_request_id, incarnation)
         actor = RequestActor(actor_id, self, self._config.timings)
+        self._live += 1
         self._host.actor_created(actor)
         return actor
 
@@ -721,7 +728,8 @@ class PeerSession:
         self._retired[actor.id.role, actor.id.kv_request_id] = actor.id.incarnation
         if len(self._retired) > _RETIRED_MEMORY:
             self._retired.popitem(last=False)
-        if self._closing and not self.live_actors():
+        self._live -= 1
+        if self._closing and not self._live:
             self._quiet.set()
 
     def _session_rounds(self) -> bool:
@@ -747,10 +755,32 @@ class PeerSession:
         for event in events:
             if not producer:
                 loads += _LOADS.get(type(event), 0)
+            elif type(event) is ev.PinReleased and pin_expired(event):
+                self._pin_expired(actor, event)
             for effect in fx.effects_of(event):
                 self._perform(actor, effect)
         if loads:
             host.data.expect_writes(loads)
+
+    def _pin_expired(self, actor: RequestActor, event: ev.PinReleased) -> None:
+        """Say at WARNING that a peer never fetched what its lookup pinned (a line per 10 s)."""
+        now = event.at
+        if now < self._expiry_logged_at + _EXPIRY_LOG_INTERVAL_S:
+            self._expiries_unlogged += 1
+            return
+        more, self._expiries_unlogged = self._expiries_unlogged, 0
+        self._expiry_logged_at = now
+        log.warning(
+            "%s never fetched the blocks its lookup for %s pinned: released pin %d (%s)%s; "
+            "a peer that looks up and does not fetch holds blocks for nothing (check that it "
+            "runs p2pactor or vLLM's tier, and that its fetches reach this node)",
+            self.peer_id,
+            actor.id.kv_request_id,
+            event.job_id,
+            event.reason,
+            f"; {more} more such releases since the last line" if more else "",
+            extra=request_context(self.peer_id, actor.id.kv_request_id, node=self._config.node_id),
+        )
 
     def _perform(self, actor: RequestActor, effect: fx.Effect) -> None:
         host = self._host
@@ -931,9 +961,14 @@ class PeerSession:
         self._early.clear()
         self._backlog.clear()
         self._closing = True
-        for actor in self.live_actors():
-            self._runner.deliver(actor, inp.SessionEnded(reason))
-        if self.live_actors():
+        ended = inp.SessionEnded(reason)
+        for i, actor in enumerate(self.live_actors(), start=1):
+            self._runner.deliver(actor, ended)
+            if i % _ENDED_PER_TURN == 0:
+                # A peer that leaves thousands of requests open must not stall
+                # every other session while they wind down.
+                await trio.lowlevel.checkpoint()
+        if self._live:
             with trio.move_on_after(self._config.drain_timeout):
                 await self._quiet.wait()
 

@@ -378,3 +378,25 @@ class TestDispatchErrors:
             await boom(20)
             await peer.expect(wire.Disconnect)
             assert "5 handler errors in a row" in await closed_reason(node)
+
+
+async def test_a_pin_no_fetch_came_for_is_released_with_one_warning(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with node_and_peer() as (node, cache, peer):
+        for i in range(3):
+            cache.store(key(i), block_bytes(key(i)))
+        await peer.handshake_as_client()
+        for i in range(3):  # three lookups in a row, never fetched
+            await peer.send(wire.Lookup(kv_request_id=f"r{i}", keys=(key(i),), round_seq=0))
+            await peer.expect(wire.LookupResp)
+        assert cache.pinned() == 3
+        with caplog.at_level("WARNING", logger="p2pactor.session"):
+            while cache.pinned():  # noqa: ASYNC110 - the cache has no event to wait on
+                await trio.sleep(1)
+        lines = [r for r in caplog.records if "never fetched" in r.getMessage()]
+        assert len(lines) == 1  # one line for the burst, the rest counted
+        assert getattr(lines[0], "peer", None) == PEER
+        assert getattr(lines[0], "kv_request_id", None) == "r0"
+        assert "no fetch used it within 30 s" in lines[0].getMessage()
+        assert node.peer_usage(PEER).pinned_blocks == 0

@@ -41,6 +41,7 @@ from p2pactor.core.records import replace
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
 __all__ = [
+    "PIN_EXPIRED",
     "ActiveLookup",
     "PinJob",
     "ProducerInput",
@@ -52,8 +53,18 @@ __all__ = [
     "decide_producer",
     "evolve_producer",
     "next_producer_deadline",
+    "pin_expired",
     "step_producer",
 ]
+
+PIN_EXPIRED = "no fetch used it within"
+"""How the reason of a :class:`~p2pactor.core.events.PinReleased` begins when the pin expired."""
+
+
+def pin_expired(event: ev.PinReleased) -> bool:
+    """Whether ``event`` released a pin because no fetch came for it in time."""
+    return event.reason.startswith(PIN_EXPIRED)
+
 
 ProducerInput = (
     wire.Lookup
@@ -1012,7 +1023,7 @@ def _tick(b: _B, t: Timings) -> None:
             )
     for job_id, job in sorted(b.state.jobs.items()):
         if now >= job.expires_at and _expirable(b.state, job):
-            reason = f"no fetch used it within {t.pin_timeout:g} s"
+            reason = f"{PIN_EXPIRED} {t.pin_timeout:g} s"
             b.emit(ev.PinReleased(**b.head, job_id=job_id, success=False, reason=reason))
 
 
