@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import logging
 import os
 import signal
@@ -67,6 +68,11 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
             ) as node,
             open_operator_surface(node) as surface,
         ):
+            # Nothing of the startup heap (modules, preloaded blocks) is ever
+            # collected: frozen, a full collection skips it instead of pausing
+            # the node tens of milliseconds (as vLLM's engine does).
+            gc.collect()
+            gc.freeze()
             sys.stdout.write(
                 f"p2pactor node {config.node_id} serving {config.num_blocks} blocks of "
                 f"{config.block_len} bytes ({len(keys)} preloaded); Ctrl-C to stop\n"

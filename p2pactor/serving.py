@@ -107,27 +107,28 @@ class ParentService:
         if self._embedded is None:
             self._queue.append((actor, request))
             return
-        self._queue.append((actor, request))
-        for answered in self._serve(self._embedded, parked=False):
+        # Embedded: nothing ever waits in the queue, so this one goes first.
+        answered = self._one(self._embedded, actor, request, self._clock())
+        if answered is not None:
             self._runner.deliver(*answered)
         self._arm()
 
     def release(self, job_id: int, *, success: bool) -> None:
         """Release pin job ``job_id`` now (embedded) or at the next serve (lent)."""
-        self._queue.append((None, _Release(job_id, success)))
-        if self._embedded is not None:
-            for answered in self._serve(self._embedded, parked=False):
-                self._runner.deliver(*answered)
+        if self._embedded is None:
+            self._queue.append((None, _Release(job_id, success)))
+        else:
+            self._one(self._embedded, None, _Release(job_id, success), self._clock())
 
     def post_close(self, context: str) -> None:
         """Close synthetic request ``context`` now (embedded) or at the next serve (lent).
 
         For a request whose actor is gone (its session closed with it open).
         """
-        self._queue.append((None, fx.ParentClose(context)))
-        if self._embedded is not None:
-            for answered in self._serve(self._embedded, parked=False):
-                self._runner.deliver(*answered)
+        if self._embedded is None:
+            self._queue.append((None, fx.ParentClose(context)))
+        else:
+            self._one(self._embedded, None, fx.ParentClose(context), self._clock())
 
     def serve(self, parent: Parent) -> list[Answered]:
         """Run the parked and the queued requests against a lent ``parent`` (any thread).
@@ -175,35 +176,48 @@ class ParentService:
                     actor, request = self._queue.popleft()
                 except IndexError:
                     return answers
-            match request:
-                case fx.ParentLookup():
-                    assert actor is not None
-                    answer = self._lookup(parent, actor, request, now)
-                    if answer is None:
-                        self._parked.append((actor, request))
-                    else:
-                        answers.append((actor, answer))
-                case fx.ParentClose(context):
-                    try:
-                        parent.on_request_finished(context)
-                    except Exception:
-                        log.exception(
-                            "the parent failed to finish %s; a bug in the engine's parent "
-                            "(see the traceback)",
-                            context,
-                            extra=parent_request_context(context, node=self._node_id),
-                        )
-                case _Release(job_id, success):
-                    self._quotas.released(job_id)
-                    try:
-                        parent.release_job(job_id, success=success)
-                    except Exception:
-                        log.exception(
-                            "the parent failed to release job %d; a bug in the engine's "
-                            "parent (see the traceback)",
-                            job_id,
-                            extra=request_context(None, None, node=self._node_id),
-                        )
+            answer = self._one(parent, actor, request, now)
+            if answer is not None:
+                answers.append(answer)
+
+    def _one(
+        self,
+        parent: Parent,
+        actor: RequestActor | None,
+        request: fx.ParentRequest | _Release,
+        now: float,
+    ) -> Answered | None:
+        """Serve one request: the answer a lookup gets now, if any (else it is parked)."""
+        match request:
+            case fx.ParentLookup():
+                assert actor is not None
+                answer = self._lookup(parent, actor, request, now)
+                if answer is None:
+                    self._parked.append((actor, request))
+                    return None
+                return actor, answer
+            case fx.ParentClose(context):
+                try:
+                    parent.on_request_finished(context)
+                except Exception:
+                    log.exception(
+                        "the parent failed to finish %s; a bug in the engine's parent "
+                        "(see the traceback)",
+                        context,
+                        extra=parent_request_context(context, node=self._node_id),
+                    )
+            case _Release(job_id, success):
+                self._quotas.released(job_id)
+                try:
+                    parent.release_job(job_id, success=success)
+                except Exception:
+                    log.exception(
+                        "the parent failed to release job %d; a bug in the engine's "
+                        "parent (see the traceback)",
+                        job_id,
+                        extra=request_context(None, None, node=self._node_id),
+                    )
+        return None
 
     def _lookup(
         self, parent: Parent, actor: RequestActor, request: fx.ParentLookup, now: float

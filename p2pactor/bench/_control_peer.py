@@ -34,6 +34,7 @@ handshakes exchange NIXL metadata) on 127.0.0.1:
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -85,6 +86,19 @@ def key_window(n: int, count: int) -> list[bytes]:
     """The keys of lookup number ``n``: ``count`` consecutive keys from a spot that moves."""
     start = (n * 97) % NUM_KEYS
     return [KEYS[(start + j) % NUM_KEYS] for j in range(count)]
+
+
+def _ready() -> None:
+    """Say READY, once set up: the startup heap is frozen first, on both sides alike.
+
+    What is left from importing and setting up (modules, the cache, the keys)
+    never needs collecting, and a full collection that scans it pauses a node
+    for tens of milliseconds, which is every lookup's latency then (vLLM's
+    engine freezes its heap the same way once it has started).
+    """
+    gc.collect()
+    gc.freeze()
+    _say("READY")
 
 
 def _say(obj: Any) -> None:
@@ -214,6 +228,7 @@ async def _ours(args: argparse.Namespace) -> None:
     from p2pactor.config import NodeConfig  # noqa: PLC0415
     from p2pactor.node import open_node  # noqa: PLC0415
     from p2pactor.quotas import PeerQuotas  # noqa: PLC0415
+    from p2pactor.surface import open_operator_surface  # noqa: PLC0415
 
     producer = args.role == "producer"
     blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
@@ -244,6 +259,8 @@ async def _ours(args: argparse.Namespace) -> None:
         open_zmq_transport(node_id, port=args.port) as control,
         open_nixl_transport(pool, BLOCK_LEN, name=f"bench-{args.role}") as data,
         open_node(config, control=control, data=data, parent=cache if producer else None) as node,
+        # As deployed (serve, the vLLM adapter): with its metrics.
+        open_operator_surface(node),
     ):
         trace = os.environ.get("P2PACTOR_BENCH_TRACE")
         seen: list[str] = []
@@ -254,7 +271,7 @@ async def _ours(args: argparse.Namespace) -> None:
                     for e in events
                 )
             )
-        _say("READY")
+        _ready()
         if producer:
             await trio.to_thread.run_sync(sys.stdin.read)
             if trace:
@@ -324,7 +341,7 @@ def _vllm(args: argparse.Namespace) -> None:
             sys.stdin.read()
             stop.set()
 
-    _say("READY")
+    _ready()
     if producer:
         parent = CacheParent(cache, tbase.TransferJob, vbase.RequestOffloadingContext, LookupResult)
         threading.Thread(target=watch, daemon=True).start()

@@ -182,6 +182,7 @@ async def _serve(num_blocks: int, block_len: int) -> None:
     from p2pactor.demo.node import _commands  # noqa: PLC0415
     from p2pactor.node import open_node  # noqa: PLC0415
     from p2pactor.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.surface import open_operator_surface  # noqa: PLC0415
 
     pool = torch.zeros(num_blocks * block_len, dtype=torch.uint8)
     cache = EmbeddedCache(num_blocks, block_len, memory=pool.numpy().data)
@@ -213,7 +214,10 @@ async def _serve(num_blocks: int, block_len: int) -> None:
         nursery.start_soon(_commands, trio.lowlevel.FdStream(os.dup(0)), commands_send)
         nursery.start_soon(ticker)
         config = bench_config(control.local_id, num_blocks, block_len)
-        async with open_node(config, control=control, data=data, parent=cache) as node:
+        async with (
+            open_node(config, control=control, data=data, parent=cache) as node,
+            open_operator_surface(node),  # as deployed: with its metrics
+        ):
             blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
             _say(event="ready", node_id=node.node_id, blocks=blocks, pid=os.getpid())
             async for command in commands:

@@ -100,6 +100,7 @@ async def _ours(args: argparse.Namespace) -> None:
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
     from p2pactor.node import Node, open_node  # noqa: PLC0415
     from p2pactor.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.surface import open_operator_surface  # noqa: PLC0415
 
     pool = bytearray(NUM_BLOCKS * BLOCK_LEN)
     cache = EmbeddedCache(NUM_BLOCKS, BLOCK_LEN, memory=memoryview(pool))
@@ -124,6 +125,7 @@ async def _ours(args: argparse.Namespace) -> None:
         open_zmq_transport(f"{HOST}:{args.port}", port=args.port) as control,
         open_nixl_transport(pool, BLOCK_LEN, name=f"bench-idle-{os.getpid()}") as data,
         open_node(config, control=control, data=data, parent=cache) as node,
+        open_operator_surface(node),  # as serve runs one: with its metrics
     ):
         _say("READY")
         if args.peer_port:

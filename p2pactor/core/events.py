@@ -179,7 +179,8 @@ def check_follows(actor: ActorId, seq: int, event: Event) -> None:
     Raises:
         ReplayError: It belongs to another actor, or skips or repeats a number.
     """
-    if event.actor != actor:
+    # Identity first: a live step's events carry its state's own ActorId.
+    if event.actor is not actor and event.actor != actor:
         raise ReplayError(f"event of {event.actor} applied to {actor}")
     if event.seq != seq + 1:
         raise ReplayError(f"{actor}: event seq {event.seq} after seq {seq}")
