@@ -284,6 +284,7 @@ _MONITOR_MASK = (
 # mismatch) and broken handshakes; ZAP refusals are logged by the handler.
 _ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _transport_serials = itertools.count(1)
+_REFAIR_EVERY = 4  # frames between the ROUTER's looks for newly readable connections
 
 
 def _events(sock: zmq.Socket[bytes]) -> int:
@@ -1106,6 +1107,14 @@ class ZmqControlTransport:
                         raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
                     handled += 1
                     route(frames)
+                    if not handled % _REFAIR_EVERY and not router.closed:
+                        # libzmq notices a connection that has just become
+                        # readable only when it processes its commands, which
+                        # recv does once per 100 messages while one connection
+                        # has a backlog: a flooding peer's 100 frames would go
+                        # before an honest peer's next one. Reading EVENTS
+                        # processes them now, so the round-robin includes it.
+                        router.sock.getsockopt(zmq.EVENTS)
                 if router.closed:
                     return
                 if handled:

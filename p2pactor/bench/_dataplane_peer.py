@@ -26,7 +26,7 @@ import os
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -144,13 +144,13 @@ def _descs(base: int, num_blocks: int, block_len: int) -> Any:
 
 
 def _instrument(data: Any, trace: list[tuple[float, ...]]) -> None:
-    """Record each write's (called, posted in thread, transfer() returned, returned).
+    """Record each write's (started, posted in thread, transfer() returned, done).
 
     Instance attributes shadow the methods, for this process only: the
     transport's code is what runs, the timestamps are added around it.
     """
     post_sync: Callable[..., Any] = data._post_sync
-    write: Callable[..., Awaitable[None]] = data.write
+    start_write: Callable[..., None] = data.start_write
     posts: list[tuple[float, float]] = []
 
     def timed_post(*args: Any) -> Any:
@@ -160,18 +160,20 @@ def _instrument(data: Any, trace: list[tuple[float, ...]]) -> None:
         finally:
             posts.append((start, time.perf_counter()))
 
-    async def timed_write(*args: Any) -> None:
+    def timed_start(peer: str, local: Any, remote: Any, done: Callable[[str | None], None]) -> None:
         called = time.perf_counter()
         posts.clear()
-        try:
-            await write(*args)
-        finally:
-            done = time.perf_counter()
+
+        def timed_done(error: str | None) -> None:
+            finished = time.perf_counter()
             post = posts[-1] if posts else (called, called)
-            trace.append((called, post[0], post[1], done))
+            trace.append((called, post[0], post[1], finished))
+            done(error)
+
+        start_write(peer, local, remote, timed_done)
 
     setattr(data, "_post_sync", timed_post)  # noqa: B010 - shadowing a method on purpose
-    setattr(data, "write", timed_write)  # noqa: B010
+    setattr(data, "start_write", timed_start)  # noqa: B010
 
 
 async def _serve(num_blocks: int, block_len: int) -> None:
