@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any, Final
 
@@ -67,6 +68,16 @@ def _port(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         raise ConfigError(f"{attribute.name} must be a TCP port (0-65535), got {value!r}")
 
 
+def _unused_actor_inbox(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value != attribute.default:
+        warnings.warn(
+            "NodeConfig.actor_inbox does nothing since actors are records (no inbox to "
+            "bound); remove it from your config",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+
+
 def _optional_port(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
     if value is not None and (type(value) is not int or not 0 <= value <= 65535):
         raise ConfigError(
@@ -110,7 +121,11 @@ class NodeConfig:
         allowed_peers: Peers this node may dial, as ``host:port``; None
             allows any (vLLM's behaviour). Request parameters can never make
             the node dial anything outside this set.
-        actor_inbox: Inputs queued per actor before its sender waits.
+        actor_inbox: Unused. Actors were tasks with an inbox each; they are
+            records now, stepped where their inputs arrive, so nothing queues
+            per actor. Accepted so that older configs still load; a value
+            other than the default warns (DeprecationWarning), and the field
+            goes away in a later release.
         session_outbox: Messages queued per peer before the peer counts as
             dead for not reading (vLLM: ZeroMQ SNDHWM 1000).
         max_dispatch_errors: Consecutive internal errors on one session
@@ -163,7 +178,7 @@ class NodeConfig:
     handshake_timeout: float = attrs.field(default=30.0, validator=_positive)
     idle_timeout: float = attrs.field(default=300.0, validator=_positive)
     allowed_peers: frozenset[str] | None = attrs.field(default=None, converter=_peers)
-    actor_inbox: int = attrs.field(default=256, validator=_positive_int)
+    actor_inbox: int = attrs.field(default=256, validator=[_positive_int, _unused_actor_inbox])
     session_outbox: int = attrs.field(default=1000, validator=_positive_int)
     max_dispatch_errors: int = attrs.field(default=5, validator=_positive_int)
     engine_inbox: int = attrs.field(default=100_000, validator=_positive_int)

@@ -79,6 +79,13 @@ def test_allowed_peers_must_be_a_collection() -> None:
         NodeConfig(allowed_peers="a:1")  # type: ignore[arg-type]
 
 
+def test_the_unused_actor_inbox_still_loads_but_warns() -> None:
+    assert NodeConfig().actor_inbox == 256  # the default says nothing
+    with pytest.warns(DeprecationWarning, match="actor_inbox does nothing"):
+        config = NodeConfig(actor_inbox=64)
+    assert config.actor_inbox == 64
+
+
 def test_fingerprint_is_vllms() -> None:
     fields = {"model": "m", "dtype": "bfloat16", "block_size": 16}
     expected = hashlib.sha256(
