@@ -182,15 +182,22 @@ DEFAULT_LIMITS: Final = Limits()
 # ---------------------------------------------------------------------------
 
 
-def _bytes_tuple(items: Iterable[bytes]) -> tuple[bytes, ...]:
+# Converters for sequence fields, here and in the core's events and inputs: any
+# iterable in (a list from a decoded frame, say), an immutable tuple stored.
+# Typed functions, not ``converter=tuple``, so mypy's attrs plugin knows the
+# constructor's argument types.
+def bytes_tuple(items: Iterable[bytes]) -> tuple[bytes, ...]:
+    """The byte strings (keys, mostly) as a tuple."""
     return tuple(items)
 
 
-def _bool_tuple(items: Iterable[bool]) -> tuple[bool, ...]:
+def bool_tuple(items: Iterable[bool]) -> tuple[bool, ...]:
+    """The booleans as a tuple."""
     return tuple(items)
 
 
-def _int_tuple(items: Iterable[int]) -> tuple[int, ...]:
+def int_tuple(items: Iterable[int]) -> tuple[int, ...]:
+    """The integers as a tuple."""
     return tuple(items)
 
 
@@ -284,7 +291,7 @@ class Lookup:
     TYPE: ClassVar[str] = "lookup"
 
     kv_request_id: str
-    keys: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
+    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple)
     round_seq: int
     deadline_ms: int | None = None
 
@@ -305,8 +312,8 @@ class LookupResp:
     TYPE: ClassVar[str] = "lookup_resp"
 
     kv_request_id: str
-    keys: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
-    hits: tuple[bool, ...] = attrs.field(converter=_bool_tuple)
+    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple)
+    hits: tuple[bool, ...] = attrs.field(converter=bool_tuple)
     round_seq: int | None = None
 
 
@@ -327,8 +334,8 @@ class Fetch:
     TYPE: ClassVar[str] = "fetch"
 
     kv_request_id: str
-    keys: tuple[bytes, ...] = attrs.field(converter=_bytes_tuple)
-    block_indexes: tuple[int, ...] = attrs.field(converter=_int_tuple)
+    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple)
+    block_indexes: tuple[int, ...] = attrs.field(converter=int_tuple)
     round_seq: int
 
 

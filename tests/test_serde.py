@@ -8,6 +8,8 @@ does not know, and malformed payloads with :class:`EventFormatError`.
 from __future__ import annotations
 
 import contextlib
+import enum
+import hashlib
 import types
 import typing
 
@@ -127,3 +129,127 @@ def test_mistyped_field_is_refused(fmt: Format) -> None:
 def test_junk_bytes_raise_only_event_format_error(fmt: Format, junk: bytes) -> None:
     with contextlib.suppress(EventFormatError):
         decode_event(junk, fmt)
+
+
+# --- golden: the on-disk format -------------------------------------------------------
+#
+# One fixed instance per kind, its envelope in both encodings, frozen as digests.
+# A change here changes what every existing log decodes to: bump the kind's
+# VERSION instead, and only then update the table.
+
+GOLDEN_ACTOR = ActorId(Role.PRODUCER, "10.0.0.2:5710", "req-1", incarnation=3)
+
+
+def golden_value(hint: object, i: int, name: str) -> object:
+    """A fixed value for field number ``i`` (named ``name``) of type ``hint``."""
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType):  # X | None: the X
+        return golden_value(next(a for a in args if a is not type(None)), i, name)
+    if typing.get_origin(hint) is tuple:
+        return tuple(golden_value(args[0], i + j, name) for j in range(2))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        members = list(hint)
+        return members[i % len(members)]
+    values: dict[object, object] = {
+        ActorId: GOLDEN_ACTOR,
+        bool: i % 2 == 0,
+        int: 2**40 + i,
+        float: i + 0.25,
+        str: f"{name} #{i}",
+        bytes: bytes([i, 255 - i]),
+    }
+    return values[hint]
+
+
+def golden_event(cls: type[ev.Event]) -> ev.AnyEvent:
+    hints = typing.get_type_hints(cls)
+    fields = attrs.fields(cls)
+    values = {f.name: golden_value(hints[f.name], i, f.name) for i, f in enumerate(fields)}
+    return typing.cast("ev.AnyEvent", cls(**values))
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+GOLDEN: dict[str, tuple[int, str, str]] = {
+    "AbortAckSent": (1, "9a9af44b8337ca93", "8d6a1df8eeaa01db"),
+    "AbortAcked": (1, "0d3a3d759b1c8829", "e57f1ce10b47dd07"),
+    "AbortReceived": (1, "4d261cddd344201f", "1070f9b58aa726ba"),
+    "AbortSent": (1, "f6f3786b9aa54094", "dcaea740745e73f1"),
+    "Aborted": (1, "f8b9584c1bf81ed4", "c493bfe5ba17e4ac"),
+    "CloseRequested": (1, "02fcae2b54ce3a95", "7b06e29bbb2f5a41"),
+    "Closed": (1, "28c05dde2c86a1d5", "23f6fbc38564d8c3"),
+    "ContextClosed": (1, "75c1e25e4e55f12b", "00ff58249a973564"),
+    "FetchReceived": (1, "ed7a9dbbb9c85b7b", "64528904319e11a8"),
+    "FetchRefused": (1, "39e6492ed19097b1", "32e40a7f7ef34b77"),
+    "FetchSent": (1, "f620efde0ab39eac", "3ece6108ee6789f9"),
+    "FetchSkipped": (1, "32b875c46616c32d", "324c1b3b663bc721"),
+    "FinishRequested": (1, "62e14b02cd861764", "18ef23565c09621d"),
+    "Finished": (1, "5f43026bbe2491d6", "59717debb7989703"),
+    "Ignored": (1, "0c0f62dffd90f341", "b0b271c1fbf938a9"),
+    "KeysPinned": (1, "a4252eb3dcec53cd", "5628ba26971aed02"),
+    "KeysRefused": (1, "15ab0815ac19ea3a", "f720460de3947820"),
+    "KeysResolved": (1, "7d296f23a96df9ab", "97f60f155078a592"),
+    "LookupAnswered": (1, "3b70893ba14fe857", "734d90cbee9cd6ca"),
+    "LookupCancelled": (1, "33a7083f6dd35712", "085f53c3f8c7fd88"),
+    "LookupDropped": (1, "0d06382c0da7f994", "fc3ef2e783dc1ff8"),
+    "LookupLimited": (1, "96f19c937bb6fc7e", "57bb5b4adb935304"),
+    "LookupReceived": (1, "e51a9605a519f397", "91c1f05c848a4754"),
+    "LookupRefused": (1, "83bae6eb297e3c89", "d78057b994c01f35"),
+    "LookupResp": (1, "61dea3cc15064f99", "d2da8862d2aec075"),
+    "LookupTimedOut": (1, "c4f20be3a6b6ffbd", "d69a63d81ed53348"),
+    "Opened": (1, "e9080d90c97f9ea7", "979c19597815385a"),
+    "ParentExpired": (1, "e858193e640cf294", "6db67e810819f92f"),
+    "PendingExpired": (1, "6b19e2557abf3aab", "07f2e9ba6c3001ec"),
+    "PendingPolled": (1, "df3f986c0f9c31cc", "ea804062dd3d7076"),
+    "PinReleased": (1, "9d2bda6083fdd121", "23b89063a538dfbc"),
+    "Probed": (1, "84ddaf4cca3706c6", "a334c23fe9c7ab16"),
+    "Registered": (1, "150a02084bc91732", "4536a0fdcc39f1c7"),
+    "Rejected": (1, "ac5aaafb0bc9cb21", "ecc44ad6145e26aa"),
+    "RoundClosed": (1, "5ab24e2791096aad", "827a6a07f86e531e"),
+    "SessionLost": (1, "be6dd444e2f3fd20", "f3edac5c6a6fb61f"),
+    "StoreAdded": (1, "a1b214587f05d359", "d415f519e41f3484"),
+    "TransferCompleted": (1, "92741dda31b76f50", "cc4aec0b9ec5b97a"),
+    "TransferDone": (1, "a865d07221dc828a", "dfb82394be80cc9a"),
+    "TransferDoneSent": (1, "db6bfe08f4f7d8f1", "1530cfa232669403"),
+    "TransferFailed": (1, "53d827c20706506d", "04235f955c30789e"),
+    "TransferStarted": (1, "7b5667030b35ad82", "c33e7f6bec0158bb"),
+}
+"""Every kind: (VERSION, msgpack digest, JSON digest) of its golden event's envelope."""
+
+
+def test_the_kinds_and_their_versions_are_frozen() -> None:
+    assert sorted((k, c.VERSION) for k, c in ev.EVENT_TYPES.items()) == [
+        (k, v) for k, (v, _, _) in sorted(GOLDEN.items())
+    ]
+
+
+@pytest.mark.parametrize("kind", sorted(GOLDEN))
+def test_the_bytes_of_each_kind_are_frozen(kind: str) -> None:
+    event = golden_event(ev.EVENT_TYPES[kind])
+    packed, text = encode_event(event, "msgpack"), encode_event(event, "json")
+    assert (digest(packed), digest(text)) == GOLDEN[kind][1:], text.decode()
+    assert decode_event(packed, "msgpack") == event == decode_event(text, "json")
+
+
+def test_the_registry_is_exactly_the_two_roles_events() -> None:
+    consumer, producer = typing.get_args(ev.ConsumerEvent), typing.get_args(ev.ProducerEvent)
+    assert set(ev.EVENT_TYPES.values()) == set(consumer) | set(producer)
+    assert set(typing.get_args(ev.AnyEvent)) == set(consumer) | set(producer)
+    assert all(kind == cls.__name__ for kind, cls in ev.EVENT_TYPES.items())
+
+
+def test_every_kind_is_exported() -> None:
+    assert set(ev.EVENT_TYPES) <= set(ev.__all__)
+    assert all(getattr(ev, name) is not None for name in ev.__all__)
+
+
+def test_a_second_event_type_of_the_same_name_is_refused() -> None:
+    with pytest.raises(TypeError, match="two event types are named Closed"):
+
+        @attrs.frozen(kw_only=True)
+        class Closed(ev.Event):
+            reason: str
+
+    assert ev.EVENT_TYPES["Closed"] is ev.Closed

@@ -14,13 +14,13 @@ action from the event alone.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
 from typing import ClassVar
 
 import attrs
 
 from p2pactor.core.ids import ActorId
 from p2pactor.errors import ReplayError
+from p2pactor.protocol import bool_tuple, bytes_tuple, int_tuple
 
 __all__ = [
     "EVENT_TYPES",
@@ -66,7 +66,6 @@ __all__ = [
     "Rejected",
     "RoundClosed",
     "SessionLost",
-    "SharedEvent",
     "StoreAdded",
     "TransferCompleted",
     "TransferDone",
@@ -79,20 +78,6 @@ __all__ = [
 
 Keys = tuple[bytes, ...]
 Ints = tuple[int, ...]
-
-
-# Converters let callers pass any iterable (a list from a decoded message, say)
-# while the stored value is always an immutable tuple.
-def _keys(value: Iterable[bytes]) -> Keys:
-    return tuple(value)
-
-
-def _ints(value: Iterable[int]) -> Ints:
-    return tuple(value)
-
-
-def _bools(value: Iterable[bool]) -> tuple[bool, ...]:
-    return tuple(value)
 
 
 class ConsumerPhase(enum.Enum):
@@ -155,6 +140,13 @@ class Quota(enum.Enum):
     """Rounds one request of the peer holds (looked up or fetched, not ended)."""
 
 
+EVENT_TYPES: dict[str, type[Event]] = {}
+"""Every concrete event type by its ``KIND``: the registry used to read logs.
+
+Each subclass of :class:`Event` adds itself as it is defined.
+"""
+
+
 @attrs.frozen(kw_only=True)
 class Event:
     """Base of every event.
@@ -165,12 +157,22 @@ class Event:
         at: Monotonic time (seconds) at which it happened.
     """
 
-    KIND: ClassVar[str] = "Event"
+    KIND: ClassVar[str]
+    """The type's name, as logs spell it: set on each subclass from its name."""
     VERSION: ClassVar[int] = 1
+    """The schema version of the type's fields; a reader refuses any other."""
 
     actor: ActorId
     seq: int
     at: float
+
+    @classmethod
+    def __attrs_init_subclass__(cls) -> None:
+        kind = cls.__name__
+        if kind in EVENT_TYPES:
+            raise TypeError(f"two event types are named {kind}")
+        cls.KIND = kind
+        EVENT_TYPES[kind] = cls
 
 
 def check_follows(actor: ActorId, seq: int, event: Event) -> None:
@@ -198,7 +200,6 @@ class Ignored(Event):
         reason: Why it changed nothing.
     """
 
-    KIND: ClassVar[str] = "Ignored"
     input: str
     reason: str
 
@@ -213,7 +214,6 @@ class Rejected(Event):
         detail: The specifics, for the log.
     """
 
-    KIND: ClassVar[str] = "Rejected"
     input: str
     violation: Violation
     detail: str
@@ -227,7 +227,6 @@ class SessionLost(Event):
         reason: Why the session ended.
     """
 
-    KIND: ClassVar[str] = "SessionLost"
     reason: str
 
 
@@ -238,8 +237,6 @@ class FinishRequested(Event):
     For a consumer, the request is over; for a prefill/decode producer, the
     engine will store no more blocks for it.
     """
-
-    KIND: ClassVar[str] = "FinishRequested"
 
 
 # --- consumer ---------------------------------------------------------------------
@@ -253,7 +250,6 @@ class Opened(Event):
         round_seq: Its first round (0 in vLLM's dialect).
     """
 
-    KIND: ClassVar[str] = "Opened"
     round_seq: int
 
 
@@ -265,8 +261,7 @@ class Registered(Event):
         keys: The new keys, in the order the engine asked.
     """
 
-    KIND: ClassVar[str] = "Registered"
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -279,9 +274,8 @@ class Probed(Event):
         lookup_deadline: When the request fails if no key resolves before.
     """
 
-    KIND: ClassVar[str] = "Probed"
     round_seq: int
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
     lookup_deadline: float
 
 
@@ -298,10 +292,9 @@ class LookupResp(Event):
         lookup_deadline: The new progress deadline, None once nothing waits.
     """
 
-    KIND: ClassVar[str] = "LookupResp"
     round_seq: int | None
-    keys: Keys = attrs.field(converter=_keys)
-    hits: tuple[bool, ...] = attrs.field(converter=_bools)
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    hits: tuple[bool, ...] = attrs.field(converter=bool_tuple)
     lookup_deadline: float | None
 
 
@@ -313,8 +306,7 @@ class LookupTimedOut(Event):
         keys: The probes still waiting; they count as TIMEOUT, answered MISS.
     """
 
-    KIND: ClassVar[str] = "LookupTimedOut"
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -330,11 +322,10 @@ class FetchSent(Event):
         next_round: The round that lookups and fetches use from now on.
     """
 
-    KIND: ClassVar[str] = "FetchSent"
     round_seq: int
     job_id: int
-    keys: Keys = attrs.field(converter=_keys)
-    block_indexes: Ints = attrs.field(converter=_ints)
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    block_indexes: Ints = attrs.field(converter=int_tuple)
     load_deadline: float
     next_round: int
 
@@ -349,7 +340,6 @@ class FetchSkipped(Event):
         reason: Why.
     """
 
-    KIND: ClassVar[str] = "FetchSkipped"
     job_id: int
     success: bool
     reason: str
@@ -363,7 +353,6 @@ class LookupCancelled(Event):
         round_seq: The current round, stamped on the empty fetch.
     """
 
-    KIND: ClassVar[str] = "LookupCancelled"
     round_seq: int
 
 
@@ -377,7 +366,6 @@ class TransferDone(Event):
         success: Whether every block arrived.
     """
 
-    KIND: ClassVar[str] = "TransferDone"
     round_seq: int
     job_id: int
     success: bool
@@ -394,7 +382,6 @@ class AbortSent(Event):
         ack_deadline: When the load fails even without the peer's ack.
     """
 
-    KIND: ClassVar[str] = "AbortSent"
     round_seq: int
     job_id: int
     reason: str
@@ -410,7 +397,6 @@ class AbortAcked(Event):
         job_id: The engine's load job, now failed.
     """
 
-    KIND: ClassVar[str] = "AbortAcked"
     round_seq: int
     job_id: int
 
@@ -425,7 +411,6 @@ class Aborted(Event):
         reason: Why.
     """
 
-    KIND: ClassVar[str] = "Aborted"
     round_seq: int
     job_id: int
     reason: str
@@ -440,7 +425,6 @@ class Finished(Event):
         reason: A summary for people.
     """
 
-    KIND: ClassVar[str] = "Finished"
     phase: ConsumerPhase
     reason: str
 
@@ -459,10 +443,9 @@ class LookupReceived(Event):
         deadline: When keys still pending are answered MISS.
     """
 
-    KIND: ClassVar[str] = "LookupReceived"
     lookup_id: int
     round_seq: int
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
     deadline: float
 
 
@@ -480,11 +463,10 @@ class KeysResolved(Event):
         next_poll_at: When to ask again about ``pending``.
     """
 
-    KIND: ClassVar[str] = "KeysResolved"
     lookup_id: int
-    hits: Keys = attrs.field(converter=_keys)
-    misses: Keys = attrs.field(converter=_keys)
-    pending: Keys = attrs.field(converter=_keys)
+    hits: Keys = attrs.field(converter=bytes_tuple)
+    misses: Keys = attrs.field(converter=bytes_tuple)
+    pending: Keys = attrs.field(converter=bytes_tuple)
     next_poll_at: float | None
 
 
@@ -501,12 +483,11 @@ class KeysPinned(Event):
         expires_at: When the pin is released if no fetch uses it.
     """
 
-    KIND: ClassVar[str] = "KeysPinned"
     lookup_id: int
     round_seq: int
     job_id: int
-    keys: Keys = attrs.field(converter=_keys)
-    blocks: Ints = attrs.field(converter=_ints)
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    blocks: Ints = attrs.field(converter=int_tuple)
     expires_at: float
 
 
@@ -520,9 +501,8 @@ class PendingPolled(Event):
         not_after: The parent must not look them up past this time.
     """
 
-    KIND: ClassVar[str] = "PendingPolled"
     lookup_id: int
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
     not_after: float
 
 
@@ -534,7 +514,6 @@ class ParentExpired(Event):
         lookup_id: Which lookup.
     """
 
-    KIND: ClassVar[str] = "ParentExpired"
     lookup_id: int
 
 
@@ -547,9 +526,8 @@ class PendingExpired(Event):
         keys: The keys that timed out.
     """
 
-    KIND: ClassVar[str] = "PendingExpired"
     lookup_id: int
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -563,11 +541,10 @@ class LookupAnswered(Event):
         hits: Parallel to ``keys``.
     """
 
-    KIND: ClassVar[str] = "LookupAnswered"
     lookup_id: int
     round_seq: int
-    keys: Keys = attrs.field(converter=_keys)
-    hits: tuple[bool, ...] = attrs.field(converter=_bools)
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    hits: tuple[bool, ...] = attrs.field(converter=bool_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -579,7 +556,6 @@ class LookupDropped(Event):
         reason: Why.
     """
 
-    KIND: ClassVar[str] = "LookupDropped"
     lookup_id: int
     reason: str
 
@@ -592,7 +568,6 @@ class ContextClosed(Event):
         lookup_id: Which lookup.
     """
 
-    KIND: ClassVar[str] = "ContextClosed"
     lookup_id: int
 
 
@@ -610,9 +585,8 @@ class LookupRefused(Event):
         reason: The specifics, with the numbers, for the log.
     """
 
-    KIND: ClassVar[str] = "LookupRefused"
     round_seq: int
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
     quota: Quota
     reason: str
 
@@ -634,10 +608,9 @@ class LookupLimited(Event):
         reason: The specifics, with the numbers, for the log.
     """
 
-    KIND: ClassVar[str] = "LookupLimited"
     lookup_id: int
     round_seq: int
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
     admitted: int
     deadline: float
     reason: str
@@ -657,9 +630,8 @@ class KeysRefused(Event):
         reason: The specifics, with the numbers, for the log.
     """
 
-    KIND: ClassVar[str] = "KeysRefused"
     lookup_id: int
-    keys: Keys = attrs.field(converter=_keys)
+    keys: Keys = attrs.field(converter=bytes_tuple)
     quota: Quota
     reason: str
 
@@ -678,7 +650,6 @@ class FetchRefused(Event):
         reason: The specifics, with the numbers, for the log.
     """
 
-    KIND: ClassVar[str] = "FetchRefused"
     round_seq: int
     quota: Quota
     reason: str
@@ -695,10 +666,9 @@ class StoreAdded(Event):
         expires_at: When the pin is released if no fetch uses it.
     """
 
-    KIND: ClassVar[str] = "StoreAdded"
     job_id: int
-    keys: Keys = attrs.field(converter=_keys)
-    blocks: Ints = attrs.field(converter=_ints)
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    blocks: Ints = attrs.field(converter=int_tuple)
     expires_at: float
 
 
@@ -712,10 +682,9 @@ class FetchReceived(Event):
         block_indexes: Where to, in the peer's pool, parallel to ``keys``.
     """
 
-    KIND: ClassVar[str] = "FetchReceived"
     round_seq: int
-    keys: Keys = attrs.field(converter=_keys)
-    block_indexes: Ints = attrs.field(converter=_ints)
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    block_indexes: Ints = attrs.field(converter=int_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -731,13 +700,12 @@ class TransferStarted(Event):
         job_ids: The pin job holding each source block, parallel to ``keys``.
     """
 
-    KIND: ClassVar[str] = "TransferStarted"
     transfer_id: int
     round_seq: int
-    keys: Keys = attrs.field(converter=_keys)
-    local_blocks: Ints = attrs.field(converter=_ints)
-    remote_blocks: Ints = attrs.field(converter=_ints)
-    job_ids: Ints = attrs.field(converter=_ints)
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    local_blocks: Ints = attrs.field(converter=int_tuple)
+    remote_blocks: Ints = attrs.field(converter=int_tuple)
+    job_ids: Ints = attrs.field(converter=int_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -748,7 +716,6 @@ class TransferCompleted(Event):
         transfer_id: Which transfer.
     """
 
-    KIND: ClassVar[str] = "TransferCompleted"
     transfer_id: int
 
 
@@ -761,7 +728,6 @@ class TransferFailed(Event):
         reason: Why.
     """
 
-    KIND: ClassVar[str] = "TransferFailed"
     transfer_id: int
     reason: str
 
@@ -776,7 +742,6 @@ class TransferDoneSent(Event):
         reason: Why it failed, or "" on success.
     """
 
-    KIND: ClassVar[str] = "TransferDoneSent"
     round_seq: int
     success: bool
     reason: str
@@ -790,7 +755,6 @@ class AbortReceived(Event):
         round_seq: The round.
     """
 
-    KIND: ClassVar[str] = "AbortReceived"
     round_seq: int
 
 
@@ -802,7 +766,6 @@ class AbortAckSent(Event):
         round_seq: The round.
     """
 
-    KIND: ClassVar[str] = "AbortAckSent"
     round_seq: int
 
 
@@ -815,7 +778,6 @@ class RoundClosed(Event):
         reason: Why.
     """
 
-    KIND: ClassVar[str] = "RoundClosed"
     round_seq: int
     reason: str
 
@@ -830,7 +792,6 @@ class PinReleased(Event):
         reason: Why it was released.
     """
 
-    KIND: ClassVar[str] = "PinReleased"
     job_id: int
     success: bool
     reason: str
@@ -845,7 +806,6 @@ class CloseRequested(Event):
         reason: Why, in words.
     """
 
-    KIND: ClassVar[str] = "CloseRequested"
     round_seq: int
     reason: str
 
@@ -858,64 +818,16 @@ class Closed(Event):
         reason: A summary for people.
     """
 
-    KIND: ClassVar[str] = "Closed"
     reason: str
 
 
-EVENT_TYPES: dict[str, type[Event]] = {
-    cls.KIND: cls
-    for cls in (
-        Ignored,
-        Rejected,
-        SessionLost,
-        FinishRequested,
-        Opened,
-        Registered,
-        Probed,
-        LookupResp,
-        LookupTimedOut,
-        FetchSent,
-        FetchSkipped,
-        LookupCancelled,
-        TransferDone,
-        AbortSent,
-        AbortAcked,
-        Aborted,
-        Finished,
-        LookupReceived,
-        LookupRefused,
-        LookupLimited,
-        KeysResolved,
-        KeysPinned,
-        KeysRefused,
-        PendingPolled,
-        ParentExpired,
-        PendingExpired,
-        LookupAnswered,
-        LookupDropped,
-        ContextClosed,
-        StoreAdded,
-        FetchReceived,
-        FetchRefused,
-        TransferStarted,
-        TransferCompleted,
-        TransferFailed,
-        TransferDoneSent,
-        AbortReceived,
-        AbortAckSent,
-        RoundClosed,
-        PinReleased,
-        CloseRequested,
-        Closed,
-    )
-}
-"""Every concrete event type by its ``KIND``: the registry used to read logs."""
-
-SharedEvent = Ignored | Rejected | SessionLost | FinishRequested
-"""Events either role may record."""
-
 ConsumerEvent = (
-    SharedEvent
+    # either role
+    Ignored
+    | Rejected
+    | SessionLost
+    | FinishRequested
+    # this role
     | Opened
     | Registered
     | Probed
@@ -933,7 +845,12 @@ ConsumerEvent = (
 """Events of a consumer actor."""
 
 ProducerEvent = (
-    SharedEvent
+    # either role
+    Ignored
+    | Rejected
+    | SessionLost
+    | FinishRequested
+    # this role
     | LookupReceived
     | LookupRefused
     | LookupLimited

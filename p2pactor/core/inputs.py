@@ -35,14 +35,6 @@ __all__ = [
 ]
 
 
-def _keys(value: Iterable[bytes]) -> tuple[bytes, ...]:
-    return tuple(value)
-
-
-def _ints(value: Iterable[int]) -> tuple[int, ...]:
-    return tuple(value)
-
-
 class LookupResult(enum.Enum):
     """What a cache says about one key (the same four answers as vLLM's)."""
 
@@ -80,7 +72,7 @@ class Register:
     :class:`Flush` right after would do): one input per engine lookup.
     """
 
-    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
+    keys: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple)
     flush: bool = False
 
 
@@ -103,8 +95,8 @@ class SubmitLoad:
     """
 
     job_id: int
-    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
-    block_indexes: tuple[int, ...] = attrs.field(converter=_ints)
+    keys: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple)
+    block_indexes: tuple[int, ...] = attrs.field(converter=wire.int_tuple)
     next_round: int | None = None
 
 
@@ -140,8 +132,8 @@ class Pin:
     """
 
     job_id: int
-    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
-    blocks: tuple[int, ...] = attrs.field(converter=_ints)
+    keys: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple)
+    blocks: tuple[int, ...] = attrs.field(converter=wire.int_tuple)
 
 
 @attrs.frozen(kw_only=True)
@@ -164,7 +156,7 @@ class ParentAnswer:
     results: tuple[tuple[bytes, LookupResult], ...] = attrs.field(converter=_results, default=())
     pin: Pin | None = None
     expired: bool = False
-    refused: tuple[bytes, ...] = attrs.field(converter=_keys, default=())
+    refused: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple, default=())
     refusal: str = ""
 
 
@@ -208,8 +200,8 @@ class AddStore:
     """
 
     job_id: int
-    keys: tuple[bytes, ...] = attrs.field(converter=_keys)
-    blocks: tuple[int, ...] = attrs.field(converter=_ints)
+    keys: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple)
+    blocks: tuple[int, ...] = attrs.field(converter=wire.int_tuple)
 
 
 @attrs.frozen(kw_only=True)
