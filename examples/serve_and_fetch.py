@@ -23,14 +23,17 @@ import sys
 import torch
 import trio
 
-from p2pactor.adapters.nixl import open_nixl_transport
-from p2pactor.adapters.zmq import open_zmq_transport
-from p2pactor.config import DEFAULT_HASH_SEED, NodeConfig
-from p2pactor.core.inputs import LookupResult
-from p2pactor.demo.workload import block_bytes
-from p2pactor.node import open_node
-from p2pactor.parent import EmbeddedCache
-from p2pactor.serve import preload_keys
+from p2pactor import (
+    DEFAULT_HASH_SEED,
+    EmbeddedCache,
+    LookupResult,
+    NodeConfig,
+    block_bytes,
+    open_nixl_transport,
+    open_node,
+    open_zmq_transport,
+    preload_keys,
+)
 
 BLOCK_LEN = 64 * 1024
 NUM_BLOCKS = 64

@@ -15,12 +15,7 @@ import hashlib
 
 import trio
 
-from p2pactor.config import NodeConfig
-from p2pactor.core.fold import fold
-from p2pactor.core.inputs import LookupResult
-from p2pactor.log import EventLog
-from p2pactor.node import Node, open_node
-from p2pactor.parent import EmbeddedCache
+from p2pactor import EmbeddedCache, EventLog, LookupResult, Node, NodeConfig, fold, open_node
 from p2pactor.testing import MemoryDataPlane, MemoryNetwork
 
 BLOCK_LEN = 256

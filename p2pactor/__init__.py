@@ -2,22 +2,153 @@
 
 Every engine ("node") asks peers which KV blocks they hold, pulls the hits over
 NIXL, and serves its own blocks to others. Each request is an actor that reduces
-an immutable event log into typed state; see ``DESIGN.md`` in the repository.
+an immutable event log into typed state; see ``docs/design.md``.
+
+Import what you use from here::
+
+    from p2pactor import NodeConfig, open_node, open_zmq_transport, open_nixl_transport
+
+Everything a user needs is in this namespace; the modules behind it are the
+implementation, free to move between releases. Two namespaces stay separate:
+``p2pactor.testing`` (in-memory transports with fault injection, for your tests)
+and ``p2pactor.adapters.vllm`` (vLLM's tier entry point, which imports vLLM).
 
 Layers, imports pointing downward only:
 
 * ``p2pactor.core`` and ``p2pactor.protocol``: the pure core (no I/O, no clock).
 * the trio runtime (actors, sessions, the node, the event log).
 * ``p2pactor.adapters``: ZeroMQ, NIXL and vLLM.
+* the operator surface (metrics, status, the timeline), attached from outside.
+
+The names below load on first use, so that importing the pure core (or this
+package for its errors) does not pull in trio, pyzmq or NIXL.
 """
 
 from __future__ import annotations
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
-from p2pactor.errors import ConfigError, P2PActorError, ProtocolError
+from p2pactor.errors import (
+    ConfigError,
+    DataPlaneError,
+    EventFormatError,
+    FrameTooLarge,
+    InvalidField,
+    LogError,
+    LogFormatError,
+    MalformedFrame,
+    P2PActorError,
+    ProtocolError,
+    ReplayError,
+    UnknownMessageType,
+)
 
-__all__ = ["ConfigError", "P2PActorError", "ProtocolError", "__version__"]
+if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
+    from p2pactor.adapters.nixl import NixlOptions, open_nixl_transport
+    from p2pactor.adapters.zmq import ZmqOptions, open_zmq_transport
+    from p2pactor.config import DEFAULT_HASH_SEED, NodeConfig, fingerprint_of
+    from p2pactor.core.fold import fold
+    from p2pactor.core.inputs import LookupResult
+    from p2pactor.core.timings import Timings
+    from p2pactor.keys import CurveSecurity, generate_keypair
+    from p2pactor.log import Durability, EventLog, read_log
+    from p2pactor.logsetup import JsonFormatter, configure_logging
+    from p2pactor.node import FetchResult, LoadResult, Node, open_node
+    from p2pactor.parent import CacheFull, EmbeddedCache, Parent
+    from p2pactor.protocol import Limits
+    from p2pactor.quotas import PeerQuotas
+    from p2pactor.samples import block_bytes, chain_keys, preload_keys
+    from p2pactor.surface import OperatorSurface, open_operator_surface
+    from p2pactor.transport import TransferError
+
+__all__ = [
+    "DEFAULT_HASH_SEED",
+    "CacheFull",
+    "ConfigError",
+    "CurveSecurity",
+    "DataPlaneError",
+    "Durability",
+    "EmbeddedCache",
+    "EventFormatError",
+    "EventLog",
+    "FetchResult",
+    "FrameTooLarge",
+    "InvalidField",
+    "JsonFormatter",
+    "Limits",
+    "LoadResult",
+    "LogError",
+    "LogFormatError",
+    "LookupResult",
+    "MalformedFrame",
+    "NixlOptions",
+    "Node",
+    "NodeConfig",
+    "OperatorSurface",
+    "P2PActorError",
+    "Parent",
+    "PeerQuotas",
+    "ProtocolError",
+    "ReplayError",
+    "Timings",
+    "TransferError",
+    "UnknownMessageType",
+    "ZmqOptions",
+    "__version__",
+    "block_bytes",
+    "chain_keys",
+    "configure_logging",
+    "fingerprint_of",
+    "fold",
+    "generate_keypair",
+    "open_nixl_transport",
+    "open_node",
+    "open_operator_surface",
+    "open_zmq_transport",
+    "preload_keys",
+    "read_log",
+]
+
+# Where each lazily loaded name lives; tests/test_public.py checks that it
+# agrees with the imports above and with ``__all__``.
+_LAZY = {
+    name: module
+    for module, names in {
+        "p2pactor.adapters.nixl": ("NixlOptions", "open_nixl_transport"),
+        "p2pactor.adapters.zmq": ("ZmqOptions", "open_zmq_transport"),
+        "p2pactor.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
+        "p2pactor.core.fold": ("fold",),
+        "p2pactor.core.inputs": ("LookupResult",),
+        "p2pactor.core.timings": ("Timings",),
+        "p2pactor.keys": ("CurveSecurity", "generate_keypair"),
+        "p2pactor.log": ("Durability", "EventLog", "read_log"),
+        "p2pactor.logsetup": ("JsonFormatter", "configure_logging"),
+        "p2pactor.node": ("FetchResult", "LoadResult", "Node", "open_node"),
+        "p2pactor.parent": ("CacheFull", "EmbeddedCache", "Parent"),
+        "p2pactor.protocol": ("Limits",),
+        "p2pactor.quotas": ("PeerQuotas",),
+        "p2pactor.samples": ("block_bytes", "chain_keys", "preload_keys"),
+        "p2pactor.surface": ("OperatorSurface", "open_operator_surface"),
+        "p2pactor.transport": ("TransferError",),
+    }.items()
+    for name in names
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'p2pactor' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 try:
     __version__ = version("p2pactor")

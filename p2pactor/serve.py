@@ -4,7 +4,7 @@ For people wiring their own engine: a node with ZeroMQ control on
 ``host:port``, a NIXL data plane over a torch block pool, and an embedded
 cache, configured from flags or from the same environment variables as vLLM.
 With ``--preload N`` it stores N deterministic blocks (the keys of a prompt of N
-token blocks, see :func:`preload_keys`) so other nodes have something to fetch.
+token blocks, see :func:`p2pactor.preload_keys`) so other nodes have something to fetch.
 It runs until interrupted (Ctrl-C or SIGTERM), then closes cleanly.
 """
 
@@ -23,20 +23,15 @@ from typing import Any
 import trio
 
 from p2pactor.config import NodeConfig
-from p2pactor.demo.workload import block_bytes, chain_keys
 from p2pactor.errors import ConfigError
 from p2pactor.log import EventLog
 from p2pactor.logsetup import configure_from_args
 from p2pactor.parent import EmbeddedCache
+from p2pactor.samples import block_bytes, preload_keys
 
-__all__ = ["preload_keys", "register", "serve"]
+__all__ = ["register", "serve"]
 
 log = logging.getLogger("p2pactor.serve")
-
-
-def preload_keys(hash_seed: str, count: int) -> list[bytes]:
-    """The keys ``--preload count`` stores: one prompt of ``count`` token blocks."""
-    return chain_keys(hash_seed, [f"preloaded block {i}" for i in range(count)])
 
 
 async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = None) -> None:

@@ -40,7 +40,6 @@ from p2pactor.adapters.zmq import ZmqControlTransport, ZmqOptions, open_zmq_tran
 from p2pactor.cli import main
 from p2pactor.config import NodeConfig
 from p2pactor.core.inputs import LookupResult
-from p2pactor.demo.workload import block_bytes
 from p2pactor.errors import ConfigError
 from p2pactor.keys import (
     CurveSecurity,
@@ -52,7 +51,7 @@ from p2pactor.keys import (
 )
 from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
-from p2pactor.serve import preload_keys
+from p2pactor.samples import block_bytes, preload_keys
 from p2pactor.testing import MemoryDataPlane
 
 HOST = "127.0.0.1"

@@ -53,14 +53,13 @@ from p2pactor.core import events as ev
 from p2pactor.core.ids import Role
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.timings import Timings
-from p2pactor.demo.workload import block_bytes
 from p2pactor.errors import DataPlaneError, ProtocolError, UnknownMessageType
 from p2pactor.log import EventLog, read_log
 from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
 from p2pactor.quotas import PeerQuotas
 from p2pactor.replay import replay
-from p2pactor.serve import preload_keys
+from p2pactor.samples import block_bytes, preload_keys
 from p2pactor.session import SessionCloseResult
 from p2pactor.transport import WriteDone
 

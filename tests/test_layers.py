@@ -72,7 +72,7 @@ def test_runtime_modules_never_import_the_operator_surface(path: Path) -> None:
 
 def test_the_list_of_runtime_modules_is_complete() -> None:
     # A new runtime module must be listed above; operator and program modules are not.
-    programs = {"cli", "serve", "replay", "replay_cli", "keygen_cli", "keys", "logsetup"}
+    programs = {"cli", "serve", "replay", "replay_cli", "keygen_cli", "keys", "logsetup", "samples"}
     listed = {p.stem for p in RUNTIME if p.parent.name == "p2pactor"}
     found = {p.stem for p in (ROOT / "p2pactor").glob("*.py")} - {"__init__", "__main__"}
     assert found - listed - set(OPERATOR) - programs == set()

@@ -811,9 +811,9 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
         import_nixl()
     except Exception as exc:
         pytest.skip(f"no NIXL here: {exc}")
-    from p2pactor.demo.workload import block_bytes as real_block  # noqa: PLC0415
     from p2pactor.node import open_node  # noqa: PLC0415
-    from p2pactor.serve import preload_keys  # noqa: PLC0415
+    from p2pactor.samples import block_bytes as real_block  # noqa: PLC0415
+    from p2pactor.samples import preload_keys  # noqa: PLC0415
 
     seed = "flood-test-seed"
     keys = preload_keys(seed, REAL_BLOCKS)

@@ -34,8 +34,8 @@ import trio
 import trio.lowlevel
 
 from p2pactor.config import NodeConfig
-from p2pactor.demo.workload import chain_keys
 from p2pactor.quotas import PeerQuotas
+from p2pactor.samples import chain_keys
 
 __all__ = [
     "HASH_SEED",

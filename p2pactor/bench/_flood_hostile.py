@@ -64,7 +64,7 @@ def real_keys(args: argparse.Namespace) -> list[bytes]:
         return list(KEYS[: args.bench_keys])
     if args.preload:
         # Imported here: only the tests' victims preload serve's keys.
-        from p2pactor.serve import preload_keys  # noqa: PLC0415
+        from p2pactor.samples import preload_keys  # noqa: PLC0415
 
         return preload_keys(args.hash_seed, args.preload)
     return []

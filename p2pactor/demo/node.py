@@ -26,12 +26,13 @@ import trio.lowlevel
 
 from p2pactor.config import NodeConfig
 from p2pactor.core.inputs import LookupResult
-from p2pactor.demo.workload import DemoPlan, Expect, Request, block_bytes, requests_of
+from p2pactor.demo.workload import DemoPlan, Expect, Request, requests_of
 from p2pactor.log import Durability, EventLog
 from p2pactor.logsetup import configure_logging
 from p2pactor.node import Node, open_node
 from p2pactor.parent import EmbeddedCache
 from p2pactor.quotas import PeerQuotas
+from p2pactor.samples import block_bytes
 from p2pactor.surface import open_operator_surface
 
 __all__ = ["PREFIX", "main", "run_node"]

@@ -19,15 +19,14 @@ demo computes the same keys, contents and expectations without talking.
 from __future__ import annotations
 
 import enum
-import hashlib
-import random
 from collections.abc import Callable, Iterator
 
 import attrs
 
 from p2pactor.errors import ConfigError
+from p2pactor.samples import chain_keys
 
-__all__ = ["DemoPlan", "Expect", "Request", "block_bytes", "chain_keys", "requests_of"]
+__all__ = ["DemoPlan", "Expect", "Request", "requests_of"]
 
 
 class Expect(enum.Enum):
@@ -131,20 +130,6 @@ class Request:
                 break
             n += 1
         return n
-
-
-def chain_keys(seed: str, tokens: list[str], parent: bytes = b"") -> list[bytes]:
-    """Offload keys of consecutive token blocks, chained from ``parent``."""
-    keys = []
-    for block in tokens:
-        parent = hashlib.sha256(parent + seed.encode() + block.encode()).digest()
-        keys.append(parent + (0).to_bytes(4, "big"))
-    return keys
-
-
-def block_bytes(key: bytes, block_len: int) -> bytes:
-    """The deterministic contents of the block with ``key``."""
-    return random.Random(key).randbytes(block_len)  # noqa: S311 - test data, not secrets
 
 
 def requests_of(plan: DemoPlan) -> Iterator[Request]:
