@@ -14,13 +14,19 @@ from __future__ import annotations
 from collections import deque
 
 from p2pactor import protocol as wire
+from p2pactor.core import (
+    ActorId,
+    ConsumerState,
+    ProducerState,
+    Role,
+    fold,
+    probe_answer,
+    step_consumer,
+    step_producer,
+)
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import ConsumerState, probe_answer, step_consumer
-from p2pactor.core.fold import fold
-from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import ProducerState, step_producer
 
 BLOCK = 16
 CONSUMER_ID = "10.0.0.1:5710"

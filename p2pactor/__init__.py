@@ -9,7 +9,9 @@ Import what you use from here::
     from p2pactor import NodeConfig, open_node, open_zmq_transport, open_nixl_transport
 
 Everything a user needs is in this namespace; the modules behind it are the
-implementation, free to move between releases. Two namespaces stay separate:
+implementation, free to move between releases. Three namespaces stay separate:
+``p2pactor.core`` (the sans-IO core: states, ``step``/``evolve``, ``fold``; its
+``events``, ``inputs`` and ``effects`` modules are the vocabulary),
 ``p2pactor.testing`` (in-memory transports with fault injection, for your tests)
 and ``p2pactor.adapters.vllm`` (vLLM's tier entry point, which imports vLLM).
 
