@@ -88,7 +88,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from p2pactor.bench import _vllm_tier as shared
 from p2pactor.bench._control_common import TIER_METHODS, free_port
-from p2pactor.bench._vllm_launch import make_parser, spawn_producer
+from p2pactor.bench._vllm_spawn import make_parser, spawn_producer
 
 LABEL = {"ours": "p2pactor", "vllm": "vLLM"}
 WARMUP_REQUESTS = 8
