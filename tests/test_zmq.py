@@ -35,11 +35,11 @@ import trio.testing
 import zmq
 
 from p2pactor import protocol as wire
+from p2pactor.adapters._zmq_socket import _AsyncSocket
 from p2pactor.adapters.zmq import (
     ZmqConnection,
     ZmqControlTransport,
     ZmqOptions,
-    _AsyncSocket,
     open_zmq_transport,
 )
 from p2pactor.config import NodeConfig

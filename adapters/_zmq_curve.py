@@ -1,0 +1,258 @@
+"""CURVE on the control transport: each socket's keys, the ZAP handler, failed handshakes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import trio
+import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
+
+from p2pactor.adapters._zmq_options import ZmqTransportError, _worth_logging, log
+from p2pactor.adapters._zmq_socket import _AsyncSocket
+from p2pactor.keys import CurveSecurity
+from p2pactor.transport import ConnectionLost
+
+ZAP_DOMAIN: bytes = b"p2pactor"
+"""The ZAP domain of a CURVE ROUTER: our handler answers for it only."""
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
+_ZAP_VERSION = b"1.0"
+_ZAP_REQUEST_FRAMES = 8  # routing id, delimiter, version, id, domain, address, identity, mechanism
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+# What a CURVE ROUTER turns away before ZAP is asked (see _router_monitor_loop).
+_ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+def _bind_zap(ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
+    """The socket libzmq sends its ZAP requests to (answered by :class:`_CurveGate`).
+
+    Bind it before the CURVE ROUTER and close it after: libzmq lets every
+    client in when no handler answers.
+    """
+    zap = ctx.socket(zmq.ROUTER)
+    try:
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(_ZAP_ENDPOINT)
+    except zmq.ZMQError as exc:
+        zap.close(linger=0)
+        raise ZmqTransportError(f"cannot bind the CURVE ZAP handler: {exc}") from exc
+    return zap
+
+
+def _make_curve_server(router: zmq.Socket[bytes], curve: CurveSecurity) -> None:
+    router.setsockopt(zmq.CURVE_SERVER, 1)
+    router.setsockopt(zmq.CURVE_SECRETKEY, curve.keypair.secret_key.encode("ascii"))
+    router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    # A draft in libzmq 4.3's header, honoured by its builds: a client is
+    # refused when no handler is bound, so a missing handler can only mean "refuse".
+    try:
+        router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+    except (zmq.ZMQError, AttributeError) as exc:  # older: the handler's lifetime covers us
+        log.debug("ZMQ_ZAP_ENFORCE_DOMAIN not supported by this libzmq: %s", exc)
+
+
+def _curve_client(curve: CurveSecurity, peer_id: str) -> list[tuple[int, bytes]]:
+    """The options of a DEALER that accepts only the key we trust for ``peer_id``.
+
+    Raises:
+        ConnectionLost: No key is trusted for ``peer_id``. Never dial without
+            knowing whom to expect: CURVE would refuse anyway, and an
+            untrusted address is no one we should reach.
+    """
+    server_key = curve.keyring.key_for(peer_id)
+    if server_key is None:
+        raise ConnectionLost(
+            f"cannot dial {peer_id}: no trusted CURVE key for it; put its public "
+            f".key file (made on that node by `p2pactor keygen STEM --address "
+            f"{peer_id}`) in {curve.keyring.where()} and restart this node"
+        )
+    return [
+        (zmq.CURVE_SERVERKEY, server_key.encode("ascii")),
+        (zmq.CURVE_PUBLICKEY, curve.keypair.public_key.encode("ascii")),
+        (zmq.CURVE_SECRETKEY, curve.keypair.secret_key.encode("ascii")),
+    ]
+
+
+def _handshake_failure(peer: str, event: int, value: int, curve: CurveSecurity | None) -> str:
+    """Why a handshake failed (a ``_HANDSHAKE_FAILED`` event), in words that say what to change."""
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+        if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+            return (
+                f"the ZeroMQ handshake with {peer} failed: protocol error "
+                "(not a compatible ZeroMQ peer?)"
+            )
+        if curve is not None:
+            return (
+                f"{peer} does not use CURVE (a stock vLLM peer, or a p2pactor node without "
+                "curve keys): this node has CURVE keys and talks only to peers that have "
+                f"them too; give {peer} a key pair (docs/security.md) or stop trusting it"
+            )
+        return (
+            f"{peer} requires CURVE (authenticated, encrypted) connections and this node "
+            "has no keys: configure curve_secret_key and curve_trusted (docs/security.md)"
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        if curve is None:
+            return (
+                f"the ZeroMQ handshake with {peer} failed: authentication "
+                "(security settings differ?)"
+            )
+        ours = curve.keypair.public_path() or "this node's public .key file"
+        return (
+            f"{peer} refused this node's CURVE key (ZAP status {value}): it does not "
+            f"trust us; give its operator {ours} to put in its trusted directory, and "
+            f"restart {peer}"
+        )
+    if curve is None:  # NO_DETAIL: a CURVE peer often closes before our side has read why
+        return (
+            f"the ZeroMQ handshake with {peer} broke off: the peer went away, does not "
+            "speak ZeroMQ, or requires CURVE keys, which this node does not have "
+            "(docs/security.md)"
+        )
+    return (
+        f"the CURVE handshake with {peer} broke off: {peer} went away, or its key is "
+        f"not the one trusted for it in {curve.keyring.where()} (did it make a new "
+        "key pair? then get its current .key file)"
+    )
+
+
+class _CurveGate:
+    """What a CURVE ROUTER lets in: the ZAP handler, the identity check, the refusals."""
+
+    def __init__(self, curve: CurveSecurity, local_id: str, closed: Callable[[], bool]) -> None:
+        self.curve = curve
+        self.refused = 0  # clients turned away
+        self._local_id = local_id
+        self._closed = closed  # whether the transport has closed
+
+    def start(
+        self, nursery: trio.Nursery, zap: zmq.Socket[bytes], router_monitor: _AsyncSocket
+    ) -> None:
+        """Answer ``zap`` (from :func:`_bind_zap`) and read ``router_monitor``, in ``nursery``."""
+        zap_socket = _AsyncSocket(zap)
+        zap_socket.start_watching(nursery, "zmq zap fd")
+        nursery.start_soon(self._zap_loop, zap_socket, name="zmq zap")
+        router_monitor.start_watching(nursery, "zmq router monitor fd")
+        nursery.start_soon(self._router_monitor_loop, router_monitor, name="zmq router monitor")
+
+    def impostor(self, frames: list[bytes]) -> str | None:
+        """Pop the sender's User-Id off ``frames``; what is wrong if it is not the identity's key.
+
+        ``frames`` ends with the sender's User-Id, its public key, which our ZAP
+        handler vouched for. The identity (``host:port``) is only what the
+        sender claims: a frame whose identity the keyring binds to another key
+        (or to none) must be dropped, before it can open a connection or a dial-back.
+        """
+        user_id = frames.pop().decode("ascii", "replace")
+        keyring = self.curve.keyring
+        try:
+            bound = keyring.key_for(frames[0].decode())
+        except UnicodeDecodeError:
+            bound = None
+        if user_id and bound == user_id:
+            return None
+        owner = ", ".join(sorted(keyring.addresses_of(user_id))) or "no trusted peer"
+        return (
+            f"a frame claiming to come from {frames[0][:64]!r} but sent with the CURVE "
+            f"key of {owner}: a trusted peer posing as another, or a .key file whose "
+            "address is not its node's id"
+        )
+
+    async def _zap_loop(self, zap: _AsyncSocket) -> None:
+        """Answer libzmq's ZAP requests: admit the CURVE clients whose key we trust.
+
+        Raises:
+            ZmqTransportError: The handler's socket failed: no client could be
+                admitted any more, so the transport fails rather than hang
+                every handshake.
+        """
+        try:
+            while True:
+                try:
+                    batch = await zap.receive_batch(16)
+                except zmq.ZMQError as exc:
+                    if self._closed():
+                        return
+                    raise ZmqTransportError(f"the CURVE ZAP handler failed: {exc}") from exc
+                for request in batch:
+                    reply = self._zap_answer(request)
+                    if reply is None:
+                        continue
+                    # Room is never short on inproc for one small reply; if
+                    # libzmq refuses it, that handshake simply does not finish.
+                    with contextlib.suppress(zmq.ZMQError):
+                        zap.sock.send_multipart(reply, zmq.NOBLOCK)
+                    zap.after_operation()
+        except trio.ClosedResourceError:
+            return
+
+    def _zap_answer(self, request: list[bytes]) -> list[bytes] | None:
+        """The reply to one ZAP request (RFC 27), or None for something that is not one."""
+        if len(request) < _ZAP_REQUEST_FRAMES:
+            return None  # libzmq never sends this; there is no request id to answer
+        routing_id, _, version, request_id, domain, address, _, mechanism, *credentials = request
+        head = [routing_id, b"", _ZAP_VERSION, request_id]
+        if version != _ZAP_VERSION:
+            return [*head, b"500", b"unsupported ZAP version", b"", b""]
+        keyring = self.curve.keyring
+        if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+            why = f"it used the {mechanism.decode('ascii', 'replace')} mechanism, not CURVE"
+        else:
+            key = z85.encode(credentials[0]).decode("ascii")
+            if domain == ZAP_DOMAIN and keyring.trusts(key):
+                return [*head, b"200", b"OK", key.encode("ascii"), b""]
+            why = (
+                f"its key {key} is not trusted: if it is a peer of ours, put its .key "
+                f"file in {keyring.where()} and restart this node"
+            )
+        self._refuse(f"a CURVE client at {address.decode('ascii', 'replace')}: {why}")
+        return [*head, b"400", b"key not trusted", b"", b""]
+
+    async def _router_monitor_loop(self, monitor: _AsyncSocket) -> None:
+        """Log the clients a CURVE ROUTER turned away before ZAP was asked.
+
+        A client without CURVE (a stock vLLM peer, a p2pactor node without
+        keys, a scanner) fails the ZMTP handshake on the mechanism; libzmq
+        reports it on the ROUTER only, with our own endpoint, not the client's.
+        """
+        try:
+            while True:
+                for frames in await monitor.receive_batch(16):
+                    message = parse_monitor_message(frames)
+                    event, value = message["event"], message["value"]
+                    if (
+                        event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                        and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+                    ):
+                        why = (
+                            "it came without CURVE keys (a stock vLLM peer, a p2pactor node "
+                            "without keys, or not a peer at all); this node talks only to "
+                            "peers with trusted CURVE keys"
+                        )
+                    elif event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                        why = f"it broke the ZeroMQ protocol (error {value:#x})"
+                    else:
+                        why = (
+                            "the handshake broke off (a client without CURVE keys, one that "
+                            "went away, or not a ZeroMQ peer)"
+                        )
+                    self._refuse(f"a client: {why}")
+        except (trio.ClosedResourceError, zmq.ZMQError):
+            return  # the transport closed the monitor (or its ROUTER)
+
+    def _refuse(self, what: str) -> None:
+        self.refused += 1
+        if _worth_logging(self.refused):
+            log.warning(
+                "%s: refused %s (%d refused so far)",
+                self._local_id,
+                what,
+                self.refused,
+                extra={"node": self._local_id},
+            )

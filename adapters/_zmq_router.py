@@ -1,0 +1,470 @@
+"""The node's ZeroMQ control endpoint: its ROUTER, its receive task, its table of connections."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Literal
+
+import trio
+import zmq
+
+from p2pactor.adapters._zmq_connection import _MONITOR_MASK, ZmqConnection, _Owner
+from p2pactor.adapters._zmq_curve import (
+    _ROUTER_MONITOR_MASK,
+    _curve_client,
+    _CurveGate,
+    _make_curve_server,
+)
+from p2pactor.adapters._zmq_options import (
+    ZmqOptions,
+    ZmqStatistics,
+    ZmqTransportError,
+    _worth_logging,
+    log,
+)
+from p2pactor.adapters._zmq_socket import _AsyncSocket, _events, _Monitor, _ms
+from p2pactor.keys import CurveSecurity
+from p2pactor.logsetup import peer_context, request_context
+from p2pactor.transport import ConnectionLost
+
+_transport_serials = itertools.count(1)
+_REFAIR_EVERY = 4  # frames between the ROUTER's looks for newly readable connections
+
+
+def _peer_address(peer_id: str) -> str | None:
+    """``tcp://host:port`` for a peer id, or None if it is not ``host:port``."""
+    host, sep, port = peer_id.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
+        return None
+    if any(c.isspace() or c in "/;" for c in host):
+        return None
+    return f"tcp://{host}:{port}"
+
+
+class ZmqControlTransport:
+    """A node's ZeroMQ control endpoint. Open it with :func:`open_zmq_transport`.
+
+    Implements :class:`p2pactor.transport.ControlTransport`.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        router: _AsyncSocket,
+        *,
+        local_id: str,
+        port: int,
+        options: ZmqOptions,
+        nursery: trio.Nursery,
+        curve: CurveSecurity | None = None,
+        router_monitor: _Monitor | None = None,
+    ) -> None:
+        self._ctx = ctx
+        self._router = router
+        self._local_id = local_id
+        self._port = port
+        self._options = options
+        self._nursery = nursery
+        self._serial = next(_transport_serials)
+        self._monitor_serials = itertools.count()
+        self._connections: dict[str, ZmqConnection] = {}
+        self._accept_in, self._accept_out = trio.open_memory_channel[ZmqConnection](
+            options.accept_backlog
+        )
+        self._last_close: dict[str, float] = {}
+        self._closed = False
+        self._received = 0
+        self._dropped = 0
+        self._opened = 0
+        self._died = 0
+        self._curve = curve
+        self._router_monitor = router_monitor
+        self._gate = None if curve is None else _CurveGate(curve, local_id, lambda: self._closed)
+        self._owner = _Owner(local_id, options, nursery, curve, self._retire)
+        self._allowed: Callable[[str], bool] | None = None
+
+    def __repr__(self) -> str:
+        return f"<ZmqControlTransport {self._local_id} ({len(self._connections)} connections)>"
+
+    @property
+    def local_id(self) -> str:
+        """This node's id, ``host:port``: the DEALER identity, and where peers dial."""
+        return self._local_id
+
+    @property
+    def port(self) -> int:
+        """The TCP port the ROUTER is bound on (the ephemeral one if 0 was asked)."""
+        return self._port
+
+    @property
+    def options(self) -> ZmqOptions:
+        """The transport's options."""
+        return self._options
+
+    @property
+    def closed(self) -> bool:
+        """Whether the transport has been closed."""
+        return self._closed
+
+    @property
+    def security(self) -> Literal["curve", "none"]:
+        """How the control channel is protected.
+
+        ``"curve"``: every connection is authenticated and encrypted with
+        ZeroMQ CURVE, and peers are bound to their keys. ``"none"``: vLLM's
+        plain ZeroMQ, which anyone who reaches the port can use and read.
+        """
+        return "none" if self._curve is None else "curve"
+
+    @property
+    def curve(self) -> CurveSecurity | None:
+        """The CURVE keys the transport uses, or None without CURVE."""
+        return self._curve
+
+    def connections(self) -> list[ZmqConnection]:
+        """The live connections, one per peer."""
+        return list(self._connections.values())
+
+    def statistics(self) -> ZmqStatistics:
+        """Counters, for tests and monitoring."""
+        return ZmqStatistics(
+            connections=len(self._connections),
+            pending_accepts=self._accept_in.statistics().current_buffer_used,
+            frames_received=self._received,
+            frames_dropped=self._dropped,
+            connections_opened=self._opened,
+            connections_died=self._died,
+            auth_refused=0 if self._gate is None else self._gate.refused,
+        )
+
+    async def connect(self, peer_id: str) -> ZmqConnection:
+        """The live connection to ``peer_id``, or a new outbound one.
+
+        A new connection is returned at once: frames sent before the TCP and
+        ZeroMQ handshakes complete are queued (up to ``send_hwm``). If the peer
+        cannot be reached, the connection dies with a reason soon after.
+
+        Raises:
+            ConnectionLost: ``peer_id`` is not ``host:port``, no CURVE key is
+                trusted for it (with CURVE), or the transport is closed.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._closed:
+                raise ConnectionLost("the control transport is closed")
+            conn = self._connections.get(peer_id)
+            if conn is not None:  # the table holds live connections only
+                break
+            last = self._last_close.get(peer_id)
+            if last is None or trio.current_time() >= last + self._options.redial_delay:
+                conn = self._open(peer_id, inbound=False)
+                break
+            # See ZmqOptions.redial_delay; then look again, as the peer may
+            # have opened an inbound connection meanwhile.
+            await trio.sleep_until(last + self._options.redial_delay)
+        conn._claimed = True
+        await trio.lowlevel.cancel_shielded_checkpoint()
+        return conn
+
+    async def accept(self) -> ZmqConnection:
+        """Wait for a peer we have no connection with to send a frame.
+
+        Each connection is returned once, with that frame queued; one that died
+        or that ``connect()`` claimed before it was accepted is skipped.
+
+        Raises:
+            trio.ClosedResourceError: The transport is closed.
+        """
+        while True:
+            try:
+                conn = await self._accept_out.receive()
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                raise trio.ClosedResourceError("the control transport is closed") from None
+            if conn.alive and not conn._claimed:
+                conn._claimed = True
+                return conn
+
+    def accept_only(self, allowed: Callable[[str], bool]) -> None:
+        """Drop the first frame of any peer for which ``allowed`` is False.
+
+        The check comes before the dial-back to the address the frame's
+        identity claims, so a sender outside ``allowed`` never makes this
+        node connect anywhere. :func:`~p2pactor.node.open_node` sets it to
+        :meth:`NodeConfig.may_dial <p2pactor.config.NodeConfig.may_dial>`.
+        """
+        self._allowed = allowed
+
+    async def aclose(self) -> None:
+        """Close every connection and the ROUTER; wake everyone waiting. Idempotent.
+
+        Waiting receivers get :class:`ConnectionLost`, waiting ``accept()`` calls
+        ``trio.ClosedResourceError``. Closing the context manager calls this.
+        """
+        self._close()
+        await trio.lowlevel.checkpoint()
+
+    # --- internals --------------------------------------------------------------
+
+    def _start(self, zap: zmq.Socket[bytes] | None) -> None:
+        """Start the transport's tasks; ``zap`` is the ZAP handler's socket (with CURVE)."""
+        if self._gate is not None:
+            assert zap is not None
+            assert self._router_monitor is not None
+            self._router.authenticated = True
+            self._gate.start(self._nursery, zap, self._router_monitor.events)
+        self._nursery.start_soon(self._receive_loop, name="zmq router")
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in list(self._connections.values()):
+            conn._die("the control transport closed", linger=self._options.dealer_linger)
+        self._accept_in.close()
+        if self._router_monitor is not None:
+            self._router_monitor.close()
+        # Closing the sockets ends every task of ours (each sees its socket
+        # closed); the nursery is not cancelled here, as the caller's body runs
+        # in it too.
+        self._router.close(self._options.router_linger)
+
+    def _open(self, peer_id: str, *, inbound: bool) -> ZmqConnection:
+        """A new connection to ``peer_id``: DEALER, monitor, and their task.
+
+        Raises:
+            ConnectionLost: The peer id is not a dialable ``host:port``, or
+                (with CURVE) no key is trusted for it.
+        """
+        address = _peer_address(peer_id)
+        if address is None:
+            raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
+        curve_options = [] if self._curve is None else _curve_client(self._curve, peer_id)
+        opts = self._options
+        dealer = self._ctx.socket(zmq.DEALER)
+        monitor: _Monitor | None = None
+        try:
+            _apply_heartbeat(dealer, opts)
+            dealer.setsockopt(zmq.IDENTITY, self._local_id.encode())
+            dealer.setsockopt(zmq.SNDHWM, opts.send_hwm)
+            dealer.setsockopt(zmq.LINGER, _ms(opts.dealer_linger))
+            if address.startswith("tcp://["):
+                dealer.setsockopt(zmq.IPV6, 1)
+            for option, value in curve_options:
+                dealer.setsockopt(option, value)
+            # ZMQ_IMMEDIATE stays 0 (vLLM): frames queue before the connection
+            # completes, so the `connect` sent right away fits.
+            # A monitor endpoint unique per connection, not per peer: libzmq
+            # releases an inproc name on its reaper thread after close()
+            # returned, so reusing it on a reconnect fails with EADDRINUSE.
+            endpoint = f"inproc://p2pactor-monitor-{self._serial}-{next(self._monitor_serials)}"
+            monitor = _Monitor(self._ctx, dealer, endpoint, _MONITOR_MASK)
+            dealer.connect(address)
+        except zmq.ZMQError as exc:
+            if monitor is not None:
+                monitor.close()
+            dealer.close(linger=0)
+            raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
+        conn = ZmqConnection(self._owner, peer_id, _AsyncSocket(dealer), monitor, inbound=inbound)
+        self._connections[peer_id] = conn
+        self._opened += 1
+        monitor.events.start_watching(self._nursery, f"zmq monitor fd {peer_id}")
+        self._nursery.start_soon(conn._watch, name=f"zmq monitor {peer_id}")
+        log.info(
+            "%s: %s connection to %s opened",
+            self._local_id,
+            "inbound" if inbound else "outbound",
+            peer_id,
+            extra=peer_context(peer_id, node=self._local_id),
+        )
+        return conn
+
+    def _retire(self, conn: ZmqConnection) -> None:
+        """Take a dead connection out of the table (called by the connection)."""
+        self._died += 1
+        if self._connections.get(conn.peer_id) is conn:
+            del self._connections[conn.peer_id]
+        now = trio.current_time()
+        horizon = now - self._options.redial_delay
+        if len(self._last_close) > 1024:  # keep the table bounded
+            self._last_close = {p: t for p, t in self._last_close.items() if t > horizon}
+        self._last_close[conn.peer_id] = now
+        if self._closed:
+            return
+        log.info(
+            "%s: connection to %s ended: %s",
+            self._local_id,
+            conn.peer_id,
+            conn.dead_reason,
+            extra=peer_context(conn.peer_id, node=self._local_id),
+        )
+
+    async def _receive_loop(self) -> None:
+        """The ROUTER's one receive task: each frame goes to its connection as it is read.
+
+        A frame is handed on (to its session, which steps it) before the next
+        is read. libzmq's ROUTER takes messages round-robin across its
+        connections, so a peer that floods us gets one frame handled in turn
+        with each other peer's, never a batch of its own ahead of theirs. After
+        ``receive_batch`` frames the task lets the node's other tasks run.
+        """
+        route = self._route if self._curve is None else self._route_authenticated
+        router = self._router
+        recv = router._recv_authenticated if router.authenticated else router.sock.recv_multipart
+        limit = self._options.receive_batch
+        try:
+            while True:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                handled = 0
+                while handled < limit and not router.closed:
+                    try:
+                        frames = recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    except zmq.ZMQError as exc:
+                        if self._closed:
+                            return
+                        raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
+                    handled += 1
+                    route(frames)
+                    if not handled % _REFAIR_EVERY and not router.closed:
+                        # libzmq notices a connection that has just become
+                        # readable only when it processes its commands, which
+                        # recv does once per 100 messages while one connection
+                        # has a backlog: a flooding peer's 100 frames would go
+                        # before an honest peer's next one. Reading EVENTS
+                        # processes them now, so the round-robin includes it.
+                        router.sock.getsockopt(zmq.EVENTS)
+                if router.closed:
+                    return
+                if handled:
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                elif not _events(router.sock) & zmq.POLLIN:
+                    # This task is the ROUTER's only user, so it parks on the
+                    # fd itself (one task wake-up per batch, not two): EVENTS
+                    # was just read, and no zmq call has consumed an edge since.
+                    await trio.lowlevel.wait_readable(router._fd)
+        except trio.ClosedResourceError:
+            return
+
+    def _route_authenticated(self, frames: list[bytes]) -> None:
+        """:meth:`_route` for a CURVE ROUTER: the claimed identity must be the key's."""
+        assert self._gate is not None
+        impostor = self._gate.impostor(frames)
+        if impostor is not None:
+            self._received += 1
+            self._drop(impostor)
+            return
+        self._route(frames)
+
+    def _route(self, frames: list[bytes]) -> None:
+        self._received += 1
+        if len(frames) != 2:
+            self._drop(f"a message of {len(frames) - 1} frames (expected [identity, payload])")
+            return
+        identity, payload = frames
+        if len(identity) == 5 and identity[0] == 0:
+            # libzmq's own name for a connection our ROUTER handed over to a
+            # newer one of the same peer (ROUTER_HANDOVER): its last frames
+            # belong to a connection both sides have given up. Not news.
+            self._dropped += 1
+            log.debug(
+                "%s: dropped a frame from a replaced connection",
+                self._local_id,
+                extra={"node": self._local_id},
+            )
+            return
+        try:
+            peer_id = identity.decode()
+        except UnicodeDecodeError:
+            self._drop(f"a frame from identity {identity[:64]!r}, which is not host:port")
+            return
+        conn = self._connections.get(peer_id)
+        if conn is None:
+            conn = self._accept_new(peer_id)
+            if conn is None:
+                return
+        if not conn._deliver(payload):
+            self._dropped += 1  # its connection died of it: logged there
+
+    def _accept_new(self, peer_id: str) -> ZmqConnection | None:
+        """An inbound connection for a peer's first frame, or None (frame dropped)."""
+        if self._closed:
+            return None
+        if _peer_address(peer_id) is None:
+            self._drop(f"a frame from identity {peer_id[:64]!r}, which is not host:port")
+            return None
+        if self._allowed is not None and not self._allowed(peer_id):
+            # Checked before _open, which dials back: the frame's identity is
+            # the sender's claim, and must not pick our outbound connections.
+            self._drop(
+                f"a frame from {peer_id}, which is not in allowed_peers; add it to "
+                "allowed_peers (P2PACTOR_ALLOWED_PEERS) to accept it",
+                peer=peer_id,
+            )
+            return None
+        if self._accept_in.statistics().current_buffer_used >= self._options.accept_backlog:
+            self._drop(
+                f"a frame from new peer {peer_id}: {self._options.accept_backlog} wait",
+                peer=peer_id,
+            )
+            return None
+        try:
+            conn = self._open(peer_id, inbound=True)
+        except ConnectionLost as exc:
+            self._drop(f"a frame from {peer_id}: {exc.reason}", peer=peer_id)
+            return None
+        self._accept_in.send_nowait(conn)  # room checked above
+        return conn
+
+    def _drop(self, what: str, *, peer: str | None = None) -> None:
+        self._dropped += 1
+        if _worth_logging(self._dropped):
+            log.warning(
+                "%s: dropped %s (%d dropped so far)",
+                self._local_id,
+                what,
+                self._dropped,
+                extra=request_context(peer, None, node=self._local_id),
+            )
+
+
+def _apply_heartbeat(sock: zmq.Socket[bytes], options: ZmqOptions) -> None:
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(options.heartbeat_interval))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(options.heartbeat_timeout))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(options.heartbeat_ttl))
+
+
+def _bind_router(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    host: str,
+    port: int,
+    options: ZmqOptions,
+    curve: CurveSecurity | None = None,
+) -> tuple[zmq.Socket[bytes], int, _Monitor | None]:
+    """The bound ROUTER, its port, and (with CURVE) the monitor of its failed handshakes."""
+    router = ctx.socket(zmq.ROUTER)
+    monitor: _Monitor | None = None
+    endpoint = f"tcp://{host}:{port or '*'}"
+    try:
+        _apply_heartbeat(router, options)
+        if curve is not None:
+            _make_curve_server(router, curve)
+            events = f"inproc://p2pactor-router-monitor-{next(_transport_serials)}"
+            monitor = _Monitor(ctx, router, events, _ROUTER_MONITOR_MASK)
+        router.setsockopt(zmq.LINGER, _ms(options.router_linger))
+        # See ZmqOptions.max_frame_bytes; the decoder's own bound stays as a backstop.
+        router.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
+        # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay).
+        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        if host.startswith("["):
+            router.setsockopt(zmq.IPV6, 1)
+        router.bind(endpoint)
+        bound = router.getsockopt(zmq.LAST_ENDPOINT)
+    except zmq.ZMQError as exc:
+        if monitor is not None:
+            monitor.close()
+        router.close(linger=0)
+        raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
+    assert isinstance(bound, bytes)
+    return router, int(bound.decode().rpartition(":")[2]), monitor

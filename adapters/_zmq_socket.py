@@ -1,0 +1,202 @@
+"""A zmq socket waited on from trio (``shared/reference/trio-stack.md`` section 1).
+
+``zmq.FD`` is edge-triggered relative to the socket's state: it signals that
+libzmq has internal commands to process, not that a message is there, and any
+zmq call on the socket may consume the edge. ``zmq.EVENTS`` is the only truth.
+So every operation first tries ``NOBLOCK``, and a task that must wait parks on
+a :class:`trio.Event`, never on the fd: exactly one *watcher* task per
+waited-on socket parks on the fd, drains it by reading ``EVENTS`` and wakes the
+waiters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import cast
+
+import trio
+import zmq
+
+
+def _ms(seconds: float) -> int:
+    return round(seconds * 1000)
+
+
+def _events(sock: zmq.Socket[bytes]) -> int:
+    """``zmq.EVENTS``: ``POLLIN`` / ``POLLOUT``."""
+    return cast("int", sock.getsockopt(zmq.EVENTS))
+
+
+class _AsyncSocket:
+    """A zmq socket any number of tasks wait on (none is ever woken by cancellation).
+
+    Its watcher, if it needs one, starts with :meth:`start_watching`.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock = sock
+        self._fd: int = sock.FD
+        self._changed = trio.Event()
+        self._wanted: dict[int, int] = {}  # flag -> tasks waiting for it
+        self.closed = False
+        self.watched = False  # its watcher task was started
+        # A CURVE ROUTER: each message comes with its sender's User-Id (see
+        # _recv_authenticated). A flag read once per batch, so the plain path
+        # pays nothing for it.
+        self.authenticated = False
+
+    def start_watching(self, nursery: trio.Nursery, name: str) -> None:
+        """Start the socket's one watcher task (:meth:`watch`) in ``nursery``."""
+        assert not self.watched, "one watcher per socket"
+        self.watched = True
+        nursery.start_soon(self.watch, name=name)
+
+    async def watch(self) -> None:
+        """The one task parked on the fd; returns once the socket closes."""
+        try:
+            # Check before parking too: the socket may close before this task
+            # first runs, and its fd number may then belong to something else.
+            while not self._is_closed():
+                await trio.lowlevel.wait_readable(self._fd)
+                if self._is_closed():
+                    return
+                # Reading EVENTS makes libzmq process its pending commands: that
+                # drains the fd (or wait_readable would return at once forever)
+                # and may make the socket ready.
+                self._wake_for(_events(self.sock))
+        except trio.ClosedResourceError:
+            return  # notify_closing: the socket is being closed
+
+    def _is_closed(self) -> bool:
+        # A method, not the attribute: the type checker would assume that an
+        # attribute it has just checked cannot change across an await.
+        return self.closed
+
+    def after_operation(self) -> None:
+        """Wake waiters whose condition this task's zmq call may have satisfied.
+
+        The call may have consumed the fd edge their watcher was parked on, so
+        the watcher may never see it: look at EVENTS ourselves.
+        """
+        if not self._wanted:
+            return  # nobody waits: the hot path pays nothing
+        self._wake_for(_events(self.sock))
+
+    def _wake_for(self, events: int) -> None:
+        if any(events & flag for flag in self._wanted):
+            self._changed.set()
+            self._changed = trio.Event()
+
+    async def wait(self, flag: int) -> None:
+        """Wait until ``zmq.EVENTS`` has ``flag``.
+
+        Raises:
+            trio.ClosedResourceError: The socket closed.
+        """
+        while True:
+            if self.closed:
+                raise trio.ClosedResourceError("the socket is closed")
+            # Re-read EVENTS right before parking: a message queued before we
+            # came gives no new edge.
+            events = _events(self.sock)
+            # Reading it may have consumed an edge that others parked for.
+            self._wake_for(events)
+            if events & flag:
+                return
+            changed = self._changed
+            self._wanted[flag] = self._wanted.get(flag, 0) + 1
+            try:
+                await changed.wait()
+            finally:
+                self._wanted[flag] -= 1
+                if not self._wanted[flag]:
+                    del self._wanted[flag]
+
+    async def receive_batch(self, limit: int) -> list[list[bytes]]:
+        """Receive between 1 and ``limit`` multipart messages; a checkpoint.
+
+        Cancellation never loses a message: either this returns what it took,
+        or it raises ``Cancelled`` having taken nothing.
+
+        Raises:
+            trio.ClosedResourceError: The socket closed.
+            zmq.ZMQError: libzmq failed (not for want of a message).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self.closed:
+                raise trio.ClosedResourceError("the socket is closed")
+            batch: list[list[bytes]] = []
+            recv = self._recv_authenticated if self.authenticated else self.sock.recv_multipart
+            while len(batch) < limit:
+                try:
+                    batch.append(recv(zmq.NOBLOCK))
+                except zmq.Again:
+                    break
+            if batch:
+                self.after_operation()
+                # From here on we own the messages: no cancellation may lose them.
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return batch
+            await self.wait(zmq.POLLIN)
+
+    def _recv_authenticated(self, flags: int) -> list[bytes]:
+        """A message's frames and, appended, the User-Id ZAP gave its sender ("" if none).
+
+        The User-Id is a property of the connection the message came on, which
+        only a zero-copy receive exposes.
+        """
+        frames = self.sock.recv_multipart(flags, copy=False)
+        try:
+            user_id = frames[-1].get("User-Id")
+        except zmq.ZMQError:  # no ZAP handler answered for that connection
+            user_id = ""
+        return [*(frame.bytes for frame in frames), str(user_id).encode()]
+
+    def close(self, linger: float) -> None:
+        """Close the socket, waking every task parked on it first. Idempotent.
+
+        ``notify_closing`` wakes a task parked on the fd, which would otherwise
+        sleep on an fd number the OS may reuse.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        trio.lowlevel.notify_closing(self._fd)
+        self._changed.set()
+        self.sock.close(linger=_ms(linger))
+
+
+class _Monitor:
+    """A socket's monitor: the events ``mask`` selects, on a PAIR of ours (:attr:`events`).
+
+    libzmq's I/O thread sends monitor events *blocking*: one with no reader on
+    the PAIR blocks that thread for good, and every socket of the context
+    freezes. So the PAIR connects before the socket binds or dials (make this
+    first), and :meth:`close` stops the events before it closes the PAIR (say,
+    a closed DEALER that reconnects while it lingers still emits them).
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        sock: zmq.Socket[bytes],
+        endpoint: str,
+        mask: int,
+    ) -> None:
+        self._sock = sock
+        self.events = _AsyncSocket(ctx.socket(zmq.PAIR))
+        try:
+            sock.monitor(endpoint, mask)
+            self.events.sock.connect(endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the events, then close the PAIR, waking its reader. Idempotent."""
+        if self.events.closed:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self.events.close(0)
