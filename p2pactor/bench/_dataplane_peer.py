@@ -146,17 +146,20 @@ def _descs(base: int, num_blocks: int, block_len: int) -> Any:
 def _instrument(data: Any, trace: list[tuple[float, ...]]) -> None:
     """Record each write's (started, posted in thread, transfer() returned, done).
 
-    Instance attributes shadow the methods, for this process only: the
-    transport's code is what runs, the timestamps are added around it.
+    Wrappers shadow the methods, for this process only: the transport's code
+    is what runs, the timestamps are added around it. Every post, inline or
+    from the poster's thread, goes through the pool's ``post``; the pool is
+    slotted, so its class is patched (this process has one pool).
     """
-    post_sync: Callable[..., Any] = data._post_sync
+    pool_type = type(data._pool)
+    post_sync: Callable[..., Any] = pool_type.post
     start_write: Callable[..., None] = data.start_write
     posts: list[tuple[float, float]] = []
 
-    def timed_post(*args: Any) -> Any:
+    def timed_post(pool: Any, *args: Any) -> Any:
         start = time.perf_counter()
         try:
-            return post_sync(*args)
+            return post_sync(pool, *args)
         finally:
             posts.append((start, time.perf_counter()))
 
@@ -172,7 +175,7 @@ def _instrument(data: Any, trace: list[tuple[float, ...]]) -> None:
 
         start_write(peer, local, remote, timed_done)
 
-    setattr(data, "_post_sync", timed_post)  # noqa: B010 - shadowing a method on purpose
+    setattr(pool_type, "post", timed_post)  # noqa: B010 - shadowing a method on purpose
     setattr(data, "start_write", timed_start)  # noqa: B010
 
 

@@ -1,0 +1,295 @@
+"""The block pool as its NIXL agent sees it, and the calls into the agent that may block."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from p2pactor.adapters._nixl_options import NixlOptions
+from p2pactor.errors import ConfigError, DataPlaneError
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("p2pactor.nixl")
+
+MAX_BLOCKS = 2**31 - 1  # NIXL takes descriptor indexes as int32
+IN_PROGRESS = frozenset({"PROC", "PEND"})
+
+_T = TypeVar("_T")
+
+Index = npt.NDArray[np.int32]
+Descs = npt.NDArray[np.uint64]
+
+
+class Agent(Protocol):
+    """The part of ``nixl_agent`` the transport uses, typed (handles are opaque)."""
+
+    def get_agent_metadata(self) -> bytes: ...
+    def register_memory(
+        self, reg_list: list[tuple[int, int, int, str]], mem_type: str
+    ) -> object: ...
+    def deregister_memory(self, dereg_list: object) -> None: ...
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: Descs, mem_type: str) -> object: ...
+    def release_dlist_handle(self, handle: object) -> None: ...
+    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
+    def remove_remote_agent(self, agent: str) -> None: ...
+    def make_connection(self, remote_agent: str) -> None: ...
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: object,
+        local_indices: Index,
+        remote_xfer_side: object,
+        remote_indices: Index,
+    ) -> object: ...
+    def transfer(self, handle: object) -> str: ...
+    def check_xfer_state(self, handle: object) -> str: ...
+    def release_xfer_handle(self, handle: object) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+
+
+def nixl_error(exc: Exception) -> str:
+    """How an exception NIXL raised reads in a message."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def block_pool(
+    pool: torch.Tensor | bytearray | memoryview, block_len: int, name: str, options: NixlOptions
+) -> Pool:
+    """Check that ``pool`` is a whole number of host-memory blocks, and take its address."""
+    if type(block_len) is not int or block_len <= 0:
+        raise ConfigError(f"block_len must be a positive int, got {block_len!r}")
+    keepalive: object
+    torch_mod = sys.modules.get("torch")  # a tensor exists only if torch is imported
+    if torch_mod is not None and isinstance(pool, torch_mod.Tensor):
+        tensor = cast("torch.Tensor", pool)
+        if tensor.device.type != "cpu":
+            raise ConfigError(
+                f"the block pool must be in host memory (DRAM), not on {tensor.device}"
+            )
+        if not tensor.is_contiguous():
+            raise ConfigError("the block pool tensor must be contiguous")
+        addr, nbytes, keepalive = tensor.data_ptr(), tensor.numel() * tensor.element_size(), tensor
+    else:
+        try:
+            view = memoryview(cast("bytearray | memoryview", pool))
+        except TypeError:
+            raise ConfigError(
+                "the block pool must be a CPU torch tensor or a writable buffer "
+                f"(bytearray, memoryview), not {type(pool).__name__}"
+            ) from None
+        if view.readonly or not view.c_contiguous:
+            raise ConfigError("the block pool buffer must be writable and contiguous")
+        view = view.cast("B")
+        # from_buffer exports the buffer: a bytearray cannot be resized (and so
+        # moved) while NIXL has its address registered.
+        array = (ctypes.c_char * view.nbytes).from_buffer(view)
+        addr, nbytes, keepalive = ctypes.addressof(array), view.nbytes, array
+    if nbytes == 0 or nbytes % block_len:
+        raise ConfigError(
+            f"the block pool ({nbytes} bytes) must be a whole, non-zero number of "
+            f"{block_len}-byte blocks"
+        )
+    if nbytes // block_len > MAX_BLOCKS:
+        raise ConfigError(f"the block pool has more than {MAX_BLOCKS} blocks")
+    return Pool(name, addr, nbytes, keepalive, block_len, options)
+
+
+def _block_descs(base_addr: int, num_blocks: int, block_len: int) -> Descs:
+    """One ``(address, length, device 0)`` row per block, for ``prep_xfer_dlist``."""
+    descs = np.zeros((num_blocks, 3), dtype=np.uint64)
+    descs[:, 0] = np.uint64(base_addr) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(
+        block_len
+    )
+    descs[:, 1] = block_len
+    return descs
+
+
+@attrs.frozen
+class Posted:
+    """What posting a write gave."""
+
+    handle: object | None  # in flight; None if it is already over
+    error: str | None = None
+    seconds: float | None = None  # how long the post took, if transfer() returned
+
+
+@attrs.define(eq=False)
+class Leftovers:
+    """NIXL resources taken from a closing transport, for :meth:`Pool.release_all`."""
+
+    agent: Agent | None
+    handles: list[object] = attrs.field(factory=list)
+    dlists: list[object] = attrs.field(factory=list)
+    remotes: list[str] = attrs.field(factory=list)
+
+
+@attrs.define(eq=False)
+class Pool:
+    """The block pool registered with one NIXL agent, and the calls that may block on it."""
+
+    name: str  # the agent's NIXL name
+    addr: int
+    nbytes: int
+    keepalive: object  # what owns the memory: kept while NIXL has its address
+    block_len: int
+    options: NixlOptions
+    registration: object | None = None
+    local_dlist: object | None = None  # the pool's prepared per-block descriptor list
+    metadata: bytes = b""
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.nbytes // self.block_len
+
+    def attempt(self, what: str, call: Callable[[_T], object], arg: _T) -> bool:
+        """Make one NIXL call; log a failure (and go on). Returns whether it worked."""
+        try:
+            call(arg)
+        except Exception as exc:
+            log.warning(
+                "NIXL agent %s: %s failed: %s (NIXL_LOG_LEVEL=INFO shows why)",
+                self.name,
+                what,
+                nixl_error(exc),
+            )
+            return False
+        return True
+
+    def open(self, api: ModuleType) -> Agent:
+        """Make the agent, register the pool and prepare its descriptors."""
+        options = self.options
+        try:
+            config = api.nixl_agent_config(
+                enable_prog_thread=False,
+                backends=list(options.backends),
+                num_threads=options.num_threads,
+            )
+            agent = cast(Agent, api.nixl_agent(self.name, config))
+        except Exception as exc:
+            raise DataPlaneError(
+                f"cannot create the NIXL agent ({nixl_error(exc)}); check that the NIXL "
+                f"wheel has the {'/'.join(options.backends)} backend plugin(s)"
+            ) from exc
+        try:
+            self.registration = agent.register_memory(
+                [(self.addr, self.nbytes, 0, "")], mem_type="DRAM"
+            )
+            self.local_dlist = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT",
+                _block_descs(self.addr, self.num_blocks, self.block_len),
+                mem_type="DRAM",
+            )
+            # Taken after registering: the metadata carries the registered region.
+            self.metadata = agent.get_agent_metadata()
+        except Exception as exc:
+            self.release_all(Leftovers(agent))
+            raise DataPlaneError(
+                f"cannot register the {self.nbytes}-byte block pool with NIXL: {nixl_error(exc)}"
+            ) from exc
+        return agent
+
+    def release_all(self, left: Leftovers) -> None:
+        """Release ``left``, then the pool's own registration, in dependency order.
+
+        Each release is attempted on its own: one that fails does not keep the
+        others (in particular the memory registration) alive.
+        """
+        agent = left.agent
+        if agent is None:
+            return
+        for handle in left.handles:
+            self.attempt("releasing a write in flight", agent.release_xfer_handle, handle)
+        for dlist in left.dlists:
+            self.remove_peer(agent, dlist, None)
+        for remote in left.remotes:  # after the lists prepared for them
+            self.remove_peer(agent, None, remote)
+        if self.local_dlist is not None:
+            self.attempt(
+                "releasing the pool's descriptors", agent.release_dlist_handle, self.local_dlist
+            )
+        if self.registration is not None:
+            self.attempt("deregistering the pool", agent.deregister_memory, self.registration)
+        self.local_dlist = self.registration = None
+        # The agent (and its UCX context) goes with its last reference, here, in
+        # this thread: tearing UCX down can take a while.
+        left.agent = None
+        del agent
+
+    def add_peer(
+        self, agent: Agent, metadata: bytes, base_addr: int, num_blocks: int, known: frozenset[str]
+    ) -> tuple[str, object] | str:
+        """Load a peer's agent, prepare its descriptors: (agent name, list), or why not."""
+        try:
+            name = agent.add_remote_agent(metadata)
+        except Exception as exc:
+            return f"its agent metadata was rejected ({nixl_error(exc)})"
+        remote = name.decode() if isinstance(name, bytes) else name
+        dlist: object | None = None
+        try:
+            dlist = agent.prep_xfer_dlist(
+                remote, _block_descs(base_addr, num_blocks, self.block_len), mem_type="DRAM"
+            )
+            if self.options.connect_eagerly:
+                agent.make_connection(remote)
+        except Exception as exc:
+            # Another name may use this agent: only a first registration is undone.
+            self.remove_peer(agent, dlist, None if remote in known else remote)
+            return nixl_error(exc)
+        return remote, dlist
+
+    def remove_peer(self, agent: Agent, dlist: object | None, remote: str | None) -> None:
+        """Release a peer's descriptors and, unless ``remote`` is None, its agent."""
+        if dlist is not None:
+            self.attempt("releasing a peer's descriptors", agent.release_dlist_handle, dlist)
+        if remote is not None:
+            self.attempt(f"removing remote agent {remote}", agent.remove_remote_agent, remote)
+
+    def post(self, agent: Agent, local: Index, peer_dlist: object, remote: Index) -> Posted:
+        """Make and post one WRITE of our blocks ``local`` into the peer's ``remote``.
+
+        ``transfer()`` may copy everything before it returns (shared memory):
+        then the handle is released here and the write is over already.
+        """
+        start = time.perf_counter()
+        try:
+            handle = agent.make_prepped_xfer("WRITE", self.local_dlist, local, peer_dlist, remote)
+        except Exception as exc:
+            return Posted(None, f"NIXL could not prepare the write: {nixl_error(exc)}")
+        seconds = None
+        try:
+            state = agent.transfer(handle)
+        except Exception as exc:
+            state, why = "ERR", nixl_error(exc)
+        else:
+            seconds = time.perf_counter() - start
+            why = f"transfer() returned {state}"
+        if state in IN_PROGRESS:
+            return Posted(handle, seconds=seconds)
+        done = state == "DONE"
+        what = "releasing a finished write" if done else "releasing a failed write"
+        if not self.attempt(what, agent.release_xfer_handle, handle) and not done:
+            return Posted(handle, seconds=seconds)  # NIXL will not let go: poll it like any other
+        return Posted(None, None if done else f"NIXL failed the write: {why}", seconds)
+
+    def progress(self, agent: Agent) -> None:
+        """Let the agent make progress (quick: on the trio thread)."""
+        try:
+            notifs = agent.get_new_notifs()
+        except Exception as exc:
+            log.warning("NIXL agent %s: get_new_notifs failed: %s", self.name, exc)
+            return
+        if notifs:
+            # We attach no notifications and vLLM's tier sends none: drop them.
+            log.debug("NIXL agent %s: ignoring notifications from %s", self.name, list(notifs))

@@ -1,0 +1,130 @@
+"""How a NIXL data transport is driven, and what it counts (see :mod:`p2pactor.adapters.nixl`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import attrs
+
+from p2pactor.errors import ConfigError
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value > 0 or not math.isfinite(value):
+        raise ConfigError(f"{attribute.name} must be a positive number, got {value!r}")
+
+
+def _not_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not value >= 0 or not math.isfinite(value):
+        raise ConfigError(f"{attribute.name} must be a number >= 0, got {value!r}")
+
+
+def _not_negative_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if type(value) is not int or value < 0:
+        raise ConfigError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class NixlOptions:
+    """How a :class:`~p2pactor.adapters.nixl.NixlDataTransport` drives its NIXL agent.
+
+    Times are in seconds.
+
+    Attributes:
+        transfer_timeout: How long a write may run before it is cancelled
+            (vLLM's load timeout is 30 s; a write must fail before the
+            consumer's load does, or at the latest with it).
+        close_timeout: How long closing waits for writes still in flight
+            before it releases what is left anyway.
+        connect_eagerly: Connect to a peer's agent as it is added, so its first
+            write does not pay the connection setup (measured 0.2-19 ms).
+        backends: NIXL backends the agent instantiates.
+        num_threads: Worker threads of the UCX backend (0: none, UCX's own
+            default). vLLM uses 4 on large hosts; on small ones threads only
+            compete with the engine.
+        busy_polls: Polls of a write in flight that only yield to other trio
+            tasks before the pump starts sleeping between polls.
+        min_poll_interval: The pump's first sleep once the busy polls found
+            nothing; it doubles up to ``max_poll_interval``. On Linux trio
+            waits in epoll, whose timeout is whole milliseconds, so any sleep
+            under 1 ms lasts about 1 ms there (measured 1.1-1.2 ms); finer
+            polling would mean spinning on the trio thread, against the
+            engine's threads for the GIL.
+        max_poll_interval: The longest the pump sleeps while writes are in
+            flight: the most latency polling adds to a write.
+        idle_poll_interval: How often the pump drives the agent's progress
+            while no write of its own is in flight but a peer's may be
+            running: while one is expected
+            (:meth:`~p2pactor.adapters.nixl.NixlDataTransport.expect_writes`)
+            or for ``wireup_grace``.
+        inline_post_budget: Post a write on the trio thread when its
+            ``transfer()`` is predicted, from the time per byte earlier posts
+            took, to return within this many seconds: the longest the loop
+            may stall for it. 0 always uses the worker thread. A prediction
+            is a moving average: on a loaded machine a post can run twice as
+            long (measured on 2 busy cores: 4 ms predicted, up to 10 ms
+            stalled), hence a default well under the few ms a control
+            message may wait. It skips the hop (0.25-0.6 ms there) for
+            writes up to about 4 MiB on shared memory.
+        wireup_grace: How long after registering a peer the pump keeps
+            driving progress even with nothing in flight or expected: the
+            peer's side of the connection setup may need our agent to answer.
+    """
+
+    transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
+    close_timeout: float = attrs.field(default=5.0, validator=_positive)
+    connect_eagerly: bool = True
+    backends: tuple[str, ...] = attrs.field(default=("UCX",), converter=tuple)
+    num_threads: int = attrs.field(default=0, validator=_not_negative_int)
+    busy_polls: int = attrs.field(default=4, validator=_not_negative_int)
+    min_poll_interval: float = attrs.field(default=20e-6, validator=_positive)
+    max_poll_interval: float = attrs.field(default=1e-3, validator=_positive)
+    idle_poll_interval: float = attrs.field(default=1e-3, validator=_positive)
+    inline_post_budget: float = attrs.field(default=2e-3, validator=_not_negative)
+    wireup_grace: float = attrs.field(default=2.0, validator=_not_negative)
+
+    def poll_intervals(self) -> Iterator[float]:
+        """The pump's sleeps between polls that found nothing new (0: a checkpoint)."""
+        yield from itertools.repeat(0.0, self.busy_polls)
+        interval = self.min_poll_interval
+        while True:
+            yield min(interval, self.max_poll_interval)
+            interval *= 2
+
+
+@attrs.define(kw_only=True)
+class Tally:
+    """The part of :class:`NixlStatistics` a transport keeps up to date as it runs."""
+
+    writes_done: int = 0
+    writes_failed: int = 0
+    bytes_written: int = 0
+    posted_inline: int = 0
+    progress_polls: int = 0
+    idle: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class NixlStatistics(Tally):
+    """Counters of a NIXL transport, from its ``statistics()``.
+
+    Attributes:
+        peers: Peer names registered (or being registered).
+        remote_agents: Distinct remote NIXL agents loaded.
+        writes_in_flight: Writes started and not yet over (zombies included).
+        zombies: Writes past their deadline that NIXL would not cancel yet.
+        writes_done: Writes that completed.
+        writes_failed: Writes that raised :class:`~p2pactor.transport.TransferError`
+            after reaching NIXL.
+        bytes_written: Bytes of the completed writes.
+        posted_inline: Writes posted on the trio thread (predicted quick).
+        progress_polls: Times the pump drove the agent's progress.
+        idle: The pump sleeps: nothing in flight, nothing expected.
+    """
+
+    peers: int
+    remote_agents: int
+    writes_in_flight: int
+    zombies: int

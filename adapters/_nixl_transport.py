@@ -1,0 +1,265 @@
+"""The NIXL data transport: its peers, interface and life (see :mod:`p2pactor.adapters.nixl`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from types import ModuleType
+
+import attrs
+import trio
+
+from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Leftovers, log
+from p2pactor.adapters._nixl_options import NixlStatistics
+from p2pactor.adapters._nixl_writes import Peer, Writes
+from p2pactor.logsetup import peer_context
+from p2pactor.transport import TransferError, WriteDone
+
+
+class NixlDataTransport(Writes):
+    """A :class:`~p2pactor.transport.DataTransport` over one NIXL agent.
+
+    Made by :func:`~p2pactor.adapters.nixl.open_nixl_transport`, which owns its
+    pump task and releases every NIXL resource when its block exits.
+    """
+
+    # --- setup and teardown ------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _running(self, api: ModuleType) -> AsyncIterator[None]:
+        """Open the agent, run the pump and the poster, and release everything on exit."""
+        self._agent = await trio.to_thread.run_sync(self._pool.open, api)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump)
+                nursery.start_soon(self._poster)
+                try:
+                    yield
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._drain()
+                    nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._close()
+
+    async def _drain(self) -> None:
+        """Stop taking work and let the writes in flight end, for ``close_timeout``."""
+        self._closing = True
+        while self._to_post:
+            self._end(self._to_post.popleft(), "the NIXL transport is closed", failed=False)
+        for write in self._inflight:
+            write.expired = write.expired or "the NIXL transport is closing"
+        self._kick.set()
+        with trio.move_on_after(self._options.close_timeout):
+            await self._wait_until(lambda: not self._inflight)
+
+    async def _close(self) -> None:
+        """Release every NIXL resource (in a worker thread), then fail what was left."""
+        async with self._lock:
+            unfinished = list(self._inflight)
+            if self._agent is not None:
+                left = Leftovers(
+                    self._agent,
+                    handles=[w.handle for w in self._inflight],
+                    dlists=[p.dlist for p in self._peers.values() if p.dlist is not None],
+                    remotes=list(self._remote_refs),
+                )
+                self._agent = None
+                for peer in self._peers.values():
+                    peer.dlist = None  # its wrapper keeps the native agent alive
+                self._peers.clear()
+                self._remote_refs.clear()
+                await trio.to_thread.run_sync(self._pool.release_all, left)
+        self._pool.keepalive = None  # a bytearray pool may be resized again
+        # Released with the agent: its endpoints are closed, nothing more lands.
+        for write in unfinished:
+            self._end(write, "the NIXL transport closed while it was in flight")
+
+    # --- the DataTransport interface --------------------------------------------------
+
+    @property
+    def agent_name(self) -> str:
+        """This agent's NIXL name (unique: it ends with a uuid)."""
+        return self._pool.name
+
+    @property
+    def agent_metadata(self) -> bytes:
+        """The agent's NIXL metadata, for peers' ``add_remote_agent``."""
+        return self._pool.metadata
+
+    @property
+    def base_addr(self) -> int:
+        """Address of block 0 of the pool."""
+        return self._pool.addr
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self._pool.num_blocks
+
+    @property
+    def block_len(self) -> int:
+        """Bytes per block."""
+        return self._pool.block_len
+
+    def statistics(self) -> NixlStatistics:
+        """Counters, for tests and monitoring."""
+        return NixlStatistics(
+            peers=len(self._peers),
+            remote_agents=len(self._remote_refs),
+            writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
+            zombies=sum(w.zombie for w in self._inflight),
+            **attrs.asdict(self._tally),
+        )
+
+    async def add_peer(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+    ) -> None:
+        """Register a peer's pool: its agent, and one descriptor per block.
+
+        The NIXL work (O(num_blocks)) runs in a worker thread.
+
+        Raises:
+            TransferError: The name is taken, the pool does not match ours, or
+                NIXL rejects the peer's metadata or pool.
+        """
+        if self._closing:
+            raise TransferError("the NIXL transport is closed")
+        if block_len != self.block_len:
+            raise TransferError(
+                f"{peer_id} uses {block_len}-byte blocks, this node {self.block_len}"
+            )
+        if not 0 < num_blocks <= MAX_BLOCKS or base_addr <= 0:
+            raise TransferError(
+                f"{peer_id} advertised an impossible pool ({num_blocks} blocks at {base_addr:#x})"
+            )
+        if peer_id in self._peers:
+            raise TransferError(f"{peer_id} is already registered; remove it first")
+        peer = Peer(peer_id, num_blocks)
+        self._peers[peer_id] = peer
+        self._wireup_until = trio.current_time() + self._options.wireup_grace
+        self._kick.set()
+        outcome: tuple[str, object] | str = "cancelled"  # (remote agent, descriptors) or why not
+        try:
+            async with self._lock:
+                agent = self._live_agent()
+                known = frozenset(self._remote_refs)
+                outcome = await trio.to_thread.run_sync(
+                    self._pool.add_peer, agent, agent_metadata, base_addr, num_blocks, known
+                )
+                # No checkpoint from here on: even if we were cancelled meanwhile,
+                # what the thread made is recorded (and released by remove or close).
+                if not isinstance(outcome, str):
+                    peer.remote, peer.dlist = outcome
+                    self._remote_refs[peer.remote] = self._remote_refs.get(peer.remote, 0) + 1
+        finally:
+            peer.ready.set()
+            if isinstance(outcome, str) and self._peers.get(peer_id) is peer:
+                del self._peers[peer_id]
+            self._signal()
+        if isinstance(outcome, str):
+            raise TransferError(f"cannot register {peer_id}'s pool with NIXL: {outcome}")
+        log.debug(
+            "NIXL agent %s: %s registered (agent %s)",
+            self.agent_name,
+            peer_id,
+            peer.remote,
+            extra=peer_context(peer_id),
+        )
+
+    async def remove_peer(self, peer_id: str) -> None:
+        """Forget a peer once its writes have ended, then release its NIXL state.
+
+        Writes to it fail from now on; those already running are waited for
+        (a zombie write keeps the peer until NIXL lets it go). The remote agent
+        is removed with the last peer name that uses it.
+        """
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            await trio.lowlevel.checkpoint()
+            return
+        peer.removing = True
+        await peer.ready.wait()
+        await self._wait_until(lambda: not peer.writes)
+        if self._peers.get(peer_id) is not peer:
+            return  # removed meanwhile by another call
+        del self._peers[peer_id]
+        if peer.remote is None:
+            return
+        with trio.CancelScope(shield=True):  # half a removal would leak the agent
+            async with self._lock:
+                agent = self._agent
+                refs = self._remote_refs.pop(peer.remote, 0) - 1
+                if refs > 0:
+                    self._remote_refs[peer.remote] = refs
+                last = peer.remote if refs <= 0 else None
+                if agent is not None:
+                    await trio.to_thread.run_sync(self._pool.remove_peer, agent, peer.dlist, last)
+        log.debug(
+            "NIXL agent %s: %s removed", self.agent_name, peer_id, extra=peer_context(peer_id)
+        )
+
+    def start_write(
+        self,
+        peer_id: str,
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+        done: WriteDone,
+    ) -> None:
+        """Start one NIXL WRITE of our ``local_blocks`` into the peer's ``remote_blocks``.
+
+        Never blocks. ``done`` is told the outcome exactly once, on the trio
+        thread (possibly before this returns): None once NIXL reports every
+        byte written; otherwise why not, once NIXL reports the write over or
+        has released (cancelled) it. The peer and the indexes are checked
+        before NIXL is asked anything.
+        """
+        self._start(peer_id, local_blocks, remote_blocks, done)
+
+    async def write(
+        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    ) -> None:
+        """Write our ``local_blocks`` into the peer's ``remote_blocks`` and wait for the end.
+
+        :meth:`start_write` for a caller that waits. If the calling task is
+        cancelled meanwhile, the write is cancelled through NIXL (or polled
+        until it ends); :meth:`remove_peer` and closing wait for it either way.
+
+        Raises:
+            TransferError: Why :meth:`start_write` would have told ``done`` the
+                write failed: the peer is unknown, an index is out of range,
+                NIXL failed the write, or it missed its deadline.
+        """
+        over = trio.Event()
+        outcome: list[str | None] = []
+
+        def done(error: str | None) -> None:
+            outcome.append(error)
+            over.set()
+
+        write = self._start(peer_id, local_blocks, remote_blocks, done)
+        try:
+            await over.wait()
+        except BaseException:
+            if write is not None and not write.over:
+                write.expired = write.expired or "the writing task was cancelled"
+                self._kick.set()
+            raise
+        if outcome[0] is not None:
+            raise TransferError(outcome[0])
+
+    def expect_writes(self, delta: int) -> None:
+        """``delta`` more (or fewer) peer writes into our pool may be running now.
+
+        While any may, the pump drives the agent's progress every
+        ``idle_poll_interval``.
+        """
+        self._expected = max(0, self._expected + delta)
+        if delta > 0:
+            self._kick.set()
