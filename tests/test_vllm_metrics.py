@@ -55,7 +55,7 @@ with warnings.catch_warnings():
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-import p2pactor.adapters.vllm as adapter
+from p2pactor.adapters._vllm_metrics import STATS_INTERVAL_S
 from p2pactor.adapters.vllm import P2PActorTierManager
 
 P = "vllm:kv_offload_p2pactor_"
@@ -81,7 +81,7 @@ COUNTERS = {
     "handshakes": ("outcome",),
 }
 GAUGES = {"sessions": (), "peers": (), "actors": (), "pinned_blocks": ()}
-QUIET_S = 3 * adapter._STATS_INTERVAL_S  # long enough for the node to publish anything left
+QUIET_S = 3 * STATS_INTERVAL_S  # long enough for the node to publish anything left
 ENGINE_LABELS = {"model_name": "p2pactor/tiny-test-model", "engine": "0"}
 
 

@@ -83,6 +83,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
+import p2pactor.adapters._vllm_api as vllm_api
 import p2pactor.adapters.vllm as adapter
 from p2pactor.adapters.nixl import import_nixl
 from p2pactor.adapters.vllm import P2PActorTierManager
@@ -1474,20 +1475,20 @@ def test_lookup_results_map_both_ways_including_legacy_bools() -> None:
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
 
     for ours in LookupResult:
-        theirs = adapter._TO_VLLM[ours]
+        theirs = vllm_api.TO_VLLM[ours]
         assert theirs is getattr(VllmLookupResult, ours.name)
-        assert adapter._from_vllm(theirs) is ours
+        assert vllm_api.from_vllm(theirs) is ours
     # tiers before vLLM 0.25 answered with bools, and None for "not yet"
-    assert adapter._from_vllm(True) is LookupResult.HIT
-    assert adapter._from_vllm(False) is LookupResult.MISS
-    assert adapter._from_vllm(None) is LookupResult.RETRY
+    assert vllm_api.from_vllm(True) is LookupResult.HIT
+    assert vllm_api.from_vllm(False) is LookupResult.MISS
+    assert vllm_api.from_vllm(None) is LookupResult.RETRY
 
 
 def test_job_chunk_ids_are_read_from_the_field_this_vllm_has(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    assert adapter._JOB_IDS == "chunk_ids"
+    assert vllm_api.JOB_IDS == "chunk_ids"
     current = SimpleNamespace(chunk_ids=np.array([3, 4]))
-    assert adapter._job_ids(current) == [3, 4]
-    monkeypatch.setattr(adapter, "_JOB_IDS", "block_ids")  # JobMetadata, vLLM <= 0.26
-    assert adapter._job_ids(SimpleNamespace(block_ids=[5, 6])) == [5, 6]
+    assert vllm_api.job_ids(current) == [3, 4]
+    monkeypatch.setattr(vllm_api, "JOB_IDS", "block_ids")  # JobMetadata, vLLM <= 0.26
+    assert vllm_api.job_ids(SimpleNamespace(block_ids=[5, 6])) == [5, 6]

@@ -1,0 +1,199 @@
+"""vLLM's API as the tier sees it: the imports, the variants in the field, the conversions.
+
+Detected once, at import: a job's chunk ids are ``TransferJob.chunk_ids`` since
+vLLM ~0.27 (``JobMetadata.block_ids`` before); ``LookupResult`` arrived in 0.25
+(tiers answered True/False/None before); tiers report their own metrics and
+jobs their transfer time and bytes only in newer releases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import attrs
+
+from p2pactor.config import fingerprint_of
+from p2pactor.core.inputs import LookupResult as Answer
+
+__all__ = [
+    "JOB_IDS",
+    "TO_VLLM",
+    "TRANSFER_FIELDS",
+    "VLLM_HIT",
+    "VLLM_MISS",
+    "CacheHitSource",
+    "Dest",
+    "JobResult",
+    "OffloadPolicy",
+    "OffloadingConnectorStats",
+    "OffloadingCounterMetadata",
+    "OffloadingGaugeMetadata",
+    "ParentManager",
+    "ReqContext",
+    "RequestOffloadingContext",
+    "SecondaryTierManager",
+    "Source",
+    "VllmLookup",
+    "from_vllm",
+    "hash_seed",
+    "job_ids",
+    "job_result",
+    "layout_fingerprint",
+    "parse_dest",
+    "parse_source",
+]
+
+try:
+    from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext
+    from vllm.v1.kv_offload.tiering.base import (
+        JobResult,
+        ParentManager,
+        SecondaryTierManager,
+    )
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "p2pactor.adapters.vllm needs vLLM 0.26 or newer (tiered KV offloading with "
+        "ParentManager); install vLLM, or p2pactor with its 'vllm' extra. "
+        f"The import failed with: {exc}"
+    ) from exc
+
+from vllm.v1.core import kv_cache_utils as _kv_cache_utils
+from vllm.v1.kv_offload import base as _vllm_base
+from vllm.v1.kv_offload.tiering import base as _tiering_base
+
+JOB_IDS = "chunk_ids" if hasattr(_tiering_base, "TransferJob") else "block_ids"
+# JobResult.transfer_time and transfer_bytes (vLLM's tier metrics read them).
+TRANSFER_FIELDS = {"transfer_time", "transfer_bytes"} <= {
+    f.name for f in dataclasses.fields(JobResult)
+}
+VllmLookup = getattr(_vllm_base, "LookupResult", None)
+OffloadPolicy = getattr(_vllm_base, "OffloadPolicy", None)
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - before per-source hit metrics
+    CacheHitSource = None
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
+except ImportError:  # pragma: no cover - before tiers reported their own metrics
+    OffloadingConnectorStats = OffloadingCounterMetadata = OffloadingGaugeMetadata = None
+
+log = logging.getLogger("p2pactor.vllm")
+
+
+@attrs.frozen
+class Source:
+    """A consumer request: pull ``kv_request_id`` from ``peer``."""
+
+    peer: str
+    kv_request_id: str
+    probe: bool  # remote_kv_source probes first; remote_prefiller does not
+
+
+@attrs.frozen
+class Dest:
+    """A prefill/decode producer request: keep its blocks for a remote puller."""
+
+    kv_request_id: str | None
+
+
+def _peer_of(role: dict[str, Any]) -> str | None:
+    host, port = role.get("remote_host"), role.get("remote_port")
+    return f"{host}:{port}" if host and port else None
+
+
+def parse_source(params: dict[str, Any] | None) -> Source | None:
+    """The consumer role of ``kv_transfer_params``, as vLLM reads it."""
+    if not params:
+        return None
+    for name, probe in (("remote_prefiller", False), ("remote_kv_source", True)):
+        role = params.get(name)
+        if isinstance(role, dict):
+            peer = _peer_of(role)
+            kv_id = role.get("kv_request_id")
+            if peer is None or not kv_id:
+                return None
+            return Source(peer, str(kv_id), probe)
+    return None
+
+
+def parse_dest(params: dict[str, Any] | None) -> Dest | None:
+    """The producer (remote_decoder) role of ``kv_transfer_params``."""
+    if not params or not isinstance(params.get("remote_decoder"), dict):
+        return None
+    kv_id = params["remote_decoder"].get("kv_request_id")
+    return Dest(str(kv_id) if kv_id else None)
+
+
+# Our answers as vLLM's LookupResult (or, before vLLM 0.25, True/False/None).
+TO_VLLM: dict[Answer, Any] = (
+    {Answer.HIT: True, Answer.MISS: False, Answer.RETRY: None, Answer.HIT_PENDING: None}
+    if VllmLookup is None
+    else {a: getattr(VllmLookup, a.name) for a in Answer}
+)
+VLLM_HIT, VLLM_MISS = TO_VLLM[Answer.HIT], TO_VLLM[Answer.MISS]
+
+
+def from_vllm(result: Any) -> Answer:
+    """VLLM's LookupResult (or a legacy bool/None) as our answer."""
+    if result is True:
+        return Answer.HIT
+    if result is False:
+        return Answer.MISS
+    if result is None:
+        return Answer.RETRY
+    return Answer(result.name.lower())
+
+
+def job_ids(job: Any) -> list[int]:
+    return [int(i) for i in getattr(job, JOB_IDS)]
+
+
+def job_result(job_id: int, *, success: bool, seconds: float | None, size: int | None) -> Any:
+    """A job's result for vLLM, with its transfer time (s) and bytes where vLLM has them.
+
+    What vLLM 0.33 reads of them: ``TieringMetricsTracker`` adds
+    ``transfer_time`` to ``kv_offload_tiering_read_time`` (loads) or
+    ``write_time`` (stores) for a job that succeeded, and reads neither field of
+    a failed one (``tiering/metrics.py:205-240``; its byte counters count the
+    job's keys times the chunk size instead). ``transfer_bytes`` feeds only a
+    successful store's backpressure detector (``tiering/manager.py:559-576``),
+    which this tier refuses.
+    """
+    if TRANSFER_FIELDS:
+        return JobResult(job_id=job_id, success=success, transfer_time=seconds, transfer_bytes=size)
+    return JobResult(job_id=job_id, success=success)  # pragma: no cover - older vLLM
+
+
+def hash_seed() -> str:
+    """VLLM's own seed resolution (PYTHONHASHSEED, else its sha256 default).
+
+    Called on the node's thread at the first handshake: only by then has the
+    engine set the seed up. The module is imported with this one, not then.
+    """
+    return str(_kv_cache_utils.get_none_hash_seed())
+
+
+def layout_fingerprint(offloading_spec: Any) -> str:
+    """The layout fingerprint from the same fields vLLM's own P2P tier uses."""
+    try:
+        from vllm.v1.kv_offload.file_mapper import FileMapper  # noqa: PLC0415
+
+        fields = FileMapper.from_offloading_spec(
+            root_dir="",
+            offloading_spec=offloading_spec,
+            blocks_per_file=offloading_spec.blocks_per_chunk,
+            parallel_agnostic=True,
+        ).get_run_config()
+    except Exception as exc:  # a partial spec: no fingerprint, as vLLM with no fields
+        log.warning(
+            "could not derive the layout fingerprint (%s); peers will not compare it, so "
+            "check by hand that every peer runs the same model, dtype and block size",
+            exc,
+        )
+        return ""
+    return fingerprint_of(fields)
