@@ -55,7 +55,8 @@ if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.core.inputs import LookupResult
     from p2pactor.core.timings import Timings
     from p2pactor.keys import CurveSecurity, generate_keypair
-    from p2pactor.log import Durability, EventLog, read_log
+    from p2pactor.log import Durability, EventLog
+    from p2pactor.logread import read_log
     from p2pactor.logsetup import JsonFormatter, configure_logging
     from p2pactor.node import FetchResult, LoadResult, Node, open_node
     from p2pactor.parent import CacheFull, EmbeddedCache, Parent
@@ -125,7 +126,8 @@ _LAZY = {
         "p2pactor.core.inputs": ("LookupResult",),
         "p2pactor.core.timings": ("Timings",),
         "p2pactor.keys": ("CurveSecurity", "generate_keypair"),
-        "p2pactor.log": ("Durability", "EventLog", "read_log"),
+        "p2pactor.log": ("Durability", "EventLog"),
+        "p2pactor.logread": ("read_log",),
         "p2pactor.logsetup": ("JsonFormatter", "configure_logging"),
         "p2pactor.node": ("FetchResult", "LoadResult", "Node", "open_node"),
         "p2pactor.parent": ("CacheFull", "EmbeddedCache", "Parent"),

@@ -2,7 +2,7 @@
 
 :class:`NodeHost` owns the node's parts (runner, timer, quota ledger, parent
 service, store desk, peer registry, engine bridge) and implements what the
-parts ask of the node: a session's :class:`~p2pactor.session.SessionHost`
+parts ask of the node: a session's :class:`~p2pactor.session_host.SessionHost`
 (record a step's events, ask the parent, release a pin, report a load) and
 the bridge's :class:`~p2pactor.engine.EngineSide` (find or open a consumer,
 start a load, finish a request). :class:`~p2pactor.node.Node` is the public
@@ -33,7 +33,8 @@ from p2pactor.parent import Parent
 from p2pactor.peers import PeerRegistry
 from p2pactor.quotas import QuotaLedger
 from p2pactor.serving import ParentService
-from p2pactor.session import PeerSession, SessionCloseResult
+from p2pactor.session import PeerSession
+from p2pactor.session_host import SessionCloseResult
 from p2pactor.stores import StoreDesk
 from p2pactor.timers import Timers
 from p2pactor.transport import ControlConnection, ControlTransport, DataTransport

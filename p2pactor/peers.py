@@ -19,7 +19,8 @@ import trio
 from p2pactor import protocol as wire
 from p2pactor.config import NodeConfig
 from p2pactor.logsetup import peer_context
-from p2pactor.session import PeerSession, SessionCloseResult, SessionHost
+from p2pactor.session import PeerSession
+from p2pactor.session_host import SessionCloseResult, SessionHost
 from p2pactor.transport import ControlConnection, ControlTransport
 
 __all__ = ["CLOSED_KEPT", "PeerRegistry"]

@@ -45,7 +45,7 @@ from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.fold import ActorState, evolve, initial_state, is_terminal
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerState
-from p2pactor.log import LogHeader, LogProblem, LogReader, read_log
+from p2pactor.logread import LogHeader, LogProblem, LogReader, read_log
 
 __all__ = [
     "ActorResult",

@@ -28,7 +28,7 @@ from urllib.parse import quote
 import attrs
 
 from p2pactor.errors import LogFormatError
-from p2pactor.log import LogHeader, LogReader
+from p2pactor.logread import LogHeader, LogReader
 from p2pactor.replay import (
     ActorResult,
     InvariantViolation,

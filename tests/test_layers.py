@@ -25,8 +25,10 @@ RUNTIME = [
             "config",
             "engine",
             "errors",
+            "handshake",
             "host",
             "log",
+            "logread",
             "node",
             "parent",
             "peers",
@@ -34,6 +36,7 @@ RUNTIME = [
             "quotas",
             "serving",
             "session",
+            "session_host",
             "stores",
             "testing",
             "threadsafe",
@@ -44,7 +47,9 @@ RUNTIME = [
     ),
     *sorted((ROOT / "p2pactor" / "core").glob("*.py")),
     ROOT / "adapters" / "zmq.py",
+    *sorted((ROOT / "adapters").glob("_zmq_*.py")),
     ROOT / "adapters" / "nixl.py",
+    *sorted((ROOT / "adapters").glob("_nixl_*.py")),
 ]
 OPERATOR = ("metrics", "status", "status_cli", "httpserve", "surface", "timeline", "dashboard")
 

@@ -32,7 +32,7 @@ from p2pactor.config import NodeConfig
 from p2pactor.core import events as ev
 from p2pactor.core.fold import ActorState
 from p2pactor.core.ids import ActorId
-from p2pactor.log import LogReader, read_log
+from p2pactor.logread import LogReader, read_log
 from p2pactor.replay import open_logs
 from p2pactor.session import PeerSession
 from p2pactor.timeline.feed import (
