@@ -5,8 +5,8 @@ Three things are checked here. First, byte-for-byte compatibility with vLLM
 a stock vLLM peer builds (written out literally below, in vLLM's key order).
 Second, the p2pactor extensions: absent when unset, round-tripping when set,
 ignored by structure when a stock peer leaves them out. Third, every
-validation rule of ``decode``, one readable test each, asserting the exception
-class and that the error names the message type and the field.
+validation rule of ``decode``, one row each of the ``INVALID`` table, asserting
+the exception class and that the error names the message type and the field.
 """
 
 from __future__ import annotations
@@ -263,38 +263,42 @@ def test_extensions_absent_when_none() -> None:
     ) == msgspec.msgpack.encode(vllm_lookup_resp())
 
 
-def test_connect_extension_round_trips_after_the_base_keys() -> None:
-    connect = Connect(
-        peer_id="10.0.0.1:5710",
-        agent_metadata=METADATA,
-        base_addr=BASE_ADDR,
-        num_blocks=1024,
-        block_len=65536,
-        config_fingerprint="0123456789abcdef",
-        hash_seed="vllm-none-hash",
-        extension=EXTENSION,
-    )
-    frame = encode(connect)
-    # Features sorted, so the bytes are deterministic.
-    expected = {
-        **vllm_connect(),
-        "p2pactor": {"version": 1, "features": ["deadline_ms", "round_seq"]},
-    }
-    assert frame == msgspec.msgpack.encode(expected)
-    assert decode(frame) == connect
-
-
-def test_lookup_deadline_round_trips_after_the_base_keys() -> None:
-    msg = Lookup(kv_request_id="req-1", keys=[KEY_A, KEY_B], round_seq=2, deadline_ms=1500)
+@pytest.mark.parametrize(
+    ("msg", "wire"),
+    [
+        pytest.param(
+            Connect(
+                peer_id="10.0.0.1:5710",
+                agent_metadata=METADATA,
+                base_addr=BASE_ADDR,
+                num_blocks=1024,
+                block_len=65536,
+                config_fingerprint="0123456789abcdef",
+                hash_seed="vllm-none-hash",
+                extension=EXTENSION,
+            ),
+            # Features sorted, so the bytes are deterministic.
+            {
+                **vllm_connect(),
+                "p2pactor": {"version": 1, "features": ["deadline_ms", "round_seq"]},
+            },
+            id="connect_extension_round_trips_after_the_base_keys",
+        ),
+        pytest.param(
+            Lookup(kv_request_id="req-1", keys=[KEY_A, KEY_B], round_seq=2, deadline_ms=1500),
+            {**vllm_lookup(), "deadline_ms": 1500},
+            id="lookup_deadline_round_trips_after_the_base_keys",
+        ),
+        pytest.param(
+            LookupResp(kv_request_id="req-1", keys=[KEY_A, KEY_B], hits=[True, False], round_seq=4),
+            {**vllm_lookup_resp(), "round_seq": 4},
+            id="lookup_resp_round_seq_round_trips_after_the_base_keys",
+        ),
+    ],
+)
+def test_extension_round_trips(msg: Message, wire: dict[str, Any]) -> None:
     frame = encode(msg)
-    assert frame == msgspec.msgpack.encode({**vllm_lookup(), "deadline_ms": 1500})
-    assert decode(frame) == msg
-
-
-def test_lookup_resp_round_seq_round_trips_after_the_base_keys() -> None:
-    msg = LookupResp(kv_request_id="req-1", keys=[KEY_A, KEY_B], hits=[True, False], round_seq=4)
-    frame = encode(msg)
-    assert frame == msgspec.msgpack.encode({**vllm_lookup_resp(), "round_seq": 4})
+    assert frame == msgspec.msgpack.encode(wire)
     assert decode(frame) == msg
 
 
@@ -327,188 +331,398 @@ def test_extension_features_reject_a_bare_string() -> None:
         ConnectExtension(version=1, features="round_seq")
 
 
-def test_extension_not_a_map() -> None:
-    expect_invalid(
-        {**vllm_connect(), "p2pactor": [1, ["x"]]},
-        message_type="connect",
-        field="p2pactor",
-        problem="is list, expected a map",
-    )
-
-
-def test_extension_version_missing() -> None:
-    expect_invalid(
-        {**vllm_connect(), "p2pactor": {"features": []}},
-        message_type="connect",
-        field="p2pactor.version",
-        problem="missing",
-    )
-
-
-def test_extension_version_bool() -> None:
-    expect_invalid(
-        {**vllm_connect(), "p2pactor": {"version": True, "features": []}},
-        message_type="connect",
-        field="p2pactor.version",
-        problem="is bool, expected int",
-    )
-
-
-def test_extension_feature_not_str() -> None:
-    expect_invalid(
-        {**vllm_connect(), "p2pactor": {"version": 1, "features": ["ok", b"bad"]}},
-        message_type="connect",
-        field="p2pactor.features",
-        problem="item 1 is bytes, expected str",
-    )
-
-
-def test_extension_too_many_features() -> None:
-    features = [f"f{i}" for i in range(MAX_FEATURES + 1)]
-    expect_invalid(
-        {**vllm_connect(), "p2pactor": {"version": 1, "features": features}},
-        message_type="connect",
-        field="p2pactor.features",
-        problem=f"has {MAX_FEATURES + 1} items, more than the limit of {MAX_FEATURES}",
-    )
-
-
-def test_extension_feature_too_long() -> None:
-    features = ["ok", "x" * (MAX_FEATURE_CHARS + 1)]
-    expect_invalid(
-        {**vllm_connect(), "p2pactor": {"version": 1, "features": features}},
-        message_type="connect",
-        field="p2pactor.features",
-        problem=f"item 1 is {MAX_FEATURE_CHARS + 1} characters",
-    )
-
-
-def test_lookup_deadline_out_of_range() -> None:
-    expect_invalid(
-        {**vllm_lookup(), "deadline_ms": MAX_DEADLINE_MS + 1},
-        message_type="lookup",
-        field="deadline_ms",
-        problem=f"more than the limit of {MAX_DEADLINE_MS}",
-    )
-
-
-def test_lookup_deadline_nil() -> None:
-    expect_invalid(
-        {**vllm_lookup(), "deadline_ms": None},
-        message_type="lookup",
-        field="deadline_ms",
-        problem="is nil, expected int",
-    )
-
-
-def test_lookup_resp_round_seq_negative() -> None:
-    expect_invalid(
-        {**vllm_lookup_resp(), "round_seq": -1},
-        message_type="lookup_resp",
-        field="round_seq",
-        problem="is -1, expected at least 0",
-    )
-
-
 # ---------------------------------------------------------------------------
 # Validation, mirroring vLLM's validate() rules and going beyond them
 # ---------------------------------------------------------------------------
 
 
+def invalid(
+    wire: object,
+    message_type: str,
+    field: str,
+    problem: str,
+    limits: Limits = DEFAULT_LIMITS,
+    *,
+    id: str,
+) -> Any:
+    """One row of INVALID: the arguments of one ``expect_invalid`` call."""
+    return pytest.param(wire, message_type, field, problem, limits, id=id)
+
+
+# The messages that carry round_seq, and those that carry kv_request_id.
+ROUND_SEQ_WIRES = [
+    vllm_lookup(),
+    vllm_fetch(),
+    vllm_transfer_done(),
+    vllm_abort_fetch(),
+    vllm_abort_ack(),
+]
+KV_REQUEST_ID_WIRES = [
+    vllm_lookup(),
+    vllm_lookup_resp(),
+    vllm_fetch(),
+    vllm_transfer_done(),
+    vllm_abort_ack(),
+]
+
+# Each id is the name the case had as its own test, less "test_"; a case that
+# was itself parametrized over messages gets "-<message type>" after it.
+INVALID = [
+    # -- Extensions -----------------------------------------------------------
+    invalid(
+        {**vllm_connect(), "p2pactor": [1, ["x"]]},
+        "connect",
+        "p2pactor",
+        "is list, expected a map",
+        id="extension_not_a_map",
+    ),
+    invalid(
+        {**vllm_connect(), "p2pactor": {"features": []}},
+        "connect",
+        "p2pactor.version",
+        "missing",
+        id="extension_version_missing",
+    ),
+    invalid(
+        {**vllm_connect(), "p2pactor": {"version": True, "features": []}},
+        "connect",
+        "p2pactor.version",
+        "is bool, expected int",
+        id="extension_version_bool",
+    ),
+    invalid(
+        {**vllm_connect(), "p2pactor": {"version": 1, "features": ["ok", b"bad"]}},
+        "connect",
+        "p2pactor.features",
+        "item 1 is bytes, expected str",
+        id="extension_feature_not_str",
+    ),
+    invalid(
+        {
+            **vllm_connect(),
+            "p2pactor": {"version": 1, "features": [f"f{i}" for i in range(MAX_FEATURES + 1)]},
+        },
+        "connect",
+        "p2pactor.features",
+        f"has {MAX_FEATURES + 1} items, more than the limit of {MAX_FEATURES}",
+        id="extension_too_many_features",
+    ),
+    invalid(
+        {
+            **vllm_connect(),
+            "p2pactor": {"version": 1, "features": ["ok", "x" * (MAX_FEATURE_CHARS + 1)]},
+        },
+        "connect",
+        "p2pactor.features",
+        f"item 1 is {MAX_FEATURE_CHARS + 1} characters",
+        id="extension_feature_too_long",
+    ),
+    invalid(
+        {**vllm_lookup(), "deadline_ms": MAX_DEADLINE_MS + 1},
+        "lookup",
+        "deadline_ms",
+        f"more than the limit of {MAX_DEADLINE_MS}",
+        id="lookup_deadline_out_of_range",
+    ),
+    invalid(
+        {**vllm_lookup(), "deadline_ms": None},
+        "lookup",
+        "deadline_ms",
+        "is nil, expected int",
+        id="lookup_deadline_nil",
+    ),
+    invalid(
+        {**vllm_lookup_resp(), "round_seq": -1},
+        "lookup_resp",
+        "round_seq",
+        "is -1, expected at least 0",
+        id="lookup_resp_round_seq_negative",
+    ),
+    # -- Connect and ConnectAck -----------------------------------------------
+    invalid(
+        without(vllm_connect(), "peer_id"),
+        "connect",
+        "peer_id",
+        "missing",
+        id="connect_missing_peer_id",
+    ),
+    invalid(
+        {"type": "connect_ack", "peer_id": 5},
+        "connect_ack",
+        "peer_id",
+        "is int, expected str",
+        id="connect_ack_peer_id_not_str",
+    ),
+    invalid(
+        without(vllm_connect(), "agent_metadata"),
+        "connect",
+        "agent_metadata",
+        "missing",
+        id="connect_missing_metadata",
+    ),
+    invalid(
+        {**vllm_connect(), "agent_metadata": "not-bytes"},
+        "connect",
+        "agent_metadata",
+        "is str, expected bytes",
+        id="connect_wrong_metadata_type",
+    ),
+    invalid(
+        {**vllm_connect(), "base_addr": -1},
+        "connect",
+        "base_addr",
+        "is -1, expected at least 0",
+        id="connect_negative_base_addr",
+    ),
+    invalid(
+        {**vllm_connect(), "num_blocks": 0},
+        "connect",
+        "num_blocks",
+        "is 0, expected at least 1",
+        id="connect_num_blocks_zero",
+    ),
+    invalid(
+        {**vllm_connect(), "num_blocks": MAX_NUM_BLOCKS + 1},
+        "connect",
+        "num_blocks",
+        f"more than the limit of {MAX_NUM_BLOCKS}",
+        id="connect_num_blocks_above_limit",
+    ),
+    invalid(
+        {**vllm_connect(), "block_len": 0},
+        "connect",
+        "block_len",
+        "is 0, expected at least 1",
+        id="connect_block_len_zero",
+    ),
+    # vLLM's isinstance check would take True as num_blocks=1.
+    invalid(
+        {**vllm_connect(), "num_blocks": True},
+        "connect",
+        "num_blocks",
+        "is bool, expected int",
+        id="connect_bool_num_blocks",
+    ),
+    invalid(
+        {**vllm_connect(), "base_addr": MAX_ADDRESS - 1000, "num_blocks": 2, "block_len": 1000},
+        "connect",
+        "base_addr",
+        "past the 64-bit address space",
+        id="connect_base_addr_overflow",
+    ),
+    invalid(
+        without(vllm_connect(), "hash_seed"),
+        "connect",
+        "hash_seed",
+        "missing",
+        id="connect_missing_hash_seed",
+    ),
+    invalid(
+        {**vllm_connect(), "hash_seed": 42},
+        "connect",
+        "hash_seed",
+        "is int, expected str",
+        id="connect_non_str_hash_seed",
+    ),
+    invalid(
+        {**vllm_connect(), "config_fingerprint": None},
+        "connect",
+        "config_fingerprint",
+        "is nil, expected str",
+        id="connect_non_str_fingerprint",
+    ),
+    invalid(
+        {**vllm_connect(), "peer_id": "h" * (MAX_STRING_CHARS + 1)},
+        "connect",
+        "peer_id",
+        f"is {MAX_STRING_CHARS + 1} characters, more than the limit of {MAX_STRING_CHARS}",
+        id="connect_oversized_string",
+    ),
+    invalid(
+        {**vllm_connect(), "agent_metadata": bytes(MAX_AGENT_METADATA_BYTES + 1)},
+        "connect",
+        "agent_metadata",
+        f"more than the limit of {MAX_AGENT_METADATA_BYTES}",
+        id="connect_oversized_metadata",
+    ),
+    invalid(
+        {**vllm_connect(), "agent_metadata": bytes(9)},
+        "connect",
+        "agent_metadata",
+        "is 9 bytes, more than the limit of 8",
+        Limits(max_agent_metadata_bytes=8),
+        id="connect_metadata_limit_is_configurable",
+    ),
+    # -- Fetch ----------------------------------------------------------------
+    invalid(
+        {**vllm_fetch(), "block_indexes": [7]},
+        "fetch",
+        "block_indexes",
+        "has 1 items but 'keys' has 2",
+        id="fetch_length_mismatch",
+    ),
+    invalid(
+        {**vllm_fetch(), "block_indexes": [7, -1]},
+        "fetch",
+        "block_indexes",
+        "item 1 is -1",
+        id="fetch_negative_index",
+    ),
+    invalid(
+        {**vllm_fetch(), "block_indexes": [MAX_BLOCK_INDEX, MAX_BLOCK_INDEX + 1]},
+        "fetch",
+        "block_indexes",
+        f"item 1 is {MAX_BLOCK_INDEX + 1}, expected 0 to {MAX_BLOCK_INDEX}",
+        id="fetch_index_above_max",
+    ),
+    invalid(
+        {**vllm_fetch(), "block_indexes": [7, True]},
+        "fetch",
+        "block_indexes",
+        "item 1 is bool, expected int",
+        id="fetch_bool_block_index",
+    ),
+    # -- Fields shared by several messages ------------------------------------
+    *(
+        invalid(
+            {**wire, "round_seq": False},
+            wire["type"],
+            "round_seq",
+            "is bool, expected int",
+            id=f"bool_round_seq-{wire['type']}",
+        )
+        for wire in ROUND_SEQ_WIRES
+    ),
+    *(
+        invalid(
+            {**wire, "round_seq": -3},
+            wire["type"],
+            "round_seq",
+            "is -3, expected at least 0",
+            id=f"negative_round_seq-{wire['type']}",
+        )
+        for wire in ROUND_SEQ_WIRES
+    ),
+    *(
+        invalid(
+            without(wire, "kv_request_id"),
+            wire["type"],
+            "kv_request_id",
+            "missing",
+            id=f"missing_kv_request_id-{wire['type']}",
+        )
+        for wire in KV_REQUEST_ID_WIRES
+    ),
+    invalid(
+        {**vllm_abort_fetch(), "kv_request_id": "r" * (MAX_STRING_CHARS + 1)},
+        "abort_fetch",
+        "kv_request_id",
+        f"more than the limit of {MAX_STRING_CHARS}",
+        id="oversized_kv_request_id",
+    ),
+    # -- TransferDone and LookupResp ------------------------------------------
+    invalid(
+        {**vllm_transfer_done(), "success": 1},
+        "transfer_done",
+        "success",
+        "is int, expected bool",
+        id="transfer_done_non_bool_success",
+    ),
+    invalid(
+        {**vllm_lookup_resp(), "hits": [True, 0]},
+        "lookup_resp",
+        "hits",
+        "item 1 is int, expected bool",
+        id="lookup_resp_non_bool_hit",
+    ),
+    invalid(
+        {**vllm_lookup_resp(), "hits": [True, False, True]},
+        "lookup_resp",
+        "hits",
+        "has 3 items but 'keys' has 2",
+        id="lookup_resp_length_mismatch",
+    ),
+    # -- Keys -----------------------------------------------------------------
+    invalid(
+        {**vllm_lookup(), "keys": [KEY_A, "deadbeef"]},
+        "lookup",
+        "keys",
+        "item 1 is str, expected bytes",
+        id="str_key_instead_of_bytes",
+    ),
+    # vLLM would turn 1_000_000 into a megabyte of zero bytes via bytes(n).
+    invalid(
+        {**vllm_fetch(), "keys": [1_000_000, KEY_B]},
+        "fetch",
+        "keys",
+        "item 0 is int, expected bytes",
+        id="int_key_is_rejected_not_coerced",
+    ),
+    invalid(
+        {**vllm_lookup(), "keys": KEY_A},
+        "lookup",
+        "keys",
+        "is bytes, expected list",
+        id="keys_not_a_list",
+    ),
+    invalid(
+        {**vllm_lookup(), "keys": [b""] * (MAX_LIST_ITEMS + 1)},
+        "lookup",
+        "keys",
+        f"has {MAX_LIST_ITEMS + 1} items, more than the limit of {MAX_LIST_ITEMS}",
+        id="oversized_key_list",
+    ),
+    invalid(
+        {**vllm_lookup_resp(), "keys": [KEY_A, bytes(MAX_KEY_BYTES + 1)]},
+        "lookup_resp",
+        "keys",
+        f"item 1 is {MAX_KEY_BYTES + 1} bytes, more than the limit of {MAX_KEY_BYTES}",
+        id="oversized_key",
+    ),
+    # -- msgpack types in typed positions -------------------------------------
+    invalid(
+        {**vllm_abort_ack(), "round_seq": msgspec.msgpack.Ext(5, b"\x01")},
+        "abort_ack",
+        "round_seq",
+        "is Ext, expected int",
+        id="ext_type_in_typed_position",
+    ),
+    invalid(
+        {**vllm_connect_ack(), "peer_id": datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)},
+        "connect_ack",
+        "peer_id",
+        "is datetime, expected str",
+        id="timestamp_in_typed_position",
+    ),
+    invalid(
+        {**vllm_fetch(), "block_indexes": [7, 3.0]},
+        "fetch",
+        "block_indexes",
+        "item 1 is float, expected int",
+        id="float_in_typed_position",
+    ),
+    # -- Limits ---------------------------------------------------------------
+    invalid(
+        vllm_lookup(),
+        "lookup",
+        "keys",
+        "has 2 items, more than the limit of 1",
+        Limits(max_list_items=1),
+        id="limits_list_bound_is_configurable",
+    ),
+]
+
+
+@pytest.mark.parametrize(("wire", "message_type", "field", "problem", "limits"), INVALID)
+def test_invalid_field(
+    wire: object, message_type: str, field: str, problem: str, limits: Limits
+) -> None:
+    expect_invalid(wire, message_type=message_type, field=field, problem=problem, limits=limits)
+
+
 def test_connect_valid() -> None:
     msg = decode(frame_of(vllm_connect()))
     assert msg == PAIRS[0][0]
-
-
-def test_connect_missing_peer_id() -> None:
-    expect_invalid(
-        without(vllm_connect(), "peer_id"),
-        message_type="connect",
-        field="peer_id",
-        problem="missing",
-    )
-
-
-def test_connect_ack_peer_id_not_str() -> None:
-    expect_invalid(
-        {"type": "connect_ack", "peer_id": 5},
-        message_type="connect_ack",
-        field="peer_id",
-        problem="is int, expected str",
-    )
-
-
-def test_connect_missing_metadata() -> None:
-    expect_invalid(
-        without(vllm_connect(), "agent_metadata"),
-        message_type="connect",
-        field="agent_metadata",
-        problem="missing",
-    )
-
-
-def test_connect_wrong_metadata_type() -> None:
-    expect_invalid(
-        {**vllm_connect(), "agent_metadata": "not-bytes"},
-        message_type="connect",
-        field="agent_metadata",
-        problem="is str, expected bytes",
-    )
-
-
-def test_connect_negative_base_addr() -> None:
-    expect_invalid(
-        {**vllm_connect(), "base_addr": -1},
-        message_type="connect",
-        field="base_addr",
-        problem="is -1, expected at least 0",
-    )
-
-
-def test_connect_num_blocks_zero() -> None:
-    expect_invalid(
-        {**vllm_connect(), "num_blocks": 0},
-        message_type="connect",
-        field="num_blocks",
-        problem="is 0, expected at least 1",
-    )
-
-
-def test_connect_num_blocks_above_limit() -> None:
-    expect_invalid(
-        {**vllm_connect(), "num_blocks": MAX_NUM_BLOCKS + 1},
-        message_type="connect",
-        field="num_blocks",
-        problem=f"more than the limit of {MAX_NUM_BLOCKS}",
-    )
-
-
-def test_connect_block_len_zero() -> None:
-    expect_invalid(
-        {**vllm_connect(), "block_len": 0},
-        message_type="connect",
-        field="block_len",
-        problem="is 0, expected at least 1",
-    )
-
-
-def test_connect_bool_num_blocks() -> None:
-    # vLLM's isinstance check would take True as num_blocks=1.
-    expect_invalid(
-        {**vllm_connect(), "num_blocks": True},
-        message_type="connect",
-        field="num_blocks",
-        problem="is bool, expected int",
-    )
-
-
-def test_connect_base_addr_overflow() -> None:
-    expect_invalid(
-        {**vllm_connect(), "base_addr": MAX_ADDRESS - 1000, "num_blocks": 2, "block_len": 1000},
-        message_type="connect",
-        field="base_addr",
-        problem="past the 64-bit address space",
-    )
 
 
 def test_connect_region_ending_at_top_of_address_space_is_accepted() -> None:
@@ -518,217 +732,8 @@ def test_connect_region_ending_at_top_of_address_space_is_accepted() -> None:
     assert msg.base_addr == MAX_ADDRESS - 2000
 
 
-def test_connect_missing_hash_seed() -> None:
-    expect_invalid(
-        without(vllm_connect(), "hash_seed"),
-        message_type="connect",
-        field="hash_seed",
-        problem="missing",
-    )
-
-
-def test_connect_non_str_hash_seed() -> None:
-    expect_invalid(
-        {**vllm_connect(), "hash_seed": 42},
-        message_type="connect",
-        field="hash_seed",
-        problem="is int, expected str",
-    )
-
-
-def test_connect_non_str_fingerprint() -> None:
-    expect_invalid(
-        {**vllm_connect(), "config_fingerprint": None},
-        message_type="connect",
-        field="config_fingerprint",
-        problem="is nil, expected str",
-    )
-
-
-def test_connect_oversized_string() -> None:
-    expect_invalid(
-        {**vllm_connect(), "peer_id": "h" * (MAX_STRING_CHARS + 1)},
-        message_type="connect",
-        field="peer_id",
-        problem=f"is {MAX_STRING_CHARS + 1} characters, more than the limit of {MAX_STRING_CHARS}",
-    )
-
-
-def test_connect_oversized_metadata() -> None:
-    metadata = bytes(MAX_AGENT_METADATA_BYTES + 1)
-    expect_invalid(
-        {**vllm_connect(), "agent_metadata": metadata},
-        message_type="connect",
-        field="agent_metadata",
-        problem=f"more than the limit of {MAX_AGENT_METADATA_BYTES}",
-    )
-
-
-def test_connect_metadata_limit_is_configurable() -> None:
-    limits = Limits(max_agent_metadata_bytes=8)
-    expect_invalid(
-        {**vllm_connect(), "agent_metadata": bytes(9)},
-        message_type="connect",
-        field="agent_metadata",
-        problem="is 9 bytes, more than the limit of 8",
-        limits=limits,
-    )
-
-
 def test_fetch_valid() -> None:
     assert decode(frame_of(vllm_fetch())) == PAIRS[5][0]
-
-
-def test_fetch_length_mismatch() -> None:
-    expect_invalid(
-        {**vllm_fetch(), "block_indexes": [7]},
-        message_type="fetch",
-        field="block_indexes",
-        problem="has 1 items but 'keys' has 2",
-    )
-
-
-def test_fetch_negative_index() -> None:
-    expect_invalid(
-        {**vllm_fetch(), "block_indexes": [7, -1]},
-        message_type="fetch",
-        field="block_indexes",
-        problem="item 1 is -1",
-    )
-
-
-def test_fetch_index_above_max() -> None:
-    expect_invalid(
-        {**vllm_fetch(), "block_indexes": [MAX_BLOCK_INDEX, MAX_BLOCK_INDEX + 1]},
-        message_type="fetch",
-        field="block_indexes",
-        problem=f"item 1 is {MAX_BLOCK_INDEX + 1}, expected 0 to {MAX_BLOCK_INDEX}",
-    )
-
-
-def test_fetch_bool_block_index() -> None:
-    expect_invalid(
-        {**vllm_fetch(), "block_indexes": [7, True]},
-        message_type="fetch",
-        field="block_indexes",
-        problem="item 1 is bool, expected int",
-    )
-
-
-@pytest.mark.parametrize(
-    "wire",
-    [vllm_lookup(), vllm_fetch(), vllm_transfer_done(), vllm_abort_fetch(), vllm_abort_ack()],
-    ids=lambda wire: wire["type"],
-)
-def test_bool_round_seq(wire: dict[str, Any]) -> None:
-    expect_invalid(
-        {**wire, "round_seq": False},
-        message_type=wire["type"],
-        field="round_seq",
-        problem="is bool, expected int",
-    )
-
-
-@pytest.mark.parametrize(
-    "wire",
-    [vllm_lookup(), vllm_fetch(), vllm_transfer_done(), vllm_abort_fetch(), vllm_abort_ack()],
-    ids=lambda wire: wire["type"],
-)
-def test_negative_round_seq(wire: dict[str, Any]) -> None:
-    expect_invalid(
-        {**wire, "round_seq": -3},
-        message_type=wire["type"],
-        field="round_seq",
-        problem="is -3, expected at least 0",
-    )
-
-
-@pytest.mark.parametrize(
-    "wire",
-    [vllm_lookup(), vllm_lookup_resp(), vllm_fetch(), vllm_transfer_done(), vllm_abort_ack()],
-    ids=lambda wire: wire["type"],
-)
-def test_missing_kv_request_id(wire: dict[str, Any]) -> None:
-    expect_invalid(
-        without(wire, "kv_request_id"),
-        message_type=wire["type"],
-        field="kv_request_id",
-        problem="missing",
-    )
-
-
-def test_oversized_kv_request_id() -> None:
-    expect_invalid(
-        {**vllm_abort_fetch(), "kv_request_id": "r" * (MAX_STRING_CHARS + 1)},
-        message_type="abort_fetch",
-        field="kv_request_id",
-        problem=f"more than the limit of {MAX_STRING_CHARS}",
-    )
-
-
-def test_transfer_done_non_bool_success() -> None:
-    expect_invalid(
-        {**vllm_transfer_done(), "success": 1},
-        message_type="transfer_done",
-        field="success",
-        problem="is int, expected bool",
-    )
-
-
-def test_lookup_resp_non_bool_hit() -> None:
-    expect_invalid(
-        {**vllm_lookup_resp(), "hits": [True, 0]},
-        message_type="lookup_resp",
-        field="hits",
-        problem="item 1 is int, expected bool",
-    )
-
-
-def test_lookup_resp_length_mismatch() -> None:
-    expect_invalid(
-        {**vllm_lookup_resp(), "hits": [True, False, True]},
-        message_type="lookup_resp",
-        field="hits",
-        problem="has 3 items but 'keys' has 2",
-    )
-
-
-def test_str_key_instead_of_bytes() -> None:
-    expect_invalid(
-        {**vllm_lookup(), "keys": [KEY_A, "deadbeef"]},
-        message_type="lookup",
-        field="keys",
-        problem="item 1 is str, expected bytes",
-    )
-
-
-def test_int_key_is_rejected_not_coerced() -> None:
-    # vLLM would turn 1_000_000 into a megabyte of zero bytes via bytes(n).
-    expect_invalid(
-        {**vllm_fetch(), "keys": [1_000_000, KEY_B]},
-        message_type="fetch",
-        field="keys",
-        problem="item 0 is int, expected bytes",
-    )
-
-
-def test_keys_not_a_list() -> None:
-    expect_invalid(
-        {**vllm_lookup(), "keys": KEY_A},
-        message_type="lookup",
-        field="keys",
-        problem="is bytes, expected list",
-    )
-
-
-def test_oversized_key_list() -> None:
-    wire = {**vllm_lookup(), "keys": [b""] * (MAX_LIST_ITEMS + 1)}
-    expect_invalid(
-        wire,
-        message_type="lookup",
-        field="keys",
-        problem=f"has {MAX_LIST_ITEMS + 1} items, more than the limit of {MAX_LIST_ITEMS}",
-    )
 
 
 def test_full_key_list_is_accepted() -> None:
@@ -749,49 +754,11 @@ def test_full_lookup_decodes_quickly() -> None:
     assert best < 0.1
 
 
-def test_oversized_key() -> None:
-    expect_invalid(
-        {**vllm_lookup_resp(), "keys": [KEY_A, bytes(MAX_KEY_BYTES + 1)]},
-        message_type="lookup_resp",
-        field="keys",
-        problem=f"item 1 is {MAX_KEY_BYTES + 1} bytes, more than the limit of {MAX_KEY_BYTES}",
-    )
-
-
-def test_ext_type_in_typed_position() -> None:
-    expect_invalid(
-        {**vllm_abort_ack(), "round_seq": msgspec.msgpack.Ext(5, b"\x01")},
-        message_type="abort_ack",
-        field="round_seq",
-        problem="is Ext, expected int",
-    )
-
-
-def test_timestamp_in_typed_position() -> None:
-    stamp = datetime.datetime(2024, 1, 1, tzinfo=datetime.UTC)
-    expect_invalid(
-        {**vllm_connect_ack(), "peer_id": stamp},
-        message_type="connect_ack",
-        field="peer_id",
-        problem="is datetime, expected str",
-    )
-
-
-def test_float_in_typed_position() -> None:
-    expect_invalid(
-        {**vllm_fetch(), "block_indexes": [7, 3.0]},
-        message_type="fetch",
-        field="block_indexes",
-        problem="item 1 is float, expected int",
-    )
-
-
 def test_unknown_extra_keys_are_ignored() -> None:
     wire = {**vllm_transfer_done(), "from_the_future": {"x": [1, 2.5, None]}}
     assert decode(frame_of(wire)) == PAIRS[6][0]
 
 
-# ---------------------------------------------------------------------------
 # Framing
 # ---------------------------------------------------------------------------
 
@@ -830,55 +797,39 @@ def test_unknown_type_name_is_clipped() -> None:
     assert len(str(info.value)) < 500
 
 
-def test_non_map_top_level() -> None:
-    with pytest.raises(MalformedFrame, match="top-level value is list, expected a map"):
-        decode(frame_of(["type", "connect"]))
-
-
-def test_empty_map() -> None:
-    with pytest.raises(MalformedFrame, match="no 'type' key"):
-        decode(frame_of({}))
-
-
-def test_type_not_str() -> None:
-    with pytest.raises(MalformedFrame, match="'type' is bytes, expected str"):
-        decode(frame_of({"type": b"connect"}))
-
-
-def test_garbage_bytes() -> None:
-    with pytest.raises(MalformedFrame, match="not valid msgpack"):
-        decode(b"\xc1\x00garbage")
-
-
-def test_empty_frame() -> None:
-    with pytest.raises(MalformedFrame):
-        decode(b"")
-
-
-def test_trailing_bytes() -> None:
-    with pytest.raises(MalformedFrame):
-        decode(frame_of(vllm_disconnect()) + b"\x00")
-
-
-def test_invalid_utf8() -> None:
-    with pytest.raises(MalformedFrame):
-        decode(b"\x81\xa4type\xa2\xff\xfe")
-
-
-def test_deep_nesting() -> None:
-    with pytest.raises(ProtocolError):
-        decode(b"\x91" * 200_000 + b"\xc0")
-
-
-def test_truncated_huge_array_header() -> None:
-    with pytest.raises(MalformedFrame):
-        decode(b"\xdd\xff\xff\xff\xff")
-
-
-def test_protocol_errors_are_value_errors() -> None:
-    # Sessions treat ValueError-class violations as grounds to disconnect.
-    with pytest.raises(ValueError):  # noqa: PT011
-        decode(b"\xc1")
+@pytest.mark.parametrize(
+    ("frame", "error", "match"),
+    [
+        pytest.param(
+            frame_of(["type", "connect"]),
+            MalformedFrame,
+            "top-level value is list, expected a map",
+            id="non_map_top_level",
+        ),
+        pytest.param(frame_of({}), MalformedFrame, "no 'type' key", id="empty_map"),
+        pytest.param(
+            frame_of({"type": b"connect"}),
+            MalformedFrame,
+            "'type' is bytes, expected str",
+            id="type_not_str",
+        ),
+        pytest.param(b"\xc1\x00garbage", MalformedFrame, "not valid msgpack", id="garbage_bytes"),
+        pytest.param(b"", MalformedFrame, None, id="empty_frame"),
+        pytest.param(
+            frame_of(vllm_disconnect()) + b"\x00", MalformedFrame, None, id="trailing_bytes"
+        ),
+        pytest.param(b"\x81\xa4type\xa2\xff\xfe", MalformedFrame, None, id="invalid_utf8"),
+        pytest.param(b"\x91" * 200_000 + b"\xc0", ProtocolError, None, id="deep_nesting"),
+        pytest.param(
+            b"\xdd\xff\xff\xff\xff", MalformedFrame, None, id="truncated_huge_array_header"
+        ),
+        # Sessions treat ValueError-class violations as grounds to disconnect.
+        pytest.param(b"\xc1", ValueError, None, id="protocol_errors_are_value_errors"),
+    ],
+)
+def test_rejected_frame(frame: bytes, error: type[Exception], match: str | None) -> None:
+    with pytest.raises(error, match=match):
+        decode(frame)
 
 
 # ---------------------------------------------------------------------------
@@ -886,26 +837,16 @@ def test_protocol_errors_are_value_errors() -> None:
 # ---------------------------------------------------------------------------
 
 
-def test_limits_reject_negative_bound() -> None:
-    with pytest.raises(ConfigError, match="max_list_items"):
-        Limits(max_list_items=-1)
-
-
-def test_limits_reject_zero_frame_bound() -> None:
-    with pytest.raises(ConfigError, match="max_frame_bytes"):
-        Limits(max_frame_bytes=0)
-
-
-def test_limits_reject_non_int() -> None:
-    with pytest.raises(ConfigError, match="max_key_bytes is bool"):
-        Limits(max_key_bytes=True)
-
-
-def test_limits_list_bound_is_configurable() -> None:
-    expect_invalid(
-        vllm_lookup(),
-        message_type="lookup",
-        field="keys",
-        problem="has 2 items, more than the limit of 1",
-        limits=Limits(max_list_items=1),
-    )
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        pytest.param({"max_list_items": -1}, "max_list_items", id="limits_reject_negative_bound"),
+        pytest.param(
+            {"max_frame_bytes": 0}, "max_frame_bytes", id="limits_reject_zero_frame_bound"
+        ),
+        pytest.param({"max_key_bytes": True}, "max_key_bytes is bool", id="limits_reject_non_int"),
+    ],
+)
+def test_limits_reject(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Limits(**kwargs)
