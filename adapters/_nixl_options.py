@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterator
 
 import attrs
 
-from p2pactor.errors import ConfigError
+from p2pactor.core import checks
 
-
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0 or not math.isfinite(value):
-        raise ConfigError(f"{attribute.name} must be a positive number, got {value!r}")
-
-
-def _not_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value >= 0 or not math.isfinite(value):
-        raise ConfigError(f"{attribute.name} must be a number >= 0, got {value!r}")
-
-
-def _not_negative_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if type(value) is not int or value < 0:
-        raise ConfigError(f"{attribute.name} must be an int >= 0, got {value!r}")
+# Polls and deadlines are computed from these: inf would never end.
+_positive = checks.positive(finite=True)
+_not_negative = checks.non_negative(finite=True)
 
 
 @attrs.frozen(kw_only=True)
@@ -77,8 +65,8 @@ class NixlOptions:
     close_timeout: float = attrs.field(default=5.0, validator=_positive)
     connect_eagerly: bool = True
     backends: tuple[str, ...] = attrs.field(default=("UCX",), converter=tuple)
-    num_threads: int = attrs.field(default=0, validator=_not_negative_int)
-    busy_polls: int = attrs.field(default=4, validator=_not_negative_int)
+    num_threads: int = attrs.field(default=0, validator=checks.non_negative_int)
+    busy_polls: int = attrs.field(default=4, validator=checks.non_negative_int)
     min_poll_interval: float = attrs.field(default=20e-6, validator=_positive)
     max_poll_interval: float = attrs.field(default=1e-3, validator=_positive)
     idle_poll_interval: float = attrs.field(default=1e-3, validator=_positive)

@@ -3,33 +3,22 @@
 from __future__ import annotations
 
 import logging
-import math
 
 import attrs
 
+from p2pactor.core import checks
 from p2pactor.errors import P2PActorError
 from p2pactor.protocol import DEFAULT_MAX_FRAME_BYTES
 
 log = logging.getLogger("p2pactor.zmq")
 
+# libzmq takes whole milliseconds: inf has no value there.
+_positive = checks.positive(finite=True)
+_not_negative = checks.non_negative(finite=True)
+
 
 class ZmqTransportError(P2PActorError):
     """The ZeroMQ transport itself failed (it cannot bind, or its ROUTER broke)."""
-
-
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be a positive number, got {value!r}")
-
-
-def _not_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value >= 0 or not math.isfinite(value):
-        raise ValueError(f"{attribute.name} must be zero or more, got {value!r}")
-
-
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if type(value) is not int or value <= 0:
-        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -88,17 +77,19 @@ class ZmqOptions:
     heartbeat_interval: float = attrs.field(default=2.0, validator=_positive)
     heartbeat_timeout: float = attrs.field(default=10.0, validator=_positive)
     heartbeat_ttl: float = attrs.field(default=10.0, validator=_positive)
-    send_hwm: int = attrs.field(default=1000, validator=_positive_int)
+    send_hwm: int = attrs.field(default=1000, validator=checks.positive_int)
     send_timeout: float = attrs.field(default=1.0, validator=_not_negative)
     dealer_linger: float = attrs.field(default=0.5, validator=_not_negative)
     router_linger: float = attrs.field(default=0.0, validator=_not_negative)
-    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_FRAME_BYTES, validator=_positive_int)
-    inbound_queue: int = attrs.field(default=10_000, validator=_positive_int)
-    inbound_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=_positive_int)
-    accept_backlog: int = attrs.field(default=128, validator=_positive_int)
+    max_frame_bytes: int = attrs.field(
+        default=DEFAULT_MAX_FRAME_BYTES, validator=checks.positive_int
+    )
+    inbound_queue: int = attrs.field(default=10_000, validator=checks.positive_int)
+    inbound_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=checks.positive_int)
+    accept_backlog: int = attrs.field(default=128, validator=checks.positive_int)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     redial_delay: float = attrs.field(default=0.05, validator=_not_negative)
-    receive_batch: int = attrs.field(default=64, validator=_positive_int)
+    receive_batch: int = attrs.field(default=64, validator=checks.positive_int)
     batch_io_threads: bool = True
 
 

@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import attrs
 
+from p2pactor.core import checks
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 from p2pactor.errors import ConfigError
 from p2pactor.keys import CurveSecurity
@@ -53,19 +54,8 @@ def fingerprint_of(fields: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if type(value) is not int or value <= 0:
-        raise ConfigError(f"{attribute.name} must be a positive integer, got {value!r}")
-
-
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{attribute.name} must be positive, got {value!r}")
-
-
-def _port(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if type(value) is not int or not 0 <= value <= 65535:
-        raise ConfigError(f"{attribute.name} must be a TCP port (0-65535), got {value!r}")
+# Timeouts and intervals may be inf: never.
+_positive = checks.positive(finite=False)
 
 
 def _unused_actor_inbox(_: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -75,13 +65,6 @@ def _unused_actor_inbox(_: object, attribute: attrs.Attribute[int], value: int) 
             "bound); remove it from your config",
             DeprecationWarning,
             stacklevel=4,
-        )
-
-
-def _optional_port(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
-    if value is not None and (type(value) is not int or not 0 <= value <= 65535):
-        raise ConfigError(
-            f"{attribute.name} must be a TCP port (0-65535) or None (off), got {value!r}"
         )
 
 
@@ -167,29 +150,31 @@ class NodeConfig:
     """
 
     host: str = "localhost"
-    port: int = attrs.field(default=5710, validator=_port)
-    num_blocks: int = attrs.field(default=1024, validator=_positive_int)
-    block_len: int = attrs.field(default=4096, validator=_positive_int)
+    port: int = attrs.field(default=5710, validator=checks.port)
+    num_blocks: int = attrs.field(default=1024, validator=checks.positive_int)
+    block_len: int = attrs.field(default=4096, validator=checks.positive_int)
     hash_seed: str = DEFAULT_HASH_SEED
     fingerprint: str = ""
     timings: Timings = DEFAULT_TIMINGS
     limits: Limits = DEFAULT_LIMITS
-    max_peers: int = attrs.field(default=128, validator=_positive_int)
+    max_peers: int = attrs.field(default=128, validator=checks.positive_int)
     handshake_timeout: float = attrs.field(default=30.0, validator=_positive)
     idle_timeout: float = attrs.field(default=300.0, validator=_positive)
     allowed_peers: frozenset[str] | None = attrs.field(default=None, converter=_peers)
-    actor_inbox: int = attrs.field(default=256, validator=[_positive_int, _unused_actor_inbox])
-    session_outbox: int = attrs.field(default=1000, validator=_positive_int)
-    max_dispatch_errors: int = attrs.field(default=5, validator=_positive_int)
-    engine_inbox: int = attrs.field(default=100_000, validator=_positive_int)
+    actor_inbox: int = attrs.field(
+        default=256, validator=[checks.positive_int, _unused_actor_inbox]
+    )
+    session_outbox: int = attrs.field(default=1000, validator=checks.positive_int)
+    max_dispatch_errors: int = attrs.field(default=5, validator=checks.positive_int)
+    engine_inbox: int = attrs.field(default=100_000, validator=checks.positive_int)
     engine_poll_interval: float = attrs.field(default=0.005, validator=_positive)
     drain_timeout: float = attrs.field(default=30.0, validator=_positive)
     unbound_store_timeout: float = attrs.field(default=60.0, validator=_positive)
     quotas: PeerQuotas = DEFAULT_QUOTAS
     round_extension: bool = True
-    dashboard_port: int | None = attrs.field(default=None, validator=_optional_port)
+    dashboard_port: int | None = attrs.field(default=None, validator=checks.optional_port)
     dashboard_host: str = "127.0.0.1"
-    metrics_port: int | None = attrs.field(default=None, validator=_optional_port)
+    metrics_port: int | None = attrs.field(default=None, validator=checks.optional_port)
     metrics_host: str = "127.0.0.1"
     curve_secret_key: str | None = attrs.field(default=None, converter=_optional_path)
     curve_trusted: str | None = attrs.field(default=None, converter=_optional_path)

@@ -26,12 +26,13 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import attrs
 import msgspec
 import trio
 
+from p2pactor.core import checks
 from p2pactor.core.events import AnyEvent
 from p2pactor.core.ids import ActorId
 from p2pactor.core.serde import encode_event
@@ -67,11 +68,6 @@ class DurabilityKind(enum.Enum):
     """Records are written only by :meth:`EventLog.flush` and :meth:`EventLog.close`."""
 
 
-def _positive(_: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"Durability.{attribute.name} must be above 0, got {value!r}")
-
-
 @attrs.frozen(kw_only=True)
 class Durability:
     """How soon appended events reach the file, and what a crash may lose.
@@ -102,9 +98,11 @@ class Durability:
     """Shorthand for :attr:`DurabilityKind.ON_CLOSE`."""
 
     kind: DurabilityKind = DurabilityKind.INTERVAL
-    interval_s: float = attrs.field(default=0.05, validator=_positive)
+    interval_s: float = attrs.field(default=0.05, validator=checks.positive(finite=False))
     fsync: bool = False
-    max_buffer_bytes: int = attrs.field(default=4 * 1024 * 1024, validator=_positive)
+    max_buffer_bytes: int = attrs.field(
+        default=4 * 1024 * 1024, validator=checks.positive(finite=False)
+    )
 
     @classmethod
     def every_event(cls, *, fsync: bool = False) -> Durability:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import attrs
 
-from p2pactor.errors import ConfigError
+from p2pactor.core import checks
 
 __all__ = ["DEFAULT_TIMINGS", "Timings"]
 
 
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+# A timer may be inf: never.
+_positive = checks.positive(finite=False)
 
 
 @attrs.frozen(kw_only=True)

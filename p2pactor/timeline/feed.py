@@ -29,13 +29,14 @@ import attrs
 import msgspec
 import trio
 
+from p2pactor.core import checks
 from p2pactor.core import events as ev
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.fold import ActorState, is_terminal
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerPhase, ProducerState
-from p2pactor.errors import ConfigError, P2PActorError
+from p2pactor.errors import P2PActorError
 from p2pactor.replay import describe
 
 __all__ = [
@@ -84,14 +85,8 @@ class FeedFull(P2PActorError):
     """The feed already has as many subscribers as its limits allow."""
 
 
-def _positive_int(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if type(value) is not int or value <= 0:
-        raise ConfigError(f"FeedLimits.{attribute.name} must be a positive integer, got {value!r}")
-
-
-def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not value > 0:
-        raise ConfigError(f"FeedLimits.{attribute.name} must be positive, got {value!r}")
+# Intervals and timeouts may be inf: never.
+_positive = checks.positive(finite=False)
 
 
 @attrs.frozen(kw_only=True)
@@ -116,13 +111,13 @@ class FeedLimits:
             its queue is half full).
     """
 
-    queue: int = attrs.field(default=1000, validator=_positive_int)
+    queue: int = attrs.field(default=1000, validator=checks.positive_int)
     max_behind_s: float = attrs.field(default=10.0, validator=_positive)
     close_timeout_s: float = attrs.field(default=5.0, validator=_positive)
-    finished_events: int = attrs.field(default=2000, validator=_positive_int)
-    actor_events: int = attrs.field(default=1000, validator=_positive_int)
-    snapshot_events: int = attrs.field(default=10_000, validator=_positive_int)
-    max_subscribers: int = attrs.field(default=64, validator=_positive_int)
+    finished_events: int = attrs.field(default=2000, validator=checks.positive_int)
+    actor_events: int = attrs.field(default=1000, validator=checks.positive_int)
+    snapshot_events: int = attrs.field(default=10_000, validator=checks.positive_int)
+    max_subscribers: int = attrs.field(default=64, validator=checks.positive_int)
     status_interval_s: float = attrs.field(default=1.0, validator=_positive)
     batch_interval_s: float = attrs.field(default=0.05, validator=_positive)
 
