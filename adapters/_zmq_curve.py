@@ -1,9 +1,15 @@
-"""CURVE on the control transport: each socket's keys, the ZAP handler, failed handshakes."""
+"""CURVE on the control transport: key pairs, socket keys, the ZAP handler, failed handshakes.
+
+Making a key pair and checking one take libzmq, so they live here, not in
+:mod:`p2pactor.keys` (which reads and writes the files and imports no pyzmq).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import trio
 import zmq
@@ -12,7 +18,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from p2pactor.adapters._zmq_options import ZmqTransportError, _worth_logging, log
 from p2pactor.adapters._zmq_socket import _AsyncSocket
-from p2pactor.keys import CurveSecurity
+from p2pactor.errors import ConfigError
+from p2pactor.keys import KEYGEN_HINT, CurveKeypair, CurveSecurity, write_keypair
 from p2pactor.transport import ConnectionLost
 
 ZAP_DOMAIN: bytes = b"p2pactor"
@@ -27,6 +34,53 @@ _HANDSHAKE_FAILED = (
 )
 # What a CURVE ROUTER turns away before ZAP is asked (see _router_monitor_loop).
 _ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+def _new_keys() -> tuple[str, str]:
+    public, secret = zmq.curve_keypair()
+    return public.decode("ascii"), secret.decode("ascii")
+
+
+def generate_keypair(
+    path_stem: str | os.PathLike[str],
+    address: str | Iterable[str],
+    *,
+    force: bool = False,
+) -> tuple[Path, Path]:
+    """Make a new key pair and write ``<stem>.key`` and ``<stem>.key_secret``.
+
+    Args:
+        path_stem: The files' path without suffix (``/etc/p2pactor/node-a``).
+        address: The node id(s) the key speaks for: ``host:port``, several
+            comma-separated (or a collection) when one key serves several nodes.
+        force: Replace existing files; otherwise refuse to touch them.
+
+    Returns:
+        The public and the secret file's paths.
+
+    Raises:
+        ConfigError: A file exists (and not ``force``), an address is not
+            ``host:port``, or the files cannot be written.
+    """
+    return write_keypair(path_stem, address, _new_keys, force=force)
+
+
+def check_keypair(keypair: CurveKeypair) -> None:
+    """Refuse a key pair whose public key is not the one of its secret key.
+
+    Raises:
+        ConfigError: The pair does not match: its file was edited or damaged.
+    """
+    try:
+        public = zmq.curve_public(keypair.secret_key.encode("ascii")).decode("ascii")
+    except (zmq.ZMQError, ValueError):
+        public = None
+    if public != keypair.public_key:
+        where = keypair.path or "this node's CURVE key pair"
+        raise ConfigError(
+            f"{where}: its public-key does not belong to its secret-key (the file was edited "
+            f"or damaged); make a new key pair with `{KEYGEN_HINT}`"
+        )
 
 
 def _bind_zap(ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:

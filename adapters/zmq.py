@@ -76,7 +76,7 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
-from p2pactor.adapters._zmq_curve import ZAP_DOMAIN, _bind_zap
+from p2pactor.adapters._zmq_curve import ZAP_DOMAIN, _bind_zap, check_keypair, generate_keypair
 from p2pactor.adapters._zmq_options import ZmqOptions, ZmqStatistics, ZmqTransportError, log
 from p2pactor.adapters._zmq_router import ZmqControlTransport, _bind_router
 from p2pactor.adapters._zmq_socket import _AsyncSocket
@@ -89,6 +89,7 @@ __all__ = [
     "ZmqOptions",
     "ZmqStatistics",
     "ZmqTransportError",
+    "generate_keypair",
     "open_zmq_transport",
 ]
 
@@ -148,9 +149,12 @@ async def open_zmq_transport(
             peers speak; a warning says the channel is open.
 
     Raises:
+        ConfigError: ``curve``'s public key does not belong to its secret key.
         ValueError: ``local_id`` is not ``host:port`` or does not match ``port``.
         ZmqTransportError: The ROUTER cannot be bound.
     """
+    if curve is not None:
+        check_keypair(curve.keypair)  # before anything is bound
     options = options or ZmqOptions()
     host, sep, id_port = local_id.rpartition(":")
     if not sep or not host or not (id_port.isascii() and id_port.isdigit()) or int(id_port) != port:

@@ -49,12 +49,12 @@ from p2pactor.errors import (
 
 if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.adapters.nixl import NixlOptions, open_nixl_transport
-    from p2pactor.adapters.zmq import ZmqOptions, open_zmq_transport
+    from p2pactor.adapters.zmq import ZmqOptions, generate_keypair, open_zmq_transport
     from p2pactor.config import DEFAULT_HASH_SEED, NodeConfig, fingerprint_of
     from p2pactor.core.fold import fold
     from p2pactor.core.inputs import LookupResult
     from p2pactor.core.timings import Timings
-    from p2pactor.keys import CurveSecurity, generate_keypair
+    from p2pactor.keys import CurveSecurity
     from p2pactor.log import Durability, EventLog
     from p2pactor.logread import read_log
     from p2pactor.logsetup import JsonFormatter, configure_logging
@@ -120,12 +120,12 @@ _LAZY = {
     name: module
     for module, names in {
         "p2pactor.adapters.nixl": ("NixlOptions", "open_nixl_transport"),
-        "p2pactor.adapters.zmq": ("ZmqOptions", "open_zmq_transport"),
+        "p2pactor.adapters.zmq": ("ZmqOptions", "generate_keypair", "open_zmq_transport"),
         "p2pactor.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
         "p2pactor.core.fold": ("fold",),
         "p2pactor.core.inputs": ("LookupResult",),
         "p2pactor.core.timings": ("Timings",),
-        "p2pactor.keys": ("CurveSecurity", "generate_keypair"),
+        "p2pactor.keys": ("CurveSecurity",),
         "p2pactor.log": ("Durability", "EventLog"),
         "p2pactor.logread": ("read_log",),
         "p2pactor.logsetup": ("JsonFormatter", "configure_logging"),

@@ -28,8 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any, Final
 
+from p2pactor.adapters.zmq import generate_keypair
 from p2pactor.errors import ConfigError
-from p2pactor.keys import generate_keypair, load_public, parse_addresses
+from p2pactor.keys import load_public, parse_addresses
 
 __all__ = ["register", "run"]
 

@@ -31,30 +31,30 @@ what to do.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
-import re
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Final
 
 import attrs
 
+from p2pactor import zpl
 from p2pactor.errors import ConfigError
 
 __all__ = [
+    "KEYGEN_HINT",
     "PUBLIC_SUFFIX",
     "SECRET_SUFFIX",
     "CurveKeypair",
     "CurveSecurity",
     "Keyring",
-    "generate_keypair",
     "load_keyring",
     "load_public",
     "load_secret",
     "parse_addresses",
+    "write_keypair",
 ]
 
 PUBLIC_SUFFIX: Final = ".key"
@@ -67,8 +67,8 @@ _Z85_ALPHABET: Final = frozenset(
     "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
 )
 _Z85_KEY_LENGTH: Final = 40  # a 32-byte CURVE key in Z85
-_ZPL_NAME: Final = re.compile(r"[A-Za-z0-9$\-_@.&+/]+")
-_KEYGEN_HINT: Final = "p2pactor keygen STEM --address HOST:PORT"
+KEYGEN_HINT: Final = "p2pactor keygen STEM --address HOST:PORT"
+"""How to make a key pair, for messages that say what to do."""
 
 
 # --- addresses ------------------------------------------------------------------
@@ -104,95 +104,16 @@ def parse_addresses(value: str | Iterable[str], where: str = "address") -> froze
     return addresses
 
 
-# --- ZPL, the certificate text format -------------------------------------------------
-
-
-def _zpl_quote(value: str) -> str:
-    # ZPL has no escapes: a value holds any character but the quote around it.
-    # Ours (z85 keys, host:port lists) never hold '"'; refuse rather than corrupt.
-    if '"' in value or "\n" in value or "\r" in value:
-        raise ConfigError(f"cannot write {value!r} in a certificate: it holds a quote or newline")
-    return f'"{value}"'
-
-
-def _render(kind: str, sections: Mapping[str, Mapping[str, str]]) -> str:
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    lines = [f"#   ****  Generated on {now} by p2pactor keygen  ****"]
-    if kind == "secret":
-        lines += [
-            "#   ZeroMQ CURVE **Secret** Certificate",
-            "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
-        ]
-    else:
-        lines += [
-            "#   ZeroMQ CURVE Public Certificate",
-            "#   Give it to the peers that should trust this node: they put it in",
-            "#   their trusted directory (curve_trusted).",
-        ]
-    lines.append("")
-    for section, values in sections.items():
-        lines.append(section)
-        lines.extend(f"    {name} = {_zpl_quote(value)}" for name, value in values.items())
-    return "\n".join(lines) + "\n"
-
-
-def _parse_value(rest: str, path: Path, number: int) -> str:
-    """The value after ``=``: quoted (``#`` inside is text: z85 uses it) or bare."""
-    rest = rest.strip()
-    if rest[:1] in ("'", '"'):
-        end = rest.find(rest[0], 1)
-        if end < 0:
-            raise ConfigError(f"{path}, line {number}: a quoted value is not closed")
-        trailing = rest[end + 1 :].strip()
-        if trailing and not trailing.startswith("#"):
-            raise ConfigError(f"{path}, line {number}: text after the quoted value")
-        return rest[1:end]
-    return rest.split("#", 1)[0].strip()
-
-
-def _parse_zpl(text: str, path: Path) -> dict[str, dict[str, str]]:
-    """The two levels of a certificate: ``{section: {name: value}}``.
-
-    Only what certificates use: sections at the root, ``name = value`` one
-    level down (4 spaces), comments and blank lines.
-    """
-    sections: dict[str, dict[str, str]] = {}
-    current: dict[str, str] | None = None
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.rstrip()
-        stripped = line.lstrip(" ")
-        if not stripped or stripped.startswith("#"):
-            continue
-        if "\t" in line[: len(line) - len(stripped) + 1]:
-            raise ConfigError(f"{path}, line {number}: indented with a tab (ZPL uses 4 spaces)")
-        indent = len(line) - len(stripped)
-        name, eq, rest = stripped.partition("=")
-        name = name.strip()
-        if not _ZPL_NAME.fullmatch(name):
-            raise ConfigError(f"{path}, line {number}: {name!r} is not a ZPL name")
-        if indent == 0:
-            if eq:  # a value at the root: no certificate has one; ignore it
-                current = None
-                continue
-            current = sections.setdefault(name, {})
-        elif indent == 4 and current is not None:
-            current[name] = _parse_value(rest, path, number) if eq else ""
-        elif indent % 4:
-            raise ConfigError(f"{path}, line {number}: indentation is not a multiple of 4 spaces")
-        # Deeper levels, or children of a root value: nothing a certificate needs.
-    return sections
-
-
 def _check_key(value: str | None, what: str, path: Path) -> str:
     if value is None:
         raise ConfigError(
             f"{path} has no {what}: it is not a ZeroMQ CURVE certificate; "
-            f"make a key pair with `{_KEYGEN_HINT}`"
+            f"make a key pair with `{KEYGEN_HINT}`"
         )
     if len(value) != _Z85_KEY_LENGTH or not set(value) <= _Z85_ALPHABET:
         raise ConfigError(
             f"{path}: its {what} is not a 40-character Z85 CURVE key (the file is damaged); "
-            f"make a new key pair with `{_KEYGEN_HINT}`"
+            f"make a new key pair with `{KEYGEN_HINT}`"
         )
     return value
 
@@ -201,14 +122,14 @@ def _read(path: Path, what: str) -> dict[str, dict[str, str]]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist: make one with `{_KEYGEN_HINT}`") from None
+        raise ConfigError(f"{what} {path} does not exist: make one with `{KEYGEN_HINT}`") from None
     except IsADirectoryError:
         raise ConfigError(f"{what} {path} is a directory, not a certificate file") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{path} is not a text certificate: give the file keygen wrote") from None
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    return _parse_zpl(text, path)
+    return zpl.parse(text, path)
 
 
 def _addresses_of(sections: Mapping[str, Mapping[str, str]], path: Path) -> frozenset[str]:
@@ -248,18 +169,24 @@ class CurveKeypair:
         return self.path[: -len(SECRET_SUFFIX)] + PUBLIC_SUFFIX
 
 
-def generate_keypair(
+def write_keypair(
     path_stem: str | os.PathLike[str],
     address: str | Iterable[str],
+    make: Callable[[], tuple[str, str]],
     *,
     force: bool = False,
 ) -> tuple[Path, Path]:
-    """Make a new key pair and write ``<stem>.key`` and ``<stem>.key_secret``.
+    """Write a new key pair, from ``make()``, to ``<stem>.key`` and ``<stem>.key_secret``.
+
+    The key pair comes from libzmq, which only the zmq adapter imports: call
+    :func:`p2pactor.adapters.zmq.generate_keypair`, which passes ``make``.
 
     Args:
         path_stem: The files' path without suffix (``/etc/p2pactor/node-a``).
         address: The node id(s) the key speaks for: ``host:port``, several
             comma-separated (or a collection) when one key serves several nodes.
+        make: A new ``(public, secret)`` pair of Z85 keys; called once the
+            files may be written.
         force: Replace existing files; otherwise refuse to touch them.
 
     Returns:
@@ -269,8 +196,6 @@ def generate_keypair(
         ConfigError: A file exists (and not ``force``), an address is not
             ``host:port``, or the files cannot be written.
     """
-    import zmq  # noqa: PLC0415 - only keygen needs libzmq here (adapters own pyzmq)
-
     addresses = parse_addresses(address, where="--address")
     stem = os.fspath(path_stem)
     public_path = Path(stem + PUBLIC_SUFFIX)
@@ -282,13 +207,12 @@ def generate_keypair(
                 f"{' and '.join(existing)} already exist: pick another name, or pass --force "
                 "to replace the key pair (peers that trust the old key must get the new .key)"
             )
-    public, secret = zmq.curve_keypair()
+    public, secret = make()
     metadata = {"address": ",".join(sorted(addresses))}
-    curve = {"public-key": public.decode("ascii")}
-    public_text = _render("public", {"metadata": metadata, "curve": curve})
-    secret_text = _render(
-        "secret",
-        {"metadata": metadata, "curve": {**curve, "secret-key": secret.decode("ascii")}},
+    curve = {"public-key": public}
+    public_text = zpl.render("public", {"metadata": metadata, "curve": curve})
+    secret_text = zpl.render(
+        "secret", {"metadata": metadata, "curve": {**curve, "secret-key": secret}}
     )
     # The secret first: a public certificate without its secret is useless.
     _write_new(secret_path, secret_text, 0o600, replace=force)
@@ -337,8 +261,6 @@ def load_secret(path: str | os.PathLike[str]) -> CurveKeypair:
         ConfigError: The file is missing, unreadable, readable by others, not
             a secret certificate, damaged, or has no address metadata.
     """
-    import zmq  # noqa: PLC0415 - checks the pair with libzmq (adapters own pyzmq)
-
     file = Path(path)
     sections = _read(file, "CURVE secret key file")
     if os.name == "posix":
@@ -358,11 +280,8 @@ def load_secret(path: str | os.PathLike[str]) -> CurveKeypair:
             f"{SECRET_SUFFIX} file (keygen writes both)"
         )
     secret = _check_key(curve.get("secret-key"), "secret-key", file)
-    if zmq.curve_public(secret.encode("ascii")).decode("ascii") != public:
-        raise ConfigError(
-            f"{file}: its public-key does not belong to its secret-key (the file was edited "
-            f"or damaged); make a new key pair with `{_KEYGEN_HINT}`"
-        )
+    # Whether the public key belongs to the secret one takes libzmq: the zmq
+    # transport checks it when it sets up CURVE (p2pactor.adapters._zmq_curve).
     return CurveKeypair(
         public_key=public,
         secret_key=secret,
@@ -385,7 +304,7 @@ def load_public(path: str | os.PathLike[str]) -> tuple[str, frozenset[str]]:
         raise ConfigError(
             f"{file} holds a SECRET key, which must never leave its node: put only the peer's "
             f"public {PUBLIC_SUFFIX} file here, delete this copy, and have that peer make a "
-            f"new key pair (`{_KEYGEN_HINT}`), as this one has been exposed"
+            f"new key pair (`{KEYGEN_HINT}`), as this one has been exposed"
         )
     return _check_key(curve.get("public-key"), "public-key", file), _addresses_of(sections, file)
 

@@ -36,7 +36,12 @@ import trio
 import zmq
 
 from p2pactor import protocol as wire
-from p2pactor.adapters.zmq import ZmqControlTransport, ZmqOptions, open_zmq_transport
+from p2pactor.adapters.zmq import (
+    ZmqControlTransport,
+    ZmqOptions,
+    generate_keypair,
+    open_zmq_transport,
+)
 from p2pactor.cli import main
 from p2pactor.config import NodeConfig
 from p2pactor.core.inputs import LookupResult
@@ -44,7 +49,6 @@ from p2pactor.errors import ConfigError
 from p2pactor.keys import (
     CurveSecurity,
     Keyring,
-    generate_keypair,
     load_keyring,
     load_public,
     load_secret,
@@ -206,7 +210,6 @@ def _bad_secret(tmp_path: Path, case: str) -> Path:
         ("missing", "does not exist: make one with `p2pactor keygen"),
         ("readable by others", "chmod 600"),
         ("a public file", "public certificate, not a secret one"),
-        ("damaged key", "does not belong to its secret-key"),
         ("truncated key", "not a 40-character Z85 CURVE key"),
         ("no address", "no address metadata"),
         ("not a certificate", "not a ZeroMQ CURVE certificate"),
@@ -225,6 +228,33 @@ def test_a_bad_secret_key_file_is_a_config_error_that_says_what_to_do(
     keypair(trusted, "peer", "h:2")
     with pytest.raises(ConfigError, match=message):
         NodeConfig(host="h", port=1, curve_secret_key=secret, curve_trusted=trusted)
+
+
+async def test_a_secret_key_file_whose_keys_do_not_match_is_refused_by_the_transport(
+    tmp_path: Path,
+) -> None:
+    # Only libzmq can tell that the public key is not the secret's: the file
+    # reads, and the zmq transport refuses it when it sets up CURVE, before
+    # it binds anything.
+    secret = _bad_secret(tmp_path, "damaged key")
+    trusted = tmp_path / "trusted"
+    keypair(trusted, "peer", "h:2")
+    config = NodeConfig(host="h", port=1, curve_secret_key=secret, curve_trusted=trusted)
+    assert config.curve is not None
+    address = f"{HOST}:{free_port()}"
+    message = (
+        f"{secret}: its public-key does not belong to its secret-key (the file was edited "
+        "or damaged); make a new key pair with `p2pactor keygen STEM --address HOST:PORT`"
+    )
+    with pytest.raises(ConfigError) as refused:
+        async with curve_transport(address, config.curve):
+            pytest.fail("a transport opened with a damaged key pair")
+    assert str(refused.value) == message
+    # A pair made in memory is checked too.
+    pair = attrs.evolve(config.curve.keypair, path=None)
+    with pytest.raises(ConfigError, match="this node's CURVE key pair: its public-key does not"):
+        async with curve_transport(address, attrs.evolve(config.curve, keypair=pair)):
+            pytest.fail("a transport opened with a damaged key pair")
 
 
 def test_bad_trusted_directories_are_config_errors(tmp_path: Path) -> None:

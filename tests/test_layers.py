@@ -43,6 +43,7 @@ RUNTIME = [
             "timers",
             "transport",
             "view",
+            "zpl",
         )
     ),
     *sorted((ROOT / "p2pactor" / "core").glob("*.py")),

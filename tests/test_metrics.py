@@ -215,8 +215,8 @@ async def test_peers_without_a_session_fold_into_other_past_the_bound(
 
 
 async def test_peers_the_transport_refuses_unauthenticated_are_counted(tmp_path: Path) -> None:
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415 - pyzmq only here
-    from p2pactor.keys import CurveSecurity, generate_keypair  # noqa: PLC0415
+    from p2pactor.adapters.zmq import generate_keypair, open_zmq_transport  # noqa: PLC0415 - pyzmq only here
+    from p2pactor.keys import CurveSecurity  # noqa: PLC0415
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -2,7 +2,7 @@
 
 The orchestrator picks a free port per node (a CURVE key speaks for one
 ``host:port``, so the ports are known before the keys are made), writes every
-node's key pair into one temporary folder with :func:`p2pactor.keys.generate_keypair`,
+node's key pair into one temporary folder with :func:`p2pactor.adapters.zmq.generate_keypair`,
 and hands each node process its port and key files in the environment
 (:data:`ENV`). The folder is both every node's trusted directory (the
 ``*.key`` files) and where the secrets live; it is deleted when the demo ends.
@@ -21,7 +21,7 @@ from typing import Final
 
 import attrs
 
-from p2pactor.keys import generate_keypair
+from p2pactor.adapters.zmq import generate_keypair
 
 __all__ = ["ENV", "NodeCurve", "demo_keys", "node_curve"]
 
