@@ -18,8 +18,8 @@ This module is pure: no I/O, no clock, no concurrency.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ClassVar, Final, TypeAlias, assert_never
+from collections.abc import Callable, Iterable, Mapping, Sized
+from typing import Any, ClassVar, Final, NoReturn, TypeAlias
 
 import attrs
 import msgspec
@@ -176,6 +176,64 @@ class Limits:
 DEFAULT_LIMITS: Final = Limits()
 """The bounds :func:`decode` uses unless told otherwise."""
 
+# ---------------------------------------------------------------------------
+# Wire descriptions
+# ---------------------------------------------------------------------------
+
+# Each message field says once, in its ``attrs.field`` metadata, how it looks
+# on the wire; encode and the strict decoder are derived from that at import.
+# Field order is wire order and check order.
+
+_SPEC: Final = "p2pactor.wire"
+
+_Bound: TypeAlias = int | str
+"""A bound: an int constant, or the name of the :class:`Limits` attribute."""
+
+
+@attrs.frozen(kw_only=True)
+class _Field:
+    # kind: "str", "bytes", "int", "bool", "list" (of ``item``), or "map" (a
+    # ``nested`` attrs class decoded with a dotted label prefix).
+    kind: str
+    most: _Bound | None = None
+    least: int = 0
+    item: type | None = None
+    item_least: int = 0
+    item_most: _Bound | None = None
+    parallel_to: str | None = None
+    key: str | None = None
+    # May be absent from the wire; it then decodes as the attrs default.
+    # Encoding leaves out a field whose value is None.
+    optional: bool = False
+    nested: type | None = None
+    sort: bool = False
+    # Cross-field check, called with the values of ``check_with`` once this
+    # field is read.
+    check: Callable[..., None] | None = None
+    check_with: tuple[str, ...] = ()
+
+
+def _w(kind: str, **spec: Any) -> dict[str, _Field]:
+    return {_SPEC: _Field(kind=kind, **spec)}
+
+
+def _check_region(base_addr: int, num_blocks: int, block_len: int) -> None:
+    # The data plane computes block addresses in 64 bits; a region that
+    # wraps around would alias other memory.
+    end = base_addr + num_blocks * block_len
+    if end > MAX_ADDRESS:
+        raise InvalidField(
+            f"is {base_addr}, and {num_blocks} blocks of {block_len} bytes from there "
+            f"end at {end}, past the 64-bit address space",
+            message_type=Connect.TYPE,
+            field="base_addr",
+        )
+
+
+_REQUEST_ID: Final = _w("str", most="max_string_chars")
+_ROUND_SEQ: Final = _w("int", most="max_round_seq")
+_KEYS: Final = _w("list", item=bytes, most="max_list_items", item_most="max_key_bytes")
+
 
 # ---------------------------------------------------------------------------
 # Messages
@@ -221,8 +279,14 @@ class ConnectExtension:
             Encoded as a sorted list so the bytes are deterministic.
     """
 
-    version: int
-    features: frozenset[str] = attrs.field(factory=frozenset, converter=_str_frozenset)
+    version: int = attrs.field(metadata=_w("int", most=MAX_EXTENSION_VERSION))
+    features: frozenset[str] = attrs.field(
+        factory=frozenset,
+        converter=_str_frozenset,
+        metadata=_w(
+            "list", item=str, most="max_features", item_most="max_feature_chars", sort=True
+        ),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -246,14 +310,29 @@ class Connect:
 
     TYPE: ClassVar[str] = "connect"
 
-    peer_id: str
-    agent_metadata: bytes
-    base_addr: int
-    num_blocks: int
-    block_len: int
-    config_fingerprint: str = ""
-    hash_seed: str
-    extension: ConnectExtension | None = None
+    peer_id: str = attrs.field(metadata=_w("str", most="max_string_chars"))
+    agent_metadata: bytes = attrs.field(metadata=_w("bytes", most="max_agent_metadata_bytes"))
+    base_addr: int = attrs.field(metadata=_w("int", most=MAX_ADDRESS))
+    num_blocks: int = attrs.field(metadata=_w("int", least=1, most="max_num_blocks"))
+    block_len: int = attrs.field(
+        metadata=_w(
+            "int",
+            least=1,
+            most="max_block_len",
+            check=_check_region,
+            check_with=("base_addr", "num_blocks", "block_len"),
+        )
+    )
+    # vLLM reads the fingerprint with a default of "" and never checks it,
+    # so a stock peer may legally leave it out.
+    config_fingerprint: str = attrs.field(
+        default="", metadata=_w("str", most="max_string_chars", optional=True)
+    )
+    hash_seed: str = attrs.field(metadata=_w("str", most="max_string_chars"))
+    extension: ConnectExtension | None = attrs.field(
+        default=None,
+        metadata=_w("map", nested=ConnectExtension, key=EXTENSION_KEY, optional=True),
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -266,7 +345,7 @@ class ConnectAck:
 
     TYPE: ClassVar[str] = "connect_ack"
 
-    peer_id: str
+    peer_id: str = attrs.field(metadata=_w("str", most="max_string_chars"))
 
 
 @attrs.frozen(kw_only=True)
@@ -290,10 +369,12 @@ class Lookup:
 
     TYPE: ClassVar[str] = "lookup"
 
-    kv_request_id: str
-    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple)
-    round_seq: int
-    deadline_ms: int | None = None
+    kv_request_id: str = attrs.field(metadata=_REQUEST_ID)
+    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple, metadata=_KEYS)
+    round_seq: int = attrs.field(metadata=_ROUND_SEQ)
+    deadline_ms: int | None = attrs.field(
+        default=None, metadata=_w("int", most="max_deadline_ms", optional=True)
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -311,10 +392,15 @@ class LookupResp:
 
     TYPE: ClassVar[str] = "lookup_resp"
 
-    kv_request_id: str
-    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple)
-    hits: tuple[bool, ...] = attrs.field(converter=bool_tuple)
-    round_seq: int | None = None
+    kv_request_id: str = attrs.field(metadata=_REQUEST_ID)
+    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple, metadata=_KEYS)
+    hits: tuple[bool, ...] = attrs.field(
+        converter=bool_tuple,
+        metadata=_w("list", item=bool, most="max_list_items", parallel_to="keys"),
+    )
+    round_seq: int | None = attrs.field(
+        default=None, metadata=_w("int", most="max_round_seq", optional=True)
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -333,10 +419,19 @@ class Fetch:
 
     TYPE: ClassVar[str] = "fetch"
 
-    kv_request_id: str
-    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple)
-    block_indexes: tuple[int, ...] = attrs.field(converter=int_tuple)
-    round_seq: int
+    kv_request_id: str = attrs.field(metadata=_REQUEST_ID)
+    keys: tuple[bytes, ...] = attrs.field(converter=bytes_tuple, metadata=_KEYS)
+    block_indexes: tuple[int, ...] = attrs.field(
+        converter=int_tuple,
+        metadata=_w(
+            "list",
+            item=int,
+            most="max_list_items",
+            parallel_to="keys",
+            item_most="max_block_index",
+        ),
+    )
+    round_seq: int = attrs.field(metadata=_ROUND_SEQ)
 
 
 @attrs.frozen(kw_only=True)
@@ -351,9 +446,9 @@ class TransferDone:
 
     TYPE: ClassVar[str] = "transfer_done"
 
-    kv_request_id: str
-    success: bool
-    round_seq: int
+    kv_request_id: str = attrs.field(metadata=_REQUEST_ID)
+    success: bool = attrs.field(metadata=_w("bool"))
+    round_seq: int = attrs.field(metadata=_ROUND_SEQ)
 
 
 @attrs.frozen(kw_only=True)
@@ -367,8 +462,8 @@ class AbortFetch:
 
     TYPE: ClassVar[str] = "abort_fetch"
 
-    kv_request_id: str
-    round_seq: int
+    kv_request_id: str = attrs.field(metadata=_REQUEST_ID)
+    round_seq: int = attrs.field(metadata=_ROUND_SEQ)
 
 
 @attrs.frozen(kw_only=True)
@@ -382,8 +477,8 @@ class AbortAck:
 
     TYPE: ClassVar[str] = "abort_ack"
 
-    kv_request_id: str
-    round_seq: int
+    kv_request_id: str = attrs.field(metadata=_REQUEST_ID)
+    round_seq: int = attrs.field(metadata=_ROUND_SEQ)
 
 
 Message: TypeAlias = (
@@ -418,79 +513,54 @@ MESSAGE_TYPES: Final[Mapping[str, type[Message]]] = types.MappingProxyType(
 
 
 # ---------------------------------------------------------------------------
-# Encoding
+# Code generation
 # ---------------------------------------------------------------------------
+
+# Encoders and decoders are generated as straight-line source, once per class
+# at import (as attrs does for ``__init__``): decode is on the hot path, and
+# inline checks beat a loop over field descriptions by a wide margin.
+
+
+def _specs(cls: type) -> list[tuple[str, _Field, Any]]:
+    """(name, spec, default) of each field of ``cls``, in wire order."""
+    return [(a.name, a.metadata[_SPEC], a.default) for a in attrs.fields(cls)]
+
+
+def _compile(name: str, lines: list[str], namespace: dict[str, Any]) -> Any:
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, f"<p2pactor.protocol {name}>", "exec"), namespace)  # noqa: S102
+    return namespace[name]
+
+
+def _gen_to_wire(cls: type, type_name: str | None) -> Callable[[Any], dict[str, object]]:
+    # Insertion order is wire order; vLLM 0.33.0 builds its dicts in exactly
+    # this order, and extension keys go last so the base prefix is unchanged.
+    namespace: dict[str, Any] = {}
+    literal = [] if type_name is None else [f"'type': {type_name!r}"]
+    tail: list[str] = []
+    for name, spec, default in _specs(cls):
+        key = spec.key or name
+        value = f"msg.{name}"
+        if spec.nested is not None:
+            namespace[f"to_wire_{name}"] = _gen_to_wire(spec.nested, None)
+            value = f"to_wire_{name}({value})"
+        elif spec.sort:
+            value = f"sorted({value})"
+        if default is None:
+            tail += [f"    if msg.{name} is not None:", f"        wire[{key!r}] = {value}"]
+        elif tail:
+            tail.append(f"    wire[{key!r}] = {value}")
+        else:
+            literal.append(f"{key!r}: {value}")
+    lines = ["def to_wire(msg):", f"    wire = {{{', '.join(literal)}}}", *tail, "    return wire"]
+    return _compile("to_wire", lines, namespace)  # type: ignore[no-any-return]
+
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
-
-def _to_wire(msg: Message) -> dict[str, object]:
-    # Insertion order is wire order; vLLM 0.33.0 builds its dicts in exactly
-    # this order, and extension keys go last so the base prefix is unchanged.
-    wire: dict[str, object]
-    match msg:
-        case Connect():
-            wire = {
-                "type": msg.TYPE,
-                "peer_id": msg.peer_id,
-                "agent_metadata": msg.agent_metadata,
-                "base_addr": msg.base_addr,
-                "num_blocks": msg.num_blocks,
-                "block_len": msg.block_len,
-                "config_fingerprint": msg.config_fingerprint,
-                "hash_seed": msg.hash_seed,
-            }
-            if msg.extension is not None:
-                wire[EXTENSION_KEY] = {
-                    "version": msg.extension.version,
-                    "features": sorted(msg.extension.features),
-                }
-        case ConnectAck():
-            wire = {"type": msg.TYPE, "peer_id": msg.peer_id}
-        case Disconnect():
-            wire = {"type": msg.TYPE}
-        case Lookup():
-            wire = {
-                "type": msg.TYPE,
-                "kv_request_id": msg.kv_request_id,
-                "keys": msg.keys,
-                "round_seq": msg.round_seq,
-            }
-            if msg.deadline_ms is not None:
-                wire["deadline_ms"] = msg.deadline_ms
-        case LookupResp():
-            wire = {
-                "type": msg.TYPE,
-                "kv_request_id": msg.kv_request_id,
-                "keys": msg.keys,
-                "hits": msg.hits,
-            }
-            if msg.round_seq is not None:
-                wire["round_seq"] = msg.round_seq
-        case Fetch():
-            wire = {
-                "type": msg.TYPE,
-                "kv_request_id": msg.kv_request_id,
-                "keys": msg.keys,
-                "block_indexes": msg.block_indexes,
-                "round_seq": msg.round_seq,
-            }
-        case TransferDone():
-            wire = {
-                "type": msg.TYPE,
-                "kv_request_id": msg.kv_request_id,
-                "success": msg.success,
-                "round_seq": msg.round_seq,
-            }
-        case AbortFetch() | AbortAck():
-            wire = {
-                "type": msg.TYPE,
-                "kv_request_id": msg.kv_request_id,
-                "round_seq": msg.round_seq,
-            }
-        case _:
-            assert_never(msg)
-    return wire
+_TO_WIRE: Final[Mapping[str, Callable[[Any], dict[str, object]]]] = types.MappingProxyType(
+    {cls.TYPE: _gen_to_wire(cls, cls.TYPE) for cls in _MESSAGE_CLASSES}
+)
 
 
 def encode(msg: Message) -> bytes:
@@ -509,7 +579,7 @@ def encode(msg: Message) -> bytes:
     Returns:
         The frame payload.
     """
-    return _ENCODER.encode(_to_wire(msg))
+    return _ENCODER.encode(_TO_WIRE[msg.TYPE](msg))
 
 
 # ---------------------------------------------------------------------------
@@ -529,6 +599,8 @@ _CLIP_CHARS: Final = 64
 
 _Wire: TypeAlias = dict[Any, Any]
 
+_UNITS: Final[Mapping[type, str]] = {str: "characters", bytes: "bytes"}
+
 
 def _clip(text: str) -> str:
     if len(text) <= _CLIP_CHARS:
@@ -541,272 +613,170 @@ def _kind(value: object) -> str:
     return "nil" if value is None else type(value).__name__
 
 
-def _get(wire: _Wire, mtype: str, field: str, label: str) -> Any:
-    value = wire.get(field, _MISSING)
+# The failure paths of the generated decoders: each builds the error text and
+# raises, so the generated hot path is only comparisons.
+
+
+def _fail(problem: str, mtype: str, label: str) -> NoReturn:
+    raise InvalidField(problem, message_type=mtype, field=label)
+
+
+def _bad_type(value: object, expected: str, mtype: str, label: str) -> NoReturn:
     if value is _MISSING:
-        raise InvalidField("missing", message_type=mtype, field=label)
-    return value
+        _fail("missing", mtype, label)
+    _fail(f"is {_kind(value)}, expected {expected}", mtype, label)
 
 
-def _check_type(value: object, expected: type, mtype: str, label: str) -> None:
-    if type(value) is not expected:
-        raise InvalidField(
-            f"is {_kind(value)}, expected {expected.__name__}", message_type=mtype, field=label
-        )
+def _too_long(value: Sized, most: int, unit: str, mtype: str, label: str) -> NoReturn:
+    _fail(f"is {len(value)} {unit}, more than the limit of {most}", mtype, label)
 
 
-def _read_str(
-    wire: _Wire, mtype: str, field: str, max_chars: int, *, label: str | None = None
-) -> str:
-    label = label or field
-    value = _get(wire, mtype, field, label)
-    _check_type(value, str, mtype, label)
-    if len(value) > max_chars:
-        raise InvalidField(
-            f"is {len(value)} characters, more than the limit of {max_chars}",
-            message_type=mtype,
-            field=label,
-        )
-    return value  # type: ignore[no-any-return]
-
-
-def _read_bytes(wire: _Wire, mtype: str, field: str, max_bytes: int) -> bytes:
-    value = _get(wire, mtype, field, field)
-    _check_type(value, bytes, mtype, field)
-    if len(value) > max_bytes:
-        raise InvalidField(
-            f"is {len(value)} bytes, more than the limit of {max_bytes}",
-            message_type=mtype,
-            field=field,
-        )
-    return value  # type: ignore[no-any-return]
-
-
-def _read_int(
-    wire: _Wire, mtype: str, field: str, least: int, most: int, *, label: str | None = None
-) -> int:
-    label = label or field
-    value = _get(wire, mtype, field, label)
-    _check_type(value, int, mtype, label)
+def _out_of_range(value: int, least: int, most: int, mtype: str, label: str) -> NoReturn:
     if value < least:
-        raise InvalidField(
-            f"is {value}, expected at least {least}", message_type=mtype, field=label
+        _fail(f"is {value}, expected at least {least}", mtype, label)
+    _fail(f"is {value}, more than the limit of {most}", mtype, label)
+
+
+def _too_many(items: list[Any], most: int, mtype: str, label: str) -> NoReturn:
+    _fail(f"has {len(items)} items, more than the limit of {most}", mtype, label)
+
+
+def _bad_item(items: list[Any], expected: type, mtype: str, label: str) -> None:
+    for index, item in enumerate(items):
+        if type(item) is not expected:
+            _fail(f"item {index} is {_kind(item)}, expected {expected.__name__}", mtype, label)
+
+
+def _not_parallel(
+    items: list[Any], other: list[Any], other_name: str, mtype: str, label: str
+) -> NoReturn:
+    _fail(
+        f"has {len(items)} items but {other_name!r} has {len(other)}; they must be parallel",
+        mtype,
+        label,
+    )
+
+
+def _item_too_long(items: list[Any], most: int, unit: str, mtype: str, label: str) -> None:
+    for index, item in enumerate(items):
+        if len(item) > most:
+            _fail(
+                f"item {index} is {len(item)} {unit}, more than the limit of {most}", mtype, label
+            )
+
+
+def _item_out_of_range(items: list[int], least: int, most: int, mtype: str, label: str) -> None:
+    for position, index in enumerate(items):
+        if not least <= index <= most:
+            _fail(f"item {position} is {index}, expected {least} to {most}", mtype, label)
+
+
+def _bound(bound: _Bound | None) -> str:
+    assert bound is not None
+    return repr(bound) if type(bound) is int else f"limits.{bound}"
+
+
+def _gen_checks(
+    spec: _Field, *, name: str, mtype: str, prefix: str, namespace: dict[str, Any]
+) -> list[str]:
+    """Lines (unindented) that check ``v_<name>``, naming ``mtype`` in errors."""
+    var = f"v_{name}"
+    where = f"{mtype!r}, {prefix + (spec.key or name)!r}"
+    kind = spec.kind
+    if kind == "map":
+        assert spec.nested is not None
+        label = prefix + (spec.key or name)
+        namespace[f"decode_{name}"] = _gen_decoder(spec.nested, mtype, f"{label}.")
+        return [
+            f"if type({var}) is not dict: _bad_type({var}, 'a map', {where})",
+            f"{var} = decode_{name}({var}, limits)",
+        ]
+    expected = {"str": str, "bytes": bytes, "int": int, "bool": bool, "list": list}[kind]
+    type_name = expected.__name__
+    lines = [f"if type({var}) is not {type_name}: _bad_type({var}, {type_name!r}, {where})"]
+    if kind in ("str", "bytes"):
+        most = _bound(spec.most)
+        unit = _UNITS[expected]
+        lines.append(f"if len({var}) > {most}: _too_long({var}, {most}, {unit!r}, {where})")
+    elif kind == "int":
+        least, most = spec.least, _bound(spec.most)
+        lines.append(
+            f"if not {least} <= {var} <= {most}: _out_of_range({var}, {least}, {most}, {where})"
         )
-    if value > most:
-        raise InvalidField(
-            f"is {value}, more than the limit of {most}", message_type=mtype, field=label
-        )
-    return value  # type: ignore[no-any-return]
-
-
-def _read_optional_int(wire: _Wire, mtype: str, field: str, least: int, most: int) -> int | None:
-    if field not in wire:
-        return None
-    return _read_int(wire, mtype, field, least, most)
-
-
-def _read_bool(wire: _Wire, mtype: str, field: str) -> bool:
-    value = _get(wire, mtype, field, field)
-    _check_type(value, bool, mtype, field)
-    return value  # type: ignore[no-any-return]
-
-
-def _read_list(
-    wire: _Wire, mtype: str, field: str, expected: type, max_items: int, *, label: str | None = None
-) -> list[Any]:
-    """Reads a list field whose items must all be exactly of type ``expected``."""
-    label = label or field
-    items = _get(wire, mtype, field, label)
-    _check_type(items, list, mtype, label)
-    if len(items) > max_items:
-        raise InvalidField(
-            f"has {len(items)} items, more than the limit of {max_items}",
-            message_type=mtype,
-            field=label,
-        )
-    # One C-level pass over the types; the Python loop only runs to name the
-    # culprit once we already know there is one.
-    if not set(map(type, items)) <= {expected}:
-        for index, item in enumerate(items):
-            if type(item) is not expected:
-                raise InvalidField(
-                    f"item {index} is {_kind(item)}, expected {expected.__name__}",
-                    message_type=mtype,
-                    field=label,
+    elif kind == "list":
+        assert spec.item is not None
+        item = spec.item.__name__
+        namespace[f"types_{name}"] = frozenset({spec.item})
+        most = _bound(spec.most)
+        lines += [
+            f"if len({var}) > {most}: _too_many({var}, {most}, {where})",
+            # One C-level pass over the types; the Python loop only runs to
+            # name the culprit once we already know there is one.
+            f"if not set(map(type, {var})) <= types_{name}: _bad_item({var}, {item}, {where})",
+        ]
+        if spec.parallel_to is not None:
+            other = f"v_{spec.parallel_to}"
+            lines.append(
+                f"if len({var}) != len({other}): "
+                f"_not_parallel({var}, {other}, {spec.parallel_to!r}, {where})"
+            )
+        if spec.item_most is not None:
+            item_most = _bound(spec.item_most)
+            if spec.item is int:
+                least = spec.item_least
+                lines.append(
+                    f"if {var} and (min({var}) < {least} or max({var}) > {item_most}): "
+                    f"_item_out_of_range({var}, {least}, {item_most}, {where})"
                 )
-    return items  # type: ignore[no-any-return]
-
-
-def _check_max_len(items: list[Any], mtype: str, field: str, most: int, unit: str) -> None:
-    if items and max(map(len, items)) > most:
-        for index, item in enumerate(items):
-            if len(item) > most:
-                raise InvalidField(
-                    f"item {index} is {len(item)} {unit}, more than the limit of {most}",
-                    message_type=mtype,
-                    field=field,
+            else:
+                unit = _UNITS[spec.item]
+                lines.append(
+                    f"if {var} and max(map(len, {var})) > {item_most}: "
+                    f"_item_too_long({var}, {item_most}, {unit!r}, {where})"
                 )
+    return lines
 
 
-def _read_keys(wire: _Wire, mtype: str, limits: Limits) -> list[bytes]:
-    keys = _read_list(wire, mtype, "keys", bytes, limits.max_list_items)
-    _check_max_len(keys, mtype, "keys", limits.max_key_bytes, "bytes")
-    return keys
+def _gen_decoder(cls: type, mtype: str, prefix: str = "") -> Callable[[_Wire, Limits], Any]:
+    """The strict decoder of ``cls``'s fields from a wire map.
 
-
-def _check_parallel(keys: list[bytes], other: list[Any], mtype: str, field: str) -> None:
-    if len(other) != len(keys):
-        raise InvalidField(
-            f"has {len(other)} items but 'keys' has {len(keys)}; they must be parallel",
-            message_type=mtype,
-            field=field,
-        )
-
-
-def _decode_extension(raw: object, limits: Limits) -> ConnectExtension:
-    mtype = Connect.TYPE
-    if type(raw) is not dict:
-        raise InvalidField(
-            f"is {_kind(raw)}, expected a map", message_type=mtype, field=EXTENSION_KEY
-        )
-    version = _read_int(
-        raw, mtype, "version", 0, MAX_EXTENSION_VERSION, label=f"{EXTENSION_KEY}.version"
-    )
-    label = f"{EXTENSION_KEY}.features"
-    features = _read_list(raw, mtype, "features", str, limits.max_features, label=label)
-    _check_max_len(features, mtype, label, limits.max_feature_chars, "characters")
-    return ConnectExtension(version=version, features=features)
-
-
-def _decode_connect(wire: _Wire, limits: Limits) -> Connect:
-    mtype = Connect.TYPE
-    peer_id = _read_str(wire, mtype, "peer_id", limits.max_string_chars)
-    agent_metadata = _read_bytes(wire, mtype, "agent_metadata", limits.max_agent_metadata_bytes)
-    base_addr = _read_int(wire, mtype, "base_addr", 0, MAX_ADDRESS)
-    num_blocks = _read_int(wire, mtype, "num_blocks", 1, limits.max_num_blocks)
-    block_len = _read_int(wire, mtype, "block_len", 1, limits.max_block_len)
-    # The data plane computes block addresses in 64 bits; a region that
-    # wraps around would alias other memory.
-    end = base_addr + num_blocks * block_len
-    if end > MAX_ADDRESS:
-        raise InvalidField(
-            f"is {base_addr}, and {num_blocks} blocks of {block_len} bytes from there "
-            f"end at {end}, past the 64-bit address space",
-            message_type=mtype,
-            field="base_addr",
-        )
-    # vLLM reads the fingerprint with a default of "" and never checks it,
-    # so a stock peer may legally leave it out.
-    if "config_fingerprint" in wire:
-        fingerprint = _read_str(wire, mtype, "config_fingerprint", limits.max_string_chars)
-    else:
-        fingerprint = ""
-    hash_seed = _read_str(wire, mtype, "hash_seed", limits.max_string_chars)
-    raw_extension = wire.get(EXTENSION_KEY, _MISSING)
-    return Connect(
-        peer_id=peer_id,
-        agent_metadata=agent_metadata,
-        base_addr=base_addr,
-        num_blocks=num_blocks,
-        block_len=block_len,
-        config_fingerprint=fingerprint,
-        hash_seed=hash_seed,
-        extension=(None if raw_extension is _MISSING else _decode_extension(raw_extension, limits)),
-    )
-
-
-def _decode_connect_ack(wire: _Wire, limits: Limits) -> ConnectAck:
-    return ConnectAck(peer_id=_read_str(wire, ConnectAck.TYPE, "peer_id", limits.max_string_chars))
-
-
-def _decode_disconnect(wire: _Wire, limits: Limits) -> Disconnect:
-    del wire, limits  # a disconnect carries nothing to check
-    return Disconnect()
-
-
-def _decode_lookup(wire: _Wire, limits: Limits) -> Lookup:
-    mtype = Lookup.TYPE
-    return Lookup(
-        kv_request_id=_read_str(wire, mtype, "kv_request_id", limits.max_string_chars),
-        keys=_read_keys(wire, mtype, limits),
-        round_seq=_read_int(wire, mtype, "round_seq", 0, limits.max_round_seq),
-        deadline_ms=_read_optional_int(wire, mtype, "deadline_ms", 0, limits.max_deadline_ms),
-    )
-
-
-def _decode_lookup_resp(wire: _Wire, limits: Limits) -> LookupResp:
-    mtype = LookupResp.TYPE
-    kv_request_id = _read_str(wire, mtype, "kv_request_id", limits.max_string_chars)
-    keys = _read_keys(wire, mtype, limits)
-    hits = _read_list(wire, mtype, "hits", bool, limits.max_list_items)
-    _check_parallel(keys, hits, mtype, "hits")
-    return LookupResp(
-        kv_request_id=kv_request_id,
-        keys=keys,
-        hits=hits,
-        round_seq=_read_optional_int(wire, mtype, "round_seq", 0, limits.max_round_seq),
-    )
-
-
-def _decode_fetch(wire: _Wire, limits: Limits) -> Fetch:
-    mtype = Fetch.TYPE
-    kv_request_id = _read_str(wire, mtype, "kv_request_id", limits.max_string_chars)
-    keys = _read_keys(wire, mtype, limits)
-    indexes: list[int] = _read_list(wire, mtype, "block_indexes", int, limits.max_list_items)
-    _check_parallel(keys, indexes, mtype, "block_indexes")
-    if indexes and (min(indexes) < 0 or max(indexes) > limits.max_block_index):
-        for position, index in enumerate(indexes):
-            if not 0 <= index <= limits.max_block_index:
-                raise InvalidField(
-                    f"item {position} is {index}, expected 0 to {limits.max_block_index}",
-                    message_type=mtype,
-                    field="block_indexes",
-                )
-    return Fetch(
-        kv_request_id=kv_request_id,
-        keys=keys,
-        block_indexes=indexes,
-        round_seq=_read_int(wire, mtype, "round_seq", 0, limits.max_round_seq),
-    )
-
-
-def _decode_transfer_done(wire: _Wire, limits: Limits) -> TransferDone:
-    mtype = TransferDone.TYPE
-    return TransferDone(
-        kv_request_id=_read_str(wire, mtype, "kv_request_id", limits.max_string_chars),
-        success=_read_bool(wire, mtype, "success"),
-        round_seq=_read_int(wire, mtype, "round_seq", 0, limits.max_round_seq),
-    )
-
-
-def _decode_abort_fetch(wire: _Wire, limits: Limits) -> AbortFetch:
-    mtype = AbortFetch.TYPE
-    return AbortFetch(
-        kv_request_id=_read_str(wire, mtype, "kv_request_id", limits.max_string_chars),
-        round_seq=_read_int(wire, mtype, "round_seq", 0, limits.max_round_seq),
-    )
-
-
-def _decode_abort_ack(wire: _Wire, limits: Limits) -> AbortAck:
-    mtype = AbortAck.TYPE
-    return AbortAck(
-        kv_request_id=_read_str(wire, mtype, "kv_request_id", limits.max_string_chars),
-        round_seq=_read_int(wire, mtype, "round_seq", 0, limits.max_round_seq),
-    )
+    Its errors name ``mtype``, and each field by its wire key after ``prefix``.
+    """
+    namespace: dict[str, Any] = {
+        "_MISSING": _MISSING,
+        "_bad_type": _bad_type,
+        "_too_long": _too_long,
+        "_out_of_range": _out_of_range,
+        "_too_many": _too_many,
+        "_bad_item": _bad_item,
+        "_not_parallel": _not_parallel,
+        "_item_too_long": _item_too_long,
+        "_item_out_of_range": _item_out_of_range,
+        "cls": cls,
+    }
+    lines = ["def decode(wire, limits):"]
+    names = []
+    for name, spec, default in _specs(cls):
+        key = spec.key or name
+        var = f"v_{name}"
+        names.append(name)
+        checks = _gen_checks(spec, name=name, mtype=mtype, prefix=prefix, namespace=namespace)
+        lines.append(f"    {var} = wire.get({key!r}, _MISSING)")
+        if spec.optional:
+            namespace[f"default_{name}"] = default
+            lines += [f"    if {var} is _MISSING:", f"        {var} = default_{name}", "    else:"]
+            lines += [f"        {line}" for line in checks]
+        else:
+            lines += [f"    {line}" for line in checks]
+        if spec.check is not None:
+            namespace[f"check_{name}"] = spec.check
+            lines.append(f"    check_{name}({', '.join(f'v_{n}' for n in spec.check_with)})")
+    lines.append(f"    return cls({', '.join(f'{n}=v_{n}' for n in names)})")
+    return _compile("decode", lines, namespace)  # type: ignore[no-any-return]
 
 
 _READERS: Final[Mapping[str, Callable[[_Wire, Limits], Message]]] = types.MappingProxyType(
-    {
-        Connect.TYPE: _decode_connect,
-        ConnectAck.TYPE: _decode_connect_ack,
-        Disconnect.TYPE: _decode_disconnect,
-        Lookup.TYPE: _decode_lookup,
-        LookupResp.TYPE: _decode_lookup_resp,
-        Fetch.TYPE: _decode_fetch,
-        TransferDone.TYPE: _decode_transfer_done,
-        AbortFetch.TYPE: _decode_abort_fetch,
-        AbortAck.TYPE: _decode_abort_ack,
-    }
+    {cls.TYPE: _gen_decoder(cls, cls.TYPE) for cls in _MESSAGE_CLASSES}
 )
 
 
