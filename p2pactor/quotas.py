@@ -5,8 +5,7 @@ pin, the lookups it leaves unanswered, the fetch rounds it keeps in flight and
 the requests it keeps open. vLLM 0.33.0 bounds none of these per peer
 (``vllm-p2p-0.33.md`` §6.1.7): one peer can pin the whole cache with lookups it
 never fetches. :class:`PeerQuotas` sets the limits (``NodeConfig.quotas``);
-:class:`QuotaLedger` is the runtime's count, per peer, across all of the peer's
-requests, and turns a message over a limit into a
+:class:`QuotaLedger` counts and turns a message over a limit into a
 :class:`~p2pactor.core.inputs.OverQuota` verdict for the pure core, which records
 the refusal in the event log and answers safely:
 
@@ -33,8 +32,7 @@ rounds per request a lookup or fetch that would open one more round in the
 Every refusal is an event (so ``p2pactor replay`` and timelines show it, with
 its reason) and a log line, rate-limited per peer and quota so that a flood
 cannot flood the log. A peer's counts return to zero when its session ends and
-its pins are released. Another peer on the same node is never affected: every
-count and every limit is per peer.
+its pins are released; no other peer is ever affected.
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 
@@ -55,6 +53,9 @@ from p2pactor.core.events import Quota
 from p2pactor.core.ids import ActorId
 from p2pactor.errors import ConfigError
 from p2pactor.logsetup import request_context
+
+if TYPE_CHECKING:
+    from p2pactor.core.producer import ProducerState, RoundState
 
 __all__ = ["DEFAULT_QUOTAS", "PeerQuotas", "PeerUsage", "QuotaLedger"]
 
@@ -95,54 +96,23 @@ class PeerQuotas:
 
     Every limit is per peer (per ``host:port``), counted across all of the
     peer's requests and sessions. The defaults protect a node from one greedy
-    or hostile peer and never bother an honest vLLM-like one:
-
-    * **Pinned blocks**: a quarter of the node's blocks. An honest peer pins
-      blocks only between its lookup and its fetch (milliseconds), so what it
-      holds at once is about one engine step of prompts; a quarter of a 64 GB
-      tier of 5 MiB blocks (a 70B model) is 3,200 blocks, a 51k-token prompt,
-      and a longer prompt still gets its prefix up to the limit (the first hits
-      are pinned, later ones answer MISS) rather than nothing. Three quarters
-      stay for the engine itself and for other peers, so a peer that looks up
-      everything and never fetches cannot stop the engine from caching. Set
-      ``max_pinned_blocks`` for an absolute number instead.
-    * **Open lookups** (received, not yet answered): 1,024. A lookup is
-      answered within one serve of the parent (milliseconds), or 5 s at most
-      for keys still being written; an honest peer has about one per running
-      request, and vLLM runs at most a few hundred per engine.
-    * **Keys per lookup**: 8,192, a 131k-token prompt at 16 tokens per block
-      (a consumer sends only the keys it has not asked yet, so one lookup is
-      at most one prompt). A longer lookup is not refused: its first 8,192
-      keys are looked up and the rest answer MISS, so the peer still gets
-      that prefix.
-    * **Fetch rounds in flight**: 1,024, one per request being loaded at once;
-      a round ends as soon as its blocks are written.
-    * **Open requests**: 4,096 requests of one peer served at once. A request
-      stays open from its first lookup until its fetch is served or the peer
-      closes it; each costs the node a task and its state, which is what a
-      flood of lookups under fresh request ids would otherwise pile up.
-    * **Rounds per request**: 16 rounds held by one request (looked up or
-      fetched, not ended yet). An honest consumer has one or two: it looks a
-      round up, then fetches it. A looked-up round is kept until its fetch or
-      the request's end, and every step of a request walks its rounds, so
-      lookups for ever new rounds of one request would otherwise cost the node
-      memory and, per lookup, time growing with their number.
+    or hostile peer and never bother an honest vLLM-like one (why each is what
+    it is: ``docs/quotas.md``); the module table says what a peer past one gets.
 
     Attributes:
         max_pinned_blocks: Most blocks pinned for the peer's lookups at once;
-            None: ``pinned_blocks_fraction`` of the node's blocks.
-        pinned_blocks_fraction: The share of the node's blocks one peer may
-            keep pinned when ``max_pinned_blocks`` is None.
-        max_open_lookups: Most lookups of the peer received and not yet answered.
-        max_keys_per_lookup: Most keys of one lookup that are looked up.
-        max_fetch_rounds: Most fetch rounds of the peer in flight (fetched and
-            not yet ended).
-        max_open_requests: Most requests of the peer served at once.
-        max_rounds_per_request: Most rounds one request of the peer holds
-            (looked up or fetched, not ended).
-        log_interval: At most one log line per peer and quota this often
-            (seconds); the refusals in between are counted in the next line.
-            Every refusal is in the event log regardless.
+            None (the default): ``pinned_blocks_fraction`` of the node's blocks.
+        pinned_blocks_fraction: That share (a quarter), so that most of the
+            cache stays for the engine and other peers.
+        max_open_lookups: Most lookups received and not yet answered (1,024).
+        max_keys_per_lookup: Most keys of one lookup looked up (8,192).
+        max_fetch_rounds: Most fetch rounds in flight: fetched, not ended (1,024).
+        max_open_requests: Most requests served at once (4,096), each open from
+            its first lookup until its fetch is served or the peer closes it.
+        max_rounds_per_request: Most rounds one request holds: looked up or
+            fetched, not ended (16); every step of a request walks its rounds.
+        log_interval: Seconds between two log lines of one peer and quota; the
+            refusals in between are counted in the next line.
     """
 
     max_pinned_blocks: int | None = attrs.field(default=None, validator=_optional_limit)
@@ -164,11 +134,8 @@ class PeerQuotas:
     def from_env(cls, env: Mapping[str, str] | None = None) -> PeerQuotas | None:
         """The quotas set by environment variables, the defaults for the rest.
 
-        Reads ``P2PACTOR_QUOTA_PINNED_BLOCKS``, ``P2PACTOR_QUOTA_PINNED_FRACTION``,
-        ``P2PACTOR_QUOTA_OPEN_LOOKUPS``, ``P2PACTOR_QUOTA_KEYS_PER_LOOKUP``,
-        ``P2PACTOR_QUOTA_FETCH_ROUNDS``, ``P2PACTOR_QUOTA_OPEN_REQUESTS`` and
-        ``P2PACTOR_QUOTA_ROUNDS_PER_REQUEST``
-        (:meth:`p2pactor.config.NodeConfig.from_env` calls this).
+        Reads one ``P2PACTOR_QUOTA_*`` variable per limit (``_ENV`` names them;
+        :meth:`p2pactor.config.NodeConfig.from_env` calls this).
 
         Returns:
             None when none of them is set.
@@ -180,8 +147,7 @@ class PeerQuotas:
         env = os.environ if env is None else env
         values: dict[str, int | float] = {}
         for name, field, parse in _ENV:
-            raw = env.get(name)
-            if raw is None or raw == "":
+            if not (raw := env.get(name)):
                 continue
             try:
                 values[field] = parse(raw)
@@ -246,61 +212,39 @@ class PeerUsage:
         return json.dumps(attrs.asdict(self), sort_keys=True)
 
 
+@attrs.define(eq=False)
 class _Peer:
     """One peer's counts (mutable, runtime only)."""
 
-    __slots__ = (
-        "fetch_rounds",
-        "last_logged",
-        "open_lookups",
-        "open_requests",
-        "peak_pinned",
-        "pinned",
-        "refusals",
-        "unlogged",
-    )
-
-    def __init__(self) -> None:
-        self.pinned = 0
-        self.peak_pinned = 0
-        self.open_lookups = 0
-        self.fetch_rounds = 0
-        self.open_requests = 0
-        self.refusals: Counter[Quota] = Counter()
-        self.last_logged: dict[Quota, float] = {}
-        self.unlogged: Counter[Quota] = Counter()
+    pinned: int = 0
+    peak_pinned: int = 0
+    open_lookups: int = 0
+    fetch_rounds: int = 0
+    open_requests: int = 0
+    refusals: Counter[Quota] = attrs.field(factory=Counter)
+    last_logged: dict[Quota, float] = attrs.field(factory=dict)
+    unlogged: Counter[Quota] = attrs.field(factory=Counter)
 
 
+@attrs.define(eq=False)
 class _Request:
-    """What one producer request of a peer holds (mutable, runtime only)."""
+    """What one producer request of a peer holds as of its last observed state."""
 
-    __slots__ = ("held", "lookups", "peer", "refusal", "rounds")
-
-    def __init__(self, peer: str, refusal: str) -> None:
-        self.peer = peer
-        self.refusal = refusal  # why the request is refused whole, or ""
-        self.lookups: set[int] = set()
-        self.rounds: set[int] = set()  # fetched, not ended
-        self.held: set[int] = set()  # looked up or fetched, not ended
+    peer: str
+    refusal: str  # why the request is refused whole, or ""
+    lookups: int = 0  # its open lookups, counted in its peer's total
+    rounds: int = 0  # its fetch rounds in flight, counted likewise
+    held: Mapping[int, RoundState] = attrs.field(factory=dict)  # its rounds (keys only)
 
 
-_COUNTED: Final = frozenset(
-    {
-        ev.LookupReceived,
-        ev.LookupLimited,
-        ev.LookupAnswered,
-        ev.LookupDropped,
-        ev.FetchReceived,
-        ev.TransferDoneSent,
-        ev.AbortAckSent,
-        ev.RoundClosed,
-        ev.LookupRefused,
-        ev.KeysRefused,
-        ev.FetchRefused,
-        ev.Closed,
-    }
+_CHANGES: Final = frozenset(
+    {ev.LookupReceived, ev.LookupLimited, ev.LookupAnswered, ev.LookupDropped, ev.FetchReceived}
+    | {ev.TransferDoneSent, ev.AbortAckSent, ev.RoundClosed}
 )
-"""The events :meth:`QuotaLedger.observe` counts (its match's arms)."""
+"""The events that open or end a lookup or round: only they change what a state holds."""
+
+_COUNTED: Final = _CHANGES | {ev.LookupRefused, ev.KeysRefused, ev.FetchRefused, ev.Closed}
+"""The events :meth:`QuotaLedger.observe` acts on; a step with none of them is skipped."""
 
 
 class QuotaLedger:
@@ -308,13 +252,13 @@ class QuotaLedger:
 
     Requests are tracked by a handle (the runtime's actor object), so that two
     sessions of the same peer (an old one draining, a new one) never mix their
-    counts. Lookups, rounds and requests are counted from the actors' own
-    events, right after each step (:meth:`observe`); a verdict is asked right
-    before a step (:meth:`admit`). Both happen inside one synchronous step on
-    the node's thread, so a count can never be overtaken by messages queued
-    behind it. Pins are counted where the parent pins them (:meth:`pin_budget`,
-    :meth:`pinned`, :meth:`released`), on whichever thread lends the parent;
-    those three are only ever called from one thread at a time.
+    counts. Lookups and rounds are read from a request's state right after
+    each step (:meth:`observe`), a verdict is asked right before one
+    (:meth:`admit`), both inside one synchronous step on the node's thread, so
+    a count can never be overtaken by messages queued behind it. Pins are
+    counted where the parent pins them (:meth:`pin_budget`, :meth:`pinned`,
+    :meth:`released`), on whichever thread lends the parent; those three are
+    only ever called from one thread at a time.
 
     Args:
         quotas: The limits.
@@ -358,12 +302,11 @@ class QuotaLedger:
             still counted (it lives for one step), but every lookup of it is
             answered all MISS and every fetch fails.
         """
-        p = self._peer(peer)
+        p, limit = self._peer(peer), self.quotas.max_open_requests
         refusal = ""
-        if p.open_requests >= self.quotas.max_open_requests:
+        if p.open_requests >= limit:
             refusal = (
-                f"{peer} already has {p.open_requests} requests open here "
-                f"(quota {self.quotas.max_open_requests} per peer)"
+                f"{peer} already has {p.open_requests} requests open here (quota {limit} per peer)"
             )
         p.open_requests += 1
         self._requests[handle] = _Request(peer, refusal)
@@ -381,28 +324,22 @@ class QuotaLedger:
         request = self._requests.get(handle)
         if request is None:
             return message  # not a counted request (a consumer's, or a test's)
-        q = self.quotas
-        p = self._peer(request.peer)
-        if isinstance(message, wire.Fetch):
-            if not message.keys:
-                return message  # the empty fetch closes the request: never refused
-            if request.refusal:
-                return inp.OverQuota(
-                    message=message, quota=Quota.OPEN_REQUESTS, reason=request.refusal
-                )
-            if over := self._rounds_refusal(request, message):
-                return over
-            if p.fetch_rounds >= q.max_fetch_rounds:
-                reason = (
-                    f"{request.peer} already has {p.fetch_rounds} fetch rounds in flight here "
-                    f"(quota {q.max_fetch_rounds} per peer)"
-                )
-                return inp.OverQuota(message=message, quota=Quota.FETCH_ROUNDS, reason=reason)
-            return message
+        fetch = isinstance(message, wire.Fetch)
+        if fetch and not message.keys:
+            return message  # the empty fetch closes the request: never refused
         if request.refusal:
             return inp.OverQuota(message=message, quota=Quota.OPEN_REQUESTS, reason=request.refusal)
         if over := self._rounds_refusal(request, message):
             return over
+        q, p = self.quotas, self._peer(request.peer)
+        if fetch:
+            if p.fetch_rounds < q.max_fetch_rounds:
+                return message
+            reason = (
+                f"{request.peer} already has {p.fetch_rounds} fetch rounds in flight here "
+                f"(quota {q.max_fetch_rounds} per peer)"
+            )
+            return inp.OverQuota(message=message, quota=Quota.FETCH_ROUNDS, reason=reason)
         if p.open_lookups >= q.max_open_lookups:
             reason = (
                 f"{request.peer} already has {p.open_lookups} lookups unanswered here "
@@ -426,57 +363,58 @@ class QuotaLedger:
         self, request: _Request, message: wire.Lookup | wire.Fetch
     ) -> inp.OverQuota | None:
         """The verdict on a message that would open one more round of ``request``."""
-        limit = self.quotas.max_rounds_per_request
-        if message.round_seq in request.held or len(request.held) < limit:
+        limit, held = self.quotas.max_rounds_per_request, request.held
+        if message.round_seq in held or len(held) < limit:
             return None
         reason = (
             f"request {message.kv_request_id!r} of {request.peer} already holds "
-            f"{len(request.held)} rounds here (quota {limit} per request)"
+            f"{len(held)} rounds here (quota {limit} per request)"
         )
         return inp.OverQuota(message=message, quota=Quota.ROUNDS_PER_REQUEST, reason=reason)
 
-    def observe(self, handle: Hashable, events: Sequence[ev.AnyEvent], now: float) -> None:
-        """Count what a request's step made it hold or let go of; log its refusals."""
+    def observe(
+        self, handle: Hashable, events: Sequence[ev.AnyEvent], state: ProducerState, now: float
+    ) -> None:
+        """Take up what a request holds after a step (its ``state``); log the step's refusals.
+
+        Its open lookups: ``state.lookups`` neither answered nor dropped; its
+        fetch rounds: ``state.rounds`` fetched; the rounds it holds: all of
+        ``state.rounds``. Only a step with one of :data:`_CHANGES` changes them.
+        """
         request = self._requests.get(handle)
         if request is None:
             return
-        p = self._peer(request.peer)
+        changed = False
         for event in events:
-            if type(event) not in _COUNTED:
+            kind = type(event)
+            if kind not in _COUNTED:
                 continue  # most events change no count: skip the match
+            if kind in _CHANGES:
+                changed = True
+                if kind is not ev.LookupLimited:
+                    continue
             match event:
-                case ev.LookupReceived() | ev.LookupLimited():
-                    request.held.add(event.round_seq)
-                    if event.lookup_id not in request.lookups:
-                        request.lookups.add(event.lookup_id)
-                        p.open_lookups += 1
-                    if isinstance(event, ev.LookupLimited):
-                        self._refused(
-                            request.peer, event.actor, Quota.KEYS_PER_LOOKUP, event.reason, now
-                        )
-                case ev.LookupAnswered() | ev.LookupDropped():
-                    # A lookup answered at its deadline may be dropped later
-                    # too: the set makes the second one a no-op.
-                    if event.lookup_id in request.lookups:
-                        request.lookups.remove(event.lookup_id)
-                        p.open_lookups -= 1
-                case ev.FetchReceived():
-                    request.held.add(event.round_seq)
-                    if event.round_seq not in request.rounds:
-                        request.rounds.add(event.round_seq)
-                        p.fetch_rounds += 1
-                case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
-                    request.held.discard(event.round_seq)
-                    if event.round_seq in request.rounds:
-                        request.rounds.remove(event.round_seq)
-                        p.fetch_rounds -= 1
                 case ev.LookupRefused() | ev.KeysRefused() | ev.FetchRefused():
                     self._refused(request.peer, event.actor, event.quota, event.reason, now)
+                case ev.LookupLimited():
+                    quota = Quota.KEYS_PER_LOOKUP
+                    self._refused(request.peer, event.actor, quota, event.reason, now)
                 case ev.Closed():
                     self.forget(handle)
                     return
-                case _:
-                    pass
+        if not changed:
+            return
+        lookups = rounds = 0
+        for lookup in state.lookups.values():
+            if not (lookup.answered or lookup.dropped):
+                lookups += 1
+        for rnd in state.rounds.values():
+            if rnd.fetched:
+                rounds += 1
+        p = self._peers[request.peer]  # never forgotten while it has a request
+        p.open_lookups += lookups - request.lookups
+        p.fetch_rounds += rounds - request.rounds
+        request.lookups, request.rounds, request.held = lookups, rounds, state.rounds
 
     def forget(self, handle: Hashable) -> None:
         """The request ended (or its session did): it holds nothing any more. Idempotent."""
@@ -485,8 +423,8 @@ class QuotaLedger:
             return
         p = self._peer(request.peer)
         p.open_requests -= 1
-        p.open_lookups -= len(request.lookups)
-        p.fetch_rounds -= len(request.rounds)
+        p.open_lookups -= request.lookups
+        p.fetch_rounds -= request.rounds
 
     def forget_all(self, handles: Iterable[Hashable]) -> None:
         """Forget every request in ``handles`` (a session ended)."""

@@ -334,7 +334,8 @@ class PeerSession(ControlLink):
         host = self._host
         producer = actor.id.role is Role.PRODUCER
         if producer:
-            host.quotas.observe(actor, events, trio.current_time())
+            assert isinstance(actor.state, ProducerState)
+            host.quotas.observe(actor, events, actor.state, trio.current_time())
         host.record(actor, events)
         loads = 0
         for event in events:

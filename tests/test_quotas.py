@@ -24,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
+import attrs
 import pytest
 import trio
 
@@ -33,7 +34,7 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.events import Quota
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import ProducerPhase
+from p2pactor.core.producer import ProducerInput, ProducerPhase, ProducerState
 from p2pactor.errors import ConfigError
 from p2pactor.node import Node
 from p2pactor.parent import EmbeddedCache
@@ -277,8 +278,29 @@ def producer(peer: str = PEER, kv: str = KV) -> ActorId:
     return ActorId(Role.PRODUCER, peer, kv)
 
 
-def head(actor: ActorId, seq: int) -> dict[str, object]:
-    return {"actor": actor, "seq": seq, "at": 0.0}
+@attrs.define
+class Ledgered(ProducerHarness):
+    """A producer request stepped as the runtime steps it: admitted, stepped, observed."""
+
+    ledger: QuotaLedger = attrs.field(kw_only=True)
+    handle: str = attrs.field(default="a", kw_only=True)
+
+    def __attrs_post_init__(self) -> None:
+        self.cache.stored = {key(i): 10 + i for i in range(8)}
+        self.ledger.open_request(PEER, self.handle)
+
+    def feed(self, event_input: ProducerInput) -> tuple[ev.ProducerEvent, ...]:
+        if isinstance(event_input, wire.Lookup | wire.Fetch):
+            event_input = self.ledger.admit(self.handle, event_input)
+        auto, self.auto_serve = self.auto_serve, False
+        try:
+            events = super().feed(event_input)
+        finally:
+            self.auto_serve = auto
+        self.ledger.observe(self.handle, events, self.state, self.now)
+        if auto:
+            self.serve()
+        return events
 
 
 class TestLedger:
@@ -327,36 +349,39 @@ class TestLedger:
         ledger.forget_all(["r1", "r2", "r4"])
         assert ledger.usage(PEER).holds_nothing
 
-    def test_open_lookups_are_counted_from_events_until_answered_or_dropped(self) -> None:
+    def test_open_lookups_are_counted_from_the_state_until_answered_or_dropped(self) -> None:
         ledger = QuotaLedger(PeerQuotas(max_open_lookups=2), 100)
-        a = producer(kv="a")
-        ledger.open_request(PEER, "a")
-        received = [
-            ev.LookupReceived(
-                **head(a, i + 1), lookup_id=i, round_seq=0, keys=(key(i),), deadline=5
-            )  # type: ignore[arg-type]
-            for i in range(2)
-        ]
-        ledger.observe("a", received, 0.0)
-        ledger.observe("a", received[:1], 0.0)  # seen twice: counted once
+        h = Ledgered(ledger=ledger, auto_serve=False)
+        h.cache.pending = {key(10), key(11)}  # HIT_PENDING: the lookups stay open
+        h.lookup(key(10))
+        h.serve()
+        h.advance(1.0)
+        received = h.feed(lookup_msg(key(11)))
+        h.serve()
+        assert ledger.usage(PEER).open_lookups == 2
+        assert [type(e) for e in received] == [ev.LookupReceived]
+        ledger.observe("a", received, h.state, h.now)  # seen twice: counted once
         assert ledger.usage(PEER).open_lookups == 2
         out = ledger.admit("a", lookup_msg(key(9), kv="a"))
         assert isinstance(out, inp.OverQuota)
         assert out.quota is Quota.OPEN_LOOKUPS
-        answered = ev.LookupAnswered(
-            **head(a, 3),  # type: ignore[arg-type]
-            lookup_id=0,
-            round_seq=0,
-            keys=(key(0),),
-            hits=(True,),
-        )
-        dropped = ev.LookupDropped(**head(a, 4), lookup_id=0, reason="closed")  # type: ignore[arg-type]
-        ledger.observe("a", [answered, dropped], 0.0)  # the drop after the answer: no-op
+        # Lookup 0 is answered at its deadline while the parent still has its
+        # poll: it stays in the state, answered, and counts no more.
+        h.tick()
+        assert h.parent_queue
+        h.advance(4.5)
+        h.tick()
+        assert [e.lookup_id for e in h.events_of(ev.LookupAnswered)] == [0]  # type: ignore[attr-defined]
+        assert h.state.lookups[0].answered
         assert ledger.usage(PEER).open_lookups == 1
         look = lookup_msg(key(9), kv="a")
         assert ledger.admit("a", look) is look
-        closed = ev.Closed(**head(a, 5), reason="done")  # type: ignore[arg-type]
-        ledger.observe("a", [closed], 0.0)
+        h.fetch([], [], round_seq=1)  # drops both: the drop after the answer is a no-op
+        assert len(h.events_of(ev.LookupDropped)) == 2
+        assert ledger.usage(PEER).open_lookups == 0
+        assert ledger.usage(PEER).open_requests == 1
+        h.serve()
+        assert h.state.phase is ProducerPhase.CLOSED
         assert ledger.usage(PEER).holds_nothing
 
     def test_keys_per_lookup_admits_a_prefix(self) -> None:
@@ -370,18 +395,19 @@ class TestLedger:
 
     def test_fetch_rounds_are_counted_until_their_round_ends(self) -> None:
         ledger = QuotaLedger(PeerQuotas(max_fetch_rounds=1), 100)
-        a = producer(kv="a")
-        ledger.open_request(PEER, "a")
+        h = Ledgered(ledger=ledger)
         ledger.open_request(PEER, "b")
-        got = ev.FetchReceived(**head(a, 1), round_seq=0, keys=(key(1),), block_indexes=(0,))  # type: ignore[arg-type]
-        ledger.observe("a", [got], 0.0)
+        h.lookup(key(1), round_seq=0)
+        h.lookup(key(2), round_seq=1)  # pinned: keeps the request open past round 0
+        h.fetch([key(1)], [0], round_seq=0)
         assert ledger.usage(PEER).fetch_rounds == 1
         out = ledger.admit("b", fetch_msg([key(1)], kv="b"))
         assert isinstance(out, inp.OverQuota)
         assert out.quota is Quota.FETCH_ROUNDS
-        done = ev.TransferDoneSent(**head(a, 2), round_seq=0, success=True, reason="")  # type: ignore[arg-type]
-        ledger.observe("a", [done], 0.0)
+        h.complete_all()
+        assert isinstance(h.log[-1], ev.TransferDoneSent)
         assert ledger.usage(PEER).fetch_rounds == 0
+        assert ledger.usage(PEER).open_requests == 2
         fetch = fetch_msg([key(1)], kv="b")
         assert ledger.admit("b", fetch) is fetch
 
@@ -408,22 +434,24 @@ class TestLedger:
         self, caplog: pytest.LogCaptureFixture
     ) -> None:
         ledger = QuotaLedger(PeerQuotas(log_interval=10.0), 100)
-        a = producer(kv="a")
-        ledger.open_request(PEER, "a")
+        h = Ledgered(ledger=ledger)
+        h.lookup(key(1), round_seq=0)  # pinned: the request stays open through its refusals
         caplog.set_level(logging.WARNING, logger="p2pactor.quotas")
 
-        def refused(seq: int) -> ev.LookupRefused:
-            return ev.LookupRefused(
-                **head(a, seq),  # type: ignore[arg-type]
-                round_seq=seq,
-                keys=(key(1),),
-                quota=Quota.OPEN_LOOKUPS,
-                reason="full",
+        def refuse(round_seq: int, now: float) -> None:
+            h.now = now
+            events = h.feed(
+                inp.OverQuota(
+                    message=lookup_msg(key(1), round_seq=round_seq),
+                    quota=Quota.OPEN_LOOKUPS,
+                    reason="full",
+                )
             )
+            assert [type(e) for e in events] == [ev.LookupRefused]
 
         for t in range(5):
-            ledger.observe("a", [refused(t + 1)], float(t))
-        ledger.observe("a", [refused(6)], 10.5)
+            refuse(t + 1, float(t))
+        refuse(6, 10.5)
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 2
         assert "refused 10.0.0.2:5710 over its open_lookups quota: full" in lines[0]
@@ -482,7 +510,7 @@ class TestLedger:
         ledger = QuotaLedger(DEFAULT_QUOTAS, 100)
         look = lookup_msg(key(1))
         assert ledger.admit("consumer", look) is look
-        ledger.observe("consumer", [], 0.0)
+        ledger.observe("consumer", [], ProducerState.new(producer()), 0.0)
         ledger.forget("consumer")
 
 
@@ -918,21 +946,11 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
 
 
 class TestRoundsPerRequest:
-    def test_the_ledger_counts_rounds_held_from_events(self) -> None:
+    def test_the_ledger_counts_rounds_held_from_the_state(self) -> None:
         ledger = QuotaLedger(PeerQuotas(max_rounds_per_request=2), 100)
-        a = producer(kv="a")
-        ledger.open_request(PEER, "a")
-        opened = [
-            ev.LookupReceived(
-                **head(a, r + 1),  # type: ignore[arg-type]
-                lookup_id=r,
-                round_seq=r,
-                keys=(key(1),),
-                deadline=5,
-            )
-            for r in range(2)
-        ]
-        ledger.observe("a", opened, 0.0)
+        h = Ledgered(ledger=ledger)
+        for r in range(2):
+            h.lookup(key(1), round_seq=r)
         same_round = lookup_msg(key(2), round_seq=1, kv="a")
         assert ledger.admit("a", same_round) is same_round
         out = ledger.admit("a", lookup_msg(key(2), round_seq=2, kv="a"))
@@ -941,8 +959,9 @@ class TestRoundsPerRequest:
         assert "already holds 2 rounds" in out.reason
         fetch = ledger.admit("a", fetch_msg([key(1)], round_seq=5, kv="a"))
         assert isinstance(fetch, inp.OverQuota)
-        ended = ev.RoundClosed(**head(a, 3), round_seq=0, reason="x")  # type: ignore[arg-type]
-        ledger.observe("a", [ended], 0.0)
+        h.fetch([key(1)], [0], round_seq=0)
+        h.complete_all()  # ends round 0; round 1's pin keeps the request open
+        assert isinstance(h.log[-1], ev.TransferDoneSent)
         again = lookup_msg(key(2), round_seq=2, kv="a")
         assert ledger.admit("a", again) is again
 
