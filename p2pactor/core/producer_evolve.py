@@ -1,0 +1,339 @@
+"""Folding a producer's events into its state: :func:`evolve_producer` and its helpers."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar, assert_never
+
+from p2pactor.core import events as ev
+from p2pactor.core.events import check_follows
+from p2pactor.core.producer_state import (
+    ActiveLookup,
+    PinJob,
+    ProducerPhase,
+    ProducerState,
+    RoundState,
+    Supply,
+    Transfer,
+)
+from p2pactor.core.records import replace
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def _put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
+    out = dict(mapping)
+    out[key] = value
+    return out
+
+
+def _drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
+    out = dict(mapping)
+    out.pop(key, None)
+    return out
+
+
+def _pool_take(
+    pool: Mapping[bytes, tuple[Supply, ...]], key: bytes, job_id: int
+) -> dict[bytes, tuple[Supply, ...]]:
+    """Remove one entry of ``job_id`` for ``key`` from the pool."""
+    out = dict(pool)
+    entries = list(out.get(key, ()))
+    for i, sup in enumerate(entries):
+        if sup.job_id == job_id:
+            del entries[i]
+            break
+    if entries:
+        out[key] = tuple(entries)
+    else:
+        out.pop(key, None)
+    return out
+
+
+def _evolve_transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
+    rnd = s.rounds[e.round_seq]
+    demand = list(rnd.demand)
+    pool = s.pool
+    for key, remote, job_id in zip(e.keys, e.remote_blocks, e.job_ids, strict=True):
+        demand.remove((key, remote))
+        in_round = rnd.supply.get(key)
+        # Round supply is pinned for this round's one fetch and may be read more
+        # than once; pool blocks are handed out once each, as vLLM does.
+        if in_round is None or in_round.job_id != job_id:
+            pool = _pool_take(pool, key, job_id)
+    jobs = dict(s.jobs)
+    for job_id in set(e.job_ids):
+        job = jobs[job_id]
+        jobs[job_id] = replace(
+            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
+        )
+    rounds = dict(s.rounds)
+    rounds[e.round_seq] = replace(
+        rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
+    )
+    transfers = dict(s.transfers)
+    transfers[e.transfer_id] = Transfer(
+        transfer_id=e.transfer_id,
+        round_seq=e.round_seq,
+        job_ids=frozenset(e.job_ids),
+        blocks=len(e.keys),
+    )
+    return replace(
+        s,
+        seq=e.seq,
+        rounds=rounds,
+        jobs=jobs,
+        pool=pool,
+        transfers=transfers,
+        next_transfer_id=e.transfer_id + 1,
+    )
+
+
+def _evolve_transfer_ended(
+    s: ProducerState, seq: int, transfer_id: int, failure: str | None
+) -> ProducerState:
+    t = s.transfers[transfer_id]
+    jobs = dict(s.jobs)
+    for job_id in t.job_ids:
+        job = jobs.get(job_id)
+        if job is not None:
+            jobs[job_id] = replace(
+                job, readers=job.readers - {transfer_id}, failed=job.failed or failure is not None
+            )
+    rounds = dict(s.rounds)
+    rnd = rounds.get(t.round_seq)
+    if rnd is not None:
+        if failure is None:
+            rnd = replace(
+                rnd, inflight=rnd.inflight - {transfer_id}, remaining=rnd.remaining - t.blocks
+            )
+        else:
+            rnd = replace(
+                rnd, inflight=rnd.inflight - {transfer_id}, failure=rnd.failure or failure
+            )
+        rounds[t.round_seq] = rnd
+    return replace(s, seq=seq, jobs=jobs, rounds=rounds, transfers=_drop(s.transfers, transfer_id))
+
+
+def _evolve_pin_released(s: ProducerState, seq: int, job_id: int) -> ProducerState:
+    job = s.jobs.get(job_id)
+    if job is None:
+        return replace(s, seq=seq)  # a stray pin released without ever being held
+    rounds = s.rounds
+    pool = s.pool
+    if job.round_seq is None:
+        for key in job.keys:
+            while any(sup.job_id == job_id for sup in pool.get(key, ())):
+                pool = _pool_take(pool, key, job_id)
+    elif job.round_seq in rounds:
+        rnd = rounds[job.round_seq]
+        supply = {k: v for k, v in rnd.supply.items() if v.job_id != job_id}
+        rounds = _put(rounds, job.round_seq, replace(rnd, supply=supply))
+    return replace(s, seq=seq, jobs=_drop(s.jobs, job_id), rounds=rounds, pool=pool)
+
+
+def _evolve_round_ended(
+    s: ProducerState, seq: int, round_seq: int, *, served: bool
+) -> ProducerState:
+    jobs = dict(s.jobs)
+    for job_id, job in s.jobs.items():
+        if round_seq in job.serving:
+            jobs[job_id] = replace(
+                job, serving=job.serving - {round_seq}, failed=job.failed or not served
+            )
+    return replace(s, seq=seq, rounds=_drop(s.rounds, round_seq), jobs=jobs)
+
+
+def _evolve_lookup_opened(
+    s: ProducerState, e: ev.LookupReceived | ev.LookupLimited, admitted: int
+) -> ProducerState:
+    """Open a lookup whose first ``admitted`` keys go to the parent; the rest answer MISS."""
+    asked = frozenset(e.keys[:admitted])
+    lookup = ActiveLookup(
+        lookup_id=e.lookup_id,
+        round_seq=e.round_seq,
+        keys=e.keys,
+        deadline=e.deadline,
+        resolved={k: False for k in e.keys[admitted:] if k not in asked},
+        pending=asked,
+    )
+    rnd = replace(_round(s, e.round_seq), lookup_supplied=True)
+    return replace(
+        s,
+        seq=e.seq,
+        lookups=_put(s.lookups, e.lookup_id, lookup),
+        rounds=_put(s.rounds, e.round_seq, rnd),
+        next_lookup_id=e.lookup_id + 1,
+        looked_up_through=max(s.looked_up_through, e.round_seq),
+    )
+
+
+def _round(s: ProducerState, round_seq: int) -> RoundState:
+    return s.rounds.get(round_seq) or RoundState(round_seq=round_seq)
+
+
+def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerState:
+    return replace(s, seq=seq, lookups=_put(s.lookups, lookup.lookup_id, lookup))
+
+
+def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerState:
+    """Apply one event to a producer state; pure. One copy of the state per event.
+
+    Raises:
+        ReplayError: The event belongs to another actor or does not follow the
+            last one applied.
+    """
+    check_follows(state.actor, state.seq, event)
+    s = state
+    seq = event.seq
+    match event:
+        case ev.LookupReceived():
+            return _evolve_lookup_opened(s, event, len(event.keys))
+        case ev.KeysResolved():
+            lookup = s.lookups[event.lookup_id]
+            resolved = dict(lookup.resolved)
+            resolved.update(dict.fromkeys(event.hits, True))
+            resolved.update(dict.fromkeys(event.misses, False))
+            lookup = replace(
+                lookup,
+                resolved=resolved,
+                pending=frozenset(event.pending),
+                outstanding=False,
+                next_poll_at=event.next_poll_at,
+            )
+            return replace(
+                s,
+                seq=seq,
+                lookups=_put(s.lookups, event.lookup_id, lookup),
+                open_contexts=s.open_contexts | {event.lookup_id},
+            )
+        case ev.KeysPinned():
+            job = PinJob(
+                job_id=event.job_id,
+                round_seq=event.round_seq,
+                keys=event.keys,
+                blocks=event.blocks,
+                expires_at=event.expires_at,
+            )
+            rounds = s.rounds
+            if event.round_seq in rounds:
+                rnd = rounds[event.round_seq]
+                supply = dict(rnd.supply)
+                for key, block in zip(event.keys, event.blocks, strict=True):
+                    supply[key] = Supply(event.job_id, block)
+                rounds = _put(rounds, event.round_seq, replace(rnd, supply=supply))
+            return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), rounds=rounds)
+        case ev.LookupAnswered():
+            answered = s.lookups[event.lookup_id]
+            if answered.outstanding:
+                # Answered at its deadline with the parent still busy: keep it
+                # until the parent's answer, whose pin must be released.
+                return _with_lookup(s, seq, replace(answered, answered=True, next_poll_at=None))
+            return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
+        case ev.ContextClosed():
+            lookups = s.lookups
+            closing = lookups.get(event.lookup_id)
+            if closing is not None and (closing.dropped or closing.answered):
+                lookups = _drop(lookups, event.lookup_id)
+            return replace(
+                s, seq=seq, lookups=lookups, open_contexts=s.open_contexts - {event.lookup_id}
+            )
+        case ev.CloseRequested():
+            return replace(s, seq=seq, phase=ProducerPhase.CLOSING, close_reason=event.reason)
+        case ev.LookupDropped():
+            lookup = s.lookups[event.lookup_id]
+            if lookup.outstanding:
+                # Kept for the parent's answer, as a late-answered lookup is.
+                return _with_lookup(s, seq, replace(lookup, dropped=True, next_poll_at=None))
+            return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
+        case ev.PinReleased():
+            return _evolve_pin_released(s, seq, event.job_id)
+        case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
+            served = isinstance(event, ev.TransferDoneSent) and event.success
+            return _evolve_round_ended(s, seq, event.round_seq, served=served)
+        case ev.Closed():
+            return replace(s, seq=seq, phase=ProducerPhase.CLOSED)
+        case ev.FetchReceived():
+            rnd = replace(
+                _round(s, event.round_seq),
+                fetched=True,
+                demand=tuple(zip(event.keys, event.block_indexes, strict=True)),
+                remaining=len(event.keys),
+            )
+            return replace(
+                s,
+                seq=seq,
+                rounds=_put(s.rounds, event.round_seq, rnd),
+                closed_through=max(s.closed_through, event.round_seq),
+            )
+        case ev.TransferStarted():
+            return _evolve_transfer_started(s, event)
+        case ev.TransferCompleted():
+            return _evolve_transfer_ended(s, seq, event.transfer_id, None)
+        case ev.FinishRequested():
+            return replace(s, seq=seq, finishing=True)
+        case ev.Ignored() | ev.Rejected() | ev.KeysRefused():
+            # KeysRefused: the KeysResolved that follows counts the keys as misses.
+            return replace(s, seq=seq)
+        case ev.SessionLost():
+            return replace(
+                s,
+                seq=seq,
+                phase=ProducerPhase.CLOSING,
+                session_lost=True,
+                close_reason=event.reason,
+            )
+        case ev.LookupLimited():
+            return _evolve_lookup_opened(s, event, event.admitted)
+        case ev.LookupRefused():
+            # No lookup opens and nothing is held (so a refused request can
+            # close at once), but the round counts as looked up: a fetch for
+            # it fails fast instead of waiting for stored blocks.
+            return replace(s, seq=seq, looked_up_through=max(s.looked_up_through, event.round_seq))
+        case ev.FetchRefused():
+            refused = s.rounds[event.round_seq]
+            refused = replace(refused, demand=(), failure=refused.failure or event.reason)
+            return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, refused))
+        case ev.PendingPolled():
+            lookup = replace(s.lookups[event.lookup_id], outstanding=True, next_poll_at=None)
+            return _with_lookup(s, seq, lookup)
+        case ev.ParentExpired():
+            return _with_lookup(s, seq, replace(s.lookups[event.lookup_id], outstanding=False))
+        case ev.PendingExpired():
+            lookup = s.lookups[event.lookup_id]
+            resolved = dict(lookup.resolved)
+            resolved.update(dict.fromkeys(event.keys, False))
+            lookup = replace(
+                lookup,
+                resolved=resolved,
+                pending=lookup.pending - frozenset(event.keys),
+                next_poll_at=None,
+            )
+            return _with_lookup(s, seq, lookup)
+        case ev.StoreAdded():
+            job = PinJob(
+                job_id=event.job_id,
+                round_seq=None,
+                keys=event.keys,
+                blocks=event.blocks,
+                expires_at=event.expires_at,
+            )
+            pool = dict(s.pool)
+            for key, block in zip(event.keys, event.blocks, strict=True):
+                pool[key] = (*pool.get(key, ()), Supply(event.job_id, block))
+            return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), pool=pool)
+        case ev.TransferFailed():
+            return _evolve_transfer_ended(s, seq, event.transfer_id, event.reason)
+        case ev.AbortReceived():
+            aborted = s.rounds.get(event.round_seq)
+            if aborted is None:
+                return replace(s, seq=seq)
+            jobs = dict(s.jobs)
+            for tid in aborted.inflight:
+                for job_id in s.transfers[tid].job_ids:
+                    jobs[job_id] = replace(jobs[job_id], failed=True)
+            aborted = replace(aborted, cancelled=True, demand=())
+            return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, aborted), jobs=jobs)
+        case _:
+            assert_never(event)

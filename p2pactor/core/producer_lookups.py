@@ -1,0 +1,227 @@
+"""Producer decisions about lookups: admit them, hear the parent, answer once."""
+
+from __future__ import annotations
+
+from p2pactor import protocol as wire
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core.events import Quota, Violation
+from p2pactor.core.producer_pins import _release
+from p2pactor.core.producer_state import _B, ActiveLookup, ProducerPhase, ProducerState
+from p2pactor.core.timings import Timings
+
+
+def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None:
+    b.emit(ev.Rejected(**b.head, input=msg.TYPE, violation=violation, detail=detail))
+
+
+def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | None = None) -> None:
+    s = b.state
+    if s.phase is ProducerPhase.CLOSING:
+        _reject(b, msg, Violation.AFTER_CLOSE, "lookup after the request was closed")
+        return
+    if msg.round_seq <= s.closed_through:
+        detail = (
+            f"lookup for round {msg.round_seq}, but round {s.closed_through} was already "
+            "fetched; rounds only move forward"
+        )
+        _reject(b, msg, Violation.STALE_ROUND, detail)
+        return
+    if not msg.keys:
+        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="a lookup without keys"))
+        return
+    # A quota refusal is checked after the protocol's own rules: a peer over
+    # quota that also breaks the protocol is still disconnected.
+    admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
+    if verdict is not None and admit <= 0:
+        b.emit(
+            ev.LookupRefused(
+                **b.head,
+                round_seq=msg.round_seq,
+                keys=msg.keys,
+                quota=verdict.quota,
+                reason=verdict.reason,
+            )
+        )
+        return
+    budget = t.pending_timeout
+    if msg.deadline_ms is not None:
+        budget = min(budget, msg.deadline_ms / 1000)
+    if verdict is not None and admit < len(msg.keys):
+        b.emit(
+            ev.LookupLimited(
+                **b.head,
+                lookup_id=s.next_lookup_id,
+                round_seq=msg.round_seq,
+                keys=msg.keys,
+                admitted=admit,
+                deadline=b.now + budget,
+                reason=verdict.reason,
+            )
+        )
+        return
+    b.emit(
+        ev.LookupReceived(
+            **b.head,
+            lookup_id=s.next_lookup_id,
+            round_seq=msg.round_seq,
+            keys=msg.keys,
+            deadline=b.now + budget,
+        )
+    )
+
+
+def _pin_refusal(s: ProducerState, lookup: ActiveLookup) -> str:
+    """Why a fresh pin for ``lookup`` can't be kept, or "" if it can."""
+    if lookup.dropped or s.phase is not ProducerPhase.OPEN:
+        return "the request closed before the pin arrived"
+    if lookup.answered:
+        return "the lookup was answered at its deadline before the parent served it"
+    if lookup.round_seq <= s.closed_through:
+        return f"round {lookup.round_seq} was fetched before the pin arrived"
+    return ""
+
+
+def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
+    lookup = b.state.lookups.get(answer.lookup_id)
+    if lookup is None or not lookup.outstanding:
+        reason = f"no lookup {answer.lookup_id} is waiting for the parent"
+        b.emit(ev.Ignored(**b.head, input="parent_answer", reason=reason))
+        if answer.pin is not None:
+            _release(b, answer.pin.job_id, "stray parent answer")
+        return
+    if answer.expired:
+        b.emit(ev.ParentExpired(**b.head, lookup_id=lookup.lookup_id))
+        if answer.pin is not None:  # the runtime never pins past not_after; if it did:
+            reason = "an expired parent answer carried a pin"
+            b.emit(ev.Ignored(**b.head, input="parent_answer", reason=reason))
+            _release(b, answer.pin.job_id, reason)
+    else:
+        _resolve(b, lookup, answer, t)
+    lookup = b.state.lookups[answer.lookup_id]
+    done = lookup.dropped or lookup.answered
+    if lookup.pending and not done and b.now >= lookup.deadline:
+        b.emit(ev.PendingExpired(**b.head, lookup_id=lookup.lookup_id, keys=_ordered(lookup)))
+    _settle_lookup(b, answer.lookup_id)
+
+
+def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:
+    """The lookup's pending keys in wire order, once each."""
+    return tuple(k for k in dict.fromkeys(lookup.keys) if k in lookup.pending)
+
+
+def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> None:
+    results = dict(answer.results)
+    pinned = set(answer.pin.keys) if answer.pin is not None else set()
+    if answer.refused:
+        refused = set(answer.refused) - pinned
+        keys = tuple(k for k in _ordered(lookup) if k in refused)
+        if keys:
+            b.emit(
+                ev.KeysRefused(
+                    **b.head,
+                    lookup_id=lookup.lookup_id,
+                    keys=keys,
+                    quota=Quota.PINNED_BLOCKS,
+                    reason=answer.refusal or "the peer is over its pinned-blocks quota",
+                )
+            )
+    hits: list[bytes] = []
+    misses: list[bytes] = []
+    pending: list[bytes] = []
+    for key in _ordered(lookup):
+        result = results.get(key)
+        if result is inp.LookupResult.HIT:
+            # A hit the parent could not pin is no hit: it may be evicted.
+            (hits if key in pinned else misses).append(key)
+        elif result is inp.LookupResult.MISS:
+            misses.append(key)
+        else:  # HIT_PENDING, RETRY, or not answered: ask again
+            pending.append(key)
+    next_poll = None
+    if pending and b.now < lookup.deadline:
+        next_poll = min(b.now + t.pending_poll_interval, lookup.deadline)
+    b.emit(
+        ev.KeysResolved(
+            **b.head,
+            lookup_id=lookup.lookup_id,
+            hits=hits,
+            misses=misses,
+            pending=pending,
+            next_poll_at=next_poll,
+        )
+    )
+    if answer.pin is None:
+        return
+    pin = answer.pin
+    b.emit(
+        ev.KeysPinned(
+            **b.head,
+            lookup_id=lookup.lookup_id,
+            round_seq=lookup.round_seq,
+            job_id=pin.job_id,
+            keys=pin.keys,
+            blocks=pin.blocks,
+            expires_at=b.now + t.pin_timeout,
+        )
+    )
+    refusal = _pin_refusal(b.state, lookup)
+    if refusal:
+        _release(b, pin.job_id, refusal)
+
+
+def _settle_lookup(b: _B, lookup_id: int) -> None:
+    """Answer (or forget) a lookup once nothing about it is outstanding."""
+    lookup = b.state.lookups.get(lookup_id)
+    if lookup is None or lookup.outstanding:
+        return
+    if not (lookup.dropped or lookup.answered):
+        if lookup.pending:
+            return
+        _answer(b, lookup)
+    if lookup_id in b.state.open_contexts:
+        b.emit(ev.ContextClosed(**b.head, lookup_id=lookup_id))
+
+
+def _answer(b: _B, lookup: ActiveLookup) -> None:
+    """Send the lookup's one answer, keys in wire order, duplicates included."""
+    b.emit(
+        ev.LookupAnswered(
+            **b.head,
+            lookup_id=lookup.lookup_id,
+            round_seq=lookup.round_seq,
+            keys=lookup.keys,
+            hits=tuple(lookup.resolved[k] for k in lookup.keys),
+        )
+    )
+
+
+def _drop_lookups(b: _B, reason: str) -> None:
+    for lookup_id, lookup in sorted(b.state.lookups.items()):
+        if not lookup.dropped:
+            b.emit(ev.LookupDropped(**b.head, lookup_id=lookup_id, reason=reason))
+            if lookup_id in b.state.open_contexts and lookup_id not in b.state.lookups:
+                b.emit(ev.ContextClosed(**b.head, lookup_id=lookup_id))
+
+
+def _tick_lookups(b: _B) -> None:
+    now = b.now
+    for lookup_id, lookup in sorted(b.state.lookups.items()):
+        if lookup.answered or lookup.dropped or not lookup.pending:
+            continue
+        if now >= lookup.deadline:
+            # The deadline holds even while the parent has not served us (an
+            # engine that stopped stepping): answer now, clean up when it does.
+            b.emit(ev.PendingExpired(**b.head, lookup_id=lookup_id, keys=_ordered(lookup)))
+            if lookup.outstanding:
+                _answer(b, b.state.lookups[lookup_id])
+            else:
+                _settle_lookup(b, lookup_id)
+        elif lookup.outstanding:
+            continue
+        elif lookup.next_poll_at is not None and now >= lookup.next_poll_at:
+            b.emit(
+                ev.PendingPolled(
+                    **b.head, lookup_id=lookup_id, keys=_ordered(lookup), not_after=lookup.deadline
+                )
+            )
