@@ -1,0 +1,194 @@
+"""The base of the event vocabulary: :class:`Event`, its registry and the shared bits.
+
+Holds what both roles' events build on: the enums their fields name, the
+:data:`EVENT_TYPES` registry every subclass joins as it is defined,
+:func:`check_follows`, and the events either role may record. Import the whole
+vocabulary from :mod:`p2pactor.core.events`.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+import attrs
+
+from p2pactor.core.ids import ActorId
+from p2pactor.errors import ReplayError
+
+__all__ = [
+    "EVENT_TYPES",
+    "ConsumerPhase",
+    "Event",
+    "FinishRequested",
+    "Ignored",
+    "Ints",
+    "Keys",
+    "Quota",
+    "Rejected",
+    "SessionLost",
+    "Violation",
+    "check_follows",
+]
+
+Keys = tuple[bytes, ...]
+Ints = tuple[int, ...]
+
+
+class ConsumerPhase(enum.Enum):
+    """Where a consumer request is in its life. Phases only move forward."""
+
+    REGISTERED = "registered"
+    """Keys registered, nothing on the wire yet."""
+    PROBING = "probing"
+    """A lookup went out."""
+    FETCH_SENT = "fetch_sent"
+    """A fetch (or the terminal empty fetch) went out."""
+    DONE = "done"
+    """Finished; every load it made completed."""
+    FAILED = "failed"
+    """Finished; a load failed, the lookup timed out or the session died."""
+    ABORTED = "aborted"
+    """Finished; a load had to be aborted."""
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the request has ended."""
+        return self in _TERMINAL_PHASES
+
+
+_TERMINAL_PHASES = frozenset({ConsumerPhase.DONE, ConsumerPhase.FAILED, ConsumerPhase.ABORTED})
+
+
+class Violation(enum.Enum):
+    """Ways a peer can break the protocol inside one request."""
+
+    DUPLICATE_FETCH = "duplicate_fetch"
+    """A second fetch for a round that already had one."""
+    STALE_ROUND = "stale_round"
+    """A lookup or fetch for a round older than one already closed."""
+    UNKNOWN_ROUND = "unknown_round"
+    """An abort for a round that was never fetched."""
+    AFTER_CLOSE = "after_close"
+    """A lookup or fetch after the consumer closed the request."""
+    MALFORMED = "malformed"
+    """Parallel lists of different lengths (the codec rejects these on the wire)."""
+
+
+class Quota(enum.Enum):
+    """The per-peer quotas a node enforces on what a peer may make it hold.
+
+    See :class:`p2pactor.quotas.PeerQuotas` for the limits and their defaults.
+    """
+
+    PINNED_BLOCKS = "pinned_blocks"
+    """Blocks pinned for the peer's lookups and not yet released."""
+    OPEN_LOOKUPS = "open_lookups"
+    """Lookups received from the peer and not yet answered."""
+    KEYS_PER_LOOKUP = "keys_per_lookup"
+    """Keys in one lookup."""
+    FETCH_ROUNDS = "fetch_rounds"
+    """Fetch rounds of the peer in flight (fetched, not yet ended)."""
+    OPEN_REQUESTS = "open_requests"
+    """Requests of the peer we serve at once (live producer actors)."""
+    ROUNDS_PER_REQUEST = "rounds_per_request"
+    """Rounds one request of the peer holds (looked up or fetched, not ended)."""
+
+
+EVENT_TYPES: dict[str, type[Event]] = {}
+"""Every concrete event type by its ``KIND``: the registry used to read logs.
+
+Each subclass of :class:`Event` adds itself as it is defined.
+"""
+
+
+@attrs.frozen(kw_only=True)
+class Event:
+    """Base of every event.
+
+    Attributes:
+        actor: The actor this event belongs to.
+        seq: Position in the actor's stream, starting at 1.
+        at: Monotonic time (seconds) at which it happened.
+    """
+
+    KIND: ClassVar[str]
+    """The type's name, as logs spell it: set on each subclass from its name."""
+    VERSION: ClassVar[int] = 1
+    """The schema version of the type's fields; a reader refuses any other."""
+
+    actor: ActorId
+    seq: int
+    at: float
+
+    @classmethod
+    def __attrs_init_subclass__(cls) -> None:
+        kind = cls.__name__
+        if kind in EVENT_TYPES:
+            raise TypeError(f"two event types are named {kind}")
+        cls.KIND = kind
+        EVENT_TYPES[kind] = cls
+
+
+def check_follows(actor: ActorId, seq: int, event: Event) -> None:
+    """Check that ``event`` is the next event of ``actor``, whose last was ``seq``.
+
+    Raises:
+        ReplayError: It belongs to another actor, or skips or repeats a number.
+    """
+    # Identity first: a live step's events carry its state's own ActorId.
+    if event.actor is not actor and event.actor != actor:
+        raise ReplayError(f"event of {event.actor} applied to {actor}")
+    if event.seq != seq + 1:
+        raise ReplayError(f"{actor}: event seq {event.seq} after seq {seq}")
+
+
+# --- shared by both roles ---------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Ignored(Event):
+    """An input changed nothing, typically a late or duplicate message.
+
+    Attributes:
+        input: What arrived (a message type or input name).
+        reason: Why it changed nothing.
+    """
+
+    input: str
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Rejected(Event):
+    """The peer broke the protocol; the session must disconnect.
+
+    Attributes:
+        input: The offending message type.
+        violation: Which rule it broke.
+        detail: The specifics, for the log.
+    """
+
+    input: str
+    violation: Violation
+    detail: str
+
+
+@attrs.frozen(kw_only=True)
+class SessionLost(Event):
+    """The control session to the peer ended; nothing more will be sent to it.
+
+    Attributes:
+        reason: Why the session ended.
+    """
+
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class FinishRequested(Event):
+    """The engine finished the request.
+
+    For a consumer, the request is over; for a prefill/decode producer, the
+    engine will store no more blocks for it.
+    """

@@ -1,0 +1,428 @@
+"""The producer's events: what happens to a request a peer sends us.
+
+Re-exported by :mod:`p2pactor.core.events`; import them from there.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from p2pactor.core.events_base import Event, Ints, Keys, Quota
+from p2pactor.protocol import bool_tuple, bytes_tuple, int_tuple
+
+__all__ = [
+    "AbortAckSent",
+    "AbortReceived",
+    "CloseRequested",
+    "Closed",
+    "ContextClosed",
+    "FetchReceived",
+    "FetchRefused",
+    "KeysPinned",
+    "KeysRefused",
+    "KeysResolved",
+    "LookupAnswered",
+    "LookupDropped",
+    "LookupLimited",
+    "LookupReceived",
+    "LookupRefused",
+    "ParentExpired",
+    "PendingExpired",
+    "PendingPolled",
+    "PinReleased",
+    "RoundClosed",
+    "StoreAdded",
+    "TransferCompleted",
+    "TransferDoneSent",
+    "TransferFailed",
+    "TransferStarted",
+]
+
+
+@attrs.frozen(kw_only=True)
+class LookupReceived(Event):
+    """A peer asked which of ``keys`` we hold.
+
+    Attributes:
+        lookup_id: Our number for this lookup, unique within the actor.
+        round_seq: The round it belongs to.
+        keys: The keys in wire order, duplicates included.
+        deadline: When keys still pending are answered MISS.
+    """
+
+    lookup_id: int
+    round_seq: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    deadline: float
+
+
+@attrs.frozen(kw_only=True)
+class KeysResolved(Event):
+    """The parent answered about some of a lookup's keys.
+
+    Opens the lookup's synthetic parent request if it was not open yet.
+
+    Attributes:
+        lookup_id: Which lookup.
+        hits: Keys found and pinned.
+        misses: Keys not found.
+        pending: Keys HIT_PENDING or RETRY: ask again later.
+        next_poll_at: When to ask again about ``pending``.
+    """
+
+    lookup_id: int
+    hits: Keys = attrs.field(converter=bytes_tuple)
+    misses: Keys = attrs.field(converter=bytes_tuple)
+    pending: Keys = attrs.field(converter=bytes_tuple)
+    next_poll_at: float | None
+
+
+@attrs.frozen(kw_only=True)
+class KeysPinned(Event):
+    """The parent pinned blocks for a lookup's hits, as one job.
+
+    Attributes:
+        lookup_id: The lookup whose hits these are.
+        round_seq: The round they supply.
+        job_id: The parent's job; releasing it unpins the blocks.
+        keys: The pinned keys.
+        blocks: Our block index for each key.
+        expires_at: When the pin is released if no fetch uses it.
+    """
+
+    lookup_id: int
+    round_seq: int
+    job_id: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    blocks: Ints = attrs.field(converter=int_tuple)
+    expires_at: float
+
+
+@attrs.frozen(kw_only=True)
+class PendingPolled(Event):
+    """We asked the parent again about a lookup's pending keys.
+
+    Attributes:
+        lookup_id: Which lookup.
+        keys: The keys still pending.
+        not_after: The parent must not look them up past this time.
+    """
+
+    lookup_id: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    not_after: float
+
+
+@attrs.frozen(kw_only=True)
+class ParentExpired(Event):
+    """A re-poll reached the parent only after its ``not_after``: nothing was asked.
+
+    Attributes:
+        lookup_id: Which lookup.
+    """
+
+    lookup_id: int
+
+
+@attrs.frozen(kw_only=True)
+class PendingExpired(Event):
+    """Pending keys ran out of time; they count as TIMEOUT and answer MISS.
+
+    Attributes:
+        lookup_id: Which lookup.
+        keys: The keys that timed out.
+    """
+
+    lookup_id: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class LookupAnswered(Event):
+    """The one answer to a lookup went out.
+
+    Attributes:
+        lookup_id: Which lookup.
+        round_seq: Its round (sent to p2pactor peers only).
+        keys: The lookup's keys in wire order, duplicates included.
+        hits: Parallel to ``keys``.
+    """
+
+    lookup_id: int
+    round_seq: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    hits: tuple[bool, ...] = attrs.field(converter=bool_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class LookupDropped(Event):
+    """A lookup will not be answered: the request closed first.
+
+    Attributes:
+        lookup_id: Which lookup.
+        reason: Why.
+    """
+
+    lookup_id: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class ContextClosed(Event):
+    """A lookup's synthetic parent request is owed its close.
+
+    Attributes:
+        lookup_id: Which lookup.
+    """
+
+    lookup_id: int
+
+
+@attrs.frozen(kw_only=True)
+class LookupRefused(Event):
+    """A whole lookup was refused because the peer is over a quota.
+
+    It is answered at once, every key MISS; the parent is not asked and nothing
+    is pinned. Its round counts as looked up, so a fetch for it fails fast.
+
+    Attributes:
+        round_seq: The round it belongs to.
+        keys: Its keys in wire order, duplicates included (the answer's keys).
+        quota: Which quota the peer is over.
+        reason: The specifics, with the numbers, for the log.
+    """
+
+    round_seq: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    quota: Quota
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class LookupLimited(Event):
+    """A lookup had more keys than the peer's quota allows: only a prefix is looked up.
+
+    Like :class:`LookupReceived`, but only the first ``admitted`` keys (in wire
+    order) go to the parent; the others are answered MISS and never pinned.
+    The one answer still lists every key.
+
+    Attributes:
+        lookup_id: Our number for this lookup, unique within the actor.
+        round_seq: The round it belongs to.
+        keys: All its keys in wire order, duplicates included.
+        admitted: How many keys, from the first, are looked up.
+        deadline: When admitted keys still pending are answered MISS.
+        reason: The specifics, with the numbers, for the log.
+    """
+
+    lookup_id: int
+    round_seq: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    admitted: int
+    deadline: float
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class KeysRefused(Event):
+    """Hits of a lookup were not pinned because the peer is over a quota.
+
+    The keys are answered MISS (the :class:`KeysResolved` that follows lists
+    them as misses).
+
+    Attributes:
+        lookup_id: Which lookup.
+        keys: The hits refused.
+        quota: Which quota the peer is over.
+        reason: The specifics, with the numbers, for the log.
+    """
+
+    lookup_id: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    quota: Quota
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class FetchRefused(Event):
+    """A fetch was refused because the peer is over a quota; its round fails.
+
+    Follows the fetch's :class:`FetchReceived`. The round then ends with a
+    failed ``transfer_done`` and every pin of the round is released; nothing
+    is written.
+
+    Attributes:
+        round_seq: The round.
+        quota: Which quota the peer is over.
+        reason: The specifics, with the numbers, for the log.
+    """
+
+    round_seq: int
+    quota: Quota
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class StoreAdded(Event):
+    """The engine stored blocks for a prefill/decode request (already pinned).
+
+    Attributes:
+        job_id: The engine's store job; releasing it unpins the blocks.
+        keys: The stored keys.
+        blocks: Our block index for each key.
+        expires_at: When the pin is released if no fetch uses it.
+    """
+
+    job_id: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    blocks: Ints = attrs.field(converter=int_tuple)
+    expires_at: float
+
+
+@attrs.frozen(kw_only=True)
+class FetchReceived(Event):
+    """The peer asked us to write ``keys`` into its ``block_indexes``.
+
+    Attributes:
+        round_seq: The round it closes.
+        keys: What to send.
+        block_indexes: Where to, in the peer's pool, parallel to ``keys``.
+    """
+
+    round_seq: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    block_indexes: Ints = attrs.field(converter=int_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class TransferStarted(Event):
+    """One WRITE of matched blocks into the peer's pool was started.
+
+    Attributes:
+        transfer_id: Our number for it, unique within the actor.
+        round_seq: The round it serves.
+        keys: The keys written.
+        local_blocks: Our source blocks, parallel to ``keys``.
+        remote_blocks: The peer's destination blocks, parallel to ``keys``.
+        job_ids: The pin job holding each source block, parallel to ``keys``.
+    """
+
+    transfer_id: int
+    round_seq: int
+    keys: Keys = attrs.field(converter=bytes_tuple)
+    local_blocks: Ints = attrs.field(converter=int_tuple)
+    remote_blocks: Ints = attrs.field(converter=int_tuple)
+    job_ids: Ints = attrs.field(converter=int_tuple)
+
+
+@attrs.frozen(kw_only=True)
+class TransferCompleted(Event):
+    """A WRITE finished; every byte is in the peer's blocks.
+
+    Attributes:
+        transfer_id: Which transfer.
+    """
+
+    transfer_id: int
+
+
+@attrs.frozen(kw_only=True)
+class TransferFailed(Event):
+    """A WRITE failed, and no part of it is still running.
+
+    Attributes:
+        transfer_id: Which transfer.
+        reason: Why.
+    """
+
+    transfer_id: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class TransferDoneSent(Event):
+    """A round ended and the peer was told how.
+
+    Attributes:
+        round_seq: The round.
+        success: Whether every demanded block was written.
+        reason: Why it failed, or "" on success.
+    """
+
+    round_seq: int
+    success: bool
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class AbortReceived(Event):
+    """The peer asked us to abort a round.
+
+    Attributes:
+        round_seq: The round.
+    """
+
+    round_seq: int
+
+
+@attrs.frozen(kw_only=True)
+class AbortAckSent(Event):
+    """We confirmed an abort: no write into the peer for that round can run.
+
+    Attributes:
+        round_seq: The round.
+    """
+
+    round_seq: int
+
+
+@attrs.frozen(kw_only=True)
+class RoundClosed(Event):
+    """A round ended with nothing to tell the peer.
+
+    Attributes:
+        round_seq: The round.
+        reason: Why.
+    """
+
+    round_seq: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class PinReleased(Event):
+    """A pin job was released; its blocks may be evicted again.
+
+    Attributes:
+        job_id: The parent's job.
+        success: Whether its blocks served what they were pinned for.
+        reason: Why it was released.
+    """
+
+    job_id: int
+    success: bool
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class CloseRequested(Event):
+    """The peer closed the whole request (the terminal empty fetch).
+
+    Attributes:
+        round_seq: The round stamped on the empty fetch.
+        reason: Why, in words.
+    """
+
+    round_seq: int
+    reason: str
+
+
+@attrs.frozen(kw_only=True)
+class Closed(Event):
+    """The producer request holds nothing any more. Terminal.
+
+    Attributes:
+        reason: A summary for people.
+    """
+
+    reason: str
