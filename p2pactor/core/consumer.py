@@ -13,7 +13,8 @@ Life of a consumer (PROTOCOL.md "Lookup", "Fetch, rounds and completion"):
   still open is closed with the terminal empty fetch.
 
 The phase only moves forward: REGISTERED -> PROBING -> FETCH_SENT -> DONE, FAILED
-or ABORTED. Everything here is pure: time is the ``now`` argument.
+or ABORTED (the rule: :mod:`~p2pactor.core.consumer_state`, with the state and
+its fold, re-exported here). Everything here is pure: time is the ``now`` argument.
 """
 
 from __future__ import annotations
@@ -21,15 +22,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final, assert_never
 
-import attrs
-
 from p2pactor import protocol as wire
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.builder import Builder
-from p2pactor.core.events import ConsumerPhase, check_follows
-from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.records import replace
+from p2pactor.core.consumer_state import ConsumerState, Load, evolve_consumer
+from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
 __all__ = [
@@ -57,218 +55,6 @@ ConsumerInput = (
     | wire.AbortAck
 )
 """Everything a consumer actor reacts to."""
-
-# Phases in the order they may be entered; evolve never moves backwards.
-_ORDER: Final = {phase: rank for rank, phase in enumerate(ConsumerPhase)}
-# The running outcome only gets worse: DONE < FAILED < ABORTED.
-_SEVERITY: Final = {ConsumerPhase.DONE: 0, ConsumerPhase.FAILED: 1, ConsumerPhase.ABORTED: 2}
-
-
-@attrs.frozen(kw_only=True)
-class Load:
-    """One fetch in flight.
-
-    Attributes:
-        job_id: The engine's load job.
-        deadline: When it is aborted if the peer has not answered.
-        ack_deadline: Set once an abort went out: when the load fails anyway.
-    """
-
-    job_id: int
-    deadline: float
-    ack_deadline: float | None = None
-
-    @property
-    def aborting(self) -> bool:
-        """Whether an abort for this load went out."""
-        return self.ack_deadline is not None
-
-
-@attrs.frozen(kw_only=True)
-class ConsumerState:
-    """Everything a consumer actor knows, rebuilt exactly by replaying its events.
-
-    Attributes:
-        actor: Who this is.
-        seq: The sequence number of the last event applied.
-        phase: Where the request is; only moves forward.
-        round_seq: The round the next lookup or fetch belongs to.
-        probes: Cached answers: True (HIT), False (MISS), None (asked or about
-            to be asked, unanswered).
-        unsent: Registered keys not yet on the wire, in registration order.
-        lookup_open: A lookup went out and no fetch has closed it since.
-        lookup_deadline: When the request fails if no probe resolves before.
-        lookup_failed: The lookup timed out; every key answers MISS from now.
-        loads: Loads in flight by round.
-        finishing: The engine finished the request; waiting for loads to end.
-        session_lost: The session ended; nothing can be sent.
-        outcome: The worst outcome so far (DONE, FAILED or ABORTED).
-        problem: What made the outcome worse, first time it got worse.
-    """
-
-    actor: ActorId
-    seq: int = 0
-    phase: ConsumerPhase = ConsumerPhase.REGISTERED
-    round_seq: int = 0
-    probes: Mapping[bytes, bool | None] = attrs.field(factory=dict)
-    unsent: tuple[bytes, ...] = ()
-    lookup_open: bool = False
-    lookup_deadline: float | None = None
-    lookup_failed: bool = False
-    loads: Mapping[int, Load] = attrs.field(factory=dict)
-    finishing: bool = False
-    session_lost: bool = False
-    outcome: ConsumerPhase = ConsumerPhase.DONE
-    problem: str = ""
-
-    @classmethod
-    def new(cls, actor: ActorId) -> ConsumerState:
-        """The state of a consumer before its first event."""
-        if actor.role is not Role.CONSUMER:
-            raise ValueError(f"{actor} is not a consumer")
-        return cls(actor=actor)
-
-    def waiting_keys(self) -> tuple[bytes, ...]:
-        """Keys asked on the wire and not answered yet."""
-        unsent = set(self.unsent)
-        return tuple(k for k, v in self.probes.items() if v is None and k not in unsent)
-
-
-def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> tuple[ConsumerPhase, str]:
-    """``(outcome, problem)`` after an outcome of ``outcome``: it only gets worse."""
-    if _SEVERITY[outcome] <= _SEVERITY[state.outcome]:
-        return state.outcome, state.problem
-    return outcome, problem
-
-
-def _advance(state: ConsumerState, phase: ConsumerPhase) -> ConsumerPhase:
-    return phase if _ORDER[phase] > _ORDER[state.phase] else state.phase
-
-
-def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
-    rest = dict(loads)
-    del rest[round_seq]
-    return rest
-
-
-def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerState:
-    """Apply one event to a consumer state; pure. One copy of the state per event.
-
-    Raises:
-        ReplayError: The event belongs to another actor or does not follow the
-            last one applied.
-    """
-    check_follows(state.actor, state.seq, event)
-    s = state
-    seq = event.seq
-    match event:
-        case ev.Opened():
-            return replace(s, seq=seq, round_seq=event.round_seq)
-        case ev.Registered():
-            probes = dict(s.probes)
-            probes.update(dict.fromkeys(event.keys))
-            return replace(s, seq=seq, probes=probes, unsent=s.unsent + event.keys)
-        case ev.Probed():
-            return replace(
-                s,
-                seq=seq,
-                phase=_advance(s, ConsumerPhase.PROBING),
-                unsent=(),
-                lookup_open=True,
-                lookup_deadline=event.lookup_deadline,
-            )
-        case ev.LookupResp():
-            probes = dict(s.probes)
-            probes.update(zip(event.keys, event.hits, strict=True))
-            return replace(s, seq=seq, probes=probes, lookup_deadline=event.lookup_deadline)
-        case ev.FinishRequested():
-            return replace(s, seq=seq, finishing=True, probes={}, unsent=(), lookup_deadline=None)
-        case ev.LookupCancelled():
-            return replace(
-                s, seq=seq, phase=_advance(s, ConsumerPhase.FETCH_SENT), lookup_open=False
-            )
-        case ev.Finished():
-            return replace(
-                s,
-                seq=seq,
-                phase=event.phase,
-                outcome=event.phase,
-                probes={},
-                unsent=(),
-                lookup_open=False,
-                lookup_deadline=None,
-            )
-        case ev.FetchSent():
-            loads = dict(s.loads)
-            loads[event.round_seq] = Load(job_id=event.job_id, deadline=event.load_deadline)
-            return replace(
-                s,
-                seq=seq,
-                phase=_advance(s, ConsumerPhase.FETCH_SENT),
-                round_seq=event.next_round,
-                probes={},
-                unsent=(),
-                lookup_open=False,
-                lookup_deadline=None,
-                loads=loads,
-            )
-        case ev.TransferDone():
-            loads = _without(s.loads, event.round_seq)
-            if event.success:
-                return replace(s, seq=seq, loads=loads)
-            outcome, problem = _worse(
-                s, ConsumerPhase.FAILED, f"round {event.round_seq}: the transfer failed"
-            )
-            return replace(s, seq=seq, loads=loads, outcome=outcome, problem=problem)
-        case ev.Ignored() | ev.Rejected():
-            return replace(s, seq=seq)
-        case ev.LookupTimedOut():
-            outcome, problem = _worse(
-                s, ConsumerPhase.FAILED, "the peer answered no lookup key in time"
-            )
-            return replace(
-                s,
-                seq=seq,
-                probes={},
-                unsent=(),
-                lookup_deadline=None,
-                lookup_failed=True,
-                outcome=outcome,
-                problem=problem,
-            )
-        case ev.FetchSkipped():
-            if event.success:
-                return replace(s, seq=seq)
-            outcome, problem = _worse(s, ConsumerPhase.FAILED, event.reason)
-            return replace(s, seq=seq, outcome=outcome, problem=problem)
-        case ev.AbortSent():
-            loads = dict(s.loads)
-            loads[event.round_seq] = replace(
-                loads[event.round_seq], ack_deadline=event.ack_deadline
-            )
-            outcome, problem = _worse(
-                s, ConsumerPhase.ABORTED, f"round {event.round_seq}: {event.reason}"
-            )
-            return replace(s, seq=seq, loads=loads, outcome=outcome, problem=problem)
-        case ev.AbortAcked():
-            return replace(s, seq=seq, loads=_without(s.loads, event.round_seq))
-        case ev.Aborted():
-            # An abort that went out already made the outcome ABORTED; a load
-            # lost with its session failed without one.
-            outcome, problem = _worse(
-                s, ConsumerPhase.FAILED, f"round {event.round_seq}: {event.reason}"
-            )
-            return replace(
-                s,
-                seq=seq,
-                loads=_without(s.loads, event.round_seq),
-                outcome=outcome,
-                problem=problem,
-            )
-        case ev.SessionLost():
-            return replace(s, seq=seq, session_lost=True, lookup_deadline=None)
-        case _:
-            assert_never(event)
 
 
 def _builder(state: ConsumerState, now: float) -> Builder[ConsumerState, ev.ConsumerEvent]:

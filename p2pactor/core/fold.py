@@ -1,12 +1,14 @@
-"""Role-agnostic entry points: initial states, evolve, replay."""
+"""Role-agnostic entry points: initial states, evolve, replay, the phase rule."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Final, get_args
 
 from p2pactor.core import events as ev
 from p2pactor.core.consumer import ConsumerState, evolve_consumer, next_consumer_deadline
+from p2pactor.core.consumer_state import consumer_phase_after
+from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import (
     ProducerPhase,
@@ -16,10 +18,31 @@ from p2pactor.core.producer import (
 )
 from p2pactor.errors import ReplayError
 
-__all__ = ["ActorState", "evolve", "fold", "initial_state", "is_terminal", "next_deadline"]
+__all__ = [
+    "PRODUCER_PHASE_AT",
+    "ActorState",
+    "Phase",
+    "evolve",
+    "fold",
+    "initial_phase",
+    "initial_state",
+    "is_terminal",
+    "next_deadline",
+    "phase_after",
+]
 
 ActorState = ConsumerState | ProducerState
 """The state of an actor of either role."""
+
+Phase = ConsumerPhase | ProducerPhase
+"""A phase of either role."""
+
+PRODUCER_PHASE_AT: Final[Mapping[type[ev.Event], ProducerPhase]] = {
+    ev.SessionLost: ProducerPhase.CLOSING,
+    ev.CloseRequested: ProducerPhase.CLOSING,
+    ev.Closed: ProducerPhase.CLOSED,
+}
+"""The phase each event moves a producer to; any other event leaves it as it is."""
 
 _CONSUMER_KINDS: Final = frozenset(get_args(ev.ConsumerEvent))
 _PRODUCER_KINDS: Final = frozenset(get_args(ev.ProducerEvent))
@@ -69,6 +92,25 @@ def fold(events: Iterable[ev.AnyEvent], state: ActorState | None = None) -> Acto
     if state is None:
         raise ReplayError("nothing to replay: no events and no starting state")
     return state
+
+
+def initial_phase(actor: ActorId) -> Phase:
+    """The phase of ``actor`` before its first event."""
+    return ConsumerPhase.REGISTERED if actor.role is Role.CONSUMER else ProducerPhase.OPEN
+
+
+def phase_after(phase: Phase, event: ev.AnyEvent) -> Phase:
+    """The phase an actor is in after ``event``, given its phase before it; pure.
+
+    The phase part of ``evolve``, alone, from the role's table
+    (:data:`~p2pactor.core.consumer_state.CONSUMER_PHASE_AT`,
+    :data:`PRODUCER_PHASE_AT`). The feed needs each event's phase while a
+    watcher sees only the state after a whole step, and replay serving needs
+    it without rebuilding states.
+    """
+    if isinstance(phase, ConsumerPhase):
+        return consumer_phase_after(phase, event)
+    return PRODUCER_PHASE_AT.get(type(event), phase)
 
 
 def is_terminal(state: ActorState) -> bool:

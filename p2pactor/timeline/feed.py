@@ -12,8 +12,9 @@ there is room. A subscriber that stays behind for longer than
 1013) by :meth:`Feed.evict_laggards`, which the server calls periodically.
 
 The message schema is ``docs/timeline.md``; :func:`event_message` builds an
-event object and :func:`phase_after` says what phase each event leaves its actor
-in. Nothing here touches a socket.
+event object and :func:`~p2pactor.core.fold.phase_after` (the core's phase rule,
+re-exported here) says what phase each event leaves its actor in. Nothing here
+touches a socket.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from p2pactor.core import checks
 from p2pactor.core import events as ev
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.events import ConsumerPhase
-from p2pactor.core.fold import ActorState, is_terminal
-from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import ProducerPhase, ProducerState
+from p2pactor.core.fold import ActorState, Phase, initial_phase, is_terminal, phase_after
+from p2pactor.core.ids import ActorId
+from p2pactor.core.producer import ProducerState
 from p2pactor.errors import P2PActorError
 from p2pactor.replay import describe
 
@@ -62,13 +63,9 @@ __all__ = [
 FEED_VERSION: Final = 1
 """The ``version`` in every ``hello``: the schema of ``docs/timeline.md``."""
 
-Phase = ConsumerPhase | ProducerPhase
-"""A phase of either role."""
-
 _ENCODER: Final = msgspec.json.Encoder()
 # A lookup over a quota is still a lookup received (as replay's summary counts it).
 _LOOKUPS_RECEIVED: Final = frozenset({"LookupReceived", "LookupLimited", "LookupRefused"})
-_CONSUMER_RANK: Final = {phase: rank for rank, phase in enumerate(ConsumerPhase)}
 # Fields every event has; they are the event object's own keys, not its data.
 _HEAD_FIELDS: Final = frozenset({"actor", "seq", "at"})
 _DATA_FIELDS: Final[dict[type[ev.Event], tuple[str, ...]]] = {
@@ -123,40 +120,6 @@ class FeedLimits:
 
 
 # --- the event object ---------------------------------------------------------------
-
-
-def initial_phase(actor: ActorId) -> Phase:
-    """The phase of ``actor`` before its first event."""
-    return ConsumerPhase.REGISTERED if actor.role is Role.CONSUMER else ProducerPhase.OPEN
-
-
-def phase_after(phase: Phase, event: ev.AnyEvent) -> Phase:
-    """The phase an actor is in after ``event``, given its phase before it.
-
-    The phase part of ``evolve``, alone: a consumer's phase moves forward at
-    ``Probed``, ``FetchSent``/``LookupCancelled`` and ``Finished``; a
-    producer's at ``SessionLost``/``CloseRequested`` and ``Closed``. The feed
-    needs each event's phase while a watcher sees only the state after a whole
-    step, and replay serving needs it without rebuilding states.
-    """
-    if isinstance(phase, ConsumerPhase):
-        match event:
-            case ev.Probed():
-                target = ConsumerPhase.PROBING
-            case ev.FetchSent() | ev.LookupCancelled():
-                target = ConsumerPhase.FETCH_SENT
-            case ev.Finished():
-                return event.phase
-            case _:
-                return phase
-        return target if _CONSUMER_RANK[target] > _CONSUMER_RANK[phase] else phase
-    match event:
-        case ev.SessionLost() | ev.CloseRequested():
-            return ProducerPhase.CLOSING
-        case ev.Closed():
-            return ProducerPhase.CLOSED
-        case _:
-            return phase
 
 
 def _data_value(name: str, value: Any) -> Any:

@@ -30,7 +30,7 @@ from trio_websocket import CloseReason, ConnectionClosed, WebSocketConnection, w
 
 from p2pactor.config import NodeConfig
 from p2pactor.core import events as ev
-from p2pactor.core.fold import ActorState
+from p2pactor.core.fold import ActorState, Phase, initial_phase, phase_after
 from p2pactor.core.ids import ActorId
 from p2pactor.logread import LogReader, read_log
 from p2pactor.replay import open_logs
@@ -43,13 +43,10 @@ from p2pactor.timeline.feed import (
     FeedFull,
     FeedLimits,
     FeedStats,
-    Phase,
     Subscriber,
     encode,
     event_message,
-    initial_phase,
     peers_message,
-    phase_after,
 )
 from p2pactor.timeline.http import (
     HttpRequest,
