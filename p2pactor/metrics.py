@@ -12,13 +12,12 @@ Two halves, for two costs:
 * **counters and histograms** follow the node's event stream
   (:meth:`p2pactor.view.NodeView.watch_events`) and its handshakes. The node steps ~10k events/s, so
   the watcher does one dict lookup per event and adds to plain integers kept
-  per peer; nothing is formatted, no label is resolved per event. Histograms
-  have no labels; each is a list of bucket counts (a bisect per observation:
-  prometheus-client's own ``Histogram.observe`` takes a lock and costs several
-  times more).
+  per peer (:mod:`p2pactor._metrics_counts`, which says why its histograms
+  are not prometheus-client's).
 * **gauges** (sessions, peers, actors, pinned blocks) and the event log's
   counters are read from the node only when someone scrapes (or calls
-  :meth:`NodeMetrics.totals`), by a custom collector: no cost per event.
+  :meth:`NodeMetrics.totals`), by a custom collector
+  (:mod:`p2pactor._metrics_scrape`): no cost per event.
 
 Labels are bounded: ``peer`` (a node id; at most ``max_peers`` live at once),
 and small fixed sets (``outcome``, ``reason``, ``quota``, ``role``, ``state``).
@@ -27,22 +26,23 @@ A kv_request_id is never a label.
 
 from __future__ import annotations
 
-from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
 
+from p2pactor._metrics_counts import (
+    LOOKUP_OUTCOMES,
+    SERVED_LOOKUP_OUTCOMES,
+    TRANSFER_FAILURE_REASONS,
+    _Histogram,
+    _Open,
+    _Peer,
+)
+from p2pactor._metrics_scrape import _gauges, _NodeCollector, _unauthenticated
 from p2pactor.core import events as ev
 from p2pactor.core.fold import ActorState
-from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.ids import ActorId
 
 if TYPE_CHECKING:
     from p2pactor.view import NodeView
@@ -59,12 +59,6 @@ __all__ = [
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 """The exposition format's content type (what ``GET /metrics`` answers with)."""
 
-LOOKUP_OUTCOMES: Final = ("hit", "miss", "timeout")
-"""How a key this node asked a peer about ended (``p2pactor_lookup_keys_total``)."""
-
-SERVED_LOOKUP_OUTCOMES: Final = ("hit", "miss", "pending_resolved", "pending_expired", "refused")
-"""How a key a peer asked this node about was answered (``p2pactor_served_lookup_keys_total``)."""
-
 HANDSHAKE_OUTCOMES: Final = (
     "ok",
     "seed_mismatch",
@@ -75,16 +69,6 @@ HANDSHAKE_OUTCOMES: Final = (
     "unauthenticated",
 )
 """How a session's handshake ended (``p2pactor_handshakes_total``)."""
-
-TRANSFER_FAILURE_REASONS: Final = (
-    "write_error",
-    "peer_failed",
-    "timeout",
-    "session_lost",
-)
-"""Why a transfer failed (``p2pactor_transfers_failed_total``): ``write_error`` for a
-write of ours (we serve), the others for a load of ours (we fetch): the peer
-reported failure, the load deadline passed (an abort went out), the session died."""
 
 _LATENCY_BUCKETS: Final = (
     0.0005,
@@ -104,127 +88,9 @@ _LATENCY_BUCKETS: Final = (
     30.0,
 )
 _KEY_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-_UNKNOWN_PEER: Final = "unknown"  # the transport refuses unauthenticated peers before naming them
 _OTHER_PEERS: Final = "other"
 """The ``peer`` of the counts of peers folded away (see :meth:`NodeMetrics._peer`)."""
 _MIN_REMEMBERED_PEERS: Final = 256
-
-
-class _Histogram:
-    """A histogram without labels: bucket counts, a sum; exported at scrape time."""
-
-    __slots__ = ("bounds", "counts", "doc", "name", "sum")
-
-    def __init__(self, name: str, doc: str, bounds: Sequence[float]) -> None:
-        self.name = name
-        self.doc = doc
-        self.bounds = tuple(float(b) for b in bounds)
-        self.counts = [0] * (len(self.bounds) + 1)  # the last: over every bound (+Inf only)
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        """Count one observation (in the first bucket whose bound is >= ``value``)."""
-        self.counts[bisect_left(self.bounds, value)] += 1
-        self.sum += value
-
-    def family(self) -> HistogramMetricFamily:
-        """The histogram as Prometheus has it: cumulative buckets up to ``+Inf``."""
-        buckets: list[tuple[str, float]] = []
-        seen = 0
-        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
-            seen += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), seen))
-        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self.sum)
-
-
-class _Peer:
-    """Cumulative counts for one peer. Plain ints: the trio thread alone adds to them."""
-
-    __slots__ = (
-        "blocks_received",
-        "blocks_written",
-        "failures",
-        "handshakes",
-        "keys",
-        "lookups",
-        "refusals",
-        "served",
-        "served_lookups",
-    )
-
-    def __init__(self) -> None:
-        self.lookups = 0
-        self.served_lookups = 0
-        self.keys = dict.fromkeys(LOOKUP_OUTCOMES, 0)
-        self.served = dict.fromkeys(SERVED_LOOKUP_OUTCOMES, 0)
-        self.blocks_received = 0
-        self.blocks_written = 0
-        self.failures = dict.fromkeys(TRANSFER_FAILURE_REASONS, 0)
-        self.refusals: dict[str, int] = {}
-        self.handshakes: dict[str, int] = {}
-
-    def absorb(self, other: _Peer) -> None:
-        """Add ``other``'s counts to these."""
-        self.lookups += other.lookups
-        self.served_lookups += other.served_lookups
-        self.blocks_received += other.blocks_received
-        self.blocks_written += other.blocks_written
-        for mine, theirs in (
-            (self.keys, other.keys),
-            (self.served, other.served),
-            (self.failures, other.failures),
-            (self.refusals, other.refusals),
-            (self.handshakes, other.handshakes),
-        ):
-            for name, n in theirs.items():
-                mine[name] = mine.get(name, 0) + n
-
-
-class _Keys:
-    """A producer lookup's keys that were ever pending, that expired, that were refused."""
-
-    __slots__ = ("expired", "pending", "refused")
-
-    def __init__(self) -> None:
-        self.pending: set[bytes] = set()
-        self.expired: set[bytes] = set()
-        self.refused: set[bytes] = set()
-
-
-class _Open:
-    """What the metrics remember of one actor until it ends.
-
-    Each table is made on first need: most actors need one or none.
-    """
-
-    __slots__ = ("fetches", "lookup_since", "lookups", "writes")
-
-    def __init__(self) -> None:
-        self.lookup_since: float | None = None  # consumer: when the open lookup went out
-        self.fetches: dict[int, tuple[float, int]] | None = None  # round -> (sent at, blocks)
-        self.writes: dict[int, int] | None = None  # producer: transfer -> blocks
-        self.lookups: dict[int, _Keys] | None = None  # producer: lookups with unusual keys
-
-    def keys_of(self, lookup_id: int) -> _Keys:
-        """The unusual keys of one producer lookup, made if needed."""
-        if self.lookups is None:
-            self.lookups = {}
-        found = self.lookups.get(lookup_id)
-        if found is None:
-            found = self.lookups[lookup_id] = _Keys()
-        return found
-
-    def pop_fetch(self, round_seq: int) -> tuple[float, int] | None:
-        """Forget a consumer round's fetch; what it was, or None if none is remembered."""
-        return None if self.fetches is None else self.fetches.pop(round_seq, None)
-
-    def pop_write(self, transfer_id: int) -> int:
-        """Forget a producer write; its blocks (0 if unknown)."""
-        return 0 if self.writes is None else self.writes.pop(transfer_id, 0)
-
-    def pop_lookup(self, lookup_id: int) -> _Keys | None:
-        """Forget a producer lookup's unusual keys; them, or None if there were none."""
-        return None if self.lookups is None else self.lookups.pop(lookup_id, None)
 
 
 class NodeMetrics:
@@ -257,7 +123,11 @@ class NodeMetrics:
         self._lookup_keys = _Histogram(
             "p2pactor_keys_per_lookup", "Keys per lookup this node sent.", _KEY_BUCKETS
         )
-        self.registry.register(_NodeCollector(self))
+        self.registry.register(
+            _NodeCollector(
+                node, self._peers, (self._lookup_seconds, self._fetch_seconds, self._lookup_keys)
+            )
+        )
         self._handlers: dict[type[ev.Event], Callable[[Any], None]] = {
             ev.Probed: self._probed,
             ev.LookupResp: self._lookup_resp,
@@ -341,10 +211,10 @@ class NodeMetrics:
             out["quota_refusals"] += sum(p.refusals.values())
             for outcome, n in p.handshakes.items():
                 out["handshakes_ok" if outcome == "ok" else "handshakes_failed"] += n
-        out["handshakes_failed"] += self._unauthenticated()
+        out["handshakes_failed"] += _unauthenticated(self._node)
         out["bytes_received"] = out["blocks_received"] * self._block_len
         out["bytes_written"] = out["blocks_written"] * self._block_len
-        gauges = self._gauges()
+        gauges = _gauges(self._node)
         out["sessions_alive"] = float(sum(gauges.sessions.values()))
         out["peers_ready"] = float(gauges.peers_ready)
         out["actors"] = float(sum(gauges.actors.values()))
@@ -540,185 +410,3 @@ class NodeMetrics:
         if track is not None:
             track.pop_write(event.transfer_id)
         self._peer(event.actor.peer).failures["write_error"] += 1
-
-    # --- read at scrape time ---------------------------------------------------------
-
-    def _unauthenticated(self) -> int:
-        """CURVE clients the control transport refused (0 when it does not say)."""
-        statistics = getattr(self._node.control, "statistics", None)
-        if not callable(statistics):
-            return 0
-        return int(getattr(statistics(), "auth_refused", 0) or 0)
-
-    def _gauges(self) -> _Gauges:
-        node = self._node
-        sessions: dict[str, int] = {}
-        actors = dict.fromkeys((Role.CONSUMER.value, Role.PRODUCER.value), 0)
-        ready = 0
-        for session in node.sessions():
-            state = session.state.value
-            sessions[state] = sessions.get(state, 0) + 1
-            ready += session.ready and session.alive
-            for actor in session.live_actors():
-                actors[actor.id.role.value] += 1
-        pinned = {peer: u.pinned_blocks for peer, u in node.quota_usage().items()}
-        return _Gauges(sessions, ready, actors, pinned)
-
-
-class _Gauges:
-    __slots__ = ("actors", "peers_ready", "pinned", "sessions")
-
-    def __init__(
-        self,
-        sessions: dict[str, int],
-        peers_ready: int,
-        actors: dict[str, int],
-        pinned: dict[str, int],
-    ) -> None:
-        self.sessions = sessions
-        self.peers_ready = peers_ready
-        self.actors = actors
-        self.pinned = pinned
-
-
-class _NodeCollector(Collector):
-    """Turns :class:`NodeMetrics`' counts and the node's state into metric families."""
-
-    def __init__(self, metrics: NodeMetrics) -> None:
-        self._m = metrics
-
-    def collect(self) -> Iterable[Metric]:
-        """The counters, the gauges and the event log's figures, now."""
-        m = self._m
-        peers = list(m._peers.items())
-        yield from _counters(peers, m._block_len, m._unauthenticated())
-        for histogram in (m._lookup_seconds, m._fetch_seconds, m._lookup_keys):
-            yield histogram.family()
-        gauges = m._gauges()
-        family = GaugeMetricFamily(
-            "p2pactor_sessions", "Sessions with peers, by state.", labels=["state"]
-        )
-        for state in ("connecting", "ready", "closing"):
-            family.add_metric([state], gauges.sessions.get(state, 0))
-        yield family
-        yield GaugeMetricFamily(
-            "p2pactor_peers", "Peers whose session is ready.", value=gauges.peers_ready
-        )
-        family = GaugeMetricFamily(
-            "p2pactor_actors", "Live request actors, by role.", labels=["role"]
-        )
-        for role, n in gauges.actors.items():
-            family.add_metric([role], n)
-        yield family
-        family = GaugeMetricFamily(
-            "p2pactor_pinned_blocks",
-            "Blocks pinned for a peer's lookups and not yet released (pins outstanding).",
-            labels=["peer"],
-        )
-        for peer, n in gauges.pinned.items():
-            family.add_metric([peer], n)
-        yield family
-        yield from _log_families(m._node)
-
-
-def _counters(
-    peers: list[tuple[str, _Peer]], block_len: int, unauthenticated: int
-) -> Iterator[Metric]:
-    def family(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
-        return CounterMetricFamily(name, doc, labels=labels)
-
-    lookups = family("p2pactor_lookups", "Lookups this node sent to a peer.", ["peer"])
-    keys = family(
-        "p2pactor_lookup_keys",
-        "Keys this node asked a peer about, by answer (hit, miss, timeout).",
-        ["peer", "outcome"],
-    )
-    served_lookups = family(
-        "p2pactor_served_lookups", "Lookups a peer sent to this node.", ["peer"]
-    )
-    served = family(
-        "p2pactor_served_lookup_keys",
-        "Keys a peer asked this node about, by answer "
-        "(hit, miss, pending_resolved, pending_expired, refused).",
-        ["peer", "outcome"],
-    )
-    blocks_received = family(
-        "p2pactor_blocks_received", "Blocks loaded from a peer by fetches that succeeded.", ["peer"]
-    )
-    bytes_received = family(
-        "p2pactor_received_bytes", "Bytes loaded from a peer by fetches that succeeded.", ["peer"]
-    )
-    blocks_written = family(
-        "p2pactor_blocks_written", "Blocks this node wrote into a peer's memory.", ["peer"]
-    )
-    bytes_written = family(
-        "p2pactor_written_bytes", "Bytes this node wrote into a peer's memory.", ["peer"]
-    )
-    failed = family(
-        "p2pactor_transfers_failed", "Transfers that failed, by reason.", ["peer", "reason"]
-    )
-    refusals = family(
-        "p2pactor_quota_refusals", "Requests of a peer refused over a quota.", ["peer", "quota"]
-    )
-    handshakes = family(
-        "p2pactor_handshakes", "Session handshakes, by outcome.", ["peer", "outcome"]
-    )
-    for peer, p in peers:
-        lookups.add_metric([peer], p.lookups)
-        for outcome, n in p.keys.items():
-            keys.add_metric([peer, outcome], n)
-        served_lookups.add_metric([peer], p.served_lookups)
-        for outcome, n in p.served.items():
-            served.add_metric([peer, outcome], n)
-        blocks_received.add_metric([peer], p.blocks_received)
-        bytes_received.add_metric([peer], p.blocks_received * block_len)
-        blocks_written.add_metric([peer], p.blocks_written)
-        bytes_written.add_metric([peer], p.blocks_written * block_len)
-        for reason, n in p.failures.items():
-            failed.add_metric([peer, reason], n)
-        for quota, n in list(p.refusals.items()):
-            refusals.add_metric([peer, quota], n)
-        for outcome, n in list(p.handshakes.items()):
-            handshakes.add_metric([peer, outcome], n)
-    if unauthenticated:
-        handshakes.add_metric([_UNKNOWN_PEER, "unauthenticated"], unauthenticated)
-    yield from (
-        lookups,
-        keys,
-        served_lookups,
-        served,
-        blocks_received,
-        bytes_received,
-        blocks_written,
-        bytes_written,
-        failed,
-        refusals,
-        handshakes,
-    )
-
-
-def _log_families(node: NodeView) -> Iterator[Metric]:
-    stats = node.event_log.statistics()
-    yield CounterMetricFamily(
-        "p2pactor_event_log_appends", "Batches appended to the event log.", value=stats.appends
-    )
-    yield CounterMetricFamily(
-        "p2pactor_event_log_events",
-        "Events appended to the event log.",
-        value=stats.events_appended,
-    )
-    yield CounterMetricFamily(
-        "p2pactor_event_log_append_seconds",
-        "Time spent in the event log's append (encoding, buffering, writes it made).",
-        value=stats.append_seconds,
-    )
-    yield CounterMetricFamily(
-        "p2pactor_event_log_appended_bytes",
-        "Bytes of event records appended (encoded; 0 for a log kept in memory only).",
-        value=stats.bytes_appended,
-    )
-    yield CounterMetricFamily(
-        "p2pactor_event_log_written_bytes",
-        "Bytes of the event log handed to the operating system.",
-        value=stats.bytes_written,
-    )
