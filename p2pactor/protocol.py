@@ -18,18 +18,44 @@ This module is pure: no I/O, no clock, no concurrency.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable, Mapping, Sized
-from typing import Any, ClassVar, Final, NoReturn, TypeAlias
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ClassVar, Final, TypeAlias
 
 import attrs
 import msgspec
 
 from p2pactor.errors import (
-    ConfigError,
     FrameTooLarge,
     InvalidField,
     MalformedFrame,
     UnknownMessageType,
+)
+from p2pactor.protocol_codec import (
+    _MISSING,
+    _clip,
+    _gen_decoder,
+    _gen_to_wire,
+    _kind,
+    _w,
+    _Wire,
+)
+from p2pactor.protocol_limits import (
+    DEFAULT_LIMITS,
+    DEFAULT_MAX_FRAME_BYTES,
+    MAX_ADDRESS,
+    MAX_AGENT_METADATA_BYTES,
+    MAX_BLOCK_INDEX,
+    MAX_BLOCK_LEN,
+    MAX_DEADLINE_MS,
+    MAX_EXTENSION_VERSION,
+    MAX_FEATURE_CHARS,
+    MAX_FEATURES,
+    MAX_KEY_BYTES,
+    MAX_LIST_ITEMS,
+    MAX_NUM_BLOCKS,
+    MAX_ROUND_SEQ,
+    MAX_STRING_CHARS,
+    Limits,
 )
 
 __all__ = [
@@ -66,155 +92,8 @@ __all__ = [
     "encode",
 ]
 
-# ---------------------------------------------------------------------------
-# Bounds
-# ---------------------------------------------------------------------------
-
-MAX_LIST_ITEMS: Final = 65_536
-"""Most items in one list field (``keys``, ``hits``, ``block_indexes``)."""
-
-MAX_KEY_BYTES: Final = 4_096
-"""Longest offload key, in bytes (a vLLM key is a hash plus 4 bytes)."""
-
-MAX_STRING_CHARS: Final = 4_096
-"""Longest string field (peer ids, request ids, fingerprints, hash seeds)."""
-
-MAX_AGENT_METADATA_BYTES: Final = 64 * 1024 * 1024
-"""Largest NIXL agent metadata blob a ``connect`` may carry."""
-
-MAX_BLOCK_INDEX: Final = 2**31 - 1
-"""Largest block index a ``fetch`` may name."""
-
-MAX_DEADLINE_MS: Final = 3_600_000
-"""Largest lookup budget a ``lookup`` extension may ask for (one hour)."""
-
-MAX_ROUND_SEQ: Final = 2**63 - 1
-"""Largest round number; fits a signed 64-bit counter on any peer."""
-
-MAX_NUM_BLOCKS: Final = 2**31 - 1
-"""Most blocks a peer may advertise in its ``connect``."""
-
-MAX_BLOCK_LEN: Final = 2**31 - 1
-"""Largest block a peer may advertise in its ``connect``, in bytes."""
-
-MAX_ADDRESS: Final = 2**64 - 1
-"""Highest address: a peer's block region must end within 64 bits."""
-
-MAX_FEATURES: Final = 64
-"""Most feature names in the ``p2pactor`` extension of a ``connect``."""
-
-MAX_FEATURE_CHARS: Final = 64
-"""Longest feature name in the ``p2pactor`` extension of a ``connect``."""
-
-MAX_EXTENSION_VERSION: Final = 2**31 - 1
-"""Largest version number in the ``p2pactor`` extension of a ``connect``."""
-
-DEFAULT_MAX_FRAME_BYTES: Final = MAX_AGENT_METADATA_BYTES + 1024 * 1024
-"""Largest frame :func:`decode` reads by default: the metadata bound plus room
-for the other ``connect`` fields and for a full 65,536-key lookup."""
-
 EXTENSION_KEY: Final = "p2pactor"
 """The ``connect`` key under which p2pactor peers advertise their extensions."""
-
-
-@attrs.frozen(kw_only=True)
-class Limits:
-    """The bounds :func:`decode` enforces, so a node can tune them.
-
-    Every bound is inclusive. Raising ``max_agent_metadata_bytes`` or the list
-    and key bounds usually means raising ``max_frame_bytes`` too, since the
-    frame bound is checked first.
-
-    Attributes:
-        max_frame_bytes: Largest frame read at all; larger ones are rejected
-            before any decoding.
-        max_list_items: Most items in one list field.
-        max_key_bytes: Longest offload key.
-        max_string_chars: Longest string field, in characters.
-        max_agent_metadata_bytes: Largest ``agent_metadata`` blob.
-        max_block_index: Largest block index in a ``fetch``.
-        max_round_seq: Largest ``round_seq``.
-        max_deadline_ms: Largest ``deadline_ms`` on a ``lookup``.
-        max_num_blocks: Largest ``num_blocks`` in a ``connect``.
-        max_block_len: Largest ``block_len`` in a ``connect``.
-        max_features: Most feature names in a ``connect`` extension.
-        max_feature_chars: Longest feature name in a ``connect`` extension.
-
-    Raises:
-        ConfigError: A bound is not an int, or is negative (zero, for the
-            frame, ``num_blocks`` and ``block_len`` bounds).
-    """
-
-    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
-    max_list_items: int = MAX_LIST_ITEMS
-    max_key_bytes: int = MAX_KEY_BYTES
-    max_string_chars: int = MAX_STRING_CHARS
-    max_agent_metadata_bytes: int = MAX_AGENT_METADATA_BYTES
-    max_block_index: int = MAX_BLOCK_INDEX
-    max_round_seq: int = MAX_ROUND_SEQ
-    max_deadline_ms: int = MAX_DEADLINE_MS
-    max_num_blocks: int = MAX_NUM_BLOCKS
-    max_block_len: int = MAX_BLOCK_LEN
-    max_features: int = MAX_FEATURES
-    max_feature_chars: int = MAX_FEATURE_CHARS
-
-    def __attrs_post_init__(self) -> None:
-        # A zero bound on these would reject every valid connect or frame,
-        # which is a misconfiguration, not a policy.
-        positive = {"max_frame_bytes", "max_num_blocks", "max_block_len"}
-        for field in attrs.fields(Limits):
-            value = getattr(self, field.name)
-            if type(value) is not int:
-                raise ConfigError(
-                    f"Limits.{field.name} is {type(value).__name__}; set it to an int"
-                )
-            least = 1 if field.name in positive else 0
-            if value < least:
-                raise ConfigError(f"Limits.{field.name} is {value}; set it to {least} or more")
-
-
-DEFAULT_LIMITS: Final = Limits()
-"""The bounds :func:`decode` uses unless told otherwise."""
-
-# ---------------------------------------------------------------------------
-# Wire descriptions
-# ---------------------------------------------------------------------------
-
-# Each message field says once, in its ``attrs.field`` metadata, how it looks
-# on the wire; encode and the strict decoder are derived from that at import.
-# Field order is wire order and check order.
-
-_SPEC: Final = "p2pactor.wire"
-
-_Bound: TypeAlias = int | str
-"""A bound: an int constant, or the name of the :class:`Limits` attribute."""
-
-
-@attrs.frozen(kw_only=True)
-class _Field:
-    # kind: "str", "bytes", "int", "bool", "list" (of ``item``), or "map" (a
-    # ``nested`` attrs class decoded with a dotted label prefix).
-    kind: str
-    most: _Bound | None = None
-    least: int = 0
-    item: type | None = None
-    item_least: int = 0
-    item_most: _Bound | None = None
-    parallel_to: str | None = None
-    key: str | None = None
-    # May be absent from the wire; it then decodes as the attrs default.
-    # Encoding leaves out a field whose value is None.
-    optional: bool = False
-    nested: type | None = None
-    sort: bool = False
-    # Cross-field check, called with the values of ``check_with`` once this
-    # field is read.
-    check: Callable[..., None] | None = None
-    check_with: tuple[str, ...] = ()
-
-
-def _w(kind: str, **spec: Any) -> dict[str, _Field]:
-    return {_SPEC: _Field(kind=kind, **spec)}
 
 
 def _check_region(base_addr: int, num_blocks: int, block_len: int) -> None:
@@ -512,50 +391,6 @@ MESSAGE_TYPES: Final[Mapping[str, type[Message]]] = types.MappingProxyType(
 """Each message class by its wire ``"type"`` string."""
 
 
-# ---------------------------------------------------------------------------
-# Code generation
-# ---------------------------------------------------------------------------
-
-# Encoders and decoders are generated as straight-line source, once per class
-# at import (as attrs does for ``__init__``): decode is on the hot path, and
-# inline checks beat a loop over field descriptions by a wide margin.
-
-
-def _specs(cls: type) -> list[tuple[str, _Field, Any]]:
-    """(name, spec, default) of each field of ``cls``, in wire order."""
-    return [(a.name, a.metadata[_SPEC], a.default) for a in attrs.fields(cls)]
-
-
-def _compile(name: str, lines: list[str], namespace: dict[str, Any]) -> Any:
-    source = "\n".join(lines) + "\n"
-    exec(compile(source, f"<p2pactor.protocol {name}>", "exec"), namespace)  # noqa: S102
-    return namespace[name]
-
-
-def _gen_to_wire(cls: type, type_name: str | None) -> Callable[[Any], dict[str, object]]:
-    # Insertion order is wire order; vLLM 0.33.0 builds its dicts in exactly
-    # this order, and extension keys go last so the base prefix is unchanged.
-    namespace: dict[str, Any] = {}
-    literal = [] if type_name is None else [f"'type': {type_name!r}"]
-    tail: list[str] = []
-    for name, spec, default in _specs(cls):
-        key = spec.key or name
-        value = f"msg.{name}"
-        if spec.nested is not None:
-            namespace[f"to_wire_{name}"] = _gen_to_wire(spec.nested, None)
-            value = f"to_wire_{name}({value})"
-        elif spec.sort:
-            value = f"sorted({value})"
-        if default is None:
-            tail += [f"    if msg.{name} is not None:", f"        wire[{key!r}] = {value}"]
-        elif tail:
-            tail.append(f"    wire[{key!r}] = {value}")
-        else:
-            literal.append(f"{key!r}: {value}")
-    lines = ["def to_wire(msg):", f"    wire = {{{', '.join(literal)}}}", *tail, "    return wire"]
-    return _compile("to_wire", lines, namespace)  # type: ignore[no-any-return]
-
-
 _ENCODER: Final = msgspec.msgpack.Encoder()
 
 _TO_WIRE: Final[Mapping[str, Callable[[Any], dict[str, object]]]] = types.MappingProxyType(
@@ -590,189 +425,6 @@ def encode(msg: Message) -> bytes:
 # below then see exactly what the peer sent (including bools where ints
 # belong), which a schema would either coerce or reject without saying why.
 _DECODER: Final = msgspec.msgpack.Decoder()
-
-_MISSING: Final = object()
-
-# Attacker-controlled text that ends up in an error message is clipped, so a
-# hostile peer cannot flood the log with one message.
-_CLIP_CHARS: Final = 64
-
-_Wire: TypeAlias = dict[Any, Any]
-
-_UNITS: Final[Mapping[type, str]] = {str: "characters", bytes: "bytes"}
-
-
-def _clip(text: str) -> str:
-    if len(text) <= _CLIP_CHARS:
-        return text
-    return f"{text[:_CLIP_CHARS]}... ({len(text)} characters)"
-
-
-def _kind(value: object) -> str:
-    # msgpack nil decodes to None; naming it as the wire does reads better.
-    return "nil" if value is None else type(value).__name__
-
-
-# The failure paths of the generated decoders: each builds the error text and
-# raises, so the generated hot path is only comparisons.
-
-
-def _fail(problem: str, mtype: str, label: str) -> NoReturn:
-    raise InvalidField(problem, message_type=mtype, field=label)
-
-
-def _bad_type(value: object, expected: str, mtype: str, label: str) -> NoReturn:
-    if value is _MISSING:
-        _fail("missing", mtype, label)
-    _fail(f"is {_kind(value)}, expected {expected}", mtype, label)
-
-
-def _too_long(value: Sized, most: int, unit: str, mtype: str, label: str) -> NoReturn:
-    _fail(f"is {len(value)} {unit}, more than the limit of {most}", mtype, label)
-
-
-def _out_of_range(value: int, least: int, most: int, mtype: str, label: str) -> NoReturn:
-    if value < least:
-        _fail(f"is {value}, expected at least {least}", mtype, label)
-    _fail(f"is {value}, more than the limit of {most}", mtype, label)
-
-
-def _too_many(items: list[Any], most: int, mtype: str, label: str) -> NoReturn:
-    _fail(f"has {len(items)} items, more than the limit of {most}", mtype, label)
-
-
-def _bad_item(items: list[Any], expected: type, mtype: str, label: str) -> None:
-    for index, item in enumerate(items):
-        if type(item) is not expected:
-            _fail(f"item {index} is {_kind(item)}, expected {expected.__name__}", mtype, label)
-
-
-def _not_parallel(
-    items: list[Any], other: list[Any], other_name: str, mtype: str, label: str
-) -> NoReturn:
-    _fail(
-        f"has {len(items)} items but {other_name!r} has {len(other)}; they must be parallel",
-        mtype,
-        label,
-    )
-
-
-def _item_too_long(items: list[Any], most: int, unit: str, mtype: str, label: str) -> None:
-    for index, item in enumerate(items):
-        if len(item) > most:
-            _fail(
-                f"item {index} is {len(item)} {unit}, more than the limit of {most}", mtype, label
-            )
-
-
-def _item_out_of_range(items: list[int], least: int, most: int, mtype: str, label: str) -> None:
-    for position, index in enumerate(items):
-        if not least <= index <= most:
-            _fail(f"item {position} is {index}, expected {least} to {most}", mtype, label)
-
-
-def _bound(bound: _Bound | None) -> str:
-    assert bound is not None
-    return repr(bound) if type(bound) is int else f"limits.{bound}"
-
-
-def _gen_checks(
-    spec: _Field, *, name: str, mtype: str, prefix: str, namespace: dict[str, Any]
-) -> list[str]:
-    """Lines (unindented) that check ``v_<name>``, naming ``mtype`` in errors."""
-    var = f"v_{name}"
-    where = f"{mtype!r}, {prefix + (spec.key or name)!r}"
-    kind = spec.kind
-    if kind == "map":
-        assert spec.nested is not None
-        label = prefix + (spec.key or name)
-        namespace[f"decode_{name}"] = _gen_decoder(spec.nested, mtype, f"{label}.")
-        return [
-            f"if type({var}) is not dict: _bad_type({var}, 'a map', {where})",
-            f"{var} = decode_{name}({var}, limits)",
-        ]
-    expected = {"str": str, "bytes": bytes, "int": int, "bool": bool, "list": list}[kind]
-    type_name = expected.__name__
-    lines = [f"if type({var}) is not {type_name}: _bad_type({var}, {type_name!r}, {where})"]
-    if kind in ("str", "bytes"):
-        most = _bound(spec.most)
-        unit = _UNITS[expected]
-        lines.append(f"if len({var}) > {most}: _too_long({var}, {most}, {unit!r}, {where})")
-    elif kind == "int":
-        least, most = spec.least, _bound(spec.most)
-        lines.append(
-            f"if not {least} <= {var} <= {most}: _out_of_range({var}, {least}, {most}, {where})"
-        )
-    elif kind == "list":
-        assert spec.item is not None
-        item = spec.item.__name__
-        namespace[f"types_{name}"] = frozenset({spec.item})
-        most = _bound(spec.most)
-        lines += [
-            f"if len({var}) > {most}: _too_many({var}, {most}, {where})",
-            # One C-level pass over the types; the Python loop only runs to
-            # name the culprit once we already know there is one.
-            f"if not set(map(type, {var})) <= types_{name}: _bad_item({var}, {item}, {where})",
-        ]
-        if spec.parallel_to is not None:
-            other = f"v_{spec.parallel_to}"
-            lines.append(
-                f"if len({var}) != len({other}): "
-                f"_not_parallel({var}, {other}, {spec.parallel_to!r}, {where})"
-            )
-        if spec.item_most is not None:
-            item_most = _bound(spec.item_most)
-            if spec.item is int:
-                least = spec.item_least
-                lines.append(
-                    f"if {var} and (min({var}) < {least} or max({var}) > {item_most}): "
-                    f"_item_out_of_range({var}, {least}, {item_most}, {where})"
-                )
-            else:
-                unit = _UNITS[spec.item]
-                lines.append(
-                    f"if {var} and max(map(len, {var})) > {item_most}: "
-                    f"_item_too_long({var}, {item_most}, {unit!r}, {where})"
-                )
-    return lines
-
-
-def _gen_decoder(cls: type, mtype: str, prefix: str = "") -> Callable[[_Wire, Limits], Any]:
-    """The strict decoder of ``cls``'s fields from a wire map.
-
-    Its errors name ``mtype``, and each field by its wire key after ``prefix``.
-    """
-    namespace: dict[str, Any] = {
-        "_MISSING": _MISSING,
-        "_bad_type": _bad_type,
-        "_too_long": _too_long,
-        "_out_of_range": _out_of_range,
-        "_too_many": _too_many,
-        "_bad_item": _bad_item,
-        "_not_parallel": _not_parallel,
-        "_item_too_long": _item_too_long,
-        "_item_out_of_range": _item_out_of_range,
-        "cls": cls,
-    }
-    lines = ["def decode(wire, limits):"]
-    names = []
-    for name, spec, default in _specs(cls):
-        key = spec.key or name
-        var = f"v_{name}"
-        names.append(name)
-        checks = _gen_checks(spec, name=name, mtype=mtype, prefix=prefix, namespace=namespace)
-        lines.append(f"    {var} = wire.get({key!r}, _MISSING)")
-        if spec.optional:
-            namespace[f"default_{name}"] = default
-            lines += [f"    if {var} is _MISSING:", f"        {var} = default_{name}", "    else:"]
-            lines += [f"        {line}" for line in checks]
-        else:
-            lines += [f"    {line}" for line in checks]
-        if spec.check is not None:
-            namespace[f"check_{name}"] = spec.check
-            lines.append(f"    check_{name}({', '.join(f'v_{n}' for n in spec.check_with)})")
-    lines.append(f"    return cls({', '.join(f'{n}=v_{n}' for n in names)})")
-    return _compile("decode", lines, namespace)  # type: ignore[no-any-return]
 
 
 _READERS: Final[Mapping[str, Callable[[_Wire, Limits], Message]]] = types.MappingProxyType(

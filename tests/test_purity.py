@@ -16,7 +16,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE_FILES = [*sorted((ROOT / "p2pactor" / "core").glob("*.py")), ROOT / "p2pactor" / "protocol.py"]
+CORE_FILES = [
+    *sorted((ROOT / "p2pactor" / "core").glob("*.py")),
+    *(
+        ROOT / "p2pactor" / f"{name}.py"
+        for name in ("protocol", "protocol_codec", "protocol_limits")
+    ),
+]
 PURE_STDLIB = {
     "__future__",
     "abc",
@@ -49,9 +55,13 @@ def imported_modules(path: Path) -> set[str]:
 def is_allowed(module: str) -> bool:
     if module in PURE_STDLIB or module in ALLOWED_THIRD_PARTY:
         return True
-    return module in {"p2pactor.errors", "p2pactor.protocol", "p2pactor"} or module.startswith(
-        "p2pactor.core"
-    )
+    return module in {
+        "p2pactor.errors",
+        "p2pactor.protocol",
+        "p2pactor.protocol_codec",
+        "p2pactor.protocol_limits",
+        "p2pactor",
+    } or module.startswith("p2pactor.core")
 
 
 @pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: p.name)
