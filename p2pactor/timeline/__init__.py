@@ -6,10 +6,14 @@ A node started with ``NodeConfig(dashboard_port=...)`` (or wrapped in
 :func:`open_replay_server` serves recorded event logs to the same page. The
 messages are specified in ``docs/timeline.md``.
 
-* :mod:`p2pactor.timeline.feed`: the publisher (events to JSON, history,
-  counters, bounded per-subscriber queues);
+* :mod:`p2pactor.timeline.feed`: the publisher (history, bounded
+  per-subscriber queues, eviction);
+* :mod:`p2pactor.timeline.messages`: the messages, built and encoded;
+* :mod:`p2pactor.timeline.filters`: what a subscriber asks to see;
+* :mod:`p2pactor.timeline.counters`: the ``counters`` totals;
 * :mod:`p2pactor.timeline.http`: request heads, the page's files, access checks;
-* :mod:`p2pactor.timeline.server`: the servers.
+* :mod:`p2pactor.timeline.site`: one connection (routing, websocket, sending);
+* :mod:`p2pactor.timeline.server`: the live and replay servers.
 """
 
 from __future__ import annotations

@@ -19,26 +19,30 @@ touches a socket.
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections import deque
-from collections.abc import Iterable, Sequence
-from typing import Any, Final
-from urllib.parse import parse_qs
+from collections.abc import Sequence
+from typing import Any
 
 import attrs
-import msgspec
 import trio
 
 from p2pactor.core import checks
 from p2pactor.core import events as ev
-from p2pactor.core.consumer import ConsumerState
-from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.fold import ActorState, Phase, initial_phase, is_terminal, phase_after
 from p2pactor.core.ids import ActorId
-from p2pactor.core.producer import ProducerState
 from p2pactor.errors import P2PActorError
-from p2pactor.replay import describe
+from p2pactor.timeline.counters import Counters
+from p2pactor.timeline.filters import BadFilter, FeedFilters
+from p2pactor.timeline.messages import (
+    FEED_VERSION,
+    FeedRecord,
+    encode,
+    event_data,
+    event_message,
+    gap_message,
+    peers_message,
+)
 
 __all__ = [
     "FEED_VERSION",
@@ -59,23 +63,6 @@ __all__ = [
     "peers_message",
     "phase_after",
 ]
-
-FEED_VERSION: Final = 1
-"""The ``version`` in every ``hello``: the schema of ``docs/timeline.md``."""
-
-_ENCODER: Final = msgspec.json.Encoder()
-# A lookup over a quota is still a lookup received (as replay's summary counts it).
-_LOOKUPS_RECEIVED: Final = frozenset({"LookupReceived", "LookupLimited", "LookupRefused"})
-# Fields every event has; they are the event object's own keys, not its data.
-_HEAD_FIELDS: Final = frozenset({"actor", "seq", "at"})
-_DATA_FIELDS: Final[dict[type[ev.Event], tuple[str, ...]]] = {
-    cls: tuple(f.name for f in attrs.fields(cls) if f.name not in _HEAD_FIELDS)
-    for cls in ev.EVENT_TYPES.values()
-}
-
-
-class BadFilter(P2PActorError, ValueError):
-    """A subscriber asked for a filter the feed cannot apply (an unknown event kind)."""
 
 
 class FeedFull(P2PActorError):
@@ -117,303 +104,6 @@ class FeedLimits:
     max_subscribers: int = attrs.field(default=64, validator=checks.positive_int)
     status_interval_s: float = attrs.field(default=1.0, validator=_positive)
     batch_interval_s: float = attrs.field(default=0.05, validator=_positive)
-
-
-# --- the event object ---------------------------------------------------------------
-
-
-def _data_value(name: str, value: Any) -> Any:
-    if isinstance(value, tuple):
-        if name == "job_ids":
-            return sorted(set(value))  # parallel to the keys: the distinct jobs say it all
-        if value and isinstance(value[0], bool):
-            return sum(value)  # hits as flags: how many hit
-        return len(value)  # keys, hits or misses as keys, block lists
-    if isinstance(value, enum.Enum):
-        return value.value
-    return value
-
-
-def event_data(event: ev.AnyEvent) -> dict[str, Any]:
-    """The event's own fields, JSON-friendly: lists become counts, enums their values."""
-    return {name: _data_value(name, getattr(event, name)) for name in _DATA_FIELDS[type(event)]}
-
-
-def event_message(node: str, event: ev.AnyEvent, phase: Phase) -> dict[str, Any]:
-    """The ``event`` message of ``docs/timeline.md`` for one event of ``node``."""
-    actor = event.actor
-    return {
-        "type": "event",
-        "node": node,
-        "actor": str(actor),
-        "role": actor.role.value,
-        "peer": actor.peer,
-        "request": actor.kv_request_id,
-        "incarnation": actor.incarnation,
-        "seq": event.seq,
-        "at": event.at,
-        "kind": event.KIND,
-        "phase": phase.value,
-        "detail": describe(event),
-        "data": event_data(event),
-    }
-
-
-def gap_message(missed: int) -> str:
-    """The ``gap`` message: ``missed`` events were dropped here."""
-    return f'{{"type":"gap","missed":{missed}}}'
-
-
-def encode(message: dict[str, Any]) -> str:
-    """One message as JSON text (websocket text frames carry the feed)."""
-    return _ENCODER.encode(message).decode()
-
-
-class FeedRecord:
-    """One event as the feed keeps it: encoded once, when first sent.
-
-    Attributes:
-        order: Position among every event this feed has seen.
-        node: The node whose event it is.
-        event: The event.
-        phase: Its actor's phase after it.
-    """
-
-    __slots__ = ("_text", "event", "node", "order", "phase")
-
-    def __init__(self, order: int, node: str, event: ev.AnyEvent, phase: Phase) -> None:
-        self.order = order
-        self.node = node
-        self.event = event
-        self.phase = phase
-        self._text: str | None = None
-
-    def message(self) -> dict[str, Any]:
-        """The event message, as a dict."""
-        return event_message(self.node, self.event, self.phase)
-
-    def text(self) -> str:
-        """The event message, as JSON; computed once and shared by every subscriber."""
-        if self._text is None:
-            self._text = encode(self.message())
-        return self._text
-
-
-# --- filters ------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class FeedFilters:
-    """What a subscriber wants to see; None lets everything through.
-
-    Attributes:
-        peer: Only actors whose peer is this ``host:port``.
-        request: Only actors of this kv_request_id.
-        kinds: Only events of these kinds (``LookupResp``, ``FetchSent``...).
-    """
-
-    peer: str | None = None
-    request: str | None = None
-    kinds: frozenset[str] | None = None
-
-    @classmethod
-    def from_query(cls, query: str) -> FeedFilters:
-        """Parse ``peer=...&request=...&kinds=A,B`` (each optional, empty means none).
-
-        Raises:
-            BadFilter: ``kinds`` names an event kind that does not exist.
-        """
-        fields = parse_qs(query, keep_blank_values=False)
-
-        def last(name: str) -> str | None:
-            values = fields.get(name)
-            return values[-1] if values else None
-
-        kinds: frozenset[str] | None = None
-        raw_kinds = [k.strip() for v in fields.get("kinds", ()) for k in v.split(",")]
-        if any(raw_kinds):
-            kinds = frozenset(k for k in raw_kinds if k)
-            unknown = sorted(kinds - ev.EVENT_TYPES.keys())
-            if unknown:
-                raise BadFilter(
-                    f"unknown event kinds {', '.join(unknown)}; "
-                    f"known kinds: {', '.join(sorted(ev.EVENT_TYPES))}"
-                )
-        return cls(peer=last("peer"), request=last("request"), kinds=kinds)
-
-    def accepts(self, event: ev.AnyEvent) -> bool:
-        """Whether ``event`` passes every filter."""
-        actor = event.actor
-        if self.peer is not None and actor.peer != self.peer:
-            return False
-        if self.request is not None and actor.kv_request_id != self.request:
-            return False
-        return self.kinds is None or event.KIND in self.kinds
-
-    def as_json(self) -> dict[str, Any]:
-        """The filters as ``hello`` reports them."""
-        kinds = None if self.kinds is None else sorted(self.kinds)
-        return {"peer": self.peer, "request": self.request, "kinds": kinds}
-
-
-# --- counters -----------------------------------------------------------------------
-
-
-@attrs.define
-class _Open:
-    """What the counters remember about one actor until it ends."""
-
-    pending: dict[int, set[bytes]] = attrs.field(factory=dict)  # lookup -> keys pending
-    loads: dict[int, int] = attrs.field(factory=dict)  # round -> blocks fetched
-    writes: dict[int, int] = attrs.field(factory=dict)  # transfer -> blocks written
-
-
-@attrs.define
-class Counters:
-    """Running totals over the events the feed has seen (the ``counters`` message).
-
-    Consumer side (our requests): ``lookups`` sent, keys the peers answered
-    ``keys_hit``/``keys_missed``, ``fetches`` sent, ``bytes`` loaded by fetches
-    that succeeded. Producer side (what we serve): ``pending`` keys that were
-    still being written at a lookup and resolved later, ``expired`` pending keys
-    that ran out of time, ``lookups_received``, ``fetches_received``,
-    ``bytes_served``. ``failures``: our requests that finished failed or
-    aborted, plus writes of ours that failed.
-    """
-
-    block_len: int
-    lookups: int = 0
-    keys_hit: int = 0
-    keys_missed: int = 0
-    pending: int = 0
-    expired: int = 0
-    fetches: int = 0
-    bytes: int = 0
-    failures: int = 0
-    lookups_received: int = 0
-    fetches_received: int = 0
-    bytes_served: int = 0
-    _open: dict[ActorId, _Open] = attrs.field(factory=dict, repr=False)
-
-    def count(self, event: ev.AnyEvent) -> None:
-        """Account for one event."""
-        if event.KIND in _LOOKUPS_RECEIVED:
-            self.lookups_received += 1
-        match event:
-            case ev.Probed():
-                self.lookups += 1
-            case ev.LookupResp():
-                hits = sum(event.hits)
-                self.keys_hit += hits
-                self.keys_missed += len(event.hits) - hits
-            case ev.FetchSent():
-                self.fetches += 1
-                self._actor(event.actor).loads[event.round_seq] = len(event.keys)
-            case ev.TransferDone():
-                blocks = self._actor(event.actor).loads.pop(event.round_seq, 0)
-                if event.success:
-                    self.bytes += blocks * self.block_len
-            case ev.AbortAcked() | ev.Aborted():
-                self._actor(event.actor).loads.pop(event.round_seq, None)
-            case ev.Finished():
-                if event.phase is not ConsumerPhase.DONE:
-                    self.failures += 1
-                self._open.pop(event.actor, None)
-            case ev.KeysResolved():
-                self._resolved(event)
-            case ev.PendingExpired():
-                self.expired += len(event.keys)
-                waiting = self._actor(event.actor).pending.get(event.lookup_id)
-                if waiting is not None:
-                    waiting.difference_update(event.keys)
-            case ev.LookupAnswered() | ev.LookupDropped():
-                self._actor(event.actor).pending.pop(event.lookup_id, None)
-            case ev.FetchReceived():
-                self.fetches_received += 1
-            case ev.TransferStarted():
-                self._actor(event.actor).writes[event.transfer_id] = len(event.keys)
-            case ev.TransferCompleted():
-                blocks = self._actor(event.actor).writes.pop(event.transfer_id, 0)
-                self.bytes_served += blocks * self.block_len
-            case ev.TransferFailed():
-                self.failures += 1
-                self._actor(event.actor).writes.pop(event.transfer_id, None)
-            case ev.Closed():
-                self._open.pop(event.actor, None)
-            case _:
-                pass
-
-    def _actor(self, actor: ActorId) -> _Open:
-        found = self._open.get(actor)
-        if found is None:
-            found = self._open[actor] = _Open()
-        return found
-
-    def _resolved(self, event: ev.KeysResolved) -> None:
-        pending = self._actor(event.actor).pending
-        waiting = pending.get(event.lookup_id)
-        if waiting:
-            before = len(waiting)
-            waiting.difference_update(event.hits)
-            waiting.difference_update(event.misses)
-            self.pending += before - len(waiting)
-        if event.pending:
-            pending.setdefault(event.lookup_id, set()).update(event.pending)
-
-    def message(self, node: str) -> dict[str, Any]:
-        """The ``counters`` message."""
-        return {
-            "type": "counters",
-            "node": node,
-            "lookups": self.lookups,
-            "keys_hit": self.keys_hit,
-            "keys_missed": self.keys_missed,
-            "pending": self.pending,
-            "expired": self.expired,
-            "fetches": self.fetches,
-            "bytes": self.bytes,
-            "failures": self.failures,
-            "lookups_received": self.lookups_received,
-            "fetches_received": self.fetches_received,
-            "bytes_served": self.bytes_served,
-        }
-
-
-# --- peers --------------------------------------------------------------------------
-
-
-def _transfers(states: Iterable[ActorState]) -> int:
-    count = 0
-    for state in states:
-        if isinstance(state, ConsumerState):
-            count += 0 if state.phase.terminal else len(state.loads)
-        elif isinstance(state, ProducerState):
-            count += len(state.transfers)
-    return count
-
-
-def peers_message(node: str, sessions: Sequence[Any]) -> dict[str, Any]:
-    """The ``peers`` message: one entry per live session of the node.
-
-    Args:
-        node: The node's id.
-        sessions: Its :class:`p2pactor.session.PeerSession` objects.
-    """
-    return {
-        "type": "peers",
-        "node": node,
-        "peers": [
-            {
-                "peer": s.peer_id,
-                "state": s.state.value,
-                "ready": s.ready,
-                "dialect": "p2pactor" if s.extended else "vllm",
-                "transfers": _transfers(a.state for a in s.live_actors()),
-                "last_activity": s.last_activity,
-            }
-            for s in sessions
-        ],
-    }
 
 
 # --- subscribers --------------------------------------------------------------------
