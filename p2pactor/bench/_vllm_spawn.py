@@ -8,11 +8,13 @@ neither has to import the other.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
-__all__ = ["make_parser", "spawn_producer"]
+__all__ = ["make_parser", "spawn_producer", "start_producer", "stop_producer", "wait_ready"]
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -56,3 +58,32 @@ def spawn_producer(kind: str, port: int, args: argparse.Namespace) -> subprocess
     return subprocess.Popen(  # noqa: S603 - runs our own helper
         cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
+
+
+def start_producer(kind: str, port: int, args: argparse.Namespace) -> subprocess.Popen[str]:
+    """Start the producer process and wait until its tier is up."""
+    return wait_ready(kind, spawn_producer(kind, port, args))
+
+
+def wait_ready(kind: str, proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    """Wait until the producer ``proc`` says READY; kill it if it says anything else."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if line.strip() != "READY":
+        proc.kill()
+        raise RuntimeError(f"the {kind} producer did not start (it said {line!r})")
+    return proc
+
+
+def stop_producer(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """Close the producer's stdin and collect its counters."""
+    try:
+        out, _ = proc.communicate(input="", timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        return {}
+    for line in reversed(out.splitlines()):
+        if line.startswith("{"):
+            return dict(json.loads(line))
+    return {}
