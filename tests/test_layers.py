@@ -33,6 +33,8 @@ RUNTIME = [
             "parent",
             "peers",
             "protocol",
+            "protocol_codec",
+            "protocol_limits",
             "quotas",
             "serving",
             "session",

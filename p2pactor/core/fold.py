@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Final, get_args
 
 from p2pactor.core import events as ev
@@ -16,6 +16,7 @@ from p2pactor.core.producer import (
     evolve_producer,
     next_producer_deadline,
 )
+from p2pactor.core.producer_state import PRODUCER_PHASE_AT
 from p2pactor.errors import ReplayError
 
 __all__ = [
@@ -36,13 +37,6 @@ ActorState = ConsumerState | ProducerState
 
 Phase = ConsumerPhase | ProducerPhase
 """A phase of either role."""
-
-PRODUCER_PHASE_AT: Final[Mapping[type[ev.Event], ProducerPhase]] = {
-    ev.SessionLost: ProducerPhase.CLOSING,
-    ev.CloseRequested: ProducerPhase.CLOSING,
-    ev.Closed: ProducerPhase.CLOSED,
-}
-"""The phase each event moves a producer to; any other event leaves it as it is."""
 
 _CONSUMER_KINDS: Final = frozenset(get_args(ev.ConsumerEvent))
 _PRODUCER_KINDS: Final = frozenset(get_args(ev.ProducerEvent))

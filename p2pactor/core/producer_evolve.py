@@ -8,9 +8,9 @@ from typing import TypeVar, assert_never
 from p2pactor.core import events as ev
 from p2pactor.core.events import check_follows
 from p2pactor.core.producer_state import (
+    PRODUCER_PHASE_AT,
     ActiveLookup,
     PinJob,
-    ProducerPhase,
     ProducerState,
     RoundState,
     Supply,
@@ -240,7 +240,9 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
                 s, seq=seq, lookups=lookups, open_contexts=s.open_contexts - {event.lookup_id}
             )
         case ev.CloseRequested():
-            return replace(s, seq=seq, phase=ProducerPhase.CLOSING, close_reason=event.reason)
+            return replace(
+                s, seq=seq, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=event.reason
+            )
         case ev.LookupDropped():
             lookup = s.lookups[event.lookup_id]
             if lookup.outstanding:
@@ -253,7 +255,7 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             served = isinstance(event, ev.TransferDoneSent) and event.success
             return _evolve_round_ended(s, seq, event.round_seq, served=served)
         case ev.Closed():
-            return replace(s, seq=seq, phase=ProducerPhase.CLOSED)
+            return replace(s, seq=seq, phase=PRODUCER_PHASE_AT[ev.Closed])
         case ev.FetchReceived():
             rnd = replace(
                 _round(s, event.round_seq),
@@ -280,7 +282,7 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             return replace(
                 s,
                 seq=seq,
-                phase=ProducerPhase.CLOSING,
+                phase=PRODUCER_PHASE_AT[ev.SessionLost],
                 session_lost=True,
                 close_reason=event.reason,
             )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
+from typing import Final
 
 import attrs
 
@@ -21,6 +22,14 @@ class ProducerPhase(enum.Enum):
     """Closed by the peer or by the session's end; draining what is in flight."""
     CLOSED = "closed"
     """Holds nothing any more. Terminal."""
+
+
+PRODUCER_PHASE_AT: Final[Mapping[type[ev.Event], ProducerPhase]] = {
+    ev.SessionLost: ProducerPhase.CLOSING,
+    ev.CloseRequested: ProducerPhase.CLOSING,
+    ev.Closed: ProducerPhase.CLOSED,
+}
+"""The phase each event moves a producer to; any other event leaves it as it is."""
 
 
 @attrs.frozen
