@@ -104,7 +104,7 @@ class NixlStatistics(Tally):
         writes_in_flight: Writes started and not yet over (zombies included).
         zombies: Writes past their deadline that NIXL would not cancel yet.
         writes_done: Writes that completed.
-        writes_failed: Writes that raised :class:`~p2pactor.transport.TransferError`
+        writes_failed: Writes that raised :class:`~p2pactor.runtime.transport.TransferError`
             after reaching NIXL.
         bytes_written: Bytes of the completed writes.
         posted_inline: Writes posted on the trio thread (predicted quick).

@@ -12,12 +12,12 @@ import trio
 from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Leftovers, log
 from p2pactor.adapters._nixl_options import NixlStatistics
 from p2pactor.adapters._nixl_writes import Peer, Writes
-from p2pactor.logsetup import peer_context
-from p2pactor.transport import TransferError, WriteDone
+from p2pactor.runtime.logcontext import peer_context
+from p2pactor.runtime.transport import TransferError, WriteDone
 
 
 class NixlDataTransport(Writes):
-    """A :class:`~p2pactor.transport.DataTransport` over one NIXL agent.
+    """A :class:`~p2pactor.runtime.transport.DataTransport` over one NIXL agent.
 
     Made by :func:`~p2pactor.adapters.nixl.open_nixl_transport`, which owns its
     pump task and releases every NIXL resource when its block exits.

@@ -13,8 +13,8 @@ import trio
 
 from p2pactor.adapters._nixl_agent import IN_PROGRESS, Agent, Index, Pool, Posted, log, nixl_error
 from p2pactor.adapters._nixl_options import NixlOptions, Tally
-from p2pactor.logsetup import peer_context
-from p2pactor.transport import TransferError, WriteDone
+from p2pactor.runtime.logcontext import peer_context
+from p2pactor.runtime.transport import TransferError, WriteDone
 
 _RATE_WEIGHT = 0.25  # of the newest post in the moving average of post times
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import attrs
 
-from p2pactor.config import fingerprint_of
 from p2pactor.core.inputs import LookupResult as Answer
+from p2pactor.runtime.config import fingerprint_of
 
 __all__ = [
     "JOB_IDS",

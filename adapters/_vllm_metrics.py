@@ -11,7 +11,7 @@ from p2pactor.adapters._vllm_api import (
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
 )
-from p2pactor.metrics import LOOKUP_OUTCOMES, SERVED_LOOKUP_OUTCOMES
+from p2pactor.surface.metrics import LOOKUP_OUTCOMES, SERVED_LOOKUP_OUTCOMES
 
 # vLLM's tiers name theirs vllm:kv_offload_<tier>_<what>; Prometheus adds _total
 # to counters.

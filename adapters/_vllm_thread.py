@@ -11,11 +11,11 @@ import trio
 
 from p2pactor.adapters._vllm_api import hash_seed
 from p2pactor.adapters._vllm_metrics import SERIES, STATS_INTERVAL_S
-from p2pactor.config import NodeConfig
 from p2pactor.errors import P2PActorError
-from p2pactor.log import EventLog
-from p2pactor.node import Node, open_node
-from p2pactor.surface import OperatorSurface, open_operator_surface
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.log import EventLog
+from p2pactor.runtime.node import Node, open_node
+from p2pactor.surface.attach import OperatorSurface, open_operator_surface
 
 log = logging.getLogger("p2pactor.vllm")
 

@@ -13,9 +13,9 @@ from zmq.utils.monitor import parse_monitor_message
 from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _handshake_failure
 from p2pactor.adapters._zmq_options import ZmqOptions, log
 from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor
-from p2pactor.keys import CurveSecurity
-from p2pactor.logsetup import peer_context
-from p2pactor.transport import ConnectionLost, FrameReceiver
+from p2pactor.runtime.keys import CurveSecurity
+from p2pactor.runtime.logcontext import peer_context
+from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
 
 # vLLM's fatal events, plus HANDSHAKE_SUCCEEDED, which tells a refused or
 # unreachable peer from one that went away after we reached it.

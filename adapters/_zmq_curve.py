@@ -1,7 +1,7 @@
 """CURVE on the control transport: key pairs, socket keys, the ZAP handler, failed handshakes.
 
 Making a key pair and checking one take libzmq, so they live here, not in
-:mod:`p2pactor.keys` (which reads and writes the files and imports no pyzmq).
+:mod:`p2pactor.runtime.keys` (which reads and writes the files and imports no pyzmq).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from zmq.utils.monitor import parse_monitor_message
 from p2pactor.adapters._zmq_options import ZmqTransportError, _worth_logging, log
 from p2pactor.adapters._zmq_socket import _AsyncSocket
 from p2pactor.errors import ConfigError
-from p2pactor.keys import KEYGEN_HINT, CurveKeypair, CurveSecurity, write_keypair
-from p2pactor.transport import ConnectionLost
+from p2pactor.runtime.keys import KEYGEN_HINT, CurveKeypair, CurveSecurity, write_keypair
+from p2pactor.runtime.transport import ConnectionLost
 
 ZAP_DOMAIN: bytes = b"p2pactor"
 """The ZAP domain of a CURVE ROUTER: our handler answers for it only."""
@@ -50,7 +50,7 @@ def generate_keypair(
     """Make a new key pair and write ``<stem>.key`` and ``<stem>.key_secret``.
 
     Args:
-        path_stem: The files' path without suffix (``/etc/p2pactor/node-a``).
+        path_stem: The files' path without suffix (``/etc/p2pactor/runtime/node-a``).
         address: The node id(s) the key speaks for: ``host:port``, several
             comma-separated (or a collection) when one key serves several nodes.
         force: Replace existing files; otherwise refuse to touch them.

@@ -7,8 +7,8 @@ import logging
 import attrs
 
 from p2pactor.core import checks
+from p2pactor.core.protocol import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.errors import P2PActorError
-from p2pactor.protocol import DEFAULT_MAX_FRAME_BYTES
 
 log = logging.getLogger("p2pactor.zmq")
 

@@ -24,9 +24,9 @@ from p2pactor.adapters._zmq_options import (
     log,
 )
 from p2pactor.adapters._zmq_socket import _AsyncSocket, _events, _Monitor, _ms
-from p2pactor.keys import CurveSecurity
-from p2pactor.logsetup import peer_context, request_context
-from p2pactor.transport import ConnectionLost
+from p2pactor.runtime.keys import CurveSecurity
+from p2pactor.runtime.logcontext import peer_context, request_context
+from p2pactor.runtime.transport import ConnectionLost
 
 _transport_serials = itertools.count(1)
 _REFAIR_EVERY = 4  # frames between the ROUTER's looks for newly readable connections
@@ -45,7 +45,7 @@ def _peer_address(peer_id: str) -> str | None:
 class ZmqControlTransport:
     """A node's ZeroMQ control endpoint. Open it with :func:`open_zmq_transport`.
 
-    Implements :class:`p2pactor.transport.ControlTransport`.
+    Implements :class:`p2pactor.runtime.transport.ControlTransport`.
     """
 
     def __init__(
@@ -190,8 +190,8 @@ class ZmqControlTransport:
 
         The check comes before the dial-back to the address the frame's
         identity claims, so a sender outside ``allowed`` never makes this
-        node connect anywhere. :func:`~p2pactor.node.open_node` sets it to
-        :meth:`NodeConfig.may_dial <p2pactor.config.NodeConfig.may_dial>`.
+        node connect anywhere. :func:`~p2pactor.runtime.node.open_node` sets it to
+        :meth:`NodeConfig.may_dial <p2pactor.runtime.config.NodeConfig.may_dial>`.
         """
         self._allowed = allowed
 

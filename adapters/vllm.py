@@ -52,12 +52,12 @@ from p2pactor.adapters._vllm_api import (
 )
 from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
 from p2pactor.adapters._vllm_thread import NodeThread
-from p2pactor.config import NodeConfig
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.errors import ConfigError
-from p2pactor.logsetup import request_context
-from p2pactor.node import Node
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.logcontext import request_context
+from p2pactor.runtime.node import Node
 
 __all__ = ["P2PActorTierManager"]
 

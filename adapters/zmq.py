@@ -55,7 +55,7 @@ stopped one (SIGSTOP) in ~1.2 s (heartbeat timeout plus an interval).
 Security (``docs/security.md``). Without ``curve`` the channel is vLLM's: no
 authentication, no encryption, and the ROUTER believes the identity a DEALER
 claims; the transport says so in a warning when it opens. With ``curve`` (a
-:class:`~p2pactor.keys.CurveSecurity`) every connection is ZeroMQ CURVE,
+:class:`~p2pactor.runtime.keys.CurveSecurity`) every connection is ZeroMQ CURVE,
 encrypted and authenticated both ways, and a frame counts only if the keyring
 binds its claimed identity to the key that sent it (``_zmq_curve``).
 
@@ -80,7 +80,7 @@ from p2pactor.adapters._zmq_curve import ZAP_DOMAIN, _bind_zap, check_keypair, g
 from p2pactor.adapters._zmq_options import ZmqOptions, ZmqStatistics, ZmqTransportError, log
 from p2pactor.adapters._zmq_router import ZmqControlTransport, _bind_router
 from p2pactor.adapters._zmq_socket import _AsyncSocket
-from p2pactor.keys import CurveSecurity
+from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
     "ZAP_DOMAIN",
@@ -143,7 +143,7 @@ async def open_zmq_transport(
             :attr:`ZmqControlTransport.port`).
         options: Socket options and bounds; vLLM's defaults if None.
         curve: This node's CURVE keys and the peers it trusts (see
-            :meth:`CurveSecurity.load <p2pactor.keys.CurveSecurity.load>`):
+            :meth:`CurveSecurity.load <p2pactor.runtime.keys.CurveSecurity.load>`):
             authenticate and encrypt every connection, bind each peer to its
             key. None (the default) is vLLM's plain ZeroMQ, which stock vLLM
             peers speak; a warning says the channel is open.

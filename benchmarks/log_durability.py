@@ -28,7 +28,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2pactor.core.events import AnyEvent
-from p2pactor.log import Durability, EventLog
+from p2pactor.runtime.log import Durability, EventLog
 from tests.test_replay import event_mix
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 # Run as a script from the repository root: make p2pactor and the scenarios importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2pactor.cli import main as cli_main
-from p2pactor.log import Durability, EventLog, read_log
-from p2pactor.replay import replay_logs
+from p2pactor.programs.cli import main as cli_main
+from p2pactor.runtime.log import Durability, EventLog, read_log
+from p2pactor.surface.replay import replay_logs
 from tests.test_replay import NODE_B, repeated_pattern
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -46,8 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2pactor.core import events as ev
 from p2pactor.core.fold import ActorState
-from p2pactor.quotas import PeerQuotas
-from p2pactor.timeline import Feed, FeedFilters, FeedLimits, Subscriber
+from p2pactor.runtime.quotas import PeerQuotas
+from p2pactor.surface.timeline import Feed, FeedFilters, FeedLimits, Subscriber
 from tests.cluster import Cluster, key, open_cluster
 from tests.test_node import pull
 

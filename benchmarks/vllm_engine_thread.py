@@ -1,7 +1,7 @@
 """Engine-thread cost of a P2P secondary tier: p2pactor's vLLM adapter against vLLM's own tier.
 
 A thin wrapper: the measurement lives in the package, in
-:mod:`p2pactor.bench._vllm_engine` (read its docstring for the setup, the
+:mod:`p2pactor.programs.bench._vllm_engine` (read its docstring for the setup, the
 scripted engine and what is measured), and ``p2pactor bench --only engine``
 reports its headline figures. This script prints every figure, as before:
 
@@ -18,7 +18,7 @@ from pathlib import Path
 # Run as a script from the repository root: make p2pactor importable.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from p2pactor.bench._vllm_launch import main
+from p2pactor.programs.bench._vllm_launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

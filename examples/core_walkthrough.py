@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections import deque
 
-from p2pactor import protocol as wire
 from p2pactor.core import (
     ActorId,
     ConsumerState,
@@ -27,6 +26,7 @@ from p2pactor.core import (
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 
 BLOCK = 16
 CONSUMER_ID = "10.0.0.1:5710"

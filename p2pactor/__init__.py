@@ -17,7 +17,7 @@ and ``p2pactor.adapters.vllm`` (vLLM's tier entry point, which imports vLLM).
 
 Layers, imports pointing downward only:
 
-* ``p2pactor.core`` and ``p2pactor.protocol``: the pure core (no I/O, no clock).
+* ``p2pactor.core`` and ``p2pactor.core.protocol``: the pure core (no I/O, no clock).
 * the trio runtime (actors, sessions, the node, the event log).
 * ``p2pactor.adapters``: ZeroMQ, NIXL and vLLM.
 * the operator surface (metrics, status, the timeline), attached from outside.
@@ -50,21 +50,21 @@ from p2pactor.errors import (
 if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.adapters.nixl import NixlOptions, open_nixl_transport
     from p2pactor.adapters.zmq import ZmqOptions, generate_keypair, open_zmq_transport
-    from p2pactor.config import DEFAULT_HASH_SEED, NodeConfig, fingerprint_of
     from p2pactor.core.fold import fold
     from p2pactor.core.inputs import LookupResult
+    from p2pactor.core.protocol import Limits
     from p2pactor.core.timings import Timings
-    from p2pactor.keys import CurveSecurity
-    from p2pactor.log import Durability, EventLog
-    from p2pactor.logread import read_log
-    from p2pactor.logsetup import JsonFormatter, configure_logging
-    from p2pactor.node import FetchResult, LoadResult, Node, open_node
-    from p2pactor.parent import CacheFull, EmbeddedCache, Parent
-    from p2pactor.protocol import Limits
-    from p2pactor.quotas import PeerQuotas
-    from p2pactor.samples import block_bytes, chain_keys, preload_keys
-    from p2pactor.surface import OperatorSurface, open_operator_surface
-    from p2pactor.transport import TransferError
+    from p2pactor.runtime.config import DEFAULT_HASH_SEED, NodeConfig, fingerprint_of
+    from p2pactor.runtime.keys import CurveSecurity
+    from p2pactor.runtime.log import Durability, EventLog
+    from p2pactor.runtime.logread import read_log
+    from p2pactor.runtime.node import FetchResult, LoadResult, Node, open_node
+    from p2pactor.runtime.parent import CacheFull, EmbeddedCache, Parent
+    from p2pactor.runtime.quotas import PeerQuotas
+    from p2pactor.runtime.samples import block_bytes, chain_keys, preload_keys
+    from p2pactor.runtime.transport import TransferError
+    from p2pactor.surface.attach import OperatorSurface, open_operator_surface
+    from p2pactor.surface.logsetup import JsonFormatter, configure_logging
 
 __all__ = [
     "DEFAULT_HASH_SEED",
@@ -121,21 +121,21 @@ _LAZY = {
     for module, names in {
         "p2pactor.adapters.nixl": ("NixlOptions", "open_nixl_transport"),
         "p2pactor.adapters.zmq": ("ZmqOptions", "generate_keypair", "open_zmq_transport"),
-        "p2pactor.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
+        "p2pactor.runtime.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
         "p2pactor.core.fold": ("fold",),
         "p2pactor.core.inputs": ("LookupResult",),
         "p2pactor.core.timings": ("Timings",),
-        "p2pactor.keys": ("CurveSecurity",),
-        "p2pactor.log": ("Durability", "EventLog"),
-        "p2pactor.logread": ("read_log",),
-        "p2pactor.logsetup": ("JsonFormatter", "configure_logging"),
-        "p2pactor.node": ("FetchResult", "LoadResult", "Node", "open_node"),
-        "p2pactor.parent": ("CacheFull", "EmbeddedCache", "Parent"),
-        "p2pactor.protocol": ("Limits",),
-        "p2pactor.quotas": ("PeerQuotas",),
-        "p2pactor.samples": ("block_bytes", "chain_keys", "preload_keys"),
-        "p2pactor.surface": ("OperatorSurface", "open_operator_surface"),
-        "p2pactor.transport": ("TransferError",),
+        "p2pactor.runtime.keys": ("CurveSecurity",),
+        "p2pactor.runtime.log": ("Durability", "EventLog"),
+        "p2pactor.runtime.logread": ("read_log",),
+        "p2pactor.surface.logsetup": ("JsonFormatter", "configure_logging"),
+        "p2pactor.runtime.node": ("FetchResult", "LoadResult", "Node", "open_node"),
+        "p2pactor.runtime.parent": ("CacheFull", "EmbeddedCache", "Parent"),
+        "p2pactor.core.protocol": ("Limits",),
+        "p2pactor.runtime.quotas": ("PeerQuotas",),
+        "p2pactor.runtime.samples": ("block_bytes", "chain_keys", "preload_keys"),
+        "p2pactor.surface.attach": ("OperatorSurface", "open_operator_surface"),
+        "p2pactor.runtime.transport": ("TransferError",),
     }.items()
     for name in names
 }

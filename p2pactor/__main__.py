@@ -1,5 +1,5 @@
 """``python -m p2pactor`` runs the command line."""
 
-from p2pactor.cli import main
+from p2pactor.programs.cli import main
 
 raise SystemExit(main())

@@ -105,7 +105,7 @@ class LogError(P2PActorError):
     """The event log cannot be written as asked.
 
     The file already exists, cannot be created or written, or the log was
-    used after :meth:`~p2pactor.log.EventLog.close`.
+    used after :meth:`~p2pactor.runtime.log.EventLog.close`.
     """
 
 

@@ -26,10 +26,10 @@ from collections.abc import Callable
 import attrs
 import trio
 
-from p2pactor import protocol as wire
+from p2pactor.core import protocol as wire
 from p2pactor.errors import ProtocolError
+from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
 from p2pactor.testing_data import MemoryDataPlane, MemoryDataTransport
-from p2pactor.transport import ConnectionLost, FrameReceiver
 
 __all__ = [
     "FrameRule",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import attrs
 import trio
 
-from p2pactor.transport import TransferError, WriteDone
+from p2pactor.runtime.transport import TransferError, WriteDone
 
 __all__ = ["MemoryDataPlane", "MemoryDataTransport"]
 

@@ -17,14 +17,14 @@ from typing import Any
 
 import attrs
 
-from p2pactor.actor import RequestActor
-from p2pactor.config import NodeConfig
 from p2pactor.core.fold import fold
 from p2pactor.core.ids import ActorId
-from p2pactor.log import Durability, EventLog
-from p2pactor.node import Node, open_node
-from p2pactor.parent import EmbeddedCache
-from p2pactor.surface import OperatorSurface, open_operator_surface
+from p2pactor.runtime.actor import RequestActor
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.log import Durability, EventLog
+from p2pactor.runtime.node import Node, open_node
+from p2pactor.runtime.parent import EmbeddedCache
+from p2pactor.surface.attach import OperatorSurface, open_operator_surface
 from p2pactor.testing import MemoryDataPlane, MemoryNetwork
 
 BLOCK_LEN = 64

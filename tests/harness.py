@@ -13,10 +13,10 @@ from collections.abc import Iterable
 
 import attrs
 
-from p2pactor import protocol as wire
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 from p2pactor.core.consumer import ConsumerInput, ConsumerState, step_consumer
 from p2pactor.core.fold import fold
 from p2pactor.core.ids import ActorId, Role

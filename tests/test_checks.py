@@ -116,10 +116,10 @@ def test_validate_reruns_them() -> None:
 def test_the_callers_keep_their_rules() -> None:
     from p2pactor.adapters._nixl_options import NixlOptions  # noqa: PLC0415
     from p2pactor.adapters._zmq_options import ZmqOptions  # noqa: PLC0415
-    from p2pactor.config import NodeConfig  # noqa: PLC0415
     from p2pactor.core.timings import Timings  # noqa: PLC0415
-    from p2pactor.log import Durability  # noqa: PLC0415
-    from p2pactor.timeline.feed import FeedLimits  # noqa: PLC0415
+    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
+    from p2pactor.runtime.log import Durability  # noqa: PLC0415
+    from p2pactor.surface.timeline.feed import FeedLimits  # noqa: PLC0415
 
     # Timers and intervals of the node may be endless; the transports' may not.
     assert Timings(load_timeout=INF).load_timeout == INF

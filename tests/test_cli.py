@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import p2pactor
-from p2pactor.cli import main
+from p2pactor.programs.cli import main
 
 
 def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -43,7 +43,7 @@ def test_module_entry_point_runs() -> None:
 
 def test_a_subcommand_option_is_never_read_as_an_abbreviated_global_one() -> None:
     # serve's --log (the event log) against the top-level --log-format/--log-level.
-    from p2pactor.cli import build_parser  # noqa: PLC0415
+    from p2pactor.programs.cli import build_parser  # noqa: PLC0415
 
     args = build_parser().parse_args(["serve", "--log", "node.p2plog"])
     assert args.log == "node.p2plog"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from p2pactor.config import DEFAULT_HASH_SEED, NodeConfig, fingerprint_of
 from p2pactor.errors import ConfigError
+from p2pactor.runtime.config import DEFAULT_HASH_SEED, NodeConfig, fingerprint_of
 
 
 def test_defaults_are_vllms() -> None:

@@ -25,10 +25,10 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from p2pactor import protocol as wire
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 from p2pactor.core.consumer import (
     next_consumer_deadline,
     probe_answer,
@@ -241,7 +241,7 @@ class BudgetedCache(FakeCache):
     """A FakeCache that pins at most ``budget`` blocks at once, as a node under a quota.
 
     Hits past the budget (in key order, so a prefix is pinned) are handed back
-    as ``refused``, the way :func:`p2pactor.parent.serve_parent_request` does.
+    as ``refused``, the way :func:`p2pactor.runtime.parent.serve_parent_request` does.
     """
 
     budget: int | None = None

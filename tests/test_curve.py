@@ -35,27 +35,27 @@ import pytest
 import trio
 import zmq
 
-from p2pactor import protocol as wire
 from p2pactor.adapters.zmq import (
     ZmqControlTransport,
     ZmqOptions,
     generate_keypair,
     open_zmq_transport,
 )
-from p2pactor.cli import main
-from p2pactor.config import NodeConfig
+from p2pactor.core import protocol as wire
 from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import ConfigError
-from p2pactor.keys import (
+from p2pactor.programs.cli import main
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.keys import (
     CurveSecurity,
     Keyring,
     load_keyring,
     load_public,
     load_secret,
 )
-from p2pactor.node import Node, open_node
-from p2pactor.parent import EmbeddedCache
-from p2pactor.samples import block_bytes, preload_keys
+from p2pactor.runtime.node import Node, open_node
+from p2pactor.runtime.parent import EmbeddedCache
+from p2pactor.runtime.samples import block_bytes, preload_keys
 from p2pactor.testing import MemoryDataPlane
 
 HOST = "127.0.0.1"
@@ -925,8 +925,8 @@ async def test_a_curve_serve_process_turns_away_strangers_and_keeps_serving(
 def test_the_demo_runs_with_curve(tmp_path: Path) -> None:
     from io import StringIO  # noqa: PLC0415
 
-    from p2pactor.demo.run import run_demo  # noqa: PLC0415
-    from p2pactor.demo.workload import DemoPlan  # noqa: PLC0415
+    from p2pactor.programs.demo.run import run_demo  # noqa: PLC0415
+    from p2pactor.programs.demo.workload import DemoPlan  # noqa: PLC0415
 
     out = StringIO()
     plan = DemoPlan(nodes=2, requests=3, prefix_blocks=2, suffix_blocks=1, new_blocks=1)

@@ -6,7 +6,7 @@ installs the package, and in CI (``CI`` set) a missing browser fails the test
 instead of skipping it.
 
 The page is read through its test hook, ``window.p2pactorDashboard`` (see
-``p2pactor/dashboard/README.md``), not by matching pixels. Screenshots go to
+``p2pactor/surface/dashboard/README.md``), not by matching pixels. Screenshots go to
 ``build/screenshots/`` for people to look at; ``dashboard-timings.json`` there
 has the page's load and redraw times.
 """
@@ -285,7 +285,7 @@ def _replayed_outcome(logs: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _demo_requests() -> list[str]:
-    from p2pactor.demo.workload import DemoPlan, requests_of  # noqa: PLC0415
+    from p2pactor.programs.demo.workload import DemoPlan, requests_of  # noqa: PLC0415
 
     plan = DemoPlan(nodes=DEMO_NODES, requests=DEMO_REQUESTS, block_len=4096)
     return [r.kv_request_id for r in requests_of(plan)]
@@ -630,11 +630,11 @@ def _write_synthetic_logs(folder: Path, requests: int) -> list[Path]:
     import trio  # noqa: PLC0415
     import trio.testing  # noqa: PLC0415
 
-    from p2pactor.config import NodeConfig  # noqa: PLC0415
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
-    from p2pactor.log import Durability, EventLog  # noqa: PLC0415
-    from p2pactor.node import open_node  # noqa: PLC0415
-    from p2pactor.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
+    from p2pactor.runtime.log import Durability, EventLog  # noqa: PLC0415
+    from p2pactor.runtime.node import open_node  # noqa: PLC0415
+    from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
     from p2pactor.testing import MemoryDataPlane, MemoryNetwork  # noqa: PLC0415
 
     block_len = 64

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from p2pactor.demo.workload import DemoPlan, Expect, requests_of
+from p2pactor.programs.demo.workload import DemoPlan, Expect, requests_of
 
 
 def test_a_small_demo_verifies_every_byte_and_its_logs_replay(tmp_path: Path) -> None:

@@ -15,11 +15,11 @@ import socket
 import trio
 import zmq
 
-from p2pactor import protocol as wire
 from p2pactor.adapters.zmq import ZmqControlTransport, open_zmq_transport
-from p2pactor.config import NodeConfig
-from p2pactor.node import open_node
-from p2pactor.parent import EmbeddedCache
+from p2pactor.core import protocol as wire
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.node import open_node
+from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.testing import MemoryDataPlane
 
 BLOCK_LEN = 64

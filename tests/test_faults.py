@@ -45,23 +45,23 @@ import attrs
 import pytest
 import trio
 
-from p2pactor import protocol as wire
 from p2pactor.adapters.nixl import NixlDataTransport, import_nixl, open_nixl_transport
 from p2pactor.adapters.zmq import ZmqOptions, open_zmq_transport
-from p2pactor.config import NodeConfig
 from p2pactor.core import events as ev
+from p2pactor.core import protocol as wire
 from p2pactor.core.ids import Role
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.timings import Timings
 from p2pactor.errors import DataPlaneError, ProtocolError, UnknownMessageType
-from p2pactor.log import EventLog, read_log
-from p2pactor.node import Node, open_node
-from p2pactor.parent import EmbeddedCache
-from p2pactor.quotas import PeerQuotas
-from p2pactor.replay import replay
-from p2pactor.samples import block_bytes, preload_keys
-from p2pactor.session import SessionCloseResult
-from p2pactor.transport import WriteDone
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.log import EventLog, read_log
+from p2pactor.runtime.node import Node, open_node
+from p2pactor.runtime.parent import EmbeddedCache
+from p2pactor.runtime.quotas import PeerQuotas
+from p2pactor.runtime.samples import block_bytes, preload_keys
+from p2pactor.runtime.session import SessionCloseResult
+from p2pactor.runtime.transport import WriteDone
+from p2pactor.surface.replay import replay
 
 try:
     import_nixl()

@@ -1,4 +1,4 @@
-"""The event log (``p2pactor.log``, ``p2pactor.logread``): writing under each policy, reading.
+"""The event log (``p2pactor.runtime.log`` and ``logread``): writing under each policy, reading.
 
 Events are real ones: every scenario of ``tests/test_replay.py`` drives the
 consumer and producer cores through the harness, and the resulting mix of event
@@ -25,8 +25,8 @@ import trio
 
 from p2pactor.core import events as ev
 from p2pactor.errors import ConfigError, LogError, LogFormatError
-from p2pactor.log import Durability, DurabilityKind, EventLog
-from p2pactor.logread import MAGIC, LogReader, ProblemKind, read_log
+from p2pactor.runtime.log import Durability, DurabilityKind, EventLog
+from p2pactor.runtime.logread import MAGIC, LogReader, ProblemKind, read_log
 from tests.test_replay import NODE_B, event_mix, happy, repeated_pattern
 
 NODE = "10.0.0.9:5710"

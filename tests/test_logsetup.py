@@ -25,24 +25,22 @@ import pytest
 import trio
 import zmq
 
-from p2pactor import replay_cli
-from p2pactor.bench import cli as bench_cli
-from p2pactor.bench.report import BenchOptions, SectionResult
-from p2pactor.cli import build_parser, main
 from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import ConfigError
-from p2pactor.logsetup import (
+from p2pactor.programs import replay_cli
+from p2pactor.programs.bench import cli as bench_cli
+from p2pactor.programs.bench.report import BenchOptions, SectionResult
+from p2pactor.programs.cli import build_parser, main
+from p2pactor.runtime.logcontext import parent_request_context, peer_context, request_context
+from p2pactor.runtime.quotas import PeerQuotas
+from p2pactor.surface.logsetup import (
     FORMAT_ENV,
     LEVEL_ENV,
     ROOT,
     JsonFormatter,
     TextFormatter,
     configure_logging,
-    parent_request_context,
-    peer_context,
-    request_context,
 )
-from p2pactor.quotas import PeerQuotas
 from tests.cluster import key, open_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -269,7 +267,12 @@ def test_every_logger_is_under_p2pactor() -> None:
                 assert isinstance(name, str), where
                 assert name.startswith(f"{ROOT}."), f"{where}: {name!r}"
                 names.append(name)
-    assert {"p2pactor.node", "p2pactor.session", "p2pactor.zmq", "p2pactor.nixl"} <= set(names)
+    assert {
+        "p2pactor.node",
+        "p2pactor.session",
+        "p2pactor.zmq",
+        "p2pactor.nixl",
+    } <= set(names)
 
 
 # --- a real `p2pactor serve` process ---------------------------------------------------------

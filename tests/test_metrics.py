@@ -25,15 +25,15 @@ from pathlib import Path
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pactor.config import NodeConfig
 from p2pactor.core.inputs import LookupResult
-from p2pactor.demo.run import run_demo
-from p2pactor.demo.workload import DemoPlan
-from p2pactor.metrics import CONTENT_TYPE
-from p2pactor.node import open_node
-from p2pactor.parent import EmbeddedCache
-from p2pactor.quotas import PeerQuotas
-from p2pactor.surface import open_operator_surface
+from p2pactor.programs.demo.run import run_demo
+from p2pactor.programs.demo.workload import DemoPlan
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.node import open_node
+from p2pactor.runtime.parent import EmbeddedCache
+from p2pactor.runtime.quotas import PeerQuotas
+from p2pactor.surface.attach import open_operator_surface
+from p2pactor.surface.metrics import CONTENT_TYPE
 from p2pactor.testing import MemoryDataPlane
 from tests.cluster import BLOCK_LEN, Cluster, key, node_id, open_cluster
 
@@ -216,7 +216,7 @@ async def test_peers_without_a_session_fold_into_other_past_the_bound(
 
 async def test_peers_the_transport_refuses_unauthenticated_are_counted(tmp_path: Path) -> None:
     from p2pactor.adapters.zmq import generate_keypair, open_zmq_transport  # noqa: PLC0415 - pyzmq only here
-    from p2pactor.keys import CurveSecurity  # noqa: PLC0415
+    from p2pactor.runtime.keys import CurveSecurity  # noqa: PLC0415
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -448,7 +448,7 @@ def test_the_demos_metrics_equal_its_summary(tmp_path: Path) -> None:
 async def test_failed_transfers_are_counted_by_reason(autojump_clock: trio.abc.Clock) -> None:
     # A scripted peer: one fetch it never answers (aborted at 30 s: "timeout"),
     # one it answers transfer_done(success=False) ("peer_failed").
-    from p2pactor import protocol as wire  # noqa: PLC0415
+    from p2pactor.core import protocol as wire  # noqa: PLC0415
     from tests.test_node_flows import wait_results  # noqa: PLC0415
     from tests.test_session import PEER, node_and_peer  # noqa: PLC0415
 

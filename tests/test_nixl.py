@@ -34,14 +34,14 @@ from p2pactor.adapters.nixl import (
     import_nixl,
     open_nixl_transport,
 )
-from p2pactor.config import NodeConfig
 from p2pactor.core.events import TransferFailed
 from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import ConfigError, DataPlaneError
-from p2pactor.node import FetchResult, open_node
-from p2pactor.parent import EmbeddedCache
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.node import FetchResult, open_node
+from p2pactor.runtime.parent import EmbeddedCache
+from p2pactor.runtime.transport import TransferError, WriteDone
 from p2pactor.testing import MemoryNetwork
-from p2pactor.transport import TransferError, WriteDone
 
 try:
     import_nixl()

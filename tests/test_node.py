@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import trio
 
-from p2pactor.cli import main
-from p2pactor.config import NodeConfig
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerPhase, ProducerState
-from p2pactor.node import open_node
-from p2pactor.parent import EmbeddedCache
-from p2pactor.replay import replay
+from p2pactor.programs.cli import main
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.node import open_node
+from p2pactor.runtime.parent import EmbeddedCache
+from p2pactor.surface.replay import replay
 from tests.cluster import BLOCK_LEN, Cluster, block_bytes, key, node_id, open_cluster
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY

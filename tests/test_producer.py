@@ -27,10 +27,10 @@ from collections.abc import Iterable
 
 import pytest
 
-from p2pactor import protocol as wire
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 from p2pactor.core.producer import ProducerPhase, next_producer_deadline
 from tests.harness import KV, PEER, ProducerHarness, key
 

@@ -1,4 +1,4 @@
-"""Example tests of the wire codec, ``p2pactor.protocol``.
+"""Example tests of the wire codec, ``p2pactor.core.protocol``.
 
 Three things are checked here. First, byte-for-byte compatibility with vLLM
 0.33.0: each message encodes to exactly ``msgspec.msgpack.encode`` of the dict
@@ -19,15 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from p2pactor.errors import (
-    ConfigError,
-    FrameTooLarge,
-    InvalidField,
-    MalformedFrame,
-    ProtocolError,
-    UnknownMessageType,
-)
-from p2pactor.protocol import (
+from p2pactor.core.protocol import (
     DEFAULT_LIMITS,
     DEFAULT_MAX_FRAME_BYTES,
     MAX_ADDRESS,
@@ -55,6 +47,14 @@ from p2pactor.protocol import (
     TransferDone,
     decode,
     encode,
+)
+from p2pactor.errors import (
+    ConfigError,
+    FrameTooLarge,
+    InvalidField,
+    MalformedFrame,
+    ProtocolError,
+    UnknownMessageType,
 )
 
 KEY_A = bytes.fromhex("aa" * 32) + (0).to_bytes(4, "big")

@@ -1,4 +1,4 @@
-"""Property tests of the wire codec, ``p2pactor.protocol``, with hypothesis.
+"""Property tests of the wire codec, ``p2pactor.core.protocol``, with hypothesis.
 
 Two properties. Robustness: whatever bytes a peer sends (random bytes, random
 msgpack structures, maps that look like one of the nine messages with fields
@@ -18,8 +18,7 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2pactor.errors import ProtocolError
-from p2pactor.protocol import (
+from p2pactor.core.protocol import (
     MAX_ADDRESS,
     MAX_BLOCK_INDEX,
     MAX_BLOCK_LEN,
@@ -44,6 +43,7 @@ from p2pactor.protocol import (
     decode,
     encode,
 )
+from p2pactor.errors import ProtocolError
 
 FUZZ = settings(
     max_examples=400,

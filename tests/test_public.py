@@ -103,7 +103,7 @@ def test_an_unknown_name_is_an_attribute_error() -> None:
 def test_importing_the_package_loads_no_runtime() -> None:
     code = (
         "import sys, p2pactor; "
-        "heavy = {'trio', 'zmq', 'p2pactor.node', 'p2pactor.adapters.zmq'}; "
+        "heavy = {'trio', 'zmq', 'p2pactor.runtime.node', 'p2pactor.adapters.zmq'}; "
         "print(sorted(heavy & set(sys.modules)))"
     )
     out = subprocess.run(

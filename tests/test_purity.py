@@ -1,6 +1,6 @@
 """The pure core stays pure: no trio, no I/O, no clock.
 
-Every module of ``p2pactor.core`` and ``p2pactor.protocol`` may import only other
+Every module of ``p2pactor.core`` and ``p2pactor.core.protocol`` may import only other
 core modules, ``p2pactor.errors``, attrs, msgspec and a short list of pure
 standard-library modules. Importing the core must not pull in trio, pyzmq,
 NIXL, torch or vLLM.
@@ -16,13 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE_FILES = [
-    *sorted((ROOT / "p2pactor" / "core").glob("*.py")),
-    *(
-        ROOT / "p2pactor" / f"{name}.py"
-        for name in ("protocol", "protocol_codec", "protocol_limits")
-    ),
-]
+CORE_FILES = sorted((ROOT / "p2pactor" / "core").glob("*.py"))
 PURE_STDLIB = {
     "__future__",
     "abc",
@@ -55,13 +49,7 @@ def imported_modules(path: Path) -> set[str]:
 def is_allowed(module: str) -> bool:
     if module in PURE_STDLIB or module in ALLOWED_THIRD_PARTY:
         return True
-    return module in {
-        "p2pactor.errors",
-        "p2pactor.protocol",
-        "p2pactor.protocol_codec",
-        "p2pactor.protocol_limits",
-        "p2pactor",
-    } or module.startswith("p2pactor.core")
+    return module in {"p2pactor.errors", "p2pactor"} or module.startswith("p2pactor.core")
 
 
 @pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: p.name)
@@ -79,7 +67,7 @@ def test_core_module_reads_no_clock(path: Path) -> None:
 
 def test_importing_the_core_loads_no_io_library() -> None:
     probe = (
-        "import sys, p2pactor.core, p2pactor.protocol;"
+        "import sys, p2pactor.core, p2pactor.core.protocol;"
         "heavy = {'trio', 'zmq', 'torch', 'nixl', 'nixl_cu12', 'vllm', 'trio_websocket'};"
         "print(sorted(heavy & set(sys.modules)))"
     )

@@ -4,14 +4,14 @@
   :class:`~p2pactor.core.inputs.OverQuota` verdict or a parent answer with
   refused hits: what is sent, pinned, released and recorded (the harness checks
   after every step that replaying the log gives the live state).
-* **Ledger**: :class:`~p2pactor.quotas.QuotaLedger` counts, verdicts, pins,
+* **Ledger**: :class:`~p2pactor.runtime.quotas.QuotaLedger` counts, verdicts, pins,
   isolation between peers, the rate-limited log.
 * **Nodes** on the in-memory transports: a scripted peer goes over each quota;
   its counts return to zero after normal completion, after refusals and after
   its session dies; every pin is released; another peer is never affected;
   replay equals live.
 * **Real transports**: a victim node on ZeroMQ + NIXL, a hostile raw peer in
-  its own process (``p2pactor.bench._flood_hostile``) flooding lookups, and an
+  its own process (``p2pactor.programs.bench._flood_hostile``) flooding lookups, and an
   honest p2pactor node whose fetches still verify byte for byte.
 """
 
@@ -28,18 +28,18 @@ import attrs
 import pytest
 import trio
 
-from p2pactor import protocol as wire
-from p2pactor.config import NodeConfig
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerInput, ProducerPhase, ProducerState
 from p2pactor.errors import ConfigError
-from p2pactor.node import Node
-from p2pactor.parent import EmbeddedCache
-from p2pactor.quotas import DEFAULT_QUOTAS, PeerQuotas, PeerUsage, QuotaLedger
-from p2pactor.replay import Replayer
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.node import Node
+from p2pactor.runtime.parent import EmbeddedCache
+from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas, PeerUsage, QuotaLedger
+from p2pactor.surface.replay import Replayer
 from tests.cluster import block_bytes, open_cluster
 from tests.harness import KV, PEER, ProducerHarness, key
 from tests.test_session import node_and_peer
@@ -237,7 +237,7 @@ def fx_lookup_type() -> type:
 def serve_with_budget(h: ProducerHarness, request: object, budget: int) -> inp.ParentAnswer:
     """Serve a parent lookup against the harness's cache as the node does under a quota."""
     from p2pactor.core.effects import ParentLookup  # noqa: PLC0415
-    from p2pactor.parent import serve_parent_request  # noqa: PLC0415
+    from p2pactor.runtime.parent import serve_parent_request  # noqa: PLC0415
 
     assert isinstance(request, ParentLookup)
 
@@ -497,7 +497,7 @@ class TestLedger:
         }
 
     def test_idle_peers_are_forgotten_past_a_bound(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr("p2pactor.quotas._REMEMBERED_PEERS", 3)
+        monkeypatch.setattr("p2pactor.runtime.quotas._REMEMBERED_PEERS", 3)
         ledger = QuotaLedger(DEFAULT_QUOTAS, 100)
         ledger.open_request("holds-a-request:1", "r")
         ledger.pinned("holds-a-pin:1", 1, 2)
@@ -823,7 +823,7 @@ class TestNodes:
 
 # --- real transports: a hostile raw peer floods, an honest node fetches --------------------
 
-FLOOD_PEER = "p2pactor.bench._flood_hostile"
+FLOOD_PEER = "p2pactor.programs.bench._flood_hostile"
 """The hostile raw peer, a module of the bench (``python -m``)."""
 REAL_BLOCK_LEN = 4096
 REAL_BLOCKS = 64
@@ -839,9 +839,9 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
         import_nixl()
     except Exception as exc:
         pytest.skip(f"no NIXL here: {exc}")
-    from p2pactor.node import open_node  # noqa: PLC0415
-    from p2pactor.samples import block_bytes as real_block  # noqa: PLC0415
-    from p2pactor.samples import preload_keys  # noqa: PLC0415
+    from p2pactor.runtime.node import open_node  # noqa: PLC0415
+    from p2pactor.runtime.samples import block_bytes as real_block  # noqa: PLC0415
+    from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415
 
     seed = "flood-test-seed"
     keys = preload_keys(seed, REAL_BLOCKS)

@@ -1,9 +1,9 @@
-"""Replaying recorded logs: ``p2pactor.replay`` and the ``p2pactor replay`` command.
+"""Replaying recorded logs: ``p2pactor.surface.replay`` and the ``p2pactor replay`` command.
 
 Logs are made the way the runtime will make them, without the runtime: each
 scenario drives real consumer and producer cores through ``tests.harness``
 (which performs their effects against in-memory doubles), and the events the
-cores decided are written through :class:`p2pactor.log.EventLog`, several
+cores decided are written through :class:`p2pactor.runtime.log.EventLog`, several
 actors interleaved as a node would interleave them. Replay must rebuild
 exactly the state each live harness ended with, pass ``--check`` on every such
 log, and name the request and the event when a log is broken on purpose:
@@ -27,16 +27,16 @@ from pathlib import Path
 import attrs
 import pytest
 
-from p2pactor import protocol as wire
-from p2pactor.cli import main
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerPhase, ProducerState
-from p2pactor.log import Durability, EventLog, read_log
-from p2pactor.replay import Replayer, ReplayResult, describe, replay, replay_logs
+from p2pactor.programs.cli import main
+from p2pactor.runtime.log import Durability, EventLog, read_log
+from p2pactor.surface.replay import Replayer, ReplayResult, describe, replay, replay_logs
 from tests.harness import ConsumerHarness, ProducerHarness, key
 
 NODE_A = "10.0.0.1:5710"
@@ -981,8 +981,8 @@ def test_cli_through_a_subprocess(logs: tuple[Path, Path], tmp_path: Path) -> No
 
 _MEASURE = """
 import contextlib, io, json, resource, sys, time
-from p2pactor.cli import main
-from p2pactor.log import read_log
+from p2pactor.programs.cli import main
+from p2pactor.runtime.log import read_log
 
 def peak_kib():
     # VmHWM is this process's own high-water mark: ru_maxrss would include the

@@ -14,7 +14,6 @@ import attrs
 import pytest
 import trio
 
-from p2pactor.actor import ActorInput, RequestActor, Runner
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState, Load
@@ -22,7 +21,8 @@ from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ActiveLookup, PinJob, ProducerState, RoundState
 from p2pactor.core.records import replace
 from p2pactor.core.timings import DEFAULT_TIMINGS
-from p2pactor.timers import Timers
+from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
+from p2pactor.runtime.timers import Timers
 
 CONSUMER = ActorId(Role.CONSUMER, "p:1", "req", 0)
 

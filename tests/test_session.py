@@ -15,17 +15,17 @@ import msgspec
 import pytest
 import trio
 
-import p2pactor.actor
-from p2pactor import protocol as wire
-from p2pactor.actor import RequestActor
-from p2pactor.config import NodeConfig
+import p2pactor.runtime.actor
+from p2pactor.core import protocol as wire
 from p2pactor.core.events import AnyEvent
 from p2pactor.core.fold import fold
 from p2pactor.core.ids import ActorId
 from p2pactor.core.inputs import LookupResult
-from p2pactor.log import EventLog
-from p2pactor.node import Node, open_node
-from p2pactor.parent import EmbeddedCache
+from p2pactor.runtime.actor import RequestActor
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.log import EventLog
+from p2pactor.runtime.node import Node, open_node
+from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.testing import MemoryConnection, MemoryDataPlane, MemoryNetwork
 from tests.cluster import BLOCK_LEN, block_bytes, key
 
@@ -352,14 +352,14 @@ class TestDispatchErrors:
     async def test_five_internal_errors_in_a_row_disconnect_one_success_resets(
         self, autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        real = p2pactor.actor.step_producer
+        real = p2pactor.runtime.actor.step_producer
 
         def buggy(state, event_input, now, timings):  # type: ignore[no-untyped-def]
             if isinstance(event_input, wire.Lookup) and event_input.keys == (b"boom",):
                 raise RuntimeError("a bug in the core")
             return real(state, event_input, now, timings)
 
-        monkeypatch.setattr(p2pactor.actor, "step_producer", buggy)
+        monkeypatch.setattr(p2pactor.runtime.actor, "step_producer", buggy)
 
         async def boom(n: int) -> None:
             await peer.send(wire.Lookup(kv_request_id=f"b{n}", keys=(b"boom",), round_seq=0))

@@ -108,11 +108,11 @@ async def test_a_node_keeps_the_last_closed_sessions_and_counts_them_all(
 ) -> None:
     # A long-lived node sees peers come and go for ever: what their sessions
     # left behind is kept for the most recent ones only.
-    import p2pactor.peers  # noqa: PLC0415
-    from p2pactor import protocol as wire  # noqa: PLC0415
+    import p2pactor.runtime.peers  # noqa: PLC0415
+    from p2pactor.core import protocol as wire  # noqa: PLC0415
     from tests.test_session import node_and_peer  # noqa: PLC0415
 
-    monkeypatch.setattr(p2pactor.peers, "CLOSED_KEPT", 2)
+    monkeypatch.setattr(p2pactor.runtime.peers, "CLOSED_KEPT", 2)
     async with node_and_peer() as (node, _, peer):
         for closed in range(1, 4):
             await peer.dial()

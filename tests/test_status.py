@@ -28,13 +28,13 @@ import attrs
 import pytest
 import trio
 
-from p2pactor.cli import main
 from p2pactor.core.inputs import LookupResult
-from p2pactor.node import Node
-from p2pactor.protocol import Connect, ConnectAck
-from p2pactor.session import EXTENSION, PeerSession
-from p2pactor.status import SCHEMA
-from p2pactor.status_cli import format_status
+from p2pactor.core.protocol import Connect, ConnectAck
+from p2pactor.programs.cli import main
+from p2pactor.programs.status_cli import format_status
+from p2pactor.runtime.node import Node
+from p2pactor.runtime.session import EXTENSION, PeerSession
+from p2pactor.surface.status import SCHEMA
 from p2pactor.testing import message_is
 from tests.cluster import key, node_id, open_cluster
 

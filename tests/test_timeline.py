@@ -33,11 +33,12 @@ from trio_websocket import (
     wrap_client_stream,
 )
 
-from p2pactor.config import NodeConfig
 from p2pactor.core import events as ev
-from p2pactor.log import read_log
-from p2pactor.surface import OperatorSurface
-from p2pactor.timeline import (
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.log import read_log
+from p2pactor.runtime.view import control_security
+from p2pactor.surface.attach import OperatorSurface
+from p2pactor.surface.timeline import (
     BadFilter,
     Feed,
     FeedFilters,
@@ -45,7 +46,6 @@ from p2pactor.timeline import (
     open_replay_server,
     open_timeline_server,
 )
-from p2pactor.view import control_security
 from tests.cluster import Cluster, key, node_id, open_cluster
 from tests.test_node import pull
 
@@ -711,7 +711,7 @@ async def test_demo_with_a_dashboard_prints_a_url_whose_feeds_show_every_request
     tmp_path: Path,
 ) -> None:
     pytest.importorskip("nixl")
-    from p2pactor.demo.workload import DemoPlan, requests_of  # noqa: PLC0415
+    from p2pactor.programs.demo.workload import DemoPlan, requests_of  # noqa: PLC0415
 
     plan = DemoPlan(nodes=2, requests=2, block_len=4096)
     expected = {r.kv_request_id for r in requests_of(plan)}

@@ -34,7 +34,6 @@ import trio
 import trio.testing
 import zmq
 
-from p2pactor import protocol as wire
 from p2pactor.adapters._zmq_socket import _AsyncSocket
 from p2pactor.adapters.zmq import (
     ZmqConnection,
@@ -42,12 +41,13 @@ from p2pactor.adapters.zmq import (
     ZmqOptions,
     open_zmq_transport,
 )
-from p2pactor.config import NodeConfig
+from p2pactor.core import protocol as wire
 from p2pactor.core.inputs import LookupResult
-from p2pactor.node import Node, open_node
-from p2pactor.parent import EmbeddedCache
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.node import Node, open_node
+from p2pactor.runtime.parent import EmbeddedCache
+from p2pactor.runtime.transport import ConnectionLost
 from p2pactor.testing import MemoryDataPlane
-from p2pactor.transport import ConnectionLost
 
 FAST = ZmqOptions(
     heartbeat_interval=0.2, heartbeat_timeout=1.0, heartbeat_ttl=1.0, connect_timeout=2.0

@@ -13,7 +13,7 @@ import argparse
 import trio
 
 from p2pactor.adapters.zmq import ZmqConnection, ZmqOptions, open_zmq_transport
-from p2pactor.transport import ConnectionLost
+from p2pactor.runtime.transport import ConnectionLost
 
 
 async def echo(conn: ZmqConnection, tag: bytes) -> None:

@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Final, assert_never
 
-from p2pactor import protocol as wire
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
 from p2pactor.core.consumer_state import ConsumerState, Load, evolve_consumer
 from p2pactor.core.events import ConsumerPhase

@@ -12,8 +12,8 @@ from typing import Any, Final
 
 import attrs
 
-from p2pactor import protocol as wire
 from p2pactor.core import events as ev
+from p2pactor.core import protocol as wire
 from p2pactor.core.ids import ActorId
 
 __all__ = [

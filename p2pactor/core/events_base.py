@@ -78,7 +78,7 @@ class Violation(enum.Enum):
 class Quota(enum.Enum):
     """The per-peer quotas a node enforces on what a peer may make it hold.
 
-    See :class:`p2pactor.quotas.PeerQuotas` for the limits and their defaults.
+    See :class:`p2pactor.runtime.quotas.PeerQuotas` for the limits and their defaults.
     """
 
     PINNED_BLOCKS = "pinned_blocks"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 
 from p2pactor.core.events_base import Event, Ints, Keys, Quota
-from p2pactor.protocol import bool_tuple, bytes_tuple, int_tuple
+from p2pactor.core.protocol import bool_tuple, bytes_tuple, int_tuple
 
 __all__ = [
     "AbortAckSent",

@@ -4,7 +4,7 @@ An actor's inputs are: the engine's calls (:class:`Register`, :class:`Flush`,
 :class:`SubmitLoad`, :class:`Finish`, :class:`AddStore`), the parent's answers
 (:class:`ParentAnswer`), the data plane's reports (:class:`TransferResult`), the
 passage of time (:class:`Tick`), the end of the session (:class:`SessionEnded`),
-decoded wire messages from :mod:`p2pactor.protocol`, and the runtime's quota
+decoded wire messages from :mod:`p2pactor.core.protocol`, and the runtime's quota
 verdicts on such messages (:class:`OverQuota`).
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from p2pactor import protocol as wire
+from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota
 
 __all__ = [

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from typing import assert_never
 
-from p2pactor import protocol as wire
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
 from p2pactor.core.producer_evolve import evolve_producer
 from p2pactor.core.producer_lookups import (

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from p2pactor import protocol as wire
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
 from p2pactor.core.events import Violation
 from p2pactor.core.producer_lookups import _drop_lookups, _reject
 from p2pactor.core.producer_pins import _release_round_jobs

@@ -1,0 +1,139 @@
+"""The bounds the strict decoder of :mod:`p2pactor.core.protocol` enforces.
+
+The constants are the defaults; :class:`Limits` lets a node tune them. All of
+it is re-exported by :mod:`p2pactor.core.protocol`, where it is documented to live.
+
+This module is pure: no I/O, no clock, no concurrency.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+
+from p2pactor.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "DEFAULT_MAX_FRAME_BYTES",
+    "MAX_ADDRESS",
+    "MAX_AGENT_METADATA_BYTES",
+    "MAX_BLOCK_INDEX",
+    "MAX_BLOCK_LEN",
+    "MAX_DEADLINE_MS",
+    "MAX_EXTENSION_VERSION",
+    "MAX_FEATURES",
+    "MAX_FEATURE_CHARS",
+    "MAX_KEY_BYTES",
+    "MAX_LIST_ITEMS",
+    "MAX_NUM_BLOCKS",
+    "MAX_ROUND_SEQ",
+    "MAX_STRING_CHARS",
+    "Limits",
+]
+
+
+MAX_LIST_ITEMS: Final = 65_536
+"""Most items in one list field (``keys``, ``hits``, ``block_indexes``)."""
+
+MAX_KEY_BYTES: Final = 4_096
+"""Longest offload key, in bytes (a vLLM key is a hash plus 4 bytes)."""
+
+MAX_STRING_CHARS: Final = 4_096
+"""Longest string field (peer ids, request ids, fingerprints, hash seeds)."""
+
+MAX_AGENT_METADATA_BYTES: Final = 64 * 1024 * 1024
+"""Largest NIXL agent metadata blob a ``connect`` may carry."""
+
+MAX_BLOCK_INDEX: Final = 2**31 - 1
+"""Largest block index a ``fetch`` may name."""
+
+MAX_DEADLINE_MS: Final = 3_600_000
+"""Largest lookup budget a ``lookup`` extension may ask for (one hour)."""
+
+MAX_ROUND_SEQ: Final = 2**63 - 1
+"""Largest round number; fits a signed 64-bit counter on any peer."""
+
+MAX_NUM_BLOCKS: Final = 2**31 - 1
+"""Most blocks a peer may advertise in its ``connect``."""
+
+MAX_BLOCK_LEN: Final = 2**31 - 1
+"""Largest block a peer may advertise in its ``connect``, in bytes."""
+
+MAX_ADDRESS: Final = 2**64 - 1
+"""Highest address: a peer's block region must end within 64 bits."""
+
+MAX_FEATURES: Final = 64
+"""Most feature names in the ``p2pactor`` extension of a ``connect``."""
+
+MAX_FEATURE_CHARS: Final = 64
+"""Longest feature name in the ``p2pactor`` extension of a ``connect``."""
+
+MAX_EXTENSION_VERSION: Final = 2**31 - 1
+"""Largest version number in the ``p2pactor`` extension of a ``connect``."""
+
+DEFAULT_MAX_FRAME_BYTES: Final = MAX_AGENT_METADATA_BYTES + 1024 * 1024
+"""Largest frame :func:`~p2pactor.core.protocol.decode` reads by default.
+
+The metadata bound plus room for the other ``connect`` fields and for a full 65,536-key lookup."""
+
+
+@attrs.frozen(kw_only=True)
+class Limits:
+    """The bounds :func:`~p2pactor.core.protocol.decode` enforces, so a node can tune them.
+
+    Every bound is inclusive. Raising ``max_agent_metadata_bytes`` or the list
+    and key bounds usually means raising ``max_frame_bytes`` too, since the
+    frame bound is checked first.
+
+    Attributes:
+        max_frame_bytes: Largest frame read at all; larger ones are rejected
+            before any decoding.
+        max_list_items: Most items in one list field.
+        max_key_bytes: Longest offload key.
+        max_string_chars: Longest string field, in characters.
+        max_agent_metadata_bytes: Largest ``agent_metadata`` blob.
+        max_block_index: Largest block index in a ``fetch``.
+        max_round_seq: Largest ``round_seq``.
+        max_deadline_ms: Largest ``deadline_ms`` on a ``lookup``.
+        max_num_blocks: Largest ``num_blocks`` in a ``connect``.
+        max_block_len: Largest ``block_len`` in a ``connect``.
+        max_features: Most feature names in a ``connect`` extension.
+        max_feature_chars: Longest feature name in a ``connect`` extension.
+
+    Raises:
+        ConfigError: A bound is not an int, or is negative (zero, for the
+            frame, ``num_blocks`` and ``block_len`` bounds).
+    """
+
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    max_list_items: int = MAX_LIST_ITEMS
+    max_key_bytes: int = MAX_KEY_BYTES
+    max_string_chars: int = MAX_STRING_CHARS
+    max_agent_metadata_bytes: int = MAX_AGENT_METADATA_BYTES
+    max_block_index: int = MAX_BLOCK_INDEX
+    max_round_seq: int = MAX_ROUND_SEQ
+    max_deadline_ms: int = MAX_DEADLINE_MS
+    max_num_blocks: int = MAX_NUM_BLOCKS
+    max_block_len: int = MAX_BLOCK_LEN
+    max_features: int = MAX_FEATURES
+    max_feature_chars: int = MAX_FEATURE_CHARS
+
+    def __attrs_post_init__(self) -> None:
+        # A zero bound on these would reject every valid connect or frame,
+        # which is a misconfiguration, not a policy.
+        positive = {"max_frame_bytes", "max_num_blocks", "max_block_len"}
+        for field in attrs.fields(Limits):
+            value = getattr(self, field.name)
+            if type(value) is not int:
+                raise ConfigError(
+                    f"Limits.{field.name} is {type(value).__name__}; set it to an int"
+                )
+            least = 1 if field.name in positive else 0
+            if value < least:
+                raise ConfigError(f"Limits.{field.name} is {value}; set it to {least} or more")
+
+
+DEFAULT_LIMITS: Final = Limits()
+"""The bounds :func:`~p2pactor.core.protocol.decode` uses unless told otherwise."""

@@ -1,6 +1,0 @@
-"""``p2pactor demo``: nodes as separate processes sharing KV blocks on loopback.
-
-:mod:`~p2pactor.demo.workload` is the pure workload every process agrees on,
-:mod:`~p2pactor.demo.node` one node's process, :mod:`~p2pactor.demo.run` the
-orchestrator that starts them, shows progress and prints the summary.
-"""

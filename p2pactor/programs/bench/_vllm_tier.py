@@ -1,0 +1,303 @@
+"""What both sides of the vLLM benchmarks share: workload, spec, parent, tiers, producer.
+
+Used by the ``engine`` section (and ``benchmarks/vllm_engine_thread.py``) and
+by the vLLM side of the ``control`` section. Run as
+``python -m p2pactor.programs.bench._vllm_tier --tier ours|vllm --port N ...`` it is a
+*producer*: one tier (``ours``: p2pactor's ``P2PActorTierManager``; ``vllm``:
+vLLM 0.33's ``P2PSecondaryTierManager``) over a block pool holding the
+workload's HIT keys; it prints ``READY``, then does what vLLM's tier-poll
+thread does for an idle engine: every ``--poll-ms`` it calls
+``get_finished_jobs()`` and ``serve_external_requests(parent)`` with a
+:class:`FakeParent` answering from the pool. It stops when its stdin closes,
+shuts the tier down and prints one JSON line of counters.
+
+Importing it sets ``NIXL_LOG_LEVEL=WARN``, ``PYTHONHASHSEED=0`` and
+``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and
+seeds vLLM's ``NONE_HASH`` with ``init_none_hash(sha256)``, as an engine does
+at start-up. It needs vLLM: import it only where vLLM is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import struct
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("PYTHONHASHSEED", "0")
+# What vLLM sets before it imports NIXL; set here so that both tiers run UCX
+# alike whichever of them imports NIXL first in a process.
+os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+
+import numpy as np
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import init_none_hash
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
+from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+init_none_hash(sha256)
+
+__all__ = [
+    "HOST",
+    "STAMP",
+    "TIERS",
+    "FakeParent",
+    "RequestSpec",
+    "make_pool",
+    "make_spec",
+    "make_tier",
+    "offload_key",
+    "producer_pool",
+    "stamp",
+    "workload",
+]
+
+HOST = "127.0.0.1"
+"""Every benchmark process binds here."""
+TIERS = ("ours", "vllm")
+"""``ours``: p2pactor's vLLM adapter; ``vllm``: vLLM 0.33's own P2P tier."""
+STAMP = struct.Struct("<II")
+"""(request, key) at the head of every producer block, checked after each load."""
+
+
+# --- the workload ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of the workload: its keys, of which the first ``hits`` are on the producer."""
+
+    index: int
+    keys: tuple[bytes, ...]
+    hits: int
+
+
+def offload_key(request: int, key: int) -> bytes:
+    """A vLLM OffloadKey: a 32-byte block hash, then the 4-byte group index."""
+    digest = hashlib.sha256(f"p2pactor-bench/{request}/{key}".encode()).digest()
+    return digest + (0).to_bytes(4, "big")
+
+
+def workload(requests: int, keys_per_request: int, seed: int) -> list[RequestSpec]:
+    """The deterministic workload: each request's HIT prefix is uniform in [K/2, K] (75% hit)."""
+    rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
+    out = []
+    for i in range(requests):
+        hits = rng.randint(keys_per_request // 2, keys_per_request)
+        keys = tuple(offload_key(i, j) for j in range(keys_per_request))
+        out.append(RequestSpec(i, keys, hits))
+    return out
+
+
+def stamp(request: int, key: int) -> bytes:
+    """The bytes the producer writes at the head of the block of (request, key)."""
+    return STAMP.pack(request, key)
+
+
+# --- the engine's OffloadingSpec -----------------------------------------------------
+
+
+def make_spec(kind: str, block_bytes: int, num_blocks: int, port: int, layers: int = 28) -> Any:
+    """The spec vLLM hands its tiers, for one full-attention group of 16-token blocks, TP=1.
+
+    A real ``TieringOffloadingSpec`` over a real ``OffloadingConfig``: both
+    tiers read ``config`` (the layout fingerprint through
+    ``FileMapper.from_offloading_spec(..., parallel_agnostic=True)``, the data
+    parallel index for the port) and ``blocks_per_chunk``. Its extra config
+    names the tier of ``kind`` as an engine's ``secondary_tiers`` entry would.
+    """
+    tier_config: dict[str, Any] = {"host": HOST, "port": port}
+    if kind == "ours":
+        tier_config |= {"type": "P2PActorTierManager", "module_path": "p2pactor.adapters.vllm"}
+    else:
+        tier_config |= {"type": "p2p"}
+    config = OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(
+                tokens_per_block=16,
+                layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)),
+                group_id=0,
+            ),
+        ),
+        worker_kv_bytes_per_block=block_bytes,
+        enable_kv_cache_events=False,
+        extra_config={
+            "cpu_bytes_to_use": num_blocks * block_bytes,
+            "blocks_per_chunk": 1,
+            "secondary_tiers": [tier_config],
+        },
+        engine_id="p2pactor-bench",
+        model=OffloadingModelConfig(name="Qwen/Qwen3-0.6B", dtype="bfloat16", max_model_len=4096),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=True,
+        ),
+    )
+    return TieringOffloadingSpec(config)
+
+
+# --- the parent ----------------------------------------------------------------------
+
+
+class FakeParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any to mypy
+    """VLLM's ParentManager over a dict of key -> chunk: what the tier serves from."""
+
+    def __init__(self, blocks: dict[bytes, int] | None = None) -> None:
+        self.blocks = blocks or {}
+        self.open: set[str] = set()
+        self.next_job = 1_000_000
+        self.lookups = 0
+        self.pins = 0
+
+    def on_new_request(self, req_context: Any) -> Any:
+        """A synthetic request for a peer's lookups opens."""
+        self.open.add(req_context.req_id)
+        return RequestOffloadingContext()
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        """HIT when the pool holds ``key``."""
+        del req_context
+        self.lookups += 1
+        return LookupResult.HIT if bytes(key) in self.blocks else LookupResult.MISS
+
+    def create_store_job(self, keys: Iterable[Any], req_context: Any) -> Any:
+        """Pin the chunks of ``keys`` for a peer's fetch."""
+        keys = list(keys)
+        self.next_job += 1
+        self.pins += 1
+        chunks = np.array([self.blocks[bytes(k)] for k in keys], dtype=np.int64)
+        return TransferJob(
+            job_id=self.next_job,
+            keys=keys,
+            chunk_ids=chunks,
+            is_promotion=False,
+            req_context=req_context,
+        )
+
+    def on_request_finished(self, req_context: Any) -> None:
+        """A synthetic request closes."""
+        self.open.discard(req_context.req_id)
+
+
+# --- the tiers -------------------------------------------------------------------------
+
+
+def make_pool(blocks: int, block_bytes: int) -> Any:
+    """A zeroed CPU pool, one row per chunk (what vLLM's primary tier lends as a view)."""
+    return np.zeros((blocks, block_bytes), dtype=np.uint8)
+
+
+def make_tier(kind: str, pool: Any, port: int) -> Any:
+    """One tier of ``kind`` over ``pool``, bound to ``HOST:port``."""
+    spec = make_spec(kind, pool.shape[1], pool.shape[0], port)
+    view = memoryview(pool)
+    if kind == "ours":
+        from p2pactor.adapters.vllm import P2PActorTierManager  # noqa: PLC0415
+
+        return P2PActorTierManager(spec, view, host=HOST, port=port)
+    if kind == "vllm":
+        from vllm.v1.kv_offload.tiering.p2p.manager import (  # noqa: PLC0415
+            P2PSecondaryTierManager,
+        )
+
+        return P2PSecondaryTierManager(spec, view, host=HOST, port=port)
+    raise ValueError(f"unknown tier {kind!r}; pick one of {TIERS}")
+
+
+def producer_pool(
+    requests: Sequence[RequestSpec], block_bytes: int
+) -> tuple[Any, dict[bytes, int]]:
+    """The producer's pool: every HIT key of the workload in its own stamped block."""
+    total = sum(r.hits for r in requests)
+    pool = make_pool(max(total, 1), block_bytes)
+    blocks: dict[bytes, int] = {}
+    for r in requests:
+        for j in range(r.hits):
+            b = len(blocks)
+            blocks[r.keys[j]] = b
+            pool[b, : STAMP.size] = np.frombuffer(stamp(r.index, j), dtype=np.uint8)
+    return pool, blocks
+
+
+# --- the producer process --------------------------------------------------------------
+
+
+def _watch_stdin(stop: threading.Event) -> None:
+    while sys.stdin.readline():
+        pass
+    stop.set()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve the workload's blocks until stdin closes."""
+    parser = argparse.ArgumentParser(description="the producer of the engine benchmark")
+    parser.add_argument("--tier", choices=TIERS, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--keys", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-bytes", type=int, default=4096)
+    parser.add_argument("--poll-ms", type=float, default=1.0)
+    args = parser.parse_args(argv)
+
+    requests = workload(args.requests, args.keys, args.seed)
+    pool, blocks = producer_pool(requests, args.block_bytes)
+    parent = FakeParent(blocks)
+    tier = make_tier(args.tier, pool, args.port)
+    stop = threading.Event()
+    threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
+    sys.stdout.write("READY\n")
+    sys.stdout.flush()
+
+    rounds = released = 0
+    interval = args.poll_ms / 1000
+    while not stop.is_set():
+        released += sum(1 for _ in tier.get_finished_jobs())
+        tier.serve_external_requests(parent)
+        rounds += 1
+        stop.wait(interval)
+    tier.shutdown()
+    report = {
+        "rounds": rounds,
+        "released": released,
+        "parent_lookups": parent.lookups,
+        "pins": parent.pins,
+        "open_contexts": len(parent.open),
+    }
+    sys.stdout.write(json.dumps(report) + "\n")
+    sys.stdout.flush()
+    time.sleep(0.05)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

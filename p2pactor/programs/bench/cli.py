@@ -1,0 +1,142 @@
+"""``p2pactor bench [--quick] [--json PATH] [--only SECTION ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from typing import TYPE_CHECKING, Any, Protocol
+
+from p2pactor.programs.bench.report import BenchOptions, BenchReport, SectionResult, machine
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["SECTIONS", "register", "run_bench"]
+
+SECTIONS: tuple[str, ...] = ("dataplane", "control", "engine", "scale", "peers", "flood", "idle")
+"""Section names, in the order they run; each is the module ``p2pactor.programs.bench.<name>``."""
+
+
+class _Section(Protocol):
+    NAME: str
+    TITLE: str
+
+    def run(self, options: BenchOptions) -> SectionResult: ...
+
+
+def _load(name: str) -> _Section | None:
+    try:
+        module: Any = importlib.import_module(f"p2pactor.programs.bench.{name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"p2pactor.programs.bench.{name}":
+            return None  # a section not written yet
+        raise
+    section: _Section = module
+    return section
+
+
+def run_bench(
+    options: BenchOptions, only: Sequence[str] = (), *, out: Any = sys.stdout
+) -> BenchReport:
+    """Run the sections (all, or ``only``) and return the report; print each table."""
+    results: list[SectionResult] = []
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    where = machine()  # before the sections: its load average is the one they started at
+    for name in SECTIONS:
+        if only and name not in only:
+            continue
+        section = _load(name)
+        if section is None:
+            results.append(SectionResult(name=name, title="", skipped="not implemented"))
+            continue
+        t0 = time.perf_counter()
+        try:
+            result = section.run(options)
+        except Exception as exc:  # one broken section must not hide the others
+            traceback.print_exc(file=sys.stderr)
+            result = SectionResult(
+                name=name, title=section.TITLE, skipped=f"failed: {type(exc).__name__}: {exc}"
+            )
+        result = _with_seconds(result, time.perf_counter() - t0)
+        results.append(result)
+        out.write(result.table() + "\n\n")
+        out.flush()
+    return BenchReport(quick=options.quick, started=started, machine=where, sections=results)
+
+
+def _with_seconds(result: SectionResult, seconds: float) -> SectionResult:
+    import attrs  # noqa: PLC0415 - keeps the CLI's import light
+
+    return attrs.evolve(result, seconds=round(seconds, 2))
+
+
+def _main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    unknown = [s for s in args.only if s not in SECTIONS]
+    if unknown:
+        sys.stderr.write(
+            f"p2pactor bench: unknown section(s) {', '.join(unknown)}; "
+            f"choose from {', '.join(SECTIONS)}\n"
+        )
+        return 2
+    with tempfile.TemporaryDirectory(prefix="p2pactor-bench-") as work:
+        repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+        options = BenchOptions(quick=args.quick, repeats=repeats, work_dir=work)
+        # With --json -, stdout holds the JSON document alone: the tables go to stderr.
+        to_stdout = args.json == "-"
+        report = run_bench(options, args.only, out=sys.stderr if to_stdout else sys.stdout)
+    if to_stdout:
+        json.dump(report.to_json(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    elif args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+            f.write("\n")
+        sys.stderr.write(f"wrote {args.json}\n")
+    failed = [s.name for s in report.sections if s.skipped and s.skipped.startswith("failed")]
+    if failed:
+        sys.stderr.write(f"p2pactor bench: section(s) failed: {', '.join(failed)}\n")
+        return 1
+    return 0
+
+
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``bench`` to the command line's subcommands."""
+    parser = commands.add_parser(
+        "bench",
+        help="measure p2pactor against raw NIXL, memcpy and vLLM's own P2P tier",
+        description=(
+            "Measure the data plane (vs raw NIXL and memcpy), the control plane and "
+            "engine-thread cost, lookup latency under a flood and idle CPU (vs vLLM "
+            "0.33.0's P2P tier when vLLM is installed), actor scale and many peers, "
+            "side by side in one run. Results are "
+            "medians over repeats with [min..max]; see docs/benchmarks.md."
+        ),
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run for CI (small sizes, few repeats)"
+    )
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the results as JSON to PATH; '-': to stdout, with the tables on stderr",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        default=[],
+        metavar="SECTION",
+        help=f"run only these sections ({', '.join(SECTIONS)})",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="repeats per measurement (default 5; quick 2)"
+    )
+    parser.set_defaults(handler=_main)

@@ -1,0 +1,251 @@
+"""Control plane: lookup throughput and latency, ours against vLLM 0.33.0's P2P sessions.
+
+Per side, two processes on 127.0.0.1 over real ZeroMQ
+(:mod:`p2pactor.programs.bench._control_peer`): a producer holding 4,096 blocks in an
+:class:`~p2pactor.runtime.parent.EmbeddedCache`, and a consumer running C concurrent
+lookup loops of K keys each (a fresh request id per lookup, every key a hit,
+the request finished once answered). Ours: two p2pactor nodes (``Node.lookup``,
+``Node.finish``; the producer serves from the cache as its embedded parent).
+vLLM: its ``P2PSecondaryTierManager`` on both sides (its ``P2PSession`` and
+``ZmqTransport``), each driven by a loop that wakes as soon as its ROUTER socket
+is readable (else every 1 ms, vLLM's tier-poll interval), with a vLLM
+``ParentManager`` over the same cache class on the producer: vLLM's session code
+at its fastest, not held back by engine steps.
+
+All four processes start together and stay up; every repeat runs every cell
+(K keys x C concurrent) on both sides in turn (alternating which goes first),
+for a fixed time each. Reported per cell: lookups/s, latency p50 and p99 (from
+the lookup call to every answer), CPU per lookup of both processes, medians over
+repeats with [min..max]; the ratios ours/vLLM per repeat.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from p2pactor.programs.bench._control_common import (
+    LineProcess,
+    free_port,
+    process_cpu_s,
+    vllm_missing,
+)
+from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+
+__all__ = ["NAME", "TITLE", "run"]
+
+NAME = "control"
+"""The section's name."""
+TITLE = "lookup throughput and latency over ZeroMQ vs vLLM 0.33.0's P2P sessions"
+"""One line saying what is measured."""
+
+KEYS_FULL = (1, 16, 256)
+"""Keys per lookup in a full run."""
+CONC_FULL = (1, 8, 64)
+"""Concurrent lookups in a full run."""
+QUICK_CELLS = ((16, 1), (16, 8))
+"""(keys, concurrent) cells of a quick run."""
+HELPER = "p2pactor.programs.bench._control_peer"
+"""The module each producer and consumer process runs."""
+
+
+def _cells(quick: bool) -> list[tuple[int, int]]:
+    if quick:
+        return list(QUICK_CELLS)
+    return [(k, c) for k in KEYS_FULL for c in CONC_FULL]
+
+
+def _helper(*args: str) -> LineProcess:
+    return LineProcess(HELPER, *args, PYTHONHASHSEED="0")
+
+
+class _Side:
+    """One side's producer and consumer."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side
+        producer_port, consumer_port = free_port(), free_port()
+        self.producer = _helper(f"--side={side}", "--role=producer", f"--port={producer_port}")
+        self.consumer = _helper(
+            f"--side={side}",
+            "--role=consumer",
+            f"--port={consumer_port}",
+            f"--peer-port={producer_port}",
+        )
+
+    def ready(self) -> None:
+        self.producer.wait_ready()
+        self.consumer.wait_ready()
+
+    def cell(self, keys: int, conc: int, seconds: float) -> dict[str, Any]:
+        p0 = process_cpu_s(self.producer.pid)
+        result = self.consumer.ask({"keys": keys, "conc": conc, "seconds": seconds})
+        result["producer_cpu_s"] = process_cpu_s(self.producer.pid) - p0
+        return result
+
+    def pause(self, *, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) both processes.
+
+        An idle side must not run beside the measured one: vLLM's NIXL agent
+        runs a progress thread that spins, and on two cores two idle vLLM
+        processes took half the CPU from our side's run. Cells are seconds
+        long, well inside both sides' 10 s heartbeat timeout.
+        """
+        for proc in (self.consumer, self.producer):
+            proc.pause(paused=paused)
+        if not paused:
+            time.sleep(0.05)  # let them catch up with their sockets before measuring
+
+    def close(self) -> dict[str, Any]:
+        self.pause(paused=False)
+        self.consumer.close()
+        return self.producer.close()
+
+    def kill(self) -> None:
+        self.pause(paused=False)
+        self.consumer.kill()
+        self.producer.kill()
+
+
+def run(options: BenchOptions) -> SectionResult:
+    """Measure every cell on both sides, side by side, and tabulate."""
+    missing = vllm_missing()
+    sides = ["ours"] if missing else ["ours", "vllm"]
+    cells = _cells(options.quick)
+    seconds = 0.5 if options.quick else 2.0
+    repeats = max(1, options.repeats)
+    procs = {s: _Side(s) for s in sides}  # all start at once: their imports overlap
+    results: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    leftovers: dict[str, dict[str, Any]] = {}
+    try:
+        t0 = time.perf_counter()
+        for p in procs.values():
+            p.ready()
+        startup = time.perf_counter() - t0
+        for p in procs.values():  # the handshake, and the first lookups' one-off costs
+            p.cell(16, 1, 0.3)
+        for rep in range(repeats):
+            order = sides if rep % 2 == 0 else list(reversed(sides))
+            for keys, conc in cells:
+                for side in order:
+                    for other, p in procs.items():
+                        p.pause(paused=other != side)
+                    r = procs[side].cell(keys, conc, seconds)
+                    results.setdefault((side, keys, conc), []).append(r)
+        for side, p in procs.items():
+            leftovers[side] = p.close()
+    finally:
+        for p in procs.values():
+            p.kill()
+    return _tabulate(
+        sides=sides,
+        cells=cells,
+        results=results,
+        leftovers=leftovers,
+        missing=missing,
+        seconds=seconds,
+        repeats=repeats,
+        startup=startup,
+    )
+
+
+def _rate(r: dict[str, Any]) -> float:
+    return float(r["lookups"]) / float(r["elapsed_s"]) if r["elapsed_s"] > 0 else 0.0
+
+
+def _cpu_us(r: dict[str, Any]) -> float:
+    return (float(r["cpu_s"]) + float(r["producer_cpu_s"])) / max(1, int(r["lookups"])) * 1e6
+
+
+def _tabulate(
+    *,
+    sides: Sequence[str],
+    cells: Sequence[tuple[int, int]],
+    results: dict[tuple[str, int, int], list[dict[str, Any]]],
+    leftovers: dict[str, dict[str, Any]],
+    missing: str | None,
+    seconds: float,
+    repeats: int,
+    startup: float,
+) -> SectionResult:
+    rows: list[dict[str, Cell]] = []
+    ratios: dict[str, Stat] = {}
+    tput_ratios: list[float] = []
+    p99_ratios: list[float] = []
+    both = "vllm" in sides
+    misses = 0
+    for keys, conc in cells:
+        ours = results[("ours", keys, conc)]
+        misses += sum(int(r["misses"]) for r in ours)
+        row: dict[str, Cell] = {
+            "keys": keys,
+            "concurrent": conc,
+            "ours lookups/s": Stat.of(_rate(r) for r in ours),
+            "ours p50 ms": Stat.of(r["p50_s"] * 1e3 for r in ours),
+            "ours p99 ms": Stat.of(r["p99_s"] * 1e3 for r in ours),
+            "ours CPU us/lookup": Stat.of(_cpu_us(r) for r in ours),
+        }
+        if both:
+            theirs = results[("vllm", keys, conc)]
+            tr = [_rate(a) / _rate(b) for a, b in zip(ours, theirs, strict=True) if _rate(b)]
+            pr = [a["p99_s"] / b["p99_s"] for a, b in zip(ours, theirs, strict=True) if b["p99_s"]]
+            row |= {
+                "vLLM lookups/s": Stat.of(_rate(r) for r in theirs),
+                "vLLM p50 ms": Stat.of(r["p50_s"] * 1e3 for r in theirs),
+                "vLLM p99 ms": Stat.of(r["p99_s"] * 1e3 for r in theirs),
+                "vLLM CPU us/lookup": Stat.of(_cpu_us(r) for r in theirs),
+            }
+            if tr:
+                ratios[f"throughput ours/vLLM {keys} keys x {conc}"] = Stat.of(tr)
+                row["tput ours/vLLM"] = Stat.of(tr).median
+                tput_ratios.append(Stat.of(tr).median)
+            if pr:
+                ratios[f"p99 ours/vLLM {keys} keys x {conc}"] = Stat.of(pr)
+                row["p99 ours/vLLM"] = Stat.of(pr).median
+                p99_ratios.append(Stat.of(pr).median)
+        rows.append(row)
+    if tput_ratios:
+        ratios = {
+            "throughput ours/vLLM (geomean of cells)": Stat.of([_geomean(tput_ratios)]),
+            "p99 ours/vLLM (geomean of cells)": Stat.of([_geomean(p99_ratios)]),
+            **ratios,
+        }
+    notes = [
+        (
+            f"{repeats} repeat(s) of {seconds:g} s per cell and side; every key a hit; "
+            f"processes started in {startup:.0f} s (both sides at once)"
+        ),
+        (
+            "the side not being measured is stopped (SIGSTOP) meanwhile; "
+            "vLLM side: P2PSecondaryTierManager on both ends, each woken as soon as its ROUTER "
+            "is readable (else every 1 ms); producer parent: a vLLM ParentManager over the same "
+            "EmbeddedCache class"
+        ),
+    ]
+    if missing:
+        notes.append(f"vLLM side skipped: {missing}")
+    if misses:
+        notes.append(f"ours answered {misses} MISS for keys the producer holds (should be 0)")
+    for side, counters in leftovers.items():
+        held = {k: counters[k] for k in ("pinned", "held_jobs", "open") if counters.get(k)}
+        if held:
+            notes.append(f"{side} producer still held after the run: {held}")
+    if tput_ratios:
+        missed = []
+        for (keys, conc), t, p in zip(cells, tput_ratios, p99_ratios, strict=False):
+            if t < 1.0 or p > 1.0:
+                missed.append(f"{keys}x{conc}: tput x{t:.2f}, p99 x{p:.2f}")
+        notes.append(
+            "targets (throughput >= vLLM, p99 <= vLLM): "
+            + ("met in every cell" if not missed else "missed in " + "; ".join(missed))
+        )
+    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+
+
+def _geomean(values: Sequence[float]) -> float:
+    good = [v for v in values if v > 0 and math.isfinite(v)]
+    if not good:
+        return math.nan
+    return math.exp(sum(math.log(v) for v in good) / len(good))

@@ -1,0 +1,147 @@
+"""Actor scale: 10,000 concurrent requests on one node, and replay speed.
+
+Requests (:mod:`p2pactor.programs.bench._control_scale`, a fresh interpreter per repeat
+so that its peak RSS is its own): two nodes over the in-memory transports of
+:mod:`p2pactor.testing` (the network is not the point; the actors are), both
+writing real event logs on disk. One node starts 10,000 requests at once (quick:
+1,000) against the other; each looks up 4 keys (3 hits), fetches the hits and
+finishes. Reported: time until every request is done, events through
+decide/evolve/log on both nodes and their rate, peak RSS and its growth.
+
+Replay: a log of 1,000,000 events (quick: 100,000), made by repeating the
+first run's logged events under fresh request ids, is read, replayed, and
+replayed with invariant checks, each in a fresh interpreter: events per second
+and peak RSS growth (replay streams: memory must not grow with the log).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from p2pactor.programs.bench._control_common import run_module
+from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+
+__all__ = ["NAME", "TITLE", "run"]
+
+NAME = "scale"
+"""The section's name."""
+TITLE = "N concurrent requests on one node (in-memory network, logs on disk); replay speed"
+"""One line saying what is measured."""
+
+HELPER = "p2pactor.programs.bench._control_scale"
+"""The module each measurement runs in (a fresh interpreter)."""
+REPLAY_MODES = ("read", "replay", "replay --check")
+"""Reading the log only; replaying it; replaying it with invariant checks."""
+
+
+def _json(out: str) -> dict[str, Any]:
+    for line in reversed(out.splitlines()):
+        if line.startswith("{"):
+            result: dict[str, Any] = json.loads(line)
+            return result
+    raise RuntimeError(f"{HELPER} printed no result:\n{out[-2000:]}")
+
+
+def run(options: BenchOptions) -> SectionResult:
+    """Run the requests and the replays; tabulate medians over repeats."""
+    n = 1_000 if options.quick else 10_000
+    events = 100_000 if options.quick else 1_000_000
+    repeats = 1 if options.quick else max(1, min(options.repeats, 3))
+    runs: list[dict[str, Any]] = []
+    for rep in range(repeats):
+        folder = os.path.join(options.work_dir, f"scale-{rep}")
+        os.makedirs(folder, exist_ok=True)
+        done = run_module(
+            HELPER, "requests", f"--requests={n}", f"--dir={folder}", timeout=600 + n / 10
+        )
+        runs.append(_json(done.stdout))
+    first = os.path.join(options.work_dir, "scale-0")
+    big = os.path.join(options.work_dir, "replay.log")
+    written = _json(
+        run_module(
+            HELPER,
+            "write",
+            f"--events={events}",
+            "--from",
+            os.path.join(first, "a.log"),
+            os.path.join(first, "b.log"),
+            f"--out={big}",
+            timeout=1200,
+        ).stdout
+    )
+    replays: dict[str, list[dict[str, Any]]] = {m: [] for m in REPLAY_MODES}
+    # One replay each: a million events take minutes to replay with checks.
+    replay_repeats = 1
+    for _ in range(replay_repeats):
+        for mode in REPLAY_MODES:
+            replays[mode].append(
+                _json(run_module(HELPER, "replay", mode, big, timeout=1200).stdout)
+            )
+    os.remove(big)
+
+    def stat(key: str, scale: float = 1.0) -> Stat:
+        return Stat.of(float(r[key]) * scale for r in runs)
+
+    rows: list[dict[str, Cell]] = [
+        {"figure": "concurrent requests", "value": n, "unit": "requests"},
+        {"figure": "time until all done", "value": stat("seconds"), "unit": "s"},
+        {
+            "figure": "requests per second",
+            "value": Stat.of(n / r["seconds"] for r in runs),
+            "unit": "1/s",
+        },
+        {"figure": "events logged (both nodes)", "value": stat("events"), "unit": "events"},
+        {
+            "figure": "events through decide/evolve/log",
+            "value": Stat.of(r["events"] / r["seconds"] for r in runs),
+            "unit": "events/s",
+        },
+        {"figure": "peak RSS", "value": stat("peak_rss_kib", 1 / 1024), "unit": "MiB"},
+        {
+            "figure": "RSS growth during the run",
+            "value": stat("rss_growth_kib", 1 / 1024),
+            "unit": "MiB",
+        },
+        {"figure": "RSS growth per request", "value": stat("rss_growth_kib", 1 / n), "unit": "KiB"},
+        {"figure": "failed requests", "value": stat("failed"), "unit": "requests"},
+        {"figure": "replay log", "value": int(written["events"]), "unit": "events"},
+        {"figure": "replay log size", "value": written["bytes"] / 2**20, "unit": "MiB"},
+        {
+            "figure": "writing the replay log",
+            "value": written["events"] / written["seconds"],
+            "unit": "events/s",
+        },
+    ]
+    for mode in REPLAY_MODES:
+        rs = replays[mode]
+        rows.append(
+            {
+                "figure": f"{mode}: speed",
+                "value": Stat.of(r["events"] / r["seconds"] for r in rs),
+                "unit": "events/s",
+            }
+        )
+        rows.append(
+            {
+                "figure": f"{mode}: peak RSS growth",
+                "value": Stat.of(r["growth_kib"] / 1024 for r in rs),
+                "unit": "MiB",
+            }
+        )
+    notes = [
+        (
+            f"{repeats} repeat(s) of the requests and {replay_repeats} of each replay, each "
+            "in a fresh interpreter; 4 keys per request (3 hits, 1 miss), fetch of the hits; "
+            "both nodes log to disk (Durability.interval)"
+        ),
+        "the replay log repeats the first run's events (both nodes) under fresh request ids",
+    ]
+    failed = sum(int(r["failed"]) for r in runs)
+    if failed:
+        notes.append(f"{failed} request(s) failed (should be 0)")
+    violations = sum(int(r["violations"]) for r in replays["replay --check"])
+    if violations:
+        notes.append(f"replay --check found {violations} violation(s) in the repeated log")
+    return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)

@@ -1,0 +1,206 @@
+"""Request actors: records stepped where their inputs arrive, and the queue that steps them.
+
+An actor is one (peer, kv_request_id, role): its state, its next deadline and
+nothing else. It has no task and no inbox of its own. Whoever has an input for
+it (the session a frame arrived on, the engine bridge, the parent service, a
+transfer's completion, the node's timer) hands it to the node's
+:class:`Runner`, which steps actors one input at a time, to completion, in
+arrival order: an input that arrives while another is being stepped (an
+embedded parent answering inside the step that asked it) waits until that step
+and its effects are done. Stepping is the h11 driver loop without the loop:
+admit the input, ``step = decide + evolve`` in the pure core, hand the events
+to the host (which logs them and performs their effects), note the next
+deadline for the timer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import trio
+
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core.consumer import ConsumerInput, ConsumerState, step_consumer
+from p2pactor.core.fold import ActorState, initial_state, is_terminal, next_deadline
+from p2pactor.core.ids import ActorId
+from p2pactor.core.producer import ProducerInput, ProducerState, step_producer
+from p2pactor.core.timings import Timings
+from p2pactor.runtime.logcontext import request_context
+
+__all__ = ["ActorHost", "ActorInput", "RequestActor", "Runner"]
+
+log = logging.getLogger("p2pactor.actor")
+
+ActorInput = ConsumerInput | ProducerInput
+"""Anything an actor of either role reacts to."""
+
+
+class ActorHost(Protocol):
+    """What an actor needs from its owner (the session): judge, record, act and time."""
+
+    @property
+    def runner(self) -> Runner:
+        """The node's runner, through which every input reaches the actor."""
+        ...
+
+    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
+        """The input the core steps for ``event_input``: itself, or a quota verdict on it.
+
+        Called just before the step, so that the verdict sees the counts of
+        every earlier step. Must not block.
+        """
+
+    def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+        """Log ``events`` and perform their effects. Must not block."""
+
+    def actor_failed(self, actor: RequestActor, event_input: ActorInput, exc: Exception) -> None:
+        """The core raised on ``event_input`` (a bug); the input was dropped."""
+
+    def actor_handled(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """The core handled ``event_input`` without error."""
+
+    def input_dropped(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """``event_input`` came after the actor ended; whatever it carries must be undone."""
+
+    def deadline_changed(self, actor: RequestActor) -> None:
+        """The actor's :attr:`~RequestActor.deadline` moved (the timer must know)."""
+
+
+class RequestActor:
+    """One (peer, kv_request_id, role): its state and when it next needs a tick.
+
+    Attributes:
+        id: Who this actor is.
+        state: Its current state; replaced, never mutated, after every step.
+        deadline: When it next needs a :class:`~p2pactor.core.inputs.Tick`
+            (``next_deadline(state)``), or None.
+        abandoned: Its session closed without it ending (the drain gave up):
+            it takes no input any more, and what it held was reported.
+    """
+
+    __slots__ = ("_host", "_timings", "abandoned", "deadline", "id", "state")
+
+    def __init__(self, actor_id: ActorId, host: ActorHost, timings: Timings) -> None:
+        self.id = actor_id
+        self.state: ActorState = initial_state(actor_id)
+        self.deadline: float | None = None
+        self.abandoned = False
+        self._host = host
+        self._timings = timings
+
+    def __repr__(self) -> str:
+        return f"<RequestActor {self.id} seq={self.state.seq}>"
+
+    @property
+    def done(self) -> bool:
+        """Whether the actor reached a terminal state (or was abandoned)."""
+        return self.abandoned or is_terminal(self.state)
+
+    @property
+    def host(self) -> ActorHost:
+        """The session that owns the actor."""
+        return self._host
+
+    def step(self, event_input: ActorInput, now: float) -> None:
+        """Feed one input through the core at ``now`` and hand its events to the host.
+
+        Call it through a :class:`Runner`, never from inside another step.
+        """
+        if self.done:
+            self._host.input_dropped(self, event_input)
+            return
+        host = self._host
+        try:
+            admitted = host.admit(self, event_input)
+            if isinstance(self.state, ConsumerState):
+                self.state, events = step_consumer(
+                    self.state,
+                    admitted,  # type: ignore[arg-type]
+                    now,
+                    self._timings,
+                )
+            else:
+                assert isinstance(self.state, ProducerState)
+                self.state, producer_events = step_producer(
+                    self.state,
+                    admitted,  # type: ignore[arg-type]
+                    now,
+                    self._timings,
+                )
+                events = producer_events  # type: ignore[assignment]
+        except Exception as exc:  # a bug in the core must not take the node down
+            log.exception(
+                "%s: the core failed on %r; input dropped (a bug in p2pactor: please report "
+                "it with this traceback)",
+                self.id,
+                event_input,
+                extra=request_context(self.id.peer, self.id.kv_request_id),
+            )
+            host.actor_failed(self, event_input, exc)
+            return
+        host.actor_handled(self, event_input)
+        if not events:
+            return
+        deadline = next_deadline(self.state)
+        if deadline != self.deadline:
+            self.deadline = deadline
+            host.deadline_changed(self)
+        try:
+            host.actor_stepped(self, events)
+        except Exception as exc:  # nor may a bug in performing its effects
+            log.exception(
+                "%s: performing the effects of %s failed (a bug in p2pactor: please report "
+                "it with this traceback)",
+                self.id,
+                [e.KIND for e in events],
+                extra=request_context(self.id.peer, self.id.kv_request_id),
+            )
+            host.actor_failed(self, event_input, exc)
+
+    def expire(self) -> None:
+        """Its deadline passed: hand it a tick (the node's timer calls this)."""
+        self._host.runner.deliver(self, inp.Tick())
+
+    def abandon(self) -> None:
+        """Take no input any more (its session closed without it ending)."""
+        self.abandoned = True
+        self.deadline = None
+
+
+class Runner:
+    """Steps actors one input at a time, to completion, in arrival order.
+
+    There is one per node, on the node's thread. :meth:`deliver` steps the
+    input at once unless a step is already running, in which case it queues
+    behind it: a step's effects never see another step begin halfway through.
+    """
+
+    __slots__ = ("_queue", "_running")
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[RequestActor, ActorInput]] = deque()
+        self._running = False
+
+    @property
+    def running(self) -> bool:
+        """Whether a step is under way (an input delivered now waits for it)."""
+        return self._running
+
+    def deliver(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """Step ``event_input`` on ``actor`` now, or right after the steps under way."""
+        self._queue.append((actor, event_input))
+        if self._running:
+            return
+        self._running = True
+        queue = self._queue
+        clock = trio.current_time
+        try:
+            while queue:
+                target, item = queue.popleft()
+                target.step(item, clock())
+        finally:
+            self._running = False

@@ -1,0 +1,278 @@
+"""Node configuration: one frozen value, from keyword arguments or the environment.
+
+Defaults follow vLLM 0.33.0 wherever vLLM has one, and the same environment
+variables are read, so an operator's existing settings carry over:
+
+============================== =========================== ==========
+variable                       field                       default
+============================== =========================== ==========
+``VLLM_P2P_SIDE_CHANNEL_HOST`` ``host``                    localhost
+``VLLM_P2P_SIDE_CHANNEL_PORT`` ``port``                    5710
+``VLLM_P2P_MAX_PEERS``         ``max_peers``               128
+``VLLM_P2P_HANDSHAKE_TIMEOUT_S`` ``handshake_timeout``     30
+``VLLM_P2P_IDLE_TIMEOUT_S``    ``idle_timeout``            300
+``PYTHONHASHSEED``             ``hash_seed``               vllm-none-hash
+============================== =========================== ==========
+
+p2pactor's own settings use the ``P2PACTOR_`` prefix (see :meth:`NodeConfig.from_env`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any, Final
+
+import attrs
+
+from p2pactor.core import checks
+from p2pactor.core.protocol import DEFAULT_LIMITS, Limits
+from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
+from p2pactor.errors import ConfigError
+from p2pactor.runtime.keys import CurveSecurity
+from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
+
+__all__ = ["DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"]
+
+DEFAULT_HASH_SEED: Final = "vllm-none-hash"
+"""The hash seed vLLM uses for sha256 block hashing when PYTHONHASHSEED is unset."""
+
+
+def fingerprint_of(fields: Mapping[str, Any]) -> str:
+    """The config fingerprint peers compare in the handshake.
+
+    The first 16 hex digits of sha256 over the sorted, compact JSON of the
+    layout fields that make blocks interchangeable (model, dtype, block sizes...),
+    as vLLM computes it; "" when there are no fields (then nothing is compared).
+    """
+    if not fields:
+        return ""
+    text = json.dumps(dict(fields), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# Timeouts and intervals may be inf: never.
+_positive = checks.positive(finite=False)
+
+
+def _unused_actor_inbox(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value != attribute.default:
+        warnings.warn(
+            "NodeConfig.actor_inbox does nothing since actors are records (no inbox to "
+            "bound); remove it from your config",
+            DeprecationWarning,
+            stacklevel=4,
+        )
+
+
+def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
+    return None if value is None else os.fspath(value)
+
+
+def _peers(value: Iterable[str] | None) -> frozenset[str] | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        raise ConfigError("allowed_peers takes a collection of 'host:port' strings, not one string")
+    return frozenset(value)
+
+
+@attrs.frozen(kw_only=True)
+class NodeConfig:
+    """Everything a node needs to know before it starts.
+
+    Attributes:
+        host: The address this node binds and that peers dial back; it is
+            also half of the node's id. Use the address peers reach you at
+            (vLLM's default, ``localhost``, only works on one machine).
+        port: The control port (vLLM: 5710 plus the data-parallel rank).
+        num_blocks: Blocks in the node's KV block pool.
+        block_len: Bytes per block; must equal every peer's.
+        hash_seed: The seed block hashes chain from; must equal every
+            peer's, or the same tokens get different keys.
+        fingerprint: The layout fingerprint (see :func:`fingerprint_of`);
+            compared with a peer's only when both are non-empty.
+        timings: The protocol's timers.
+        limits: Bounds on what peers may send.
+        max_peers: Most sessions at once, inbound and outbound together.
+        handshake_timeout: A session not ready after this many seconds dies.
+        idle_timeout: A session idle this long may be closed when near
+            ``max_peers``.
+        allowed_peers: Peers this node may dial, as ``host:port``; None
+            allows any (vLLM's behaviour). Request parameters can never make
+            the node dial anything outside this set.
+        actor_inbox: Unused. Actors were tasks with an inbox each; they are
+            records now, stepped where their inputs arrive, so nothing queues
+            per actor. Accepted so that older configs still load; a value
+            other than the default warns (DeprecationWarning), and the field
+            goes away in a later release.
+        session_outbox: Messages queued per peer before the peer counts as
+            dead for not reading (vLLM: ZeroMQ SNDHWM 1000).
+        max_dispatch_errors: Consecutive internal errors on one session
+            before it is disconnected (vLLM: 5).
+        engine_inbox: Engine calls queued for the node's trio thread before
+            new lookups are answered RETRY without asking and new loads fail
+            (the node is overloaded or stalled).
+        engine_poll_interval: How often the node's thread looks for engine
+            calls handed over without waking it (``wake=False``).
+        drain_timeout: How long a closing session waits for writes in flight
+            and owed parent answers before it gives up on them.
+        unbound_store_timeout: How long stored blocks of a prefill/decode
+            request wait for the fetch that binds them (vLLM: 60 s).
+        quotas: What one peer may make this node hold at once (pinned blocks,
+            open lookups, keys per lookup, fetch rounds, open requests); see
+            :class:`~p2pactor.runtime.quotas.PeerQuotas` and ``docs/quotas.md``.
+        round_extension: Use a session-wide round counter with p2pactor peers.
+        dashboard_port: Serve the live timeline (the dashboard page and its
+            websocket feed, see ``docs/timeline.md``) on this port; 0 picks a
+            free one (``Node.dashboard`` says which); None serves nothing.
+        dashboard_host: The address the dashboard binds. Loopback by default:
+            the feed shows peers, request ids and timings, so serving it
+            anywhere else is an explicit choice.
+        metrics_port: Serve ``/metrics`` (Prometheus) and ``/status`` on
+            this port of their own; 0 picks a free one (``Node.http_url``
+            says which); None (the default) serves them only on the
+            dashboard's port, when it is on. See ``docs/metrics.md``.
+        metrics_host: The address the metrics port binds (loopback by
+            default; ``0.0.0.0`` lets a Prometheus on another host scrape).
+        curve_secret_key: Path of this node's secret CURVE certificate
+            (``STEM.key_secret`` from ``p2pactor keygen``; mode 0600). With
+            ``curve_trusted``, the control channel is authenticated and
+            encrypted (``docs/security.md``) and talks only to peers that have
+            keys too, never to stock vLLM peers. None (with ``curve_trusted``
+            None): vLLM's plain, unauthenticated ZeroMQ.
+        curve_trusted: Directory of the public certificates (``*.key``) of
+            the peers this node trusts: only they may connect, and only they
+            may be dialed. Read once when the config is made.
+    """
+
+    host: str = "localhost"
+    port: int = attrs.field(default=5710, validator=checks.port)
+    num_blocks: int = attrs.field(default=1024, validator=checks.positive_int)
+    block_len: int = attrs.field(default=4096, validator=checks.positive_int)
+    hash_seed: str = DEFAULT_HASH_SEED
+    fingerprint: str = ""
+    timings: Timings = DEFAULT_TIMINGS
+    limits: Limits = DEFAULT_LIMITS
+    max_peers: int = attrs.field(default=128, validator=checks.positive_int)
+    handshake_timeout: float = attrs.field(default=30.0, validator=_positive)
+    idle_timeout: float = attrs.field(default=300.0, validator=_positive)
+    allowed_peers: frozenset[str] | None = attrs.field(default=None, converter=_peers)
+    actor_inbox: int = attrs.field(
+        default=256, validator=[checks.positive_int, _unused_actor_inbox]
+    )
+    session_outbox: int = attrs.field(default=1000, validator=checks.positive_int)
+    max_dispatch_errors: int = attrs.field(default=5, validator=checks.positive_int)
+    engine_inbox: int = attrs.field(default=100_000, validator=checks.positive_int)
+    engine_poll_interval: float = attrs.field(default=0.005, validator=_positive)
+    drain_timeout: float = attrs.field(default=30.0, validator=_positive)
+    unbound_store_timeout: float = attrs.field(default=60.0, validator=_positive)
+    quotas: PeerQuotas = DEFAULT_QUOTAS
+    round_extension: bool = True
+    dashboard_port: int | None = attrs.field(default=None, validator=checks.optional_port)
+    dashboard_host: str = "127.0.0.1"
+    metrics_port: int | None = attrs.field(default=None, validator=checks.optional_port)
+    metrics_host: str = "127.0.0.1"
+    curve_secret_key: str | None = attrs.field(default=None, converter=_optional_path)
+    curve_trusted: str | None = attrs.field(default=None, converter=_optional_path)
+    _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        # The key files are read once, here: a bad one fails the config at
+        # startup, not the first dial, and may_dial stays a dict lookup.
+        curve: CurveSecurity | None = None
+        if (self.curve_secret_key is None) != (self.curve_trusted is None):
+            raise ConfigError(
+                "curve_secret_key and curve_trusted go together: give both (this node's "
+                ".key_secret file and the directory of trusted peers' .key files) to "
+                "authenticate the control channel, or neither"
+            )
+        if self.curve_secret_key is not None and self.curve_trusted is not None:
+            curve = CurveSecurity.load(self.curve_secret_key, self.curve_trusted)
+            own = curve.keypair.addresses
+            if self.port and self.node_id not in own:
+                # Peers would drop every frame we send: our identity would not
+                # be the address they bind to our key.
+                raise ConfigError(
+                    f"{self.curve_secret_key} speaks for {', '.join(sorted(own))}, but this "
+                    f"node is {self.node_id}: make a key pair for it with `p2pactor keygen "
+                    f"STEM --address {self.node_id}` (several comma-separated addresses for "
+                    "one key are allowed) and give its .key file to the peers"
+                )
+        # A derived value of a frozen config: set once, here.
+        object.__setattr__(self, "_curve", curve)
+
+    @property
+    def curve(self) -> CurveSecurity | None:
+        """The CURVE keys loaded from ``curve_secret_key`` and ``curve_trusted``, or None."""
+        return self._curve
+
+    @property
+    def node_id(self) -> str:
+        """The node's id on the wire: ``host:port``, exactly as bound."""
+        return f"{self.host}:{self.port}"
+
+    def may_dial(self, peer_id: str) -> bool:
+        """Whether this node may open a connection to ``peer_id``.
+
+        It must be in ``allowed_peers`` (when set) and, with CURVE, have a
+        trusted key: a peer we hold no key for could not be authenticated.
+        """
+        if self.allowed_peers is not None and peer_id not in self.allowed_peers:
+            return False
+        return self._curve is None or self._curve.trusts(peer_id)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
+        """Build a config from environment variables, then keyword overrides.
+
+        Reads vLLM's variables (see the module docstring) and
+        ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``, ``P2PACTOR_FINGERPRINT``,
+        ``P2PACTOR_ALLOWED_PEERS`` (comma-separated ``host:port``),
+        ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
+        ``P2PACTOR_METRICS_PORT``, ``P2PACTOR_METRICS_HOST``,
+        ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``, and the
+        quotas' ``P2PACTOR_QUOTA_*`` (:meth:`~p2pactor.runtime.quotas.PeerQuotas.from_env`).
+
+        Raises:
+            ConfigError: A variable is set to something unusable; the message
+                names it.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+
+        def read(name: str, field: str, parse: Any) -> None:
+            raw = env.get(name)
+            if raw is None or raw == "":
+                return
+            try:
+                values[field] = parse(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
+
+        read("VLLM_P2P_SIDE_CHANNEL_HOST", "host", str)
+        read("VLLM_P2P_SIDE_CHANNEL_PORT", "port", int)
+        read("VLLM_P2P_MAX_PEERS", "max_peers", int)
+        read("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "handshake_timeout", float)
+        read("VLLM_P2P_IDLE_TIMEOUT_S", "idle_timeout", float)
+        read("PYTHONHASHSEED", "hash_seed", str)
+        read("P2PACTOR_NUM_BLOCKS", "num_blocks", int)
+        read("P2PACTOR_BLOCK_LEN", "block_len", int)
+        read("P2PACTOR_FINGERPRINT", "fingerprint", str)
+        read("P2PACTOR_DASHBOARD_PORT", "dashboard_port", int)
+        read("P2PACTOR_DASHBOARD_HOST", "dashboard_host", str)
+        read("P2PACTOR_METRICS_PORT", "metrics_port", int)
+        read("P2PACTOR_METRICS_HOST", "metrics_host", str)
+        read("P2PACTOR_CURVE_SECRET_KEY", "curve_secret_key", str)
+        read("P2PACTOR_CURVE_TRUSTED", "curve_trusted", str)
+        quotas = PeerQuotas.from_env(env)  # P2PACTOR_QUOTA_*: see docs/quotas.md
+        if quotas is not None:
+            values["quotas"] = quotas
+        allowed = env.get("P2PACTOR_ALLOWED_PEERS")
+        if allowed:
+            values["allowed_peers"] = frozenset(p.strip() for p in allowed.split(",") if p.strip())
+        values.update(overrides)
+        return cls(**values)

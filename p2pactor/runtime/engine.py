@@ -1,0 +1,380 @@
+"""The engine bridge: how engines on their own threads hand work to a node.
+
+vLLM calls its tier synchronously, under its own lock, from the scheduler
+thread and its tier-poll thread; those calls must never wait on trio. The
+bridge is the thread-safe half of :class:`~p2pactor.runtime.node.Node`: each call
+appends to a deque and returns, and the node's thread applies the items in
+order. Keys registered for a lookup are applied at the step's ``flush`` as
+*one* input per request (register and send), so an engine step costs each
+request one actor step.
+
+Waking the node's thread costs the engine's thread: ``run_sync_soon`` writes
+to trio's wake-up socket, and that send hands the GIL to the trio thread,
+which then runs its whole batch before the engine thread gets it back (~0.5 ms
+per ``on_schedule_end``, measured with ``p2pactor bench --only engine``). So
+the engine thread only sets a :class:`threading.Event`; a small waker thread
+makes the ``run_sync_soon`` call when the engine thread next lets go of the
+GIL. Calls made with ``wake=False`` are picked up at the next flush, kick, or
+within ``engine_poll_interval``; an idle node's loop sleeps until woken (the
+next call wakes it), so it costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+import trio
+
+from p2pactor.core import inputs as inp
+from p2pactor.core.consumer import ConsumerState
+from p2pactor.runtime.actor import RequestActor, Runner
+
+__all__ = ["EngineBridge", "EngineSide", "LoadResult"]
+
+
+@attrs.frozen
+class LoadResult:
+    """One of the engine's load jobs finished.
+
+    Attributes:
+        job_id: The engine's job.
+        success: Whether every block arrived.
+        reason: Why not, when not.
+    """
+
+    job_id: int
+    success: bool
+    reason: str = ""
+
+
+# What the engine's threads hand to the node's thread.
+@attrs.frozen
+class _Register:
+    peer: str
+    kv_request_id: str
+    keys: tuple[bytes, ...]
+
+
+@attrs.frozen
+class _Flush:
+    pass
+
+
+@attrs.frozen
+class _Load:
+    peer: str
+    kv_request_id: str
+    job_id: int
+    keys: tuple[bytes, ...]
+    blocks: tuple[int, ...]
+
+
+@attrs.frozen
+class _Finish:
+    kv_request_id: str
+
+
+@attrs.frozen
+class _Store:
+    kv_request_id: str
+    store: inp.AddStore
+
+
+@attrs.frozen
+class _Dial:
+    peer: str
+
+
+@attrs.frozen
+class _Answer:
+    actor: RequestActor
+    answer: inp.ParentAnswer
+
+
+_Item = _Register | _Flush | _Load | _Finish | _Store | _Dial | _Answer
+
+
+class EngineSide(Protocol):
+    """What the bridge asks of the node, on the node's thread."""
+
+    @property
+    def runner(self) -> Runner:
+        """Where inputs are stepped."""
+        ...
+
+    def consumer_for(self, peer: str, kv_request_id: str) -> RequestActor | None:
+        """The consumer actor of (peer, request), created with its session if need be."""
+
+    def known_consumer(self, peer: str, kv_request_id: str) -> RequestActor | None:
+        """The consumer actor of (peer, request) if there is one (any thread)."""
+
+    def submit(
+        self, actor: RequestActor, job_id: int, keys: tuple[bytes, ...], blocks: tuple[int, ...]
+    ) -> None:
+        """Start a load on ``actor``."""
+
+    def report_load(self, job_id: int, *, success: bool, reason: str) -> None:
+        """Report a load finished."""
+
+    def finish_request(self, kv_request_id: str) -> None:
+        """The engine is done with ``kv_request_id`` (both roles)."""
+
+    def store(self, kv_request_id: str, store: inp.AddStore) -> None:
+        """Offer stored blocks to the request's producer."""
+
+    def dial(self, peer: str) -> None:
+        """Open the session with ``peer`` now."""
+
+
+class EngineBridge:
+    """The thread-safe hand-over from engine threads to the node's thread.
+
+    Args:
+        node: The node (its thread-side operations).
+        name: For the waker thread's name.
+        inbox_limit: Engine calls queued before the node counts as overloaded.
+        poll_interval: How soon calls made without waking are picked up.
+    """
+
+    def __init__(
+        self,
+        node: EngineSide,
+        *,
+        name: str,
+        inbox_limit: int,
+        poll_interval: float,
+    ) -> None:
+        self._node = node
+        self._inbox_limit = inbox_limit
+        self._poll_interval = poll_interval
+        self._inbox: deque[_Item] = deque()
+        self._lock = threading.Lock()
+        self._registered = False
+        # Keys handed over per (peer, request) and not yet known to its actor:
+        # an engine that asks again every step must not flood the node.
+        # (by kv_request_id, then peer: a finish forgets its request's at once)
+        self._posted: dict[str, dict[str, set[bytes]]] = {}
+        # Keys applied on the node's thread, waiting for the step's flush; and
+        # actors given their keys early (another input of theirs came first),
+        # whose flush is still owed.
+        self._unflushed: dict[RequestActor, list[bytes]] = {}
+        self._dirty: set[RequestActor] = set()
+        self._results: deque[LoadResult] = deque()
+        self._token = trio.lowlevel.current_trio_token()
+        self._trio_thread = threading.get_ident()
+        self._wakeup = trio.Event()
+        self._wake_pending = False
+        self._sleeping = False
+        self._waker_event = threading.Event()
+        self._waker_stop = False
+        self._waker = threading.Thread(
+            target=self._waker_loop, name=f"p2pactor-waker {name}", daemon=True
+        )
+        self._waker.start()
+
+    @property
+    def backlog(self) -> int:
+        """Engine calls handed over and not yet applied."""
+        return len(self._inbox)
+
+    @property
+    def overloaded(self) -> bool:
+        """Whether the inbox is full (new loads fail at once). Any thread."""
+        return len(self._inbox) >= self._inbox_limit
+
+    # --- the engine's side (any thread) ---------------------------------------------
+
+    def ask(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
+        """Hand over the keys of ``keys`` the request's actor does not know yet."""
+        actor = self._node.known_consumer(peer, kv_request_id)
+        state = actor.state if actor is not None else None
+        known = state.probes if isinstance(state, ConsumerState) else {}
+        with self._lock:
+            posted = self._posted.setdefault(kv_request_id, {}).setdefault(peer, set())
+            posted.difference_update(k for k in list(posted) if k in known)
+            new = tuple(k for k in dict.fromkeys(keys) if k not in known and k not in posted)
+            if not new or len(self._inbox) >= self._inbox_limit:
+                return
+            posted.update(new)
+            self._registered = True
+        self.post(_Register(peer, kv_request_id, new), wake=False)
+
+    def flush(self) -> None:
+        """Send what was registered since the last flush (nothing: post nothing)."""
+        with self._lock:
+            registered, self._registered = self._registered, False
+        if registered:
+            self.post(_Flush())
+        else:
+            self.kick()
+
+    def kick(self) -> None:
+        """Wake the node's thread if anything was handed over without waking it."""
+        if self._inbox:
+            self._wake()
+
+    def load(
+        self,
+        peer: str,
+        kv_request_id: str,
+        job_id: int,
+        keys: Sequence[bytes],
+        blocks: Sequence[int],
+        *,
+        wake: bool,
+    ) -> None:
+        """Hand over a load job (or fail it at once when overloaded)."""
+        if self.overloaded:
+            reason = f"the node is overloaded ({len(self._inbox)} engine calls queued)"
+            self._results.append(LoadResult(job_id, success=False, reason=reason))
+            return
+        self.post(_Load(peer, kv_request_id, job_id, tuple(keys), tuple(blocks)), wake=wake)
+
+    def finish(self, kv_request_id: str, *, wake: bool) -> None:
+        """Hand over the end of a request."""
+        with self._lock:
+            self._posted.pop(kv_request_id, None)
+        self.post(_Finish(kv_request_id), wake=wake)
+
+    def store(self, kv_request_id: str, store: inp.AddStore, *, wake: bool) -> None:
+        """Hand over stored blocks of a prefill/decode request."""
+        self.post(_Store(kv_request_id, store), wake=wake)
+
+    def dial(self, peer: str, *, wake: bool) -> None:
+        """Hand over a request to open a session now."""
+        self.post(_Dial(peer), wake=wake)
+
+    def answers(self, answered: Sequence[tuple[RequestActor, inp.ParentAnswer]]) -> None:
+        """Hand over a lent parent's answers (one wake-up for the batch)."""
+        for actor, answer in answered:
+            self.post(_Answer(actor, answer), wake=False)
+        if answered:
+            self._wake()
+
+    def result(self, result: LoadResult) -> None:
+        """A load finished that no task waits for: keep it for :meth:`finished`."""
+        self._results.append(result)
+
+    def finished(self) -> list[LoadResult]:
+        """Load results since the last call."""
+        out = []
+        while True:
+            try:
+                out.append(self._results.popleft())
+            except IndexError:
+                return out
+
+    def post(self, item: _Item, *, wake: bool = True) -> None:
+        """Hand ``item`` to the node's thread: applied now if this is that thread.
+
+        From another thread it is appended, and the node's thread is woken if
+        asked, or if it sleeps.
+        """
+        self._inbox.append(item)
+        if threading.get_ident() == self._trio_thread:
+            self.apply()  # the caller is on the node's thread: no hop, no wait
+            return
+        # Read after the append: the loop sets _sleeping before it last looks
+        # at the inbox, so either it sees the item or we see it sleeping.
+        if wake or self._sleeping:
+            self._wake()
+
+    def _wake(self) -> None:
+        if threading.get_ident() == self._trio_thread:
+            self._wakeup.set()  # on the node's own thread: no hop needed
+            return
+        with self._lock:
+            if self._wake_pending:
+                return
+            self._wake_pending = True
+        self._waker_event.set()
+
+    def _waker_loop(self) -> None:
+        while True:
+            self._waker_event.wait()
+            self._waker_event.clear()
+            if self._waker_stop:
+                return
+            # If the node is gone, nothing will read the inbox again anyway.
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(self._wake_in_trio)
+
+    def _wake_in_trio(self) -> None:
+        with self._lock:
+            self._wake_pending = False
+        self._wakeup.set()
+
+    def stop(self) -> None:
+        """Stop the waker thread (the node is closing)."""
+        self._waker_stop = True
+        self._waker_event.set()
+
+    # --- the node's side (its thread) -----------------------------------------------
+
+    async def run(self) -> None:
+        """Apply handed-over items as they come, forever."""
+        while True:
+            if self._inbox:
+                # Items came without a wake-up: pick them up within the interval.
+                with trio.move_on_after(self._poll_interval):
+                    await self._wakeup.wait()
+            else:
+                self._sleeping = True
+                if not self._inbox:
+                    await self._wakeup.wait()
+                self._sleeping = False
+            self._wakeup = trio.Event()
+            self.apply()
+
+    def apply(self) -> None:
+        """Apply every item handed over so far, in order."""
+        inbox = self._inbox
+        while inbox:
+            self._apply(inbox.popleft())
+
+    def _apply(self, item: _Item) -> None:
+        node = self._node
+        match item:
+            case _Register(peer, kv_id, keys):
+                actor = node.consumer_for(peer, kv_id)
+                if actor is not None:
+                    self._unflushed.setdefault(actor, []).extend(keys)
+            case _Flush():
+                unflushed, self._unflushed = self._unflushed, {}
+                dirty, self._dirty = self._dirty, set()
+                runner = node.runner
+                for actor, asked in unflushed.items():
+                    runner.deliver(actor, inp.Register(asked, flush=True))
+                for actor in dirty.difference(unflushed):
+                    runner.deliver(actor, inp.Flush())
+            case _Load(peer, kv_id, job_id, keys, blocks):
+                actor = node.consumer_for(peer, kv_id)
+                if actor is None:
+                    node.report_load(job_id, success=False, reason=f"{peer} is not an allowed peer")
+                else:
+                    self._register_first(actor)
+                    node.submit(actor, job_id, keys, blocks)
+            case _Finish(kv_id):
+                for actor in [a for a in self._unflushed if a.id.kv_request_id == kv_id]:
+                    self._register_first(actor)
+                if self._dirty:
+                    self._dirty = {a for a in self._dirty if a.id.kv_request_id != kv_id}
+                node.finish_request(kv_id)
+            case _Store(kv_id, store):
+                node.store(kv_id, store)
+            case _Dial(peer):
+                node.dial(peer)
+            case _Answer(actor, answer):
+                node.runner.deliver(actor, answer)
+
+    def _register_first(self, actor: RequestActor) -> None:
+        """Keys registered for ``actor`` before another input of its: they come first."""
+        keys = self._unflushed.pop(actor, None)
+        if keys:
+            self._dirty.add(actor)
+            self._node.runner.deliver(actor, inp.Register(keys))

@@ -1,0 +1,449 @@
+"""The handshake with a peer, and the control connection it opens (PROTOCOL.md "Handshake").
+
+Each side sends ``connect`` at once; checks the peer's (block size,
+fingerprint, hash seed: a mismatch fails loudly with what to align), registers
+the peer's memory off the receive path, and only then sends ``connect_ack``.
+Our own messages wait until our ``connect`` is acked and our ``connect_ack``
+has gone out. Not ready within the handshake timeout: dead.
+
+:func:`connect_message`, :func:`incompatibility` and :func:`to_dialect` are
+pure: what we offer, what we require, what a peer speaking vLLM's dialect may
+hear. :class:`ControlLink`, the base of :class:`~p2pactor.runtime.session.PeerSession`,
+runs the steps and holds the messages queued for the peer.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import itertools
+import logging
+from collections import deque
+
+import attrs
+import trio
+
+from p2pactor.core import protocol as wire
+from p2pactor.errors import ProtocolError
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.logcontext import peer_context
+from p2pactor.runtime.session_host import SessionHost, SessionState
+from p2pactor.runtime.transport import (
+    ConnectionLost,
+    ControlConnection,
+    DataTransport,
+    TransferError,
+)
+
+__all__ = [
+    "EXTENSION",
+    "FEATURE_DEADLINE",
+    "FEATURE_RESP_ROUND",
+    "FEATURE_SESSION_ROUNDS",
+    "ControlLink",
+    "connect_message",
+    "incompatibility",
+    "to_dialect",
+]
+
+log = logging.getLogger("p2pactor.session")  # a session's lines, wherever they are written
+
+FEATURE_RESP_ROUND = "lookup_resp_round"
+"""A ``lookup_resp`` carries the ``round_seq`` of the lookup it answers."""
+FEATURE_SESSION_ROUNDS = "session_rounds"
+"""Rounds come from one counter per session, which never repeats (no ABA on a reused id)."""
+FEATURE_DEADLINE = "lookup_deadline"
+"""A ``lookup`` carries its ``deadline_ms``."""
+EXTENSION = wire.ConnectExtension(
+    version=1, features=frozenset({FEATURE_RESP_ROUND, FEATURE_SESSION_ROUNDS, FEATURE_DEADLINE})
+)
+"""What this p2pactor offers peers in its ``connect``."""
+
+
+def connect_message(config: NodeConfig, data: DataTransport, hash_seed: str) -> wire.Connect:
+    """This node's ``connect``: its memory, its configuration, and what it speaks."""
+    return wire.Connect(
+        peer_id=config.node_id,
+        agent_metadata=data.agent_metadata,
+        base_addr=data.base_addr,
+        num_blocks=data.num_blocks,
+        block_len=data.block_len,
+        config_fingerprint=config.fingerprint,
+        hash_seed=hash_seed,
+        extension=EXTENSION if config.round_extension else None,
+    )
+
+
+def incompatibility(
+    msg: wire.Connect, peer_id: str, config: NodeConfig, hash_seed: str
+) -> tuple[str, str]:
+    """``(outcome, problem)``: why ``peer_id`` can't be talked to (for metrics, for people).
+
+    ``("", "")`` when it can.
+    """
+    if msg.peer_id != peer_id:
+        return "identity_mismatch", (
+            f"it connected as {msg.peer_id!r} but its connection says {peer_id!r}; "
+            "a peer's id must be the host:port it bound"
+        )
+    if msg.block_len != config.block_len:
+        return "block_size_mismatch", (
+            f"block size differs: {peer_id} uses {msg.block_len}-byte blocks, this node "
+            f"{config.block_len}; every peer must use the same KV block layout"
+        )
+    ours = config.fingerprint
+    if msg.config_fingerprint and ours and msg.config_fingerprint != ours:
+        return "fingerprint_mismatch", (
+            f"config fingerprint differs ({msg.config_fingerprint} vs {ours}): "
+            "the peers run different models, dtypes or block sizes; align them"
+        )
+    if msg.hash_seed != hash_seed:
+        return "seed_mismatch", (
+            f"hash seed differs ({msg.hash_seed!r} vs {hash_seed!r}): the same tokens "
+            "would get different keys; set PYTHONHASHSEED to the same value on every node"
+        )
+    return "", ""
+
+
+def to_dialect(msg: wire.Message, extension: wire.ConnectExtension | None) -> wire.Message:
+    """``msg`` without the extension fields a peer offering ``extension`` does not speak."""
+    features = extension.features if extension is not None else frozenset()
+    if isinstance(msg, wire.Lookup) and FEATURE_DEADLINE not in features:
+        return attrs.evolve(msg, deadline_ms=None)
+    if isinstance(msg, wire.LookupResp) and FEATURE_RESP_ROUND not in features:
+        return attrs.evolve(msg, round_seq=None)
+    return msg
+
+
+class ControlLink(abc.ABC):
+    """The control connection to one peer: its handshake, and our messages queued for it.
+
+    The base of :class:`~p2pactor.runtime.session.PeerSession`, which routes what the
+    peer says (:meth:`frame_received`); it dies (:meth:`_die`) when the
+    connection, the handshake or the peer fails.
+    """
+
+    _serials = itertools.count(1)
+
+    def __init__(
+        self,
+        host: SessionHost,
+        peer_id: str,
+        conn: ControlConnection | None,
+        first: wire.Connect | None,
+    ) -> None:
+        self.peer_id = peer_id
+        self.serial = next(self._serials)
+        self.state = SessionState.CONNECTING
+        self.death_reason: str | None = None
+        self.peer_extension: wire.ConnectExtension | None = None
+        self.last_activity = 0.0
+        # trio clock, as last_activity (the session's start or its last frame
+        # received): when send() last queued a message; None before the first.
+        self.last_sent: float | None = None
+        self._host = host
+        self._config = host.config
+        self._conn = conn
+        # The peer's connect, already read by the session this one replaces.
+        self._first = first
+        # Set when a new session of the peer's took this session's connection:
+        # it is then neither told to disconnect nor closed by this session.
+        self._handed_over = False
+        self._log_extra = peer_context(peer_id, node=host.config.node_id)
+        # Frames for the peer: until both connects are acked they wait in _early;
+        # afterwards each goes straight to the connection (send_nowait), unless
+        # its queue is full, and then they wait in _backlog for a sender task.
+        # Both together stay under session_outbox.
+        self._early: deque[bytes] = deque()
+        self._backlog: deque[bytes] = deque()
+        self._alive = True
+        self._flowing = False  # our messages go out (both connects acked)
+        self._ack_sent = False
+        self._acked = trio.Event()
+        self._established = trio.Event()  # both connects acked: READY
+        self._peer_accepted = False
+        self._peer_registered = trio.Event()
+        self._peer_num_blocks = 0
+        self._dead = trio.Event()
+        self._send_disconnect = False
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def data_name(self) -> str:
+        """This session's name for the peer on the data transport.
+
+        Unique per session, so a reconnecting peer's new registration never
+        collides with an old session's writes still draining.
+        """
+        return f"{self.peer_id}#{self.serial}"
+
+    @property
+    def alive(self) -> bool:
+        """Whether the session can still carry requests."""
+        return self._alive
+
+    @property
+    def ready(self) -> bool:
+        """Whether the handshake completed both ways."""
+        return self._acked.is_set() and self._peer_registered.is_set()
+
+    @property
+    def extended(self) -> bool:
+        """Whether the peer speaks p2pactor's extensions (else: vLLM's dialect)."""
+        return self.peer_extension is not None
+
+    @property
+    def dialing(self) -> bool:
+        """Whether the session has no connection yet (it is about to dial the peer).
+
+        Its ``control.connect()`` takes the peer's live connection from the
+        transport, so a connection the peer opened meanwhile becomes this
+        session's, not a second one.
+        """
+        return self._conn is None and self._alive
+
+    @property
+    def unsent(self) -> int:
+        """Frames queued for the peer and not yet sent (bounded by ``session_outbox``)."""
+        return len(self._early) + len(self._backlog)
+
+    def handshake_steps(self) -> dict[str, bool]:
+        """Which steps of the handshake are done, by name (for status reports). Any thread."""
+        return {
+            "connected": self._conn is not None,
+            "peer_connect_accepted": self._peer_accepted,
+            "our_connect_acked": self._acked.is_set(),
+            "peer_memory_registered": self._peer_registered.is_set(),
+        }
+
+    @abc.abstractmethod
+    def frame_received(self, frame: bytes) -> None:
+        """Step one frame of the peer's (the transport calls it once the handshake began)."""
+
+    def connection_lost(self, reason: str) -> None:
+        """The connection died: so does the session."""
+        self._die(reason)
+
+    def _session_rounds(self) -> bool:
+        ext = self.peer_extension
+        return ext is not None and FEATURE_SESSION_ROUNDS in ext.features
+
+    # --- the handshake's steps -----------------------------------------------------
+
+    async def _talk(self) -> None:
+        """Connect, handshake, and let frames flow until the session dies."""
+        try:
+            first: wire.Connect | None = self._first
+            if not self._alive:
+                return  # closed before its task ran
+            if self._conn is None:
+                self._conn = await self._host.control.connect(self.peer_id)
+            elif first is None:
+                first = await self._first_connect()
+                if first is None:
+                    return
+            if self._dead.is_set():
+                return  # closed while it dialed
+            ours = connect_message(self._config, self._host.data, self._host.hash_seed)
+            await self._conn.send(wire.encode(ours))
+            if first is not None:
+                self._accept(first)
+            assert self._nursery is not None
+            self._nursery.start_soon(self._watch_handshake)
+            # From here on the transport steps each frame as it arrives.
+            self._conn.attach(self)
+            await self._dead.wait()
+        except ConnectionLost as exc:
+            self._die(exc.reason)
+
+    async def _first_connect(self) -> wire.Connect | None:
+        """Read an inbound peer's first message, which must be its ``connect``.
+
+        Anything else gets no ``connect``: answering a stray frame would open
+        a session the peer never asked for, and two nodes could bounce such
+        sessions forever. A request gets a ``disconnect`` instead (its session
+        died on this side only; it dials afresh rather than wait out deadlines).
+        """
+        assert self._conn is not None
+        with trio.move_on_after(self._config.handshake_timeout):
+            frame = await self._conn.receive()
+            self.last_activity = trio.current_time()
+            try:
+                msg = wire.decode(frame, limits=self._config.limits)
+            except ProtocolError as exc:
+                self._die(f"its first message is undecodable: {exc}")
+                return None
+            if isinstance(msg, wire.Connect):
+                return msg
+            if isinstance(msg, wire.Disconnect):
+                self._die("its first message is a disconnect, not a connect; not answering")
+            else:
+                self._die(
+                    f"its first message is a {msg.TYPE}, not a connect: it talks in a "
+                    "session that ended here; told it to disconnect",
+                    disconnect=True,
+                )
+            return None
+        self._host.handshake_ended(self.peer_id, "timeout")
+        self._die(f"no connect within {self._config.handshake_timeout:g} s of its first frame")
+        return None
+
+    async def _watch_handshake(self) -> None:
+        """The handshake's deadline: not complete within ``handshake_timeout``, dead."""
+        with trio.move_on_after(self._config.handshake_timeout):
+            await self._established.wait()
+            return
+        self._host.handshake_ended(self.peer_id, "timeout")
+        what = (
+            "our connect was not acknowledged"
+            if not self._acked.is_set()
+            else ("the peer's connect never arrived or its memory never registered")
+        )
+        self._die(
+            f"handshake not complete after {self._config.handshake_timeout:g} s ({what}); "
+            f"check that {self.peer_id} runs p2pactor or vLLM's P2P tier at exactly that address"
+        )
+
+    def _accept(self, msg: wire.Connect) -> None:
+        """Check the peer's ``connect``; register its memory if it is compatible."""
+        outcome, problem = incompatibility(msg, self.peer_id, self._config, self._host.hash_seed)
+        if problem:
+            self._host.handshake_ended(self.peer_id, outcome)
+            log.error("rejected %s: %s", self.peer_id, problem, extra=self._log_extra)
+            self._die(f"incompatible peer: {problem}", disconnect=True)
+            return
+        self._peer_accepted = True
+        self._peer_num_blocks = msg.num_blocks
+        if self._config.round_extension:
+            self.peer_extension = msg.extension
+        assert self._nursery is not None
+        self._nursery.start_soon(self._register_peer, msg)
+
+    async def _register_peer(self, msg: wire.Connect) -> None:
+        # O(num_blocks) on a real data plane: never on the receive path.
+        try:
+            await self._host.data.add_peer(
+                self.data_name, msg.agent_metadata, msg.base_addr, msg.num_blocks, msg.block_len
+            )
+        except TransferError as exc:
+            self._die(f"could not register the peer's memory: {exc}", disconnect=True)
+            return
+        self._peer_registered.set()
+        if not self._alive:
+            return
+        assert self._conn is not None
+        try:
+            await self._conn.send(wire.encode(wire.ConnectAck(peer_id=self._config.node_id)))
+        except ConnectionLost as exc:
+            self._die(exc.reason)
+            return
+        self._ack_sent = True
+        self._open_gate()
+
+    def _on_ack(self) -> None:
+        if self._acked.is_set():
+            return
+        self._acked.set()
+        self._open_gate()
+
+    def _open_gate(self) -> None:
+        """Once both connects are acked the session is ready: send what waited, in order."""
+        if not (self._acked.is_set() and self._ack_sent) or self._flowing or not self._alive:
+            return
+        self._flowing = True
+        self.state = SessionState.READY
+        self._established.set()
+        self._host.handshake_ended(self.peer_id, "ok")
+        dialect = "p2pactor" if self.extended else "vLLM base"
+        log.info("session with %s ready (%s dialect)", self.peer_id, dialect, extra=self._log_extra)
+        early, self._early = self._early, deque()
+        for frame in early:
+            self._put(frame)
+
+    # --- sending ---------------------------------------------------------------------
+
+    def send(self, msg: wire.Message) -> None:
+        """Queue a message for the peer (sent once our connect is acked). Never blocks."""
+        if not self._alive:
+            return
+        self.last_sent = trio.current_time()
+        frame = wire.encode(to_dialect(msg, self.peer_extension))
+        if self._flowing:
+            self._put(frame)
+        elif self._room():
+            self._early.append(frame)
+
+    def _room(self) -> bool:
+        if self.unsent < self._config.session_outbox:
+            return True
+        self._die(f"the peer is not reading: {self._config.session_outbox} messages queued for it")
+        return False
+
+    def _put(self, frame: bytes) -> None:
+        """Hand ``frame`` to the connection now, or behind the frames waiting for room."""
+        if not self._backlog:
+            assert self._conn is not None
+            try:
+                if self._conn.send_nowait(frame):
+                    return
+            except ConnectionLost as exc:
+                self._die(exc.reason)
+                return
+        if not self._room():
+            return
+        self._backlog.append(frame)
+        if len(self._backlog) == 1 and self._nursery is not None:
+            self._nursery.start_soon(self._send_backlog)
+
+    async def _send_backlog(self) -> None:
+        """Send the frames that found the connection's queue full, in order, as room comes."""
+        assert self._conn is not None
+        while self._backlog and self._alive:
+            try:
+                await self._conn.send(self._backlog[0])
+            except ConnectionLost as exc:
+                self._die(exc.reason)
+                return
+            self._backlog.popleft()
+
+    def _violation(self, what: str) -> None:
+        log.warning(
+            "%s broke the protocol: %s; disconnecting (check that both nodes run compatible "
+            "p2pactor or vLLM versions)",
+            self.peer_id,
+            what,
+            extra=self._log_extra,
+        )
+        self._die(f"protocol violation: {what}", disconnect=True)
+
+    def _die(self, reason: str, *, disconnect: bool = False) -> None:
+        """The session is dead: ``disconnect`` tells the peer so as it drains."""
+        if not self._alive:
+            return
+        self._alive = False
+        self.death_reason = reason
+        self._send_disconnect = disconnect
+        self.state = SessionState.CLOSING
+        log.info("session with %s ended: %s", self.peer_id, reason, extra=self._log_extra)
+        self._dead.set()
+
+    async def _hang_up(self) -> None:
+        """Detach and close the connection, with a ``disconnect`` if the death asked for one."""
+        conn = None if self._handed_over else self._conn
+        if conn is not None:
+            conn.attach(None)  # frames from now on are the next session's, or nobody's
+            if self._send_disconnect:
+                with trio.move_on_after(0.5), contextlib.suppress(ConnectionLost):
+                    await conn.send(wire.encode(wire.Disconnect()))
+            # Close now, not after the drain: a peer that dials again must
+            # open a fresh connection, not talk into this dying one.
+            await conn.aclose()
+        self._early.clear()
+        self._backlog.clear()
+
+    async def _let_go(self) -> None:
+        """Close the connection (if :meth:`_hang_up` never ran) and forget the peer's memory."""
+        if self._conn is not None and not self._handed_over:
+            await self._conn.aclose()  # idempotent
+        if self._peer_accepted:
+            await self._host.data.remove_peer(self.data_name)

@@ -1,0 +1,293 @@
+"""The node's host: what its sessions, its engine bridge and its facade stand on.
+
+:class:`NodeHost` owns the node's parts (runner, timer, quota ledger, parent
+service, store desk, peer registry, engine bridge) and implements what the
+parts ask of the node: a session's :class:`~p2pactor.runtime.session_host.SessionHost`
+(record a step's events, ask the parent, release a pin, report a load) and
+the bridge's :class:`~p2pactor.runtime.engine.EngineSide` (find or open a consumer,
+start a load, finish a request). :class:`~p2pactor.runtime.node.Node` is the public
+facade over it; nothing here is API.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable, Sequence
+
+import attrs
+import trio
+
+from p2pactor.core import effects as fx
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
+from p2pactor.core.consumer import ConsumerState, probe_answers
+from p2pactor.core.inputs import LookupResult
+from p2pactor.runtime.actor import RequestActor, Runner
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.engine import EngineBridge, LoadResult
+from p2pactor.runtime.log import EventLog
+from p2pactor.runtime.logcontext import peer_context, request_context
+from p2pactor.runtime.parent import Parent
+from p2pactor.runtime.peers import PeerRegistry
+from p2pactor.runtime.quotas import QuotaLedger
+from p2pactor.runtime.serving import ParentService
+from p2pactor.runtime.session import PeerSession
+from p2pactor.runtime.session_host import SessionCloseResult
+from p2pactor.runtime.stores import StoreDesk
+from p2pactor.runtime.timers import Timers
+from p2pactor.runtime.transport import ControlConnection, ControlTransport, DataTransport
+from p2pactor.runtime.view import EventWatcher, HandshakeWatcher
+
+__all__ = ["NodeHost"]
+
+log = logging.getLogger("p2pactor.node")
+
+RETRY = LookupResult.RETRY
+
+
+@attrs.define(eq=False)
+class Answers:
+    """A caller of ``Node.lookup`` waiting for every key's answer."""
+
+    keys: Sequence[bytes]
+    ready: trio.Event = attrs.field(factory=trio.Event)
+
+
+@attrs.define(eq=False)
+class Load:
+    """A caller of ``Node.fetch`` waiting for its load's result."""
+
+    ready: trio.Event = attrs.field(factory=trio.Event)
+    result: LoadResult | None = None
+
+
+class NodeHost:
+    """The parts of one node and what they ask of it. Made by ``open_node``."""
+
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        control: ControlTransport,
+        data: DataTransport,
+        parent: Parent | None,
+        event_log: EventLog,
+        nursery: trio.Nursery,
+        hash_seed: Callable[[], str] | None = None,
+    ) -> None:
+        self.config = config
+        self._hash_seed_source = hash_seed
+        self._hash_seed: str | None = None if hash_seed is not None else config.hash_seed
+        self.control = control
+        self.data = data
+        self.log = event_log
+        self.nursery = nursery
+        self.clock = trio.lowlevel.current_clock()
+        self.started_at = self.clock.current_time()  # for uptime (status reports)
+        self.runner = Runner()
+        self.timers = Timers()
+        self.quotas = QuotaLedger(config.quotas, config.num_blocks)
+        self.service = ParentService(
+            node_id=config.node_id,
+            quotas=self.quotas,
+            runner=self.runner,
+            timers=self.timers,
+            poll_interval=config.timings.pending_poll_interval,
+            clock=self.clock.current_time,
+            embedded=parent,
+        )
+        self.stores = StoreDesk(
+            node_id=config.node_id,
+            unbound_timeout=config.unbound_store_timeout,
+            runner=self.runner,
+            timers=self.timers,
+            release=lambda job_id: self.release_pin(job_id, success=False),
+            clock=self.clock.current_time,
+        )
+        self.peers = PeerRegistry(self, config, control, nursery, self.session_closed)
+        self.bridge = EngineBridge(
+            self,
+            name=config.node_id,
+            inbox_limit=config.engine_inbox,
+            poll_interval=config.engine_poll_interval,
+        )
+        # Consumer actors by kv_request_id, then peer: a finish finds its own at once.
+        self.consumers: dict[str, dict[str, RequestActor]] = {}
+        self.answers: dict[RequestActor, list[Answers]] = {}
+        self.loads: dict[int, Load] = {}
+        self.job_ids = itertools.count(start=-1, step=-1)  # the async API's own jobs
+        self._actor_watchers: list[Callable[[RequestActor], None]] = []
+        self._event_watchers: list[EventWatcher] = []
+        self._handshake_watchers: list[HandshakeWatcher] = []
+
+    @property
+    def hash_seed(self) -> str:
+        """The hash seed this node advertises and requires of peers.
+
+        Resolved on first use when the node was given a source for it: vLLM
+        knows its seed only once the engine has started, after the tier exists.
+        """
+        if self._hash_seed is None:
+            assert self._hash_seed_source is not None
+            self._hash_seed = self._hash_seed_source()
+        return self._hash_seed
+
+    def consumer_for(self, peer: str, kv_request_id: str) -> RequestActor | None:
+        """The consumer actor for (peer, request), created with its session if needed."""
+        mine = self.consumers.get(kv_request_id)
+        actor = None if mine is None else mine.get(peer)
+        if actor is not None:
+            return actor  # a finished or failed one answers MISS until the engine finishes
+        session = self.peers.session_for(peer)
+        if session is None:
+            return None
+        actor = session.consumer(kv_request_id)
+        self.consumers.setdefault(kv_request_id, {})[peer] = actor
+        return actor
+
+    def known_consumer(self, peer: str, kv_request_id: str) -> RequestActor | None:
+        """The consumer actor of (peer, request), if there is one. Any thread."""
+        return self.consumers.get(kv_request_id, {}).get(peer)
+
+    def submit(
+        self, actor: RequestActor, job_id: int, keys: tuple[bytes, ...], blocks: tuple[int, ...]
+    ) -> None:
+        """Start the load ``job_id`` on ``actor``."""
+        session = self.peers.session(actor.id.peer)
+        next_round = session.next_round() if session is not None else None
+        if actor.done:
+            self.report_load(job_id, success=False, reason="the request already ended")
+            return
+        load = inp.SubmitLoad(job_id=job_id, keys=keys, block_indexes=blocks, next_round=next_round)
+        self.runner.deliver(actor, load)
+
+    def finish_request(self, kv_request_id: str) -> None:
+        """The engine is done with ``kv_request_id``: finish its consumers and its producer."""
+        for actor in self.consumers.pop(kv_request_id, {}).values():
+            self.runner.deliver(actor, inp.Finish())
+        self.stores.finish(kv_request_id)
+
+    def store(self, kv_request_id: str, store: inp.AddStore) -> None:
+        """Give stored blocks to the request's producer, or keep them until its fetch."""
+        self.stores.store(kv_request_id, store)
+
+    def dial(self, peer: str) -> None:
+        """Open the session with ``peer`` now."""
+        self.peers.session_for(peer)
+
+    def watch_actors(self, watcher: Callable[[RequestActor], None]) -> Callable[[], None]:
+        """Call ``watcher`` with every actor created from now on; returns an unsubscribe."""
+        self._actor_watchers.append(watcher)
+        return lambda: self._actor_watchers.remove(watcher)
+
+    def watch_handshakes(self, watcher: HandshakeWatcher) -> Callable[[], None]:
+        """Call ``watcher(peer, outcome)`` as each handshake ends; returns an unsubscribe.
+
+        ``outcome`` is ``ok`` or why not (``timeout``, ``seed_mismatch``, ...).
+        """
+        self._handshake_watchers.append(watcher)
+        return lambda: self._handshake_watchers.remove(watcher)
+
+    def handshake_ended(self, peer: str, outcome: str) -> None:
+        """Tell the handshake watchers how a session's handshake ended."""
+        for watcher in list(self._handshake_watchers):
+            watcher(peer, outcome)
+
+    def actor_created(self, actor: RequestActor) -> None:
+        """Tell the watchers about a new actor."""
+        for watcher in list(self._actor_watchers):
+            watcher(actor)
+
+    def watch_events(self, watcher: EventWatcher) -> Callable[[], None]:
+        """Call ``watcher(events, state)`` after every actor step; returns an unsubscribe.
+
+        ``state`` is the actor's state after ``events``. Watchers run on the
+        node's thread inside the step: they must be quick and must not block
+        (the live timeline queues and returns). An exception in a watcher is
+        logged and otherwise ignored.
+        """
+        self._event_watchers.append(watcher)
+        return lambda: self._event_watchers.remove(watcher)
+
+    def record(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+        """Append an actor's events to the log, show them to the watchers, wake its callers."""
+        self.log.append(events)
+        for watcher in self._event_watchers:
+            try:
+                watcher(events, actor.state)
+            except Exception:
+                log.exception(
+                    "an event watcher failed on %s; it keeps its subscription (fix the "
+                    "watcher: see the traceback)",
+                    actor.id,
+                    extra=request_context(
+                        actor.id.peer, actor.id.kv_request_id, node=self.config.node_id
+                    ),
+                )
+        if actor in self.answers:
+            self.check_answers(actor)
+
+    def check_answers(self, actor: RequestActor) -> None:
+        """Wake the callers of :meth:`lookup` on ``actor`` whose keys are all answered."""
+        state = actor.state
+        assert isinstance(state, ConsumerState)
+        for waiter in self.answers.get(actor, ()):
+            if not waiter.ready.is_set() and RETRY not in probe_answers(state, waiter.keys):
+                waiter.ready.set()
+
+    def post_parent(self, actor: RequestActor, request: fx.ParentRequest) -> None:
+        """Have the parent service run ``request`` (now, or at the next serve)."""
+        self.service.post(actor, request)
+
+    def release_pin(self, job_id: int, *, success: bool) -> None:
+        """Release a pin job through the parent service (now, or at the next serve)."""
+        self.service.release(job_id, success=success)
+
+    def report_load(self, job_id: int, *, success: bool, reason: str) -> None:
+        """Hand a load result to whoever waits for it."""
+        result = LoadResult(job_id, success, reason)
+        waiter = self.loads.get(job_id)
+        if waiter is not None:
+            waiter.result = result
+            waiter.ready.set()
+        else:
+            self.bridge.result(result)
+
+    def producer_opened(self, session: PeerSession, actor: RequestActor) -> None:
+        """Bind a prefill/decode request's waiting stores to the actor that will serve them."""
+        del session
+        self.stores.bind(actor)
+
+    def session_restarted(
+        self, old: PeerSession, conn: ControlConnection, first: wire.Connect
+    ) -> None:
+        """The peer opened a new session on ``old``'s connection: start one with ``first``."""
+        self.peers.restarted(old, conn, first)
+
+    def session_closed(self, result: SessionCloseResult) -> None:
+        """Release what a closed session left held; forget its bindings."""
+        for job_id in result.held_pins:
+            log.warning(
+                "%s closed holding pin %d; releasing it",
+                result.peer_id,
+                job_id,
+                extra=peer_context(result.peer_id, node=self.config.node_id),
+            )
+            self.release_pin(job_id, success=False)
+        for context in result.open_contexts:
+            self.service.post_close(context)
+        # A session that replaced this one (the peer connected again) keeps its
+        # own bound producers; only the ended ones of this peer go.
+        replaced = self.peers.session(result.peer_id) is not None
+        self.stores.forget(
+            lambda actor: actor.id.peer == result.peer_id and (actor.done or not replaced)
+        )
+
+    async def aclose(self) -> None:
+        """Close every session (draining them), then the log. Idempotent."""
+        self.bridge.stop()
+        await self.peers.close_all("the node is shutting down")
+        self.service.drain()
+        self.log.close()

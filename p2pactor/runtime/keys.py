@@ -1,0 +1,431 @@
+"""CURVE key files: make them, read them, and the ring of peers we trust.
+
+A node that authenticates its control channel has a key pair in two files,
+written by ``p2pactor keygen STEM --address HOST:PORT``:
+
+* ``STEM.key``: the public certificate. Hand it to every peer that should
+  trust this node; they put it in their trusted directory.
+* ``STEM.key_secret``: the secret certificate, mode 0600. It never leaves the
+  node.
+
+Both are ZeroMQ certificates in ZPL, the text format of czmq's ``zcert``, so
+ZeroMQ tools can read them::
+
+    metadata
+        address = "10.0.0.5:5710"
+    curve
+        public-key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+        secret-key = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6"
+
+(``secret-key`` in the secret file only). The ``address`` is what the key
+speaks for: the node ids (``host:port``, comma-separated when one key serves
+several nodes, say the data-parallel ranks of one engine) whose connections
+this key may authenticate. A peer claiming an address bound to another key is
+refused, so a trusted peer cannot pose as another.
+
+Everything here is plain file handling with no I/O beyond reading and writing
+these files; every problem is a :class:`~p2pactor.errors.ConfigError` that says
+what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Final
+
+import attrs
+
+from p2pactor.errors import ConfigError
+from p2pactor.runtime import zpl
+
+__all__ = [
+    "KEYGEN_HINT",
+    "PUBLIC_SUFFIX",
+    "SECRET_SUFFIX",
+    "CurveKeypair",
+    "CurveSecurity",
+    "Keyring",
+    "load_keyring",
+    "load_public",
+    "load_secret",
+    "parse_addresses",
+    "write_keypair",
+]
+
+PUBLIC_SUFFIX: Final = ".key"
+"""File name suffix of a public certificate (what peers trust)."""
+
+SECRET_SUFFIX: Final = ".key_secret"  # noqa: S105 - a file suffix, not a secret
+"""File name suffix of a secret certificate (what a node keeps)."""
+
+_Z85_ALPHABET: Final = frozenset(
+    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
+)
+_Z85_KEY_LENGTH: Final = 40  # a 32-byte CURVE key in Z85
+KEYGEN_HINT: Final = "p2pactor keygen STEM --address HOST:PORT"
+"""How to make a key pair, for messages that say what to do."""
+
+
+# --- addresses ------------------------------------------------------------------
+
+
+def _check_address(address: str, where: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if (
+        not sep
+        or not host
+        or not (port.isascii() and port.isdigit())
+        or not 0 < int(port) <= 65535
+        or any(c.isspace() or c in ",\"'#/;" for c in host)
+    ):
+        raise ConfigError(
+            f"{where}: {address!r} is not a node id: give host:port with a port from 1 to "
+            "65535, the host exactly as the node is configured (its --host)"
+        )
+    return address
+
+
+def parse_addresses(value: str | Iterable[str], where: str = "address") -> frozenset[str]:
+    """The node ids in ``value``: one ``host:port``, a comma-separated list, or a collection.
+
+    Raises:
+        ConfigError: One is not ``host:port`` (``where`` names the source), or
+            there are none.
+    """
+    items = value.split(",") if isinstance(value, str) else list(value)
+    addresses = frozenset(_check_address(a.strip(), where) for a in items if a.strip())
+    if not addresses:
+        raise ConfigError(f"{where}: no address given: give the node's host:port")
+    return addresses
+
+
+def _check_key(value: str | None, what: str, path: Path) -> str:
+    if value is None:
+        raise ConfigError(
+            f"{path} has no {what}: it is not a ZeroMQ CURVE certificate; "
+            f"make a key pair with `{KEYGEN_HINT}`"
+        )
+    if len(value) != _Z85_KEY_LENGTH or not set(value) <= _Z85_ALPHABET:
+        raise ConfigError(
+            f"{path}: its {what} is not a 40-character Z85 CURVE key (the file is damaged); "
+            f"make a new key pair with `{KEYGEN_HINT}`"
+        )
+    return value
+
+
+def _read(path: Path, what: str) -> dict[str, dict[str, str]]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {path} does not exist: make one with `{KEYGEN_HINT}`") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {path} is a directory, not a certificate file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a text certificate: give the file keygen wrote") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    return zpl.parse(text, path)
+
+
+def _addresses_of(sections: Mapping[str, Mapping[str, str]], path: Path) -> frozenset[str]:
+    raw = sections.get("metadata", {}).get("address")
+    if not raw:
+        raise ConfigError(
+            f"{path} has no address metadata (the host:port the key speaks for), so it "
+            "cannot bind a peer's identity: regenerate it with "
+            "`p2pactor keygen STEM --address HOST:PORT`"
+        )
+    return parse_addresses(raw, where=f"{path}, metadata address")
+
+
+# --- key pairs ------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class CurveKeypair:
+    """This node's CURVE key pair, from its secret certificate.
+
+    Attributes:
+        public_key: The public key, Z85 text (40 characters).
+        secret_key: The secret key, Z85 text; never printed.
+        addresses: The node ids the key speaks for (``host:port``).
+        path: The file it was read from; None if made in memory.
+    """
+
+    public_key: str
+    secret_key: str = attrs.field(repr=False)
+    addresses: frozenset[str]
+    path: str | None = None
+
+    def public_path(self) -> str | None:
+        """The public certificate keygen wrote beside :attr:`path`, for messages."""
+        if self.path is None or not self.path.endswith(SECRET_SUFFIX):
+            return None
+        return self.path[: -len(SECRET_SUFFIX)] + PUBLIC_SUFFIX
+
+
+def write_keypair(
+    path_stem: str | os.PathLike[str],
+    address: str | Iterable[str],
+    make: Callable[[], tuple[str, str]],
+    *,
+    force: bool = False,
+) -> tuple[Path, Path]:
+    """Write a new key pair, from ``make()``, to ``<stem>.key`` and ``<stem>.key_secret``.
+
+    The key pair comes from libzmq, which only the zmq adapter imports: call
+    :func:`p2pactor.adapters.zmq.generate_keypair`, which passes ``make``.
+
+    Args:
+        path_stem: The files' path without suffix (``/etc/p2pactor/runtime/node-a``).
+        address: The node id(s) the key speaks for: ``host:port``, several
+            comma-separated (or a collection) when one key serves several nodes.
+        make: A new ``(public, secret)`` pair of Z85 keys; called once the
+            files may be written.
+        force: Replace existing files; otherwise refuse to touch them.
+
+    Returns:
+        The public and the secret file's paths.
+
+    Raises:
+        ConfigError: A file exists (and not ``force``), an address is not
+            ``host:port``, or the files cannot be written.
+    """
+    addresses = parse_addresses(address, where="--address")
+    stem = os.fspath(path_stem)
+    public_path = Path(stem + PUBLIC_SUFFIX)
+    secret_path = Path(stem + SECRET_SUFFIX)
+    if not force:
+        existing = [str(p) for p in (public_path, secret_path) if p.exists() or p.is_symlink()]
+        if existing:
+            raise ConfigError(
+                f"{' and '.join(existing)} already exist: pick another name, or pass --force "
+                "to replace the key pair (peers that trust the old key must get the new .key)"
+            )
+    public, secret = make()
+    metadata = {"address": ",".join(sorted(addresses))}
+    curve = {"public-key": public}
+    public_text = zpl.render("public", {"metadata": metadata, "curve": curve})
+    secret_text = zpl.render(
+        "secret", {"metadata": metadata, "curve": {**curve, "secret-key": secret}}
+    )
+    # The secret first: a public certificate without its secret is useless.
+    _write_new(secret_path, secret_text, 0o600, replace=force)
+    _write_new(public_path, public_text, 0o644, replace=force)
+    return public_path, secret_path
+
+
+def _write_new(path: Path, text: str, mode: int, *, replace: bool) -> None:
+    """Write ``path`` whole or not at all, created with ``mode`` (never wider).
+
+    A temporary file in the same folder is created with the final mode (so the
+    secret is never readable by others, not even for a moment), then renamed
+    over the target (``replace``) or hard-linked to it, which fails if the
+    target appeared meanwhile.
+    """
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            os.write(fd, text.encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(temp, mode)  # the umask may have narrowed it: public files are world-readable
+        if replace:
+            os.replace(temp, path)
+        else:
+            os.link(temp, path)
+    except FileExistsError:
+        raise ConfigError(f"{path} already exists: pass --force to replace it") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temp.unlink()
+
+
+def load_secret(path: str | os.PathLike[str]) -> CurveKeypair:
+    """This node's key pair, from its secret certificate (``*.key_secret``).
+
+    The file must be readable by its owner only (``chmod 600``), as SSH insists
+    for private keys: a secret others can read is a key anyone on the host may
+    have copied, and it is refused rather than trusted.
+
+    Raises:
+        ConfigError: The file is missing, unreadable, readable by others, not
+            a secret certificate, damaged, or has no address metadata.
+    """
+    file = Path(path)
+    sections = _read(file, "CURVE secret key file")
+    if os.name == "posix":
+        mode = stat.S_IMODE(file.stat().st_mode)
+        if mode & 0o077:
+            raise ConfigError(
+                f"{file} is open to other users (mode {mode:04o}): a secret key must be "
+                f"readable by its owner only; run `chmod 600 {file}` (in Kubernetes, mount "
+                "the secret with defaultMode 0400), and make a new key pair if others may "
+                "have read it"
+            )
+    curve = sections.get("curve", {})
+    public = _check_key(curve.get("public-key"), "public-key", file)
+    if curve.get("secret-key") is None:
+        raise ConfigError(
+            f"{file} is a public certificate, not a secret one: give the node its "
+            f"{SECRET_SUFFIX} file (keygen writes both)"
+        )
+    secret = _check_key(curve.get("secret-key"), "secret-key", file)
+    # Whether the public key belongs to the secret one takes libzmq: the zmq
+    # transport checks it when it sets up CURVE (p2pactor.adapters._zmq_curve).
+    return CurveKeypair(
+        public_key=public,
+        secret_key=secret,
+        addresses=_addresses_of(sections, file),
+        path=str(file),
+    )
+
+
+def load_public(path: str | os.PathLike[str]) -> tuple[str, frozenset[str]]:
+    """The public key and the addresses it speaks for, from a ``*.key`` certificate.
+
+    Raises:
+        ConfigError: The file is missing, not a certificate, damaged, has no
+            address metadata, or holds a secret key (which must never be shared).
+    """
+    file = Path(path)
+    sections = _read(file, "CURVE public key file")
+    curve = sections.get("curve", {})
+    if "secret-key" in curve:
+        raise ConfigError(
+            f"{file} holds a SECRET key, which must never leave its node: put only the peer's "
+            f"public {PUBLIC_SUFFIX} file here, delete this copy, and have that peer make a "
+            f"new key pair (`{KEYGEN_HINT}`), as this one has been exposed"
+        )
+    return _check_key(curve.get("public-key"), "public-key", file), _addresses_of(sections, file)
+
+
+# --- the keyring ------------------------------------------------------------------------
+
+
+def _frozen_map(value: Mapping[str, str]) -> Mapping[str, str]:
+    return MappingProxyType(dict(value))
+
+
+@attrs.frozen(kw_only=True)
+class Keyring:
+    """The peers a node trusts: each peer id (``host:port``) and its public key.
+
+    Build it with :func:`load_keyring`, or directly for tests. A key may speak
+    for several ids; an id has one key.
+
+    Attributes:
+        keys: Peer id -> public key (Z85).
+        directory: Where it was loaded from, for messages; None if made in memory.
+    """
+
+    keys: Mapping[str, str] = attrs.field(converter=_frozen_map, hash=False)
+    directory: str | None = None
+    _addresses: Mapping[str, frozenset[str]] = attrs.field(
+        init=False, eq=False, hash=False, repr=False
+    )
+
+    def __attrs_post_init__(self) -> None:
+        by_key: dict[str, set[str]] = {}
+        for address, key in self.keys.items():
+            by_key.setdefault(key, set()).add(address)
+        # A derived index of a frozen value: set once here, never changed.
+        object.__setattr__(
+            self, "_addresses", MappingProxyType({k: frozenset(v) for k, v in by_key.items()})
+        )
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def key_for(self, peer_id: str) -> str | None:
+        """The public key trusted for ``peer_id``, or None if none is."""
+        return self.keys.get(peer_id)
+
+    def addresses_of(self, public_key: str) -> frozenset[str]:
+        """The peer ids ``public_key`` speaks for (empty if it is not trusted)."""
+        return self._addresses.get(public_key, frozenset())
+
+    def trusts(self, public_key: str) -> bool:
+        """Whether ``public_key`` belongs to a trusted peer."""
+        return public_key in self._addresses
+
+    def where(self) -> str:
+        """The trusted directory, for messages."""
+        return self.directory or "the trusted keyring"
+
+
+def load_keyring(directory: str | os.PathLike[str]) -> Keyring:
+    """Every ``*.key`` certificate in ``directory``, as a :class:`Keyring`.
+
+    Other files (``*.key_secret`` among them, so a node's own secret may sit
+    beside its peers' keys) are ignored. The directory is read once: restart
+    the node to trust a new peer.
+
+    Raises:
+        ConfigError: The directory is missing or holds no ``*.key`` file; a
+            file is not a usable public certificate; or two files bind one
+            address to different keys.
+    """
+    folder = Path(directory)
+    if not folder.is_dir():
+        raise ConfigError(
+            f"the CURVE trusted directory {folder} does not exist or is not a directory: "
+            f"create it and copy the {PUBLIC_SUFFIX} file of every peer to trust into it"
+        )
+    keys: dict[str, str] = {}
+    sources: dict[str, Path] = {}
+    files = sorted(p for p in folder.glob("*" + PUBLIC_SUFFIX) if p.is_file())
+    if not files:
+        raise ConfigError(
+            f"the CURVE trusted directory {folder} holds no {PUBLIC_SUFFIX} file, so this "
+            f"node would trust no peer: copy the {PUBLIC_SUFFIX} file of every peer to trust "
+            "into it (made by `p2pactor keygen` on each peer)"
+        )
+    for file in files:
+        key, addresses = load_public(file)
+        for address in sorted(addresses):
+            if address in keys and keys[address] != key:
+                raise ConfigError(
+                    f"{sources[address]} and {file} bind {address} to different keys: one "
+                    "of them is stale; remove it (a node id must have exactly one key)"
+                )
+            keys[address] = key
+            sources[address] = file
+    return Keyring(keys=keys, directory=str(folder))
+
+
+@attrs.frozen(kw_only=True)
+class CurveSecurity:
+    """What a node needs to authenticate and encrypt its control channel.
+
+    Attributes:
+        keypair: This node's own key pair.
+        keyring: The peers it trusts, inbound and outbound.
+    """
+
+    keypair: CurveKeypair
+    keyring: Keyring
+
+    @classmethod
+    def load(
+        cls, secret_key: str | os.PathLike[str], trusted: str | os.PathLike[str]
+    ) -> CurveSecurity:
+        """Read the node's secret certificate and its trusted directory.
+
+        Raises:
+            ConfigError: See :func:`load_secret` and :func:`load_keyring`.
+        """
+        return cls(keypair=load_secret(secret_key), keyring=load_keyring(trusted))
+
+    def trusts(self, peer_id: str) -> bool:
+        """Whether a key is trusted for ``peer_id`` (so it may be dialed)."""
+        return peer_id in self.keyring.keys

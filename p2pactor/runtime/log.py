@@ -1,0 +1,464 @@
+"""The node's event log: every event of every actor, in order, in memory and on disk.
+
+One :class:`EventLog` per node records what each actor decided, in the order the
+node applied it. It keeps the last events in memory (:meth:`EventLog.recent`),
+tells listeners (the live timeline) about each batch, and, given a path, writes
+every event to a file in the format of ``docs/log-format.md``, which
+:func:`~p2pactor.runtime.logread.read_log` (also importable from here) streams back.
+
+How soon a record reaches the file is the :class:`Durability` policy, a trade of
+append latency against how much a crash can lose; ``benchmarks/log_durability.py``
+measures it.
+
+The writer is synchronous and is called only from the node's trio thread. Only
+:meth:`EventLog.flush_periodically` needs trio; the rest of the module runs
+without an event loop.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import logging
+import os
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import ClassVar
+
+import attrs
+import msgspec
+import trio
+
+from p2pactor.core import checks
+from p2pactor.core.events import AnyEvent
+from p2pactor.core.ids import ActorId
+from p2pactor.core.serde import encode_event
+from p2pactor.errors import ConfigError, LogError
+from p2pactor.runtime.logread import _FRAME, FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES, read_log
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_RECORD_BYTES",
+    "Durability",
+    "DurabilityKind",
+    "EventLog",
+    "Listener",
+    "LogStatistics",
+    "read_log",
+]
+
+logger = logging.getLogger("p2pactor.log")
+
+Listener = Callable[[Sequence[AnyEvent]], None]
+"""Called with each batch of appended events, after they are recorded."""
+
+
+class DurabilityKind(enum.Enum):
+    """When appended records reach the operating system."""
+
+    EVERY_EVENT = "every_event"
+    """Each :meth:`EventLog.append` writes its records before it returns."""
+    INTERVAL = "interval"
+    """Records are buffered and written every ``interval_s`` by the flusher task."""
+    ON_CLOSE = "on_close"
+    """Records are written only by :meth:`EventLog.flush` and :meth:`EventLog.close`."""
+
+
+@attrs.frozen(kw_only=True)
+class Durability:
+    """How soon appended events reach the file, and what a crash may lose.
+
+    Build one with :meth:`every_event`, :meth:`interval` or :meth:`on_close`,
+    or as ``Durability(kind=Durability.INTERVAL, interval_s=0.1)``.
+
+    ``fsync=True`` also forces each write to the disk. Without it a write
+    survives the process being killed (it is in the kernel's page cache) but
+    not the machine losing power. With it, every write waits for the device:
+    milliseconds per write on an SSD, which under EVERY_EVENT means per append
+    (see ``benchmarks/log_durability.py``).
+
+    Attributes:
+        kind: When records are written.
+        interval_s: INTERVAL only: the flusher's period in seconds.
+        fsync: Force each write to the disk.
+        max_buffer_bytes: INTERVAL only: an append that leaves more than this
+            buffered writes at once, so a stalled flusher can't grow the
+            buffer without bound.
+    """
+
+    EVERY_EVENT: ClassVar[DurabilityKind] = DurabilityKind.EVERY_EVENT
+    """Shorthand for :attr:`DurabilityKind.EVERY_EVENT`."""
+    INTERVAL: ClassVar[DurabilityKind] = DurabilityKind.INTERVAL
+    """Shorthand for :attr:`DurabilityKind.INTERVAL`."""
+    ON_CLOSE: ClassVar[DurabilityKind] = DurabilityKind.ON_CLOSE
+    """Shorthand for :attr:`DurabilityKind.ON_CLOSE`."""
+
+    kind: DurabilityKind = DurabilityKind.INTERVAL
+    interval_s: float = attrs.field(default=0.05, validator=checks.positive(finite=False))
+    fsync: bool = False
+    max_buffer_bytes: int = attrs.field(
+        default=4 * 1024 * 1024, validator=checks.positive(finite=False)
+    )
+
+    @classmethod
+    def every_event(cls, *, fsync: bool = False) -> Durability:
+        """Write each append's records before it returns: a killed node loses nothing."""
+        return cls(kind=DurabilityKind.EVERY_EVENT, fsync=fsync)
+
+    @classmethod
+    def interval(cls, interval_s: float = 0.05, *, fsync: bool = False) -> Durability:
+        """Write every ``interval_s``: a killed node loses at most that much."""
+        return cls(kind=DurabilityKind.INTERVAL, interval_s=interval_s, fsync=fsync)
+
+    @classmethod
+    def on_close(cls, *, fsync: bool = False) -> Durability:
+        """Write only at flush or close: the fastest; a killed node loses everything.
+
+        Every record is held in memory until then; use it for tests and short runs.
+        """
+        return cls(kind=DurabilityKind.ON_CLOSE, fsync=fsync)
+
+
+@attrs.frozen(kw_only=True)
+class LogStatistics:
+    """Counters of one :class:`EventLog` since it was created.
+
+    Attributes:
+        events_appended: Events passed to :meth:`EventLog.append`.
+        records_written: Event records handed to the operating system.
+        bytes_written: Bytes handed to the operating system, header included.
+        records_buffered: Event records appended and not written yet.
+        bytes_buffered: Their size in bytes.
+        flushes: Writes to the operating system (one per flush with data).
+        fsyncs: Writes forced to the disk.
+        listener_errors: Exceptions raised by listeners (logged and swallowed).
+        appends: Calls to :meth:`EventLog.append` with at least one event.
+        bytes_appended: Bytes of event records encoded by those calls (0 for a
+            log kept in memory only: nothing is encoded).
+        append_seconds: Time spent in those calls (``time.perf_counter``).
+    """
+
+    events_appended: int
+    records_written: int
+    bytes_written: int
+    records_buffered: int
+    bytes_buffered: int
+    flushes: int
+    fsyncs: int
+    listener_errors: int
+    appends: int = 0
+    bytes_appended: int = 0
+    append_seconds: float = 0.0
+
+
+@attrs.define
+class _Counts:
+    """The counters of :class:`LogStatistics` but ``bytes_buffered``, as the log counts."""
+
+    events_appended: int = 0
+    records_written: int = 0
+    bytes_written: int = 0
+    records_buffered: int = 0
+    flushes: int = 0
+    fsyncs: int = 0
+    listener_errors: int = 0
+    appends: int = 0
+    bytes_appended: int = 0
+    append_seconds: float = 0.0
+
+
+def _frame(payload: bytes) -> bytes:
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _header_payload(node_id: str, clock_origin: tuple[float, float] | None) -> bytes:
+    wall, mono = (time.time(), None) if clock_origin is None else clock_origin
+    header = {
+        "format": FORMAT_VERSION,
+        "node_id": node_id,
+        "created_wall": float(wall),
+        "created_mono": None if mono is None else float(mono),
+    }
+    return msgspec.msgpack.encode(header)
+
+
+def _create(path: str | os.PathLike[str], *, overwrite: bool) -> io.FileIO:
+    try:
+        # Unbuffered: a write goes straight to the OS, so "written" means written.
+        return io.FileIO(path, "w" if overwrite else "x")
+    except FileExistsError:
+        raise LogError(
+            f"{os.fspath(path)!s} already exists; an event log never appends to an old "
+            "file: choose a new path, or pass overwrite=True to replace it"
+        ) from None
+    except OSError as exc:
+        raise LogError(
+            f"cannot create the event log {os.fspath(path)!s}: {exc.strerror}; "
+            "check that its directory exists and is writable"
+        ) from exc
+
+
+class EventLog:
+    """The ordered record of every event of one node's actors.
+
+    Appending keeps the events in an in-memory ring, writes them to ``path``
+    (if given) as the ``durability`` policy says, and calls the listeners.
+
+    A log always starts a new file: it refuses an existing ``path`` unless
+    ``overwrite`` is true, and then truncates it. The header goes out as soon
+    as the log is created, whatever the policy, so even a node killed at once
+    leaves a readable (empty) log.
+
+    Every method is synchronous and must be called from the node's trio
+    thread: the log has no lock. Under the INTERVAL policy the node runs
+    :meth:`flush_periodically` as a task.
+
+    Args:
+        node_id: The node whose events these are; recorded in the header.
+        path: The file to write, or None to keep events in memory only.
+        durability: When records reach the file (default: INTERVAL, 50 ms).
+        keep: How many recent events :meth:`recent` keeps; None keeps every
+            event (tests), 0 none. Enough to look at the last steps of a
+            stuck request; a bigger ring costs the garbage collector (with
+            100,000 events kept, its full collections paused a node for up
+            to 0.23 s, the p99 of every lookup in flight then).
+        clock_origin: ``(wall time, monotonic time)`` read at one instant,
+            stored in the header so a reader can turn event times (which are
+            monotonic, as trio's clock is) into wall-clock times.
+        overwrite: Replace ``path`` if it exists.
+
+    Raises:
+        LogError: ``path`` exists (and ``overwrite`` is false) or can't be
+            created.
+        ConfigError: ``keep`` is negative.
+    """
+
+    def __init__(
+        self,
+        node_id: str,
+        *,
+        path: str | os.PathLike[str] | None = None,
+        durability: Durability | None = None,
+        keep: int | None = 1_000,
+        clock_origin: tuple[float, float] | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        if keep is not None and keep < 0:
+            raise ConfigError(f"keep must be 0 or more (or None for everything), got {keep}")
+        self._node_id = node_id
+        self._durability = Durability() if durability is None else durability
+        self._ring: deque[AnyEvent] = deque(maxlen=keep)
+        self._listeners: list[Listener] = []
+        self._path = None if path is None else os.fspath(path)
+        self._buffer = bytearray()
+        self._closed = False
+        self._counts = _Counts()
+        self._file: io.FileIO | None = None
+        if path is not None:
+            self._file = _create(path, overwrite=overwrite)
+            self._buffer += MAGIC + _frame(_header_payload(node_id, clock_origin))
+            try:
+                self._write_buffer(records=0)
+            except LogError:
+                self._file.close()
+                raise
+
+    @property
+    def node_id(self) -> str:
+        """The node whose events these are."""
+        return self._node_id
+
+    @property
+    def path(self) -> str | None:
+        """The file written, or None for a log kept in memory only."""
+        return self._path
+
+    @property
+    def durability(self) -> Durability:
+        """The flush policy."""
+        return self._durability
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def append(self, events: Sequence[AnyEvent]) -> None:
+        """Record ``events`` (one actor step's, in order) after everything so far.
+
+        Encoding happens here; the file is written only under EVERY_EVENT (one
+        write for the whole batch), or when an INTERVAL buffer is over its
+        limit. Listeners are called last; their exceptions are logged and
+        swallowed.
+
+        Raises:
+            LogError: The log is closed, an event is over
+                :data:`MAX_RECORD_BYTES`, or writing the file failed (the
+                events are recorded in memory and listeners still hear of
+                them; the unwritten records stay buffered for the next flush).
+        """
+        if self._closed:
+            raise LogError(f"event log of {self._node_id} is closed; nothing can be appended")
+        if not events:
+            return
+        started = time.perf_counter()  # ~50 ns: cheap next to encoding the events
+        if self._file is not None:
+            records = []
+            for event in events:
+                payload = encode_event(event, "msgpack")
+                if len(payload) > MAX_RECORD_BYTES:
+                    raise LogError(
+                        f"{event.KIND} #{event.seq} of {event.actor} encodes to "
+                        f"{len(payload)} bytes, over the log's {MAX_RECORD_BYTES}-byte "
+                        "record limit; lower the session's max_frame_bytes"
+                    )
+                records.append(_frame(payload))
+            batch = b"".join(records)
+            self._buffer += batch
+            self._counts.bytes_appended += len(batch)
+            self._counts.records_buffered += len(records)
+        self._ring.extend(events)
+        self._counts.events_appended += len(events)
+        try:
+            if self._buffer and self._should_write_now():
+                self._write_buffer(records=self._counts.records_buffered)
+        finally:
+            # The events are recorded (in memory at least): observers hear of them.
+            if self._listeners:
+                self._notify(events)
+            self._counts.appends += 1
+            self._counts.append_seconds += time.perf_counter() - started
+
+    def _should_write_now(self) -> bool:
+        durability = self._durability
+        if durability.kind is DurabilityKind.EVERY_EVENT:
+            return True
+        over = len(self._buffer) > durability.max_buffer_bytes
+        return over and durability.kind is DurabilityKind.INTERVAL
+
+    def _notify(self, events: Sequence[AnyEvent]) -> None:
+        # A copy: a listener may unsubscribe itself (or another) while called.
+        for listener in tuple(self._listeners):
+            try:
+                listener(events)
+            except Exception:
+                # A broken observer must never stop the node from recording.
+                self._counts.listener_errors += 1
+                logger.exception(
+                    "event log listener %r failed; it stays subscribed (fix the listener: see "
+                    "the traceback)",
+                    listener,
+                )
+
+    def _write_buffer(self, *, records: int) -> None:
+        file = self._file
+        assert file is not None
+        total = len(self._buffer)
+        written = 0
+        try:
+            with memoryview(self._buffer) as view:
+                while written < total:
+                    count = file.write(view[written:])
+                    # FileIO returns None only for non-blocking files; ours blocks.
+                    written += count or 0
+            if self._durability.fsync:
+                os.fsync(file.fileno())
+                self._counts.fsyncs += 1
+        except OSError as exc:
+            raise LogError(
+                f"writing the event log {self._path} failed: {exc.strerror}; "
+                "free disk space or move the log, the unwritten records are kept"
+            ) from exc
+        finally:
+            # Drop exactly what reached the file, so a retry never writes twice.
+            del self._buffer[:written]
+            self._counts.bytes_written += written
+            if written == total:
+                self._counts.flushes += 1
+                self._counts.records_written += records
+                self._counts.records_buffered -= records
+
+    def flush(self) -> None:
+        """Write every buffered record to the file now (a no-op without a file).
+
+        Raises:
+            LogError: Writing failed; the records stay buffered.
+        """
+        if self._file is not None and self._buffer:
+            self._write_buffer(records=self._counts.records_buffered)
+
+    def close(self) -> None:
+        """Flush and close the file; idempotent. Appending afterwards fails.
+
+        Raises:
+            LogError: The last flush failed (the file is closed anyway).
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._listeners.clear()
+        if self._file is None:
+            return
+        try:
+            self.flush()
+        finally:
+            self._file.close()
+            self._file = None
+
+    async def flush_periodically(self) -> None:
+        """Write buffered records every ``interval_s``; the INTERVAL policy's task.
+
+        The node starts it in its nursery. It returns at once under the other
+        policies or without a file, and after :meth:`close` otherwise. It
+        sleeps on trio's clock, so a test's ``MockClock`` drives it.
+
+        Raises:
+            LogError: Writing failed: the node decides whether to go on
+                without a durable log.
+        """
+        if self._durability.kind is not DurabilityKind.INTERVAL or self._file is None:
+            return
+        while True:
+            await trio.sleep(self._durability.interval_s)
+            if self._closed:
+                return
+            self.flush()
+
+    def recent(self, actor: ActorId | None = None) -> list[AnyEvent]:
+        """The events still in the in-memory ring, oldest first, of ``actor`` or all."""
+        if actor is None:
+            return list(self._ring)
+        return [event for event in self._ring if event.actor == actor]
+
+    def add_listener(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` with each appended batch; returns the unsubscribe function.
+
+        The listener runs inside :meth:`append`, on the node's thread: it must
+        be quick and must not append. Unsubscribing twice is harmless.
+        """
+        self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def statistics(self) -> LogStatistics:
+        """The log's counters now."""
+        return LogStatistics(bytes_buffered=len(self._buffer), **attrs.asdict(self._counts))
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -1,0 +1,338 @@
+"""Reading an event log back: the file format's constants, and a streaming reader.
+
+The format (specified in ``docs/log-format.md``): a magic number, a header
+record, then one self-delimiting, checksummed record per event.
+:func:`read_log` checks the header at once and streams the events later,
+stopping cleanly at a torn tail or a damaged record instead of misreading it.
+:mod:`p2pactor.runtime.log` writes such files.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from typing import Final
+
+import attrs
+import msgspec
+
+from p2pactor.core.events import AnyEvent
+from p2pactor.core.serde import decode_event
+from p2pactor.errors import EventFormatError, LogFormatError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "MAX_RECORD_BYTES",
+    "LogHeader",
+    "LogProblem",
+    "LogReader",
+    "ProblemKind",
+    "read_log",
+]
+
+MAGIC: Final = b"P2PLOG\x00\x01"
+"""The first eight bytes of every log file: ``P2PLOG``, then the major format, 1."""
+
+FORMAT_VERSION: Final = 1
+"""The log format p2pactor writes and the only one it reads."""
+
+MAX_RECORD_BYTES: Final = 128 * 1024 * 1024
+"""The largest record payload a log may hold.
+
+Above the largest event a maximum-size wire frame can produce, so a peer can't
+make :meth:`~p2pactor.runtime.log.EventLog.append` fail; small enough that a corrupt
+length can't make the reader allocate gigabytes.
+"""
+
+_MAX_HEADER_BYTES: Final = 64 * 1024
+_FRAME: Final = struct.Struct(">II")  # a record's payload length and CRC-32 (the writer's too)
+_READ_CHUNK: Final = 1024 * 1024
+_MAGIC_NAME: Final = MAGIC[:6]
+
+logger = logging.getLogger("p2pactor.log")  # the writer's name: one logger for the event log
+
+
+@attrs.frozen(kw_only=True)
+class LogHeader:
+    """What a log file says about itself.
+
+    Attributes:
+        format: The log format version (1).
+        node_id: The node that wrote it.
+        created_wall: Wall-clock time (``time.time()``) of the clock origin.
+        created_mono: The monotonic time read at the same instant, or None if
+            the writer gave no clock origin (event times then stay relative).
+    """
+
+    format: int
+    node_id: str
+    created_wall: float
+    created_mono: float | None
+
+    def wall_time(self, at: float) -> float | None:
+        """The wall-clock time of an event stamped ``at``, if the log knows it."""
+        if self.created_mono is None:
+            return None
+        return self.created_wall + (at - self.created_mono)
+
+
+class ProblemKind(enum.Enum):
+    """How reading a log ended early."""
+
+    TORN_TAIL = "torn_tail"
+    """The file ends inside its last record: the writer stopped mid-write.
+    Expected after a crash; every complete record before it was read."""
+    CORRUPT = "corrupt"
+    """A damaged record with more data after it: the file was altered."""
+    UNREADABLE = "unreadable"
+    """A sound record holding an event this p2pactor cannot decode."""
+
+
+@attrs.frozen(kw_only=True)
+class LogProblem:
+    """Why reading stopped before the end of the file.
+
+    Attributes:
+        kind: Torn tail, corruption, or an unreadable event.
+        offset: The byte offset of the record where reading stopped.
+        reason: What was wrong, in words.
+    """
+
+    kind: ProblemKind
+    offset: int
+    reason: str
+
+    @property
+    def fatal(self) -> bool:
+        """Whether events may be missing from the middle of the log (not just its end)."""
+        return self.kind is not ProblemKind.TORN_TAIL
+
+    def __str__(self) -> str:
+        what = self.kind.value.replace("_", " ")
+        return f"{what} at byte {self.offset}: {self.reason}"
+
+
+class _HeaderFields(msgspec.Struct):
+    node_id: str
+    created_wall: float
+    created_mono: float | None
+
+
+def _parse_header(path: str, data: bytes) -> tuple[LogHeader, int]:
+    """Check the magic and decode the header record; returns it and where data starts."""
+    if data[:6] != _MAGIC_NAME:
+        raise LogFormatError(
+            f"{path} is not a p2pactor event log (it does not start with {_MAGIC_NAME!r}); "
+            "pass a file written by p2pactor's EventLog"
+        )
+    if data[:8] != MAGIC:
+        major = int.from_bytes(data[6:8], "big") if len(data) >= 8 else None
+        raise LogFormatError(
+            f"{path} is a p2pactor event log in format {major}, and this p2pactor reads "
+            f"format {FORMAT_VERSION}; replay it with the p2pactor version that wrote it"
+        )
+    damaged = f"{path}: the log header is damaged; the file can't be replayed"
+    if len(data) < 8 + _FRAME.size:
+        raise LogFormatError(f"{damaged} (it ends before the header record)")
+    length, crc = _FRAME.unpack_from(data, 8)
+    start = 8 + _FRAME.size
+    payload = data[start : start + length]
+    if length > _MAX_HEADER_BYTES or len(payload) != length or zlib.crc32(payload) != crc:
+        raise LogFormatError(f"{damaged} (bad header record)")
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        raise LogFormatError(f"{damaged} (the header is not msgpack)") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("format"), int):
+        raise LogFormatError(f"{damaged} (the header has no format number)")
+    if raw["format"] != FORMAT_VERSION:
+        raise LogFormatError(
+            f"{path} was written in log format {raw['format']}, and this p2pactor reads "
+            f"format {FORMAT_VERSION}; replay it with the p2pactor version that wrote it"
+        )
+    try:
+        fields = msgspec.convert(raw, _HeaderFields)
+    except msgspec.ValidationError as exc:
+        raise LogFormatError(f"{damaged} ({exc})") from None
+    header = LogHeader(
+        format=FORMAT_VERSION,
+        node_id=fields.node_id,
+        created_wall=fields.created_wall,
+        created_mono=fields.created_mono,
+    )
+    return header, start + length
+
+
+class LogReader:
+    """A log file opened for reading: its header, then its events, streamed.
+
+    Iterating reads the file in chunks from the first record, so a log of any
+    size is read in bounded memory; each iteration starts again from the
+    first record. Iteration stops early, without raising, at a torn tail, a
+    damaged record or an unreadable event, logs a warning and sets
+    :attr:`problem`. Build one with :func:`read_log`.
+
+    Attributes:
+        path: The file.
+        header: What the file says about itself.
+    """
+
+    def __init__(self, path: str, header: LogHeader, data_offset: int) -> None:
+        self.path = path
+        self.header = header
+        self._data_offset = data_offset
+        self._problem: LogProblem | None = None
+        self._events_read = 0
+        self._end_offset = data_offset
+        self._done = False
+
+    @property
+    def node_id(self) -> str:
+        """The node that wrote the log."""
+        return self.header.node_id
+
+    @property
+    def problem(self) -> LogProblem | None:
+        """Why the last iteration stopped early, or None if it read the whole file."""
+        return self._problem
+
+    @property
+    def torn_tail(self) -> bool:
+        """The last iteration ended at a torn tail (expected after a crash)."""
+        return self._problem is not None and self._problem.kind is ProblemKind.TORN_TAIL
+
+    @property
+    def corrupt(self) -> bool:
+        """The last iteration stopped at corruption or an unreadable event."""
+        return self._problem is not None and self._problem.fatal
+
+    @property
+    def complete(self) -> bool:
+        """The last iteration ran to its end (with or without a problem)."""
+        return self._done
+
+    @property
+    def events_read(self) -> int:
+        """How many events the last iteration yielded."""
+        return self._events_read
+
+    @property
+    def end_offset(self) -> int:
+        """The byte offset just after the last complete record read."""
+        return self._end_offset
+
+    def __iter__(self) -> Iterator[AnyEvent]:
+        self._reset()
+        with open(self.path, "rb") as file:
+            file.seek(self._data_offset)
+            yield from self._records(file)
+        self._done = True
+        problem = self.problem
+        if problem is not None:
+            logger.warning("%s: %s; stopped after %d events", self.path, problem, self._events_read)
+
+    def _reset(self) -> None:
+        self._problem = None
+        self._events_read = 0
+        self._end_offset = self._data_offset
+        self._done = False
+
+    def _records(self, file: io.BufferedReader) -> Iterator[AnyEvent]:
+        buf = b""
+        pos = 0  # where the next record starts in buf
+        base = self._data_offset  # the file offset of buf[0]
+        eof = False
+
+        def have(count: int) -> bool:
+            """Make ``count`` bytes from ``pos`` available; False if the file is shorter."""
+            nonlocal buf, pos, base, eof
+            while len(buf) - pos < count and not eof:
+                more = file.read(max(_READ_CHUNK, count - (len(buf) - pos)))
+                if not more:
+                    eof = True
+                    break
+                base += pos
+                buf = buf[pos:] + more
+                pos = 0
+            return len(buf) - pos >= count
+
+        while have(1):
+            offset = base + pos
+            if not have(_FRAME.size):
+                self._stop(
+                    ProblemKind.TORN_TAIL,
+                    offset,
+                    f"the file ends inside a record's frame ({len(buf) - pos} of 8 bytes)",
+                )
+                return
+            length, crc = _FRAME.unpack_from(buf, pos)
+            if length == 0 or length > MAX_RECORD_BYTES:
+                if self._rest_is_zero(file, buf[pos:]):
+                    self._stop(
+                        ProblemKind.TORN_TAIL,
+                        offset,
+                        "the file ends in zero bytes the writer never filled",
+                    )
+                else:
+                    self._stop(ProblemKind.CORRUPT, offset, f"impossible record length {length}")
+                return
+            if not have(_FRAME.size + length):
+                got = len(buf) - pos - _FRAME.size
+                self._stop(
+                    ProblemKind.TORN_TAIL,
+                    offset,
+                    f"the file ends inside a record ({got} of {length} payload bytes)",
+                )
+                return
+            end = pos + _FRAME.size + length  # after have(), which may move pos
+            payload = buf[pos + _FRAME.size : end]
+            if zlib.crc32(payload) != crc:
+                pos = end
+                last = not have(1)
+                kind = ProblemKind.TORN_TAIL if last else ProblemKind.CORRUPT
+                where = "the last record" if last else "a record with more data after it"
+                self._stop(kind, offset, f"checksum mismatch in {where}")
+                return
+            try:
+                event = decode_event(payload, "msgpack")
+            except EventFormatError as exc:
+                self._stop(ProblemKind.UNREADABLE, offset, str(exc))
+                return
+            pos = end
+            self._end_offset = base + pos
+            self._events_read += 1
+            yield event
+
+    @staticmethod
+    def _rest_is_zero(file: io.BufferedReader, start: bytes) -> bool:
+        # Filesystems may extend a file with zeros that a crash never overwrote.
+        if start.strip(b"\0"):
+            return False
+        while chunk := file.read(_READ_CHUNK):
+            if chunk.strip(b"\0"):
+                return False
+        return True
+
+    def _stop(self, kind: ProblemKind, offset: int, reason: str) -> None:
+        self._problem = LogProblem(kind=kind, offset=offset, reason=reason)
+
+
+def read_log(path: str | os.PathLike[str]) -> LogReader:
+    """Open the log at ``path``: check and read its header now, stream events later.
+
+    Raises:
+        LogFormatError: The file is not a p2pactor event log, its header is
+            damaged, or it was written in a format this p2pactor can't read.
+        OSError: The file can't be opened (FileNotFoundError if it is missing).
+    """
+    name = os.fspath(path)
+    with open(name, "rb") as file:
+        head = file.read(8 + _FRAME.size + _MAX_HEADER_BYTES)
+    header, data_offset = _parse_header(name, head)
+    return LogReader(name, header, data_offset)

@@ -1,0 +1,206 @@
+"""The peer registry: a node's sessions, who may connect, and what closed sessions left.
+
+One live session per peer. Outbound, :meth:`PeerRegistry.session_for` starts
+one when a request first names a peer; inbound, :meth:`PeerRegistry.accept`
+runs the accept policy on each new connection: peers we may not dial are
+refused, a peer that dials us while our session is about to dial it joins that
+session, a peer that connects again replaces its old session, and a node at
+``max_peers`` (or shutting down) turns newcomers away.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import trio
+
+from p2pactor.core import protocol as wire
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.logcontext import peer_context
+from p2pactor.runtime.session import PeerSession
+from p2pactor.runtime.session_host import SessionCloseResult, SessionHost
+from p2pactor.runtime.transport import ControlConnection, ControlTransport
+
+__all__ = ["CLOSED_KEPT", "PeerRegistry"]
+
+log = logging.getLogger("p2pactor.node")
+
+CLOSED_KEPT = 1024
+"""Closed sessions whose results :meth:`PeerRegistry.closed_sessions` keeps."""
+
+
+class PeerRegistry:
+    """The sessions of one node, keyed by peer id.
+
+    Args:
+        host: What sessions need of the node.
+        config: The node's configuration (``max_peers``, ``may_dial``).
+        control: The node's control transport.
+        nursery: Where session tasks run (the node's).
+        on_closed: Called with each closed session's result (on the node's thread).
+    """
+
+    def __init__(
+        self,
+        host: SessionHost,
+        config: NodeConfig,
+        control: ControlTransport,
+        nursery: trio.Nursery,
+        on_closed: Callable[[SessionCloseResult], None],
+    ) -> None:
+        self._host = host
+        self._config = config
+        self._control = control
+        self._nursery = nursery
+        self._on_closed = on_closed
+        self._sessions: dict[str, PeerSession] = {}
+        self._closing: set[PeerSession] = set()
+        # The most recent only: a long-lived node sees peers come and go for
+        # ever, and each result holds what its session left owed.
+        self._closed_results: deque[SessionCloseResult] = deque(maxlen=CLOSED_KEPT)
+        self._closed_count = 0
+        self.shutting_down = False
+
+    def sessions(self) -> list[PeerSession]:
+        """Live sessions, one per peer."""
+        return list(self._sessions.values())
+
+    def replaced_sessions(self) -> list[PeerSession]:
+        """Sessions a reconnecting peer replaced, still draining."""
+        return list(self._closing)
+
+    def session(self, peer: str) -> PeerSession | None:
+        """The live session with ``peer``, if any."""
+        return self._sessions.get(peer)
+
+    def closed_sessions(self) -> list[SessionCloseResult]:
+        """What the sessions that closed left behind, oldest first (the last 1,024)."""
+        return list(self._closed_results)
+
+    @property
+    def closed_count(self) -> int:
+        """How many sessions have closed since the node started."""
+        return self._closed_count
+
+    @property
+    def draining(self) -> bool:
+        """Whether a replaced session is still draining. Any thread."""
+        return bool(self._closing)
+
+    def session_for(self, peer: str) -> PeerSession | None:
+        """The live session with ``peer``, started now if need be; None if it may not be dialed."""
+        session = self._sessions.get(peer)
+        if session is not None and session.alive:
+            return session
+        if not self._config.may_dial(peer) or self.shutting_down:
+            return None
+        if len(self._sessions) >= self._config.max_peers:
+            log.warning(
+                "not dialing %s: already %d peers (max_peers); raise max_peers "
+                "(VLLM_P2P_MAX_PEERS) to allow more",
+                peer,
+                len(self._sessions),
+                extra=peer_context(peer, node=self._config.node_id),
+            )
+            return None
+        return self._start(peer, None)
+
+    def _start(
+        self, peer: str, conn: ControlConnection | None, first: wire.Connect | None = None
+    ) -> PeerSession:
+        session = PeerSession(self._host, peer, conn, first=first)
+        self._sessions[peer] = session
+        self._nursery.start_soon(self._run, session, name=f"session {peer}")
+        return session
+
+    async def _run(self, session: PeerSession) -> None:
+        try:
+            await session.run()
+        finally:
+            if self._sessions.get(session.peer_id) is session:
+                del self._sessions[session.peer_id]
+            self._closing.discard(session)
+            if session.result is not None:
+                self._closed_results.append(session.result)
+                self._closed_count += 1
+                self._on_closed(session.result)
+
+    def restarted(self, old: PeerSession, conn: ControlConnection, first: wire.Connect) -> None:
+        """The peer opened a new session on ``old``'s connection: start one with ``first``."""
+        self._closing.add(old)
+        if self.shutting_down:
+            return  # the connection closes with the node
+        self._start(old.peer_id, conn, first)
+
+    async def accept(self) -> None:
+        """Take the peers that dial us, by the accept policy, until the transport closes."""
+        while True:
+            try:
+                conn = await self._control.accept()
+            except trio.ClosedResourceError:
+                return  # the transport was closed under us: no more peers
+            await self._admit(conn)
+
+    async def _admit(self, conn: ControlConnection) -> None:
+        peer = conn.peer_id
+        existing = self._sessions.get(peer)
+        context = peer_context(peer, node=self._config.node_id)
+        if not self._config.may_dial(peer):
+            log.warning(
+                "refused %s: not in allowed_peers; add it to allowed_peers "
+                "(P2PACTOR_ALLOWED_PEERS) to accept it",
+                peer,
+                extra=context,
+            )
+            await conn.aclose()
+        elif existing is not None and existing.dialing:
+            # Both nodes dialed each other at once, and the peer's frame came
+            # before this node's session ran its connect(): that connect()
+            # takes this very connection from the transport's table. Closing
+            # it would lose the peer's `connect`, and the session would never
+            # finish its handshake (seen with 16 nodes starting together).
+            log.debug(
+                "%s dialed us while we dial it; the session takes its connection",
+                peer,
+                extra=context,
+            )
+        elif existing is not None and existing.alive:
+            # A transport opens an inbound connection only for a peer it has
+            # no live connection with: the session's own connection is gone
+            # (the peer restarted or dropped it) and the session is about to
+            # notice. The new connection is the peer now; the old session ends.
+            log.info(
+                "%s connected again; its old session ends and a new one starts",
+                peer,
+                extra=context,
+            )
+            existing.close("the peer connected again: this session's connection is gone")
+            self._closing.add(existing)
+            self._start(peer, conn)
+        elif self.shutting_down:
+            log.info("refused %s: this node is shutting down", peer, extra=context)
+            await conn.aclose()
+        elif len(self._sessions) >= self._config.max_peers:
+            log.warning(
+                "refused %s: at max_peers (%d); raise max_peers (VLLM_P2P_MAX_PEERS) "
+                "to accept more",
+                peer,
+                self._config.max_peers,
+                extra=context,
+            )
+            await conn.aclose()
+        else:
+            if existing is not None:
+                self._closing.add(existing)
+            self._start(peer, conn)
+
+    async def close_all(self, reason: str) -> None:
+        """Close every session (draining each) and wait until all have closed."""
+        self.shutting_down = True
+        sessions = [*self._sessions.values(), *self._closing]
+        for session in sessions:
+            session.close(reason)
+        for session in sessions:
+            await session.wait_closed()

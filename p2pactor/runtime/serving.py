@@ -1,0 +1,256 @@
+"""The parent service: runs the producers' parent requests and releases their pins.
+
+A producer never touches the engine's cache (the *parent*): its events ask for
+lookups, closes and releases (:class:`~p2pactor.core.effects.ParentLookup`,
+``ParentClose``, ``ReleasePin``) and the node's :class:`ParentService` runs them
+while it may touch the cache:
+
+* an **embedded** parent (the demo, the tests, ``p2pactor serve``: a cache in
+  the node's own process) is asked inline, in the step that asked, and its
+  answer is stepped right after (through the runner);
+* a **lent** parent (vLLM's ``ParentManager``) may be touched only inside
+  ``serve_external_requests``: requests queue until then, and
+  :meth:`ParentService.serve` answers them all in one batch, on the engine's
+  thread; the node steps the answers on its own.
+
+A re-poll of pending keys that finds nothing new stays parked and is asked
+again at the next serve (lent) or after ``pending_poll_interval`` (embedded),
+as vLLM re-polls parked lookups: the actor hears back only when something
+changed or time ran out, so a key pending for 5 s costs two events, not one
+per poll. Pins are counted against the peer's pinned-blocks quota where they
+are made, here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+
+import attrs
+
+from p2pactor.core import effects as fx
+from p2pactor.core import inputs as inp
+from p2pactor.core.inputs import LookupResult
+from p2pactor.core.producer import ProducerState
+from p2pactor.runtime.actor import RequestActor, Runner
+from p2pactor.runtime.logcontext import parent_request_context, request_context
+from p2pactor.runtime.parent import Parent, serve_parent_request
+from p2pactor.runtime.quotas import QuotaLedger
+from p2pactor.runtime.timers import Timers
+
+__all__ = ["Answered", "ParentService"]
+
+log = logging.getLogger("p2pactor.node")
+
+
+@attrs.frozen
+class _Release:
+    job_id: int
+    success: bool
+
+
+# What producers ask of the parent, in order, with the actor owed the answer.
+_Item = tuple[RequestActor | None, fx.ParentRequest | _Release]
+
+Answered = tuple[RequestActor, inp.ParentAnswer]
+"""A parent answer and the actor it is for."""
+
+
+class ParentService:
+    """Runs parent requests against an embedded parent at once, or a lent one in batches.
+
+    Args:
+        node_id: For log lines.
+        quotas: The node's quota counts (pins are counted here).
+        runner: Where answers of an embedded parent are stepped.
+        timers: Where the re-poll of parked lookups is armed (embedded).
+        poll_interval: How often parked lookups are asked again (embedded).
+        clock: The node's clock (trio's), readable from any thread.
+        embedded: The in-process parent, or None when the engine lends one.
+    """
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        quotas: QuotaLedger,
+        runner: Runner,
+        timers: Timers,
+        poll_interval: float,
+        clock: Callable[[], float],
+        embedded: Parent | None,
+    ) -> None:
+        self._node_id = node_id
+        self._quotas = quotas
+        self._runner = runner
+        self._timers = timers
+        self._poll_interval = poll_interval
+        self._clock = clock
+        self._embedded = embedded
+        self._queue: deque[_Item] = deque()  # lent: waiting for the next serve
+        self._parked: list[_Item] = []
+        self.deadline: float | None = None  # embedded: when parked lookups are asked again
+
+    @property
+    def embedded(self) -> Parent | None:
+        """The in-process parent, if the node has one."""
+        return self._embedded
+
+    @property
+    def pending(self) -> bool:
+        """Whether any request waits (queued or parked). Any thread."""
+        return bool(self._queue or self._parked)
+
+    def post(self, actor: RequestActor, request: fx.ParentRequest) -> None:
+        """Run ``request`` now (embedded) or at the next serve (lent). Node's thread."""
+        if self._embedded is None:
+            self._queue.append((actor, request))
+            return
+        # Embedded: nothing ever waits in the queue, so this one goes first.
+        answered = self._one(self._embedded, actor, request, self._clock())
+        if answered is not None:
+            self._runner.deliver(*answered)
+        self._arm()
+
+    def release(self, job_id: int, *, success: bool) -> None:
+        """Release pin job ``job_id`` now (embedded) or at the next serve (lent)."""
+        if self._embedded is None:
+            self._queue.append((None, _Release(job_id, success)))
+        else:
+            self._one(self._embedded, None, _Release(job_id, success), self._clock())
+
+    def post_close(self, context: str) -> None:
+        """Close synthetic request ``context`` now (embedded) or at the next serve (lent).
+
+        For a request whose actor is gone (its session closed with it open).
+        """
+        if self._embedded is None:
+            self._queue.append((None, fx.ParentClose(context)))
+        else:
+            self._one(self._embedded, None, fx.ParentClose(context), self._clock())
+
+    def serve(self, parent: Parent) -> list[Answered]:
+        """Run the parked and the queued requests against a lent ``parent`` (any thread).
+
+        Returns:
+            The answers, for the node to step on its own thread.
+        """
+        return self._serve(parent)
+
+    def expire(self) -> None:
+        """Ask the parked lookups again (embedded; the node's timer calls this)."""
+        self.deadline = None
+        if self._embedded is not None:
+            for answered in self._serve(self._embedded):
+                self._runner.deliver(*answered)
+            self._arm()
+
+    def drain(self) -> None:
+        """The node closes: serve what is left, releasing every pin an answer carries."""
+        parent = self._embedded
+        if parent is None:
+            return
+        for _, answer in self._serve(parent):
+            if answer.pin is not None:
+                self._quotas.released(answer.pin.job_id)
+                parent.release_job(answer.pin.job_id, success=False)
+
+    def _arm(self) -> None:
+        if self._parked and self.deadline is None:
+            self.deadline = self._clock() + self._poll_interval
+            self._timers.arm(self)
+
+    def _serve(self, parent: Parent, *, parked: bool = True) -> list[Answered]:
+        """Serve the queue, and (``parked``) the parked lookups first."""
+        answers: list[Answered] = []
+        now = self._clock()
+        asked: list[_Item] = []
+        if parked:
+            asked, self._parked = self._parked, []
+        while True:
+            if asked:
+                actor, request = asked.pop()
+            else:
+                try:
+                    actor, request = self._queue.popleft()
+                except IndexError:
+                    return answers
+            answer = self._one(parent, actor, request, now)
+            if answer is not None:
+                answers.append(answer)
+
+    def _one(
+        self,
+        parent: Parent,
+        actor: RequestActor | None,
+        request: fx.ParentRequest | _Release,
+        now: float,
+    ) -> Answered | None:
+        """Serve one request: the answer a lookup gets now, if any (else it is parked)."""
+        match request:
+            case fx.ParentLookup():
+                assert actor is not None
+                answer = self._lookup(parent, actor, request, now)
+                if answer is None:
+                    self._parked.append((actor, request))
+                    return None
+                return actor, answer
+            case fx.ParentClose(context):
+                try:
+                    parent.on_request_finished(context)
+                except Exception:
+                    log.exception(
+                        "the parent failed to finish %s; a bug in the engine's parent "
+                        "(see the traceback)",
+                        context,
+                        extra=parent_request_context(context, node=self._node_id),
+                    )
+            case _Release(job_id, success):
+                self._quotas.released(job_id)
+                try:
+                    parent.release_job(job_id, success=success)
+                except Exception:
+                    log.exception(
+                        "the parent failed to release job %d; a bug in the engine's "
+                        "parent (see the traceback)",
+                        job_id,
+                        extra=request_context(None, None, node=self._node_id),
+                    )
+        return None
+
+    def _lookup(
+        self, parent: Parent, actor: RequestActor, request: fx.ParentLookup, now: float
+    ) -> inp.ParentAnswer | None:
+        """The answer to one lookup, or None: nothing new, keep it parked."""
+        if not _wanted(actor, request):
+            # Dropped (the peer closed the request) or answered at its
+            # deadline: don't ask the parent, don't pin.
+            return inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
+        # The pinned-blocks quota is checked here, where pins are made, so
+        # that no path (first lookups, re-polls of keys that were pending)
+        # can take a peer over it.
+        peer = actor.id.peer
+        budget = self._quotas.pin_budget(peer)
+        refusal = self._quotas.pin_refusal(peer) if budget < len(request.keys) else ""
+        answer = serve_parent_request(parent, request, now, pin_budget=budget, refusal=refusal)
+        if answer.pin is not None:
+            self._quotas.pinned(peer, answer.pin.job_id, len(answer.pin.blocks))
+        return None if _no_news(request, answer) else answer
+
+
+def _wanted(actor: RequestActor, request: fx.ParentLookup) -> bool:
+    """Whether the actor still waits for this lookup's answer (any thread)."""
+    state = actor.state
+    if not isinstance(state, ProducerState) or actor.done:
+        return False
+    lookup = state.lookups.get(request.lookup_id)
+    return lookup is not None and not (lookup.dropped or lookup.answered)
+
+
+def _no_news(request: fx.ParentLookup, answer: inp.ParentAnswer) -> bool:
+    """A re-poll that resolved nothing and has time left: keep it parked."""
+    if request.open_context or answer.expired or answer.pin is not None:
+        return False
+    pending = (LookupResult.HIT_PENDING, LookupResult.RETRY)
+    return all(result in pending for _, result in answer.results)

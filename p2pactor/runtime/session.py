@@ -1,0 +1,497 @@
+"""PeerSession: everything between this node and one peer.
+
+A session owns the control connection to its peer (its base,
+:class:`~p2pactor.runtime.handshake.ControlLink`, shakes hands and queues what we
+send), the routing of the peer's messages to request actors, the actors
+themselves (records it steps, through the node's runner, when their inputs
+arrive) and the transfers they start. It has one task, which dials, shakes
+hands, waits for the end and then drains; its frames are stepped where they
+arrive, on the transport's receive path, not in a task of its own. Its life:
+
+1. **Handshake**: see :mod:`p2pactor.runtime.handshake`.
+2. **Routing**: the transport hands each frame to :meth:`PeerSession.frame_received`,
+   which decodes it and steps it at once: lookups, fetches and aborts on the
+   producer actor of their kv_request_id (created on first contact), answers,
+   acks and transfer_done on the consumer actor. A protocol violation
+   disconnects the session; so do ``max_dispatch_errors`` internal errors in a row.
+3. **Close**: every live actor is told the session ended; the session waits (up
+   to ``drain_timeout``) for them to finish what can't be abandoned (writes in
+   flight, parent answers owed), then reports what is still owed in a
+   :class:`SessionCloseResult`. No actor outlives its session: one still
+   running when the drain gives up is abandoned (it takes no more input) and
+   what it held is in the result, for the node to release.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from functools import partial
+from typing import Final
+
+import attrs
+import trio
+
+from p2pactor.core import effects as fx
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
+from p2pactor.core.consumer import ConsumerState
+from p2pactor.core.effects import context_name
+from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.producer import ProducerState, pin_expired
+from p2pactor.errors import ProtocolError, UnknownMessageType
+from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
+from p2pactor.runtime.handshake import EXTENSION, ControlLink
+from p2pactor.runtime.logcontext import request_context
+from p2pactor.runtime.session_host import SessionCloseResult, SessionHost, SessionState
+from p2pactor.runtime.transport import ControlConnection
+
+__all__ = ["EXTENSION", "PeerSession", "SessionCloseResult", "SessionHost", "SessionState"]
+
+log = logging.getLogger("p2pactor.session")
+
+_RETIRED_MEMORY = 4096
+_EXPIRY_LOG_INTERVAL_S = 10.0  # pins expired: at most one WARNING per session this often
+_ENDED_PER_TURN = 32  # actors told their session ended before the drain lets others run
+_TO_PRODUCER: Final = (wire.Lookup, wire.Fetch, wire.AbortFetch)
+_TO_CONSUMER: Final = (wire.LookupResp, wire.TransferDone, wire.AbortAck)
+_PEER_MESSAGES: Final = (*_TO_PRODUCER, *_TO_CONSUMER)
+
+# How each consumer event changes the loads in flight (writes a peer may be
+# making into our pool): the data transport polls for progress only while any is.
+_LOADS: Final[dict[type[ev.Event], int]] = {
+    ev.FetchSent: 1,
+    ev.TransferDone: -1,
+    ev.AbortAcked: -1,
+    ev.Aborted: -1,
+}
+
+
+def _loading(actor: RequestActor) -> bool:
+    """Whether a consumer actor waits for a load: a peer may be writing into our pool."""
+    state = actor.state  # read once: the trio thread may replace it meanwhile
+    return isinstance(state, ConsumerState) and bool(state.loads) and not state.phase.terminal
+
+
+class PeerSession(ControlLink):
+    """The control session with one peer, and the request actors on it.
+
+    Implements :class:`~p2pactor.runtime.transport.FrameReceiver` (for its connection)
+    and :class:`~p2pactor.runtime.actor.ActorHost` (for its actors).
+    """
+
+    def __init__(
+        self,
+        host: SessionHost,
+        peer_id: str,
+        conn: ControlConnection | None = None,
+        *,
+        first: wire.Connect | None = None,
+    ) -> None:
+        super().__init__(host, peer_id, conn, first)
+        self.result: SessionCloseResult | None = None
+        self._runner = host.runner
+        self._consumers: dict[str, RequestActor] = {}
+        self._producers: dict[str, RequestActor] = {}
+        self._live = 0  # actors spawned and not retired (the drain waits for 0)
+        self._expiry_logged_at = -math.inf
+        self._expiries_unlogged = 0
+        # Recently ended ids, so that a reused kv_request_id gets a new
+        # incarnation; bounded, and replay copes when an old one is forgotten.
+        self._retired: OrderedDict[tuple[Role, str], int] = OrderedDict()
+        self._closing = False
+        self._quiet = trio.Event()  # closing, and every actor has ended
+        self._closed = trio.Event()
+        self._dispatch_errors = 0
+        self._round_counter = itertools.count(1)
+        self._failed_loads: tuple[int, ...] = ()
+        self._failed_requests: tuple[str, ...] = ()
+
+    def __repr__(self) -> str:
+        return f"<PeerSession {self.peer_id} #{self.serial} {self.state.value}>"
+
+    # --- what the node asks ------------------------------------------------------
+
+    @property
+    def runner(self) -> Runner:
+        """The node's runner (the actors' host hands their inputs to it)."""
+        return self._runner
+
+    def has_pending_work(self) -> bool:
+        """True only while something is really outstanding on this session.
+
+        Safe from any thread: it reads snapshots of immutable states.
+        """
+        if self.state is SessionState.CLOSED:
+            return False
+        if self.state is SessionState.CLOSING or not self.ready:
+            return True
+        # list() copies in one step under the GIL, while the trio thread may
+        # be adding actors; states themselves are immutable.
+        return any(map(_loading, list(self._consumers.values()))) or any(
+            isinstance(state := actor.state, ProducerState) and (state.transfers or state.lookups)
+            for actor in list(self._producers.values())
+        )
+
+    def has_transfers_in_flight(self) -> bool:
+        """Whether a load or a write of this session is still running. Thread-safe."""
+        return any(map(_loading, list(self._consumers.values()))) or any(
+            isinstance(state := actor.state, ProducerState) and bool(state.transfers)
+            for actor in list(self._producers.values())
+        )
+
+    def consumer(self, kv_request_id: str) -> RequestActor:
+        """The live consumer actor for ``kv_request_id``, created (and opened) if needed."""
+        actor = self._consumers.get(kv_request_id)
+        if actor is not None and not actor.done:
+            return actor
+        actor = self._spawn(Role.CONSUMER, kv_request_id)
+        self._consumers[kv_request_id] = actor
+        first = next(self._round_counter) if self._session_rounds() else 0
+        self._runner.deliver(actor, inp.Open(first_round=first))
+        return actor
+
+    def next_round(self) -> int | None:
+        """The round to use after a fetch: session-wide with p2pactor peers."""
+        return next(self._round_counter) if self._session_rounds() else None
+
+    def live_actors(self) -> list[RequestActor]:
+        """Every actor of this session that has not ended."""
+        return [a for a in (*self._consumers.values(), *self._producers.values()) if not a.done]
+
+    def close(self, reason: str) -> None:
+        """Close the session: tell the peer, end every actor, drain. Idempotent."""
+        self._die(reason, disconnect=True)
+
+    async def wait_closed(self) -> SessionCloseResult:
+        """Wait until the session has closed and return what it left owed."""
+        await self._closed.wait()
+        assert self.result is not None
+        return self.result
+
+    # --- the session's task --------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the session until it dies, then drain it. Owns all its tasks."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                self.last_activity = trio.current_time()
+                task_status.started()
+                await self._talk()
+                await self._drain()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._finish()
+
+    # --- frames, as the transport hands them over (FrameReceiver) -------------------
+
+    def frame_received(self, frame: bytes) -> None:
+        """Decode one frame of the peer's and step it now (on the transport's receive path)."""
+        if not self._alive:
+            return
+        self.last_activity = trio.current_time()
+        try:
+            msg = wire.decode(frame, limits=self._config.limits)
+        except UnknownMessageType as exc:
+            # A newer peer may add message types; vLLM drops them too.
+            log.warning(
+                "%s: dropped a message: %s; harmless, but upgrade p2pactor on this node "
+                "if the peer needs what it says",
+                self.peer_id,
+                exc,
+                extra=self._log_extra,
+            )
+            self._dispatch_errors = 0
+            return
+        except ProtocolError as exc:
+            self._violation(f"undecodable message: {exc}")
+            return
+        try:
+            self._dispatch(msg)
+        except Exception:
+            log.exception(
+                "%s: failed to handle a %s message; a bug in p2pactor, please report it "
+                "with this traceback (the session ends after %d such errors in a row)",
+                self.peer_id,
+                msg.TYPE,
+                self._config.max_dispatch_errors,
+                extra=self._request_extra(getattr(msg, "kv_request_id", None)),
+            )
+            self._count_error()
+
+    def _dispatch(self, msg: wire.Message) -> None:
+        if isinstance(msg, _TO_PRODUCER) and self._peer_accepted:
+            self._to_producer(msg)
+        elif isinstance(msg, _TO_CONSUMER) and self._peer_accepted:
+            self._to_consumer(msg)
+        elif isinstance(msg, wire.Connect):
+            if self._peer_accepted:
+                self._hand_over(msg)
+            else:
+                self._accept(msg)
+        elif isinstance(msg, wire.ConnectAck):
+            self._dispatch_errors = 0
+            self._on_ack()
+        elif isinstance(msg, wire.Disconnect):
+            self._die("the peer disconnected")
+        else:
+            self._violation(f"a {msg.TYPE} message before the peer's connect")
+
+    def _hand_over(self, msg: wire.Connect) -> None:
+        # A second connect: the peer's side of this session died (it dialed
+        # again, and its new connection took this one's place at our ROUTER).
+        # This session ends without a word (a disconnect would end the peer's
+        # new one), and a new session takes the connection from this connect on.
+        assert self._conn is not None
+        self._handed_over = True
+        self._conn.attach(None)  # frames wait for the new session
+        self._die("the peer started a new session on this connection")
+        self._host.session_restarted(self, self._conn, msg)
+
+    def _to_producer(self, msg: wire.Lookup | wire.Fetch | wire.AbortFetch) -> None:
+        kv_id = msg.kv_request_id
+        if isinstance(msg, wire.Fetch) and msg.block_indexes:
+            top = max(msg.block_indexes)
+            if top >= self._peer_num_blocks:
+                self._violation(
+                    f"fetch for {kv_id} writes block {top}, but the peer has "
+                    f"{self._peer_num_blocks} blocks"
+                )
+                return
+        actor = self._producers.get(kv_id)
+        if actor is None or actor.done:
+            if isinstance(msg, wire.Fetch) and not msg.keys:
+                return  # closing a request we hold nothing for
+            if isinstance(msg, wire.AbortFetch):
+                # Nothing of ours can be writing for a request we no longer
+                # serve: its transfer_done crossed this abort. Ack it.
+                self.send(wire.AbortAck(kv_request_id=kv_id, round_seq=msg.round_seq))
+                return
+            actor = self._spawn(Role.PRODUCER, kv_id)
+            self._producers[kv_id] = actor
+            # Counted before its first step; a request over the peer's quota
+            # still gets an actor, so that its refusal is in the event log,
+            # and that actor closes after the one step.
+            self._host.quotas.open_request(self.peer_id, actor)
+            self._runner.deliver(actor, msg)
+            # After its first message: stores waiting for the request (and an
+            # engine's finish) follow the fetch that binds them.
+            self._host.producer_opened(self, actor)
+            return
+        self._runner.deliver(actor, msg)
+
+    def _to_consumer(self, msg: wire.LookupResp | wire.TransferDone | wire.AbortAck) -> None:
+        actor = self._consumers.get(msg.kv_request_id)
+        if actor is None or actor.done:
+            log.debug(
+                "%s: late %s for %s ignored",
+                self.peer_id,
+                msg.TYPE,
+                msg.kv_request_id,
+                extra=self._request_extra(msg.kv_request_id),
+            )
+            return
+        if not self.extended and isinstance(msg, wire.LookupResp):
+            msg = attrs.evolve(msg, round_seq=None)
+        self._runner.deliver(actor, msg)
+
+    def _spawn(self, role: Role, kv_request_id: str) -> RequestActor:
+        previous = self._retired.pop((role, kv_request_id), None)
+        incarnation = 0 if previous is None else previous + 1
+        actor_id = ActorId(role, self.peer_id, kv_request_id, incarnation)
+        actor = RequestActor(actor_id, self, self._config.timings)
+        self._live += 1
+        self._host.actor_created(actor)
+        return actor
+
+    def _retire(self, actor: RequestActor) -> None:
+        table = self._consumers if actor.id.role is Role.CONSUMER else self._producers
+        if table.get(actor.id.kv_request_id) is actor:
+            del table[actor.id.kv_request_id]
+        self._retired[actor.id.role, actor.id.kv_request_id] = actor.id.incarnation
+        if len(self._retired) > _RETIRED_MEMORY:
+            self._retired.popitem(last=False)
+        self._live -= 1
+        if self._closing and not self._live:
+            self._quiet.set()
+
+    # --- the actors' host (ActorHost) ---------------------------------------------
+
+    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
+        """The quota verdict on a peer's lookup or fetch, just before its actor steps it."""
+        if isinstance(event_input, wire.Lookup | wire.Fetch):
+            return self._host.quotas.admit(actor, event_input)
+        return event_input
+
+    def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+        """Log an actor's events, count what they hold, and perform their effects."""
+        host = self._host
+        producer = actor.id.role is Role.PRODUCER
+        if producer:
+            assert isinstance(actor.state, ProducerState)
+            host.quotas.observe(actor, events, actor.state, trio.current_time())
+        host.record(actor, events)
+        loads = 0
+        for event in events:
+            if not producer:
+                loads += _LOADS.get(type(event), 0)
+            elif type(event) is ev.PinReleased and pin_expired(event):
+                self._pin_expired(actor, event)
+            for effect in fx.effects_of(event):
+                self._perform(actor, effect)
+        if loads:
+            host.data.expect_writes(loads)
+
+    def _pin_expired(self, actor: RequestActor, event: ev.PinReleased) -> None:
+        """Say at WARNING that a peer never fetched what its lookup pinned (a line per 10 s)."""
+        now = event.at
+        if now < self._expiry_logged_at + _EXPIRY_LOG_INTERVAL_S:
+            self._expiries_unlogged += 1
+            return
+        more, self._expiries_unlogged = self._expiries_unlogged, 0
+        self._expiry_logged_at = now
+        log.warning(
+            "%s never fetched the blocks its lookup for %s pinned: released pin %d (%s)%s; "
+            "a peer that looks up and does not fetch holds blocks for nothing (check that it "
+            "runs p2pactor or vLLM's tier, and that its fetches reach this node)",
+            self.peer_id,
+            actor.id.kv_request_id,
+            event.job_id,
+            event.reason,
+            f"; {more} more such releases since the last line" if more else "",
+            extra=self._request_extra(actor.id.kv_request_id),
+        )
+
+    def _perform(self, actor: RequestActor, effect: fx.Effect) -> None:
+        host = self._host
+        match effect:
+            case fx.Send(message):
+                self.send(message)
+            case fx.StartTransfer():
+                self.start_transfer(actor, effect)
+            case fx.ParentLookup() | fx.ParentClose():
+                host.post_parent(actor, effect)
+            case fx.ReleasePin(job_id=job_id, success=success):
+                host.release_pin(job_id, success=success)
+            case fx.ReportLoad(job_id=job_id, success=success, reason=reason):
+                host.report_load(job_id, success=success, reason=reason)
+            case fx.Disconnect(reason):
+                self._violation(reason)
+            case fx.Retire():
+                self._retire(actor)
+
+    def actor_failed(self, actor: RequestActor, event_input: ActorInput, exc: Exception) -> None:
+        """The core raised on an input of ``actor``: count it against the session."""
+        del actor, event_input, exc
+        self._count_error()
+
+    def actor_handled(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """A peer's message was handled: the run of errors is over (vLLM's rule)."""
+        del actor
+        if isinstance(event_input, _PEER_MESSAGES):
+            self._dispatch_errors = 0
+
+    def input_dropped(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """An input reached ``actor`` after it ended: release a pin it carries."""
+        if isinstance(event_input, inp.ParentAnswer) and event_input.pin is not None:
+            log.error(
+                "%s ended before its parent answer; releasing its pin",
+                actor.id,
+                extra=self._request_extra(actor.id.kv_request_id),
+            )
+            self._host.release_pin(event_input.pin.job_id, success=False)
+
+    def deadline_changed(self, actor: RequestActor) -> None:
+        """Arm the node's timer for the actor's new deadline."""
+        self._host.timers.arm(actor)
+
+    def start_transfer(self, actor: RequestActor, effect: fx.StartTransfer) -> None:
+        """Start one WRITE for ``actor``; its end comes back to the actor as an input."""
+        self._host.data.start_write(
+            self.data_name,
+            effect.local_blocks,
+            effect.remote_blocks,
+            partial(self._transfer_ended, actor, effect.transfer_id),
+        )
+
+    def _transfer_ended(self, actor: RequestActor, transfer_id: int, error: str | None) -> None:
+        ended = inp.TransferResult(transfer_id=transfer_id, ok=error is None, reason=error or "")
+        self._runner.deliver(actor, ended)
+
+    # --- errors and death ----------------------------------------------------------
+
+    def _count_error(self) -> None:
+        self._dispatch_errors += 1
+        if self._dispatch_errors >= self._config.max_dispatch_errors:
+            self._die(
+                f"{self._dispatch_errors} handler errors in a row (see the log above)",
+                disconnect=True,
+            )
+
+    def _request_extra(self, kv_request_id: str | None) -> dict[str, str]:
+        """The ``extra=`` of a line about one request of this session's."""
+        return request_context(self.peer_id, kv_request_id, node=self._config.node_id)
+
+    # --- close ---------------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        reason = self.death_reason or "closed"
+        consumers = [
+            s
+            for a in self._consumers.values()
+            if not a.done and isinstance(s := a.state, ConsumerState)
+        ]
+        self._failed_loads = tuple(load.job_id for s in consumers for load in s.loads.values())
+        self._failed_requests = tuple(
+            s.actor.kv_request_id for s in consumers if s.loads or s.waiting_keys()
+        )
+        await self._hang_up()
+        self._closing = True
+        ended = inp.SessionEnded(reason)
+        for i, actor in enumerate(self.live_actors(), start=1):
+            self._runner.deliver(actor, ended)
+            if i % _ENDED_PER_TURN == 0:
+                # A peer that leaves thousands of requests open must not stall
+                # every other session while they wind down.
+                await trio.lowlevel.checkpoint()
+        if self._live:
+            with trio.move_on_after(self._config.drain_timeout):
+                await self._quiet.wait()
+
+    async def _finish(self) -> None:
+        reason = self.death_reason or "closed"
+        self._closing = True
+        # No actor outlives its session: those the drain gave up on take no
+        # more input, and what they still hold is reported below.
+        abandoned_loads = 0
+        for actor in (*self._consumers.values(), *self._producers.values()):
+            if not actor.done:
+                state = actor.state
+                if isinstance(state, ConsumerState):
+                    abandoned_loads += len(state.loads)
+                actor.abandon()
+        if abandoned_loads:
+            self._host.data.expect_writes(-abandoned_loads)
+        # Whatever the peer's requests still held here is no longer theirs:
+        # the node releases their pins (counted until released) below.
+        self._host.quotas.forget_all(self._producers.values())
+        producers = [s for a in self._producers.values() if isinstance(s := a.state, ProducerState)]
+        self.result = SessionCloseResult(
+            peer_id=self.peer_id,
+            reason=reason,
+            failed_loads=self._failed_loads,
+            failed_requests=self._failed_requests,
+            held_pins=tuple(job for s in producers for job in s.jobs),
+            open_contexts=tuple(
+                context_name(s.actor, lookup_id) for s in producers for lookup_id in s.open_contexts
+            ),
+        )
+        await self._let_go()
+        self.state = SessionState.CLOSED
+        self._closed.set()
