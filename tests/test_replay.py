@@ -1068,3 +1068,22 @@ def test_an_abandoned_life_is_unfinished_when_the_id_starts_again(tmp_path: Path
     assert result.violations == ()
     assert [u.actor.kv_request_id for u in result.unfinished] == ["req-x"]
     assert any("pin" in u.what for u in result.unfinished)
+
+
+def test_the_counted_event_types_are_exactly_the_arms_of_count() -> None:
+    # _count skips types outside _COUNTED without matching: an arm added to the
+    # match but not to the set would never run.
+    import ast  # noqa: PLC0415
+    import inspect  # noqa: PLC0415
+    import textwrap  # noqa: PLC0415
+
+    from p2pactor.surface import replay as replay_module  # noqa: PLC0415
+
+    source = textwrap.dedent(inspect.getsource(replay_module.Replayer._count))
+    arms = {
+        node.cls.attr
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.MatchClass) and isinstance(node.cls, ast.Attribute)
+    }
+    assert arms == {cls.__name__ for cls in replay_module._COUNTED}
+    assert len(arms) >= 10

@@ -8,12 +8,11 @@ vocabulary from :mod:`p2pactor.core.events`.
 
 from __future__ import annotations
 
-import enum
 from typing import ClassVar
 
 import attrs
 
-from p2pactor.core.ids import ActorId
+from p2pactor.core.ids import ActorId, IdentityEnum
 from p2pactor.errors import ReplayError
 
 __all__ = [
@@ -35,7 +34,7 @@ Keys = tuple[bytes, ...]
 Ints = tuple[int, ...]
 
 
-class ConsumerPhase(enum.Enum):
+class ConsumerPhase(IdentityEnum):
     """Where a consumer request is in its life. Phases only move forward."""
 
     REGISTERED = "registered"
@@ -60,7 +59,7 @@ class ConsumerPhase(enum.Enum):
 _TERMINAL_PHASES = frozenset({ConsumerPhase.DONE, ConsumerPhase.FAILED, ConsumerPhase.ABORTED})
 
 
-class Violation(enum.Enum):
+class Violation(IdentityEnum):
     """Ways a peer can break the protocol inside one request."""
 
     DUPLICATE_FETCH = "duplicate_fetch"
@@ -75,7 +74,7 @@ class Violation(enum.Enum):
     """Parallel lists of different lengths (the codec rejects these on the wire)."""
 
 
-class Quota(enum.Enum):
+class Quota(IdentityEnum):
     """The per-peer quotas a node enforces on what a peer may make it hold.
 
     See :class:`p2pactor.runtime.quotas.PeerQuotas` for the limits and their defaults.

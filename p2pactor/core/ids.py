@@ -6,10 +6,21 @@ import enum
 
 import attrs
 
-__all__ = ["ActorId", "Role"]
+__all__ = ["ActorId", "IdentityEnum", "Role"]
 
 
-class Role(enum.Enum):
+class IdentityEnum(enum.Enum):
+    """An enum whose members hash by identity, in C.
+
+    Members are singletons compared by identity anyway; :class:`enum.Enum`'s own
+    ``__hash__`` is Python code, and the core hashes its enums on every event
+    (actor tables keyed by :class:`ActorId`, phase tables, terminal sets).
+    """
+
+    __hash__ = object.__hash__
+
+
+class Role(IdentityEnum):
     """Which side of a request an actor plays."""
 
     CONSUMER = "consumer"

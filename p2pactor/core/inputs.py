@@ -10,13 +10,13 @@ verdicts on such messages (:class:`OverQuota`).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 
 import attrs
 
 from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota
+from p2pactor.core.ids import IdentityEnum
 
 __all__ = [
     "AddStore",
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-class LookupResult(enum.Enum):
+class LookupResult(IdentityEnum):
     """What a cache says about one key (the same four answers as vLLM's)."""
 
     HIT = "hit"

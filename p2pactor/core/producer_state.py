@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from typing import Final
 
@@ -10,10 +9,10 @@ import attrs
 
 from p2pactor.core import events as ev
 from p2pactor.core.builder import Builder
-from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.ids import ActorId, IdentityEnum, Role
 
 
-class ProducerPhase(enum.Enum):
+class ProducerPhase(IdentityEnum):
     """Where a producer request is in its life. Phases only move forward."""
 
     OPEN = "open"

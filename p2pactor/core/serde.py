@@ -32,6 +32,10 @@ _MSGPACK = msgspec.msgpack.Encoder()
 _JSON = msgspec.json.Encoder()
 _MSGPACK_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
 _JSON_ENVELOPE = msgspec.json.Decoder(_Envelope)
+# One typed decoder per event class, made once: msgspec.msgpack.decode(type=...)
+# builds one per call, which is most of the cost of reading a log.
+_MSGPACK_EVENTS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in EVENT_TYPES.items()}
+_JSON_EVENTS = {kind: msgspec.json.Decoder(cls) for kind, cls in EVENT_TYPES.items()}
 
 
 def encode_event(event: AnyEvent, fmt: Format = "msgpack") -> bytes:
@@ -61,10 +65,8 @@ def decode_event(data: bytes, fmt: Format = "msgpack") -> AnyEvent:
             f"version {cls.VERSION}); replay the log with the p2pactor that wrote it"
         )
     try:
-        if fmt == "msgpack":
-            event = msgspec.msgpack.decode(envelope.event, type=cls)
-        else:
-            event = msgspec.json.decode(envelope.event, type=cls)
+        decoders = _MSGPACK_EVENTS if fmt == "msgpack" else _JSON_EVENTS
+        event = decoders[envelope.kind].decode(envelope.event)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise EventFormatError(f"malformed {envelope.kind} event: {exc}") from None
     # EVENT_TYPES holds exactly the members of AnyEvent.
