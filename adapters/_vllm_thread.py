@@ -91,7 +91,7 @@ class NodeThread:
         )
         async with (
             open_zmq_transport(
-                config.node_id, bind_host=config.host, port=config.port, curve=config.curve
+                config.node_id, bind_host=config.bind_host, port=config.port, curve=config.curve
             ) as control,
             open_nixl_transport(self._pool, config.block_len) as data,
             open_node(

@@ -398,8 +398,9 @@ class ZmqControlTransport:
             # Checked before _open, which dials back: the frame's identity is
             # the sender's claim, and must not pick our outbound connections.
             self._drop(
-                f"a frame from {peer_id}, which is not in allowed_peers; add it to "
-                "allowed_peers (P2PACTOR_ALLOWED_PEERS) to accept it",
+                f"a frame from {peer_id}, which this node may not dial; add it to "
+                "allowed_peers (P2PACTOR_ALLOWED_PEERS) to accept it, unless "
+                "p2pactor.node logged another reason for it",
                 peer=peer_id,
             )
             return None

@@ -6,6 +6,9 @@ Load it out of tree by naming it in the engine's KV transfer config::
                          "module_path": "p2pactor.adapters.vllm",
                          "host": "10.0.0.1", "port": 5710}]
 
+Across hosts add ``"bind_host": "0.0.0.0"`` to listen on every interface while
+peers dial ``host`` (``docs/deploy.md``).
+
 It speaks vLLM's P2P wire dialect, so engines running it and engines running
 vLLM's own ``p2p`` tier share blocks with each other.
 
@@ -125,9 +128,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         tier_type: The tier's type name.
         backpressure_detector: Must be None: like vLLM's P2P tier, this tier
             can't fail fast on store backpressure.
-        host: Address to bind and to be known by (default
-            ``VLLM_P2P_SIDE_CHANNEL_HOST``, ``localhost``; set the pod's IP for
-            cross-host use).
+        host: Address peers dial to reach this engine, half of its id
+            (default ``VLLM_P2P_SIDE_CHANNEL_HOST``, ``localhost``; set the
+            pod's IP or DNS name for cross-host use: a loopback host refuses
+            peers on other hosts). Never a wildcard such as ``0.0.0.0``.
+        bind_host: Address the control port binds, e.g. ``0.0.0.0`` (default
+            ``P2PACTOR_BIND_HOST``, else ``host``); peers still dial ``host``.
         port: Base control port (default ``VLLM_P2P_SIDE_CHANNEL_PORT``,
             5710), plus the data-parallel index.
         unbound_store_timeout_s: How long stored blocks of a prefill/decode
@@ -161,6 +167,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         *,
         backpressure_detector: Any = None,
         host: str | None = None,
+        bind_host: str | None = None,
         port: int | str | None = None,
         unbound_store_timeout_s: float = 60.0,
         allowed_peers: Collection[str] | str | None = None,
@@ -184,7 +191,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         dp_index = int(offloading_spec.config.parallel.data_parallel_index)
         # The CURVE keys are read once host and port are known: the key must
         # speak for this rank's id, not for the environment's default one.
-        base = NodeConfig.from_env({k: v for k, v in os.environ.items() if k not in _CURVE_ENV})
+        # The options go in before the config is made: a wildcard
+        # VLLM_P2P_SIDE_CHANNEL_HOST the tier's own "host" replaces is no error.
+        chosen = {k: v for k, v in (("host", host), ("bind_host", bind_host)) if v is not None}
+        base = NodeConfig.from_env(
+            {k: v for k, v in os.environ.items() if k not in _CURVE_ENV}, **chosen
+        )
         if curve_secret_key is None:
             curve_secret_key = os.environ.get("P2PACTOR_CURVE_SECRET_KEY") or None
         if curve_trusted is None:
@@ -193,7 +205,6 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         try:
             config = attrs.evolve(
                 base,
-                host=host if host is not None else base.host,
                 port=int(port if port is not None else base.port) + dp_index,
                 num_blocks=int(view.shape[0]) if view.shape else 0,
                 block_len=int(self.block_size_bytes),
@@ -239,10 +250,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         source = parse_source(params)
         if source is not None and not self._node.config.may_dial(source.peer):
             log.warning(
-                "request %s names %s, which is not in allowed_peers or has no trusted CURVE "
-                "key; not dialing it (add it to allowed_peers, or its .key to curve_trusted)",
+                "request %s names %s, %s; not dialing it",
                 req_context.req_id,
                 source.peer,
+                self._node.config.dial_refusal(source.peer)
+                or "which is not in allowed_peers or has no trusted CURVE key (add it to "
+                "allowed_peers, or its .key to curve_trusted)",
                 extra=request_context(
                     source.peer, source.kv_request_id, node=self._node.config.node_id
                 ),

@@ -191,6 +191,17 @@ async def open_zmq_transport(
                     )
                     transport._start(zap)
                     _log_security(transport, bound_port)
+                    if bind_host and bind_host != host:
+                        # Which address is which, said once: a wrong one shows
+                        # only as peers that never answer.
+                        log.info(
+                            "%s: control ROUTER bound on %s:%d; peers dial %s",
+                            transport.local_id,
+                            bind_host,
+                            bound_port,
+                            transport.local_id,
+                            extra={"node": transport.local_id},
+                        )
                     try:
                         yield transport
                     finally:

@@ -1,8 +1,9 @@
 """``p2pactor serve``: one long-lived node on real transports.
 
 For people wiring their own engine: a node with ZeroMQ control on
-``host:port``, a NIXL data plane over a torch block pool, and an embedded
-cache, configured from flags or from the same environment variables as vLLM.
+``host:port`` (bound on ``--bind-host`` when given, see ``docs/deploy.md``), a
+NIXL data plane over a torch block pool, and an embedded cache, configured from
+flags or from the same environment variables as vLLM.
 With ``--preload N`` it stores N deterministic blocks (the keys of a prompt of N
 token blocks, see :func:`p2pactor.preload_keys`) so other nodes have something to fetch.
 It runs until interrupted (Ctrl-C or SIGTERM), then closes cleanly.
@@ -18,6 +19,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import trio
@@ -29,7 +31,7 @@ from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.samples import block_bytes, preload_keys
 from p2pactor.surface.logsetup import configure_from_args
 
-__all__ = ["register", "serve"]
+__all__ = ["config_from_args", "register", "serve"]
 
 log = logging.getLogger("p2pactor.serve")
 
@@ -56,7 +58,9 @@ async def serve(config: NodeConfig, *, preload: int = 0, log_path: str | None = 
     )
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with (
-            open_zmq_transport(config.node_id, port=config.port, curve=config.curve) as control,
+            open_zmq_transport(
+                config.node_id, bind_host=config.bind_host, port=config.port, curve=config.curve
+            ) as control,
             open_nixl_transport(pool, config.block_len, name=f"serve-{config.port}") as data,
             open_node(
                 config, control=control, data=data, parent=cache, event_log=event_log
@@ -104,11 +108,22 @@ def register(commands: Any) -> None:
         description=(
             "Run a single long-lived p2pactor node: ZeroMQ control on HOST:PORT, a NIXL "
             "data plane over a block pool, an embedded cache. Flags override the "
-            "environment (VLLM_P2P_SIDE_CHANNEL_HOST/PORT, VLLM_P2P_MAX_PEERS, "
+            "environment (VLLM_P2P_SIDE_CHANNEL_HOST/PORT, P2PACTOR_BIND_HOST, VLLM_P2P_MAX_PEERS, "
             "PYTHONHASHSEED, P2PACTOR_NUM_BLOCKS, P2PACTOR_BLOCK_LEN, ...)."
         ),
     )
-    parser.add_argument("--host", help="address to bind and to be known by")
+    parser.add_argument(
+        "--host",
+        help="address peers dial to reach this node, its IP or DNS name (half of its id, "
+        "HOST:PORT; default VLLM_P2P_SIDE_CHANNEL_HOST, else localhost: one machine only); "
+        "never 0.0.0.0: that is --bind-host's",
+    )
+    parser.add_argument(
+        "--bind-host",
+        metavar="HOST",
+        help="address to bind the control port on, e.g. 0.0.0.0 for every interface "
+        "(default P2PACTOR_BIND_HOST, else --host); peers still dial --host",
+    )
     parser.add_argument("--port", type=int, help="control port (vLLM default 5710)")
     parser.add_argument("--num-blocks", type=int, help="blocks in the pool")
     parser.add_argument("--block-len", type=int, help="bytes per block")
@@ -158,11 +173,17 @@ def register(commands: Any) -> None:
     parser.set_defaults(handler=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> NodeConfig:
+    """The node's config: ``serve``'s flags over the environment (``os.environ`` if None).
+
+    Raises:
+        ConfigError: A flag or variable is unusable; the message says which.
+    """
     overrides: dict[str, Any] = {
         name: value
         for name, value in (
             ("host", args.host),
+            ("bind_host", args.bind_host),
             ("port", args.port),
             ("num_blocks", args.num_blocks),
             ("block_len", args.block_len),
@@ -181,8 +202,12 @@ def _run(args: argparse.Namespace) -> int:
         overrides["allowed_peers"] = frozenset(
             p.strip() for p in args.allowed_peers.split(",") if p.strip()
         )
+    return NodeConfig.from_env(env, **overrides)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
-        config = NodeConfig.from_env(**overrides)
+        config = config_from_args(args)
     except ConfigError as exc:
         sys.stderr.write(f"p2pactor serve: {exc}\n")
         return 2

@@ -7,6 +7,7 @@ variables are read, so an operator's existing settings carry over:
 variable                       field                       default
 ============================== =========================== ==========
 ``VLLM_P2P_SIDE_CHANNEL_HOST`` ``host``                    localhost
+``P2PACTOR_BIND_HOST``         ``bind_host``               ``host``
 ``VLLM_P2P_SIDE_CHANNEL_PORT`` ``port``                    5710
 ``VLLM_P2P_MAX_PEERS``         ``max_peers``               128
 ``VLLM_P2P_HANDSHAKE_TIMEOUT_S`` ``handshake_timeout``     30
@@ -15,11 +16,18 @@ variable                       field                       default
 ============================== =========================== ==========
 
 p2pactor's own settings use the ``P2PACTOR_`` prefix (see :meth:`NodeConfig.from_env`).
+
+Across hosts a node binds one address and is known by another (``docs/deploy.md``):
+``bind_host`` is where the ROUTER binds (``0.0.0.0``, the pod's interface), ``host``
+the address peers dial back, which is half of the node's id. A wildcard ``host`` is
+refused when the config is made, and a node known by a loopback ``host`` never dials
+(nor accepts) a peer on another host (:meth:`NodeConfig.dial_refusal`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import warnings
@@ -35,7 +43,7 @@ from p2pactor.errors import ConfigError
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
 
-__all__ = ["DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"]
+__all__ = ["DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of", "is_loopback", "is_wildcard"]
 
 DEFAULT_HASH_SEED: Final = "vllm-none-hash"
 """The hash seed vLLM uses for sha256 block hashing when PYTHONHASHSEED is unset."""
@@ -68,6 +76,63 @@ def _unused_actor_inbox(_: object, attribute: attrs.Attribute[int], value: int) 
         )
 
 
+def _bare_host(host: str) -> str:
+    # An IPv6 literal may come bracketed, as in a URL or a ZeroMQ endpoint.
+    host = host.strip()
+    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def is_wildcard(host: str) -> bool:
+    """Whether ``host`` is a bind-anything address (``0.0.0.0``, ``::``, ``*``, empty).
+
+    Such an address can be bound but never dialed: a node must not be known by one.
+    """
+    host = _bare_host(host)
+    if host in ("", "*"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False  # a name
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine only (``localhost``, ``127.x``, ``::1``)."""
+    host = _bare_host(host).lower().rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always loopback
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # any other name: it may resolve anywhere
+
+
+def _peer_host(peer_id: str) -> str:
+    return peer_id.rpartition(":")[0]
+
+
+def _advertised(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"NodeConfig.host must be a string, got {value!r}")
+    if is_wildcard(value):
+        # Peers would dial back to "0.0.0.0:port": nowhere. Binding every
+        # interface is bind_host's job; host is the address peers reach.
+        raise ConfigError(
+            f"NodeConfig.host={value!r} is a wildcard address: peers dial a node back at "
+            "its host, and cannot dial that. Set bind_host=0.0.0.0 (P2PACTOR_BIND_HOST, "
+            "--bind-host) to listen on every interface, and host=<an address peers reach> "
+            "(VLLM_P2P_SIDE_CHANNEL_HOST, --host): this machine's IP or DNS name"
+        )
+
+
+def _bind_host(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
+    if value is not None and not (isinstance(value, str) and value.strip()):
+        raise ConfigError(
+            f"NodeConfig.bind_host must be an address to bind (e.g. 0.0.0.0) or None "
+            f"(bind host), got {value!r}"
+        )
+
+
 def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
     return None if value is None else os.fspath(value)
 
@@ -85,9 +150,15 @@ class NodeConfig:
     """Everything a node needs to know before it starts.
 
     Attributes:
-        host: The address this node binds and that peers dial back; it is
-            also half of the node's id. Use the address peers reach you at
-            (vLLM's default, ``localhost``, only works on one machine).
+        host: The address this node is known by: peers dial it back here, and
+            it is half of the node's id (``host:port``, the DEALER identity).
+            Use the address peers reach you at, an IP or DNS name (vLLM's
+            default, ``localhost``, only works on one machine: a node known
+            by a loopback address refuses peers on other hosts). Never a
+            wildcard (``0.0.0.0``, ``::``, ``*``): that is ``bind_host``'s.
+        bind_host: The address the control ROUTER binds (``0.0.0.0`` for
+            every interface, or the pod's interface); None binds ``host``.
+            Only where the node listens: its id stays ``host:port``.
         port: The control port (vLLM: 5710 plus the data-parallel rank).
         num_blocks: Blocks in the node's KV block pool.
         block_len: Bytes per block; must equal every peer's.
@@ -149,7 +220,8 @@ class NodeConfig:
             may be dialed. Read once when the config is made.
     """
 
-    host: str = "localhost"
+    host: str = attrs.field(default="localhost", validator=_advertised)
+    bind_host: str | None = attrs.field(default=None, validator=_bind_host)
     port: int = attrs.field(default=5710, validator=checks.port)
     num_blocks: int = attrs.field(default=1024, validator=checks.positive_int)
     block_len: int = attrs.field(default=4096, validator=checks.positive_int)
@@ -215,22 +287,50 @@ class NodeConfig:
         """The node's id on the wire: ``host:port``, exactly as bound."""
         return f"{self.host}:{self.port}"
 
+    @property
+    def listen_host(self) -> str:
+        """Where the control ROUTER binds: ``bind_host``, else ``host``."""
+        return self.host if self.bind_host is None else self.bind_host
+
     def may_dial(self, peer_id: str) -> bool:
         """Whether this node may open a connection to ``peer_id``.
 
         It must be in ``allowed_peers`` (when set) and, with CURVE, have a
         trusted key: a peer we hold no key for could not be authenticated.
+        And it must be able to dial us back (see :meth:`dial_refusal`).
         """
         if self.allowed_peers is not None and peer_id not in self.allowed_peers:
             return False
+        if self.dial_refusal(peer_id) is not None:
+            return False
         return self._curve is None or self._curve.trusts(peer_id)
+
+    def dial_refusal(self, peer_id: str) -> str | None:
+        """Why ``peer_id`` could never reach this node back, or None if it could.
+
+        A node known by a loopback address (``localhost``, ``127.x``, ``::1``)
+        and a peer on another host: the peer would dial ``localhost`` back,
+        reach itself (or nothing), and the session would die at the handshake
+        timeout with nothing said. Loopback peers of a loopback node (one
+        machine) are fine. Decided from the two ids alone, before any socket.
+        """
+        if not is_loopback(self.host) or is_loopback(_peer_host(peer_id)):
+            return None
+        return (
+            f"this node is {self.node_id}, a loopback address, and {peer_id} is on another "
+            f"host: it could not dial this node back. Set host (VLLM_P2P_SIDE_CHANNEL_HOST, "
+            f"p2pactor serve --host, the vLLM tier's 'host') to an address {peer_id} "
+            "reaches, this machine's IP or DNS name (and bind_host=0.0.0.0 to listen on "
+            "every interface)"
+        )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
         """Build a config from environment variables, then keyword overrides.
 
         Reads vLLM's variables (see the module docstring) and
-        ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``, ``P2PACTOR_FINGERPRINT``,
+        ``P2PACTOR_BIND_HOST``, ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``,
+        ``P2PACTOR_FINGERPRINT``,
         ``P2PACTOR_ALLOWED_PEERS`` (comma-separated ``host:port``),
         ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
         ``P2PACTOR_METRICS_PORT``, ``P2PACTOR_METRICS_HOST``,
@@ -254,6 +354,7 @@ class NodeConfig:
                 raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
 
         read("VLLM_P2P_SIDE_CHANNEL_HOST", "host", str)
+        read("P2PACTOR_BIND_HOST", "bind_host", str)
         read("VLLM_P2P_SIDE_CHANNEL_PORT", "port", int)
         read("VLLM_P2P_MAX_PEERS", "max_peers", int)
         read("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "handshake_timeout", float)

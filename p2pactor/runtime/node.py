@@ -238,7 +238,9 @@ class Node(ThreadSafeAPI):
             actor = host.consumer_for(peer, kv_request_id)
             if actor is None:
                 await trio.lowlevel.checkpoint()
-                return FetchResult(success=False, blocks=0, reason=f"{peer} may not be dialed")
+                # The loopback refusal says what to set; the others are the allowlist's.
+                why = host.config.dial_refusal(peer) or f"{peer} may not be dialed"
+                return FetchResult(success=False, blocks=0, reason=why)
             host.submit(actor, job_id, tuple(keys), tuple(dest_blocks))
             await waiter.ready.wait()
         finally:
@@ -315,8 +317,9 @@ async def open_node(
         )
         node = Node(host)
         # Peers we may not dial are dropped by the transport itself, before
-        # it dials back to the address their frames claim.
-        control.accept_only(config.may_dial)
+        # it dials back to the address their frames claim (config.may_dial,
+        # and a log line for a peer a loopback-known node cannot serve).
+        control.accept_only(host.peers.may_accept)
         nursery.start_soon(host.peers.accept, name="accept")
         nursery.start_soon(host.bridge.run, name="engine bridge")
         nursery.start_soon(host.timers.run, name="timers")

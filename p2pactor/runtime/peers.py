@@ -5,7 +5,9 @@ one when a request first names a peer; inbound, :meth:`PeerRegistry.accept`
 runs the accept policy on each new connection: peers we may not dial are
 refused, a peer that dials us while our session is about to dial it joins that
 session, a peer that connects again replaces its old session, and a node at
-``max_peers`` (or shutting down) turns newcomers away.
+``max_peers`` (or shutting down) turns newcomers away. A node known by a
+loopback address neither dials nor accepts peers on other hosts, decided
+before any socket (:meth:`~p2pactor.runtime.config.NodeConfig.dial_refusal`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class PeerRegistry:
         # ever, and each result holds what its session left owed.
         self._closed_results: deque[SessionCloseResult] = deque(maxlen=CLOSED_KEPT)
         self._closed_count = 0
+        # Peers refused for a loopback id, said once each: an engine asks per
+        # request, and the same line a thousand times hides everything else.
+        self._unreachable: set[str] = set()
         self.shutting_down = False
 
     def sessions(self) -> list[PeerSession]:
@@ -95,6 +100,7 @@ class PeerRegistry:
         if session is not None and session.alive:
             return session
         if not self._config.may_dial(peer) or self.shutting_down:
+            self._say_unreachable(peer, "not dialing")
             return None
         if len(self._sessions) >= self._config.max_peers:
             log.warning(
@@ -106,6 +112,31 @@ class PeerRegistry:
             )
             return None
         return self._start(peer, None)
+
+    def may_accept(self, peer: str) -> bool:
+        """Whether a first frame from ``peer`` may be taken (and ``peer`` dialed back).
+
+        The transport asks before it dials back (``accept_only``); a refusal
+        for a loopback id is logged here, with both addresses and the fix.
+        """
+        if self._config.may_dial(peer):
+            return True
+        self._say_unreachable(peer, "refused")
+        return False
+
+    def _say_unreachable(self, peer: str, action: str) -> None:
+        reason = self._config.dial_refusal(peer)
+        if reason is None or peer in self._unreachable:
+            return
+        if len(self._unreachable) < CLOSED_KEPT:  # bounded: peer ids come from frames too
+            self._unreachable.add(peer)
+        log.error(
+            "%s %s: %s",
+            action,
+            peer,
+            reason,
+            extra=peer_context(peer, node=self._config.node_id),
+        )
 
     def _start(
         self, peer: str, conn: ControlConnection | None, first: wire.Connect | None = None
@@ -147,7 +178,10 @@ class PeerRegistry:
         peer = conn.peer_id
         existing = self._sessions.get(peer)
         context = peer_context(peer, node=self._config.node_id)
-        if not self._config.may_dial(peer):
+        if self._config.dial_refusal(peer) is not None:
+            self._say_unreachable(peer, "refused")
+            await conn.aclose()
+        elif not self._config.may_dial(peer):
             log.warning(
                 "refused %s: not in allowed_peers; add it to allowed_peers "
                 "(P2PACTOR_ALLOWED_PEERS) to accept it",
