@@ -27,6 +27,7 @@ cores): tests assert outcomes, and every wait is under ``trio.fail_after``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -34,7 +35,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,9 @@ from p2pactor.core.ids import Role
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.timings import Timings
 from p2pactor.errors import DataPlaneError, ProtocolError, UnknownMessageType
+from p2pactor.programs.hosts import Host
 from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.log import EventLog, read_log
 from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
@@ -167,30 +170,44 @@ async def serve_process(
     port: int | None = None,
     preload: int = 8,
     block_len: int = BLOCK_LEN,
+    num_blocks: int = NUM_BLOCKS,
     hash_seed: str = SEED,
     fingerprint: str | None = None,
     log: Path | None = None,
+    on: Host | None = None,
+    extra: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
 ) -> AsyncIterator[Serve]:
-    """Run ``p2pactor serve`` on 127.0.0.1; yield it once it serves; SIGKILL it on exit."""
-    port = free_port() if port is None else port
-    argv = [sys.executable, "-m", "p2pactor", "serve", "--host", "127.0.0.1"]
-    argv += ["--port", str(port), "--num-blocks", str(NUM_BLOCKS), "--block-len", str(block_len)]
+    """Run ``p2pactor serve``; yield it once it serves; SIGKILL it on exit.
+
+    It serves on 127.0.0.1, or ``on`` a namespaced host (its address, its
+    network, UCX over TCP only); ``extra`` are more ``serve`` flags, ``env``
+    more environment variables.
+    """
+    port = (free_port() if on is None else 5710) if port is None else port
+    address = "127.0.0.1" if on is None else on.address
+    argv = [sys.executable, "-m", "p2pactor", "serve", "--host", address]
+    argv += ["--port", str(port), "--num-blocks", str(num_blocks), "--block-len", str(block_len)]
     argv += ["--hash-seed", hash_seed, "--preload", str(preload)]
     if fingerprint is not None:
         argv += ["--fingerprint", fingerprint]
     if log is not None:
         argv += ["--log", str(log)]
+    argv += extra
+    environ = {**child_env(), **(env or {})}
+    if on is not None:
+        argv, environ = on.command(argv), on.env(environ)
     stderr_path = tmp_path / f"{name}.stderr"
     with stderr_path.open("ab") as stderr:
         process = await trio.lowlevel.open_process(
-            argv, stdout=subprocess.PIPE, stderr=stderr, env=child_env()
+            argv, stdout=subprocess.PIPE, stderr=stderr, env=environ
         )
     try:
         assert process.stdout is not None
         with trio.fail_after(60):
             line = await LineReader(process.stdout).line("p2pactor node")
         assert "serving" in line, line
-        yield Serve(process, f"127.0.0.1:{port}", stderr_path)
+        yield Serve(process, f"{address}:{port}", stderr_path)
     finally:
         if process.returncode is None:
             process.kill()
@@ -230,13 +247,19 @@ class ConsumerProcess:
 
 
 @asynccontextmanager
-async def consumer_process() -> AsyncIterator[ConsumerProcess]:
-    process = await trio.lowlevel.open_process(
-        [sys.executable, str(SCRIPT), "--hash-seed", SEED],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=child_env(),
-    )
+async def consumer_process(
+    *, on: Host | None = None, extra: Sequence[str] = (), stderr: Path | None = None
+) -> AsyncIterator[ConsumerProcess]:
+    """This file as a consumer node, on 127.0.0.1 or ``on`` a namespaced host."""
+    argv = [sys.executable, str(SCRIPT), "--hash-seed", SEED, *extra]
+    env = child_env()
+    if on is not None:
+        argv, env = on.command([*argv, "--host", on.address]), on.env(env)
+    with contextlib.ExitStack() as files:
+        err = files.enter_context(stderr.open("ab")) if stderr is not None else None
+        process = await trio.lowlevel.open_process(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env
+        )
     try:
         assert process.stdout is not None
         reader = LineReader(process.stdout)
@@ -1021,10 +1044,22 @@ async def _command(node: Node, cache: EmbeddedCache, block_len: int, cmd: dict[s
         keys = [bytes.fromhex(k) for k in cmd["keys"]]
         blocks = cache.allocate(len(keys))
         _say(id=ident, event="started", blocks=blocks)
-        result = await node.fetch(cmd["peer"], cmd["req"], keys, blocks)
 
         def block(i: int) -> bytes:
             return bytes(cache.memory[i * block_len : (i + 1) * block_len])
+
+        async def announce_landing() -> None:
+            # The first block that is no longer all zeros: bytes are arriving.
+            zero = bytes(block_len)
+            while all(block(b) == zero for b in blocks):  # noqa: ASYNC110 -- NIXL writes it
+                await trio.sleep(0.0005)
+            _say(id=ident, event="landing")
+
+        async with trio.open_nursery() as watch:
+            if cmd.get("announce_landing"):
+                watch.start_soon(announce_landing)
+            result = await node.fetch(cmd["peer"], cmd["req"], keys, blocks)
+            watch.cancel_scope.cancel()
 
         verified = intact = None
         if result.success:
@@ -1032,6 +1067,7 @@ async def _command(node: Node, cache: EmbeddedCache, block_len: int, cmd: dict[s
                 block(b) == block_bytes(k, block_len) for k, b in zip(keys, blocks, strict=True)
             )
         else:
+            _say(id=ident, event="failed", reason=result.reason)
             # The engine reuses failed blocks at once: so do we, and look again later.
             sentinel = b"\xa5" * block_len
             for b in blocks:
@@ -1056,16 +1092,22 @@ async def _peer_main(args: argparse.Namespace) -> None:
     pool = bytearray(args.num_blocks * args.block_len)
     cache = EmbeddedCache(args.num_blocks, args.block_len, memory=pool)
     stdin = trio.lowlevel.FdStream(os.dup(0))
+    curve = None
+    if args.curve_secret_key is not None:
+        curve = CurveSecurity.load(args.curve_secret_key, args.curve_trusted)
+    local = f"{args.host}:{args.port}"
     async with (
-        open_zmq_transport("127.0.0.1:0", port=0, options=FAST) as control,
+        open_zmq_transport(local, port=args.port, options=FAST, curve=curve) as control,
         open_nixl_transport(pool, args.block_len, name="consumer") as data,
     ):
         cfg = NodeConfig(
-            host="127.0.0.1",
+            host=args.host,
             port=control.port,
             num_blocks=args.num_blocks,
             block_len=args.block_len,
             hash_seed=args.hash_seed,
+            curve_secret_key=args.curve_secret_key,
+            curve_trusted=args.curve_trusted,
         )
         async with open_node(cfg, control=control, data=data) as node, trio.open_nursery() as n:
             _say(id=0, event="ready", node_id=node.node_id)
@@ -1083,4 +1125,8 @@ if __name__ == "__main__":
     parser.add_argument("--hash-seed", default=SEED)
     parser.add_argument("--num-blocks", type=int, default=NUM_BLOCKS)
     parser.add_argument("--block-len", type=int, default=BLOCK_LEN)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to bind and advertise")
+    parser.add_argument("--port", type=int, default=0, help="the control port (0: any)")
+    parser.add_argument("--curve-secret-key", help="CURVE: this node's secret key file")
+    parser.add_argument("--curve-trusted", help="CURVE: the folder of trusted public keys")
     trio.run(_peer_main, parser.parse_args())
