@@ -16,5 +16,8 @@ Sections (``docs/benchmarks.md`` has the latest full run):
 * ``peers``: 16 nodes as processes on loopback, each fetching from the others;
 * ``flood``: an honest peer's lookup latency while a hostile peer floods the
   producer, ours and vLLM's tier as the producer;
-* ``idle``: the CPU of an idle node with one peer connected, ours vs vLLM's tier.
+* ``idle``: the CPU of an idle node with one peer connected, ours vs vLLM's tier;
+* ``hosts``: the ``dataplane`` fetch across two namespaced hosts over UCX TCP vs
+  raw NIXL over the same path, and lookup latency across hosts vs loopback
+  (skipped without root).
 """

@@ -20,7 +20,16 @@ if TYPE_CHECKING:
 
 __all__ = ["SECTIONS", "register", "run_bench"]
 
-SECTIONS: tuple[str, ...] = ("dataplane", "control", "engine", "scale", "peers", "flood", "idle")
+SECTIONS: tuple[str, ...] = (
+    "dataplane",
+    "control",
+    "engine",
+    "scale",
+    "peers",
+    "flood",
+    "idle",
+    "hosts",
+)
 """Section names, in the order they run; each is the module ``p2pactor.programs.bench.<name>``."""
 
 
