@@ -23,7 +23,9 @@ Each host's stderr (vLLM, NIXL and UCX logs, tracebacks) goes to
 ``<log_dir>/<name>.log``; errors quote its tail. ``TierHost.kill`` SIGKILLs a
 host (``TierHost.signal`` sends any signal without waiting, e.g. SIGSTOP);
 :class:`HostPool` starts many hosts side by side (their vLLM imports overlap)
-for tests to share, restarting one that was killed.
+for tests to share, restarting one that was killed. ``HostSpec(on=host)`` runs a
+tier host on a namespaced host of ``p2pactor.programs.hosts`` (its address, its
+network; ``tests/test_hosts_vllm.py``).
 """
 
 from __future__ import annotations
@@ -45,7 +47,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from p2pactor.programs.hosts import Host
 
 HOST_SCRIPT = Path(__file__).with_name("vllm_tier_host.py")
 PREFIX = "@host "
@@ -111,7 +116,11 @@ class HostSpec:
     ``kwargs`` are extra tier kwargs (beside ``host`` and ``port``); ``spec``
     overrides the OffloadingSpec fields (model, dtype, num_layers, ...);
     ``env`` adds environment variables (``VLLM_P2P_*`` ...). ``hash_seed`` becomes
-    PYTHONHASHSEED (None: unset, vLLM then uses ``vllm-none-hash``).
+    PYTHONHASHSEED (None: unset, vLLM then uses ``vllm-none-hash``). ``on`` runs
+    the process on a namespaced host (``p2pactor.programs.hosts``): its command
+    is ``on.command(...)``, its environment ``on.env(...)`` (UCX over TCP on the
+    host's interface), and the tier binds and advertises ``on.address``
+    instead of ``host``.
     """
 
     tier: str = STOCK
@@ -127,12 +136,18 @@ class HostSpec:
     spec: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     name: str | None = None
+    on: Host | None = None
+
+    @property
+    def address(self) -> str:
+        """The address the tier binds and peers dial: ``on.address`` or ``host``."""
+        return self.on.address if self.on is not None else self.host
 
     def init_command(self, port: int) -> dict[str, Any]:
         return {
             "cmd": "init",
             "tier": self.tier,
-            "kwargs": {"host": self.host, "port": port, **self.kwargs},
+            "kwargs": {"host": self.address, "port": port, **self.kwargs},
             "num_chunks": self.num_chunks,
             "chunk_bytes": self.chunk_bytes,
             "hash_seed": self.hash_seed,
@@ -148,7 +163,10 @@ class TierHost:
 
     def __init__(self, spec: HostSpec, log_dir: Path, log_name: str | None = None) -> None:
         self.spec = spec
-        self.port = spec.port if spec.port is not None else free_port(spec.host)
+        if spec.port is not None:
+            self.port = spec.port
+        else:  # any port is free in a fresh namespace; pick one from here
+            self.port = free_port(spec.host if spec.on is None else "127.0.0.1")
         self.name = spec.name or f"tier-{self.port}"
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = Path(log_dir) / f"{log_name or self.name}.log"
@@ -164,9 +182,12 @@ class TierHost:
         else:
             env["PYTHONHASHSEED"] = spec.hash_seed
         env.update(spec.env)
+        argv = [sys.executable, str(HOST_SCRIPT)]
+        if spec.on is not None:
+            argv, env = spec.on.command(argv), spec.on.env(env)
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(HOST_SCRIPT)],
+                argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=log,
@@ -246,7 +267,7 @@ class TierHost:
     @property
     def local_id(self) -> str:
         """``host:port`` as the tier is known to peers."""
-        return str(self.info.get("local_id", f"{self.spec.host}:{self.port}"))
+        return str(self.info.get("local_id", f"{self.spec.address}:{self.port}"))
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Kill the process now (no shutdown, sockets torn down by the kernel)."""
