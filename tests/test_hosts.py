@@ -81,15 +81,14 @@ def test_put_transports_reads_ucx_tables() -> None:
     assert put_transports(log) == {("inter-node", "tcp/eth0"), ("intra-node", "posix/memory")}
 
 
-def ucx_logged(tmp_path: Path, name: str) -> tuple[Path, dict[str, str]]:
-    path = tmp_path / f"ucx-{name}.log"
-    return path, {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": str(path)}
+UCX_LOGGED = {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": "stderr"}
+"""UCX's protocol tables into the process's stderr: unbuffered, unlike a log file of its own."""
 
 
-def assert_writes_went_over_tcp(path: Path) -> None:
-    log = path.read_text(errors="replace")
+def assert_writes_went_over_tcp(serve: Serve) -> None:
+    log = serve.stderr()
     puts = put_transports(log)
-    assert puts, f"UCX printed no ucp_put protocol in {path}"
+    assert puts, f"UCX printed no ucp_put protocol in {serve.stderr_path}"
     remote = {transport for kind, transport in puts if kind != "self"}
     assert remote == {"tcp/eth0"}, puts
     assert not any(shm in log for shm in SHARED_MEMORY), "a shared-memory transport was set up"
@@ -129,9 +128,8 @@ def assert_no_pins_left(printed: str) -> None:
 
 async def test_two_hosts_fetch_byte_exact_over_tcp(tmp_path: Path) -> None:
     with open_hosts(2) as (h1, h2):
-        log, env = ucx_logged(tmp_path, "h2")
         async with (
-            serve_process(tmp_path, "h2", on=h2, preload=8, env=env) as producer,
+            serve_process(tmp_path, "h2", on=h2, preload=8, env=UCX_LOGGED) as producer,
             consumer_process(on=h1) as consumer,
         ):
             assert producer.node_id == f"{h2.address}:5710"
@@ -149,16 +147,14 @@ async def test_two_hosts_fetch_byte_exact_over_tcp(tmp_path: Path) -> None:
             assert fetched["success"] is True, fetched
             assert fetched["verified"] is True
             assert_no_pins_left(await stop(producer))
-        assert_writes_went_over_tcp(log)
+        assert_writes_went_over_tcp(producer)
 
 
 async def test_three_hosts_one_consumer_fetches_from_two_producers(tmp_path: Path) -> None:
     with open_hosts(3) as (h1, h2, h3):
-        log1, env1 = ucx_logged(tmp_path, "h1")
-        log2, env2 = ucx_logged(tmp_path, "h2")
         async with (
-            serve_process(tmp_path, "h1", on=h1, preload=4, env=env1) as first,
-            serve_process(tmp_path, "h2", on=h2, preload=8, env=env2) as second,
+            serve_process(tmp_path, "h1", on=h1, preload=4, env=UCX_LOGGED) as first,
+            serve_process(tmp_path, "h2", on=h2, preload=8, env=UCX_LOGGED) as second,
             consumer_process(on=h3) as consumer,
         ):
             keys = keys_of(8)  # h1 holds the first 4, h2 all 8: fetch half from each
@@ -169,8 +165,8 @@ async def test_three_hosts_one_consumer_fetches_from_two_producers(tmp_path: Pat
             assert (b["success"], b["verified"]) == (True, True), b
             assert_no_pins_left(await stop(first))
             assert_no_pins_left(await stop(second))
-        assert_writes_went_over_tcp(log1)
-        assert_writes_went_over_tcp(log2)
+        assert_writes_went_over_tcp(first)
+        assert_writes_went_over_tcp(second)
 
 
 async def test_a_producer_restarted_under_its_address_is_served_again(tmp_path: Path) -> None:
