@@ -15,7 +15,6 @@ import socket
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -286,26 +285,10 @@ def test_serve_says_what_to_set_for_a_wildcard_host(capsys: pytest.CaptureFixtur
 
 
 def _offloading_spec() -> Any:
-    """The parts of vLLM's OffloadingSpec the tier reads (as in tests/test_vllm_tier.py)."""
-    parallel = SimpleNamespace(
-        data_parallel_index=0,
-        tp_size=1,
-        pp_size=1,
-        pcp_size=1,
-        dcp_size=1,
-        rank=0,
-        is_parallelism_agnostic=True,
-    )
-    config = SimpleNamespace(
-        parallel=parallel,
-        model=SimpleNamespace(name="p2pactor/tiny-test-model", dtype="bfloat16"),
-        cache=SimpleNamespace(tokens_per_hash=16),
-        groups=[SimpleNamespace(tokens_per_block=16, layer_names=["model.layers.0.attn"])],
-        canonical_layout=False,
-        kv_cache_layout=None,
-        replicated_layout=False,
-    )
-    return SimpleNamespace(config=config, blocks_per_chunk=1)
+    """The stand-in OffloadingSpec of tests/test_vllm_tier.py (imported once vLLM is known)."""
+    from tests.test_vllm_tier import offloading_spec  # noqa: PLC0415 - skips without vLLM
+
+    return offloading_spec()
 
 
 def _vllm_tier() -> tuple[Any, Any]:

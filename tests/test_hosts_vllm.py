@@ -20,10 +20,8 @@ Skipped without vLLM 0.33's P2P tier or without namespaced hosts (root,
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -36,17 +34,11 @@ from tests.vllm_interop import (
     TierHost,
     expected_digest,
     make_keys,
+    vllm_p2p_missing,
 )
 
-_VLLM = importlib.util.find_spec("vllm")
-if _VLLM is None or not any(
-    (Path(p) / "v1/kv_offload/tiering/p2p/manager.py").exists()
-    for p in _VLLM.submodule_search_locations or ()
-):
-    pytest.skip(
-        "vLLM 0.33 with its P2P tier is not installed (pip install --no-deps vllm==0.33.0)",
-        allow_module_level=True,
-    )
+if (_MISSING := vllm_p2p_missing()) is not None:
+    pytest.skip(_MISSING, allow_module_level=True)
 REASON = hosts_unavailable()
 if REASON is not None:
     pytest.skip(f"no namespaced hosts: {REASON}", allow_module_level=True)

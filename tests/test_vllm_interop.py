@@ -21,7 +21,6 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -37,17 +36,11 @@ from tests.vllm_interop import (
     make_key,
     make_keys,
     prefiller_params,
+    vllm_p2p_missing,
 )
 
-_VLLM = importlib.util.find_spec("vllm")
-if _VLLM is None or not any(
-    (Path(p) / "v1/kv_offload/tiering/p2p/manager.py").exists()
-    for p in _VLLM.submodule_search_locations or ()
-):
-    pytest.skip(
-        "vLLM 0.33 with its P2P tier is not installed (pip install --no-deps vllm==0.33.0)",
-        allow_module_level=True,
-    )
+if (_MISSING := vllm_p2p_missing()) is not None:
+    pytest.skip(_MISSING, allow_module_level=True)
 
 CHUNK = 64 * 1024
 PENDING_TIMEOUT_S = 5.0  # the producer answers a still-pending key MISS after this

@@ -31,6 +31,7 @@ network; ``tests/test_hosts_vllm.py``).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import itertools
 import json
 import os
@@ -58,6 +59,17 @@ STOCK = "p2p"  # vLLM's own P2PSecondaryTierManager, by its registered type
 OURS = "p2pactor.adapters.vllm:P2PActorTierManager"
 
 T = TypeVar("T")
+
+
+def vllm_p2p_missing() -> str | None:
+    """Why vLLM 0.33's P2P tier cannot be hosted here, or None when it can (a skip reason)."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not any(
+        (Path(p) / "v1/kv_offload/tiering/p2p/manager.py").exists()
+        for p in spec.submodule_search_locations or ()
+    ):
+        return "vLLM 0.33 with its P2P tier is not installed (pip install --no-deps vllm==0.33.0)"
+    return None
 
 
 class HostError(Exception):
