@@ -1,6 +1,7 @@
 """The producer process of ``p2pactor bench``'s data-plane section.
 
-Run as ``python -m p2pactor.programs.bench._dataplane_peer NUM_BLOCKS BLOCK_LEN``. It
+Run as ``python -m p2pactor.programs.bench._dataplane_peer NUM_BLOCKS BLOCK_LEN [ADDRESS]``
+(:func:`producer_argv`; ADDRESS, default ``127.0.0.1``, is where its node binds). It
 stores ``NUM_BLOCKS`` deterministic blocks (:func:`bench_keys`,
 :func:`block_content`) in a node on real transports (ZeroMQ on loopback, NIXL
 over a torch pool), opens a second, bare NIXL agent over the same pool for the
@@ -45,6 +46,7 @@ __all__ = [
     "bench_keys",
     "block_content",
     "main",
+    "producer_argv",
 ]
 
 PREFIX = "@bench "
@@ -179,7 +181,13 @@ def _instrument(data: Any, trace: list[tuple[float, ...]]) -> None:
     setattr(data, "start_write", timed_start)  # noqa: B010
 
 
-async def _serve(num_blocks: int, block_len: int) -> None:
+def producer_argv(num_blocks: int, block_len: int, address: str = "127.0.0.1") -> list[str]:
+    """The command line of a producer with ``num_blocks`` blocks, its node at ``address``."""
+    module = "p2pactor.programs.bench._dataplane_peer"
+    return [sys.executable, "-m", module, str(num_blocks), str(block_len), address]
+
+
+async def _serve(num_blocks: int, block_len: int, address: str = "127.0.0.1") -> None:
     import torch  # noqa: PLC0415 - only the benchmark's processes need torch
 
     from p2pactor.adapters.nixl import NixlOptions, open_nixl_transport  # noqa: PLC0415
@@ -211,7 +219,7 @@ async def _serve(num_blocks: int, block_len: int) -> None:
             last = now
 
     async with (
-        open_zmq_transport("127.0.0.1:0", port=0) as control,
+        open_zmq_transport(f"{address}:0", port=0) as control,
         open_nixl_transport(pool, block_len, name="bench-producer", options=options) as data,
         trio.open_nursery() as nursery,
     ):
@@ -263,8 +271,9 @@ async def _serve(num_blocks: int, block_len: int) -> None:
 
 
 def main() -> None:
-    """Entry point: ``python -m p2pactor.programs.bench._dataplane_peer NUM_BLOCKS BLOCK_LEN``."""
-    trio.run(_serve, int(sys.argv[1]), int(sys.argv[2]))
+    """Entry point: see :func:`producer_argv`."""
+    address = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
+    trio.run(_serve, int(sys.argv[1]), int(sys.argv[2]), address)
 
 
 if __name__ == "__main__":

@@ -1,20 +1,13 @@
 """The processes of ``p2pactor bench``'s ``hosts`` section, run on namespaced hosts.
 
-The data-plane section's processes bind ZeroMQ on ``127.0.0.1``; across hosts
-each process binds its own host's address instead. Rather than copy that
-section's code, the roles here run it as it is, with its ZeroMQ transport bound
-at a given address (:func:`_bind_at`) and, for the consumer, its producer
-process started on the other host (:func:`_spawn_on`):
-
-* ``producer ADDRESS NUM_BLOCKS BLOCK_LEN``: the data-plane producer
-  (:mod:`p2pactor.programs.bench._dataplane_peer`), its node at ``ADDRESS``;
-* ``fetch SPEC``: the data-plane section's measurement
+* ``fetch SPEC``: the data-plane section's own measurement
   (:func:`p2pactor.programs.bench.dataplane._measure_group`: ours, raw NIXL and
   memcpy), its consumer node at ``SPEC["address"]`` and its producer on the
   host ``SPEC["peer"]``; prints the figures, one ``fetch`` line;
 * ``lookups SPEC``: a node at ``SPEC["address"]`` looking up one key at a time
-  on a producer started on ``SPEC["peer"]`` (or on this host, where ``peer`` is
-  null, both on ``127.0.0.1``); prints every lookup's seconds, one ``lookups`` line.
+  on a data-plane producer started on ``SPEC["peer"]`` (or on this host, where
+  ``peer`` is null, both on ``127.0.0.1``); prints every lookup's seconds, one
+  ``lookups`` line.
 
 ``SPEC`` is a JSON object; ``peer`` is ``{"name", "netns", "address"}`` of a
 :class:`~p2pactor.programs.hosts.Host`. Lines read back are prefixed
@@ -23,13 +16,13 @@ process started on the other host (:func:`_spawn_on`):
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +30,12 @@ import attrs
 import trio
 import trio.lowlevel
 
-from p2pactor.programs.bench import _dataplane_peer
-from p2pactor.programs.bench._dataplane_peer import PREFIX, bench_config, bench_keys
+from p2pactor.programs.bench._dataplane_peer import (
+    PREFIX,
+    bench_config,
+    bench_keys,
+    producer_argv,
+)
 from p2pactor.programs.hosts import Host
 
 __all__ = ["LOOKUP_BLOCKS", "LOOKUP_BLOCK_LEN", "main"]
@@ -51,58 +48,14 @@ LOOKUP_BLOCKS = 4
 LOOKUP_BLOCK_LEN = 4096
 """Bytes per block of the lookup loop's nodes."""
 
-_PEER_MODULE = "p2pactor.programs.bench._dataplane_peer"
-
 
 def _say(**message: Any) -> None:
     sys.stdout.write(PREFIX + json.dumps(message) + "\n")
     sys.stdout.flush()
 
 
-def _bind_at(address: str) -> None:
-    """Make this process's ZeroMQ transports bind at ``address`` instead of loopback.
-
-    The data-plane code imports ``open_zmq_transport`` when it runs, so the
-    module's attribute is what it gets.
-    """
-    import p2pactor.adapters.zmq as zmq_adapter  # noqa: PLC0415
-
-    opened: Callable[..., Any] = zmq_adapter.open_zmq_transport
-
-    def at_address(local_id: str, **kwargs: Any) -> Any:
-        host, _, port = local_id.rpartition(":")
-        return opened(f"{address}:{port}" if host == LOOPBACK else local_id, **kwargs)
-
-    setattr(zmq_adapter, "open_zmq_transport", at_address)  # noqa: B010 - on purpose
-
-
-def _producer_argv(address: str, num_blocks: int, block_len: int) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "p2pactor.programs.bench._hosts_peer",
-        "producer",
-        address,
-        str(num_blocks),
-        str(block_len),
-    ]
-
-
 def _host(peer: dict[str, str] | None) -> Host | None:
     return None if peer is None else Host(peer["name"], peer["netns"], peer["address"])
-
-
-def _spawn_on(host: Host) -> None:
-    """Start the data-plane producer, wherever this process's code starts it, on ``host``."""
-    opened: Callable[..., Any] = trio.lowlevel.open_process
-
-    async def on_host(command: Any, **kwargs: Any) -> Any:
-        if isinstance(command, list) and command[1:3] == ["-m", _PEER_MODULE]:
-            command = host.command(_producer_argv(host.address, *map(int, command[3:5])))
-            kwargs["env"] = host.env(kwargs.get("env"))
-        return await opened(command, **kwargs)
-
-    setattr(trio.lowlevel, "open_process", on_host)  # noqa: B010 - on purpose
 
 
 def _fetch(spec: dict[str, Any]) -> None:
@@ -111,15 +64,17 @@ def _fetch(spec: dict[str, Any]) -> None:
     host = _host(spec["peer"])
     if host is None:
         raise ValueError("fetch needs a peer host")
-    _bind_at(spec["address"])
-    _spawn_on(host)
     found = trio.run(
-        dataplane._measure_group,  # the data-plane section's own measurement
-        spec["block_len"],
-        spec["counts"],
-        spec["repeats"],
-        spec["iters"],
-        spec["work_dir"],
+        functools.partial(
+            dataplane._measure_group,  # the data-plane section's own measurement
+            spec["block_len"],
+            spec["counts"],
+            spec["repeats"],
+            spec["iters"],
+            spec["work_dir"],
+            address=spec["address"],
+            producer_on=host,
+        )
     )
     _say(event="fetch", measured={str(c): attrs.asdict(m) for c, m in found.items()})
 
@@ -137,8 +92,8 @@ async def _lookups(spec: dict[str, Any]) -> list[list[float]]:
 
     address: str = spec["address"]
     host = _host(spec["peer"])
-    argv = _producer_argv(
-        LOOPBACK if host is None else host.address, LOOKUP_BLOCKS, LOOKUP_BLOCK_LEN
+    argv = producer_argv(
+        LOOKUP_BLOCKS, LOOKUP_BLOCK_LEN, LOOPBACK if host is None else host.address
     )
     env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
     where = "loopback" if host is None else host.name
@@ -196,16 +151,12 @@ async def _lookups(spec: dict[str, Any]) -> list[list[float]]:
 def main() -> None:
     """Entry point: ``python -m p2pactor.programs.bench._hosts_peer ROLE ARGS...``."""
     role, *args = sys.argv[1:]
-    if role == "producer":
-        address, num_blocks, block_len = args
-        _bind_at(address)
-        trio.run(_dataplane_peer._serve, int(num_blocks), int(block_len))
-    elif role == "fetch":
+    if role == "fetch":
         _fetch(json.loads(args[0]))
     elif role == "lookups":
         _say(event="lookups", runs=trio.run(_lookups, json.loads(args[0])))
     else:
-        raise SystemExit(f"unknown role {role!r}: producer, fetch or lookups")
+        raise SystemExit(f"unknown role {role!r}: fetch or lookups")
 
 
 if __name__ == "__main__":

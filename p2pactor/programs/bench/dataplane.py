@@ -32,7 +32,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import time
 import uuid
 from collections import defaultdict
@@ -51,8 +50,10 @@ from p2pactor.programs.bench._dataplane_peer import (
     bench_config,
     bench_keys,
     block_content,
+    producer_argv,
 )
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.hosts import Host
 
 __all__ = ["NAME", "QUICK_SIZES", "SIZES", "TITLE", "run"]
 
@@ -161,9 +162,20 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 async def _measure_group(
-    block_len: int, counts: Sequence[int], repeats: int, iters: int, work_dir: str
+    block_len: int,
+    counts: Sequence[int],
+    repeats: int,
+    iters: int,
+    work_dir: str,
+    *,
+    address: str = "127.0.0.1",
+    producer_on: Host | None = None,
 ) -> dict[int, _Measured]:
-    """Measure every batch of ``block_len`` blocks against one producer process."""
+    """Measure every batch of ``block_len`` blocks against one producer process.
+
+    Our node binds and is known at ``address``; the producer runs here on
+    loopback, or ``producer_on`` a namespaced host at that host's address.
+    """
     import torch  # noqa: PLC0415 - heavy; only this section needs it
 
     from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
@@ -181,16 +193,15 @@ async def _measure_group(
     blocks_view = pool.numpy().reshape(most, block_len)
     results: dict[int, _Measured] = {c: _Measured() for c in counts}
     env = {**os.environ, "NIXL_LOG_LEVEL": os.environ.get("NIXL_LOG_LEVEL", "WARN")}
+    argv = producer_argv(
+        most, block_len, "127.0.0.1" if producer_on is None else producer_on.address
+    )
+    if producer_on is not None:
+        argv, env = producer_on.command(argv), producer_on.env(env)
     stderr_path = Path(work_dir) / f"dataplane-producer-{block_len}.stderr"
     with stderr_path.open("wb") as stderr:
         process = await trio.lowlevel.open_process(
-            [
-                sys.executable,
-                "-m",
-                "p2pactor.programs.bench._dataplane_peer",
-                str(most),
-                str(block_len),
-            ],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -214,7 +225,7 @@ async def _measure_group(
             )
             cache = EmbeddedCache(most, block_len, memory=pool.numpy().data)
             async with (
-                open_zmq_transport("127.0.0.1:0", port=0) as control,
+                open_zmq_transport(f"{address}:0", port=0) as control,
                 open_nixl_transport(pool, block_len, name="bench-consumer") as data,
             ):
                 config = bench_config(control.local_id, most, block_len)
