@@ -251,6 +251,7 @@ class NodeConfig:
     curve_secret_key: str | None = attrs.field(default=None, converter=_optional_path)
     curve_trusted: str | None = attrs.field(default=None, converter=_optional_path)
     _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
+    _loopback: bool = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         # The key files are read once, here: a bad one fails the config at
@@ -274,8 +275,11 @@ class NodeConfig:
                     f"STEM --address {self.node_id}` (several comma-separated addresses for "
                     "one key are allowed) and give its .key file to the peers"
                 )
-        # A derived value of a frozen config: set once, here.
+        # Derived values of a frozen config: set once, here. may_dial runs on
+        # the engine's thread for every request; parsing our own host there
+        # each time would be work done again and again for the same answer.
         object.__setattr__(self, "_curve", curve)
+        object.__setattr__(self, "_loopback", is_loopback(self.host))
 
     @property
     def curve(self) -> CurveSecurity | None:
@@ -314,7 +318,7 @@ class NodeConfig:
         timeout with nothing said. Loopback peers of a loopback node (one
         machine) are fine. Decided from the two ids alone, before any socket.
         """
-        if not is_loopback(self.host) or is_loopback(_peer_host(peer_id)):
+        if not self._loopback or is_loopback(_peer_host(peer_id)):
             return None
         return (
             f"this node is {self.node_id}, a loopback address, and {peer_id} is on another "
