@@ -132,6 +132,11 @@ def _run_ip(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _nth_host(prefix: str, subnet: str, n: int) -> Host:
+    """Host ``hN``: the one place its name, namespace and address are derived."""
+    return Host(f"h{n}", f"{prefix}-h{n}", f"{subnet}.{n}")
+
+
 def _ip(*args: str) -> None:
     done = _run_ip(*args)
     if done.returncode != 0:
@@ -168,7 +173,7 @@ def make_hosts(
             f"remove them first (`scripts/hosts down --prefix {prefix}`) or use another prefix"
         )
     hub = f"{prefix}-hub"
-    hosts = [Host(f"h{i}", f"{prefix}-h{i}", f"{subnet}.{i}") for i in range(1, count + 1)]
+    hosts = [_nth_host(prefix, subnet, i) for i in range(1, count + 1)]
     try:
         _ip("netns", "add", hub)
         _ip("-n", hub, "link", "add", "br0", "type", "bridge")
@@ -237,12 +242,12 @@ def open_hosts(
 
 
 def _host(prefix: str, name: str, subnet: str) -> Host:
-    netns = f"{prefix}-{name}"
-    if netns not in _namespaces(prefix):
+    number = name.removeprefix("h")
+    if not (number.isdigit() and f"{prefix}-{name}" in _namespaces(prefix)):
         raise HostsError(
             f"no host {name!r} with prefix {prefix!r}; make it with `scripts/hosts up`"
         )
-    return Host(name, netns, f"{subnet}.{name.removeprefix('h')}")
+    return _nth_host(prefix, subnet, int(number))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
