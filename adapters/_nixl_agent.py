@@ -5,10 +5,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import attrs
 import numpy as np
@@ -61,6 +62,41 @@ class Agent(Protocol):
 def nixl_error(exc: Exception) -> str:
     """How an exception NIXL raised reads in a message."""
     return f"{type(exc).__name__}: {exc}"
+
+
+# Held while NIXL's module is swapped for the stand-in in _new_agent.
+_NEW_AGENT_LOCK = threading.Lock()
+
+
+def _new_agent(api: ModuleType, name: str, config: object, wakeup: float | None) -> Agent:
+    """``api.nixl_agent(name, config)``, its progress thread waking every ``wakeup`` s.
+
+    NIXL's Python constructor writes ``pthrDelay = 0`` into the C++ config it
+    builds, which makes the thread's ``poll()`` timeout 0: it spins a core. The
+    binding takes any delay, so the constructor runs against a stand-in for the
+    binding module that sets ours on the way to the real ``nixlAgent``. Every
+    other name passes through, so another thread using NIXL meanwhile is
+    unaffected; the lock keeps two constructions from swapping at once.
+    """
+    if wakeup is None:
+        return cast(Agent, api.nixl_agent(name, config))
+    delay_us = max(1, round(wakeup * 1e6))
+    binding: Any = getattr(api, "nixlBind")  # noqa: B009 (not in NIXL's stubs)
+
+    class _WithDelay:
+        def __getattr__(self, attr: str) -> object:
+            return getattr(binding, attr)
+
+        def nixlAgent(self, agent_name: str, agent_config: Any) -> object:  # noqa: N802
+            agent_config.pthrDelay = delay_us
+            return binding.nixlAgent(agent_name, agent_config)
+
+    with _NEW_AGENT_LOCK:
+        setattr(api, "nixlBind", _WithDelay())  # noqa: B010
+        try:
+            return cast(Agent, api.nixl_agent(name, config))
+        finally:
+            setattr(api, "nixlBind", binding)  # noqa: B010
 
 
 def block_pool(
@@ -147,6 +183,7 @@ class Pool:
     registration: object | None = None
     local_dlist: object | None = None  # the pool's prepared per-block descriptor list
     metadata: bytes = b""
+    threaded: bool = False  # NIXL's progress thread runs: the pump need not drive progress
 
     @property
     def num_blocks(self) -> int:
@@ -170,13 +207,21 @@ class Pool:
     def open(self, api: ModuleType) -> Agent:
         """Make the agent, register the pool and prepare its descriptors."""
         options = self.options
+        wakeup = options.progress_thread_wakeup
+        self.threaded = wakeup is not None and hasattr(api, "nixlBind")
+        if wakeup is not None and not self.threaded:
+            log.warning(
+                "NIXL agent %s: this NIXL has no nixlBind module to set the progress "
+                "thread's wakeup on; running without the thread (the pump drives progress)",
+                self.name,
+            )
         try:
             config = api.nixl_agent_config(
-                enable_prog_thread=False,
+                enable_prog_thread=self.threaded,
                 backends=list(options.backends),
                 num_threads=options.num_threads,
             )
-            agent = cast(Agent, api.nixl_agent(self.name, config))
+            agent = _new_agent(api, self.name, config, wakeup if self.threaded else None)
         except Exception as exc:
             raise DataPlaneError(
                 f"cannot create the NIXL agent ({nixl_error(exc)}); check that the NIXL "

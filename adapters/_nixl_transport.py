@@ -110,6 +110,7 @@ class NixlDataTransport(Writes):
             remote_agents=len(self._remote_refs),
             writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
             zombies=sum(w.zombie for w in self._inflight),
+            progress_thread=self._pool.threaded,
             **attrs.asdict(self._tally),
         )
 

@@ -172,7 +172,7 @@ class Writes:
         intervals = self._options.poll_intervals()
         while True:
             busy = bool(self._inflight)
-            if not busy and self._expected <= 0 and trio.current_time() >= self._wireup_until:
+            if not busy and not self._peer_writes_need_us():
                 self._tally.idle = True
                 await self._kick.wait()
                 self._tally.idle = False
@@ -194,6 +194,12 @@ class Writes:
             if kick.is_set():
                 self._kick = trio.Event()
                 intervals = self._options.poll_intervals()
+
+    def _peer_writes_need_us(self) -> bool:
+        """Whether a peer's write into our pool may run with nobody else progressing it."""
+        if self._pool.threaded:
+            return False  # NIXL's progress thread wakes as the peer's bytes arrive
+        return self._expected > 0 or trio.current_time() < self._wireup_until
 
     def _drive_progress(self) -> bool:
         """Let the agent make progress (lock held). Returns False: nothing of ours changed."""

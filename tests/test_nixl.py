@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -454,12 +455,14 @@ class PeerProcess:
         return await self.line(keyword)
 
 
-async def test_write_into_another_process() -> None:
+@pytest.mark.parametrize("progress", ["thread", "pump"])
+async def test_write_into_another_process(progress: str) -> None:
+    """The target's agent progresses by NIXL's thread alone, or by its pump alone."""
     num_blocks, block_len = 64, 64 * 1024
     pool = pattern(3, num_blocks, block_len)
     with trio.fail_after(60):
         process = await trio.lowlevel.open_process(
-            [sys.executable, str(PEER_SCRIPT), str(num_blocks), str(block_len)],
+            [sys.executable, str(PEER_SCRIPT), str(num_blocks), str(block_len), progress],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
@@ -484,6 +487,12 @@ async def test_write_into_another_process() -> None:
                 got = await peer.ask("SUM " + " ".join(map(str, range(20, 28))), "SUM")
                 assert got == [expected]
                 assert await peer.ask("ZEROS", "ZEROS") == [str(num_blocks - 12)]
+                thread, polls = await peer.ask("POLLS", "POLLS")
+                if progress == "thread":
+                    assert (thread, polls) == ("1", "0")  # the bytes landed with no poll of ours
+                else:
+                    assert thread == "0"
+                    assert int(polls) > 0
                 await data.remove_peer("peer:1#1")
             assert process.stdin is not None
             await process.stdin.send_all(b"EXIT\n")
@@ -863,9 +872,11 @@ async def test_regression_guard_large_writes_never_stall_the_trio_loop() -> None
 
 
 async def test_an_idle_transport_sleeps_and_polls_only_while_writes_may_run() -> None:
-    """Nothing in flight and nothing expected: the pump makes no call at all."""
+    """Without NIXL's progress thread: the pump drives progress only while a write may run."""
+    options = NixlOptions(progress_thread_wakeup=None)
     with trio.fail_after(20):
-        async with open_nixl_transport(pattern(1), BL, name="idle") as a:
+        async with open_nixl_transport(pattern(1), BL, name="idle", options=options) as a:
+            assert not a.statistics().progress_thread
             await wait_for(lambda: a.statistics().idle)
             polls = a.statistics().progress_polls
             await trio.sleep(0.3)  # polling every 1 ms, as it used to, would be ~300 polls
@@ -878,3 +889,18 @@ async def test_an_idle_transport_sleeps_and_polls_only_while_writes_may_run() ->
             polls = a.statistics().progress_polls
             await trio.sleep(0.3)
             assert a.statistics().progress_polls == polls
+
+
+async def test_nixls_progress_thread_sleeps_while_idle_and_the_pump_never_polls() -> None:
+    """The default: NIXL's thread waits on UCX's event fd, not in a spin, and the pump rests."""
+    with trio.fail_after(20):
+        async with open_nixl_transport(pattern(1), BL, name="threaded") as a:
+            assert a.statistics().progress_thread
+            a.expect_writes(1)  # the thread, not the pump, progresses a peer's write
+            await wait_for(lambda: a.statistics().idle)
+            cpu = time.process_time()
+            await trio.sleep(1.0)
+            used = time.process_time() - cpu
+            assert a.statistics().progress_polls == 0
+            # A spinning thread takes about 1 s of CPU a second (NIXL's own default).
+            assert used < 0.3, f"{used:.2f} s of CPU in 1 s idle"
