@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import re
 import sys
 import threading
 import time
@@ -64,8 +66,46 @@ def nixl_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-# Held while NIXL's module is swapped for the stand-in in _new_agent.
+# Held while NIXL's module is swapped for the stand-in in _new_agent, or os.environ set.
 _NEW_AGENT_LOCK = threading.Lock()
+
+_UCX_TIME = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(s|ms|us|ns|m)?\s*", re.IGNORECASE)
+_UCX_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "m": 60.0}
+
+
+def _ucx_seconds(text: str) -> float | None:
+    """A UCX time value ("1000ms", "2s", "2": seconds) in seconds; None for "inf", "auto"."""
+    match = _UCX_TIME.fullmatch(text)
+    if match is None:
+        return None
+    return float(match[1]) * _UCX_UNITS[(match[2] or "s").lower()]
+
+
+def _ucx_tcp_environment(options: NixlOptions) -> float:
+    """Set UCX's TCP timeouts the environment leaves unset; the late-write window in effect.
+
+    UCX reads its configuration from the process environment as an agent is
+    made, so what counts is the value there: the operator's own, or the first
+    transport's. The window is computed from it, not from ``options``.
+    """
+    with _NEW_AGENT_LOCK:
+        for variable, value in options.ucx_environment().items():
+            os.environ.setdefault(variable, value)
+        in_effect = os.environ.get("UCX_TCP_USER_TIMEOUT")
+    if options.tcp_timeout is None and in_effect is None:
+        return 0.0
+    seconds = None if in_effect is None else _ucx_seconds(in_effect)
+    if seconds is None or seconds <= 0:
+        window = options.late_write_window
+        log.warning(
+            "UCX_TCP_USER_TIMEOUT=%s bounds nothing: a write a link flap cut may land in "
+            "blocks long after its load failed. Holding a lost load's blocks %g s anyway; "
+            "unset it (p2pactor sets 1000ms) or give it a time",
+            in_effect,
+            window,
+        )
+        return window
+    return attrs.evolve(options, tcp_timeout=seconds).late_write_window
 
 
 def _new_agent(api: ModuleType, name: str, config: object, wakeup: float | None) -> Agent:
@@ -184,6 +224,7 @@ class Pool:
     local_dlist: object | None = None  # the pool's prepared per-block descriptor list
     metadata: bytes = b""
     threaded: bool = False  # NIXL's progress thread runs: the pump need not drive progress
+    late_write_window: float = 0.0  # from the UCX TCP timeout in effect (_ucx_tcp_environment)
 
     @property
     def num_blocks(self) -> int:
@@ -221,6 +262,7 @@ class Pool:
                 backends=list(options.backends),
                 num_threads=options.num_threads,
             )
+            self.late_write_window = _ucx_tcp_environment(options)
             agent = _new_agent(api, self.name, config, wakeup if self.threaded else None)
         except Exception as exc:
             raise DataPlaneError(

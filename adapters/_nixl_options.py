@@ -78,6 +78,16 @@ class NixlOptions:
             100 ms it costs 95 ms and 6 ms. ``None`` turns the thread off: the
             pump then drives progress every ``idle_poll_interval`` while a
             peer's write is expected or for ``wireup_grace``.
+        tcp_timeout: UCX's TCP connections to a peer that stopped answering
+            are dropped after about this long: before it makes its agent the
+            transport sets ``UCX_TCP_USER_TIMEOUT`` to it and
+            ``UCX_TCP_KEEPIDLE`` and ``UCX_TCP_KEEPINTVL`` to half of it (at
+            least 1 s), unless the environment already sets them. A dropped
+            connection delivers nothing more, which bounds how long a peer's
+            write may still land after its session was lost
+            (:attr:`late_write_window`); Linux's own default retries for about
+            15 minutes, and a link that comes back resumes the write. None
+            leaves UCX's defaults, and no bound.
     """
 
     transfer_timeout: float = attrs.field(default=30.0, validator=_positive)
@@ -92,6 +102,32 @@ class NixlOptions:
     inline_post_budget: float = attrs.field(default=2e-3, validator=_not_negative)
     wireup_grace: float = attrs.field(default=2.0, validator=_not_negative)
     progress_thread_wakeup: float | None = attrs.field(default=0.1, validator=_positive_or_none)
+    tcp_timeout: float | None = attrs.field(default=1.0, validator=_positive_or_none)
+
+    @property
+    def late_write_window(self) -> float:
+        """How long after a peer went silent its write into our pool may still land.
+
+        A connection to a silent peer is dropped within about twice
+        ``tcp_timeout`` (TCP checks the timeout as its retransmissions fire,
+        each twice as late as the one before); a link back before that
+        resumes the stalled write within about as long again. Add a second
+        for the bytes themselves: a resumed write so large that it takes
+        longer on its link is bounded only by the producer's transfer_timeout.
+        0 when ``tcp_timeout`` is None: nothing bounds it.
+        """
+        return 0.0 if self.tcp_timeout is None else 4 * self.tcp_timeout + 1.0
+
+    def ucx_environment(self) -> dict[str, str]:
+        """The UCX variables ``tcp_timeout`` sets (where the environment does not)."""
+        if self.tcp_timeout is None:
+            return {}
+        keepalive = max(1, round(self.tcp_timeout / 2))
+        return {
+            "UCX_TCP_USER_TIMEOUT": f"{round(self.tcp_timeout * 1000)}ms",
+            "UCX_TCP_KEEPIDLE": f"{keepalive}s",
+            "UCX_TCP_KEEPINTVL": f"{keepalive}s",
+        }
 
     def poll_intervals(self) -> Iterator[float]:
         """The pump's sleeps between polls that found nothing new (0: a checkpoint)."""

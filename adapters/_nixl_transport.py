@@ -103,6 +103,15 @@ class NixlDataTransport(Writes):
         """Bytes per block."""
         return self._pool.block_len
 
+    @property
+    def late_write_window(self) -> float:
+        """How long a silent peer's write may still land (:attr:`NixlOptions.late_write_window`).
+
+        Computed from the ``UCX_TCP_USER_TIMEOUT`` in effect in the process
+        when the agent was made: the operator's, or the one ``tcp_timeout`` set.
+        """
+        return self._pool.late_write_window
+
     def statistics(self) -> NixlStatistics:
         """Counters, for tests and monitoring."""
         return NixlStatistics(
@@ -258,8 +267,9 @@ class NixlDataTransport(Writes):
     def expect_writes(self, delta: int) -> None:
         """``delta`` more (or fewer) peer writes into our pool may be running now.
 
-        While any may, the pump drives the agent's progress every
-        ``idle_poll_interval``.
+        With NIXL's progress thread off (``progress_thread_wakeup=None``), the
+        pump drives the agent's progress every ``idle_poll_interval`` while any
+        may; with the thread on (the default) the thread does, and this only counts.
         """
         self._expected = max(0, self._expected + delta)
         if delta > 0:

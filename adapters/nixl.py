@@ -57,8 +57,16 @@ How trio and NIXL meet (``shared/reference/trio-stack.md`` section 2):
 * The agent runs with ``NIXL_THREAD_SYNC_NONE``: its API is not thread-safe.
   Every call into it, from the trio thread or a worker thread, is made while
   holding one :class:`trio.Lock`, so the agent never sees two calls at once.
-  (NIXL's progress thread touches only the UCX worker, which NIXL then runs in
-  UCX's multi-threaded mode, and the notification list, behind NIXL's lock.)
+  (NIXL's progress thread touches only the UCX worker, which NIXL then creates
+  in UCX's multi-threaded mode, ``UCS_THREAD_MODE_MULTI``: NIXL's
+  ``makeMtType`` in its UCX plugin picks it whenever the progress thread is
+  on; and the notification list, behind NIXL's own mutex.)
+* **A peer's write cannot be recalled**, so the data path bounds how long one
+  may still land once its peer went silent (``late_write_window``, which a
+  consumer holds a lost load's blocks for). Before it makes its agent the
+  transport sets ``UCX_TCP_USER_TIMEOUT`` and UCX's TCP keepalive in the
+  *process* environment, where UCX reads them, unless they are set already
+  (:attr:`NixlOptions.tcp_timeout`); the window follows the value in effect.
 * Every write has a deadline (``transfer_timeout``). A write that misses it is
   cancelled through NIXL (``release_xfer_handle``); if NIXL refuses because the
   transfer is still running, the handle stays tracked as a *zombie* and the

@@ -62,6 +62,11 @@ class MemoryDataTransport:
         """Bytes per block."""
         return self._block_len
 
+    @property
+    def late_write_window(self) -> float:
+        """The plane's :attr:`MemoryDataPlane.late_write_window`."""
+        return self._plane.late_write_window
+
     def registered(self) -> list[str]:
         """Names of the peers currently registered."""
         return list(self._peers)
@@ -187,6 +192,9 @@ class MemoryDataPlane:
     Attributes:
         registration_delay: Seconds every peer registration takes.
         transfer_timeout: How long a held write waits before it fails.
+        late_write_window: What every transport says of how long a silent
+            peer's write may still land (0: a write in memory never outlives
+            its session; set it to see consumers hold their loads' blocks).
         writes: Writes completed so far.
         bytes_written: Bytes copied by them.
     """
@@ -198,6 +206,7 @@ class MemoryDataPlane:
         self._held: deque[_Pending] = deque()
         self.registration_delay = 0.0
         self.transfer_timeout = 30.0
+        self.late_write_window = 0.0
         self.writes = 0
         self.bytes_written = 0
 

@@ -962,6 +962,67 @@ class TestTerminalAndPhases:
         assert h.retired
         assert next_consumer_deadline(h.state) is None
 
+    def test_a_session_end_holds_the_loads_blocks_for_the_write_grace_then_fails_them(
+        self, h: ConsumerHarness
+    ) -> None:
+        h.load(1, [K1], [10])
+        h.load(2, [K2], [20])
+        tick_at(h, 30.0)  # both aborting: their acks can no longer come either
+        sent = list(h.sent)
+
+        events = h.feed(inp.SessionEnded("connection reset", write_grace=5.0))
+
+        (lost,) = events
+        assert isinstance(lost, ev.SessionLost)
+        assert lost.loads_held_until == 35.0
+        assert reports(h) == []  # the engine may not reuse the blocks yet
+        assert not h.state.phase.terminal
+        assert next_consumer_deadline(h.state) == 35.0
+        assert answers(h, K1, K2) == [MISS, MISS]
+        assert h.feed(inp.SessionEnded("again", write_grace=5.0)) == ()
+        skipped = h.feed(inp.SubmitLoad(job_id=3, keys=(K1,), block_indexes=(30,)))
+        assert kinds(skipped) == ["FetchSkipped"]
+        assert reports(h)[-1] == fx.ReportLoad(
+            job_id=3,
+            success=False,
+            reason="the session to the peer is gone; look the keys up again",
+        )
+        h.feed(inp.Finish())  # the engine gives up on the request meanwhile
+        assert tick_at(h, 34.999) == []
+        assert h.sent == sent  # nothing goes out on a lost session
+
+        assert tick_at(h, 35.0) == ["Aborted", "Aborted", "Finished"]
+        why = "session lost: connection reset; its blocks were held until no write could land"
+        assert reports(h)[-2:] == [
+            fx.ReportLoad(job_id=1, success=False, reason=why),
+            fx.ReportLoad(job_id=2, success=False, reason=why),
+        ]
+        assert h.reported == {1: 1, 2: 1, 3: 1}
+        (end,) = finished(h)
+        assert end.phase is ConsumerPhase.ABORTED  # the aborts went out before
+        assert h.retired
+        assert next_consumer_deadline(h.state) is None
+
+    def test_a_held_load_fails_the_request(self, h: ConsumerHarness) -> None:
+        h.load(1, [K1], [10])
+
+        h.feed(inp.SessionEnded("silence", write_grace=2.0))
+        assert tick_at(h, 2.0) == ["Aborted", "Finished"]
+
+        (end,) = finished(h)
+        assert end.phase is ConsumerPhase.FAILED
+        assert end.reason.startswith("round 0: session lost: silence; its blocks were held")
+
+    def test_a_write_grace_without_loads_ends_the_actor_at_once(self, h: ConsumerHarness) -> None:
+        step(h, K1)
+
+        events = h.feed(inp.SessionEnded("connection reset", write_grace=5.0))
+
+        assert kinds(events) == ["SessionLost", "Finished"]
+        lost = events[0]
+        assert isinstance(lost, ev.SessionLost)
+        assert lost.loads_held_until is None
+
     def test_a_session_end_with_a_load_in_flight_finishes_failed(self, h: ConsumerHarness) -> None:
         h.load(1, [K1], [10])
 

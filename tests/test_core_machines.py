@@ -190,10 +190,22 @@ class ConsumerMachine(RuleBasedStateMachine):
         assert deadline is None or deadline > self.h.now
 
     @precondition(lambda self: len(self.h.log) >= 6)
-    @rule(reason=st.sampled_from(["peer died", "heartbeat timeout"]))
-    def session_ends(self, reason: str) -> None:
-        self.feed(inp.SessionEnded(reason))
-        assert self.h.state.phase.terminal
+    @rule(
+        reason=st.sampled_from(["peer died", "heartbeat timeout"]),
+        grace=st.sampled_from([0.0, 0.5, 5.0]),
+    )
+    def session_ends(self, reason: str, grace: float) -> None:
+        held = bool(self.h.state.loads) and grace > 0 and not self.h.state.session_lost
+        reported = dict(self.h.reported)
+        self.feed(inp.SessionEnded(reason, write_grace=grace))
+        if not held:
+            assert self.h.state.phase.terminal or self.h.state.session_lost
+            return
+        # Held: no load is reported until the grace has passed.
+        assert self.h.reported == reported
+        assert not self.h.state.phase.terminal
+        until = self.h.now + grace
+        assert all(load.ack_deadline == until for load in self.h.state.loads.values())
 
     @invariant()
     def replay_equals_live_state(self) -> None:

@@ -63,6 +63,7 @@ from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import block_bytes, preload_keys
 from p2pactor.runtime.session import SessionCloseResult
+from p2pactor.runtime.session_host import SessionState
 from p2pactor.runtime.transport import WriteDone
 from p2pactor.surface.replay import replay
 
@@ -341,6 +342,10 @@ class GatedWrites:
 
     def expect_writes(self, delta: int) -> None:
         self.inner.expect_writes(delta)
+
+    @property
+    def late_write_window(self) -> float:
+        return self.inner.late_write_window
 
 
 @attrs.define
@@ -1055,9 +1060,23 @@ async def _command(node: Node, cache: EmbeddedCache, block_len: int, cmd: dict[s
                 await trio.sleep(0.0005)
             _say(id=ident, event="landing")
 
+        async def announce_session_lost() -> None:
+            # Dead once it is no longer READY: it drains (CLOSING) while loads are held.
+            def ready() -> bool:
+                return any(
+                    s.peer_id == cmd["peer"] and s.state is SessionState.READY
+                    for s in node.sessions()
+                )
+
+            while ready():  # noqa: ASYNC110 -- the node's own state
+                await trio.sleep(0.01)
+            _say(id=ident, event="session_lost")
+
         async with trio.open_nursery() as watch:
             if cmd.get("announce_landing"):
                 watch.start_soon(announce_landing)
+            if cmd.get("announce_session_lost"):
+                watch.start_soon(announce_session_lost)
             result = await node.fetch(cmd["peer"], cmd["req"], keys, blocks)
             watch.cancel_scope.cancel()
 

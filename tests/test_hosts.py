@@ -299,9 +299,13 @@ async def big_transfer_pair(
 
 
 async def cut_while_landing(
-    producer: Serve, consumer: ConsumerProcess, h2: Host
+    producer: Serve, consumer: ConsumerProcess, h2: Host, *, back: str = "after the failure"
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Fetch every block; pull h2's cable once bytes arrive; plug it back once the load failed.
+    """Fetch every block; pull h2's cable once bytes arrive; plug it back in.
+
+    ``back``: the link comes back "after the failure" (once the load failed)
+    or "while held" (once the consumer's session died, while it still holds
+    the load's blocks for a late write).
 
     Returns the consumer's "failed" and "done" replies: between the two it
     holds the failed blocks as the engine would after reusing them (a
@@ -320,12 +324,16 @@ async def cut_while_landing(
         keys=hexed,
         reuse_wait=5.0,
         announce_landing=True,
+        announce_session_lost=True,
     )
     with trio.fail_after(60):
         await consumer.reply(fetch, "landing")
     h2.link(up=False)
     try:
         with trio.fail_after(Timings().load_timeout):  # within the load's deadline
+            await consumer.reply(fetch, "session_lost")
+            if back == "while held":
+                h2.link(up=True)
             failed = await consumer.reply(fetch, "failed")
     finally:
         h2.link(up=True)  # a stalled TCP stream may resume from here on
@@ -338,14 +346,17 @@ async def cut_while_landing(
 async def test_the_link_cut_mid_transfer_fails_the_load_and_the_pins_go(tmp_path: Path) -> None:
     """The consumer's load fails within its deadline; the producer's stalled write ends.
 
-    The consumer's session dies of silence in about a second. The producer's
-    write may stall until its NIXL transfer_timeout (30 s) cancels it: only then
+    The consumer's session dies of silence in about a second; it holds the
+    load's blocks for the data path's late-write window (5 s), then fails it.
+    The producer's stalled write ends when UCX drops the connection (its TCP
+    timeout, 1 s) or at the latest at NIXL's transfer_timeout (30 s): only then
     do its pins go. Then the same pair serves again, no process restarted.
     """
     with open_hosts(2) as (h1, h2):
         async with big_transfer_pair(tmp_path, h1, h2) as (producer, consumer):
             failed, done = await cut_while_landing(producer, consumer, h2)
             assert "session lost" in failed["reason"], failed
+            assert "held until no write could land" in failed["reason"], failed
             assert done["success"] is False
             with trio.fail_after(90):  # transfer_timeout (30 s) cancels a stalled write
                 while (await trio.to_thread.run_sync(status_on, h2, 9100))["pins_by_peer"]:  # noqa: ASYNC110 -- another process's state
@@ -356,16 +367,20 @@ async def test_the_link_cut_mid_transfer_fails_the_load_and_the_pins_go(tmp_path
             assert_no_pins_left(await stop(producer))
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known hazard (docs/reliability.md): after a link flap, the producer's stalled "
-    "UCX TCP PUT can resume and land in blocks the consumer already gave back; the consumer "
-    "fails the load on session loss without a way to stop incoming data",
-)
-async def test_the_link_cut_mid_transfer_lands_nothing_in_reused_blocks(tmp_path: Path) -> None:
+@pytest.mark.parametrize("back", ["after the failure", "while held"])
+async def test_the_link_cut_mid_transfer_lands_nothing_in_reused_blocks(
+    tmp_path: Path, back: str
+) -> None:
+    """No byte of the cut write lands once the engine has the blocks back.
+
+    The link comes back after the load failed (the stalled write could resume
+    into reused blocks: UCX dropped its connections first), or while the
+    consumer still held the blocks (whatever resumes lands in the hold).
+    """
     with open_hosts(2) as (h1, h2):
         async with big_transfer_pair(tmp_path, h1, h2) as (producer, consumer):
-            _, done = await cut_while_landing(producer, consumer, h2)
+            failed, done = await cut_while_landing(producer, consumer, h2, back=back)
+            assert "held until no write could land" in failed["reason"], failed
             assert done["intact"] is True, "bytes landed in blocks the engine had reused"
 
 

@@ -748,6 +748,10 @@ class DataPlaneElsewhere:
     def expect_writes(self, delta: int) -> None:
         self.local.expect_writes(delta)
 
+    @property
+    def late_write_window(self) -> float:
+        return self.local.late_write_window
+
 
 async def test_a_fetch_whose_destination_process_dies_mid_write_fails_with_a_reason() -> None:
     """The node-level view of a peer gone mid-transfer: a failed fetch, with a reason.
@@ -904,3 +908,48 @@ async def test_nixls_progress_thread_sleeps_while_idle_and_the_pump_never_polls(
             assert a.statistics().progress_polls == 0
             # A spinning thread takes about 1 s of CPU a second (NIXL's own default).
             assert used < 0.3, f"{used:.2f} s of CPU in 1 s idle"
+
+
+def test_the_tcp_timeout_bounds_how_long_a_silent_peers_write_may_land() -> None:
+    options = NixlOptions(tcp_timeout=1.0)
+    assert options.ucx_environment() == {
+        "UCX_TCP_USER_TIMEOUT": "1000ms",
+        "UCX_TCP_KEEPIDLE": "1s",
+        "UCX_TCP_KEEPINTVL": "1s",
+    }
+    assert options.late_write_window == 5.0
+    assert NixlOptions(tcp_timeout=6.0).ucx_environment()["UCX_TCP_KEEPIDLE"] == "3s"
+    unbounded = NixlOptions(tcp_timeout=None)
+    assert (unbounded.ucx_environment(), unbounded.late_write_window) == ({}, 0.0)
+    with pytest.raises(ConfigError):
+        NixlOptions(tcp_timeout=0.0)
+
+
+async def test_a_transport_sets_the_ucx_tcp_variables_the_environment_leaves_unset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for variable in NixlOptions().ucx_environment():
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("UCX_TCP_KEEPIDLE", "7s")  # the operator's own choice stays
+    with trio.fail_after(20):
+        async with open_nixl_transport(pattern(1), BL, name="env") as a:
+            assert a.late_write_window == 5.0
+    assert os.environ["UCX_TCP_USER_TIMEOUT"] == "1000ms"
+    assert os.environ["UCX_TCP_KEEPINTVL"] == "1s"
+    assert os.environ["UCX_TCP_KEEPIDLE"] == "7s"
+
+
+@pytest.mark.parametrize(
+    ("in_effect", "window"), [("2s", 9.0), ("2500ms", 11.0), ("3", 13.0), ("inf", 5.0)]
+)
+async def test_the_late_write_window_follows_the_ucx_timeout_in_effect(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, in_effect: str, window: float
+) -> None:
+    """UCX reads the process environment: an operator's timeout, not ours, sets the window."""
+    monkeypatch.setenv("UCX_TCP_USER_TIMEOUT", in_effect)
+    with trio.fail_after(20):
+        async with open_nixl_transport(pattern(1), BL, name="env") as a:
+            assert a.late_write_window == window
+    assert os.environ["UCX_TCP_USER_TIMEOUT"] == in_effect
+    bounded = "bounds nothing" not in caplog.text
+    assert bounded == (in_effect != "inf"), caplog.text

@@ -129,6 +129,28 @@ class TestDeadPeers:
             assert await pull("a", cluster, "c", "rc", [key(2)]) == 1
             assert a.cache.read(key(2)) == block_bytes(key(2))
 
+    @pytest.mark.parametrize("drain_timeout", [30.0, 1.0])
+    async def test_a_dead_producers_loads_fail_only_once_its_late_writes_cannot_land(
+        self, autojump_clock: trio.abc.Clock, drain_timeout: float
+    ) -> None:
+        """Also with a drain shorter than the hold (vLLM's adapter drains 3 s): it outlasts it."""
+        async with open_cluster("a", "b", drain_timeout=drain_timeout) as cluster:
+            a, b = cluster["a"], cluster["b"]
+            cluster.plane.late_write_window = 5.0
+            b.store(key(1))
+            assert await a.node.lookup(b.id, "rb", [key(1)]) == [HIT]
+            cluster.plane.hold_writes()
+            a.node.submit_load(b.id, "rb", 11, [key(1)], a.cache.allocate(1))
+            await trio.sleep(1)
+            cluster.network.kill(b.id)
+            killed = trio.current_time()
+            (result,) = await wait_results(a.node, 1)
+            held = trio.current_time() - killed
+            assert not result.success
+            assert "held until no write could land" in result.reason
+            assert 5.0 <= held < 6.0, held  # the engine got the blocks back only then
+            cluster.plane.release_writes()
+
     async def test_a_restarted_peer_gets_a_fresh_session(
         self, autojump_clock: trio.abc.Clock
     ) -> None:

@@ -113,6 +113,25 @@ def test_newer_version_is_refused_not_guessed(fmt: Format) -> None:
 
 
 @pytest.mark.parametrize("fmt", formats)
+def test_an_older_version_still_read_takes_the_defaults_of_fields_added_since(
+    fmt: Format,
+) -> None:
+    """SessionLost 2 added loads_held_until: a version 1 record is read, without a hold."""
+    enc = msgspec.msgpack if fmt == "msgpack" else msgspec.json
+    lost = ev.SessionLost(actor=sample().actor, seq=3, at=1.5, reason="gone", loads_held_until=9.0)
+    body = msgspec.json.decode(encode_event(lost, "json"))["event"]
+    del body["loads_held_until"]
+    old = decode_event(enc.encode({"kind": "SessionLost", "v": 1, "event": body}), fmt)
+    assert old == attrs.evolve(lost, loads_held_until=None)
+    for unknown in (0, 3):
+        data = enc.encode({"kind": "SessionLost", "v": unknown, "event": body})
+        with pytest.raises(
+            EventFormatError, match=f"SessionLost version {unknown} is not readable"
+        ):
+            decode_event(data, fmt)
+
+
+@pytest.mark.parametrize("fmt", formats)
 def test_mistyped_field_is_refused(fmt: Format) -> None:
     enc = msgspec.msgpack if fmt == "msgpack" else msgspec.json
     body = msgspec.json.decode(encode_event(sample(), "json"))["event"]
@@ -208,7 +227,7 @@ GOLDEN: dict[str, tuple[int, str, str]] = {
     "Registered": (1, "150a02084bc91732", "4536a0fdcc39f1c7"),
     "Rejected": (1, "ac5aaafb0bc9cb21", "ecc44ad6145e26aa"),
     "RoundClosed": (1, "5ab24e2791096aad", "827a6a07f86e531e"),
-    "SessionLost": (1, "be6dd444e2f3fd20", "f3edac5c6a6fb61f"),
+    "SessionLost": (2, "f19b7968f83b3361", "66d3e95846476d04"),
     "StoreAdded": (1, "a1b214587f05d359", "d415f519e41f3484"),
     "TransferCompleted": (1, "92741dda31b76f50", "cc4aec0b9ec5b97a"),
     "TransferDone": (1, "a865d07221dc828a", "dfb82394be80cc9a"),

@@ -96,7 +96,7 @@ def step_consumer(
         case inp.Tick():
             _tick(b, timings)
         case inp.SessionEnded():
-            _session_ended(b, event_input.reason)
+            _session_ended(b, event_input)
         case wire.LookupResp():
             _on_lookup_resp(b, event_input, timings)
         case wire.TransferDone():
@@ -147,7 +147,7 @@ def _on_lookup_resp(
     b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.LookupResp, t: Timings
 ) -> None:
     s = b.state
-    if s.finishing or s.lookup_failed:
+    if s.finishing or s.lookup_failed or s.session_lost:
         b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="the request no longer looks up"))
         return
     if msg.round_seq is not None and msg.round_seq != s.round_seq:
@@ -189,6 +189,8 @@ def _submit_load(
 
     if s.finishing:
         skip("the request already finished")
+    elif s.session_lost:
+        skip("the session to the peer is gone; look the keys up again")
     elif len(load.keys) != len(load.block_indexes):
         skip(
             f"{len(load.keys)} keys but {len(load.block_indexes)} block indexes; "
@@ -228,7 +230,7 @@ def _on_transfer_done(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.Tra
 
 def _on_abort_ack(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.AbortAck) -> None:
     load = b.state.loads.get(msg.round_seq)
-    if load is None or not load.aborting:
+    if load is None or not load.aborting or load.held:
         # An unsolicited ack must not release blocks a write may still reach.
         reason = f"no abort of round {msg.round_seq} is waiting for an ack"
         b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
@@ -252,7 +254,7 @@ def _finish(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
                     ack_deadline=b.now + t.abort_ack_timeout,
                 )
             )
-    if b.state.lookup_open:
+    if b.state.lookup_open and not b.state.session_lost:
         b.emit(ev.LookupCancelled(**b.head, round_seq=b.state.round_seq))
     _maybe_finished(b)
 
@@ -262,7 +264,7 @@ def _tick(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
     for round_seq, load in sorted(b.state.loads.items()):
         if load.ack_deadline is not None:
             if now >= load.ack_deadline:
-                reason = f"no abort_ack within {t.abort_ack_timeout:g} s"
+                reason = load.held or f"no abort_ack within {t.abort_ack_timeout:g} s"
                 b.emit(ev.Aborted(**b.head, round_seq=round_seq, job_id=load.job_id, reason=reason))
         elif now >= load.deadline:
             b.emit(
@@ -280,7 +282,15 @@ def _tick(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
     _maybe_finished(b)
 
 
-def _session_ended(b: Builder[ConsumerState, ev.ConsumerEvent], reason: str) -> None:
+def _session_ended(b: Builder[ConsumerState, ev.ConsumerEvent], ended: inp.SessionEnded) -> None:
+    if b.state.session_lost:
+        return  # its loads are held: the session ended once already
+    reason = ended.reason
+    if b.state.loads and ended.write_grace > 0:
+        # A failed load gives its blocks back to the engine at once; a write
+        # still on the wire would land in whatever the engine put there.
+        b.emit(ev.SessionLost(**b.head, reason=reason, loads_held_until=b.now + ended.write_grace))
+        return  # the loads fail at the deadline (_tick), then the request ends
     waiting = bool(b.state.waiting_keys())
     b.emit(ev.SessionLost(**b.head, reason=reason))
     for round_seq, load in sorted(b.state.loads.items()):
@@ -299,7 +309,7 @@ def _session_ended(b: Builder[ConsumerState, ev.ConsumerEvent], reason: str) -> 
 
 def _maybe_finished(b: Builder[ConsumerState, ev.ConsumerEvent]) -> None:
     s = b.state
-    if s.finishing and not s.loads:
+    if (s.finishing or s.session_lost) and not s.loads:
         reason = s.problem if s.problem else "finished"
         b.emit(ev.Finished(**b.head, phase=s.outcome, reason=reason))
 
@@ -323,7 +333,7 @@ def probe_answers(state: ConsumerState, keys: Sequence[bytes]) -> list[inp.Looku
     The request-wide checks are made once, not once per key: an engine asks
     about hundreds of keys at a time, after every step of the request.
     """
-    if state.phase.terminal or state.finishing or state.lookup_failed:
+    if state.phase.terminal or state.finishing or state.lookup_failed or state.session_lost:
         return [inp.LookupResult.MISS] * len(keys)
     probes = state.probes
     answer = _ANSWER.__getitem__
@@ -344,7 +354,7 @@ def probe_answer(state: ConsumerState, key: bytes) -> inp.LookupResult:
     first). Once the request has finished, failed its lookup or lost its
     session, every key is a MISS: the engine computes it locally.
     """
-    if state.phase.terminal or state.finishing or state.lookup_failed:
+    if state.phase.terminal or state.finishing or state.lookup_failed or state.session_lost:
         return inp.LookupResult.MISS
     answer = state.probes.get(key)
     if answer is None:

@@ -50,16 +50,20 @@ class Load:
     Attributes:
         job_id: The engine's load job.
         deadline: When it is aborted if the peer has not answered.
-        ack_deadline: Set once an abort went out: when the load fails anyway.
+        ack_deadline: Set once an abort went out, or the session was lost
+            with the load held: when the load fails anyway.
+        held: Why it fails at ``ack_deadline``, when no abort went out: the
+            session was lost and its blocks are held for a late write.
     """
 
     job_id: int
     deadline: float
     ack_deadline: float | None = None
+    held: str = ""
 
     @property
     def aborting(self) -> bool:
-        """Whether an abort for this load went out."""
+        """Whether the load is only waiting to end: an abort went out, or it is held."""
         return self.ack_deadline is not None
 
 
@@ -251,6 +255,11 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
                 problem=problem,
             )
         case ev.SessionLost():
-            return replace(s, seq=seq, session_lost=True, lookup_deadline=None)
+            until = event.loads_held_until
+            if until is None or not s.loads:
+                return replace(s, seq=seq, session_lost=True, lookup_deadline=None)
+            why = f"session lost: {event.reason}; its blocks were held until no write could land"
+            loads = {r: replace(load, ack_deadline=until, held=why) for r, load in s.loads.items()}
+            return replace(s, seq=seq, session_lost=True, lookup_deadline=None, loads=loads)
         case _:
             assert_never(event)

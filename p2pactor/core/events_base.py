@@ -114,7 +114,10 @@ class Event:
     KIND: ClassVar[str]
     """The type's name, as logs spell it: set on each subclass from its name."""
     VERSION: ClassVar[int] = 1
-    """The schema version of the type's fields; a reader refuses any other."""
+    """The schema version of the type's fields, as written."""
+    READS_SINCE: ClassVar[int] = 1
+    """The oldest version still read: fields added since have defaults, which
+    its records take. A reader refuses any other version."""
 
     actor: ActorId
     seq: int
@@ -179,9 +182,16 @@ class SessionLost(Event):
 
     Attributes:
         reason: Why the session ended.
+        loads_held_until: Consumer only: when the loads still in flight fail.
+            Until then their blocks stay the load's, not the engine's: the
+            peer's write into them may still be on the wire (a link that
+            comes back resumes it). None: they failed with the session.
     """
 
+    VERSION: ClassVar[int] = 2  # 2 added loads_held_until
+
     reason: str
+    loads_held_until: float | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -116,9 +116,17 @@ class Tick:
 
 @attrs.frozen
 class SessionEnded:
-    """The control session to the peer is gone; nothing can be sent any more."""
+    """The control session to the peer is gone; nothing can be sent any more.
+
+    Attributes:
+        reason: Why.
+        write_grace: How long a write of the peer's into our pool may still
+            land (the data path's own bound, once the peer is silent); a
+            consumer keeps the blocks of its loads in flight that long.
+    """
 
     reason: str
+    write_grace: float = 0.0
 
 
 @attrs.frozen

@@ -59,10 +59,11 @@ def decode_event(data: bytes, fmt: Format = "msgpack") -> AnyEvent:
         raise EventFormatError(
             f"unknown event kind {envelope.kind[:64]!r}; was the log written by a newer p2pactor?"
         )
-    if envelope.v != cls.VERSION:
+    if not cls.READS_SINCE <= envelope.v <= cls.VERSION:
+        since = "" if cls.READS_SINCE == cls.VERSION else f"{cls.READS_SINCE} to "
         raise EventFormatError(
             f"{envelope.kind} version {envelope.v} is not readable here (this p2pactor reads "
-            f"version {cls.VERSION}); replay the log with the p2pactor that wrote it"
+            f"version {since}{cls.VERSION}); replay the log with the p2pactor that wrote it"
         )
     try:
         decoders = _MSGPACK_EVENTS if fmt == "msgpack" else _JSON_EVENTS

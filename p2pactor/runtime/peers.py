@@ -235,6 +235,6 @@ class PeerRegistry:
         self.shutting_down = True
         sessions = [*self._sessions.values(), *self._closing]
         for session in sessions:
-            session.close(reason)
+            session.close(reason, node_closing=True)
         for session in sessions:
             await session.wait_closed()

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import partial
@@ -45,6 +44,7 @@ from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerState, pin_expired
 from p2pactor.errors import ProtocolError, UnknownMessageType
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
+from p2pactor.runtime.expiry_log import ExpiryWarnings
 from p2pactor.runtime.handshake import EXTENSION, ControlLink
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.session_host import SessionCloseResult, SessionHost, SessionState
@@ -55,7 +55,6 @@ __all__ = ["EXTENSION", "PeerSession", "SessionCloseResult", "SessionHost", "Ses
 log = logging.getLogger("p2pactor.session")
 
 _RETIRED_MEMORY = 4096
-_EXPIRY_LOG_INTERVAL_S = 10.0  # pins expired: at most one WARNING per session this often
 _ENDED_PER_TURN = 32  # actors told their session ended before the drain lets others run
 _TO_PRODUCER: Final = (wire.Lookup, wire.Fetch, wire.AbortFetch)
 _TO_CONSUMER: Final = (wire.LookupResp, wire.TransferDone, wire.AbortAck)
@@ -98,12 +97,12 @@ class PeerSession(ControlLink):
         self._consumers: dict[str, RequestActor] = {}
         self._producers: dict[str, RequestActor] = {}
         self._live = 0  # actors spawned and not retired (the drain waits for 0)
-        self._expiry_logged_at = -math.inf
-        self._expiries_unlogged = 0
+        self._expiries = ExpiryWarnings()
         # Recently ended ids, so that a reused kv_request_id gets a new
         # incarnation; bounded, and replay copes when an old one is forgotten.
         self._retired: OrderedDict[tuple[Role, str], int] = OrderedDict()
         self._closing = False
+        self._node_closing = False
         self._quiet = trio.Event()  # closing, and every actor has ended
         self._closed = trio.Event()
         self._dispatch_errors = 0
@@ -163,8 +162,14 @@ class PeerSession(ControlLink):
         """Every actor of this session that has not ended."""
         return [a for a in (*self._consumers.values(), *self._producers.values()) if not a.done]
 
-    def close(self, reason: str) -> None:
-        """Close the session: tell the peer, end every actor, drain. Idempotent."""
+    def close(self, reason: str, *, node_closing: bool = False) -> None:
+        """Close the session: tell the peer, end every actor, drain. Idempotent.
+
+        ``node_closing``: our node is shutting down. Its loads then fail at
+        once, without the ``late_write_window`` hold: the pool goes with the
+        node's NIXL agent, whose connections close with it.
+        """
+        self._node_closing = self._node_closing or node_closing
         self._die(reason, disconnect=True)
 
     async def wait_closed(self) -> SessionCloseResult:
@@ -342,31 +347,13 @@ class PeerSession(ControlLink):
             if not producer:
                 loads += _LOADS.get(type(event), 0)
             elif type(event) is ev.PinReleased and pin_expired(event):
-                self._pin_expired(actor, event)
+                kv_request_id = actor.id.kv_request_id
+                extra = self._request_extra(kv_request_id)
+                self._expiries.pin_expired(self.peer_id, kv_request_id, event, extra)
             for effect in fx.effects_of(event):
                 self._perform(actor, effect)
         if loads:
             host.data.expect_writes(loads)
-
-    def _pin_expired(self, actor: RequestActor, event: ev.PinReleased) -> None:
-        """Say at WARNING that a peer never fetched what its lookup pinned (a line per 10 s)."""
-        now = event.at
-        if now < self._expiry_logged_at + _EXPIRY_LOG_INTERVAL_S:
-            self._expiries_unlogged += 1
-            return
-        more, self._expiries_unlogged = self._expiries_unlogged, 0
-        self._expiry_logged_at = now
-        log.warning(
-            "%s never fetched the blocks its lookup for %s pinned: released pin %d (%s)%s; "
-            "a peer that looks up and does not fetch holds blocks for nothing (check that it "
-            "runs p2pactor or vLLM's tier, and that its fetches reach this node)",
-            self.peer_id,
-            actor.id.kv_request_id,
-            event.job_id,
-            event.reason,
-            f"; {more} more such releases since the last line" if more else "",
-            extra=self._request_extra(actor.id.kv_request_id),
-        )
 
     def _perform(self, actor: RequestActor, effect: fx.Effect) -> None:
         host = self._host
@@ -453,7 +440,10 @@ class PeerSession(ControlLink):
         )
         await self._hang_up()
         self._closing = True
-        ended = inp.SessionEnded(reason)
+        # A load's blocks go back to the engine when it fails; a peer's write
+        # still on the wire must not land in them after that.
+        grace = 0.0 if self._node_closing else self._host.data.late_write_window
+        ended = inp.SessionEnded(reason, write_grace=grace)
         for i, actor in enumerate(self.live_actors(), start=1):
             self._runner.deliver(actor, ended)
             if i % _ENDED_PER_TURN == 0:
@@ -461,7 +451,9 @@ class PeerSession(ControlLink):
                 # every other session while they wind down.
                 await trio.lowlevel.checkpoint()
         if self._live:
-            with trio.move_on_after(self._config.drain_timeout):
+            # Held loads end on their own deadline: the drain outlasts it.
+            held = grace + 1.0 if self._failed_loads and grace > 0 else 0.0
+            with trio.move_on_after(max(self._config.drain_timeout, held)):
                 await self._quiet.wait()
 
     async def _finish(self) -> None:
@@ -475,6 +467,9 @@ class PeerSession(ControlLink):
                 state = actor.state
                 if isinstance(state, ConsumerState):
                     abandoned_loads += len(state.loads)
+                    for load in state.loads.values():  # the engine must hear of each
+                        why = f"session lost: {reason}; the drain gave up on the load"
+                        self._host.report_load(load.job_id, success=False, reason=why)
                 actor.abandon()
         if abandoned_loads:
             self._host.data.expect_writes(-abandoned_loads)

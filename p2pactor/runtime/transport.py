@@ -162,6 +162,17 @@ class DataTransport(Protocol):
         """Bytes per block."""
         ...
 
+    @property
+    def late_write_window(self) -> float:
+        """How long after a peer went silent its write into our pool may still land.
+
+        The data path's own bound (seconds): bytes already on the network,
+        or a stalled write a link that comes back resumes. A consumer keeps
+        the blocks of a load whose session was lost for this long before the
+        engine may reuse them. 0: nothing lands once the session is gone.
+        """
+        ...
+
     async def add_peer(
         self,
         peer_id: str,
@@ -202,6 +213,7 @@ class DataTransport(Protocol):
         """Say that ``delta`` more (or, negative, fewer) peer writes into our pool may be running.
 
         A one-sided write may need its target's agent to make progress too; a
-        transport that polls for progress polls only while a write of its own
-        or an expected one may be running, so an idle node costs nothing.
+        transport that polls for progress (rather than waking on the data
+        path's own events) polls only while a write of its own or an expected
+        one may be running, so an idle node costs nothing.
         """

@@ -31,7 +31,9 @@ def describe(event: ev.AnyEvent) -> str:
         case ev.Rejected():
             return f"{event.input} {event.violation.value}: {event.detail}"
         case ev.SessionLost():
-            return event.reason
+            if event.loads_held_until is None:
+                return event.reason
+            return f"{event.reason}; loads held {event.loads_held_until - event.at:g} s"
         case ev.FinishRequested():
             return ""
         case ev.Opened():
