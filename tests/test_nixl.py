@@ -515,11 +515,17 @@ class PeerPool(NamedTuple):
 
 @asynccontextmanager
 async def peer_process(
-    num_blocks: int, block_len: int
+    num_blocks: int, block_len: int, progress: str = "pump"
 ) -> AsyncIterator[tuple[PeerProcess, PeerPool]]:
-    """``tests/nixl_peer.py`` running, and its pool; the process is killed on exit."""
+    """``tests/nixl_peer.py`` running, and its pool; the process is killed on exit.
+
+    ``progress`` is "pump" by default: the tests that stop the peer (SIGSTOP) to
+    hold a write in flight were measured that way. With NIXL's progress thread
+    on in the stopped peer, the first write into it completed anyway in one
+    run of three (the thread may have finished the endpoint's setup first).
+    """
     process = await trio.lowlevel.open_process(
-        [sys.executable, str(PEER_SCRIPT), str(num_blocks), str(block_len)],
+        [sys.executable, str(PEER_SCRIPT), str(num_blocks), str(block_len), progress],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )
