@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from p2pactor.adapters._nixl_options import NixlOptions
+from p2pactor.adapters._nixl_options import NixlOptions, late_write_window
 from p2pactor.errors import ConfigError, DataPlaneError
 
 if TYPE_CHECKING:
@@ -92,9 +92,9 @@ def _ucx_tcp_environment(options: NixlOptions) -> float:
         for variable, value in options.ucx_environment().items():
             os.environ.setdefault(variable, value)
         in_effect = os.environ.get("UCX_TCP_USER_TIMEOUT")
-    if options.tcp_timeout is None and in_effect is None:
-        return 0.0
-    seconds = None if in_effect is None else _ucx_seconds(in_effect)
+    if in_effect is None:
+        return 0.0  # tcp_timeout is None, and the environment sets nothing either
+    seconds = _ucx_seconds(in_effect)
     if seconds is None or seconds <= 0:
         window = options.late_write_window
         log.warning(
@@ -105,7 +105,7 @@ def _ucx_tcp_environment(options: NixlOptions) -> float:
             window,
         )
         return window
-    return attrs.evolve(options, tcp_timeout=seconds).late_write_window
+    return late_write_window(seconds)
 
 
 def _new_agent(api: ModuleType, name: str, config: object, wakeup: float | None) -> Agent:

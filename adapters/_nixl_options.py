@@ -20,6 +20,11 @@ def _positive_or_none(instance: object, attribute: attrs.Attribute[Any], value: 
         _positive(instance, attribute, value)
 
 
+def late_write_window(tcp_timeout: float | None) -> float:
+    """:attr:`NixlOptions.late_write_window` for a TCP timeout (None: no bound, 0)."""
+    return 0.0 if tcp_timeout is None else 4 * tcp_timeout + 1.0
+
+
 @attrs.frozen(kw_only=True)
 class NixlOptions:
     """How a :class:`~p2pactor.adapters.nixl.NixlDataTransport` drives its NIXL agent.
@@ -116,7 +121,7 @@ class NixlOptions:
         longer on its link is bounded only by the producer's transfer_timeout.
         0 when ``tcp_timeout`` is None: nothing bounds it.
         """
-        return 0.0 if self.tcp_timeout is None else 4 * self.tcp_timeout + 1.0
+        return late_write_window(self.tcp_timeout)
 
     def ucx_environment(self) -> dict[str, str]:
         """The UCX variables ``tcp_timeout`` sets (where the environment does not)."""

@@ -327,13 +327,18 @@ def next_consumer_deadline(state: ConsumerState) -> float | None:
     return min(times, default=None)
 
 
+def _answers_miss(state: ConsumerState) -> bool:
+    """Whether every key is a MISS now: the request ended, failed its lookup or lost its peer."""
+    return state.phase.terminal or state.finishing or state.lookup_failed or state.session_lost
+
+
 def probe_answers(state: ConsumerState, keys: Sequence[bytes]) -> list[inp.LookupResult]:
     """:func:`probe_answer` for every key of ``keys``, in order.
 
     The request-wide checks are made once, not once per key: an engine asks
     about hundreds of keys at a time, after every step of the request.
     """
-    if state.phase.terminal or state.finishing or state.lookup_failed or state.session_lost:
+    if _answers_miss(state):
         return [inp.LookupResult.MISS] * len(keys)
     probes = state.probes
     answer = _ANSWER.__getitem__
@@ -354,7 +359,7 @@ def probe_answer(state: ConsumerState, key: bytes) -> inp.LookupResult:
     first). Once the request has finished, failed its lookup or lost its
     session, every key is a MISS: the engine computes it locally.
     """
-    if state.phase.terminal or state.finishing or state.lookup_failed or state.session_lost:
+    if _answers_miss(state):
         return inp.LookupResult.MISS
     answer = state.probes.get(key)
     if answer is None:

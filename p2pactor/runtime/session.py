@@ -97,7 +97,7 @@ class PeerSession(ControlLink):
         self._consumers: dict[str, RequestActor] = {}
         self._producers: dict[str, RequestActor] = {}
         self._live = 0  # actors spawned and not retired (the drain waits for 0)
-        self._expiries = ExpiryWarnings()
+        self._expiries = ExpiryWarnings(peer_id, host.config.node_id)
         # Recently ended ids, so that a reused kv_request_id gets a new
         # incarnation; bounded, and replay copes when an old one is forgotten.
         self._retired: OrderedDict[tuple[Role, str], int] = OrderedDict()
@@ -347,9 +347,7 @@ class PeerSession(ControlLink):
             if not producer:
                 loads += _LOADS.get(type(event), 0)
             elif type(event) is ev.PinReleased and pin_expired(event):
-                kv_request_id = actor.id.kv_request_id
-                extra = self._request_extra(kv_request_id)
-                self._expiries.pin_expired(self.peer_id, kv_request_id, event, extra)
+                self._expiries.pin_expired(actor.id.kv_request_id, event)
             for effect in fx.effects_of(event):
                 self._perform(actor, effect)
         if loads:
@@ -467,8 +465,8 @@ class PeerSession(ControlLink):
                 state = actor.state
                 if isinstance(state, ConsumerState):
                     abandoned_loads += len(state.loads)
+                    why = f"session lost: {reason}; the drain gave up on the load"
                     for load in state.loads.values():  # the engine must hear of each
-                        why = f"session lost: {reason}; the drain gave up on the load"
                         self._host.report_load(load.job_id, success=False, reason=why)
                 actor.abandon()
         if abandoned_loads:
