@@ -150,7 +150,7 @@ class ConsumerHarness(Harness):
         self.feed(inp.Flush())
 
     def load(self, job_id: int, keys: Iterable[bytes], blocks: Iterable[int]) -> None:
-        self.feed(inp.SubmitLoad(job_id=job_id, keys=keys, block_indexes=blocks))
+        self.feed(inp.SubmitLoad(job_id=job_id, keys=tuple(keys), block_indexes=tuple(blocks)))
 
     def finish(self) -> None:
         self.feed(inp.Finish())

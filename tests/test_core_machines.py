@@ -24,6 +24,7 @@ import attrs
 import hypothesis.strategies as st
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from msgspec.structs import replace
 
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
@@ -41,8 +42,8 @@ from p2pactor.core.serde import decode_event, encode_event
 from tests.harness import KV, ConsumerHarness, FakeCache, ProducerHarness, key
 
 KEYS = [key(i) for i in range(6)]
-key_lists = st.lists(st.sampled_from(KEYS), min_size=0, max_size=6)
-nonempty_keys = st.lists(st.sampled_from(KEYS), min_size=1, max_size=6)
+key_lists = st.lists(st.sampled_from(KEYS), min_size=0, max_size=6).map(tuple)
+nonempty_keys = st.lists(st.sampled_from(KEYS), min_size=1, max_size=6).map(tuple)
 rounds = st.integers(min_value=0, max_value=6)
 jumps = st.sampled_from(
     [0.0, 0.001, 0.004, 0.006, 0.5, 4.999, 5.0, 9.9, 10.0, 29.9, 30.0, 31.0, 100.0]
@@ -85,7 +86,7 @@ class ConsumerMachine(RuleBasedStateMachine):
         check_serde(events)
 
     @rule(keys=key_lists)
-    def register(self, keys: list[bytes]) -> None:
+    def register(self, keys: tuple[bytes, ...]) -> None:
         self.feed(inp.Register(keys))
 
     @rule()
@@ -93,12 +94,12 @@ class ConsumerMachine(RuleBasedStateMachine):
         self.feed(inp.Flush())
 
     @rule(keys=nonempty_keys)
-    def engine_step(self, keys: list[bytes]) -> None:
+    def engine_step(self, keys: tuple[bytes, ...]) -> None:
         self.feed(inp.Register(keys))
         self.feed(inp.Flush())
 
     @rule(keys=key_lists)
-    def lookup_in_one_input(self, keys: list[bytes]) -> None:
+    def lookup_in_one_input(self, keys: tuple[bytes, ...]) -> None:
         # Node.lookup's one input is exactly a Register and then a Flush.
         state, now, timings = self.h.state, self.h.now, self.h.timings
         registered, first = step_consumer(state, inp.Register(keys), now, timings)
@@ -113,8 +114,8 @@ class ConsumerMachine(RuleBasedStateMachine):
         data=st.data(),
         stamped=st.sampled_from(["none", "current", "other"]),
     )
-    def lookup_resp(self, keys: list[bytes], data: st.DataObject, stamped: str) -> None:
-        hits = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+    def lookup_resp(self, keys: tuple[bytes, ...], data: st.DataObject, stamped: str) -> None:
+        hits = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)).map(tuple))
         round_seq = {
             "none": None,
             "current": self.h.state.round_seq,
@@ -126,8 +127,10 @@ class ConsumerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def peer_answers_waiting_keys(self, data: st.DataObject) -> None:
         waiting = list(self.h.state.waiting_keys())
-        keys = data.draw(st.lists(st.sampled_from(waiting), min_size=1, max_size=len(waiting)))
-        hits = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+        keys = data.draw(
+            st.lists(st.sampled_from(waiting), min_size=1, max_size=len(waiting)).map(tuple)
+        )
+        hits = data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)).map(tuple))
         round_seq = data.draw(st.sampled_from([None, self.h.state.round_seq]))
         self.feed(wire.LookupResp(kv_request_id=KV, keys=keys, hits=hits, round_seq=round_seq))
 
@@ -135,11 +138,11 @@ class ConsumerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def engine_loads_hits(self, data: st.DataObject) -> None:
         hits = [k for k, v in self.h.state.probes.items() if v]
-        keys = data.draw(st.lists(st.sampled_from(hits), min_size=1, max_size=len(hits)))
+        keys = data.draw(st.lists(st.sampled_from(hits), min_size=1, max_size=len(hits)).map(tuple))
         job = self.next_job
         self.next_job += 1
         self.submitted.add(job)
-        self.feed(inp.SubmitLoad(job_id=job, keys=keys, block_indexes=range(len(keys))))
+        self.feed(inp.SubmitLoad(job_id=job, keys=keys, block_indexes=tuple(range(len(keys)))))
 
     @precondition(lambda self: self.h.state.loads)
     @rule(data=st.data(), success=st.booleans())
@@ -158,9 +161,9 @@ class ConsumerMachine(RuleBasedStateMachine):
         self.feed(wire.AbortAck(kv_request_id=KV, round_seq=round_seq))
 
     @rule(keys=key_lists, data=st.data(), mismatched=st.booleans())
-    def submit_load(self, keys: list[bytes], data: st.DataObject, mismatched: bool) -> None:
+    def submit_load(self, keys: tuple[bytes, ...], data: st.DataObject, mismatched: bool) -> None:
         n = len(keys) + (1 if mismatched else 0)
-        blocks = data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n))
+        blocks = data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n).map(tuple))
         job = self.next_job
         self.next_job += 1
         if not self.h.state.phase.terminal:
@@ -279,7 +282,7 @@ class BudgetedCache(FakeCache):
             del self.pins[job]
             pin = None
         assert self.held_blocks() <= max(self.budget, 0) or pin is None
-        return attrs.evolve(answer, pin=pin, refused=refused, refusal="over the test's budget")
+        return replace(answer, pin=pin, refused=refused, refusal="over the test's budget")
 
 
 class ProducerMachine(RuleBasedStateMachine):
@@ -357,7 +360,7 @@ class ProducerMachine(RuleBasedStateMachine):
         return self.h.state.closed_through + 1
 
     @rule(keys=nonempty_keys, deadline_ms=st.none() | st.integers(0, 8000))
-    def honest_lookup(self, keys: list[bytes], deadline_ms: int | None) -> None:
+    def honest_lookup(self, keys: tuple[bytes, ...], deadline_ms: int | None) -> None:
         self.feed(
             wire.Lookup(
                 kv_request_id=KV, keys=keys, round_seq=self._next_round(), deadline_ms=deadline_ms
@@ -368,12 +371,12 @@ class ProducerMachine(RuleBasedStateMachine):
     def honest_fetch(self, data: st.DataObject) -> None:
         rnd = self.h.state.rounds.get(self._next_round())
         candidates = sorted(rnd.supply) if rnd is not None and rnd.supply else KEYS
-        keys = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=4))
+        keys = data.draw(st.lists(st.sampled_from(candidates), min_size=1, max_size=4).map(tuple))
         self.feed(
             wire.Fetch(
                 kv_request_id=KV,
                 keys=keys,
-                block_indexes=range(len(keys)),
+                block_indexes=tuple(range(len(keys))),
                 round_seq=self._next_round(),
             )
         )
@@ -394,14 +397,16 @@ class ProducerMachine(RuleBasedStateMachine):
 
     # the peer, any which way
     @rule(keys=key_lists, round_seq=rounds, deadline_ms=st.none() | st.integers(0, 8000))
-    def lookup(self, keys: list[bytes], round_seq: int, deadline_ms: int | None) -> None:
+    def lookup(self, keys: tuple[bytes, ...], round_seq: int, deadline_ms: int | None) -> None:
         self.feed(
             wire.Lookup(kv_request_id=KV, keys=keys, round_seq=round_seq, deadline_ms=deadline_ms)
         )
 
     @rule(keys=key_lists, data=st.data(), round_seq=rounds)
-    def fetch(self, keys: list[bytes], data: st.DataObject, round_seq: int) -> None:
-        blocks = data.draw(st.lists(st.integers(0, 100), min_size=len(keys), max_size=len(keys)))
+    def fetch(self, keys: tuple[bytes, ...], data: st.DataObject, round_seq: int) -> None:
+        blocks = data.draw(
+            st.lists(st.integers(0, 100), min_size=len(keys), max_size=len(keys)).map(tuple)
+        )
         self.feed(
             wire.Fetch(kv_request_id=KV, keys=keys, block_indexes=blocks, round_seq=round_seq)
         )
@@ -419,7 +424,7 @@ class ProducerMachine(RuleBasedStateMachine):
         admit=st.sampled_from([0, 0, 0, 1, 2, 7]),
     )
     def lookup_over_quota(
-        self, keys: list[bytes], round_seq: int, honest: bool, quota: ev.Quota, admit: int
+        self, keys: tuple[bytes, ...], round_seq: int, honest: bool, quota: ev.Quota, admit: int
     ) -> None:
         round_seq = self._next_round() if honest else round_seq
         msg = wire.Lookup(kv_request_id=KV, keys=keys, round_seq=round_seq)
@@ -429,10 +434,10 @@ class ProducerMachine(RuleBasedStateMachine):
     def fetch_over_quota(self, data: st.DataObject, quota: ev.Quota, honest: bool) -> None:
         rnd = self.h.state.rounds.get(self._next_round())
         candidates = sorted(rnd.supply) if rnd is not None and rnd.supply else KEYS
-        keys = data.draw(st.lists(st.sampled_from(candidates), min_size=0, max_size=4))
+        keys = data.draw(st.lists(st.sampled_from(candidates), min_size=0, max_size=4).map(tuple))
         round_seq = self._next_round() if honest else data.draw(rounds)
         msg = wire.Fetch(
-            kv_request_id=KV, keys=keys, block_indexes=range(len(keys)), round_seq=round_seq
+            kv_request_id=KV, keys=keys, block_indexes=tuple(range(len(keys))), round_seq=round_seq
         )
         self.feed(inp.OverQuota(message=msg, quota=quota, reason="over quota"))
 
@@ -443,8 +448,10 @@ class ProducerMachine(RuleBasedStateMachine):
 
     # the engine
     @rule(keys=nonempty_keys, data=st.data())
-    def store(self, keys: list[bytes], data: st.DataObject) -> None:
-        blocks = data.draw(st.lists(st.integers(0, 50), min_size=len(keys), max_size=len(keys)))
+    def store(self, keys: tuple[bytes, ...], data: st.DataObject) -> None:
+        blocks = data.draw(
+            st.lists(st.integers(0, 50), min_size=len(keys), max_size=len(keys)).map(tuple)
+        )
         job = 10_000 + self.next_store
         self.next_store += 1
         self.feed(inp.AddStore(job_id=job, keys=keys, blocks=blocks))

@@ -463,9 +463,16 @@ async def recording_proxy(
             await dst.send_eof()
 
     async def handle(client: trio.SocketStream) -> None:
-        async with client, await trio.open_tcp_stream(*target) as server, trio.open_nursery() as n:
-            n.start_soon(pump, client, server)
-            n.start_soon(pump, server, client)
+        async with client:
+            try:
+                server = await trio.open_tcp_stream(*target)
+            except OSError:
+                # The target is gone (its ROUTER closes before the dialing node's
+                # DEALER, which keeps reconnecting through us): refuse, as it would.
+                return
+            async with server, trio.open_nursery() as n:
+                n.start_soon(pump, client, server)
+                n.start_soon(pump, server, client)
 
     async with trio.open_nursery() as nursery:
         listeners = await trio.open_tcp_listeners(listen[1], host=listen[0])

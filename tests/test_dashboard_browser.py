@@ -502,6 +502,8 @@ def test_curve_demo_shows_an_authenticated_control_channel(browser: Any, tmp_pat
     try:
         url = demo.wait_for_line(URL, timeout=90).group(1).rstrip(".,;)")
         page.open(url)
+        # The badge is drawn at the next frame after the hellos: wait for it.
+        page.wait("() => window.p2pactorDashboard.securityBadge() !== null", timeout=30)
         security = page.hook("return d.security();")
         badge = page.hook("return d.securityBadge();")
         page.screenshot("dashboard-curve.png")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import attrs
 import pytest
+from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.fold import evolve, fold, initial_state
@@ -41,7 +41,7 @@ def test_a_gap_in_the_sequence_is_a_replay_error() -> None:
 
 def test_an_event_of_the_other_role_is_a_replay_error() -> None:
     with pytest.raises(ReplayError, match="KeysResolved is not a consumer event"):
-        evolve(initial_state(CONSUMER), attrs_evolve_actor(resolved(1, 0), CONSUMER))
+        evolve(initial_state(CONSUMER), with_actor(resolved(1, 0), CONSUMER))
 
 
 def test_an_event_of_another_actor_is_a_replay_error() -> None:
@@ -50,5 +50,5 @@ def test_an_event_of_another_actor_is_a_replay_error() -> None:
         evolve(initial_state(other), resolved(1, 0))
 
 
-def attrs_evolve_actor(event: ev.KeysResolved, actor: ActorId) -> ev.KeysResolved:
-    return attrs.evolve(event, actor=actor)
+def with_actor(event: ev.KeysResolved, actor: ActorId) -> ev.KeysResolved:
+    return replace(event, actor=actor)

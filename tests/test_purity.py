@@ -47,7 +47,7 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def is_allowed(module: str) -> bool:
-    if module in PURE_STDLIB or module in ALLOWED_THIRD_PARTY:
+    if module in PURE_STDLIB or module.partition(".")[0] in ALLOWED_THIRD_PARTY:
         return True
     return module in {"p2pactor.errors", "p2pactor"} or module.startswith("p2pactor.core")
 

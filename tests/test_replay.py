@@ -26,6 +26,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
@@ -334,7 +335,7 @@ def write_nodes(tmp_path: Path, scenarios: Iterable[Scenario]) -> tuple[Path, Pa
 
 def renumbered(events: Iterable[ev.AnyEvent]) -> list[ev.AnyEvent]:
     """One actor's events with seq 1, 2, 3... (after an edit that removed or added some)."""
-    return [attrs.evolve(e, seq=i) for i, e in enumerate(events, start=1)]
+    return [replace(e, seq=i) for i, e in enumerate(events, start=1)]
 
 
 def repeated_pattern(total: int, *, group: int = 16) -> Iterator[ev.AnyEvent]:
@@ -352,7 +353,7 @@ def repeated_pattern(total: int, *, group: int = 16) -> Iterator[ev.AnyEvent]:
             offset = i * 0.01
             logs.append(
                 [
-                    attrs.evolve(e, actor=attrs.evolve(e.actor, kv_request_id=kv), at=e.at + offset)
+                    replace(e, actor=replace(e.actor, kv_request_id=kv), at=e.at + offset)
                     for e in pattern
                 ]
             )
@@ -598,7 +599,7 @@ def test_a_finished_phase_that_is_not_final_is_a_violation(tmp_path: Path) -> No
     log = happy("req-x").consumers[0].log
     last = log[-1]
     assert isinstance(last, ev.Finished)
-    bad = attrs.evolve(last, phase=ConsumerPhase.PROBING)
+    bad = replace(last, phase=ConsumerPhase.PROBING)
 
     result = check_one(tmp_path, [*log[:-1], bad], NODE_A)
 

@@ -1,9 +1,9 @@
-"""The runtime's small parts on their own: the runner, the timer, the fast record copy.
+"""The runtime's small parts on their own: the runner, the timer, the frozen records.
 
 The runner steps actors to completion in arrival order (an input handed over
 during a step waits for it); the timer expires items at their deadlines, on
-trio's clock, skipping entries an item has moved on from; ``replace`` copies a
-record exactly as ``attrs.evolve`` does.
+trio's clock, skipping entries an item has moved on from; the core's records
+are frozen.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import msgspec
 import pytest
 import trio
 
@@ -19,7 +20,6 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState, Load
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ActiveLookup, PinJob, ProducerState, RoundState
-from p2pactor.core.records import replace
 from p2pactor.core.timings import DEFAULT_TIMINGS
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
 from p2pactor.runtime.timers import Timers
@@ -157,38 +157,29 @@ def test_stale_entries_are_dropped_when_they_outnumber_live_ones() -> None:
     assert len(timers) < 5000  # 20,000 arms, 10 live items
 
 
-STATES = [
+CORE_RECORDS = [
     ConsumerState.new(CONSUMER),
     Load(job_id=1, deadline=2.0),
     ProducerState.new(ActorId(Role.PRODUCER, "p:1", "req", 0)),
     ActiveLookup(lookup_id=1, round_seq=0, keys=(b"k",), deadline=5.0),
     RoundState(round_seq=3),
     PinJob(job_id=1, round_seq=0, keys=(b"k",), blocks=(1,), expires_at=9.0),
+    CONSUMER,
+    inp.Register((b"k",), flush=True),
 ]
 
 
-@pytest.mark.parametrize("record", STATES, ids=lambda r: type(r).__name__)
-def test_replace_copies_exactly_as_attrs_evolve_does(record: object) -> None:
-    fields = attrs.fields(type(record))
-    assert replace(record) == attrs.evolve(record)
-    assert replace(record) is not record
-    for field in fields[1:]:
-        value = getattr(record, field.name)
-        changed = {field.name: value}
-        assert replace(record, **changed) == attrs.evolve(record, **changed)
+@pytest.mark.parametrize("record", CORE_RECORDS, ids=lambda r: type(r).__name__)
+def test_core_records_are_frozen_and_copied_whole(record: msgspec.Struct) -> None:
+    # State is replaced, never mutated: a watcher on another thread reads it whole.
+    first = msgspec.structs.fields(record)[0].name
+    with pytest.raises(AttributeError):
+        setattr(record, first, getattr(record, first))
+    copy = msgspec.structs.replace(record)
+    assert copy == record
+    assert copy is not record
     with pytest.raises(TypeError):
-        replace(record, no_such_field=1)
-    with pytest.raises(attrs.exceptions.FrozenInstanceError):
-        replace(record).seq = 5  # type: ignore[attr-defined, misc]
-
-
-def test_replace_falls_back_to_evolve_where_a_copy_would_skip_a_converter() -> None:
-    @attrs.frozen
-    class Converted:
-        keys: tuple[bytes, ...] = attrs.field(converter=tuple)
-
-    assert replace(Converted([b"a"]), keys=[b"b"]) == Converted((b"b",))
-    assert replace(Converted([b"a"]), keys=[b"b"]).keys == (b"b",)
+        msgspec.structs.replace(record, no_such_field=1)
 
 
 def test_every_event_kind_is_either_effectful_or_a_record_only() -> None:

@@ -13,7 +13,6 @@ import hashlib
 import types
 import typing
 
-import attrs
 import hypothesis.strategies as st
 import msgspec
 import pytest
@@ -52,7 +51,7 @@ def strategy_for(hint: object) -> st.SearchStrategy[object]:
 
 def events_of(cls: type[ev.Event]) -> st.SearchStrategy[ev.Event]:
     hints = typing.get_type_hints(cls)
-    fields = {f.name: strategy_for(hints[f.name]) for f in attrs.fields(cls)}
+    fields = {name: strategy_for(hints[name]) for name in cls.__struct_fields__}
     return st.builds(cls, **fields)
 
 
@@ -122,7 +121,7 @@ def test_an_older_version_still_read_takes_the_defaults_of_fields_added_since(
     body = msgspec.json.decode(encode_event(lost, "json"))["event"]
     del body["loads_held_until"]
     old = decode_event(enc.encode({"kind": "SessionLost", "v": 1, "event": body}), fmt)
-    assert old == attrs.evolve(lost, loads_held_until=None)
+    assert old == msgspec.structs.replace(lost, loads_held_until=None)
     for unknown in (0, 3):
         data = enc.encode({"kind": "SessionLost", "v": unknown, "event": body})
         with pytest.raises(
@@ -182,8 +181,8 @@ def golden_value(hint: object, i: int, name: str) -> object:
 
 def golden_event(cls: type[ev.Event]) -> ev.AnyEvent:
     hints = typing.get_type_hints(cls)
-    fields = attrs.fields(cls)
-    values = {f.name: golden_value(hints[f.name], i, f.name) for i, f in enumerate(fields)}
+    fields = cls.__struct_fields__
+    values = {name: golden_value(hints[name], i, name) for i, name in enumerate(fields)}
     return typing.cast("ev.AnyEvent", cls(**values))
 
 
@@ -192,48 +191,48 @@ def digest(data: bytes) -> str:
 
 
 GOLDEN: dict[str, tuple[int, str, str]] = {
-    "AbortAckSent": (1, "9a9af44b8337ca93", "8d6a1df8eeaa01db"),
-    "AbortAcked": (1, "0d3a3d759b1c8829", "e57f1ce10b47dd07"),
-    "AbortReceived": (1, "4d261cddd344201f", "1070f9b58aa726ba"),
-    "AbortSent": (1, "f6f3786b9aa54094", "dcaea740745e73f1"),
-    "Aborted": (1, "f8b9584c1bf81ed4", "c493bfe5ba17e4ac"),
-    "CloseRequested": (1, "02fcae2b54ce3a95", "7b06e29bbb2f5a41"),
-    "Closed": (1, "28c05dde2c86a1d5", "23f6fbc38564d8c3"),
-    "ContextClosed": (1, "75c1e25e4e55f12b", "00ff58249a973564"),
-    "FetchReceived": (1, "ed7a9dbbb9c85b7b", "64528904319e11a8"),
-    "FetchRefused": (1, "39e6492ed19097b1", "32e40a7f7ef34b77"),
-    "FetchSent": (1, "f620efde0ab39eac", "3ece6108ee6789f9"),
-    "FetchSkipped": (1, "32b875c46616c32d", "324c1b3b663bc721"),
-    "FinishRequested": (1, "62e14b02cd861764", "18ef23565c09621d"),
-    "Finished": (1, "5f43026bbe2491d6", "59717debb7989703"),
-    "Ignored": (1, "0c0f62dffd90f341", "b0b271c1fbf938a9"),
-    "KeysPinned": (1, "a4252eb3dcec53cd", "5628ba26971aed02"),
-    "KeysRefused": (1, "15ab0815ac19ea3a", "f720460de3947820"),
-    "KeysResolved": (1, "7d296f23a96df9ab", "97f60f155078a592"),
-    "LookupAnswered": (1, "3b70893ba14fe857", "734d90cbee9cd6ca"),
-    "LookupCancelled": (1, "33a7083f6dd35712", "085f53c3f8c7fd88"),
-    "LookupDropped": (1, "0d06382c0da7f994", "fc3ef2e783dc1ff8"),
-    "LookupLimited": (1, "96f19c937bb6fc7e", "57bb5b4adb935304"),
-    "LookupReceived": (1, "e51a9605a519f397", "91c1f05c848a4754"),
-    "LookupRefused": (1, "83bae6eb297e3c89", "d78057b994c01f35"),
-    "LookupResp": (1, "61dea3cc15064f99", "d2da8862d2aec075"),
-    "LookupTimedOut": (1, "c4f20be3a6b6ffbd", "d69a63d81ed53348"),
-    "Opened": (1, "e9080d90c97f9ea7", "979c19597815385a"),
-    "ParentExpired": (1, "e858193e640cf294", "6db67e810819f92f"),
-    "PendingExpired": (1, "6b19e2557abf3aab", "07f2e9ba6c3001ec"),
-    "PendingPolled": (1, "df3f986c0f9c31cc", "ea804062dd3d7076"),
-    "PinReleased": (1, "9d2bda6083fdd121", "23b89063a538dfbc"),
-    "Probed": (1, "84ddaf4cca3706c6", "a334c23fe9c7ab16"),
-    "Registered": (1, "150a02084bc91732", "4536a0fdcc39f1c7"),
-    "Rejected": (1, "ac5aaafb0bc9cb21", "ecc44ad6145e26aa"),
-    "RoundClosed": (1, "5ab24e2791096aad", "827a6a07f86e531e"),
-    "SessionLost": (2, "f19b7968f83b3361", "66d3e95846476d04"),
-    "StoreAdded": (1, "a1b214587f05d359", "d415f519e41f3484"),
-    "TransferCompleted": (1, "92741dda31b76f50", "cc4aec0b9ec5b97a"),
-    "TransferDone": (1, "a865d07221dc828a", "dfb82394be80cc9a"),
-    "TransferDoneSent": (1, "db6bfe08f4f7d8f1", "1530cfa232669403"),
-    "TransferFailed": (1, "53d827c20706506d", "04235f955c30789e"),
-    "TransferStarted": (1, "7b5667030b35ad82", "c33e7f6bec0158bb"),
+    "AbortAckSent": (1, "fc9b3533bb226d54", "ed0bc35f1961ae85"),
+    "AbortAcked": (1, "34fe89b14b5e7525", "787e10e368b53365"),
+    "AbortReceived": (1, "67c2e7fbe8da8b40", "2c0857c7cfbf004b"),
+    "AbortSent": (1, "7822aad0a13c5781", "7998f9453c3cbb7c"),
+    "Aborted": (1, "ccca9a9071cc0328", "2ba0d34223988a3d"),
+    "CloseRequested": (1, "8abf92ecc70f4982", "c56d0f8511ba2d6a"),
+    "Closed": (1, "f60b2f9180cbc4d6", "f1409e37e2560faf"),
+    "ContextClosed": (1, "6603045bb8538d81", "a8e40af34aabdd6c"),
+    "FetchReceived": (1, "a375db8d3c92025a", "b3e2dbbcdc2adb60"),
+    "FetchRefused": (1, "344d900078046480", "ced4f1554bb725a4"),
+    "FetchSent": (1, "b4546af76ef025a6", "9b231901f080323f"),
+    "FetchSkipped": (1, "d5cb95016e847dc4", "6f97b3366de72ab7"),
+    "FinishRequested": (1, "77a18f03487c71c8", "3095f66648e3b605"),
+    "Finished": (1, "60139abcd2438d92", "3c517cfef6ce08e2"),
+    "Ignored": (1, "a4a7a9f2f9c75fb0", "23c84aa593d199e1"),
+    "KeysPinned": (1, "837f79eee6dd58b4", "391bdbde2bd68a70"),
+    "KeysRefused": (1, "d19bd82ffa56e19b", "af1d1d163aa370f4"),
+    "KeysResolved": (1, "5ae2aae1150943c5", "fa3db6b0c5b29bfd"),
+    "LookupAnswered": (1, "3d5a7c95f9ac883e", "8f4c2d8bb8dea302"),
+    "LookupCancelled": (1, "921fd34d7e4b91c2", "4201919cecb5af34"),
+    "LookupDropped": (1, "e5a9732b0887331f", "491da33283e2a596"),
+    "LookupLimited": (1, "ee08e513c52a2af5", "f7a2f86a02933a65"),
+    "LookupReceived": (1, "71f2a9a0cc8c7a13", "cd83c307a985c018"),
+    "LookupRefused": (1, "a1cabeb17e945c3f", "4958429f46fcad97"),
+    "LookupResp": (1, "ce4f989cd5b3c776", "0c63f69191270307"),
+    "LookupTimedOut": (1, "8d82d2de9010e7ce", "0cff9eea4c3e71fa"),
+    "Opened": (1, "bf38759c43b5697d", "f4565ad68745d9f0"),
+    "ParentExpired": (1, "6172fa52d8be7c4a", "d04cae28bec0b783"),
+    "PendingExpired": (1, "6ba7b9f1f0399045", "8119552bad0a9066"),
+    "PendingPolled": (1, "b756b8aa13f879f3", "159130360f1d5d13"),
+    "PinReleased": (1, "5fe6c8e991d63ffc", "83a96d6d5f0c73ff"),
+    "Probed": (1, "9dc5c906f6c03788", "f532c13f7750f1d4"),
+    "Registered": (1, "b99591c2c5d05d6c", "ae446cd9d38720d8"),
+    "Rejected": (1, "4e8adae83497aae3", "78dde93e87dd67c7"),
+    "RoundClosed": (1, "fcdc9198b074147a", "56eed7246d2aa7f2"),
+    "SessionLost": (2, "9de1e2ac371cbd02", "5ff7b74f98983bc0"),
+    "StoreAdded": (1, "d53e2eb6fb57107a", "731e4ecc8a2b9477"),
+    "TransferCompleted": (1, "acc69e61a826ce25", "57367a4904f39de5"),
+    "TransferDone": (1, "412f44a43ddda07c", "51d40b544b655913"),
+    "TransferDoneSent": (1, "77960f2158989af6", "e6a0cde567dc5039"),
+    "TransferFailed": (1, "0a11d5a3ffad5ebe", "77e7350b558d7523"),
+    "TransferStarted": (1, "cbf33ec976eb7405", "8bdc9da6062aa0a3"),
 }
 """Every kind: (VERSION, msgpack digest, JSON digest) of its golden event's envelope."""
 
@@ -267,8 +266,7 @@ def test_every_kind_is_exported() -> None:
 def test_a_second_event_type_of_the_same_name_is_refused() -> None:
     with pytest.raises(TypeError, match="two event types are named Closed"):
 
-        @attrs.frozen(kw_only=True)
-        class Closed(ev.Event):
+        class Closed(ev.Event, frozen=True, kw_only=True):
             reason: str
 
     assert ev.EVENT_TYPES["Closed"] is ev.Closed

@@ -126,7 +126,7 @@ def _register(b: Builder[ConsumerState, ev.ConsumerEvent], keys: tuple[bytes, ..
     if not _accepting_keys(b.state):
         return  # every key answers MISS now; nothing to ask
     probes = b.state.probes
-    new = [k for k in dict.fromkeys(keys) if k not in probes]
+    new = tuple(k for k in dict.fromkeys(keys) if k not in probes)
     if new:
         b.emit(ev.Registered(**b.head, keys=new))
 
@@ -172,8 +172,8 @@ def _on_lookup_resp(
         ev.LookupResp(
             **b.head,
             round_seq=msg.round_seq,
-            keys=applied.keys(),
-            hits=applied.values(),
+            keys=tuple(applied),
+            hits=tuple(applied.values()),
             lookup_deadline=deadline,
         )
     )

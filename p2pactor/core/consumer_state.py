@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final, assert_never
 
-import attrs
+import msgspec
+from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.events import ConsumerPhase, check_follows
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.records import replace
 
 __all__ = [
     "CONSUMER_PHASE_AT",
@@ -43,8 +43,7 @@ _ORDER: Final = {phase: rank for rank, phase in enumerate(ConsumerPhase)}
 _SEVERITY: Final = {ConsumerPhase.DONE: 0, ConsumerPhase.FAILED: 1, ConsumerPhase.ABORTED: 2}
 
 
-@attrs.frozen(kw_only=True)
-class Load:
+class Load(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One fetch in flight.
 
     Attributes:
@@ -67,8 +66,7 @@ class Load:
         return self.ack_deadline is not None
 
 
-@attrs.frozen(kw_only=True)
-class ConsumerState:
+class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Everything a consumer actor knows, rebuilt exactly by replaying its events.
 
     Attributes:
@@ -93,12 +91,12 @@ class ConsumerState:
     seq: int = 0
     phase: ConsumerPhase = ConsumerPhase.REGISTERED
     round_seq: int = 0
-    probes: Mapping[bytes, bool | None] = attrs.field(factory=dict)
+    probes: Mapping[bytes, bool | None] = msgspec.field(default_factory=dict)
     unsent: tuple[bytes, ...] = ()
     lookup_open: bool = False
     lookup_deadline: float | None = None
     lookup_failed: bool = False
-    loads: Mapping[int, Load] = attrs.field(factory=dict)
+    loads: Mapping[int, Load] = msgspec.field(default_factory=dict)
     finishing: bool = False
     session_lost: bool = False
     outcome: ConsumerPhase = ConsumerPhase.DONE

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
-import attrs
+import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
@@ -33,15 +33,13 @@ __all__ = [
 ]
 
 
-@attrs.frozen
-class Send:
+class Send(msgspec.Struct, frozen=True, gc=False):
     """Send ``message`` to the actor's peer."""
 
     message: wire.Message
 
 
-@attrs.frozen(kw_only=True)
-class StartTransfer:
+class StartTransfer(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Start one WRITE of our ``local_blocks`` into the peer's ``remote_blocks``.
 
     The runtime reports the end with a
@@ -54,8 +52,7 @@ class StartTransfer:
     remote_blocks: tuple[int, ...]
 
 
-@attrs.frozen(kw_only=True)
-class ParentLookup:
+class ParentLookup(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Ask the parent about ``keys`` and pin the hits, in one hold of the parent.
 
     The runtime serves it while it holds the parent handle: open the synthetic
@@ -75,8 +72,7 @@ class ParentLookup:
     not_after: float | None
 
 
-@attrs.frozen
-class ParentClose:
+class ParentClose(msgspec.Struct, frozen=True, gc=False):
     """Tell the parent the synthetic request ``context`` is finished."""
 
     context: str
@@ -86,16 +82,14 @@ ParentRequest = ParentLookup | ParentClose
 """What a producer actor may ask of the parent; served only with the handle."""
 
 
-@attrs.frozen(kw_only=True)
-class ReleasePin:
+class ReleasePin(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Release the parent job ``job_id`` (unpin its blocks). Happens once per job."""
 
     job_id: int
     success: bool
 
 
-@attrs.frozen(kw_only=True)
-class ReportLoad:
+class ReportLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Report the engine's load job ``job_id`` finished. Happens once per job."""
 
     job_id: int
@@ -103,15 +97,13 @@ class ReportLoad:
     reason: str
 
 
-@attrs.frozen
-class Disconnect:
+class Disconnect(msgspec.Struct, frozen=True, gc=False):
     """The peer broke the protocol: close the whole session."""
 
     reason: str
 
 
-@attrs.frozen
-class Retire:
+class Retire(msgspec.Struct, frozen=True, gc=False):
     """The actor reached a terminal state; its task may end."""
 
 

@@ -8,9 +8,9 @@ vocabulary from :mod:`p2pactor.core.events`.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
-import attrs
+import msgspec
 
 from p2pactor.core.ids import ActorId, IdentityEnum
 from p2pactor.errors import ReplayError
@@ -101,9 +101,12 @@ Each subclass of :class:`Event` adds itself as it is defined.
 """
 
 
-@attrs.frozen(kw_only=True)
-class Event:
-    """Base of every event.
+class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Base of every event: a frozen record (a :class:`msgspec.Struct`).
+
+    Subclasses say ``kw_only=True`` again (msgspec applies it per class, to the
+    fields each defines); ``frozen`` and ``gc=False`` are inherited: an event
+    holds no references back to anything, so the collector need not track it.
 
     Attributes:
         actor: The actor this event belongs to.
@@ -123,8 +126,8 @@ class Event:
     seq: int
     at: float
 
-    @classmethod
-    def __attrs_init_subclass__(cls) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
         kind = cls.__name__
         if kind in EVENT_TYPES:
             raise TypeError(f"two event types are named {kind}")
@@ -148,8 +151,7 @@ def check_follows(actor: ActorId, seq: int, event: Event) -> None:
 # --- shared by both roles ---------------------------------------------------------
 
 
-@attrs.frozen(kw_only=True)
-class Ignored(Event):
+class Ignored(Event, frozen=True, kw_only=True):
     """An input changed nothing, typically a late or duplicate message.
 
     Attributes:
@@ -161,8 +163,7 @@ class Ignored(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class Rejected(Event):
+class Rejected(Event, frozen=True, kw_only=True):
     """The peer broke the protocol; the session must disconnect.
 
     Attributes:
@@ -176,8 +177,7 @@ class Rejected(Event):
     detail: str
 
 
-@attrs.frozen(kw_only=True)
-class SessionLost(Event):
+class SessionLost(Event, frozen=True, kw_only=True):
     """The control session to the peer ended; nothing more will be sent to it.
 
     Attributes:
@@ -194,8 +194,7 @@ class SessionLost(Event):
     loads_held_until: float | None = None
 
 
-@attrs.frozen(kw_only=True)
-class FinishRequested(Event):
+class FinishRequested(Event, frozen=True, kw_only=True):
     """The engine finished the request.
 
     For a consumer, the request is over; for a prefill/decode producer, the

@@ -5,10 +5,7 @@ Re-exported by :mod:`p2pactor.core.events`; import them from there.
 
 from __future__ import annotations
 
-import attrs
-
 from p2pactor.core.events_base import ConsumerPhase, Event, Ints, Keys
-from p2pactor.core.protocol import bool_tuple, bytes_tuple, int_tuple
 
 __all__ = [
     "AbortAcked",
@@ -27,8 +24,7 @@ __all__ = [
 ]
 
 
-@attrs.frozen(kw_only=True)
-class Opened(Event):
+class Opened(Event, frozen=True, kw_only=True):
     """A consumer request began.
 
     Attributes:
@@ -38,19 +34,17 @@ class Opened(Event):
     round_seq: int
 
 
-@attrs.frozen(kw_only=True)
-class Registered(Event):
+class Registered(Event, frozen=True, kw_only=True):
     """The engine asked about keys the peer has not been asked about yet.
 
     Attributes:
         keys: The new keys, in the order the engine asked.
     """
 
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
 
 
-@attrs.frozen(kw_only=True)
-class Probed(Event):
+class Probed(Event, frozen=True, kw_only=True):
     """A lookup went out.
 
     Attributes:
@@ -60,12 +54,11 @@ class Probed(Event):
     """
 
     round_seq: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
     lookup_deadline: float
 
 
-@attrs.frozen(kw_only=True)
-class LookupResp(Event):
+class LookupResp(Event, frozen=True, kw_only=True):
     """A lookup answer resolved probes.
 
     Attributes:
@@ -78,24 +71,22 @@ class LookupResp(Event):
     """
 
     round_seq: int | None
-    keys: Keys = attrs.field(converter=bytes_tuple)
-    hits: tuple[bool, ...] = attrs.field(converter=bool_tuple)
+    keys: Keys
+    hits: tuple[bool, ...]
     lookup_deadline: float | None
 
 
-@attrs.frozen(kw_only=True)
-class LookupTimedOut(Event):
+class LookupTimedOut(Event, frozen=True, kw_only=True):
     """No key resolved for the progress timeout; the request's lookups fail.
 
     Attributes:
         keys: The probes still waiting; they count as TIMEOUT, answered MISS.
     """
 
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
 
 
-@attrs.frozen(kw_only=True)
-class FetchSent(Event):
+class FetchSent(Event, frozen=True, kw_only=True):
     """A fetch went out: a load of ``keys`` into our ``block_indexes``.
 
     Attributes:
@@ -109,14 +100,13 @@ class FetchSent(Event):
 
     round_seq: int
     job_id: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
-    block_indexes: Ints = attrs.field(converter=int_tuple)
+    keys: Keys
+    block_indexes: Ints
     load_deadline: float
     next_round: int
 
 
-@attrs.frozen(kw_only=True)
-class FetchSkipped(Event):
+class FetchSkipped(Event, frozen=True, kw_only=True):
     """A load was settled without asking the peer.
 
     Attributes:
@@ -130,8 +120,7 @@ class FetchSkipped(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class LookupCancelled(Event):
+class LookupCancelled(Event, frozen=True, kw_only=True):
     """The terminal empty fetch went out: the peer may drop the request.
 
     Attributes:
@@ -141,8 +130,7 @@ class LookupCancelled(Event):
     round_seq: int
 
 
-@attrs.frozen(kw_only=True)
-class TransferDone(Event):
+class TransferDone(Event, frozen=True, kw_only=True):
     """The peer reported a load finished.
 
     Attributes:
@@ -156,8 +144,7 @@ class TransferDone(Event):
     success: bool
 
 
-@attrs.frozen(kw_only=True)
-class AbortSent(Event):
+class AbortSent(Event, frozen=True, kw_only=True):
     """We asked the peer to abort a load.
 
     Attributes:
@@ -173,8 +160,7 @@ class AbortSent(Event):
     ack_deadline: float
 
 
-@attrs.frozen(kw_only=True)
-class AbortAcked(Event):
+class AbortAcked(Event, frozen=True, kw_only=True):
     """The peer confirmed no write into the load's blocks can still run.
 
     Attributes:
@@ -186,8 +172,7 @@ class AbortAcked(Event):
     job_id: int
 
 
-@attrs.frozen(kw_only=True)
-class Aborted(Event):
+class Aborted(Event, frozen=True, kw_only=True):
     """A load failed without the peer's word (no ack in time, session lost).
 
     Attributes:
@@ -201,8 +186,7 @@ class Aborted(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class Finished(Event):
+class Finished(Event, frozen=True, kw_only=True):
     """The consumer request ended. Terminal.
 
     Attributes:

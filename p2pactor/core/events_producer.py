@@ -5,10 +5,7 @@ Re-exported by :mod:`p2pactor.core.events`; import them from there.
 
 from __future__ import annotations
 
-import attrs
-
 from p2pactor.core.events_base import Event, Ints, Keys, Quota
-from p2pactor.core.protocol import bool_tuple, bytes_tuple, int_tuple
 
 __all__ = [
     "AbortAckSent",
@@ -39,8 +36,7 @@ __all__ = [
 ]
 
 
-@attrs.frozen(kw_only=True)
-class LookupReceived(Event):
+class LookupReceived(Event, frozen=True, kw_only=True):
     """A peer asked which of ``keys`` we hold.
 
     Attributes:
@@ -52,12 +48,11 @@ class LookupReceived(Event):
 
     lookup_id: int
     round_seq: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
     deadline: float
 
 
-@attrs.frozen(kw_only=True)
-class KeysResolved(Event):
+class KeysResolved(Event, frozen=True, kw_only=True):
     """The parent answered about some of a lookup's keys.
 
     Opens the lookup's synthetic parent request if it was not open yet.
@@ -71,14 +66,13 @@ class KeysResolved(Event):
     """
 
     lookup_id: int
-    hits: Keys = attrs.field(converter=bytes_tuple)
-    misses: Keys = attrs.field(converter=bytes_tuple)
-    pending: Keys = attrs.field(converter=bytes_tuple)
+    hits: Keys
+    misses: Keys
+    pending: Keys
     next_poll_at: float | None
 
 
-@attrs.frozen(kw_only=True)
-class KeysPinned(Event):
+class KeysPinned(Event, frozen=True, kw_only=True):
     """The parent pinned blocks for a lookup's hits, as one job.
 
     Attributes:
@@ -93,13 +87,12 @@ class KeysPinned(Event):
     lookup_id: int
     round_seq: int
     job_id: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
-    blocks: Ints = attrs.field(converter=int_tuple)
+    keys: Keys
+    blocks: Ints
     expires_at: float
 
 
-@attrs.frozen(kw_only=True)
-class PendingPolled(Event):
+class PendingPolled(Event, frozen=True, kw_only=True):
     """We asked the parent again about a lookup's pending keys.
 
     Attributes:
@@ -109,12 +102,11 @@ class PendingPolled(Event):
     """
 
     lookup_id: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
     not_after: float
 
 
-@attrs.frozen(kw_only=True)
-class ParentExpired(Event):
+class ParentExpired(Event, frozen=True, kw_only=True):
     """A re-poll reached the parent only after its ``not_after``: nothing was asked.
 
     Attributes:
@@ -124,8 +116,7 @@ class ParentExpired(Event):
     lookup_id: int
 
 
-@attrs.frozen(kw_only=True)
-class PendingExpired(Event):
+class PendingExpired(Event, frozen=True, kw_only=True):
     """Pending keys ran out of time; they count as TIMEOUT and answer MISS.
 
     Attributes:
@@ -134,11 +125,10 @@ class PendingExpired(Event):
     """
 
     lookup_id: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
 
 
-@attrs.frozen(kw_only=True)
-class LookupAnswered(Event):
+class LookupAnswered(Event, frozen=True, kw_only=True):
     """The one answer to a lookup went out.
 
     Attributes:
@@ -150,12 +140,11 @@ class LookupAnswered(Event):
 
     lookup_id: int
     round_seq: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
-    hits: tuple[bool, ...] = attrs.field(converter=bool_tuple)
+    keys: Keys
+    hits: tuple[bool, ...]
 
 
-@attrs.frozen(kw_only=True)
-class LookupDropped(Event):
+class LookupDropped(Event, frozen=True, kw_only=True):
     """A lookup will not be answered: the request closed first.
 
     Attributes:
@@ -167,8 +156,7 @@ class LookupDropped(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class ContextClosed(Event):
+class ContextClosed(Event, frozen=True, kw_only=True):
     """A lookup's synthetic parent request is owed its close.
 
     Attributes:
@@ -178,8 +166,7 @@ class ContextClosed(Event):
     lookup_id: int
 
 
-@attrs.frozen(kw_only=True)
-class LookupRefused(Event):
+class LookupRefused(Event, frozen=True, kw_only=True):
     """A whole lookup was refused because the peer is over a quota.
 
     It is answered at once, every key MISS; the parent is not asked and nothing
@@ -193,13 +180,12 @@ class LookupRefused(Event):
     """
 
     round_seq: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
     quota: Quota
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class LookupLimited(Event):
+class LookupLimited(Event, frozen=True, kw_only=True):
     """A lookup had more keys than the peer's quota allows: only a prefix is looked up.
 
     Like :class:`LookupReceived`, but only the first ``admitted`` keys (in wire
@@ -217,14 +203,13 @@ class LookupLimited(Event):
 
     lookup_id: int
     round_seq: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
     admitted: int
     deadline: float
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class KeysRefused(Event):
+class KeysRefused(Event, frozen=True, kw_only=True):
     """Hits of a lookup were not pinned because the peer is over a quota.
 
     The keys are answered MISS (the :class:`KeysResolved` that follows lists
@@ -238,13 +223,12 @@ class KeysRefused(Event):
     """
 
     lookup_id: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
+    keys: Keys
     quota: Quota
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class FetchRefused(Event):
+class FetchRefused(Event, frozen=True, kw_only=True):
     """A fetch was refused because the peer is over a quota; its round fails.
 
     Follows the fetch's :class:`FetchReceived`. The round then ends with a
@@ -262,8 +246,7 @@ class FetchRefused(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class StoreAdded(Event):
+class StoreAdded(Event, frozen=True, kw_only=True):
     """The engine stored blocks for a prefill/decode request (already pinned).
 
     Attributes:
@@ -274,13 +257,12 @@ class StoreAdded(Event):
     """
 
     job_id: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
-    blocks: Ints = attrs.field(converter=int_tuple)
+    keys: Keys
+    blocks: Ints
     expires_at: float
 
 
-@attrs.frozen(kw_only=True)
-class FetchReceived(Event):
+class FetchReceived(Event, frozen=True, kw_only=True):
     """The peer asked us to write ``keys`` into its ``block_indexes``.
 
     Attributes:
@@ -290,12 +272,11 @@ class FetchReceived(Event):
     """
 
     round_seq: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
-    block_indexes: Ints = attrs.field(converter=int_tuple)
+    keys: Keys
+    block_indexes: Ints
 
 
-@attrs.frozen(kw_only=True)
-class TransferStarted(Event):
+class TransferStarted(Event, frozen=True, kw_only=True):
     """One WRITE of matched blocks into the peer's pool was started.
 
     Attributes:
@@ -309,14 +290,13 @@ class TransferStarted(Event):
 
     transfer_id: int
     round_seq: int
-    keys: Keys = attrs.field(converter=bytes_tuple)
-    local_blocks: Ints = attrs.field(converter=int_tuple)
-    remote_blocks: Ints = attrs.field(converter=int_tuple)
-    job_ids: Ints = attrs.field(converter=int_tuple)
+    keys: Keys
+    local_blocks: Ints
+    remote_blocks: Ints
+    job_ids: Ints
 
 
-@attrs.frozen(kw_only=True)
-class TransferCompleted(Event):
+class TransferCompleted(Event, frozen=True, kw_only=True):
     """A WRITE finished; every byte is in the peer's blocks.
 
     Attributes:
@@ -326,8 +306,7 @@ class TransferCompleted(Event):
     transfer_id: int
 
 
-@attrs.frozen(kw_only=True)
-class TransferFailed(Event):
+class TransferFailed(Event, frozen=True, kw_only=True):
     """A WRITE failed, and no part of it is still running.
 
     Attributes:
@@ -339,8 +318,7 @@ class TransferFailed(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class TransferDoneSent(Event):
+class TransferDoneSent(Event, frozen=True, kw_only=True):
     """A round ended and the peer was told how.
 
     Attributes:
@@ -354,8 +332,7 @@ class TransferDoneSent(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class AbortReceived(Event):
+class AbortReceived(Event, frozen=True, kw_only=True):
     """The peer asked us to abort a round.
 
     Attributes:
@@ -365,8 +342,7 @@ class AbortReceived(Event):
     round_seq: int
 
 
-@attrs.frozen(kw_only=True)
-class AbortAckSent(Event):
+class AbortAckSent(Event, frozen=True, kw_only=True):
     """We confirmed an abort: no write into the peer for that round can run.
 
     Attributes:
@@ -376,8 +352,7 @@ class AbortAckSent(Event):
     round_seq: int
 
 
-@attrs.frozen(kw_only=True)
-class RoundClosed(Event):
+class RoundClosed(Event, frozen=True, kw_only=True):
     """A round ended with nothing to tell the peer.
 
     Attributes:
@@ -389,8 +364,7 @@ class RoundClosed(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class PinReleased(Event):
+class PinReleased(Event, frozen=True, kw_only=True):
     """A pin job was released; its blocks may be evicted again.
 
     Attributes:
@@ -404,8 +378,7 @@ class PinReleased(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class CloseRequested(Event):
+class CloseRequested(Event, frozen=True, kw_only=True):
     """The peer closed the whole request (the terminal empty fetch).
 
     Attributes:
@@ -417,8 +390,7 @@ class CloseRequested(Event):
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class Closed(Event):
+class Closed(Event, frozen=True, kw_only=True):
     """The producer request holds nothing any more. Terminal.
 
     Attributes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-import attrs
+import msgspec
 
 __all__ = ["ActorId", "IdentityEnum", "Role"]
 
@@ -30,8 +30,7 @@ class Role(IdentityEnum):
     """A peer's request, served from our blocks."""
 
 
-@attrs.frozen
-class ActorId:
+class ActorId(msgspec.Struct, frozen=True, gc=False, cache_hash=True):
     """The identity of one request actor.
 
     One actor exists per (peer, kv_request_id, role). A kv_request_id that a

@@ -10,9 +10,7 @@ verdicts on such messages (:class:`OverQuota`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-import attrs
+import msgspec
 
 from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota
@@ -48,14 +46,7 @@ class LookupResult(IdentityEnum):
     """Not known yet; ask again later."""
 
 
-def _results(
-    value: Iterable[tuple[bytes, LookupResult]],
-) -> tuple[tuple[bytes, LookupResult], ...]:
-    return tuple(value)
-
-
-@attrs.frozen
-class Open:
+class Open(msgspec.Struct, frozen=True, gc=False):
     """Start a consumer request at ``first_round`` (0 in vLLM's dialect).
 
     Optional: a consumer whose first input is anything else starts at round 0.
@@ -64,25 +55,22 @@ class Open:
     first_round: int = 0
 
 
-@attrs.frozen
-class Register:
+class Register(msgspec.Struct, frozen=True, gc=False):
     """The engine wants to know whether the peer holds ``keys``.
 
     With ``flush``, the lookup goes out in the same step (what a
     :class:`Flush` right after would do): one input per engine lookup.
     """
 
-    keys: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple)
+    keys: tuple[bytes, ...]
     flush: bool = False
 
 
-@attrs.frozen
-class Flush:
+class Flush(msgspec.Struct, frozen=True, gc=False):
     """The engine step ended: put newly registered keys on the wire."""
 
 
-@attrs.frozen(kw_only=True)
-class SubmitLoad:
+class SubmitLoad(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The engine wants ``keys`` written into its ``block_indexes``.
 
     Attributes:
@@ -95,13 +83,12 @@ class SubmitLoad:
     """
 
     job_id: int
-    keys: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple)
-    block_indexes: tuple[int, ...] = attrs.field(converter=wire.int_tuple)
+    keys: tuple[bytes, ...]
+    block_indexes: tuple[int, ...]
     next_round: int | None = None
 
 
-@attrs.frozen
-class Finish:
+class Finish(msgspec.Struct, frozen=True, gc=False):
     """The engine is done with the request.
 
     For a consumer: abort what is in flight and close the peer's side. For a
@@ -109,13 +96,11 @@ class Finish:
     """
 
 
-@attrs.frozen
-class Tick:
+class Tick(msgspec.Struct, frozen=True, gc=False):
     """Time passed: act on every deadline at or before ``now``."""
 
 
-@attrs.frozen
-class SessionEnded:
+class SessionEnded(msgspec.Struct, frozen=True, gc=False):
     """The control session to the peer is gone; nothing can be sent any more.
 
     Attributes:
@@ -129,8 +114,7 @@ class SessionEnded:
     write_grace: float = 0.0
 
 
-@attrs.frozen
-class Pin:
+class Pin(msgspec.Struct, frozen=True, gc=False):
     """A parent job that pins blocks: release it exactly once.
 
     Attributes:
@@ -140,12 +124,11 @@ class Pin:
     """
 
     job_id: int
-    keys: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple)
-    blocks: tuple[int, ...] = attrs.field(converter=wire.int_tuple)
+    keys: tuple[bytes, ...]
+    blocks: tuple[int, ...]
 
 
-@attrs.frozen(kw_only=True)
-class ParentAnswer:
+class ParentAnswer(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The parent served one :class:`~p2pactor.core.effects.ParentLookup`.
 
     Attributes:
@@ -161,15 +144,14 @@ class ParentAnswer:
     """
 
     lookup_id: int
-    results: tuple[tuple[bytes, LookupResult], ...] = attrs.field(converter=_results, default=())
+    results: tuple[tuple[bytes, LookupResult], ...] = ()
     pin: Pin | None = None
     expired: bool = False
-    refused: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple, default=())
+    refused: tuple[bytes, ...] = ()
     refusal: str = ""
 
 
-@attrs.frozen(kw_only=True)
-class OverQuota:
+class OverQuota(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The runtime's verdict: a peer's lookup or fetch goes over one of its quotas.
 
     The runtime counts what each peer makes the node hold, across all of the
@@ -197,8 +179,7 @@ class OverQuota:
     admit: int = 0
 
 
-@attrs.frozen(kw_only=True)
-class AddStore:
+class AddStore(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The engine stored (and pinned) blocks of a prefill/decode request.
 
     Attributes:
@@ -208,12 +189,11 @@ class AddStore:
     """
 
     job_id: int
-    keys: tuple[bytes, ...] = attrs.field(converter=wire.bytes_tuple)
-    blocks: tuple[int, ...] = attrs.field(converter=wire.int_tuple)
+    keys: tuple[bytes, ...]
+    blocks: tuple[int, ...]
 
 
-@attrs.frozen(kw_only=True)
-class TransferResult:
+class TransferResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The data plane finished a transfer, and no part of it is still running.
 
     Attributes:

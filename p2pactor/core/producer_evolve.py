@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TypeVar, assert_never
 
+from msgspec.structs import replace
+
 from p2pactor.core import events as ev
 from p2pactor.core.events import check_follows
 from p2pactor.core.producer_state import (
@@ -16,7 +18,6 @@ from p2pactor.core.producer_state import (
     Supply,
     Transfer,
 )
-from p2pactor.core.records import replace
 
 K = TypeVar("K")
 V = TypeVar("V")

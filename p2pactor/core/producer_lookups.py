@@ -145,9 +145,9 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
         ev.KeysResolved(
             **b.head,
             lookup_id=lookup.lookup_id,
-            hits=hits,
-            misses=misses,
-            pending=pending,
+            hits=tuple(hits),
+            misses=tuple(misses),
+            pending=tuple(pending),
             next_poll_at=next_poll,
         )
     )

@@ -44,10 +44,10 @@ def _start(b: _B, round_seq: int, matched: list[tuple[bytes, int, Supply]]) -> N
             **b.head,
             transfer_id=b.state.next_transfer_id,
             round_seq=round_seq,
-            keys=[key for key, _, _ in matched],
-            local_blocks=[sup.block for _, _, sup in matched],
-            remote_blocks=[remote for _, remote, _ in matched],
-            job_ids=[sup.job_id for _, _, sup in matched],
+            keys=tuple(key for key, _, _ in matched),
+            local_blocks=tuple(sup.block for _, _, sup in matched),
+            remote_blocks=tuple(remote for _, remote, _ in matched),
+            job_ids=tuple(sup.job_id for _, _, sup in matched),
         )
     )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
-import attrs
+import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core.builder import Builder
@@ -31,16 +31,14 @@ PRODUCER_PHASE_AT: Final[Mapping[type[ev.Event], ProducerPhase]] = {
 """The phase each event moves a producer to; any other event leaves it as it is."""
 
 
-@attrs.frozen
-class Supply:
+class Supply(msgspec.Struct, frozen=True, gc=False):
     """A pinned block ready to be sent: which job pins it, and where it is."""
 
     job_id: int
     block: int
 
 
-@attrs.frozen(kw_only=True)
-class ActiveLookup:
+class ActiveLookup(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A lookup not answered yet."""
 
     lookup_id: int
@@ -50,7 +48,7 @@ class ActiveLookup:
     """In wire order, duplicates included."""
     deadline: float
     """When pending keys are answered MISS."""
-    resolved: Mapping[bytes, bool] = attrs.field(factory=dict)
+    resolved: Mapping[bytes, bool] = msgspec.field(default_factory=dict)
     """Answers so far."""
     pending: frozenset[bytes] = frozenset()
     """Keys without an answer yet."""
@@ -65,15 +63,14 @@ class ActiveLookup:
     """The request closed; no answer will be sent."""
 
 
-@attrs.frozen(kw_only=True)
-class RoundState:
+class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One lookup -> fetch round of the request."""
 
     round_seq: int
     lookup_supplied: bool = False
     """Lookups pinned supply for it (a symmetric round: keys that were not
     pinned fail the fetch at once)."""
-    supply: Mapping[bytes, Supply] = attrs.field(factory=dict)
+    supply: Mapping[bytes, Supply] = msgspec.field(default_factory=dict)
     """Blocks its lookups pinned, by key."""
     fetched: bool = False
     demand: tuple[tuple[bytes, int], ...] = ()
@@ -88,8 +85,7 @@ class RoundState:
     """The peer aborted it."""
 
 
-@attrs.frozen(kw_only=True)
-class PinJob:
+class PinJob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A parent job holding pinned blocks; released exactly once."""
 
     job_id: int
@@ -111,8 +107,7 @@ class PinJob:
     """A round it served failed or was aborted."""
 
 
-@attrs.frozen(kw_only=True)
-class Transfer:
+class Transfer(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A WRITE in flight."""
 
     transfer_id: int
@@ -123,8 +118,7 @@ class Transfer:
     """How many blocks it writes."""
 
 
-@attrs.frozen(kw_only=True)
-class ProducerState:
+class ProducerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Everything a producer actor knows, rebuilt exactly by replaying its events."""
 
     actor: ActorId
@@ -133,15 +127,15 @@ class ProducerState:
     phase: ProducerPhase = ProducerPhase.OPEN
     next_lookup_id: int = 0
     next_transfer_id: int = 0
-    lookups: Mapping[int, ActiveLookup] = attrs.field(factory=dict)
+    lookups: Mapping[int, ActiveLookup] = msgspec.field(default_factory=dict)
     """Lookups not answered yet, by id."""
-    rounds: Mapping[int, RoundState] = attrs.field(factory=dict)
+    rounds: Mapping[int, RoundState] = msgspec.field(default_factory=dict)
     """Rounds in progress, by round number."""
-    jobs: Mapping[int, PinJob] = attrs.field(factory=dict)
+    jobs: Mapping[int, PinJob] = msgspec.field(default_factory=dict)
     """Pin jobs held, by job id."""
-    pool: Mapping[bytes, tuple[Supply, ...]] = attrs.field(factory=dict)
+    pool: Mapping[bytes, tuple[Supply, ...]] = msgspec.field(default_factory=dict)
     """Stored blocks of a prefill/decode request not sent yet, by key."""
-    transfers: Mapping[int, Transfer] = attrs.field(factory=dict)
+    transfers: Mapping[int, Transfer] = msgspec.field(default_factory=dict)
     """Transfers in flight, by id."""
     open_contexts: frozenset[int] = frozenset()
     """Lookups whose synthetic parent request is open."""

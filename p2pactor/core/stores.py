@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-import attrs
+import msgspec
 
 from p2pactor.core import inputs as inp
 
@@ -32,29 +32,25 @@ REAPED_MEMORY_S = 60.0
 """How long a reaped request id is remembered (vLLM keeps these 60 s too)."""
 
 
-@attrs.frozen
-class Unbound:
+class Unbound(msgspec.Struct, frozen=True, gc=False):
     """A store no fetch has bound yet: it waits in the book."""
 
 
-@attrs.frozen
-class StoreRefused:
+class StoreRefused(msgspec.Struct, frozen=True, gc=False):
     """A store that came after its request's blocks were reaped: release its pin now."""
 
     job_id: int
     reason: str
 
 
-@attrs.frozen(kw_only=True)
-class Reaped:
+class Reaped(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """A waiting store no fetch came for in time: release its pin now."""
 
     kv_request_id: str
     job_id: int
 
 
-@attrs.frozen
-class _Waiting:
+class _Waiting(msgspec.Struct, frozen=True, gc=False):
     at: float
     store: inp.AddStore
 

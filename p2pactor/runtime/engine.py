@@ -349,7 +349,7 @@ class EngineBridge:
                 dirty, self._dirty = self._dirty, set()
                 runner = node.runner
                 for actor, asked in unflushed.items():
-                    runner.deliver(actor, inp.Register(asked, flush=True))
+                    runner.deliver(actor, inp.Register(tuple(asked), flush=True))
                 for actor in dirty.difference(unflushed):
                     runner.deliver(actor, inp.Flush())
             case _Load(peer, kv_id, job_id, keys, blocks):
@@ -377,4 +377,4 @@ class EngineBridge:
         keys = self._unflushed.pop(actor, None)
         if keys:
             self._dirty.add(actor)
-            self._node.runner.deliver(actor, inp.Register(keys))
+            self._node.runner.deliver(actor, inp.Register(tuple(keys)))

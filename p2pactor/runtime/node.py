@@ -212,7 +212,7 @@ class Node(ThreadSafeAPI):
         waiter = Answers(keys)
         host.answers.setdefault(actor, []).append(waiter)
         try:
-            host.runner.deliver(actor, inp.Register(keys, flush=True))
+            host.runner.deliver(actor, inp.Register(tuple(keys), flush=True))
             host.check_answers(actor)
             await waiter.ready.wait()
         finally:

@@ -91,7 +91,7 @@ def serve_parent_request(
                 request.context,
                 extra=parent_request_context(request.context),
             )
-            misses = [(key, LookupResult.MISS) for key in request.keys]
+            misses = tuple((key, LookupResult.MISS) for key in request.keys)
             return inp.ParentAnswer(lookup_id=request.lookup_id, results=misses)
     results: list[tuple[bytes, LookupResult]] = []
     for key in request.keys:
@@ -125,9 +125,9 @@ def serve_parent_request(
             )
     return inp.ParentAnswer(
         lookup_id=request.lookup_id,
-        results=results,
+        results=tuple(results),
         pin=pin,
-        refused=refused,
+        refused=tuple(refused),
         refusal=refusal if refused else "",
     )
 

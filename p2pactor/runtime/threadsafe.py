@@ -138,7 +138,7 @@ class ThreadSafeAPI:
 
         ``job_id`` is released through the parent exactly once. Thread-safe.
         """
-        store = inp.AddStore(job_id=job_id, keys=keys, blocks=blocks)
+        store = inp.AddStore(job_id=job_id, keys=tuple(keys), blocks=tuple(blocks))
         self._bridge.store(kv_request_id, store, wake=wake)
 
     def finished_jobs(self) -> list[LoadResult]:

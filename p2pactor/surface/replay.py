@@ -31,7 +31,7 @@ import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
 
-import attrs
+from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.consumer import ConsumerState
@@ -302,13 +302,13 @@ class Replayer:
                 f"{event.seq - before.seq - 1} events missing"
             )
             # Resynchronise so that one gap is one violation, not one per event.
-            before = attrs.evolve(before, seq=event.seq - 1)
+            before = replace(before, seq=event.seq - 1)
         try:
             after = evolve(before, event)
         except Exception as exc:
             # A broken log can make evolve fail in any way; replay reports, never crashes.
             problems.append(f"evolve refused it: {type(exc).__name__}: {exc}")
-            after = attrs.evolve(before, seq=event.seq)
+            after = replace(before, seq=event.seq)
         live.state = after
         live.events += 1
         live.last_at = event.at

@@ -156,7 +156,7 @@ async def _requests(n: int, folder: str) -> dict[str, Any]:
 
 
 def _repeat(paths: Sequence[str], total: int) -> Iterator[Any]:
-    import attrs  # noqa: PLC0415
+    from msgspec.structs import replace  # noqa: PLC0415
 
     from p2pactor.runtime.log import read_log  # noqa: PLC0415
 
@@ -167,8 +167,8 @@ def _repeat(paths: Sequence[str], total: int) -> Iterator[Any]:
     cycle = 0
     while produced < total:
         for e in pattern:
-            actor = attrs.evolve(e.actor, kv_request_id=f"{e.actor.kv_request_id}/{cycle}")
-            yield attrs.evolve(e, actor=actor)
+            actor = replace(e.actor, kv_request_id=f"{e.actor.kv_request_id}/{cycle}")
+            yield replace(e, actor=actor)
             produced += 1
             if produced >= total:
                 return

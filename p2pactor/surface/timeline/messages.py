@@ -12,7 +12,6 @@ import enum
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from typing import Any, Final, Literal
 
-import attrs
 import msgspec
 
 from p2pactor.core import events as ev
@@ -46,7 +45,7 @@ _ENCODER: Final = msgspec.json.Encoder()
 # Fields every event has; they are the event object's own keys, not its data.
 _HEAD_FIELDS: Final = frozenset({"actor", "seq", "at"})
 _DATA_FIELDS: Final[dict[type[ev.Event], tuple[str, ...]]] = {
-    cls: tuple(f.name for f in attrs.fields(cls) if f.name not in _HEAD_FIELDS)
+    cls: tuple(f for f in cls.__struct_fields__ if f not in _HEAD_FIELDS)
     for cls in ev.EVENT_TYPES.values()
 }
 _SNAPSHOT_CHUNK_EVENTS: Final = 500
