@@ -41,7 +41,7 @@ def block_key(i: int) -> bytes:
 
 def main() -> None:
     """Run the walkthrough and print the timeline."""
-    keys = [block_key(i) for i in range(4)]
+    keys = tuple(block_key(i) for i in range(4))
     # The producer holds blocks 0..2 of the prefix; block 3 is still being written.
     producer_pool = bytearray(BLOCK * 8)
     cache = {keys[0]: 5, keys[1]: 6, keys[2]: 7}
@@ -88,12 +88,12 @@ def main() -> None:
                 to_consumer.append(wire.encode(message))
             case fx.ParentLookup():
                 # The embedded parent: look up, then pin every hit as one job.
-                results = [
+                results = tuple(
                     (k, inp.LookupResult.HIT if k in cache else inp.LookupResult.HIT_PENDING)
                     for k in effect.keys
-                ]
+                )
                 hits = tuple(k for k, r in results if r is inp.LookupResult.HIT)
-                pin = inp.Pin(1000 + effect.lookup_id, hits, [cache[k] for k in hits])
+                pin = inp.Pin(1000 + effect.lookup_id, hits, tuple(cache[k] for k in hits))
                 run_producer(inp.ParentAnswer(lookup_id=effect.lookup_id, results=results, pin=pin))
             case fx.StartTransfer():
                 for src, dst in zip(effect.local_blocks, effect.remote_blocks, strict=True):
@@ -124,8 +124,8 @@ def main() -> None:
     answers = [probe_answer(consumer, k).value for k in keys]
     print(f"           engine   answers {answers}")
     # Step 3: the engine loads the three hits into its blocks 0..2.
-    hits = [k for k in keys if probe_answer(consumer, k) is inp.LookupResult.HIT]
-    run_consumer(inp.SubmitLoad(job_id=1, keys=hits, block_indexes=range(len(hits))))
+    hits = tuple(k for k in keys if probe_answer(consumer, k) is inp.LookupResult.HIT)
+    run_consumer(inp.SubmitLoad(job_id=1, keys=hits, block_indexes=tuple(range(len(hits)))))
     deliver()
     run_consumer(inp.Finish())
     deliver()

@@ -218,7 +218,12 @@ class ProducerHarness(Harness):
     # messages from the peer
     def lookup(self, *keys: bytes, round_seq: int = 0, deadline_ms: int | None = None) -> None:
         self.feed(
-            wire.Lookup(kv_request_id=KV, keys=keys, round_seq=round_seq, deadline_ms=deadline_ms)
+            wire.Lookup(
+                kv_request_id=KV,
+                keys=keys,
+                round_seq=round_seq,
+                deadline_ms=wire.UNSET if deadline_ms is None else deadline_ms,
+            )
         )
 
     def fetch(self, keys: Iterable[bytes], idxs: Iterable[int], round_seq: int = 0) -> None:

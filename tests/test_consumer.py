@@ -80,7 +80,12 @@ def step(h: ConsumerHarness, *keys: bytes) -> None:
 def answer(
     keys: Iterable[bytes], hits: Iterable[bool], round_seq: int | None = None
 ) -> wire.LookupResp:
-    return wire.LookupResp(kv_request_id=KV, keys=keys, hits=hits, round_seq=round_seq)
+    return wire.LookupResp(
+        kv_request_id=KV,
+        keys=tuple(keys),
+        hits=tuple(hits),
+        round_seq=wire.UNSET if round_seq is None else round_seq,
+    )
 
 
 def done(round_seq: int, *, success: bool = True) -> wire.TransferDone:

@@ -359,8 +359,8 @@ class ProducerMachine(RuleBasedStateMachine):
     def _next_round(self) -> int:
         return self.h.state.closed_through + 1
 
-    @rule(keys=nonempty_keys, deadline_ms=st.none() | st.integers(0, 8000))
-    def honest_lookup(self, keys: tuple[bytes, ...], deadline_ms: int | None) -> None:
+    @rule(keys=nonempty_keys, deadline_ms=st.just(wire.UNSET) | st.integers(0, 8000))
+    def honest_lookup(self, keys: tuple[bytes, ...], deadline_ms: int | wire.UnsetType) -> None:
         self.feed(
             wire.Lookup(
                 kv_request_id=KV, keys=keys, round_seq=self._next_round(), deadline_ms=deadline_ms
@@ -396,8 +396,10 @@ class ProducerMachine(RuleBasedStateMachine):
         )
 
     # the peer, any which way
-    @rule(keys=key_lists, round_seq=rounds, deadline_ms=st.none() | st.integers(0, 8000))
-    def lookup(self, keys: tuple[bytes, ...], round_seq: int, deadline_ms: int | None) -> None:
+    @rule(keys=key_lists, round_seq=rounds, deadline_ms=st.just(wire.UNSET) | st.integers(0, 8000))
+    def lookup(
+        self, keys: tuple[bytes, ...], round_seq: int, deadline_ms: int | wire.UnsetType
+    ) -> None:
         self.feed(
             wire.Lookup(kv_request_id=KV, keys=keys, round_seq=round_seq, deadline_ms=deadline_ms)
         )

@@ -16,7 +16,9 @@ import math
 import time
 from typing import Any
 
+import attrs
 import msgspec
+import msgspec.inspect
 import pytest
 
 from p2pactor.core.protocol import (
@@ -33,6 +35,7 @@ from p2pactor.core.protocol import (
     MAX_NUM_BLOCKS,
     MAX_STRING_CHARS,
     MESSAGE_TYPES,
+    UNSET,
     AbortAck,
     AbortFetch,
     Connect,
@@ -140,13 +143,13 @@ PAIRS: list[tuple[Message, dict[str, Any]]] = [
     ),
     (ConnectAck(peer_id="10.0.0.2:5710"), vllm_connect_ack()),
     (Disconnect(), vllm_disconnect()),
-    (Lookup(kv_request_id="req-1", keys=[KEY_A, KEY_B], round_seq=2), vllm_lookup()),
+    (Lookup(kv_request_id="req-1", keys=(KEY_A, KEY_B), round_seq=2), vllm_lookup()),
     (
-        LookupResp(kv_request_id="req-1", keys=[KEY_A, KEY_B], hits=[True, False]),
+        LookupResp(kv_request_id="req-1", keys=(KEY_A, KEY_B), hits=(True, False)),
         vllm_lookup_resp(),
     ),
     (
-        Fetch(kv_request_id="req-1", keys=[KEY_A, KEY_B], block_indexes=[7, 300], round_seq=2),
+        Fetch(kv_request_id="req-1", keys=(KEY_A, KEY_B), block_indexes=(7, 300), round_seq=2),
         vllm_fetch(),
     ),
     (TransferDone(kv_request_id="req-1", success=True, round_seq=2), vllm_transfer_done()),
@@ -215,7 +218,7 @@ def test_empty_fetch_matches_vllm_request_finished_signal() -> None:
         "block_indexes": [],
         "round_seq": 0,
     }
-    msg = Fetch(kv_request_id="req-1", keys=[], block_indexes=[], round_seq=0)
+    msg = Fetch(kv_request_id="req-1", keys=(), block_indexes=(), round_seq=0)
     assert encode(msg) == msgspec.msgpack.encode(wire)
     assert decode(encode(msg)) == msg
 
@@ -233,9 +236,7 @@ def test_message_types_maps_every_wire_type() -> None:
 
 
 def test_sequences_are_tuples_and_messages_hashable() -> None:
-    msg = Fetch(kv_request_id="r", keys=[KEY_A], block_indexes=[1], round_seq=0)
-    assert msg.keys == (KEY_A,)
-    assert msg.block_indexes == (1,)
+    msg = Fetch(kv_request_id="r", keys=(KEY_A,), block_indexes=(1,), round_seq=0)
     decoded = decode(encode(msg))
     assert isinstance(decoded, Fetch)
     assert type(decoded.keys) is tuple
@@ -250,16 +251,16 @@ def test_sequences_are_tuples_and_messages_hashable() -> None:
 EXTENSION = ConnectExtension(version=1, features=frozenset({"round_seq", "deadline_ms"}))
 
 
-def test_extensions_absent_when_none() -> None:
+def test_extensions_absent_when_unset() -> None:
     connect = PAIRS[0][0]
     assert isinstance(connect, Connect)
-    assert connect.extension is None
+    assert connect.extension is UNSET
     assert encode(connect) == msgspec.msgpack.encode(vllm_connect())
-    assert encode(Lookup(kv_request_id="req-1", keys=[KEY_A, KEY_B], round_seq=2)) == (
+    assert encode(Lookup(kv_request_id="req-1", keys=(KEY_A, KEY_B), round_seq=2)) == (
         msgspec.msgpack.encode(vllm_lookup())
     )
     assert encode(
-        LookupResp(kv_request_id="req-1", keys=[KEY_A, KEY_B], hits=[True, False])
+        LookupResp(kv_request_id="req-1", keys=(KEY_A, KEY_B), hits=(True, False))
     ) == msgspec.msgpack.encode(vllm_lookup_resp())
 
 
@@ -285,12 +286,12 @@ def test_extensions_absent_when_none() -> None:
             id="connect_extension_round_trips_after_the_base_keys",
         ),
         pytest.param(
-            Lookup(kv_request_id="req-1", keys=[KEY_A, KEY_B], round_seq=2, deadline_ms=1500),
+            Lookup(kv_request_id="req-1", keys=(KEY_A, KEY_B), round_seq=2, deadline_ms=1500),
             {**vllm_lookup(), "deadline_ms": 1500},
             id="lookup_deadline_round_trips_after_the_base_keys",
         ),
         pytest.param(
-            LookupResp(kv_request_id="req-1", keys=[KEY_A, KEY_B], hits=[True, False], round_seq=4),
+            LookupResp(kv_request_id="req-1", keys=(KEY_A, KEY_B), hits=(True, False), round_seq=4),
             {**vllm_lookup_resp(), "round_seq": 4},
             id="lookup_resp_round_seq_round_trips_after_the_base_keys",
         ),
@@ -302,16 +303,16 @@ def test_extension_round_trips(msg: Message, wire: dict[str, Any]) -> None:
     assert decode(frame) == msg
 
 
-def test_stock_peer_messages_decode_with_extensions_none() -> None:
+def test_stock_peer_messages_decode_with_extensions_unset() -> None:
     connect = decode(frame_of(vllm_connect()))
     lookup = decode(frame_of(vllm_lookup()))
     lookup_resp = decode(frame_of(vllm_lookup_resp()))
     assert isinstance(connect, Connect)
-    assert connect.extension is None
+    assert connect.extension is UNSET
     assert isinstance(lookup, Lookup)
-    assert lookup.deadline_ms is None
+    assert lookup.deadline_ms is UNSET
     assert isinstance(lookup_resp, LookupResp)
-    assert lookup_resp.round_seq is None
+    assert lookup_resp.round_seq is UNSET
 
 
 def test_unknown_keys_in_extension_map_are_ignored() -> None:
@@ -321,14 +322,11 @@ def test_unknown_keys_in_extension_map_are_ignored() -> None:
     assert msg.extension == ConnectExtension(version=9, features=frozenset({"x"}))
 
 
-def test_extension_features_from_a_list() -> None:
-    ext = ConnectExtension(version=1, features=["b", "a", "b"])
-    assert ext.features == frozenset({"a", "b"})
-
-
-def test_extension_features_reject_a_bare_string() -> None:
-    with pytest.raises(TypeError, match="not one str"):
-        ConnectExtension(version=1, features="round_seq")
+@pytest.mark.parametrize("features", [["b", "a"], "round_seq"], ids=["list", "bare_string"])
+def test_extension_features_must_be_a_frozenset(features: object) -> None:
+    # A bare str would be its letters; a decoded extension always has a frozenset.
+    with pytest.raises(TypeError, match="features must be a frozenset of str"):
+        ConnectExtension(version=1, features=features)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------
@@ -565,14 +563,14 @@ INVALID = [
         {**vllm_fetch(), "block_indexes": [7, -1]},
         "fetch",
         "block_indexes",
-        "item 1 is -1",
+        "item 1 is -1, expected at least 0",
         id="fetch_negative_index",
     ),
     invalid(
         {**vllm_fetch(), "block_indexes": [MAX_BLOCK_INDEX, MAX_BLOCK_INDEX + 1]},
         "fetch",
         "block_indexes",
-        f"item 1 is {MAX_BLOCK_INDEX + 1}, expected 0 to {MAX_BLOCK_INDEX}",
+        f"item 1 is {MAX_BLOCK_INDEX + 1}, more than the limit of {MAX_BLOCK_INDEX}",
         id="fetch_index_above_max",
     ),
     invalid(
@@ -710,6 +708,38 @@ INVALID = [
         Limits(max_list_items=1),
         id="limits_list_bound_is_configurable",
     ),
+    invalid(
+        vllm_lookup(),
+        "lookup",
+        "keys",
+        "item 0 is 36 bytes, more than the limit of 8",
+        Limits(max_key_bytes=8),
+        id="limits_key_bound_is_configurable",
+    ),
+    invalid(
+        vllm_fetch(),
+        "fetch",
+        "block_indexes",
+        "item 1 is 300, more than the limit of 100",
+        Limits(max_block_index=100),
+        id="limits_block_index_bound_is_configurable",
+    ),
+    invalid(
+        vllm_lookup(),
+        "lookup",
+        "round_seq",
+        "is 2, more than the limit of 1",
+        Limits(max_round_seq=1),
+        id="limits_round_bound_is_configurable",
+    ),
+    invalid(
+        {**vllm_connect(), "p2pactor": {"version": 1, "features": ["a", "b"]}},
+        "connect",
+        "p2pactor.features",
+        "has 2 items, more than the limit of 1",
+        Limits(max_features=1),
+        id="limits_nested_bound_is_configurable",
+    ),
 ]
 
 
@@ -718,6 +748,31 @@ def test_invalid_field(
     wire: object, message_type: str, field: str, problem: str, limits: Limits
 ) -> None:
     expect_invalid(wire, message_type=message_type, field=field, problem=problem, limits=limits)
+
+
+def test_every_bound_a_node_can_tighten_bounds_some_field() -> None:
+    # Each Limits attribute but the frame's (checked before decoding) names a
+    # field type's bound; a tightened copy of it refuses what the default takes.
+    tunable = {f.name for f in attrs.fields(Limits)} - {"max_frame_bytes"}
+    wired = {
+        info.extra["limit"]
+        for cls in MESSAGE_TYPES.values()
+        for info in _bounds(msgspec.inspect.type_info(cls))
+    }
+    assert wired == tunable
+    lookup = frame_of(vllm_lookup())
+    assert decode(lookup, limits=Limits(max_list_items=2)) == decode(lookup)
+
+
+def _bounds(info: Any) -> list[Any]:
+    """Every inspected type under ``info`` with a Meta ``extra`` (a bound a node tightens)."""
+    found = [info] if getattr(info, "extra", None) else []
+    for child in (getattr(info, "type", None), getattr(info, "item_type", None)):
+        if child is not None:
+            found += _bounds(child)
+    for field in getattr(info, "fields", ()):
+        found += _bounds(field.type)
+    return found
 
 
 def test_connect_valid() -> None:
@@ -845,6 +900,11 @@ def test_rejected_frame(frame: bytes, error: type[Exception], match: str | None)
             {"max_frame_bytes": 0}, "max_frame_bytes", id="limits_reject_zero_frame_bound"
         ),
         pytest.param({"max_key_bytes": True}, "max_key_bytes is bool", id="limits_reject_non_int"),
+        pytest.param(
+            {"max_list_items": MAX_LIST_ITEMS + 1},
+            f"max_list_items is {MAX_LIST_ITEMS + 1}, above the protocol's own bound",
+            id="limits_reject_a_bound_above_the_protocols",
+        ),
     ],
 )
 def test_limits_reject(kwargs: dict[str, Any], match: str) -> None:

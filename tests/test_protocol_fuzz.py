@@ -29,6 +29,7 @@ from p2pactor.core.protocol import (
     MAX_NUM_BLOCKS,
     MAX_ROUND_SEQ,
     MESSAGE_TYPES,
+    UNSET,
     AbortAck,
     AbortFetch,
     Connect,
@@ -91,7 +92,7 @@ def connects(draw: st.DrawFn) -> Connect:
     block_len = draw(st.integers(min_value=1, max_value=MAX_BLOCK_LEN))
     base_addr = draw(st.integers(min_value=0, max_value=MAX_ADDRESS - num_blocks * block_len))
     extension = draw(
-        st.none()
+        st.just(UNSET)
         | st.builds(
             ConnectExtension,
             version=st.integers(min_value=0, max_value=MAX_EXTENSION_VERSION),
@@ -112,25 +113,25 @@ def connects(draw: st.DrawFn) -> Connect:
 
 @st.composite
 def lookup_resps(draw: st.DrawFn) -> LookupResp:
-    keys = draw(st.lists(offload_keys, max_size=16))
-    hits = draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)))
+    keys = draw(st.lists(offload_keys, max_size=16).map(tuple))
+    hits = draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys)).map(tuple))
     return LookupResp(
         kv_request_id=draw(ids),
         keys=keys,
         hits=hits,
-        round_seq=draw(st.none() | round_seqs),
+        round_seq=draw(st.just(UNSET) | round_seqs),
     )
 
 
 @st.composite
 def fetches(draw: st.DrawFn) -> Fetch:
-    keys = draw(st.lists(offload_keys, max_size=16))
+    keys = draw(st.lists(offload_keys, max_size=16).map(tuple))
     indexes = draw(
         st.lists(
             st.integers(min_value=0, max_value=MAX_BLOCK_INDEX),
             min_size=len(keys),
             max_size=len(keys),
-        )
+        ).map(tuple)
     )
     return Fetch(
         kv_request_id=draw(ids), keys=keys, block_indexes=indexes, round_seq=draw(round_seqs)
@@ -144,9 +145,9 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(
         Lookup,
         kv_request_id=ids,
-        keys=st.lists(offload_keys, max_size=16),
+        keys=st.lists(offload_keys, max_size=16).map(tuple),
         round_seq=round_seqs,
-        deadline_ms=st.none() | st.integers(min_value=0, max_value=MAX_DEADLINE_MS),
+        deadline_ms=st.just(UNSET) | st.integers(min_value=0, max_value=MAX_DEADLINE_MS),
     ),
     lookup_resps(),
     fetches(),
@@ -322,8 +323,8 @@ def test_base_dialect_has_vllm_keys_in_vllm_order(msg: Message) -> None:
     # Extensions only ever follow the base keys, and only when set.
     assert set(keys[len(base) :]) <= set(EXTENSION_KEYS)
     has_extension = (
-        (isinstance(msg, Connect) and msg.extension is not None)
-        or (isinstance(msg, Lookup) and msg.deadline_ms is not None)
-        or (isinstance(msg, LookupResp) and msg.round_seq is not None)
+        (isinstance(msg, Connect) and msg.extension is not UNSET)
+        or (isinstance(msg, Lookup) and msg.deadline_ms is not UNSET)
+        or (isinstance(msg, LookupResp) and msg.round_seq is not UNSET)
     )
     assert (len(keys) > len(base)) == has_extension

@@ -27,6 +27,7 @@ PURE_STDLIB = {
     "itertools",
     "math",
     "operator",
+    "re",
     "types",
     "typing",
 }

@@ -166,7 +166,7 @@ class TestHandshake:
             lookup = await peer.expect(wire.Lookup)
             assert isinstance(lookup, wire.Lookup)
             assert lookup.keys == (key(1),)
-            assert lookup.deadline_ms is None  # a stock peer sees vLLM's dialect
+            assert lookup.deadline_ms is wire.UNSET  # a stock peer sees vLLM's dialect
 
     async def test_ack_comes_only_after_the_peer_is_registered(
         self, autojump_clock: trio.abc.Clock

@@ -150,7 +150,7 @@ def _on_lookup_resp(
     if s.finishing or s.lookup_failed or s.session_lost:
         b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="the request no longer looks up"))
         return
-    if msg.round_seq is not None and msg.round_seq != s.round_seq:
+    if msg.round_seq is not wire.UNSET and msg.round_seq != s.round_seq:
         reason = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
         b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
         return
@@ -171,7 +171,7 @@ def _on_lookup_resp(
     b.emit(
         ev.LookupResp(
             **b.head,
-            round_seq=msg.round_seq,
+            round_seq=None if msg.round_seq is wire.UNSET else msg.round_seq,
             keys=tuple(applied),
             hits=tuple(applied.values()),
             lookup_deadline=deadline,

@@ -45,7 +45,7 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
         )
         return
     budget = t.pending_timeout
-    if msg.deadline_ms is not None:
+    if msg.deadline_ms is not wire.UNSET:
         budget = min(budget, msg.deadline_ms / 1000)
     if verdict is not None and admit < len(msg.keys):
         b.emit(

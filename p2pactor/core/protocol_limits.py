@@ -8,7 +8,7 @@ This module is pure: no I/O, no clock, no concurrency.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, cast
 
 import attrs
 
@@ -81,11 +81,13 @@ The metadata bound plus room for the other ``connect`` fields and for a full 65,
 
 @attrs.frozen(kw_only=True)
 class Limits:
-    """The bounds :func:`~p2pactor.core.protocol.decode` enforces, so a node can tune them.
+    """The bounds :func:`~p2pactor.core.protocol.decode` enforces, so a node can tighten them.
 
-    Every bound is inclusive. Raising ``max_agent_metadata_bytes`` or the list
-    and key bounds usually means raising ``max_frame_bytes`` too, since the
-    frame bound is checked first.
+    Every bound is inclusive. Each defaults to the protocol's own bound (the
+    ``MAX_*`` constant of the same name), which the message types carry and
+    msgspec checks as it decodes; a node may lower any of them, never raise
+    one. Only ``max_frame_bytes``, checked before any decoding, may also be
+    raised.
 
     Attributes:
         max_frame_bytes: Largest frame read at all; larger ones are rejected
@@ -103,8 +105,9 @@ class Limits:
         max_feature_chars: Longest feature name in a ``connect`` extension.
 
     Raises:
-        ConfigError: A bound is not an int, or is negative (zero, for the
-            frame, ``num_blocks`` and ``block_len`` bounds).
+        ConfigError: A bound is not an int, is negative (zero, for the
+            frame, ``num_blocks`` and ``block_len`` bounds), or is above the
+            protocol's own.
     """
 
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -133,6 +136,12 @@ class Limits:
             least = 1 if field.name in positive else 0
             if value < least:
                 raise ConfigError(f"Limits.{field.name} is {value}; set it to {least} or more")
+            most = value if field.name == "max_frame_bytes" else cast("int", field.default)
+            if value > most:
+                raise ConfigError(
+                    f"Limits.{field.name} is {value}, above the protocol's own bound "
+                    f"({most}); a node can only lower it"
+                )
 
 
 DEFAULT_LIMITS: Final = Limits()

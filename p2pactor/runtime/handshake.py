@@ -20,8 +20,8 @@ import itertools
 import logging
 from collections import deque
 
-import attrs
 import trio
+from msgspec.structs import replace
 
 from p2pactor.core import protocol as wire
 from p2pactor.errors import ProtocolError
@@ -70,7 +70,7 @@ def connect_message(config: NodeConfig, data: DataTransport, hash_seed: str) -> 
         block_len=data.block_len,
         config_fingerprint=config.fingerprint,
         hash_seed=hash_seed,
-        extension=EXTENSION if config.round_extension else None,
+        extension=EXTENSION if config.round_extension else wire.UNSET,
     )
 
 
@@ -109,9 +109,9 @@ def to_dialect(msg: wire.Message, extension: wire.ConnectExtension | None) -> wi
     """``msg`` without the extension fields a peer offering ``extension`` does not speak."""
     features = extension.features if extension is not None else frozenset()
     if isinstance(msg, wire.Lookup) and FEATURE_DEADLINE not in features:
-        return attrs.evolve(msg, deadline_ms=None)
+        return replace(msg, deadline_ms=wire.UNSET)
     if isinstance(msg, wire.LookupResp) and FEATURE_RESP_ROUND not in features:
-        return attrs.evolve(msg, round_seq=None)
+        return replace(msg, round_seq=wire.UNSET)
     return msg
 
 
@@ -315,7 +315,7 @@ class ControlLink(abc.ABC):
         self._peer_accepted = True
         self._peer_num_blocks = msg.num_blocks
         if self._config.round_extension:
-            self.peer_extension = msg.extension
+            self.peer_extension = msg.extension or None
         assert self._nursery is not None
         self._nursery.start_soon(self._register_peer, msg)
 

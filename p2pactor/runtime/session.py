@@ -31,8 +31,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Final
 
-import attrs
 import trio
+from msgspec.structs import replace
 
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
@@ -303,7 +303,7 @@ class PeerSession(ControlLink):
             )
             return
         if not self.extended and isinstance(msg, wire.LookupResp):
-            msg = attrs.evolve(msg, round_seq=None)
+            msg = replace(msg, round_seq=wire.UNSET)
         self._runner.deliver(actor, msg)
 
     def _spawn(self, role: Role, kv_request_id: str) -> RequestActor:
