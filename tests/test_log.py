@@ -26,7 +26,7 @@ import trio
 from p2pactor.core import events as ev
 from p2pactor.errors import ConfigError, LogError, LogFormatError
 from p2pactor.runtime.log import Durability, DurabilityKind, EventLog
-from p2pactor.runtime.logread import MAGIC, LogReader, ProblemKind, read_log
+from p2pactor.runtime.logread import FORMAT_VERSION, MAGIC, LogReader, ProblemKind, read_log
 from tests.test_replay import NODE_B, event_mix, happy, repeated_pattern
 
 NODE = "10.0.0.9:5710"
@@ -341,7 +341,7 @@ def test_header_records_the_node_and_the_clock_origin(tmp_path: Path) -> None:
     header = read_log(path).header
 
     assert header.node_id == NODE
-    assert header.format == 1
+    assert header.format == FORMAT_VERSION == 2
     assert header.created_wall == 1_700_000_000.0
     assert header.created_mono == 12.5
     assert header.wall_time(13.0) == 1_700_000_000.5
@@ -510,7 +510,7 @@ def test_a_sound_record_with_an_unknown_event_is_unreadable(
     small_log: tuple[Path, list[ev.AnyEvent]],
 ) -> None:
     path, events = small_log
-    payload = msgspec.msgpack.encode({"kind": "FromTheFuture", "v": 1, "event": {}})
+    payload = msgspec.msgpack.encode({"kind": "FromTheFuture@1", "seq": 1})
     with path.open("ab") as file:
         file.write(struct.pack(">II", len(payload), zlib.crc32(payload)) + payload)
 
@@ -531,7 +531,7 @@ def header_record(fields: dict[str, object]) -> bytes:
     return struct.pack(">II", len(payload), zlib.crc32(payload)) + payload
 
 
-GOOD_HEADER = {"format": 1, "node_id": NODE, "created_wall": 1.0, "created_mono": None}
+GOOD_HEADER = {"format": 2, "node_id": NODE, "created_wall": 1.0, "created_mono": None}
 
 
 @pytest.mark.parametrize(
@@ -539,10 +539,13 @@ GOOD_HEADER = {"format": 1, "node_id": NODE, "created_wall": 1.0, "created_mono"
     [
         (b"", "is not a p2pactor event log"),
         (b"hello, world\n", "is not a p2pactor event log"),
-        (b"P2PLOG\x00\x02" + header_record(GOOD_HEADER), "format 2.*version that wrote it"),
+        (
+            b"P2PLOG\x00\x02" + header_record(GOOD_HEADER),
+            "major format 2.*reads major format 1.*version that wrote it",
+        ),
         (
             MAGIC + header_record({**GOOD_HEADER, "format": 7}),
-            "log format 7.*reads format 1.*version that wrote it",
+            "log format 7.*reads formats 1, 2.*version that wrote it",
         ),
         (MAGIC + b"\x00\x00", "header is damaged"),
         (MAGIC + header_record(GOOD_HEADER)[:-2], "header is damaged"),

@@ -20,7 +20,7 @@ from hypothesis import given
 
 from p2pactor.core import events as ev
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.serde import Format, decode_event, encode_event
+from p2pactor.core.serde import Format, decode_event, decode_legacy_event, encode_event
 from p2pactor.errors import EventFormatError
 
 actors = st.builds(
@@ -86,27 +86,33 @@ def sample() -> ev.FetchSent:
 
 def test_json_form_is_readable() -> None:
     data = msgspec.json.decode(encode_event(sample(), "json"))
-    assert data["kind"] == "FetchSent"
-    assert data["v"] == 1
-    assert data["event"]["keys"] == ["AP8=", "azI="]  # base64
-    assert data["event"]["actor"]["role"] == "consumer"
+    assert next(iter(data)) == "kind"  # first, as in every record
+    assert data["kind"] == "FetchSent@1"
+    assert data["keys"] == ["AP8=", "azI="]  # base64
+    assert data["actor"]["role"] == "consumer"
+
+
+def record_of(event: ev.AnyEvent, fmt: Format) -> dict[str, object]:
+    """The event's record as plain values (keys stay bytes in msgpack)."""
+    if fmt == "json":
+        return msgspec.json.decode(encode_event(event, "json"))  # type: ignore[no-any-return]
+    return msgspec.msgpack.decode(encode_event(event, "msgpack"))  # type: ignore[no-any-return]
+
+
+def encoded(record: dict[str, object], fmt: Format) -> bytes:
+    return (msgspec.msgpack if fmt == "msgpack" else msgspec.json).encode(record)
 
 
 @pytest.mark.parametrize("fmt", formats)
 def test_unknown_kind_is_refused(fmt: Format) -> None:
-    enc = msgspec.msgpack if fmt == "msgpack" else msgspec.json
-    data = enc.encode({"kind": "Teleported", "v": 1, "event": {}})
+    data = encoded({**record_of(sample(), fmt), "kind": "Teleported@1"}, fmt)
     with pytest.raises(EventFormatError, match="unknown event kind 'Teleported'"):
         decode_event(data, fmt)
 
 
 @pytest.mark.parametrize("fmt", formats)
 def test_newer_version_is_refused_not_guessed(fmt: Format) -> None:
-    enc = msgspec.msgpack if fmt == "msgpack" else msgspec.json
-    body = msgspec.msgpack.decode(encode_event(sample(), "msgpack"))["event"]
-    if fmt == "json":
-        body = msgspec.json.decode(encode_event(sample(), "json"))["event"]
-    data = enc.encode({"kind": "FetchSent", "v": 2, "event": body})
+    data = encoded({**record_of(sample(), fmt), "kind": "FetchSent@2"}, fmt)
     with pytest.raises(EventFormatError, match="FetchSent version 2 is not readable"):
         decode_event(data, fmt)
 
@@ -116,14 +122,13 @@ def test_an_older_version_still_read_takes_the_defaults_of_fields_added_since(
     fmt: Format,
 ) -> None:
     """SessionLost 2 added loads_held_until: a version 1 record is read, without a hold."""
-    enc = msgspec.msgpack if fmt == "msgpack" else msgspec.json
     lost = ev.SessionLost(actor=sample().actor, seq=3, at=1.5, reason="gone", loads_held_until=9.0)
-    body = msgspec.json.decode(encode_event(lost, "json"))["event"]
-    del body["loads_held_until"]
-    old = decode_event(enc.encode({"kind": "SessionLost", "v": 1, "event": body}), fmt)
+    record = record_of(lost, fmt)
+    del record["loads_held_until"]
+    old = decode_event(encoded({**record, "kind": "SessionLost@1"}, fmt), fmt)
     assert old == msgspec.structs.replace(lost, loads_held_until=None)
     for unknown in (0, 3):
-        data = enc.encode({"kind": "SessionLost", "v": unknown, "event": body})
+        data = encoded({**record, "kind": f"SessionLost@{unknown}"}, fmt)
         with pytest.raises(
             EventFormatError, match=f"SessionLost version {unknown} is not readable"
         ):
@@ -132,14 +137,16 @@ def test_an_older_version_still_read_takes_the_defaults_of_fields_added_since(
 
 @pytest.mark.parametrize("fmt", formats)
 def test_mistyped_field_is_refused(fmt: Format) -> None:
-    enc = msgspec.msgpack if fmt == "msgpack" else msgspec.json
-    body = msgspec.json.decode(encode_event(sample(), "json"))["event"]
-    body["round_seq"] = "one"
-    if fmt == "msgpack":
-        body["keys"] = [b"\x00\xff", b"k2"]
-    data = enc.encode({"kind": "FetchSent", "v": 1, "event": body})
+    data = encoded({**record_of(sample(), fmt), "round_seq": "one"}, fmt)
     with pytest.raises(EventFormatError, match="malformed FetchSent event"):
         decode_event(data, fmt)
+
+
+@pytest.mark.parametrize("fmt", formats)
+@pytest.mark.parametrize("record", [[1, 2], {"kind": 5}, {"no": "kind"}, {"kind": "FetchSent"}])
+def test_a_record_that_is_not_an_event_is_refused(fmt: Format, record: object) -> None:
+    with pytest.raises(EventFormatError):
+        decode_event(encoded(record, fmt), fmt)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("fmt", formats)
@@ -149,9 +156,56 @@ def test_junk_bytes_raise_only_event_format_error(fmt: Format, junk: bytes) -> N
         decode_event(junk, fmt)
 
 
+# --- log format 1: each event in an envelope -------------------------------------------
+
+
+def envelope(kind: str, v: int, body: dict[str, object]) -> bytes:
+    return msgspec.msgpack.encode({"kind": kind, "v": v, "event": body})
+
+
+def body_of(event: ev.AnyEvent) -> dict[str, object]:
+    record = record_of(event, "msgpack")
+    del record["kind"]
+    return record
+
+
+def test_a_legacy_envelope_reads_as_the_event() -> None:
+    assert decode_legacy_event(envelope("FetchSent", 1, body_of(sample()))) == sample()
+
+
+def test_a_legacy_envelope_of_an_older_version_takes_the_defaults() -> None:
+    lost = ev.SessionLost(actor=sample().actor, seq=3, at=1.5, reason="gone", loads_held_until=9.0)
+    body = body_of(lost)
+    del body["loads_held_until"]
+    old = decode_legacy_event(envelope("SessionLost", 1, body))
+    assert old == msgspec.structs.replace(lost, loads_held_until=None)
+
+
+@pytest.mark.parametrize(
+    ("kind", "v", "mutate", "match"),
+    [
+        ("Teleported", 1, {}, "unknown event kind 'Teleported'"),
+        ("FetchSent", 2, {}, "FetchSent version 2 is not readable"),
+        ("FetchSent", 1, {"round_seq": "one"}, "malformed FetchSent event"),
+    ],
+    ids=["unknown_kind", "newer_version", "mistyped_field"],
+)
+def test_a_bad_legacy_envelope_is_refused(
+    kind: str, v: int, mutate: dict[str, object], match: str
+) -> None:
+    with pytest.raises(EventFormatError, match=match):
+        decode_legacy_event(envelope(kind, v, {**body_of(sample()), **mutate}))
+
+
+@given(junk=st.binary(max_size=64))
+def test_junk_legacy_bytes_raise_only_event_format_error(junk: bytes) -> None:
+    with contextlib.suppress(EventFormatError):
+        decode_legacy_event(junk)
+
+
 # --- golden: the on-disk format -------------------------------------------------------
 #
-# One fixed instance per kind, its envelope in both encodings, frozen as digests.
+# One fixed instance per kind, its record in both encodings, frozen as digests.
 # A change here changes what every existing log decodes to: bump the kind's
 # VERSION instead, and only then update the table.
 
@@ -191,50 +245,50 @@ def digest(data: bytes) -> str:
 
 
 GOLDEN: dict[str, tuple[int, str, str]] = {
-    "AbortAckSent": (1, "fc9b3533bb226d54", "ed0bc35f1961ae85"),
-    "AbortAcked": (1, "34fe89b14b5e7525", "787e10e368b53365"),
-    "AbortReceived": (1, "67c2e7fbe8da8b40", "2c0857c7cfbf004b"),
-    "AbortSent": (1, "7822aad0a13c5781", "7998f9453c3cbb7c"),
-    "Aborted": (1, "ccca9a9071cc0328", "2ba0d34223988a3d"),
-    "CloseRequested": (1, "8abf92ecc70f4982", "c56d0f8511ba2d6a"),
-    "Closed": (1, "f60b2f9180cbc4d6", "f1409e37e2560faf"),
-    "ContextClosed": (1, "6603045bb8538d81", "a8e40af34aabdd6c"),
-    "FetchReceived": (1, "a375db8d3c92025a", "b3e2dbbcdc2adb60"),
-    "FetchRefused": (1, "344d900078046480", "ced4f1554bb725a4"),
-    "FetchSent": (1, "b4546af76ef025a6", "9b231901f080323f"),
-    "FetchSkipped": (1, "d5cb95016e847dc4", "6f97b3366de72ab7"),
-    "FinishRequested": (1, "77a18f03487c71c8", "3095f66648e3b605"),
-    "Finished": (1, "60139abcd2438d92", "3c517cfef6ce08e2"),
-    "Ignored": (1, "a4a7a9f2f9c75fb0", "23c84aa593d199e1"),
-    "KeysPinned": (1, "837f79eee6dd58b4", "391bdbde2bd68a70"),
-    "KeysRefused": (1, "d19bd82ffa56e19b", "af1d1d163aa370f4"),
-    "KeysResolved": (1, "5ae2aae1150943c5", "fa3db6b0c5b29bfd"),
-    "LookupAnswered": (1, "3d5a7c95f9ac883e", "8f4c2d8bb8dea302"),
-    "LookupCancelled": (1, "921fd34d7e4b91c2", "4201919cecb5af34"),
-    "LookupDropped": (1, "e5a9732b0887331f", "491da33283e2a596"),
-    "LookupLimited": (1, "ee08e513c52a2af5", "f7a2f86a02933a65"),
-    "LookupReceived": (1, "71f2a9a0cc8c7a13", "cd83c307a985c018"),
-    "LookupRefused": (1, "a1cabeb17e945c3f", "4958429f46fcad97"),
-    "LookupResp": (1, "ce4f989cd5b3c776", "0c63f69191270307"),
-    "LookupTimedOut": (1, "8d82d2de9010e7ce", "0cff9eea4c3e71fa"),
-    "Opened": (1, "bf38759c43b5697d", "f4565ad68745d9f0"),
-    "ParentExpired": (1, "6172fa52d8be7c4a", "d04cae28bec0b783"),
-    "PendingExpired": (1, "6ba7b9f1f0399045", "8119552bad0a9066"),
-    "PendingPolled": (1, "b756b8aa13f879f3", "159130360f1d5d13"),
-    "PinReleased": (1, "5fe6c8e991d63ffc", "83a96d6d5f0c73ff"),
-    "Probed": (1, "9dc5c906f6c03788", "f532c13f7750f1d4"),
-    "Registered": (1, "b99591c2c5d05d6c", "ae446cd9d38720d8"),
-    "Rejected": (1, "4e8adae83497aae3", "78dde93e87dd67c7"),
-    "RoundClosed": (1, "fcdc9198b074147a", "56eed7246d2aa7f2"),
-    "SessionLost": (2, "9de1e2ac371cbd02", "5ff7b74f98983bc0"),
-    "StoreAdded": (1, "d53e2eb6fb57107a", "731e4ecc8a2b9477"),
-    "TransferCompleted": (1, "acc69e61a826ce25", "57367a4904f39de5"),
-    "TransferDone": (1, "412f44a43ddda07c", "51d40b544b655913"),
-    "TransferDoneSent": (1, "77960f2158989af6", "e6a0cde567dc5039"),
-    "TransferFailed": (1, "0a11d5a3ffad5ebe", "77e7350b558d7523"),
-    "TransferStarted": (1, "cbf33ec976eb7405", "8bdc9da6062aa0a3"),
+    "AbortAckSent": (1, "badf21073e7d3373", "a9bb8a1c2ad83562"),
+    "AbortAcked": (1, "7dafb492f700fcb0", "c9201018e8503cc7"),
+    "AbortReceived": (1, "ba0ee83eab234d26", "b8b91b9a6f15c35c"),
+    "AbortSent": (1, "011cd238859ef6f5", "f1afefd781eabc30"),
+    "Aborted": (1, "70b35605791bec44", "87c621dc3548e709"),
+    "CloseRequested": (1, "daf83919cd3b1041", "46d630376a4d33f8"),
+    "Closed": (1, "d8dec21faeb69e5f", "c1f82048166705ec"),
+    "ContextClosed": (1, "65610666ff6a1abc", "1b614f0258ebbdac"),
+    "FetchReceived": (1, "07edb7682dd509d3", "67a435d65cc90a14"),
+    "FetchRefused": (1, "a5bfc710addddc42", "3b43498c1a93c5a8"),
+    "FetchSent": (1, "5b9d2f0be4c66b55", "6f357ac9af8430a8"),
+    "FetchSkipped": (1, "288dafdef4f1163a", "33562e4d6e9377f5"),
+    "FinishRequested": (1, "414ac0c2ab01828e", "cddb1b368bac2a40"),
+    "Finished": (1, "d4a2f75d468b706f", "db6add2e9dbc4496"),
+    "Ignored": (1, "a1163cd78ff72a28", "cb6b99c1df879a37"),
+    "KeysPinned": (1, "51d15a2916e605d1", "d40fcd2531100eb6"),
+    "KeysRefused": (1, "77437fc4a785c73a", "c8a2c16e0716b1d5"),
+    "KeysResolved": (1, "aad38fec5677c5c7", "90e31c125848c07d"),
+    "LookupAnswered": (1, "25892cb74601a893", "8eaaea89d6832fed"),
+    "LookupCancelled": (1, "25fb9a09caeb1e0b", "75ee99a96e15b0db"),
+    "LookupDropped": (1, "e0201cffc56d79aa", "d2c6f2ab815a2fbb"),
+    "LookupLimited": (1, "6e59c9208d798d6a", "055e9995d539253c"),
+    "LookupReceived": (1, "2d106408884f7f70", "68ddd5b171b7ccc2"),
+    "LookupRefused": (1, "789f40fa6821a1ed", "4b9789fb9a5218bb"),
+    "LookupResp": (1, "14dd4407af1706df", "6a69d049a63fd7ec"),
+    "LookupTimedOut": (1, "2a59b355c3a22d84", "8e22b960609e6756"),
+    "Opened": (1, "416adacf2646380c", "3daec0d4270dc802"),
+    "ParentExpired": (1, "2ddca140427e37e5", "57fb639be73a9d49"),
+    "PendingExpired": (1, "f03887a7fcc7d16b", "6c22425bf5016443"),
+    "PendingPolled": (1, "31d5a332d9f70fdf", "387fa5212cfac677"),
+    "PinReleased": (1, "4ae98a80f92cd40f", "57bdc7d8a1230961"),
+    "Probed": (1, "dc8297279cad0f1c", "e8eb8a6e9db51f2b"),
+    "Registered": (1, "e3ac9c3285d4acfc", "4f5594644cbd5fe3"),
+    "Rejected": (1, "71d5fb7daa0b4b77", "fabc4e2cc1780993"),
+    "RoundClosed": (1, "3cc6c8555b959b2f", "3900e3c3127f06cc"),
+    "SessionLost": (2, "7b5a01a7fcf79209", "d8e06e3021fa28c1"),
+    "StoreAdded": (1, "82f6b0068bb9f2a3", "7274867c499a5cc8"),
+    "TransferCompleted": (1, "9a1fb0fff274e836", "23a3386b223d1c72"),
+    "TransferDone": (1, "aefba94090f1057b", "453ed11d52b7d0ad"),
+    "TransferDoneSent": (1, "c5a109a599195602", "978e543b9a233ff3"),
+    "TransferFailed": (1, "1143ab07b7bafe18", "5be1967a2f81d429"),
+    "TransferStarted": (1, "3370d6b7599dcdfd", "6f2aaaf68c568f7c"),
 }
-"""Every kind: (VERSION, msgpack digest, JSON digest) of its golden event's envelope."""
+"""Every kind: (VERSION, msgpack digest, JSON digest) of its golden event's record."""
 
 
 def test_the_kinds_and_their_versions_are_frozen() -> None:

@@ -101,12 +101,22 @@ Each subclass of :class:`Event` adds itself as it is defined.
 """
 
 
-class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+def _tag(name: str) -> str:
+    # msgspec asks for a class's tag once the class exists, so it is registered
+    # by then (the base Event itself is not: it is never written).
+    cls = EVENT_TYPES.get(name)
+    return name if cls is None else cls.TAG
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="kind", tag=_tag):
     """Base of every event: a frozen record (a :class:`msgspec.Struct`).
 
-    Subclasses say ``kw_only=True`` again (msgspec applies it per class, to the
-    fields each defines); ``frozen`` and ``gc=False`` are inherited: an event
-    holds no references back to anything, so the collector need not track it.
+    Subclasses say ``frozen=True, kw_only=True`` again (msgspec applies
+    ``kw_only`` per class, to the fields each defines, and mypy wants both);
+    ``gc=False`` is inherited: an event holds no references back to anything,
+    so the collector need not track it. Encoded, an event is a map with
+    ``"kind"`` (its :attr:`TAG`) first, then its fields: a tagged union, so one
+    decoder reads any kind (:mod:`p2pactor.core.serde`).
 
     Attributes:
         actor: The actor this event belongs to.
@@ -121,6 +131,8 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     READS_SINCE: ClassVar[int] = 1
     """The oldest version still read: fields added since have defaults, which
     its records take. A reader refuses any other version."""
+    TAG: ClassVar[str]
+    """``KIND@VERSION``: how a record names its type and its version."""
 
     actor: ActorId
     seq: int
@@ -132,6 +144,7 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         if kind in EVENT_TYPES:
             raise TypeError(f"two event types are named {kind}")
         cls.KIND = kind
+        cls.TAG = f"{kind}@{cls.VERSION}"
         EVENT_TYPES[kind] = cls
 
 

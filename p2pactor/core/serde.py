@@ -1,25 +1,94 @@
 """Events to bytes and back, as msgpack or JSON. Never pickle.
 
-Every event travels in an envelope ``{"kind": ..., "v": ..., "event": {...}}``:
-``kind`` names the event type, ``v`` its schema version. A reader rejects a
-version it does not know instead of guessing, so a log written by a newer
-p2pactor fails loudly rather than replaying wrongly. In JSON, bytes (keys) are
-base64 strings.
+An event is written as one map: its fields by name, after ``"kind"``, which
+names its type and the schema version of its fields, ``"KeysPinned@1"``
+(msgspec's tagged union: :attr:`Event.TAG <p2pactor.core.events.Event>`).
+One decoder reads any kind straight into its typed event. A record of a kind
+this p2pactor does not know, or of a version it cannot read, fails loudly
+rather than replaying wrongly; a version it still reads (``READS_SINCE``:
+only fields with defaults were added since) takes the defaults. In JSON,
+bytes (keys) are base64 strings.
+
+:func:`decode_legacy_event` reads the events of log format 1 (earlier p2pactor
+versions), which wrapped each in ``{"kind": ..., "v": ..., "event": {...}}``.
 """
 
 from __future__ import annotations
 
-from typing import Literal, cast
+from typing import Any, Final, Literal, cast
 
 import msgspec
 
-from p2pactor.core.events import EVENT_TYPES, AnyEvent
+from p2pactor.core.events import EVENT_TYPES, AnyEvent, Event
 from p2pactor.errors import EventFormatError
 
-__all__ = ["Format", "decode_event", "encode_event"]
+__all__ = ["Format", "decode_event", "decode_legacy_event", "encode_event"]
 
 Format = Literal["msgpack", "json"]
 """The two encodings of an event."""
+
+_MSGPACK: Final = msgspec.msgpack.Encoder()
+_JSON: Final = msgspec.json.Encoder()
+_Decoder = msgspec.msgpack.Decoder[Any] | msgspec.json.Decoder[Any]
+_DECODERS: Final[dict[str, _Decoder]] = {
+    "msgpack": msgspec.msgpack.Decoder(AnyEvent),
+    "json": msgspec.json.Decoder(AnyEvent),
+}
+_UNTYPED: Final[dict[str, _Decoder]] = {
+    "msgpack": msgspec.msgpack.Decoder(),
+    "json": msgspec.json.Decoder(),
+}
+# One typed decoder per kind, for records the union does not take: another
+# version of a known kind, or a legacy envelope's event.
+_BY_KIND: Final[dict[str, dict[str, _Decoder]]] = {
+    "msgpack": {kind: msgspec.msgpack.Decoder(cls) for kind, cls in EVENT_TYPES.items()},
+    "json": {kind: msgspec.json.Decoder(cls) for kind, cls in EVENT_TYPES.items()},
+}
+
+
+def encode_event(event: AnyEvent, fmt: Format = "msgpack") -> bytes:
+    """Encode one event: a map of its fields after its ``"kind"``."""
+    return (_MSGPACK if fmt == "msgpack" else _JSON).encode(event)
+
+
+def decode_event(data: bytes, fmt: Format = "msgpack") -> AnyEvent:
+    """Decode one event written by :func:`encode_event` (of this p2pactor or another).
+
+    Raises:
+        EventFormatError: The bytes are not an event this version can read.
+    """
+    try:
+        return cast("AnyEvent", _DECODERS[fmt].decode(data))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        first = exc
+    # Not this version's form of a known kind: find out what it is.
+    try:
+        record = _UNTYPED[fmt].decode(data)
+    except msgspec.DecodeError:
+        raise EventFormatError(f"not an event record: {first}") from None
+    tag = record.get("kind") if type(record) is dict else None
+    if type(tag) is not str:
+        raise EventFormatError(f"not an event record: {first}")
+    kind, _, version = tag.partition("@")
+    cls = _readable(kind, int(version) if version.isdigit() else -1)
+    if tag == cls.TAG:
+        raise EventFormatError(f"malformed {kind} event: {first}") from None
+    del record["kind"]
+    return _typed(fmt, cls, (_MSGPACK if fmt == "msgpack" else _JSON).encode(record))
+
+
+def decode_legacy_event(data: bytes) -> AnyEvent:
+    """Decode one event of log format 1: ``{"kind": ..., "v": ..., "event": {...}}``, msgpack.
+
+    Raises:
+        EventFormatError: The bytes are not an event this version can read.
+    """
+    try:
+        envelope = _LEGACY.decode(data)
+    except msgspec.DecodeError as exc:
+        raise EventFormatError(f"not an event envelope: {exc}") from None
+    cls = _readable(envelope.kind, envelope.v)
+    return _typed("msgpack", cls, envelope.event)
 
 
 class _Envelope(msgspec.Struct):
@@ -28,47 +97,28 @@ class _Envelope(msgspec.Struct):
     event: msgspec.Raw
 
 
-_MSGPACK = msgspec.msgpack.Encoder()
-_JSON = msgspec.json.Encoder()
-_MSGPACK_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
-_JSON_ENVELOPE = msgspec.json.Decoder(_Envelope)
-# One typed decoder per event class, made once: msgspec.msgpack.decode(type=...)
-# builds one per call, which is most of the cost of reading a log.
-_MSGPACK_EVENTS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in EVENT_TYPES.items()}
-_JSON_EVENTS = {kind: msgspec.json.Decoder(cls) for kind, cls in EVENT_TYPES.items()}
+_LEGACY: Final = msgspec.msgpack.Decoder(_Envelope)
 
 
-def encode_event(event: AnyEvent, fmt: Format = "msgpack") -> bytes:
-    """Encode one event with its envelope."""
-    envelope = {"kind": event.KIND, "v": event.VERSION, "event": event}
-    return _MSGPACK.encode(envelope) if fmt == "msgpack" else _JSON.encode(envelope)
-
-
-def decode_event(data: bytes, fmt: Format = "msgpack") -> AnyEvent:
-    """Decode one event written by :func:`encode_event`.
-
-    Raises:
-        EventFormatError: The bytes are not an event this version can read.
-    """
-    try:
-        envelope = (_MSGPACK_ENVELOPE if fmt == "msgpack" else _JSON_ENVELOPE).decode(data)
-    except msgspec.DecodeError as exc:
-        raise EventFormatError(f"not an event envelope: {exc}") from None
-    cls = EVENT_TYPES.get(envelope.kind)
+def _readable(kind: str, version: int) -> type[Event]:
+    """The event type of ``kind``, if this p2pactor reads its ``version``."""
+    cls = EVENT_TYPES.get(kind)
     if cls is None:
         raise EventFormatError(
-            f"unknown event kind {envelope.kind[:64]!r}; was the log written by a newer p2pactor?"
+            f"unknown event kind {kind[:64]!r}; was the log written by a newer p2pactor?"
         )
-    if not cls.READS_SINCE <= envelope.v <= cls.VERSION:
+    if not cls.READS_SINCE <= version <= cls.VERSION:
         since = "" if cls.READS_SINCE == cls.VERSION else f"{cls.READS_SINCE} to "
         raise EventFormatError(
-            f"{envelope.kind} version {envelope.v} is not readable here (this p2pactor reads "
+            f"{kind} version {version} is not readable here (this p2pactor reads "
             f"version {since}{cls.VERSION}); replay the log with the p2pactor that wrote it"
         )
+    return cls
+
+
+def _typed(fmt: Format, cls: type[Event], fields: bytes | msgspec.Raw) -> AnyEvent:
     try:
-        decoders = _MSGPACK_EVENTS if fmt == "msgpack" else _JSON_EVENTS
-        event = decoders[envelope.kind].decode(envelope.event)
+        # EVENT_TYPES holds exactly the members of AnyEvent.
+        return cast("AnyEvent", _BY_KIND[fmt][cls.KIND].decode(fields))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise EventFormatError(f"malformed {envelope.kind} event: {exc}") from None
-    # EVENT_TYPES holds exactly the members of AnyEvent.
-    return cast("AnyEvent", event)
+        raise EventFormatError(f"malformed {cls.KIND} event: {exc}") from None

@@ -22,7 +22,7 @@ import attrs
 import msgspec
 
 from p2pactor.core.events import AnyEvent
-from p2pactor.core.serde import decode_event
+from p2pactor.core.serde import decode_event, decode_legacy_event
 from p2pactor.errors import EventFormatError, LogFormatError
 
 __all__ = [
@@ -39,8 +39,12 @@ __all__ = [
 MAGIC: Final = b"P2PLOG\x00\x01"
 """The first eight bytes of every log file: ``P2PLOG``, then the major format, 1."""
 
-FORMAT_VERSION: Final = 1
-"""The log format p2pactor writes and the only one it reads."""
+FORMAT_VERSION: Final = 2
+"""The log format p2pactor writes: 2, records that are tagged events.
+
+It also reads format 1, whose records wrapped each event in an envelope."""
+
+_READS: Final = {1: decode_legacy_event, 2: decode_event}
 
 MAX_RECORD_BYTES: Final = 128 * 1024 * 1024
 """The largest record payload a log may hold.
@@ -63,7 +67,7 @@ class LogHeader:
     """What a log file says about itself.
 
     Attributes:
-        format: The log format version (1).
+        format: The log format version (2; 1 for logs of earlier p2pactor versions).
         node_id: The node that wrote it.
         created_wall: Wall-clock time (``time.time()``) of the clock origin.
         created_mono: The monotonic time read at the same instant, or None if
@@ -134,8 +138,8 @@ def _parse_header(path: str, data: bytes) -> tuple[LogHeader, int]:
     if data[:8] != MAGIC:
         major = int.from_bytes(data[6:8], "big") if len(data) >= 8 else None
         raise LogFormatError(
-            f"{path} is a p2pactor event log in format {major}, and this p2pactor reads "
-            f"format {FORMAT_VERSION}; replay it with the p2pactor version that wrote it"
+            f"{path} is a p2pactor event log in major format {major}, and this p2pactor "
+            "reads major format 1; replay it with the p2pactor version that wrote it"
         )
     damaged = f"{path}: the log header is damaged; the file can't be replayed"
     if len(data) < 8 + _FRAME.size:
@@ -151,17 +155,18 @@ def _parse_header(path: str, data: bytes) -> tuple[LogHeader, int]:
         raise LogFormatError(f"{damaged} (the header is not msgpack)") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("format"), int):
         raise LogFormatError(f"{damaged} (the header has no format number)")
-    if raw["format"] != FORMAT_VERSION:
+    if raw["format"] not in _READS:
         raise LogFormatError(
             f"{path} was written in log format {raw['format']}, and this p2pactor reads "
-            f"format {FORMAT_VERSION}; replay it with the p2pactor version that wrote it"
+            f"formats {', '.join(map(str, _READS))}; replay it with the p2pactor version "
+            "that wrote it"
         )
     try:
         fields = msgspec.convert(raw, _HeaderFields)
     except msgspec.ValidationError as exc:
         raise LogFormatError(f"{damaged} ({exc})") from None
     header = LogHeader(
-        format=FORMAT_VERSION,
+        format=raw["format"],
         node_id=fields.node_id,
         created_wall=fields.created_wall,
         created_mono=fields.created_mono,
@@ -244,6 +249,7 @@ class LogReader:
         self._done = False
 
     def _records(self, file: io.BufferedReader) -> Iterator[AnyEvent]:
+        decode = _READS[self.header.format]
         buf = b""
         pos = 0  # where the next record starts in buf
         base = self._data_offset  # the file offset of buf[0]
@@ -300,7 +306,7 @@ class LogReader:
                 self._stop(kind, offset, f"checksum mismatch in {where}")
                 return
             try:
-                event = decode_event(payload, "msgpack")
+                event = decode(payload)
             except EventFormatError as exc:
                 self._stop(ProblemKind.UNREADABLE, offset, str(exc))
                 return
