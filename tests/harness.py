@@ -118,9 +118,12 @@ class ConsumerHarness(Harness):
     state: ConsumerState = attrs.field(
         factory=lambda: ConsumerState.new(ActorId(Role.CONSUMER, PEER, KV))
     )
+    first_round: int = 0  # the round the session gives the request
 
     def feed(self, event_input: ConsumerInput) -> tuple[ev.ConsumerEvent, ...]:
-        self.state, events = step_consumer(self.state, event_input, self.now, self.timings)
+        self.state, events = step_consumer(
+            self.state, event_input, self.now, self.timings, first_round=self.first_round
+        )
         self.log.extend(events)
         for event in events:
             for effect in fx.effects_of(event):

@@ -29,7 +29,6 @@ from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.consumer import (
     ConsumerInput,
-    ConsumerState,
     Load,
     next_consumer_deadline,
     probe_answer,
@@ -140,7 +139,7 @@ class TestClientFlows:
     ) -> None:
         events = h.feed(inp.SubmitLoad(job_id=7, keys=(K1, K2), block_indexes=(4, 9)))
 
-        assert kinds(events) == ["Opened", "FetchSent"]
+        assert kinds(events) == ["FetchSent"]
         assert h.sent == [fetch_msg((K1, K2), (4, 9), round_seq=0)]
         assert h.state.loads == {0: Load(job_id=7, deadline=LOAD_TIMEOUT)}
         assert h.state.phase is ConsumerPhase.FETCH_SENT
@@ -433,7 +432,12 @@ class TestLookupFlow:
 
         events = h.feed(inp.Finish())
 
-        assert kinds(events) == ["FinishRequested", "LookupCancelled", "Finished"]
+        # One event: the engine's finish, the empty fetch and the end.
+        assert kinds(events) == ["Finished"]
+        (end,) = events
+        assert isinstance(end, ev.Finished)
+        assert end.requested
+        assert end.cancelled_round == 0
         assert h.sent == [lookup_msg((K1,)), empty_fetch(0)]
         assert h.retired
         h.feed(inp.Finish())
@@ -447,16 +451,36 @@ class TestLookupFlow:
         h.finish()
 
         assert h.sent == [fetch_msg((K0,), (3,), 0), lookup_msg((K1,), round_seq=1), empty_fetch(1)]
-        cancelled = only(h.log, ev.LookupCancelled)
+        end = only(h.log, ev.Finished)
+        assert isinstance(end, ev.Finished)
+        assert end.cancelled_round == 1
+
+    def test_with_a_load_in_flight_the_empty_fetch_is_an_event_of_its_own(
+        self, h: ConsumerHarness
+    ) -> None:
+        h.load(1, [K0], [3])
+        step(h, K1)  # round 1's lookup, round 0's load still in flight
+
+        events = h.feed(inp.Finish())
+
+        assert kinds(events) == ["FinishRequested", "AbortSent", "LookupCancelled"]
+        cancelled = events[-1]
         assert isinstance(cancelled, ev.LookupCancelled)
         assert cancelled.round_seq == 1
+        assert h.sent[-2:] == [wire.AbortFetch(kv_request_id=KV, round_seq=0), empty_fetch(1)]
+        assert h.state.phase is ConsumerPhase.FETCH_SENT
+        assert not h.retired
 
     def test_finish_without_a_flush_sends_nothing(self, h: ConsumerHarness) -> None:
         h.register(K1, K2)
 
         events = h.feed(inp.Finish())
 
-        assert kinds(events) == ["FinishRequested", "Finished"]
+        assert kinds(events) == ["Finished"]
+        (end,) = events
+        assert isinstance(end, ev.Finished)
+        assert end.requested
+        assert end.cancelled_round is None
         assert h.sent == []
 
     def test_finish_after_a_real_fetch_sends_no_empty_fetch(self, h: ConsumerHarness) -> None:
@@ -467,7 +491,10 @@ class TestLookupFlow:
 
         events = h.feed(inp.Finish())
 
-        assert kinds(events) == ["FinishRequested", "Finished"]
+        assert kinds(events) == ["Finished"]
+        (end,) = events
+        assert isinstance(end, ev.Finished)
+        assert end.cancelled_round is None
         assert h.sent == [lookup_msg((K1,)), fetch_msg((K1,), (4,), 0)]
 
     def test_the_first_lookup_arms_the_progress_deadline_30_seconds_out(
@@ -581,10 +608,11 @@ class TestLookupFlow:
         events = h.feed(inp.Finish())
 
         # The peer may still hold the parked lookup: the empty fetch closes it.
-        assert kinds(events) == ["FinishRequested", "LookupCancelled", "Finished"]
+        assert kinds(events) == ["Finished"]
         assert h.sent[-1] == empty_fetch(0)
         end = events[-1]
         assert isinstance(end, ev.Finished)
+        assert end.cancelled_round == 0
         assert end.phase is ConsumerPhase.FAILED
         assert end.reason == "the peer answered no lookup key in time"
 
@@ -749,8 +777,8 @@ class TestRoundIsolation:
         assert h.sent == [fetch_msg((K1,), (10,), round_seq=0)]
         assert h.state.round_seq == 1
 
-    def test_open_starts_the_request_at_its_first_round(self, h: ConsumerHarness) -> None:
-        h.feed(inp.Open(first_round=42))
+    def test_the_first_lookup_takes_the_requests_first_round(self, h: ConsumerHarness) -> None:
+        h.first_round = 42
         step(h, K1)
         h.load(7, [K1], [4])
 
@@ -794,21 +822,30 @@ class TestTerminalAndPhases:
     def test_the_empty_fetch_moves_a_probing_request_to_fetch_sent(
         self, h: ConsumerHarness
     ) -> None:
-        step(h, K1)
+        h.load(1, [K0], [3])
+        step(h, K1)  # round 1's lookup, round 0's load in flight: the request lives on
         h.finish()
 
-        # Finished follows in the same step; replay shows the phase in between.
-        assert kinds(h.log[-2:]) == ["LookupCancelled", "Finished"]
-        before_end = fold(h.log[:-1])
-        assert isinstance(before_end, ConsumerState)
-        assert before_end.phase is ConsumerPhase.FETCH_SENT
+        assert kinds(h.log[-1:]) == ["LookupCancelled"]
+        assert h.state.phase is ConsumerPhase.FETCH_SENT
+        h.feed(ack(0))
+        assert h.state.phase is ConsumerPhase.ABORTED
+
+    def test_a_probing_request_that_finishes_ends_in_one_step(self, h: ConsumerHarness) -> None:
+        step(h, K1)
+        before = h.state.phase
+        h.finish()
+
+        assert before is ConsumerPhase.PROBING
+        assert kinds(h.log[-1:]) == ["Finished"]
         assert h.state.phase is ConsumerPhase.DONE
+        assert fold(h.log) == h.state
 
     def test_a_prefill_decode_load_goes_straight_to_fetch_sent(self, h: ConsumerHarness) -> None:
         assert _phase_after(h, inp.SubmitLoad(job_id=7, keys=(K1,), block_indexes=(4,))) is (
             ConsumerPhase.FETCH_SENT
         )
-        assert kinds(h.log) == ["Opened", "FetchSent"]
+        assert kinds(h.log) == ["FetchSent"]
 
     def test_finished_is_emitted_once(self, h: ConsumerHarness) -> None:
         h.load(7, [K1], [4])
@@ -820,7 +857,6 @@ class TestTerminalAndPhases:
 
         assert len(finished(h)) == 1
         assert kinds(h.log) == [
-            "Opened",
             "FetchSent",
             "FinishRequested",
             "AbortSent",
@@ -839,7 +875,6 @@ class TestTerminalAndPhases:
         state, log, sent = h.state, list(h.log), list(h.sent)
 
         late: list[ConsumerInput] = [
-            inp.Open(first_round=3),
             inp.Register((K1, K2)),
             inp.Flush(),
             inp.SubmitLoad(job_id=8, keys=(K2,), block_indexes=(5,)),
@@ -1064,10 +1099,10 @@ class TestTerminalAndPhases:
     ) -> None:
         events = h.feed(inp.SubmitLoad(job_id=7, keys=(), block_indexes=()))
 
-        assert kinds(events) == ["Opened", "FetchSkipped"]
+        assert kinds(events) == ["FetchSkipped"]
         assert reports(h) == [fx.ReportLoad(job_id=7, success=True, reason="nothing to load")]
         assert h.sent == []
-        assert h.state.round_seq == 0
+        assert h.state.round_seq is None  # no round taken yet
         assert h.state.phase is ConsumerPhase.REGISTERED
 
     def test_a_load_with_mismatched_keys_and_blocks_is_refused_with_a_reason(
@@ -1083,7 +1118,7 @@ class TestTerminalAndPhases:
             )
         ]
         assert h.sent == []
-        assert h.state.round_seq == 0
+        assert h.state.round_seq is None
         assert h.state.loads == {}
 
     def test_a_load_submitted_while_finishing_is_refused(self, h: ConsumerHarness) -> None:

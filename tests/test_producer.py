@@ -172,9 +172,13 @@ class TestServerLookupHandling:
         assert h.sent == [resp([K1, K2], [True, True])]
         assert h.cache.pins == {FIRST_PIN: (K1, K2)}
         assert h.pinned_jobs() == {FIRST_PIN}, "the pin waits for the fetch"
-        (pinned,) = h.events_of(ev.KeysPinned)
-        assert pinned.round_seq == 0  # type: ignore[attr-defined]
-        assert pinned.blocks == (11, 12)  # type: ignore[attr-defined]
+        (answered,) = h.events_of(ev.LookupAnswered)
+        assert isinstance(answered, ev.LookupAnswered)
+        assert answered.round_seq == 0
+        assert answered.pinned == ev.Pinned(
+            job_id=FIRST_PIN, keys=(K1, K2), blocks=(11, 12), expires_at=h.timings.pin_timeout
+        )
+        assert h.kinds() == ["LookupReceived", "LookupAnswered"]  # the parent answered at once
         end_and_check(h)
 
     def test_all_misses_pin_nothing_and_still_close_the_context(self) -> None:

@@ -208,7 +208,9 @@ class TestCoreRefusals:
         h = stocked(1)
         h.lookup(key(1))
         h.feed(verdict(fetch_msg([], round_seq=0), Quota.FETCH_ROUNDS))
-        assert "CloseRequested" in h.kinds()
+        (closed,) = h.events_of(ev.Closed)
+        assert isinstance(closed, ev.Closed)
+        assert closed.requested_round == 0  # the peer's close, in the Closed itself
         assert not h.events_of(ev.FetchRefused)
         assert h.pinned_jobs() == set()
         assert h.state.phase is ProducerPhase.CLOSED

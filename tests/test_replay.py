@@ -435,12 +435,14 @@ def test_timeline_rows_have_relative_times_kinds_and_details(tmp_path: Path) -> 
     assert details["LookupResp"] == "round 0, 2 hits, 1 miss"
     assert details["FetchSent"] == "round 0, job 7, 2 blocks, next round 1"
     assert details["TransferDone"] == "round 0, job 7, success"
-    assert details["Finished"] == "done: finished"
+    assert details["Finished"] == "done: finished; the engine finished it"
 
     p = result.actor(NODE_B, scenario.producers[0].state.actor)
     assert p.timeline is not None
     details = {row.kind: row.detail for row in p.timeline}
-    assert details["KeysResolved"] == "lookup 0: 2 hits, 1 miss, 0 pending"
+    assert details["LookupAnswered"] == (
+        "lookup 0, round 0, 2/3 hits, job 1000 pinned 2 blocks; the parent answered, context closed"
+    )
     assert details["TransferStarted"] == "transfer 0, round 0, 2 blocks, jobs 1000"
     assert details["PinReleased"] == "job 1000, success: round served"
 
@@ -471,8 +473,13 @@ def test_summary_counts(tmp_path: Path) -> None:
     assert s.fetches_sent == count("FetchSent")
     assert s.transfers_completed == count("TransferCompleted")
     assert s.aborts_sent == count("AbortSent") == 2
-    assert s.pins_created == count("KeysPinned") + count("StoreAdded")
-    assert s.pins_released == count("PinReleased")
+    answered_pins = sum(
+        1 for e in events if isinstance(e, ev.LookupAnswered) and e.pinned is not None
+    )
+    closed_pins = sum(len(e.released) for e in events if isinstance(e, ev.Closed))
+    assert answered_pins > 0
+    assert s.pins_created == count("KeysPinned") + count("StoreAdded") + answered_pins == 9
+    assert s.pins_released == count("PinReleased") + closed_pins == 10
     assert s.rejected == 1
     assert s.keys_hit == 7
     assert s.keys_missed == 1
@@ -551,10 +558,18 @@ def test_a_pin_never_released_is_a_violation(tmp_path: Path) -> None:
     only_violation(result, "Closed", closed.seq, contains="job 1000 is still pinned")
 
 
+def closed_again(log: Sequence[ev.AnyEvent]) -> tuple[list[ev.AnyEvent], int]:
+    """``log`` with a second close of the context its one-event answer closed; where."""
+    i = index_of(log, "LookupAnswered")
+    answered = log[i]
+    assert isinstance(answered, ev.LookupAnswered)
+    assert answered.resolved  # the answer closed the lookup's context
+    again = ev.ContextClosed(actor=answered.actor, seq=0, at=answered.at, lookup_id=0)
+    return renumbered([*log[: i + 1], again, *log[i + 1 :]]), i
+
+
 def test_a_context_closed_twice_is_a_violation(tmp_path: Path) -> None:
-    log = happy("req-x").producers[0].log
-    i = index_of(log, "ContextClosed")
-    broken = renumbered([*log[: i + 1], log[i], *log[i + 1 :]])
+    broken, i = closed_again(happy("req-x").producers[0].log)
 
     result = check_one(tmp_path, broken)
 
@@ -608,17 +623,19 @@ def test_a_finished_phase_that_is_not_final_is_a_violation(tmp_path: Path) -> No
 
 def test_a_gap_in_seq_is_one_violation(tmp_path: Path) -> None:
     log = happy("req-x").consumers[0].log
-    broken = [*log[:3], *log[4:]]
+    gap = index_of(log, "LookupResp")  # an event the rest does not depend on
+    broken = [*log[:gap], *log[gap + 1 :]]
 
     result = check_one(tmp_path, broken, NODE_A)
 
-    only_violation(result, log[4].KIND, log[4].seq, contains="seq gap")
+    only_violation(result, log[gap + 1].KIND, log[gap + 1].seq, contains="seq gap")
     assert len(result.violations) == 1
 
 
 def test_a_gap_is_reported_even_without_check(tmp_path: Path) -> None:
     log = happy("req-x").consumers[0].log
-    result = replay([write_log(tmp_path / "x.log", [*log[:3], *log[4:]], NODE_A)])
+    gap = index_of(log, "LookupResp")
+    result = replay([write_log(tmp_path / "x.log", [*log[:gap], *log[gap + 1 :]], NODE_A)])
 
     assert [v.message.split(":")[0] for v in result.violations] == ["seq gap"]
 
@@ -763,7 +780,7 @@ def test_cli_prints_timelines_and_a_summary(
     header = next(line for line in out.splitlines() if "req-happy  consumer" in line)
     assert header.startswith(NODE_A)
     assert "[done: finished]" in header
-    assert "  +0.000s    #1    Opened             round 0\n" in out
+    assert "  +0.000s    #1    Registered         3 keys\n" in out
     assert "Probed             round 0, 3 keys" in out
     assert "\nsummary\n" in out
     assert "  actors             13: consumer 6 (aborted 2, done 3, failed 1), producer 7" in out
@@ -816,7 +833,8 @@ def test_cli_lists_replay_violations_even_without_check(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     log = happy("req-x").consumers[0].log
-    path = write_log(tmp_path / "x.log", [*log[:3], *log[4:]], NODE_A)
+    gap = index_of(log, "LookupResp")
+    path = write_log(tmp_path / "x.log", [*log[:gap], *log[gap + 1 :]], NODE_A)
 
     status, out, _ = run_cli(capsys, path)
 
@@ -859,7 +877,7 @@ def test_cli_json_is_one_document_with_the_documented_keys(
     assert len(doc["actors"]) == 13
     actor = next(a for a in doc["actors"] if a["kv_request_id"] == "req-happy")
     assert set(actor) >= {"node_id", "role", "phase", "outcome", "timeline", "terminal"}
-    assert actor["timeline"][0] == {"t": 0.0, "seq": 1, "kind": "Opened", "detail": "round 0"}
+    assert actor["timeline"][0] == {"t": 0.0, "seq": 1, "kind": "Registered", "detail": "3 keys"}
     assert actor["first_wall"] is not None
     assert doc["summary"]["events"] > 0
     assert [log["node_id"] for log in doc["logs"]] == [NODE_A, NODE_B]
@@ -868,9 +886,7 @@ def test_cli_json_is_one_document_with_the_documented_keys(
 def test_cli_json_reports_violations_and_warnings(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    log = happy("req-x").producers[0].log
-    i = index_of(log, "ContextClosed")
-    broken = renumbered([*log[: i + 1], log[i], *log[i + 1 :]])
+    broken, i = closed_again(happy("req-x").producers[0].log)
     path = write_log(tmp_path / "x.log", broken, NODE_B)
     data = path.read_bytes()
     path.write_bytes(data[:-3])  # tear the tail

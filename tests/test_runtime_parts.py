@@ -67,12 +67,13 @@ def actor(host: Host, kv: str = "req") -> RequestActor:
 async def test_an_input_handed_over_during_a_step_waits_for_it() -> None:
     host = Host()
     a, b = actor(host, "a"), actor(host, "b")
-    host.then = [(b, inp.Open()), (a, inp.Register((b"k" * 36,), flush=True))]
-    host.runner.deliver(a, inp.Open())
+    key = b"k" * 36
+    host.then = [(b, inp.Register((key,))), (a, inp.Register((key,), flush=True))]
+    host.runner.deliver(a, inp.Register((key,)))
     assert host.steps == [
-        ("a", ["Opened"]),
-        ("b", ["Opened"]),
-        ("a", ["Registered", "Probed"]),
+        ("a", ["Registered"]),
+        ("b", ["Registered"]),
+        ("a", ["Probed"]),
     ]
     assert not host.runner.running
     assert host.armed == 1  # the lookup's progress deadline
@@ -81,15 +82,15 @@ async def test_an_input_handed_over_during_a_step_waits_for_it() -> None:
 async def test_an_input_for_an_ended_actor_is_dropped_and_reported() -> None:
     host = Host()
     a = actor(host)
-    host.runner.deliver(a, inp.Open())
+    host.runner.deliver(a, inp.Register((b"k" * 36,)))
     host.runner.deliver(a, inp.Finish())
     assert a.done
     host.runner.deliver(a, inp.Flush())
     assert host.dropped == [inp.Flush()]
     a2 = actor(host, "other")
     a2.abandon()
-    host.runner.deliver(a2, inp.Open())
-    assert host.dropped == [inp.Flush(), inp.Open()]
+    host.runner.deliver(a2, inp.Finish())
+    assert host.dropped == [inp.Flush(), inp.Finish()]
     assert a2.state == ConsumerState.new(a2.id)
 
 

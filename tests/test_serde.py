@@ -46,13 +46,19 @@ def strategy_for(hint: object) -> st.SearchStrategy[object]:
         return st.one_of([strategy_for(a) for a in args])
     if typing.get_origin(hint) is tuple:
         return st.lists(strategy_for(args[0]), max_size=5).map(tuple)
+    if isinstance(hint, type) and issubclass(hint, msgspec.Struct):
+        return records_of(hint)  # a record nested in an event
     return st.from_type(hint)  # type: ignore[arg-type]
 
 
-def events_of(cls: type[ev.Event]) -> st.SearchStrategy[ev.Event]:
+def records_of(cls: type[msgspec.Struct]) -> st.SearchStrategy[msgspec.Struct]:
     hints = typing.get_type_hints(cls)
     fields = {name: strategy_for(hints[name]) for name in cls.__struct_fields__}
     return st.builds(cls, **fields)
+
+
+def events_of(cls: type[ev.Event]) -> st.SearchStrategy[ev.Event]:
+    return records_of(cls)  # type: ignore[return-value]
 
 
 any_event = st.one_of([events_of(cls) for cls in ev.EVENT_TYPES.values()])
@@ -222,6 +228,8 @@ def golden_value(hint: object, i: int, name: str) -> object:
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         members = list(hint)
         return members[i % len(members)]
+    if hint is not ActorId and isinstance(hint, type) and issubclass(hint, msgspec.Struct):
+        return golden_record(hint, i)  # a record nested in an event
     values: dict[object, object] = {
         ActorId: GOLDEN_ACTOR,
         bool: i % 2 == 0,
@@ -233,11 +241,15 @@ def golden_value(hint: object, i: int, name: str) -> object:
     return values[hint]
 
 
-def golden_event(cls: type[ev.Event]) -> ev.AnyEvent:
+def golden_record(cls: type[msgspec.Struct], first: int = 0) -> msgspec.Struct:
     hints = typing.get_type_hints(cls)
     fields = cls.__struct_fields__
-    values = {name: golden_value(hints[name], i, name) for i, name in enumerate(fields)}
-    return typing.cast("ev.AnyEvent", cls(**values))
+    values = {name: golden_value(hints[name], first + i, name) for i, name in enumerate(fields)}
+    return cls(**values)
+
+
+def golden_event(cls: type[ev.Event]) -> ev.AnyEvent:
+    return typing.cast("ev.AnyEvent", golden_record(cls))
 
 
 def digest(data: bytes) -> str:
@@ -251,19 +263,19 @@ GOLDEN: dict[str, tuple[int, str, str]] = {
     "AbortSent": (1, "011cd238859ef6f5", "f1afefd781eabc30"),
     "Aborted": (1, "70b35605791bec44", "87c621dc3548e709"),
     "CloseRequested": (1, "daf83919cd3b1041", "46d630376a4d33f8"),
-    "Closed": (1, "d8dec21faeb69e5f", "c1f82048166705ec"),
+    "Closed": (2, "0cac94703771faa1", "80054ce9d6b606f5"),
     "ContextClosed": (1, "65610666ff6a1abc", "1b614f0258ebbdac"),
     "FetchReceived": (1, "07edb7682dd509d3", "67a435d65cc90a14"),
     "FetchRefused": (1, "a5bfc710addddc42", "3b43498c1a93c5a8"),
     "FetchSent": (1, "5b9d2f0be4c66b55", "6f357ac9af8430a8"),
     "FetchSkipped": (1, "288dafdef4f1163a", "33562e4d6e9377f5"),
     "FinishRequested": (1, "414ac0c2ab01828e", "cddb1b368bac2a40"),
-    "Finished": (1, "d4a2f75d468b706f", "db6add2e9dbc4496"),
+    "Finished": (2, "2b26288fdd9e0c46", "6538f11613277552"),
     "Ignored": (1, "a1163cd78ff72a28", "cb6b99c1df879a37"),
     "KeysPinned": (1, "51d15a2916e605d1", "d40fcd2531100eb6"),
     "KeysRefused": (1, "77437fc4a785c73a", "c8a2c16e0716b1d5"),
     "KeysResolved": (1, "aad38fec5677c5c7", "90e31c125848c07d"),
-    "LookupAnswered": (1, "25892cb74601a893", "8eaaea89d6832fed"),
+    "LookupAnswered": (2, "c2d6a493c98806db", "2063b623fffb6710"),
     "LookupCancelled": (1, "25fb9a09caeb1e0b", "75ee99a96e15b0db"),
     "LookupDropped": (1, "e0201cffc56d79aa", "d2c6f2ab815a2fbb"),
     "LookupLimited": (1, "6e59c9208d798d6a", "055e9995d539253c"),
@@ -276,7 +288,7 @@ GOLDEN: dict[str, tuple[int, str, str]] = {
     "PendingExpired": (1, "f03887a7fcc7d16b", "6c22425bf5016443"),
     "PendingPolled": (1, "31d5a332d9f70fdf", "387fa5212cfac677"),
     "PinReleased": (1, "4ae98a80f92cd40f", "57bdc7d8a1230961"),
-    "Probed": (1, "dc8297279cad0f1c", "e8eb8a6e9db51f2b"),
+    "Probed": (2, "012b2a04aca8cc27", "72d43effcc580bc2"),
     "Registered": (1, "e3ac9c3285d4acfc", "4f5594644cbd5fe3"),
     "Rejected": (1, "71d5fb7daa0b4b77", "fabc4e2cc1780993"),
     "RoundClosed": (1, "3cc6c8555b959b2f", "3900e3c3127f06cc"),

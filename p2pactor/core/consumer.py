@@ -43,8 +43,7 @@ __all__ = [
 ]
 
 ConsumerInput = (
-    inp.Open
-    | inp.Register
+    inp.Register
     | inp.Flush
     | inp.SubmitLoad
     | inp.Finish
@@ -66,8 +65,14 @@ def step_consumer(
     event_input: ConsumerInput,
     now: float,
     timings: Timings = DEFAULT_TIMINGS,
+    *,
+    first_round: int = 0,
 ) -> tuple[ConsumerState, tuple[ev.ConsumerEvent, ...]]:
     """Decide what ``event_input`` means for the request at time ``now``.
+
+    ``first_round`` is the round the request's first lookup or fetch takes (0
+    in vLLM's dialect; p2pactor peers number rounds per session, so that a
+    reused kv_request_id never repeats one); it is read only until then.
 
     Returns:
         The new state and the events that lead to it (possibly none). Folding
@@ -77,20 +82,17 @@ def step_consumer(
     if state.phase.terminal:
         return state, ()
     b = _builder(state, now)
-    if state.seq == 0 and not isinstance(event_input, inp.Open):
-        b.emit(ev.Opened(**b.head, round_seq=0))
+    rnd = first_round if state.round_seq is None else state.round_seq
     match event_input:
-        case inp.Open():
-            if state.seq == 0:
-                b.emit(ev.Opened(**b.head, round_seq=event_input.first_round))
         case inp.Register():
-            _register(b, event_input.keys)
             if event_input.flush:
-                _flush(b, timings)
+                _flush(b, timings, rnd, event_input.keys)
+            else:
+                _register(b, event_input.keys)
         case inp.Flush():
-            _flush(b, timings)
+            _flush(b, timings, rnd)
         case inp.SubmitLoad():
-            _submit_load(b, event_input, timings)
+            _submit_load(b, event_input, timings, rnd)
         case inp.Finish():
             _finish(b, timings)
         case inp.Tick():
@@ -122,25 +124,39 @@ def _accepting_keys(state: ConsumerState) -> bool:
     return not (state.finishing or state.lookup_failed or state.session_lost)
 
 
+def _new_keys(state: ConsumerState, keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    """``keys`` the request has not registered, once each, in order."""
+    probes = state.probes
+    return tuple(k for k in dict.fromkeys(keys) if k not in probes)
+
+
 def _register(b: Builder[ConsumerState, ev.ConsumerEvent], keys: tuple[bytes, ...]) -> None:
     if not _accepting_keys(b.state):
         return  # every key answers MISS now; nothing to ask
-    probes = b.state.probes
-    new = tuple(k for k in dict.fromkeys(keys) if k not in probes)
+    new = _new_keys(b.state, keys)
     if new:
         b.emit(ev.Registered(**b.head, keys=new))
 
 
-def _flush(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
+def _flush(
+    b: Builder[ConsumerState, ev.ConsumerEvent],
+    t: Timings,
+    rnd: int,
+    keys: tuple[bytes, ...] = (),
+) -> None:
+    """Send what was registered, and ``keys`` (registered by the same event)."""
     s = b.state
-    if not s.unsent or not _accepting_keys(s):
+    if not _accepting_keys(s):
+        return
+    asked = s.unsent + _new_keys(s, keys) if keys else s.unsent
+    if not asked:
         return
     # The progress deadline is armed by the first lookup and only moved by
     # answers, so a request that keeps asking can't keep itself alive forever.
     deadline = (
         s.lookup_deadline if s.lookup_deadline is not None else b.now + t.lookup_progress_timeout
     )
-    b.emit(ev.Probed(**b.head, round_seq=s.round_seq, keys=s.unsent, lookup_deadline=deadline))
+    b.emit(ev.Probed(**b.head, round_seq=rnd, keys=asked, lookup_deadline=deadline))
 
 
 def _on_lookup_resp(
@@ -180,7 +196,7 @@ def _on_lookup_resp(
 
 
 def _submit_load(
-    b: Builder[ConsumerState, ev.ConsumerEvent], load: inp.SubmitLoad, t: Timings
+    b: Builder[ConsumerState, ev.ConsumerEvent], load: inp.SubmitLoad, t: Timings, rnd: int
 ) -> None:
     s = b.state
 
@@ -198,14 +214,14 @@ def _submit_load(
         )
     elif not load.keys:
         skip("nothing to load", success=True)
-    elif load.next_round is not None and load.next_round <= s.round_seq:
-        skip(f"next_round {load.next_round} must be above round {s.round_seq}")
+    elif load.next_round is not None and load.next_round <= rnd:
+        skip(f"next_round {load.next_round} must be above round {rnd}")
     else:
-        next_round = s.round_seq + 1 if load.next_round is None else load.next_round
+        next_round = rnd + 1 if load.next_round is None else load.next_round
         b.emit(
             ev.FetchSent(
                 **b.head,
-                round_seq=s.round_seq,
+                round_seq=rnd,
                 job_id=load.job_id,
                 keys=load.keys,
                 block_indexes=load.block_indexes,
@@ -240,7 +256,20 @@ def _on_abort_ack(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.AbortAc
 
 
 def _finish(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
-    if b.state.finishing:
+    s = b.state
+    if s.finishing:
+        return
+    if not s.loads:
+        # Nothing in flight: the request ends now, in one event.
+        b.emit(
+            ev.Finished(
+                **b.head,
+                phase=s.outcome,
+                reason=s.problem or "finished",
+                requested=True,
+                cancelled_round=_open_round(s),
+            )
+        )
         return
     b.emit(ev.FinishRequested(**b.head))
     for round_seq, load in sorted(b.state.loads.items()):
@@ -254,9 +283,17 @@ def _finish(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
                     ack_deadline=b.now + t.abort_ack_timeout,
                 )
             )
-    if b.state.lookup_open and not b.state.session_lost:
-        b.emit(ev.LookupCancelled(**b.head, round_seq=b.state.round_seq))
+    cancelled = _open_round(b.state)
+    if cancelled is not None:
+        b.emit(ev.LookupCancelled(**b.head, round_seq=cancelled))
     _maybe_finished(b)
+
+
+def _open_round(s: ConsumerState) -> int | None:
+    """The round of a lookup still open that the peer can be told to drop, if any."""
+    if s.lookup_open and not s.session_lost:
+        return s.round_seq
+    return None
 
 
 def _tick(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:

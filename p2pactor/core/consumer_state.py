@@ -73,7 +73,8 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         actor: Who this is.
         seq: The sequence number of the last event applied.
         phase: Where the request is; only moves forward.
-        round_seq: The round the next lookup or fetch belongs to.
+        round_seq: The round the next lookup or fetch belongs to; None until
+            the first of them, which takes the request's first round.
         probes: Cached answers: True (HIT), False (MISS), None (asked or about
             to be asked, unanswered).
         unsent: Registered keys not yet on the wire, in registration order.
@@ -90,7 +91,7 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     actor: ActorId
     seq: int = 0
     phase: ConsumerPhase = ConsumerPhase.REGISTERED
-    round_seq: int = 0
+    round_seq: int | None = None
     probes: Mapping[bytes, bool | None] = msgspec.field(default_factory=dict)
     unsent: tuple[bytes, ...] = ()
     lookup_open: bool = False
@@ -132,6 +133,18 @@ def consumer_phase_after(phase: ConsumerPhase, event: ev.AnyEvent) -> ConsumerPh
     return target
 
 
+def _registered(
+    probes: Mapping[bytes, bool | None], keys: tuple[bytes, ...]
+) -> Mapping[bytes, bool | None]:
+    """``probes`` with every key of ``keys`` asked (unanswered unless it was answered)."""
+    if all(k in probes for k in keys):
+        return probes  # registered before (a Probed of version 1 followed a Registered)
+    out = dict(probes)
+    for key in keys:
+        out.setdefault(key, None)
+    return out
+
+
 def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
     rest = dict(loads)
     del rest[round_seq]
@@ -160,6 +173,8 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
                 s,
                 seq=seq,
                 phase=consumer_phase_after(s.phase, event),
+                round_seq=event.round_seq,
+                probes=_registered(s.probes, event.keys),
                 unsent=(),
                 lookup_open=True,
                 lookup_deadline=event.lookup_deadline,
@@ -179,6 +194,7 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
                 s,
                 seq=seq,
                 phase=consumer_phase_after(s.phase, event),
+                finishing=s.finishing or event.requested,
                 outcome=event.phase,
                 probes={},
                 unsent=(),

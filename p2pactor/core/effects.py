@@ -176,12 +176,18 @@ def _fetch_sent(e: ev.FetchSent) -> tuple[Effect, ...]:
     return (Send(fetch),)
 
 
+def _empty_fetch(actor: ActorId, round_seq: int) -> Send:
+    """The terminal empty fetch: the peer may drop the whole request."""
+    return Send(
+        wire.Fetch(
+            kv_request_id=actor.kv_request_id, keys=(), block_indexes=(), round_seq=round_seq
+        )
+    )
+
+
 @_of(ev.LookupCancelled)
 def _lookup_cancelled(e: ev.LookupCancelled) -> tuple[Effect, ...]:
-    close = wire.Fetch(
-        kv_request_id=e.actor.kv_request_id, keys=(), block_indexes=(), round_seq=e.round_seq
-    )
-    return (Send(close),)
+    return (_empty_fetch(e.actor, e.round_seq),)
 
 
 @_of(ev.AbortSent)
@@ -214,10 +220,18 @@ def _fetch_skipped(e: ev.FetchSkipped) -> tuple[Effect, ...]:
 _RETIRE: tuple[Effect, ...] = (Retire(),)
 
 
-@_of(ev.Finished, ev.Closed)
-def _ended(e: ev.Finished | ev.Closed) -> tuple[Effect, ...]:
-    del e
-    return _RETIRE
+@_of(ev.Finished)
+def _finished(e: ev.Finished) -> tuple[Effect, ...]:
+    if e.cancelled_round is None:
+        return _RETIRE
+    return (_empty_fetch(e.actor, e.cancelled_round), *_RETIRE)
+
+
+@_of(ev.Closed)
+def _closed(e: ev.Closed) -> tuple[Effect, ...]:
+    if not e.released:
+        return _RETIRE
+    return (*(ReleasePin(job_id=job, success=False) for job in e.released), *_RETIRE)
 
 
 # producer
@@ -264,7 +278,9 @@ def _lookup_answered(e: ev.LookupAnswered) -> tuple[Effect, ...]:
     resp = wire.LookupResp(
         kv_request_id=e.actor.kv_request_id, keys=e.keys, hits=e.hits, round_seq=e.round_seq
     )
-    return (Send(resp),)
+    if not e.resolved:
+        return (Send(resp),)
+    return (Send(resp), ParentClose(context_name(e.actor, e.lookup_id)))
 
 
 @_of(ev.ContextClosed)

@@ -5,6 +5,8 @@ Re-exported by :mod:`p2pactor.core.events`; import them from there.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from p2pactor.core.events_base import ConsumerPhase, Event, Ints, Keys
 
 __all__ = [
@@ -25,7 +27,10 @@ __all__ = [
 
 
 class Opened(Event, frozen=True, kw_only=True):
-    """A consumer request began.
+    """A consumer request began (read from older logs; no longer written).
+
+    Since :class:`Probed` 2 the request's first lookup or fetch carries its
+    first round, and nothing records the start alone.
 
     Attributes:
         round_seq: Its first round (0 in vLLM's dialect).
@@ -45,13 +50,20 @@ class Registered(Event, frozen=True, kw_only=True):
 
 
 class Probed(Event, frozen=True, kw_only=True):
-    """A lookup went out.
+    """A lookup went out; the keys it asks are registered with it.
+
+    Version 2: the keys need no :class:`Registered` before (an engine's
+    lookup registers and sends in one step), and the first lookup (or fetch)
+    sets the request's round, with no :class:`Opened` before. Version 1
+    records, which follow those events, fold the same way.
 
     Attributes:
         round_seq: The round it belongs to.
         keys: The keys asked, in wire order.
         lookup_deadline: When the request fails if no key resolves before.
     """
+
+    VERSION: ClassVar[int] = 2  # 2: registers its keys, sets the first round
 
     round_seq: int
     keys: Keys
@@ -189,10 +201,22 @@ class Aborted(Event, frozen=True, kw_only=True):
 class Finished(Event, frozen=True, kw_only=True):
     """The consumer request ended. Terminal.
 
+    Version 2: when the engine's finish ends the request at once (no load in
+    flight), this one event says so, with what version 1 recorded apart
+    before it: the engine's finish (:class:`FinishRequested`) and the terminal
+    empty fetch (:class:`LookupCancelled`).
+
     Attributes:
         phase: DONE, FAILED or ABORTED.
         reason: A summary for people.
+        requested: The engine finished the request in this step.
+        cancelled_round: The terminal empty fetch went out in this step,
+            stamped with this round (a lookup was still open); None if not.
     """
+
+    VERSION: ClassVar[int] = 2  # 2: requested, cancelled_round
 
     phase: ConsumerPhase
     reason: str
+    requested: bool = False
+    cancelled_round: int | None = None

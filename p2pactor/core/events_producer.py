@@ -5,6 +5,10 @@ Re-exported by :mod:`p2pactor.core.events`; import them from there.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+import msgspec
+
 from p2pactor.core.events_base import Event, Ints, Keys, Quota
 
 __all__ = [
@@ -27,6 +31,7 @@ __all__ = [
     "PendingExpired",
     "PendingPolled",
     "PinReleased",
+    "Pinned",
     "RoundClosed",
     "StoreAdded",
     "TransferCompleted",
@@ -128,20 +133,50 @@ class PendingExpired(Event, frozen=True, kw_only=True):
     keys: Keys
 
 
+class Pinned(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """The parent pinned a lookup's hits, as one job (inside :class:`LookupAnswered`).
+
+    Attributes:
+        job_id: The parent's job; releasing it unpins the blocks.
+        keys: The pinned keys.
+        blocks: Our block index for each key.
+        expires_at: When the pin is released if no fetch uses it.
+    """
+
+    job_id: int
+    keys: Keys
+    blocks: Ints
+    expires_at: float
+
+
 class LookupAnswered(Event, frozen=True, kw_only=True):
     """The one answer to a lookup went out.
+
+    Version 2: when the parent's first answer settles every key of the
+    lookup, the answer goes out in the same step, and this one event records
+    all of it (``resolved``): the parent's answer (a :class:`KeysResolved`),
+    the pin of the hits (``pinned``, a :class:`KeysPinned`) and the close of
+    the lookup's synthetic parent request (a :class:`ContextClosed`), which
+    version 1 recorded apart before and after it.
 
     Attributes:
         lookup_id: Which lookup.
         round_seq: Its round (sent to p2pactor peers only).
         keys: The lookup's keys in wire order, duplicates included.
         hits: Parallel to ``keys``.
+        resolved: The parent's first answer came in this step and settled
+            every key; the synthetic request opened and closed with it.
+        pinned: The hits the parent pinned in this step, if any.
     """
+
+    VERSION: ClassVar[int] = 2  # 2: resolved, pinned
 
     lookup_id: int
     round_seq: int
     keys: Keys
     hits: tuple[bool, ...]
+    resolved: bool = False
+    pinned: Pinned | None = None
 
 
 class LookupDropped(Event, frozen=True, kw_only=True):
@@ -393,8 +428,25 @@ class CloseRequested(Event, frozen=True, kw_only=True):
 class Closed(Event, frozen=True, kw_only=True):
     """The producer request holds nothing any more. Terminal.
 
+    Version 2: when the peer's empty fetch closes a request that holds only
+    pins of rounds it looked up, this one event records the whole close,
+    which version 1 recorded as a :class:`CloseRequested`, a
+    :class:`PinReleased` per pin and a :class:`RoundClosed` per round before
+    it; they all had ``reason`` as their reason.
+
     Attributes:
         reason: A summary for people.
+        requested_round: The round stamped on the peer's empty fetch that
+            closed the request in this step, or None.
+        released: The pin jobs released in this step (not a success: nothing
+            was fetched from them).
+        rounds_closed: The rounds that ended in this step, with nothing to
+            tell the peer.
     """
 
+    VERSION: ClassVar[int] = 2  # 2: requested_round, released, rounds_closed
+
     reason: str
+    requested_round: int | None = None
+    released: Ints = ()
+    rounds_closed: Ints = ()

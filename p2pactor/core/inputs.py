@@ -21,7 +21,6 @@ __all__ = [
     "Finish",
     "Flush",
     "LookupResult",
-    "Open",
     "OverQuota",
     "ParentAnswer",
     "Pin",
@@ -44,15 +43,6 @@ class LookupResult(IdentityEnum):
     """Present but not readable yet (a write or promotion in flight)."""
     RETRY = "retry"
     """Not known yet; ask again later."""
-
-
-class Open(msgspec.Struct, frozen=True, gc=False):
-    """Start a consumer request at ``first_round`` (0 in vLLM's dialect).
-
-    Optional: a consumer whose first input is anything else starts at round 0.
-    """
-
-    first_round: int = 0
 
 
 class Register(msgspec.Struct, frozen=True, gc=False):

@@ -173,6 +173,8 @@ def _tick(b: _B, t: Timings) -> None:
 
 def _sweep(b: _B) -> None:
     """Settle whatever the step made settle-able, then close if nothing is held."""
+    if b.state.phase is ProducerPhase.CLOSED:
+        return  # the step closed the request whole
     for _, rnd in sorted(b.state.rounds.items()):
         _sweep_round(b, rnd)
     _release_stores(b)

@@ -170,6 +170,26 @@ def _evolve_lookup_opened(
     )
 
 
+def _pinned(s: ProducerState, seq: int, round_seq: int, pin: ev.Pinned) -> ProducerState:
+    """A lookup's hits pinned: the job held, and its blocks the round's supply."""
+    job_id = pin.job_id
+    job = PinJob(
+        job_id=job_id,
+        round_seq=round_seq,
+        keys=pin.keys,
+        blocks=pin.blocks,
+        expires_at=pin.expires_at,
+    )
+    rounds = s.rounds
+    if round_seq in rounds:
+        rnd = rounds[round_seq]
+        supply = dict(rnd.supply)
+        for key, block in zip(pin.keys, pin.blocks, strict=True):
+            supply[key] = Supply(job_id, block)
+        rounds = _put(rounds, round_seq, replace(rnd, supply=supply))
+    return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds)
+
+
 def _round(s: ProducerState, round_seq: int) -> RoundState:
     return s.rounds.get(round_seq) or RoundState(round_seq=round_seq)
 
@@ -210,23 +230,26 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
                 open_contexts=s.open_contexts | {event.lookup_id},
             )
         case ev.KeysPinned():
-            job = PinJob(
+            pin = ev.Pinned(
                 job_id=event.job_id,
-                round_seq=event.round_seq,
                 keys=event.keys,
                 blocks=event.blocks,
                 expires_at=event.expires_at,
             )
-            rounds = s.rounds
-            if event.round_seq in rounds:
-                rnd = rounds[event.round_seq]
-                supply = dict(rnd.supply)
-                for key, block in zip(event.keys, event.blocks, strict=True):
-                    supply[key] = Supply(event.job_id, block)
-                rounds = _put(rounds, event.round_seq, replace(rnd, supply=supply))
-            return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), rounds=rounds)
+            return _pinned(s, seq, event.round_seq, pin)
         case ev.LookupAnswered():
             answered = s.lookups[event.lookup_id]
+            if event.resolved:
+                # The parent's answer, its pin and the answer in one step: the
+                # lookup is over, its synthetic request closed with it.
+                if event.pinned is not None:
+                    s = _pinned(s, seq, event.round_seq, event.pinned)
+                return replace(
+                    s,
+                    seq=seq,
+                    lookups=_drop(s.lookups, event.lookup_id),
+                    open_contexts=s.open_contexts - {event.lookup_id},
+                )
             if answered.outstanding:
                 # Answered at its deadline with the parent still busy: keep it
                 # until the parent's answer, whose pin must be released.
@@ -256,6 +279,14 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             served = isinstance(event, ev.TransferDoneSent) and event.success
             return _evolve_round_ended(s, seq, event.round_seq, served=served)
         case ev.Closed():
+            if event.requested_round is not None:
+                s = replace(
+                    s, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=event.reason
+                )
+            for job_id in event.released:
+                s = _evolve_pin_released(s, seq, job_id)
+            for round_seq in event.rounds_closed:
+                s = _evolve_round_ended(s, seq, round_seq, served=False)
             return replace(s, seq=seq, phase=PRODUCER_PHASE_AT[ev.Closed])
         case ev.FetchReceived():
             rnd = replace(

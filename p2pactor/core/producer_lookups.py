@@ -90,6 +90,8 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
         if answer.pin is not None:
             _release(b, answer.pin.job_id, "stray parent answer")
         return
+    if not answer.expired and _answer_at_once(b, lookup, answer, t):
+        return
     if answer.expired:
         b.emit(ev.ParentExpired(**b.head, lookup_id=lookup.lookup_id))
         if answer.pin is not None:  # the runtime never pins past not_after; if it did:
@@ -103,6 +105,52 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
     if lookup.pending and not done and b.now >= lookup.deadline:
         b.emit(ev.PendingExpired(**b.head, lookup_id=lookup.lookup_id, keys=_ordered(lookup)))
     _settle_lookup(b, answer.lookup_id)
+
+
+def _answer_at_once(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> bool:
+    """Answer in one event if the parent's first answer settles every key; whether it did.
+
+    The common case: every key of the lookup is a HIT the parent pinned or a
+    MISS, at its first answer, and nothing else happened to the lookup. What
+    ``_resolve`` and ``_settle_lookup`` would record as four events is then
+    one :class:`~p2pactor.core.events.LookupAnswered`.
+    """
+    pin = answer.pin
+    if answer.refused or lookup.dropped or lookup.answered or lookup.resolved:
+        return False  # a quota's refusal, a close, a deadline, or keys settled before
+    if pin is not None and _pin_refusal(b.state, lookup):
+        return False
+    results = dict(answer.results)
+    pinned = frozenset(pin.keys) if pin is not None else frozenset()
+    resolved: dict[bytes, bool] = {}
+    for key in lookup.pending:
+        result = results.get(key)
+        if result is inp.LookupResult.HIT:
+            # A hit the parent could not pin is no hit: it may be evicted.
+            resolved[key] = key in pinned
+        elif result is inp.LookupResult.MISS:
+            resolved[key] = False
+        else:
+            return False  # still pending: asked again later
+    b.emit(
+        ev.LookupAnswered(
+            **b.head,
+            lookup_id=lookup.lookup_id,
+            round_seq=lookup.round_seq,
+            keys=lookup.keys,
+            hits=tuple(resolved[k] for k in lookup.keys),
+            resolved=True,
+            pinned=None
+            if pin is None
+            else ev.Pinned(
+                job_id=pin.job_id,
+                keys=pin.keys,
+                blocks=pin.blocks,
+                expires_at=b.now + t.pin_timeout,
+            ),
+        )
+    )
+    return True
 
 
 def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:

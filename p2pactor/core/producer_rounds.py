@@ -67,6 +67,8 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         return
     if not msg.keys:
         reason = "the consumer finished the request (empty fetch)"
+        if _close_at_once(b, r, reason):
+            return
         b.emit(ev.CloseRequested(**b.head, round_seq=r, reason=reason))
         _drop_lookups(b, reason)
         return
@@ -92,6 +94,39 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         _finalize(b, r, success=False, reason=f"{unmatched} of {len(msg.keys)} keys {what}")
     elif matched:
         _start(b, r, matched)
+
+
+def _close_at_once(b: _B, round_seq: int, reason: str) -> bool:
+    """Close in one event if the request holds only pins of rounds it looked up; whether it did.
+
+    The common case of the empty fetch: nothing is being looked up, fetched
+    or written, and no stored block waits. What the close and the sweep after
+    it would record as a :class:`~p2pactor.core.events.CloseRequested`, a
+    release per pin, a ``RoundClosed`` per round and the ``Closed`` is then one
+    :class:`~p2pactor.core.events.Closed`.
+    """
+    s = b.state
+    if s.lookups or s.transfers or s.pool or s.open_contexts:
+        return False
+    rounds = s.rounds
+    if any(rnd.fetched for rnd in rounds.values()):
+        return False
+    if any(job.round_seq not in rounds or job.readers for job in s.jobs.values()):
+        return False  # a store's job (no round), or one some write still reads
+    closed = tuple(sorted(rounds))
+    released = tuple(
+        job_id for r in closed for job_id, job in sorted(s.jobs.items()) if job.round_seq == r
+    )
+    b.emit(
+        ev.Closed(
+            **b.head,
+            reason=reason,
+            requested_round=round_seq,
+            released=released,
+            rounds_closed=closed,
+        )
+    )
+    return True
 
 
 def _on_abort(b: _B, msg: wire.AbortFetch) -> None:

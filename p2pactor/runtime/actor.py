@@ -80,17 +80,23 @@ class RequestActor:
             (``next_deadline(state)``), or None.
         abandoned: Its session closed without it ending (the drain gave up):
             it takes no input any more, and what it held was reported.
+
+    A consumer's ``first_round`` is the round its first lookup or fetch takes
+    (its session numbers them); a producer's rounds are the peer's.
     """
 
-    __slots__ = ("_host", "_timings", "abandoned", "deadline", "id", "state")
+    __slots__ = ("_first_round", "_host", "_timings", "abandoned", "deadline", "id", "state")
 
-    def __init__(self, actor_id: ActorId, host: ActorHost, timings: Timings) -> None:
+    def __init__(
+        self, actor_id: ActorId, host: ActorHost, timings: Timings, *, first_round: int = 0
+    ) -> None:
         self.id = actor_id
         self.state: ActorState = initial_state(actor_id)
         self.deadline: float | None = None
         self.abandoned = False
         self._host = host
         self._timings = timings
+        self._first_round = first_round
 
     def __repr__(self) -> str:
         return f"<RequestActor {self.id} seq={self.state.seq}>"
@@ -122,6 +128,7 @@ class RequestActor:
                     admitted,  # type: ignore[arg-type]
                     now,
                     self._timings,
+                    first_round=self._first_round,
                 )
             else:
                 assert isinstance(self.state, ProducerState)

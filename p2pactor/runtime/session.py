@@ -144,14 +144,13 @@ class PeerSession(ControlLink):
         )
 
     def consumer(self, kv_request_id: str) -> RequestActor:
-        """The live consumer actor for ``kv_request_id``, created (and opened) if needed."""
+        """The live consumer actor for ``kv_request_id``, created if needed."""
         actor = self._consumers.get(kv_request_id)
         if actor is not None and not actor.done:
             return actor
-        actor = self._spawn(Role.CONSUMER, kv_request_id)
-        self._consumers[kv_request_id] = actor
         first = next(self._round_counter) if self._session_rounds() else 0
-        self._runner.deliver(actor, inp.Open(first_round=first))
+        actor = self._spawn(Role.CONSUMER, kv_request_id, first_round=first)
+        self._consumers[kv_request_id] = actor
         return actor
 
     def next_round(self) -> int | None:
@@ -306,11 +305,11 @@ class PeerSession(ControlLink):
             msg = replace(msg, round_seq=wire.UNSET)
         self._runner.deliver(actor, msg)
 
-    def _spawn(self, role: Role, kv_request_id: str) -> RequestActor:
+    def _spawn(self, role: Role, kv_request_id: str, *, first_round: int = 0) -> RequestActor:
         previous = self._retired.pop((role, kv_request_id), None)
         incarnation = 0 if previous is None else previous + 1
         actor_id = ActorId(role, self.peer_id, kv_request_id, incarnation)
-        actor = RequestActor(actor_id, self, self._config.timings)
+        actor = RequestActor(actor_id, self, self._config.timings, first_round=first_round)
         self._live += 1
         self._host.actor_created(actor)
         return actor

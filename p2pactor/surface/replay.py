@@ -108,6 +108,8 @@ _COUNTED: frozenset[type] = frozenset(
         ev.LookupTimedOut,
         ev.KeysResolved,
         ev.PendingExpired,
+        ev.LookupAnswered,
+        ev.Closed,
         ev.TransferDone,
         ev.AbortAcked,
         ev.Aborted,
@@ -241,8 +243,8 @@ class Replayer:
             transfers_failed=k["TransferFailed"],
             aborts_sent=k["AbortSent"],
             aborts_received=k["AbortReceived"],
-            pins_created=k["KeysPinned"] + k["StoreAdded"],
-            pins_released=k["PinReleased"],
+            pins_created=k["KeysPinned"] + k["StoreAdded"] + c["pins_answered"],
+            pins_released=k["PinReleased"] + c["pins_closed"],
             rejected=k["Rejected"],
             quota_refusals=dict(sorted(self._refusals.items())),
             violations=len(self.violations),
@@ -263,6 +265,15 @@ class Replayer:
             case ev.KeysResolved():
                 c["keys_served_hit"] += len(event.hits)
                 c["keys_served_missed"] += len(event.misses)
+            case ev.LookupAnswered() if event.resolved:
+                # What a KeysResolved (of distinct keys) and a KeysPinned said apart.
+                answers = dict(zip(event.keys, event.hits, strict=True))
+                hits = sum(answers.values())
+                c["keys_served_hit"] += hits
+                c["keys_served_missed"] += len(answers) - hits
+                c["pins_answered"] += event.pinned is not None
+            case ev.Closed():
+                c["pins_closed"] += len(event.released)
             case ev.PendingExpired():
                 c["keys_served_timed_out"] += len(event.keys)
             case ev.TransferDone():

@@ -89,6 +89,14 @@ class ConsumerCheck:
             case ev.TransferDone() | ev.Aborted():
                 self._end_load(event.round_seq, event.job_id, event.KIND, problems)
             case ev.Finished():
+                if (
+                    event.cancelled_round is not None
+                    and _RANK[before.phase] < _RANK[ConsumerPhase.PROBING]
+                ):
+                    problems.append(
+                        f"an empty fetch while the request was {before.phase.value}: "
+                        "no lookup was open"
+                    )
                 if not event.phase.terminal:
                     problems.append(f"Finished with phase {event.phase.value}, not a final one")
                 problems.extend(
@@ -138,10 +146,7 @@ class ProducerCheck:
             problems.append(f"job {job_id} is pinned again after its release")
         self.held.add(job_id)
 
-    def _release(
-        self, event: ev.PinReleased, prev: ev.AnyEvent | None, problems: list[str]
-    ) -> None:
-        job_id = event.job_id
+    def _release(self, job_id: int, prev: ev.AnyEvent | None, problems: list[str]) -> None:
         if job_id in self.held:
             self.held.remove(job_id)
             self.released.add(job_id)
@@ -154,6 +159,20 @@ class ProducerCheck:
             problems.append(f"job {job_id} is released a second time")
         elif not _stray_release(prev):
             problems.append(f"job {job_id} is released but was never pinned")
+
+    def _open_context(self, lookup_id: int, problems: list[str]) -> None:
+        if lookup_id in self.contexts_closed:
+            problems.append(f"the context of lookup {lookup_id} opens again")
+        self.contexts.add(lookup_id)
+
+    def _close_context(self, lookup_id: int, problems: list[str]) -> None:
+        if lookup_id in self.contexts:
+            self.contexts.remove(lookup_id)
+            self.contexts_closed.add(lookup_id)
+        elif lookup_id in self.contexts_closed:
+            problems.append(f"the context of lookup {lookup_id} is closed a second time")
+        else:
+            problems.append(f"the context of lookup {lookup_id} is closed but never opened")
 
     def _end_round(
         self, event: ev.AnyEvent, round_seq: int, prev: ev.AnyEvent | None, problems: list[str]
@@ -191,20 +210,17 @@ class ProducerCheck:
             case ev.KeysPinned() | ev.StoreAdded():
                 self._pin(event.job_id, problems)
             case ev.PinReleased():
-                self._release(event, prev, problems)
+                self._release(event.job_id, prev, problems)
             case ev.KeysResolved():
-                if event.lookup_id in self.contexts_closed:
-                    problems.append(f"the context of lookup {event.lookup_id} opens again")
-                self.contexts.add(event.lookup_id)
+                self._open_context(event.lookup_id, problems)
             case ev.ContextClosed():
-                lookup_id = event.lookup_id
-                if lookup_id in self.contexts:
-                    self.contexts.remove(lookup_id)
-                    self.contexts_closed.add(lookup_id)
-                elif lookup_id in self.contexts_closed:
-                    problems.append(f"the context of lookup {lookup_id} is closed a second time")
-                else:
-                    problems.append(f"the context of lookup {lookup_id} is closed but never opened")
+                self._close_context(event.lookup_id, problems)
+            case ev.LookupAnswered() if event.resolved:
+                # The parent's first answer (its context opening), its pin, the close.
+                self._open_context(event.lookup_id, problems)
+                if event.pinned is not None:
+                    self._pin(event.pinned.job_id, problems)
+                self._close_context(event.lookup_id, problems)
             case ev.FetchReceived():
                 if event.round_seq in self.rounds or event.round_seq in self.ended:
                     problems.append(f"a second fetch for round {event.round_seq}")
@@ -230,6 +246,10 @@ class ProducerCheck:
             case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
                 self._end_round(event, event.round_seq, prev, problems)
             case ev.Closed():
+                for job_id in event.released:
+                    self._release(job_id, prev, problems)
+                for round_seq in event.rounds_closed:
+                    self._end_round(event, round_seq, prev, problems)
                 problems.extend(f"Closed while {what}" for what in self.open_obligations())
             case _:
                 pass

@@ -66,7 +66,12 @@ def describe(event: ev.AnyEvent) -> str:
         case ev.Aborted():
             return f"round {event.round_seq}, job {event.job_id}: {event.reason}"
         case ev.Finished():
-            return f"{event.phase.value}: {event.reason}"
+            parts = [f"{event.phase.value}: {event.reason}"]
+            if event.requested:
+                parts.append("the engine finished it")
+            if event.cancelled_round is not None:
+                parts.append(f"empty fetch, round {event.cancelled_round}")
+            return "; ".join(parts)
         case ev.LookupReceived():
             return (
                 f"lookup {event.lookup_id}, round {event.round_seq}, {_n(len(event.keys), 'key')}"
@@ -106,9 +111,12 @@ def describe(event: ev.AnyEvent) -> str:
             return f"lookup {event.lookup_id}, {_n(len(event.keys), 'key')} timed out"
         case ev.LookupAnswered():
             hits = sum(event.hits)
-            return (
+            text = (
                 f"lookup {event.lookup_id}, round {event.round_seq}, {hits}/{len(event.hits)} hits"
             )
+            if event.pinned is not None:
+                text += f", job {event.pinned.job_id} pinned {_n(len(event.pinned.keys), 'block')}"
+            return text + ("; the parent answered, context closed" if event.resolved else "")
         case ev.LookupDropped():
             return f"lookup {event.lookup_id}: {event.reason}"
         case ev.ContextClosed():
@@ -139,6 +147,19 @@ def describe(event: ev.AnyEvent) -> str:
         case ev.CloseRequested():
             return f"round {event.round_seq}: {event.reason}"
         case ev.Closed():
-            return event.reason
+            parts = [event.reason]
+            if event.requested_round is not None:
+                parts.append(f"empty fetch, round {event.requested_round}")
+            if event.released:
+                parts.append(
+                    f"released job{'s' * (len(event.released) > 1)} "
+                    + ",".join(map(str, event.released))
+                )
+            if event.rounds_closed:
+                parts.append(
+                    f"closed round{'s' * (len(event.rounds_closed) > 1)} "
+                    + ",".join(map(str, event.rounds_closed))
+                )
+            return "; ".join(parts)
         case _:
             assert_never(event)
