@@ -21,7 +21,6 @@ import trio
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core import protocol as wire
 from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor, Runner
@@ -33,11 +32,10 @@ from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.peers import PeerRegistry
 from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.serving import ParentService
-from p2pactor.runtime.session import PeerSession
 from p2pactor.runtime.session_host import SessionCloseResult
 from p2pactor.runtime.stores import StoreDesk
 from p2pactor.runtime.timers import Timers
-from p2pactor.runtime.transport import ControlConnection, ControlTransport, DataTransport
+from p2pactor.runtime.transport import ControlTransport, DataTransport
 from p2pactor.runtime.view import EventWatcher, HandshakeWatcher
 
 __all__ = ["NodeHost"]
@@ -255,16 +253,9 @@ class NodeHost:
         else:
             self.bridge.result(result)
 
-    def producer_opened(self, session: PeerSession, actor: RequestActor) -> None:
+    def producer_opened(self, actor: RequestActor) -> None:
         """Bind a prefill/decode request's waiting stores to the actor that will serve them."""
-        del session
         self.stores.bind(actor)
-
-    def session_restarted(
-        self, old: PeerSession, conn: ControlConnection, first: wire.Connect
-    ) -> None:
-        """The peer opened a new session on ``old``'s connection: start one with ``first``."""
-        self.peers.restarted(old, conn, first)
 
     def session_closed(self, result: SessionCloseResult) -> None:
         """Release what a closed session left held; forget its bindings."""

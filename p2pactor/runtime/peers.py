@@ -141,7 +141,7 @@ class PeerRegistry:
     def _start(
         self, peer: str, conn: ControlConnection | None, first: wire.Connect | None = None
     ) -> PeerSession:
-        session = PeerSession(self._host, peer, conn, first=first)
+        session = PeerSession(self._host, peer, conn, first=first, on_restart=self.restarted)
         self._sessions[peer] = session
         self._nursery.start_soon(self._run, session, name=f"session {peer}")
         return session

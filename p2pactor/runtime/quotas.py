@@ -42,7 +42,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import attrs
 
@@ -51,11 +51,9 @@ from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota
 from p2pactor.core.ids import ActorId
+from p2pactor.core.producer import ProducerState, RoundState
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.logcontext import request_context
-
-if TYPE_CHECKING:
-    from p2pactor.core.producer import ProducerState, RoundState
 
 __all__ = ["DEFAULT_QUOTAS", "PeerQuotas", "PeerUsage", "QuotaLedger"]
 

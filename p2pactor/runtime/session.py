@@ -27,7 +27,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Final
 
@@ -90,8 +90,12 @@ class PeerSession(ControlLink):
         conn: ControlConnection | None = None,
         *,
         first: wire.Connect | None = None,
+        on_restart: Callable[[PeerSession, ControlConnection, wire.Connect], None],
     ) -> None:
         super().__init__(host, peer_id, conn, first)
+        # Whoever made the session starts its successor when the peer starts a
+        # new one on this connection (the node's registry).
+        self._on_restart = on_restart
         self.result: SessionCloseResult | None = None
         self._runner = host.runner
         self._consumers: dict[str, RequestActor] = {}
@@ -256,7 +260,7 @@ class PeerSession(ControlLink):
         self._handed_over = True
         self._conn.attach(None)  # frames wait for the new session
         self._die("the peer started a new session on this connection")
-        self._host.session_restarted(self, self._conn, msg)
+        self._on_restart(self, self._conn, msg)
 
     def _to_producer(self, msg: wire.Lookup | wire.Fetch | wire.AbortFetch) -> None:
         kv_id = msg.kv_request_id
@@ -286,7 +290,7 @@ class PeerSession(ControlLink):
             self._runner.deliver(actor, msg)
             # After its first message: stores waiting for the request (and an
             # engine's finish) follow the fetch that binds them.
-            self._host.producer_opened(self, actor)
+            self._host.producer_opened(actor)
             return
         self._runner.deliver(actor, msg)
 

@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import attrs
 
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
-from p2pactor.core import protocol as wire
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.timers import Timers
-from p2pactor.runtime.transport import ControlConnection, ControlTransport, DataTransport
-
-if TYPE_CHECKING:
-    from p2pactor.runtime.session import PeerSession
+from p2pactor.runtime.transport import ControlTransport, DataTransport
 
 __all__ = ["SessionCloseResult", "SessionHost", "SessionState"]
 
@@ -95,7 +91,7 @@ class SessionHost(Protocol):
     def report_load(self, job_id: int, *, success: bool, reason: str) -> None:
         """Report one of the engine's load jobs finished."""
 
-    def producer_opened(self, session: PeerSession, actor: RequestActor) -> None:
+    def producer_opened(self, actor: RequestActor) -> None:
         """A producer actor was created (the node binds parked stores to it)."""
 
     def actor_created(self, actor: RequestActor) -> None:
@@ -103,8 +99,3 @@ class SessionHost(Protocol):
 
     def handshake_ended(self, peer: str, outcome: str) -> None:
         """The handshake with ``peer`` ended: ``ok`` or why not (for metrics)."""
-
-    def session_restarted(
-        self, old: PeerSession, conn: ControlConnection, first: wire.Connect
-    ) -> None:
-        """The peer opened a new session on ``old``'s connection: start one with ``first``."""
