@@ -337,13 +337,15 @@ class ZmqControlTransport:
                         router.sock.getsockopt(zmq.EVENTS)
                 if router.closed:
                     return
-                if handled:
-                    await trio.lowlevel.cancel_shielded_checkpoint()
-                elif not _events(router.sock) & zmq.POLLIN:
-                    # This task is the ROUTER's only user, so it parks on the
-                    # fd itself (one task wake-up per batch, not two): EVENTS
-                    # was just read, and no zmq call has consumed an edge since.
+                if handled < limit and not _events(router.sock) & zmq.POLLIN:
+                    # Read dry: this task is the ROUTER's only user, so it parks
+                    # on the fd itself, and that is its one yield for the batch
+                    # (a lone frame costs one task wake-up, not two). EVENTS was
+                    # just read, and no zmq call has consumed an edge since.
                     await trio.lowlevel.wait_readable(router._fd)
+                else:
+                    # More is waiting: let the node's other tasks run first.
+                    await trio.lowlevel.cancel_shielded_checkpoint()
         except trio.ClosedResourceError:
             return
 

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Protocol
 
 import trio
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import ConsumerInput, ConsumerState, step_consumer
-from p2pactor.core.fold import ActorState, initial_state, is_terminal, next_deadline
-from p2pactor.core.ids import ActorId
-from p2pactor.core.producer import ProducerInput, ProducerState, step_producer
+from p2pactor.core.consumer import ConsumerInput, next_consumer_deadline, step_consumer
+from p2pactor.core.fold import ActorState, initial_state, is_terminal
+from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.producer import ProducerInput, next_producer_deadline, step_producer
 from p2pactor.core.timings import Timings
 from p2pactor.runtime.logcontext import request_context
 
@@ -37,6 +38,9 @@ log = logging.getLogger("p2pactor.actor")
 
 ActorInput = ConsumerInput | ProducerInput
 """Anything an actor of either role reacts to."""
+
+# A role's step with its timings (and first round) bound: state, input, now.
+_Decide = Callable[[Any, Any, float], tuple[Any, tuple[ev.AnyEvent, ...]]]
 
 
 class ActorHost(Protocol):
@@ -85,7 +89,16 @@ class RequestActor:
     (its session numbers them); a producer's rounds are the peer's.
     """
 
-    __slots__ = ("_first_round", "_host", "_timings", "abandoned", "deadline", "id", "state")
+    __slots__ = (
+        "_decide",
+        "_host",
+        "_next_deadline",
+        "abandoned",
+        "deadline",
+        "done",
+        "id",
+        "state",
+    )
 
     def __init__(
         self, actor_id: ActorId, host: ActorHost, timings: Timings, *, first_round: int = 0
@@ -94,17 +107,20 @@ class RequestActor:
         self.state: ActorState = initial_state(actor_id)
         self.deadline: float | None = None
         self.abandoned = False
+        self.done = False
+        """Whether the actor reached a terminal state (or was abandoned)."""
         self._host = host
-        self._timings = timings
-        self._first_round = first_round
+        # The role's core functions, bound once: a step does no dispatch of its own.
+        self._decide: _Decide
+        if actor_id.role is Role.CONSUMER:
+            self._decide = partial(step_consumer, timings=timings, first_round=first_round)
+            self._next_deadline: Callable[[Any], float | None] = next_consumer_deadline
+        else:
+            self._decide = partial(step_producer, timings=timings)
+            self._next_deadline = next_producer_deadline
 
     def __repr__(self) -> str:
         return f"<RequestActor {self.id} seq={self.state.seq}>"
-
-    @property
-    def done(self) -> bool:
-        """Whether the actor reached a terminal state (or was abandoned)."""
-        return self.abandoned or is_terminal(self.state)
 
     @property
     def host(self) -> ActorHost:
@@ -121,24 +137,7 @@ class RequestActor:
             return
         host = self._host
         try:
-            admitted = host.admit(self, event_input)
-            if isinstance(self.state, ConsumerState):
-                self.state, events = step_consumer(
-                    self.state,
-                    admitted,  # type: ignore[arg-type]
-                    now,
-                    self._timings,
-                    first_round=self._first_round,
-                )
-            else:
-                assert isinstance(self.state, ProducerState)
-                self.state, producer_events = step_producer(
-                    self.state,
-                    admitted,  # type: ignore[arg-type]
-                    now,
-                    self._timings,
-                )
-                events = producer_events  # type: ignore[assignment]
+            self.state, events = self._decide(self.state, host.admit(self, event_input), now)
         except Exception as exc:  # a bug in the core must not take the node down
             log.exception(
                 "%s: the core failed on %r; input dropped (a bug in p2pactor: please report "
@@ -152,7 +151,8 @@ class RequestActor:
         host.actor_handled(self, event_input)
         if not events:
             return
-        deadline = next_deadline(self.state)
+        self.done = is_terminal(self.state)
+        deadline = self._next_deadline(self.state)
         if deadline != self.deadline:
             self.deadline = deadline
             host.deadline_changed(self)
@@ -175,6 +175,7 @@ class RequestActor:
     def abandon(self) -> None:
         """Take no input any more (its session closed without it ending)."""
         self.abandoned = True
+        self.done = True
         self.deadline = None
 
 
