@@ -8,8 +8,8 @@ applies it (forward only; ``Finished`` sets its own terminal phase). Both
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Final, assert_never
+from collections.abc import Callable, Mapping
+from typing import Any, Final, get_args
 
 import msgspec
 from msgspec.structs import replace
@@ -151,6 +151,21 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
     return rest
 
 
+_Arm = Callable[[ConsumerState, Any], ConsumerState]
+_ARMS: dict[type[ev.Event], _Arm] = {}
+
+
+def _arm(*kinds: type[ev.Event]) -> Callable[[_Arm], _Arm]:
+    """Register how events of ``kinds`` change a consumer (the table is the dispatch)."""
+
+    def register(fold: _Arm) -> _Arm:
+        for kind in kinds:
+            _ARMS[kind] = fold
+        return fold
+
+    return register
+
+
 def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerState:
     """Apply one event to a consumer state; pure. One copy of the state per event.
 
@@ -159,121 +174,155 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
             last one applied.
     """
     check_follows(state.actor, state.seq, event)
-    s = state
-    seq = event.seq
-    match event:
-        case ev.Opened():
-            return replace(s, seq=seq, round_seq=event.round_seq)
-        case ev.Registered():
-            probes = dict(s.probes)
-            probes.update(dict.fromkeys(event.keys))
-            return replace(s, seq=seq, probes=probes, unsent=s.unsent + event.keys)
-        case ev.Probed():
-            return replace(
-                s,
-                seq=seq,
-                phase=consumer_phase_after(s.phase, event),
-                round_seq=event.round_seq,
-                probes=_registered(s.probes, event.keys),
-                unsent=(),
-                lookup_open=True,
-                lookup_deadline=event.lookup_deadline,
-            )
-        case ev.LookupResp():
-            probes = dict(s.probes)
-            probes.update(zip(event.keys, event.hits, strict=True))
-            return replace(s, seq=seq, probes=probes, lookup_deadline=event.lookup_deadline)
-        case ev.FinishRequested():
-            return replace(s, seq=seq, finishing=True, probes={}, unsent=(), lookup_deadline=None)
-        case ev.LookupCancelled():
-            return replace(
-                s, seq=seq, phase=consumer_phase_after(s.phase, event), lookup_open=False
-            )
-        case ev.Finished():
-            return replace(
-                s,
-                seq=seq,
-                phase=consumer_phase_after(s.phase, event),
-                finishing=s.finishing or event.requested,
-                outcome=event.phase,
-                probes={},
-                unsent=(),
-                lookup_open=False,
-                lookup_deadline=None,
-            )
-        case ev.FetchSent():
-            loads = dict(s.loads)
-            loads[event.round_seq] = Load(job_id=event.job_id, deadline=event.load_deadline)
-            return replace(
-                s,
-                seq=seq,
-                phase=consumer_phase_after(s.phase, event),
-                round_seq=event.next_round,
-                probes={},
-                unsent=(),
-                lookup_open=False,
-                lookup_deadline=None,
-                loads=loads,
-            )
-        case ev.TransferDone():
-            loads = _without(s.loads, event.round_seq)
-            if event.success:
-                return replace(s, seq=seq, loads=loads)
-            outcome, problem = _worse(
-                s, ConsumerPhase.FAILED, f"round {event.round_seq}: the transfer failed"
-            )
-            return replace(s, seq=seq, loads=loads, outcome=outcome, problem=problem)
-        case ev.Ignored() | ev.Rejected():
-            return replace(s, seq=seq)
-        case ev.LookupTimedOut():
-            outcome, problem = _worse(
-                s, ConsumerPhase.FAILED, "the peer answered no lookup key in time"
-            )
-            return replace(
-                s,
-                seq=seq,
-                probes={},
-                unsent=(),
-                lookup_deadline=None,
-                lookup_failed=True,
-                outcome=outcome,
-                problem=problem,
-            )
-        case ev.FetchSkipped():
-            if event.success:
-                return replace(s, seq=seq)
-            outcome, problem = _worse(s, ConsumerPhase.FAILED, event.reason)
-            return replace(s, seq=seq, outcome=outcome, problem=problem)
-        case ev.AbortSent():
-            loads = dict(s.loads)
-            loads[event.round_seq] = replace(
-                loads[event.round_seq], ack_deadline=event.ack_deadline
-            )
-            outcome, problem = _worse(
-                s, ConsumerPhase.ABORTED, f"round {event.round_seq}: {event.reason}"
-            )
-            return replace(s, seq=seq, loads=loads, outcome=outcome, problem=problem)
-        case ev.AbortAcked():
-            return replace(s, seq=seq, loads=_without(s.loads, event.round_seq))
-        case ev.Aborted():
-            # An abort that went out already made the outcome ABORTED; a load
-            # lost with its session failed without one.
-            outcome, problem = _worse(
-                s, ConsumerPhase.FAILED, f"round {event.round_seq}: {event.reason}"
-            )
-            return replace(
-                s,
-                seq=seq,
-                loads=_without(s.loads, event.round_seq),
-                outcome=outcome,
-                problem=problem,
-            )
-        case ev.SessionLost():
-            until = event.loads_held_until
-            if until is None or not s.loads:
-                return replace(s, seq=seq, session_lost=True, lookup_deadline=None)
-            why = f"session lost: {event.reason}; its blocks were held until no write could land"
-            loads = {r: replace(load, ack_deadline=until, held=why) for r, load in s.loads.items()}
-            return replace(s, seq=seq, session_lost=True, lookup_deadline=None, loads=loads)
-        case _:
-            assert_never(event)
+    # A table, not a match: a match tries its arms in turn (about 0.1 µs each).
+    return _ARMS[type(event)](state, event)
+
+
+@_arm(ev.Opened)
+def _opened(s: ConsumerState, e: ev.Opened) -> ConsumerState:
+    return replace(s, seq=e.seq, round_seq=e.round_seq)
+
+
+@_arm(ev.Registered)
+def _registered_keys(s: ConsumerState, e: ev.Registered) -> ConsumerState:
+    probes = dict(s.probes)
+    probes.update(dict.fromkeys(e.keys))
+    return replace(s, seq=e.seq, probes=probes, unsent=s.unsent + e.keys)
+
+
+@_arm(ev.Probed)
+def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
+    return replace(
+        s,
+        seq=e.seq,
+        phase=consumer_phase_after(s.phase, e),
+        round_seq=e.round_seq,
+        probes=_registered(s.probes, e.keys),
+        unsent=(),
+        lookup_open=True,
+        lookup_deadline=e.lookup_deadline,
+    )
+
+
+@_arm(ev.LookupResp)
+def _lookup_resp(s: ConsumerState, e: ev.LookupResp) -> ConsumerState:
+    probes = dict(s.probes)
+    probes.update(zip(e.keys, e.hits, strict=True))
+    return replace(s, seq=e.seq, probes=probes, lookup_deadline=e.lookup_deadline)
+
+
+@_arm(ev.FinishRequested)
+def _finish_requested(s: ConsumerState, e: ev.FinishRequested) -> ConsumerState:
+    return replace(s, seq=e.seq, finishing=True, probes={}, unsent=(), lookup_deadline=None)
+
+
+@_arm(ev.LookupCancelled)
+def _lookup_cancelled(s: ConsumerState, e: ev.LookupCancelled) -> ConsumerState:
+    return replace(s, seq=e.seq, phase=consumer_phase_after(s.phase, e), lookup_open=False)
+
+
+@_arm(ev.Finished)
+def _finished(s: ConsumerState, e: ev.Finished) -> ConsumerState:
+    return replace(
+        s,
+        seq=e.seq,
+        phase=consumer_phase_after(s.phase, e),
+        finishing=s.finishing or e.requested,
+        outcome=e.phase,
+        probes={},
+        unsent=(),
+        lookup_open=False,
+        lookup_deadline=None,
+    )
+
+
+@_arm(ev.FetchSent)
+def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
+    loads = dict(s.loads)
+    loads[e.round_seq] = Load(job_id=e.job_id, deadline=e.load_deadline)
+    return replace(
+        s,
+        seq=e.seq,
+        phase=consumer_phase_after(s.phase, e),
+        round_seq=e.next_round,
+        probes={},
+        unsent=(),
+        lookup_open=False,
+        lookup_deadline=None,
+        loads=loads,
+    )
+
+
+@_arm(ev.TransferDone)
+def _transfer_done(s: ConsumerState, e: ev.TransferDone) -> ConsumerState:
+    loads = _without(s.loads, e.round_seq)
+    if e.success:
+        return replace(s, seq=e.seq, loads=loads)
+    outcome, problem = _worse(s, ConsumerPhase.FAILED, f"round {e.round_seq}: the transfer failed")
+    return replace(s, seq=e.seq, loads=loads, outcome=outcome, problem=problem)
+
+
+@_arm(ev.Ignored, ev.Rejected)
+def _noted(s: ConsumerState, e: ev.Ignored | ev.Rejected) -> ConsumerState:
+    return replace(s, seq=e.seq)
+
+
+@_arm(ev.LookupTimedOut)
+def _lookup_timed_out(s: ConsumerState, e: ev.LookupTimedOut) -> ConsumerState:
+    outcome, problem = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
+    return replace(
+        s,
+        seq=e.seq,
+        probes={},
+        unsent=(),
+        lookup_deadline=None,
+        lookup_failed=True,
+        outcome=outcome,
+        problem=problem,
+    )
+
+
+@_arm(ev.FetchSkipped)
+def _fetch_skipped(s: ConsumerState, e: ev.FetchSkipped) -> ConsumerState:
+    if e.success:
+        return replace(s, seq=e.seq)
+    outcome, problem = _worse(s, ConsumerPhase.FAILED, e.reason)
+    return replace(s, seq=e.seq, outcome=outcome, problem=problem)
+
+
+@_arm(ev.AbortSent)
+def _abort_sent(s: ConsumerState, e: ev.AbortSent) -> ConsumerState:
+    loads = dict(s.loads)
+    loads[e.round_seq] = replace(loads[e.round_seq], ack_deadline=e.ack_deadline)
+    outcome, problem = _worse(s, ConsumerPhase.ABORTED, f"round {e.round_seq}: {e.reason}")
+    return replace(s, seq=e.seq, loads=loads, outcome=outcome, problem=problem)
+
+
+@_arm(ev.AbortAcked)
+def _abort_acked(s: ConsumerState, e: ev.AbortAcked) -> ConsumerState:
+    return replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq))
+
+
+@_arm(ev.Aborted)
+def _aborted(s: ConsumerState, e: ev.Aborted) -> ConsumerState:
+    # An abort that went out already made the outcome ABORTED; a load lost
+    # with its session failed without one.
+    outcome, problem = _worse(s, ConsumerPhase.FAILED, f"round {e.round_seq}: {e.reason}")
+    return replace(
+        s, seq=e.seq, loads=_without(s.loads, e.round_seq), outcome=outcome, problem=problem
+    )
+
+
+@_arm(ev.SessionLost)
+def _session_lost(s: ConsumerState, e: ev.SessionLost) -> ConsumerState:
+    until = e.loads_held_until
+    if until is None or not s.loads:
+        return replace(s, seq=e.seq, session_lost=True, lookup_deadline=None)
+    why = f"session lost: {e.reason}; its blocks were held until no write could land"
+    loads = {r: replace(load, ack_deadline=until, held=why) for r, load in s.loads.items()}
+    return replace(s, seq=e.seq, session_lost=True, lookup_deadline=None, loads=loads)
+
+
+# Every consumer event has its arm, and nothing else does (mypy cannot see a
+# table's coverage as it sees a match's).
+assert set(_ARMS) == set(get_args(ev.ConsumerEvent)), set(get_args(ev.ConsumerEvent)) ^ set(_ARMS)

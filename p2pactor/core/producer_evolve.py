@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TypeVar, assert_never
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, get_args
 
 from msgspec.structs import replace
 
@@ -198,6 +198,21 @@ def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerSt
     return replace(s, seq=seq, lookups=_put(s.lookups, lookup.lookup_id, lookup))
 
 
+_Arm = Callable[[ProducerState, Any], ProducerState]
+_ARMS: dict[type[ev.Event], _Arm] = {}
+
+
+def _arm(*kinds: type[ev.Event]) -> Callable[[_Arm], _Arm]:
+    """Register how events of ``kinds`` change a producer (the table is the dispatch)."""
+
+    def register(fold: _Arm) -> _Arm:
+        for kind in kinds:
+            _ARMS[kind] = fold
+        return fold
+
+    return register
+
+
 def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerState:
     """Apply one event to a producer state; pure. One copy of the state per event.
 
@@ -206,168 +221,232 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
             last one applied.
     """
     check_follows(state.actor, state.seq, event)
-    s = state
-    seq = event.seq
-    match event:
-        case ev.LookupReceived():
-            return _evolve_lookup_opened(s, event, len(event.keys))
-        case ev.KeysResolved():
-            lookup = s.lookups[event.lookup_id]
-            resolved = dict(lookup.resolved)
-            resolved.update(dict.fromkeys(event.hits, True))
-            resolved.update(dict.fromkeys(event.misses, False))
-            lookup = replace(
-                lookup,
-                resolved=resolved,
-                pending=frozenset(event.pending),
-                outstanding=False,
-                next_poll_at=event.next_poll_at,
-            )
-            return replace(
-                s,
-                seq=seq,
-                lookups=_put(s.lookups, event.lookup_id, lookup),
-                open_contexts=s.open_contexts | {event.lookup_id},
-            )
-        case ev.KeysPinned():
-            pin = ev.Pinned(
-                job_id=event.job_id,
-                keys=event.keys,
-                blocks=event.blocks,
-                expires_at=event.expires_at,
-            )
-            return _pinned(s, seq, event.round_seq, pin)
-        case ev.LookupAnswered():
-            answered = s.lookups[event.lookup_id]
-            if event.resolved:
-                # The parent's answer, its pin and the answer in one step: the
-                # lookup is over, its synthetic request closed with it.
-                if event.pinned is not None:
-                    s = _pinned(s, seq, event.round_seq, event.pinned)
-                return replace(
-                    s,
-                    seq=seq,
-                    lookups=_drop(s.lookups, event.lookup_id),
-                    open_contexts=s.open_contexts - {event.lookup_id},
-                )
-            if answered.outstanding:
-                # Answered at its deadline with the parent still busy: keep it
-                # until the parent's answer, whose pin must be released.
-                return _with_lookup(s, seq, replace(answered, answered=True, next_poll_at=None))
-            return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
-        case ev.ContextClosed():
-            lookups = s.lookups
-            closing = lookups.get(event.lookup_id)
-            if closing is not None and (closing.dropped or closing.answered):
-                lookups = _drop(lookups, event.lookup_id)
-            return replace(
-                s, seq=seq, lookups=lookups, open_contexts=s.open_contexts - {event.lookup_id}
-            )
-        case ev.CloseRequested():
-            return replace(
-                s, seq=seq, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=event.reason
-            )
-        case ev.LookupDropped():
-            lookup = s.lookups[event.lookup_id]
-            if lookup.outstanding:
-                # Kept for the parent's answer, as a late-answered lookup is.
-                return _with_lookup(s, seq, replace(lookup, dropped=True, next_poll_at=None))
-            return replace(s, seq=seq, lookups=_drop(s.lookups, event.lookup_id))
-        case ev.PinReleased():
-            return _evolve_pin_released(s, seq, event.job_id)
-        case ev.TransferDoneSent() | ev.AbortAckSent() | ev.RoundClosed():
-            served = isinstance(event, ev.TransferDoneSent) and event.success
-            return _evolve_round_ended(s, seq, event.round_seq, served=served)
-        case ev.Closed():
-            if event.requested_round is not None:
-                s = replace(
-                    s, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=event.reason
-                )
-            for job_id in event.released:
-                s = _evolve_pin_released(s, seq, job_id)
-            for round_seq in event.rounds_closed:
-                s = _evolve_round_ended(s, seq, round_seq, served=False)
-            return replace(s, seq=seq, phase=PRODUCER_PHASE_AT[ev.Closed])
-        case ev.FetchReceived():
-            rnd = replace(
-                _round(s, event.round_seq),
-                fetched=True,
-                demand=tuple(zip(event.keys, event.block_indexes, strict=True)),
-                remaining=len(event.keys),
-            )
-            return replace(
-                s,
-                seq=seq,
-                rounds=_put(s.rounds, event.round_seq, rnd),
-                closed_through=max(s.closed_through, event.round_seq),
-            )
-        case ev.TransferStarted():
-            return _evolve_transfer_started(s, event)
-        case ev.TransferCompleted():
-            return _evolve_transfer_ended(s, seq, event.transfer_id, None)
-        case ev.FinishRequested():
-            return replace(s, seq=seq, finishing=True)
-        case ev.Ignored() | ev.Rejected() | ev.KeysRefused():
-            # KeysRefused: the KeysResolved that follows counts the keys as misses.
-            return replace(s, seq=seq)
-        case ev.SessionLost():
-            return replace(
-                s,
-                seq=seq,
-                phase=PRODUCER_PHASE_AT[ev.SessionLost],
-                session_lost=True,
-                close_reason=event.reason,
-            )
-        case ev.LookupLimited():
-            return _evolve_lookup_opened(s, event, event.admitted)
-        case ev.LookupRefused():
-            # No lookup opens and nothing is held (so a refused request can
-            # close at once), but the round counts as looked up: a fetch for
-            # it fails fast instead of waiting for stored blocks.
-            return replace(s, seq=seq, looked_up_through=max(s.looked_up_through, event.round_seq))
-        case ev.FetchRefused():
-            refused = s.rounds[event.round_seq]
-            refused = replace(refused, demand=(), failure=refused.failure or event.reason)
-            return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, refused))
-        case ev.PendingPolled():
-            lookup = replace(s.lookups[event.lookup_id], outstanding=True, next_poll_at=None)
-            return _with_lookup(s, seq, lookup)
-        case ev.ParentExpired():
-            return _with_lookup(s, seq, replace(s.lookups[event.lookup_id], outstanding=False))
-        case ev.PendingExpired():
-            lookup = s.lookups[event.lookup_id]
-            resolved = dict(lookup.resolved)
-            resolved.update(dict.fromkeys(event.keys, False))
-            lookup = replace(
-                lookup,
-                resolved=resolved,
-                pending=lookup.pending - frozenset(event.keys),
-                next_poll_at=None,
-            )
-            return _with_lookup(s, seq, lookup)
-        case ev.StoreAdded():
-            job = PinJob(
-                job_id=event.job_id,
-                round_seq=None,
-                keys=event.keys,
-                blocks=event.blocks,
-                expires_at=event.expires_at,
-            )
-            pool = dict(s.pool)
-            for key, block in zip(event.keys, event.blocks, strict=True):
-                pool[key] = (*pool.get(key, ()), Supply(event.job_id, block))
-            return replace(s, seq=seq, jobs=_put(s.jobs, event.job_id, job), pool=pool)
-        case ev.TransferFailed():
-            return _evolve_transfer_ended(s, seq, event.transfer_id, event.reason)
-        case ev.AbortReceived():
-            aborted = s.rounds.get(event.round_seq)
-            if aborted is None:
-                return replace(s, seq=seq)
-            jobs = dict(s.jobs)
-            for tid in aborted.inflight:
-                for job_id in s.transfers[tid].job_ids:
-                    jobs[job_id] = replace(jobs[job_id], failed=True)
-            aborted = replace(aborted, cancelled=True, demand=())
-            return replace(s, seq=seq, rounds=_put(s.rounds, event.round_seq, aborted), jobs=jobs)
-        case _:
-            assert_never(event)
+    # A table, not a match: a match tries its arms in turn (about 0.1 µs each).
+    return _ARMS[type(event)](state, event)
+
+
+@_arm(ev.LookupReceived)
+def _lookup_received(s: ProducerState, e: ev.LookupReceived) -> ProducerState:
+    return _evolve_lookup_opened(s, e, len(e.keys))
+
+
+@_arm(ev.LookupLimited)
+def _lookup_limited(s: ProducerState, e: ev.LookupLimited) -> ProducerState:
+    return _evolve_lookup_opened(s, e, e.admitted)
+
+
+@_arm(ev.KeysResolved)
+def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:
+    lookup = s.lookups[e.lookup_id]
+    resolved = dict(lookup.resolved)
+    resolved.update(dict.fromkeys(e.hits, True))
+    resolved.update(dict.fromkeys(e.misses, False))
+    lookup = replace(
+        lookup,
+        resolved=resolved,
+        pending=frozenset(e.pending),
+        outstanding=False,
+        next_poll_at=e.next_poll_at,
+    )
+    return replace(
+        s,
+        seq=e.seq,
+        lookups=_put(s.lookups, e.lookup_id, lookup),
+        open_contexts=s.open_contexts | {e.lookup_id},
+    )
+
+
+@_arm(ev.KeysPinned)
+def _keys_pinned(s: ProducerState, e: ev.KeysPinned) -> ProducerState:
+    pin = ev.Pinned(job_id=e.job_id, keys=e.keys, blocks=e.blocks, expires_at=e.expires_at)
+    return _pinned(s, e.seq, e.round_seq, pin)
+
+
+@_arm(ev.LookupAnswered)
+def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
+    if e.resolved:
+        # The parent's answer, its pin and the answer in one step: the lookup
+        # is over, its synthetic request closed with it.
+        if e.pinned is not None:
+            s = _pinned(s, e.seq, e.round_seq, e.pinned)
+        return replace(
+            s,
+            seq=e.seq,
+            lookups=_drop(s.lookups, e.lookup_id),
+            open_contexts=s.open_contexts - {e.lookup_id},
+        )
+    answered = s.lookups[e.lookup_id]
+    if answered.outstanding:
+        # Answered at its deadline with the parent still busy: keep it until
+        # the parent's answer, whose pin must be released.
+        return _with_lookup(s, e.seq, replace(answered, answered=True, next_poll_at=None))
+    return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
+
+
+@_arm(ev.ContextClosed)
+def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
+    lookups = s.lookups
+    closing = lookups.get(e.lookup_id)
+    if closing is not None and (closing.dropped or closing.answered):
+        lookups = _drop(lookups, e.lookup_id)
+    return replace(s, seq=e.seq, lookups=lookups, open_contexts=s.open_contexts - {e.lookup_id})
+
+
+@_arm(ev.CloseRequested)
+def _close_requested(s: ProducerState, e: ev.CloseRequested) -> ProducerState:
+    return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
+
+
+@_arm(ev.LookupDropped)
+def _lookup_dropped(s: ProducerState, e: ev.LookupDropped) -> ProducerState:
+    lookup = s.lookups[e.lookup_id]
+    if lookup.outstanding:
+        # Kept for the parent's answer, as a late-answered lookup is.
+        return _with_lookup(s, e.seq, replace(lookup, dropped=True, next_poll_at=None))
+    return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
+
+
+@_arm(ev.PinReleased)
+def _pin_released(s: ProducerState, e: ev.PinReleased) -> ProducerState:
+    return _evolve_pin_released(s, e.seq, e.job_id)
+
+
+@_arm(ev.TransferDoneSent, ev.AbortAckSent, ev.RoundClosed)
+def _round_ended(
+    s: ProducerState, e: ev.TransferDoneSent | ev.AbortAckSent | ev.RoundClosed
+) -> ProducerState:
+    served = isinstance(e, ev.TransferDoneSent) and e.success
+    return _evolve_round_ended(s, e.seq, e.round_seq, served=served)
+
+
+@_arm(ev.Closed)
+def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
+    if e.requested_round is not None:
+        s = replace(s, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
+    for job_id in e.released:
+        s = _evolve_pin_released(s, e.seq, job_id)
+    for round_seq in e.rounds_closed:
+        s = _evolve_round_ended(s, e.seq, round_seq, served=False)
+    return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.Closed])
+
+
+@_arm(ev.FetchReceived)
+def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
+    rnd = replace(
+        _round(s, e.round_seq),
+        fetched=True,
+        demand=tuple(zip(e.keys, e.block_indexes, strict=True)),
+        remaining=len(e.keys),
+    )
+    return replace(
+        s,
+        seq=e.seq,
+        rounds=_put(s.rounds, e.round_seq, rnd),
+        closed_through=max(s.closed_through, e.round_seq),
+    )
+
+
+@_arm(ev.TransferStarted)
+def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
+    return _evolve_transfer_started(s, e)
+
+
+@_arm(ev.TransferCompleted)
+def _transfer_completed(s: ProducerState, e: ev.TransferCompleted) -> ProducerState:
+    return _evolve_transfer_ended(s, e.seq, e.transfer_id, None)
+
+
+@_arm(ev.TransferFailed)
+def _transfer_failed(s: ProducerState, e: ev.TransferFailed) -> ProducerState:
+    return _evolve_transfer_ended(s, e.seq, e.transfer_id, e.reason)
+
+
+@_arm(ev.FinishRequested)
+def _finish_requested(s: ProducerState, e: ev.FinishRequested) -> ProducerState:
+    return replace(s, seq=e.seq, finishing=True)
+
+
+@_arm(ev.Ignored, ev.Rejected, ev.KeysRefused)
+def _noted(s: ProducerState, e: ev.Ignored | ev.Rejected | ev.KeysRefused) -> ProducerState:
+    # KeysRefused: the KeysResolved that follows counts the keys as misses.
+    return replace(s, seq=e.seq)
+
+
+@_arm(ev.SessionLost)
+def _session_lost(s: ProducerState, e: ev.SessionLost) -> ProducerState:
+    return replace(
+        s,
+        seq=e.seq,
+        phase=PRODUCER_PHASE_AT[ev.SessionLost],
+        session_lost=True,
+        close_reason=e.reason,
+    )
+
+
+@_arm(ev.LookupRefused)
+def _lookup_refused(s: ProducerState, e: ev.LookupRefused) -> ProducerState:
+    # No lookup opens and nothing is held (so a refused request can close at
+    # once), but the round counts as looked up: a fetch for it fails fast
+    # instead of waiting for stored blocks.
+    return replace(s, seq=e.seq, looked_up_through=max(s.looked_up_through, e.round_seq))
+
+
+@_arm(ev.FetchRefused)
+def _fetch_refused(s: ProducerState, e: ev.FetchRefused) -> ProducerState:
+    refused = s.rounds[e.round_seq]
+    refused = replace(refused, demand=(), failure=refused.failure or e.reason)
+    return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, refused))
+
+
+@_arm(ev.PendingPolled)
+def _pending_polled(s: ProducerState, e: ev.PendingPolled) -> ProducerState:
+    lookup = replace(s.lookups[e.lookup_id], outstanding=True, next_poll_at=None)
+    return _with_lookup(s, e.seq, lookup)
+
+
+@_arm(ev.ParentExpired)
+def _parent_expired(s: ProducerState, e: ev.ParentExpired) -> ProducerState:
+    return _with_lookup(s, e.seq, replace(s.lookups[e.lookup_id], outstanding=False))
+
+
+@_arm(ev.PendingExpired)
+def _pending_expired(s: ProducerState, e: ev.PendingExpired) -> ProducerState:
+    lookup = s.lookups[e.lookup_id]
+    resolved = dict(lookup.resolved)
+    resolved.update(dict.fromkeys(e.keys, False))
+    lookup = replace(
+        lookup,
+        resolved=resolved,
+        pending=lookup.pending - frozenset(e.keys),
+        next_poll_at=None,
+    )
+    return _with_lookup(s, e.seq, lookup)
+
+
+@_arm(ev.StoreAdded)
+def _store_added(s: ProducerState, e: ev.StoreAdded) -> ProducerState:
+    job = PinJob(
+        job_id=e.job_id, round_seq=None, keys=e.keys, blocks=e.blocks, expires_at=e.expires_at
+    )
+    pool = dict(s.pool)
+    for key, block in zip(e.keys, e.blocks, strict=True):
+        pool[key] = (*pool.get(key, ()), Supply(e.job_id, block))
+    return replace(s, seq=e.seq, jobs=_put(s.jobs, e.job_id, job), pool=pool)
+
+
+@_arm(ev.AbortReceived)
+def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
+    aborted = s.rounds.get(e.round_seq)
+    if aborted is None:
+        return replace(s, seq=e.seq)
+    jobs = dict(s.jobs)
+    for tid in aborted.inflight:
+        for job_id in s.transfers[tid].job_ids:
+            jobs[job_id] = replace(jobs[job_id], failed=True)
+    aborted = replace(aborted, cancelled=True, demand=())
+    return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, aborted), jobs=jobs)
+
+
+# Every producer event has its arm, and nothing else does (mypy cannot see a
+# table's coverage as it sees a match's).
+assert set(_ARMS) == set(get_args(ev.ProducerEvent)), set(get_args(ev.ProducerEvent)) ^ set(_ARMS)

@@ -268,7 +268,30 @@ class LogReader:
                 pos = 0
             return len(buf) - pos >= count
 
+        unpack, crc32, head = _FRAME.unpack_from, zlib.crc32, _FRAME.size
         while have(1):
+            # The common case, inline: sound records wholly in the buffer. The
+            # checks below (one record at a time) take whatever this does not.
+            end = len(buf)
+            while pos + head <= end:
+                length, crc = unpack(buf, pos)
+                stop = pos + head + length
+                if not 0 < length <= MAX_RECORD_BYTES or stop > end:
+                    break
+                payload = buf[pos + head : stop]
+                if crc32(payload) != crc:
+                    break
+                try:
+                    event = decode(payload)
+                except EventFormatError as exc:
+                    self._stop(ProblemKind.UNREADABLE, base + pos, str(exc))
+                    return
+                pos = stop
+                self._end_offset = base + pos
+                self._events_read += 1
+                yield event
+            if not have(1):
+                return
             offset = base + pos
             if not have(_FRAME.size):
                 self._stop(
