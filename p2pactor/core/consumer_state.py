@@ -19,6 +19,7 @@ from p2pactor.core.events import ConsumerPhase, check_follows
 from p2pactor.core.ids import ActorId, Role
 
 __all__ = [
+    "CONSUMER_FOLDS",
     "CONSUMER_PHASE_AT",
     "ConsumerState",
     "Load",
@@ -152,7 +153,9 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
 
 
 _Arm = Callable[[ConsumerState, Any], ConsumerState]
-_ARMS: dict[type[ev.Event], _Arm] = {}
+CONSUMER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
+"""How each consumer event changes the state: ``evolve_consumer``'s table, without its
+checks of actor and sequence (for a caller that made them: replay)."""
 
 
 def _arm(*kinds: type[ev.Event]) -> Callable[[_Arm], _Arm]:
@@ -160,7 +163,7 @@ def _arm(*kinds: type[ev.Event]) -> Callable[[_Arm], _Arm]:
 
     def register(fold: _Arm) -> _Arm:
         for kind in kinds:
-            _ARMS[kind] = fold
+            CONSUMER_FOLDS[kind] = fold
         return fold
 
     return register
@@ -175,7 +178,7 @@ def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerSt
     """
     check_follows(state.actor, state.seq, event)
     # A table, not a match: a match tries its arms in turn (about 0.1 µs each).
-    return _ARMS[type(event)](state, event)
+    return CONSUMER_FOLDS[type(event)](state, event)
 
 
 @_arm(ev.Opened)
@@ -325,4 +328,5 @@ def _session_lost(s: ConsumerState, e: ev.SessionLost) -> ConsumerState:
 
 # Every consumer event has its arm, and nothing else does (mypy cannot see a
 # table's coverage as it sees a match's).
-assert set(_ARMS) == set(get_args(ev.ConsumerEvent)), set(get_args(ev.ConsumerEvent)) ^ set(_ARMS)
+_UNMATCHED = set(CONSUMER_FOLDS) ^ set(get_args(ev.ConsumerEvent))
+assert not _UNMATCHED, _UNMATCHED

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, get_args
+from typing import Any, Final, TypeVar, get_args
 
 from msgspec.structs import replace
 
@@ -199,7 +199,9 @@ def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerSt
 
 
 _Arm = Callable[[ProducerState, Any], ProducerState]
-_ARMS: dict[type[ev.Event], _Arm] = {}
+PRODUCER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
+"""How each producer event changes the state: ``evolve_producer``'s table, without its
+checks of actor and sequence (for a caller that made them: replay)."""
 
 
 def _arm(*kinds: type[ev.Event]) -> Callable[[_Arm], _Arm]:
@@ -207,7 +209,7 @@ def _arm(*kinds: type[ev.Event]) -> Callable[[_Arm], _Arm]:
 
     def register(fold: _Arm) -> _Arm:
         for kind in kinds:
-            _ARMS[kind] = fold
+            PRODUCER_FOLDS[kind] = fold
         return fold
 
     return register
@@ -222,7 +224,7 @@ def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerSt
     """
     check_follows(state.actor, state.seq, event)
     # A table, not a match: a match tries its arms in turn (about 0.1 µs each).
-    return _ARMS[type(event)](state, event)
+    return PRODUCER_FOLDS[type(event)](state, event)
 
 
 @_arm(ev.LookupReceived)
@@ -449,4 +451,5 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
 
 # Every producer event has its arm, and nothing else does (mypy cannot see a
 # table's coverage as it sees a match's).
-assert set(_ARMS) == set(get_args(ev.ProducerEvent)), set(get_args(ev.ProducerEvent)) ^ set(_ARMS)
+_UNMATCHED = set(PRODUCER_FOLDS) ^ set(get_args(ev.ProducerEvent))
+assert not _UNMATCHED, _UNMATCHED

@@ -29,15 +29,19 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Final
 
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.consumer import ConsumerState
-from p2pactor.core.fold import ActorState, evolve, initial_state, is_terminal
+from p2pactor.core.consumer_state import CONSUMER_FOLDS
+from p2pactor.core.events import ConsumerPhase
+from p2pactor.core.fold import ActorState, evolve, initial_state
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import ProducerState
+from p2pactor.core.producer import ProducerPhase, ProducerState
+from p2pactor.core.producer_evolve import PRODUCER_FOLDS
 from p2pactor.runtime.logread import LogReader, read_log
 from p2pactor.surface.replay_checks import ConsumerCheck, ProducerCheck
 from p2pactor.surface.replay_describe import describe
@@ -78,7 +82,9 @@ class _Live:
         "actor",
         "check",
         "events",
+        "fast",
         "first_at",
+        "folds",
         "last_at",
         "node_id",
         "prev",
@@ -100,6 +106,11 @@ class _Live:
         self.check: ConsumerCheck | ProducerCheck | None = None
         if check:
             self.check = ConsumerCheck() if actor.role is Role.CONSUMER else ProducerCheck()
+        self.folds: Mapping[type[ev.Event], Callable[[Any, Any], ActorState]] = (
+            CONSUMER_FOLDS if actor.role is Role.CONSUMER else PRODUCER_FOLDS
+        )
+        # Nothing to check or show: each event is only folded (Replayer.feed).
+        self.fast = self.check is None and self.rows is None
 
 
 _COUNTED: frozenset[type] = frozenset(
@@ -121,6 +132,9 @@ _COUNTED: frozenset[type] = frozenset(
     }
 )
 """The event types :meth:`Replayer._count` has an arm for."""
+
+_TERMINAL: Final = frozenset({*(p for p in ConsumerPhase if p.terminal), ProducerPhase.CLOSED})
+"""The phases an actor of either role ends in."""
 
 _EndedKey = tuple[str, Role, str, str, int]
 
@@ -153,7 +167,7 @@ class Replayer:
         # Actors that ended, with their terminal event, to catch events after it.
         self._ended: dict[_EndedKey, str] = {}
         self._seen = 0
-        self._kinds: Counter[str] = Counter()
+        self._kinds: dict[type[ev.Event], int] = {}
         self._counts: Counter[str] = Counter()
         self._refusals: Counter[str] = Counter()
         self._phases: dict[str, Counter[str]] = {}
@@ -172,33 +186,59 @@ class Replayer:
         actor = event.actor
         if self._request is not None and actor.kv_request_id != self._request:
             return None
-        self._kinds[event.KIND] += 1
-        self._count(event)
+        kind = type(event)
+        kinds = self._kinds
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if kind in _COUNTED:
+            self._count(event)
         key = (node_id, actor)
         live = self._live.get(key)
-        if live is not None and event.seq == 1 and live.state.seq >= 1:
-            # The same id began a new life (a reused kv_request_id on a new
-            # session) while the old one never ended: it was abandoned.
-            self._abandon(live)
-            live = None
-        if live is None:
-            ended = self._ended.get(_ended_key(node_id, actor))
-            if ended is not None and event.seq != 1:
-                self._violation(
-                    node_id, event, f"recorded after {ended}: nothing follows a request's end"
-                )
+        if live is None or (event.seq == 1 and live.state.seq >= 1):
+            live = self._begin(node_id, event, live)
+            if live is None:
                 return None
-            keep_rows = self._timelines is None or self._seen < self._timelines
-            self._seen += 1
-            live = _Live(node_id, actor, check=self._check, rows=keep_rows)
-            live.first_at = event.at
-            self._live[key] = live
-        self._apply(live, event)
-        if not is_terminal(live.state):
+        state = live.state
+        if live.fast and event.seq == state.seq + 1:
+            # The common case, inline: the next event of an actor nobody checks
+            # (found by its id and in sequence: evolve's own checks are made).
+            try:
+                state = live.folds[kind](state, event)
+            except Exception:
+                self._apply(live, event)
+                state = live.state
+            else:
+                live.state = state
+                live.events += 1
+                live.last_at = event.at
+                live.prev = event
+        else:
+            self._apply(live, event)
+            state = live.state
+        if state.phase not in _TERMINAL:
             return None
         del self._live[key]
         self._ended[_ended_key(node_id, actor)] = event.KIND
         return self._result(live, ())
+
+    def _begin(self, node_id: str, event: ev.AnyEvent, old: _Live | None) -> _Live | None:
+        """The actor ``event`` begins (None: it must not), replacing ``old``."""
+        actor = event.actor
+        if old is not None:
+            # The same id began a new life (a reused kv_request_id on a new
+            # session) while the old one never ended: it was abandoned.
+            self._abandon(old)
+        ended = self._ended.get(_ended_key(node_id, actor))
+        if ended is not None and event.seq != 1:
+            self._violation(
+                node_id, event, f"recorded after {ended}: nothing follows a request's end"
+            )
+            return None
+        keep_rows = self._timelines is None or self._seen < self._timelines
+        self._seen += 1
+        live = _Live(node_id, actor, check=self._check, rows=keep_rows)
+        live.first_at = event.at
+        self._live[node_id, actor] = live
+        return live
 
     def end(self) -> list[ActorResult]:
         """The logs are over: the results of actors that did not end, as unfinished."""
@@ -220,7 +260,7 @@ class Replayer:
     def summary(self) -> Summary:
         """The counts over everything fed so far."""
         c = self._counts
-        k = self._kinds
+        k = Counter({kind.KIND: n for kind, n in self._kinds.items()})
         return Summary(
             events=sum(k.values()),
             actors=sum(sum(p.values()) for p in self._phases.values()) + len(self._live),
