@@ -279,7 +279,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         if not source.probe:
             return VLLM_HIT  # prefill/decode: the prefiller holds everything
         k = bytes(key)
-        answer = self._node.peek_lookup(source.peer, source.kv_request_id, (k,))[0]
+        answer = self._node.peek_key(source.peer, source.kv_request_id, k)
         if answer is Answer.RETRY:
             # Asked at the step's end, all keys of the request in one go: vLLM
             # calls this once per key per step while the answer is out.

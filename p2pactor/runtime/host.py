@@ -147,7 +147,8 @@ class NodeHost:
 
     def known_consumer(self, peer: str, kv_request_id: str) -> RequestActor | None:
         """The consumer actor of (peer, request), if there is one. Any thread."""
-        return self.consumers.get(kv_request_id, {}).get(peer)
+        mine = self.consumers.get(kv_request_id)
+        return None if mine is None else mine.get(peer)
 
     def submit(
         self, actor: RequestActor, job_id: int, keys: tuple[bytes, ...], blocks: tuple[int, ...]

@@ -254,6 +254,9 @@ class Node(ThreadSafeAPI):
         """The consumer actor of (peer, request), if there is one. Any thread."""
         return self._host.known_consumer(peer, kv_request_id)
 
+    def _has_session(self, peer: str) -> bool:
+        return self._host.peers.session(peer) is not None
+
     # --- following it (NodeView) ----------------------------------------------------
 
     def watch_actors(self, watcher: Callable[[RequestActor], None]) -> Callable[[], None]:

@@ -70,10 +70,12 @@ _LOADS: Final[dict[type[ev.Event], int]] = {
 }
 
 
-def _loading(actor: RequestActor) -> bool:
-    """Whether a consumer actor waits for a load: a peer may be writing into our pool."""
-    state = actor.state  # read once: the trio thread may replace it meanwhile
-    return isinstance(state, ConsumerState) and bool(state.loads) and not state.phase.terminal
+def _mark(marked: set[RequestActor], actor: RequestActor, now: bool) -> None:
+    """Keep ``actor`` in ``marked`` exactly while ``now`` holds."""
+    if now:
+        marked.add(actor)
+    else:
+        marked.discard(actor)
 
 
 class PeerSession(ControlLink):
@@ -101,6 +103,12 @@ class PeerSession(ControlLink):
         self._consumers: dict[str, RequestActor] = {}
         self._producers: dict[str, RequestActor] = {}
         self._live = 0  # actors spawned and not retired (the drain waits for 0)
+        # What has_pending_work reads from engine threads, kept as each step
+        # changes it: loads in flight (a peer may be writing into our pool), and
+        # the producers that are looking up or writing (and, of those, writing).
+        self._loading = 0
+        self._busy: set[RequestActor] = set()
+        self._writing: set[RequestActor] = set()
         self._expiries = ExpiryWarnings(peer_id, host.config.node_id)
         # Recently ended ids, so that a reused kv_request_id gets a new
         # incarnation; bounded, and replay copes when an old one is forgotten.
@@ -127,25 +135,18 @@ class PeerSession(ControlLink):
     def has_pending_work(self) -> bool:
         """True only while something is really outstanding on this session.
 
-        Safe from any thread: it reads snapshots of immutable states.
+        Safe from any thread, and O(1): it reads counts each step keeps.
         """
-        if self.state is SessionState.CLOSED:
+        state = self.state
+        if state is SessionState.CLOSED:
             return False
-        if self.state is SessionState.CLOSING or not self.ready:
+        if state is SessionState.CLOSING or not self.ready:
             return True
-        # list() copies in one step under the GIL, while the trio thread may
-        # be adding actors; states themselves are immutable.
-        return any(map(_loading, list(self._consumers.values()))) or any(
-            isinstance(state := actor.state, ProducerState) and (state.transfers or state.lookups)
-            for actor in list(self._producers.values())
-        )
+        return self._loading > 0 or bool(self._busy)
 
     def has_transfers_in_flight(self) -> bool:
         """Whether a load or a write of this session is still running. Thread-safe."""
-        return any(map(_loading, list(self._consumers.values()))) or any(
-            isinstance(state := actor.state, ProducerState) and bool(state.transfers)
-            for actor in list(self._producers.values())
-        )
+        return self._loading > 0 or bool(self._writing)
 
     def consumer(self, kv_request_id: str) -> RequestActor:
         """The live consumer actor for ``kv_request_id``, created if needed."""
@@ -342,8 +343,11 @@ class PeerSession(ControlLink):
         host = self._host
         producer = actor.id.role is Role.PRODUCER
         if producer:
-            assert isinstance(actor.state, ProducerState)
-            host.quotas.observe(actor, events, actor.state, trio.current_time())
+            state = actor.state
+            assert isinstance(state, ProducerState)
+            host.quotas.observe(actor, events, state, trio.current_time())
+            _mark(self._busy, actor, bool(state.transfers or state.lookups))
+            _mark(self._writing, actor, bool(state.transfers))
         host.record(actor, events)
         loads = 0
         for event in events:
@@ -354,6 +358,7 @@ class PeerSession(ControlLink):
             for effect in fx.effects_of(event):
                 self._perform(actor, effect)
         if loads:
+            self._loading += loads
             host.data.expect_writes(loads)
 
     def _perform(self, actor: RequestActor, effect: fx.Effect) -> None:
@@ -473,7 +478,10 @@ class PeerSession(ControlLink):
                         self._host.report_load(load.job_id, success=False, reason=why)
                 actor.abandon()
         if abandoned_loads:
+            self._loading -= abandoned_loads
             self._host.data.expect_writes(-abandoned_loads)
+        self._busy.clear()
+        self._writing.clear()
         # Whatever the peer's requests still held here is no longer theirs:
         # the node releases their pins (counted until released) below.
         self._host.quotas.forget_all(self._producers.values())

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import ConsumerState, probe_answers
+from p2pactor.core.consumer import ConsumerState, probe_answer, probe_answers
 from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.config import NodeConfig
@@ -36,6 +36,10 @@ class ThreadSafeAPI:
 
     def known_consumer(self, peer: str, kv_request_id: str) -> RequestActor | None:
         """The consumer actor of (peer, request), if there is one. Any thread."""
+        raise NotImplementedError
+
+    def _has_session(self, peer: str) -> bool:
+        """Whether ``peer`` has a live session (read from any thread)."""
         raise NotImplementedError
 
     def register_lookup(
@@ -69,6 +73,17 @@ class ThreadSafeAPI:
         assert isinstance(state, ConsumerState)
         return probe_answers(state, keys)
 
+    def peek_key(self, peer: str, kv_request_id: str, key: bytes) -> LookupResult:
+        """:meth:`peek_lookup` of one key, without the lists (vLLM asks key by key)."""
+        if not self._config.may_dial(peer):
+            return LookupResult.MISS
+        actor = self.known_consumer(peer, kv_request_id)
+        if actor is None:
+            return RETRY
+        state = actor.state
+        assert isinstance(state, ConsumerState)
+        return probe_answer(state, key)
+
     def ask(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
         """Ask ``peer`` about ``keys`` at the next :meth:`flush`. Thread-safe, never blocks.
 
@@ -82,9 +97,10 @@ class ThreadSafeAPI:
     def prepare(self, peer: str, *, wake: bool = True) -> None:
         """Open the session with ``peer`` now: its handshake is done when a lookup comes.
 
-        Thread-safe, never blocks; a peer that may not be dialed is ignored.
+        Thread-safe, never blocks; a peer that may not be dialed, or that has
+        its session already, is ignored.
         """
-        if self._config.may_dial(peer):
+        if self._config.may_dial(peer) and not self._has_session(peer):
             self._bridge.dial(peer, wake=wake)
 
     def flush(self) -> None:
