@@ -1053,6 +1053,32 @@ class TestTerminalAndPhases:
         assert end.phase is ConsumerPhase.FAILED
         assert end.reason.startswith("round 0: session lost: silence; its blocks were held")
 
+    def test_writes_settled_end_the_hold_before_its_deadline(self, h: ConsumerHarness) -> None:
+        h.load(1, [K1], [10])
+        h.load(2, [K2], [20])
+        h.feed(inp.SessionEnded("connection reset", write_grace=5.0))
+        h.advance(0.5)
+
+        events = h.feed(inp.WritesSettled("the peer's process exited"))
+
+        assert kinds(events) == ["Aborted", "Aborted", "Finished"]
+        assert reports(h) == [
+            fx.ReportLoad(job_id=1, success=False, reason="the peer's process exited"),
+            fx.ReportLoad(job_id=2, success=False, reason="the peer's process exited"),
+        ]
+        assert h.reported == {1: 1, 2: 1}
+        assert h.retired
+        assert next_consumer_deadline(h.state) is None
+        assert tick_at(h, 5.0) == []  # the old deadline finds nothing left
+
+    def test_writes_settled_with_nothing_held_change_nothing(self, h: ConsumerHarness) -> None:
+        h.load(1, [K1], [10])  # in flight, its session alive: not held
+        before = h.state
+
+        assert h.feed(inp.WritesSettled("the peer's process exited")) == ()
+        assert h.state == before
+        assert reports(h) == []
+
     def test_a_write_grace_without_loads_ends_the_actor_at_once(self, h: ConsumerHarness) -> None:
         step(h, K1)
 

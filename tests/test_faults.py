@@ -521,6 +521,63 @@ async def test_a_producer_killed_mid_transfer_fails_the_load_and_spares_everythi
             assert p2.alive()
 
 
+HOLD = 5.0
+"""The consumer process's late-write hold: NIXL's, 4 x its 1 s TCP timeout + 1 (_nixl_options)."""
+
+
+async def killed_while_held(
+    consumer: ConsumerProcess, producer: Serve
+) -> tuple[dict[str, Any], float, float]:
+    """A load held after its session died of silence; then its producer's process is killed.
+
+    The producer is stopped (SIGSTOP) before the fetch: the consumer's session
+    dies of silence (about a second) with the load in flight, and holds its
+    blocks, since the producer's write may still land. Then the producer is
+    killed. Returns the load's failure, and the seconds from the session's
+    loss and from the kill to the failure.
+    """
+    hexed = [k.hex() for k in keys_of(4)]
+    with trio.fail_after(60):
+        lookup = await consumer.reply(
+            await consumer.send("lookup", peer=producer.node_id, req="held", keys=hexed)
+        )
+        assert lookup["answers"] == ["hit"] * 4
+        producer.process.send_signal(signal.SIGSTOP)
+        fetch = await consumer.send(
+            "fetch", peer=producer.node_id, req="held", keys=hexed, announce_session_lost=True
+        )
+        await consumer.reply(fetch, "session_lost")
+        lost = trio.current_time()
+        producer.kill()
+        killed = trio.current_time()
+        failed = await consumer.reply(fetch, "failed")
+        ended = trio.current_time()
+        await consumer.reply(fetch)
+        await consumer.reply(await consumer.send("finish", req="held"))
+    return failed, ended - lost, ended - killed
+
+
+async def test_a_dead_producer_on_this_machine_ends_the_hold_at_its_death(tmp_path: Path) -> None:
+    """The late-write hold ends as soon as no write can land: the producer's process exited.
+
+    Producer and consumer share this kernel and its network: the consumer
+    watches the producer's process (its pid came in the connect), so the kill
+    ends the hold at once, not after its 5 s. (tests/test_hosts.py: across
+    namespaced hosts the same kill leaves the hold to run out.)
+    """
+    async with (
+        serve_process(tmp_path, "p", preload=4) as producer,
+        consumer_process() as consumer,
+    ):
+        failed, since_lost, since_kill = await killed_while_held(consumer, producer)
+    print(
+        f"\n[faults] held load failed {since_kill:.2f} s after the kill, {since_lost:.2f} s "
+        f"after the session was lost (hold {HOLD:g} s)"
+    )
+    assert "process exited" in failed["reason"], failed
+    assert since_lost < HOLD, "the hold ran out: the producer's death was not seen"
+
+
 async def test_a_consumer_killed_with_lookups_and_fetches_open_leaves_nothing_held(
     tmp_path: Path,
 ) -> None:

@@ -29,10 +29,12 @@ import trio
 from p2pactor.core.timings import Timings
 from p2pactor.programs.hosts import Host, hosts_unavailable, open_hosts
 from tests.test_faults import (
+    HOLD,
     ConsumerProcess,
     Serve,
     consumer_process,
     keys_of,
+    killed_while_held,
     serve_process,
 )
 
@@ -238,6 +240,28 @@ async def test_a_cut_link_fails_the_load_and_the_restored_link_serves(tmp_path: 
             assert (again["success"], again["verified"]) == (True, True), again
             assert producer.alive()  # served again without a restart
             assert_no_pins_left(await stop(producer))
+
+
+async def test_a_dead_producer_across_hosts_leaves_the_hold_to_run_out(tmp_path: Path) -> None:
+    """Across namespaced hosts a killed producer's write may still be on the link: the hold stays.
+
+    The same kill that ends the hold at once on one machine
+    (tests/test_faults.py) proves nothing here: the two processes share no
+    network, so a link that comes back could still deliver what the dead
+    process sent. The load fails only when the hold runs out.
+    """
+    with open_hosts(2) as (h1, h2):
+        async with (
+            serve_process(tmp_path, "h2", on=h2, preload=4) as producer,
+            consumer_process(on=h1) as consumer,
+        ):
+            failed, since_lost, since_kill = await killed_while_held(consumer, producer)
+    print(
+        f"\n[hosts] held load failed {since_kill:.2f} s after the kill, {since_lost:.2f} s "
+        f"after the session was lost (hold {HOLD:g} s)"
+    )
+    assert "held until no write could land" in failed["reason"], failed
+    assert since_lost >= HOLD - 0.5, "the hold ended early across hosts"
 
 
 def test_hosts_are_removed_when_the_block_fails() -> None:

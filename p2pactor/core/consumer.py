@@ -49,6 +49,7 @@ ConsumerInput = (
     | inp.Finish
     | inp.Tick
     | inp.SessionEnded
+    | inp.WritesSettled
     | wire.LookupResp
     | wire.TransferDone
     | wire.AbortAck
@@ -99,6 +100,8 @@ def step_consumer(
             _tick(b, timings)
         case inp.SessionEnded():
             _session_ended(b, event_input)
+        case inp.WritesSettled():
+            _writes_settled(b, event_input.reason)
         case wire.LookupResp():
             _on_lookup_resp(b, event_input, timings)
         case wire.TransferDone():
@@ -342,6 +345,15 @@ def _session_ended(b: Builder[ConsumerState, ev.ConsumerEvent], ended: inp.Sessi
         phase = ConsumerPhase.FAILED
     summary = s.problem if s.problem else f"session lost: {reason}"
     b.emit(ev.Finished(**b.head, phase=phase, reason=summary))
+
+
+def _writes_settled(b: Builder[ConsumerState, ev.ConsumerEvent], reason: str) -> None:
+    """The loads held for a late write fail now: none can land any more."""
+    held = [(r, load) for r, load in sorted(b.state.loads.items()) if load.held]
+    for round_seq, load in held:
+        b.emit(ev.Aborted(**b.head, round_seq=round_seq, job_id=load.job_id, reason=reason))
+    if held:
+        _maybe_finished(b)
 
 
 def _maybe_finished(b: Builder[ConsumerState, ev.ConsumerEvent]) -> None:

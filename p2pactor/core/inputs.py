@@ -29,6 +29,7 @@ __all__ = [
     "SubmitLoad",
     "Tick",
     "TransferResult",
+    "WritesSettled",
 ]
 
 
@@ -102,6 +103,21 @@ class SessionEnded(msgspec.Struct, frozen=True, gc=False):
 
     reason: str
     write_grace: float = 0.0
+
+
+class WritesSettled(msgspec.Struct, frozen=True, gc=False):
+    """No write of the peer's can land in our pool any more, though the hold has not run out.
+
+    The runtime knows it when the data path can show it: the peer's process
+    has exited and only this kernel lay between us, and our side of the data
+    path has let the peer go. A consumer's loads held since its session was
+    lost then fail at once.
+
+    Attributes:
+        reason: How the runtime knows, for the loads' failure.
+    """
+
+    reason: str
 
 
 class Pin(msgspec.Struct, frozen=True, gc=False):

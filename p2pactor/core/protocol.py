@@ -81,6 +81,7 @@ __all__ = [
     "Lookup",
     "LookupResp",
     "Message",
+    "PeerProcess",
     "TransferDone",
     "UnsetType",
     "decode",
@@ -155,6 +156,23 @@ def _parallel(msg: _Message, name: str, items: tuple[Any, ...], keys: tuple[byte
         )
 
 
+class PeerProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """Which process the sender is, on which kernel (inside a ``connect``'s extension).
+
+    A receiver on the same kernel, in the same PID and network namespaces (the
+    same ``host``), can watch that process: once it has exited, and the only
+    path between the two is that kernel's, none of its writes can still land.
+
+    Attributes:
+        host: The kernel's boot id and the sender's PID and network
+            namespaces, as one opaque string.
+        pid: The sender's process id, in that PID namespace.
+    """
+
+    host: _Text
+    pid: Annotated[int, Meta(ge=1, le=2**31 - 1)]
+
+
 class ConnectExtension(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """The ``p2pactor`` map of a ``connect``: which extensions the sender speaks.
 
@@ -165,10 +183,12 @@ class ConnectExtension(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         version: The sender's extension protocol version.
         features: Names of the optional extensions the sender supports.
             Encoded as a sorted list so the bytes are deterministic.
+        process: The sender's process, if it says (absent from older peers).
     """
 
     version: _Version
     features: _Features = frozenset()
+    process: PeerProcess | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         # Decoding always gives a frozenset; a caller's str would be its letters.

@@ -27,6 +27,7 @@ from p2pactor.core import protocol as wire
 from p2pactor.errors import ProtocolError
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logcontext import peer_context
+from p2pactor.runtime.process import ProcessWatch, this_process, watch
 from p2pactor.runtime.session_host import SessionHost, SessionState
 from p2pactor.runtime.transport import (
     ConnectionLost,
@@ -70,7 +71,9 @@ def connect_message(config: NodeConfig, data: DataTransport, hash_seed: str) -> 
         block_len=data.block_len,
         config_fingerprint=config.fingerprint,
         hash_seed=hash_seed,
-        extension=EXTENSION if config.round_extension else wire.UNSET,
+        extension=replace(EXTENSION, process=this_process())
+        if config.round_extension
+        else wire.UNSET,
     )
 
 
@@ -137,6 +140,8 @@ class ControlLink(abc.ABC):
         self.state = SessionState.CONNECTING
         self.death_reason: str | None = None
         self.peer_extension: wire.ConnectExtension | None = None
+        # The peer's process, where only this kernel lies between us (runtime/process.py).
+        self.peer_process: ProcessWatch | None = None
         self.last_activity = 0.0
         # trio clock, as last_activity (the session's start or its last frame
         # received): when send() last queued a message; None before the first.
@@ -314,6 +319,8 @@ class ControlLink(abc.ABC):
             return
         self._peer_accepted = True
         self._peer_num_blocks = msg.num_blocks
+        if isinstance(msg.extension, wire.ConnectExtension):
+            self.peer_process = watch(msg.extension.process)
         if self._config.round_extension:
             self.peer_extension = msg.extension or None
         assert self._nursery is not None
@@ -445,5 +452,7 @@ class ControlLink(abc.ABC):
         """Close the connection (if :meth:`_hang_up` never ran) and forget the peer's memory."""
         if self._conn is not None and not self._handed_over:
             await self._conn.aclose()  # idempotent
+        if self.peer_process is not None:
+            self.peer_process.close()
         if self._peer_accepted:
             await self._host.data.remove_peer(self.data_name)

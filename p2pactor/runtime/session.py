@@ -47,6 +47,7 @@ from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
 from p2pactor.runtime.expiry_log import ExpiryWarnings
 from p2pactor.runtime.handshake import EXTENSION, ControlLink
 from p2pactor.runtime.logcontext import request_context
+from p2pactor.runtime.process import ProcessWatch
 from p2pactor.runtime.session_host import SessionCloseResult, SessionHost, SessionState
 from p2pactor.runtime.transport import ControlConnection
 
@@ -55,6 +56,7 @@ __all__ = ["EXTENSION", "PeerSession", "SessionCloseResult", "SessionHost", "Ses
 log = logging.getLogger("p2pactor.session")
 
 _RETIRED_MEMORY = 4096
+_LOCAL_DRAIN = 0.1  # s: what a dead peer on this kernel sent drains (loopback, memory speed)
 _ENDED_PER_TURN = 32  # actors told their session ended before the drain lets others run
 _TO_PRODUCER: Final = (wire.Lookup, wire.Fetch, wire.AbortFetch)
 _TO_CONSUMER: Final = (wire.LookupResp, wire.TransferDone, wire.AbortAck)
@@ -456,11 +458,38 @@ class PeerSession(ControlLink):
                 # A peer that leaves thousands of requests open must not stall
                 # every other session while they wind down.
                 await trio.lowlevel.checkpoint()
+        gone = self.peer_process
+        if grace and self._failed_loads and gone is not None:
+            assert self._nursery is not None
+            self._nursery.start_soon(self._settle_when_gone, gone, reason)
         if self._live:
             # Held loads end on their own deadline: the drain outlasts it.
             held = grace + 1.0 if self._failed_loads and grace > 0 else 0.0
             with trio.move_on_after(max(self._config.drain_timeout, held)):
                 await self._quiet.wait()
+
+    async def _settle_when_gone(self, gone: ProcessWatch, reason: str) -> None:
+        """End the loads held for a late write soon after the peer's process has exited.
+
+        It writes nothing once it has exited, and only this kernel lies between
+        us (no link to hold a write): what it had in flight lands at memory
+        speed, within the drain below (shared memory and cross-memory attach
+        copy as the writer runs, so they have nothing in flight at all).
+        """
+        await gone.wait()
+        await trio.sleep(_LOCAL_DRAIN)
+        settled = inp.WritesSettled(
+            f"session lost: {reason}; the peer's process exited, so no write of its can "
+            "land any more"
+        )
+        log.info(
+            "%s: its process exited: the loads held for its writes fail now",
+            self.peer_id,
+            extra=self._log_extra,
+        )
+        for actor in self.live_actors():
+            if actor.id.role is Role.CONSUMER:
+                self._runner.deliver(actor, settled)
 
     async def _finish(self) -> None:
         reason = self.death_reason or "closed"
