@@ -16,8 +16,9 @@ reads one JSON command per line on stdin and answers each with one JSON line:
 * ``{"cmd": "stop"}``: stop the loop after its current request and answer what
   it measured since ``start``: lookups, lookup latency p50/p99/max (seconds),
   fetch p50/p99, blocks verified, failures (a lookup that answered MISS, a
-  failed fetch, a block with a wrong byte; the first few described) and this
-  process's CPU seconds.
+  failed fetch, a block with a wrong byte; the first few described, with why
+  a lookup answered MISS), how many of them failed because the session to the
+  producer was lost (``lost_session``) and this process's CPU seconds.
 
 It exits when its stdin closes.
 """
@@ -73,11 +74,13 @@ class _Tally:
         self.verified = 0
         self.failures: list[str] = []
         self.failed = 0
+        self.lost_session = 0
         self.cpu0 = _cpu_s()
         self.start = time.perf_counter()
 
-    def fail(self, why: str) -> None:
+    def fail(self, why: str, *, lost_session: bool = False) -> None:
         self.failed += 1
+        self.lost_session += lost_session
         if len(self.failures) < FAILURES_KEPT:
             self.failures.append(why)
 
@@ -93,6 +96,7 @@ class _Tally:
             "verified": self.verified,
             "failed": self.failed,
             "failures": self.failures,
+            "lost_session": self.lost_session,
             "cpu_s": _cpu_s() - self.cpu0,
         }
 
@@ -102,6 +106,7 @@ async def _run(args: argparse.Namespace) -> None:
 
     from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
     from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
+    from p2pactor.core.consumer import ConsumerState  # noqa: PLC0415
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
     from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
     from p2pactor.runtime.node import Node, open_node  # noqa: PLC0415
@@ -119,6 +124,28 @@ async def _run(args: argparse.Namespace) -> None:
     peer = f"{HOST}:{args.peer_port}"
     counter = iter(range(10**12))
 
+    def why_failed(node: Node, kv: str) -> tuple[str, bool]:
+        """Why request ``kv`` failed, and whether it is because its session was lost.
+
+        A lookup answers MISS for every key when its session is lost, when it
+        timed out, or when the producer said so: the section tells them apart.
+        """
+        actor = node.known_consumer(peer, kv)
+        state = actor.state if actor is not None else None
+        if not isinstance(state, ConsumerState):
+            return "no request to the producer", False
+        if state.session_lost:
+            session = node.session(peer)
+            if session is not None and not session.alive:
+                reason = session.death_reason or "closed"
+            else:
+                ended = [c.reason for c in node.closed_sessions() if c.peer_id == peer]
+                reason = ended[-1] if ended else "closed"
+            return f"the session to the producer was lost ({reason})", True
+        if state.lookup_failed:
+            return "its lookup timed out", False
+        return "the producer said so", False
+
     async def one(node: Node, tally: _Tally) -> None:
         n = next(counter)
         kv = f"honest-{n}"
@@ -131,7 +158,11 @@ async def _run(args: argparse.Namespace) -> None:
         tally.lookups.append(t1 - t0)
         if any(a is not LookupResult.HIT for a in answers):
             misses = sum(1 for a in answers if a is not LookupResult.HIT)
-            tally.fail(f"{kv}: {misses} of {len(wanted)} keys the producer holds answered MISS")
+            why, lost = why_failed(node, kv)
+            tally.fail(
+                f"{kv}: {misses} of {len(wanted)} keys the producer holds answered MISS: {why}",
+                lost_session=lost,
+            )
             node.finish(kv)
             return
         blocks = cache.allocate(len(wanted))
@@ -139,7 +170,8 @@ async def _run(args: argparse.Namespace) -> None:
             result = await node.fetch(peer, kv, wanted, blocks)
             tally.fetches.append(time.perf_counter() - t1)
             if not result.success:
-                tally.fail(f"{kv}: fetch failed: {result.reason}")
+                lost = why_failed(node, kv)[1]
+                tally.fail(f"{kv}: fetch failed: {result.reason}", lost_session=lost)
                 return
             for i, block in zip(indexes, blocks, strict=True):
                 got = pool[block * BLOCK_LEN : (block + 1) * BLOCK_LEN]
