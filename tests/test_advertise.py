@@ -31,6 +31,7 @@ from p2pactor.runtime.config import NodeConfig, is_loopback, is_wildcard
 from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.testing import MemoryDataPlane
+from tests.ports import free_port
 
 # One in-memory data plane for every node here: the control channel is what is tested.
 PLANE = MemoryDataPlane()
@@ -307,20 +308,13 @@ def _vllm_tier() -> tuple[Any, Any]:
     return P2PActorTierManager, torch
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 @pytest.mark.parametrize("through", ["option", "environment"])
 def test_the_vllm_tier_binds_bind_host_and_is_known_by_host(
     through: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier_class, torch = _vllm_tier()
 
-    options: dict[str, Any] = {"host": "127.0.0.3", "port": _free_port()}
+    options: dict[str, Any] = {"host": "127.0.0.3", "port": free_port()}
     if through == "option":
         options["bind_host"] = "127.0.0.2"
     else:
@@ -341,6 +335,4 @@ def test_the_vllm_tier_refuses_a_wildcard_host() -> None:
 
     memory = torch.zeros(4, 1024, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"bind_host=0\.0\.0\.0"):
-        tier_class(
-            _offloading_spec(), memoryview(memory.numpy()), host="0.0.0.0", port=_free_port()
-        )
+        tier_class(_offloading_spec(), memoryview(memory.numpy()), host="0.0.0.0", port=free_port())

@@ -57,6 +57,7 @@ from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.samples import block_bytes, preload_keys
 from p2pactor.testing import MemoryDataPlane
+from tests.ports import free_port
 
 HOST = "127.0.0.1"
 TIMEOUT = 60.0  # generous: a small shared machine; every wait ends as soon as it can
@@ -66,13 +67,6 @@ FAST = ZmqOptions(
 BLOCK_LEN = 4096
 NUM_BLOCKS = 16
 SEED = "curve-test-seed-7d1e3b"  # a hash seed this module can look for in raw bytes
-
-
-def free_port(host: str = HOST) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def keypair(folder: Path, name: str, address: str) -> Path:

@@ -31,7 +31,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -66,6 +65,7 @@ from p2pactor.runtime.session import SessionCloseResult
 from p2pactor.runtime.session_host import SessionState
 from p2pactor.runtime.transport import WriteDone
 from p2pactor.surface.replay import replay
+from tests.ports import free_port
 
 try:
     import_nixl()
@@ -88,13 +88,6 @@ def child_env() -> dict[str, str]:
     """Children import p2pactor (and ``tests``) exactly as we do."""
     path = os.pathsep.join([str(ROOT), *(p for p in sys.path if p)])
     return {**os.environ, "PYTHONPATH": path, "NIXL_LOG_LEVEL": "WARN"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def keys_of(count: int) -> list[bytes]:

@@ -13,7 +13,6 @@ import logging
 import os
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from p2pactor.surface.logsetup import (
     configure_logging,
 )
 from tests.cluster import key, open_cluster
+from tests.ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 JSON_KEYS = {"ts", "level", "logger", "message"}
@@ -276,13 +276,6 @@ def test_every_logger_is_under_p2pactor() -> None:
 
 
 # --- a real `p2pactor serve` process ---------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def read_line(process: subprocess.Popen[str], limit: float) -> str:

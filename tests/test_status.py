@@ -37,6 +37,7 @@ from p2pactor.runtime.session import EXTENSION, PeerSession
 from p2pactor.surface.status import SCHEMA
 from p2pactor.testing import message_is
 from tests.cluster import key, node_id, open_cluster
+from tests.ports import free_port
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
@@ -210,12 +211,6 @@ def steady(value: Any) -> Any:
 def get(url: str) -> tuple[int, str, bytes]:
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.status, response.headers.get("Content-Type", ""), response.read()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def p2pactor(*args: str) -> subprocess.CompletedProcess[bytes]:

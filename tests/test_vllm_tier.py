@@ -40,7 +40,6 @@ import hashlib
 import itertools
 import logging
 import os
-import socket
 import threading
 import time
 import warnings
@@ -88,6 +87,7 @@ import p2pactor.adapters.vllm as adapter
 from p2pactor.adapters.nixl import import_nixl
 from p2pactor.adapters.vllm import P2PActorTierManager
 from p2pactor.errors import DataPlaneError
+from tests.ports import free_port
 
 try:
     import_nixl()
@@ -100,13 +100,6 @@ HOST = "127.0.0.1"
 NUM_CHUNKS = 64
 CHUNK_BYTES = 1024
 TIMEOUT = 60.0  # generous: 2 busy cores, and every wait ends as soon as it can
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def offloading_spec(dp_index: int = 0) -> Any:

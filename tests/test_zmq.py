@@ -48,6 +48,7 @@ from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.transport import ConnectionLost
 from p2pactor.testing import MemoryDataPlane
+from tests.ports import free_port
 
 FAST = ZmqOptions(
     heartbeat_interval=0.2, heartbeat_timeout=1.0, heartbeat_ttl=1.0, connect_timeout=2.0
@@ -119,13 +120,6 @@ async def nothing_arrives(conn: ZmqConnection, seconds: float = 0.3) -> None:
 def readable(sock: zmq.Socket[bytes]) -> bool:
     """Whether a message waits on ``sock`` (reading EVENTS, as any zmq call may)."""
     return bool(cast("int", sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 # --- frames both ways ------------------------------------------------------------

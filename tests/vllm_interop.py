@@ -38,7 +38,6 @@ import os
 import queue
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
+
+from tests.ports import free_port
 
 if TYPE_CHECKING:
     from p2pactor.programs.hosts import Host
@@ -112,12 +113,6 @@ def contents(key: bytes, chunk_bytes: int) -> bytes:
 
 def expected_digest(key: bytes, chunk_bytes: int) -> str:
     return hashlib.sha256(contents(key, chunk_bytes)).hexdigest()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
