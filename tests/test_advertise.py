@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import zmq
@@ -171,6 +172,19 @@ def test_a_loopback_node_may_dial_loopback_peers_only() -> None:
     # A node known by a real address dials anyone (allowlist and CURVE aside).
     assert NodeConfig(host="10.0.0.5").may_dial(ELSEWHERE)
     assert NodeConfig(host="10.0.0.5").may_dial("127.0.0.1:5711")
+
+
+def test_may_dial_remembers_its_answers_within_a_bound() -> None:
+    local = NodeConfig(host="localhost")
+    peers = [f"127.0.0.{i % 250 + 1}:{1000 + i}" for i in range(5000)] + [ELSEWHERE]
+    first = [local.may_dial(p) for p in peers]
+    # Asked again (from memory, and past the bound, which forgets and recomputes):
+    # the same answers, each the one the rules give.
+    assert [local.may_dial(p) for p in reversed(peers)] == first[::-1]
+    assert first == [p != ELSEWHERE for p in peers]
+    assert len(local._dialable) <= 4096
+    # An evolved config judges by its own rules, not by the original's memory.
+    assert attrs.evolve(local, host="10.0.0.5").may_dial(ELSEWHERE)
 
 
 async def test_a_loopback_node_refuses_to_dial_another_host_before_any_socket(

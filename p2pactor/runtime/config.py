@@ -96,6 +96,9 @@ def is_wildcard(host: str) -> bool:
         return False  # a name
 
 
+_DIAL_MEMORY = 4096  # peers whose may_dial answer a config remembers
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (``localhost``, ``127.x``, ``::1``)."""
     host = _bare_host(host).lower().rstrip(".")
@@ -187,8 +190,9 @@ class NodeConfig:
         engine_inbox: Engine calls queued for the node's trio thread before
             new lookups are answered RETRY without asking and new loads fail
             (the node is overloaded or stalled).
-        engine_poll_interval: How often the node's thread looks for engine
-            calls handed over without waking it (``wake=False``).
+        engine_poll_interval: How often the node's thread, while awake, looks
+            for engine calls handed over without waking it (``wake=False``);
+            asleep, it waits for the engine's next flush or kick.
         drain_timeout: How long a closing session waits for writes in flight
             and owed parent answers before it gives up on them.
         unbound_store_timeout: How long stored blocks of a prefill/decode
@@ -252,6 +256,7 @@ class NodeConfig:
     curve_trusted: str | None = attrs.field(default=None, converter=_optional_path)
     _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
     _loopback: bool = attrs.field(init=False, eq=False, repr=False)
+    _dialable: dict[str, bool] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         # The key files are read once, here: a bad one fails the config at
@@ -280,6 +285,9 @@ class NodeConfig:
         # each time would be work done again and again for the same answer.
         object.__setattr__(self, "_curve", curve)
         object.__setattr__(self, "_loopback", is_loopback(self.host))
+        # may_dial's answers by peer: each depends on the peer id and this
+        # config alone, and the engine's thread asks for every request and key.
+        object.__setattr__(self, "_dialable", {})
 
     @property
     def curve(self) -> CurveSecurity | None:
@@ -303,6 +311,15 @@ class NodeConfig:
         trusted key: a peer we hold no key for could not be authenticated.
         And it must be able to dial us back (see :meth:`dial_refusal`).
         """
+        known = self._dialable.get(peer_id)
+        if known is None:
+            known = self._judge_dial(peer_id)
+            if len(self._dialable) >= _DIAL_MEMORY:
+                self._dialable.clear()  # a bound, not a policy: answers are recomputed
+            self._dialable[peer_id] = known
+        return known
+
+    def _judge_dial(self, peer_id: str) -> bool:
         if self.allowed_peers is not None and peer_id not in self.allowed_peers:
             return False
         if self.dial_refusal(peer_id) is not None:
