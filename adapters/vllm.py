@@ -290,13 +290,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         """The engine is done with the request (either role)."""
         source = req_context.get_state(Source)
         dest = req_context.get_state(Dest)
-        for kv_id in {
-            source.kv_request_id if source else None,
-            dest.kv_request_id if dest else None,
-        } - {None}:
-            assert kv_id is not None
-            self._failed.discard(kv_id)
-            self._node.finish(kv_id, wake=False)
+        done = source.kv_request_id if source is not None else None
+        if done is not None:
+            self._failed.discard(done)
+            self._node.finish(done, wake=False)
+        if dest is not None and dest.kv_request_id is not None and dest.kv_request_id != done:
+            self._node.finish(dest.kv_request_id, wake=False)
 
     def submit_store(self, job_metadata: Any) -> None:
         """Keep a prefill/decode request's blocks for its remote puller."""

@@ -14,9 +14,9 @@ which then runs its whole batch before the engine thread gets it back (~0.5 ms
 per ``on_schedule_end``, measured with ``p2pactor bench --only engine``). So
 the engine thread only sets a :class:`threading.Event`; a small waker thread
 makes the ``run_sync_soon`` call when the engine thread next lets go of the
-GIL. Calls made with ``wake=False`` are picked up at the next flush, kick, or
-within ``engine_poll_interval``; an idle node's loop sleeps until woken (the
-next call wakes it), so it costs nothing.
+GIL. Calls made with ``wake=False`` only append: they are picked up at the
+next flush or kick (or within ``engine_poll_interval`` while the node's thread
+is awake anyway); an idle node's loop sleeps until woken, so it costs nothing.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
-import attrs
+import msgspec
 import trio
 
 from p2pactor.core import inputs as inp
@@ -37,8 +37,7 @@ from p2pactor.runtime.actor import RequestActor, Runner
 __all__ = ["EngineBridge", "EngineSide", "LoadResult"]
 
 
-@attrs.frozen
-class LoadResult:
+class LoadResult(msgspec.Struct, frozen=True, gc=False):
     """One of the engine's load jobs finished.
 
     Attributes:
@@ -53,20 +52,17 @@ class LoadResult:
 
 
 # What the engine's threads hand to the node's thread.
-@attrs.frozen
-class _Register:
+class _Register(msgspec.Struct, frozen=True, gc=False):
     peer: str
     kv_request_id: str
     keys: tuple[bytes, ...]
 
 
-@attrs.frozen
-class _Flush:
+class _Flush(msgspec.Struct, frozen=True, gc=False):
     pass
 
 
-@attrs.frozen
-class _Load:
+class _Load(msgspec.Struct, frozen=True, gc=False):
     peer: str
     kv_request_id: str
     job_id: int
@@ -74,24 +70,20 @@ class _Load:
     blocks: tuple[int, ...]
 
 
-@attrs.frozen
-class _Finish:
+class _Finish(msgspec.Struct, frozen=True, gc=False):
     kv_request_id: str
 
 
-@attrs.frozen
-class _Store:
+class _Store(msgspec.Struct, frozen=True, gc=False):
     kv_request_id: str
     store: inp.AddStore
 
 
-@attrs.frozen
-class _Dial:
+class _Dial(msgspec.Struct, frozen=True, gc=False):
     peer: str
 
 
-@attrs.frozen
-class _Answer:
+class _Answer(msgspec.Struct, frozen=True):  # holds an actor: tracked by the gc
     actor: RequestActor
     answer: inp.ParentAnswer
 
@@ -169,7 +161,6 @@ class EngineBridge:
         self._trio_thread = threading.get_ident()
         self._wakeup = trio.Event()
         self._wake_pending = False
-        self._sleeping = False
         self._waker_event = threading.Event()
         self._waker_stop = False
         self._waker = threading.Thread(
@@ -236,9 +227,7 @@ class EngineBridge:
         self.post(_Load(peer, kv_request_id, job_id, tuple(keys), tuple(blocks)), wake=wake)
 
     def finish(self, kv_request_id: str, *, wake: bool) -> None:
-        """Hand over the end of a request."""
-        with self._lock:
-            self._posted.pop(kv_request_id, None)
+        """Hand over the end of a request (its asked keys are forgotten on the node's thread)."""
         self.post(_Finish(kv_request_id), wake=wake)
 
     def store(self, kv_request_id: str, store: inp.AddStore, *, wake: bool) -> None:
@@ -273,15 +262,17 @@ class EngineBridge:
         """Hand ``item`` to the node's thread: applied now if this is that thread.
 
         From another thread it is appended, and the node's thread is woken if
-        asked, or if it sleeps.
+        asked; without ``wake`` the caller's next :meth:`flush` or :meth:`kick`
+        does it (or, while the node's thread is awake, its poll interval).
+        Not waking is the point: the engine's thread pays for a wake-up (a
+        lock, a futex, often losing its CPU to the woken thread), and every
+        engine step ends in a flush anyway.
         """
         self._inbox.append(item)
         if threading.get_ident() == self._trio_thread:
             self.apply()  # the caller is on the node's thread: no hop, no wait
             return
-        # Read after the append: the loop sets _sleeping before it last looks
-        # at the inbox, so either it sees the item or we see it sleeping.
-        if wake or self._sleeping:
+        if wake:
             self._wake()
 
     def _wake(self) -> None:
@@ -324,10 +315,7 @@ class EngineBridge:
                 with trio.move_on_after(self._poll_interval):
                     await self._wakeup.wait()
             else:
-                self._sleeping = True
-                if not self._inbox:
-                    await self._wakeup.wait()
-                self._sleeping = False
+                await self._wakeup.wait()
             self._wakeup = trio.Event()
             self.apply()
 
@@ -360,6 +348,8 @@ class EngineBridge:
                     self._register_first(actor)
                     node.submit(actor, job_id, keys, blocks)
             case _Finish(kv_id):
+                with self._lock:
+                    self._posted.pop(kv_id, None)
                 for actor in [a for a in self._unflushed if a.id.kv_request_id == kv_id]:
                     self._register_first(actor)
                 if self._dirty:

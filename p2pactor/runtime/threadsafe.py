@@ -171,6 +171,9 @@ class ThreadSafeAPI:
         Returns:
             How many requests were served.
         """
-        answers = self._service.serve(parent)
+        service = self._service
+        if not service.pending:
+            return 0  # the tier-poll thread asks every 1 ms: nothing to do is the rule
+        answers = service.serve(parent)
         self._bridge.answers(answers)
         return len(answers)
