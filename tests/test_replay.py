@@ -485,6 +485,7 @@ def test_summary_counts(tmp_path: Path) -> None:
     assert s.keys_missed == 1
     assert s.keys_timed_out == 1
     assert s.keys_served_timed_out == 1
+    assert (s.keys_served_hit, s.keys_served_missed) == (9, 1)
     assert s.loads_done == 4
     assert s.loads_failed == 3
     assert s.violations == 0
@@ -519,7 +520,16 @@ def test_wall_times_come_from_the_clock_origin(tmp_path: Path) -> None:
 
 
 def check_one(tmp_path: Path, events: Sequence[ev.AnyEvent], node: str = NODE_B) -> ReplayResult:
-    return replay([write_log(tmp_path / "x.log", events, node)], check=True)
+    path = write_log(tmp_path / "x.log", events, node)
+    result = replay([path], check=True)
+    # Without timelines every event takes the inline path of Replayer.feed: it
+    # must find exactly what the path that builds timeline rows finds.
+    inline = replay([path], check=True, timelines=0)
+    assert inline.violations == result.violations
+    assert inline.unfinished == result.unfinished
+    assert inline.summary == result.summary
+    assert [r.state for r in inline.actors] == [r.state for r in result.actors]
+    return result
 
 
 def only_violation(result: ReplayResult, kind: str, seq: int, *, contains: str) -> None:
@@ -1087,20 +1097,11 @@ def test_an_abandoned_life_is_unfinished_when_the_id_starts_again(tmp_path: Path
     assert any("pin" in u.what for u in result.unfinished)
 
 
-def test_the_counted_event_types_are_exactly_the_arms_of_count() -> None:
-    # _count skips types outside _COUNTED without matching: an arm added to the
-    # match but not to the set would never run.
-    import ast  # noqa: PLC0415
-    import inspect  # noqa: PLC0415
-    import textwrap  # noqa: PLC0415
-
-    from p2pactor.surface import replay as replay_module  # noqa: PLC0415
-
-    source = textwrap.dedent(inspect.getsource(replay_module.Replayer._count))
-    arms = {
-        node.cls.attr
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.MatchClass) and isinstance(node.cls, ast.Attribute)
-    }
-    assert arms == {cls.__name__ for cls in replay_module._COUNTED}
-    assert len(arms) >= 10
+def test_summary_counts_agree_with_and_without_checks_and_timelines(tmp_path: Path) -> None:
+    paths = write_nodes(tmp_path, all_scenarios())
+    full = replay(paths, check=True)
+    assert full.violations == ()
+    for check, timelines in ((False, None), (False, 0), (True, 0)):
+        other = replay(paths, check=check, timelines=timelines)
+        assert other.summary == full.summary
+        assert [r.state for r in other.actors] == [r.state for r in full.actors]

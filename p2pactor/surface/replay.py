@@ -109,29 +109,62 @@ class _Live:
         self.folds: Mapping[type[ev.Event], Callable[[Any, Any], ActorState]] = (
             CONSUMER_FOLDS if actor.role is Role.CONSUMER else PRODUCER_FOLDS
         )
-        # Nothing to check or show: each event is only folded (Replayer.feed).
-        self.fast = self.check is None and self.rows is None
+        # No timeline to show: each event is folded (and checked) inline (Replayer.feed).
+        self.fast = self.rows is None
 
 
-_COUNTED: frozenset[type] = frozenset(
-    {
-        ev.LookupResp,
-        ev.LookupTimedOut,
-        ev.KeysResolved,
-        ev.PendingExpired,
-        ev.LookupAnswered,
-        ev.Closed,
-        ev.TransferDone,
-        ev.AbortAcked,
-        ev.Aborted,
-        ev.FetchSkipped,
-        ev.LookupRefused,
-        ev.KeysRefused,
-        ev.FetchRefused,
-        ev.LookupLimited,
-    }
-)
-"""The event types :meth:`Replayer._count` has an arm for."""
+_Counts = Counter[str]
+_REFUSED: Final = "refused:"
+"""The prefix of the counts of quota refusals, by quota."""
+
+
+def _count_lookup_resp(c: _Counts, e: ev.LookupResp) -> None:
+    hits = sum(e.hits)
+    c["keys_hit"] += hits
+    c["keys_missed"] += len(e.hits) - hits
+
+
+def _count_lookup_answered(c: _Counts, e: ev.LookupAnswered) -> None:
+    if e.resolved:
+        # What a KeysResolved (of distinct keys) and a KeysPinned said apart.
+        answers = dict(zip(e.keys, e.hits, strict=True))
+        hits = sum(answers.values())
+        c["keys_served_hit"] += hits
+        c["keys_served_missed"] += len(answers) - hits
+        c["pins_answered"] += e.pinned is not None
+
+
+def _count_keys_resolved(c: _Counts, e: ev.KeysResolved) -> None:
+    c["keys_served_hit"] += len(e.hits)
+    c["keys_served_missed"] += len(e.misses)
+
+
+def _count_load_failed(c: _Counts, e: ev.AnyEvent) -> None:
+    c["loads_failed"] += 1
+
+
+def _count_refusal(c: _Counts, e: ev.LookupRefused | ev.KeysRefused | ev.FetchRefused) -> None:
+    c[_REFUSED + e.quota.value] += 1
+
+
+_COUNTERS: Final[Mapping[type[ev.Event], Callable[[_Counts, Any], None]]] = {
+    ev.LookupResp: _count_lookup_resp,
+    ev.LookupTimedOut: lambda c, e: c.update(keys_timed_out=len(e.keys)),
+    ev.KeysResolved: _count_keys_resolved,
+    ev.LookupAnswered: _count_lookup_answered,
+    ev.Closed: lambda c, e: c.update(pins_closed=len(e.released)),
+    ev.PendingExpired: lambda c, e: c.update(keys_served_timed_out=len(e.keys)),
+    ev.TransferDone: lambda c, e: c.update(("loads_done" if e.success else "loads_failed",)),
+    ev.AbortAcked: _count_load_failed,
+    ev.Aborted: _count_load_failed,
+    ev.FetchSkipped: lambda c, e: None if e.success else _count_load_failed(c, e),
+    ev.LookupRefused: _count_refusal,
+    ev.KeysRefused: _count_refusal,
+    ev.FetchRefused: _count_refusal,
+    ev.LookupLimited: lambda c, e: c.update((_REFUSED + ev.Quota.KEYS_PER_LOOKUP.value,)),
+}
+"""What each counted event type adds to the summary's counts (one dict
+lookup per event, where a ``match`` would test every arm in turn)."""
 
 _TERMINAL: Final = frozenset({*(p for p in ConsumerPhase if p.terminal), ProducerPhase.CLOSED})
 """The phases an actor of either role ends in."""
@@ -169,7 +202,6 @@ class Replayer:
         self._seen = 0
         self._kinds: dict[type[ev.Event], int] = {}
         self._counts: Counter[str] = Counter()
-        self._refusals: Counter[str] = Counter()
         self._phases: dict[str, Counter[str]] = {}
         self._unfinished_actors = 0
         self.violations: list[InvariantViolation] = []
@@ -189,8 +221,9 @@ class Replayer:
         kind = type(event)
         kinds = self._kinds
         kinds[kind] = kinds.get(kind, 0) + 1
-        if kind in _COUNTED:
-            self._count(event)
+        counter = _COUNTERS.get(kind)
+        if counter is not None:
+            counter(self._counts, event)
         key = (node_id, actor)
         live = self._live.get(key)
         if live is None or (event.seq == 1 and live.state.seq >= 1):
@@ -199,15 +232,24 @@ class Replayer:
                 return None
         state = live.state
         if live.fast and event.seq == state.seq + 1:
-            # The common case, inline: the next event of an actor nobody checks
-            # (found by its id and in sequence: evolve's own checks are made).
+            # The common case, inline: the next event of an actor (found by its
+            # id and in sequence: evolve's own checks are made) with no timeline.
             try:
-                state = live.folds[kind](state, event)
+                after = live.folds[kind](state, event)
             except Exception:
                 self._apply(live, event)
                 state = live.state
             else:
-                live.state = state
+                check = live.check
+                if check is not None:
+                    if isinstance(check, ConsumerCheck):
+                        problems = check.step(event, state, after)  # type: ignore[arg-type]
+                    else:
+                        problems = check.step(event, live.prev)
+                    for message in problems:
+                        self._violation(node_id, event, message)
+                    live.violations += len(problems)
+                live.state = state = after
                 live.events += 1
                 live.last_at = event.at
                 live.prev = event
@@ -286,48 +328,14 @@ class Replayer:
             pins_created=k["KeysPinned"] + k["StoreAdded"] + c["pins_answered"],
             pins_released=k["PinReleased"] + c["pins_closed"],
             rejected=k["Rejected"],
-            quota_refusals=dict(sorted(self._refusals.items())),
+            quota_refusals={
+                name.removeprefix(_REFUSED): n
+                for name, n in sorted(c.items())
+                if name.startswith(_REFUSED)
+            },
             violations=len(self.violations),
             by_kind=dict(sorted(k.items())),
         )
-
-    def _count(self, event: ev.AnyEvent) -> None:
-        if type(event) not in _COUNTED:
-            return  # most events: skip the match's isinstance chain
-        c = self._counts
-        match event:
-            case ev.LookupResp():
-                hits = sum(event.hits)
-                c["keys_hit"] += hits
-                c["keys_missed"] += len(event.hits) - hits
-            case ev.LookupTimedOut():
-                c["keys_timed_out"] += len(event.keys)
-            case ev.KeysResolved():
-                c["keys_served_hit"] += len(event.hits)
-                c["keys_served_missed"] += len(event.misses)
-            case ev.LookupAnswered() if event.resolved:
-                # What a KeysResolved (of distinct keys) and a KeysPinned said apart.
-                answers = dict(zip(event.keys, event.hits, strict=True))
-                hits = sum(answers.values())
-                c["keys_served_hit"] += hits
-                c["keys_served_missed"] += len(answers) - hits
-                c["pins_answered"] += event.pinned is not None
-            case ev.Closed():
-                c["pins_closed"] += len(event.released)
-            case ev.PendingExpired():
-                c["keys_served_timed_out"] += len(event.keys)
-            case ev.TransferDone():
-                c["loads_done" if event.success else "loads_failed"] += 1
-            case ev.AbortAcked() | ev.Aborted():
-                c["loads_failed"] += 1
-            case ev.FetchSkipped() if not event.success:
-                c["loads_failed"] += 1
-            case ev.LookupRefused() | ev.KeysRefused() | ev.FetchRefused():
-                self._refusals[event.quota.value] += 1
-            case ev.LookupLimited():
-                self._refusals[ev.Quota.KEYS_PER_LOOKUP.value] += 1
-            case _:
-                pass
 
     def _violation(self, node_id: str, event: ev.AnyEvent, message: str) -> None:
         self.violations.append(
