@@ -26,6 +26,7 @@ from p2pactor.errors import ConfigError
 
 __all__ = [
     "Validator",
+    "fraction",
     "non_negative",
     "non_negative_int",
     "optional_port",
@@ -78,6 +79,12 @@ def non_negative(*, finite: bool) -> Validator:
             _refuse(instance, attribute, value, what)
 
     return check
+
+
+def fraction(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """A share: a number above 0 and at most 1 (not bool)."""
+    if not _number_passes(value, lambda v: 0 < v <= 1, finite=True):
+        _refuse(instance, attribute, value, "a number above 0 and at most 1")
 
 
 def positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:

@@ -1,0 +1,422 @@
+"""Which peers claim which keys, and the choice of a source for a request that names none.
+
+Each p2pactor peer tells us, over its session, the keys its engine's CPU tier
+holds: sequenced deltas of 64-bit fingerprints (:func:`fingerprint`), and
+snapshots (in parts) on session ready, on a gap and now and then.
+:class:`SourceIndex` folds them into one inverted index, fingerprint -> the
+peers that claim it, keeps per peer its epoch, its sequence and how often its
+claims held when probed, and chooses, for a request's keys in order, the peer
+worth one lookup.
+
+Sans-IO like :mod:`p2pactor.core.stores`: no I/O, no clock (``now`` is an
+argument), and every method returns what the runtime must do, as data (a
+:class:`Resync` to send, a :class:`Choice` to record and act on). A peer's
+claims only steer performance: a false claim costs one lookup that answers
+MISS, never wrong bytes, and a peer whose claims keep missing is quarantined
+for automatic choice (it stays usable as a source a request names).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import attrs
+import msgspec
+
+from p2pactor.core import checks
+
+__all__ = [
+    "Choice",
+    "ChoicePolicy",
+    "Claim",
+    "Resync",
+    "SourceIndex",
+    "fingerprint",
+]
+
+_MASK64 = (1 << 64) - 1
+_GROUP_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads group indexes over all bits
+
+
+def fingerprint(key: bytes) -> int:
+    """The 64-bit fingerprint a summary carries for an offload key.
+
+    vLLM's key is the block hash followed by a 4-byte big-endian KV-cache group
+    index. The fingerprint is the hash's low 64 bits (what vLLM's KV events
+    publish as an int hash) mixed with the group, so group 0 keeps them as they
+    are. A key shorter than 12 bytes (never one of vLLM's) counts as if
+    zero-padded in front.
+    """
+    low = int.from_bytes(key[-12:-4], "big")
+    group = int.from_bytes(key[-4:], "big")
+    return low ^ ((group * _GROUP_MIX) & _MASK64)
+
+
+@attrs.frozen
+class ChoicePolicy:
+    """How claims are trusted and when a lookup is worth sending (the tier's config).
+
+    A peer's score for a request is the seconds of prefill its claimed run
+    saves, times its precision, less its round trip and its load; the best
+    peer is probed only if its score is above zero.
+
+    Attributes:
+        tokens_per_key: Tokens one key (a chunk) stands for.
+        prefill_s_per_token: Seconds of prefill one token costs here.
+        round_trip_s: What a lookup costs before anything is saved.
+        load_s: Seconds of score each probe already in flight to a peer costs it.
+        max_probes_per_peer: Automatic lookups in flight to one peer, at most.
+        min_probed_keys: Probed keys before a peer's precision can quarantine it.
+        min_precision: A peer whose claims hold less often than this is quarantined.
+        precision_weight: Weight of each probed key in the precision's moving average.
+        quarantine_s: The first quarantine; each next one doubles, up to ``max_quarantine_s``.
+        max_quarantine_s: The longest quarantine.
+    """
+
+    tokens_per_key: int = attrs.field(default=256, validator=checks.positive_int)
+    prefill_s_per_token: float = attrs.field(default=50e-6, validator=checks.positive(finite=True))
+    round_trip_s: float = attrs.field(default=0.003, validator=checks.non_negative(finite=True))
+    load_s: float = attrs.field(default=0.001, validator=checks.non_negative(finite=True))
+    max_probes_per_peer: int = attrs.field(default=32, validator=checks.positive_int)
+    min_probed_keys: int = attrs.field(default=100, validator=checks.positive_int)
+    min_precision: float = attrs.field(default=0.5, validator=checks.fraction)
+    precision_weight: float = attrs.field(default=0.05, validator=checks.fraction)
+    quarantine_s: float = attrs.field(default=60.0, validator=checks.positive(finite=True))
+    max_quarantine_s: float = attrs.field(default=3600.0, validator=checks.positive(finite=True))
+
+
+class Resync(msgspec.Struct, frozen=True, gc=False):
+    """Ask ``peer`` for a snapshot: its summary has a gap (or we have none)."""
+
+    peer: str
+    epoch: bytes
+    from_seq: int
+
+
+class Claim(msgspec.Struct, frozen=True, gc=False):
+    """What one peer claimed of a request: its contiguous run from the first key."""
+
+    peer: str
+    run: int
+    precision: float
+    score: float
+
+
+class Choice(msgspec.Struct, frozen=True, gc=False):
+    """The source chosen for a request, and why (what the runtime records as an event).
+
+    Attributes:
+        chosen: The peer to look up, or None (every key is a MISS at once).
+        keys: How many of the request's keys to ask it (its run, plus
+            ``tail`` keys it may have stored since its last delta).
+        claims: Every live peer's claim, best first.
+        reason: Why, in words.
+    """
+
+    chosen: str | None
+    keys: int
+    claims: tuple[Claim, ...]
+    reason: str
+
+
+class _Peer:
+    """One peer's summary and record (mutable: the index owns it alone)."""
+
+    __slots__ = (
+        "buffered",
+        "capacity",
+        "claims",
+        "epoch",
+        "in_flight",
+        "pending",
+        "pending_parts",
+        "pending_upto",
+        "precision",
+        "probed",
+        "quarantined_until",
+        "quarantines",
+        "resync_asked",
+        "seq",
+        "strikes",
+        "synced",
+    )
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.epoch = b""
+        self.seq = 0
+        self.synced = False  # a whole snapshot arrived for this epoch
+        self.resync_asked = False  # a Resync is out and no snapshot came yet
+        self.claims: set[int] = set()
+        # A snapshot being assembled: its parts so far, the seq it stands at,
+        # and the deltas after that seq that arrived meanwhile.
+        self.pending: set[int] | None = None
+        self.pending_parts: set[int] = set()
+        self.pending_upto = 0
+        self.buffered: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        self.precision = 1.0
+        self.probed = 0
+        self.strikes = 0
+        self.in_flight = 0
+        self.quarantines = 0
+        self.quarantined_until = 0.0
+
+
+class SourceIndex:
+    """Every peer's claims, as one index, and the choice of a source per request.
+
+    Args:
+        policy: How claims are trusted and when a lookup is worth it.
+        tail: Keys asked past a peer's claimed run (stores not announced yet).
+    """
+
+    def __init__(self, policy: ChoicePolicy | None = None, *, tail: int = 2) -> None:
+        self.policy = policy or ChoicePolicy()
+        self.tail = tail
+        self._peers: dict[str, _Peer] = {}
+        self._holders: dict[int, set[str]] = {}
+
+    # --- what the index holds ---------------------------------------------------------
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The peers with a summary here, in the order they came."""
+        return tuple(self._peers)
+
+    def __len__(self) -> int:
+        """Distinct fingerprints claimed by any peer."""
+        return len(self._holders)
+
+    def claimed_by(self, fp: int) -> frozenset[str]:
+        """The peers that claim ``fp``."""
+        return frozenset(self._holders.get(fp, ()))
+
+    def claims_of(self, peer: str) -> int:
+        """How many fingerprints ``peer`` claims."""
+        found = self._peers.get(peer)
+        return len(found.claims) if found is not None else 0
+
+    def position(self, peer: str) -> tuple[bytes, int, bool] | None:
+        """``peer``'s epoch, last sequence and whether a whole snapshot arrived."""
+        found = self._peers.get(peer)
+        return None if found is None else (found.epoch, found.seq, found.synced)
+
+    def precision(self, peer: str) -> float:
+        """How often ``peer``'s probed claims held (a moving average; 1.0 before any)."""
+        found = self._peers.get(peer)
+        return found.precision if found is not None else 1.0
+
+    def strikes(self, peer: str) -> int:
+        """Messages of ``peer`` that claimed more than it may (truncated)."""
+        found = self._peers.get(peer)
+        return found.strikes if found is not None else 0
+
+    def quarantined(self, peer: str, now: float) -> bool:
+        """Whether automatic choice skips ``peer`` at ``now``."""
+        found = self._peers.get(peer)
+        return found is not None and now < found.quarantined_until
+
+    # --- membership -----------------------------------------------------------------
+
+    def add_peer(self, peer: str, capacity: int) -> Resync:
+        """A session with ``peer`` is ready: it may claim at most ``capacity`` keys.
+
+        Returns the snapshot request to send (a peer sends one on session ready
+        anyway; asking costs nothing and covers a lost one). A peer added again
+        keeps its summary until its epoch says otherwise.
+        """
+        found = self._peers.get(peer)
+        if found is None:
+            found = self._peers[peer] = _Peer(capacity)
+        else:
+            found.capacity = capacity
+            self._truncate(peer, found)
+        return Resync(peer, found.epoch, found.seq + 1 if found.synced else 0)
+
+    def remove_peer(self, peer: str) -> None:
+        """``peer`` is gone (its session ended): forget its claims."""
+        found = self._peers.pop(peer, None)
+        if found is not None:
+            self._drop_claims(peer, found.claims)
+
+    # --- summaries --------------------------------------------------------------------
+
+    def delta(
+        self, peer: str, epoch: bytes, seq: int, add: Sequence[int], remove: Sequence[int]
+    ) -> Resync | None:
+        """Apply ``peer``'s delta number ``seq``; a Resync to send if it shows a gap."""
+        found = self._peers.get(peer)
+        if found is None:
+            return None  # no session: nothing to keep it for
+        if epoch != found.epoch:
+            # A restarted peer: its old summary goes whole, its new one starts here.
+            self._new_epoch(peer, found, epoch)
+            found.resync_asked = True
+            return Resync(peer, epoch, 0)
+        if found.pending is not None and seq > found.pending_upto:
+            found.buffered.append((seq, tuple(add), tuple(remove)))
+        if seq <= found.seq:
+            return None  # already folded in (a snapshot covered it)
+        if seq != found.seq + 1 or not found.synced:
+            # A gap: ask once; the snapshot it brings (or one under way) covers it.
+            if found.pending is None and not found.resync_asked:
+                found.resync_asked = True
+                return Resync(peer, epoch, found.seq + 1)
+            return None
+        found.seq = seq
+        self._apply(peer, found, add, remove)
+        return None
+
+    def snapshot(
+        self,
+        peer: str,
+        epoch: bytes,
+        upto_seq: int,
+        *,
+        part: int,
+        parts: int,
+        fps: Sequence[int],
+    ) -> None:
+        """Apply part ``part`` of ``parts`` of ``peer``'s snapshot as of ``upto_seq``.
+
+        The claims change only when the last missing part arrives: they become
+        the snapshot's keys, then every delta after ``upto_seq`` that came
+        meanwhile, in order.
+        """
+        found = self._peers.get(peer)
+        if found is None or parts < 1 or not 0 <= part < parts:
+            return
+        if epoch != found.epoch:
+            self._new_epoch(peer, found, epoch)
+        if found.pending is None or found.pending_upto != upto_seq:
+            found.pending, found.pending_parts, found.pending_upto = set(), set(), upto_seq
+            found.buffered = [b for b in found.buffered if b[0] > upto_seq]
+        found.pending.update(fps)
+        found.pending_parts.add(part)
+        if len(found.pending_parts) < parts:
+            return
+        keys, found.pending = found.pending, None
+        self._drop_claims(peer, found.claims - keys)
+        self._add_claims(peer, keys - found.claims)
+        found.claims = keys
+        found.seq, found.synced, found.resync_asked = upto_seq, True, False
+        buffered, found.buffered = sorted(found.buffered), []
+        for seq, add, remove in buffered:
+            if seq == found.seq + 1:
+                found.seq = seq
+                self._apply(peer, found, add, remove)
+        self._truncate(peer, found)
+
+    def missed(self, peer: str, fps: Iterable[int]) -> None:
+        """``peer`` answered MISS for keys it claimed: it no longer holds them."""
+        found = self._peers.get(peer)
+        if found is not None:
+            gone = found.claims.intersection(fps)
+            found.claims -= gone
+            self._drop_claims(peer, gone)
+
+    # --- choosing a source ------------------------------------------------------------
+
+    def choose(self, fps: Sequence[int], now: float) -> Choice:
+        """The peer to look up for a request whose keys are ``fps``, in order."""
+        if not fps:
+            return Choice(None, 0, (), "no keys")
+        first = self._holders.get(fps[0])
+        if not first:
+            return Choice(None, 0, (), "no peer claims the first key")
+        policy = self.policy
+        claims = []
+        for peer in first:
+            found = self._peers[peer]
+            if now < found.quarantined_until or found.in_flight >= policy.max_probes_per_peer:
+                continue
+            run = 1
+            while run < len(fps) and peer in self._holders.get(fps[run], ()):
+                run += 1
+            saved = run * policy.tokens_per_key * policy.prefill_s_per_token
+            score = saved * found.precision - policy.round_trip_s - policy.load_s * found.in_flight
+            claims.append(Claim(peer, run, found.precision, score))
+        if not claims:
+            return Choice(
+                None, 0, (), "every peer that claims the first key is quarantined or busy"
+            )
+        claims.sort(key=lambda c: (-c.score, -c.run, c.peer))
+        best = claims[0]
+        if best.score <= 0:
+            return Choice(None, 0, tuple(claims), "no claimed run is worth a round trip")
+        keys = min(len(fps), best.run + self.tail)
+        reason = f"longest worthwhile run: {best.run} of {len(fps)} keys"
+        return Choice(best.peer, keys, tuple(claims), reason)
+
+    def probe_started(self, peer: str) -> None:
+        """An automatic lookup to ``peer`` was sent."""
+        found = self._peers.get(peer)
+        if found is not None:
+            found.in_flight += 1
+
+    def probe_ended(self, peer: str, claimed: int, hits: int, now: float) -> None:
+        """An automatic lookup to ``peer`` ended: ``hits`` of the ``claimed`` keys it asked held.
+
+        A failed lookup (no answer) is ``hits=0``. Updates the peer's precision
+        and quarantines it when too few of its claims hold.
+        """
+        found = self._peers.get(peer)
+        if found is None:
+            return
+        found.in_flight = max(0, found.in_flight - 1)
+        if claimed <= 0:
+            return
+        policy = self.policy
+        keep = (1.0 - policy.precision_weight) ** claimed
+        found.precision = found.precision * keep + (min(hits, claimed) / claimed) * (1.0 - keep)
+        found.probed += claimed
+        if found.probed >= policy.min_probed_keys and found.precision < policy.min_precision:
+            span = min(policy.max_quarantine_s, policy.quarantine_s * 2**found.quarantines)
+            found.quarantines += 1
+            found.quarantined_until = now + span
+            # After the quarantine it starts over, with the back-off remembered.
+            found.precision, found.probed = 1.0, 0
+
+    # --- the index itself -------------------------------------------------------------
+
+    def _new_epoch(self, peer: str, found: _Peer, epoch: bytes) -> None:
+        self._drop_claims(peer, found.claims)
+        found.claims = set()
+        found.epoch, found.seq, found.synced, found.resync_asked = epoch, 0, False, False
+        found.pending, found.pending_parts, found.buffered = None, set(), []
+
+    def _apply(self, peer: str, found: _Peer, add: Iterable[int], remove: Iterable[int]) -> None:
+        gone = found.claims.intersection(remove)
+        found.claims -= gone
+        self._drop_claims(peer, gone)
+        new = set(add) - found.claims
+        found.claims |= new
+        self._add_claims(peer, new)
+        self._truncate(peer, found)
+
+    def _truncate(self, peer: str, found: _Peer) -> None:
+        """A peer may claim no more keys than it registered blocks: drop the excess."""
+        excess = len(found.claims) - found.capacity
+        if excess > 0:
+            dropped = set(sorted(found.claims)[found.capacity :])
+            found.claims -= dropped
+            self._drop_claims(peer, dropped)
+            found.strikes += 1
+
+    def _add_claims(self, peer: str, fps: Iterable[int]) -> None:
+        holders = self._holders
+        for fp in fps:
+            found = holders.get(fp)
+            if found is None:
+                holders[fp] = {peer}
+            else:
+                found.add(peer)
+
+    def _drop_claims(self, peer: str, fps: Iterable[int]) -> None:
+        holders = self._holders
+        for fp in fps:
+            found = holders.get(fp)
+            if found is not None:
+                found.discard(peer)
+                if not found:
+                    del holders[fp]
