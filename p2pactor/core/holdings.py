@@ -1,0 +1,211 @@
+"""What this node's engine holds, kept as the summary it tells its peers.
+
+A secondary tier never hears of an eviction from its parent (vLLM 0.33.0
+cascades stores to every tier, and nothing else). So :class:`Holdings` mirrors
+the parent's CPU tier from what the tier does see: every store, our own
+successful loads (now in the parent too), and touches for recency, bounded by
+the tier's capacity in LRU order. It is kept honest from outside: a key our
+server answered MISS for, or that the background check (:meth:`Holdings.scrub`)
+found gone, is removed at once; a drain starts a new epoch.
+
+Sans-IO like the rest of the core: ``now`` is an argument. The node asks
+:meth:`Holdings.next_flush` when to call :meth:`Holdings.flush`, which turns
+the changes since the last flush into one :class:`SummaryDelta` for every peer
+(a key added and removed within one window is never sent);
+:meth:`Holdings.snapshot` gives the whole summary in parts
+(:class:`SummaryPart`) for a peer whose session just became ready or that
+asked for a resync.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable
+
+import msgspec
+
+from p2pactor.core.sources import fingerprint
+
+__all__ = ["Holdings", "Snapshot", "SummaryDelta", "SummaryPart"]
+
+
+class SummaryDelta(msgspec.Struct, frozen=True, gc=False):
+    """Keys this node came to hold, and stopped holding, since delta ``seq - 1``."""
+
+    epoch: bytes
+    seq: int
+    add: tuple[int, ...]
+    remove: tuple[int, ...]
+
+
+class SummaryPart(msgspec.Struct, frozen=True, gc=False):
+    """Part ``part`` of ``parts`` of everything this node holds as of delta ``upto_seq``."""
+
+    epoch: bytes
+    upto_seq: int
+    part: int
+    parts: int
+    fps: tuple[int, ...]
+
+
+class Snapshot(msgspec.Struct, frozen=True, gc=False):
+    """A whole summary: first the delta that brings every peer up to it, then its parts.
+
+    Attributes:
+        delta: The changes not yet flushed (for every peer), or None.
+        parts: The summary as of ``delta`` (for the peer that needs it).
+    """
+
+    delta: SummaryDelta | None
+    parts: tuple[SummaryPart, ...]
+
+
+class Holdings:
+    """The keys this node's engine holds, in LRU order, and the summary of them.
+
+    Args:
+        capacity: The most keys the parent's tier can hold (its blocks).
+        epoch: This life's id: a peer that sees a new one drops the old summary.
+        flush_keys: Flush as soon as this many keys changed.
+        flush_s: Otherwise flush this long after the first unflushed change.
+        part_keys: Keys per snapshot part at most.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        *,
+        epoch: bytes,
+        flush_keys: int = 1000,
+        flush_s: float = 0.05,
+        part_keys: int = 8192,
+    ) -> None:
+        if capacity < 1 or flush_keys < 1 or part_keys < 1 or flush_s <= 0:
+            raise ValueError("capacity, flush_keys, part_keys and flush_s must be above 0")
+        self.capacity = capacity
+        self.flush_keys = flush_keys
+        self.flush_s = flush_s
+        self.part_keys = part_keys
+        self._epoch = epoch
+        self._seq = 0
+        self._held: OrderedDict[bytes, None] = OrderedDict()
+        # Keys changed since the last flush: True came to be held, False stopped.
+        self._pending: dict[bytes, bool] = {}
+        self._since: float | None = None  # when the first unflushed change came
+        self._scrub: deque[bytes] = deque()
+
+    @property
+    def epoch(self) -> bytes:
+        """This life's id."""
+        return self._epoch
+
+    @property
+    def seq(self) -> int:
+        """The last delta's number (0: none yet in this epoch)."""
+        return self._seq
+
+    def __len__(self) -> int:
+        """Keys held."""
+        return len(self._held)
+
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is held."""
+        return key in self._held
+
+    # --- what the tier sees -------------------------------------------------------
+
+    def stored(self, keys: Iterable[bytes], now: float) -> None:
+        """The parent now holds ``keys`` (a store, or a load of ours), as its most recent."""
+        held = self._held
+        for key in keys:
+            if key in held:
+                held.move_to_end(key)
+                continue
+            held[key] = None
+            self._changed(key, now, held=True)
+            if len(held) > self.capacity:
+                old, _ = held.popitem(last=False)
+                self._changed(old, now, held=False)
+
+    def touched(self, keys: Iterable[bytes]) -> None:
+        """The engine reused ``keys``: they are the most recent now."""
+        held = self._held
+        for key in keys:
+            if key in held:
+                held.move_to_end(key)
+
+    def gone(self, keys: Iterable[bytes], now: float) -> None:
+        """The parent no longer holds ``keys`` (a MISS we answered, a failed check)."""
+        held = self._held
+        for key in keys:
+            if key in held:
+                del held[key]
+                self._changed(key, now, held=False)
+
+    def reset(self, epoch: bytes) -> None:
+        """The parent was drained: nothing is held, and a new epoch begins."""
+        self._held.clear()
+        self._pending.clear()
+        self._scrub.clear()
+        self._since = None
+        self._epoch, self._seq = epoch, 0
+
+    def scrub(self, most: int) -> list[bytes]:
+        """Up to ``most`` held keys to check with the parent, oldest first, each in turn."""
+        out: list[bytes] = []
+        queue = self._scrub
+        if not queue:
+            queue.extend(self._held)
+        while queue and len(out) < most:
+            key = queue.popleft()
+            if key in self._held:
+                out.append(key)
+        return out
+
+    # --- what the peers are told ----------------------------------------------------
+
+    def next_flush(self) -> float | None:
+        """When :meth:`flush` has something to send (None: nothing changed)."""
+        if not self._pending or self._since is None:
+            return None
+        if len(self._pending) >= self.flush_keys:
+            return self._since
+        return self._since + self.flush_s
+
+    def flush(self, now: float, *, force: bool = False) -> SummaryDelta | None:
+        """The delta of the changes since the last flush, if due (or ``force``)."""
+        pending = self._pending
+        if not pending:
+            self._since = None  # every change there was cancelled out
+            return None
+        due = self._since is not None and now >= self._since + self.flush_s
+        if not (force or due or len(pending) >= self.flush_keys):
+            return None
+        add = tuple(fingerprint(k) for k, held in pending.items() if held)
+        remove = tuple(fingerprint(k) for k, held in pending.items() if not held)
+        pending.clear()
+        self._since = None
+        self._seq += 1
+        return SummaryDelta(self._epoch, self._seq, add, remove)
+
+    def snapshot(self, now: float) -> Snapshot:
+        """Everything held, in parts, after flushing what is pending."""
+        delta = self.flush(now, force=True)
+        fps = [fingerprint(k) for k in self._held]
+        size = self.part_keys
+        count = max(1, -(-len(fps) // size))
+        parts = tuple(
+            SummaryPart(self._epoch, self._seq, i, count, tuple(fps[i * size : (i + 1) * size]))
+            for i in range(count)
+        )
+        return Snapshot(delta, parts)
+
+    def _changed(self, key: bytes, now: float, *, held: bool) -> None:
+        pending = self._pending
+        if key in pending:
+            # Back to what the peers were last told: nothing to say about it.
+            del pending[key]
+        else:
+            pending[key] = held
+            if self._since is None:
+                self._since = now

@@ -1,0 +1,198 @@
+"""What a node holds and tells its peers (pure), and that a peer's index follows it.
+
+Time is an argument. The machine at the end joins the two halves of issue 23's
+summaries: a node's :class:`Holdings` as the sender, a peer's
+:class:`SourceIndex` as the receiver, deltas that may be lost on the way, and
+snapshots (in parts) that repair them.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from p2pactor.core.holdings import Holdings, SummaryDelta
+from p2pactor.core.sources import SourceIndex, fingerprint
+
+E1, E2 = b"epoch-one-16byte", b"epoch-two-16byte"
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+def fps(*ids: int) -> set[int]:
+    return {fingerprint(key(i)) for i in ids}
+
+
+def holdings(capacity: int = 4, **kw: float) -> Holdings:
+    return Holdings(capacity, epoch=E1, **kw)  # type: ignore[arg-type]
+
+
+def test_stores_are_flushed_as_one_delta_after_the_window() -> None:
+    h = holdings(flush_s=0.05)
+    assert h.next_flush() is None
+    h.stored([key(1), key(2)], now=1.0)
+    assert h.next_flush() == pytest.approx(1.05)
+    assert h.flush(now=1.02) is None  # not due yet
+    delta = h.flush(now=1.05)
+    assert delta == SummaryDelta(E1, 1, tuple(fingerprint(key(i)) for i in (1, 2)), ())
+    assert h.next_flush() is None
+    assert h.flush(now=9.0) is None
+
+
+def test_a_full_window_flushes_at_once() -> None:
+    h = holdings(capacity=100, flush_keys=3)
+    h.stored([key(1), key(2), key(3)], now=1.0)
+    assert h.next_flush() == 1.0
+    delta = h.flush(now=1.0)
+    assert delta is not None
+    assert len(delta.add) == 3
+
+
+def test_a_key_stored_and_gone_within_one_window_is_never_sent() -> None:
+    h = holdings()
+    h.stored([key(1)], now=0.0)
+    h.gone([key(1)], now=0.01)
+    assert h.next_flush() is None
+    assert h.flush(now=1.0) is None
+    h.stored([key(2)], now=2.0)
+    assert h.flush(now=3.0) == SummaryDelta(E1, 1, (fingerprint(key(2)),), ())
+    h.gone([key(2)], now=4.0)
+    h.stored([key(2)], now=4.01)  # back where the peers last saw it
+    assert h.flush(now=5.0) is None
+
+
+def test_the_tier_s_capacity_evicts_the_least_recently_used() -> None:
+    h = holdings(capacity=2)
+    h.stored([key(1), key(2)], now=0.0)
+    assert h.flush(now=1.0) is not None
+    h.touched([key(1)])
+    h.stored([key(3)], now=2.0)  # 2 is the oldest now
+    assert key(2) not in h
+    assert key(1) in h
+    delta = h.flush(now=3.0)
+    assert delta is not None
+    assert (set(delta.add), set(delta.remove)) == (fps(3), fps(2))
+
+
+def test_a_snapshot_flushes_first_and_comes_in_bounded_parts() -> None:
+    h = holdings(capacity=10, part_keys=3)
+    h.stored([key(i) for i in range(7)], now=0.0)
+    snap = h.snapshot(now=0.0)
+    assert snap.delta is not None
+    assert snap.delta.seq == 1
+    assert [len(p.fps) for p in snap.parts] == [3, 3, 1]
+    assert {p.upto_seq for p in snap.parts} == {1}
+    assert {p.parts for p in snap.parts} == {3}
+    assert set().union(*(p.fps for p in snap.parts)) == fps(*range(7))
+    empty = holdings().snapshot(now=0.0)
+    assert empty.delta is None
+    assert [(p.part, p.parts, p.fps) for p in empty.parts] == [(0, 1, ())]
+
+
+def test_a_drain_starts_a_new_epoch_with_nothing_held() -> None:
+    h = holdings()
+    h.stored([key(1)], now=0.0)
+    h.flush(now=1.0)
+    h.reset(E2)
+    assert (len(h), h.epoch, h.seq) == (0, E2, 0)
+    assert h.flush(now=2.0, force=True) is None
+
+
+def test_the_scrub_checks_every_held_key_in_turn_and_skips_the_gone() -> None:
+    h = holdings(capacity=10)
+    h.stored([key(i) for i in range(5)], now=0.0)
+    assert h.scrub(2) == [key(0), key(1)]
+    h.gone([key(2)], now=0.0)
+    assert h.scrub(2) == [key(3), key(4)]
+    assert h.scrub(10) == [key(0), key(1), key(3), key(4)]  # the next turn
+
+
+def test_nonsense_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        Holdings(0, epoch=E1)
+
+
+# --- sender and receiver ------------------------------------------------------------------
+
+KEYS = st.lists(st.integers(0, 30), max_size=5)
+
+
+class SummaryMachine(RuleBasedStateMachine):
+    """A node's holdings told to a peer's index over a lossy channel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        self.epochs = 1
+        self.node = Holdings(8, epoch=self._epoch(), flush_keys=4, part_keys=3)
+        self.index = SourceIndex()
+        self.index.add_peer("node", capacity=8)
+        self.clean = False  # the index has seen everything since a whole snapshot
+
+    def _epoch(self) -> bytes:
+        return self.epochs.to_bytes(16, "big")
+
+    def _deliver(self, delta: SummaryDelta | None, *, lost: bool) -> None:
+        if delta is None:
+            return
+        if lost:
+            self.clean = False
+        else:
+            self.index.delta("node", delta.epoch, delta.seq, delta.add, delta.remove)
+
+    @rule(ids=KEYS)
+    def store(self, ids: list[int]) -> None:
+        self.node.stored([key(i) for i in ids], self.now)
+
+    @rule(ids=KEYS)
+    def touch(self, ids: list[int]) -> None:
+        self.node.touched([key(i) for i in ids])
+
+    @rule(ids=KEYS)
+    def gone(self, ids: list[int]) -> None:
+        self.node.gone([key(i) for i in ids], self.now)
+
+    @rule(seconds=st.floats(0.0, 0.2), lost=st.booleans())
+    def time_passes(self, seconds: float, lost: bool) -> None:
+        self.now += seconds
+        due = self.node.next_flush()
+        if due is not None and due <= self.now:
+            delta = self.node.flush(self.now)
+            assert delta is not None
+            self._deliver(delta, lost=lost)
+
+    @rule()
+    def resync(self) -> None:
+        snap = self.node.snapshot(self.now)
+        self._deliver(snap.delta, lost=False)
+        for part in reversed(snap.parts):  # any order: only the whole counts
+            self.index.snapshot(
+                "node", part.epoch, part.upto_seq, part=part.part, parts=part.parts, fps=part.fps
+            )
+        self.clean = True
+
+    @rule()
+    def drain(self) -> None:
+        self.epochs += 1
+        self.node.reset(self._epoch())
+        self.clean = False
+
+    def _claimed(self) -> set[int]:
+        return {fp for fp in map(fingerprint, map(key, range(31))) if self.index.claimed_by(fp)}
+
+    @invariant()
+    def the_index_claims_what_the_node_holds_once_repaired(self) -> None:
+        assert self.index.claims_of("node") == len(self._claimed())
+        assert len(self.node) <= 8
+        if self.clean:
+            # Flushing now (the timer would soon) brings the index to exactly what is held.
+            self._deliver(self.node.flush(self.now, force=True), lost=False)
+            held = {fingerprint(key(i)) for i in range(31) if key(i) in self.node}
+            assert self._claimed() == held
+            assert self.index.claims_of("node") == len(held)
+
+
+TestSummaryMachine = SummaryMachine.TestCase
