@@ -8,6 +8,8 @@ once a snapshot has repaired every loss, with what each sender holds.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -18,8 +20,8 @@ from p2pactor.errors import ConfigError
 E1, E2 = b"epoch-one-16byte", b"epoch-two-16byte"
 
 
-def synced(index: SourceIndex, peer: str, fps: list[int], *, epoch: bytes = E1) -> None:
-    index.snapshot(peer, epoch, 0, part=0, parts=1, fps=fps)
+def synced(index: SourceIndex, peer: str, fps: list[int], *, epoch: bytes = E1) -> Resync | None:
+    return index.snapshot(peer, epoch, 0, part=0, parts=1, fps=fps)
 
 
 def an_index(**policy: float) -> SourceIndex:
@@ -86,12 +88,86 @@ def test_a_restarted_peer_s_new_epoch_replaces_its_summary_whole() -> None:
 def test_a_peer_claims_no_more_keys_than_it_registered_blocks() -> None:
     index = SourceIndex()
     index.add_peer("liar", capacity=3)
-    synced(index, "liar", list(range(10)))
-    assert index.claims_of("liar") == 3
+    assert synced(index, "liar", list(range(10))) is None
+    assert index.claims_of("liar") == 0  # a snapshot over its capacity is refused whole
     assert index.strikes("liar") == 1
-    assert index.delta("liar", E1, 1, add=[50, 51], remove=[]) is None
-    assert index.claims_of("liar") == 3
+    synced(index, "liar", [1, 2])
+    assert index.delta("liar", E1, 1, add=[50, 51, 52], remove=[]) is None
+    assert index.claims_of("liar") == 3  # what fits of the delta
     assert index.strikes("liar") == 2
+
+
+def test_what_a_peer_sends_stays_within_what_it_registered() -> None:
+    index = SourceIndex()
+    index.add_peer("b", capacity=4)
+    index.snapshot("b", E1, 0, part=0, parts=2**62, fps=[1])  # could never complete
+    assert index.strikes("b") == 1
+    index.snapshot("b", E1, 0, part=0, parts=2, fps=[1])
+    resyncs = [index.delta("b", E1, seq, add=[seq], remove=[]) for seq in range(1, 400)]
+    # Past MAX_BUFFERED_DELTAS the half snapshot is given up, and asked for again.
+    assert Resync("b", E1, 0) in resyncs
+    index.snapshot("b", E1, 0, part=1, parts=2, fps=[2])
+    assert index.claims_of("b") == 0  # its first part was given up: not whole
+
+
+def test_of_two_snapshots_in_flight_the_newer_is_assembled_and_older_parts_are_dropped() -> None:
+    index = SourceIndex()
+    index.add_peer("b", capacity=10)
+    index.snapshot("b", E1, 5, part=0, parts=2, fps=[1])
+    index.snapshot("b", E1, 6, part=0, parts=2, fps=[3])
+    index.snapshot("b", E1, 5, part=1, parts=2, fps=[2])
+    assert index.position("b") == (E1, 0, False)
+    index.snapshot("b", E1, 6, part=1, parts=2, fps=[4])
+    assert index.position("b") == (E1, 6, True)
+    assert {fp for fp in range(6) if index.claimed_by(fp)} == {3, 4}
+    index.snapshot("b", E1, 5, part=0, parts=1, fps=[9])  # stale: deltas are past it
+    assert index.position("b") == (E1, 6, True)
+    assert index.claimed_by(9) == frozenset()
+
+
+def test_a_snapshot_completes_though_deltas_overtake_it_while_its_parts_arrive() -> None:
+    index = SourceIndex()
+    index.add_peer("b", capacity=2)
+    synced(index, "b", [1])
+    index.delta("b", E1, 1, add=[2, 3], remove=[])  # one more than fits: truncated
+    index.delta("b", E1, 2, add=[], remove=[1])
+    assert index.claims_of("b") == 1  # only a snapshot can repair it
+    # The snapshot as of 2, and delta 3 between its parts (applied at once).
+    index.snapshot("b", E1, 2, part=0, parts=2, fps=[2])
+    assert index.delta("b", E1, 3, add=[], remove=[]) is None
+    assert index.position("b") == (E1, 3, True)
+    index.snapshot("b", E1, 2, part=1, parts=2, fps=[3])
+    assert index.position("b") == (E1, 3, True)
+    assert {fp for fp in range(5) if index.claimed_by(fp)} == {2, 3}
+
+
+def test_a_part_count_that_changes_starts_the_snapshot_again() -> None:
+    index = SourceIndex()
+    index.add_peer("b", capacity=10)
+    index.snapshot("b", E1, 1, part=0, parts=3, fps=[1])
+    index.snapshot("b", E1, 1, part=1, parts=2, fps=[2])
+    assert index.position("b") == (E1, 0, False)
+    index.snapshot("b", E1, 1, part=0, parts=2, fps=[3])
+    assert {fp for fp in range(4) if index.claimed_by(fp)} == {2, 3}
+
+
+def test_a_delta_lost_during_a_snapshot_asks_for_a_resync_when_it_completes() -> None:
+    index = SourceIndex()
+    index.add_peer("b", capacity=10)
+    index.snapshot("b", E1, 4, part=0, parts=2, fps=[1])
+    index.delta("b", E1, 6, add=[6], remove=[])  # 5 was lost
+    assert index.snapshot("b", E1, 4, part=1, parts=2, fps=[2]) == Resync("b", E1, 5)
+    assert index.position("b") == (E1, 4, True)
+
+
+def test_a_lasting_gap_asks_again_and_a_flipping_epoch_asks_once() -> None:
+    index = SourceIndex()
+    index.add_peer("b", capacity=10)
+    synced(index, "b", [1])
+    asked = [index.delta("b", E1, seq, add=[], remove=[]) for seq in range(2, 200)]
+    assert sum(r is not None for r in asked) == 1 + (198 - 1) // 64  # at the gap, then every 64
+    flips = [index.delta("b", (E1, E2)[i % 2], 1, add=[], remove=[]) for i in range(10)]
+    assert sum(r is not None for r in flips) <= 1
 
 
 def test_a_miss_for_a_claimed_key_removes_the_claim_at_once() -> None:
@@ -131,7 +207,7 @@ def test_no_claim_on_the_first_key_is_a_miss_at_once() -> None:
 
 
 def test_the_longest_claimed_run_from_the_first_key_wins_and_is_asked_with_a_tail() -> None:
-    index = SourceIndex(tail=2)
+    index = SourceIndex(ChoicePolicy(tail_keys=2))
     for peer, fps in (("b", [1, 2]), ("c", [1, 2, 3, 4, 9]), ("d", [2, 3, 4, 5])):
         index.add_peer(peer, capacity=10)
         synced(index, peer, fps)
@@ -195,6 +271,24 @@ def test_a_peer_whose_claims_keep_missing_is_quarantined_with_a_growing_back_off
     assert not index.quarantined("honest", now=0.0)
 
 
+def test_a_burst_of_failed_probes_is_one_quarantine_and_the_back_off_never_overflows() -> None:
+    index = an_index(min_probed_keys=8, quarantine_s=1.0, max_quarantine_s=10.0)
+    index.add_peer("liar", capacity=100)
+    synced(index, "liar", list(range(8)))
+    for _ in range(32):
+        index.probe_started("liar")
+    for _ in range(32):
+        index.probe_ended("liar", claimed=8, hits=0, now=0.0)
+    assert index.quarantined("liar", now=0.99)
+    assert not index.quarantined("liar", now=1.0)  # one quarantine of 1 s, not 32 doubling
+    now = 1.0
+    for _ in range(2000):
+        index.probe_ended("liar", claimed=8, hits=-3, now=now)
+        now += 11.0
+    assert index.quarantined("liar", now=now - 11.0 + 9.9)
+    assert index.precision("liar") == 1.0  # it starts over after each
+
+
 def test_an_honest_peer_s_precision_stays_high_and_a_few_misses_do_not_quarantine() -> None:
     index = an_index(min_probed_keys=10)
     index.add_peer("b", capacity=100)
@@ -245,6 +339,7 @@ class SourceMachine(RuleBasedStateMachine):
         super().__init__()
         self.index = SourceIndex()
         self.senders: dict[str, Sender] = {}
+        self.last: dict[str, tuple[bytes, int, int, list[int]]] = {}
         self.epochs = 0
         for peer in PEERS:
             self._restart(peer)
@@ -269,25 +364,67 @@ class SourceMachine(RuleBasedStateMachine):
     @rule(
         peer=st.sampled_from(PEERS),
         parts=st.integers(1, 3),
-        between=st.lists(st.tuples(FPS, FPS), max_size=3),
+        order=st.randoms(use_true_random=False),
+        between=st.lists(st.tuples(FPS, FPS, st.booleans()), max_size=3),
+        twice=st.booleans(),
+        lose_one=st.booleans(),
     )
-    def snapshot(self, peer: str, parts: int, between: list[tuple[list[int], list[int]]]) -> None:
+    def snapshot(
+        self,
+        peer: str,
+        parts: int,
+        order: random.Random,
+        between: list[tuple[list[int], list[int], bool]],
+        twice: bool,
+        lose_one: bool,
+    ) -> None:
         sender = self.senders[peer]
         held, upto = sorted(sender.held), sender.seq
-        clean = len(held) <= CAPACITY
-        for part in range(parts):
+        clean = len(held) <= CAPACITY and not lose_one
+        sequence = list(range(parts))
+        order.shuffle(sequence)
+        if twice:
+            sequence.insert(order.randrange(len(sequence) + 1), sequence[0])
+        if lose_one:
+            sequence = [p for p in sequence if p != sequence[-1]]
+        self.last[peer] = (sender.epoch, upto, parts, held)
+        for i, part in enumerate(sequence):
             self.index.snapshot(
                 peer, sender.epoch, upto, part=part, parts=parts, fps=held[part::parts]
             )
-            if part < len(between) and part < parts - 1:
-                self._send_delta(peer, *between[part], lost=False)
-                clean = clean and len(sender.held) <= CAPACITY
-        sender.clean = clean
+            if i < len(between) and i < len(sequence) - 1:
+                add, remove, lost = between[i]
+                self._send_delta(peer, add, remove, lost)
+                clean = clean and not lost and len(sender.held) <= CAPACITY
+        if sequence:
+            sender.clean = clean
+        else:
+            sender.clean = False
+
+    @rule(peer=st.sampled_from(PEERS))
+    def stale_snapshot(self, peer: str) -> None:
+        # A snapshot delivered late (the peer sent two): it must change nothing
+        # once deltas have moved past it.
+        if peer not in self.last:
+            return
+        epoch, upto, parts, held = self.last[peer]
+        sender = self.senders[peer]
+        if epoch != sender.epoch or upto >= sender.seq:
+            return
+        for part in range(parts):
+            self.index.snapshot(peer, epoch, upto, part=part, parts=parts, fps=held[part::parts])
 
     @rule(peer=st.sampled_from(PEERS))
     def restart(self, peer: str) -> None:
         self.index.remove_peer(peer)
         self._restart(peer)
+
+    @rule(peer=st.sampled_from(PEERS))
+    def restart_within_the_session(self, peer: str) -> None:
+        # The peer restarted and reconnected before our session noticed: only
+        # its new epoch says so.
+        self.epochs += 1
+        self.senders[peer] = Sender(self.epochs.to_bytes(16, "big"))
 
     @rule(peer=st.sampled_from(PEERS), fp=st.integers(0, 40))
     def miss(self, peer: str, fp: int) -> None:
@@ -297,9 +434,10 @@ class SourceMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_index_agrees_with_itself(self) -> None:
-        for fp in range(41):
-            holders = self.index.claimed_by(fp)
-            assert holders <= set(PEERS)
+        # The inverted index and the per-peer claims say the same.
+        pairs = sum(len(self.index.claimed_by(fp)) for fp in range(41))
+        assert pairs == sum(self.index.claims_of(peer) for peer in PEERS)
+        assert len(self.index) == sum(1 for fp in range(41) if self.index.claimed_by(fp))
         for peer in PEERS:
             assert self.index.claims_of(peer) <= CAPACITY
 

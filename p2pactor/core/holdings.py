@@ -22,11 +22,30 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
+import attrs
 import msgspec
 
+from p2pactor.core import checks
 from p2pactor.core.sources import fingerprint
+from p2pactor.errors import ConfigError
 
-__all__ = ["Holdings", "Snapshot", "SummaryDelta", "SummaryPart"]
+__all__ = ["Holdings", "Snapshot", "SummaryDelta", "SummaryOptions", "SummaryPart"]
+
+
+@attrs.frozen
+class SummaryOptions:
+    """How a node batches what it tells its peers about its holdings.
+
+    Attributes:
+        flush_keys: Flush as soon as this many keys changed.
+        flush_s: Otherwise flush this long after the first unflushed change.
+        part_keys: Keys per snapshot part at most (a part is one message: a
+            lookup on the same socket never waits behind a whole snapshot).
+    """
+
+    flush_keys: int = attrs.field(default=1000, validator=checks.positive_int)
+    flush_s: float = attrs.field(default=0.05, validator=checks.positive(finite=True))
+    part_keys: int = attrs.field(default=8192, validator=checks.positive_int)
 
 
 class SummaryDelta(msgspec.Struct, frozen=True, gc=False):
@@ -66,26 +85,22 @@ class Holdings:
     Args:
         capacity: The most keys the parent's tier can hold (its blocks).
         epoch: This life's id: a peer that sees a new one drops the old summary.
-        flush_keys: Flush as soon as this many keys changed.
-        flush_s: Otherwise flush this long after the first unflushed change.
-        part_keys: Keys per snapshot part at most.
+        options: How changes are batched.
+
+    Raises:
+        ConfigError: ``capacity`` is not a positive integer.
     """
 
     def __init__(
-        self,
-        capacity: int,
-        *,
-        epoch: bytes,
-        flush_keys: int = 1000,
-        flush_s: float = 0.05,
-        part_keys: int = 8192,
+        self, capacity: int, *, epoch: bytes, options: SummaryOptions | None = None
     ) -> None:
-        if capacity < 1 or flush_keys < 1 or part_keys < 1 or flush_s <= 0:
-            raise ValueError("capacity, flush_keys, part_keys and flush_s must be above 0")
+        if type(capacity) is not int or capacity < 1:
+            raise ConfigError(f"Holdings capacity must be a positive integer, got {capacity!r}")
+        options = options or SummaryOptions()
         self.capacity = capacity
-        self.flush_keys = flush_keys
-        self.flush_s = flush_s
-        self.part_keys = part_keys
+        self.flush_keys = options.flush_keys
+        self.flush_s = options.flush_s
+        self.part_keys = options.part_keys
         self._epoch = epoch
         self._seq = 0
         self._held: OrderedDict[bytes, None] = OrderedDict()
@@ -142,13 +157,18 @@ class Holdings:
                 del held[key]
                 self._changed(key, now, held=False)
 
-    def reset(self, epoch: bytes) -> None:
-        """The parent was drained: nothing is held, and a new epoch begins."""
+    def reset(self, epoch: bytes, now: float) -> Snapshot:
+        """The parent was drained: nothing is held, and a new epoch begins.
+
+        Returns the new epoch's (empty) summary, for every peer: until they
+        hear of the new epoch they would claim the old one's keys for us.
+        """
         self._held.clear()
         self._pending.clear()
         self._scrub.clear()
         self._since = None
         self._epoch, self._seq = epoch, 0
+        return self.snapshot(now)
 
     def scrub(self, most: int) -> list[bytes]:
         """Up to ``most`` held keys to check with the parent, oldest first, each in turn."""
@@ -205,6 +225,8 @@ class Holdings:
         if key in pending:
             # Back to what the peers were last told: nothing to say about it.
             del pending[key]
+            if not pending:
+                self._since = None  # the window starts again with the next change
         else:
             pending[key] = held
             if self._since is None:

@@ -18,6 +18,7 @@ for automatic choice (it stays usable as a source a request names).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -71,6 +72,8 @@ class ChoicePolicy:
         precision_weight: Weight of each probed key in the precision's moving average.
         quarantine_s: The first quarantine; each next one doubles, up to ``max_quarantine_s``.
         max_quarantine_s: The longest quarantine.
+        tail_keys: Keys asked past a peer's claimed run (stores it made since
+            its last delta).
     """
 
     tokens_per_key: int = attrs.field(default=256, validator=checks.positive_int)
@@ -83,6 +86,7 @@ class ChoicePolicy:
     precision_weight: float = attrs.field(default=0.05, validator=checks.fraction)
     quarantine_s: float = attrs.field(default=60.0, validator=checks.positive(finite=True))
     max_quarantine_s: float = attrs.field(default=3600.0, validator=checks.positive(finite=True))
+    tail_keys: int = attrs.field(default=2, validator=checks.non_negative_int)
 
 
 class Resync(msgspec.Struct, frozen=True, gc=False):
@@ -108,7 +112,7 @@ class Choice(msgspec.Struct, frozen=True, gc=False):
     Attributes:
         chosen: The peer to look up, or None (every key is a MISS at once).
         keys: How many of the request's keys to ask it (its run, plus
-            ``tail`` keys it may have stored since its last delta).
+            ``tail_keys`` it may have stored since its last delta).
         claims: Every live peer's claim, best first.
         reason: Why, in words.
     """
@@ -119,18 +123,38 @@ class Choice(msgspec.Struct, frozen=True, gc=False):
     reason: str
 
 
+MAX_BUFFERED_DELTAS = 256
+"""Deltas kept while a snapshot is assembled; past that the snapshot is given up."""
+RESYNC_AFTER_DELTAS = 64
+"""Deltas a gap may last before its resync is asked again (the first may be lost)."""
+MAX_QUARANTINE_DOUBLINGS = 32
+"""Quarantines counted for the back-off (it reached its cap long before)."""
+
+
+class _Assembly:
+    """A snapshot being put together from its parts."""
+
+    __slots__ = ("buffered", "fps", "parts", "seen", "upto")
+
+    def __init__(self, upto: int, parts: int) -> None:
+        self.upto = upto
+        self.parts = parts
+        self.seen: set[int] = set()
+        self.fps: set[int] = set()
+        # Deltas after ``upto`` that came meanwhile: applied once it is whole.
+        self.buffered: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+
+
 class _Peer:
     """One peer's summary and record (mutable: the index owns it alone)."""
 
     __slots__ = (
-        "buffered",
+        "assembly",
         "capacity",
         "claims",
         "epoch",
+        "gap_deltas",
         "in_flight",
-        "pending",
-        "pending_parts",
-        "pending_upto",
         "precision",
         "probed",
         "quarantined_until",
@@ -146,14 +170,10 @@ class _Peer:
         self.epoch = b""
         self.seq = 0
         self.synced = False  # a whole snapshot arrived for this epoch
-        self.resync_asked = False  # a Resync is out and no snapshot came yet
+        self.resync_asked = False  # a Resync is out and no snapshot came since
+        self.gap_deltas = 0  # deltas the gap has lasted since the resync was asked
         self.claims: set[int] = set()
-        # A snapshot being assembled: its parts so far, the seq it stands at,
-        # and the deltas after that seq that arrived meanwhile.
-        self.pending: set[int] | None = None
-        self.pending_parts: set[int] = set()
-        self.pending_upto = 0
-        self.buffered: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+        self.assembly: _Assembly | None = None
         self.precision = 1.0
         self.probed = 0
         self.strikes = 0
@@ -165,14 +185,16 @@ class _Peer:
 class SourceIndex:
     """Every peer's claims, as one index, and the choice of a source per request.
 
+    What a peer sends costs work in proportion to the message, and memory
+    within the blocks it registered (a snapshot that never completes is given
+    up); a peer that claims more than it may is truncated and struck.
+
     Args:
         policy: How claims are trusted and when a lookup is worth it.
-        tail: Keys asked past a peer's claimed run (stores not announced yet).
     """
 
-    def __init__(self, policy: ChoicePolicy | None = None, *, tail: int = 2) -> None:
+    def __init__(self, policy: ChoicePolicy | None = None) -> None:
         self.policy = policy or ChoicePolicy()
-        self.tail = tail
         self._peers: dict[str, _Peer] = {}
         self._holders: dict[int, set[str]] = {}
 
@@ -207,7 +229,7 @@ class SourceIndex:
         return found.precision if found is not None else 1.0
 
     def strikes(self, peer: str) -> int:
-        """Messages of ``peer`` that claimed more than it may (truncated)."""
+        """Messages of ``peer`` that claimed more than it may (truncated or refused)."""
         found = self._peers.get(peer)
         return found.strikes if found is not None else 0
 
@@ -223,14 +245,18 @@ class SourceIndex:
 
         Returns the snapshot request to send (a peer sends one on session ready
         anyway; asking costs nothing and covers a lost one). A peer added again
-        keeps its summary until its epoch says otherwise.
+        (a new session) keeps its summary until its epoch says otherwise; the
+        probes of its old session are over.
         """
         found = self._peers.get(peer)
         if found is None:
             found = self._peers[peer] = _Peer(capacity)
         else:
             found.capacity = capacity
-            self._truncate(peer, found)
+            found.in_flight = 0
+            if len(found.claims) > capacity:
+                self._cut(peer, found, found.claims)
+        found.resync_asked, found.gap_deltas = True, 0
         return Resync(peer, found.epoch, found.seq + 1 if found.synced else 0)
 
     def remove_peer(self, peer: str) -> None:
@@ -249,23 +275,31 @@ class SourceIndex:
         if found is None:
             return None  # no session: nothing to keep it for
         if epoch != found.epoch:
-            # A restarted peer: its old summary goes whole, its new one starts here.
+            # A restarted peer: its old summary goes whole, its new one starts
+            # with a snapshot (asked once, however often the epoch flips).
+            asked = found.resync_asked
             self._new_epoch(peer, found, epoch)
             found.resync_asked = True
-            return Resync(peer, epoch, 0)
-        if found.pending is not None and seq > found.pending_upto:
-            found.buffered.append((seq, tuple(add), tuple(remove)))
+            return None if asked else Resync(peer, epoch, 0)
+        assembly = found.assembly
+        if assembly is not None and seq > assembly.upto:
+            if len(assembly.buffered) >= MAX_BUFFERED_DELTAS:
+                found.assembly = None  # it is not coming whole: ask again below
+                found.resync_asked = False
+            else:
+                assembly.buffered.append((seq, tuple(add), tuple(remove)))
         if seq <= found.seq:
             return None  # already folded in (a snapshot covered it)
-        if seq != found.seq + 1 or not found.synced:
-            # A gap: ask once; the snapshot it brings (or one under way) covers it.
-            if found.pending is None and not found.resync_asked:
-                found.resync_asked = True
-                return Resync(peer, epoch, found.seq + 1)
+        if seq == found.seq + 1 and found.synced:
+            found.seq = seq
+            self._apply(peer, found, add, remove)
             return None
-        found.seq = seq
-        self._apply(peer, found, add, remove)
-        return None
+        # A gap (or no snapshot yet): ask once, and again if it lasts.
+        found.gap_deltas += 1
+        if found.resync_asked and found.gap_deltas < RESYNC_AFTER_DELTAS:
+            return None
+        found.resync_asked, found.gap_deltas = True, 0
+        return Resync(peer, epoch, found.seq + 1 if found.synced else 0)
 
     def snapshot(
         self,
@@ -276,36 +310,57 @@ class SourceIndex:
         part: int,
         parts: int,
         fps: Sequence[int],
-    ) -> None:
+    ) -> Resync | None:
         """Apply part ``part`` of ``parts`` of ``peer``'s snapshot as of ``upto_seq``.
 
         The claims change only when the last missing part arrives: they become
         the snapshot's keys, then every delta after ``upto_seq`` that came
-        meanwhile, in order.
+        meanwhile, in order. A part older than what is held or assembled is
+        dropped; a newer snapshot replaces the one being assembled. Returns a
+        Resync if the deltas after it have a gap.
         """
         found = self._peers.get(peer)
-        if found is None or parts < 1 or not 0 <= part < parts:
-            return
+        if found is None or not 0 <= part < parts:
+            return None
+        if parts > found.capacity + 1:
+            found.strikes += 1  # more parts than keys it may claim: never whole
+            return None
         if epoch != found.epoch:
             self._new_epoch(peer, found, epoch)
-        if found.pending is None or found.pending_upto != upto_seq:
-            found.pending, found.pending_parts, found.pending_upto = set(), set(), upto_seq
-            found.buffered = [b for b in found.buffered if b[0] > upto_seq]
-        found.pending.update(fps)
-        found.pending_parts.add(part)
-        if len(found.pending_parts) < parts:
-            return
-        keys, found.pending = found.pending, None
+        assembly = found.assembly
+        if assembly is not None and upto_seq < assembly.upto:
+            return None  # an older snapshot's part: the newer one is being assembled
+        if assembly is None or upto_seq > assembly.upto or parts != assembly.parts:
+            if found.synced and upto_seq < found.seq:
+                return None  # a new snapshot older than what deltas already brought
+            kept = [] if assembly is None else [b for b in assembly.buffered if b[0] > upto_seq]
+            assembly = found.assembly = _Assembly(upto_seq, parts)
+            assembly.buffered = kept
+        if part in assembly.seen:
+            return None
+        assembly.seen.add(part)
+        assembly.fps.update(fps)
+        if len(assembly.fps) > found.capacity:
+            found.strikes += 1  # claims more than it registered: give it up
+            found.assembly, found.resync_asked = None, False
+            return None
+        if len(assembly.seen) < parts:
+            return None
+        found.assembly = None
+        keys = assembly.fps
         self._drop_claims(peer, found.claims - keys)
         self._add_claims(peer, keys - found.claims)
         found.claims = keys
-        found.seq, found.synced, found.resync_asked = upto_seq, True, False
-        buffered, found.buffered = sorted(found.buffered), []
-        for seq, add, remove in buffered:
+        found.seq, found.synced = upto_seq, True
+        found.resync_asked, found.gap_deltas = False, 0
+        for seq, add, remove in sorted(assembly.buffered):
             if seq == found.seq + 1:
                 found.seq = seq
                 self._apply(peer, found, add, remove)
-        self._truncate(peer, found)
+        if any(seq > found.seq for seq, _, _ in assembly.buffered):
+            found.resync_asked = True  # a delta after it was lost
+            return Resync(peer, epoch, found.seq + 1)
+        return None
 
     def missed(self, peer: str, fps: Iterable[int]) -> None:
         """``peer`` answered MISS for keys it claimed: it no longer holds them."""
@@ -337,14 +392,12 @@ class SourceIndex:
             score = saved * found.precision - policy.round_trip_s - policy.load_s * found.in_flight
             claims.append(Claim(peer, run, found.precision, score))
         if not claims:
-            return Choice(
-                None, 0, (), "every peer that claims the first key is quarantined or busy"
-            )
+            return Choice(None, 0, (), "every peer claiming the first key is quarantined or busy")
         claims.sort(key=lambda c: (-c.score, -c.run, c.peer))
         best = claims[0]
         if best.score <= 0:
             return Choice(None, 0, tuple(claims), "no claimed run is worth a round trip")
-        keys = min(len(fps), best.run + self.tail)
+        keys = min(len(fps), best.run + policy.tail_keys)
         reason = f"longest worthwhile run: {best.run} of {len(fps)} keys"
         return Choice(best.peer, keys, tuple(claims), reason)
 
@@ -358,20 +411,24 @@ class SourceIndex:
         """An automatic lookup to ``peer`` ended: ``hits`` of the ``claimed`` keys it asked held.
 
         A failed lookup (no answer) is ``hits=0``. Updates the peer's precision
-        and quarantines it when too few of its claims hold.
+        and quarantines it when too few of its claims hold. Lookups that end
+        during a quarantine count for nothing: the burst that caused it is one
+        quarantine, not several.
         """
         found = self._peers.get(peer)
         if found is None:
             return
         found.in_flight = max(0, found.in_flight - 1)
-        if claimed <= 0:
+        if claimed <= 0 or now < found.quarantined_until:
             return
         policy = self.policy
         keep = (1.0 - policy.precision_weight) ** claimed
-        found.precision = found.precision * keep + (min(hits, claimed) / claimed) * (1.0 - keep)
+        held = max(0, min(hits, claimed)) / claimed
+        found.precision = found.precision * keep + held * (1.0 - keep)
         found.probed += claimed
         if found.probed >= policy.min_probed_keys and found.precision < policy.min_precision:
-            span = min(policy.max_quarantine_s, policy.quarantine_s * 2**found.quarantines)
+            doublings = min(found.quarantines, MAX_QUARANTINE_DOUBLINGS)
+            span = min(policy.max_quarantine_s, policy.quarantine_s * 2.0**doublings)
             found.quarantines += 1
             found.quarantined_until = now + span
             # After the quarantine it starts over, with the back-off remembered.
@@ -382,26 +439,29 @@ class SourceIndex:
     def _new_epoch(self, peer: str, found: _Peer, epoch: bytes) -> None:
         self._drop_claims(peer, found.claims)
         found.claims = set()
-        found.epoch, found.seq, found.synced, found.resync_asked = epoch, 0, False, False
-        found.pending, found.pending_parts, found.buffered = None, set(), []
+        found.epoch, found.seq, found.synced = epoch, 0, False
+        found.assembly, found.resync_asked, found.gap_deltas = None, False, 0
 
     def _apply(self, peer: str, found: _Peer, add: Iterable[int], remove: Iterable[int]) -> None:
         gone = found.claims.intersection(remove)
         found.claims -= gone
         self._drop_claims(peer, gone)
         new = set(add) - found.claims
+        room = found.capacity - len(found.claims)
+        if len(new) > room:
+            # More than it registered blocks for: keep what fits (work in
+            # proportion to the message, never to the whole summary).
+            found.strikes += 1
+            new = set(itertools.islice(new, max(0, room)))
         found.claims |= new
         self._add_claims(peer, new)
-        self._truncate(peer, found)
 
-    def _truncate(self, peer: str, found: _Peer) -> None:
-        """A peer may claim no more keys than it registered blocks: drop the excess."""
-        excess = len(found.claims) - found.capacity
-        if excess > 0:
-            dropped = set(sorted(found.claims)[found.capacity :])
-            found.claims -= dropped
-            self._drop_claims(peer, dropped)
-            found.strikes += 1
+    def _cut(self, peer: str, found: _Peer, claims: set[int]) -> None:
+        """Keep ``capacity`` of a peer's claims (its capacity went down)."""
+        kept = set(itertools.islice(claims, found.capacity))
+        self._drop_claims(peer, claims - kept)
+        found.claims = kept
+        found.strikes += 1
 
     def _add_claims(self, peer: str, fps: Iterable[int]) -> None:
         holders = self._holders
