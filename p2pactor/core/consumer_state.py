@@ -16,6 +16,7 @@ from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.events import ConsumerPhase, check_follows
+from p2pactor.core.events_base import filed_under
 from p2pactor.core.ids import ActorId, Role
 
 __all__ = [
@@ -158,15 +159,7 @@ CONSUMER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
 checks of actor and sequence (for a caller that made them: replay)."""
 
 
-def _arm(*kinds: type[ev.Event]) -> Callable[[_Arm], _Arm]:
-    """Register how events of ``kinds`` change a consumer (the table is the dispatch)."""
-
-    def register(fold: _Arm) -> _Arm:
-        for kind in kinds:
-            CONSUMER_FOLDS[kind] = fold
-        return fold
-
-    return register
+_arm = filed_under(CONSUMER_FOLDS)
 
 
 def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerState:

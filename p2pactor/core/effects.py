@@ -14,6 +14,7 @@ import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
+from p2pactor.core.events_base import filed_under
 from p2pactor.core.ids import ActorId
 
 __all__ = [
@@ -140,15 +141,7 @@ _Maker = Callable[[Any], tuple[Effect, ...]]
 _MAKERS: dict[type[ev.Event], _Maker] = {}
 
 
-def _of(*kinds: type[ev.Event]) -> Callable[[_Maker], _Maker]:
-    """Register what events of ``kinds`` make the runtime do (the table is data)."""
-
-    def register(make: _Maker) -> _Maker:
-        for kind in kinds:
-            _MAKERS[kind] = make
-        return make
-
-    return register
+_of = filed_under(_MAKERS)
 
 
 # consumer

@@ -8,7 +8,8 @@ vocabulary from :mod:`p2pactor.core.events`.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 import msgspec
 
@@ -28,6 +29,7 @@ __all__ = [
     "SessionLost",
     "Violation",
     "check_follows",
+    "filed_under",
 ]
 
 Keys = tuple[bytes, ...]
@@ -213,3 +215,25 @@ class FinishRequested(Event, frozen=True, kw_only=True):
     For a consumer, the request is over; for a prefill/decode producer, the
     engine will store no more blocks for it.
     """
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def filed_under(table: dict[type[Event], _F]) -> Callable[..., Callable[[_F], _F]]:
+    """A decorator that files a function in ``table`` under event types.
+
+    ``arm = filed_under(TABLE)``, then ``@arm(ev.A, ev.B)`` on the function
+    for those events: the table is the dispatch, and each event type is named
+    once, beside the code that handles it.
+    """
+
+    def arm(*kinds: type[Event]) -> Callable[[_F], _F]:
+        def register(fn: _F) -> _F:
+            for kind in kinds:
+                table[kind] = fn
+            return fn
+
+        return register
+
+    return arm

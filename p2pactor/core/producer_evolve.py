@@ -9,6 +9,7 @@ from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.events import check_follows
+from p2pactor.core.events_base import filed_under
 from p2pactor.core.producer_state import (
     PRODUCER_PHASE_AT,
     ActiveLookup,
@@ -204,15 +205,7 @@ PRODUCER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
 checks of actor and sequence (for a caller that made them: replay)."""
 
 
-def _arm(*kinds: type[ev.Event]) -> Callable[[_Arm], _Arm]:
-    """Register how events of ``kinds`` change a producer (the table is the dispatch)."""
-
-    def register(fold: _Arm) -> _Arm:
-        for kind in kinds:
-            PRODUCER_FOLDS[kind] = fold
-        return fold
-
-    return register
+_arm = filed_under(PRODUCER_FOLDS)
 
 
 def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerState:
