@@ -75,12 +75,17 @@ __all__ = [
 # --- the engine ---------------------------------------------------------------------
 
 
+_CheckStep = Callable[[ev.AnyEvent, Any, Any, ev.AnyEvent | None], list[str]]
+"""A check's step: (event, state before, state after, event before) -> what it breaks."""
+
+
 class _Live:
     """What replay keeps about one actor while it runs."""
 
     __slots__ = (
         "actor",
         "check",
+        "check_step",
         "events",
         "fast",
         "first_at",
@@ -104,8 +109,11 @@ class _Live:
         self.rows: list[TimelineRow] | None = [] if rows else None
         self.violations = 0
         self.check: ConsumerCheck | ProducerCheck | None = None
+        # The check's step, bound once: (event, state before, state after, event before).
+        self.check_step: _CheckStep | None = None
         if check:
             self.check = ConsumerCheck() if actor.role is Role.CONSUMER else ProducerCheck()
+            self.check_step = self.check.step
         self.folds: Mapping[type[ev.Event], Callable[[Any, Any], ActorState]] = (
             CONSUMER_FOLDS if actor.role is Role.CONSUMER else PRODUCER_FOLDS
         )
@@ -240,12 +248,8 @@ class Replayer:
                 self._apply(live, event)
                 state = live.state
             else:
-                check = live.check
-                if check is not None:
-                    if isinstance(check, ConsumerCheck):
-                        problems = check.step(event, state, after)  # type: ignore[arg-type]
-                    else:
-                        problems = check.step(event, live.prev)
+                if live.check_step is not None:
+                    problems = live.check_step(event, state, after, live.prev)
                     for message in problems:
                         self._violation(node_id, event, message)
                     live.violations += len(problems)
@@ -375,13 +379,8 @@ class Replayer:
             live.rows.append(
                 TimelineRow(event.at - live.first_at, event.seq, event.KIND, describe(event))
             )
-        check = live.check
-        if isinstance(check, ConsumerCheck):
-            assert isinstance(before, ConsumerState)
-            assert isinstance(after, ConsumerState)
-            problems.extend(check.step(event, before, after))
-        elif isinstance(check, ProducerCheck):
-            problems.extend(check.step(event, live.prev))
+        if live.check_step is not None:
+            problems.extend(live.check_step(event, before, after, live.prev))
         live.prev = event
         for message in problems:
             self._violation(live.node_id, event, message)

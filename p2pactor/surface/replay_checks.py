@@ -16,6 +16,7 @@ from typing import Final
 from p2pactor.core import events as ev
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.events import ConsumerPhase
+from p2pactor.core.producer import ProducerState
 
 __all__ = ["ConsumerCheck", "ProducerCheck"]
 
@@ -48,8 +49,15 @@ class ConsumerCheck:
         self.aborting.discard(round_seq)
         self._report_job(job_id, kind, problems)
 
-    def step(self, event: ev.AnyEvent, before: ConsumerState, after: ConsumerState) -> list[str]:
+    def step(
+        self,
+        event: ev.AnyEvent,
+        before: ConsumerState,
+        after: ConsumerState,
+        prev: ev.AnyEvent | None,
+    ) -> list[str]:
         """What ``event`` breaks, in words; ``before`` and ``after`` are the states around it."""
+        del prev  # a consumer's rules read its states
         problems: list[str] = []
         needed = _NEEDS.get(type(event))
         if needed is not None and _RANK[before.phase] < _RANK[needed]:
@@ -203,8 +211,15 @@ class ProducerCheck:
             problems.append(f"abort_ack for round {round_seq}, whose abort was not received")
         # A RoundClosed of a round never fetched ends a looked-up round: allowed.
 
-    def step(self, event: ev.AnyEvent, prev: ev.AnyEvent | None) -> list[str]:
+    def step(
+        self,
+        event: ev.AnyEvent,
+        before: ProducerState,
+        after: ProducerState,
+        prev: ev.AnyEvent | None,
+    ) -> list[str]:
         """What ``event`` breaks, in words; ``prev`` is the actor's event before it."""
+        del before, after  # a producer's rules read its events
         problems: list[str] = []
         match event:
             case ev.KeysPinned() | ev.StoreAdded():
