@@ -10,7 +10,7 @@ tests can compare live states with replayed logs.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -92,11 +92,16 @@ def node_id(name: str) -> str:
 
 @asynccontextmanager
 async def open_cluster(
-    *names: str, lent: Iterable[str] = (), log_dir: Path | None = None, **config: Any
+    *names: str,
+    lent: Iterable[str] = (),
+    log_dir: Path | None = None,
+    per_node: Mapping[str, Mapping[str, Any]] | None = None,
+    **config: Any,
 ) -> AsyncIterator[Cluster]:
     """Start one node per name; nodes named in ``lent`` get no parent of their own.
 
     With ``log_dir``, each node also writes its log to ``log_dir/<name>.p2plog``.
+    ``per_node`` adds config fields for some nodes (by name) over ``config``.
     """
     network = MemoryNetwork()
     plane = MemoryDataPlane()
@@ -104,7 +109,8 @@ async def open_cluster(
     lent = set(lent)
     async with AsyncExitStack() as stack:
         for name in names:
-            settings = {"num_blocks": NUM_BLOCKS, "block_len": BLOCK_LEN, **config}
+            own = (per_node or {}).get(name, {})
+            settings = {"num_blocks": NUM_BLOCKS, "block_len": BLOCK_LEN, **config, **own}
             cfg = NodeConfig(host=name, port=5710, **settings)
             cache = EmbeddedCache(cfg.num_blocks, cfg.block_len)
             path = None if log_dir is None else log_dir / f"{name}.p2plog"

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from p2pactor.core import holdings as holdings_module
 from p2pactor.core.holdings import Holdings, SummaryDelta, SummaryOptions
 from p2pactor.core.sources import SourceIndex, fingerprint
 from p2pactor.errors import ConfigError
@@ -133,6 +134,26 @@ def test_a_window_whose_changes_cancelled_out_starts_again_with_the_next_change(
 # --- sender and receiver ------------------------------------------------------------------
 
 KEYS = st.lists(st.integers(0, 30), max_size=5)
+
+
+def test_a_delta_carries_at_most_what_one_message_may(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(holdings_module, "MAX_DELTA_KEYS", 3)
+    h = holdings(capacity=10, flush_keys=100, part_keys=2)
+    h.stored([key(i) for i in range(5)], now=1.0)
+    first = h.flush(now=1.0, force=True)
+    assert first is not None
+    assert first.add == tuple(fingerprint(key(i)) for i in range(3))
+    assert h.next_flush() == 1.0 + 0.05  # the rest stays pending, its window kept
+    second = h.flush(now=2.0)
+    assert second is not None
+    assert (second.seq, second.add) == (2, (fingerprint(key(3)), fingerprint(key(4))))
+    assert h.flush(now=3.0, force=True) is None
+
+
+def test_a_snapshot_part_fits_one_message() -> None:
+    with pytest.raises(ConfigError, match="at most 65536 keys"):
+        SummaryOptions(part_keys=65_537)
+    assert SummaryOptions(part_keys=65_536).part_keys == 65_536
 
 
 class SummaryMachine(RuleBasedStateMachine):

@@ -36,6 +36,7 @@ from p2pactor.core.protocol import (
     MAX_STRING_CHARS,
     MESSAGE_TYPES,
     UNSET,
+    VLLM_MESSAGE_TYPES,
     AbortAck,
     AbortFetch,
     Connect,
@@ -230,7 +231,9 @@ def test_stock_connect_without_fingerprint_decodes_as_empty() -> None:
 
 
 def test_message_types_maps_every_wire_type() -> None:
-    assert set(MESSAGE_TYPES) == {msg.TYPE for msg, _ in PAIRS}
+    assert set(VLLM_MESSAGE_TYPES) == {msg.TYPE for msg, _ in PAIRS}
+    extension = set(MESSAGE_TYPES) - set(VLLM_MESSAGE_TYPES)
+    assert extension == {"kvsum_delta", "kvsum_snapshot", "kvsum_resync"}
     for type_name, cls in MESSAGE_TYPES.items():
         assert type_name == cls.TYPE
 

@@ -1,12 +1,13 @@
 """Property tests of the wire codec, ``p2pactor.core.protocol``, with hypothesis.
 
 Two properties. Robustness: whatever bytes a peer sends (random bytes, random
-msgpack structures, maps that look like one of the nine messages with fields
+msgpack structures, maps that look like one of the twelve messages with fields
 of random types, valid messages with one field mutated), ``decode`` either
 returns a message that re-encodes and decodes to itself, or raises a
 ``ProtocolError`` subclass, and nothing else. Fidelity: every valid message
 round-trips exactly, with deterministic bytes, and without extensions its map
-has exactly vLLM 0.33.0's keys in vLLM's order.
+has exactly vLLM 0.33.0's keys in vLLM's order (the summary extension's
+messages, which only p2pactor peers send, have their own keys in theirs).
 """
 
 from __future__ import annotations
@@ -37,12 +38,16 @@ from p2pactor.core.protocol import (
     ConnectExtension,
     Disconnect,
     Fetch,
+    KvsumDelta,
+    KvsumResync,
+    KvsumSnapshot,
     Lookup,
     LookupResp,
     Message,
     TransferDone,
     decode,
     encode,
+    packed,
 )
 from p2pactor.errors import ProtocolError
 
@@ -74,7 +79,14 @@ VLLM_KEYS: dict[str, list[str]] = {
     "abort_ack": ["type", "kv_request_id", "round_seq"],
 }
 EXTENSION_KEYS = ["p2pactor", "deadline_ms", "round_seq"]
-ALL_FIELDS = sorted({key for keys in VLLM_KEYS.values() for key in keys[1:]} | set(EXTENSION_KEYS))
+# The summary extension's messages (p2pactor peers only), in the order written.
+SUMMARY_KEYS: dict[str, list[str]] = {
+    "kvsum_delta": ["type", "epoch", "seq", "add", "remove"],
+    "kvsum_snapshot": ["type", "epoch", "upto_seq", "part", "parts", "fps"],
+    "kvsum_resync": ["type", "epoch", "from_seq"],
+}
+WIRE_KEYS = {**VLLM_KEYS, **SUMMARY_KEYS}
+ALL_FIELDS = sorted({key for keys in WIRE_KEYS.values() for key in keys[1:]} | set(EXTENSION_KEYS))
 
 
 # ---------------------------------------------------------------------------
@@ -138,6 +150,22 @@ def fetches(draw: st.DrawFn) -> Fetch:
     )
 
 
+epochs = st.binary(min_size=1, max_size=64)
+packed_fps = st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=8).map(packed)
+
+
+@st.composite
+def snapshots(draw: st.DrawFn) -> KvsumSnapshot:
+    parts = draw(st.integers(min_value=1, max_value=MAX_NUM_BLOCKS + 1))
+    return KvsumSnapshot(
+        epoch=draw(epochs),
+        upto_seq=draw(round_seqs),
+        part=draw(st.integers(min_value=0, max_value=parts - 1)),
+        parts=parts,
+        fps=draw(packed_fps),
+    )
+
+
 messages: st.SearchStrategy[Message] = st.one_of(
     connects(),
     st.builds(ConnectAck, peer_id=ids),
@@ -154,6 +182,15 @@ messages: st.SearchStrategy[Message] = st.one_of(
     st.builds(TransferDone, kv_request_id=ids, success=st.booleans(), round_seq=round_seqs),
     st.builds(AbortFetch, kv_request_id=ids, round_seq=round_seqs),
     st.builds(AbortAck, kv_request_id=ids, round_seq=round_seqs),
+    st.builds(
+        KvsumDelta,
+        epoch=epochs,
+        seq=round_seqs,
+        add=packed_fps,
+        remove=packed_fps,
+    ),
+    snapshots(),
+    st.builds(KvsumResync, epoch=st.binary(max_size=64), from_seq=round_seqs),
 )
 
 
@@ -205,6 +242,15 @@ PLAUSIBLE: dict[str, st.SearchStrategy[Any]] = {
     "round_seq": small_ints,
     "success": st.booleans(),
     "deadline_ms": small_ints,
+    "epoch": st.binary(max_size=20),
+    "seq": small_ints,
+    "upto_seq": small_ints,
+    "from_seq": small_ints,
+    "part": small_ints,
+    "parts": small_ints,
+    "add": st.binary(max_size=24),
+    "remove": st.binary(max_size=24),
+    "fps": st.binary(max_size=24),
     "p2pactor": st.fixed_dictionaries(
         {}, optional={"version": small_ints, "features": st.lists(ids, max_size=3)}
     ),
@@ -218,7 +264,7 @@ def fake_message(type_name: str) -> st.SearchStrategy[dict[str, Any]]:
 
     This reaches the later field checks far more often than random maps do.
     """
-    base = VLLM_KEYS[type_name][1:]
+    base = WIRE_KEYS[type_name][1:]
 
     def field_value(field: str) -> st.SearchStrategy[Any]:
         return st.one_of(PLAUSIBLE[field], PLAUSIBLE[field], values)
@@ -316,8 +362,11 @@ def test_valid_messages_round_trip(msg: Message) -> None:
 
 @FUZZ
 @given(messages)
-def test_base_dialect_has_vllm_keys_in_vllm_order(msg: Message) -> None:
+def test_keys_are_vllms_in_vllms_order_and_summaries_in_theirs(msg: Message) -> None:
     keys = list(msgspec.msgpack.decode(encode(msg)))
+    if msg.TYPE in SUMMARY_KEYS:
+        assert keys == SUMMARY_KEYS[msg.TYPE]
+        return
     base = VLLM_KEYS[msg.TYPE]
     assert keys[: len(base)] == base
     # Extensions only ever follow the base keys, and only when set.

@@ -28,6 +28,7 @@ PURE_STDLIB = {
     "math",
     "operator",
     "re",
+    "struct",  # packs summary fingerprints: bytes in, bytes out
     "types",
     "typing",
 }

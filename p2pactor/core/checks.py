@@ -27,6 +27,7 @@ from p2pactor.errors import ConfigError
 __all__ = [
     "Validator",
     "fraction",
+    "instance_of",
     "non_negative",
     "non_negative_int",
     "optional_port",
@@ -109,3 +110,13 @@ def optional_port(instance: object, attribute: attrs.Attribute[Any], value: obje
     """A TCP port, or None for "off"."""
     if value is not None and not (_is_int(value) and 0 <= value <= 65535):
         _refuse(instance, attribute, value, "a TCP port (0-65535) or None (off)")
+
+
+def instance_of(kind: type) -> Validator:
+    """An instance of ``kind`` (a bool where a bool is asked for, an options object)."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        if not isinstance(value, kind):
+            _refuse(instance, attribute, value, f"a {kind.__name__}")
+
+    return check

@@ -28,6 +28,7 @@ from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
 from p2pactor.core.consumer_state import ConsumerState, Load, evolve_consumer
 from p2pactor.core.events import ConsumerPhase
+from p2pactor.core.sources import Choice
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
 __all__ = [
@@ -87,7 +88,7 @@ def step_consumer(
     match event_input:
         case inp.Register():
             if event_input.flush:
-                _flush(b, timings, rnd, event_input.keys)
+                _flush(b, timings, rnd, event_input.keys, event_input.choice)
             else:
                 _register(b, event_input.keys)
         case inp.Flush():
@@ -146,6 +147,7 @@ def _flush(
     t: Timings,
     rnd: int,
     keys: tuple[bytes, ...] = (),
+    choice: Choice | None = None,
 ) -> None:
     """Send what was registered, and ``keys`` (registered by the same event)."""
     s = b.state
@@ -159,7 +161,7 @@ def _flush(
     deadline = (
         s.lookup_deadline if s.lookup_deadline is not None else b.now + t.lookup_progress_timeout
     )
-    b.emit(ev.Probed(**b.head, round_seq=rnd, keys=asked, lookup_deadline=deadline))
+    b.emit(ev.Probed(**b.head, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=choice))
 
 
 def _on_lookup_resp(

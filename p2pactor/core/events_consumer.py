@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from p2pactor.core.events_base import ConsumerPhase, Event, Ints, Keys
+from p2pactor.core.sources import Choice
 
 __all__ = [
     "AbortAcked",
@@ -49,7 +50,7 @@ class Registered(Event, frozen=True, kw_only=True):
     keys: Keys
 
 
-class Probed(Event, frozen=True, kw_only=True):
+class Probed(Event, frozen=True, kw_only=True, omit_defaults=True):
     """A lookup went out; the keys it asks are registered with it.
 
     Version 2: the keys need no :class:`Registered` before (an engine's
@@ -61,6 +62,9 @@ class Probed(Event, frozen=True, kw_only=True):
         round_seq: The round it belongs to.
         keys: The keys asked, in wire order.
         lookup_deadline: When the request fails if no key resolves before.
+        source: Why this peer was asked, when the request named no source
+            and the node chose it (which peers claimed how much of it); None
+            (and absent from the record) for a named source.
     """
 
     VERSION: ClassVar[int] = 2  # 2: registers its keys, sets the first round
@@ -68,6 +72,7 @@ class Probed(Event, frozen=True, kw_only=True):
     round_seq: int
     keys: Keys
     lookup_deadline: float
+    source: Choice | None = None
 
 
 class LookupResp(Event, frozen=True, kw_only=True):

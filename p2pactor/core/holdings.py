@@ -19,6 +19,7 @@ asked for a resync.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
@@ -29,7 +30,26 @@ from p2pactor.core import checks
 from p2pactor.core.sources import fingerprint
 from p2pactor.errors import ConfigError
 
-__all__ = ["Holdings", "Snapshot", "SummaryDelta", "SummaryOptions", "SummaryPart"]
+__all__ = [
+    "MAX_DELTA_KEYS",
+    "Holdings",
+    "Snapshot",
+    "SummaryDelta",
+    "SummaryOptions",
+    "SummaryPart",
+]
+
+MAX_DELTA_KEYS = 65_536
+"""Most keys one delta carries (the wire's bound on a summary field)."""
+
+
+def _part_keys(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
+    checks.positive_int(instance, attribute, value)
+    if isinstance(value, int) and value > MAX_DELTA_KEYS:
+        raise ConfigError(
+            f"SummaryOptions.part_keys is {value}; one message carries at most "
+            f"{MAX_DELTA_KEYS} keys, so set it to that or less"
+        )
 
 
 @attrs.frozen
@@ -45,7 +65,7 @@ class SummaryOptions:
 
     flush_keys: int = attrs.field(default=1000, validator=checks.positive_int)
     flush_s: float = attrs.field(default=0.05, validator=checks.positive(finite=True))
-    part_keys: int = attrs.field(default=8192, validator=checks.positive_int)
+    part_keys: int = attrs.field(default=8192, validator=_part_keys)
 
 
 class SummaryDelta(msgspec.Struct, frozen=True, gc=False):
@@ -193,7 +213,11 @@ class Holdings:
         return self._since + self.flush_s
 
     def flush(self, now: float, *, force: bool = False) -> SummaryDelta | None:
-        """The delta of the changes since the last flush, if due (or ``force``)."""
+        """The delta of the changes since the last flush, if due (or ``force``).
+
+        A delta carries at most :data:`MAX_DELTA_KEYS` changes (what one
+        message may); the rest stay pending, due at once.
+        """
         pending = self._pending
         if not pending:
             self._since = None  # every change there was cancelled out
@@ -201,10 +225,16 @@ class Holdings:
         due = self._since is not None and now >= self._since + self.flush_s
         if not (force or due or len(pending) >= self.flush_keys):
             return None
-        add = tuple(fingerprint(k) for k, held in pending.items() if held)
-        remove = tuple(fingerprint(k) for k, held in pending.items() if not held)
-        pending.clear()
-        self._since = None
+        if len(pending) <= MAX_DELTA_KEYS:
+            taken = list(pending.items())
+            pending.clear()
+            self._since = None
+        else:
+            taken = list(itertools.islice(pending.items(), MAX_DELTA_KEYS))
+            for key, _ in taken:
+                del pending[key]
+        add = tuple(fingerprint(k) for k, held in taken if held)
+        remove = tuple(fingerprint(k) for k, held in taken if not held)
         self._seq += 1
         return SummaryDelta(self._epoch, self._seq, add, remove)
 

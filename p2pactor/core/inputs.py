@@ -15,6 +15,7 @@ import msgspec
 from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota
 from p2pactor.core.ids import IdentityEnum
+from p2pactor.core.sources import Choice
 
 __all__ = [
     "AddStore",
@@ -51,10 +52,13 @@ class Register(msgspec.Struct, frozen=True, gc=False):
 
     With ``flush``, the lookup goes out in the same step (what a
     :class:`Flush` right after would do): one input per engine lookup.
+    ``choice``: the request named no source, and this peer was chosen for
+    it (recorded with the lookup).
     """
 
     keys: tuple[bytes, ...]
     flush: bool = False
+    choice: Choice | None = None
 
 
 class Flush(msgspec.Struct, frozen=True, gc=False):

@@ -5,7 +5,9 @@ The base dialect is byte-for-byte what vLLM 0.33.0's built-in P2P tier speaks
 fields in the order vLLM writes them, keys as msgpack bin. Extensions are
 optional fields that only p2pactor peers send; when a message carries none
 (they are :data:`~msgspec.UNSET`), its bytes are exactly the base dialect, so a
-stock vLLM peer never notices.
+stock vLLM peer never notices. Extension messages
+(:mod:`p2pactor.core.protocol_summaries`) go only to peers that offered them
+in their ``connect``.
 
 Each message is a frozen :class:`msgspec.Struct` whose field types carry their
 bounds (:class:`msgspec.Meta`), so msgspec's own decoder checks them in C as it
@@ -22,14 +24,29 @@ This module is pure: no I/O, no clock, no concurrency.
 
 from __future__ import annotations
 
-import re
 import types
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Final, TypeAlias
+from typing import Annotated, Final, TypeAlias
 
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from p2pactor.core.protocol_base import (
+    Address,
+    BlockIndexes,
+    BlockLen,
+    DeadlineMs,
+    Features,
+    Hits,
+    Keys,
+    MessageBase,
+    Metadata,
+    NumBlocks,
+    Round,
+    Text,
+    Version,
+    parallel,
+)
 from p2pactor.core.protocol_checks import explain, tuned_checker
 from p2pactor.core.protocol_limits import (
     DEFAULT_LIMITS,
@@ -47,7 +64,17 @@ from p2pactor.core.protocol_limits import (
     MAX_NUM_BLOCKS,
     MAX_ROUND_SEQ,
     MAX_STRING_CHARS,
+    MAX_SUMMARY_BYTES,
     Limits,
+)
+from p2pactor.core.protocol_summaries import (
+    FEATURE_SUMMARIES,
+    KvsumDelta,
+    KvsumResync,
+    KvsumSnapshot,
+    SummaryMessage,
+    fingerprints,
+    packed,
 )
 from p2pactor.errors import FrameTooLarge, InvalidField, MalformedFrame
 
@@ -55,6 +82,7 @@ __all__ = [
     "DEFAULT_LIMITS",
     "DEFAULT_MAX_FRAME_BYTES",
     "EXTENSION_KEY",
+    "FEATURE_SUMMARIES",
     "MAX_ADDRESS",
     "MAX_AGENT_METADATA_BYTES",
     "MAX_BLOCK_INDEX",
@@ -68,92 +96,37 @@ __all__ = [
     "MAX_NUM_BLOCKS",
     "MAX_ROUND_SEQ",
     "MAX_STRING_CHARS",
+    "MAX_SUMMARY_BYTES",
     "MESSAGE_TYPES",
     "UNSET",
+    "VLLM_MESSAGE_TYPES",
     "AbortAck",
     "AbortFetch",
+    "BaseMessage",
     "Connect",
     "ConnectAck",
     "ConnectExtension",
     "Disconnect",
     "Fetch",
+    "KvsumDelta",
+    "KvsumResync",
+    "KvsumSnapshot",
     "Limits",
     "Lookup",
     "LookupResp",
     "Message",
     "PeerProcess",
+    "SummaryMessage",
     "TransferDone",
     "UnsetType",
     "decode",
     "encode",
+    "fingerprints",
+    "packed",
 ]
 
 EXTENSION_KEY: Final = "p2pactor"
 """The ``connect`` key under which p2pactor peers advertise their extensions."""
-
-
-# ---------------------------------------------------------------------------
-# Field types: the bound each has on the wire, and the Limits attribute that
-# may lower it on one node (named in the Meta's ``extra``).
-# ---------------------------------------------------------------------------
-
-
-def _most(most: int, limit: str) -> Meta:
-    return Meta(max_length=most, extra={"limit": limit})
-
-
-def _range(least: int, most: int, limit: str) -> Meta:
-    return Meta(ge=least, le=most, extra={"limit": limit})
-
-
-_Text = Annotated[str, _most(MAX_STRING_CHARS, "max_string_chars")]
-_Key = Annotated[bytes, _most(MAX_KEY_BYTES, "max_key_bytes")]
-_Keys = Annotated[tuple[_Key, ...], _most(MAX_LIST_ITEMS, "max_list_items")]
-_Hits = Annotated[tuple[bool, ...], _most(MAX_LIST_ITEMS, "max_list_items")]
-_BlockIndex = Annotated[int, _range(0, MAX_BLOCK_INDEX, "max_block_index")]
-_BlockIndexes = Annotated[tuple[_BlockIndex, ...], _most(MAX_LIST_ITEMS, "max_list_items")]
-_Round = Annotated[int, _range(0, MAX_ROUND_SEQ, "max_round_seq")]
-_DeadlineMs = Annotated[int, _range(0, MAX_DEADLINE_MS, "max_deadline_ms")]
-_Metadata = Annotated[bytes, _most(MAX_AGENT_METADATA_BYTES, "max_agent_metadata_bytes")]
-_NumBlocks = Annotated[int, _range(1, MAX_NUM_BLOCKS, "max_num_blocks")]
-_BlockLen = Annotated[int, _range(1, MAX_BLOCK_LEN, "max_block_len")]
-# msgpack's own integers end at 2**64 - 1: no bound to check above.
-_Address = Annotated[int, Meta(ge=0)]
-_Feature = Annotated[str, _most(MAX_FEATURE_CHARS, "max_feature_chars")]
-_Features = Annotated[frozenset[_Feature], _most(MAX_FEATURES, "max_features")]
-_Version = Annotated[int, Meta(ge=0, le=MAX_EXTENSION_VERSION)]
-
-
-def _wire_name(class_name: str) -> str:
-    """A message class's wire ``"type"``: its name in snake case (``lookup_resp``)."""
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", class_name).lower()
-
-
-# ---------------------------------------------------------------------------
-# Messages
-# ---------------------------------------------------------------------------
-
-
-class _Message(
-    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="type", tag=_wire_name
-):
-    """Base of every message: frozen, tagged on the wire by ``"type"``."""
-
-    TYPE: ClassVar[str]
-    """The wire ``"type"`` (the class's tag)."""
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        cls.TYPE = _wire_name(cls.__name__)
-
-
-def _parallel(msg: _Message, name: str, items: tuple[Any, ...], keys: tuple[bytes, ...]) -> None:
-    if len(items) != len(keys):
-        raise InvalidField(
-            f"has {len(items)} items but 'keys' has {len(keys)}; they must be parallel",
-            message_type=msg.TYPE,
-            field=name,
-        )
 
 
 class PeerProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -169,7 +142,7 @@ class PeerProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         pid: The sender's process id, in that PID namespace.
     """
 
-    host: _Text
+    host: Text
     pid: Annotated[int, Meta(ge=1, le=2**31 - 1)]
 
 
@@ -186,8 +159,8 @@ class ConnectExtension(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         process: The sender's process, if it says (absent from older peers).
     """
 
-    version: _Version
-    features: _Features = frozenset()
+    version: Version
+    features: Features = frozenset()
     process: PeerProcess | UnsetType = UNSET
 
     def __post_init__(self) -> None:
@@ -198,7 +171,7 @@ class ConnectExtension(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             )
 
 
-class Connect(_Message, frozen=True, kw_only=True):
+class Connect(MessageBase, frozen=True, kw_only=True):
     """Handshake opener, sent both ways as soon as a connection exists.
 
     Attributes:
@@ -216,15 +189,15 @@ class Connect(_Message, frozen=True, kw_only=True):
             stock vLLM peer (and then absent from the wire).
     """
 
-    peer_id: _Text
-    agent_metadata: _Metadata
-    base_addr: _Address
-    num_blocks: _NumBlocks
-    block_len: _BlockLen
+    peer_id: Text
+    agent_metadata: Metadata
+    base_addr: Address
+    num_blocks: NumBlocks
+    block_len: BlockLen
     # vLLM reads the fingerprint with a default of "" and never checks it,
     # so a stock peer may legally leave it out.
-    config_fingerprint: _Text = ""
-    hash_seed: _Text
+    config_fingerprint: Text = ""
+    hash_seed: Text
     extension: ConnectExtension | UnsetType = msgspec.field(default=UNSET, name=EXTENSION_KEY)
 
     def __post_init__(self) -> None:
@@ -240,21 +213,21 @@ class Connect(_Message, frozen=True, kw_only=True):
             )
 
 
-class ConnectAck(_Message, frozen=True, kw_only=True):
+class ConnectAck(MessageBase, frozen=True, kw_only=True):
     """Reply to a ``connect``: the acker has registered the sender's memory.
 
     Attributes:
         peer_id: The acker's own ``HOST:PORT`` id.
     """
 
-    peer_id: _Text
+    peer_id: Text
 
 
-class Disconnect(_Message, frozen=True, kw_only=True):
+class Disconnect(MessageBase, frozen=True, kw_only=True):
     """Graceful close, sent by either side. Carries no fields."""
 
 
-class Lookup(_Message, frozen=True, kw_only=True):
+class Lookup(MessageBase, frozen=True, kw_only=True):
     """Consumer to producer: which of these keys do you hold?
 
     Attributes:
@@ -265,13 +238,13 @@ class Lookup(_Message, frozen=True, kw_only=True):
             UNSET (absent from the wire, as a stock peer sends it).
     """
 
-    kv_request_id: _Text
-    keys: _Keys
-    round_seq: _Round
-    deadline_ms: _DeadlineMs | UnsetType = UNSET
+    kv_request_id: Text
+    keys: Keys
+    round_seq: Round
+    deadline_ms: DeadlineMs | UnsetType = UNSET
 
 
-class LookupResp(_Message, frozen=True, kw_only=True):
+class LookupResp(MessageBase, frozen=True, kw_only=True):
     """Producer to consumer: the answer to one ``lookup``, one bool per key.
 
     Attributes:
@@ -283,16 +256,16 @@ class LookupResp(_Message, frozen=True, kw_only=True):
             (absent from the wire; stock vLLM sends no round here).
     """
 
-    kv_request_id: _Text
-    keys: _Keys
-    hits: _Hits
-    round_seq: _Round | UnsetType = UNSET
+    kv_request_id: Text
+    keys: Keys
+    hits: Hits
+    round_seq: Round | UnsetType = UNSET
 
     def __post_init__(self) -> None:
-        _parallel(self, "hits", self.hits, self.keys)
+        parallel(self, "hits", self.hits, self.keys)
 
 
-class Fetch(_Message, frozen=True, kw_only=True):
+class Fetch(MessageBase, frozen=True, kw_only=True):
     """Consumer to producer: write these blocks into mine, closing a round.
 
     An empty fetch (no keys, no indexes) closes the whole request instead.
@@ -305,16 +278,16 @@ class Fetch(_Message, frozen=True, kw_only=True):
         round_seq: The round this fetch closes.
     """
 
-    kv_request_id: _Text
-    keys: _Keys
-    block_indexes: _BlockIndexes
-    round_seq: _Round
+    kv_request_id: Text
+    keys: Keys
+    block_indexes: BlockIndexes
+    round_seq: Round
 
     def __post_init__(self) -> None:
-        _parallel(self, "block_indexes", self.block_indexes, self.keys)
+        parallel(self, "block_indexes", self.block_indexes, self.keys)
 
 
-class TransferDone(_Message, frozen=True, kw_only=True):
+class TransferDone(MessageBase, frozen=True, kw_only=True):
     """Producer to consumer: a fetch round's transfers have finished.
 
     Attributes:
@@ -323,12 +296,12 @@ class TransferDone(_Message, frozen=True, kw_only=True):
         round_seq: The round of the fetch.
     """
 
-    kv_request_id: _Text
+    kv_request_id: Text
     success: bool
-    round_seq: _Round
+    round_seq: Round
 
 
-class AbortFetch(_Message, frozen=True, kw_only=True):
+class AbortFetch(MessageBase, frozen=True, kw_only=True):
     """Consumer to producer: cancel a fetch round.
 
     Attributes:
@@ -336,11 +309,11 @@ class AbortFetch(_Message, frozen=True, kw_only=True):
         round_seq: The round to cancel.
     """
 
-    kv_request_id: _Text
-    round_seq: _Round
+    kv_request_id: Text
+    round_seq: Round
 
 
-class AbortAck(_Message, frozen=True, kw_only=True):
+class AbortAck(MessageBase, frozen=True, kw_only=True):
     """Producer to consumer: no transfer of the aborted round can still run.
 
     Attributes:
@@ -348,11 +321,11 @@ class AbortAck(_Message, frozen=True, kw_only=True):
         round_seq: The round that was cancelled.
     """
 
-    kv_request_id: _Text
-    round_seq: _Round
+    kv_request_id: Text
+    round_seq: Round
 
 
-Message: TypeAlias = (
+BaseMessage: TypeAlias = (
     Connect
     | ConnectAck
     | Disconnect
@@ -363,10 +336,18 @@ Message: TypeAlias = (
     | AbortFetch
     | AbortAck
 )
-"""Any message of the protocol."""
+"""A message of vLLM's base dialect (what a stock peer sends and reads)."""
+
+Message: TypeAlias = BaseMessage | SummaryMessage
+"""Any message of the protocol: the base dialect's, or an extension's."""
+
+VLLM_MESSAGE_TYPES: Final[Mapping[str, type[BaseMessage]]] = types.MappingProxyType(
+    {cls.TYPE: cls for cls in BaseMessage.__args__}
+)
+"""Each message class of vLLM's base dialect by its wire ``"type"``."""
 
 MESSAGE_TYPES: Final[Mapping[str, type[Message]]] = types.MappingProxyType(
-    {cls.TYPE: cls for cls in Message.__args__}
+    {cls.TYPE: cls for cls in (*BaseMessage.__args__, *SummaryMessage.__args__)}
 )
 """Each message class by its wire ``"type"`` string."""
 

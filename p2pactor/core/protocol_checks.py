@@ -110,6 +110,9 @@ def _problem(text: str, value: Any, resolved: bool) -> str:
     if found := re.fullmatch(r"Expected `(\w+)` of length <= (\d+)", text):
         kind, most = found.group(1), int(found.group(2))
         return _too_long(value, most, _UNITS.get(kind, "items"))
+    if found := re.fullmatch(r"Expected `(\w+)` of length >= (\d+)", text):
+        kind, least = found.group(1), found.group(2)
+        return f"is {len(value)} {_UNITS.get(kind, 'items')}, expected at least {least}"
     if found := re.fullmatch(r"Expected `int` >= (-?\d+)", text):
         return f"is {value}, expected at least {found.group(1)}"
     if found := re.fullmatch(r"Expected `int` <= (-?\d+)", text):

@@ -22,6 +22,7 @@ __all__ = [
     "MAX_BLOCK_INDEX",
     "MAX_BLOCK_LEN",
     "MAX_DEADLINE_MS",
+    "MAX_EPOCH_BYTES",
     "MAX_EXTENSION_VERSION",
     "MAX_FEATURES",
     "MAX_FEATURE_CHARS",
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_NUM_BLOCKS",
     "MAX_ROUND_SEQ",
     "MAX_STRING_CHARS",
+    "MAX_SUMMARY_BYTES",
     "Limits",
 ]
 
@@ -73,6 +75,12 @@ MAX_FEATURE_CHARS: Final = 64
 MAX_EXTENSION_VERSION: Final = 2**31 - 1
 """Largest version number in the ``p2pactor`` extension of a ``connect``."""
 
+MAX_SUMMARY_BYTES: Final = 8 * 65_536
+"""Most bytes of packed fingerprints in one summary field (65,536 keys of 8 bytes)."""
+
+MAX_EPOCH_BYTES: Final = 64
+"""Longest epoch id a summary names."""
+
 DEFAULT_MAX_FRAME_BYTES: Final = MAX_AGENT_METADATA_BYTES + 1024 * 1024
 """Largest frame :func:`~p2pactor.core.protocol.decode` reads by default.
 
@@ -103,6 +111,8 @@ class Limits:
         max_block_len: Largest ``block_len`` in a ``connect``.
         max_features: Most feature names in a ``connect`` extension.
         max_feature_chars: Longest feature name in a ``connect`` extension.
+        max_summary_bytes: Most bytes of fingerprints in one summary field
+            (8 per key).
 
     Raises:
         ConfigError: A bound is not an int, is negative (zero, for the
@@ -122,6 +132,7 @@ class Limits:
     max_block_len: int = MAX_BLOCK_LEN
     max_features: int = MAX_FEATURES
     max_feature_chars: int = MAX_FEATURE_CHARS
+    max_summary_bytes: int = MAX_SUMMARY_BYTES
 
     def __attrs_post_init__(self) -> None:
         # A zero bound on these would reject every valid connect or frame,

@@ -42,6 +42,7 @@ from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
+from p2pactor.runtime.source_options import DEFAULT_SOURCES, SourceOptions
 
 __all__ = ["DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of", "is_loopback", "is_wildcard"]
 
@@ -140,6 +141,12 @@ def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
     return None if value is None else os.fspath(value)
 
 
+def _seeds(value: Iterable[str]) -> frozenset[str]:
+    if isinstance(value, str):
+        raise ConfigError("seed_peers takes a collection of 'host:port' strings, not one string")
+    return frozenset(value)
+
+
 def _peers(value: Iterable[str] | None) -> frozenset[str] | None:
     if value is None:
         return None
@@ -222,6 +229,12 @@ class NodeConfig:
         curve_trusted: Directory of the public certificates (``*.key``) of
             the peers this node trusts: only they may connect, and only they
             may be dialed. Read once when the config is made.
+        seed_peers: Peers (``host:port``) to open sessions with as the node
+            starts, so their summaries are here before the first request
+            that names no source. Peers that connect to us join too.
+        sources: Summaries and the automatic choice of a source
+            (:class:`~p2pactor.runtime.source_options.SourceOptions`,
+            ``docs/sources.md``).
     """
 
     host: str = attrs.field(default="localhost", validator=_advertised)
@@ -254,6 +267,10 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"
     curve_secret_key: str | None = attrs.field(default=None, converter=_optional_path)
     curve_trusted: str | None = attrs.field(default=None, converter=_optional_path)
+    seed_peers: frozenset[str] = attrs.field(default=frozenset(), converter=_seeds)
+    sources: SourceOptions = attrs.field(
+        default=DEFAULT_SOURCES, validator=checks.instance_of(SourceOptions)
+    )
     _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
     _loopback: bool = attrs.field(init=False, eq=False, repr=False)
     _dialable: dict[str, bool] = attrs.field(init=False, eq=False, repr=False)
@@ -352,7 +369,8 @@ class NodeConfig:
         Reads vLLM's variables (see the module docstring) and
         ``P2PACTOR_BIND_HOST``, ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``,
         ``P2PACTOR_FINGERPRINT``,
-        ``P2PACTOR_ALLOWED_PEERS`` (comma-separated ``host:port``),
+        ``P2PACTOR_ALLOWED_PEERS`` and ``P2PACTOR_SEED_PEERS`` (comma-separated
+        ``host:port``), ``P2PACTOR_SUMMARIES`` (``0`` turns summaries off),
         ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
         ``P2PACTOR_METRICS_PORT``, ``P2PACTOR_METRICS_HOST``,
         ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``, and the
@@ -393,8 +411,17 @@ class NodeConfig:
         quotas = PeerQuotas.from_env(env)  # P2PACTOR_QUOTA_*: see docs/quotas.md
         if quotas is not None:
             values["quotas"] = quotas
-        allowed = env.get("P2PACTOR_ALLOWED_PEERS")
-        if allowed:
-            values["allowed_peers"] = frozenset(p.strip() for p in allowed.split(",") if p.strip())
+        for name, field in (
+            ("P2PACTOR_ALLOWED_PEERS", "allowed_peers"),
+            ("P2PACTOR_SEED_PEERS", "seed_peers"),
+        ):
+            listed = env.get(name)
+            if listed:
+                values[field] = frozenset(p.strip() for p in listed.split(",") if p.strip())
+        share = env.get("P2PACTOR_SUMMARIES", "")
+        if share:
+            if share not in ("0", "1"):
+                raise ConfigError(f"P2PACTOR_SUMMARIES={share!r}: set it to 1 (on) or 0 (off)")
+            values["sources"] = attrs.evolve(DEFAULT_SOURCES, share=share == "1")
         values.update(overrides)
         return cls(**values)

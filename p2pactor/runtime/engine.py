@@ -119,6 +119,9 @@ class EngineSide(Protocol):
     def store(self, kv_request_id: str, store: inp.AddStore) -> None:
         """Offer stored blocks to the request's producer."""
 
+    def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
+        """Step a lent parent's ``answer`` on ``actor``."""
+
     def dial(self, peer: str) -> None:
         """Open the session with ``peer`` now."""
 
@@ -360,7 +363,7 @@ class EngineBridge:
             case _Dial(peer):
                 node.dial(peer)
             case _Answer(actor, answer):
-                node.runner.deliver(actor, answer)
+                node.parent_answered(actor, answer)
 
     def _register_first(self, actor: RequestActor) -> None:
         """Keys registered for ``actor`` before another input of its: they come first."""

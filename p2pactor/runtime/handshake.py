@@ -44,6 +44,7 @@ __all__ = [
     "ControlLink",
     "connect_message",
     "incompatibility",
+    "offered_features",
     "to_dialect",
 ]
 
@@ -71,10 +72,17 @@ def connect_message(config: NodeConfig, data: DataTransport, hash_seed: str) -> 
         block_len=data.block_len,
         config_fingerprint=config.fingerprint,
         hash_seed=hash_seed,
-        extension=replace(EXTENSION, process=this_process())
+        extension=replace(EXTENSION, features=offered_features(config), process=this_process())
         if config.round_extension
         else wire.UNSET,
     )
+
+
+def offered_features(config: NodeConfig) -> frozenset[str]:
+    """The features this node offers in its ``connect`` (summaries only when it shares them)."""
+    if config.sources.share:
+        return EXTENSION.features | {wire.FEATURE_SUMMARIES}
+    return EXTENSION.features
 
 
 def incompatibility(
@@ -229,6 +237,16 @@ class ControlLink(abc.ABC):
         """The connection died: so does the session."""
         self._die(reason)
 
+    @property
+    def summaries(self) -> bool:
+        """Whether both sides offered the summary extension (so its messages may flow)."""
+        ext = self.peer_extension
+        return (
+            ext is not None
+            and wire.FEATURE_SUMMARIES in ext.features
+            and self._config.sources.share
+        )
+
     def _session_rounds(self) -> bool:
         ext = self.peer_extension
         return ext is not None and FEATURE_SESSION_ROUNDS in ext.features
@@ -323,6 +341,8 @@ class ControlLink(abc.ABC):
             self.peer_process = watch(msg.extension.process)
         if self._config.round_extension:
             self.peer_extension = msg.extension or None
+        if self.summaries:
+            self._host.directory.peer_accepted(self, msg.num_blocks)
         assert self._nursery is not None
         self._nursery.start_soon(self._register_peer, msg)
 
@@ -366,6 +386,8 @@ class ControlLink(abc.ABC):
         early, self._early = self._early, deque()
         for frame in early:
             self._put(frame)
+        if self.summaries:
+            self._host.directory.peer_ready(self)
 
     # --- sending ---------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import EngineBridge, LoadResult
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.logcontext import peer_context, request_context
@@ -87,6 +88,12 @@ class NodeHost:
         self.runner = Runner()
         self.timers = Timers()
         self.quotas = QuotaLedger(config.quotas, config.num_blocks)
+        self.directory = SourceDirectory(
+            config.sources,
+            capacity=config.num_blocks,
+            timers=self.timers,
+            clock=self.clock.current_time,
+        )
         self.service = ParentService(
             node_id=config.node_id,
             quotas=self.quotas,
@@ -227,6 +234,9 @@ class NodeHost:
                 )
         if actor in self.answers:
             self.check_answers(actor)
+        directory = self.directory
+        if directory.auto and actor in directory.auto:
+            directory.stepped(actor)
 
     def check_answers(self, actor: RequestActor) -> None:
         """Wake the callers of :meth:`lookup` on ``actor`` whose keys are all answered."""
@@ -235,6 +245,14 @@ class NodeHost:
         for waiter in self.answers.get(actor, ()):
             if not waiter.ready.is_set() and RETRY not in probe_answers(state, waiter.keys):
                 waiter.ready.set()
+
+    def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
+        """Step a lent parent's answer; a key it says we lack leaves our summary at once."""
+        if self.directory.enabled:
+            misses = [key for key, result in answer.results if result is LookupResult.MISS]
+            if misses:
+                self.directory.answered_miss(misses)
+        self.runner.deliver(actor, answer)
 
     def post_parent(self, actor: RequestActor, request: fx.ParentRequest) -> None:
         """Have the parent service run ``request`` (now, or at the next serve)."""
@@ -272,7 +290,9 @@ class NodeHost:
             self.service.post_close(context)
         # A session that replaced this one (the peer connected again) keeps its
         # own bound producers; only the ended ones of this peer go.
-        replaced = self.peers.session(result.peer_id) is not None
+        current = self.peers.session(result.peer_id)
+        replaced = current is not None
+        self.directory.peer_closed(result.peer_id, current)
         self.stores.forget(
             lambda actor: actor.id.peer == result.peer_id and (actor.done or not replaced)
         )

@@ -10,7 +10,8 @@ log, all under one trio nursery::
 
 Two ways in, for two kinds of engines:
 
-* **async** (:meth:`Node.lookup`, :meth:`Node.fetch`), for engines written on trio;
+* **async** (:meth:`Node.lookup`, :meth:`Node.fetch`, and :meth:`Node.locate` for a
+  request that names no source), for engines written on trio;
 * **sync and thread-safe** (:meth:`Node.register_lookup`, :meth:`Node.flush`,
   :meth:`Node.submit_load`, :meth:`Node.finish`, :meth:`Node.finished_jobs`,
   :meth:`Node.submit_store`), for engines that step on their own thread (vLLM).
@@ -42,8 +43,10 @@ import trio
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import probe_answers
 from p2pactor.core.inputs import LookupResult
+from p2pactor.core.sources import Choice
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import LoadResult
 from p2pactor.runtime.host import Answers, Load, NodeHost
 from p2pactor.runtime.log import EventLog
@@ -55,7 +58,25 @@ from p2pactor.runtime.timers import Timers
 from p2pactor.runtime.transport import ControlTransport, DataTransport
 from p2pactor.runtime.view import EventWatcher, HandshakeWatcher
 
-__all__ = ["EventWatcher", "FetchResult", "LoadResult", "Node", "open_node"]
+__all__ = ["EventWatcher", "FetchResult", "LoadResult", "Located", "Node", "open_node"]
+
+_OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
+
+
+@attrs.frozen(kw_only=True)
+class Located:
+    """What :meth:`Node.locate` found for a request that names no source.
+
+    Attributes:
+        peer: The peer that was asked (fetch the hits from it), or None:
+            no peer claimed enough of the keys, and nothing was asked.
+        answers: HIT or MISS for every key, in order.
+        choice: Which peers claimed what, and why ``peer`` was chosen.
+    """
+
+    peer: str | None
+    answers: tuple[LookupResult, ...]
+    choice: Choice
 
 
 @attrs.frozen(kw_only=True)
@@ -122,6 +143,11 @@ class Node(ThreadSafeAPI):
     def event_log(self) -> EventLog:
         """The node's event log."""
         return self._host.log
+
+    @property
+    def sources(self) -> SourceDirectory:
+        """What this node tells peers it holds, what they claim, and the choices made."""
+        return self._host.directory
 
     @property
     def runner(self) -> Runner:
@@ -204,15 +230,43 @@ class Node(ThreadSafeAPI):
         goes out from this call; the caller is woken once, when the answer is
         complete.
         """
+        return await self._ask(peer, kv_request_id, keys, None)
+
+    async def locate(self, kv_request_id: str, keys: Sequence[bytes]) -> Located:
+        """Look ``keys`` up at the peer that claims most of them, for a request naming none.
+
+        The peers' summaries say who holds what: when no live peer claims the
+        first key, or no claimed run is worth a round trip, every key is a
+        MISS at once and nothing is sent. Otherwise one ordinary lookup goes
+        to the best peer (its claimed run, plus a few keys past it), and from
+        then on the request is that peer's, as if it had been named: fetch
+        the hits from ``Located.peer``, then :meth:`finish` it. The choice is
+        recorded with the lookup (the ``source`` of its ``Probed`` event).
+        """
+        directory = self._host.directory
+        choice = directory.choose(keys) if directory.enabled else _OFF
+        if choice.chosen is None:
+            await trio.lowlevel.checkpoint()
+            return Located(peer=None, answers=(LookupResult.MISS,) * len(keys), choice=choice)
+        asked = keys[: choice.keys]
+        answers = await self._ask(choice.chosen, kv_request_id, asked, choice)
+        rest = (LookupResult.MISS,) * (len(keys) - len(asked))
+        return Located(peer=choice.chosen, answers=(*answers, *rest), choice=choice)
+
+    async def _ask(
+        self, peer: str, kv_request_id: str, keys: Sequence[bytes], choice: Choice | None
+    ) -> list[LookupResult]:
         host = self._host
         actor = host.consumer_for(peer, kv_request_id)
         if actor is None:
             await trio.lowlevel.checkpoint()
             return [LookupResult.MISS] * len(keys)
+        if choice is not None:
+            host.directory.probe_started(actor, choice, keys)
         waiter = Answers(keys)
         host.answers.setdefault(actor, []).append(waiter)
         try:
-            host.runner.deliver(actor, inp.Register(tuple(keys), flush=True))
+            host.runner.deliver(actor, inp.Register(tuple(keys), flush=True, choice=choice))
             host.check_answers(actor)
             await waiter.ready.wait()
         finally:
@@ -322,14 +376,22 @@ async def open_node(
         # Peers we may not dial are dropped by the transport itself, before
         # it dials back to the address their frames claim (config.may_dial,
         # and a log line for a peer a loopback-known node cannot serve).
+        watch_keys = getattr(parent, "watch_keys", None)
+        if watch_keys is not None and host.directory.enabled:
+            # An embedded cache says exactly what it holds: the summary is exact.
+            watch_keys(host.directory.came, host.directory.went)
         control.accept_only(host.peers.may_accept)
         nursery.start_soon(host.peers.accept, name="accept")
         nursery.start_soon(host.bridge.run, name="engine bridge")
         nursery.start_soon(host.timers.run, name="timers")
         nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
+        for peer in sorted(config.seed_peers):
+            host.dial(peer)  # summaries are here before the first request naming no source
         try:
             yield node
         finally:
+            if watch_keys is not None:
+                watch_keys(None, None)
             with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
                 await node.aclose()
             nursery.cancel_scope.cancel()

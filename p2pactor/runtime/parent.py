@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from p2pactor.core import effects as fx
@@ -187,8 +187,24 @@ class EmbeddedCache:
         self.opened: set[str] = set()
         self.finished: Counter[str] = Counter()
         self.released: Counter[int] = Counter()
+        self._came: Callable[[bytes], None] | None = None
+        self._went: Callable[[bytes], None] | None = None
 
     # --- the engine's side -------------------------------------------------------
+
+    def watch_keys(
+        self, came: Callable[[bytes], None] | None, went: Callable[[bytes], None] | None
+    ) -> None:
+        """Call ``came(key)`` for each key stored from now on, ``went(key)`` for each evicted.
+
+        ``came`` is called at once for every key already stored, so the
+        watcher's copy is exact from the start (a node's summary of what it
+        holds). Call from the node's thread; ``None, None`` stops.
+        """
+        self._came, self._went = came, went
+        if came is not None:
+            for key in self._index:
+                came(key)
 
     def block_of(self, key: bytes) -> int | None:
         """The block holding ``key``, if stored."""
@@ -222,6 +238,8 @@ class EmbeddedCache:
             block = self._allocate()
             self._index[key] = block
             self._key_of[block] = key
+            if self._came is not None:
+                self._came(key)
         self._index.move_to_end(key)
         self._pending.discard(key)
         self.memory[block * self.block_len : (block + 1) * self.block_len] = data
@@ -253,6 +271,8 @@ class EmbeddedCache:
         self._index[key] = block
         self._key_of[block] = key
         self._pending.discard(key)
+        if self._came is not None:
+            self._came(key)
 
     def free(self, blocks: Sequence[int]) -> None:
         """Give back blocks from :meth:`allocate` whose load failed."""
@@ -273,6 +293,8 @@ class EmbeddedCache:
             if self._pins[block] == 0:
                 del self._index[key]
                 del self._key_of[block]
+                if self._went is not None:
+                    self._went(key)
                 return block
         raise CacheFull(f"all {self.num_blocks} blocks are pinned; release some or grow the pool")
 

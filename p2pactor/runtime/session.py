@@ -61,6 +61,7 @@ _ENDED_PER_TURN = 32  # actors told their session ended before the drain lets ot
 _TO_PRODUCER: Final = (wire.Lookup, wire.Fetch, wire.AbortFetch)
 _TO_CONSUMER: Final = (wire.LookupResp, wire.TransferDone, wire.AbortAck)
 _PEER_MESSAGES: Final = (*_TO_PRODUCER, *_TO_CONSUMER)
+_SUMMARIES: Final = (wire.KvsumDelta, wire.KvsumSnapshot, wire.KvsumResync)
 
 # How each consumer event changes the loads in flight (writes a peer may be
 # making into our pool): the data transport polls for progress only while any is.
@@ -251,6 +252,14 @@ class PeerSession(ControlLink):
             self._on_ack()
         elif isinstance(msg, wire.Disconnect):
             self._die("the peer disconnected")
+        elif isinstance(msg, _SUMMARIES) and self._peer_accepted:
+            if self.summaries:
+                self._host.directory.received(self, msg)
+            else:
+                self._violation(
+                    f"a {msg.TYPE} message, but summaries ({wire.FEATURE_SUMMARIES}) were "
+                    "not agreed in the handshake"
+                )
         else:
             self._violation(f"a {msg.TYPE} message before the peer's connect")
 

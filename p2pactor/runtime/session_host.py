@@ -18,6 +18,7 @@ from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.timers import Timers
 from p2pactor.runtime.transport import ControlTransport, DataTransport
@@ -73,6 +74,8 @@ class SessionHost(Protocol):
     """Every input reaches an actor through it."""
     timers: Timers
     """Actors' deadlines are armed on it."""
+    directory: SourceDirectory
+    """Summaries both ways (sessions that negotiated ``kvsum/1`` feed it)."""
 
     @property
     def hash_seed(self) -> str:

@@ -1,0 +1,362 @@
+"""The node's directory: what it tells peers it holds, what they claim, and the choice.
+
+:class:`SourceDirectory` runs the summary extension (``kvsum/1``) on the
+node's thread. It keeps the core's two halves and does their I/O:
+
+- :class:`~p2pactor.core.holdings.Holdings`, the keys this node's engine
+  holds, fed by the parent (an embedded cache tells it exactly), the engine's
+  stores and our loads, and corrected when our server answers MISS for a key
+  we claimed. Its changes go to every summary peer as deltas, on the node's
+  timer; a peer whose session becomes ready, or that asks, gets a snapshot,
+  one part per ``part_interval_s`` so its lookups never wait behind it.
+- :class:`~p2pactor.core.sources.SourceIndex`, what the peers claim, fed by
+  their deltas and snapshots. :meth:`SourceDirectory.choose` picks the peer
+  worth a lookup for a request that names none; the lookups it starts are
+  followed (:meth:`SourceDirectory.stepped`) so each peer's precision is
+  measured, and a key it claimed and missed is dropped from its claims.
+
+Only sessions where both sides offered the feature take part: a stock vLLM
+peer is never sent a summary message and is never chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import attrs
+import msgspec
+
+from p2pactor.core import protocol as wire
+from p2pactor.core.consumer import ConsumerState, probe_answers
+from p2pactor.core.holdings import Holdings, SummaryDelta, SummaryPart
+from p2pactor.core.inputs import LookupResult
+from p2pactor.core.sources import Choice, SourceIndex, fingerprint
+from p2pactor.runtime.actor import RequestActor
+from p2pactor.runtime.source_options import SourceOptions
+from p2pactor.runtime.timers import Timers
+
+__all__ = ["AutoProbe", "DirectoryCounts", "SourceDirectory", "SummaryPeer"]
+
+log = logging.getLogger("p2pactor.sources")
+
+_EPOCH_BYTES = 16
+
+
+class SummaryPeer(Protocol):
+    """A session summaries go over (a :class:`~p2pactor.runtime.session.PeerSession`)."""
+
+    @property
+    def peer_id(self) -> str:
+        """The peer's id."""
+        ...
+
+    def send(self, msg: wire.Message) -> None:
+        """Queue ``msg`` for the peer; never blocks."""
+
+
+class AutoProbe(msgspec.Struct, gc=False):
+    """A lookup the directory chose, followed until its claimed keys are answered."""
+
+    peer: str
+    claimed: tuple[bytes, ...]
+
+
+@attrs.define
+class DirectoryCounts:
+    """What the directory did, for metrics and the demo's table (totals since start)."""
+
+    chosen: int = 0
+    """Requests sent to a peer by automatic choice."""
+    unclaimed: int = 0
+    """Requests no live peer claimed: a MISS at once."""
+    not_worth: int = 0
+    """Requests a peer claimed, but not enough to be worth a round trip."""
+    probed_keys: int = 0
+    """Claimed keys asked of chosen peers."""
+    false_claims: int = 0
+    """Of those, the keys the peer answered MISS for (or never answered)."""
+    deltas_sent: int = 0
+    parts_sent: int = 0
+    bytes_sent: int = 0
+    """Summary bytes sent (fingerprints, 8 per key), to all peers."""
+    bytes_received: int = 0
+    resyncs_sent: int = 0
+
+
+class SourceDirectory:
+    """The summaries both ways, and the choice of a source. Made by the node's host.
+
+    Args:
+        options: The node's source options.
+        capacity: The most keys this node's engine holds (its blocks).
+        timers: The node's timer (flushes and paced parts are armed on it).
+        clock: The node's clock.
+    """
+
+    def __init__(
+        self,
+        options: SourceOptions,
+        *,
+        capacity: int,
+        timers: Timers,
+        clock: Callable[[], float],
+    ) -> None:
+        self.options = options
+        self.holdings = Holdings(capacity, epoch=os.urandom(_EPOCH_BYTES), options=options.summary)
+        self.index = SourceIndex(options.choice)
+        self.counts = DirectoryCounts()
+        self.auto: dict[RequestActor, AutoProbe] = {}
+        self._timers = timers
+        self._clock = clock
+        self._peers: dict[str, SummaryPeer] = {}
+        self._parts: dict[str, deque[SummaryPart]] = {}  # snapshot parts still to send
+        self._next_part: float | None = None
+        self._armed: float | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether summaries are exchanged at all (``SourceOptions.share``)."""
+        return self.options.share
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        """The peers summaries are exchanged with now."""
+        return tuple(self._peers)
+
+    # --- what this node holds ---------------------------------------------------------
+
+    def stored(self, keys: Iterable[bytes]) -> None:
+        """This node's engine now holds ``keys`` (a store, or a load of ours)."""
+        self.holdings.stored(keys, self._clock())
+        self._arm()
+
+    def came(self, key: bytes) -> None:
+        """The engine stored ``key`` (an embedded cache's exact account)."""
+        self.holdings.stored((key,), self._clock())
+        self._arm()
+
+    def went(self, key: bytes) -> None:
+        """The engine evicted ``key`` (an embedded cache's exact account)."""
+        self.holdings.gone((key,), self._clock())
+        self._arm()
+
+    def touched(self, keys: Iterable[bytes]) -> None:
+        """The engine reused ``keys``."""
+        self.holdings.touched(keys)
+
+    def gone(self, keys: Iterable[bytes]) -> None:
+        """This node's engine no longer holds ``keys``."""
+        self.holdings.gone(keys, self._clock())
+        self._arm()
+
+    def answered_miss(self, keys: Iterable[bytes]) -> None:
+        """Our server answered MISS for ``keys``: any of them we claimed, we don't hold."""
+        held = self.holdings
+        claimed = [k for k in keys if k in held]
+        if claimed:
+            self.gone(claimed)
+
+    def drained(self) -> None:
+        """The engine dropped everything: a new epoch, told to every peer at once."""
+        snapshot = self.holdings.reset(os.urandom(_EPOCH_BYTES), self._clock())
+        for peer in self._peers:
+            self._parts[peer] = deque(snapshot.parts)
+        self._send_parts()
+
+    # --- sessions ---------------------------------------------------------------------
+
+    def peer_accepted(self, session: SummaryPeer, capacity: int) -> None:
+        """``session``'s peer offered summaries and registered ``capacity`` blocks.
+
+        From now on its summary messages are read (they may arrive before our
+        side of the handshake is done).
+        """
+        self._peers[session.peer_id] = session
+        self.index.add_peer(session.peer_id, capacity)  # its snapshot is on its way
+
+    def peer_ready(self, session: SummaryPeer) -> None:
+        """``session`` is ready both ways: send the peer our snapshot."""
+        if self._peers.get(session.peer_id) is session:
+            self._start_snapshot(session.peer_id)
+
+    def peer_closed(self, peer: str, current: SummaryPeer | None) -> None:
+        """A session of ``peer`` closed; ``current`` is its session now, if it has one."""
+        found = self._peers.get(peer)
+        if found is not None and found is not current:
+            del self._peers[peer]
+            self._parts.pop(peer, None)
+        if current is None:
+            self.index.remove_peer(peer)
+
+    def received(self, session: SummaryPeer, msg: wire.SummaryMessage) -> None:
+        """Apply one of ``session``'s summary messages."""
+        peer = session.peer_id
+        if self._peers.get(peer) is not session:
+            return  # an ended session's last frames
+        resync = None
+        match msg:
+            case wire.KvsumDelta():
+                self.counts.bytes_received += len(msg.add) + len(msg.remove)
+                resync = self.index.delta(
+                    peer,
+                    msg.epoch,
+                    msg.seq,
+                    wire.fingerprints(msg.add),
+                    wire.fingerprints(msg.remove),
+                )
+            case wire.KvsumSnapshot():
+                self.counts.bytes_received += len(msg.fps)
+                resync = self.index.snapshot(
+                    peer,
+                    msg.epoch,
+                    msg.upto_seq,
+                    part=msg.part,
+                    parts=msg.parts,
+                    fps=wire.fingerprints(msg.fps),
+                )
+            case wire.KvsumResync():
+                self._start_snapshot(peer)
+        if resync is not None:
+            self.counts.resyncs_sent += 1
+            session.send(wire.KvsumResync(epoch=resync.epoch, from_seq=resync.from_seq))
+
+    # --- choosing a source --------------------------------------------------------------
+
+    def choose(self, keys: Sequence[bytes]) -> Choice:
+        """The peer to look up for a request's ``keys`` (in order), and why."""
+        choice = self.index.choose([fingerprint(k) for k in keys], self._clock())
+        counts = self.counts
+        if choice.chosen is not None:
+            counts.chosen += 1
+        elif choice.claims:
+            counts.not_worth += 1
+        else:
+            counts.unclaimed += 1
+        most = self.options.recorded_claims
+        if len(choice.claims) > most:
+            choice = msgspec.structs.replace(choice, claims=choice.claims[:most])
+        return choice
+
+    def probe_started(self, actor: RequestActor, choice: Choice, keys: Sequence[bytes]) -> None:
+        """A lookup of ``keys`` went to ``choice.chosen`` through ``actor``; follow it."""
+        assert choice.chosen is not None
+        run = choice.claims[0].run if choice.claims else len(keys)
+        claimed = tuple(keys[:run])
+        if actor in self.auto:
+            return  # the request asked again: its first probe is the one measured
+        self.auto[actor] = AutoProbe(choice.chosen, claimed)
+        self.index.probe_started(choice.chosen)
+        self.counts.probed_keys += len(claimed)
+
+    def stepped(self, actor: RequestActor) -> None:
+        """``actor`` (of :attr:`auto`) stepped: once its claimed keys are answered, score them."""
+        probe = self.auto[actor]
+        state = actor.state
+        assert isinstance(state, ConsumerState)
+        answers = probe_answers(state, probe.claimed)
+        if LookupResult.RETRY in answers and not actor.done:
+            return
+        del self.auto[actor]
+        hits = answers.count(LookupResult.HIT)
+        missed = [
+            fingerprint(k)
+            for k, a in zip(probe.claimed, answers, strict=True)
+            if a is not LookupResult.HIT
+        ]
+        self.counts.false_claims += len(missed)
+        self.index.missed(probe.peer, missed)
+        was = self.index.quarantined(probe.peer, self._clock())
+        self.index.probe_ended(probe.peer, len(probe.claimed), hits, self._clock())
+        if not was and self.index.quarantined(probe.peer, self._clock()):
+            log.warning(
+                "%s's summary claims keys it does not hold (%d of %d probed missed); not "
+                "choosing it automatically for a while (it stays usable as a named source)",
+                probe.peer,
+                len(missed),
+                len(probe.claimed),
+            )
+
+    # --- the timer: flushes and paced snapshot parts ---------------------------------
+
+    @property
+    def deadline(self) -> float | None:
+        """When :meth:`expire` runs next (the node's timer reads it)."""
+        return self._armed
+
+    def expire(self) -> None:
+        """Flush what is due and send the parts due (from the node's timer).
+
+        It may run early (what was due moved later): then nothing is due yet,
+        and it is armed again for when something is.
+        """
+        self._armed = None
+        now = self._clock()
+        # Flushed with no peer too: the changes would pile up otherwise.
+        while (delta := self.holdings.flush(now)) is not None:
+            self._broadcast(delta)
+        if self._next_part is not None and now >= self._next_part:
+            self._send_parts()
+        self._arm()
+
+    def _due(self) -> float | None:
+        due = self.holdings.next_flush()
+        part = self._next_part
+        if due is None or (part is not None and part < due):
+            return part
+        return due
+
+    def _arm(self) -> None:
+        when = self._due()
+        if when is not None and (self._armed is None or when < self._armed):
+            self._armed = when
+            self._timers.arm(self)
+
+    def _broadcast(self, delta: SummaryDelta) -> None:
+        msg = wire.KvsumDelta(
+            epoch=delta.epoch,
+            seq=delta.seq,
+            add=wire.packed(delta.add),
+            remove=wire.packed(delta.remove),
+        )
+        size = len(msg.add) + len(msg.remove)
+        for session in self._peers.values():
+            session.send(msg)
+        self.counts.deltas_sent += len(self._peers)
+        self.counts.bytes_sent += size * len(self._peers)
+
+    def _start_snapshot(self, peer: str) -> None:
+        snapshot = self.holdings.snapshot(self._clock())
+        if snapshot.delta is not None:
+            self._broadcast(snapshot.delta)  # everyone else is brought up to it first
+        self._parts[peer] = deque(snapshot.parts)
+        # The first part goes now, ahead of any later delta: the peer buffers
+        # the deltas after it while the other parts come.
+        self._send_parts(only=peer)
+
+    def _send_parts(self, only: str | None = None) -> None:
+        """One part to each peer with parts queued (or to ``only``); the next after an interval."""
+        for peer in [only] if only is not None else list(self._parts):
+            queue = self._parts.get(peer)
+            session = self._peers.get(peer)
+            if not queue or session is None:
+                self._parts.pop(peer, None)
+                continue
+            part = queue.popleft()
+            msg = wire.KvsumSnapshot(
+                epoch=part.epoch,
+                upto_seq=part.upto_seq,
+                part=part.part,
+                parts=part.parts,
+                fps=wire.packed(part.fps),
+            )
+            session.send(msg)
+            self.counts.parts_sent += 1
+            self.counts.bytes_sent += len(msg.fps)
+            if not queue:
+                del self._parts[peer]
+        self._next_part = self._clock() + self.options.part_interval_s if self._parts else None
+        self._arm()

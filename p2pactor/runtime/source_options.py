@@ -1,0 +1,53 @@
+"""How a node finds sources by itself: summaries it exchanges, and how it chooses.
+
+One frozen value, :class:`SourceOptions`, the ``sources`` field of
+:class:`~p2pactor.runtime.config.NodeConfig`. The policy parts come from the
+core (:class:`~p2pactor.core.sources.ChoicePolicy`,
+:class:`~p2pactor.core.holdings.SummaryOptions`); this adds what the runtime
+does with them. See ``docs/sources.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+
+from p2pactor.core import checks
+from p2pactor.core.holdings import SummaryOptions
+from p2pactor.core.sources import ChoicePolicy
+
+__all__ = ["DEFAULT_SOURCES", "SourceOptions"]
+
+
+@attrs.frozen(kw_only=True)
+class SourceOptions:
+    """How this node tells peers what it holds, and picks a source for a request that names none.
+
+    Attributes:
+        share: Exchange summaries (the ``kvsum/1`` extension) with p2pactor
+            peers that offer it: tell them which keys this node's engine holds
+            and keep what they tell us. Off, the node neither sends nor reads
+            them, and :meth:`~p2pactor.runtime.node.Node.locate` finds nothing.
+            Stock vLLM peers never see the extension either way.
+        choice: When a peer's claim is trusted and worth a lookup.
+        summary: How changes are batched into deltas and snapshots split.
+        part_interval_s: Seconds between two parts of one snapshot to one
+            peer, so the lookups that share its socket never wait behind a
+            whole snapshot.
+        recorded_claims: Claims recorded with a choice (the best ones).
+    """
+
+    share: bool = attrs.field(default=True, validator=checks.instance_of(bool))
+    choice: ChoicePolicy = attrs.field(
+        factory=ChoicePolicy, validator=checks.instance_of(ChoicePolicy)
+    )
+    summary: SummaryOptions = attrs.field(
+        factory=SummaryOptions, validator=checks.instance_of(SummaryOptions)
+    )
+    part_interval_s: float = attrs.field(default=0.01, validator=checks.non_negative(finite=True))
+    recorded_claims: int = attrs.field(default=8, validator=checks.positive_int)
+
+
+DEFAULT_SOURCES: Final = SourceOptions()
+"""Summaries on, the core's default policy."""

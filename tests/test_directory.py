@@ -1,0 +1,255 @@
+"""Finding a source with no router: summaries between nodes, and the automatic choice.
+
+Real nodes over the in-memory transports, on trio's mock clock: each node's
+embedded cache tells its summary exactly, the summaries cross the session as
+``kvsum/1`` messages, and ``Node.locate`` asks the peer that claims the keys.
+Outcomes are asserted (bytes, answers, claims, pins released); waits are for
+conditions, never for time alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import attrs
+import msgspec
+import trio
+
+from p2pactor.core import events as ev
+from p2pactor.core import protocol as wire
+from p2pactor.core.inputs import LookupResult
+from p2pactor.core.sources import ChoicePolicy, fingerprint
+from p2pactor.runtime.source_options import SourceOptions
+from tests.cluster import Cluster, Member, block_bytes, key, open_cluster
+
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+SUMMARY_TYPES = ("kvsum_delta", "kvsum_snapshot", "kvsum_resync")
+
+
+async def until(condition: Callable[[], bool], within: float = 10.0) -> None:
+    """Wait (mock clock) until ``condition`` holds; fail after ``within`` seconds."""
+    with trio.fail_after(within):
+        while not condition():  # noqa: ASYNC110 -- the nodes' own state: no event to wait on
+            await trio.sleep(0.001)
+
+
+def tap(cluster: Cluster) -> list[tuple[float, str, str, wire.Message]]:
+    """Every frame sent from now on, decoded: (time, source, destination, message)."""
+    seen: list[tuple[float, str, str, wire.Message]] = []
+
+    def record(src: str, dst: str, frame: bytes) -> bool:
+        seen.append((trio.current_time(), src, dst, wire.decode(frame)))
+        return False  # a tap: nothing is dropped
+
+    cluster.network.drop(record)
+    return seen
+
+
+async def linked(a: Member, b: Member) -> None:
+    """Open the session between ``a`` and ``b`` and wait until both ends are ready."""
+    b.node.prepare(a.id)
+    await until(lambda: (s := b.node.session(a.id)) is not None and s.ready)
+    await until(lambda: (s := a.node.session(b.id)) is not None and s.ready)
+
+
+async def pull(me: Member, kv: str, keys: list[bytes]) -> tuple[str | None, list[bytes]]:
+    """Locate ``keys``, fetch the hits into our cache, finish; the peer and the keys fetched."""
+    located = await me.node.locate(kv, keys)
+    hits = [k for k, a in zip(keys, located.answers, strict=True) if a is HIT]
+    if hits:
+        assert located.peer is not None
+        blocks = me.cache.allocate(len(hits))
+        result = await me.node.fetch(located.peer, kv, hits, blocks)
+        assert result.success, result.reason
+        for k, block in zip(hits, blocks, strict=True):
+            me.cache.commit(k, block)
+    me.node.finish(kv)
+    return located.peer, hits
+
+
+def assert_settled(cluster: Cluster) -> None:
+    for member in cluster.members.values():
+        assert member.cache.held_jobs() == set(), f"{member.name} still pins jobs"
+        assert member.cache.opened == set(), f"{member.name} has open synthetic requests"
+
+
+async def test_a_request_naming_no_source_is_served_by_the_peer_that_holds_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_cluster("a", "b", "c") as cluster:
+        a, b, c = cluster["a"], cluster["b"], cluster["c"]
+        a.store(*[key(i) for i in range(6)])
+        c.store(key(0), key(1))  # c claims a shorter run of the same prefix
+        await linked(a, b)
+        await linked(c, b)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 6)
+        await until(lambda: b.node.sources.index.claims_of(c.id) == 2)
+        peer, hits = await pull(b, "req-1", [key(i) for i in range(8)])
+        assert peer == a.id
+        assert hits == [key(i) for i in range(6)]
+        for k in hits:
+            assert b.cache.read(k) == block_bytes(k)
+        await trio.sleep(1)  # the finish reaches a's producer
+        assert_settled(cluster)
+    probed = [e for e in b.log.recent() if isinstance(e, ev.Probed)]
+    assert len(probed) == 1
+    source = probed[0].source
+    assert source is not None
+    assert source.chosen == a.id
+    assert [(claim.peer, claim.run) for claim in source.claims] == [(a.id, 6), (c.id, 2)]
+    assert probed[0].keys == tuple(key(i) for i in range(8))  # its run and 2 keys past it
+    assert b.node.sources.counts.chosen == 1
+    assert b.node.sources.counts.false_claims == 0
+
+
+async def test_a_key_nobody_claims_is_a_miss_at_once_and_nothing_is_sent(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        a.store(key(1))
+        await linked(a, b)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 1)
+        seen = tap(cluster)
+        actors = len(b.actors)
+        start = trio.current_time()
+        located = await b.node.locate("req", [key(7), key(1)])  # the first key: nobody
+        assert trio.current_time() == start
+        assert located.peer is None
+        assert located.answers == (MISS, MISS)
+        assert located.choice.reason == "no peer claims the first key"
+        await trio.sleep(1)
+        assert len(b.actors) == actors
+        assert not [m for _, src, _, m in seen if src == b.id and m.TYPE == "lookup"]
+        assert b.node.sources.counts.unclaimed == 1
+
+
+async def test_what_a_node_evicts_leaves_its_peers_claims(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_cluster("a", "b", num_blocks=4) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        await linked(a, b)
+        a.store(*[key(i) for i in range(4)])
+        index = b.node.sources.index
+        await until(lambda: index.claims_of(a.id) == 4)
+        assert index.claimed_by(fingerprint(key(0))) == {a.id}
+        a.store(key(4), key(5))  # evicts key(0) and key(1), the least recently used
+        await until(lambda: index.claimed_by(fingerprint(key(5))) == {a.id})
+        assert index.claimed_by(fingerprint(key(0))) == frozenset()
+        assert index.claimed_by(fingerprint(key(1))) == frozenset()
+        assert index.claims_of(a.id) == 4
+
+
+async def test_a_snapshot_goes_in_parts_paced_apart(autojump_clock: trio.abc.Clock) -> None:
+    options = SourceOptions(summary=attrs.evolve(SourceOptions().summary, part_keys=4))
+    async with open_cluster("a", "b", num_blocks=16, sources=options) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        a.store(*[key(i) for i in range(10)])
+        seen = tap(cluster)
+        await linked(a, b)
+        await until(lambda: b.node.sources.index.position(a.id) is not None)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 10)
+    parts = [(t, m) for t, src, _, m in seen if src == a.id and isinstance(m, wire.KvsumSnapshot)]
+    assert [m.part for _, m in parts] == [0, 1, 2]
+    assert all(m.parts == 3 for _, m in parts)
+    gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(parts)]
+    assert all(gap >= options.part_interval_s for gap in gaps), gaps
+    assert sum(len(m.fps) for _, m in parts) == 8 * 10
+
+
+async def test_summaries_flow_only_where_both_sides_offered_them(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    off = {"sources": SourceOptions(share=False)}
+    async with open_cluster("a", "b", "c", per_node={"c": off}) as cluster:
+        a, b, c = cluster["a"], cluster["b"], cluster["c"]
+        seen = tap(cluster)
+        a.store(key(1))
+        c.store(key(1))
+        await linked(a, b)
+        await linked(c, b)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 1)
+        a.store(key(2))  # a delta, to b only
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 2)
+        await trio.sleep(1)
+    connects = {src: m for _, src, _, m in seen if isinstance(m, wire.Connect)}
+    offered = {
+        src: isinstance(m.extension, wire.ConnectExtension)
+        and wire.FEATURE_SUMMARIES in m.extension.features
+        for src, m in connects.items()
+    }
+    assert offered == {a.id: True, b.id: True, c.id: False}
+    summaries = {(src, dst) for _, src, dst, m in seen if m.TYPE in SUMMARY_TYPES}
+    assert summaries == {(a.id, b.id), (b.id, a.id)}
+    assert c.id not in b.node.sources.index.peers
+
+
+async def test_a_summary_nobody_agreed_to_is_a_protocol_violation(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    off = {"sources": SourceOptions(share=False)}
+    async with open_cluster("a", "b", per_node={"b": off}) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        await linked(a, b)
+        delta = wire.KvsumDelta(epoch=b"e", seq=1, add=wire.packed([1]), remove=b"")
+        cluster.network.post(a.id, b.id, wire.encode(delta))
+        await until(lambda: b.node.closed_session_count == 1)
+        reason = b.node.closed_sessions()[0].reason
+        assert "kvsum_delta" in reason
+        assert "not agreed" in reason
+
+
+async def test_a_peer_whose_claims_keep_missing_is_quarantined_but_still_named(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    policy = ChoicePolicy(min_probed_keys=40)
+    options = SourceOptions(choice=policy)
+    async with open_cluster("a", "b", num_blocks=256, sources=options) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        await linked(a, b)
+        lies = [key(1000 + i) for i in range(200)]
+        a.node.sources.stored(lies)  # claims keys its cache never held
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 200)
+        now = trio.current_time
+        asked = 0
+        while not b.node.sources.index.quarantined(a.id, now()):
+            peer, hits = await pull(b, f"req-{asked}", lies[asked * 10 : asked * 10 + 10])
+            assert peer == a.id
+            assert hits == []
+            asked += 1
+            assert asked < 20, "never quarantined"
+        assert asked * 10 >= policy.min_probed_keys
+        counts = b.node.sources.counts
+        assert counts.false_claims == counts.probed_keys == asked * 10
+        # Its claims on what it was asked are gone; the rest is quarantined.
+        assert b.node.sources.index.claims_of(a.id) == 200 - asked * 10
+        located = await b.node.locate("after", lies[-10:])
+        assert located.peer is None
+        assert "quarantined" in located.choice.reason
+        b.node.finish("after")
+        # Named, it is asked as ever.
+        a.store(key(1))
+        assert await b.node.lookup(a.id, "named", [key(1)]) == [HIT]
+        b.node.finish("named")
+        await trio.sleep(1)
+        assert_settled(cluster)
+
+
+async def test_a_choice_is_recorded_in_the_request_log_and_replays(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_cluster("a", "b") as cluster:
+        a, b = cluster["a"], cluster["b"]
+        a.store(key(1), key(2))
+        await linked(a, b)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 2)
+        await pull(b, "req", [key(1), key(2)])
+        await trio.sleep(1)
+    # open_cluster checked that b's log replays to its live states; the
+    # record's own bytes carry the choice.
+    probed = next(e for e in b.log.recent() if isinstance(e, ev.Probed))
+    record = msgspec.json.decode(msgspec.json.encode(probed))
+    assert record["source"]["chosen"] == a.id
+    assert record["source"]["claims"][0]["run"] == 2
