@@ -19,6 +19,7 @@ from p2pactor.runtime.config import fingerprint_of
 
 __all__ = [
     "JOB_IDS",
+    "PRIMARY_ONLY",
     "TO_VLLM",
     "TRANSFER_FIELDS",
     "VLLM_HIT",
@@ -70,6 +71,8 @@ TRANSFER_FIELDS = {"transfer_time", "transfer_bytes"} <= {
 }
 VllmLookup = getattr(_vllm_base, "LookupResult", None)
 OffloadPolicy = getattr(_vllm_base, "OffloadPolicy", None)
+# A lookup that asks the primary tier alone (0.30+); None: no such filter.
+PRIMARY_ONLY = _vllm_base.TierFilter(matchers=()) if hasattr(_vllm_base, "TierFilter") else None
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - before per-source hit metrics
@@ -92,6 +95,9 @@ class Source:
     peer: str
     kv_request_id: str
     probe: bool  # remote_kv_source probes first; remote_prefiller does not
+    # Chosen by the tier (no source was named): the keys asked of the peer;
+    # any other key is a MISS (nobody claimed it).
+    only: frozenset[bytes] | None = None
 
 
 @attrs.frozen

@@ -20,7 +20,16 @@ all live there); the methods here only hand work over without waiting
 trio thread has already published (``get_stats`` too: the node's metrics reach
 vLLM's ``/metrics`` as ``vllm:kv_offload_p2pactor_*``). The parent handle vLLM lends to
 ``serve_external_requests`` is used only inside that call, through
-:class:`_LentParent`, and never kept.
+:class:`~p2pactor.adapters._vllm_parent.LentParent`, and never kept.
+
+A request that names no source is given one by the tier, from what its
+peers' summaries claim (``_vllm_auto.py``, ``docs/sources.md``); what this
+engine's CPU tier holds is told to them in turn (stores, our loads, touches,
+a paced check through the lent parent, a new epoch at ``drain_jobs``).
+
+Its parts: ``_vllm_api.py`` (vLLM's API across versions), ``_vllm_parent.py``
+(the lent parent, the check), ``_vllm_auto.py`` (the automatic choice),
+``_vllm_thread.py`` (the node's thread), ``_vllm_metrics.py`` (``/metrics``).
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
 import attrs
@@ -46,16 +55,16 @@ from p2pactor.adapters._vllm_api import (
     RequestOffloadingContext,
     SecondaryTierManager,
     Source,
-    from_vllm,
     job_ids,
     job_result,
     layout_fingerprint,
     parse_dest,
     parse_source,
 )
+from p2pactor.adapters._vllm_auto import Auto, AutoSources
 from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
+from p2pactor.adapters._vllm_parent import LentParent, scrub
 from p2pactor.adapters._vllm_thread import NodeThread
-from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.config import NodeConfig
@@ -78,42 +87,19 @@ _now = time.monotonic
 # releases stop coming (a node that died), at the cost of the oldest jobs'
 # transfer fields (None) and their failure line.
 _MAX_TRACKED_STORES = 1 << 16
+# The summary's check against the CPU tier: ~500 keys a second, while vLLM
+# steps (serve_external_requests); 131k chunks are all checked in ~4.4 min.
+_SCRUB_S = 0.1
+_SCRUB_KEYS = 50
 
 
-class _LentParent:
-    """vLLM's ParentManager, lent for one ``serve_external_requests`` call, as a p2pactor Parent.
-
-    Synthetic requests are named by p2pactor and live across serves, so their
-    vLLM ``ReqContext`` objects are kept by the tier, not here.
-    """
-
-    def __init__(self, tier: P2PActorTierManager, parent: ParentManager) -> None:
-        self._tier = tier
-        self._parent = parent
-
-    def on_new_request(self, context: str) -> None:
-        ctx = ReqContext(req_id=context, kv_transfer_params=None)
-        self._tier._contexts[context] = ctx
-        self._parent.on_new_request(ctx)
-
-    def lookup(self, key: bytes, context: str) -> Answer:
-        ctx = self._tier._contexts[context]
-        return from_vllm(self._parent.lookup(key, ctx))
-
-    def create_store_job(self, keys: Sequence[bytes], context: str) -> inp.Pin:
-        ctx = self._tier._contexts[context]
-        job = self._parent.create_store_job(list(keys), ctx)
-        job_id = int(job.job_id)
-        self._tier._track_store(job_id, None, len(job.keys))
-        return inp.Pin(job_id, tuple(job.keys), tuple(job_ids(job)))
-
-    def on_request_finished(self, context: str) -> None:
-        ctx = self._tier._contexts.pop(context)
-        self._parent.on_request_finished(ctx)
-
-    def release_job(self, job_id: int, *, success: bool) -> None:
-        # vLLM unpins a job when the tier reports it in get_finished_jobs().
-        self._tier._store_released(job_id, success)
+def _peer_list(peers: Collection[str] | str | None) -> list[str] | None:
+    """Peers as a list: from a comma-separated string too."""
+    if peers is None:
+        return None
+    if isinstance(peers, str):
+        return [p.strip() for p in peers.split(",") if p.strip()]
+    return list(peers)
 
 
 class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM is Any to mypy
@@ -141,6 +127,14 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         allowed_peers: Peers this engine may dial, as ``host:port`` (a list
             or a comma-separated string); request parameters naming anything
             else are treated as having no source. Default: any peer.
+        seed_peers: Peers to open sessions with at start (a list or a
+            comma-separated string of ``host:port``), so their summaries are
+            here before the first request that names no source (default
+            ``P2PACTOR_SEED_PEERS``). Peers that connect to us join too.
+        summaries: Tell p2pactor peers which keys this engine's CPU tier
+            holds, and find a source for requests that name none from what
+            they tell us (``docs/sources.md``). Stock vLLM peers never hear
+            of it. Default: on, unless ``P2PACTOR_SUMMARIES=0``.
         event_log: Write the node's event log to this file (for
             ``p2pactor replay``).
         curve_secret_key: This engine's secret CURVE certificate (made by
@@ -171,6 +165,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         port: int | str | None = None,
         unbound_store_timeout_s: float = 60.0,
         allowed_peers: Collection[str] | str | None = None,
+        seed_peers: Collection[str] | str | None = None,
+        summaries: bool | None = None,
         event_log: str | None = None,
         curve_secret_key: str | None = None,
         curve_trusted: str | None = None,
@@ -186,8 +182,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         if kwargs:
             raise ValueError(f"unknown p2pactor tier options: {sorted(kwargs)}")
         super().__init__(offloading_spec, primary_kv_view, tier_type)
-        if isinstance(allowed_peers, str):
-            allowed_peers = [p.strip() for p in allowed_peers.split(",") if p.strip()]
+        allowed_peers = _peer_list(allowed_peers)
+        seeds = _peer_list(seed_peers)
         dp_index = int(offloading_spec.config.parallel.data_parallel_index)
         # The CURVE keys are read once host and port are known: the key must
         # speak for this rank's id, not for the environment's default one.
@@ -210,6 +206,10 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 block_len=int(self.block_size_bytes),
                 fingerprint=layout_fingerprint(offloading_spec),
                 allowed_peers=None if allowed_peers is None else frozenset(allowed_peers),
+                seed_peers=base.seed_peers if seeds is None else frozenset(seeds),
+                sources=base.sources
+                if summaries is None
+                else attrs.evolve(base.sources, share=bool(summaries)),
                 unbound_store_timeout=float(unbound_store_timeout_s),
                 drain_timeout=_SHUTDOWN_DRAIN_S,
                 curve_secret_key=curve_secret_key,
@@ -221,10 +221,10 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._finished: list[JobResult] = []
         self._block_len = config.block_len
         # Loads submitted and not yet reported: job id -> (kv_request_id, when
-        # submitted (_now), blocks). An entry goes when its result is collected;
+        # submitted (_now), keys). An entry goes when its result is collected;
         # the node reports every load it was handed (its load timeout bounds
         # the wait), and each holds primary chunks of its own until then.
-        self._load_requests: dict[int, tuple[str, float, int]] = {}
+        self._load_requests: dict[int, tuple[str, float, list[bytes]]] = {}
         # Store jobs not yet released: job id -> (kv_request_id of a
         # prefill/decode store, None for a peer's pin; when submitted or
         # pinned (_now); blocks). An entry goes at the job's one release
@@ -235,6 +235,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._runner = NodeThread(config, view, event_log)
         self._reported: dict[str, float] = {}  # the totals get_stats last reported
         self._node: Node = self._runner.start()
+        self._auto = AutoSources(self._node, config.sources.choice.tail_keys)
+        self._next_scrub = 0.0
         log.info(
             "p2pactor tier %s ready (%d blocks of %d bytes)",
             config.node_id,
@@ -269,16 +271,29 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             req_context.set_state(dest)
             if dest.kv_request_id is not None and OffloadPolicy is not None:
                 return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+        elif source is None:
+            self._auto.begin(req_context)  # no source named: the summaries may know one
         return RequestOffloadingContext()
 
     def lookup(self, key: Any, req_context: ReqContext) -> Any:
         """HIT, MISS or RETRY (while the peer is being asked) for one key."""
         source = req_context.get_state(Source)
-        if source is None or source.kv_request_id in self._failed:
+        if source is None:
+            auto = req_context.get_state(Auto)
+            if auto is None:
+                return VLLM_MISS
+            answer = self._auto.lookup(auto, key, req_context)
+            if answer is not None:
+                return TO_VLLM[answer]
+            source = req_context.get_state(Source)  # chosen: from now on it is named
+            assert source is not None
+        if source.kv_request_id in self._failed:
             return VLLM_MISS
         if not source.probe:
             return VLLM_HIT  # prefill/decode: the prefiller holds everything
         k = bytes(key)
+        if source.only is not None and k not in source.only:
+            return VLLM_MISS  # chosen by us for its claimed keys: nobody claimed this one
         answer = self._node.peek_key(source.peer, source.kv_request_id, k)
         if answer is Answer.RETRY:
             # Asked at the step's end, all keys of the request in one go: vLLM
@@ -290,6 +305,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         """The engine is done with the request (either role)."""
         source = req_context.get_state(Source)
         dest = req_context.get_state(Dest)
+        auto = req_context.get_state(Auto)
+        if auto is not None and source is None:
+            self._auto.finished(auto)
         done = source.kv_request_id if source is not None else None
         if done is not None:
             self._failed.discard(done)
@@ -303,7 +321,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         job_id = int(job_metadata.job_id)
         if dest is None:
             # Symmetric P2P: blocks stay in the CPU primary tier; nothing moves.
+            # They are ours to claim: peers hear of them in the next delta.
             self._finished.append(job_result(job_id, success=True, seconds=0.0, size=0))
+            self._node.holds([bytes(k) for k in job_metadata.keys])
         elif dest.kv_request_id is None:
             self._finished.append(job_result(job_id, success=False, seconds=0.0, size=0))
         else:
@@ -323,7 +343,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         elif not keys:
             self._finished.append(job_result(job_id, success=True, seconds=0.0, size=0))
         else:
-            self._load_requests[job_id] = (source.kv_request_id, _now(), len(keys))
+            self._load_requests[job_id] = (source.kv_request_id, _now(), keys)
             self._node.submit_load(
                 source.peer,
                 source.kv_request_id,
@@ -363,9 +383,10 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                     job_result(result.job_id, success=result.success, seconds=None, size=None)
                 )
                 continue
-            kv_id, submitted, blocks = entry
+            kv_id, submitted, keys = entry
             if result.success:
-                size = blocks * self._block_len
+                size = len(keys) * self._block_len
+                self._node.holds(keys)  # in our CPU tier now: ours to claim
             else:
                 self._failed.add(kv_id)  # its lookups answer MISS: prefill locally
                 size = 0
@@ -422,12 +443,31 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             )
 
     def serve_external_requests(self, parent: ParentManager) -> None:
-        """Let peers' lookups, pins and releases run against the lent parent."""
-        self._node.serve_parent(_LentParent(self, parent))
+        """Let peers' lookups, pins and releases run against the lent parent.
+
+        And check a few keys our summary claims against the CPU tier (a tier
+        never hears of evictions): ``_SCRUB_KEYS`` every ``_SCRUB_S``, while
+        the engine steps (an idle engine evicts nothing).
+        """
+        node = self._node
+        node.serve_parent(LentParent(self, parent))
+        batch = node.take_scrub()
+        if batch:
+            node.lacks(scrub(parent, batch, node.node_id))
+        now = _now()
+        if now >= self._next_scrub:
+            self._next_scrub = now + _SCRUB_S
+            node.want_scrub(_SCRUB_KEYS)
+
+    def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
+        """The engine reused ``keys``: the most recent in our summary's order now."""
+        del req_context
+        self._node.touch([bytes(k) for k in keys])
 
     def on_schedule_end(self, context: Any) -> None:
         """The step ended: hand its new lookups and calls to the node, wake it once."""
         del context
+        self._auto.step_ended()
         asks, self._asks = self._asks, {}
         for (peer, kv_id), keys in asks.items():
             self._node.ask(peer, kv_id, list(keys))
@@ -445,6 +485,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         hold the drain too, or it would write into chunks vLLM reuses.
         """
         self._node.kick()
+        self._node.drained()  # vLLM resets its cache after this: a new epoch for the peers
         deadline = time.monotonic() + _DRAIN_TIMEOUT_S
         while True:
             self._collect()

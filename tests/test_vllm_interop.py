@@ -19,6 +19,7 @@ hosts do.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -315,6 +316,64 @@ def test_prefill_decode_store_then_fetch(pair: Pair) -> None:
         consumer.finish(tag)
         producer.finish(tag)
     assert_clean(*pair)
+
+
+def computed(host: TierHost, tag: str, keys: list[bytes]) -> None:
+    """``host``'s engine computed ``keys``: its CPU tier holds them, and vLLM cascades
+    the store to its tiers (for a request with no P2P role)."""
+    host.new_request(tag, None)
+    host.store(keys)
+    assert host.wait_job(host.submit_store(tag, keys), timeout=10)["success"]
+    host.finish(tag)
+
+
+def found_by_itself(consumer: TierHost, tag: str, keys: list[bytes], timeout: float) -> str:
+    """Open requests naming no source until one finds every key (the summary came): its id."""
+    deadline = time.monotonic() + timeout
+    for attempt in itertools.count():
+        req = f"{tag}-{attempt}"
+        consumer.new_request(req, None)
+        if consumer.lookup_until(req, keys, timeout=10)["results"] == ["HIT"] * len(keys):
+            return req
+        consumer.finish(req)
+        assert time.monotonic() < deadline, f"{consumer.name} never found {tag}'s keys"
+        consumer.step(10, sleep_s=0.01)
+    raise AssertionError("unreachable")
+
+
+def test_a_request_naming_no_source_finds_it_and_a_stock_peer_never_hears_of_summaries(
+    pair: Pair,
+) -> None:
+    """Automatic choice between p2pactor tiers; none with or for a stock vLLM tier.
+
+    Both p2pactor: the consumer's request names no source, and its keys are
+    found on the producer that computed them and fetched byte for byte. Any
+    stock side: the request is a MISS (a stock tier reads no summary, and sends
+    none), and the stock tier never logs an unknown message type: no summary
+    message reached it, though the p2pactor side held keys to tell of.
+    """
+    for consumer, producer in both_ways(pair):
+        tag = f"auto-{consumer.name}-{producer.name}"
+        keys = make_keys(tag, 3)
+        computed(producer, f"{tag}-computed", keys)
+        computed(consumer, f"{tag}-own", make_keys(f"{tag}-own", 2))  # a summary to tell
+        named = f"{tag}-named"  # a session between the two (auto choice uses any)
+        pull(consumer, producer, named)
+        assert consumer.lookup_until(named, keys[:1], timeout=10)["results"] == ["HIT"]
+        consumer.finish(named)
+        if consumer.spec.tier == OURS and producer.spec.tier == OURS:
+            req = found_by_itself(consumer, tag, keys, timeout=10)
+            fetch(consumer, req, keys)
+        else:
+            req = f"{tag}-none"
+            consumer.new_request(req, None)
+            consumer.step(20, sleep_s=0.01)  # time for any summary to arrive
+            assert consumer.lookup_until(req, keys, timeout=10)["results"] == ["MISS"] * 3
+        consumer.finish(req)
+    assert_clean(*pair)
+    for host in pair:
+        if host.spec.tier == STOCK:
+            assert "unknown message type" not in host.log_text(), host.name
 
 
 def test_parent_contract_clean_on_both_sides(pair: Pair) -> None:

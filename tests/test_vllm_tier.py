@@ -189,6 +189,7 @@ class FakeParent(ParentManager):
         self.results: dict[int, JobResult] = {}
         self.reported: Counter[int] = Counter()
         self.errors: list[str] = []
+        self.loads: dict[int, dict[bytes, int]] = {}
 
     # --- vLLM's ParentManager --------------------------------------------------
 
@@ -235,6 +236,8 @@ class FakeParent(ParentManager):
         self.expected[job_id] = kind
         if kind != "load":
             self.pins[job_id] = tuple(chunks)
+        else:
+            self.loads[job_id] = dict(zip(keys, chunks, strict=True))
         return TransferJob(
             job_id=job_id,
             keys=list(keys),
@@ -244,7 +247,10 @@ class FakeParent(ParentManager):
         )
 
     def take(self, results: Any) -> None:
-        """What ``get_finished_jobs()`` returned; unpins (vLLM's ``complete_read``)."""
+        """What ``get_finished_jobs()`` returned; unpins (vLLM's ``complete_read``).
+
+        A load that succeeded is in the primary now, as after vLLM's promotion.
+        """
         for result in results:
             job_id = result.job_id
             self.reported[job_id] += 1
@@ -254,6 +260,9 @@ class FakeParent(ParentManager):
                 self.errors.append(f"job {job_id} reported, but it is no job of this test")
             self.results[job_id] = result
             self.pins.pop(job_id, None)
+            loaded = self.loads.pop(job_id, {})
+            if result.success:
+                self.stored.update(loaded)  # a promotion completed: the primary holds them
 
     def settled(self) -> bool:
         return not self.open and not self.pins and set(self.reported) >= set(self.expected)

@@ -213,6 +213,10 @@ class SourceIndex:
         """The peers that claim ``fp``."""
         return frozenset(self._holders.get(fp, ()))
 
+    def claimed(self, fp: int) -> bool:
+        """Whether any peer claims ``fp`` (one dict lookup: safe from another thread)."""
+        return fp in self._holders
+
     def claims_of(self, peer: str) -> int:
         """How many fingerprints ``peer`` claims."""
         found = self._peers.get(peer)

@@ -39,11 +39,78 @@ from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.source_options import SourceOptions
 from p2pactor.runtime.timers import Timers
 
-__all__ = ["AutoProbe", "DirectoryCounts", "SourceDirectory", "SummaryPeer"]
+__all__ = [
+    "AutoProbe",
+    "Decision",
+    "DirectoryCounts",
+    "Drained",
+    "Held",
+    "Lacking",
+    "LocateWanted",
+    "ScrubWanted",
+    "SourceDirectory",
+    "SourcesCall",
+    "SummaryPeer",
+    "Touched",
+]
 
 log = logging.getLogger("p2pactor.sources")
 
 _EPOCH_BYTES = 16
+_MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
+
+
+class Decision(msgspec.Struct, frozen=True, gc=False):
+    """The choice made for an engine's request that names no source.
+
+    Attributes:
+        peer: The peer asked, or None: nobody (every key is a MISS).
+        asked: How many of the request's keys (its first ones) were asked.
+    """
+
+    peer: str | None
+    asked: int
+
+
+# What an engine's thread hands the node's thread about holdings and choices
+# (through the engine bridge; applied by :meth:`SourceDirectory.apply`).
+class Held(msgspec.Struct, frozen=True, gc=False):
+    """The engine now holds ``keys`` (it stored them, or loaded them from a peer)."""
+
+    keys: tuple[bytes, ...]
+
+
+class Touched(msgspec.Struct, frozen=True, gc=False):
+    """The engine reused ``keys``."""
+
+    keys: tuple[bytes, ...]
+
+
+class Lacking(msgspec.Struct, frozen=True, gc=False):
+    """A check with the engine found ``keys`` gone."""
+
+    keys: tuple[bytes, ...]
+
+
+class Drained(msgspec.Struct, frozen=True, gc=False):
+    """The engine dropped everything it held."""
+
+
+class ScrubWanted(msgspec.Struct, frozen=True, gc=False):
+    """The engine may check up to ``most`` held keys at its next serve."""
+
+    most: int
+
+
+class LocateWanted(msgspec.Struct, frozen=True, gc=False):
+    """Choose a source for ``kv_request_id`` (which names none) and ask it about ``keys``."""
+
+    kv_request_id: str
+    keys: tuple[bytes, ...]
+
+
+SourcesCall = Held | Touched | Lacking | Drained | ScrubWanted | LocateWanted
+"""An engine call about holdings or a choice."""
 
 
 class SummaryPeer(Protocol):
@@ -116,6 +183,9 @@ class SourceDirectory:
         self._parts: dict[str, deque[SummaryPart]] = {}  # snapshot parts still to send
         self._next_part: float | None = None
         self._armed: float | None = None
+        # Read by engine threads (one dict lookup, or a pop: atomic).
+        self.decisions: dict[str, Decision] = {}
+        self.scrubs: deque[list[bytes]] = deque()
 
     @property
     def enabled(self) -> bool:
@@ -166,6 +236,21 @@ class SourceDirectory:
         for peer in self._peers:
             self._parts[peer] = deque(snapshot.parts)
         self._send_parts()
+
+    def apply(self, call: Held | Touched | Lacking | Drained | ScrubWanted) -> None:
+        """Apply an engine call about what this node holds."""
+        match call:
+            case Held(keys):
+                self.stored(keys)
+            case Touched(keys):
+                self.touched(keys)
+            case Lacking(keys):
+                self.gone(keys)
+            case Drained():
+                self.drained()
+            case ScrubWanted(most):
+                if not self.scrubs and len(self.holdings):
+                    self.scrubs.append(self.holdings.scrub(most))
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -240,6 +325,21 @@ class SourceDirectory:
         if len(choice.claims) > most:
             choice = msgspec.structs.replace(choice, claims=choice.claims[:most])
         return choice
+
+    def decided(self, kv_request_id: str, decision: Decision) -> None:
+        """Publish the choice for an engine's request (its thread reads :meth:`decision`)."""
+        decisions = self.decisions
+        if len(decisions) >= _MAX_DECISIONS:
+            del decisions[next(iter(decisions))]
+        decisions[kv_request_id] = decision
+
+    def decision(self, kv_request_id: str) -> Decision | None:
+        """The choice made for ``kv_request_id``, None while it is being made. Any thread."""
+        return self.decisions.get(kv_request_id)
+
+    def finished(self, kv_request_id: str) -> None:
+        """The engine is done with ``kv_request_id``: forget its choice."""
+        self.decisions.pop(kv_request_id, None)
 
     def probe_started(self, actor: RequestActor, choice: Choice, keys: Sequence[bytes]) -> None:
         """A lookup of ``keys`` went to ``choice.chosen`` through ``actor``; follow it."""

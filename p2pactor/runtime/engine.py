@@ -33,6 +33,7 @@ import trio
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.runtime.actor import RequestActor, Runner
+from p2pactor.runtime.directory import SourcesCall
 
 __all__ = ["EngineBridge", "EngineSide", "LoadResult"]
 
@@ -88,7 +89,11 @@ class _Answer(msgspec.Struct, frozen=True):  # holds an actor: tracked by the gc
     answer: inp.ParentAnswer
 
 
-_Item = _Register | _Flush | _Load | _Finish | _Store | _Dial | _Answer
+class _Sources(msgspec.Struct, frozen=True, gc=False):
+    call: SourcesCall
+
+
+_Item = _Register | _Flush | _Load | _Finish | _Store | _Dial | _Answer | _Sources
 
 
 class EngineSide(Protocol):
@@ -124,6 +129,9 @@ class EngineSide(Protocol):
 
     def dial(self, peer: str) -> None:
         """Open the session with ``peer`` now."""
+
+    def sources_call(self, call: SourcesCall) -> None:
+        """Apply an engine call about what this node holds, or a choice to make."""
 
 
 class EngineBridge:
@@ -240,6 +248,10 @@ class EngineBridge:
     def dial(self, peer: str, *, wake: bool) -> None:
         """Hand over a request to open a session now."""
         self.post(_Dial(peer), wake=wake)
+
+    def sources(self, call: SourcesCall, *, wake: bool) -> None:
+        """Hand over a call about holdings or a choice (:mod:`p2pactor.runtime.directory`)."""
+        self.post(_Sources(call), wake=wake)
 
     def answers(self, answered: Sequence[tuple[RequestActor, inp.ParentAnswer]]) -> None:
         """Hand over a lent parent's answers (one wake-up for the batch)."""
@@ -364,6 +376,8 @@ class EngineBridge:
                 node.dial(peer)
             case _Answer(actor, answer):
                 node.parent_answered(actor, answer)
+            case _Sources(call):
+                node.sources_call(call)
 
     def _register_first(self, actor: RequestActor) -> None:
         """Keys registered for ``actor`` before another input of its: they come first."""

@@ -23,9 +23,10 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.inputs import LookupResult
+from p2pactor.core.sources import Choice
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
-from p2pactor.runtime.directory import SourceDirectory
+from p2pactor.runtime.directory import Decision, LocateWanted, SourceDirectory, SourcesCall
 from p2pactor.runtime.engine import EngineBridge, LoadResult
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.logcontext import peer_context, request_context
@@ -44,6 +45,7 @@ __all__ = ["NodeHost"]
 log = logging.getLogger("p2pactor.node")
 
 RETRY = LookupResult.RETRY
+_OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
 
 
 @attrs.define(eq=False)
@@ -174,6 +176,8 @@ class NodeHost:
         for actor in self.consumers.pop(kv_request_id, {}).values():
             self.runner.deliver(actor, inp.Finish())
         self.stores.finish(kv_request_id)
+        if self.directory.decisions:
+            self.directory.finished(kv_request_id)
 
     def store(self, kv_request_id: str, store: inp.AddStore) -> None:
         """Give stored blocks to the request's producer, or keep them until its fetch."""
@@ -245,6 +249,37 @@ class NodeHost:
         for waiter in self.answers.get(actor, ()):
             if not waiter.ready.is_set() and RETRY not in probe_answers(state, waiter.keys):
                 waiter.ready.set()
+
+    def sources_call(self, call: SourcesCall) -> None:
+        """An engine's call about what it holds, or a request to choose a source for."""
+        if isinstance(call, LocateWanted):
+            self.locate(call.kv_request_id, call.keys)
+        else:
+            self.directory.apply(call)
+
+    def locate(
+        self, kv_request_id: str, keys: Sequence[bytes]
+    ) -> tuple[Choice, RequestActor | None]:
+        """Choose a source for ``kv_request_id`` and send it the lookup; publish the choice.
+
+        Returns the choice and the consumer actor asked (None: nobody was).
+        """
+        directory = self.directory
+        choice = directory.choose(keys) if directory.enabled else _OFF
+        actor = None
+        if choice.chosen is not None:
+            actor = self.consumer_for(choice.chosen, kv_request_id)
+        if actor is not None:
+            asked = tuple(keys[: choice.keys])
+            directory.probe_started(actor, choice, asked)
+            self.runner.deliver(actor, inp.Register(asked, flush=True, choice=choice))
+        # Published after the lookup is registered: an engine that reads the
+        # choice finds the request's actor asking already.
+        if actor is None:
+            directory.decided(kv_request_id, Decision(None, 0))
+        else:
+            directory.decided(kv_request_id, Decision(choice.chosen, choice.keys))
+        return choice, actor
 
     def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
         """Step a lent parent's answer; a key it says we lack leaves our summary at once."""

@@ -54,13 +54,12 @@ from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.quotas import PeerUsage, QuotaLedger
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
 from p2pactor.runtime.threadsafe import ThreadSafeAPI
+from p2pactor.runtime.threadsafe_sources import ThreadSafeSources
 from p2pactor.runtime.timers import Timers
 from p2pactor.runtime.transport import ControlTransport, DataTransport
 from p2pactor.runtime.view import EventWatcher, HandshakeWatcher
 
 __all__ = ["EventWatcher", "FetchResult", "LoadResult", "Located", "Node", "open_node"]
-
-_OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
 
 
 @attrs.frozen(kw_only=True)
@@ -94,11 +93,12 @@ class FetchResult:
     reason: str = ""
 
 
-class Node(ThreadSafeAPI):
+class Node(ThreadSafeAPI, ThreadSafeSources):
     """A p2pactor node. Create it with :func:`open_node`.
 
     A facade over its :class:`~p2pactor.runtime.host.NodeHost`: the async API, the
-    sync and thread-safe one (:class:`~p2pactor.runtime.threadsafe.ThreadSafeAPI`),
+    sync and thread-safe one (:class:`~p2pactor.runtime.threadsafe.ThreadSafeAPI`,
+    :class:`~p2pactor.runtime.threadsafe_sources.ThreadSafeSources`),
     and a read-only view of its state (:class:`~p2pactor.runtime.view.NodeView`).
     """
 
@@ -107,6 +107,7 @@ class Node(ThreadSafeAPI):
         self._config = host.config
         self._bridge = host.bridge
         self._service = host.service
+        self._directory = host.directory
 
     # --- identity and state ------------------------------------------------------
 
@@ -230,7 +231,7 @@ class Node(ThreadSafeAPI):
         goes out from this call; the caller is woken once, when the answer is
         complete.
         """
-        return await self._ask(peer, kv_request_id, keys, None)
+        return await self._ask(peer, kv_request_id, keys)
 
     async def locate(self, kv_request_id: str, keys: Sequence[bytes]) -> Located:
         """Look ``keys`` up at the peer that claims most of them, for a request naming none.
@@ -243,31 +244,34 @@ class Node(ThreadSafeAPI):
         the hits from ``Located.peer``, then :meth:`finish` it. The choice is
         recorded with the lookup (the ``source`` of its ``Probed`` event).
         """
-        directory = self._host.directory
-        choice = directory.choose(keys) if directory.enabled else _OFF
-        if choice.chosen is None:
+        host = self._host
+        choice, actor = host.locate(kv_request_id, keys)
+        if actor is None:
             await trio.lowlevel.checkpoint()
             return Located(peer=None, answers=(LookupResult.MISS,) * len(keys), choice=choice)
         asked = keys[: choice.keys]
-        answers = await self._ask(choice.chosen, kv_request_id, asked, choice)
+        answers = await self._answers(actor, asked)
         rest = (LookupResult.MISS,) * (len(keys) - len(asked))
         return Located(peer=choice.chosen, answers=(*answers, *rest), choice=choice)
 
     async def _ask(
-        self, peer: str, kv_request_id: str, keys: Sequence[bytes], choice: Choice | None
+        self, peer: str, kv_request_id: str, keys: Sequence[bytes]
     ) -> list[LookupResult]:
         host = self._host
         actor = host.consumer_for(peer, kv_request_id)
         if actor is None:
             await trio.lowlevel.checkpoint()
             return [LookupResult.MISS] * len(keys)
-        if choice is not None:
-            host.directory.probe_started(actor, choice, keys)
+        host.runner.deliver(actor, inp.Register(tuple(keys), flush=True))
+        return await self._answers(actor, keys)
+
+    async def _answers(self, actor: RequestActor, keys: Sequence[bytes]) -> list[LookupResult]:
+        """Wait until every one of ``keys`` (asked of ``actor``) is answered."""
+        host = self._host
         waiter = Answers(keys)
         host.answers.setdefault(actor, []).append(waiter)
         try:
-            host.runner.deliver(actor, inp.Register(tuple(keys), flush=True, choice=choice))
-            host.check_answers(actor)
+            host.check_answers(actor)  # answered already (known keys, a failed lookup)
             await waiter.ready.wait()
         finally:
             waiting = host.answers.get(actor)

@@ -1,0 +1,92 @@
+"""The thread-safe calls an engine makes about what it holds and where to look.
+
+A base of :class:`~p2pactor.runtime.node.Node`, beside
+:class:`~p2pactor.runtime.threadsafe.ThreadSafeAPI`. An engine that lends its
+cache (vLLM) tells the node what its cache came to hold (:meth:`holds`),
+reused (:meth:`touch`) or dropped (:meth:`drained`), lets it check held keys
+while the cache is lent (:meth:`want_scrub`, :meth:`take_scrub`,
+:meth:`lacks`), and, for a request that names no source, asks whether any
+peer claims its first key (:meth:`claimed`, one dict lookup), hands over the
+choice (:meth:`locate_soon`) and reads it back (:meth:`decision`). None of
+them blocks; what changes state is applied on the node's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from p2pactor.core.sources import fingerprint
+from p2pactor.runtime.directory import (
+    Decision,
+    Drained,
+    Held,
+    Lacking,
+    LocateWanted,
+    ScrubWanted,
+    SourceDirectory,
+    Touched,
+)
+from p2pactor.runtime.engine import EngineBridge
+
+__all__ = ["ThreadSafeSources"]
+
+
+class ThreadSafeSources:
+    """What an engine's threads tell the node about its holdings, and ask of its choices."""
+
+    _bridge: EngineBridge
+    _directory: SourceDirectory
+
+    @property
+    def shares_summaries(self) -> bool:
+        """Whether this node exchanges summaries (``SourceOptions.share``). Any thread."""
+        return self._directory.enabled
+
+    def holds(self, keys: Sequence[bytes], *, wake: bool = False) -> None:
+        """The engine's cache now holds ``keys`` (it stored them, or loaded them from a peer)."""
+        if keys and self._directory.enabled:
+            self._bridge.sources(Held(tuple(keys)), wake=wake)
+
+    def touch(self, keys: Sequence[bytes], *, wake: bool = False) -> None:
+        """The engine reused ``keys`` (they are its most recent now)."""
+        if keys and self._directory.enabled:
+            self._bridge.sources(Touched(tuple(keys)), wake=wake)
+
+    def lacks(self, keys: Sequence[bytes], *, wake: bool = False) -> None:
+        """A check with the engine's cache found ``keys`` gone."""
+        if keys and self._directory.enabled:
+            self._bridge.sources(Lacking(tuple(keys)), wake=wake)
+
+    def drained(self) -> None:
+        """The engine's cache dropped everything: peers hear of a new epoch."""
+        if self._directory.enabled:
+            self._bridge.sources(Drained(), wake=True)
+
+    def want_scrub(self, most: int) -> None:
+        """Prepare up to ``most`` held keys for :meth:`take_scrub` to check."""
+        if self._directory.enabled and not self._directory.scrubs:
+            self._bridge.sources(ScrubWanted(most), wake=False)
+
+    def take_scrub(self) -> list[bytes] | None:
+        """Held keys to check with the cache now (then :meth:`lacks` the gone ones), if any."""
+        try:
+            return self._directory.scrubs.popleft()
+        except IndexError:
+            return None
+
+    def claimed(self, key: bytes) -> bool:
+        """Whether any peer's summary claims ``key`` now (one dict lookup)."""
+        directory = self._directory
+        return directory.enabled and directory.index.claimed(fingerprint(key))
+
+    def locate_soon(self, kv_request_id: str, keys: Sequence[bytes], *, wake: bool = False) -> None:
+        """Choose a source for ``kv_request_id`` (it names none) and ask it about ``keys``.
+
+        The choice appears in :meth:`decision`; from then on the request is
+        that peer's, as if named (``peek_key``, ``submit_load``, ``finish``).
+        """
+        self._bridge.sources(LocateWanted(kv_request_id, tuple(keys)), wake=wake)
+
+    def decision(self, kv_request_id: str) -> Decision | None:
+        """The choice made for ``kv_request_id`` (:meth:`locate_soon`); None until it is."""
+        return self._directory.decision(kv_request_id)
