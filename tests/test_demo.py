@@ -2,7 +2,8 @@
 
 A small run (2 nodes, 3 requests each, 4 KiB blocks) must verify every byte,
 print its summary and the replay command, and that command must pass ``--check``
-on the logs it wrote.
+on the logs it wrote; by default every request finds its source by itself,
+and with ``--named`` each names it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 from p2pactor.programs.demo.workload import DemoPlan, Expect, requests_of
 
 
-def test_a_small_demo_verifies_every_byte_and_its_logs_replay(tmp_path: Path) -> None:
+@pytest.mark.parametrize("named", [False, True], ids=["found-by-summaries", "named"])
+def test_a_small_demo_verifies_every_byte_and_its_logs_replay(tmp_path: Path, named: bool) -> None:
     logs = tmp_path / "logs"
     env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
     run = subprocess.run(
@@ -37,6 +39,7 @@ def test_a_small_demo_verifies_every_byte_and_its_logs_replay(tmp_path: Path) ->
             str(logs),
             "--timeout",
             "90",
+            *(["--named"] if named else []),
         ],
         capture_output=True,
         text=True,
@@ -52,6 +55,17 @@ def test_a_small_demo_verifies_every_byte_and_its_logs_replay(tmp_path: Path) ->
     assert f"{expected} of {expected} fetched blocks verified byte for byte" in out
     total = next(line for line in out.splitlines() if line.startswith("total"))
     assert total.split()[1:3] == ["6", str(6 * plan.request_blocks)]
+    setup = next(line for line in out.splitlines() if line.startswith("Setup:"))
+    assert ("read their summaries" in setup) is not named
+    sources = [line for line in out.splitlines() if line.startswith("Sources:")]
+    if named:
+        assert sources == []
+    else:  # every request found, by itself, the peer that served its conversation
+        found = (
+            "Sources: no request named one; 6 of 6 found the peer that served their "
+            f"conversation in the peers' summaries ({expected} hits), with no router."
+        )
+        assert sources == [found]
     replay_line = next(line for line in out.splitlines() if line.startswith("Inspect them:"))
     command = shlex.split(replay_line.removeprefix("Inspect them: "))
     start = command.index("replay")

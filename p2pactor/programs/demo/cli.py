@@ -52,6 +52,15 @@ def register(commands: Any) -> None:
         default=defaults.block_len,
         help="bytes per KV block (default %(default)s)",
     )
+    parser.add_argument(
+        "--named",
+        action="store_true",
+        help=(
+            "each request names its source (the node that served the conversation), as a "
+            "router would; by default requests name none and the nodes find their sources "
+            "in each other's summaries (docs/sources.md)"
+        ),
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="workload and hash seed")
     parser.add_argument(
         "--log-dir", default=None, help="folder for the event logs (default: a new temp folder)"
@@ -144,6 +153,7 @@ def _run(args: argparse.Namespace) -> int:
             new_blocks=args.new_blocks,
             block_len=args.block_size,
             seed=args.seed,
+            named=args.named,
         )
     except ConfigError as exc:
         raise SystemExit(f"p2pactor demo: {exc}") from None

@@ -3,10 +3,12 @@
 It opens real transports (ZeroMQ on loopback, NIXL over a torch block pool),
 fills its embedded cache with the conversations it served, and talks to the
 orchestrator over stdin/stdout: it says ``ready`` with its id, waits for ``go``
-with its peers' ids, runs its requests (lookup, fetch the hit prefix, verify
-every byte), reports progress and results, and keeps serving peers until
-``stop``. Lines for the orchestrator start with ``@p2pactor``; anything else on
-stdout (NIXL's own logging, say) is ignored.
+with its peers' ids, opens a session with every peer (and, for requests that
+name no source, waits for every peer's summary; that setup is timed apart),
+runs its requests (find the source or use the named one, lookup, fetch the hit
+prefix, verify every byte), reports progress and results, and keeps serving
+peers until ``stop``. Lines for the orchestrator start with ``@p2pactor``;
+anything else on stdout (NIXL's own logging, say) is ignored.
 
 Run by ``p2pactor demo``; not meant to be started by hand.
 """
@@ -63,6 +65,10 @@ class Outcome:
     """What one request saw."""
 
     request: str
+    source: str | None = None
+    """The peer asked: named, or chosen from the summaries (None: nobody claimed it)."""
+    found: bool = False
+    """It named no source and found the one that served its conversation."""
     lookup_s: float = 0.0
     fetch_s: float = 0.0
     hits: int = 0
@@ -106,12 +112,46 @@ def _fill(cache: EmbeddedCache, plan: DemoPlan, index: int) -> tuple[list[bytes]
     return pending, expiring
 
 
+async def _open_sessions(node: Node, peers: list[str], *, summaries: bool) -> bool:
+    """Open a session with each of ``peers`` and wait until all are ready.
+
+    With ``summaries``, also until each peer's whole summary has arrived: a
+    request naming no source can then find any block held before the run.
+    A real node does this once, at start (its seed peers); the demo times it
+    apart, so that the lookup latencies it reports are lookups, not handshakes.
+    """
+    for peer in peers:
+        node.prepare(peer)
+
+    def ready(peer: str) -> bool:
+        session = node.session(peer)
+        if session is None or not session.ready:
+            return False
+        position = node.sources.index.position(peer)
+        return not summaries or (position is not None and position[2])
+
+    # No event says "every session ready and synced"; a 5 ms poll for the
+    # few milliseconds that takes costs nothing.
+    with trio.move_on_after(node.config.handshake_timeout):
+        while not all(ready(peer) for peer in peers):  # noqa: ASYNC110
+            await trio.sleep(0.005)
+        return True
+    return False
+
+
 async def _run_request(
-    node: Node, cache: EmbeddedCache, plan: DemoPlan, peer: str, request: Request
+    node: Node, cache: EmbeddedCache, plan: DemoPlan, producer: str, request: Request
 ) -> Outcome:
     out = Outcome(request.kv_request_id)
     start = trio.current_time()
-    answers = await node.lookup(peer, request.kv_request_id, request.keys)
+    if plan.named:
+        peer: str | None = producer
+        answers = await node.lookup(producer, request.kv_request_id, request.keys)
+    else:
+        located = await node.locate(request.kv_request_id, request.keys)
+        peer, answers = located.peer, list(located.answers)
+        out.found = peer == producer
+    out.source = peer
     out.lookup_s = trio.current_time() - start
     for k, expect, answer in zip(request.keys, request.expect, answers, strict=True):
         got_hit = answer is LookupResult.HIT
@@ -128,7 +168,7 @@ async def _run_request(
     while prefix < len(answers) and answers[prefix] is LookupResult.HIT:
         prefix += 1
     keys = list(request.keys[:prefix])
-    if keys:
+    if keys and peer is not None:
         blocks = cache.allocate(len(keys))
         start = trio.current_time()
         result = await node.fetch(peer, request.kv_request_id, keys, blocks)
@@ -236,6 +276,10 @@ async def run_node(
                     while (stats := board.stats()) is not None and stats.subscribers == 0:  # noqa: ASYNC110
                         await trio.sleep(0.05)
             pace = float(go.get("pace", 0.0))
+            setup_started = trio.current_time()
+            others = [p for i, p in enumerate(peers) if i != index]
+            sessions_ready = await _open_sessions(node, others, summaries=not plan.named)
+            setup_s = trio.current_time() - setup_started
 
             async def finish_pending() -> None:
                 await trio.sleep(plan.pending_delay)
@@ -266,6 +310,8 @@ async def run_node(
                 event="done",
                 index=index,
                 elapsed=elapsed,
+                setup_s=setup_s,
+                sessions_ready=sessions_ready,
                 outcomes=[attrs.asdict(o) for o in outcomes],
                 pinned=cache.pinned(),
             )

@@ -10,7 +10,9 @@ demo computes the same keys, contents and expectations without talking.
   overlap across nodes.
 * Each request of a consumer is a follow-up of a conversation some producer
   already served: the producer holds the conversation's blocks (system prefix
-  and suffix); the follow-up adds new blocks nobody holds (misses). Some
+  and suffix); the follow-up adds new blocks nobody holds (misses). Other
+  nodes hold the system prefix too, so the producer is the peer with the
+  longest run: the one a request naming no source should find. Some
   conversations are still being written on the producer when the lookup
   arrives (HIT_PENDING): most finish shortly (they resolve to HIT), a few never
   do (they expire to MISS after the producer's 5 s deadline).
@@ -70,6 +72,10 @@ class DemoPlan:
         concurrency: Requests a node keeps in flight at once.
         handshake_timeout: Seconds a node gives a session's handshake (the
             node default, 30 s, unless many nodes share very few cores).
+        named: Each request names its source (the node that served the
+            conversation), as a router would. By default a request names
+            none: the node finds it in its peers' summaries
+            (``docs/sources.md``).
     """
 
     nodes: int = attrs.field(default=3, validator=_at_least(2))
@@ -85,6 +91,7 @@ class DemoPlan:
     pending_delay: float = 0.3
     concurrency: int = attrs.field(default=4, validator=_at_least(1))
     handshake_timeout: float = 30.0
+    named: bool = False
 
     @property
     def hash_seed(self) -> str:
