@@ -61,7 +61,7 @@ from p2pactor.adapters._vllm_api import (
     parse_dest,
     parse_source,
 )
-from p2pactor.adapters._vllm_auto import Auto, AutoSources
+from p2pactor.adapters._vllm_auto import Auto, AutoSources, source_options
 from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
 from p2pactor.adapters._vllm_parent import LentParent, scrub
 from p2pactor.adapters._vllm_thread import NodeThread
@@ -207,9 +207,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 fingerprint=layout_fingerprint(offloading_spec),
                 allowed_peers=None if allowed_peers is None else frozenset(allowed_peers),
                 seed_peers=base.seed_peers if seeds is None else frozenset(seeds),
-                sources=base.sources
-                if summaries is None
-                else attrs.evolve(base.sources, share=bool(summaries)),
+                sources=source_options(base.sources, offloading_spec, summaries),
                 unbound_store_timeout=float(unbound_store_timeout_s),
                 drain_timeout=_SHUTDOWN_DRAIN_S,
                 curve_secret_key=curve_secret_key,
@@ -344,6 +342,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             self._finished.append(job_result(job_id, success=True, seconds=0.0, size=0))
         else:
             self._load_requests[job_id] = (source.kv_request_id, _now(), keys)
+            self._node.reserve(len(keys))  # vLLM evicted for these chunks: claim less
             self._node.submit_load(
                 source.peer,
                 source.kv_request_id,
@@ -384,6 +383,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 )
                 continue
             kv_id, submitted, keys = entry
+            self._node.reserve(-len(keys))
             if result.success:
                 size = len(keys) * self._block_len
                 self._node.holds(keys)  # in our CPU tier now: ours to claim

@@ -79,6 +79,28 @@ def test_the_tier_s_capacity_evicts_the_least_recently_used() -> None:
     assert (set(delta.add), set(delta.remove)) == (fps(3), fps(2))
 
 
+def test_loads_in_flight_take_room_and_give_it_back_when_they_end() -> None:
+    h = holdings(capacity=4)
+    h.stored([key(i) for i in range(4)], now=0.0)
+    h.flush(now=0.0, force=True)
+    # vLLM allocated 2 chunks for a load: the 2 least recently used went.
+    h.reserve(2, now=1.0)
+    assert h.room == 2
+    assert [k for k in map(key, range(4)) if k in h] == [key(2), key(3)]
+    delta = h.flush(now=1.0, force=True)
+    assert delta is not None
+    assert set(delta.remove) == fps(0, 1)
+    # The load ended: its room comes back, and its keys fill it.
+    h.reserve(-2, now=2.0)
+    h.stored([key(8), key(9)], now=2.0)
+    assert len(h) == 4
+    assert all(k in h for k in (key(2), key(3), key(8), key(9)))
+    h.reserve(-5, now=3.0)  # more given back than taken: never more room than capacity
+    assert h.room == 4
+    h.reserve(9, now=4.0)  # more taken than there is: nothing held
+    assert (h.room, len(h)) == (0, 0)
+
+
 def test_a_snapshot_flushes_first_and_comes_in_bounded_parts() -> None:
     h = holdings(capacity=10, part_keys=3)
     h.stored([key(i) for i in range(7)], now=0.0)
@@ -192,6 +214,10 @@ class SummaryMachine(RuleBasedStateMachine):
     def gone(self, ids: list[int]) -> None:
         self.node.gone([key(i) for i in ids], self.now)
 
+    @rule(blocks=st.integers(-8, 8))
+    def loads_take_or_give_back(self, blocks: int) -> None:
+        self.node.reserve(blocks, self.now)
+
     @rule(seconds=st.floats(0.0, 0.2), lost=st.booleans())
     def time_passes(self, seconds: float, lost: bool) -> None:
         self.now += seconds
@@ -237,7 +263,7 @@ class SummaryMachine(RuleBasedStateMachine):
     @invariant()
     def the_index_claims_at_most_what_it_may(self) -> None:
         assert self.index.claims_of("node") == len(self._claimed())
-        assert len(self.node) <= 8
+        assert len(self.node) <= self.node.room <= 8
         if self.clean and self.node.next_flush() is None:
             assert self._claimed() == self._held()  # nothing unflushed: exact
 

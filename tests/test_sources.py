@@ -246,7 +246,9 @@ def test_probes_in_flight_weigh_on_a_peer_and_are_bounded() -> None:
 
 
 def test_a_peer_whose_claims_keep_missing_is_quarantined_with_a_growing_back_off() -> None:
-    index = an_index(min_probed_keys=20, quarantine_s=10.0, max_quarantine_s=25.0)
+    index = an_index(
+        min_probed_keys=20, quarantine_s=10.0, max_quarantine_s=25.0, precision_weight=0.05
+    )
     index.add_peer("liar", capacity=100)
     index.add_peer("honest", capacity=100)
     synced(index, "liar", list(range(8)))
@@ -271,8 +273,55 @@ def test_a_peer_whose_claims_keep_missing_is_quarantined_with_a_growing_back_off
     assert not index.quarantined("honest", now=0.0)
 
 
+def test_by_default_a_burst_of_stale_claims_is_forgiven_and_a_liar_is_not() -> None:
+    index = an_index()  # the defaults: 100 keys probed, precision under 0.5
+    for peer in ("honest", "liar"):
+        index.add_peer(peer, capacity=1000)
+        synced(index, peer, list(range(64)))
+    # An honest peer evicted a whole conversation before its delta went out:
+    # one lookup of 40 claimed keys all missed, amid lookups that held.
+    for hits in (40, 40, 0, 40, 40):
+        index.probe_started("honest")
+        index.probe_ended("honest", claimed=40, hits=hits, now=0.0)
+    assert not index.quarantined("honest", now=0.0)
+    # A liar misses every time: a few lookups of long runs quarantine it.
+    probes = 0
+    while not index.quarantined("liar", now=0.0):
+        index.probe_started("liar")
+        index.probe_ended("liar", claimed=64, hits=0, now=0.0)
+        probes += 1
+    assert probes <= 3
+
+
+def test_a_key_only_a_quarantined_peer_claims_is_unclaimed_until_the_quarantine_ends() -> None:
+    index = an_index(min_probed_keys=8, quarantine_s=10.0, precision_weight=0.05)
+    index.add_peer("liar", capacity=100)
+    index.add_peer("honest", capacity=100)
+    synced(index, "liar", list(range(8)))
+    synced(index, "honest", [0])
+    assert index.next_release() is None
+    for _ in range(3):
+        index.probe_started("liar")
+        index.probe_ended("liar", claimed=8, hits=0, now=1.0)
+    assert index.quarantined("liar", now=1.0)
+    assert index.next_release() == 11.0
+    # The engine's check: a MISS at once for what only the liar claims.
+    assert not index.claimed(5)
+    assert index.claimed(0)  # the honest peer claims it too
+    assert index.claimed_by(5) == {"liar"}  # its claims are kept, for after
+    index.release(now=10.9)
+    assert not index.claimed(5)
+    index.release(now=11.0)
+    assert index.claimed(5)
+    assert index.next_release() is None
+    index.remove_peer("liar")
+    assert not index.claimed(5)
+
+
 def test_a_burst_of_failed_probes_is_one_quarantine_and_the_back_off_never_overflows() -> None:
-    index = an_index(min_probed_keys=8, quarantine_s=1.0, max_quarantine_s=10.0)
+    index = an_index(
+        min_probed_keys=8, quarantine_s=1.0, max_quarantine_s=10.0, precision_weight=0.05
+    )
     index.add_peer("liar", capacity=100)
     synced(index, "liar", list(range(8)))
     for _ in range(32):

@@ -104,8 +104,12 @@ def test_a_request_naming_no_source_loads_its_prefix_from_the_peer_that_holds_it
         (d.peer_id, 4),
         (e.peer_id, 1),
     ]
-    # What c loaded is c's to claim now: d hears of it.
+    # What c loaded is c's to claim now: d hears of it. The chunks the load
+    # took while in flight are back in c's room.
     h.steps_until(lambda: claims(d, c) == 4, "d sees c's loaded keys")
+    held = c.tier.node.sources.holdings
+    assert held.room == held.capacity
+    assert all(k in held for k in keys)
 
 
 def test_a_key_nobody_claims_is_a_miss_in_the_same_step(
@@ -175,3 +179,18 @@ def test_without_summaries_a_request_naming_no_source_is_a_miss() -> None:
     finally:
         c.shutdown()
         d.shutdown()
+
+
+def test_a_key_is_worth_the_tokens_of_one_chunk_of_the_spec() -> None:
+    from p2pactor.adapters._vllm_auto import source_options  # noqa: PLC0415
+    from p2pactor.runtime.source_options import SourceOptions  # noqa: PLC0415
+    from tests.test_vllm_tier import offloading_spec  # noqa: PLC0415
+
+    spec = offloading_spec()
+    spec.blocks_per_chunk = 4
+    options = source_options(SourceOptions(), spec, None)
+    assert options.choice.tokens_per_key == 16 * 4
+    assert options.share
+    assert not source_options(SourceOptions(), spec, False).share
+    # A spec that says nothing of its chunks keeps the policy's default.
+    assert source_options(SourceOptions(), object(), None) == SourceOptions()

@@ -128,6 +128,7 @@ class Holdings:
         self._pending: dict[bytes, bool] = {}
         self._since: float | None = None  # when the first unflushed change came
         self._scrub: deque[bytes] = deque()
+        self._reserved = 0  # the parent's blocks taken by loads in flight
 
     @property
     def epoch(self) -> bytes:
@@ -158,9 +159,28 @@ class Holdings:
                 continue
             held[key] = None
             self._changed(key, now, held=True)
-            if len(held) > self.capacity:
-                old, _ = held.popitem(last=False)
-                self._changed(old, now, held=False)
+        self._fit(now)
+
+    def reserve(self, blocks: int, now: float) -> None:
+        """Loads in flight took ``blocks`` more of the parent's blocks (negative: gave back).
+
+        The parent evicts for a load before its keys arrive (vLLM allocates a
+        promotion's chunks up front), so while loads are in flight the parent
+        holds that many fewer keys: the oldest go from the summary too.
+        """
+        self._reserved = max(0, self._reserved + blocks)
+        self._fit(now)
+
+    @property
+    def room(self) -> int:
+        """Keys the parent can hold now: its capacity less the blocks loads took."""
+        return max(0, self.capacity - self._reserved)
+
+    def _fit(self, now: float) -> None:
+        held, room = self._held, self.room
+        while len(held) > room:
+            old, _ = held.popitem(last=False)
+            self._changed(old, now, held=False)
 
     def touched(self, keys: Iterable[bytes]) -> None:
         """The engine reused ``keys``: they are the most recent now."""

@@ -69,7 +69,11 @@ class ChoicePolicy:
         max_probes_per_peer: Automatic lookups in flight to one peer, at most.
         min_probed_keys: Probed keys before a peer's precision can quarantine it.
         min_precision: A peer whose claims hold less often than this is quarantined.
-        precision_weight: Weight of each probed key in the precision's moving average.
+        precision_weight: Weight of each probed key in the precision's moving
+            average. Small: an honest peer's claims fail in bursts (a whole
+            conversation evicted before its delta went out), and one burst
+            must not quarantine it; a liar misses on every probe, and a few
+            probes of a long run are enough.
         quarantine_s: The first quarantine; each next one doubles, up to ``max_quarantine_s``.
         max_quarantine_s: The longest quarantine.
         tail_keys: Keys asked past a peer's claimed run (stores it made since
@@ -83,7 +87,7 @@ class ChoicePolicy:
     max_probes_per_peer: int = attrs.field(default=32, validator=checks.positive_int)
     min_probed_keys: int = attrs.field(default=100, validator=checks.positive_int)
     min_precision: float = attrs.field(default=0.5, validator=checks.fraction)
-    precision_weight: float = attrs.field(default=0.05, validator=checks.fraction)
+    precision_weight: float = attrs.field(default=0.005, validator=checks.fraction)
     quarantine_s: float = attrs.field(default=60.0, validator=checks.positive(finite=True))
     max_quarantine_s: float = attrs.field(default=3600.0, validator=checks.positive(finite=True))
     tail_keys: int = attrs.field(default=2, validator=checks.non_negative_int)
@@ -197,6 +201,9 @@ class SourceIndex:
         self.policy = policy or ChoicePolicy()
         self._peers: dict[str, _Peer] = {}
         self._holders: dict[int, set[str]] = {}
+        # The quarantined peers, replaced whole (read by engine threads): a
+        # key only they claim is unclaimed, a MISS with no wait.
+        self._excluded: frozenset[str] = frozenset()
 
     # --- what the index holds ---------------------------------------------------------
 
@@ -214,8 +221,36 @@ class SourceIndex:
         return frozenset(self._holders.get(fp, ()))
 
     def claimed(self, fp: int) -> bool:
-        """Whether any peer claims ``fp`` (one dict lookup: safe from another thread)."""
-        return fp in self._holders
+        """Whether any peer not quarantined claims ``fp``. Safe from another thread.
+
+        One dict lookup while no peer is quarantined. Otherwise the holders
+        are compared with the quarantined; a set the node's thread changes
+        meanwhile counts as claimed (the node's choice then decides).
+        """
+        holders = self._holders.get(fp)
+        if not holders:
+            return False
+        excluded = self._excluded
+        if not excluded:
+            return True
+        try:
+            return not holders <= excluded
+        except RuntimeError:  # changed size under us
+            return True
+
+    def next_release(self) -> float | None:
+        """When the first quarantine ends (None: no peer is quarantined)."""
+        peers = self._peers
+        ends = [peers[p].quarantined_until for p in self._excluded if p in peers]
+        return min(ends, default=None)
+
+    def release(self, now: float) -> None:
+        """End the quarantines that are over at ``now``: their claims count again."""
+        if self._excluded:
+            peers = self._peers
+            self._excluded = frozenset(
+                p for p in self._excluded if p in peers and now < peers[p].quarantined_until
+            )
 
     def claims_of(self, peer: str) -> int:
         """How many fingerprints ``peer`` claims."""
@@ -268,6 +303,7 @@ class SourceIndex:
         found = self._peers.pop(peer, None)
         if found is not None:
             self._drop_claims(peer, found.claims)
+            self._excluded = self._excluded - {peer}
 
     # --- summaries --------------------------------------------------------------------
 
@@ -380,6 +416,7 @@ class SourceIndex:
         """The peer to look up for a request whose keys are ``fps``, in order."""
         if not fps:
             return Choice(None, 0, (), "no keys")
+        self.release(now)
         first = self._holders.get(fps[0])
         if not first:
             return Choice(None, 0, (), "no peer claims the first key")
@@ -435,6 +472,7 @@ class SourceIndex:
             span = min(policy.max_quarantine_s, policy.quarantine_s * 2.0**doublings)
             found.quarantines += 1
             found.quarantined_until = now + span
+            self._excluded = self._excluded | {peer}
             # After the quarantine it starts over, with the back-off remembered.
             found.precision, found.probed = 1.0, 0
 

@@ -47,6 +47,7 @@ __all__ = [
     "Held",
     "Lacking",
     "LocateWanted",
+    "Reserved",
     "ScrubWanted",
     "SourceDirectory",
     "SourcesCall",
@@ -92,6 +93,12 @@ class Lacking(msgspec.Struct, frozen=True, gc=False):
     keys: tuple[bytes, ...]
 
 
+class Reserved(msgspec.Struct, frozen=True, gc=False):
+    """Loads in flight took ``blocks`` more of the engine's cache (negative: gave back)."""
+
+    blocks: int
+
+
 class Drained(msgspec.Struct, frozen=True, gc=False):
     """The engine dropped everything it held."""
 
@@ -109,7 +116,7 @@ class LocateWanted(msgspec.Struct, frozen=True, gc=False):
     keys: tuple[bytes, ...]
 
 
-SourcesCall = Held | Touched | Lacking | Drained | ScrubWanted | LocateWanted
+SourcesCall = Held | Touched | Lacking | Reserved | Drained | ScrubWanted | LocateWanted
 """An engine call about holdings or a choice."""
 
 
@@ -237,11 +244,14 @@ class SourceDirectory:
             self._parts[peer] = deque(snapshot.parts)
         self._send_parts()
 
-    def apply(self, call: Held | Touched | Lacking | Drained | ScrubWanted) -> None:
+    def apply(self, call: Held | Touched | Lacking | Reserved | Drained | ScrubWanted) -> None:
         """Apply an engine call about what this node holds."""
         match call:
             case Held(keys):
                 self.stored(keys)
+            case Reserved(blocks):
+                self.holdings.reserve(blocks, self._clock())
+                self._arm()
             case Touched(keys):
                 self.touched(keys)
             case Lacking(keys):
@@ -379,6 +389,7 @@ class SourceDirectory:
                 len(missed),
                 len(probe.claimed),
             )
+            self._arm()  # its claims count again when the quarantine ends
 
     # --- the timer: flushes and paced snapshot parts ---------------------------------
 
@@ -395,6 +406,7 @@ class SourceDirectory:
         """
         self._armed = None
         now = self._clock()
+        self.index.release(now)
         # Flushed with no peer too: the changes would pile up otherwise.
         while (delta := self.holdings.flush(now)) is not None:
             self._broadcast(delta)
@@ -403,11 +415,8 @@ class SourceDirectory:
         self._arm()
 
     def _due(self) -> float | None:
-        due = self.holdings.next_flush()
-        part = self._next_part
-        if due is None or (part is not None and part < due):
-            return part
-        return due
+        times = (self.holdings.next_flush(), self._next_part, self.index.next_release())
+        return min((t for t in times if t is not None), default=None)
 
     def _arm(self) -> None:
         when = self._due()

@@ -3,7 +3,8 @@
 A base of :class:`~p2pactor.runtime.node.Node`, beside
 :class:`~p2pactor.runtime.threadsafe.ThreadSafeAPI`. An engine that lends its
 cache (vLLM) tells the node what its cache came to hold (:meth:`holds`),
-reused (:meth:`touch`) or dropped (:meth:`drained`), lets it check held keys
+reused (:meth:`touch`), set aside for loads (:meth:`reserve`) or dropped
+(:meth:`drained`), lets it check held keys
 while the cache is lent (:meth:`want_scrub`, :meth:`take_scrub`,
 :meth:`lacks`), and, for a request that names no source, asks whether any
 peer claims its first key (:meth:`claimed`, one dict lookup), hands over the
@@ -22,6 +23,7 @@ from p2pactor.runtime.directory import (
     Held,
     Lacking,
     LocateWanted,
+    Reserved,
     ScrubWanted,
     SourceDirectory,
     Touched,
@@ -56,6 +58,17 @@ class ThreadSafeSources:
         """A check with the engine's cache found ``keys`` gone."""
         if keys and self._directory.enabled:
             self._bridge.sources(Lacking(tuple(keys)), wake=wake)
+
+    def reserve(self, blocks: int, *, wake: bool = False) -> None:
+        """Loads in flight took ``blocks`` of the engine's cache (negative: gave them back).
+
+        vLLM allocates a promotion's chunks before its keys arrive, evicting
+        for them: meanwhile the cache holds that many fewer keys, and so does
+        the summary (its oldest go). Give them back when the load ends,
+        before :meth:`holds` of what it brought.
+        """
+        if blocks and self._directory.enabled:
+            self._bridge.sources(Reserved(blocks), wake=wake)
 
     def drained(self) -> None:
         """The engine's cache dropped everything: peers hear of a new epoch."""
