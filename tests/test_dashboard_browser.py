@@ -325,6 +325,19 @@ def _hover_first_mark(page: Page, request: str) -> str:
     return tooltip.inner_text()
 
 
+def _hover_lane_label(page: Page, request: str) -> str:
+    """Hover the request's name in the label column; the tooltip's text."""
+    page.hook("d.scrollToLane(arg); return null;", request)
+    point = page.hook("return d.eventPoint(arg, 'consumer', 0);", request)
+    assert point is not None, f"the lane of {request} is not on screen"
+    box = page.page.locator("#scroller").bounding_box()
+    assert box is not None
+    page.page.mouse.move(box["x"] + 40, point["y"])  # over the request id, left of the rows
+    tooltip = page.page.locator("#tooltip")
+    tooltip.wait_for(state="visible", timeout=5000)
+    return tooltip.inner_text()
+
+
 # --- the demo, live ------------------------------------------------------------------
 
 
@@ -382,7 +395,12 @@ def demo_run(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         peers = page.hook("return d.peers();")
         tooltip = _hover_first_mark(page, expected[0])
         page.page.mouse.move(5, 5)
+        lane_tooltip = _hover_lane_label(page, expected[0])
+        page.page.mouse.move(5, 5)
+        page.hook("d.follow(); return null;")
+        auto_badges = page.hook("return d.autoBadges();")
         page.hook("d.select(arg); return null;", expected[-1])
+        details = page.page.locator("#details").inner_text()
         shot = page.screenshot("dashboard-live.png")
         # The filter box: typing a request id leaves its lane alone.
         page.page.fill("#filter", expected[1])
@@ -411,6 +429,9 @@ def demo_run(browser: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             "counters": counters,
             "peers": peers,
             "tooltip": tooltip,
+            "lane_tooltip": lane_tooltip,
+            "auto_badges": auto_badges,
+            "details": details,
             "filtered": filtered,
             "unfiltered": unfiltered,
             "paused": paused,
@@ -465,6 +486,35 @@ def test_live_demo_shows_a_lane_per_request(demo_run: dict[str, Any]) -> None:
     assert not demo_run["foreign"], demo_run["foreign"]  # works offline
     assert demo_run["screenshot"].stat().st_size > 10_000
     assert not demo_run["errors"], demo_run["errors"]
+
+
+def test_live_page_marks_the_requests_whose_peer_the_node_chose(demo_run: dict[str, Any]) -> None:
+    # The demo's requests name no source (DemoPlan(named=False)): each node chose
+    # the peer from the summaries, and each lane says so, with that peer.
+    lanes = demo_run["lanes"]
+    for request, lane in lanes.items():
+        source = lane["source"]
+        assert source is not None, lane
+        [consumer] = [a for a in lane["actors"] if a["role"] == "consumer"]
+        [producer] = [a for a in lane["actors"] if a["role"] == "producer"]
+        assert source["chosen"] == consumer["peer"] == producer["node"], (request, lane)
+        assert source["claims"][0]["peer"] == source["chosen"], source
+        assert source["claims"][0]["run"] > 0, source
+        assert source["reason"].startswith("longest worthwhile run"), source
+    # Every lane on screen was drawn with its badge (the demo's few all fit).
+    assert sorted(demo_run["auto_badges"]) == sorted(lanes)
+    # Hovering the request's name: the badge, the chosen peer, the claims, why.
+    first = lanes[demo_run["expected"][0]]["source"]
+    tip = demo_run["lane_tooltip"]
+    assert "auto" in tip
+    assert f"source auto {first['chosen']}" in " ".join(tip.split()), tip
+    for claim in first["claims"]:
+        assert f"{claim['peer']}: {claim['run']}" in tip, tip
+    assert first["reason"] in tip
+    # The selected lane's panel names its peer too.
+    last = lanes[demo_run["expected"][-1]]["source"]
+    assert f"source {last['chosen']}" in demo_run["details"], demo_run["details"]
+    assert "auto" in demo_run["details"]
 
 
 def test_live_page_shows_the_control_channels_security(demo_run: dict[str, Any]) -> None:

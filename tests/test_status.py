@@ -364,6 +364,9 @@ def test_during_a_demo_every_node_lists_every_other_with_an_established_session(
             "60",
             "--timeout",
             "90",
+            # Named sources: every key is looked up, so the nodes' lookup
+            # totals count every key of the summary's table.
+            "--named",
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -426,6 +429,10 @@ def test_during_a_demo_every_node_lists_every_other_with_an_established_session(
             assert peer["pins"] == {"jobs": 0, "blocks": 0}
             sessions[status["node_id"], peer["peer"]] = peer
         assert status["pins_by_peer"] == {}
+        # Summaries flow between p2pactor nodes whether or not requests name a source.
+        sources = status["sources"]
+        assert sources["enabled"] is True
+        assert sorted(p["peer"] for p in sources["peers"] if p["synced"]) == others
     # both ends of every session see it the same way
     for (me, other), peer in sessions.items():
         mirror = sessions[other, me]

@@ -47,6 +47,8 @@ from p2pactor.surface.timeline import (
     open_timeline_server,
 )
 from tests.cluster import Cluster, key, node_id, open_cluster
+from tests.test_directory import linked, until
+from tests.test_directory import pull as locate_and_pull
 from tests.test_node import pull
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -273,6 +275,43 @@ async def test_a_late_subscriber_sees_a_request_in_flight_from_its_first_event()
             a.node.finish("open-req")  # nothing fetched: it ends here
             live = await events_until(ws, finished("open-req"))
             assert ids(snapshot + live) == logged(cluster, "a")
+
+
+async def test_the_peer_a_node_chose_reaches_the_feed_with_its_claims() -> None:
+    async with open_cluster("a", "b", "c", dashboard_port=0) as cluster:
+        a, b, c = cluster["a"], cluster["b"], cluster["c"]
+        b.store(*[key(i) for i in range(5)])
+        c.store(key(0), key(1))  # a shorter run of the same prefix
+        await linked(b, a)
+        await linked(c, a)
+        await until(lambda: a.node.sources.index.claims_of(b.id) == 5)
+        await until(lambda: a.node.sources.index.claims_of(c.id) == 2)
+        peer, hits = await locate_and_pull(a, "auto-req", [key(i) for i in range(7)])
+        assert (peer, len(hits)) == (b.id, 5)
+        assert await pull("a", cluster, "c", "named-req", [key(0)]) == 1  # names its peer
+        a.node.finish("named-req")
+        async with open_websocket_url(feed_url(a.surface)) as ws:
+            _, snapshot, _ = await opening(ws)
+        probed = {e["request"]: e for e in snapshot if e["kind"] == "Probed"}
+        assert sorted(probed) == ["auto-req", "named-req"]
+        source = probed["auto-req"]["data"]["source"]
+        assert source["chosen"] == b.id == probed["auto-req"]["peer"]
+        assert source["keys"] == 7  # its run of 5 and the 2 keys past it
+        assert [(claim["peer"], claim["run"]) for claim in source["claims"]] == [
+            (b.id, 5),
+            (c.id, 2),
+        ]
+        assert source["reason"] == "longest worthwhile run: 5 of 7 keys"
+        [logged_probed] = [
+            e
+            for e in a.log.recent()
+            if isinstance(e, ev.Probed) and e.actor.kv_request_id == "auto-req"
+        ]
+        assert logged_probed.source is not None
+        assert source["claims"][0]["score"] == logged_probed.source.claims[0].score
+        # A request that named its peer: no source, as before sources existed.
+        assert "source" not in probed["named-req"]["data"]
+        assert probed["named-req"]["data"]["keys"] == 1
 
 
 # --- filters ---------------------------------------------------------------------------

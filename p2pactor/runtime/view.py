@@ -16,6 +16,7 @@ from p2pactor.core import events as ev
 from p2pactor.core.fold import ActorState
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.quotas import PeerUsage, QuotaLedger
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
@@ -61,6 +62,11 @@ class NodeView(Protocol):
     @property
     def quotas(self) -> QuotaLedger:
         """The per-peer quota counts and limits."""
+        ...
+
+    @property
+    def sources(self) -> SourceDirectory:
+        """Its summaries both ways and its choices of a source (their counts, its index)."""
         ...
 
     @property

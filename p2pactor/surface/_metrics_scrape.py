@@ -1,7 +1,8 @@
 """What :class:`p2pactor.surface.metrics.NodeMetrics` reads only when scraped: no cost per event.
 
-The gauges (sessions, peers, actors, pinned blocks) and the event log's counters
-come from the node's state now; the counters and histograms from the counts the
+The gauges (sessions, peers, actors, pinned blocks), the event log's counters
+and the source directory's (:func:`source_state`, which ``/status`` reads too) come
+from the node's state now; the counters and histograms from the counts the
 event stream left in :mod:`p2pactor.surface._metrics_counts`.
 """
 
@@ -14,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from p2pactor.core.ids import Role
+from p2pactor.runtime.directory import DirectoryCounts
 from p2pactor.surface._metrics_counts import _Histogram, _Peer
 
 if TYPE_CHECKING:
@@ -41,6 +43,49 @@ def _gauges(node: NodeView) -> _Gauges:
             actors[actor.id.role.value] += 1
     pinned = {peer: u.pinned_blocks for peer, u in node.quota_usage().items()}
     return _Gauges(sessions, ready, actors, pinned)
+
+
+class _SourcePeer(NamedTuple):
+    peer: str
+    claimed_keys: int
+    precision: float
+    quarantined: bool
+    synced: bool
+
+
+class _Sources(NamedTuple):
+    enabled: bool
+    counts: DirectoryCounts
+    index_fingerprints: int
+    advertised_keys: int
+    peers: list[_SourcePeer]
+
+
+def source_state(node: NodeView) -> _Sources:
+    """The source directory's counts and state now (for ``/metrics`` and ``/status``)."""
+    directory = node.sources
+    index = directory.index
+    now = node.now()
+    peers = []
+    for peer in index.peers:
+        position = index.position(peer)
+        peers.append(
+            _SourcePeer(
+                peer,
+                index.claims_of(peer),
+                index.precision(peer),
+                index.quarantined(peer, now),
+                position is not None and position[2],
+            )
+        )
+    return _Sources(
+        directory.enabled,
+        directory.counts,
+        len(index),
+        # Not sharing, the node tells its peers nothing, whatever it may hold.
+        len(directory.holdings) if directory.enabled else 0,
+        peers,
+    )
 
 
 def _unauthenticated(node: NodeView) -> int:
@@ -94,6 +139,7 @@ class _NodeCollector(Collector):
             family.add_metric([peer], n)
         yield family
         yield from _log_families(node)
+        yield from _source_families(source_state(node))
 
 
 def _counters(
@@ -196,4 +242,95 @@ def _log_families(node: NodeView) -> Iterator[Metric]:
         "p2pactor_event_log_written_bytes",
         "Bytes of the event log handed to the operating system.",
         value=stats.bytes_written,
+    )
+
+
+def _counter_by(name: str, doc: str, label: str, values: dict[str, int]) -> Metric:
+    """A counter family with one sample per value of ``label``."""
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in values.items():
+        family.add_metric([value], count)
+    return family
+
+
+def _source_families(sources: _Sources) -> Iterator[Metric]:
+    """The source directory's counters (totals since start) and its gauges now."""
+    counts = sources.counts
+    yield _counter_by(
+        "p2pactor_source_choices",
+        "Requests naming no source, by the node's choice: chosen (a peer was asked), "
+        "unclaimed (no peer it could ask claimed the first key), not_worth (the claimed "
+        "runs were too short to be worth a round trip).",
+        "outcome",
+        {"chosen": counts.chosen, "unclaimed": counts.unclaimed, "not_worth": counts.not_worth},
+    )
+    yield CounterMetricFamily(
+        "p2pactor_source_probed_keys",
+        "Keys a chosen peer's summary claimed, asked of it by automatic lookups.",
+        value=counts.probed_keys,
+    )
+    yield CounterMetricFamily(
+        "p2pactor_source_false_claims",
+        "Of those keys, the ones the chosen peer answered MISS for (or never answered).",
+        value=counts.false_claims,
+    )
+    yield _counter_by(
+        "p2pactor_summary_bytes",
+        "Summary bytes (key fingerprints, 8 per key; framing excluded) sent to every "
+        "summary peer together, or received from them.",
+        "direction",
+        {"sent": counts.bytes_sent, "received": counts.bytes_received},
+    )
+    yield _counter_by(
+        "p2pactor_summary_messages",
+        "Summary messages this node sent, by kind: delta (one per peer per flush), "
+        "snapshot_part (a part of a whole summary, to one peer).",
+        "kind",
+        {"delta": counts.deltas_sent, "snapshot_part": counts.parts_sent},
+    )
+    yield CounterMetricFamily(
+        "p2pactor_summary_resyncs",
+        "Snapshots this node asked of a peer whose summary had a gap or a new epoch.",
+        value=counts.resyncs_sent,
+    )
+    yield GaugeMetricFamily(
+        "p2pactor_source_index_fingerprints",
+        "Distinct key fingerprints claimed by at least one peer (the source index's size).",
+        value=sources.index_fingerprints,
+    )
+    peers = GaugeMetricFamily(
+        "p2pactor_source_peers",
+        "Peers whose summary this node keeps, by state: synced (a whole snapshot arrived) "
+        "or syncing.",
+        labels=["state"],
+    )
+    synced = sum(p.synced for p in sources.peers)
+    peers.add_metric(["synced"], synced)
+    peers.add_metric(["syncing"], len(sources.peers) - synced)
+    yield peers
+    claimed = GaugeMetricFamily(
+        "p2pactor_source_peer_claimed_keys",
+        "Key fingerprints a peer's summary claims.",
+        labels=["peer"],
+    )
+    precision = GaugeMetricFamily(
+        "p2pactor_source_peer_precision",
+        "How often a peer's claims held when probed (a moving average; 1 before any "
+        "probe and after a quarantine).",
+        labels=["peer"],
+    )
+    quarantined = GaugeMetricFamily(
+        "p2pactor_source_peer_quarantined",
+        "1 while automatic choice skips a peer whose claims kept missing, else 0.",
+        labels=["peer"],
+    )
+    for p in sources.peers:
+        claimed.add_metric([p.peer], p.claimed_keys)
+        precision.add_metric([p.peer], p.precision)
+        quarantined.add_metric([p.peer], int(p.quarantined))
+    yield from (claimed, precision, quarantined)
+    yield GaugeMetricFamily(
+        "p2pactor_source_advertised_keys",
+        "Keys this node's summary tells its peers it holds (0 when it shares none).",
+        value=sources.advertised_keys,
     )

@@ -15,13 +15,15 @@ Two halves, for two costs:
   the watcher does one dict lookup per event and adds to plain integers kept
   per peer (:mod:`p2pactor.surface._metrics_counts`, which says why its histograms
   are not prometheus-client's).
-* **gauges** (sessions, peers, actors, pinned blocks) and the event log's
-  counters are read from the node only when someone scrapes (or calls
-  :meth:`NodeMetrics.totals`), by a custom collector
+* **gauges** (sessions, peers, actors, pinned blocks), the event log's
+  counters and the source directory's (choices, summaries sent and received,
+  the index, each summary peer's precision) are read from the node only when
+  someone scrapes (or calls :meth:`NodeMetrics.totals`), by a custom collector
   (:mod:`p2pactor.surface._metrics_scrape`): no cost per event.
 
 Labels are bounded: ``peer`` (a node id; at most ``max_peers`` live at once),
-and small fixed sets (``outcome``, ``reason``, ``quota``, ``role``, ``state``).
+and small fixed sets (``outcome``, ``reason``, ``quota``, ``role``, ``state``,
+``direction``, ``kind``).
 A kv_request_id is never a label.
 """
 

@@ -19,6 +19,7 @@ from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.session import EXTENSION, SessionState
 from p2pactor.runtime.view import control_security
+from p2pactor.surface._metrics_scrape import source_state
 
 if TYPE_CHECKING:
     from p2pactor.runtime.quotas import PeerUsage
@@ -89,6 +90,7 @@ def node_status(
         "quotas": limits,
         "quota_usage": {peer: _usage(u) for peer, u in usages.items()},
         "closed_sessions": _closed(node.closed_sessions(), node.closed_session_count),
+        "sources": _source_status(node),
         # the same cumulative figures /metrics exposes, so the two agree
         "totals": totals,
     }
@@ -224,6 +226,45 @@ def _usage(usage: PeerUsage) -> dict[str, Any]:
         "fetch_rounds": usage.fetch_rounds,
         "open_requests": usage.open_requests,
         "refusals": dict(usage.refusals),
+    }
+
+
+def _source_status(node: NodeView) -> dict[str, Any]:
+    """The source directory: its choices and summaries (totals since start), its index now.
+
+    The same figures ``/metrics`` exports as ``p2pactor_source_*`` and
+    ``p2pactor_summary_*``.
+    """
+    sources = source_state(node)
+    counts = sources.counts
+    return {
+        "enabled": sources.enabled,
+        "choices": {
+            "chosen": counts.chosen,
+            "unclaimed": counts.unclaimed,
+            "not_worth": counts.not_worth,
+        },
+        "probed_keys": counts.probed_keys,
+        "false_claims": counts.false_claims,
+        "summaries": {
+            "deltas_sent": counts.deltas_sent,
+            "parts_sent": counts.parts_sent,
+            "resyncs_sent": counts.resyncs_sent,
+            "bytes_sent": counts.bytes_sent,
+            "bytes_received": counts.bytes_received,
+        },
+        "advertised_keys": sources.advertised_keys,
+        "index_fingerprints": sources.index_fingerprints,
+        "peers": [
+            {
+                "peer": p.peer,
+                "synced": p.synced,
+                "claimed_keys": p.claimed_keys,
+                "precision": round(p.precision, 4),
+                "quarantined": p.quarantined,
+            }
+            for p in sources.peers
+        ],
     }
 
 

@@ -48,6 +48,19 @@ _DATA_FIELDS: Final[dict[type[ev.Event], tuple[str, ...]]] = {
     cls: tuple(f for f in cls.__struct_fields__ if f not in _HEAD_FIELDS)
     for cls in ev.EVENT_TYPES.values()
 }
+# The fields an event's log record leaves out while they hold their default
+# (``omit_defaults``), and that default: the feed leaves them out too, so the
+# Probed of a request that named its source has no ``source`` and looks as it
+# did before the node could choose one.
+_OMITTED_DEFAULTS: Final[dict[type[ev.Event], tuple[tuple[str, Any], ...]]] = {
+    cls: tuple(
+        (f.name, f.default)
+        for f in msgspec.structs.fields(cls)
+        if f.name not in _HEAD_FIELDS and f.default is not msgspec.NODEFAULT
+    )
+    for cls in ev.EVENT_TYPES.values()
+    if cls.__struct_config__.omit_defaults
+}
 _SNAPSHOT_CHUNK_EVENTS: Final = 500
 _SNAPSHOT_CHUNK_BYTES: Final = 256 * 1024  # well under trio-websocket's 1 MiB default
 
@@ -105,12 +118,23 @@ def _data_value(name: str, value: Any) -> Any:
         return len(value)  # keys, hits or misses as keys, block lists
     if isinstance(value, enum.Enum):
         return value.value
+    if isinstance(value, msgspec.Struct):
+        return msgspec.to_builtins(value)  # e.g. Probed's source: a Choice, with its claims
     return value
 
 
 def event_data(event: ev.AnyEvent) -> dict[str, Any]:
-    """The event's own fields, JSON-friendly: lists become counts, enums their values."""
-    return {name: _data_value(name, getattr(event, name)) for name in _DATA_FIELDS[type(event)]}
+    """The event's own fields, JSON-friendly: lists become counts, enums their values.
+
+    A nested record (Probed's ``source``, the :class:`~p2pactor.core.sources.Choice`
+    of an automatically chosen peer) becomes a dict, its lists kept whole; a
+    field the event's log record omits at its default is omitted here too.
+    """
+    data = {name: _data_value(name, getattr(event, name)) for name in _DATA_FIELDS[type(event)]}
+    for name, default in _OMITTED_DEFAULTS.get(type(event), ()):
+        if getattr(event, name) == default:
+            del data[name]
+    return data
 
 
 def event_message(node: str, event: ev.AnyEvent, phase: Phase) -> dict[str, Any]:

@@ -56,6 +56,9 @@
   const LANE_PAD = 5; // px above and below a lane's rows
   const TERMINAL_CAP = 7; // px, the block drawn after a terminal event
   const MARK_HIT_PX = 6; // px, how close the pointer must be to a mark
+  const NAME_W = 112; // px, the request id in the label column
+  const AUTO_W = 26; // px, the "auto" badge after it (the peer was chosen from summaries)
+  const AUTO_COLOR = "#7c3aed";
 
   const now = () => Date.now() / 1000;
 
@@ -131,6 +134,8 @@
           arrival: this.arrival + 1,
           search: "",
           searchDirty: true,
+          // Probed events whose data has a `source`: the node chose the peer itself.
+          auto: [],
         };
         this.lanes.set(request, lane);
         this.structure++;
@@ -194,6 +199,10 @@
         lane.kinds.add(e.kind);
         lane.searchDirty = true;
       }
+      if (e.kind === "Probed" && sourceOf(e)) {
+        lane.auto.push(e);
+        lane.searchDirty = true;
+      }
       if (e.t < lane.start) lane.start = e.t;
       if (e.t > lane.end) lane.end = e.t;
       if (e.t < this.tMin) this.tMin = e.t;
@@ -211,6 +220,7 @@
           if (last && last.phase) parts.push(last.phase, LABEL[last.phase] || "");
         }
         for (const k of lane.kinds) parts.push(k);
+        for (const e of lane.auto) parts.push("auto", sourceOf(e).chosen);
         lane.search = parts.join(" ").toLowerCase();
         lane.searchDirty = false;
       }
@@ -380,6 +390,21 @@
     return null;
   }
 
+  /** A Probed event's automatic choice (docs/timeline.md: `data.source`), or null when named. */
+  function sourceOf(e) {
+    const s = e.data.source;
+    return s && typeof s === "object" && typeof s.chosen === "string" ? s : null;
+  }
+
+  /** The lane's latest automatic choice visible at time t, below the arrival cutoff, or null. */
+  function sourceAt(lane, t, cutoff) {
+    let best = null;
+    for (const e of lane.auto) {
+      if (e.t <= t && e.arrival <= cutoff && (!best || e.t >= best.t)) best = e;
+    }
+    return best ? sourceOf(best) : null;
+  }
+
   /** The phase of the lane's actors of one role at time t (the most recent actor wins). */
   function rolePhase(lane, role, t, cutoff) {
     let best = null;
@@ -513,6 +538,7 @@
       this.rendered = { t0: 0, t1: 1 };
       this.frame = 0;
       this.stats = { draws: 0, lastDrawMs: 0, maxDrawMs: 0, visibleLanes: 0, layoutMs: 0 };
+      this.autoBadges = [];
       this.sideDirty = true;
       this.feedsDirty = true;
       this.lastSide = 0;
@@ -859,6 +885,7 @@
       const top = scroller.scrollTop;
       const first = Math.max(0, this.laneIndexAt(top));
       let visible = 0;
+      this.autoBadges = []; // lanes drawn with the "auto" badge (the test hook reads them)
 
       ctx.font = "12px system-ui, sans-serif";
       ctx.textBaseline = "middle";
@@ -887,7 +914,13 @@
         ctx.fill();
         ctx.fillStyle = started ? "#111827" : "#9ca3af";
         ctx.font = "600 12px system-ui, sans-serif";
-        ctx.fillText(ellipsize(ctx, lane.request, 112), 20, midY);
+        const source = sourceAt(lane, tView, cutoff);
+        const name = ellipsize(ctx, lane.request, source ? NAME_W - AUTO_W - 4 : NAME_W);
+        ctx.fillText(name, 20, midY);
+        if (source) {
+          drawAutoBadge(ctx, 20 + ctx.measureText(name).width + 4, midY);
+          this.autoBadges.push(lane.request);
+        }
         ctx.font = "10px ui-monospace, monospace";
         for (let r = 0; r < rows.length; r++) {
           const ry = y0 + LANE_PAD + r * (ROW_H + ROW_GAP);
@@ -1262,6 +1295,8 @@
             `${phase ? chip(phase) : '<span class="muted">not started</span>'}</div>`,
         );
       }
+      const source = sourceAt(lane, tView, this.cutoff);
+      if (source) rows.push(`<div class="small auto-source">${sourceHtml(source)}</div>`);
       rows.push("<table><thead><tr><th>+ms</th><th></th><th>kind</th><th>detail</th></tr></thead><tbody>");
       for (const e of evs) {
         const future = e.t > tView;
@@ -1287,6 +1322,8 @@
       parts.push('<div class="role">marks</div>');
       parts.push('<div><span class="sw" style="background:#111827;width:2px"></span>event</div>');
       parts.push('<div><span class="sw" style="background:#b91c1c;width:3px"></span>trouble / gap</div>');
+      parts.push('<div class="role">source</div>');
+      parts.push('<div><span class="auto">auto</span> chosen from the peers\' summaries</div>');
       $("legend").innerHTML = parts.join("");
     }
 
@@ -1552,6 +1589,7 @@
         events,
         start: lane.start,
         end: lane.end,
+        source: sourceAt(lane, tView, this.cutoff),
         actors: lane.actors.map((a) => {
           const e = eventAt(a, tView, this.cutoff);
           return { actor: a.actor, role: a.role, node: a.node, peer: a.peer, phase: e ? e.phase : null };
@@ -1583,6 +1621,7 @@
           return [...app.store.lanes.values()].filter((l) => l.arrival <= app.cutoff && l.start <= t).map((l) => app.laneSummary(l, t));
         },
         visibleLanes: () => app.computeLayout().lanes.map((l) => l.request),
+        autoBadges: () => app.autoBadges.slice(),
         lane: (request) => {
           const lane = app.store.lanes.get(request);
           if (!lane) return null;
@@ -1842,12 +1881,61 @@
       ["time", `${formatClock(e.t, 3)} (+${fmtDuration(e.t - lane.start)} in the request)`],
     ];
     const keys = Object.keys(e.data);
-    for (const k of keys) rows.push([esc(k), esc(fmtData(k, e.data[k], e))]);
+    for (const k of keys) {
+      const source = k === "source" ? sourceOf(e) : null;
+      if (source) rows.push(...sourceRows(source));
+      else rows.push([esc(k), esc(fmtData(k, e.data[k], e))]);
+    }
     return (
       `<div><span class="kind">${esc(e.kind)}</span>${e.phase ? chip(e.phase) : ""}</div>` +
       (e.detail ? `<div class="detail">${esc(e.detail)}</div>` : "") +
       `<table>${rows.map(([k, v]) => `<tr><td>${k}</td><td>${v}</td></tr>`).join("")}</table>`
     );
+  }
+
+  /** An automatic choice as tooltip rows (label, html): the peer, every claim, why. */
+  function sourceRows(source) {
+    return [
+      ["source", `<span class="auto">auto</span> ${esc(source.chosen)}, asked ${esc(source.keys)} key${source.keys === 1 ? "" : "s"}`],
+      ["claims", claimsHtml(source)],
+      ["reason", esc(source.reason == null ? "" : source.reason)],
+    ];
+  }
+
+  /** Each peer's claimed run, best first: "peer: run". */
+  function claimsHtml(source) {
+    const claims = Array.isArray(source.claims) ? source.claims : [];
+    if (!claims.length) return "\u2013";
+    return claims.map((c) => `${esc(c && c.peer)}: ${esc(c && c.run)}`).join("<br>");
+  }
+
+  /** The automatic choice in one line, for the side panel. */
+  function sourceHtml(source) {
+    const claims = Array.isArray(source.claims) ? source.claims : [];
+    const listed = claims.map((c) => `${esc(c && c.peer)}: ${esc(c && c.run)}`).join(", ");
+    return (
+      `<span class="auto">auto</span> source <b>${esc(source.chosen)}</b>` +
+      (listed ? `; claims ${listed}` : "") +
+      (source.reason ? ` <span class="muted">(${esc(source.reason)})</span>` : "")
+    );
+  }
+
+  /** The canvas's "auto" badge, its left edge at x, centred on y. */
+  function drawAutoBadge(ctx, x, y) {
+    const font = ctx.font;
+    const fill = ctx.fillStyle;
+    ctx.fillStyle = AUTO_COLOR;
+    ctx.beginPath();
+    if (ctx.roundRect) ctx.roundRect(x, y - 6, AUTO_W, 12, 6);
+    else ctx.rect(x, y - 6, AUTO_W, 12);
+    ctx.fill();
+    ctx.fillStyle = "#ffffff";
+    ctx.font = "600 9px system-ui, sans-serif";
+    ctx.textAlign = "center";
+    ctx.fillText("auto", x + AUTO_W / 2, y + 0.5);
+    ctx.textAlign = "left";
+    ctx.font = font;
+    ctx.fillStyle = fill;
   }
 
   function laneTooltip(lane, tView, cutoff) {
@@ -1856,10 +1944,12 @@
       return `<tr><td>${a.role}</td><td><code>${esc(a.actor)}</code><br>on ${esc(a.node)} ${e ? chip(e.phase) : "<i>not started</i>"}</td></tr>`;
     });
     const dur = lane.end - lane.start;
+    const source = sourceAt(lane, tView, cutoff);
     return (
-      `<div><span class="kind">${esc(lane.request)}</span></div>` +
+      `<div><span class="kind">${esc(lane.request)}</span>${source ? '<span class="auto">auto</span>' : ""}</div>` +
       `<div class="detail">${lane.actors.length} actor${lane.actors.length === 1 ? "" : "s"}, ${fmtDuration(dur)} from first to last event</div>` +
-      `<table>${rows.join("")}</table>`
+      `<table>${rows.join("")}</table>` +
+      (source ? `<table>${sourceRows(source).map(([k, v]) => `<tr><td>${k}</td><td>${v}</td></tr>`).join("")}</table>` : "")
     );
   }
 
