@@ -29,6 +29,7 @@ SECTIONS: tuple[str, ...] = (
     "flood",
     "idle",
     "hosts",
+    "fleet",
 )
 """Section names, in the order they run; each is the module ``p2pactor.programs.bench.<name>``."""
 
