@@ -253,3 +253,23 @@ async def test_a_choice_is_recorded_in_the_request_log_and_replays(
     record = msgspec.json.decode(msgspec.json.encode(probed))
     assert record["source"]["chosen"] == a.id
     assert record["source"]["claims"][0]["run"] == 2
+
+
+async def test_a_periodic_snapshot_repairs_a_copy_that_drifted_with_no_gap_to_show(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    options = SourceOptions(refresh_s=5.0)
+    async with open_cluster("a", "b", sources=options) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        b.store(key(1), key(2))
+        await linked(a, b)
+        index = a.node.sources.index
+        await until(lambda: index.claims_of(b.id) == 2)
+        seen = tap(cluster)
+        # a dropped a claim b still holds (as after a lookup that missed in a
+        # race): no delta of b's will ever bring it back.
+        index.missed(b.id, [fingerprint(key(1))])
+        assert index.claims_of(b.id) == 1
+        await until(lambda: index.claims_of(b.id) == 2, within=6.0)
+    refreshes = [m for _, src, _, m in seen if src == b.id and isinstance(m, wire.KvsumSnapshot)]
+    assert refreshes, "b sent no snapshot after the first"

@@ -189,6 +189,7 @@ class SourceDirectory:
         self._peers: dict[str, SummaryPeer] = {}
         self._parts: dict[str, deque[SummaryPart]] = {}  # snapshot parts still to send
         self._next_part: float | None = None
+        self._next_refresh: float | None = None  # the next whole snapshot to every peer
         self._armed: float | None = None
         # Read by engine threads (one dict lookup, or a pop: atomic).
         self.decisions: dict[str, Decision] = {}
@@ -277,6 +278,9 @@ class SourceDirectory:
         """``session`` is ready both ways: send the peer our snapshot."""
         if self._peers.get(session.peer_id) is session:
             self._start_snapshot(session.peer_id)
+            if self._next_refresh is None and self.options.refresh_s:
+                self._next_refresh = self._clock() + self.options.refresh_s
+                self._arm()
 
     def peer_closed(self, peer: str, current: SummaryPeer | None) -> None:
         """A session of ``peer`` closed; ``current`` is its session now, if it has one."""
@@ -399,7 +403,7 @@ class SourceDirectory:
         return self._armed
 
     def expire(self) -> None:
-        """Flush what is due and send the parts due (from the node's timer).
+        """Flush what is due, start a refresh when due, send the parts due (from the timer).
 
         It may run early (what was due moved later): then nothing is due yet,
         and it is armed again for when something is.
@@ -410,12 +414,30 @@ class SourceDirectory:
         # Flushed with no peer too: the changes would pile up otherwise.
         while (delta := self.holdings.flush(now)) is not None:
             self._broadcast(delta)
+        if self._next_refresh is not None and now >= self._next_refresh:
+            self._refresh(now)
         if self._next_part is not None and now >= self._next_part:
             self._send_parts()
         self._arm()
 
+    def _refresh(self, now: float) -> None:
+        """A whole snapshot to every peer (one snapshot, the same parts to each, paced)."""
+        self._next_refresh = now + self.options.refresh_s if self._peers else None
+        snapshot = self.holdings.snapshot(now)
+        if snapshot.delta is not None:
+            self._broadcast(snapshot.delta)
+        for peer in self._peers:
+            if peer not in self._parts:  # one being sent is as good
+                self._parts[peer] = deque(snapshot.parts)
+        self._next_part = now  # the first parts go now
+
     def _due(self) -> float | None:
-        times = (self.holdings.next_flush(), self._next_part, self.index.next_release())
+        times = (
+            self.holdings.next_flush(),
+            self._next_part,
+            self._next_refresh,
+            self.index.next_release(),
+        )
         return min((t for t in times if t is not None), default=None)
 
     def _arm(self) -> None:

@@ -33,6 +33,7 @@ from p2pactor.runtime.logcontext import peer_context, request_context
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.peers import PeerRegistry
 from p2pactor.runtime.quotas import QuotaLedger
+from p2pactor.runtime.seeds import SeedRedial
 from p2pactor.runtime.serving import ParentService
 from p2pactor.runtime.session_host import SessionCloseResult
 from p2pactor.runtime.stores import StoreDesk
@@ -114,6 +115,9 @@ class NodeHost:
             clock=self.clock.current_time,
         )
         self.peers = PeerRegistry(self, config, control, nursery, self.session_closed)
+        self.seeds = SeedRedial(
+            config.seed_peers, self.dial, timers=self.timers, clock=self.clock.current_time
+        )
         self.bridge = EngineBridge(
             self,
             name=config.node_id,
@@ -202,6 +206,8 @@ class NodeHost:
 
     def handshake_ended(self, peer: str, outcome: str) -> None:
         """Tell the handshake watchers how a session's handshake ended."""
+        if outcome == "ok":
+            self.seeds.connected(peer)
         for watcher in list(self._handshake_watchers):
             watcher(peer, outcome)
 
@@ -328,6 +334,8 @@ class NodeHost:
         current = self.peers.session(result.peer_id)
         replaced = current is not None
         self.directory.peer_closed(result.peer_id, current)
+        if not replaced and not self.peers.shutting_down:
+            self.seeds.lost(result.peer_id)  # a seed is dialed again, after a back-off
         self.stores.forget(
             lambda actor: actor.id.peer == result.peer_id and (actor.done or not replaced)
         )
@@ -335,6 +343,7 @@ class NodeHost:
     async def aclose(self) -> None:
         """Close every session (draining them), then the log. Idempotent."""
         self.bridge.stop()
+        self.seeds.stop()
         await self.peers.close_all("the node is shutting down")
         self.service.drain()
         self.log.close()

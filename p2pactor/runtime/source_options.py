@@ -36,6 +36,11 @@ class SourceOptions:
             peer, so the lookups that share its socket never wait behind a
             whole snapshot.
         recorded_claims: Claims recorded with a choice (the best ones).
+        refresh_s: Seconds between two whole snapshots to every summary peer
+            (0: only on session ready, a resync or a new epoch). A receiver's
+            copy may drift where nothing shows a gap (it dropped a claim its
+            lookup found false, which we still hold); a refresh makes it
+            exact again, at 8 bytes a held key per peer per refresh.
     """
 
     share: bool = attrs.field(default=True, validator=checks.instance_of(bool))
@@ -47,6 +52,7 @@ class SourceOptions:
     )
     part_interval_s: float = attrs.field(default=0.01, validator=checks.non_negative(finite=True))
     recorded_claims: int = attrs.field(default=8, validator=checks.positive_int)
+    refresh_s: float = attrs.field(default=300.0, validator=checks.non_negative(finite=True))
 
 
 DEFAULT_SOURCES: Final = SourceOptions()

@@ -1,0 +1,89 @@
+"""Seed peers are dialed again when their session ends, so the fleet's membership heals.
+
+A node opens a session with each of its seed peers at start
+(``NodeConfig.seed_peers``); a request naming no source can only find blocks
+at a peer it has a session with. When such a session ends (the peer
+restarted, the link was cut, an idle timeout), :class:`SeedRedial` dials the
+peer again after a back-off that doubles per failed attempt, from
+``first_s`` up to ``max_s``, and starts over once a handshake with it
+succeeds. Peers that are not seeds are not redialed: they dial us, or a
+request names them. Timed on the node's :class:`~p2pactor.runtime.timers.Timers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from p2pactor.runtime.timers import Timers
+
+__all__ = ["SeedRedial"]
+
+
+class SeedRedial:
+    """When to dial each seed peer whose session ended, and the back-off of each.
+
+    Args:
+        seeds: The seed peers.
+        dial: Opens the session with a peer (the node's host does).
+        timers: The node's timer.
+        clock: The node's clock.
+        first_s: The first wait after a session ends.
+        max_s: The longest wait between two attempts.
+    """
+
+    def __init__(
+        self,
+        seeds: Collection[str],
+        dial: Callable[[str], None],
+        *,
+        timers: Timers,
+        clock: Callable[[], float],
+        first_s: float = 1.0,
+        max_s: float = 60.0,
+    ) -> None:
+        self.seeds = frozenset(seeds)
+        self._dial = dial
+        self._timers = timers
+        self._clock = clock
+        self._first_s = first_s
+        self._max_s = max_s
+        self._due: dict[str, float] = {}
+        self._wait: dict[str, float] = {}  # the next back-off of each peer that failed
+        self.redials = 0
+
+    @property
+    def deadline(self) -> float | None:
+        """When the next seed is dialed again (None: none is waiting)."""
+        return min(self._due.values(), default=None)
+
+    def waiting(self, peer: str) -> float | None:
+        """When ``peer`` is dialed again, if it is waiting."""
+        return self._due.get(peer)
+
+    def lost(self, peer: str) -> None:
+        """``peer``'s session ended with no other to replace it: dial it again later."""
+        if peer not in self.seeds or peer in self._due:
+            return
+        wait = self._wait.get(peer, self._first_s)
+        self._wait[peer] = min(self._max_s, wait * 2)
+        self._due[peer] = self._clock() + wait
+        self._timers.arm(self)
+
+    def connected(self, peer: str) -> None:
+        """A handshake with ``peer`` succeeded: its next loss waits ``first_s`` again."""
+        self._wait.pop(peer, None)
+        self._due.pop(peer, None)
+
+    def stop(self) -> None:
+        """The node is closing: dial nobody again."""
+        self._due.clear()
+
+    def expire(self) -> None:
+        """Dial the seeds whose wait is over."""
+        now = self._clock()
+        for peer, when in list(self._due.items()):
+            if when <= now:
+                del self._due[peer]
+                self.redials += 1
+                self._dial(peer)
+        self._timers.arm(self)
