@@ -350,3 +350,15 @@ def test_the_vllm_tier_refuses_a_wildcard_host() -> None:
     memory = torch.zeros(4, 1024, dtype=torch.uint8)
     with pytest.raises(ValueError, match=r"bind_host=0\.0\.0\.0"):
         tier_class(_offloading_spec(), memoryview(memory.numpy()), host="0.0.0.0", port=free_port())
+
+
+def test_serve_takes_its_seed_peers_and_can_turn_summaries_off() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--seed-peers", "10.0.0.2:5710, 10.0.0.3:5710"])
+    config = config_from_args(args, env={})
+    assert config.seed_peers == {"10.0.0.2:5710", "10.0.0.3:5710"}
+    assert config.sources.share
+    env = {"P2PACTOR_SEED_PEERS": "10.0.0.9:5710"}
+    assert config_from_args(parser.parse_args(["serve"]), env).seed_peers == {"10.0.0.9:5710"}
+    off = config_from_args(parser.parse_args(["serve", "--no-summaries"]), env={})
+    assert not off.sources.share

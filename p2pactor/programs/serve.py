@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import trio
 
 from p2pactor.errors import ConfigError
@@ -132,6 +133,18 @@ def register(commands: Any) -> None:
     parser.add_argument(
         "--allowed-peers", help="comma-separated host:port peers this node may dial"
     )
+    parser.add_argument(
+        "--seed-peers",
+        help="comma-separated host:port peers to open sessions with at start, so that their "
+        "summaries are here before the first request that names no source (default "
+        "P2PACTOR_SEED_PEERS; docs/sources.md)",
+    )
+    parser.add_argument(
+        "--no-summaries",
+        action="store_true",
+        help="neither tell peers which keys this node holds nor read what they tell "
+        "(default: on, unless P2PACTOR_SUMMARIES=0)",
+    )
     parser.add_argument("--preload", type=int, default=0, help="store N demo blocks at start")
     parser.add_argument("--log", help="write the event log to this file")
     parser.add_argument(
@@ -198,11 +211,13 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         )
         if value is not None
     }
-    if args.allowed_peers:
-        overrides["allowed_peers"] = frozenset(
-            p.strip() for p in args.allowed_peers.split(",") if p.strip()
-        )
-    return NodeConfig.from_env(env, **overrides)
+    for flag, field in ((args.allowed_peers, "allowed_peers"), (args.seed_peers, "seed_peers")):
+        if flag:
+            overrides[field] = frozenset(p.strip() for p in flag.split(",") if p.strip())
+    config = NodeConfig.from_env(env, **overrides)
+    if args.no_summaries:
+        config = attrs.evolve(config, sources=attrs.evolve(config.sources, share=False))
+    return config
 
 
 def _run(args: argparse.Namespace) -> int:
