@@ -2,5 +2,6 @@
 
 :mod:`~p2pactor.programs.demo.workload` is the pure workload every process agrees on,
 :mod:`~p2pactor.programs.demo.node` one node's process, :mod:`~p2pactor.programs.demo.run` the
-orchestrator that starts them, shows progress and prints the summary.
+orchestrator that starts them and shows progress, :mod:`~p2pactor.programs.demo.summary` the
+summary it prints.
 """
