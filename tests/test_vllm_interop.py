@@ -44,6 +44,9 @@ if (_MISSING := vllm_p2p_missing()) is not None:
     pytest.skip(_MISSING, allow_module_level=True)
 
 CHUNK = 64 * 1024
+# Chunks per host: a host serves every test of the module that names it (for
+# several pairs), and a host's chunks are never evicted.
+NUM_CHUNKS = 128
 PENDING_TIMEOUT_S = 5.0  # the producer answers a still-pending key MISS after this
 
 _ours_missing = importlib.util.find_spec(OURS.partition(":")[0]) is None
@@ -84,7 +87,10 @@ def pool(
             if key in params:
                 wanted.update(zip(slots(params[key]), params[key], strict=True))
     hosts = HostPool(tmp_path_factory.mktemp("vllm-interop"))
-    hosts.start(HostSpec(tier, name=name, chunk_bytes=CHUNK) for name, tier in wanted.items())
+    hosts.start(
+        HostSpec(tier, name=name, chunk_bytes=CHUNK, num_chunks=NUM_CHUNKS)
+        for name, tier in wanted.items()
+    )
     try:
         yield hosts
     finally:
