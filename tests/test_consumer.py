@@ -410,7 +410,7 @@ class TestLookupFlow:
         assert resp.hits == (True,)
         assert answers(h, K1) == [HIT]
 
-    def test_a_fetch_clears_cached_answers_so_a_later_registration_reprobes(
+    def test_a_fetch_forgets_hits_so_a_later_registration_reprobes_them(
         self, h: ConsumerHarness
     ) -> None:
         step(h, K1, K2)
@@ -418,11 +418,30 @@ class TestLookupFlow:
         h.load(7, [K1], [4])
 
         # Both sides unpinned at the fetch: a cached HIT would be stale.
-        assert h.state.probes == {}
-        assert answers(h, K1, K2) == [RETRY, RETRY]
+        assert h.state.probes == {K2: False}
+        assert answers(h, K1, K2) == [RETRY, MISS]
 
         step(h, K1)
         assert h.sent[-1] == lookup_msg((K1,), round_seq=1)
+
+    def test_a_miss_heard_before_a_fetch_is_a_miss_after_it_with_no_new_round(
+        self, h: ConsumerHarness
+    ) -> None:
+        # vLLM asks the first missed key again once the hit run is loaded: a
+        # MISS is always safe (the engine computes it), so no round is spent.
+        step(h, K1, K2, K3)
+        h.feed(answer((K1, K2, K3), (True, False, False)))
+        h.load(7, [K1], [4])
+        sent = list(h.sent)
+
+        events = h.feed(inp.Register((K2, K3), flush=True))
+
+        assert events == ()
+        assert h.sent == sent
+        assert answers(h, K2, K3) == [MISS, MISS]
+        # Unanswered keys are not remembered: they are asked again.
+        step(h, K0)
+        assert h.sent[-1] == lookup_msg((K0,), round_seq=1)
 
     def test_finish_after_a_flushed_lookup_sends_exactly_one_empty_fetch(
         self, h: ConsumerHarness

@@ -4,8 +4,10 @@ Life of a consumer (PROTOCOL.md "Lookup", "Fetch, rounds and completion"):
 
 * the engine registers keys; each step's new keys go out as one lookup; until the
   answer comes a key answers RETRY, afterwards HIT or MISS from the cached answer;
-* a fetch loads hits into our blocks and closes the round; cached answers are
-  forgotten (both sides unpin), and later lookups belong to the next round;
+* a fetch loads hits into our blocks and closes the round; cached HITs are
+  forgotten (both sides unpin), MISSes kept (the engine computes them: asking
+  again could only cost a round trip), and later lookups belong to the next
+  round;
 * the peer answers each fetch with ``transfer_done``; a load unanswered for 30 s
   is aborted, an abort unacknowledged for 10 s fails the load anyway;
 * a lookup that resolves nothing for 30 s fails this request only;

@@ -78,7 +78,10 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         round_seq: The round the next lookup or fetch belongs to; None until
             the first of them, which takes the request's first round.
         probes: Cached answers: True (HIT), False (MISS), None (asked or about
-            to be asked, unanswered).
+            to be asked, unanswered). A fetch forgets the HITs and the
+            unanswered keys (both sides unpin, so a HIT could be stale) and
+            keeps the MISSes: the engine computes a missed key, so asking it
+            again in a later round could only cost a round trip.
         unsent: Registered keys not yet on the wire, in registration order.
         lookup_open: A lookup went out and no fetch has closed it since.
         lookup_deadline: When the request fails if no probe resolves before.
@@ -241,7 +244,7 @@ def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
         seq=e.seq,
         phase=consumer_phase_after(s.phase, e),
         round_seq=e.next_round,
-        probes={},
+        probes={k: False for k, hit in s.probes.items() if hit is False},
         unsent=(),
         lookup_open=False,
         lookup_deadline=None,

@@ -185,11 +185,16 @@ class Runner:
     There is one per node, on the node's thread. :meth:`deliver` steps the
     input at once unless a step is already running, in which case it queues
     behind it: a step's effects never see another step begin halfway through.
+
+    Args:
+        clock: The time each step is given (trio's clock on a node; tests
+            that step actors with no trio run pass their own).
     """
 
-    __slots__ = ("_queue", "_running")
+    __slots__ = ("_clock", "_queue", "_running")
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = trio.current_time) -> None:
+        self._clock = clock
         self._queue: deque[tuple[RequestActor, ActorInput]] = deque()
         self._running = False
 
@@ -205,7 +210,7 @@ class Runner:
             return
         self._running = True
         queue = self._queue
-        clock = trio.current_time
+        clock = self._clock
         try:
             while queue:
                 target, item = queue.popleft()

@@ -158,10 +158,17 @@ class EngineBridge:
         self._inbox: deque[_Item] = deque()
         self._lock = threading.Lock()
         self._registered = False
-        # Keys handed over per (peer, request) and not yet known to its actor:
-        # an engine that asks again every step must not flood the node.
-        # (by kv_request_id, then peer: a finish forgets its request's at once)
+        # Keys handed over per (peer, request) and not yet delivered to its
+        # actor: an engine that asks again every step must not flood the node.
+        # A key leaves when its actor is given it (from then on the actor's
+        # state answers for it, and a key the actor forgets, as a fetch makes
+        # it forget its hits, is asked again), so a key is never held here
+        # with nothing on its way to the peer. (By kv_request_id, then peer: a
+        # finish forgets its request's at once.)
         self._posted: dict[str, dict[str, set[bytes]]] = {}
+        # (kv_request_id, peer) whose actor could not be made (no session may
+        # be opened: the peer cap, a shutdown): every key of it is a MISS.
+        self._unreachable: set[tuple[str, str]] = set()
         # Keys applied on the node's thread, waiting for the step's flush; and
         # actors given their keys early (another input of theirs came first),
         # whose flush is still owed.
@@ -192,19 +199,28 @@ class EngineBridge:
     # --- the engine's side (any thread) ---------------------------------------------
 
     def ask(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
-        """Hand over the keys of ``keys`` the request's actor does not know yet."""
+        """Hand over the keys of ``keys`` the request's actor does not know yet.
+
+        A key already on its way (handed over, not yet delivered) is not
+        handed over again. The state read here may be a step behind the
+        node's thread; a key handed over twice because of it is known to the
+        actor by the time the second copy arrives, and asks nothing more.
+        """
         actor = self._node.known_consumer(peer, kv_request_id)
         state = actor.state if actor is not None else None
         known = state.probes if isinstance(state, ConsumerState) else {}
         with self._lock:
             posted = self._posted.setdefault(kv_request_id, {}).setdefault(peer, set())
-            posted.difference_update(k for k in list(posted) if k in known)
             new = tuple(k for k in dict.fromkeys(keys) if k not in known and k not in posted)
             if not new or len(self._inbox) >= self._inbox_limit:
                 return
             posted.update(new)
             self._registered = True
         self.post(_Register(peer, kv_request_id, new), wake=False)
+
+    def unreachable(self, peer: str, kv_request_id: str) -> bool:
+        """Whether the request's keys could not be asked of ``peer`` (no session). Any thread."""
+        return (kv_request_id, peer) in self._unreachable
 
     def flush(self) -> None:
         """Send what was registered since the last flush (nothing: post nothing)."""
@@ -347,12 +363,17 @@ class EngineBridge:
                 actor = node.consumer_for(peer, kv_id)
                 if actor is not None:
                     self._unflushed.setdefault(actor, []).extend(keys)
+                else:
+                    with self._lock:
+                        self._unreachable.add((kv_id, peer))
+                    self._delivered(peer, kv_id, keys)
             case _Flush():
                 unflushed, self._unflushed = self._unflushed, {}
                 dirty, self._dirty = self._dirty, set()
                 runner = node.runner
                 for actor, asked in unflushed.items():
                     runner.deliver(actor, inp.Register(tuple(asked), flush=True))
+                    self._delivered(actor.id.peer, actor.id.kv_request_id, asked)
                 for actor in dirty.difference(unflushed):
                     runner.deliver(actor, inp.Flush())
             case _Load(peer, kv_id, job_id, keys, blocks):
@@ -365,6 +386,8 @@ class EngineBridge:
             case _Finish(kv_id):
                 with self._lock:
                     self._posted.pop(kv_id, None)
+                    if self._unreachable:
+                        self._unreachable = {u for u in self._unreachable if u[0] != kv_id}
                 for actor in [a for a in self._unflushed if a.id.kv_request_id == kv_id]:
                     self._register_first(actor)
                 if self._dirty:
@@ -385,3 +408,11 @@ class EngineBridge:
         if keys:
             self._dirty.add(actor)
             self._node.runner.deliver(actor, inp.Register(tuple(keys)))
+            self._delivered(actor.id.peer, actor.id.kv_request_id, keys)
+
+    def _delivered(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
+        """``keys`` reached the request's actor (or never will): no longer on their way."""
+        with self._lock:
+            posted = self._posted.get(kv_request_id, {}).get(peer)
+            if posted:
+                posted.difference_update(keys)

@@ -62,13 +62,15 @@ class ThreadSafeAPI:
 
         HIT or MISS for keys answered; RETRY for keys being asked or never
         asked (see :meth:`ask`); MISS for everything when ``peer`` may not be
-        dialed or the request's lookup failed.
+        dialed, no session with it could be opened, or the request's lookup
+        failed.
         """
         if not self._config.may_dial(peer):
             return [LookupResult.MISS] * len(keys)
         actor = self.known_consumer(peer, kv_request_id)
         if actor is None:
-            return [RETRY] * len(keys)
+            unreachable = self._bridge.unreachable(peer, kv_request_id)
+            return [LookupResult.MISS if unreachable else RETRY] * len(keys)
         state = actor.state
         assert isinstance(state, ConsumerState)
         return probe_answers(state, keys)
@@ -79,7 +81,7 @@ class ThreadSafeAPI:
             return LookupResult.MISS
         actor = self.known_consumer(peer, kv_request_id)
         if actor is None:
-            return RETRY
+            return LookupResult.MISS if self._bridge.unreachable(peer, kv_request_id) else RETRY
         state = actor.state
         assert isinstance(state, ConsumerState)
         return probe_answer(state, key)
