@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -44,6 +45,8 @@ __all__ = [
     "layout_fingerprint",
     "parse_dest",
     "parse_source",
+    "positions",
+    "request_keys",
 ]
 
 try:
@@ -153,6 +156,34 @@ def from_vllm(result: Any) -> Answer:
     if result is None:
         return Answer.RETRY
     return Answer(result.name.lower())
+
+
+def positions(ctx: Any, keys: Sequence[bytes]) -> list[int | None] | None:
+    """Each key's end-token position on the request, as vLLM's scheduler records it.
+
+    vLLM's LRU ranks a request's chunks by it (0.33); None where this vLLM
+    records none.
+    """
+    get = getattr(ctx, "get_offload_key_position", None)
+    if get is None:  # pragma: no cover - before vLLM recorded positions
+        return None
+    return [get(k) for k in keys]
+
+
+def request_keys(ctx: Any) -> dict[bytes, int] | None:
+    """Every key of the request with its end-token position, as vLLM's scheduler recorded them.
+
+    vLLM 0.33's connector records the positions of all of a request's keys on
+    its ``ReqContext`` (``update_offload_keys``), for managers to recover
+    prefix order; a tier is asked only past the keys the CPU tier holds, so
+    this record is the one way it learns which held keys a request reuses
+    (vLLM's LRU ranks those as the request's own). The record has no public
+    iterator: it is read from the context's ``_offload_key_positions`` field,
+    None where this vLLM has no such field (``tests/test_vllm_tier.py`` pins
+    it, so an upgrade that drops it is noticed).
+    """
+    record = getattr(ctx, "_offload_key_positions", None)
+    return record if isinstance(record, dict) else None
 
 
 def job_ids(job: Any) -> list[int]:

@@ -78,26 +78,33 @@ class LentParent:
         self._books._store_released(job_id, success)
 
 
-def scrub(parent: ParentManager, keys: Sequence[bytes], node_id: str) -> list[bytes]:
-    """Which of ``keys`` the CPU tier no longer holds, asked of the primary alone.
+def scrub(
+    parent: ParentManager, keys: Sequence[bytes], node_id: str
+) -> tuple[list[bytes], list[bytes]]:
+    """Which of ``keys`` the CPU tier no longer holds, and which it does, asked of it alone.
 
     One synthetic request, opened and finished around the lookups; with the
     primary-only filter nothing is promoted, and the CPU tier's lookup does
     not touch its LRU order. Without the filter (vLLM before 0.30) nothing is
-    asked: a lookup could start promotions from other tiers.
+    asked (every key is taken as held): a lookup could start promotions from
+    other tiers.
     """
     if PRIMARY_ONLY is None or not keys:
-        return []
+        return [], list(keys)
     ctx = ReqContext(
         req_id=f"p2pactor-scrub-{node_id}-{next(_scrub_ids)}",
         kv_transfer_params=None,
         load_tier_filter=PRIMARY_ONLY,
     )
+    gone: list[bytes] = []
+    kept: list[bytes] = []
     parent.on_new_request(ctx)
     try:
-        return [key for key in keys if not _held(parent.lookup(key, ctx))]
+        for key in keys:
+            (kept if _held(parent.lookup(key, ctx)) else gone).append(key)
     finally:
         parent.on_request_finished(ctx)
+    return gone, kept
 
 
 def _held(result: Any) -> bool:

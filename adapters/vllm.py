@@ -24,8 +24,10 @@ vLLM's ``/metrics`` as ``vllm:kv_offload_p2pactor_*``). The parent handle vLLM l
 
 A request that names no source is given one by the tier, from what its
 peers' summaries claim (``_vllm_auto.py``, ``docs/sources.md``); what this
-engine's CPU tier holds is told to them in turn (stores, our loads, touches,
-a paced check through the lent parent, a new epoch at ``drain_jobs``).
+engine's CPU tier holds is told to them in turn, ranked as vLLM's LRU ranks it
+(stores and our loads by request and position, each request's end, touches, a
+check through the lent parent sized to the tier's churn, a new epoch at
+``drain_jobs``).
 
 Its parts: ``_vllm_api.py`` (vLLM's API across versions), ``_vllm_parent.py``
 (the lent parent, the check), ``_vllm_auto.py`` (the automatic choice),
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
@@ -60,6 +63,8 @@ from p2pactor.adapters._vllm_api import (
     layout_fingerprint,
     parse_dest,
     parse_source,
+    positions,
+    request_keys,
 )
 from p2pactor.adapters._vllm_auto import Auto, AutoSources, source_options
 from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
@@ -87,10 +92,10 @@ _now = time.monotonic
 # releases stop coming (a node that died), at the cost of the oldest jobs'
 # transfer fields (None) and their failure line.
 _MAX_TRACKED_STORES = 1 << 16
-# The summary's check against the CPU tier: ~500 keys a second, while vLLM
-# steps (serve_external_requests); 131k chunks are all checked in ~4.4 min.
-_SCRUB_S = 0.1
-_SCRUB_KEYS = 50
+
+
+class _Seen:
+    """A request's first lookup here was seen (its ``ReqContext`` state)."""
 
 
 def _peer_list(peers: Collection[str] | str | None) -> list[str] | None:
@@ -219,10 +224,13 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._finished: list[JobResult] = []
         self._block_len = config.block_len
         # Loads submitted and not yet reported: job id -> (kv_request_id, when
-        # submitted (_now), keys). An entry goes when its result is collected;
-        # the node reports every load it was handed (its load timeout bounds
-        # the wait), and each holds primary chunks of its own until then.
-        self._load_requests: dict[int, tuple[str, float, list[bytes]]] = {}
+        # submitted (_now), keys, vLLM's request id, the keys' positions). An
+        # entry goes when its result is collected; the node reports every load
+        # it was handed (its load timeout bounds the wait), and each holds
+        # primary chunks of its own until then.
+        self._load_requests: dict[
+            int, tuple[str, float, list[bytes], str, list[int | None] | None]
+        ] = {}
         # Store jobs not yet released: job id -> (kv_request_id of a
         # prefill/decode store, None for a peer's pin; when submitted or
         # pinned (_now); blocks). An entry goes at the job's one release
@@ -234,7 +242,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._reported: dict[str, float] = {}  # the totals get_stats last reported
         self._node: Node = self._runner.start()
         self._auto = AutoSources(self._node, config.sources.choice.tail_keys)
-        self._next_scrub = 0.0
+        # vLLM's scheduler thread (it builds the tier and steps it); its
+        # tier-poll thread is another.
+        self._scheduler = threading.get_ident()
         log.info(
             "p2pactor tier %s ready (%d blocks of %d bytes)",
             config.node_id,
@@ -275,6 +285,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     def lookup(self, key: Any, req_context: ReqContext) -> Any:
         """HIT, MISS or RETRY (while the peer is being asked) for one key."""
+        if req_context.get_state(_Seen) is None:
+            self._reused_before(key, req_context)
         source = req_context.get_state(Source)
         if source is None:
             auto = req_context.get_state(Auto)
@@ -299,6 +311,22 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             self._asks.setdefault((source.peer, source.kv_request_id), {})[k] = None
         return TO_VLLM[answer]
 
+    def _reused_before(self, key: Any, ctx: ReqContext) -> None:
+        """The request's first lookup here: the keys before ``key`` are the CPU tier's hits.
+
+        vLLM asks a tier only past them, and loads them from the CPU tier now:
+        its LRU ranks them as the request's (``holdings.py``), and so does our
+        summary.
+        """
+        ctx.set_state(_Seen())
+        record = request_keys(ctx)
+        where = None if record is None else record.get(bytes(key))
+        if record is None or where is None:
+            return
+        held = [k for k, p in record.items() if p < where]
+        if held:
+            self._node.reused(held, ctx.req_id, [record[k] for k in held])
+
     def on_request_finished(self, req_context: ReqContext) -> None:
         """The engine is done with the request (either role)."""
         source = req_context.get_state(Source)
@@ -306,6 +334,10 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         auto = req_context.get_state(Auto)
         if auto is not None and source is None:
             self._auto.finished(auto)
+        record = request_keys(req_context)
+        if record:  # what it reused of the CPU tier, if not seen at its lookups
+            self._node.reused(list(record), req_context.req_id, list(record.values()))
+        self._node.ended(req_context.req_id)  # vLLM's LRU ranks its chunks afresh now
         done = source.kv_request_id if source is not None else None
         if done is not None:
             self._failed.discard(done)
@@ -321,7 +353,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             # Symmetric P2P: blocks stay in the CPU primary tier; nothing moves.
             # They are ours to claim: peers hear of them in the next delta.
             self._finished.append(job_result(job_id, success=True, seconds=0.0, size=0))
-            self._node.holds([bytes(k) for k in job_metadata.keys])
+            keys = [bytes(k) for k in job_metadata.keys]
+            ctx = job_metadata.req_context
+            self._node.holds(keys, request=ctx.req_id, positions=positions(ctx, keys))
         elif dest.kv_request_id is None:
             self._finished.append(job_result(job_id, success=False, seconds=0.0, size=0))
         else:
@@ -341,7 +375,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         elif not keys:
             self._finished.append(job_result(job_id, success=True, seconds=0.0, size=0))
         else:
-            self._load_requests[job_id] = (source.kv_request_id, _now(), keys)
+            ctx = job_metadata.req_context
+            where = positions(ctx, keys)
+            self._load_requests[job_id] = (source.kv_request_id, _now(), keys, ctx.req_id, where)
             self._node.reserve(len(keys))  # vLLM evicted for these chunks: claim less
             self._node.submit_load(
                 source.peer,
@@ -382,11 +418,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                     job_result(result.job_id, success=result.success, seconds=None, size=None)
                 )
                 continue
-            kv_id, submitted, keys = entry
+            kv_id, submitted, keys, req_id, where = entry
             self._node.reserve(-len(keys))
             if result.success:
                 size = len(keys) * self._block_len
-                self._node.holds(keys)  # in our CPU tier now: ours to claim
+                # In our CPU tier now, ranked for the request: ours to claim.
+                self._node.holds(keys, request=req_id, positions=where)
             else:
                 self._failed.add(kv_id)  # its lookups answer MISS: prefill locally
                 size = 0
@@ -445,19 +482,23 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def serve_external_requests(self, parent: ParentManager) -> None:
         """Let peers' lookups, pins and releases run against the lent parent.
 
-        And check a few keys our summary claims against the CPU tier (a tier
-        never hears of evictions): ``_SCRUB_KEYS`` every ``_SCRUB_S``, while
-        the engine steps (an idle engine evicts nothing).
+        And check the keys our summary would lose next against the CPU tier
+        (a tier never hears of evictions): a batch whenever the node has one
+        due, sized to what the tier stored since (``SummaryOptions.scrub_per_key``).
         """
         node = self._node
         node.serve_parent(LentParent(self, parent))
+        if threading.get_ident() == self._scheduler:
+            # The step's serve (in on_schedule_end): vLLM has just evicted for the
+            # step's stores. Ask about the keys it evicts next, so a claim it
+            # dropped leaves the peers before the forward pass is over.
+            gone, _ = scrub(parent, node.take_frontier(), node.node_id)
+            if gone:
+                node.scrubbed(gone, ())
         batch = node.take_scrub()
         if batch:
-            node.lacks(scrub(parent, batch, node.node_id))
-        now = _now()
-        if now >= self._next_scrub:
-            self._next_scrub = now + _SCRUB_S
-            node.want_scrub(_SCRUB_KEYS)
+            gone, kept = scrub(parent, batch, node.node_id)
+            node.scrubbed(gone, kept)
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
         """The engine reused ``keys``: the most recent in our summary's order now."""

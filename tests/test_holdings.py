@@ -128,13 +128,66 @@ def test_a_drain_starts_a_new_epoch_with_nothing_held() -> None:
     assert h.flush(now=2.0, force=True) is None
 
 
-def test_the_scrub_checks_every_held_key_in_turn_and_skips_the_gone() -> None:
-    h = holdings(capacity=10)
+def test_the_scrub_asks_about_what_the_tier_would_lose_next_and_learns_from_the_answers() -> None:
+    h = holdings(capacity=40)
     h.stored([key(i) for i in range(5)], now=0.0)
+    assert h.churn == 5
     assert h.scrub(2) == [key(0), key(1)]
-    h.gone([key(2)], now=0.0)
-    assert h.scrub(2) == [key(3), key(4)]
-    assert h.scrub(10) == [key(0), key(1), key(3), key(4)]  # the next turn
+    assert h.churn == 0
+    # The parent had lost 0 and still holds 1: 1 is not asked again for a while.
+    h.gone([key(0)], now=0.0)
+    h.kept([key(1)], now=0.0)
+    assert h.scrub(3) == [key(2), key(3), key(4)]
+    h.kept([key(2), key(3), key(4)], now=0.0)
+    h.stored([key(5)], now=0.0)
+    # Not asked again while the tier has not turned over: the others come first,
+    # then, if the batch has room, the next to go, checked or not.
+    assert h.scrub(1) == [key(5)]
+    assert h.scrub(3) == [key(5), key(1), key(2)]
+    # Once the tier turned over a quarter of its capacity (16 keys at least),
+    # they come first again.
+    h.stored([key(i) for i in range(100, 116)], now=1.0)
+    assert h.scrub(3) == [key(1), key(2), key(3)]
+
+
+def test_a_held_key_found_held_is_still_the_next_to_go() -> None:
+    h = holdings(capacity=3)
+    h.stored([key(1), key(2), key(3)], now=0.0)
+    h.kept([key(1)], now=0.0)  # held: the parent needed no room yet
+    h.stored([key(4)], now=1.0)
+    assert (key(1) in h, key(2) in h) == (False, True)
+
+
+def test_a_request_s_keys_rank_as_vllm_s_lru_ranks_them_tail_first() -> None:
+    # vLLM 0.33's LRU: a request's chunks rank (request, -position) while it
+    # runs, and afresh tail first when it finishes: a full tier evicts a
+    # prompt's tail first and keeps its head.
+    h = holdings(capacity=6)
+    doc = [key(i) for i in range(4)]
+    h.stored(doc, now=0.0, request="r1", positions=[16, 32, 48, 64])
+    assert h.scrub(2) == [key(3), key(2)]  # the tail first, while it runs
+    h.finished("r1")
+    assert h.scrub(4) == [key(3), key(2), key(1), key(0)]
+    h.stored([key(8), key(9), key(10)], now=1.0, request="r2", positions=[16, 32, 48])
+    assert [k for k in doc if k in h] == [key(0), key(1), key(2)]  # r1's tail went
+    h.finished("r2")
+    h.stored([key(11), key(12)], now=2.0)  # no request: each the most recent
+    assert [k for k in doc if k in h] == [key(0)]
+
+
+def test_keys_dropped_for_room_are_checked_and_come_back_if_the_tier_kept_them() -> None:
+    h = holdings(capacity=2)
+    h.stored([key(1), key(2), key(3)], now=0.0)
+    assert key(1) not in h
+    batch = h.scrub(3)
+    assert batch[0] == key(1)  # a suspect: dropped for room, perhaps still held
+    h.kept([key(1)], now=1.0)  # it was: the tier evicted another (reused unseen)
+    assert key(1) in h
+    assert len(h) == 2
+    assert key(2) not in h  # the lowest ranked left in its place: a suspect now
+    assert h.scrub(3)[0] == key(2)
+    h.gone([key(2)], now=1.0)  # answered: it is no suspect any more
+    assert key(2) not in h.scrub(3)
 
 
 def test_nonsense_sizes_are_refused() -> None:
@@ -213,6 +266,24 @@ class SummaryMachine(RuleBasedStateMachine):
     @rule(ids=KEYS)
     def gone(self, ids: list[int]) -> None:
         self.node.gone([key(i) for i in ids], self.now)
+
+    @rule(ids=KEYS, request=st.sampled_from(["r1", "r2"]), data=st.data())
+    def store_for_a_request(self, ids: list[int], request: str, data: st.DataObject) -> None:
+        positions = [data.draw(st.integers(1, 40)) for _ in ids]
+        self.node.stored([key(i) for i in ids], self.now, request=request, positions=positions)
+
+    @rule(request=st.sampled_from(["r1", "r2"]))
+    def request_finishes(self, request: str) -> None:
+        self.node.finished(request)
+
+    @rule(most=st.integers(0, 6), data=st.data())
+    def scrub(self, most: int, data: st.DataObject) -> None:
+        batch = self.node.scrub(most)
+        assert len(batch) <= max(most, 1)
+        assert len(set(batch)) == len(batch)
+        kept = [k for k in batch if data.draw(st.booleans())]
+        self.node.kept(kept, self.now)
+        self.node.gone([k for k in batch if k not in kept], self.now)
 
     @rule(blocks=st.integers(-8, 8))
     def loads_take_or_give_back(self, blocks: int) -> None:

@@ -24,6 +24,7 @@ PURE_STDLIB = {
     "collections.abc",
     "enum",
     "functools",
+    "heapq",  # the order a parent's LRU evicts in: lists in, lists out
     "itertools",
     "math",
     "operator",

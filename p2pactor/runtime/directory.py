@@ -44,11 +44,13 @@ __all__ = [
     "Decision",
     "DirectoryCounts",
     "Drained",
+    "Ended",
     "Held",
     "Lacking",
     "LocateWanted",
     "Reserved",
-    "ScrubWanted",
+    "Reused",
+    "Scrubbed",
     "SourceDirectory",
     "SourcesCall",
     "SummaryPeer",
@@ -76,9 +78,29 @@ class Decision(msgspec.Struct, frozen=True, gc=False):
 # What an engine's thread hands the node's thread about holdings and choices
 # (through the engine bridge; applied by :meth:`SourceDirectory.apply`).
 class Held(msgspec.Struct, frozen=True, gc=False):
-    """The engine now holds ``keys`` (it stored them, or loaded them from a peer)."""
+    """The engine now holds ``keys`` (it stored them, or loaded them from a peer).
+
+    For ``request`` (its id), at ``positions`` (the keys' end-token positions),
+    when the engine says (:meth:`~p2pactor.core.holdings.Holdings.stored`).
+    """
 
     keys: tuple[bytes, ...]
+    request: str | None = None
+    positions: tuple[int | None, ...] | None = None
+
+
+class Reused(msgspec.Struct, frozen=True, gc=False):
+    """The engine's ``request`` reused ``keys`` (at ``positions``) its cache held."""
+
+    keys: tuple[bytes, ...]
+    request: str
+    positions: tuple[int | None, ...]
+
+
+class Ended(msgspec.Struct, frozen=True, gc=False):
+    """The engine's ``request`` finished: what it stored or loaded is its most recent."""
+
+    request: str
 
 
 class Touched(msgspec.Struct, frozen=True, gc=False):
@@ -103,10 +125,11 @@ class Drained(msgspec.Struct, frozen=True, gc=False):
     """The engine dropped everything it held."""
 
 
-class ScrubWanted(msgspec.Struct, frozen=True, gc=False):
-    """The engine may check up to ``most`` held keys at its next serve."""
+class Scrubbed(msgspec.Struct, frozen=True, gc=False):
+    """The engine checked a batch (``Node.take_scrub``): the keys it lacks, the ones it holds."""
 
-    most: int
+    gone: tuple[bytes, ...]
+    kept: tuple[bytes, ...]
 
 
 class LocateWanted(msgspec.Struct, frozen=True, gc=False):
@@ -116,7 +139,9 @@ class LocateWanted(msgspec.Struct, frozen=True, gc=False):
     keys: tuple[bytes, ...]
 
 
-SourcesCall = Held | Touched | Lacking | Reserved | Drained | ScrubWanted | LocateWanted
+SourcesCall = (
+    Held | Reused | Ended | Touched | Lacking | Reserved | Drained | Scrubbed | LocateWanted
+)
 """An engine call about holdings or a choice."""
 
 
@@ -194,6 +219,11 @@ class SourceDirectory:
         # Read by engine threads (one dict lookup, or a pop: atomic).
         self.decisions: dict[str, Decision] = {}
         self.scrubs: deque[list[bytes]] = deque()
+        """Batches of held keys to check with the engine's parent (the engine takes them)."""
+        self.checked = False
+        """Whether the engine checks held keys with its parent (it took a batch once)."""
+        self.frontier: list[bytes] = []
+        """The held keys the parent evicts next (the engine checks them after it allocates)."""
 
     @property
     def enabled(self) -> bool:
@@ -207,9 +237,14 @@ class SourceDirectory:
 
     # --- what this node holds ---------------------------------------------------------
 
-    def stored(self, keys: Iterable[bytes]) -> None:
+    def stored(
+        self,
+        keys: Iterable[bytes],
+        request: str | None = None,
+        positions: Sequence[int | None] | None = None,
+    ) -> None:
         """This node's engine now holds ``keys`` (a store, or a load of ours)."""
-        self.holdings.stored(keys, self._clock())
+        self.holdings.stored(keys, self._clock(), request=request, positions=positions)
         self._arm()
 
     def came(self, key: bytes) -> None:
@@ -231,6 +266,14 @@ class SourceDirectory:
         self.holdings.gone(keys, self._clock())
         self._arm()
 
+    def pinned(self, job: int, keys: Sequence[bytes]) -> None:
+        """Our server pinned ``keys`` for a peer (parent job ``job``)."""
+        self.holdings.pinned(job, keys)
+
+    def released(self, job: int) -> None:
+        """A pin of our server's was released."""
+        self.holdings.released(job, self._clock())
+
     def answered_miss(self, keys: Iterable[bytes]) -> None:
         """Our server answered MISS for ``keys``: any of them we claimed, we don't hold."""
         held = self.holdings
@@ -245,13 +288,20 @@ class SourceDirectory:
             self._parts[peer] = deque(snapshot.parts)
         self._send_parts()
 
-    def apply(self, call: Held | Touched | Lacking | Reserved | Drained | ScrubWanted) -> None:
-        """Apply an engine call about what this node holds."""
+    def apply(
+        self, call: Held | Reused | Ended | Touched | Lacking | Reserved | Drained | Scrubbed
+    ) -> None:
+        """Apply an engine call about what this node holds; plan the check it makes due."""
+        holdings, now = self.holdings, self._clock()
         match call:
-            case Held(keys):
-                self.stored(keys)
+            case Held(keys, request, positions):
+                self.stored(keys, request, positions)
+            case Reused(keys, request, positions):
+                holdings.accessed(keys, request, positions)
+            case Ended(request):
+                holdings.finished(request)
             case Reserved(blocks):
-                self.holdings.reserve(blocks, self._clock())
+                holdings.reserve(blocks, now)
                 self._arm()
             case Touched(keys):
                 self.touched(keys)
@@ -259,9 +309,16 @@ class SourceDirectory:
                 self.gone(keys)
             case Drained():
                 self.drained()
-            case ScrubWanted(most):
-                if not self.scrubs and len(self.holdings):
-                    self.scrubs.append(self.holdings.scrub(most))
+                self.scrubs.clear()
+            case Scrubbed(gone, kept):
+                holdings.scrubbed(gone, kept, now)
+                if gone:  # a claim the parent dropped costs every peer a lookup: tell now
+                    while (delta := holdings.flush(now, force=True)) is not None:
+                        self._broadcast(delta)
+        if self.checked and not isinstance(call, Scrubbed):
+            self.frontier = holdings.frontier()
+        self._plan_scrub(now)
+        self._arm()
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -418,7 +475,15 @@ class SourceDirectory:
             self._refresh(now)
         if self._next_part is not None and now >= self._next_part:
             self._send_parts()
+        self._plan_scrub(now)
         self._arm()
+
+    def _plan_scrub(self, now: float) -> None:
+        """A batch of held keys for the engine to check, if one is due and none is out."""
+        if self.checked and not self.scrubs:
+            batch = self.holdings.plan_scrub(now)
+            if batch:
+                self.scrubs.append(batch)
 
     def _refresh(self, now: float) -> None:
         """A whole snapshot to every peer (one snapshot, the same parts to each, paced)."""
@@ -434,6 +499,7 @@ class SourceDirectory:
     def _due(self) -> float | None:
         times = (
             self.holdings.next_flush(),
+            self.holdings.next_scrub() if self.checked else None,
             self._next_part,
             self._next_refresh,
             self.index.next_release(),

@@ -33,7 +33,7 @@ import trio
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.runtime.actor import RequestActor, Runner
-from p2pactor.runtime.directory import SourcesCall
+from p2pactor.runtime.directory import LocateWanted, SourcesCall
 
 __all__ = ["EngineBridge", "EngineSide", "LoadResult"]
 
@@ -175,6 +175,10 @@ class EngineBridge:
         self._unflushed: dict[RequestActor, list[bytes]] = {}
         self._dirty: set[RequestActor] = set()
         self._results: deque[LoadResult] = deque()
+        # _Sources items posted (engine threads, under the engine's lock) and
+        # applied (the node's thread): each counter has one writer at a time.
+        self._sources_posted = 0
+        self._sources_applied = 0
         self._token = trio.lowlevel.current_trio_token()
         self._trio_thread = threading.get_ident()
         self._wakeup = trio.Event()
@@ -190,6 +194,18 @@ class EngineBridge:
     def backlog(self) -> int:
         """Engine calls handed over and not yet applied."""
         return len(self._inbox)
+
+    @property
+    def pending(self) -> int:
+        """Of :attr:`backlog`, the calls the engine must keep stepping for.
+
+        What an engine says about its holdings (a store's keys, a check's
+        answers), unlike a choice it waits for, needs no step of it: an idle
+        engine may stop with those in the inbox. Any thread; a count read
+        while the node's thread applies may be one off for that moment.
+        """
+        sources = self._sources_posted - self._sources_applied
+        return max(0, len(self._inbox) - sources)
 
     @property
     def overloaded(self) -> bool:
@@ -267,6 +283,8 @@ class EngineBridge:
 
     def sources(self, call: SourcesCall, *, wake: bool) -> None:
         """Hand over a call about holdings or a choice (:mod:`p2pactor.runtime.directory`)."""
+        if not isinstance(call, LocateWanted):  # a choice to make: the engine waits on it
+            self._sources_posted += 1
         self.post(_Sources(call), wake=wake)
 
     def answers(self, answered: Sequence[tuple[RequestActor, inp.ParentAnswer]]) -> None:
@@ -400,6 +418,8 @@ class EngineBridge:
             case _Answer(actor, answer):
                 node.parent_answered(actor, answer)
             case _Sources(call):
+                if not isinstance(call, LocateWanted):
+                    self._sources_applied += 1
                 node.sources_call(call)
 
     def _register_first(self, actor: RequestActor) -> None:

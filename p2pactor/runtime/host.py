@@ -293,6 +293,8 @@ class NodeHost:
             misses = [key for key, result in answer.results if result is LookupResult.MISS]
             if misses:
                 self.directory.answered_miss(misses)
+            if answer.pin is not None:  # the parent evicts around them until released
+                self.directory.pinned(answer.pin.job_id, answer.pin.keys)
         self.runner.deliver(actor, answer)
 
     def post_parent(self, actor: RequestActor, request: fx.ParentRequest) -> None:
@@ -302,6 +304,8 @@ class NodeHost:
     def release_pin(self, job_id: int, *, success: bool) -> None:
         """Release a pin job through the parent service (now, or at the next serve)."""
         self.service.release(job_id, success=success)
+        if self.directory.enabled:
+            self.directory.released(job_id)
 
     def report_load(self, job_id: int, *, success: bool, reason: str) -> None:
         """Hand a load result to whoever waits for it."""

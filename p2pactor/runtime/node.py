@@ -215,7 +215,7 @@ class Node(ThreadSafeAPI, ThreadSafeSources):
     def has_pending_work(self) -> bool:
         """Whether anything is really outstanding: handshakes, loads, writes, parent work."""
         host = self._host
-        if host.service.pending or host.bridge.backlog or host.peers.draining:
+        if host.service.pending or host.bridge.pending or host.peers.draining:
             return True
         return any(s.has_pending_work() for s in host.peers.sessions())
 

@@ -2,14 +2,14 @@
 
 A base of :class:`~p2pactor.runtime.node.Node`, beside
 :class:`~p2pactor.runtime.threadsafe.ThreadSafeAPI`. An engine that lends its
-cache (vLLM) tells the node what its cache came to hold (:meth:`holds`),
-reused (:meth:`touch`), set aside for loads (:meth:`reserve`) or dropped
-(:meth:`drained`), lets it check held keys
-while the cache is lent (:meth:`want_scrub`, :meth:`take_scrub`,
-:meth:`lacks`), and, for a request that names no source, asks whether any
-peer claims its first key (:meth:`claimed`, one dict lookup), hands over the
-choice (:meth:`locate_soon`) and reads it back (:meth:`decision`). None of
-them blocks; what changes state is applied on the node's thread.
+cache (vLLM) tells the node what its cache came to hold (:meth:`holds`, for
+which request: :meth:`ended`), reused (:meth:`touch`), set aside for loads
+(:meth:`reserve`) or dropped (:meth:`drained`), checks held keys while the
+cache is lent (:meth:`take_scrub`, :meth:`scrubbed`, :meth:`lacks`), and,
+for a request that names no source, asks whether any peer claims its first
+key (:meth:`claimed`, one dict lookup), hands over the choice
+(:meth:`locate_soon`) and reads it back (:meth:`decision`). None of them
+blocks; what changes state is applied on the node's thread.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from p2pactor.core.sources import fingerprint
 from p2pactor.runtime.directory import (
     Decision,
     Drained,
+    Ended,
     Held,
     Lacking,
     LocateWanted,
     Reserved,
-    ScrubWanted,
+    Reused,
+    Scrubbed,
     SourceDirectory,
     Touched,
 )
@@ -44,10 +46,33 @@ class ThreadSafeSources:
         """Whether this node exchanges summaries (``SourceOptions.share``). Any thread."""
         return self._directory.enabled
 
-    def holds(self, keys: Sequence[bytes], *, wake: bool = False) -> None:
-        """The engine's cache now holds ``keys`` (it stored them, or loaded them from a peer)."""
+    def holds(
+        self,
+        keys: Sequence[bytes],
+        *,
+        request: str | None = None,
+        positions: Sequence[int | None] | None = None,
+        wake: bool = False,
+    ) -> None:
+        """The engine's cache now holds ``keys`` (it stored them, or loaded them from a peer).
+
+        An engine whose cache ranks a request's keys by their place in it
+        (vLLM's LRU) names the ``request`` and each key's ``positions``; it
+        then tells :meth:`ended` when the request ends.
+        """
         if keys and self._directory.enabled:
-            self._bridge.sources(Held(tuple(keys)), wake=wake)
+            where = None if positions is None else tuple(positions)
+            self._bridge.sources(Held(tuple(keys), request, where), wake=wake)
+
+    def reused(self, keys: Sequence[bytes], request: str, positions: Sequence[int | None]) -> None:
+        """The engine's ``request`` reused ``keys`` its cache held (at ``positions`` in it)."""
+        if keys and self._directory.enabled:
+            self._bridge.sources(Reused(tuple(keys), request, tuple(positions)), wake=False)
+
+    def ended(self, request: str, *, wake: bool = False) -> None:
+        """The engine's ``request`` finished (the one :meth:`holds` named)."""
+        if self._directory.enabled:
+            self._bridge.sources(Ended(request), wake=wake)
 
     def touch(self, keys: Sequence[bytes], *, wake: bool = False) -> None:
         """The engine reused ``keys`` (they are its most recent now)."""
@@ -75,17 +100,34 @@ class ThreadSafeSources:
         if self._directory.enabled:
             self._bridge.sources(Drained(), wake=True)
 
-    def want_scrub(self, most: int) -> None:
-        """Prepare up to ``most`` held keys for :meth:`take_scrub` to check."""
-        if self._directory.enabled and not self._directory.scrubs:
-            self._bridge.sources(ScrubWanted(most), wake=False)
-
     def take_scrub(self) -> list[bytes] | None:
-        """Held keys to check with the cache now (then :meth:`lacks` the gone ones), if any."""
+        """Keys to check with the cache now, if any are due (then :meth:`scrubbed`).
+
+        An engine that calls it checks: from then on the node plans batches as
+        its cache turns over (:meth:`~p2pactor.core.holdings.Holdings.plan_scrub`).
+        """
+        directory = self._directory
+        directory.checked = True
         try:
-            return self._directory.scrubs.popleft()
+            return directory.scrubs.popleft()
         except IndexError:
             return None
+
+    def take_frontier(self) -> list[bytes]:
+        """The held keys the cache evicts next, to check once it has allocated for its step.
+
+        Ask them right after the cache made room (in vLLM, the step's serve in
+        ``on_schedule_end``), then :meth:`scrubbed` the gone ones (and no kept:
+        those were only next in line).
+        """
+        directory = self._directory
+        batch, directory.frontier = directory.frontier, []
+        return batch
+
+    def scrubbed(self, gone: Sequence[bytes], kept: Sequence[bytes]) -> None:
+        """The answers for a batch of :meth:`take_scrub`: the keys the cache lacks, and holds."""
+        if self._directory.enabled:
+            self._bridge.sources(Scrubbed(tuple(gone), tuple(kept)), wake=False)
 
     def claimed(self, key: bytes) -> bool:
         """Whether any peer's summary claims ``key`` now (one dict lookup)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import socket
 import sys
@@ -35,17 +36,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
-from vllm.v1.kv_offload.base import ReqContext
 
 from p2pactor.programs.bench import _vllm_tier as shared
-from p2pactor.programs.bench._fleet_engine import FleetEngine, FleetRequest, Primary
+from p2pactor.programs.bench._fleet_engine import FleetEngine, FleetRequest
 from p2pactor.programs.bench._fleet_workload import (
     TOKENS_PER_BLOCK,
     FleetPlan,
+    RagPlan,
     Turn,
+    rag_turns_of,
     turns_of,
     working_set,
 )
+from p2pactor.programs.vllmstack import StackOptions, build_stack, tier_entry
 
 __all__ = ["ARMS", "main", "run_arm"]
 
@@ -55,6 +58,8 @@ BLOCK_BYTES = 4096
 """Bytes per chunk (the figures count keys and tokens; the bytes are checked)."""
 RUN_TIMEOUT_S = 600.0
 SYNC_TIMEOUT_S = 60.0
+HUNG_STEPS = 500
+"""A request whose lookups took longer than this many steps (5 s at 10 ms) to decide hung."""
 
 
 @attrs.frozen(kw_only=True)
@@ -70,17 +75,6 @@ class Pace:
     step_ms: float = 10.0
     admit: int = 4
     per_engine: int = 4
-
-
-def _tier(kind: str, pool: Any, port: int, seeds: list[str], summaries: bool) -> Any:
-    if kind == "stock":
-        return shared.make_tier("vllm", pool, port)
-    from p2pactor.adapters.vllm import P2PActorTierManager  # noqa: PLC0415
-
-    spec = shared.make_spec("ours", pool.shape[1], pool.shape[0], port)
-    return P2PActorTierManager(
-        spec, memoryview(pool), host=shared.HOST, port=port, seed_peers=seeds, summaries=summaries
-    )
 
 
 def _kinds(arm: str, n: int) -> list[str]:
@@ -113,37 +107,53 @@ def _ports(n: int) -> list[int]:
     return ports
 
 
-def _build(arm: str, n: int, capacity: int, every_key: int) -> list[FleetEngine]:
+def _build(arm: str, n: int, capacity: int) -> list[FleetEngine]:
     kinds = _kinds(arm, n)
     ports = _ports(n)
     ids = [f"{shared.HOST}:{p}" for p in ports]
     summaries = arm in ("auto", "mixed", "silent", "hostile")
-    engines = []
-    for i, kind in enumerate(kinds):
-        rows = every_key if (arm == "hostile" and i == 0) else capacity
-        pool = shared.make_pool(rows, BLOCK_BYTES)
-        seeds = [p for j, p in enumerate(ids) if j != i] if summaries else []
-        shares = summaries and not (arm == "silent" and i == 0)
-        tier = None if kind == "none" else _tier(kind, pool, ports[i], seeds, shares)
-        engine = FleetEngine(i, tier, Primary(pool, capacity))
-        engine.counts["port"] = ports[i]
-        engines.append(engine)
+    engines: list[FleetEngine] = []
+    try:
+        for i, kind in enumerate(kinds):
+            tiers = []
+            if kind == "ours":
+                seeds = [p for j, p in enumerate(ids) if j != i] if summaries else []
+                shares = summaries and not (arm == "silent" and i == 0)
+                entry = tier_entry(
+                    "ours", shared.HOST, ports[i], seed_peers=seeds, summaries=shares
+                )
+                tiers = [entry]
+            elif kind == "stock":
+                tiers = [tier_entry("stock", shared.HOST, ports[i])]
+            options = StackOptions(
+                tiers=tiers,
+                num_chunks=capacity,
+                chunk_bytes=BLOCK_BYTES,
+                engine_id=f"p2pactor-fleet-{os.getpid()}-{arm}-{i}",
+            )
+            engines.append(FleetEngine(i, build_stack(options), ports[i], p2p=kind != "none"))
+    except BaseException:
+        for e in engines:
+            e.stack.shutdown()
+        raise
     return engines
 
 
 def _ours(engines: Sequence[FleetEngine]) -> list[FleetEngine]:
-    return [e for e in engines if e.tier is not None and hasattr(e.tier, "node")]
+    return [e for e in engines if e.ours]
 
 
 def _peer_id(engine: FleetEngine) -> str:
-    return f"{shared.HOST}:{engine.counts['port']}"
+    return f"{shared.HOST}:{engine.port}"
 
 
 def _make_hostile(engine: FleetEngine, keys: list[bytes]) -> None:
-    """Engine 0 claims every key, and never takes a claim back."""
+    """Engine 0 claims keys it does not hold, as many as it may, and never takes one back."""
     node = engine.tier.node
     setattr(node.sources, "gone", lambda keys: None)  # noqa: B010 - a hostile patch, on purpose
-    node.holds(keys, wake=True)
+    lies = list(keys)
+    random.Random(1).shuffle(lies)  # noqa: S311 - which keys it lies about
+    node.holds(lies, wake=True)
 
 
 def _synced(engines: Sequence[FleetEngine], hostile: tuple[FleetEngine, int] | None) -> bool:
@@ -180,9 +190,10 @@ def _params(
     arm: str, engine: FleetEngine, engines: Sequence[FleetEngine], turn: Turn, rng: random.Random
 ) -> dict[str, Any] | None:
     others = [e for e in engines if e is not engine]
-    if arm == "oracle":
-        best = max(others, key=lambda e: e.primary.prefix(turn.keys))
-        if best.primary.prefix(turn.keys) <= engine.primary.prefix(turn.keys):
+    if arm == "oracle":  # the engine vLLM's CPU tiers say holds the longest prefix
+        held = {e.index: e.prefix(turn.keys) for e in (*others, engine)}
+        best = max(others, key=lambda e: held[e.index])
+        if held[best.index] <= held[engine.index]:
             return None
     elif arm == "random":
         best = rng.choice(others)
@@ -192,7 +203,7 @@ def _params(
         "remote_kv_source": {
             "kv_request_id": f"{arm}-{turn.index}",
             "remote_host": shared.HOST,
-            "remote_port": best.counts["port"],
+            "remote_port": best.port,
         }
     }
 
@@ -221,18 +232,21 @@ def _drive(
                 continue
             engine = engines[turn.engine]
             params = _params(arm, engine, engines, turn, rng)
-            ctx = ReqContext(req_id=f"{arm}-req-{turn.index}", kv_transfer_params=params)
-            req = FleetRequest(turn, ctx, admitted=step)
-            engine.admit(req)
-            requests.append(req)
+            requests.append(engine.admit(turn, f"{arm}-req-{turn.index}", params))
             pending.remove(turn)
             in_flight[turn.engine] += 1
             admitted += 1
-        for e in engines:
-            e.step(step)
-        time.sleep(pace.step_ms / 1000)
-        for e in engines:
-            for req in e.end_step(step):
+        stepping = [e for e in engines if e.wants_step()]
+        for e in stepping:
+            e.begin()
+        time.sleep(pace.step_ms / 1000)  # the forward pass
+        for e in stepping:
+            for req in e.end():
+                done[req.turn.conversation, req.turn.turn] = step
+                in_flight[e.index] -= 1
+        for e in engines:  # the client gives up on a request that hung
+            for req in e.hung(HUNG_STEPS):
+                e.engine.abort(req.req)
                 done[req.turn.conversation, req.turn.turn] = step
                 in_flight[e.index] -= 1
         step += 1
@@ -270,11 +284,11 @@ def _figures(
     setup_s: float,
 ) -> dict[str, Any]:
     keys = sum(len(r.turn.keys) for r in requests)
-    local = sum(r.local for r in requests)
-    loaded = sum(r.loaded for r in requests)
+    local = sum(r.req.loaded - r.req.promoted for r in requests)
+    loaded = sum(r.req.promoted for r in requests)
     waits: dict[str, list[int]] = {"claimed": [], "unclaimed": [], "named": [], "all": []}
     for r in requests:
-        wait = r.answered - r.admitted
+        wait = r.req.waited  # steps its scans were deferred for a tier's answer
         waits["all"].append(wait)
         if r.claimed is not None:
             waits["claimed" if r.claimed else "unclaimed"].append(wait)
@@ -286,6 +300,7 @@ def _figures(
     honest_counts = [e.tier.node.sources.counts for e in honest]
     pairs = max(1, len(ours) * (len(ours) - 1))
     named = sum(1 for r in requests if r.ctx.kv_transfer_params is not None)
+    failures = "vllm:kv_offload_tiering_promotion_job_failures"
     out: dict[str, Any] = {
         "arm": arm,
         "engines": len(engines),
@@ -298,18 +313,23 @@ def _figures(
         "wait_steps_mean": {k: (sum(v) / len(v) if v else 0.0) for k, v in waits.items()},
         "wait_steps_max": {k: max(v, default=0) for k, v in waits.items()},
         "requests_by_claim": {k: len(v) for k, v in waits.items()},
+        # A request that waited over HUNG_STEPS for its lookups to decide hung
+        # (vLLM's scheduler retries it every step; nobody gives up for it).
+        "hung": sum(1 for r in requests if r.req.aborted),
+        "named": named,
         "probes_per_request": (sum(c.chosen for c in counts) + named) / len(requests),
         "probed_keys": sum(c.probed_keys for c in honest_counts),
         "false_claims": sum(c.false_claims for c in honest_counts),
         "summary_bytes_per_s_per_peer": sum(c.bytes_sent for c in counts) / seconds / pairs,
-        "loads_failed": sum(e.counts["loads_failed"] for e in engines),
-        "wrong_blocks": sum(e.counts["wrong_blocks"] for e in engines),
-        "evicted": sum(e.primary.evicted for e in engines),
-        "steps": max((r.finished for r in requests), default=0) + 1,
+        "loads_failed": sum(
+            v for e in engines for (name, _), v in e.engine.counters.items() if name == failures
+        ),
+        "wrong_blocks": sum(r.req.wrong for r in requests),
+        "steps": max((r.req.finished - r.req.admitted for r in requests), default=0) + 1,
         "seconds": seconds,
         "setup_s": setup_s,
         "saved_by_engine": [
-            sum((r.local + r.loaded) * TOKENS_PER_BLOCK for r in requests if r.turn.engine == i)
+            sum((r.req.loaded) * TOKENS_PER_BLOCK for r in requests if r.turn.engine == i)
             for i in range(len(engines))
         ],
     }
@@ -323,62 +343,85 @@ def _figures(
     return out
 
 
-def run_arm(plan: FleetPlan, arm: str, turns: Sequence[Turn], pace: Pace) -> dict[str, Any]:
+def run_arm(
+    plan: FleetPlan | RagPlan, arm: str, turns: Sequence[Turn], pace: Pace
+) -> dict[str, Any]:
     """Build the fleet of ``arm``, run ``turns`` through it, settle, shut it down; its figures."""
     every = working_set(turns)
     capacity = max(16, int(plan.capacity * every))
-    engines = _build(arm, plan.engines, capacity, every)
+    engines = _build(arm, plan.engines, capacity)
     try:
         hostile = None
         if arm == "hostile":
             all_keys = list(dict.fromkeys(k for t in turns for k in (*t.keys, *t.reply)))
             _make_hostile(engines[0], all_keys)
-            hostile = (engines[0], len(all_keys))
+            hostile = (engines[0], min(len(all_keys), capacity))
         setup_s = _wait(engines, lambda: _synced(engines, hostile), "summaries", SYNC_TIMEOUT_S)
         requests, _, seconds = _drive(arm, engines, turns, pace)
         figures = _figures(arm, engines, requests, seconds, setup_s)
         _wait(engines, lambda: all(e.settled() for e in engines), "every tier settled", 60.0)
-        figures["pins_left"] = sum(len(e.pins) for e in engines)
-        figures["open_left"] = sum(len(e.parent.open) for e in engines)
+        time.sleep(0.2)  # the tiers' figures reach vLLM's counters within 0.1 s
+        for e in engines:
+            e.poll()
+        figures["pins_left"] = sum(e.jobs_left() for e in engines)
+        figures["open_left"] = sum(e.open_left() for e in engines)
+        lookups = "vllm:kv_offload_p2pactor_lookups"
+        figures["lookups_sent"] = sum(
+            v for e in engines for (name, _), v in e.engine.counters.items() if name == lookups
+        )
         indexes = [e.tier.node.sources.index for e in _ours(engines)]
         figures["index_claims_per_engine"] = sum(len(i) for i in indexes) / max(1, len(indexes))
         figures["index_bytes_per_engine"] = sum(map(_index_bytes, indexes)) / max(1, len(indexes))
+        figures["capacity_share"] = plan.capacity
         return figures
     finally:
         for e in engines:
-            if e.tier is not None:
-                e.tier.shutdown()
+            e.stack.shutdown()
+
+
+def _plans(args: argparse.Namespace, repeat: int) -> list[FleetPlan | RagPlan]:
+    seed = args.seed + repeat
+    if args.workload == "rag":
+        return [
+            RagPlan(engines=size, requests=args.requests, capacity=share, seed=seed)
+            for size in (int(s) for s in args.sizes.split(","))
+            for share in (float(c) for c in args.capacities.split(","))
+        ]
+    return [
+        FleetPlan(engines=size, conversations=args.conversations, seed=seed)
+        for size in (int(s) for s in args.sizes.split(","))
+    ]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run every arm on every fleet size; write the figures as JSON."""
+    """Run every arm on every fleet (size, tier share); write the figures as JSON."""
     parser = argparse.ArgumentParser(description="the fleet benchmark's process")
     parser.add_argument("--json", required=True)
-    parser.add_argument("--sizes", default="4,8")
+    parser.add_argument("--workload", choices=("chat", "rag"), default="chat")
+    parser.add_argument("--sizes", default=None, help="engines per fleet (chat: 4,8; rag: 5)")
     parser.add_argument("--conversations", type=int, default=FleetPlan().conversations)
+    parser.add_argument("--requests", type=int, default=RagPlan().requests)
+    parser.add_argument("--capacities", default="0.25,0.1", help="rag: CPU tier shares")
     parser.add_argument("--arms", default=",".join(ARMS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = "5" if args.workload == "rag" else "4,8"
     pace = Pace()
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
-        for size in (int(s) for s in args.sizes.split(",")):
+        for plan in _plans(args, repeat):
             # The same turns in every arm of a repeat; another workload per repeat.
-            plan = FleetPlan(
-                engines=size, conversations=args.conversations, seed=args.seed + repeat
-            )
-            turns = turns_of(plan)
+            turns = rag_turns_of(plan) if isinstance(plan, RagPlan) else turns_of(plan)
             for arm in args.arms.split(","):
-                t0 = time.monotonic()
                 figures = run_arm(plan, arm, turns, pace)
+                figures["workload"] = args.workload
                 figures["working_set"] = working_set(turns)
                 figures["repeat"] = repeat
-                time.monotonic() - t0
                 runs.append(figures)
-    plan = FleetPlan(conversations=args.conversations, seed=args.seed)
     with open(args.json, "w") as f:
-        json.dump({"plan": attrs.asdict(plan), "pace": attrs.asdict(pace), "runs": runs}, f)
+        json.dump({"workload": args.workload, "pace": attrs.asdict(pace), "runs": runs}, f)
     return 0
 
 

@@ -1,10 +1,18 @@
-"""The fleet benchmark's workload: router-less shared-prefix chat, with vLLM's key hashing.
+"""The fleet benchmark's workloads: router-less chat and RAG, with vLLM's key hashing.
 
-A few dozen system prompts, of Zipf popularity, start the conversations; each
-conversation has a few turns, and every turn's prompt is the system prompt,
-the whole history (every earlier user message and reply) and a new user
-message, so a follow-up's prefix is the previous turn's prompt and reply.
+**Chat** (:class:`FleetPlan`, :func:`turns_of`). A few dozen system prompts,
+of Zipf popularity, start the conversations; each conversation has a few
+turns, and every turn's prompt is the system prompt, the whole history (every
+earlier user message and reply) and a new user message, so a follow-up's
+prefix is the previous turn's prompt and reply.
 Every turn goes to an engine drawn uniformly at random: no router.
+
+**RAG** (:class:`RagPlan`, :func:`rag_turns_of`). Every prompt is a shared
+system prompt, a retrieved document and a question; documents are of Zipf
+popularity and come into use over the run (a document's first request comes
+while others are asked about older ones), a fifth of the requests retrieve a
+document nobody else ever asks for (a prefix nobody holds), and each request
+lands on an engine drawn uniformly at random.
 
 Token ids are synthetic (seeded), every segment a whole number of 16-token
 blocks; the keys are vLLM's: ``hash_block_tokens`` with sha256 chained from
@@ -23,7 +31,15 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.kv_offload.base import make_offload_key
 
-__all__ = ["TOKENS_PER_BLOCK", "FleetPlan", "Turn", "turns_of", "working_set"]
+__all__ = [
+    "TOKENS_PER_BLOCK",
+    "FleetPlan",
+    "RagPlan",
+    "Turn",
+    "rag_turns_of",
+    "turns_of",
+    "working_set",
+]
 
 TOKENS_PER_BLOCK = 16
 """Tokens per block (and per key: one block per chunk), as the benchmark's spec says."""
@@ -140,3 +156,61 @@ def turns_of(plan: FleetPlan) -> list[Turn]:
 def working_set(turns: Sequence[Turn]) -> int:
     """Distinct keys the run computes (prompts and replies)."""
     return len({k for t in turns for k in (*t.keys, *t.reply)})
+
+
+@attrs.frozen(kw_only=True)
+class RagPlan:
+    """The shape of one RAG run's workload.
+
+    Attributes:
+        engines: Engines in the fleet.
+        requests: Requests in the run.
+        documents: Documents that several requests retrieve.
+        zipf_s: Their popularity skew (rank ``r`` weighs ``1 / r**s``).
+        system_blocks: Blocks of the shared system prompt.
+        document_blocks: (fewest, most) blocks of a document.
+        question_blocks: (fewest, most) blocks of a question.
+        reply_blocks: (fewest, most) blocks of a reply.
+        unique_share: Requests retrieving a document nobody else asks for.
+        capacity: Each engine's CPU tier holds this share of the working set.
+        seed: Seeds everything.
+    """
+
+    engines: int = 5
+    requests: int = 480
+    documents: int = 64
+    zipf_s: float = 0.8
+    system_blocks: int = 4
+    document_blocks: tuple[int, int] = (16, 64)
+    question_blocks: tuple[int, int] = (1, 4)
+    reply_blocks: tuple[int, int] = (2, 6)
+    unique_share: float = 0.2
+    capacity: float = 0.25
+    seed: int = 0
+
+
+def rag_turns_of(plan: RagPlan) -> list[Turn]:
+    """Every request of a RAG run, in arrival order (each its own one-turn conversation)."""
+    rng = random.Random(plan.seed)  # noqa: S311 - a reproducible workload, not a secret
+    system = _tokens(rng, plan.system_blocks)
+    docs = [_tokens(rng, rng.randint(*plan.document_blocks)) for _ in range(plan.documents)]
+    # Document d comes into use a d-th of the way into the run: before it,
+    # requests ask about the documents already in use.
+    opens = [int(plan.requests * 0.8 * d / plan.documents) for d in range(plan.documents)]
+    weights = [1 / (rank + 1) ** plan.zipf_s for rank in range(plan.documents)]
+    turns = []
+    for i in range(plan.requests):
+        if rng.random() < plan.unique_share:
+            document = _tokens(rng, rng.randint(*plan.document_blocks))
+        else:
+            live = [d for d in range(plan.documents) if opens[d] <= i] or [0]
+            document = docs[rng.choices(live, [weights[d] for d in live])[0]]
+        chain = _Chain()
+        chain.extend(system)
+        chain.extend(document)
+        chain.extend(_tokens(rng, rng.randint(*plan.question_blocks)))
+        prompt = chain.copy()
+        reply = chain.extend(_tokens(rng, rng.randint(*plan.reply_blocks)))
+        engine = rng.randrange(plan.engines)
+        turns.append(Turn(i, i, 0, engine, tuple(prompt.keys), tuple(reply), 0))
+    return turns

@@ -45,15 +45,9 @@ from vllm.v1.kv_offload.base import (
     LookupResult,
     RequestOffloadingContext,
 )
-from vllm.v1.kv_offload.config import (
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
 from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
-from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
 
 init_none_hash(sha256)
 
@@ -120,49 +114,21 @@ def stamp(request: int, key: int) -> bytes:
 def make_spec(kind: str, block_bytes: int, num_blocks: int, port: int, layers: int = 28) -> Any:
     """The spec vLLM hands its tiers, for one full-attention group of 16-token blocks, TP=1.
 
-    A real ``TieringOffloadingSpec`` over a real ``OffloadingConfig``: both
-    tiers read ``config`` (the layout fingerprint through
+    A real ``TieringOffloadingSpec`` over a real ``OffloadingConfig``
+    (:func:`~p2pactor.programs.vllmstack.spec_of`): both tiers read
+    ``config`` (the layout fingerprint through
     ``FileMapper.from_offloading_spec(..., parallel_agnostic=True)``, the data
     parallel index for the port) and ``blocks_per_chunk``. Its extra config
     names the tier of ``kind`` as an engine's ``secondary_tiers`` entry would.
     """
-    tier_config: dict[str, Any] = {"host": HOST, "port": port}
-    if kind == "ours":
-        tier_config |= {"type": "P2PActorTierManager", "module_path": "p2pactor.adapters.vllm"}
-    else:
-        tier_config |= {"type": "p2p"}
-    config = OffloadingConfig(
-        groups=(
-            OffloadingGroupConfig(
-                tokens_per_block=16,
-                layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)),
-                group_id=0,
-            ),
-        ),
-        worker_kv_bytes_per_block=block_bytes,
-        enable_kv_cache_events=False,
-        extra_config={
-            "cpu_bytes_to_use": num_blocks * block_bytes,
-            "blocks_per_chunk": 1,
-            "secondary_tiers": [tier_config],
-        },
+    options = StackOptions(
+        tiers=[tier_entry("ours" if kind == "ours" else "stock", HOST, port)],
+        num_chunks=num_blocks,
+        chunk_bytes=block_bytes,
+        layers=layers,
         engine_id="p2pactor-bench",
-        model=OffloadingModelConfig(name="Qwen/Qwen3-0.6B", dtype="bfloat16", max_model_len=4096),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
     )
-    return TieringOffloadingSpec(config)
+    return spec_of(options)
 
 
 # --- the parent ----------------------------------------------------------------------

@@ -1,17 +1,19 @@
-"""Finding the source without a router: a fleet of scripted vLLM engines, every arm in one run.
+"""Finding the source without a router: fleets of engines on vLLM's own stack, every arm.
 
-Router-less shared-prefix chat (:mod:`p2pactor.programs.bench._fleet_workload`:
-32 system prompts of Zipf popularity, multi-turn conversations whose history
-re-enters as prompt, vLLM's key hashing over synthetic token ids, every turn
-on a uniformly random engine, each engine's CPU tier a quarter of the
-working set) on 4 and then 8 engines
-(:mod:`p2pactor.programs.bench._fleet_engine`: the real vLLM adapter, or
-vLLM 0.33's own tier, over real ZeroMQ and NIXL). The arms
-(:mod:`p2pactor.programs.bench._fleet_run`): no P2P, an oracle naming the
-engine with the longest prefix, a random peer named, automatic choice, a
-mixed fleet (every other engine stock vLLM), engine 0 silent (no summary),
-engine 0 hostile (claims every key). Per fleet size, the median over repeats
-with [min..max].
+Every engine is vLLM 0.33's own offloading stack
+(:mod:`p2pactor.programs.bench._fleet_engine`: ``TieringOffloadingManager``
+from ``get_manager()``, its CPU tier with vLLM's LRU and its tier-poll thread,
+p2pactor's tier or vLLM's own from the tier entry, stepped as vLLM's connector
+scheduler steps it, over real ZeroMQ and NIXL). Two workloads
+(:mod:`p2pactor.programs.bench._fleet_workload`): router-less shared-prefix
+chat on 4 and 8 engines with each CPU tier a quarter of the working set, and
+RAG on 5 engines (Zipf documents coming into use over the run, a fifth of the
+requests for a prefix nobody holds) with tiers a quarter and a tenth of it.
+The arms (:mod:`p2pactor.programs.bench._fleet_run`): no P2P, an oracle naming
+the engine whose CPU tier vLLM says holds the longest prefix, a random peer
+named, automatic choice, a mixed fleet (every other engine stock vLLM),
+engine 0 silent (no summary), engine 0 hostile (claims keys it does not hold).
+Per fleet, the median over repeats with [min..max].
 """
 
 from __future__ import annotations
@@ -28,13 +30,20 @@ __all__ = ["NAME", "TITLE", "run"]
 
 NAME = "fleet"
 """The section's name."""
-TITLE = "finding the source with no router: router-less chat on 4 and 8 engines, by arm"
+TITLE = "finding the source with no router: chat and RAG fleets on vLLM's own stack, by arm"
 """One line saying what is measured."""
 
 ARMS = ("none", "oracle", "random", "auto", "mixed", "silent", "hostile")
 
 Run = dict[str, Any]
 Runs = dict[str, list[Run]]  # arm -> its repeats
+
+
+def fleet_of(run: Run) -> str:
+    """The fleet a run belongs to, as its rows name it."""
+    if run.get("workload") == "rag":
+        return f"rag, {run['engines']} engines, tiers {100 * run['capacity_share']:g}%"
+    return f"chat, {run['engines']} engines"
 
 
 def _by(key: str) -> Callable[[Run, Runs, int], float]:
@@ -75,6 +84,8 @@ FIGURES: tuple[tuple[str, Callable[[Run, Runs, int], float]], ...] = (
     ("wait, claimed requests (steps, mean)", _wait("claimed", "mean")),
     ("wait, named requests (steps, mean)", _wait("named", "mean")),
     ("wait, unclaimed requests (steps, max)", _wait("unclaimed", "max")),
+    ("hung requests (no answer in 5 s)", _by("hung")),
+    ("lookups per named request", _per_key("lookups_sent", "named", 1.0)),
     ("probes per request", _by("probes_per_request")),
     ("false claims (% of probed keys)", _per_key("false_claims", "probed_keys")),
     ("summary bytes/s per peer pair", _by("summary_bytes_per_s_per_peer")),
@@ -92,28 +103,26 @@ def _stat(values: list[float]) -> Stat | None:
     return Stat.of(values) if values else None
 
 
-def _rows(size: int, runs: Runs) -> list[dict[str, Cell]]:
+def _rows(fleet: str, runs: Runs) -> list[dict[str, Cell]]:
     rows: list[dict[str, Cell]] = []
     for label, get in FIGURES:
-        row: dict[str, Cell] = {"figure": f"{size} engines: {label}"}
+        row: dict[str, Cell] = {"figure": f"{fleet}: {label}"}
         for arm in ARMS:
             row[arm] = _stat([get(run, runs, i) for i, run in enumerate(runs.get(arm, []))])
         rows.append(row)
     return rows
 
 
-def _ratios(size: int, runs: Runs) -> dict[str, Stat]:
+def _ratios(size: str, runs: Runs) -> dict[str, Stat]:
     def per_repeat(get: Callable[[Run, Runs, int], float], arm: str) -> Stat:
         return Stat.of(get(run, runs, i) / 100.0 for i, run in enumerate(runs[arm]))
 
     return {
-        f"{size} engines: auto/oracle tokens loaded from peers": per_repeat(
+        f"{size}: auto/oracle tokens loaded from peers": per_repeat(
             _share("loaded_tokens", "oracle"), "auto"
         ),
-        f"{size} engines: auto/oracle tokens saved": per_repeat(
-            _share("saved_tokens", "oracle"), "auto"
-        ),
-        f"{size} engines: others' savings with a hostile engine 0 / with a silent one": Stat.of(
+        f"{size}: auto/oracle tokens saved": per_repeat(_share("saved_tokens", "oracle"), "auto"),
+        f"{size}: others' savings with a hostile engine 0 / with a silent one": Stat.of(
             sum(h["saved_by_engine"][1:]) / max(1, sum(s["saved_by_engine"][1:]))
             for h, s in zip(runs["hostile"], runs["silent"], strict=True)
         ),
@@ -124,92 +133,107 @@ def _median(runs: list[Run], get: Callable[[Run], float]) -> float:
     return Stat.of(get(r) for r in runs).median
 
 
-def _notes(sizes: dict[int, Runs], repeats: int, args: dict[str, Any]) -> list[str]:
+def _notes(fleets: dict[str, Runs], repeats: int, args: dict[str, Any]) -> list[str]:
     notes = [
         (
-            f"{args['conversations']} conversations of 2-5 turns, {repeats} repeat(s); each "
-            "engine's CPU tier holds 25% of the working set (LRU); 10 ms steps, 4 requests "
-            "admitted per step over the fleet, 4 in flight per engine; a follow-up comes "
-            "10-40 steps after its reply"
+            f"chat: {args['conversations']} conversations of 2-5 turns; rag: {args['requests']} "
+            f"requests over Zipf documents, a fifth for a prefix nobody holds; {repeats} "
+            "repeat(s); 10 ms steps, 4 requests admitted per step over the fleet, 4 in flight "
+            "per engine; every engine is vLLM's own stack (its LRU, no touch)"
         ),
         (
-            "tokens saved: prompt tokens not prefilled (the engine's own CPU tier, then keys "
-            "loaded from a peer); the oracle reads every engine's CPU tier at admission"
+            "tokens saved: prompt tokens not prefilled (loaded from the engine's own CPU tier, "
+            "or from a peer through it); the oracle names the engine whose CPU tier (vLLM's "
+            "own lookup) holds the longest prefix at admission; a hung request waited 5 s for "
+            "its lookups and was given up (as a client would)"
         ),
     ]
-    for size, runs in sizes.items():
-        auto, oracle = runs["auto"], runs["oracle"]
-        p2p = _median(auto, lambda r: r["loaded_tokens"]) / max(
-            1.0, _median(oracle, lambda r: r["loaded_tokens"])
-        )
-        saved = _median(auto, lambda r: r["saved_tokens"]) / max(
-            1.0, _median(oracle, lambda r: r["saved_tokens"])
-        )
-        probed = sum(r["probed_keys"] for r in auto)
-        false = sum(r["false_claims"] for r in auto) / probed if probed else 0.0
-        unclaimed = max(r["wait_steps_max"]["unclaimed"] for a in ARMS for r in runs[a])
+    for fleet, runs in fleets.items():
+        notes += _fleet_notes(fleet, runs)
+    return notes
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _fleet_notes(fleet: str, runs: Runs) -> list[str]:
+    auto, oracle = runs["auto"], runs["oracle"]
+    p2p = _median(auto, lambda r: r["loaded_tokens"]) / max(
+        1.0, _median(oracle, lambda r: r["loaded_tokens"])
+    )
+    saved = _median(auto, lambda r: r["saved_tokens"]) / max(
+        1.0, _median(oracle, lambda r: r["saved_tokens"])
+    )
+    probed = sum(r["probed_keys"] for r in auto)
+    false = sum(r["false_claims"] for r in auto) / probed if probed else 0.0
+    arms = [a for a in ARMS if a in runs]
+    unclaimed = max(r["wait_steps_max"]["unclaimed"] for a in arms for r in runs[a])
+    hung = sum(r["hung"] for a in arms for r in runs[a])
+    left = sum(r["pins_left"] + r["open_left"] for a in arms for r in runs[a])
+    wrong = sum(r["wrong_blocks"] for a in arms for r in runs[a])
+    notes = [
+        (
+            f"{fleet}: auto saves {saved:.1%} of the oracle's tokens ({p2p:.1%} of what it "
+            f"loads from peers); target 90%: {_verdict(p2p >= 0.9)} on the tokens loaded, "
+            f"{_verdict(saved >= 0.9)} on all"
+        ),
+        f"{fleet}: false claims {false:.2%} of probed keys; target 2%: {_verdict(false <= 0.02)}",
+        (
+            f"{fleet}: requests nobody claims wait at most {unclaimed} extra steps (every arm); "
+            f"target 0: {_verdict(unclaimed == 0)}"
+        ),
+        f"{fleet}: {hung} hung requests in every arm together; target 0: {_verdict(hung == 0)}",
+        (
+            f"{fleet}: {left} pins or peer requests left, {wrong} blocks with wrong bytes "
+            f"(target 0: {_verdict(left == 0 and wrong == 0)})"
+        ),
+    ]
+    if "hostile" in runs and "silent" in runs:
         hostile = [sum(r["saved_by_engine"][1:]) for r in runs["hostile"]]
         silent = [sum(r["saved_by_engine"][1:]) for r in runs["silent"]]
         honest = [sum(r["saved_by_engine"][1:]) for r in auto]
         cost_silent = 1 - Stat.of(h / s for h, s in zip(hostile, silent, strict=True)).median
         cost_auto = 1 - Stat.of(h / a for h, a in zip(hostile, honest, strict=True)).median
         caught = _median(runs["hostile"], lambda r: r["hostile_quarantined_by"])
-        left = sum(r["pins_left"] + r["open_left"] for a in ARMS for r in runs[a])
-        wrong = sum(r["wrong_blocks"] for a in ARMS for r in runs[a])
-
-        def verdict(ok: bool) -> str:
-            return "met" if ok else "MISSED"
-
-        notes += [
-            (
-                f"{size} engines: auto saves {saved:.1%} of the oracle's tokens "
-                f"({p2p:.1%} of what it loads from peers); target 90%: "
-                f"{verdict(p2p >= 0.9)} on the tokens loaded, {verdict(saved >= 0.9)} on all"
-            ),
-            (
-                f"{size} engines: false claims {false:.2%} of probed keys; target 2%: "
-                f"{verdict(false <= 0.02)}"
-            ),
-            (
-                f"{size} engines: requests nobody claims wait at most {unclaimed} extra steps "
-                f"(every arm); target 0: {verdict(unclaimed == 0)}"
-            ),
-            (
-                f"{size} engines: the hostile engine is quarantined by {caught:g} of {size - 1} "
-                f"peers (the others scored it out before quarantine); it costs the others "
-                f"{cost_silent:.1%} of their savings against a silent engine 0, "
-                f"{cost_auto:.1%} against an honest one (it is no source once caught); "
-                f"target 5%: {verdict(cost_silent <= 0.05)} against silent"
-            ),
-            (
-                f"{size} engines: {left} pins or peer requests left, {wrong} blocks with wrong "
-                f"bytes (target 0: {verdict(left == 0 and wrong == 0)})"
-            ),
-        ]
+        peers = runs["hostile"][0]["engines"] - 1
+        notes.append(
+            f"{fleet}: the hostile engine is quarantined by {caught:g} of {peers} peers; it "
+            f"costs the others {cost_silent:.1%} of their savings against a silent engine 0, "
+            f"{cost_auto:.1%} against an honest one; target 5%: "
+            f"{_verdict(cost_silent <= 0.05)} against silent"
+        )
     return notes
 
 
 def run(options: BenchOptions) -> SectionResult:
-    """Run the fleet benchmark in a subprocess and tabulate its figures."""
+    """Run the fleet benchmark (chat, then RAG) in subprocesses and tabulate its figures."""
     missing = vllm_missing()
     if missing is not None:
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
     conversations = 40 if options.quick else 160
-    out = os.path.join(options.work_dir, "fleet.json")
-    run_module(
-        "p2pactor.programs.bench._fleet_run",
-        f"--json={out}",
-        f"--conversations={conversations}",
-        f"--repeats={repeats}",
-        timeout=300 if options.quick else 900 * repeats,
-    )
-    with open(out) as f:
-        report = json.load(f)
-    sizes: dict[int, Runs] = {}
-    for r in report["runs"]:
-        sizes.setdefault(int(r["engines"]), {}).setdefault(r["arm"], []).append(r)
-    rows = [row for size, runs in sizes.items() for row in _rows(size, runs)]
-    ratios = {k: v for size, runs in sizes.items() for k, v in _ratios(size, runs).items()}
-    notes = _notes(sizes, repeats, {"conversations": conversations})
+    requests = 160 if options.quick else 480
+    runs: list[Run] = []
+    for workload, extra in (
+        ("chat", [f"--conversations={conversations}"]),
+        ("rag", [f"--requests={requests}"]),
+    ):
+        out = os.path.join(options.work_dir, f"fleet-{workload}.json")
+        run_module(
+            "p2pactor.programs.bench._fleet_run",
+            f"--json={out}",
+            f"--workload={workload}",
+            f"--repeats={repeats}",
+            *extra,
+            timeout=300 if options.quick else 900 * repeats,
+        )
+        with open(out) as f:
+            runs += json.load(f)["runs"]
+    fleets: dict[str, Runs] = {}
+    for r in runs:
+        fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
+    rows = [row for fleet, by_arm in fleets.items() for row in _rows(fleet, by_arm)]
+    ratios = {k: v for fleet, by_arm in fleets.items() for k, v in _ratios(fleet, by_arm).items()}
+    notes = _notes(fleets, repeats, {"conversations": conversations, "requests": requests})
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
