@@ -21,6 +21,7 @@ from p2pactor.adapters._vllm_api import (
     from_vllm,
     job_ids,
 )
+from p2pactor.adapters._vllm_jobs import JobBook
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult as Answer
 
@@ -35,11 +36,10 @@ class TierBooks(Protocol):
     _contexts: dict[str, ReqContext]
     """Synthetic requests by p2pactor's name, open across serves."""
 
-    def _track_store(self, job_id: int, kv_request_id: str | None, blocks: int) -> None:
-        """A store job starts (a peer's pin here)."""
-
-    def _store_released(self, job_id: int, success: bool) -> None:
-        """A store job's one release."""
+    @property
+    def jobs(self) -> JobBook:
+        """The tier's jobs (a peer's pin starts one here; its release ends it)."""
+        ...
 
 
 class LentParent:
@@ -66,7 +66,7 @@ class LentParent:
         ctx = self._books._contexts[context]
         job = self._parent.create_store_job(list(keys), ctx)
         job_id = int(job.job_id)
-        self._books._track_store(job_id, None, len(job.keys))
+        self._books.jobs.track_store(job_id, None, len(job.keys))
         return inp.Pin(job_id, tuple(job.keys), tuple(job_ids(job)))
 
     def on_request_finished(self, context: str) -> None:
@@ -75,7 +75,7 @@ class LentParent:
 
     def release_job(self, job_id: int, *, success: bool) -> None:
         # vLLM unpins a job when the tier reports it in get_finished_jobs().
-        self._books._store_released(job_id, success)
+        self._books.jobs.store_released(job_id, success)
 
 
 def scrub(

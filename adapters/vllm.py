@@ -31,7 +31,8 @@ check through the lent parent sized to the tier's churn, a new epoch at
 
 Its parts: ``_vllm_api.py`` (vLLM's API across versions), ``_vllm_parent.py``
 (the lent parent, the check), ``_vllm_auto.py`` (the automatic choice),
-``_vllm_thread.py`` (the node's thread), ``_vllm_metrics.py`` (``/metrics``).
+``_vllm_jobs.py`` (the jobs owed to vLLM), ``_vllm_thread.py`` (the node's
+thread), ``_vllm_metrics.py`` (``/metrics``).
 """
 
 from __future__ import annotations
@@ -59,7 +60,6 @@ from p2pactor.adapters._vllm_api import (
     SecondaryTierManager,
     Source,
     job_ids,
-    job_result,
     layout_fingerprint,
     parse_dest,
     parse_source,
@@ -67,6 +67,7 @@ from p2pactor.adapters._vllm_api import (
     request_keys,
 )
 from p2pactor.adapters._vllm_auto import Auto, AutoSources, source_options
+from p2pactor.adapters._vllm_jobs import JobBook
 from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
 from p2pactor.adapters._vllm_parent import LentParent, scrub
 from p2pactor.adapters._vllm_thread import NodeThread
@@ -83,15 +84,6 @@ log = logging.getLogger("p2pactor.vllm")
 _SHUTDOWN_DRAIN_S = 3.0  # vLLM's own: wait this long for writes, then give up
 _DRAIN_TIMEOUT_S = 30.0
 _CURVE_ENV = frozenset({"P2PACTOR_CURVE_SECRET_KEY", "P2PACTOR_CURVE_TRUSTED"})
-# The clock of the jobs' transfer_time, bound once: vLLM's own (its
-# TransferJob.submit_time is time.monotonic), read on the engine's threads only.
-_now = time.monotonic
-# Most store jobs (prefill/decode stores and peers' pins) tracked for their
-# results at once. Each is released within unbound_store_timeout or the pin
-# timeout, so a working node holds far fewer; this bounds the tier's memory if
-# releases stop coming (a node that died), at the cost of the oldest jobs'
-# transfer fields (None) and their failure line.
-_MAX_TRACKED_STORES = 1 << 16
 
 
 class _Seen:
@@ -221,26 +213,11 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         except (ConfigError, TypeError) as exc:
             raise ValueError(f"bad p2pactor tier configuration: {exc}") from exc
         self._contexts: dict[str, ReqContext] = {}
-        self._finished: list[JobResult] = []
-        self._block_len = config.block_len
-        # Loads submitted and not yet reported: job id -> (kv_request_id, when
-        # submitted (_now), keys, vLLM's request id, the keys' positions). An
-        # entry goes when its result is collected; the node reports every load
-        # it was handed (its load timeout bounds the wait), and each holds
-        # primary chunks of its own until then.
-        self._load_requests: dict[
-            int, tuple[str, float, list[bytes], str, list[int | None] | None]
-        ] = {}
-        # Store jobs not yet released: job id -> (kv_request_id of a
-        # prefill/decode store, None for a peer's pin; when submitted or
-        # pinned (_now); blocks). An entry goes at the job's one release
-        # (_store_released), at shutdown, or past _MAX_TRACKED_STORES.
-        self._stores: dict[int, tuple[str | None, float, int]] = {}
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
-        self._failed: set[str] = set()
         self._runner = NodeThread(config, view, event_log)
         self._reported: dict[str, float] = {}  # the totals get_stats last reported
         self._node: Node = self._runner.start()
+        self.jobs = JobBook(self._node, config.block_len)
         self._auto = AutoSources(self._node, config.sources.choice.tail_keys)
         # vLLM's scheduler thread (it builds the tier and steps it); its
         # tier-poll thread is another.
@@ -297,7 +274,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 return TO_VLLM[answer]
             source = req_context.get_state(Source)  # chosen: from now on it is named
             assert source is not None
-        if source.kv_request_id in self._failed:
+        if source.kv_request_id in self.jobs.failed:
             return VLLM_MISS
         if not source.probe:
             return VLLM_HIT  # prefill/decode: the prefiller holds everything
@@ -340,7 +317,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._node.ended(req_context.req_id)  # vLLM's LRU ranks its chunks afresh now
         done = source.kv_request_id if source is not None else None
         if done is not None:
-            self._failed.discard(done)
+            self.jobs.failed.discard(done)
             self._node.finish(done, wake=False)
         if dest is not None and dest.kv_request_id is not None and dest.kv_request_id != done:
             self._node.finish(dest.kv_request_id, wake=False)
@@ -352,15 +329,15 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         if dest is None:
             # Symmetric P2P: blocks stay in the CPU primary tier; nothing moves.
             # They are ours to claim: peers hear of them in the next delta.
-            self._finished.append(job_result(job_id, success=True, seconds=0.0, size=0))
+            self.jobs.at_once(job_id, success=True)
             keys = [bytes(k) for k in job_metadata.keys]
             ctx = job_metadata.req_context
             self._node.holds(keys, request=ctx.req_id, positions=positions(ctx, keys))
         elif dest.kv_request_id is None:
-            self._finished.append(job_result(job_id, success=False, seconds=0.0, size=0))
+            self.jobs.at_once(job_id, success=False)
         else:
             keys = [bytes(k) for k in job_metadata.keys]
-            self._track_store(job_id, dest.kv_request_id, len(keys))
+            self.jobs.track_store(job_id, dest.kv_request_id, len(keys))
             self._node.submit_store(
                 dest.kv_request_id, job_id, keys, job_ids(job_metadata)
             )  # woken at once: a store may come with no step to follow it
@@ -370,14 +347,11 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         source = job_metadata.req_context.get_state(Source)
         job_id = int(job_metadata.job_id)
         keys = [bytes(k) for k in job_metadata.keys]
-        if source is None:
-            self._finished.append(job_result(job_id, success=False, seconds=0.0, size=0))
-        elif not keys:
-            self._finished.append(job_result(job_id, success=True, seconds=0.0, size=0))
+        if source is None or not keys:
+            self.jobs.at_once(job_id, success=source is not None)
         else:
             ctx = job_metadata.req_context
-            where = positions(ctx, keys)
-            self._load_requests[job_id] = (source.kv_request_id, _now(), keys, ctx.req_id, where)
+            self.jobs.load(job_id, source.kv_request_id, keys, ctx, positions(ctx, keys))
             self._node.reserve(len(keys))  # vLLM evicted for these chunks: claim less
             self._node.submit_load(
                 source.peer,
@@ -392,92 +366,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         """Loads and stores that finished since the last call, each exactly once."""
-        self._collect()
-        finished, self._finished = self._finished, []
-        return finished
-
-    def _collect(self) -> None:
-        """Move the node's load results into the tier's list of finished jobs.
-
-        A load's ``transfer_time`` is the seconds from its ``submit_load`` to
-        this call, the first to see its result (so it includes the wait for
-        the node's thread, the fetch round trip, the peer's write and the time
-        until vLLM polls next). Its ``transfer_bytes`` is its blocks times the
-        block size if it succeeded, else 0: a load is all or nothing (no
-        ``successful_keys``), so vLLM recomputes every block of a failed one
-        and counts none of it (``tiering/metrics.py``).
-        """
-        results = self._node.finished_jobs()
-        if not results:
-            return
-        now = _now()
-        for result in results:
-            entry = self._load_requests.pop(result.job_id, None)
-            if entry is None:  # submitted before a shutdown: nothing known of it
-                self._finished.append(
-                    job_result(result.job_id, success=result.success, seconds=None, size=None)
-                )
-                continue
-            kv_id, submitted, keys, req_id, where = entry
-            self._node.reserve(-len(keys))
-            if result.success:
-                size = len(keys) * self._block_len
-                # In our CPU tier now, ranked for the request: ours to claim.
-                self._node.holds(keys, request=req_id, positions=where)
-            else:
-                self._failed.add(kv_id)  # its lookups answer MISS: prefill locally
-                size = 0
-            self._finished.append(
-                job_result(
-                    result.job_id, success=result.success, seconds=now - submitted, size=size
-                )
-            )
-
-    def _track_store(self, job_id: int, kv_request_id: str | None, blocks: int) -> None:
-        """A store job starts: a prefill/decode store (``kv_request_id``) or a peer's pin."""
-        stores = self._stores
-        if len(stores) >= _MAX_TRACKED_STORES:
-            del stores[next(iter(stores))]  # the oldest; see _MAX_TRACKED_STORES
-        stores[job_id] = (kv_request_id, _now(), blocks)
-
-    def _store_released(self, job_id: int, success: bool) -> None:
-        """A store job's one release (through the lent parent): report it to vLLM.
-
-        ``transfer_time`` is the seconds from its ``submit_store`` (a peer's
-        pin: from ``create_store_job``) to this release, which comes once the
-        fetch was served, or when the job failed or timed out.
-        ``transfer_bytes`` is its blocks times the block size if it succeeded
-        (a prefill/decode store succeeds once every block of it was written to
-        the decoder; a pin, once the fetch of its round was served, counted
-        whole as vLLM counts a job's keys), else 0.
-        """
-        entry = self._stores.pop(job_id, None)
-        if entry is None:  # over _MAX_TRACKED_STORES: its figures are gone
-            self._finished.append(job_result(job_id, success=success, seconds=None, size=None))
-            return
-        kv_id, submitted, blocks = entry
-        seconds = _now() - submitted
-        self._finished.append(
-            job_result(
-                job_id,
-                success=success,
-                seconds=seconds,
-                size=blocks * self._block_len if success else 0,
-            )
-        )
-        if not success and kv_id is not None:  # a pin that no fetch used is routine
-            config = self._node.config
-            log.warning(
-                "store job %d of %s failed %.1f s after it was stored, and vLLM unpins its "
-                "blocks: the decode side did not fetch them all within "
-                "unbound_store_timeout (%g s), or its fetch failed (check that the decoder "
-                "runs and reaches this node, and the lines above for this request)",
-                job_id,
-                kv_id,
-                seconds,
-                config.unbound_store_timeout,
-                extra=request_context(None, kv_id, node=config.node_id),
-            )
+        return self.jobs.take()
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         """Let peers' lookups, pins and releases run against the lent parent.
@@ -529,15 +418,15 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._node.drained()  # vLLM resets its cache after this: a new epoch for the peers
         deadline = time.monotonic() + _DRAIN_TIMEOUT_S
         while True:
-            self._collect()
-            if not self._load_requests and not self._node.has_transfers_in_flight():
+            self.jobs.collect()
+            if not self.jobs.loads and not self._node.has_transfers_in_flight():
                 return
             if time.monotonic() > deadline:
                 log.warning(
                     "drain_jobs gave up after %.0f s: %d loads still in flight (their peers "
                     "stopped answering; see the session lines above)",
                     _DRAIN_TIMEOUT_S,
-                    len(self._load_requests),
+                    len(self.jobs.loads),
                 )
                 return
             time.sleep(0.001)
@@ -545,9 +434,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def shutdown(self) -> None:
         """Close the node: sessions drain for up to 3 s, as vLLM's tier does."""
         self._runner.stop(timeout=_SHUTDOWN_DRAIN_S + 10)
-        # No result can come from a stopped node: forget the jobs still out.
-        self._load_requests.clear()
-        self._stores.clear()
+        self.jobs.forget()  # no result can come from a stopped node
 
     # --- vLLM's /metrics -----------------------------------------------------------
 

@@ -18,8 +18,9 @@ import trio
 
 from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
+from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import ChoicePolicy, fingerprint
+from p2pactor.core.sources import fingerprint
 from p2pactor.runtime.source_options import SourceOptions
 from tests.cluster import Cluster, Member, block_bytes, key, open_cluster
 

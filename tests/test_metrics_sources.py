@@ -16,8 +16,9 @@ import pytest
 import trio
 
 from p2pactor.core import protocol as wire
+from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import ChoicePolicy, fingerprint
+from p2pactor.core.sources import fingerprint
 from p2pactor.runtime.source_options import SourceOptions
 from p2pactor.surface.status import node_status
 from tests.cluster import Cluster, Member, key, open_cluster

@@ -14,7 +14,8 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from p2pactor.core.sources import ChoicePolicy, Resync, SourceIndex, fingerprint
+from p2pactor.core.choice import ChoicePolicy
+from p2pactor.core.sources import Resync, SourceIndex, fingerprint
 from p2pactor.errors import ConfigError
 
 E1, E2 = b"epoch-one-16byte", b"epoch-two-16byte"

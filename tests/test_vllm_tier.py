@@ -83,6 +83,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 import p2pactor.adapters._vllm_api as vllm_api
+import p2pactor.adapters._vllm_jobs as vllm_jobs
 import p2pactor.adapters.vllm as adapter
 from p2pactor.adapters.nixl import import_nixl
 from p2pactor.adapters.vllm import P2PActorTierManager
@@ -495,7 +496,7 @@ def assert_transfer(result: JobResult, *, success: bool, blocks: int, within: fl
 
 def assert_forgotten(engine: Engine, *job_ids: int) -> None:
     """The tier keeps nothing of ``job_ids`` once it has reported them."""
-    tracked = set(engine.tier._load_requests) | set(engine.tier._stores)
+    tracked = set(engine.tier.jobs.loads) | set(engine.tier.jobs.stores)
     assert tracked.isdisjoint(job_ids), sorted(tracked.intersection(job_ids))
 
 
@@ -1133,14 +1134,14 @@ def test_store_bookkeeping_is_bounded(
     and without its WARNING; the others keep theirs.
     """
     caplog.set_level(logging.WARNING, logger="p2pactor.vllm")
-    monkeypatch.setattr(adapter, "_MAX_TRACKED_STORES", 2)
+    monkeypatch.setattr(vllm_jobs, "_MAX_TRACKED_STORES", 2)
     producer = h.add(Engine("bounded", unbound_store_timeout_s=0.2))
     kv_id = new_id("pd")
     keys = new_keys(3)
     producer.put(keys)
     pctx, _ = h.open(producer, decoder(kv_id))
     jobs = [h.store(producer, pctx, [k]) for k in keys]
-    assert len(producer.tier._stores) == 2
+    assert len(producer.tier.jobs.stores) == 2
     results = [h.result(producer, job) for job in jobs]
     oldest = results[0]
     assert (oldest.success, oldest.transfer_time, oldest.transfer_bytes) == (False, None, None)
@@ -1148,7 +1149,7 @@ def test_store_bookkeeping_is_bounded(
         assert result.success is False
         assert result.transfer_bytes == 0
         assert result.transfer_time is not None
-    assert producer.tier._stores == {}
+    assert producer.tier.jobs.stores == {}
     h.finish(producer, pctx)
     h.retire(producer)
     h.check()

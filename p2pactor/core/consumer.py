@@ -28,9 +28,9 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
+from p2pactor.core.choice import Choice
 from p2pactor.core.consumer_state import ConsumerState, Load, evolve_consumer
 from p2pactor.core.events import ConsumerPhase
-from p2pactor.core.sources import Choice
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
 __all__ = [

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from p2pactor.core.choice import Choice
 from p2pactor.core.events_base import ConsumerPhase, Event, Ints, Keys
-from p2pactor.core.sources import Choice
 
 __all__ = [
     "AbortAcked",

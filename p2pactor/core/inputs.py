@@ -13,9 +13,9 @@ from __future__ import annotations
 import msgspec
 
 from p2pactor.core import protocol as wire
+from p2pactor.core.choice import Choice
 from p2pactor.core.events import Quota
 from p2pactor.core.ids import IdentityEnum
-from p2pactor.core.sources import Choice
 
 __all__ = [
     "AddStore",

@@ -21,19 +21,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-import attrs
 import msgspec
 
-from p2pactor.core import checks
+from p2pactor.core.choice import Choice, ChoicePolicy, Claim
 
-__all__ = [
-    "Choice",
-    "ChoicePolicy",
-    "Claim",
-    "Resync",
-    "SourceIndex",
-    "fingerprint",
-]
+__all__ = ["Resync", "SourceIndex", "fingerprint"]
 
 _MASK64 = (1 << 64) - 1
 _GROUP_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads group indexes over all bits
@@ -53,78 +45,12 @@ def fingerprint(key: bytes) -> int:
     return low ^ ((group * _GROUP_MIX) & _MASK64)
 
 
-@attrs.frozen
-class ChoicePolicy:
-    """How claims are trusted and when a lookup is worth sending (the tier's config).
-
-    A peer's score for a request is the seconds of prefill its claimed run
-    saves, times its precision, less its round trip and its load; the best
-    peer is probed only if its score is above zero.
-
-    Attributes:
-        tokens_per_key: Tokens one key (a chunk) stands for.
-        prefill_s_per_token: Seconds of prefill one token costs here.
-        round_trip_s: What a lookup costs before anything is saved.
-        load_s: Seconds of score each probe already in flight to a peer costs it.
-        max_probes_per_peer: Automatic lookups in flight to one peer, at most.
-        min_probed_keys: Probed keys before a peer's precision can quarantine it.
-        min_precision: A peer whose claims hold less often than this is quarantined.
-        precision_weight: Weight of each probed key in the precision's moving
-            average. Small: an honest peer's claims fail in bursts (a whole
-            conversation evicted before its delta went out), and one burst
-            must not quarantine it; a liar misses on every probe, and a few
-            probes of a long run are enough.
-        quarantine_s: The first quarantine; each next one doubles, up to ``max_quarantine_s``.
-        max_quarantine_s: The longest quarantine.
-        tail_keys: Keys asked past a peer's claimed run (stores it made since
-            its last delta).
-    """
-
-    tokens_per_key: int = attrs.field(default=256, validator=checks.positive_int)
-    prefill_s_per_token: float = attrs.field(default=50e-6, validator=checks.positive(finite=True))
-    round_trip_s: float = attrs.field(default=0.003, validator=checks.non_negative(finite=True))
-    load_s: float = attrs.field(default=0.001, validator=checks.non_negative(finite=True))
-    max_probes_per_peer: int = attrs.field(default=32, validator=checks.positive_int)
-    min_probed_keys: int = attrs.field(default=100, validator=checks.positive_int)
-    min_precision: float = attrs.field(default=0.5, validator=checks.fraction)
-    precision_weight: float = attrs.field(default=0.005, validator=checks.fraction)
-    quarantine_s: float = attrs.field(default=60.0, validator=checks.positive(finite=True))
-    max_quarantine_s: float = attrs.field(default=3600.0, validator=checks.positive(finite=True))
-    tail_keys: int = attrs.field(default=2, validator=checks.non_negative_int)
-
-
 class Resync(msgspec.Struct, frozen=True, gc=False):
     """Ask ``peer`` for a snapshot: its summary has a gap (or we have none)."""
 
     peer: str
     epoch: bytes
     from_seq: int
-
-
-class Claim(msgspec.Struct, frozen=True, gc=False):
-    """What one peer claimed of a request: its contiguous run from the first key."""
-
-    peer: str
-    run: int
-    precision: float
-    score: float
-
-
-class Choice(msgspec.Struct, frozen=True, gc=False):
-    """The source chosen for a request, and why (what the runtime records as an event).
-
-    Attributes:
-        chosen: The peer to look up, or None (every key is a MISS at once).
-        keys: How many of the request's keys to ask it (its run, plus
-            ``tail_keys`` it may have stored since its last delta).
-        claims: Every live peer's claim, best first.
-        reason: Why, in words.
-    """
-
-    chosen: str | None
-    keys: int
-    claims: tuple[Claim, ...]
-    reason: str
 
 
 MAX_BUFFERED_DELTAS = 256

@@ -31,118 +31,32 @@ import attrs
 import msgspec
 
 from p2pactor.core import protocol as wire
+from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.holdings import Holdings, SummaryDelta, SummaryPart
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import Choice, SourceIndex, fingerprint
+from p2pactor.core.sources import SourceIndex, fingerprint
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.source_options import SourceOptions
+from p2pactor.runtime.sources_calls import (
+    Decision,
+    Drained,
+    Ended,
+    Held,
+    Lacking,
+    Reserved,
+    Reused,
+    Scrubbed,
+    Touched,
+)
 from p2pactor.runtime.timers import Timers
 
-__all__ = [
-    "AutoProbe",
-    "Decision",
-    "DirectoryCounts",
-    "Drained",
-    "Ended",
-    "Held",
-    "Lacking",
-    "LocateWanted",
-    "Reserved",
-    "Reused",
-    "Scrubbed",
-    "SourceDirectory",
-    "SourcesCall",
-    "SummaryPeer",
-    "Touched",
-]
+__all__ = ["AutoProbe", "DirectoryCounts", "SourceDirectory", "SummaryPeer"]
 
 log = logging.getLogger("p2pactor.sources")
 
 _EPOCH_BYTES = 16
 _MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
-
-
-class Decision(msgspec.Struct, frozen=True, gc=False):
-    """The choice made for an engine's request that names no source.
-
-    Attributes:
-        peer: The peer asked, or None: nobody (every key is a MISS).
-        asked: How many of the request's keys (its first ones) were asked.
-    """
-
-    peer: str | None
-    asked: int
-
-
-# What an engine's thread hands the node's thread about holdings and choices
-# (through the engine bridge; applied by :meth:`SourceDirectory.apply`).
-class Held(msgspec.Struct, frozen=True, gc=False):
-    """The engine now holds ``keys`` (it stored them, or loaded them from a peer).
-
-    For ``request`` (its id), at ``positions`` (the keys' end-token positions),
-    when the engine says (:meth:`~p2pactor.core.holdings.Holdings.stored`).
-    """
-
-    keys: tuple[bytes, ...]
-    request: str | None = None
-    positions: tuple[int | None, ...] | None = None
-
-
-class Reused(msgspec.Struct, frozen=True, gc=False):
-    """The engine's ``request`` reused ``keys`` (at ``positions``) its cache held."""
-
-    keys: tuple[bytes, ...]
-    request: str
-    positions: tuple[int | None, ...]
-
-
-class Ended(msgspec.Struct, frozen=True, gc=False):
-    """The engine's ``request`` finished: what it stored or loaded is its most recent."""
-
-    request: str
-
-
-class Touched(msgspec.Struct, frozen=True, gc=False):
-    """The engine reused ``keys``."""
-
-    keys: tuple[bytes, ...]
-
-
-class Lacking(msgspec.Struct, frozen=True, gc=False):
-    """A check with the engine found ``keys`` gone."""
-
-    keys: tuple[bytes, ...]
-
-
-class Reserved(msgspec.Struct, frozen=True, gc=False):
-    """Loads in flight took ``blocks`` more of the engine's cache (negative: gave back)."""
-
-    blocks: int
-
-
-class Drained(msgspec.Struct, frozen=True, gc=False):
-    """The engine dropped everything it held."""
-
-
-class Scrubbed(msgspec.Struct, frozen=True, gc=False):
-    """The engine checked a batch (``Node.take_scrub``): the keys it lacks, the ones it holds."""
-
-    gone: tuple[bytes, ...]
-    kept: tuple[bytes, ...]
-
-
-class LocateWanted(msgspec.Struct, frozen=True, gc=False):
-    """Choose a source for ``kv_request_id`` (which names none) and ask it about ``keys``."""
-
-    kv_request_id: str
-    keys: tuple[bytes, ...]
-
-
-SourcesCall = (
-    Held | Reused | Ended | Touched | Lacking | Reserved | Drained | Scrubbed | LocateWanted
-)
-"""An engine call about holdings or a choice."""
 
 
 class SummaryPeer(Protocol):

@@ -33,7 +33,7 @@ import trio
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.runtime.actor import RequestActor, Runner
-from p2pactor.runtime.directory import LocateWanted, SourcesCall
+from p2pactor.runtime.sources_calls import LocateWanted, SourcesCall
 
 __all__ = ["EngineBridge", "EngineSide", "LoadResult"]
 

@@ -21,12 +21,12 @@ import trio
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
+from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import Choice
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
-from p2pactor.runtime.directory import Decision, LocateWanted, SourceDirectory, SourcesCall
+from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import EngineBridge, LoadResult
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.logcontext import peer_context, request_context
@@ -36,6 +36,7 @@ from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.seeds import SeedRedial
 from p2pactor.runtime.serving import ParentService
 from p2pactor.runtime.session_host import SessionCloseResult
+from p2pactor.runtime.sources_calls import Decision, LocateWanted, SourcesCall
 from p2pactor.runtime.stores import StoreDesk
 from p2pactor.runtime.timers import Timers
 from p2pactor.runtime.transport import ControlTransport, DataTransport

@@ -41,9 +41,9 @@ import attrs
 import trio
 
 from p2pactor.core import inputs as inp
+from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import probe_answers
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import Choice
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory

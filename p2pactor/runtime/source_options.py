@@ -14,8 +14,8 @@ from typing import Final
 import attrs
 
 from p2pactor.core import checks
+from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.holdings import SummaryOptions
-from p2pactor.core.sources import ChoicePolicy
 
 __all__ = ["DEFAULT_SOURCES", "SourceOptions"]
 

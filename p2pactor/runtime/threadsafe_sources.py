@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from p2pactor.core.sources import fingerprint
-from p2pactor.runtime.directory import (
+from p2pactor.runtime.directory import SourceDirectory
+from p2pactor.runtime.engine import EngineBridge
+from p2pactor.runtime.sources_calls import (
     Decision,
     Drained,
     Ended,
@@ -27,10 +29,8 @@ from p2pactor.runtime.directory import (
     Reserved,
     Reused,
     Scrubbed,
-    SourceDirectory,
     Touched,
 )
-from p2pactor.runtime.engine import EngineBridge
 
 __all__ = ["ThreadSafeSources"]
 

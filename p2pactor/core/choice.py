@@ -1,0 +1,82 @@
+"""The choice of a source for a request that names none: its policy and its record.
+
+:class:`ChoicePolicy` is the tier's configuration of how claims are weighed;
+:class:`Choice` (with one :class:`Claim` per peer) is what
+:meth:`~p2pactor.core.sources.SourceIndex.choose` decides, and what the
+consumer's ``Probed`` event records. Pure data.
+"""
+
+from __future__ import annotations
+
+import attrs
+import msgspec
+
+from p2pactor.core import checks
+
+__all__ = ["Choice", "ChoicePolicy", "Claim"]
+
+
+@attrs.frozen
+class ChoicePolicy:
+    """How claims are trusted and when a lookup is worth sending (the tier's config).
+
+    A peer's score for a request is the seconds of prefill its claimed run
+    saves, times its precision, less its round trip and its load; the best
+    peer is probed only if its score is above zero.
+
+    Attributes:
+        tokens_per_key: Tokens one key (a chunk) stands for.
+        prefill_s_per_token: Seconds of prefill one token costs here.
+        round_trip_s: What a lookup costs before anything is saved.
+        load_s: Seconds of score each probe already in flight to a peer costs it.
+        max_probes_per_peer: Automatic lookups in flight to one peer, at most.
+        min_probed_keys: Probed keys before a peer's precision can quarantine it.
+        min_precision: A peer whose claims hold less often than this is quarantined.
+        precision_weight: Weight of each probed key in the precision's moving
+            average. Small: an honest peer's claims fail in bursts (a whole
+            conversation evicted before its delta went out), and one burst
+            must not quarantine it; a liar misses on every probe, and a few
+            probes of a long run are enough.
+        quarantine_s: The first quarantine; each next one doubles, up to ``max_quarantine_s``.
+        max_quarantine_s: The longest quarantine.
+        tail_keys: Keys asked past a peer's claimed run (stores it made since
+            its last delta).
+    """
+
+    tokens_per_key: int = attrs.field(default=256, validator=checks.positive_int)
+    prefill_s_per_token: float = attrs.field(default=50e-6, validator=checks.positive(finite=True))
+    round_trip_s: float = attrs.field(default=0.003, validator=checks.non_negative(finite=True))
+    load_s: float = attrs.field(default=0.001, validator=checks.non_negative(finite=True))
+    max_probes_per_peer: int = attrs.field(default=32, validator=checks.positive_int)
+    min_probed_keys: int = attrs.field(default=100, validator=checks.positive_int)
+    min_precision: float = attrs.field(default=0.5, validator=checks.fraction)
+    precision_weight: float = attrs.field(default=0.005, validator=checks.fraction)
+    quarantine_s: float = attrs.field(default=60.0, validator=checks.positive(finite=True))
+    max_quarantine_s: float = attrs.field(default=3600.0, validator=checks.positive(finite=True))
+    tail_keys: int = attrs.field(default=2, validator=checks.non_negative_int)
+
+
+class Claim(msgspec.Struct, frozen=True, gc=False):
+    """What one peer claimed of a request: its contiguous run from the first key."""
+
+    peer: str
+    run: int
+    precision: float
+    score: float
+
+
+class Choice(msgspec.Struct, frozen=True, gc=False):
+    """The source chosen for a request, and why (what the runtime records as an event).
+
+    Attributes:
+        chosen: The peer to look up, or None (every key is a MISS at once).
+        keys: How many of the request's keys to ask it (its run, plus
+            ``tail_keys`` it may have stored since its last delta).
+        claims: Every live peer's claim, best first.
+        reason: Why, in words.
+    """
+
+    chosen: str | None
+    keys: int
+    claims: tuple[Claim, ...]
+    reason: str
