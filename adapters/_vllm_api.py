@@ -20,6 +20,7 @@ from p2pactor.runtime.config import fingerprint_of
 
 __all__ = [
     "JOB_IDS",
+    "POLLS_TIERS",
     "PRIMARY_ONLY",
     "TO_VLLM",
     "TRANSFER_FIELDS",
@@ -47,6 +48,7 @@ __all__ = [
     "parse_source",
     "positions",
     "request_keys",
+    "require_tier_polling",
 ]
 
 try:
@@ -58,9 +60,9 @@ try:
     )
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "p2pactor.adapters.vllm needs vLLM 0.26 or newer (tiered KV offloading with "
-        "ParentManager); install vLLM, or p2pactor with its 'vllm' extra. "
-        f"The import failed with: {exc}"
+        "p2pactor.adapters.vllm needs vLLM 0.33 or newer (tiered KV offloading with "
+        "ParentManager and a tier-poll thread); install vLLM, or p2pactor with its 'vllm' "
+        f"extra. The import failed with: {exc}"
     ) from exc
 
 from vllm.v1.core import kv_cache_utils as _kv_cache_utils
@@ -72,6 +74,9 @@ JOB_IDS = "chunk_ids" if hasattr(_tiering_base, "TransferJob") else "block_ids"
 TRANSFER_FIELDS = {"transfer_time", "transfer_bytes"} <= {
     f.name for f in dataclasses.fields(JobResult)
 }
+# vLLM serves tiers that ask for it between engine steps, from its tier-poll
+# thread (0.33); before, only at steps, and an idle engine never steps.
+POLLS_TIERS = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
 VllmLookup = getattr(_vllm_base, "LookupResult", None)
 OffloadPolicy = getattr(_vllm_base, "OffloadPolicy", None)
 # A lookup that asks the primary tier alone (0.30+); None: no such filter.
@@ -168,6 +173,25 @@ def positions(ctx: Any, keys: Sequence[bytes]) -> list[int | None] | None:
     if get is None:  # pragma: no cover - before vLLM recorded positions
         return None
     return [get(k) for k in keys]
+
+
+def require_tier_polling() -> None:
+    """Refuse a vLLM that would never serve an idle engine's peers, with what to do.
+
+    Raises:
+        ValueError: This vLLM has no tier-poll thread (0.32 and older).
+    """
+    if POLLS_TIERS:
+        return
+    import vllm  # noqa: PLC0415 - only to say which version it is
+
+    raise ValueError(
+        f"p2pactor's vLLM tier needs vLLM 0.33 or newer; this is vLLM "
+        f"{getattr(vllm, '__version__', 'of unknown version')}, which serves secondary "
+        "tiers only at engine steps, and an idle engine takes none: its peers' lookups "
+        "would go unanswered. Upgrade vLLM (pip install 'vllm>=0.33'), or use vLLM's own "
+        "'p2p' tier with this one."
+    )
 
 
 def request_keys(ctx: Any) -> dict[bytes, int] | None:

@@ -65,6 +65,7 @@ from p2pactor.adapters._vllm_api import (
     parse_source,
     positions,
     request_keys,
+    require_tier_polling,
 )
 from p2pactor.adapters._vllm_auto import Auto, AutoSources, source_options
 from p2pactor.adapters._vllm_jobs import JobBook
@@ -169,6 +170,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         curve_trusted: str | None = None,
         **kwargs: Any,
     ) -> None:
+        require_tier_polling()
         if backpressure_detector is not None:
             raise ValueError(
                 "Backpressure is not supported for the p2pactor tier (as for vLLM's p2p "

@@ -274,3 +274,33 @@ async def test_a_periodic_snapshot_repairs_a_copy_that_drifted_with_no_gap_to_sh
         await until(lambda: index.claims_of(b.id) == 2, within=6.0)
     refreshes = [m for _, src, _, m in seen if src == b.id and isinstance(m, wire.KvsumSnapshot)]
     assert refreshes, "b sent no snapshot after the first"
+
+
+async def test_a_quota_refusal_is_no_false_claim_and_leaves_the_claims(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415 -- one use
+
+    # a pins at most 2 blocks for b: of the 6 keys it holds and claims, the
+    # first lookup gets 2 HITs and 4 refusals. A refusal says nothing of what
+    # a holds: b counts no false claim, keeps a's claims and its precision.
+    async with open_cluster(
+        "a", "b", per_node={"a": {"quotas": PeerQuotas(max_pinned_blocks=2)}}
+    ) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        keys = [key(i) for i in range(6)]
+        a.store(*keys)
+        await linked(a, b)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 6)
+        seen = tap(cluster)
+        peer, hits = await pull(b, "req", keys)
+        assert (peer, hits) == (a.id, keys[:2])
+        (resp,) = [m for _, src, _, m in seen if src == a.id and isinstance(m, wire.LookupResp)]
+        assert resp.refused == (False, False, True, True, True, True)
+        counts = b.node.sources.counts
+        assert (counts.false_claims, counts.refused_claims) == (0, 4)
+        index = b.node.sources.index
+        assert index.claims_of(a.id) == 6
+        assert index.precision(a.id) == 1.0
+        await trio.sleep(1)
+        assert_settled(cluster)

@@ -85,8 +85,13 @@ class TestCoreRefusals:
         assert refused.quota is Quota.OPEN_LOOKUPS
         assert refused.reason == "test says so"
         (resp,) = h.sent
+        # Every key a refusal, not a MISS (stock peers hear only the MISS).
         assert resp == wire.LookupResp(
-            kv_request_id=KV, keys=(key(1), key(2), key(1)), hits=(False,) * 3, round_seq=0
+            kv_request_id=KV,
+            keys=(key(1), key(2), key(1)),
+            hits=(False,) * 3,
+            round_seq=0,
+            refused=(True,) * 3,
         )
         assert h.cache.calls == []  # the parent was never asked
         assert h.cache.pins == {}
@@ -134,6 +139,8 @@ class TestCoreRefusals:
         # duplicate) as found, the rest MISS although key 3 is stored
         assert resp.keys == msg.keys
         assert resp.hits == (True, True, True, False, False)
+        # The keys not looked up are refusals, not MISSes of what it lacks.
+        assert resp.refused == (False, False, False, True, True)
         h.fetch([key(1), key(2)], [0, 1])
         h.complete_all()
         assert h.sent_of(wire.TransferDone)[-1].success  # type: ignore[attr-defined]
@@ -161,6 +168,8 @@ class TestCoreRefusals:
         assert refused.reason == "over budget"
         (resp,) = h.sent_of(wire.LookupResp)
         assert resp.hits == (True, True, False, False)  # type: ignore[attr-defined]
+        # The MISSes are refusals: the producer holds those keys.
+        assert resp.refused == (False, False, True, True)  # type: ignore[attr-defined]
         assert list(h.cache.pins.values()) == [(key(0), key(1))]
 
     def test_pending_keys_resolving_later_count_against_the_pin_budget(self) -> None:
@@ -180,6 +189,7 @@ class TestCoreRefusals:
         assert refused.keys == (key(2),)  # type: ignore[attr-defined]
         (resp,) = h.sent_of(wire.LookupResp)
         assert resp.hits == (True, True, False)  # type: ignore[attr-defined]
+        assert resp.refused == (False, False, True)  # type: ignore[attr-defined]
         assert sorted(h.cache.pins.values()) == [(key(0),), (key(1),)]
 
     def test_a_refused_fetch_fails_its_round_and_releases_its_pins(self) -> None:

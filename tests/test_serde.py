@@ -275,13 +275,13 @@ GOLDEN: dict[str, tuple[int, str, str]] = {
     "KeysPinned": (1, "51d15a2916e605d1", "d40fcd2531100eb6"),
     "KeysRefused": (1, "77437fc4a785c73a", "c8a2c16e0716b1d5"),
     "KeysResolved": (1, "aad38fec5677c5c7", "90e31c125848c07d"),
-    "LookupAnswered": (2, "c2d6a493c98806db", "2063b623fffb6710"),
+    "LookupAnswered": (2, "024041a8d5bcb920", "4ae04bfd0b8657a4"),
     "LookupCancelled": (1, "25fb9a09caeb1e0b", "75ee99a96e15b0db"),
     "LookupDropped": (1, "e0201cffc56d79aa", "d2c6f2ab815a2fbb"),
     "LookupLimited": (1, "6e59c9208d798d6a", "055e9995d539253c"),
     "LookupReceived": (1, "2d106408884f7f70", "68ddd5b171b7ccc2"),
     "LookupRefused": (1, "789f40fa6821a1ed", "4b9789fb9a5218bb"),
-    "LookupResp": (1, "14dd4407af1706df", "6a69d049a63fd7ec"),
+    "LookupResp": (1, "de3fcb34239eb38f", "d50e3fb77ec13338"),
     "LookupTimedOut": (1, "2a59b355c3a22d84", "8e22b960609e6756"),
     "Opened": (1, "416adacf2646380c", "3daec0d4270dc802"),
     "ParentExpired": (1, "2ddca140427e37e5", "57fb639be73a9d49"),
@@ -315,6 +315,34 @@ def test_the_bytes_of_each_kind_are_frozen(kind: str) -> None:
     packed, text = encode_event(event, "msgpack"), encode_event(event, "json")
     assert (digest(packed), digest(text)) == GOLDEN[kind][1:], text.decode()
     assert decode_event(packed, "msgpack") == event == decode_event(text, "json")
+
+
+def test_a_lookup_answer_with_no_refusal_keeps_its_bytes() -> None:
+    # ``refused`` (a quota's refusals, between p2pactor nodes) is optional and
+    # written only when set: a record without one is byte for byte what it
+    # was before the field, and readers that predate it ignore it.
+    event = msgspec.structs.replace(golden_event(ev.LookupResp), refused=())
+    packed, text = encode_event(event, "msgpack"), encode_event(event, "json")
+    assert (digest(packed), digest(text)) == ("14dd4407af1706df", "6a69d049a63fd7ec")
+    assert b"refused" not in packed
+    assert decode_event(packed, "msgpack") == event
+
+
+def test_a_lookup_answered_record_from_before_refused_reads_the_same() -> None:
+    # LookupAnswered now writes no field at its default (so no empty
+    # ``refused``); the records written before, with ``resolved`` and
+    # ``pinned`` always there, decode to the same event.
+    before = (
+        b'{"kind":"LookupAnswered@2","actor":{"role":"producer","peer":"10.0.0.2:5710",'
+        b'"kv_request_id":"req-1","incarnation":3},"seq":1099511627777,"at":2.25,'
+        b'"lookup_id":1099511627779,"round_seq":1099511627780,"keys":["Bfo=","Bvk="],'
+        b'"hits":[true,false],"resolved":false,"pinned":{"job_id":1099511627784,'
+        b'"keys":["CfY=","CvU="],"blocks":[1099511627786,1099511627787],"expires_at":11.25}}'
+    )
+    assert digest(before) == "2063b623fffb6710"  # the golden JSON record of before
+    event = msgspec.structs.replace(golden_event(ev.LookupAnswered), refused=())
+    assert decode_event(before, "json") == event
+    assert b"resolved" not in encode_event(event, "json")
 
 
 def test_a_probe_of_a_named_source_keeps_its_bytes() -> None:

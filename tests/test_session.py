@@ -240,6 +240,33 @@ class TestHandshake:
             assert isinstance(resp, wire.LookupResp)
             assert new.ready
 
+    @pytest.mark.parametrize("offers", [False, True])
+    async def test_a_quota_refusal_is_said_only_to_a_peer_that_offered_to_hear_it(
+        self, autojump_clock: trio.abc.Clock, offers: bool
+    ) -> None:
+        from p2pactor.runtime.handshake import EXTENSION  # noqa: PLC0415 -- one use
+        from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415
+
+        async with node_and_peer(quotas=PeerQuotas(max_pinned_blocks=1)) as (_, cache, peer):
+            for i in (1, 2):
+                cache.store(key(i), block_bytes(key(i)))
+            await peer.dial()
+            await peer.send(peer.connect_msg(extension=EXTENSION if offers else wire.UNSET))
+            await peer.expect(wire.Connect)
+            await peer.expect(wire.ConnectAck)
+            await peer.send(wire.ConnectAck(peer_id=peer.peer_id))
+            await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1), key(2)), round_seq=0))
+            assert peer.conn is not None
+            frame = await peer.conn.receive()
+            resp = wire.decode(frame)
+            assert isinstance(resp, wire.LookupResp)
+            assert resp.hits == (True, False)  # one pin allowed: key 2 is refused
+            if offers:
+                assert resp.refused == (False, True)
+            else:  # vLLM's dialect exactly: a MISS, and no field it does not know
+                assert resp.refused is wire.UNSET
+                assert b"refused" not in frame
+
     async def test_a_duplicate_ack_does_no_harm(self, autojump_clock: trio.abc.Clock) -> None:
         async with node_and_peer() as (node, cache, peer):
             cache.store(key(1), block_bytes(key(1)))

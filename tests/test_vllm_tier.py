@@ -1397,6 +1397,23 @@ def test_two_tiers_load_and_store_both_ways(h: Harness, a: Engine, b: Engine) ->
 # --- construction and shutdown -------------------------------------------------------
 
 
+def test_a_vllm_with_no_tier_poll_thread_is_refused_with_what_to_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # vLLM 0.32 and older serve tiers only at engine steps: an idle engine
+    # would never answer its peers, so the tier refuses to start there.
+    monkeypatch.setattr(vllm_api, "POLLS_TIERS", False)
+    view = memoryview(torch.zeros(4, CHUNK_BYTES, dtype=torch.uint8).numpy())
+    with pytest.raises(ValueError, match=r"needs vLLM 0\.33 or newer.*Upgrade vLLM") as err:
+        P2PActorTierManager(offloading_spec(), view, host=HOST, port=free_port())
+    assert "0.33.0" in str(err.value)  # the version it found
+
+
+def test_this_vllm_polls_its_tiers() -> None:
+    assert vllm_api.POLLS_TIERS is True
+    assert P2PActorTierManager.tolerates_off_thread_polling is True
+
+
 def test_backpressure_is_refused() -> None:
     view = memoryview(torch.zeros(4, CHUNK_BYTES, dtype=torch.uint8).numpy())
     with pytest.raises(ValueError, match="Backpressure is not supported"):

@@ -183,9 +183,12 @@ def _on_lookup_resp(
         return
     waiting = set(s.waiting_keys())
     applied: dict[bytes, bool] = {}
-    for key, hit in zip(msg.keys, msg.hits, strict=True):
+    refused: dict[bytes, bool] = {}
+    said = msg.refused if msg.refused is not wire.UNSET else (False,) * len(msg.keys)
+    for key, hit, no in zip(msg.keys, msg.hits, said, strict=True):
         if key in waiting and key not in applied:
             applied[key] = hit
+            refused[key] = no and not hit
     if not applied:
         b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="it answers no key that is waiting"))
         return
@@ -198,6 +201,7 @@ def _on_lookup_resp(
             keys=tuple(applied),
             hits=tuple(applied.values()),
             lookup_deadline=deadline,
+            refused=tuple(refused.values()) if any(refused.values()) else (),
         )
     )
 

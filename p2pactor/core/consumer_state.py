@@ -82,6 +82,8 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             unanswered keys (both sides unpin, so a HIT could be stale) and
             keeps the MISSes: the engine computes a missed key, so asking it
             again in a later round could only cost a round trip.
+        refused: Keys the peer refused over a quota (answered MISS, and
+            no evidence that it lacks them).
         unsent: Registered keys not yet on the wire, in registration order.
         lookup_open: A lookup went out and no fetch has closed it since.
         lookup_deadline: When the request fails if no probe resolves before.
@@ -98,6 +100,7 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     phase: ConsumerPhase = ConsumerPhase.REGISTERED
     round_seq: int | None = None
     probes: Mapping[bytes, bool | None] = msgspec.field(default_factory=dict)
+    refused: frozenset[bytes] = frozenset()
     unsent: tuple[bytes, ...] = ()
     lookup_open: bool = False
     lookup_deadline: float | None = None
@@ -207,7 +210,10 @@ def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
 def _lookup_resp(s: ConsumerState, e: ev.LookupResp) -> ConsumerState:
     probes = dict(s.probes)
     probes.update(zip(e.keys, e.hits, strict=True))
-    return replace(s, seq=e.seq, probes=probes, lookup_deadline=e.lookup_deadline)
+    refused = s.refused
+    if e.refused:
+        refused = refused | {k for k, no in zip(e.keys, e.refused, strict=True) if no}
+    return replace(s, seq=e.seq, probes=probes, refused=refused, lookup_deadline=e.lookup_deadline)
 
 
 @_arm(ev.FinishRequested)

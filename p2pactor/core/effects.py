@@ -250,6 +250,7 @@ def _lookup_refused(e: ev.LookupRefused) -> tuple[Effect, ...]:
         keys=e.keys,
         hits=(False,) * len(e.keys),
         round_seq=e.round_seq,
+        refused=(True,) * len(e.keys),
     )
     return (Send(resp),)
 
@@ -269,7 +270,11 @@ def _pending_polled(e: ev.PendingPolled) -> tuple[Effect, ...]:
 @_of(ev.LookupAnswered)
 def _lookup_answered(e: ev.LookupAnswered) -> tuple[Effect, ...]:
     resp = wire.LookupResp(
-        kv_request_id=e.actor.kv_request_id, keys=e.keys, hits=e.hits, round_seq=e.round_seq
+        kv_request_id=e.actor.kv_request_id,
+        keys=e.keys,
+        hits=e.hits,
+        round_seq=e.round_seq,
+        refused=e.refused or wire.UNSET,
     )
     if not e.resolved:
         return (Send(resp),)

@@ -75,7 +75,7 @@ class Probed(Event, frozen=True, kw_only=True, omit_defaults=True):
     source: Choice | None = None
 
 
-class LookupResp(Event, frozen=True, kw_only=True):
+class LookupResp(Event, frozen=True, kw_only=True, omit_defaults=True):
     """A lookup answer resolved probes.
 
     Attributes:
@@ -85,12 +85,16 @@ class LookupResp(Event, frozen=True, kw_only=True):
             waiting are left out).
         hits: Parallel to ``keys``.
         lookup_deadline: The new progress deadline, None once nothing waits.
+        refused: Parallel to ``keys`` (empty: none): True where the MISS was a
+            quota's refusal (a p2pactor peer says so; a stock one never does).
+            Written only when set: records with no refusal are what they were.
     """
 
     round_seq: int | None
     keys: Keys
     hits: tuple[bool, ...]
     lookup_deadline: float | None
+    refused: tuple[bool, ...] = ()
 
 
 class LookupTimedOut(Event, frozen=True, kw_only=True):

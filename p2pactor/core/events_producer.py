@@ -149,7 +149,7 @@ class Pinned(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     expires_at: float
 
 
-class LookupAnswered(Event, frozen=True, kw_only=True):
+class LookupAnswered(Event, frozen=True, kw_only=True, omit_defaults=True):
     """The one answer to a lookup went out.
 
     Version 2: when the parent's first answer settles every key of the
@@ -167,9 +167,14 @@ class LookupAnswered(Event, frozen=True, kw_only=True):
         resolved: The parent's first answer came in this step and settled
             every key; the synthetic request opened and closed with it.
         pinned: The hits the parent pinned in this step, if any.
+        refused: Parallel to ``keys`` (empty: none): True where the MISS is a
+            quota's refusal (sent as such to p2pactor peers).
+
+    Fields at their defaults are not written (records from before
+    ``refused`` wrote ``resolved`` and ``pinned`` always; they read the same).
     """
 
-    VERSION: ClassVar[int] = 2  # 2: resolved, pinned
+    VERSION: ClassVar[int] = 2  # 2: resolved, pinned (refused: written only when set)
 
     lookup_id: int
     round_seq: int
@@ -177,6 +182,7 @@ class LookupAnswered(Event, frozen=True, kw_only=True):
     hits: tuple[bool, ...]
     resolved: bool = False
     pinned: Pinned | None = None
+    refused: tuple[bool, ...] = ()
 
 
 class LookupDropped(Event, frozen=True, kw_only=True):

@@ -159,6 +159,7 @@ def _evolve_lookup_opened(
         deadline=e.deadline,
         resolved={k: False for k in e.keys[admitted:] if k not in asked},
         pending=asked,
+        refused=frozenset(k for k in e.keys[admitted:] if k not in asked),
     )
     rnd = replace(_round(s, e.round_seq), lookup_supplied=True)
     return replace(
@@ -361,10 +362,16 @@ def _finish_requested(s: ProducerState, e: ev.FinishRequested) -> ProducerState:
     return replace(s, seq=e.seq, finishing=True)
 
 
-@_arm(ev.Ignored, ev.Rejected, ev.KeysRefused)
-def _noted(s: ProducerState, e: ev.Ignored | ev.Rejected | ev.KeysRefused) -> ProducerState:
-    # KeysRefused: the KeysResolved that follows counts the keys as misses.
+@_arm(ev.Ignored, ev.Rejected)
+def _noted(s: ProducerState, e: ev.Ignored | ev.Rejected) -> ProducerState:
     return replace(s, seq=e.seq)
+
+
+@_arm(ev.KeysRefused)
+def _keys_refused(s: ProducerState, e: ev.KeysRefused) -> ProducerState:
+    # The KeysResolved that follows counts the keys as misses; the answer says why.
+    lookup = s.lookups[e.lookup_id]
+    return _with_lookup(s, e.seq, replace(lookup, refused=lookup.refused | frozenset(e.keys)))
 
 
 @_arm(ev.SessionLost)

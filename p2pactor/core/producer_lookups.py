@@ -116,7 +116,7 @@ def _answer_at_once(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Ti
     one :class:`~p2pactor.core.events.LookupAnswered`.
     """
     pin = answer.pin
-    if answer.refused or lookup.dropped or lookup.answered or lookup.resolved:
+    if answer.refused or lookup.dropped or lookup.answered or lookup.resolved or lookup.refused:
         return False  # a quota's refusal, a close, a deadline, or keys settled before
     if pin is not None and _pin_refusal(b.state, lookup):
         return False
@@ -233,6 +233,7 @@ def _settle_lookup(b: _B, lookup_id: int) -> None:
 
 def _answer(b: _B, lookup: ActiveLookup) -> None:
     """Send the lookup's one answer, keys in wire order, duplicates included."""
+    refused = lookup.refused
     b.emit(
         ev.LookupAnswered(
             **b.head,
@@ -240,6 +241,7 @@ def _answer(b: _B, lookup: ActiveLookup) -> None:
             round_seq=lookup.round_seq,
             keys=lookup.keys,
             hits=tuple(lookup.resolved[k] for k in lookup.keys),
+            refused=tuple(k in refused for k in lookup.keys) if refused else (),
         )
     )
 

@@ -61,6 +61,8 @@ class ActiveLookup(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     a request for it; its late answer is only cleaned up."""
     dropped: bool = False
     """The request closed; no answer will be sent."""
+    refused: frozenset[bytes] = frozenset()
+    """Keys answered MISS because the peer is over a quota (not because we lack them)."""
 
 
 class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -254,15 +254,21 @@ class LookupResp(MessageBase, frozen=True, kw_only=True):
             pinned) the block.
         round_seq: Extension: the round of the lookup this answers, or UNSET
             (absent from the wire; stock vLLM sends no round here).
+        refused: Extension (``lookup_refused``): parallel to ``keys``, True
+            where the MISS is a refusal (the peer is over a quota: it says
+            nothing of whether the producer holds the key), or UNSET.
     """
 
     kv_request_id: Text
     keys: Keys
     hits: Hits
     round_seq: Round | UnsetType = UNSET
+    refused: Hits | UnsetType = UNSET
 
     def __post_init__(self) -> None:
         parallel(self, "hits", self.hits, self.keys)
+        if self.refused is not UNSET:
+            parallel(self, "refused", self.refused, self.keys)
 
 
 class Fetch(MessageBase, frozen=True, kw_only=True):

@@ -91,7 +91,9 @@ class DirectoryCounts:
     probed_keys: int = 0
     """Claimed keys asked of chosen peers."""
     false_claims: int = 0
-    """Of those, the keys the peer answered MISS for (or never answered)."""
+    """Of those, the keys the peer answered MISS for (or never answered), refusals aside."""
+    refused_claims: int = 0
+    """Of those, the keys the peer refused over a quota (a p2pactor peer says so)."""
     deltas_sent: int = 0
     parts_sent: int = 0
     bytes_sent: int = 0
@@ -347,15 +349,19 @@ class SourceDirectory:
             return
         del self.auto[actor]
         hits = answers.count(LookupResult.HIT)
+        # A quota's refusal says nothing of what the peer holds: no false claim.
+        refused = state.refused
         missed = [
             fingerprint(k)
             for k, a in zip(probe.claimed, answers, strict=True)
-            if a is not LookupResult.HIT
+            if a is not LookupResult.HIT and k not in refused
         ]
+        spared = sum(1 for k in probe.claimed if k in refused)
         self.counts.false_claims += len(missed)
+        self.counts.refused_claims += spared
         self.index.missed(probe.peer, missed)
         was = self.index.quarantined(probe.peer, self._clock())
-        self.index.probe_ended(probe.peer, len(probe.claimed), hits, self._clock())
+        self.index.probe_ended(probe.peer, len(probe.claimed) - spared, hits, self._clock())
         if not was and self.index.quarantined(probe.peer, self._clock()):
             log.warning(
                 "%s's summary claims keys it does not hold (%d of %d probed missed); not "

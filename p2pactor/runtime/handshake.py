@@ -39,6 +39,7 @@ from p2pactor.runtime.transport import (
 __all__ = [
     "EXTENSION",
     "FEATURE_DEADLINE",
+    "FEATURE_REFUSED",
     "FEATURE_RESP_ROUND",
     "FEATURE_SESSION_ROUNDS",
     "ControlLink",
@@ -56,8 +57,13 @@ FEATURE_SESSION_ROUNDS = "session_rounds"
 """Rounds come from one counter per session, which never repeats (no ABA on a reused id)."""
 FEATURE_DEADLINE = "lookup_deadline"
 """A ``lookup`` carries its ``deadline_ms``."""
+FEATURE_REFUSED = "lookup_refused"
+"""A ``lookup_resp`` says which of its MISSes are a quota's refusals (``refused``)."""
 EXTENSION = wire.ConnectExtension(
-    version=1, features=frozenset({FEATURE_RESP_ROUND, FEATURE_SESSION_ROUNDS, FEATURE_DEADLINE})
+    version=1,
+    features=frozenset(
+        {FEATURE_RESP_ROUND, FEATURE_SESSION_ROUNDS, FEATURE_DEADLINE, FEATURE_REFUSED}
+    ),
 )
 """What this p2pactor offers peers in its ``connect``."""
 
@@ -121,8 +127,11 @@ def to_dialect(msg: wire.Message, extension: wire.ConnectExtension | None) -> wi
     features = extension.features if extension is not None else frozenset()
     if isinstance(msg, wire.Lookup) and FEATURE_DEADLINE not in features:
         return replace(msg, deadline_ms=wire.UNSET)
-    if isinstance(msg, wire.LookupResp) and FEATURE_RESP_ROUND not in features:
-        return replace(msg, round_seq=wire.UNSET)
+    if isinstance(msg, wire.LookupResp):
+        if FEATURE_RESP_ROUND not in features:
+            msg = replace(msg, round_seq=wire.UNSET)
+        if FEATURE_REFUSED not in features and msg.refused is not wire.UNSET:
+            msg = replace(msg, refused=wire.UNSET)
     return msg
 
 

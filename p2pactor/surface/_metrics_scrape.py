@@ -271,8 +271,15 @@ def _source_families(sources: _Sources) -> Iterator[Metric]:
     )
     yield CounterMetricFamily(
         "p2pactor_source_false_claims",
-        "Of those keys, the ones the chosen peer answered MISS for (or never answered).",
+        "Of those keys, the ones the chosen peer answered MISS for (or never answered), "
+        "refusals aside.",
         value=counts.false_claims,
+    )
+    yield CounterMetricFamily(
+        "p2pactor_source_refused_claims",
+        "Of those keys, the ones the chosen peer refused over a quota (it said so): no "
+        "false claim.",
+        value=counts.refused_claims,
     )
     yield _counter_by(
         "p2pactor_summary_bytes",
