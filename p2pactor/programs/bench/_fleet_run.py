@@ -150,7 +150,10 @@ def _peer_id(engine: FleetEngine) -> str:
 def _make_hostile(engine: FleetEngine, keys: list[bytes]) -> None:
     """Engine 0 claims keys it does not hold, as many as it may, and never takes one back."""
     node = engine.tier.node
-    setattr(node.sources, "gone", lambda keys: None)  # noqa: B010 - a hostile patch, on purpose
+    # Hostile patches, on purpose: it never drops a claim, and checks nothing.
+    setattr(node.sources, "gone", lambda keys: None)  # noqa: B010
+    setattr(node, "take_scrub", lambda: None)  # noqa: B010
+    setattr(node, "take_frontier", list)  # noqa: B010
     lies = list(keys)
     random.Random(1).shuffle(lies)  # noqa: S311 - which keys it lies about
     node.holds(lies, wake=True)
