@@ -191,6 +191,7 @@ class EngineSide:
         self.bridge: EngineBridge | None = None
         self.failures: list[Exception] = []
         self.missed: dict[ActorId, set[bytes]] = {}  # keys each actor heard MISS for
+        self.offered: dict[ActorId, set[bytes]] = {}  # HITs heard since its last fetch
 
     # EngineSide
     def consumer_for(self, peer: str, kv_request_id: str) -> RequestActor | None:
@@ -242,15 +243,23 @@ class EngineSide:
 
     def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
         missed = self.missed.setdefault(actor.id, set())
+        offered = self.offered.setdefault(actor.id, set())
         for event in events:
             if isinstance(event, ev.LookupResp):
-                missed.update(k for k, hit in zip(event.keys, event.hits, strict=True) if not hit)
+                for k, hit in zip(event.keys, event.hits, strict=True):
+                    (offered if hit else missed).add(k)
             elif isinstance(event, ev.Probed):
                 # A MISS is always safe: a key heard MISS is never asked again.
                 assert not missed & set(event.keys), (event, missed)
             for effect in fx.effects_of(event):
                 if isinstance(effect, fx.Send):
-                    self.to_peer.append((actor, effect.message))
+                    msg = effect.message
+                    if isinstance(msg, wire.Fetch) and msg.keys:
+                        # A fetch of a key the round did not offer would wait
+                        # for a store, as a disaggregated decode's does.
+                        assert set(msg.keys) <= offered, (msg.keys, offered)
+                        offered.clear()
+                    self.to_peer.append((actor, msg))
                 elif isinstance(effect, fx.ReportLoad):
                     self.report_load(effect.job_id, success=effect.success, reason=effect.reason)
 
@@ -493,3 +502,36 @@ class BridgeMachine(RuleBasedStateMachine):
 
 TestBridgeMachine = BridgeMachine.TestCase
 TestBridgeMachine.settings = MACHINE_SETTINGS
+
+
+def test_a_hit_heard_while_a_fetch_is_handed_over_is_asked_again() -> None:
+    """The fetch of a round's first HITs is on its way when the rest are answered.
+
+    vLLM fetched key 0 (answered by a lookup of its own, sent after a local
+    eviction) and, before the node's thread took that fetch, the round's other
+    lookup answered keys 1 and 2 HIT. The fetch closes the round and their
+    pins with it: a HIT now would be fetched in a round no lookup opened, and
+    the peer would wait for a store as a disaggregated decode's producer does
+    (30 s, then recompute). They are RETRY until the fetch is taken, then
+    asked again.
+    """
+    m = BridgeMachine()
+    req = m.requests["r1"]
+    m.local = {KEYS[0]}
+    m.engine_step_of(req)  # keys 1..3 asked
+    m.node_applies()
+    m.engine_evicts(KEYS[0])
+    m.engine_step_of(req)  # key 0 asked, in a lookup of its own
+    m.node_applies()
+    assert [type(msg) for _, msg in m.side.to_peer] == [wire.Lookup, wire.Lookup]
+    m.peer_handles(*m.side.to_peer.pop(1), stamped=True, success=True)
+    m.engine_step_of(req)  # key 0 HIT: its load is handed over
+    assert list(req.loading) == [KEYS[0]]
+    m.peer_handles(*m.side.to_peer.pop(0), stamped=True, success=True)
+    assert m.api.peek_key(PEER, "r1", KEYS[1]) is RETRY
+    m.engine_step_of(req)
+    assert list(req.loading) == [KEYS[0]]
+    m.node_applies()  # the fetch of key 0 (the offered check in actor_stepped), then the ask
+    fetches = [msg for _, msg in m.side.to_peer if isinstance(msg, wire.Fetch)]
+    assert [f.keys for f in fetches] == [(KEYS[0],)]
+    m.teardown()

@@ -169,6 +169,11 @@ class EngineBridge:
         # (kv_request_id, peer) whose actor could not be made (no session may
         # be opened: the peer cap, a shutdown): every key of it is a MISS.
         self._unreachable: set[tuple[str, str]] = set()
+        # Loads handed over and not yet given to their actor, by (kv_request_id,
+        # peer): the fetch closes the round, and the round's other HITs lose
+        # their pins with it, but until the actor takes the fetch its state
+        # still answers them HIT.
+        self._fetching: dict[tuple[str, str], int] = {}
         # Keys applied on the node's thread, waiting for the step's flush; and
         # actors given their keys early (another input of theirs came first),
         # whose flush is still owed.
@@ -267,7 +272,17 @@ class EngineBridge:
             reason = f"the node is overloaded ({len(self._inbox)} engine calls queued)"
             self._results.append(LoadResult(job_id, success=False, reason=reason))
             return
+        with self._lock:
+            where = (kv_request_id, peer)
+            self._fetching[where] = self._fetching.get(where, 0) + 1
         self.post(_Load(peer, kv_request_id, job_id, tuple(keys), tuple(blocks)), wake=wake)
+
+    def fetching(self, peer: str, kv_request_id: str) -> bool:
+        """Whether a load of the request is on its way to its actor. Any thread.
+
+        While it is, the actor's HITs are stale: the fetch closes the round.
+        """
+        return (kv_request_id, peer) in self._fetching
 
     def finish(self, kv_request_id: str, *, wake: bool) -> None:
         """Hand over the end of a request (its asked keys are forgotten on the node's thread)."""
@@ -401,6 +416,13 @@ class EngineBridge:
                 else:
                     self._register_first(actor)
                     node.submit(actor, job_id, keys, blocks)
+                with self._lock:
+                    where = (kv_id, peer)
+                    left = self._fetching.get(where, 1) - 1
+                    if left > 0:
+                        self._fetching[where] = left
+                    else:
+                        self._fetching.pop(where, None)
             case _Finish(kv_id):
                 with self._lock:
                     self._posted.pop(kv_id, None)

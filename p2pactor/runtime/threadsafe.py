@@ -73,7 +73,10 @@ class ThreadSafeAPI:
             return [LookupResult.MISS if unreachable else RETRY] * len(keys)
         state = actor.state
         assert isinstance(state, ConsumerState)
-        return probe_answers(state, keys)
+        answers = probe_answers(state, keys)
+        if self._bridge.fetching(peer, kv_request_id):  # see peek_key
+            return [RETRY if a is LookupResult.HIT else a for a in answers]
+        return answers
 
     def peek_key(self, peer: str, kv_request_id: str, key: bytes) -> LookupResult:
         """:meth:`peek_lookup` of one key, without the lists (vLLM asks key by key)."""
@@ -84,7 +87,12 @@ class ThreadSafeAPI:
             return LookupResult.MISS if self._bridge.unreachable(peer, kv_request_id) else RETRY
         state = actor.state
         assert isinstance(state, ConsumerState)
-        return probe_answer(state, key)
+        answer = probe_answer(state, key)
+        if answer is LookupResult.HIT and self._bridge.fetching(peer, kv_request_id):
+            # The engine has fetched this round (the hand-over is on its way):
+            # a HIT it did not fetch loses its pin with the round. Ask again.
+            return RETRY
+        return answer
 
     def ask(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
         """Ask ``peer`` about ``keys`` at the next :meth:`flush`. Thread-safe, never blocks.
