@@ -30,8 +30,10 @@ SECTIONS: tuple[str, ...] = (
     "idle",
     "hosts",
     "fleet",
+    "engine-real",
 )
-"""Section names, in the order they run; each is the module ``p2pactor.programs.bench.<name>``."""
+"""Section names, in the order they run; each is the module ``p2pactor.programs.bench.<name>``
+(a ``-`` in the name is a ``_`` in the module's)."""
 
 
 class _Section(Protocol):
@@ -43,9 +45,9 @@ class _Section(Protocol):
 
 def _load(name: str) -> _Section | None:
     try:
-        module: Any = importlib.import_module(f"p2pactor.programs.bench.{name}")
+        module: Any = importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
     except ModuleNotFoundError as exc:
-        if exc.name == f"p2pactor.programs.bench.{name}":
+        if exc.name == f"p2pactor.programs.bench.{name.replace('-', '_')}":
             return None  # a section not written yet
         raise
     section: _Section = module
