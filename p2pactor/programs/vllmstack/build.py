@@ -42,8 +42,9 @@ class StackOptions:
 
     Attributes:
         tiers: The ``secondary_tiers`` entries, in order (none: the CPU tier alone).
-        num_chunks: CPU-tier chunks (``cpu_bytes_to_use`` is this many chunks).
-        chunk_bytes: Bytes of one chunk.
+        num_chunks: CPU-tier chunks (``cpu_bytes_to_use`` is this many of vLLM's
+            aligned chunk strides).
+        chunk_bytes: Bytes of one chunk's KV (vLLM rounds its stride up to 4 KiB).
         tokens_per_block: Tokens of one KV block.
         blocks_per_chunk: KV blocks of one offloaded chunk (one key).
         layers: Attention layers of the model (they name the layer fingerprint).
@@ -83,10 +84,17 @@ def spec_of(options: StackOptions) -> Any:
         OffloadingModelConfig,
         OffloadingParallelConfig,
     )
+    from vllm.v1.kv_offload.cpu.shared_offload_region import (  # noqa: PLC0415
+        SharedOffloadRegion,
+    )
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: PLC0415
 
     if options.chunk_bytes % options.blocks_per_chunk:
         raise ValueError("chunk_bytes must be a multiple of blocks_per_chunk")
+    # vLLM lays each chunk out on an aligned stride: size the tier in strides,
+    # so that it holds num_chunks of them.
+    align = SharedOffloadRegion.BLOCK_SIZE_ALIGNMENT
+    stride = -(-options.chunk_bytes // align) * align
     config = OffloadingConfig(
         groups=(
             OffloadingGroupConfig(
@@ -100,7 +108,7 @@ def spec_of(options: StackOptions) -> Any:
         worker_kv_bytes_per_block=options.chunk_bytes // options.blocks_per_chunk,
         enable_kv_cache_events=False,
         extra_config={
-            "cpu_bytes_to_use": options.num_chunks * options.chunk_bytes,
+            "cpu_bytes_to_use": options.num_chunks * stride,
             "blocks_per_chunk": options.blocks_per_chunk,
             "eviction_policy": options.eviction_policy,
             "tier_poll_interval_s": options.tier_poll_interval_s,

@@ -350,12 +350,15 @@ class StackEngine:
 
     # --- helpers for tests -----------------------------------------------------------
 
-    def compute(self, req_id: str, keys: Iterable[bytes]) -> StackRequest:
+    def compute(
+        self, req_id: str, keys: Iterable[bytes], params: dict[str, Any] | None = None
+    ) -> StackRequest:
         """A request that computes ``keys`` with no lookup: they end up stored, as vLLM would.
 
-        Steps until it is done (its stores cascaded to the tiers).
+        Steps until it is done (stored in the CPU tier; vLLM cascades them to
+        its tiers from the steps after).
         """
-        req = self.add(req_id, (), tuple(keys))
+        req = self.add(req_id, (), tuple(keys), params)
         req.decided = self.steps
         req.phase, req.finished = Phase.RUNNING, self.steps
         while req.phase is not Phase.DONE:
