@@ -1,0 +1,192 @@
+"""p2pactor's tier inside vLLM 0.33's own offloading stack, engine to engine.
+
+Every engine here is vLLM's ``TieringOffloadingManager`` as its
+``get_manager()`` builds it, stepped in the call pattern of vLLM's
+``OffloadingConnectorScheduler`` (``tests/vllm_stack.py``): vLLM decides what
+to look up, promotes, pins, stores and cascades; its tier-poll thread serves
+peers between steps. Real ZeroMQ and NIXL on 127.0.0.1. Each test checks the
+outcome (every loaded byte against what the producer computed, vLLM's own
+counters, our producers' events), and ends with every node settled: no job in
+flight, no chunk pinned, every synthetic request closed, no contract
+violation, no offload region left in /dev/shm.
+
+``tests/test_vllm_tier.py`` checks the tier's contract call by call with a
+parent of its own, where vLLM's stack cannot be made to answer HIT_PENDING or
+RETRY at a chosen moment, nor to report a job twice; the flows are here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import socket
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm.v1.kv_offload.tiering.manager", reason="vLLM 0.33 (tiered KV offloading) is not installed"
+)
+
+from vllm.v1.kv_offload.base import make_offload_key
+
+from p2pactor.programs.vllmstack.engine import Phase, StackRequest
+from tests.vllm_stack import StackNode, node_threads, open_nodes, run_until, settle
+
+_keys = itertools.count()
+
+
+def new_keys(n: int) -> list[bytes]:
+    """``n`` OffloadKeys unique in this module (a block hash, then group 0)."""
+    return [
+        make_offload_key(hashlib.sha256(b"stack %d" % next(_keys)).digest(), 0) for _ in range(n)
+    ]
+
+
+def ask(node: StackNode, keys: list[bytes], params: dict[str, Any] | None) -> StackRequest:
+    """A request for ``keys`` (and nothing more) on ``node``."""
+    return node.engine.add(node.new_id(), keys, (), params)
+
+
+def done(*reqs: StackRequest) -> Any:
+    return lambda: all(r.phase is Phase.DONE for r in reqs)
+
+
+def read_bytes(node: StackNode) -> float:
+    """vLLM's ``kv_offload_tiering_read_bytes`` for the node's tier, summed over steps."""
+    return sum(
+        v
+        for (name, _), v in node.engine.counters.items()
+        if name.endswith("tiering_read_bytes") or name == "tiering_read_bytes"
+    )
+
+
+def test_a_named_source_serves_the_hit_run_and_the_miss_is_computed_after_one_round() -> None:
+    with open_nodes(("a", {}), ("b", {})) as (a, b):
+        keys = new_keys(6)
+        a.computed(keys[:4])
+        assert a.holds(keys) == 4
+        req = ask(b, keys, b.named(a, "named-1"))
+        run_until([a, b], done(req), "b's request done")
+        assert (req.loaded, req.promoted, req.wrong, req.aborted) == (4, 4, 0, False)
+        # The two keys a never held were asked once, answered MISS, computed.
+        assert len(a.producer_events("LookupReceived", "named-1")) == 1
+        run_until([a, b], lambda: b.holds(keys) == 6, "b stored what it computed")
+        assert read_bytes(b) == 4 * b.stack.memory.shape[1]  # vLLM's count: chunks it read
+        settle([a, b])
+
+
+def test_prefill_decode_a_store_parked_before_the_fetch_is_served() -> None:
+    with open_nodes(("p", {}), ("d", {})) as (p, d):
+        keys = new_keys(3)
+        p.engine.compute(p.new_id(), keys, {"remote_decoder": {"kv_request_id": "pd-1"}})
+        req = ask(d, keys, d.named(p, "pd-1", role="remote_prefiller"))
+        run_until([p, d], done(req), "the decode request done")
+        assert (req.loaded, req.promoted, req.wrong) == (3, 3, 0)
+        assert p.producer_events("LookupReceived", "pd-1") == []  # no probing in PD
+        settle([p, d])
+
+
+def test_prefill_decode_a_fetch_before_the_store_waits_for_it() -> None:
+    with open_nodes(("p", {}), ("d", {})) as (p, d):
+        keys = new_keys(3)
+        req = ask(d, keys, d.named(p, "pd-2", role="remote_prefiller"))
+        run_until([p, d], lambda: p.producer_events("FetchReceived", "pd-2") != [], "the fetch")
+        assert req.loaded == 0  # vLLM's promotion waits: the request's keys are HIT_PENDING
+        p.engine.compute(p.new_id(), keys, {"remote_decoder": {"kv_request_id": "pd-2"}})
+        run_until([p, d], done(req), "the decode request done")
+        assert (req.loaded, req.promoted, req.wrong) == (3, 3, 0)
+        settle([p, d])
+
+
+def test_two_engines_load_from_each_other_at_once() -> None:
+    with open_nodes(("a", {}), ("b", {})) as (a, b):
+        mine, theirs = new_keys(4), new_keys(4)
+        a.computed(mine)
+        b.computed(theirs)
+        from_a = ask(b, mine, b.named(a, "ab-1"))
+        from_b = ask(a, theirs, a.named(b, "ab-2"))
+        run_until([a, b], done(from_a, from_b), "both requests done")
+        for req in (from_a, from_b):
+            assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
+        settle([a, b])
+
+
+def test_a_request_given_up_while_asking_releases_the_producers_pins() -> None:
+    with open_nodes(("a", {}), ("b", {})) as (a, b):
+        keys = new_keys(4)
+        a.computed(keys)
+        req = ask(b, keys, b.named(a, "gone-1"))
+        b.engine.step()  # the lookup goes out
+        # a's tier-poll thread answers it; b takes no step, so it fetches nothing.
+        run_until([a], lambda: a.producer_events("LookupAnswered", "gone-1") != [], "answer")
+        assert a.pinned() != []  # the answered HITs are pinned for b
+        b.engine.abort(req)
+        settle([a, b])
+        assert a.producer_events("FetchReceived", "gone-1") == []
+        assert a.holds(keys) == 4  # unpinned, and still a's
+
+
+def test_a_named_source_that_is_gone_is_computed_locally(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "1")
+    with open_nodes(("a", {}), ("b", {})) as (a, b):
+        keys = new_keys(3)
+        a.computed(keys)
+        a.shutdown()
+        req = ask(b, keys, b.named(a, "dead-1"))
+        run_until([b], done(req), "b's request done")
+        assert (req.loaded, req.promoted, req.aborted) == (0, 0, False)
+        run_until([b], lambda: b.holds(keys) == 3, "b stored what it computed")
+        settle([b])
+
+
+def test_a_peer_outside_allowed_peers_is_no_source() -> None:
+    with open_nodes(("a", {}), ("b", {"allowed_peers": "127.0.0.1:1"})) as (a, b):
+        keys = new_keys(2)
+        a.computed(keys)
+        req = ask(b, keys, b.named(a, "denied-1"))
+        run_until([a, b], done(req), "b's request done")
+        assert req.loaded == 0
+        assert a.producer_events("LookupReceived", "denied-1") == []
+        assert a.peer_id not in {s.peer_id for s in b.tier.node.sessions()}
+        settle([a, b])
+
+
+def test_a_request_naming_no_source_loads_from_the_peer_whose_summary_has_it() -> None:
+    with (
+        open_nodes(("d", {}), ("e", {})) as (d, e),
+        open_nodes(("c", {"seed_peers": f"{d.peer_id},{e.peer_id}"})) as (c,),
+    ):
+        keys = new_keys(4)
+        d.computed(keys)
+        index = c.tier.node.sources.index
+        run_until([c, d, e], lambda: index.claims_of(d.peer_id) >= 4, "d's summary reached c")
+        req = ask(c, keys, None)
+        run_until([c, d, e], done(req), "c's request done")
+        assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
+        kv_id = f"auto:{c.tier.node.node_id}:{req.req_id}"  # the id c's lookups carry
+        assert len(d.producer_events("LookupReceived", kv_id)) == 1
+        assert e.producer_events("LookupReceived", kv_id) == []
+        settle([c, d, e])
+
+
+@pytest.mark.parametrize("producer", ["stock", "ours"])
+def test_a_mixed_pair_on_vllms_stack(producer: str) -> None:
+    consumer = "ours" if producer == "stock" else "stock"
+    with open_nodes(("p", {"kind": producer}), ("c", {"kind": consumer})) as (p, c):
+        keys = new_keys(4)
+        p.computed(keys)
+        req = ask(c, keys, c.named(p, f"mixed-{producer}"))
+        run_until([p, c], done(req), "the request done")
+        assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
+        settle([p, c])
+
+
+def test_shutdown_stops_the_node_thread_and_frees_the_port() -> None:
+    before = node_threads()
+    with open_nodes(("a", {})) as (a,):
+        assert len(node_threads() - before) == 1
+        port = a.port
+    assert node_threads() - before == set()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # vLLM's manager.shutdown() closed our ROUTER
