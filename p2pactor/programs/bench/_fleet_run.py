@@ -18,9 +18,10 @@ its output processing). The arms, on the same turns:
 - ``mixed``: as ``auto``, every other engine running vLLM's own tier;
 - ``silent``: as ``auto``, engine 0 sharing no summary (what a quarantine
   leaves of it: the reference the hostile arm's cost is measured from);
-- ``hostile``: as ``auto``, engine 0 claiming every key of the workload (its
-  honesty checks off, its registered blocks the whole working set) and
-  holding no more than the others.
+- ``hostile``: as ``auto``, engine 0 claiming keys of the workload, as many
+  as its summary may hold (a tier's worth), never dropping one and never
+  claiming what it really holds (its honesty checks off); its producer
+  answers what its tier holds, as the others'.
 """
 
 from __future__ import annotations
@@ -148,15 +149,22 @@ def _peer_id(engine: FleetEngine) -> str:
 
 
 def _make_hostile(engine: FleetEngine, keys: list[bytes]) -> None:
-    """Engine 0 claims keys it does not hold, as many as it may, and never takes one back."""
+    """Engine 0 claims keys it does not hold, as many as it may, and never takes one back.
+
+    Its producer still answers honestly (its lies are in its summary only).
+    """
     node = engine.tier.node
     # Hostile patches, on purpose: it never drops a claim, and checks nothing.
     setattr(node.sources, "gone", lambda keys: None)  # noqa: B010
     setattr(node, "take_scrub", lambda: None)  # noqa: B010
     setattr(node, "take_frontier", list)  # noqa: B010
-    lies = list(keys)
-    random.Random(1).shuffle(lies)  # noqa: S311 - which keys it lies about
-    node.holds(lies, wake=True)
+    # Whole prompts, the workload's first (its most asked) first: its claimed
+    # runs are the longest, so it is chosen, as a liar that wants traffic is.
+    node.holds(list(keys), wake=True)
+    # And nothing it really stores, loads or evicts ever reaches its summary:
+    # its mirror (a cache of the tier's size) would push the lies out.
+    for name in ("holds", "reused", "ended", "touch", "lacks", "reserve"):
+        setattr(node, name, lambda *args, **kwargs: None)
 
 
 def _synced(engines: Sequence[FleetEngine], hostile: tuple[FleetEngine, int] | None) -> bool:

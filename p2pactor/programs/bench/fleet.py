@@ -158,13 +158,14 @@ def _verdict(ok: bool) -> str:
 
 
 def _fleet_notes(fleet: str, runs: Runs) -> list[str]:
-    auto, oracle = runs["auto"], runs["oracle"]
-    p2p = _median(auto, lambda r: r["loaded_tokens"]) / max(
-        1.0, _median(oracle, lambda r: r["loaded_tokens"])
-    )
-    saved = _median(auto, lambda r: r["saved_tokens"]) / max(
-        1.0, _median(oracle, lambda r: r["saved_tokens"])
-    )
+    auto = runs["auto"]
+
+    def share(figure: str) -> float:
+        # Each repeat's own ratio (the same turns in both arms), then their median.
+        get = _share(figure, "oracle")
+        return Stat.of(get(r, runs, i) / 100.0 for i, r in enumerate(auto)).median
+
+    p2p, saved = share("loaded_tokens"), share("saved_tokens")
     probed = sum(r["probed_keys"] for r in auto)
     false = sum(r["false_claims"] for r in auto) / probed if probed else 0.0
     arms = [a for a in ARMS if a in runs]
