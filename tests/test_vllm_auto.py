@@ -2,9 +2,11 @@
 
 Real tiers in this process (each with its node thread, real ZeroMQ on
 127.0.0.1, real NIXL between CPU tensors), stepped the way vLLM's scheduler
-steps them (``tests/test_vllm_tier.py``'s harness). Each test builds its own
-engines: what a tier holds is now told to its peers, and the module-wide pair
-of that file must not hear of it.
+steps them (``tests/test_vllm_tier.py``'s harness, whose parent evicts when
+a test says so). Each test builds its own engines: what a tier holds is now
+told to its peers, and the module-wide pair of that file must not hear of it.
+The same flows on vLLM's own stack (its LRU evicting, its cascades, its
+promotions) are in ``tests/test_vllm_stack.py``.
 """
 
 from __future__ import annotations

@@ -52,13 +52,9 @@ def done(*reqs: StackRequest) -> Any:
     return lambda: all(r.phase is Phase.DONE for r in reqs)
 
 
-def read_bytes(node: StackNode) -> float:
-    """vLLM's ``kv_offload_tiering_read_bytes`` for the node's tier, summed over steps."""
-    return sum(
-        v
-        for (name, _), v in node.engine.counters.items()
-        if name.endswith("tiering_read_bytes") or name == "tiering_read_bytes"
-    )
+def counter(node: StackNode, name: str) -> float:
+    """A counter of vLLM's ``/metrics`` (``get_stats`` every step), summed over labels."""
+    return sum(v for (n, _), v in node.engine.counters.items() if n == f"vllm:{name}")
 
 
 def test_a_named_source_serves_the_hit_run_and_the_miss_is_computed_after_one_round() -> None:
@@ -72,7 +68,17 @@ def test_a_named_source_serves_the_hit_run_and_the_miss_is_computed_after_one_ro
         # The two keys a never held were asked once, answered MISS, computed.
         assert len(a.producer_events("LookupReceived", "named-1")) == 1
         run_until([a, b], lambda: b.holds(keys) == 6, "b stored what it computed")
-        assert read_bytes(b) == 4 * b.stack.memory.shape[1]  # vLLM's count: chunks it read
+        # vLLM's own counters, and ours in its /metrics (get_stats), agree.
+        assert counter(b, "kv_offload_tiering_read_bytes") == 4 * b.stack.memory.shape[1]
+        # Ours reach vLLM's stats within 0.1 s: vLLM asks every step (here idle ones).
+        ours = ("kv_offload_p2pactor_lookups", "kv_offload_p2pactor_blocks_received")
+
+        def counted() -> bool:
+            b.engine.step()
+            return counter(b, ours[1]) > 0
+
+        run_until([], counted, "our counters in vLLM's")
+        assert (counter(b, ours[0]), counter(b, ours[1])) == (1, 4)
         settle([a, b])
 
 
@@ -190,3 +196,50 @@ def test_shutdown_stops_the_node_thread_and_frees_the_port() -> None:
     assert node_threads() - before == set()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))  # vLLM's manager.shutdown() closed our ROUTER
+
+
+def test_a_request_whose_first_key_nobody_claims_prefills_in_the_same_step() -> None:
+    with (
+        open_nodes(("d", {})) as (d,),
+        open_nodes(("c", {"seed_peers": d.peer_id})) as (c,),
+    ):
+        held = new_keys(2)
+        d.computed(held)
+        index = c.tier.node.sources.index
+        run_until([c, d], lambda: index.claims_of(d.peer_id) == 2, "d's summary reached c")
+        req = ask(c, [*new_keys(2), *held], None)
+        c.engine.step()
+        assert req.decided == req.admitted  # decided in its first schedule: no wait
+        assert (req.loaded, req.waited) == (0, 0)
+        run_until([c, d], done(req), "c's request done")
+        assert [e for e in c.tier.node.event_log.recent() if e.KIND == "Probed"] == []
+        settle([c, d])
+
+
+def test_what_vllms_lru_evicts_leaves_the_peers_claims() -> None:
+    # d's CPU tier holds 16 chunks; vLLM evicts from it and tells no tier.
+    with (
+        open_nodes(("d", {"num_chunks": 16})) as (d,),
+        open_nodes(("c", {"seed_peers": d.peer_id})) as (c,),
+    ):
+        index = c.tier.node.sources.index
+        first, then = new_keys(12), new_keys(12)
+        d.computed(first)
+        run_until([c, d], lambda: index.claims_of(d.peer_id) == 12, "d's summary reached c")
+        d.computed(then)
+        with d.stack.lock:
+            evicted = [k for k in first if d.stack.primary.lookup(k, None).name == "MISS"]
+        assert len(evicted) >= 8  # 24 chunks stored into 16
+
+        from p2pactor.core.sources import fingerprint  # noqa: PLC0415 - one use
+
+        def claimed_but_gone() -> list[bytes]:
+            return [k for k in evicted if d.peer_id in index.claimed_by(fingerprint(k))]
+
+        run_until([c, d], lambda: claimed_but_gone() == [], "the evicted keys left c's index")
+        # And what d still holds is still claimed, up to its tier's size.
+        with d.stack.lock:
+            kept = [k for k in [*first, *then] if d.stack.primary.lookup(k, None).name == "HIT"]
+        assert all(d.peer_id in index.claimed_by(fingerprint(k)) for k in kept)
+        assert index.claims_of(d.peer_id) <= 16
+        settle([c, d])

@@ -19,6 +19,14 @@ request opened was finished exactly once, each job (pin, store, load) was
 reported by ``get_finished_jobs()`` exactly once, no pin is left, and every
 tier is idle (``has_pending_work()`` false).
 
+Why a parent of our own here, and not vLLM's stack: these tests make the
+parent answer HIT_PENDING or RETRY at a chosen moment, submit a job by hand,
+and count every call against the contract; vLLM's ``TieringOffloadingManager``
+can be made to do none of that, and it would hide a violation (its tier-poll
+thread logs an exception and goes on). The same flows run inside vLLM's own
+stack, engine to engine, in ``tests/test_vllm_stack.py``, and between real
+vLLM engines in ``tests/test_vllm_real.py``.
+
 Where upstream asserts internals (``_failed_req_ids``, ``_kv_to_session``,
 calls on a fake session), these tests assert what is observable instead:
 answers, job results, parent calls, bytes, sessions and the node's events.

@@ -31,6 +31,13 @@ What it builds, as ``TieringOffloadingSpec.get_manager`` would:
   tier that sets ``tolerates_off_thread_polling``; every tier call, from either
   thread, holds one lock.
 
+Why a fake tiering manager and parent, not vLLM's stack: the interop and
+cross-host tests make the parent answer HIT_PENDING or RETRY for chosen keys
+(``mark_pending``, ``mark_retry``) and check vLLM's parent contract call by
+call; vLLM's own manager can do neither. The same pairs inside vLLM's own
+stack are in ``tests/test_vllm_stack.py`` (``test_a_mixed_pair_on_vllms_stack``),
+and between real engines in ``tests/test_vllm_real.py``.
+
 Protocol. Each line on stdin is one JSON object ``{"cmd": NAME, "id": ANY,
 ...args}``; each gets exactly one answer line on stdout::
 

@@ -35,6 +35,14 @@ connector and ``TieringOffloadingManager`` make the calls:
    to load) gets ``on_request_finished()``, under a short lock, and frees its
    chunks.
 
+Why a scripted engine, not vLLM's stack (``p2pactor.programs.vllmstack``):
+this section times each tier's own calls, alone, on the engine thread; inside
+vLLM's ``TieringOffloadingManager`` the time of vLLM's own code (its promotions,
+its LRU, its stats) would sit between them, the same in both arms. What it
+leaves out: vLLM's CPU tier and its evictions, its promotions (loads go to a
+free list of chunks), cascades. What the tier costs inside a whole engine is
+the ``engine-real`` section's (two real vLLM engines).
+
 The run ends when every request has finished. The sequence is the same for
 both tiers (same requests, same admission schedule, same rules); only how many
 steps the answers and loads take depends on the tier, so call counts are

@@ -11,6 +11,11 @@ thread does for an idle engine: every ``--poll-ms`` it calls
 :class:`FakeParent` answering from the pool. It stops when its stdin closes,
 shuts the tier down and prints one JSON line of counters.
 
+The producer's parent is scripted, not vLLM's stack: it answers from a pool
+that holds every HIT key for the whole run (nothing evicts), so that the
+``control`` and ``flood`` sections measure the tiers' serving alone, the
+same for both.
+
 Importing it sets ``NIXL_LOG_LEVEL=WARN``, ``PYTHONHASHSEED=0`` and
 ``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and
 seeds vLLM's ``NONE_HASH`` with ``init_none_hash(sha256)``, as an engine does
