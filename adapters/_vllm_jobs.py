@@ -60,6 +60,10 @@ class JobBook:
         self.failed: set[str] = set()
         """Requests whose load failed: their lookups answer MISS until they finish."""
 
+    def loading(self) -> set[bytes]:
+        """The keys of the loads in flight."""
+        return {key for entry in self.loads.values() for key in entry[2]}
+
     def at_once(self, job_id: int, *, success: bool) -> None:
         """A job that ends as it is handed over (nothing moves)."""
         self.finished.append(job_result(job_id, success=success, seconds=0.0, size=0))

@@ -31,7 +31,8 @@ check through the lent parent sized to the tier's churn, a new epoch at
 
 Its parts: ``_vllm_api.py`` (vLLM's API across versions), ``_vllm_parent.py``
 (the lent parent, the check), ``_vllm_auto.py`` (the automatic choice),
-``_vllm_jobs.py`` (the jobs owed to vLLM), ``_vllm_thread.py`` (the node's
+``_vllm_jobs.py`` (the jobs owed to vLLM), ``_vllm_watch.py`` (what vLLM is
+writing, claimed before its cascade), ``_vllm_thread.py`` (the node's
 thread), ``_vllm_metrics.py`` (``/metrics``).
 """
 
@@ -72,6 +73,7 @@ from p2pactor.adapters._vllm_jobs import JobBook
 from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
 from p2pactor.adapters._vllm_parent import LentParent, scrub
 from p2pactor.adapters._vllm_thread import NodeThread
+from p2pactor.adapters._vllm_watch import Watch
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.config import NodeConfig
@@ -221,6 +223,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         self._node: Node = self._runner.start()
         self.jobs = JobBook(self._node, config.block_len)
         self._auto = AutoSources(self._node, config.sources.choice.tail_keys)
+        self._watch = Watch(self._node)
         # vLLM's scheduler thread (it builds the tier and steps it); its
         # tier-poll thread is another.
         self._scheduler = threading.get_ident()
@@ -305,6 +308,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         held = [k for k, p in record.items() if p < where]
         if held:
             self._node.reused(held, ctx.req_id, [record[k] for k in held])
+        if ctx.get_state(Dest) is None:  # a remote decoder's blocks are not ours to claim
+            self._watch.follow(ctx.req_id, record, where)
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """The engine is done with the request (either role)."""
@@ -313,6 +318,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         auto = req_context.get_state(Auto)
         if auto is not None and source is None:
             self._auto.finished(auto)
+        self._watch.finished(req_context.req_id)
         record = request_keys(req_context)
         if record:  # what it reused of the CPU tier, if not seen at its lookups
             self._node.reused(list(record), req_context.req_id, list(record.values()))
@@ -386,6 +392,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             gone, _ = scrub(parent, node.take_frontier(), node.node_id)
             if gone:
                 node.scrubbed(gone, ())
+            # And it has just prepared the step's stores: claim them now.
+            self._watch.check(parent, self.jobs.loading())
         batch = node.take_scrub()
         if batch:
             gone, kept = scrub(parent, batch, node.node_id)

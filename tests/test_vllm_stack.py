@@ -243,3 +243,26 @@ def test_what_vllms_lru_evicts_leaves_the_peers_claims() -> None:
         assert all(d.peer_id in index.claimed_by(fingerprint(k)) for k in kept)
         assert index.claims_of(d.peer_id) <= 16
         settle([c, d])
+
+
+def test_what_an_engine_writes_is_claimed_before_vllm_cascades_it() -> None:
+    with (
+        open_nodes(("d", {})) as (d,),
+        open_nodes(("c", {"seed_peers": d.peer_id})) as (c,),
+    ):
+        index = c.tier.node.sources.index
+
+        def summary_in() -> bool:
+            position = index.position(d.peer_id)
+            return position is not None and position[2]
+
+        run_until([c, d], summary_in, "c has d's summary")
+        keys = new_keys(4)
+        req = ask(d, keys, None)  # nobody claims them: d computes them
+        while req.phase is not Phase.DONE:  # ... and stores them in its CPU tier
+            d.engine.step()
+        # vLLM cascades the stores to its tiers at the end of d's next step; d
+        # takes none, and c hears of them all the same.
+        run_until([], lambda: index.claims_of(d.peer_id) == 4, "c heard of d's keys")
+        assert len(d.tier._watch) == 0  # followed to its last key
+        settle([c, d])

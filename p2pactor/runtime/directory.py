@@ -210,8 +210,10 @@ class SourceDirectory:
         """Apply an engine call about what this node holds; plan the check it makes due."""
         holdings, now = self.holdings, self._clock()
         match call:
-            case Held(keys, request, positions):
+            case Held(keys, request, positions, at_once):
                 self.stored(keys, request, positions)
+                if at_once:  # a peer may ask for them within the step
+                    self._flush_now(now)
             case Reused(keys, request, positions):
                 holdings.accessed(keys, request, positions)
             case Ended(request):
@@ -229,12 +231,15 @@ class SourceDirectory:
             case Scrubbed(gone, kept):
                 holdings.scrubbed(gone, kept, now)
                 if gone:  # a claim the parent dropped costs every peer a lookup: tell now
-                    while (delta := holdings.flush(now, force=True)) is not None:
-                        self._broadcast(delta)
+                    self._flush_now(now)
         if self.checked and not isinstance(call, Scrubbed):
             self.frontier = holdings.frontier()
         self._plan_scrub(now)
         self._arm()
+
+    def _flush_now(self, now: float) -> None:
+        while (delta := self.holdings.flush(now, force=True)) is not None:
+            self._broadcast(delta)
 
     # --- sessions ---------------------------------------------------------------------
 

@@ -44,12 +44,14 @@ class Held(msgspec.Struct, frozen=True, gc=False):
     """The engine now holds ``keys`` (it stored them, or loaded them from a peer).
 
     For ``request`` (its id), at ``positions`` (the keys' end-token positions),
-    when the engine says (:meth:`~p2pactor.core.holdings.Holdings.stored`).
+    when the engine says (:meth:`~p2pactor.core.holdings.Holdings.stored`);
+    ``now``: tell the peers at once, not with the next batched delta.
     """
 
     keys: tuple[bytes, ...]
     request: str | None = None
     positions: tuple[int | None, ...] | None = None
+    now: bool = False
 
 
 class Reused(msgspec.Struct, frozen=True, gc=False):

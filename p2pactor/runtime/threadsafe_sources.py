@@ -52,17 +52,20 @@ class ThreadSafeSources:
         *,
         request: str | None = None,
         positions: Sequence[int | None] | None = None,
+        now: bool = False,
         wake: bool = False,
     ) -> None:
         """The engine's cache now holds ``keys`` (it stored them, or loaded them from a peer).
 
         An engine whose cache ranks a request's keys by their place in it
         (vLLM's LRU) names the ``request`` and each key's ``positions``; it
-        then tells :meth:`ended` when the request ends.
+        then tells :meth:`ended` when the request ends. With ``now``, the
+        peers hear of them at once, not with the next batched delta (another
+        engine may ask for them within the step).
         """
         if keys and self._directory.enabled:
             where = None if positions is None else tuple(positions)
-            self._bridge.sources(Held(tuple(keys), request, where), wake=wake)
+            self._bridge.sources(Held(tuple(keys), request, where, now), wake=wake)
 
     def reused(self, keys: Sequence[bytes], request: str, positions: Sequence[int | None]) -> None:
         """The engine's ``request`` reused ``keys`` its cache held (at ``positions`` in it)."""
