@@ -65,6 +65,10 @@ class Auto:
         past_run: Unclaimed keys kept after the claimed run.
         handed: The keys went to the node; the choice is awaited.
         settled: No source: every key is a MISS.
+        undecided_at: The step in which a key was answered RETRY for want of
+            the choice. A choice published later in that step waits for the
+            next: vLLM promotes every HIT it hears and scans on past a RETRY,
+            so a choice landing mid-scan would fetch the run without its head.
     """
 
     kv_request_id: str
@@ -72,6 +76,7 @@ class Auto:
     past_run: int = 0
     handed: bool = False
     settled: bool = False
+    undecided_at: int = -1
 
 
 class AutoSources:
@@ -87,6 +92,7 @@ class AutoSources:
         self._tail = tail_keys
         self._prefix = f"auto:{node.node_id}:"
         self._kept: list[Auto] = []  # kept keys this step, handed over at its end
+        self._steps = 0  # steps ended
         self.unclaimed = 0
         """Requests whose first key no peer claimed: a MISS at once (engine thread's count)."""
 
@@ -100,8 +106,11 @@ class AutoSources:
         if auto.settled:
             return Answer.MISS
         if auto.handed:
+            if auto.undecided_at == self._steps:
+                return Answer.RETRY  # as at this scan's first key: see ``undecided_at``
             decision = self._node.decision(auto.kv_request_id)
             if decision is None:
+                auto.undecided_at = self._steps
                 return Answer.RETRY
             if decision.peer is None:
                 auto.settled = True
@@ -130,6 +139,7 @@ class AutoSources:
 
     def step_ended(self) -> None:
         """Hand the keys kept this step to the node, one choice per request."""
+        self._steps += 1
         kept, self._kept = self._kept, []
         for auto in kept:
             if not auto.handed and not auto.settled:

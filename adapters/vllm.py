@@ -79,6 +79,7 @@ from p2pactor.errors import ConfigError
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.node import Node
+from p2pactor.runtime.threadsafe import LookupView
 
 __all__ = ["P2PActorTierManager"]
 
@@ -218,6 +219,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             raise ValueError(f"bad p2pactor tier configuration: {exc}") from exc
         self._contexts: dict[str, ReqContext] = {}
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
+        self._views: dict[tuple[str, str], LookupView] = {}  # this step's, per request
         self._runner = NodeThread(config, view, event_log)
         self._reported: dict[str, float] = {}  # the totals get_stats last reported
         self._node: Node = self._runner.start()
@@ -286,11 +288,15 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         k = bytes(key)
         if source.only is not None and k not in source.only:
             return VLLM_MISS  # chosen by us for its claimed keys: nobody claimed this one
-        answer = self._node.peek_key(source.peer, source.kv_request_id, k)
+        where = (source.peer, source.kv_request_id)
+        view = self._views.get(where)
+        if view is None:  # one snapshot per scan: see lookup_view
+            view = self._views[where] = self._node.lookup_view(*where)
+        answer = view.answer(k)
         if answer is Answer.RETRY:
             # Asked at the step's end, all keys of the request in one go: vLLM
             # calls this once per key per step while the answer is out.
-            self._asks.setdefault((source.peer, source.kv_request_id), {})[k] = None
+            self._asks.setdefault(where, {})[k] = None
         return TO_VLLM[answer]
 
     def _reused_before(self, key: Any, ctx: ReqContext) -> None:
@@ -408,6 +414,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         """The step ended: hand its new lookups and calls to the node, wake it once."""
         del context
         self._auto.step_ended()
+        self._views.clear()
         asks, self._asks = self._asks, {}
         for (peer, kv_id), keys in asks.items():
             self._node.ask(peer, kv_id, list(keys))

@@ -266,3 +266,115 @@ def test_what_an_engine_writes_is_claimed_before_vllm_cascades_it() -> None:
         run_until([], lambda: index.claims_of(d.peer_id) == 4, "c heard of d's keys")
         assert len(d.tier._watch) == 0  # followed to its last key
         settle([c, d])
+
+
+class _MidScan:
+    """Makes the peer's answers (and, naming nobody, the choice) land in a scan's middle.
+
+    vLLM asks the tier key by key, promotes every HIT as soon as it hears it
+    and scans on past a RETRY (``_maximal_prefix_lookup``). The producer
+    cannot answer while its manager lock is held (its tier-poll thread serves
+    lookups under it): ``hold()`` takes it; at the first scan after ``armed``
+    whose first key is asked and still unanswered, the lock is let go after
+    that key's RETRY, and the scan goes on only once the answers (and the
+    choice) are in.
+    """
+
+    def __init__(self, consumer: StackNode, producer: StackNode, kv_id: str, keys: list[bytes]):
+        self.node = consumer.tier.node
+        self.producer = producer
+        self.kv_id = kv_id
+        self.keys = keys
+        self.armed = False
+        self.hit = False
+        self.undecided = False
+        real = consumer.tier.lookup
+
+        def lookup(key: Any, ctx: Any) -> Any:
+            answer = real(key, ctx)
+            if self.armed and not self.hit and bytes(key) == keys[0] and self._asked_unanswered():
+                self.hit = True
+                self.producer.stack.lock.release()
+                run_until([], self._answered, "the answers reached the consumer")
+            return answer
+
+        consumer.tier.lookup = lookup
+
+    def hold(self) -> None:
+        self.producer.stack.lock.acquire()
+
+    def _consumer(self) -> Any:
+        decision = self.node.decision(self.kv_id)
+        return self.node.known_consumer(self.producer.peer_id, self.kv_id), decision
+
+    def _asked_unanswered(self) -> bool:
+        actor, decision = self._consumer()
+        if self.kv_id.startswith("auto:") and decision is None:
+            self.undecided = True
+            return True
+        return (
+            actor is not None
+            and self.keys[0] in actor.state.probes
+            and (actor.state.probes[self.keys[0]] is None)
+        )
+
+    def _answered(self) -> bool:
+        actor, decision = self._consumer()
+        if self.kv_id.startswith("auto:") and decision is None:
+            return False
+        return actor is not None and all(actor.state.probes.get(k) is True for k in self.keys)
+
+
+def test_answers_landing_mid_scan_fetch_the_whole_run_in_one_round() -> None:
+    with open_nodes(("a", {}), ("b", {})) as (a, b):
+        keys = new_keys(4)
+        a.computed(keys)
+        mid = _MidScan(b, a, "mid-1", keys)
+        mid.hold()
+        req = ask(b, keys, b.named(a, "mid-1"))
+        b.engine.step()  # the keys are asked at its end; a cannot answer yet
+        run_until([], mid._asked_unanswered, "b's lookup sent")
+        mid.armed = True
+        run_until([b], lambda: mid.hit, "a scan with the answers out")  # a's lock is held
+        run_until([a, b], done(req), "b's request done")
+        assert mid.hit  # the answers did land mid-scan
+        assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
+        # Had the scan heard its tail's HITs after its head's RETRY, vLLM would
+        # have fetched the tail alone, and the head would have needed a round.
+        assert len(a.producer_events("LookupReceived", "mid-1")) == 1
+        assert len(b.producer_events("FetchSent", "mid-1")) == 1
+        settle([a, b])
+
+
+def test_a_choice_landing_mid_scan_fetches_the_whole_run_in_one_round() -> None:
+    with (
+        open_nodes(("d", {})) as (d,),
+        open_nodes(("c", {"seed_peers": d.peer_id})) as (c,),
+    ):
+        index = c.tier.node.sources.index
+        landed = 0
+        for attempt in range(8):  # until the choice is out at a scan's start
+            keys = new_keys(4)
+            d.computed(keys)
+            held = 4 * (attempt + 1)
+            run_until([c, d], lambda: index.claims_of(d.peer_id) >= held, "d's claims at c")  # noqa: B023
+            req_id = c.new_id()
+            kv_id = f"auto:{c.tier.node.node_id}:{req_id}"
+            mid = _MidScan(c, d, kv_id, keys)
+            mid.hold()
+            req = c.engine.add(req_id, keys, (), None)
+            c.engine.step()  # claimed: kept, handed to the node at the step's end
+            mid.armed = True
+            c.engine.step()  # the choice is being made (or made): the scan we want
+            if not mid.hit:
+                d.stack.lock.release()  # the choice beat the scan: try again
+            run_until([c, d], done(req), "c's request done")
+            del c.tier.lookup  # the tier's own again
+            assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
+            assert len(d.producer_events("LookupReceived", kv_id)) == 1
+            assert len(c.producer_events("FetchSent", kv_id)) == 1
+            landed += mid.hit and mid.undecided
+            if landed:
+                break
+        assert landed  # the choice did land mid-scan, at least once
+        settle([c, d])

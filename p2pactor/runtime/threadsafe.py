@@ -12,6 +12,7 @@ the node's own thread, the hand-over is applied at once.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import final
 
 from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState, probe_answer, probe_answers
@@ -22,9 +23,47 @@ from p2pactor.runtime.engine import EngineBridge, LoadResult
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.serving import ParentService
 
-__all__ = ["ThreadSafeAPI"]
+__all__ = ["LookupView", "ThreadSafeAPI"]
 
 RETRY = LookupResult.RETRY
+
+
+@final
+class LookupView:
+    """A request's lookup answers as of one moment (:meth:`ThreadSafeAPI.lookup_view`).
+
+    Args:
+        state: The request's consumer state then; None when it had no actor.
+        fetching: A load of the request was on its way to its actor: its
+            HITs are stale (the fetch closes the round), so they are RETRY.
+        absent: The answer for every key when ``state`` is None: RETRY while
+            the actor is being made, MISS when it never will be.
+    """
+
+    __slots__ = ("_absent", "_fetching", "_state")
+
+    def __init__(
+        self,
+        state: ConsumerState | None,
+        *,
+        fetching: bool = False,
+        absent: LookupResult = LookupResult.MISS,
+    ) -> None:
+        self._state = state
+        self._fetching = fetching
+        self._absent = absent
+
+    def answer(self, key: bytes) -> LookupResult:
+        """HIT, MISS or RETRY for ``key``, as the request stood when the view was taken."""
+        state = self._state
+        if state is None:
+            return self._absent
+        answer = probe_answer(state, key)
+        if answer is LookupResult.HIT and self._fetching:
+            # The engine has fetched this round (the hand-over is on its way):
+            # a HIT it did not fetch loses its pin with the round. Ask again.
+            return RETRY
+        return answer
 
 
 class ThreadSafeAPI:
@@ -80,19 +119,27 @@ class ThreadSafeAPI:
 
     def peek_key(self, peer: str, kv_request_id: str, key: bytes) -> LookupResult:
         """:meth:`peek_lookup` of one key, without the lists (vLLM asks key by key)."""
+        return self.lookup_view(peer, kv_request_id).answer(key)
+
+    def lookup_view(self, peer: str, kv_request_id: str) -> LookupView:
+        """What is known about the request's keys now, as one snapshot. Thread-safe.
+
+        Its answers are those of :meth:`peek_key` at this moment, whatever the
+        node's thread does meanwhile. An engine that asks key by key and acts
+        on each answer (vLLM promotes a HIT as soon as it hears it, and scans
+        on past a RETRY) asks one view per scan: an answer landing mid-scan
+        would otherwise make it fetch the run's tail without its head, and
+        the head (unpinned with the round) would need a round of its own.
+        """
         if not self._config.may_dial(peer):
-            return LookupResult.MISS
+            return LookupView(None)
         actor = self.known_consumer(peer, kv_request_id)
         if actor is None:
-            return LookupResult.MISS if self._bridge.unreachable(peer, kv_request_id) else RETRY
+            unreachable = self._bridge.unreachable(peer, kv_request_id)
+            return LookupView(None, absent=LookupResult.MISS if unreachable else RETRY)
         state = actor.state
         assert isinstance(state, ConsumerState)
-        answer = probe_answer(state, key)
-        if answer is LookupResult.HIT and self._bridge.fetching(peer, kv_request_id):
-            # The engine has fetched this round (the hand-over is on its way):
-            # a HIT it did not fetch loses its pin with the round. Ask again.
-            return RETRY
-        return answer
+        return LookupView(state, fetching=self._bridge.fetching(peer, kv_request_id))
 
     def ask(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
         """Ask ``peer`` about ``keys`` at the next :meth:`flush`. Thread-safe, never blocks.
