@@ -47,7 +47,7 @@ from p2pactor.core.protocol_base import (
     Version,
     parallel,
 )
-from p2pactor.core.protocol_checks import explain, tuned_checker
+from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, tuned_checker, type_error
 from p2pactor.core.protocol_limits import (
     DEFAULT_LIMITS,
     DEFAULT_MAX_FRAME_BYTES,
@@ -76,7 +76,7 @@ from p2pactor.core.protocol_summaries import (
     fingerprints,
     packed,
 )
-from p2pactor.errors import FrameTooLarge, InvalidField, MalformedFrame
+from p2pactor.errors import FrameTooLarge, InvalidField, MalformedFrame, ProtocolError
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -404,6 +404,10 @@ def decode(frame: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Message:
             f"frame is {len(frame)} bytes, more than the limit of {limits.max_frame_bytes}; "
             "it was dropped unread (raise Limits.max_frame_bytes if the peer is legitimate)"
         )
+    if len(frame) > QUOTE_BYTES:
+        refused = type_error(frame, MESSAGE_TYPES)
+        if isinstance(refused, ProtocolError):
+            raise refused
     try:
         msg: Message = _DECODER.decode(frame)
     except msgspec.ValidationError as exc:

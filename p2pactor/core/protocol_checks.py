@@ -4,9 +4,14 @@ msgspec checks every bound as it decodes a frame (the field types of
 :mod:`p2pactor.core.protocol` carry them). When it refuses one,
 :func:`explain` turns its verdict into the :class:`~p2pactor.errors.ProtocolError`
 the node logs: the message type, the field by its wire name, and what was
-wrong with the value the peer sent (``is -3, expected at least 0``). That
-path reads the frame a second time, untyped, which costs nothing a valid frame
-pays.
+wrong with the value the peer sent (``is -3, expected at least 0``). Only a
+refused frame pays for that, and never more than about its own size: the
+path msgspec names is followed through the frame as zero-copy ``Raw`` views
+(each step decodes one field and skips the rest), a collection's length is
+read from its msgpack header, and only a value of at most ``QUOTE_BYTES``
+(or a string, which costs its size) is decoded to be quoted. Decoding the
+whole frame again untyped, as this once did, cost a hostile peer's frame of
+empty maps 72 times its size.
 
 A node may tighten the bounds (:class:`~p2pactor.core.protocol_limits.Limits`):
 :func:`tuned_checker` derives, from the same field types, the checks a decoded
@@ -18,6 +23,7 @@ This module is pure: no I/O, no clock, no concurrency.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Mapping, Sized
 from typing import Any, Final
@@ -28,7 +34,7 @@ import msgspec.inspect as mi
 from p2pactor.core.protocol_limits import Limits
 from p2pactor.errors import InvalidField, MalformedFrame, ProtocolError, UnknownMessageType
 
-__all__ = ["explain", "tuned_checker"]
+__all__ = ["QUOTE_BYTES", "explain", "tuned_checker", "type_error"]
 
 # Attacker-controlled text that ends up in an error message is clipped, so a
 # hostile peer cannot flood the log with one message.
@@ -49,6 +55,8 @@ def _clip(text: str) -> str:
 
 def _kind(value: object) -> str:
     # msgpack nil decodes to None; naming it as the wire does reads better.
+    if isinstance(value, _Shape):
+        return value.kind
     return "nil" if value is None else type(value).__name__
 
 
@@ -58,44 +66,157 @@ def _too_long(value: Sized, most: int, unit: str) -> str:
     return f"is {len(value)} {unit}, more than the limit of {most}"
 
 
-def explain(frame: bytes, exc: msgspec.ValidationError, known: Mapping[str, type]) -> ProtocolError:
-    """The error for a frame msgspec refused with ``exc``: what, where, and why."""
-    if isinstance(exc.__cause__, ProtocolError):  # a message's own __post_init__ check
-        return exc.__cause__
+QUOTE_BYTES: Final = 4096
+"""A value (or list to index) longer than this is not decoded to word an error."""
+
+
+class _Shape:
+    """A long value's kind and length, read from its msgpack header, in place of it.
+
+    ``head`` is the start of a long string (to quote it, clipped).
+    """
+
+    __slots__ = ("head", "kind", "n")
+
+    def __init__(self, kind: str, n: int, head: str = "") -> None:
+        self.kind = kind
+        self.n = n
+        self.head = head
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class _Top(msgspec.Struct):
+    """A frame's ``"type"``, every other key skipped unread."""
+
+    type: msgspec.Raw = msgspec.Raw()
+
+
+_TOP: Final = msgspec.msgpack.Decoder(_Top)
+# msgpack's headers of variable-length values: (kind, bytes of the length that follows).
+_HEADERS: Final = {
+    0xD9: ("str", 1),
+    0xDA: ("str", 2),
+    0xDB: ("str", 4),
+    0xC4: ("bytes", 1),
+    0xC5: ("bytes", 2),
+    0xC6: ("bytes", 4),
+    0xDC: ("list", 2),
+    0xDD: ("list", 4),
+    0xDE: ("dict", 2),
+    0xDF: ("dict", 4),
+}
+
+
+def _header(raw: memoryview) -> _Shape | None:
+    """The kind and length of the string, bytes, array or map ``raw`` starts with, if any."""
+    first = raw[0]
+    if 0x80 <= first <= 0x8F:
+        return _Shape("dict", first & 0x0F)
+    if 0x90 <= first <= 0x9F:
+        return _Shape("list", first & 0x0F)
+    if first not in _HEADERS:
+        return None  # a fixstr or a scalar: short
+    kind, width = _HEADERS[first]
+    n = int.from_bytes(raw[1 : 1 + width], "big")
+    if kind == "str":
+        head = bytes(raw[1 + width : 1 + width + 4 * _CLIP_CHARS]).decode("utf-8", "replace")
+        return _Shape(kind, n, head)
+    return _Shape(kind, n)
+
+
+def _value(raw: memoryview) -> Any:
+    """What ``raw`` holds: decoded if short or bytes (each costs its size), else its shape."""
+    shape = None if len(raw) <= QUOTE_BYTES else _header(raw)
+    if shape is None or shape.kind in ("str", "bytes"):
+        return msgspec.msgpack.decode(raw)
+    return shape
+
+
+@functools.cache
+def _one_field(name: str) -> msgspec.msgpack.Decoder[Any]:
+    """A decoder of a map that keeps only ``name`` (its wire name), as a ``Raw``."""
+    struct = msgspec.defstruct(
+        "_Field", [("value", msgspec.Raw, msgspec.Raw())], rename={"value": name}
+    )
+    return msgspec.msgpack.Decoder(struct)
+
+
+def _step(raw: memoryview, name: str, index: str) -> memoryview | None:
+    """The part of ``raw`` at one step of msgspec's path, or None if it cannot be had cheaply."""
     try:
-        wire = msgspec.msgpack.decode(frame)
+        if name:
+            got = memoryview(_one_field(name).decode(raw).value)
+            return got if len(got) > 0 else None
+        shape = _header(raw)
+        # A Raw view costs about 64 bytes: index only a list whose views cost
+        # no more than the list's own bytes (a list of empty maps never).
+        if shape is None or (len(raw) > QUOTE_BYTES and 64 * len(shape) > len(raw)):
+            return None
+        items = msgspec.msgpack.decode(raw, type=list[msgspec.Raw])
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    item = int(index)
+    return memoryview(items[item]) if item < len(items) else None
+
+
+def type_error(frame: bytes, known: Mapping[str, type]) -> ProtocolError | str:
+    """The frame's message type, or the error if it has none this protocol knows.
+
+    Only the ``"type"`` is read; every other key is skipped unread. A frame
+    longer than ``QUOTE_BYTES`` is checked so before it is decoded: a long
+    unknown type would otherwise be quoted whole in msgspec's own error.
+    """
+    try:
+        top = _TOP.decode(frame)
+    except msgspec.ValidationError as err:
+        got = re.search(r"got `(\w+)`", str(err))
+        kind = _GOT.get(got.group(1), got.group(1)) if got else "not a map"
+        return MalformedFrame(f"top-level value is {kind}, expected a map")
     except Exception as err:
         return MalformedFrame(f"not valid msgpack: {err}")
-    if type(wire) is not dict:
-        return MalformedFrame(f"top-level value is {_kind(wire)}, expected a map")
-    mtype = wire.get("type", _MISSING)
-    if mtype is _MISSING:
+    if not len(top.type):
         return MalformedFrame("map has no 'type' key")
+    long = _header(memoryview(top.type)) if len(top.type) > QUOTE_BYTES else None
+    if long is not None and long.kind == "str":  # longer than any type's name: not decoded
+        return UnknownMessageType(
+            f"unknown message type (known: {', '.join(known)})",
+            message_type=f"{long.head[:_CLIP_CHARS]}... ({long.n} bytes)",
+        )
+    mtype = long if long is not None else _value(memoryview(top.type))
     if type(mtype) is not str:
         return MalformedFrame(f"'type' is {_kind(mtype)}, expected str")
     if mtype not in known:
         return UnknownMessageType(
             f"unknown message type (known: {', '.join(known)})", message_type=_clip(mtype)
         )
+    return mtype
+
+
+def explain(frame: bytes, exc: msgspec.ValidationError, known: Mapping[str, type]) -> ProtocolError:
+    """The error for a frame msgspec refused with ``exc``: what, where, and why."""
+    if isinstance(exc.__cause__, ProtocolError):  # a message's own __post_init__ check
+        return exc.__cause__
+    mtype = type_error(frame, known)
+    if isinstance(mtype, ProtocolError):
+        return mtype
     text, _, at = str(exc).partition(" - at `$")
     names: list[str] = []
-    value: Any = wire
+    raw: memoryview | None = memoryview(frame)
     item: int | None = None
-    resolved = True  # whether ``value`` is what the peer sent at the path
     for name, index in _PATH.findall(at.rstrip("`")):
         if name:
             names.append(name)
-            resolved = resolved and type(value) is dict and name in value
-            value = value.get(name) if resolved else None
         else:
             item = int(index)
-            resolved = resolved and type(value) is list and item < len(value)
-            value = value[item] if resolved else None
+        raw = None if raw is None else _step(raw, name, index)
     missing = re.fullmatch(r"Object missing required field `(.+)`", text)
     if missing:
         names.append(missing.group(1))
         return InvalidField("missing", message_type=mtype, field=".".join(names))
-    problem = _problem(text, value, resolved)
+    resolved = raw is not None
+    problem = _problem(text, _value(raw) if raw is not None else None, resolved)
     if item is not None:
         problem = f"item {item} {problem}"
     return InvalidField(problem, message_type=mtype, field=".".join(names))
@@ -109,14 +230,22 @@ def _problem(text: str, value: Any, resolved: bool) -> str:
         return f"is {what}, expected {_EXPECTED.get(expected, expected)}"
     if found := re.fullmatch(r"Expected `(\w+)` of length <= (\d+)", text):
         kind, most = found.group(1), int(found.group(2))
-        return _too_long(value, most, _UNITS.get(kind, "items"))
+        unit = _UNITS.get(kind, "items")
+        return _too_long(value, most, unit) if resolved else f"is over the limit of {most} {unit}"
     if found := re.fullmatch(r"Expected `(\w+)` of length >= (\d+)", text):
         kind, least = found.group(1), found.group(2)
-        return f"is {len(value)} {_UNITS.get(kind, 'items')}, expected at least {least}"
+        unit = _UNITS.get(kind, "items")
+        return (
+            f"is {len(value)} {unit}, expected at least {least}"
+            if resolved
+            else (f"expected at least {least} {unit}")
+        )
     if found := re.fullmatch(r"Expected `int` >= (-?\d+)", text):
-        return f"is {value}, expected at least {found.group(1)}"
+        at = f"is {value}, " if resolved else ""
+        return f"{at}expected at least {found.group(1)}"
     if found := re.fullmatch(r"Expected `int` <= (-?\d+)", text):
-        return f"is {value}, more than the limit of {found.group(1)}"
+        at = f"is {value}," if resolved else "is"
+        return f"{at} more than the limit of {found.group(1)}"
     return text
 
 
