@@ -171,6 +171,23 @@ def test_a_lasting_gap_asks_again_and_a_flipping_epoch_asks_once() -> None:
     assert sum(r is not None for r in flips) <= 1
 
 
+def test_a_new_epoch_on_every_message_asks_one_resync() -> None:
+    # A hostile peer alternates deltas and snapshot parts, each of a new epoch:
+    # the parts used to clear the asked resync, so each delta asked another.
+    index = SourceIndex()
+    index.add_peer("b", capacity=10)
+    synced(index, "b", [1])
+    asked = []
+    for i in range(1500):
+        asked.append(index.delta("b", b"d%015d" % i, 1, add=[2], remove=[]))
+        asked.append(index.snapshot("b", b"s%015d" % i, 0, part=0, parts=2, fps=[3]))
+    assert sum(r is not None for r in asked) == 1
+    assert index.claims_of("b") == 0  # each new epoch dropped the old summary whole
+    # Once a snapshot arrives whole, the next new epoch asks again.
+    assert index.snapshot("b", b"whole-epoch-16by", 0, part=0, parts=1, fps=[4]) is None
+    assert index.delta("b", b"later-epoch-16by", 1, add=[], remove=[]) is not None
+
+
 def test_a_miss_for_a_claimed_key_removes_the_claim_at_once() -> None:
     index = SourceIndex()
     index.add_peer("b", capacity=10)

@@ -405,10 +405,13 @@ class SourceIndex:
     # --- the index itself -------------------------------------------------------------
 
     def _new_epoch(self, peer: str, found: _Peer, epoch: bytes) -> None:
+        # A resync asked stays asked: it is answered with the peer's epoch of
+        # the moment, whichever that is, and one that flips its epoch on every
+        # message would otherwise have each of them ask another.
         self._drop_claims(peer, found.claims)
         found.claims = set()
         found.epoch, found.seq, found.synced = epoch, 0, False
-        found.assembly, found.resync_asked, found.gap_deltas = None, False, 0
+        found.assembly, found.gap_deltas = None, 0
 
     def _apply(self, peer: str, found: _Peer, add: Iterable[int], remove: Iterable[int]) -> None:
         gone = found.claims.intersection(remove)
