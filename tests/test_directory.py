@@ -238,6 +238,72 @@ async def test_a_peer_whose_claims_keep_missing_is_quarantined_but_still_named(
         assert_settled(cluster)
 
 
+async def test_a_peer_that_answers_hit_and_fails_every_fetch_is_quarantined(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Issue 30: precision was fed by lookup answers only, so a peer that
+    # answered HIT to everything and failed every fetch misrouted 80 requests
+    # of 80 and kept a precision of 1.0.
+    policy = ChoicePolicy(min_probed_keys=40)
+    async with open_cluster("a", "b", num_blocks=256, sources=SourceOptions(choice=policy)) as (
+        cluster
+    ):
+        a, b = cluster["a"], cluster["b"]
+        await linked(a, b)
+        held = [key(1000 + i) for i in range(200)]
+        a.store(*held)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 200)
+        cluster.plane.fail_writes(10_000, reason="a liar's write", peer=b.id)
+        now = trio.current_time
+        misrouted = 0
+        while not b.node.sources.index.quarantined(a.id, now()):
+            kv, keys = f"req-{misrouted}", held[misrouted * 10 : misrouted * 10 + 10]
+            located = await b.node.locate(kv, keys)
+            assert located.peer == a.id
+            assert list(located.answers) == [HIT] * 10
+            result = await b.node.fetch(a.id, kv, keys, b.cache.allocate(10))
+            assert not result.success
+            b.node.finish(kv)
+            misrouted += 1
+            assert misrouted <= 10, "never quarantined"
+        counts = b.node.sources.counts
+        assert counts.false_claims == 0  # its every answer was HIT
+        assert counts.undelivered_claims == counts.probed_keys == misrouted * 10
+        located = await b.node.locate("after", held[-10:])
+        assert located.peer is None
+        assert "quarantined" in located.choice.reason
+        b.node.finish("after")
+        await trio.sleep(1)
+        assert_settled(cluster)
+
+
+async def test_a_load_the_engine_gives_up_first_says_nothing_of_the_peer(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_cluster("a", "b", num_blocks=256) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        await linked(a, b)
+        held = [key(2000 + i) for i in range(40)]
+        a.store(*held)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 40)
+        cluster.plane.hold_writes()
+        for i in range(4):
+            kv, keys = f"given-up-{i}", held[i * 10 : i * 10 + 10]
+            located = await b.node.locate(kv, keys)
+            assert list(located.answers) == [HIT] * 10
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(b.node.fetch, a.id, kv, keys, b.cache.allocate(10))
+                await trio.sleep(0.01)
+                b.node.finish(kv)  # while the write is in flight
+        cluster.plane.release_writes()
+        await until(lambda: not b.node.sources.auto)
+        counts = b.node.sources.counts
+        assert counts.undelivered_claims == 0
+        assert b.node.sources.index.precision(a.id) == 1.0
+        await trio.sleep(1)
+        assert_settled(cluster)
+
+
 async def test_a_choice_is_recorded_in_the_request_log_and_replays(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -117,6 +117,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
     assert value(got, "p2pactor_source_probed_keys_total") == 5 + 2
     assert value(got, "p2pactor_source_false_claims_total") == 2
     assert value(got, "p2pactor_source_refused_claims_total") == 0
+    assert value(got, "p2pactor_source_undelivered_claims_total") == 0
 
     # The summary figures are the frames' own.
     summaries = [(src, dst, m) for _, src, dst, m in seen if m.TYPE.startswith("kvsum_")]
@@ -162,6 +163,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         "probed_keys": 7,
         "false_claims": 2,
         "refused_claims": 0,
+        "undelivered_claims": 0,
         "summaries": {
             "deltas_sent": deltas,
             "parts_sent": parts,

@@ -521,3 +521,22 @@ class SourceMachine(RuleBasedStateMachine):
 
 
 TestSourceMachine = SourceMachine.TestCase
+
+
+def test_fetches_that_keep_failing_quarantine_a_peer_and_one_delivered_forgives() -> None:
+    index = SourceIndex(ChoicePolicy(max_failed_fetches=3))
+    index.add_peer("b", capacity=10)
+    synced(index, "b", [1])
+    index.fetches_ended("b", delivered=0, failed=2, now=0.0)
+    index.fetches_ended("b", delivered=1, failed=0, now=0.0)  # a success between: in a row no more
+    index.fetches_ended("b", delivered=0, failed=2, now=0.0)
+    assert not index.quarantined("b", 0.0)
+    index.fetches_ended("b", delivered=0, failed=1, now=1.0)
+    assert index.quarantined("b", 1.0)
+    assert index.precision("b") == 1.0  # the fetches quarantined it, not the answers
+    # During the quarantine, failures count for nothing; after it, it starts over.
+    index.fetches_ended("b", delivered=0, failed=5, now=2.0)
+    later = 1.0 + ChoicePolicy().quarantine_s
+    assert not index.quarantined("b", later)
+    index.fetches_ended("b", delivered=0, failed=2, now=later)
+    assert not index.quarantined("b", later)

@@ -37,6 +37,9 @@ class ChoicePolicy:
             conversation evicted before its delta went out), and one burst
             must not quarantine it; a liar misses on every probe, and a few
             probes of a long run are enough.
+        max_failed_fetches: Fetches of a peer's hits in a row that may fail (it
+            reported the transfer failed, never reported it, or its session
+            went down) before it is quarantined, whatever its precision.
         quarantine_s: The first quarantine; each next one doubles, up to ``max_quarantine_s``.
         max_quarantine_s: The longest quarantine.
         tail_keys: Keys asked past a peer's claimed run (stores it made since
@@ -51,6 +54,7 @@ class ChoicePolicy:
     min_probed_keys: int = attrs.field(default=100, validator=checks.positive_int)
     min_precision: float = attrs.field(default=0.5, validator=checks.fraction)
     precision_weight: float = attrs.field(default=0.005, validator=checks.fraction)
+    max_failed_fetches: int = attrs.field(default=4, validator=checks.positive_int)
     quarantine_s: float = attrs.field(default=60.0, validator=checks.positive(finite=True))
     max_quarantine_s: float = attrs.field(default=3600.0, validator=checks.positive(finite=True))
     tail_keys: int = attrs.field(default=2, validator=checks.non_negative_int)

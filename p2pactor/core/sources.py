@@ -83,6 +83,7 @@ class _Peer:
         "capacity",
         "claims",
         "epoch",
+        "failed_fetches",
         "gap_deltas",
         "in_flight",
         "precision",
@@ -108,6 +109,7 @@ class _Peer:
         self.probed = 0
         self.strikes = 0
         self.in_flight = 0
+        self.failed_fetches = 0  # in a row
         self.quarantines = 0
         self.quarantined_until = 0.0
 
@@ -377,30 +379,61 @@ class SourceIndex:
     def probe_ended(self, peer: str, claimed: int, hits: int, now: float) -> None:
         """An automatic lookup to ``peer`` ended: ``hits`` of the ``claimed`` keys it asked held.
 
-        A failed lookup (no answer) is ``hits=0``. Updates the peer's precision
-        and quarantines it when too few of its claims hold. Lookups that end
-        during a quarantine count for nothing: the burst that caused it is one
-        quarantine, not several.
+        :meth:`probe_answered`, then :meth:`score`.
+        """
+        self.probe_answered(peer)
+        self.score(peer, claimed, hits, now)
+
+    def probe_answered(self, peer: str) -> None:
+        """An automatic lookup to ``peer`` has its answers (or never will): no longer in flight."""
+        found = self._peers.get(peer)
+        if found is not None:
+            found.in_flight = max(0, found.in_flight - 1)
+
+    def score(self, peer: str, claimed: int, held: int, now: float) -> None:
+        """``held`` of ``claimed`` keys ``peer`` claimed turned out held (by answer and deed).
+
+        A failed lookup (no answer) is ``held=0``; so is a HIT whose fetch the
+        peer then failed. Updates the peer's precision and quarantines it when
+        too few of its claims hold. Scores that come during a quarantine count
+        for nothing: the burst that caused it is one quarantine, not several.
         """
         found = self._peers.get(peer)
-        if found is None:
-            return
-        found.in_flight = max(0, found.in_flight - 1)
-        if claimed <= 0 or now < found.quarantined_until:
+        if found is None or claimed <= 0 or now < found.quarantined_until:
             return
         policy = self.policy
         keep = (1.0 - policy.precision_weight) ** claimed
-        held = max(0, min(hits, claimed)) / claimed
-        found.precision = found.precision * keep + held * (1.0 - keep)
+        share = max(0, min(held, claimed)) / claimed
+        found.precision = found.precision * keep + share * (1.0 - keep)
         found.probed += claimed
         if found.probed >= policy.min_probed_keys and found.precision < policy.min_precision:
-            doublings = min(found.quarantines, MAX_QUARANTINE_DOUBLINGS)
-            span = min(policy.max_quarantine_s, policy.quarantine_s * 2.0**doublings)
-            found.quarantines += 1
-            found.quarantined_until = now + span
-            self._excluded = self._excluded | {peer}
-            # After the quarantine it starts over, with the back-off remembered.
-            found.precision, found.probed = 1.0, 0
+            self._quarantine(peer, found, now)
+
+    def fetches_ended(self, peer: str, *, delivered: int, failed: int, now: float) -> None:
+        """Fetches of ``peer``'s hits for one request ended: ``delivered`` did, ``failed`` not.
+
+        Besides the precision (:meth:`score`): a peer whose fetches keep
+        failing is quarantined after ``max_failed_fetches`` in a row, however
+        few keys each carried.
+        """
+        found = self._peers.get(peer)
+        if found is None or now < found.quarantined_until:
+            return
+        if delivered:
+            found.failed_fetches = 0
+        found.failed_fetches += failed
+        if found.failed_fetches >= self.policy.max_failed_fetches:
+            self._quarantine(peer, found, now)
+
+    def _quarantine(self, peer: str, found: _Peer, now: float) -> None:
+        policy = self.policy
+        doublings = min(found.quarantines, MAX_QUARANTINE_DOUBLINGS)
+        span = min(policy.max_quarantine_s, policy.quarantine_s * 2.0**doublings)
+        found.quarantines += 1
+        found.quarantined_until = now + span
+        self._excluded = self._excluded | {peer}
+        # After the quarantine it starts over, with the back-off remembered.
+        found.precision, found.probed, found.failed_fetches = 1.0, 0, 0
 
     # --- the index itself -------------------------------------------------------------
 

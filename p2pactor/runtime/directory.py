@@ -30,6 +30,7 @@ from typing import Protocol
 import attrs
 import msgspec
 
+from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
 from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
@@ -37,6 +38,7 @@ from p2pactor.core.holdings import Holdings, SummaryDelta, SummaryPart
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.sources import SourceIndex, fingerprint
 from p2pactor.runtime.actor import RequestActor
+from p2pactor.runtime.auto_probe import AutoProbe
 from p2pactor.runtime.source_options import SourceOptions
 from p2pactor.runtime.sources_calls import (
     Decision,
@@ -51,7 +53,7 @@ from p2pactor.runtime.sources_calls import (
 )
 from p2pactor.runtime.timers import Timers
 
-__all__ = ["AutoProbe", "DirectoryCounts", "SourceDirectory", "SummaryPeer"]
+__all__ = ["DirectoryCounts", "SourceDirectory", "SummaryPeer"]
 
 log = logging.getLogger("p2pactor.sources")
 
@@ -71,13 +73,6 @@ class SummaryPeer(Protocol):
         """Queue ``msg`` for the peer; never blocks."""
 
 
-class AutoProbe(msgspec.Struct, gc=False):
-    """A lookup the directory chose, followed until its claimed keys are answered."""
-
-    peer: str
-    claimed: tuple[bytes, ...]
-
-
 @attrs.define
 class DirectoryCounts:
     """What the directory did, for metrics and the demo's table (totals since start)."""
@@ -94,6 +89,8 @@ class DirectoryCounts:
     """Of those, the keys the peer answered MISS for (or never answered), refusals aside."""
     refused_claims: int = 0
     """Of those, the keys the peer refused over a quota (a p2pactor peer says so)."""
+    undelivered_claims: int = 0
+    """Of those, the keys the peer answered HIT for and then failed to deliver."""
     deltas_sent: int = 0
     parts_sent: int = 0
     bytes_sent: int = 0
@@ -344,38 +341,56 @@ class SourceDirectory:
         self.index.probe_started(choice.chosen)
         self.counts.probed_keys += len(claimed)
 
-    def stepped(self, actor: RequestActor) -> None:
-        """``actor`` (of :attr:`auto`) stepped: once its claimed keys are answered, score them."""
+    def stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+        """``actor`` (of :attr:`auto`) stepped: score its answers, then its fetches' outcome."""
         probe = self.auto[actor]
-        state = actor.state
-        assert isinstance(state, ConsumerState)
-        answers = probe_answers(state, probe.claimed)
-        if LookupResult.RETRY in answers and not actor.done:
-            return
+        probe.follow(events)
+        if not probe.answered:
+            state = actor.state
+            assert isinstance(state, ConsumerState)
+            answers = probe_answers(state, probe.claimed)
+            if LookupResult.RETRY in answers and not actor.done:
+                return
+            self._answered(probe, answers, state.refused)
+        if probe.held > 0 and not (probe.ended or actor.done):
+            return  # its hits are scored once their fetches are over
         del self.auto[actor]
-        hits = answers.count(LookupResult.HIT)
+        self.counts.undelivered_claims += min(probe.held, probe.failed)
+        was = self.index.quarantined(probe.peer, self._clock())
+        now = self._clock()
+        self.index.score(probe.peer, probe.counted, probe.held_by_deed, now)
+        if probe.delivered or probe.failed_jobs:
+            self.index.fetches_ended(
+                probe.peer, delivered=probe.delivered, failed=probe.failed_jobs, now=now
+            )
+        if not was and self.index.quarantined(probe.peer, self._clock()):
+            log.warning(
+                "%s's summary claims keys it does not deliver (%d of %d probed held); not "
+                "choosing it automatically for a while (it stays usable as a named source)",
+                probe.peer,
+                probe.held_by_deed,
+                probe.counted,
+            )
+            self._arm()  # its claims count again when the quarantine ends
+
+    def _answered(
+        self, probe: AutoProbe, answers: Sequence[LookupResult], refused: frozenset[bytes]
+    ) -> None:
+        """The claimed keys are answered: a MISS is a false claim now, a HIT awaits its fetch."""
+        probe.answered = True
         # A quota's refusal says nothing of what the peer holds: no false claim.
-        refused = state.refused
         missed = [
             fingerprint(k)
             for k, a in zip(probe.claimed, answers, strict=True)
             if a is not LookupResult.HIT and k not in refused
         ]
         spared = sum(1 for k in probe.claimed if k in refused)
+        probe.held = answers.count(LookupResult.HIT)
+        probe.counted = len(probe.claimed) - spared
         self.counts.false_claims += len(missed)
         self.counts.refused_claims += spared
         self.index.missed(probe.peer, missed)
-        was = self.index.quarantined(probe.peer, self._clock())
-        self.index.probe_ended(probe.peer, len(probe.claimed) - spared, hits, self._clock())
-        if not was and self.index.quarantined(probe.peer, self._clock()):
-            log.warning(
-                "%s's summary claims keys it does not hold (%d of %d probed missed); not "
-                "choosing it automatically for a while (it stays usable as a named source)",
-                probe.peer,
-                len(missed),
-                len(probe.claimed),
-            )
-            self._arm()  # its claims count again when the quarantine ends
+        self.index.probe_answered(probe.peer)
 
     # --- the timer: flushes and paced snapshot parts ---------------------------------
 

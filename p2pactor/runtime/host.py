@@ -247,7 +247,7 @@ class NodeHost:
             self.check_answers(actor)
         directory = self.directory
         if directory.auto and actor in directory.auto:
-            directory.stepped(actor)
+            directory.stepped(actor, events)
 
     def check_answers(self, actor: RequestActor) -> None:
         """Wake the callers of :meth:`lookup` on ``actor`` whose keys are all answered."""

@@ -281,6 +281,12 @@ def _source_families(sources: _Sources) -> Iterator[Metric]:
         "false claim.",
         value=counts.refused_claims,
     )
+    yield CounterMetricFamily(
+        "p2pactor_source_undelivered_claims",
+        "Of those keys, the ones the chosen peer answered HIT for and then failed to deliver "
+        "(it reported the transfer failed, never reported it, or its session went down).",
+        value=counts.undelivered_claims,
+    )
     yield _counter_by(
         "p2pactor_summary_bytes",
         "Summary bytes (key fingerprints, 8 per key; framing excluded) sent to every "

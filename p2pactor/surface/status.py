@@ -247,6 +247,7 @@ def _source_status(node: NodeView) -> dict[str, Any]:
         "probed_keys": counts.probed_keys,
         "false_claims": counts.false_claims,
         "refused_claims": counts.refused_claims,
+        "undelivered_claims": counts.undelivered_claims,
         "summaries": {
             "deltas_sent": counts.deltas_sent,
             "parts_sent": counts.parts_sent,
