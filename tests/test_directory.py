@@ -304,6 +304,34 @@ async def test_a_load_the_engine_gives_up_first_says_nothing_of_the_peer(
         assert_settled(cluster)
 
 
+async def test_resyncs_are_answered_once_an_interval_from_one_shared_snapshot(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # Issue 30: 105,200 resyncs of 37 bytes were each answered with a snapshot
+    # part (every held key fingerprinted again), saturating the node thread.
+    options = SourceOptions(resync_interval_s=1.0)
+    async with open_cluster("a", "b", "c", num_blocks=256, sources=options) as cluster:
+        a, b, c = cluster["a"], cluster["b"], cluster["c"]
+        a.store(*[key(i) for i in range(100)])
+        await linked(a, b)
+        await linked(a, c)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 100)
+        seen = tap(cluster)
+        built = a.node.sources.parts.built
+        resync = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
+        for _ in range(300):  # 3 s, 100 a second, from b and from c
+            cluster.network.post(b.id, a.id, resync)
+            cluster.network.post(c.id, a.id, resync)
+            await trio.sleep(0.01)
+        await trio.sleep(1.5)
+        for peer in (b, c):
+            sent = [m for _, src, dst, m in seen if (src, dst) == (a.id, peer.id)]
+            snapshots = [m for m in sent if isinstance(m, wire.KvsumSnapshot)]
+            assert 3 <= len(snapshots) <= 4  # one a second (one part each: 100 keys)
+            assert peer.node.sources.index.claims_of(a.id) == 100
+        assert a.node.sources.parts.built == built  # nothing changed: the same snapshot
+
+
 async def test_a_choice_is_recorded_in_the_request_log_and_replays(
     autojump_clock: trio.abc.Clock,
 ) -> None:

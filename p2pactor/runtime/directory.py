@@ -25,7 +25,6 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
 
 import attrs
 import msgspec
@@ -34,7 +33,7 @@ from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
 from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
-from p2pactor.core.holdings import Holdings, SummaryDelta, SummaryPart
+from p2pactor.core.holdings import Holdings, SummaryDelta
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.sources import SourceIndex, fingerprint
 from p2pactor.runtime.actor import RequestActor
@@ -51,6 +50,7 @@ from p2pactor.runtime.sources_calls import (
     Scrubbed,
     Touched,
 )
+from p2pactor.runtime.summary_parts import SnapshotParts, SummaryPeer
 from p2pactor.runtime.timers import Timers
 
 __all__ = ["DirectoryCounts", "SourceDirectory", "SummaryPeer"]
@@ -59,18 +59,6 @@ log = logging.getLogger("p2pactor.sources")
 
 _EPOCH_BYTES = 16
 _MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
-
-
-class SummaryPeer(Protocol):
-    """A session summaries go over (a :class:`~p2pactor.runtime.session.PeerSession`)."""
-
-    @property
-    def peer_id(self) -> str:
-        """The peer's id."""
-        ...
-
-    def send(self, msg: wire.Message) -> None:
-        """Queue ``msg`` for the peer; never blocks."""
 
 
 @attrs.define
@@ -125,8 +113,9 @@ class SourceDirectory:
         self._timers = timers
         self._clock = clock
         self._peers: dict[str, SummaryPeer] = {}
-        self._parts: dict[str, deque[SummaryPart]] = {}  # snapshot parts still to send
-        self._next_part: float | None = None
+        self.parts = SnapshotParts(
+            self.holdings, options, self._peers, self._broadcast, self._part_sent
+        )
         self._next_refresh: float | None = None  # the next whole snapshot to every peer
         self._armed: float | None = None
         # Read by engine threads (one dict lookup, or a pop: atomic).
@@ -196,10 +185,11 @@ class SourceDirectory:
 
     def drained(self) -> None:
         """The engine dropped everything: a new epoch, told to every peer at once."""
-        snapshot = self.holdings.reset(os.urandom(_EPOCH_BYTES), self._clock())
-        for peer in self._peers:
-            self._parts[peer] = deque(snapshot.parts)
-        self._send_parts()
+        now = self._clock()
+        snapshot = self.holdings.reset(os.urandom(_EPOCH_BYTES), now)
+        self.parts.to_all(now, fresh=snapshot, busy_too=True)
+        self.parts.send(now)
+        self._arm()
 
     def apply(
         self, call: Held | Reused | Ended | Touched | Lacking | Reserved | Drained | Scrubbed
@@ -252,7 +242,8 @@ class SourceDirectory:
     def peer_ready(self, session: SummaryPeer) -> None:
         """``session`` is ready both ways: send the peer our snapshot."""
         if self._peers.get(session.peer_id) is session:
-            self._start_snapshot(session.peer_id)
+            self.parts.start(session.peer_id, self._clock())
+            self._arm()
             if self._next_refresh is None and self.options.refresh_s:
                 self._next_refresh = self._clock() + self.options.refresh_s
                 self._arm()
@@ -262,7 +253,7 @@ class SourceDirectory:
         found = self._peers.get(peer)
         if found is not None and found is not current:
             del self._peers[peer]
-            self._parts.pop(peer, None)
+            self.parts.forget(peer)
         if current is None:
             self.index.remove_peer(peer)
 
@@ -293,7 +284,8 @@ class SourceDirectory:
                     fps=wire.fingerprints(msg.fps),
                 )
             case wire.KvsumResync():
-                self._start_snapshot(peer)
+                self.parts.asked(peer, self._clock())
+                self._arm()
         if resync is not None:
             self.counts.resyncs_sent += 1
             session.send(wire.KvsumResync(epoch=resync.epoch, from_seq=resync.from_seq))
@@ -413,8 +405,9 @@ class SourceDirectory:
             self._broadcast(delta)
         if self._next_refresh is not None and now >= self._next_refresh:
             self._refresh(now)
-        if self._next_part is not None and now >= self._next_part:
-            self._send_parts()
+        due = self.parts.next_due()
+        if due is not None and now >= due:
+            self.parts.send(now)
         self._plan_scrub(now)
         self._arm()
 
@@ -428,19 +421,13 @@ class SourceDirectory:
     def _refresh(self, now: float) -> None:
         """A whole snapshot to every peer (one snapshot, the same parts to each, paced)."""
         self._next_refresh = now + self.options.refresh_s if self._peers else None
-        snapshot = self.holdings.snapshot(now)
-        if snapshot.delta is not None:
-            self._broadcast(snapshot.delta)
-        for peer in self._peers:
-            if peer not in self._parts:  # one being sent is as good
-                self._parts[peer] = deque(snapshot.parts)
-        self._next_part = now  # the first parts go now
+        self.parts.to_all(now)
 
     def _due(self) -> float | None:
         times = (
             self.holdings.next_flush(),
             self.holdings.next_scrub() if self.checked else None,
-            self._next_part,
+            self.parts.next_due(),
             self._next_refresh,
             self.index.next_release(),
         )
@@ -465,35 +452,6 @@ class SourceDirectory:
         self.counts.deltas_sent += len(self._peers)
         self.counts.bytes_sent += size * len(self._peers)
 
-    def _start_snapshot(self, peer: str) -> None:
-        snapshot = self.holdings.snapshot(self._clock())
-        if snapshot.delta is not None:
-            self._broadcast(snapshot.delta)  # everyone else is brought up to it first
-        self._parts[peer] = deque(snapshot.parts)
-        # The first part goes now, ahead of any later delta: the peer buffers
-        # the deltas after it while the other parts come.
-        self._send_parts(only=peer)
-
-    def _send_parts(self, only: str | None = None) -> None:
-        """One part to each peer with parts queued (or to ``only``); the next after an interval."""
-        for peer in [only] if only is not None else list(self._parts):
-            queue = self._parts.get(peer)
-            session = self._peers.get(peer)
-            if not queue or session is None:
-                self._parts.pop(peer, None)
-                continue
-            part = queue.popleft()
-            msg = wire.KvsumSnapshot(
-                epoch=part.epoch,
-                upto_seq=part.upto_seq,
-                part=part.part,
-                parts=part.parts,
-                fps=wire.packed(part.fps),
-            )
-            session.send(msg)
-            self.counts.parts_sent += 1
-            self.counts.bytes_sent += len(msg.fps)
-            if not queue:
-                del self._parts[peer]
-        self._next_part = self._clock() + self.options.part_interval_s if self._parts else None
-        self._arm()
+    def _part_sent(self, size: int) -> None:
+        self.counts.parts_sent += 1
+        self.counts.bytes_sent += size

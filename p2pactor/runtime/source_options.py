@@ -41,6 +41,11 @@ class SourceOptions:
             copy may drift where nothing shows a gap (it dropped a claim its
             lookup found false, which we still hold); a refresh makes it
             exact again, at 8 bytes a held key per peer per refresh.
+        resync_interval_s: The least time between two snapshots sent to one
+            peer because it asked (``kvsum_resync``). A resync that comes
+            sooner is answered when the interval ends, and one that comes
+            while a snapshot to that peer is still being sent is answered by
+            it: however often a peer asks, it costs one snapshot an interval.
     """
 
     share: bool = attrs.field(default=True, validator=checks.instance_of(bool))
@@ -53,6 +58,7 @@ class SourceOptions:
     part_interval_s: float = attrs.field(default=0.01, validator=checks.non_negative(finite=True))
     recorded_claims: int = attrs.field(default=8, validator=checks.positive_int)
     refresh_s: float = attrs.field(default=300.0, validator=checks.non_negative(finite=True))
+    resync_interval_s: float = attrs.field(default=1.0, validator=checks.non_negative(finite=True))
 
 
 DEFAULT_SOURCES: Final = SourceOptions()
