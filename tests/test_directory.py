@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 import attrs
 import msgspec
+import pytest
 import trio
 
 from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
 from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import fingerprint
+from p2pactor.core.sources import BYTES_PER_CLAIM, fingerprint
 from p2pactor.runtime.source_options import SourceOptions
 from tests.cluster import Cluster, Member, block_bytes, key, open_cluster
 
@@ -330,6 +331,25 @@ async def test_resyncs_are_answered_once_an_interval_from_one_shared_snapshot(
             assert 3 <= len(snapshots) <= 4  # one a second (one part each: 100 keys)
             assert peer.node.sources.index.claims_of(a.id) == 100
         assert a.node.sources.parts.built == built  # nothing changed: the same snapshot
+
+
+async def test_a_peer_is_kept_to_this_nodes_budget_whatever_it_registered(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    options = SourceOptions(peer_budget_bytes=50 * BYTES_PER_CLAIM)
+    async with open_cluster("a", "b", num_blocks=256, sources=options) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        a.store(*[key(i) for i in range(120)])
+        await linked(a, b)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == 50)
+        index = b.node.sources.index
+        assert index.claims_of(a.id) == 50
+        assert index.strikes(a.id) >= 1
+        said = [r.getMessage() for r in caplog.records if "peer_budget_bytes" in r.getMessage()]
+        told = [m for m in said if m.startswith(a.id)]  # b of a (a says the same of b)
+        assert len(told) == 1
+        assert "registered 256 blocks" in told[0]
+        assert "at most 50" in told[0]
 
 
 async def test_a_choice_is_recorded_in_the_request_log_and_replays(

@@ -9,13 +9,14 @@ once a snapshot has repaired every loss, with what each sender holds.
 from __future__ import annotations
 
 import random
+import tracemalloc
 
 import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from p2pactor.core.choice import ChoicePolicy
-from p2pactor.core.sources import Resync, SourceIndex, fingerprint
+from p2pactor.core.sources import BYTES_PER_CLAIM, Resync, SourceIndex, fingerprint
 from p2pactor.errors import ConfigError
 
 E1, E2 = b"epoch-one-16byte", b"epoch-two-16byte"
@@ -90,8 +91,9 @@ def test_a_peer_claims_no_more_keys_than_it_registered_blocks() -> None:
     index = SourceIndex()
     index.add_peer("liar", capacity=3)
     assert synced(index, "liar", list(range(10))) is None
-    assert index.claims_of("liar") == 0  # a snapshot over its capacity is refused whole
+    assert index.claims_of("liar") == 3  # a snapshot over its capacity is cut back to it
     assert index.strikes("liar") == 1
+    assert all(index.claimed_by(fp) == {"liar"} for fp in range(10) if index.claimed(fp))
     synced(index, "liar", [1, 2])
     assert index.delta("liar", E1, 1, add=[50, 51, 52], remove=[]) is None
     assert index.claims_of("liar") == 3  # what fits of the delta
@@ -540,3 +542,31 @@ def test_fetches_that_keep_failing_quarantine_a_peer_and_one_delivered_forgives(
     assert not index.quarantined("b", later)
     index.fetches_ended("b", delivered=0, failed=2, now=later)
     assert not index.quarantined("b", later)
+
+
+def test_a_snapshot_over_the_budget_keeps_what_fits_in_bounded_memory() -> None:
+    # Issue 30: a peer that registered 1,000,000 blocks and sent a snapshot of
+    # as many fingerprints made the node hold +344 MiB. The node's budget for a
+    # peer caps what it keeps, whatever the peer registered.
+    budget = 8 << 20  # what the runtime's SourceOptions.peer_budget_bytes buys
+    most = budget // BYTES_PER_CLAIM
+    index = SourceIndex()
+    tracemalloc.start()
+    try:
+        index.add_peer("b", capacity=min(1_000_000, most))
+        parts = 16
+        for part in range(parts):
+            fps = range(part * 65_536, (part + 1) * 65_536)
+            index.snapshot("b", E1, 0, part=part, parts=parts, fps=fps)
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert index.claims_of("b") == most
+    assert index.strikes("b") == 1
+    assert held <= budget
+    # Deltas buffered during a snapshot weigh no more than the claims it may make.
+    index.snapshot("b", E1, 1, part=0, parts=2, fps=[1])
+    for seq in range(2, 40):
+        index.delta("b", E1, seq, add=range(seq * 10_000, seq * 10_000 + 10_000), remove=[])
+    assert index.position("b") == (E1, 0, True)  # the half snapshot was given up
+    assert index.strikes("b") == 2

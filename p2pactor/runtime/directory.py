@@ -113,6 +113,7 @@ class SourceDirectory:
         self._timers = timers
         self._clock = clock
         self._peers: dict[str, SummaryPeer] = {}
+        self._cut_back: set[str] = set()  # peers told (in the log) they are kept to the budget
         self.parts = SnapshotParts(
             self.holdings, options, self._peers, self._broadcast, self._part_sent
         )
@@ -236,8 +237,20 @@ class SourceDirectory:
         From now on its summary messages are read (they may arrive before our
         side of the handshake is done).
         """
-        self._peers[session.peer_id] = session
-        self.index.add_peer(session.peer_id, capacity)  # its snapshot is on its way
+        peer, most = session.peer_id, self.options.max_claims_per_peer
+        if capacity > most and peer not in self._cut_back:
+            self._cut_back.add(peer)
+            log.warning(
+                "%s registered %d blocks; this node keeps at most %d of its claims "
+                "(SourceOptions.peer_budget_bytes, %d bytes): raise it if the peer is "
+                "legitimate and this node has the memory",
+                peer,
+                capacity,
+                most,
+                self.options.peer_budget_bytes,
+            )
+        self._peers[peer] = session
+        self.index.add_peer(peer, min(capacity, most))  # its snapshot is on its way
 
     def peer_ready(self, session: SummaryPeer) -> None:
         """``session`` is ready both ways: send the peer our snapshot."""

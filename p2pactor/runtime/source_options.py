@@ -16,6 +16,7 @@ import attrs
 from p2pactor.core import checks
 from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.holdings import SummaryOptions
+from p2pactor.core.sources import BYTES_PER_CLAIM
 
 __all__ = ["DEFAULT_SOURCES", "SourceOptions"]
 
@@ -46,6 +47,13 @@ class SourceOptions:
             sooner is answered when the interval ends, and one that comes
             while a snapshot to that peer is still being sent is answered by
             it: however often a peer asks, it costs one snapshot an interval.
+        peer_budget_bytes: What one summary peer's messages may make this node
+            hold, whatever the peer registers or sends: its claims, the
+            snapshot being assembled and the deltas buffered meanwhile, at
+            :data:`~p2pactor.core.sources.BYTES_PER_CLAIM` each. A peer that
+            registered more blocks than that buys is kept to
+            :attr:`max_claims_per_peer` of them (logged once), and claims
+            past it are cut and struck. 64 MiB keeps 131,072 claims.
     """
 
     share: bool = attrs.field(default=True, validator=checks.instance_of(bool))
@@ -59,6 +67,12 @@ class SourceOptions:
     recorded_claims: int = attrs.field(default=8, validator=checks.positive_int)
     refresh_s: float = attrs.field(default=300.0, validator=checks.non_negative(finite=True))
     resync_interval_s: float = attrs.field(default=1.0, validator=checks.non_negative(finite=True))
+    peer_budget_bytes: int = attrs.field(default=64 << 20, validator=checks.positive_int)
+
+    @property
+    def max_claims_per_peer(self) -> int:
+        """The most claims kept of one peer: :attr:`peer_budget_bytes` buys that many."""
+        return max(1, self.peer_budget_bytes // BYTES_PER_CLAIM)
 
 
 DEFAULT_SOURCES: Final = SourceOptions()
