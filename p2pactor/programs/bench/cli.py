@@ -31,6 +31,7 @@ SECTIONS: tuple[str, ...] = (
     "hosts",
     "fleet",
     "engine-real",
+    "index-scale",
 )
 """Section names, in the order they run; each is the module ``p2pactor.programs.bench.<name>``
 (a ``-`` in the name is a ``_`` in the module's)."""

@@ -1,0 +1,147 @@
+"""Index scale: what the source index costs a node as the fleet grows (16, 64, 128 peers).
+
+In-process, no sockets: one :class:`~p2pactor.core.sources.SourceIndex` is fed
+as a node's directory feeds it, each peer's whole snapshot (in parts of
+8,192 fingerprints), then deltas of 1,000 changes each (500 keys added, 500
+removed, as the summaries flush them). Each peer holds ``KEYS`` keys: a
+fifth drawn from a pool every peer shares (popular prefixes), the rest its
+own. Measured, per fleet size:
+
+- bytes per claim: ``tracemalloc``'s count of what the index holds, over
+  the claims it holds (peers x keys);
+- time per changed fingerprint: the deltas' node-thread time over their
+  changes (each delta is one message applied in one call);
+- time per choice: ``choose`` over 128 keys (one peer's claimed run of 96,
+  then 32 nobody claims) with every peer live, median over 1,000 choices;
+- the longest single call: completing one peer's snapshot (Python's
+  garbage collector included, which runs when it will, as on a node).
+
+The targets of issue 30 are notes, never assertions: <= 24 bytes a claim,
+<= 0.3 us a changed fingerprint, <= 100 us a choice over 128 keys and 127
+peers.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import statistics
+import time
+import tracemalloc
+
+from p2pactor.core.sources import SourceIndex
+from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+
+__all__ = ["NAME", "TITLE", "run"]
+
+NAME = "index-scale"
+"""The section's name."""
+TITLE = "the source index at 16, 64 and 128 peers: memory per claim, time per change and choice"
+"""One line saying what is measured."""
+
+FLEETS = (16, 64, 128)
+KEYS, QUICK_KEYS = 50_000, 2_000
+SHARED = 0.2
+PART = 8_192
+DELTA = 1_000
+DELTAS_PER_PEER, QUICK_DELTAS = 20, 4
+CHOICES = 1_000
+TARGET_BYTES, TARGET_CHANGE_US, TARGET_CHOICE_US = 24, 0.3, 100.0
+EPOCH = b"index-scale-ep16"
+
+
+def _fleet(peers: int, keys: int, rng: random.Random) -> list[list[int]]:
+    """Each peer's held fingerprints: a fifth from a shared pool, the rest its own."""
+    pool = [rng.getrandbits(64) for _ in range(keys)]
+    shared = int(keys * SHARED)
+    return [
+        rng.sample(pool, shared) + [rng.getrandbits(64) for _ in range(keys - shared)]
+        for _ in range(peers)
+    ]
+
+
+def _feed(index: SourceIndex, held: list[list[int]], keys: int) -> float:
+    """Every peer's snapshot into ``index``; the longest single call (seconds)."""
+    longest = 0.0
+    for p, fps in enumerate(held):
+        peer = f"peer-{p}"
+        index.add_peer(peer, capacity=2 * keys)
+        parts = -(-len(fps) // PART)
+        for part in range(parts):
+            t0 = time.perf_counter()
+            index.snapshot(peer, EPOCH, 0, part=part, parts=parts, fps=fps[part::parts])
+            longest = max(longest, time.perf_counter() - t0)
+    return longest
+
+
+def _one(peers: int, keys: int, deltas: int, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
+    held = _fleet(peers, keys, rng)
+    # Memory in one pass (tracemalloc slows every allocation), times in another.
+    gc.collect()
+    tracemalloc.start()
+    measured = SourceIndex()
+    _feed(measured, held, keys)
+    memory = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del measured
+    gc.collect()
+    index = SourceIndex()
+    longest = _feed(index, held, keys)
+    claims = sum(index.claims_of(f"peer-{p}") for p in range(peers))
+    spent = 0.0
+    changed = 0
+    for seq in range(1, deltas + 1):
+        for p, fps in enumerate(held):
+            add = [rng.getrandbits(64) for _ in range(DELTA // 2)]
+            remove = [fps.pop() for _ in range(DELTA // 2)]
+            fps.extend(add)
+            t0 = time.perf_counter()
+            index.delta(f"peer-{p}", EPOCH, seq, add, remove)
+            spent += time.perf_counter() - t0
+            changed += len(add) + len(remove)
+    run = held[0][:96]
+    wanted = run + [rng.getrandbits(64) for _ in range(32)]
+    took = []
+    for _ in range(CHOICES):
+        t0 = time.perf_counter()
+        index.choose(wanted, 0.0)
+        took.append(time.perf_counter() - t0)
+    return {
+        "bytes": memory / claims,
+        "change_us": spent / changed * 1e6,
+        "choice_us": statistics.median(took) * 1e6,
+        "longest_ms": longest * 1e3,
+        "claims": claims,
+    }
+
+
+def run(options: BenchOptions) -> SectionResult:
+    """Feed an index as 16, 64 and 128 peers would; one row per fleet size."""
+    keys = QUICK_KEYS if options.quick else KEYS
+    deltas = QUICK_DELTAS if options.quick else DELTAS_PER_PEER
+    repeats = 1 if options.quick else max(1, min(options.repeats, 3))
+    rows: list[dict[str, Cell]] = []
+    notes: list[str] = []
+    for peers in FLEETS:
+        results = [_one(peers, keys, deltas, seed) for seed in range(repeats)]
+        stat = {k: Stat.of(r[k] for r in results) for k in results[0]}
+        rows.append(
+            {
+                "peers": peers,
+                "keys each": keys,
+                "bytes per claim": stat["bytes"],
+                "us per changed fingerprint": stat["change_us"],
+                "us per choice (128 keys)": stat["choice_us"],
+                "longest call (ms)": stat["longest_ms"],
+                "index (MiB)": Stat.of(r["bytes"] * r["claims"] / 2**20 for r in results),
+            }
+        )
+        last = stat
+    notes.append(
+        f"targets at {FLEETS[-1]} peers: <= {TARGET_BYTES} bytes a claim "
+        f"(here {last['bytes'].median:.0f}), <= {TARGET_CHANGE_US} us a changed fingerprint "
+        f"(here {last['change_us'].median:.2f}), <= {TARGET_CHOICE_US:g} us a choice "
+        f"(here {last['choice_us'].median:.1f})"
+    )
+    return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
