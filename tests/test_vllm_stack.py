@@ -274,7 +274,7 @@ class _MidScan:
     vLLM asks the tier key by key, promotes every HIT as soon as it hears it
     and scans on past a RETRY (``_maximal_prefix_lookup``). The producer
     cannot answer while its manager lock is held (its tier-poll thread serves
-    lookups under it): ``hold()`` takes it; at the first scan after ``armed``
+    lookups under it): entering takes it; at the first scan after ``armed``
     whose first key is asked and still unanswered, the lock is let go after
     that key's RETRY, and the scan goes on only once the answers (and the
     choice) are in.
@@ -282,7 +282,9 @@ class _MidScan:
 
     def __init__(self, consumer: StackNode, producer: StackNode, kv_id: str, keys: list[bytes]):
         self.node = consumer.tier.node
+        self.consumer = consumer
         self.producer = producer
+        self.held = False
         self.kv_id = kv_id
         self.keys = keys
         self.armed = False
@@ -294,14 +296,27 @@ class _MidScan:
             answer = real(key, ctx)
             if self.armed and not self.hit and bytes(key) == keys[0] and self._asked_unanswered():
                 self.hit = True
-                self.producer.stack.lock.release()
+                self.let_go()
                 run_until([], self._answered, "the answers reached the consumer")
             return answer
 
         consumer.tier.lookup = lookup
 
-    def hold(self) -> None:
+    def __enter__(self) -> _MidScan:
         self.producer.stack.lock.acquire()
+        self.held = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # Let go of the producer's lock however the test ended: vLLM's
+        # shutdown() waits for it, and without it keeps the region in /dev/shm.
+        self.let_go()
+        del self.consumer.tier.lookup  # the tier's own again
+
+    def let_go(self) -> None:
+        if self.held:
+            self.held = False
+            self.producer.stack.lock.release()
 
     def _consumer(self) -> Any:
         decision = self.node.decision(self.kv_id)
@@ -329,14 +344,13 @@ def test_answers_landing_mid_scan_fetch_the_whole_run_in_one_round() -> None:
     with open_nodes(("a", {}), ("b", {})) as (a, b):
         keys = new_keys(4)
         a.computed(keys)
-        mid = _MidScan(b, a, "mid-1", keys)
-        mid.hold()
-        req = ask(b, keys, b.named(a, "mid-1"))
-        b.engine.step()  # the keys are asked at its end; a cannot answer yet
-        run_until([], mid._asked_unanswered, "b's lookup sent")
-        mid.armed = True
-        run_until([b], lambda: mid.hit, "a scan with the answers out")  # a's lock is held
-        run_until([a, b], done(req), "b's request done")
+        with _MidScan(b, a, "mid-1", keys) as mid:
+            req = ask(b, keys, b.named(a, "mid-1"))
+            b.engine.step()  # the keys are asked at its end; a cannot answer yet
+            run_until([], mid._asked_unanswered, "b's lookup sent")
+            mid.armed = True
+            run_until([b], lambda: mid.hit, "a scan with the answers out")  # a's lock is held
+            run_until([a, b], done(req), "b's request done")
         assert mid.hit  # the answers did land mid-scan
         assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
         # Had the scan heard its tail's HITs after its head's RETRY, vLLM would
@@ -360,16 +374,13 @@ def test_a_choice_landing_mid_scan_fetches_the_whole_run_in_one_round() -> None:
             run_until([c, d], lambda: index.claims_of(d.peer_id) >= held, "d's claims at c")  # noqa: B023
             req_id = c.new_id()
             kv_id = f"auto:{c.tier.node.node_id}:{req_id}"
-            mid = _MidScan(c, d, kv_id, keys)
-            mid.hold()
-            req = c.engine.add(req_id, keys, (), None)
-            c.engine.step()  # claimed: kept, handed to the node at the step's end
-            mid.armed = True
-            c.engine.step()  # the choice is being made (or made): the scan we want
-            if not mid.hit:
-                d.stack.lock.release()  # the choice beat the scan: try again
-            run_until([c, d], done(req), "c's request done")
-            del c.tier.lookup  # the tier's own again
+            with _MidScan(c, d, kv_id, keys) as mid:
+                req = c.engine.add(req_id, keys, (), None)
+                c.engine.step()  # claimed: kept, handed to the node at the step's end
+                mid.armed = True
+                c.engine.step()  # the choice is being made (or made): the scan we want
+                mid.let_go()  # if the choice beat the scan, it is tried again
+                run_until([c, d], done(req), "c's request done")
             assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
             assert len(d.producer_events("LookupReceived", kv_id)) == 1
             assert len(c.producer_events("FetchSent", kv_id)) == 1
