@@ -134,7 +134,7 @@ def _value(raw: memoryview) -> Any:
     return shape
 
 
-@functools.cache
+@functools.lru_cache(maxsize=256)  # names from msgspec's paths: our schema's fields
 def _one_field(name: str) -> msgspec.msgpack.Decoder[Any]:
     """A decoder of a map that keeps only ``name`` (its wire name), as a ``Raw``."""
     struct = msgspec.defstruct(

@@ -113,7 +113,7 @@ class SnapshotParts:
     def next_due(self) -> float | None:
         """When :meth:`send` has something to do next."""
         interval = self._options.resync_interval_s
-        due = [self._answered[p] + interval for p in self._wanted if p in self._answered]
+        due = [self._answered[p] + interval for p in self._wanted]  # wanted: answered before
         if self.next_part is not None:
             due.append(self.next_part)
         return min(due, default=None)
@@ -144,7 +144,7 @@ class SnapshotParts:
 
     def _answer_waiting(self, now: float) -> None:
         interval = self._options.resync_interval_s
-        due = [p for p in self._wanted if now >= self._answered.get(p, now) + interval]
+        due = [p for p in self._wanted if now >= self._answered[p] + interval]
         for peer in due:
             self._wanted.discard(peer)
             if peer in self._sessions and peer not in self._queues:
