@@ -81,3 +81,16 @@ def test_a_big_list_is_still_measured_from_its_header() -> None:
     frame = msgspec.msgpack.encode({"type": "lookup", "kv_request_id": "r", "keys": keys})
     error, _ = peak_of_refusal(frame)
     assert "has 70000 items, more than the limit of 65536" in str(error)
+
+
+def test_a_reserved_extension_value_is_named_not_decoded() -> None:
+    # msgpack's timestamp (extension -1) with a bad length: untyped decoding
+    # refuses it, so the error is worded without decoding it (the fuzz found it).
+    bad = msgspec.msgpack.Ext(-1, b"")
+    frame = msgspec.msgpack.encode({"type": "abort_ack", "kv_request_id": "", "round_seq": bad})
+    error, _ = peak_of_refusal(frame)
+    assert isinstance(error, InvalidField)
+    assert "is Ext, expected int" in str(error)
+    error, _ = peak_of_refusal(msgspec.msgpack.encode({"type": bad}))
+    assert isinstance(error, MalformedFrame)
+    assert "'type' is Ext, expected str" in str(error)

@@ -129,9 +129,14 @@ def _header(raw: memoryview) -> _Shape | None:
 def _value(raw: memoryview) -> Any:
     """What ``raw`` holds: decoded if short or bytes (each costs its size), else its shape."""
     shape = None if len(raw) <= QUOTE_BYTES else _header(raw)
-    if shape is None or shape.kind in ("str", "bytes"):
+    if shape is not None and shape.kind not in ("str", "bytes"):
+        return shape
+    try:
         return msgspec.msgpack.decode(raw)
-    return shape
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        # Framed, but not a value untyped decoding makes: an extension type
+        # msgpack reserves (a malformed timestamp, type -1).
+        return _Shape("Ext", len(raw))
 
 
 @functools.lru_cache(maxsize=256)  # names from msgspec's paths: our schema's fields
