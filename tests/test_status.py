@@ -196,6 +196,7 @@ VOLATILE = {
     "last_sent_s",
     "last_activity_s",
     "log_append_seconds",
+    "loop",  # the slow-step watch counts every step, the answering one's too
 }
 
 

@@ -15,6 +15,7 @@ import argparse
 import functools
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -183,6 +184,14 @@ def register(commands: Any) -> None:
         help="address the metrics port binds (default 127.0.0.1; 0.0.0.0 lets a Prometheus "
         "on another host scrape)",
     )
+    parser.add_argument(
+        "--slow-step-ms",
+        type=float,
+        metavar="MS",
+        help="report every step of the node's trio thread that holds it at least MS "
+        "milliseconds (counted in /status and /metrics, logged); 0 turns the watch off "
+        "(default P2PACTOR_SLOW_STEP_MS, else 50; docs/status.md)",
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -211,6 +220,14 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         )
         if value is not None
     }
+    slow_ms = args.slow_step_ms
+    if slow_ms is not None:
+        if not 0 <= slow_ms < math.inf:
+            raise ConfigError(
+                f"--slow-step-ms {slow_ms:g}: give milliseconds above 0, or 0 to turn the "
+                "slow-step watch off"
+            )
+        overrides["slow_step_s"] = None if slow_ms == 0 else slow_ms / 1000
     for flag, field in ((args.allowed_peers, "allowed_peers"), (args.seed_peers, "seed_peers")):
         if flag:
             overrides[field] = frozenset(p.strip() for p in flag.split(",") if p.strip())

@@ -1,9 +1,10 @@
 """``p2pactor status HOST:PORT``: a running node's status, as a table or as JSON.
 
 It reads ``http://HOST:PORT/status`` (the node's dashboard port, or its
-metrics port; see ``docs/status.md``) and prints the node, one row per peer
-(session state, dialect, last activity, requests, transfers, pins), then the
-node's limits and each peer's quotas with how much of each is used.
+metrics port; see ``docs/status.md``) and prints the node, its thread's slow
+steps (``loop``), one row per peer (session state, dialect, last activity,
+requests, transfers, pins), then the node's limits and each peer's quotas with
+how much of each is used.
 ``--json`` prints the node's answer as it came.
 
 Exit status: 0 when the node answered; 1 when it did not (nothing listening,
@@ -154,8 +155,12 @@ def format_status(status: dict[str, Any], out: TextIO) -> None:
         f"{_plural(len(peers), 'peer')}; requests in flight: {requests.get('consumer', 0)} ours, "
         f"{requests.get('producer', 0)} theirs; transfers: {transfers.get('loads', 0)} loads, "
         f"{transfers.get('writes', 0)} writes; pins: {pins.get('jobs', 0)} jobs, "
-        f"{pins.get('blocks', 0)} blocks\n\n"
+        f"{pins.get('blocks', 0)} blocks\n"
     )
+    loop = status.get("loop")
+    if isinstance(loop, dict):  # a node from before the slow-step watch has none
+        out.write(_loop_line(loop, status) + "\n")
+    out.write("\n")
     rows = [
         [
             "PEER",
@@ -209,6 +214,30 @@ def format_status(status: dict[str, Any], out: TextIO) -> None:
             f"\n{closed.get('total', len(recent))} sessions closed; the last: "
             f"{last['peer']}: {last['reason']}\n"
         )
+
+
+def _loop_line(loop: dict[str, Any], status: dict[str, Any]) -> str:
+    """The slow-step watch in one line (docs/status.md, ``loop``)."""
+    threshold = loop.get("slow_step_s")
+    if threshold is None:
+        return "loop: slow-step watch off (p2pactor serve --slow-step-ms MS turns it on)"
+    slow = loop.get("slow_steps", 0)
+    line = (
+        f"loop: {loop.get('steps', 0)} steps, {slow or 'none'} slow "
+        f"(>= {_ms(threshold)}); longest {_ms(loop.get('longest_step_s', 0.0))}"
+    )
+    recent = loop.get("recent_slow") or []
+    if recent:
+        last = recent[0]
+        now = status.get("started_at", 0.0) + status.get("uptime_s", 0.0)
+        line += (
+            f"; the last: {last['task']} {_ms(last['seconds'])}, {_ago(max(0.0, now - last['at']))}"
+        )
+    return line
+
+
+def _ms(seconds: float) -> str:
+    return f"{1000 * seconds:.1f} ms"
 
 
 def _plural(count: int, noun: str) -> str:

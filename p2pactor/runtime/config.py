@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import math
 import os
 import warnings
 from collections.abc import Iterable, Mapping
@@ -44,7 +45,14 @@ from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
 from p2pactor.runtime.source_options import DEFAULT_SOURCES, SourceOptions
 
-__all__ = ["DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of", "is_loopback", "is_wildcard"]
+__all__ = [
+    "DEFAULT_HASH_SEED",
+    "SLOW_STEP_S",
+    "NodeConfig",
+    "fingerprint_of",
+    "is_loopback",
+    "is_wildcard",
+]
 
 DEFAULT_HASH_SEED: Final = "vllm-none-hash"
 """The hash seed vLLM uses for sha256 block hashing when PYTHONHASHSEED is unset."""
@@ -99,6 +107,9 @@ def is_wildcard(host: str) -> bool:
 
 _DIAL_MEMORY = 4096  # peers whose may_dial answer a config remembers
 
+SLOW_STEP_S: Final = 0.05
+"""The default ``slow_step_s``; measured at under 1% of the node's hot path (docs/status.md)."""
+
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine only (``localhost``, ``127.x``, ``::1``)."""
@@ -134,6 +145,19 @@ def _bind_host(instance: object, attribute: attrs.Attribute[str | None], value: 
         raise ConfigError(
             f"NodeConfig.bind_host must be an address to bind (e.g. 0.0.0.0) or None "
             f"(bind host), got {value!r}"
+        )
+
+
+def _slow_step(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"NodeConfig.slow_step_s must be seconds or None (off), got {value!r}")
+    if not 0 < value < math.inf:
+        # 0 would report every step: off is None (serve --slow-step-ms 0).
+        raise ConfigError(
+            f"NodeConfig.slow_step_s must be a finite number of seconds above 0, or None "
+            f"to turn the slow-step watch off, got {value!r}"
         )
 
 
@@ -235,6 +259,13 @@ class NodeConfig:
         sources: Summaries and the automatic choice of a source
             (:class:`~p2pactor.runtime.source_options.SourceOptions`,
             ``docs/sources.md``).
+        slow_step_s: Report every step of a task on the node's trio thread
+            that holds it at least this many seconds (one message handled in
+            one go, a timer's work, a garbage-collector pause inside it):
+            counted, kept among the recent ones in ``/status``'s ``loop``, in
+            ``/metrics`` and logged (rate-limited). None turns the watch off
+            (serve ``--slow-step-ms 0``). See
+            :mod:`p2pactor.runtime.loopwatch` and ``docs/status.md``.
     """
 
     host: str = attrs.field(default="localhost", validator=_advertised)
@@ -271,6 +302,7 @@ class NodeConfig:
     sources: SourceOptions = attrs.field(
         default=DEFAULT_SOURCES, validator=checks.instance_of(SourceOptions)
     )
+    slow_step_s: float | None = attrs.field(default=SLOW_STEP_S, validator=_slow_step)
     _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
     _loopback: bool = attrs.field(init=False, eq=False, repr=False)
     _dialable: dict[str, bool] = attrs.field(init=False, eq=False, repr=False)
@@ -373,7 +405,8 @@ class NodeConfig:
         ``host:port``), ``P2PACTOR_SUMMARIES`` (``0`` turns summaries off),
         ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
         ``P2PACTOR_METRICS_PORT``, ``P2PACTOR_METRICS_HOST``,
-        ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``, and the
+        ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``,
+        ``P2PACTOR_SLOW_STEP_MS`` (milliseconds; ``0`` turns the watch off), and the
         quotas' ``P2PACTOR_QUOTA_*`` (:meth:`~p2pactor.runtime.quotas.PeerQuotas.from_env`).
 
         Raises:
@@ -423,5 +456,22 @@ class NodeConfig:
             if share not in ("0", "1"):
                 raise ConfigError(f"P2PACTOR_SUMMARIES={share!r}: set it to 1 (on) or 0 (off)")
             values["sources"] = attrs.evolve(DEFAULT_SOURCES, share=share == "1")
+        slow_ms = env.get("P2PACTOR_SLOW_STEP_MS", "")
+        if slow_ms:
+            values["slow_step_s"] = _slow_step_env(slow_ms)
         values.update(overrides)
         return cls(**values)
+
+
+def _slow_step_env(raw: str) -> float | None:
+    """``P2PACTOR_SLOW_STEP_MS``: milliseconds as ``slow_step_s``, ``0`` for off."""
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = math.nan
+    if not 0 <= ms < math.inf:
+        raise ConfigError(
+            f"P2PACTOR_SLOW_STEP_MS={raw!r}: give milliseconds above 0 (a step that holds "
+            "the node's thread that long is reported), or 0 to turn the watch off"
+        )
+    return None if ms == 0 else ms / 1000

@@ -30,6 +30,7 @@ from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import EngineBridge, LoadResult
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.logcontext import peer_context, request_context
+from p2pactor.runtime.loopwatch import LoopWatch
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.peers import PeerRegistry
 from p2pactor.runtime.quotas import QuotaLedger
@@ -89,6 +90,7 @@ class NodeHost:
         self.nursery = nursery
         self.clock = trio.lowlevel.current_clock()
         self.started_at = self.clock.current_time()  # for uptime (status reports)
+        self.loop_watch = LoopWatch(config.slow_step_s, node_id=config.node_id)
         self.runner = Runner()
         self.timers = Timers()
         self.quotas = QuotaLedger(config.quotas, config.num_blocks)

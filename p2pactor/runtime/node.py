@@ -50,6 +50,7 @@ from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import LoadResult
 from p2pactor.runtime.host import Answers, Load, NodeHost
 from p2pactor.runtime.log import EventLog
+from p2pactor.runtime.loopwatch import LoopWatch
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.quotas import PeerUsage, QuotaLedger
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
@@ -176,6 +177,11 @@ class Node(ThreadSafeAPI, ThreadSafeSources):
     def now(self) -> float:
         """The node's clock (trio's): session activity times are on it. Any thread."""
         return self._host.clock.current_time()
+
+    @property
+    def loop_watch(self) -> LoopWatch:
+        """The slow-step watch on the node's trio thread (its counts: ``snapshot()``)."""
+        return self._host.loop_watch
 
     @property
     def uptime(self) -> float:
@@ -391,11 +397,17 @@ async def open_node(
         nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
         for peer in sorted(config.seed_peers):
             host.dial(peer)  # summaries are here before the first request naming no source
+        # Added to the run already going, whoever started it (a program's
+        # trio.run, the vLLM tier's thread), and removed with the node.
+        host.loop_watch.start()
         try:
             yield node
         finally:
             if watch_keys is not None:
                 watch_keys(None, None)
-            with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
-                await node.aclose()
+            try:
+                with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
+                    await node.aclose()
+            finally:
+                host.loop_watch.stop()  # even if closing failed: the run may go on
             nursery.cancel_scope.cancel()

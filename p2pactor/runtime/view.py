@@ -18,6 +18,7 @@ from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.log import EventLog
+from p2pactor.runtime.loopwatch import LoopWatch
 from p2pactor.runtime.quotas import PeerUsage, QuotaLedger
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
 from p2pactor.runtime.transport import ControlTransport
@@ -67,6 +68,11 @@ class NodeView(Protocol):
     @property
     def sources(self) -> SourceDirectory:
         """Its summaries both ways and its choices of a source (their counts, its index)."""
+        ...
+
+    @property
+    def loop_watch(self) -> LoopWatch:
+        """The slow-step watch on its trio thread (``snapshot()`` to read it)."""
         ...
 
     @property

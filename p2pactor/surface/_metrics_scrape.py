@@ -1,7 +1,8 @@
 """What :class:`p2pactor.surface.metrics.NodeMetrics` reads only when scraped: no cost per event.
 
-The gauges (sessions, peers, actors, pinned blocks), the event log's counters
-and the source directory's (:func:`source_state`, which ``/status`` reads too) come
+The gauges (sessions, peers, actors, pinned blocks), the event log's counters,
+the slow-step watch's (:mod:`p2pactor.runtime.loopwatch`) and the source
+directory's (:func:`source_state`, which ``/status`` reads too) come
 from the node's state now; the counters and histograms from the counts the
 event stream left in :mod:`p2pactor.surface._metrics_counts`.
 """
@@ -139,6 +140,7 @@ class _NodeCollector(Collector):
             family.add_metric([peer], n)
         yield family
         yield from _log_families(node)
+        yield from _loop_families(node)
         yield from _source_families(source_state(node))
 
 
@@ -242,6 +244,22 @@ def _log_families(node: NodeView) -> Iterator[Metric]:
         "p2pactor_event_log_written_bytes",
         "Bytes of the event log handed to the operating system.",
         value=stats.bytes_written,
+    )
+
+
+def _loop_families(node: NodeView) -> Iterator[Metric]:
+    """The slow-step watch on the node's trio thread (0 and 0 while it is off)."""
+    loop = node.loop_watch.snapshot()
+    yield CounterMetricFamily(
+        "p2pactor_loop_slow_steps",
+        "Task steps that held the node's trio thread at least slow_step_s (one message "
+        "handled, a timer's work, a GC pause inside them).",
+        value=loop.slow_steps,
+    )
+    yield GaugeMetricFamily(
+        "p2pactor_loop_longest_step_seconds",
+        "The longest task step on the node's trio thread since it started, slow or not.",
+        value=loop.longest_step_s,
     )
 
 

@@ -16,7 +16,7 @@ Two halves, for two costs:
   per peer (:mod:`p2pactor.surface._metrics_counts`, which says why its histograms
   are not prometheus-client's).
 * **gauges** (sessions, peers, actors, pinned blocks), the event log's
-  counters and the source directory's (choices, summaries sent and received,
+  counters, the slow-step watch's and the source directory's (choices, summaries sent and received,
   the index, each summary peer's precision) are read from the node only when
   someone scrapes (or calls :meth:`NodeMetrics.totals`), by a custom collector
   (:mod:`p2pactor.surface._metrics_scrape`): no cost per event.

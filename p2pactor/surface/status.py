@@ -22,6 +22,7 @@ from p2pactor.runtime.view import control_security
 from p2pactor.surface._metrics_scrape import source_state
 
 if TYPE_CHECKING:
+    from p2pactor.runtime.loopwatch import LoopSnapshot
     from p2pactor.runtime.quotas import PeerUsage
     from p2pactor.runtime.session import PeerSession, SessionCloseResult
     from p2pactor.runtime.view import NodeView
@@ -91,6 +92,7 @@ def node_status(
         "quota_usage": {peer: _usage(u) for peer, u in usages.items()},
         "closed_sessions": _closed(node.closed_sessions(), node.closed_session_count),
         "sources": _source_status(node),
+        "loop": _loop_status(node.loop_watch.snapshot()),
         # the same cumulative figures /metrics exposes, so the two agree
         "totals": totals,
     }
@@ -266,6 +268,20 @@ def _source_status(node: NodeView) -> dict[str, Any]:
                 "quarantined": p.quarantined,
             }
             for p in sources.peers
+        ],
+    }
+
+
+def _loop_status(loop: LoopSnapshot) -> dict[str, Any]:
+    """The slow-step watch's figures: ``/status``'s ``loop`` (docs/status.md)."""
+    return {
+        "steps": loop.steps,
+        "slow_step_s": loop.slow_step_s,
+        "slow_steps": loop.slow_steps,
+        "longest_step_s": round(loop.longest_step_s, 6),
+        "recent_slow": [
+            {"at": round(s.at, 3), "seconds": round(s.seconds, 6), "task": s.task}
+            for s in loop.recent_slow
         ],
     }
 
