@@ -337,19 +337,21 @@ async def test_a_peer_is_kept_to_this_nodes_budget_whatever_it_registered(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
     options = SourceOptions(peer_budget_bytes=50 * BYTES_PER_CLAIM)
+    most = options.max_claims_per_peer  # what is left once its waiting messages have their share
+    assert most == (50 * BYTES_PER_CLAIM - options.max_queued_bytes_per_peer) // BYTES_PER_CLAIM
     async with open_cluster("a", "b", num_blocks=256, sources=options) as cluster:
         a, b = cluster["a"], cluster["b"]
         a.store(*[key(i) for i in range(120)])
         await linked(a, b)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 50)
+        await until(lambda: b.node.sources.index.claims_of(a.id) == most)
         index = b.node.sources.index
-        assert index.claims_of(a.id) == 50
+        assert index.claims_of(a.id) == most
         assert index.strikes(a.id) >= 1
         said = [r.getMessage() for r in caplog.records if "peer_budget_bytes" in r.getMessage()]
         told = [m for m in said if m.startswith(a.id)]  # b of a (a says the same of b)
         assert len(told) == 1
         assert "registered 256 blocks" in told[0]
-        assert "at most 50" in told[0]
+        assert f"at most {most}" in told[0]
 
 
 async def test_a_choice_is_recorded_in_the_request_log_and_replays(
@@ -418,3 +420,48 @@ async def test_a_quota_refusal_is_no_false_claim_and_leaves_the_claims(
         assert index.precision(a.id) == 1.0
         await trio.sleep(1)
         assert_settled(cluster)
+
+
+async def test_summaries_that_come_faster_than_they_are_applied_are_dropped_and_asked_again(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 30: what a peer's summary messages make a node hold while they
+    # wait is bounded by the node's budget for it (an eighth: here 128 KiB).
+    options = SourceOptions(peer_budget_bytes=1 << 20)
+    async with open_cluster("a", "b", num_blocks=8192, sources=options) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        seen = tap(cluster)
+        b.store(key(0))
+        await linked(b, a)
+        index = a.node.sources.index
+        await until(lambda: index.claims_of(b.id) == 1)
+        position = index.position(b.id)
+        assert position is not None
+        epoch, seq, _ = position
+
+        def resyncs() -> int:
+            return sum(
+                isinstance(m, wire.KvsumResync) and (src, dst) == (a.id, b.id)
+                for _, src, dst, m in seen
+            )
+
+        asked = resyncs()
+        # Deltas "from b" of 4,096 keys each (32 KiB: more than is applied as
+        # it arrives), all delivered before the node's summary task runs.
+        big = wire.packed(range(1, 4097))
+        for i in range(1, 11):
+            delta = wire.KvsumDelta(epoch=epoch, seq=seq + i, add=big, remove=b"")
+            cluster.network.post(b.id, a.id, wire.encode(delta))
+        await until(lambda: index.floods(b.id) >= 1)
+        assert index.peer_bytes(b.id) <= options.peer_budget_bytes
+        # b is asked for its snapshot, and its true one (1 key) replaces the rest.
+        await until(lambda: resyncs() > asked)
+        await until(lambda: not index.pending and index.claims_of(b.id) == 1)
+        assert index.claimed_by(fingerprint(key(0))) == {b.id}
+        assert a.node.sources.counts.summary_floods == index.floods(b.id)
+        said = [r.getMessage() for r in caplog.records if "faster than this node" in r.getMessage()]
+        assert len(said) == 1
+        assert said[0].startswith(b.id)
+        # And a keeps serving b: a request naming no source still finds b's key.
+        peer, hits = await pull(a, "after-flood", [key(0)])
+        assert (peer, hits) == (b.id, [key(0)])

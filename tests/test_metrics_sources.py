@@ -98,7 +98,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         # a false claim: "b" says it holds two keys it never had, and b answers MISS
         forge_claims(cluster, a, b, [key(20), key(21)])
         await until(lambda: index.claims_of(b.id) == 7)
-        assert len(index) == 7
+        assert len(index) == 7 + 2  # claims: b's 7 and c's 2, the keys they share twice
         located = await a.node.locate("r-false", [key(20), key(21)])
         assert located.peer == b.id
         assert located.answers == (MISS, MISS)
@@ -110,6 +110,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         got = samples(a.surface.metrics.exposition())
         status = node_status(a.node, totals=a.surface.metrics.totals())
         precision_b = index.precision(b.id)
+        index_bytes = index.nbytes
 
     assert value(got, "p2pactor_source_choices_total", outcome="chosen") == 2
     assert value(got, "p2pactor_source_choices_total", outcome="unclaimed") == 1
@@ -141,7 +142,9 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
     assert value(got, "p2pactor_summary_bytes_total", direction="received") == bytes_received
 
     # The index now: b's 5 keys (its false claims dropped), c's 2 within them.
-    assert value(got, "p2pactor_source_index_fingerprints") == 5
+    assert value(got, "p2pactor_source_index_claims") == 5 + 2
+    assert value(got, "p2pactor_source_index_bytes") == index_bytes > 0
+    assert value(got, "p2pactor_source_summary_floods_total") == 0
     assert value(got, "p2pactor_source_peers", state="synced") == 2
     assert value(got, "p2pactor_source_peers", state="syncing") == 0
     claimed = "p2pactor_source_peer_claimed_keys"
@@ -170,9 +173,11 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
             "resyncs_sent": 1,
             "bytes_sent": bytes_sent,
             "bytes_received": bytes_received,
+            "floods": 0,
         },
         "advertised_keys": 5,
-        "index_fingerprints": 5,
+        "index_claims": 7,
+        "index_bytes": index_bytes,
         "peers": [
             {
                 "peer": b.id,
@@ -234,7 +239,7 @@ async def test_a_node_that_shares_no_summary_reports_nothing_claimed_or_advertis
         got = samples(a.surface.metrics.exposition())
         status = node_status(a.node, totals=a.surface.metrics.totals())
     assert value(got, "p2pactor_source_advertised_keys") == 0
-    assert value(got, "p2pactor_source_index_fingerprints") == 0
+    assert value(got, "p2pactor_source_index_claims") == 0
     assert value(got, "p2pactor_source_peers", state="synced") == 0
     assert value(got, "p2pactor_summary_bytes_total", direction="received") == 0
     assert ("p2pactor_summary_bytes_total", frozenset({("direction", "sent")})) in got

@@ -1,7 +1,7 @@
 """The pure core stays pure: no trio, no I/O, no clock.
 
 Every module of ``p2pactor.core`` and ``p2pactor.core.protocol`` may import only other
-core modules, ``p2pactor.errors``, attrs, msgspec and a short list of pure
+core modules, ``p2pactor.errors``, attrs, msgspec, numpy and a short list of pure
 standard-library modules. Importing the core must not pull in trio, pyzmq,
 NIXL, torch or vLLM.
 """
@@ -33,7 +33,8 @@ PURE_STDLIB = {
     "types",
     "typing",
 }
-ALLOWED_THIRD_PARTY = {"attrs", "msgspec"}
+# numpy: the source index packs fingerprints in arrays; arithmetic, no I/O.
+ALLOWED_THIRD_PARTY = {"attrs", "msgspec", "numpy"}
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -3,10 +3,12 @@
 Each p2pactor peer tells us, over its session, the keys its engine's CPU tier
 holds: sequenced deltas of 64-bit fingerprints (:func:`fingerprint`), and
 snapshots (in parts) on session ready, on a gap and now and then.
-:class:`SourceIndex` folds them into one inverted index, fingerprint -> the
-peers that claim it, keeps per peer its epoch, its sequence and how often its
-claims held when probed, and chooses, for a request's keys in order, the peer
-worth one lookup.
+:class:`SourceIndex` keeps each peer's claims exactly, packed
+(:class:`~p2pactor.core.claimset.ClaimSet`), and all of them in one Bloom
+filter with a column per peer (:class:`~p2pactor.core.claimfilter.ClaimFilter`)
+that finds a request's candidate peers at once; keeps per peer its epoch, its
+sequence and how often its claims held when probed; and chooses, for a
+request's keys in order, the peer worth one lookup.
 
 Sans-IO like :mod:`p2pactor.core.stores`: no I/O, no clock (``now`` is an
 argument), and every method returns what the runtime must do, as data (a
@@ -18,14 +20,22 @@ for automatic choice (it stays usable as a source a request names).
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable, Sequence
-
-import msgspec
+from collections import deque
+from collections.abc import Sequence
 
 from p2pactor.core.choice import Choice, ChoicePolicy, Claim
+from p2pactor.core.claimfilter import ClaimFilter
+from p2pactor.core.fparrays import Fingerprints, as_fps
+from p2pactor.core.peer_claims import Incoming, PeerClaims, Resync
 
-__all__ = ["BYTES_PER_CLAIM", "Resync", "SourceIndex", "fingerprint"]
+__all__ = [
+    "BYTES_PER_CLAIM",
+    "INLINE_FPS",
+    "SLICE_FPS",
+    "Resync",
+    "SourceIndex",
+    "fingerprint",
+]
 
 _MASK64 = (1 << 64) - 1
 _GROUP_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads group indexes over all bits
@@ -45,80 +55,40 @@ def fingerprint(key: bytes) -> int:
     return low ^ ((group * _GROUP_MIX) & _MASK64)
 
 
-class Resync(msgspec.Struct, frozen=True, gc=False):
-    """Ask ``peer`` for a snapshot: its summary has a gap (or we have none)."""
-
-    peer: str
-    epoch: bytes
-    from_seq: int
-
-
-MAX_BUFFERED_DELTAS = 256
-"""Deltas kept while a snapshot is assembled; past that the snapshot is given up."""
-BYTES_PER_CLAIM = 512
-"""What one claim a peer may make costs this node, at most: the claim (280 to
-310 bytes measured with ``tracemalloc`` for a fingerprint only that peer
-claims: the index's dict entry, its set and the peer's set), its place in a
-snapshot being assembled (about 110) and in the deltas buffered meanwhile
-(up to two fingerprints a claim, about 80). A node's budget for a peer
-divided by this is how many claims it keeps."""
-BUFFERED_SLACK = 64
-"""Fingerprints buffered during a snapshot past twice the peer's capacity: none."""
-RESYNC_AFTER_DELTAS = 64
-"""Deltas a gap may last before its resync is asked again (the first may be lost)."""
+BYTES_PER_CLAIM = 48
+"""What one claim a peer may make costs this node, at most. Measured with
+``tracemalloc`` (``docs/sources.md``): the claim itself, 9 bytes packed and
+up to 5 more in the set of recent changes; its share of the filter's column,
+3 to 11 bytes; its place in a snapshot being assembled (8), the merge of
+that snapshot's parts (8) and its column (3); and the deltas buffered
+meanwhile (2 on average: a quarter of a fingerprint a claim). A node's
+budget for a peer (less what its queued messages may hold) divided by this
+is how many claims it keeps."""
+SLICE_FPS = 8192
+"""Fingerprints of summary work one :meth:`SourceIndex.work` call does (a few ms)."""
+INLINE_FPS = 2048
+"""Fingerprints of a message applied as it arrives, when nothing of its peer waits."""
 MAX_QUARANTINE_DOUBLINGS = 32
 """Quarantines counted for the back-off (it reached its cap long before)."""
-
-
-class _Assembly:
-    """A snapshot being put together from its parts."""
-
-    __slots__ = ("buffered", "buffered_fps", "cut", "fps", "parts", "seen", "upto")
-
-    def __init__(self, upto: int, parts: int) -> None:
-        self.upto = upto
-        self.parts = parts
-        self.seen: set[int] = set()
-        self.fps: set[int] = set()
-        # Deltas after ``upto`` that came meanwhile: applied once it is whole.
-        self.buffered: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
-        self.buffered_fps = 0  # fingerprints in ``buffered``
-        self.cut = False  # it claimed more than it may: cut back to its capacity
 
 
 class _Peer:
     """One peer's summary and record (mutable: the index owns it alone)."""
 
     __slots__ = (
-        "assembly",
-        "capacity",
-        "claims",
-        "epoch",
         "failed_fetches",
-        "gap_deltas",
         "in_flight",
         "precision",
         "probed",
         "quarantined_until",
         "quarantines",
-        "resync_asked",
-        "seq",
-        "strikes",
-        "synced",
+        "summary",
     )
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.epoch = b""
-        self.seq = 0
-        self.synced = False  # a whole snapshot arrived for this epoch
-        self.resync_asked = False  # a Resync is out and no snapshot came since
-        self.gap_deltas = 0  # deltas the gap has lasted since the resync was asked
-        self.claims: set[int] = set()
-        self.assembly: _Assembly | None = None
+    def __init__(self, summary: PeerClaims) -> None:
+        self.summary = summary
         self.precision = 1.0
         self.probed = 0
-        self.strikes = 0
         self.in_flight = 0
         self.failed_fetches = 0  # in a row
         self.quarantines = 0
@@ -126,20 +96,35 @@ class _Peer:
 
 
 class SourceIndex:
-    """Every peer's claims, as one index, and the choice of a source per request.
+    """Every peer's claims, and the choice of a source per request.
 
-    What a peer sends costs work in proportion to the message, and memory
-    within the blocks it registered (a snapshot that never completes is given
-    up); a peer that claims more than it may is truncated and struck.
+    What a peer sends costs work in proportion to the message, done a slice
+    at a time (:meth:`work`), and memory within the claims it may make and
+    the bytes its queued messages may hold (a snapshot that never completes
+    is given up); a peer that claims more than it may is truncated and
+    struck. Fingerprints come packed (a summary's field, as the wire carries
+    it) or as ints.
 
     Args:
         policy: How claims are trusted and when a lookup is worth it.
+        max_queued_bytes: What one peer's messages not applied yet may hold.
+        inline_fps: Work a message may take as it arrives (none of its peer's waits).
     """
 
-    def __init__(self, policy: ChoicePolicy | None = None) -> None:
+    def __init__(
+        self,
+        policy: ChoicePolicy | None = None,
+        *,
+        max_queued_bytes: int = 4 << 20,
+        inline_fps: int = INLINE_FPS,
+    ) -> None:
         self.policy = policy or ChoicePolicy()
+        self.max_queued_bytes = max_queued_bytes
+        self.inline_fps = inline_fps
         self._peers: dict[str, _Peer] = {}
-        self._holders: dict[int, set[str]] = {}
+        self._filter = ClaimFilter()
+        self._columns: dict[int, str] = {}  # the filter's column -> its peer
+        self._busy: deque[str] = deque()  # peers with work queued, in turn
         # The quarantined peers, replaced whole (read by engine threads): a
         # key only they claim is unclaimed, a MISS with no wait.
         self._excluded: frozenset[str] = frozenset()
@@ -152,30 +137,54 @@ class SourceIndex:
         return tuple(self._peers)
 
     def __len__(self) -> int:
-        """Distinct fingerprints claimed by any peer."""
-        return len(self._holders)
+        """Claims held: (peer, fingerprint) pairs, a fingerprint two peers claim twice."""
+        return sum(len(p.summary.claims) for p in list(self._peers.values()))
+
+    @property
+    def nbytes(self) -> int:
+        """What the index holds in memory: claims, filter, snapshots and messages waiting."""
+        peers = list(self._peers.values())
+        return self._filter.nbytes + sum(p.summary.nbytes for p in peers)
+
+    @property
+    def column_bytes(self) -> int:
+        """What one peer's column of the filter holds (and a snapshot being assembled's)."""
+        return 8 * self._filter.words
+
+    def peer_bytes(self, peer: str) -> int:
+        """What ``peer``'s summary makes this node hold (its share of the filter aside)."""
+        found = self._peers.get(peer)
+        return found.summary.nbytes if found is not None else 0
 
     def claimed_by(self, fp: int) -> frozenset[str]:
         """The peers that claim ``fp``."""
-        return frozenset(self._holders.get(fp, ()))
+        return frozenset(self._holders(fp, frozenset(), first=False))
 
     def claimed(self, fp: int) -> bool:
         """Whether any peer not quarantined claims ``fp``. Safe from another thread.
 
-        One dict lookup while no peer is quarantined. Otherwise the holders
-        are compared with the quarantined; a set the node's thread changes
-        meanwhile counts as claimed (the node's choice then decides).
+        The filter names the peers that may; each is checked until one does.
+        A structure the node's thread changes meanwhile counts as claimed
+        (the node's choice then decides).
         """
-        holders = self._holders.get(fp)
-        if not holders:
-            return False
-        excluded = self._excluded
-        if not excluded:
-            return True
         try:
-            return not holders <= excluded
-        except RuntimeError:  # changed size under us
+            return bool(self._holders(fp, self._excluded, first=True))
+        except (RuntimeError, IndexError, KeyError):  # changed under us
             return True
+
+    def _holders(self, fp: int, excluded: frozenset[str], *, first: bool) -> list[str]:
+        found = []
+        peers, columns = self._peers, self._columns
+        for column in self._filter.holders(fp):
+            peer = columns.get(column)
+            if peer is None or peer in excluded:
+                continue
+            record = peers.get(peer)
+            if record is not None and fp in record.summary.claims:
+                found.append(peer)
+                if first:
+                    break
+        return found
 
     def next_release(self) -> float | None:
         """When the first quarantine ends (None: no peer is quarantined)."""
@@ -194,12 +203,15 @@ class SourceIndex:
     def claims_of(self, peer: str) -> int:
         """How many fingerprints ``peer`` claims."""
         found = self._peers.get(peer)
-        return len(found.claims) if found is not None else 0
+        return len(found.summary.claims) if found is not None else 0
 
     def position(self, peer: str) -> tuple[bytes, int, bool] | None:
         """``peer``'s epoch, last sequence and whether a whole snapshot arrived."""
         found = self._peers.get(peer)
-        return None if found is None else (found.epoch, found.seq, found.synced)
+        if found is None:
+            return None
+        summary = found.summary
+        return (summary.epoch, summary.seq, summary.synced)
 
     def precision(self, peer: str) -> float:
         """How often ``peer``'s probed claims held (a moving average; 1.0 before any)."""
@@ -207,9 +219,14 @@ class SourceIndex:
         return found.precision if found is not None else 1.0
 
     def strikes(self, peer: str) -> int:
-        """Messages of ``peer`` that claimed more than it may (truncated or refused)."""
+        """Messages of ``peer`` that claimed more than it may, or came as a flood."""
         found = self._peers.get(peer)
-        return found.strikes if found is not None else 0
+        return found.summary.strikes if found is not None else 0
+
+    def floods(self, peer: str) -> int:
+        """Times ``peer``'s messages came faster than they were applied, and were dropped."""
+        found = self._peers.get(peer)
+        return found.summary.floods if found is not None else 0
 
     def quarantined(self, peer: str, now: float) -> bool:
         """Whether automatic choice skips ``peer`` at ``now``."""
@@ -228,63 +245,40 @@ class SourceIndex:
         """
         found = self._peers.get(peer)
         if found is None:
-            found = self._peers[peer] = _Peer(capacity)
+            column = self._filter.open()
+            summary = PeerClaims(peer, capacity, self._filter, column, self.max_queued_bytes)
+            found = self._peers[peer] = _Peer(summary)
+            self._columns[column] = peer
         else:
-            found.capacity = capacity
+            found.summary.cut(capacity)
             found.in_flight = 0
-            if len(found.claims) > capacity:
-                self._cut(peer, found, found.claims)
-        found.resync_asked, found.gap_deltas = True, 0
-        return Resync(peer, found.epoch, found.seq + 1 if found.synced else 0)
+        summary = found.summary
+        summary.resync_asked, summary.gap_deltas = True, 0
+        return Resync(peer, summary.epoch, summary.seq + 1 if summary.synced else 0)
 
     def remove_peer(self, peer: str) -> None:
         """``peer`` is gone (its session ended): forget its claims."""
         found = self._peers.pop(peer, None)
         if found is not None:
-            self._drop_claims(peer, found.claims)
+            del self._columns[found.summary.column]
+            self._filter.close(found.summary.column)
             self._excluded = self._excluded - {peer}
 
     # --- summaries --------------------------------------------------------------------
 
     def delta(
-        self, peer: str, epoch: bytes, seq: int, add: Sequence[int], remove: Sequence[int]
+        self, peer: str, epoch: bytes, seq: int, add: Fingerprints, remove: Fingerprints
     ) -> Resync | None:
-        """Apply ``peer``'s delta number ``seq``; a Resync to send if it shows a gap."""
+        """``peer``'s delta number ``seq``: applied in turn; a Resync to send if it asks one.
+
+        Applied at once if it is small and nothing of the peer's waits;
+        otherwise by :meth:`work`.
+        """
         found = self._peers.get(peer)
         if found is None:
             return None  # no session: nothing to keep it for
-        if epoch != found.epoch:
-            # A restarted peer: its old summary goes whole, its new one starts
-            # with a snapshot (asked once, however often the epoch flips).
-            asked = found.resync_asked
-            self._new_epoch(peer, found, epoch)
-            found.resync_asked = True
-            return None if asked else Resync(peer, epoch, 0)
-        assembly = found.assembly
-        if assembly is not None and seq > assembly.upto:
-            size = assembly.buffered_fps + len(add) + len(remove)
-            most = 2 * found.capacity + BUFFERED_SLACK
-            if len(assembly.buffered) >= MAX_BUFFERED_DELTAS or size > most:
-                # It is not coming whole, or the deltas meanwhile weigh more than
-                # twice the claims the peer may make: give it up, ask again below.
-                found.strikes += size > most
-                found.assembly = None
-                found.resync_asked = False
-            else:
-                assembly.buffered.append((seq, tuple(add), tuple(remove)))
-                assembly.buffered_fps = size
-        if seq <= found.seq:
-            return None  # already folded in (a snapshot covered it)
-        if seq == found.seq + 1 and found.synced:
-            found.seq = seq
-            self._apply(peer, found, add, remove)
-            return None
-        # A gap (or no snapshot yet): ask once, and again if it lasts.
-        found.gap_deltas += 1
-        if found.resync_asked and found.gap_deltas < RESYNC_AFTER_DELTAS:
-            return None
-        found.resync_asked, found.gap_deltas = True, 0
-        return Resync(peer, epoch, found.seq + 1 if found.synced else 0)
+        summary = found.summary
+        return self._received(summary, summary.delta(epoch, seq, add, remove))
 
     def snapshot(
         self,
@@ -294,105 +288,139 @@ class SourceIndex:
         *,
         part: int,
         parts: int,
-        fps: Sequence[int],
+        fps: Fingerprints,
     ) -> Resync | None:
-        """Apply part ``part`` of ``parts`` of ``peer``'s snapshot as of ``upto_seq``.
+        """Part ``part`` of ``parts`` of ``peer``'s snapshot as of ``upto_seq``, applied in turn.
 
-        The claims change only when the last missing part arrives: they become
+        The claims change only once the last missing part is in: they become
         the snapshot's keys, then every delta after ``upto_seq`` that came
         meanwhile, in order. A part older than what is held or assembled is
         dropped; a newer snapshot replaces the one being assembled. Returns a
-        Resync if the deltas after it have a gap.
+        Resync if applying it showed a gap (or it came as a flood).
         """
         found = self._peers.get(peer)
-        if found is None or not 0 <= part < parts:
+        if found is None:
             return None
-        if parts > found.capacity + 1:
-            found.strikes += 1  # more parts than keys it may claim: never whole
-            return None
-        if epoch != found.epoch:
-            self._new_epoch(peer, found, epoch)
-        assembly = found.assembly
-        if assembly is not None and upto_seq < assembly.upto:
-            return None  # an older snapshot's part: the newer one is being assembled
-        if assembly is None or upto_seq > assembly.upto or parts != assembly.parts:
-            if found.synced and upto_seq < found.seq:
-                return None  # a new snapshot older than what deltas already brought
-            kept = [] if assembly is None else [b for b in assembly.buffered if b[0] > upto_seq]
-            assembly = found.assembly = _Assembly(upto_seq, parts)
-            assembly.buffered = kept
-            assembly.buffered_fps = sum(len(add) + len(remove) for _, add, remove in kept)
-        if part in assembly.seen:
-            return None
-        assembly.seen.add(part)
-        held = assembly.fps
-        room = found.capacity - len(held)
-        if len(fps) <= room:
-            held.update(fps)
-        else:
-            # More than it may claim (what it registered, or this node's budget
-            # for it): keep what fits, strike it once a snapshot. Never more
-            # than that enters the set: a set does not shrink.
-            held.update(itertools.islice((fp for fp in fps if fp not in held), max(0, room)))
-            found.strikes += not assembly.cut
-            assembly.cut = True
-        if len(assembly.seen) < parts:
-            return None
-        found.assembly = None
-        keys = assembly.fps
-        self._drop_claims(peer, found.claims - keys)
-        self._add_claims(peer, keys - found.claims)
-        found.claims = keys
-        found.seq, found.synced = upto_seq, True
-        found.resync_asked, found.gap_deltas = False, 0
-        for seq, add, remove in sorted(assembly.buffered):
-            if seq == found.seq + 1:
-                found.seq = seq
-                self._apply(peer, found, add, remove)
-        if any(seq > found.seq for seq, _, _ in assembly.buffered):
-            found.resync_asked = True  # a delta after it was lost
-            return Resync(peer, epoch, found.seq + 1)
-        return None
+        summary = found.summary
+        return self._received(summary, summary.part(epoch, upto_seq, part, parts, fps))
 
-    def missed(self, peer: str, fps: Iterable[int]) -> None:
+    def _received(self, summary: PeerClaims, message: Incoming) -> Resync | None:
+        first = not summary.pending
+        resync = summary.receive(message)
+        if first:
+            resync = self._run(summary, self.inline_fps) or resync
+        if summary.pending and summary.peer not in self._busy:
+            self._busy.append(summary.peer)
+        return resync
+
+    @property
+    def pending(self) -> bool:
+        """Whether summary messages wait for :meth:`work`."""
+        return bool(self._busy)
+
+    def work(self, most: int = SLICE_FPS) -> list[Resync]:
+        """Apply about ``most`` fingerprints of the next waiting peer's messages.
+
+        Peers take turns, a call each: one that sends a lot never holds up
+        the others. Returns the resyncs to send.
+        """
+        busy = self._busy
+        while busy:
+            peer = busy.popleft()
+            found = self._peers.get(peer)
+            if found is None or not found.summary.pending:
+                continue
+            resync = self._run(found.summary, most)
+            if found.summary.pending:
+                busy.append(peer)
+            return [] if resync is None else [resync]
+        return []
+
+    def _run(self, summary: PeerClaims, most: int) -> Resync | None:
+        """Up to ``most`` of ``summary``'s waiting work; the last resync it asked."""
+        resync = None
+        used = 0
+        while used < most and summary.pending:
+            done, asked = summary.step(most - used)
+            used += done
+            resync = asked or resync
+        return resync
+
+    def missed(self, peer: str, fps: Fingerprints) -> None:
         """``peer`` answered MISS for keys it claimed: it no longer holds them."""
         found = self._peers.get(peer)
         if found is not None:
-            gone = found.claims.intersection(fps)
-            found.claims -= gone
-            self._drop_claims(peer, gone)
+            found.summary.missed(fps)
 
     # --- choosing a source ------------------------------------------------------------
 
-    def choose(self, fps: Sequence[int], now: float) -> Choice:
-        """The peer to look up for a request whose keys are ``fps``, in order."""
+    def choose(self, fps: Sequence[int], now: float, *, most: int | None = None) -> Choice:
+        """The peer to look up for a request whose keys are ``fps``, in order.
+
+        The filter gives every peer's run at once, each as long as its claims
+        make it or longer (a "maybe" past the run's end); the best is checked
+        against its exact claims, and cut down, until the best is one
+        checked: the choice is exact, the other claims are as the filter
+        reads them. ``most``: how many claims the choice records (the best;
+        all by default).
+        """
         if not fps:
             return Choice(None, 0, (), "no keys")
         self.release(now)
-        first = self._holders.get(fps[0])
-        if not first:
-            return Choice(None, 0, (), "no peer claims the first key")
+        wanted = as_fps(fps)
+        columns, runs = self._filter.runs(wanted)
         policy = self.policy
-        claims = []
-        for peer in first:
-            found = self._peers[peer]
-            if now < found.quarantined_until or found.in_flight >= policy.max_probes_per_peer:
+        names, peers = self._columns, self._peers
+        most_probes = policy.max_probes_per_peer
+        per_key = policy.tokens_per_key * policy.prefill_s_per_token
+        cost, load = policy.round_trip_s, policy.load_s
+        scored: list[tuple[float, int, str, int]] = []  # (-score, -run, peer, run): best first
+        skipped = False
+        for column, run in zip(columns.tolist(), runs.tolist(), strict=True):
+            peer = names.get(column)
+            if peer is None:
                 continue
-            run = 1
-            while run < len(fps) and peer in self._holders.get(fps[run], ()):
-                run += 1
-            saved = run * policy.tokens_per_key * policy.prefill_s_per_token
-            score = saved * found.precision - policy.round_trip_s - policy.load_s * found.in_flight
-            claims.append(Claim(peer, run, found.precision, score))
-        if not claims:
-            return Choice(None, 0, (), "every peer claiming the first key is quarantined or busy")
-        claims.sort(key=lambda c: (-c.score, -c.run, c.peer))
-        best = claims[0]
-        if best.score <= 0:
-            return Choice(None, 0, tuple(claims), "no claimed run is worth a round trip")
-        keys = min(len(fps), best.run + policy.tail_keys)
-        reason = f"longest worthwhile run: {best.run} of {len(fps)} keys"
-        return Choice(best.peer, keys, tuple(claims), reason)
+            found = peers[peer]
+            if now < found.quarantined_until or found.in_flight >= most_probes:
+                skipped = True
+                continue
+            # As _score, inline: this loop runs for every peer claiming the first key.
+            score = run * per_key * found.precision - cost - load * found.in_flight
+            scored.append((-score, -run, peer, run))
+        checked: set[str] = set()
+        while scored:
+            best = min(scored)
+            peer = best[2]
+            if peer in checked:
+                break
+            checked.add(peer)
+            found = peers[peer]
+            held = found.summary.claims.mask(wanted[: best[3]])
+            run = best[3] if held.all() else int(held.argmin())
+            if run < best[3]:
+                scored.remove(best)
+                if run:
+                    scored.append((-self._score(found, run), -run, peer, run))
+        if not scored:
+            if skipped:
+                reason = "every peer claiming the first key is quarantined or busy"
+                return Choice(None, 0, (), reason)
+            return Choice(None, 0, (), "no peer claims the first key")
+        scored.sort()
+        claims = tuple(
+            Claim(peer, run, peers[peer].precision, -score) for score, _, peer, run in scored[:most]
+        )
+        best_claim = claims[0]
+        if best_claim.score <= 0:
+            return Choice(None, 0, claims, "no claimed run is worth a round trip")
+        keys = min(len(fps), best_claim.run + policy.tail_keys)
+        reason = f"longest worthwhile run: {best_claim.run} of {len(fps)} keys"
+        return Choice(best_claim.peer, keys, claims, reason)
+
+    def _score(self, found: _Peer, run: int) -> float:
+        policy = self.policy
+        saved = run * policy.tokens_per_key * policy.prefill_s_per_token
+        return saved * found.precision - policy.round_trip_s - policy.load_s * found.in_flight
 
     def probe_started(self, peer: str) -> None:
         """An automatic lookup to ``peer`` was sent."""
@@ -458,53 +486,3 @@ class SourceIndex:
         self._excluded = self._excluded | {peer}
         # After the quarantine it starts over, with the back-off remembered.
         found.precision, found.probed, found.failed_fetches = 1.0, 0, 0
-
-    # --- the index itself -------------------------------------------------------------
-
-    def _new_epoch(self, peer: str, found: _Peer, epoch: bytes) -> None:
-        # A resync asked stays asked: it is answered with the peer's epoch of
-        # the moment, whichever that is, and one that flips its epoch on every
-        # message would otherwise have each of them ask another.
-        self._drop_claims(peer, found.claims)
-        found.claims = set()
-        found.epoch, found.seq, found.synced = epoch, 0, False
-        found.assembly, found.gap_deltas = None, 0
-
-    def _apply(self, peer: str, found: _Peer, add: Iterable[int], remove: Iterable[int]) -> None:
-        gone = found.claims.intersection(remove)
-        found.claims -= gone
-        self._drop_claims(peer, gone)
-        new = set(add) - found.claims
-        room = found.capacity - len(found.claims)
-        if len(new) > room:
-            # More than it registered blocks for: keep what fits (work in
-            # proportion to the message, never to the whole summary).
-            found.strikes += 1
-            new = set(itertools.islice(new, max(0, room)))
-        found.claims |= new
-        self._add_claims(peer, new)
-
-    def _cut(self, peer: str, found: _Peer, claims: set[int]) -> None:
-        """Keep ``capacity`` of a peer's claims (its capacity went down)."""
-        kept = set(itertools.islice(claims, found.capacity))
-        self._drop_claims(peer, claims - kept)
-        found.claims = kept
-        found.strikes += 1
-
-    def _add_claims(self, peer: str, fps: Iterable[int]) -> None:
-        holders = self._holders
-        for fp in fps:
-            found = holders.get(fp)
-            if found is None:
-                holders[fp] = {peer}
-            else:
-                found.add(peer)
-
-    def _drop_claims(self, peer: str, fps: Iterable[int]) -> None:
-        holders = self._holders
-        for fp in fps:
-            found = holders.get(fp)
-            if found is not None:
-                found.discard(peer)
-                if not found:
-                    del holders[fp]

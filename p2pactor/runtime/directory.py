@@ -10,7 +10,10 @@ node's thread. It keeps the core's two halves and does their I/O:
   timer; a peer whose session becomes ready, or that asks, gets a snapshot,
   one part per ``part_interval_s`` so its lookups never wait behind it.
 - :class:`~p2pactor.core.sources.SourceIndex`, what the peers claim, fed by
-  their deltas and snapshots. :meth:`SourceDirectory.choose` picks the peer
+  their deltas and snapshots: a small message is applied as it arrives, a
+  large one (and any behind it) by :meth:`SourceDirectory.run`, a slice of
+  a few milliseconds at a time with the node's other tasks between, so no
+  peer's summary holds up anyone's lookups. :meth:`SourceDirectory.choose` picks the peer
   worth a lookup for a request that names none; the lookups it starts are
   followed (:meth:`SourceDirectory.stepped`) so each peer's precision is
   measured, and a key it claimed and missed is dropped from its claims.
@@ -28,6 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import attrs
 import msgspec
+import trio
 
 from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
@@ -35,7 +39,7 @@ from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.holdings import Holdings, SummaryDelta
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import SourceIndex, fingerprint
+from p2pactor.core.sources import Resync, SourceIndex, fingerprint
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.auto_probe import AutoProbe
 from p2pactor.runtime.source_options import SourceOptions
@@ -85,6 +89,8 @@ class DirectoryCounts:
     """Summary bytes sent (fingerprints, 8 per key), to all peers."""
     bytes_received: int = 0
     resyncs_sent: int = 0
+    summary_floods: int = 0
+    """Times a peer's summary messages came faster than they were applied, and were dropped."""
 
 
 class SourceDirectory:
@@ -107,13 +113,16 @@ class SourceDirectory:
     ) -> None:
         self.options = options
         self.holdings = Holdings(capacity, epoch=os.urandom(_EPOCH_BYTES), options=options.summary)
-        self.index = SourceIndex(options.choice)
+        self.index = SourceIndex(options.choice, max_queued_bytes=options.max_queued_bytes_per_peer)
         self.counts = DirectoryCounts()
         self.auto: dict[RequestActor, AutoProbe] = {}
         self._timers = timers
         self._clock = clock
         self._peers: dict[str, SummaryPeer] = {}
         self._cut_back: set[str] = set()  # peers told (in the log) they are kept to the budget
+        self._flooded: set[str] = set()  # peers told (in the log) their summaries came too fast
+        self._floods: dict[str, int] = {}  # each peer's floods counted so far
+        self._work_wanted = trio.Event()  # set when summary messages wait for :meth:`run`
         self.parts = SnapshotParts(
             self.holdings, options, self._peers, self._broadcast, self._part_sent
         )
@@ -269,39 +278,71 @@ class SourceDirectory:
             self.parts.forget(peer)
         if current is None:
             self.index.remove_peer(peer)
+            self._floods.pop(peer, None)  # its count starts over with its next session
 
     def received(self, session: SummaryPeer, msg: wire.SummaryMessage) -> None:
-        """Apply one of ``session``'s summary messages."""
+        """Take one of ``session``'s summary messages: applied now if small, else by :meth:`run`."""
         peer = session.peer_id
         if self._peers.get(peer) is not session:
             return  # an ended session's last frames
+        index = self.index
         resync = None
         match msg:
             case wire.KvsumDelta():
                 self.counts.bytes_received += len(msg.add) + len(msg.remove)
-                resync = self.index.delta(
-                    peer,
-                    msg.epoch,
-                    msg.seq,
-                    wire.fingerprints(msg.add),
-                    wire.fingerprints(msg.remove),
-                )
+                resync = index.delta(peer, msg.epoch, msg.seq, msg.add, msg.remove)
             case wire.KvsumSnapshot():
                 self.counts.bytes_received += len(msg.fps)
-                resync = self.index.snapshot(
-                    peer,
-                    msg.epoch,
-                    msg.upto_seq,
-                    part=msg.part,
-                    parts=msg.parts,
-                    fps=wire.fingerprints(msg.fps),
+                resync = index.snapshot(
+                    peer, msg.epoch, msg.upto_seq, part=msg.part, parts=msg.parts, fps=msg.fps
                 )
             case wire.KvsumResync():
                 self.parts.asked(peer, self._clock())
                 self._arm()
         if resync is not None:
+            self._resync(resync)
+        floods = index.floods(peer)
+        if floods != self._floods.get(peer, 0):
+            self._flood(peer, floods)
+        if index.pending:
+            self._work_wanted.set()
+
+    async def run(self) -> None:
+        """Apply the summary messages that wait, a slice at a time (the node runs this task).
+
+        Between two slices the node's other tasks run: a peer that sends a
+        snapshot of a million keys, or deltas as fast as it can, costs
+        everyone else at most a slice's wait, and peers take turns.
+        """
+        index = self.index
+        while True:
+            await self._work_wanted.wait()
+            self._work_wanted = trio.Event()
+            while index.pending:
+                for resync in index.work():
+                    self._resync(resync)
+                await trio.lowlevel.checkpoint()
+
+    def _resync(self, resync: Resync) -> None:
+        """Ask ``resync.peer`` for a snapshot."""
+        session = self._peers.get(resync.peer)
+        if session is not None:
             self.counts.resyncs_sent += 1
             session.send(wire.KvsumResync(epoch=resync.epoch, from_seq=resync.from_seq))
+
+    def _flood(self, peer: str, floods: int) -> None:
+        """``peer``'s messages came faster than they were applied (again): count it, say once."""
+        self.counts.summary_floods += floods - self._floods.get(peer, 0)
+        self._floods[peer] = floods
+        if peer not in self._flooded:
+            self._flooded.add(peer)
+            log.warning(
+                "%s sends summary messages faster than this node applies them (more than %d "
+                "bytes waiting): they were dropped and its summary asked again "
+                "(SourceOptions.peer_budget_bytes bounds what may wait)",
+                peer,
+                self.options.max_queued_bytes_per_peer,
+            )
 
     # --- choosing a source --------------------------------------------------------------
 

@@ -394,6 +394,8 @@ async def open_node(
         nursery.start_soon(host.peers.accept, name="accept")
         nursery.start_soon(host.bridge.run, name="engine bridge")
         nursery.start_soon(host.timers.run, name="timers")
+        if host.directory.enabled:
+            nursery.start_soon(host.directory.run, name="summaries")
         nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
         for peer in sorted(config.seed_peers):
             host.dial(peer)  # summaries are here before the first request naming no source

@@ -48,12 +48,16 @@ class SourceOptions:
             while a snapshot to that peer is still being sent is answered by
             it: however often a peer asks, it costs one snapshot an interval.
         peer_budget_bytes: What one summary peer's messages may make this node
-            hold, whatever the peer registers or sends: its claims, the
-            snapshot being assembled and the deltas buffered meanwhile, at
+            hold, whatever the peer registers or sends: an eighth for its
+            messages waiting to be applied (:attr:`max_queued_bytes_per_peer`;
+            past it they are dropped as a flood and its summary asked
+            again), the rest for its claims, the snapshot being assembled
+            and the deltas buffered meanwhile, at
             :data:`~p2pactor.core.sources.BYTES_PER_CLAIM` each. A peer that
             registered more blocks than that buys is kept to
             :attr:`max_claims_per_peer` of them (logged once), and claims
-            past it are cut and struck. 64 MiB keeps 131,072 claims.
+            past it are cut and struck. 64 MiB keeps 1,223,338 claims and
+            8 MiB of waiting messages.
     """
 
     share: bool = attrs.field(default=True, validator=checks.instance_of(bool))
@@ -70,9 +74,14 @@ class SourceOptions:
     peer_budget_bytes: int = attrs.field(default=64 << 20, validator=checks.positive_int)
 
     @property
+    def max_queued_bytes_per_peer(self) -> int:
+        """What one peer's summary messages waiting to be applied may hold: an eighth of it all."""
+        return self.peer_budget_bytes // 8
+
+    @property
     def max_claims_per_peer(self) -> int:
-        """The most claims kept of one peer: :attr:`peer_budget_bytes` buys that many."""
-        return max(1, self.peer_budget_bytes // BYTES_PER_CLAIM)
+        """The most claims kept of one peer: what is left of :attr:`peer_budget_bytes` buys them."""
+        return max(1, (self.peer_budget_bytes - self.max_queued_bytes_per_peer) // BYTES_PER_CLAIM)
 
 
 DEFAULT_SOURCES: Final = SourceOptions()

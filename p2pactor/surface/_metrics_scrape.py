@@ -57,7 +57,8 @@ class _SourcePeer(NamedTuple):
 class _Sources(NamedTuple):
     enabled: bool
     counts: DirectoryCounts
-    index_fingerprints: int
+    index_claims: int
+    index_bytes: int
     advertised_keys: int
     peers: list[_SourcePeer]
 
@@ -83,6 +84,7 @@ def source_state(node: NodeView) -> _Sources:
         directory.enabled,
         directory.counts,
         len(index),
+        index.nbytes,
         # Not sharing, the node tells its peers nothing, whatever it may hold.
         len(directory.holdings) if directory.enabled else 0,
         peers,
@@ -324,10 +326,23 @@ def _source_families(sources: _Sources) -> Iterator[Metric]:
         "Snapshots this node asked of a peer whose summary had a gap or a new epoch.",
         value=counts.resyncs_sent,
     )
+    yield CounterMetricFamily(
+        "p2pactor_source_summary_floods",
+        "Times a peer's summary messages came faster than this node applied them: "
+        "what waited was dropped and its snapshot asked again.",
+        value=counts.summary_floods,
+    )
     yield GaugeMetricFamily(
-        "p2pactor_source_index_fingerprints",
-        "Distinct key fingerprints claimed by at least one peer (the source index's size).",
-        value=sources.index_fingerprints,
+        "p2pactor_source_index_claims",
+        "Claims the source index holds: (peer, key fingerprint) pairs, a key two peers "
+        "claim counting twice.",
+        value=sources.index_claims,
+    )
+    yield GaugeMetricFamily(
+        "p2pactor_source_index_bytes",
+        "Memory the source index holds: every peer's claims, the filter, snapshots being "
+        "assembled and summary messages waiting to be applied.",
+        value=sources.index_bytes,
     )
     peers = GaugeMetricFamily(
         "p2pactor_source_peers",

@@ -256,9 +256,11 @@ def _source_status(node: NodeView) -> dict[str, Any]:
             "resyncs_sent": counts.resyncs_sent,
             "bytes_sent": counts.bytes_sent,
             "bytes_received": counts.bytes_received,
+            "floods": counts.summary_floods,
         },
         "advertised_keys": sources.advertised_keys,
-        "index_fingerprints": sources.index_fingerprints,
+        "index_claims": sources.index_claims,
+        "index_bytes": sources.index_bytes,
         "peers": [
             {
                 "peer": p.peer,

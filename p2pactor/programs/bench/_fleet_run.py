@@ -265,26 +265,17 @@ def _drive(
 
 
 def _index_bytes(index: Any) -> int:
-    """What the index's own objects take (``sys.getsizeof``; the ints counted once).
+    """What the index holds in memory (``SourceIndex.nbytes``: claims, filter, assemblies).
 
     Read while its node thread may still apply a late delta: a read that
     meets a change is read again.
     """
     for _ in range(100):
         try:
-            return _index_bytes_once(index)
+            return int(index.nbytes)
         except RuntimeError:  # changed size under us
             time.sleep(0.001)
     raise RuntimeError("the source index kept changing while it was measured")
-
-
-def _index_bytes_once(index: Any) -> int:
-    holders = index._holders
-    total = sys.getsizeof(holders) + sum(sys.getsizeof(s) for s in holders.values())
-    total += sum(sys.getsizeof(fp) for fp in holders)
-    for peer in index._peers.values():
-        total += sys.getsizeof(peer.claims)
-    return total
 
 
 def _figures(

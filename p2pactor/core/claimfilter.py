@@ -1,0 +1,314 @@
+"""Which peers may claim a fingerprint, for all peers at once: a Bloom filter with a column each.
+
+The source index must find, for a request's first key, the peers that claim
+it, and for each of them how far its claimed run goes: over 128 keys and 127
+peers in well under 100 us. An inverted index of exact sets did that, at
+about 300 bytes a claim. :class:`ClaimFilter` is a register-blocked Bloom
+filter laid out as a table: a fingerprint names one row (a 64-bit word in
+each peer's column) and a pattern of up to 6 bits, and a peer may claim it
+when its word holds the whole pattern. A request's keys are one gather of
+their rows, so every peer's run comes out of a few array operations.
+
+A filter says "maybe": it never misses a fingerprint added to a column,
+and says yes to one never added with a small probability (measured in
+``docs/sources.md``; the index checks every "maybe" it acts on against the
+peer's exact :class:`~p2pactor.core.claimset.ClaimSet`). A filter cannot
+forget: a removed claim stays in its column until the column is rebuilt
+from the exact claims, in slices, once the stale ones outnumber the live
+ones. The table doubles its rows (each copied twice, which keeps every
+column a superset) when the columns hold more than three keys a word.
+
+Read from other threads while the node thread writes: every write leaves
+a column a superset of the peer's claims, and a grown table replaces the
+old one whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from p2pactor.core.fparrays import FpArray
+
+__all__ = ["ClaimFilter"]
+
+KEYS_PER_WORD = 3
+"""Keys a column's word holds on average before the table doubles its rows (16 to 32 bits a key)."""
+MIN_WORDS, MAX_WORDS = 1 << 10, 1 << 24
+MIN_COLUMNS = 2
+_FIRST_STAGE = 8  # keys every candidate's run is checked over before the rest
+STALE_SLACK = 4096
+"""Removed claims a column may keep past as many as it has live ones, before it is rebuilt."""
+
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection on 64 bits
+_MIX_INT = int(_MIX)
+_MASK64 = (1 << 64) - 1
+_ROW_SHIFT = np.uint64(40)  # rows from the top 24 bits, patterns from the low 36
+_FIELD = 4095
+# Each 12-bit field of a fingerprint's mixed bits sets two of a pattern's
+# 64 bits; three fields, up to six bits. A table look-up, not six shifts.
+_PAIRS_INT = [(1 << (x & 63)) | (1 << (x >> 6)) for x in range(_FIELD + 1)]
+_PAIRS: npt.NDArray[np.uint64] = np.array(_PAIRS_INT, dtype=np.uint64)
+_Rows = npt.NDArray[np.intp]
+
+
+_FIELDS = np.array([0, 12, 24], np.uint64)
+
+
+def _patterns(mixed: FpArray) -> FpArray:
+    low = np.right_shift(mixed, np.uint64(32))
+    low ^= mixed
+    fields = np.right_shift(low[:, None], _FIELDS)
+    fields &= np.uint64(_FIELD)
+    pairs = _PAIRS.take(fields.view(np.int64))
+    out = pairs[:, 0] | pairs[:, 1]
+    out |= pairs[:, 2]
+    return out
+
+
+class _Rebuild:
+    """A column being rebuilt from a peer's claims, a slice at a time."""
+
+    __slots__ = ("added", "at", "scratch", "todo")
+
+    def __init__(self, todo: FpArray, words: int) -> None:
+        self.todo = todo
+        self.at = 0
+        self.added = 0  # keys added to the column meanwhile (also put in ``scratch``)
+        self.scratch: FpArray = np.zeros(words, np.uint64)
+
+
+class ClaimFilter:
+    """One Bloom-filter column per peer, every column in one table."""
+
+    __slots__ = ("_built", "_free", "_load", "_rebuilds", "_table", "_total")
+
+    def __init__(self) -> None:
+        self._table: FpArray = np.zeros((MIN_WORDS, MIN_COLUMNS), np.uint64)
+        self._load = [0] * MIN_COLUMNS  # keys added to each column since it was (re)built
+        self._total = 0  # the sum of ``_load``
+        self._built = [MIN_WORDS] * MIN_COLUMNS  # the rows it was built at
+        self._free = list(range(MIN_COLUMNS - 1, -1, -1))
+        self._rebuilds: dict[int, _Rebuild] = {}
+
+    @property
+    def words(self) -> int:
+        """Rows of the table: words in each column."""
+        return int(self._table.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """What the filter holds in memory."""
+        scratch = sum(r.scratch.nbytes + r.todo.nbytes for r in self._rebuilds.values())
+        return int(self._table.nbytes) + scratch
+
+    # --- columns ----------------------------------------------------------------------
+
+    def open(self) -> int:
+        """A new, empty column."""
+        if not self._free:
+            self._widen()
+        column = self._free.pop()
+        self._set_load(column, 0)
+        self._built[column] = self.words
+        return column
+
+    def close(self, column: int) -> None:
+        """``column`` is no one's any more: empty it for the next."""
+        self.clear(column)
+        self._free.append(column)
+        self._shrink_if_due()
+
+    def clear(self, column: int) -> None:
+        """Empty ``column`` (its peer claims nothing now)."""
+        self._rebuilds.pop(column, None)
+        self._table[:, column] = 0
+        self._set_load(column, 0)
+        self._built[column] = self.words
+
+    def load(self, column: int) -> int:
+        """Keys added to ``column`` since it was last built (live and stale)."""
+        return self._load[column]
+
+    # --- writing ----------------------------------------------------------------------
+
+    def locate(self, fps: FpArray, words: int | None = None) -> tuple[_Rows, FpArray]:
+        """Each fingerprint's row and pattern, in a table of ``words`` rows (this one's)."""
+        mixed = np.multiply(fps, _MIX)
+        rows = np.right_shift(mixed, _ROW_SHIFT).view(np.intp)  # < 2**24: a view is exact
+        rows &= (words or self.words) - 1
+        return rows, _patterns(mixed)
+
+    def add(self, column: int, fps: FpArray) -> None:
+        """``column``'s peer claims ``fps`` now."""
+        if not len(fps):
+            return
+        self._set_load(column, self._load[column] + len(fps))  # grows the table first
+        table = self._table
+        rows, patterns = self.locate(fps)
+        rows *= table.shape[1]
+        rows += column
+        np.bitwise_or.at(table.reshape(-1), rows, patterns)
+        rebuild = self._rebuilds.get(column)
+        if rebuild is not None:
+            self.fill(rebuild.scratch, fps)  # at its own size: the table may have grown since
+            rebuild.added += len(fps)
+
+    def scratch(self) -> FpArray:
+        """An empty column to fill apart (a snapshot being assembled), then :meth:`install`."""
+        return np.zeros(self.words, np.uint64)
+
+    def fill(self, scratch: FpArray, fps: FpArray) -> None:
+        """Put ``fps`` in a column made by :meth:`scratch`."""
+        if len(fps):
+            rows, patterns = self.locate(fps, len(scratch))
+            np.bitwise_or.at(scratch, rows, patterns)
+
+    def install(self, column: int, scratch: FpArray, load: int) -> None:
+        """``column`` becomes ``scratch``, filled with ``load`` keys.
+
+        A scratch made at another size (the table grew or shrank while it was
+        filled) is fitted to the table's, and its column is then due for a
+        rebuild at the table's own size.
+        """
+        self._rebuilds.pop(column, None)
+        self._set_load(column, load)
+        self._table[:, column] = self._fit(scratch)
+        self._built[column] = min(len(scratch), self.words)
+
+    def due(self, column: int, live: int) -> bool:
+        """Whether ``column`` should be rebuilt: stale claims or a table grown since."""
+        if column in self._rebuilds:
+            return True
+        return self._load[column] > 2 * live + STALE_SLACK or self._built[column] < self.words
+
+    def rebuild(self, column: int, claims: Callable[[], FpArray], most: int) -> None:
+        """Rebuild ``column`` from its peer's claims, ``most`` keys a call.
+
+        The first call takes ``claims()``; later ones go on with them (adds
+        meanwhile go to both the column and its rebuild), until the rebuilt
+        column replaces the old one.
+        """
+        rebuild = self._rebuilds.get(column)
+        if rebuild is None:
+            rebuild = self._rebuilds[column] = _Rebuild(claims(), self.words)
+        part = rebuild.todo[rebuild.at : rebuild.at + max(1, most)]
+        self.fill(rebuild.scratch, part)
+        rebuild.at += len(part)
+        if rebuild.at >= len(rebuild.todo):
+            del self._rebuilds[column]
+            self._table[:, column] = self._fit(rebuild.scratch)
+            self._set_load(column, len(rebuild.todo) + rebuild.added)
+            self._built[column] = min(len(rebuild.scratch), self.words)
+
+    # --- reading ----------------------------------------------------------------------
+
+    def holders(self, fp: int) -> list[int]:
+        """The columns that may claim ``fp``. Safe from another thread."""
+        table = self._table
+        mixed = (fp * _MIX_INT) & _MASK64
+        low = mixed ^ (mixed >> 32)
+        pattern = (
+            _PAIRS_INT[low & _FIELD]
+            | _PAIRS_INT[(low >> 12) & _FIELD]
+            | _PAIRS_INT[(low >> 24) & _FIELD]
+        )
+        row = table[(mixed >> 40) & (table.shape[0] - 1)]
+        want = np.uint64(pattern)
+        found: list[int] = np.flatnonzero((row & want) == want).tolist()
+        return found
+
+    def runs(self, fps: FpArray) -> tuple[_Rows, _Rows]:
+        """The columns that may claim ``fps[0]``, and how many of ``fps`` in a row each may."""
+        table = self._table
+        rows, patterns = self.locate(fps, int(table.shape[0]))
+        first = patterns[0]
+        columns = np.flatnonzero((table[rows[0]] & first) == first)
+        if not len(columns) or len(fps) == 1:
+            return columns, np.ones(len(columns), np.intp)
+        # Most runs end within a few keys (a shared prefix, then each its own):
+        # the first few keys for every column, the rest for those still going.
+        runs = np.full(len(columns), len(fps), np.intp)
+        going = np.arange(len(columns))
+        flat, width = table.reshape(-1), table.shape[1]
+        start = 1
+        for stop in (min(len(fps), _FIRST_STAGE + 1), len(fps)):
+            if start >= stop or not len(going):
+                break
+            at = rows[start:stop, None] * width + columns[going][None, :]
+            want = patterns[start:stop, None]
+            missing = (flat[at] & want) != want
+            ended = missing.any(axis=0)
+            runs[going[ended]] = start + missing[:, ended].argmax(axis=0)
+            going = going[~ended]
+            start = stop
+        return columns, runs
+
+    # --- growing ----------------------------------------------------------------------
+
+    def _set_load(self, column: int, load: int) -> None:
+        self._total += load - self._load[column]
+        self._load[column] = load
+        self._grow_if_due()
+
+    def _grow_if_due(self) -> None:
+        used = max(1, len(self._load) - len(self._free))
+        words = self.words
+        while words < MAX_WORDS and self._total > KEYS_PER_WORD * words * used:
+            words *= 2
+        if words > self.words:
+            # A new table, never resized in place: a reader may hold the old one.
+            self._table = self._resized(words)
+
+    def _shrink_if_due(self) -> None:
+        """Halve the rows while the columns hold under a quarter of what they may."""
+        used = max(1, len(self._load) - len(self._free))
+        words = self.words
+        while words > MIN_WORDS and 4 * self._total < KEYS_PER_WORD * (words // 2) * used:
+            words //= 2
+        if words < self.words:
+            self._table = self._resized(words)
+            self._built = [min(b, words) for b in self._built]
+
+    def _resized(self, words: int) -> FpArray:
+        """The table at ``words`` rows: its rows repeated, or folded (OR) onto the first."""
+        old = self._table
+        rows = len(old)
+        if words >= rows:
+            table = np.empty((words, old.shape[1]), np.uint64)
+            for start in range(0, words, rows):
+                table[start : start + rows] = old
+            return table
+        folded: FpArray = np.bitwise_or.reduce(
+            old.reshape(rows // words, words, old.shape[1]), axis=0
+        )
+        return folded
+
+    def _fit(self, column: FpArray) -> FpArray:
+        """``column`` (rows of a table of another size) as rows of this table's size.
+
+        A key's row in a table twice the size is its row in the smaller one,
+        or that plus the smaller size: repeating each row keeps every key,
+        and so does folding the two halves together (OR).
+        """
+        words = self.words
+        if len(column) < words:
+            return np.tile(column, words // len(column))
+        if len(column) > words:
+            folded: FpArray = np.bitwise_or.reduce(
+                column.reshape(len(column) // words, words), axis=0
+            )
+            return folded
+        return column
+
+    def _widen(self) -> None:
+        old = self._table
+        columns = old.shape[1]
+        table = np.zeros((old.shape[0], 2 * columns), np.uint64)
+        table[:, :columns] = old
+        self._table = table
+        self._load += [0] * columns
+        self._built += [self.words] * columns
+        self._free = list(range(2 * columns - 1, columns - 1, -1))

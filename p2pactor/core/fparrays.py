@@ -1,0 +1,155 @@
+"""Fingerprints as arrays: taken from the wire, sorted, and merged a slice at a time.
+
+The source index computes with 64-bit fingerprints packed in ``uint64``
+arrays, never one Python int at a time. They come as a summary carries them
+(8 bytes each, big-endian) or, from tests and embedders, as ints; a slice of
+them is converted when it is worked on, so a message is never converted
+whole. A peer's claims are a sorted array of distinct fingerprints, and a
+snapshot's parts are merged into one by :class:`MergeRuns`, whose every step
+is bounded: no call holds the node's thread in proportion to a whole summary.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["Fingerprints", "FpArray", "Merge", "MergeRuns", "as_fps", "count", "unique"]
+
+FpArray = npt.NDArray[np.uint64]
+"""Fingerprints as the index computes with them."""
+Fingerprints = bytes | bytearray | memoryview | Sequence[int] | FpArray
+"""Fingerprints as they come: a summary's packed field (8 bytes each, big-endian) or ints."""
+
+EMPTY: FpArray = np.zeros(0, np.uint64)
+EMPTY.flags.writeable = False
+
+
+def count(fps: Fingerprints) -> int:
+    """How many fingerprints ``fps`` holds (a packed field: its bytes over 8)."""
+    return len(fps) // 8 if isinstance(fps, bytes | bytearray | memoryview) else len(fps)
+
+
+def as_fps(fps: Fingerprints, most: int | None = None, start: int = 0) -> FpArray:
+    """``fps[start:start + most]`` as an array (the rest is never converted)."""
+    stop = None if most is None else start + max(0, most)
+    if isinstance(fps, bytes | bytearray | memoryview):
+        packed = np.frombuffer(fps, dtype=">u8")
+        return packed[start:stop].astype(np.uint64)
+    if isinstance(fps, np.ndarray):
+        return fps[start:stop].astype(np.uint64, copy=False)
+    return np.array(fps[start:stop], dtype=np.uint64).reshape(-1)
+
+
+def unique(fps: FpArray) -> FpArray:
+    """``fps`` sorted, each once."""
+    ordered = np.sort(fps)
+    if len(ordered) > 1:
+        keep = np.empty(len(ordered), bool)
+        keep[0] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+        ordered = ordered[keep]
+    return ordered
+
+
+class Merge:
+    """Two sorted arrays of distinct fingerprints merged into one, a slice at a time.
+
+    Each :meth:`step` takes at most ``most`` from each side (those up to the
+    smaller of the two values ``most`` ahead), so its work is bounded
+    whatever the arrays' sizes; a fingerprint on both sides is kept once.
+    """
+
+    __slots__ = ("_a", "_b", "_ia", "_ib", "_n", "_out")
+
+    def __init__(self, a: FpArray, b: FpArray) -> None:
+        self._a, self._b = a, b
+        self._ia = self._ib = self._n = 0
+        self._out: FpArray = np.empty(len(a) + len(b), np.uint64)
+
+    @property
+    def done(self) -> bool:
+        """Whether both sides are merged."""
+        return self._ia >= len(self._a) and self._ib >= len(self._b)
+
+    @property
+    def nbytes(self) -> int:
+        """What the merge holds beyond its inputs: the output."""
+        return int(self._out.nbytes)
+
+    def step(self, most: int) -> int:
+        """Merge the next slice: how many fingerprints it took from the two sides."""
+        a, b, ia, ib = self._a, self._b, self._ia, self._ib
+        most = max(1, most)
+        ea, eb = min(ia + most, len(a)), min(ib + most, len(b))
+        # Everything up to the lower of the two window ends is in the windows:
+        # each side is sorted and each value is on it once.
+        bounds = [int(x[e - 1]) for x, e in ((a, ea), (b, eb)) if e < len(x)]
+        if bounds:
+            upto = np.uint64(min(bounds))
+            ea = ia + int(a[ia:ea].searchsorted(upto, "right"))
+            eb = ib + int(b[ib:eb].searchsorted(upto, "right"))
+        left, right = a[ia:ea], b[ib:eb]
+        merged = np.insert(left, left.searchsorted(right), right)
+        if len(merged):
+            keep = np.empty(len(merged), bool)
+            keep[0] = self._n == 0 or self._out[self._n - 1] != merged[0]
+            np.not_equal(merged[1:], merged[:-1], out=keep[1:])
+            merged = merged[keep]
+            self._out[self._n : self._n + len(merged)] = merged
+            self._n += len(merged)
+        self._ia, self._ib = ea, eb
+        return len(left) + len(right)
+
+    def result(self) -> FpArray:
+        """The merged array (once :attr:`done`)."""
+        return self._out[: self._n]
+
+
+class MergeRuns:
+    """Sorted runs of distinct fingerprints merged into one, pairwise, a slice at a time.
+
+    Runs are merged two by two in the order they come, each result going to
+    the back (a tournament: every fingerprint is moved about log2(runs)
+    times). Args: ``runs``, each sorted and each value once within it.
+    """
+
+    __slots__ = ("_merge", "_runs")
+
+    def __init__(self, runs: Sequence[FpArray]) -> None:
+        self._runs: deque[FpArray] = deque(r for r in runs if len(r))
+        self._merge: Merge | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether one run is left (or none)."""
+        return self._merge is None and len(self._runs) <= 1
+
+    @property
+    def nbytes(self) -> int:
+        """What the runs and the merge under way hold."""
+        held = sum(int(r.nbytes) for r in self._runs)
+        merge = self._merge
+        if merge is not None:
+            held += merge.nbytes + int(merge._a.nbytes) + int(merge._b.nbytes)
+        return held
+
+    def step(self, most: int) -> int:
+        """Merge the next slice; how much work it was (at least 1 while not done)."""
+        merge = self._merge
+        if merge is None:
+            if len(self._runs) <= 1:
+                return 0
+            merge = self._merge = Merge(self._runs.popleft(), self._runs.popleft())
+        used = merge.step(most)
+        if merge.done:
+            self._runs.append(merge.result())
+            self._merge = None
+        return max(1, used)
+
+    def result(self) -> FpArray:
+        """The one merged run (once :attr:`done`)."""
+        return self._runs[0] if self._runs else EMPTY

@@ -1,0 +1,456 @@
+"""One peer's claims as its summary messages make them: in order, a bounded slice at a time.
+
+A peer's ``kvsum/1`` messages (deltas, and snapshots in parts) arrive on its
+session. :class:`PeerClaims` queues them and applies them strictly in the
+order they came, but never more than a slice of fingerprints in one call
+(:meth:`PeerClaims.step`): a delta of 65,536 changes, a snapshot's last part
+and the merge of its parts into one sorted array, the deltas buffered while
+it was assembled. So no message of any peer holds the node's thread for
+more than a slice's work, and what a peer has queued is bounded in bytes: a
+peer that sends faster than its messages are applied loses them (a flood,
+struck), and its summary is asked again, at most once a second by the
+sender's own rule.
+
+What a message means is decided when it reaches the head of the queue,
+exactly as if it were applied on arrival: its epoch (a new one drops the old
+summary whole), its sequence number (in order, a gap, or already covered),
+whether a snapshot is being assembled. Then its fingerprints go in slices.
+
+Sans-IO: no clock, no I/O. Every fingerprint a peer may claim is capped by
+its capacity (what it registered, within the node's budget for it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import msgspec
+
+from p2pactor.core.claimfilter import ClaimFilter
+from p2pactor.core.claimset import ClaimSet, Compaction
+from p2pactor.core.fparrays import Fingerprints, FpArray, MergeRuns, as_fps, count, unique
+
+__all__ = [
+    "BUFFERED_SHARE",
+    "BUFFERED_SLACK",
+    "MAX_BUFFERED_DELTAS",
+    "RESYNC_AFTER_DELTAS",
+    "Incoming",
+    "PeerClaims",
+    "Resync",
+]
+
+MAX_BUFFERED_DELTAS = 256
+"""Deltas kept while a snapshot is assembled; past that the snapshot is given up."""
+BUFFERED_SHARE = 4
+"""Deltas buffered during a snapshot carry at most a fingerprint for this many claims."""
+BUFFERED_SLACK = 64
+"""Fingerprints buffered during a snapshot past that share."""
+RESYNC_AFTER_DELTAS = 64
+"""Deltas a gap may last before its resync is asked again (the first may be lost)."""
+MESSAGE_BYTES = 128
+"""What a queued message costs besides its fingerprints (its record and fields)."""
+
+
+class Resync(msgspec.Struct, frozen=True, gc=False):
+    """Ask ``peer`` for a snapshot: its summary has a gap (or we have none)."""
+
+    peer: str
+    epoch: bytes
+    from_seq: int
+
+
+class _Delta:
+    """A delta as it came, waiting for its turn."""
+
+    __slots__ = ("add", "epoch", "nbytes", "remove", "seq")
+
+    def __init__(self, epoch: bytes, seq: int, add: Fingerprints, remove: Fingerprints) -> None:
+        self.epoch, self.seq, self.add, self.remove = epoch, seq, add, remove
+        self.nbytes = 8 * (count(add) + count(remove)) + MESSAGE_BYTES
+
+
+class _Part:
+    """A snapshot's part as it came, waiting for its turn."""
+
+    __slots__ = ("epoch", "fps", "nbytes", "part", "parts", "upto")
+
+    def __init__(self, epoch: bytes, upto: int, part: int, parts: int, fps: Fingerprints) -> None:
+        self.epoch, self.upto, self.part, self.parts, self.fps = epoch, upto, part, parts, fps
+        self.nbytes = 8 * count(fps) + MESSAGE_BYTES
+
+
+class _Apply:
+    """A delta's removes, then its adds, going into the claims a slice at a time."""
+
+    __slots__ = ("add", "at_add", "at_remove", "n_add", "n_remove", "remove", "struck")
+
+    def __init__(self, add: Fingerprints, remove: Fingerprints, most: int) -> None:
+        self.add, self.remove = add, remove
+        # More than the peer may claim is never looked at.
+        self.n_add, self.n_remove = min(count(add), most), min(count(remove), most)
+        self.at_add = self.at_remove = 0
+        self.struck = False
+
+
+class _Assembly:
+    """A snapshot being put together from its parts: sorted runs, merged once it is whole."""
+
+    __slots__ = (
+        "buffered",
+        "buffered_fps",
+        "column",
+        "cut",
+        "held",
+        "parts",
+        "runs",
+        "seen",
+        "upto",
+    )
+
+    def __init__(self, upto: int, parts: int, column: FpArray) -> None:
+        self.upto = upto
+        self.parts = parts
+        self.seen: set[int] = set()
+        self.runs: list[FpArray] = []  # each sorted, each value once within it
+        self.held = 0  # fingerprints in ``runs`` (one in two runs counts twice)
+        self.column = column  # the filter's column for ``runs``, filled as they come
+        # Deltas after ``upto`` that came meanwhile: applied once it is whole.
+        self.buffered: list[tuple[int, Fingerprints, Fingerprints]] = []
+        self.buffered_fps = 0  # fingerprints in ``buffered``
+        self.cut = False  # it claimed more than it may: cut back to its capacity
+
+
+class _Fill:
+    """A part's fingerprints going into its assembly a slice at a time."""
+
+    __slots__ = ("assembly", "at", "fps", "n")
+
+    def __init__(self, assembly: _Assembly, fps: Fingerprints) -> None:
+        self.assembly, self.fps, self.n, self.at = assembly, fps, count(fps), 0
+
+
+class _Complete:
+    """A whole snapshot's runs merged into one, then installed as the claims."""
+
+    __slots__ = ("assembly", "merge")
+
+    def __init__(self, assembly: _Assembly) -> None:
+        self.assembly = assembly
+        self.merge = MergeRuns(assembly.runs)
+        assembly.runs = []  # the merge holds them now
+
+
+Incoming = _Delta | _Part
+"""A summary message as it waits for its turn (made by :meth:`PeerClaims.delta` or ``.part``)."""
+_Job = _Delta | _Part | _Apply | _Fill | _Complete | Compaction
+
+
+class PeerClaims:
+    """What one peer claims, and its summary messages not applied yet.
+
+    Args:
+        peer: The peer's id (named in the resyncs it is asked).
+        capacity: The most fingerprints it may claim.
+        filter: The index's filter; this peer's claims go in ``column`` of it.
+        column: This peer's column.
+        max_queued_bytes: What its queued messages may hold; past it they are
+            dropped as a flood.
+    """
+
+    __slots__ = (
+        "_filter",
+        "assembly",
+        "capacity",
+        "claims",
+        "column",
+        "epoch",
+        "floods",
+        "gap_deltas",
+        "max_queued_bytes",
+        "peer",
+        "queue",
+        "queued_bytes",
+        "resync_asked",
+        "seq",
+        "strikes",
+        "synced",
+    )
+
+    def __init__(
+        self, peer: str, capacity: int, filter: ClaimFilter, column: int, max_queued_bytes: int
+    ) -> None:
+        self.peer = peer
+        self.capacity = capacity
+        self.column = column
+        self.max_queued_bytes = max_queued_bytes
+        self._filter = filter
+        self.epoch = b""
+        self.seq = 0
+        self.synced = False  # a whole snapshot arrived for this epoch
+        self.resync_asked = False  # a Resync is out and no snapshot came since
+        self.gap_deltas = 0  # deltas the gap has lasted since the resync was asked
+        self.claims = ClaimSet()
+        self.assembly: _Assembly | None = None
+        self.queue: deque[_Job] = deque()
+        self.queued_bytes = 0  # of the messages in ``queue``
+        self.strikes = 0  # messages that claimed more than it may
+        self.floods = 0  # times its queued messages were dropped
+
+    @property
+    def nbytes(self) -> int:
+        """What this peer's summary makes the node hold, about (its share of the filter aside)."""
+        total = self.claims.nbytes + self.queued_bytes
+        assembly = self.assembly
+        if assembly is not None:
+            total += sum(int(r.nbytes) for r in assembly.runs) + int(assembly.column.nbytes)
+            total += 8 * assembly.buffered_fps
+        head = self.queue[0] if self.queue else None
+        if isinstance(head, _Complete):
+            total += head.merge.nbytes  # the runs it merges and its output
+            if head.assembly is not assembly:
+                total += int(head.assembly.column.nbytes)
+        return total
+
+    # --- messages in ----------------------------------------------------------------------
+
+    def receive(self, message: Incoming) -> Resync | None:
+        """Queue ``message``; a Resync to send if it overflowed the queue (a flood)."""
+        if self.queued_bytes + message.nbytes > self.max_queued_bytes and self.queue:
+            return self._flooded()
+        self.queue.append(message)
+        self.queued_bytes += message.nbytes
+        return None
+
+    def delta(self, epoch: bytes, seq: int, add: Fingerprints, remove: Fingerprints) -> _Delta:
+        """A delta message, for :meth:`receive`."""
+        return _Delta(epoch, seq, add, remove)
+
+    def part(self, epoch: bytes, upto: int, part: int, parts: int, fps: Fingerprints) -> _Part:
+        """A snapshot part message, for :meth:`receive`."""
+        return _Part(epoch, upto, part, parts, fps)
+
+    def _flooded(self) -> Resync | None:
+        """Its messages come faster than they are applied: drop them, and ask again."""
+        self.floods += 1
+        self.strikes += 1
+        self.queue.clear()
+        self.queued_bytes = 0
+        self.assembly = None
+        # What was applied of a message cut short is no summary we can vouch
+        # for: the claims stay (capped, they only steer) until a snapshot.
+        self.synced = False
+        if self.resync_asked:
+            return None
+        self.resync_asked, self.gap_deltas = True, 0
+        return Resync(self.peer, self.epoch, 0)
+
+    # --- applying, a slice at a time ------------------------------------------------------
+
+    def step(self, most: int) -> tuple[int, Resync | None]:
+        """Apply the next slice of queued work, at most ``most`` fingerprints of it.
+
+        Returns the work done (at least 1 while anything is queued) and a
+        Resync to send, if the message it decided asks for one.
+        """
+        queue = self.queue
+        if not queue:
+            return 0, None
+        job = queue[0]
+        if isinstance(job, _Delta | _Part):
+            queue.popleft()
+            self.queued_bytes -= job.nbytes
+            if isinstance(job, _Delta):
+                return 1, self._delta(job)
+            return 1, self._part(job)
+        if isinstance(job, _Apply):
+            used = self._apply(job, most)
+            if job.at_add >= job.n_add and job.at_remove >= job.n_remove:
+                queue.popleft()
+            if self.claims.compact_due:
+                queue.appendleft(self.claims.compaction())  # before the rest of the queue
+            return used, None
+        if isinstance(job, _Fill):
+            used = self._fill(job, most)
+            if job.at >= job.n:
+                queue.popleft()
+                assembly = job.assembly
+                if len(assembly.seen) == assembly.parts and assembly is self.assembly:
+                    queue.appendleft(_Complete(assembly))
+            return used, None
+        if isinstance(job, Compaction):
+            if job.step(most):
+                queue.popleft()
+            return max(1, most), None
+        used = job.merge.step(most)
+        if not job.merge.done:
+            return used, None
+        queue.popleft()
+        return used, self._install(job)
+
+    def _delta(self, msg: _Delta) -> Resync | None:
+        epoch, seq = msg.epoch, msg.seq
+        if epoch != self.epoch:
+            # A restarted peer: its old summary goes whole, its new one starts
+            # with a snapshot (asked once, however often the epoch flips).
+            asked = self.resync_asked
+            self.new_epoch(epoch)
+            self.resync_asked = True
+            return None if asked else Resync(self.peer, epoch, 0)
+        most = self.capacity
+        if count(msg.add) > most or count(msg.remove) > most:
+            self.strikes += 1  # more than it may claim: the rest is never looked at
+        assembly = self.assembly
+        if assembly is not None and seq > assembly.upto:
+            size = assembly.buffered_fps + min(count(msg.add), most) + min(count(msg.remove), most)
+            limit = self.capacity // BUFFERED_SHARE + BUFFERED_SLACK
+            if len(assembly.buffered) >= MAX_BUFFERED_DELTAS or size > limit:
+                # It is not coming whole, or the deltas meanwhile weigh more
+                # than their share of the claims the peer may make (applying
+                # them once it is whole must stay bounded): give it up, ask
+                # again below.
+                self.strikes += size > limit
+                self.assembly = None
+                self.resync_asked = False
+            else:
+                assembly.buffered.append((seq, msg.add, msg.remove))
+                assembly.buffered_fps = size
+        if seq <= self.seq:
+            return None  # already folded in (a snapshot covered it)
+        if seq == self.seq + 1 and self.synced:
+            self.seq = seq
+            self.queue.appendleft(_Apply(msg.add, msg.remove, most))
+            return None
+        # A gap (or no snapshot yet): ask once, and again if it lasts.
+        self.gap_deltas += 1
+        if self.resync_asked and self.gap_deltas < RESYNC_AFTER_DELTAS:
+            return None
+        self.resync_asked, self.gap_deltas = True, 0
+        return Resync(self.peer, epoch, self.seq + 1 if self.synced else 0)
+
+    def _part(self, msg: _Part) -> Resync | None:
+        part, parts, upto = msg.part, msg.parts, msg.upto
+        if not 0 <= part < parts:
+            return None
+        if parts > self.capacity + 1:
+            self.strikes += 1  # more parts than keys it may claim: never whole
+            return None
+        if msg.epoch != self.epoch:
+            self.new_epoch(msg.epoch)
+        assembly = self.assembly
+        if assembly is not None and upto < assembly.upto:
+            return None  # an older snapshot's part: the newer one is being assembled
+        if assembly is None or upto > assembly.upto or parts != assembly.parts:
+            if self.synced and upto < self.seq:
+                return None  # a new snapshot older than what deltas already brought
+            kept = [] if assembly is None else [b for b in assembly.buffered if b[0] > upto]
+            assembly = self.assembly = _Assembly(upto, parts, self._filter.scratch())
+            assembly.buffered = kept
+            assembly.buffered_fps = sum(
+                min(count(add), self.capacity) + min(count(remove), self.capacity)
+                for _, add, remove in kept
+            )
+        if part in assembly.seen:
+            return None
+        assembly.seen.add(part)
+        self.queue.appendleft(_Fill(assembly, msg.fps))
+        return None
+
+    def _fill(self, job: _Fill, most: int) -> int:
+        assembly = job.assembly
+        left = job.n - job.at
+        take = min(most, left, max(0, self.capacity - assembly.held))
+        if take:
+            run = unique(as_fps(job.fps, take, job.at))
+            assembly.runs.append(run)
+            assembly.held += len(run)
+            self._filter.fill(assembly.column, run)
+            job.at += take
+        if take < min(most, left):
+            # More than it may claim (what it registered, or this node's budget
+            # for it): keep what fits, strike it once a snapshot. What does not
+            # fit is never even converted.
+            self.strikes += not assembly.cut
+            assembly.cut = True
+            job.at = job.n
+        return max(1, take)
+
+    def _install(self, job: _Complete) -> Resync | None:
+        """The merged snapshot becomes the claims; the deltas buffered meanwhile follow it."""
+        assembly = job.assembly
+        if self.assembly is assembly:
+            self.assembly = None
+        held = job.merge.result()[: self.capacity]
+        self.claims = ClaimSet(held)
+        self._filter.install(self.column, assembly.column, len(held))
+        self.seq, self.synced = assembly.upto, True
+        self.resync_asked, self.gap_deltas = False, 0
+        follow: list[_Apply] = []
+        later = False
+        for seq, add, remove in sorted(assembly.buffered, key=lambda b: b[0]):
+            if seq == self.seq + 1:
+                self.seq = seq
+                follow.append(_Apply(add, remove, self.capacity))
+            elif seq > self.seq:
+                later = True
+        self.queue.extendleft(reversed(follow))  # ahead of the messages that came since
+        if later:
+            self.resync_asked = True  # a delta after it was lost
+            return Resync(self.peer, self.epoch, self.seq + 1)
+        return None
+
+    def _apply(self, job: _Apply, most: int) -> int:
+        claims, filt = self.claims, self._filter
+        used = 0
+        if job.at_remove < job.n_remove:
+            take = min(most, job.n_remove - job.at_remove)
+            claims.remove(as_fps(job.remove, take, job.at_remove))
+            job.at_remove += take
+            used += take
+        if used < most and job.at_add < job.n_add:
+            take = min(most - used, job.n_add - job.at_add)
+            new, refused = claims.add(
+                as_fps(job.add, take, job.at_add), self.capacity - len(claims)
+            )
+            job.at_add += take
+            used += take
+            if refused and not job.struck:
+                # More than it registered blocks for: keep what fits (work in
+                # proportion to the message, never to the whole summary).
+                self.strikes += 1
+                job.struck = True
+            filt.add(self.column, new)
+        if filt.due(self.column, len(claims)):
+            filt.rebuild(self.column, claims.superset, max(1, most))
+        return max(1, used)
+
+    # --- from outside -------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """Whether messages or their work wait."""
+        return bool(self.queue)
+
+    def new_epoch(self, epoch: bytes) -> None:
+        """The peer restarted: its old summary goes whole."""
+        # A resync asked stays asked: it is answered with the peer's epoch of
+        # the moment, whichever that is, and one that flips its epoch on every
+        # message would otherwise have each of them ask another.
+        self.claims = ClaimSet()
+        self._filter.clear(self.column)
+        self.epoch, self.seq, self.synced = epoch, 0, False
+        self.assembly, self.gap_deltas = None, 0
+
+    def cut(self, capacity: int) -> None:
+        """It may claim ``capacity`` now: keep that many (its column stays a superset)."""
+        self.capacity = capacity
+        if len(self.claims) > capacity:
+            self.claims.truncate(capacity)
+            self.strikes += 1
+
+    def missed(self, fps: Fingerprints) -> None:
+        """It answered MISS for ``fps``: it no longer holds them."""
+        most = self.capacity
+        if count(fps) > most:
+            self.strikes += 1
+        self.claims.remove(as_fps(fps, most))
