@@ -62,6 +62,10 @@ class ZmqOptions:
             open there (measured: 19 in 100 immediate re-dials on 127.0.0.1,
             none after 1 ms). An inbound connection's dial-back does not wait.
         receive_batch: Frames the ROUTER task reads before it yields to others.
+        receive_slice_s: Seconds of handling frames after which the ROUTER
+            task yields to others, however few it read: frames that take
+            long to handle (a peer's large messages, or many with work each)
+            hold the node's other tasks up for about this long at most.
         batch_io_threads: Run libzmq's I/O threads under ``SCHED_BATCH``
             (Linux; elsewhere ignored). Each send wakes the I/O thread, and
             on a busy machine the kernel then often runs it in place of the
@@ -90,6 +94,7 @@ class ZmqOptions:
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     redial_delay: float = attrs.field(default=0.05, validator=_not_negative)
     receive_batch: int = attrs.field(default=64, validator=checks.positive_int)
+    receive_slice_s: float = attrs.field(default=0.002, validator=_positive)
     batch_io_threads: bool = True
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -306,16 +307,21 @@ class ZmqControlTransport:
         is read. libzmq's ROUTER takes messages round-robin across its
         connections, so a peer that floods us gets one frame handled in turn
         with each other peer's, never a batch of its own ahead of theirs. After
-        ``receive_batch`` frames the task lets the node's other tasks run.
+        ``receive_batch`` frames, or ``receive_slice_s`` of handling them,
+        the task lets the node's other tasks run.
         """
         route = self._route if self._curve is None else self._route_authenticated
         router = self._router
         recv = router._recv_authenticated if router.authenticated else router.sock.recv_multipart
         limit = self._options.receive_batch
+        slice_s = self._options.receive_slice_s
+        clock = time.perf_counter
+        read = 0  # frames read since the last look for newly readable connections
         try:
             while True:
                 await trio.lowlevel.checkpoint_if_cancelled()
                 handled = 0
+                ends = clock() + slice_s
                 while handled < limit and not router.closed:
                     try:
                         frames = recv(zmq.NOBLOCK)
@@ -326,15 +332,23 @@ class ZmqControlTransport:
                             return
                         raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
                     handled += 1
+                    read += 1
                     route(frames)
-                    if not handled % _REFAIR_EVERY and not router.closed:
+                    if read >= _REFAIR_EVERY and not router.closed:
                         # libzmq notices a connection that has just become
                         # readable only when it processes its commands, which
                         # recv does once per 100 messages while one connection
                         # has a backlog: a flooding peer's 100 frames would go
                         # before an honest peer's next one. Reading EVENTS
                         # processes them now, so the round-robin includes it.
+                        read = 0
                         router.sock.getsockopt(zmq.EVENTS)
+                    if clock() >= ends:
+                        # Frames whose handling is slow (large ones, or many
+                        # with work each) end the batch early: other tasks
+                        # wait for a slice, never for a whole batch of them.
+                        handled = limit
+                        break
                 if router.closed:
                     return
                 if handled < limit and not _events(router.sock) & zmq.POLLIN:
