@@ -544,6 +544,9 @@ INVALID = [
         "connect",
         "agent_metadata",
         f"more than the limit of {MAX_AGENT_METADATA_BYTES}",
+        # The frame bound is below the metadata's by default: raised, the
+        # metadata's own bound is what refuses it.
+        Limits(max_frame_bytes=MAX_AGENT_METADATA_BYTES + (1 << 20)),
         id="connect_oversized_metadata",
     ),
     invalid(
@@ -837,9 +840,28 @@ def test_unknown_extra_keys_count_toward_the_frame_limit() -> None:
         decode(frame, limits=Limits(max_frame_bytes=len(frame) - 1))
 
 
-def test_default_frame_limit_fits_the_largest_connect() -> None:
+def test_default_frame_limit_fits_a_big_connect_and_the_largest_vllm_lookup() -> None:
+    # Below the metadata bound on purpose (what one hostile frame may cost,
+    # issue 30), but far above what a NIXL agent's metadata is (about 500
+    # bytes for a DRAM pool) and above the largest lookup vLLM makes.
     assert DEFAULT_LIMITS.max_frame_bytes == DEFAULT_MAX_FRAME_BYTES
-    assert DEFAULT_MAX_FRAME_BYTES > MAX_AGENT_METADATA_BYTES + 5 * MAX_STRING_CHARS * 4
+    assert DEFAULT_MAX_FRAME_BYTES < MAX_AGENT_METADATA_BYTES
+    big = 15 << 20
+    connect = frame_of(
+        {
+            **vllm_connect(),
+            "peer_id": "p" * MAX_STRING_CHARS,
+            "agent_metadata": b"m" * big,
+            "config_fingerprint": "f" * MAX_STRING_CHARS,
+            "hash_seed": "s" * MAX_STRING_CHARS,
+        }
+    )
+    assert len(connect) <= DEFAULT_MAX_FRAME_BYTES
+    assert isinstance(decode(connect), Connect)
+    keys = [bytes(32) + i.to_bytes(4, "big") for i in range(MAX_LIST_ITEMS)]
+    lookup = frame_of({**vllm_lookup(), "kv_request_id": "r" * MAX_STRING_CHARS, "keys": keys})
+    assert len(lookup) <= DEFAULT_MAX_FRAME_BYTES
+    assert isinstance(decode(lookup), Lookup)
 
 
 def test_unknown_type_reported_by_name() -> None:

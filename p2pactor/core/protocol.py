@@ -67,6 +67,7 @@ from p2pactor.core.protocol_limits import (
     MAX_SUMMARY_BYTES,
     Limits,
 )
+from p2pactor.core.protocol_scan import leading_type
 from p2pactor.core.protocol_summaries import (
     FEATURE_SUMMARIES,
     KvsumDelta,
@@ -404,14 +405,21 @@ def decode(frame: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Message:
             f"frame is {len(frame)} bytes, more than the limit of {limits.max_frame_bytes}; "
             "it was dropped unread (raise Limits.max_frame_bytes if the peer is legitimate)"
         )
+    mtype = None
     if len(frame) > QUOTE_BYTES:
-        refused = type_error(frame, MESSAGE_TYPES)
-        if isinstance(refused, ProtocolError):
-            raise refused
+        # Read from the first bytes if the type leads, as every encoder here
+        # puts it; else the whole frame is checked before msgspec may quote a
+        # long unknown type in its error.
+        mtype = leading_type(frame)
+        if mtype not in MESSAGE_TYPES:
+            refused = type_error(frame, MESSAGE_TYPES)
+            if isinstance(refused, ProtocolError):
+                raise refused
+            mtype = refused
     try:
         msg: Message = _DECODER.decode(frame)
     except msgspec.ValidationError as exc:
-        raise explain(frame, exc, MESSAGE_TYPES) from None
+        raise explain(frame, exc, MESSAGE_TYPES, mtype) from None
     except Exception as exc:
         # Besides DecodeError, msgspec raises RecursionError on deep nesting
         # and TypeError on a non-buffer; all of them mean "not a frame".

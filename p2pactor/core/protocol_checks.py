@@ -32,9 +32,10 @@ import msgspec
 import msgspec.inspect as mi
 
 from p2pactor.core.protocol_limits import Limits
+from p2pactor.core.protocol_scan import top_field
 from p2pactor.errors import InvalidField, MalformedFrame, ProtocolError, UnknownMessageType
 
-__all__ = ["QUOTE_BYTES", "explain", "tuned_checker", "type_error"]
+__all__ = ["EXPLAIN_BYTES", "QUOTE_BYTES", "explain", "tuned_checker", "type_error"]
 
 # Attacker-controlled text that ends up in an error message is clipped, so a
 # hostile peer cannot flood the log with one message.
@@ -68,6 +69,8 @@ def _too_long(value: Sized, most: int, unit: str) -> str:
 
 QUOTE_BYTES: Final = 4096
 """A value (or list to index) longer than this is not decoded to word an error."""
+EXPLAIN_BYTES: Final = 65_536
+"""A refused frame longer than this is not walked to word its error (only its top level)."""
 
 
 class _Shape:
@@ -199,13 +202,28 @@ def type_error(frame: bytes, known: Mapping[str, type]) -> ProtocolError | str:
     return mtype
 
 
-def explain(frame: bytes, exc: msgspec.ValidationError, known: Mapping[str, type]) -> ProtocolError:
-    """The error for a frame msgspec refused with ``exc``: what, where, and why."""
+def explain(
+    frame: bytes,
+    exc: msgspec.ValidationError,
+    known: Mapping[str, type],
+    mtype: str | None = None,
+) -> ProtocolError:
+    """The error for a frame msgspec refused with ``exc``: what, where, and why.
+
+    ``mtype``: the frame's type, if the caller read it already. A frame over
+    ``EXPLAIN_BYTES`` is never walked to word its error: the value is read
+    from its header where :func:`~p2pactor.core.protocol_scan.top_field`
+    finds it by jumping from header to header, else msgspec's words say it.
+    """
     if isinstance(exc.__cause__, ProtocolError):  # a message's own __post_init__ check
         return exc.__cause__
-    mtype = type_error(frame, known)
-    if isinstance(mtype, ProtocolError):
-        return mtype
+    if mtype is None:
+        found = type_error(frame, known)
+        if isinstance(found, ProtocolError):
+            return found
+        mtype = found
+    if len(frame) > EXPLAIN_BYTES:
+        return _explain_long(frame, str(exc), mtype)
     text, _, at = str(exc).partition(" - at `$")
     names: list[str] = []
     raw: memoryview | None = memoryview(frame)
@@ -224,6 +242,34 @@ def explain(frame: bytes, exc: msgspec.ValidationError, known: Mapping[str, type
     problem = _problem(text, _value(raw) if raw is not None else None, resolved)
     if item is not None:
         problem = f"item {item} {problem}"
+    return InvalidField(problem, message_type=mtype, field=".".join(names))
+
+
+def _explain_long(frame: bytes, verdict: str, mtype: str) -> ProtocolError:
+    """:func:`explain` for a long frame: its cost bounded by the frame's top-level keys."""
+    text, _, at = verdict.partition(" - at `$")
+    steps = _PATH.findall(at.rstrip("`"))
+    names = [name for name, _ in steps if name]
+    missing = re.fullmatch(r"Object missing required field `(.+)`", text)
+    if missing:
+        return InvalidField(
+            "missing", message_type=mtype, field=".".join([*names, missing.group(1)])
+        )
+    value: Any = None
+    resolved = False
+    if len(steps) == 1 and steps[0][0]:  # a top-level field: perhaps found by its headers
+        extent = top_field(frame, steps[0][0])
+        if extent is not None:
+            view = memoryview(frame)[extent.start : extent.end]
+            shape = _header(view)
+            if shape is not None:
+                value, resolved = shape, True
+            elif extent.end is not None:  # a scalar or short string: its own few bytes
+                value, resolved = _value(view), True
+    problem = _problem(_clip(text), value, resolved)
+    items = [index for name, index in steps if not name]
+    if items:
+        problem = f"item {items[-1]} {problem}"
     return InvalidField(problem, message_type=mtype, field=".".join(names))
 
 

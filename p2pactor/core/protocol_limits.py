@@ -81,10 +81,16 @@ MAX_SUMMARY_BYTES: Final = 8 * 65_536
 MAX_EPOCH_BYTES: Final = 64
 """Longest epoch id a summary names."""
 
-DEFAULT_MAX_FRAME_BYTES: Final = MAX_AGENT_METADATA_BYTES + 1024 * 1024
-"""Largest frame :func:`~p2pactor.core.protocol.decode` reads by default.
+DEFAULT_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
+"""Largest frame :func:`~p2pactor.core.protocol.decode` (and the ZeroMQ transport) reads by default.
 
-The metadata bound plus room for the other ``connect`` fields and for a full 65,536-key lookup."""
+Less than the protocol's metadata bound on purpose: whatever a peer sends,
+a frame costs the node up to about twice its size while it is read and
+refused, so the frame bound is what one frame of a hostile peer may cost
+(issue 30). 16 MiB holds a ``connect`` with 15 MiB of NIXL agent metadata
+(a DRAM pool's is about 500 bytes) and a full lookup of 65,536 vLLM keys
+(2.4 MiB). Raise ``Limits.max_frame_bytes`` and ``ZmqOptions.max_frame_bytes``
+for a peer whose metadata is larger."""
 
 
 @attrs.frozen(kw_only=True)
