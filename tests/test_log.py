@@ -24,8 +24,9 @@ import pytest
 import trio
 
 from p2pactor.core import events as ev
+from p2pactor.core.ids import ActorId, Role
 from p2pactor.errors import ConfigError, LogError, LogFormatError
-from p2pactor.runtime.log import Durability, DurabilityKind, EventLog
+from p2pactor.runtime.log import RING_KEYS, Durability, DurabilityKind, EventLog
 from p2pactor.runtime.logread import FORMAT_VERSION, MAGIC, LogReader, ProblemKind, read_log
 from tests.test_replay import NODE_B, event_mix, happy, repeated_pattern
 
@@ -576,3 +577,40 @@ def test_files_that_are_not_readable_logs_raise_log_format_error(
 def test_a_missing_file_raises_file_not_found(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         read_log(tmp_path / "missing.log")
+
+
+def test_the_ring_keeps_fewer_events_when_they_hold_many_keys() -> None:
+    # Issue 30: a hostile peer's largest lookups (65,536 keys each) kept by
+    # count alone held hundreds of MiB after their requests ended.
+    log = EventLog("n", keep=1_000)
+    keys = tuple(i.to_bytes(36, "big") for i in range(65_536))
+    big = [
+        ev.LookupReceived(
+            actor=ActorId(Role.PRODUCER, "p", f"r{i}"),
+            seq=1,
+            at=0.0,
+            lookup_id=0,
+            round_seq=0,
+            keys=keys,
+            deadline=5.0,
+        )
+        for i in range(10)
+    ]
+    log.append(big)
+    held = log.recent()
+    assert held == big[-(RING_KEYS // len(keys)) :]  # the newest that fit the bound
+    assert sum(len(e.keys) for e in held) <= RING_KEYS
+    small = [
+        ev.LookupReceived(
+            actor=ActorId(Role.PRODUCER, "p", f"s{i}"),
+            seq=1,
+            at=0.0,
+            lookup_id=0,
+            round_seq=0,
+            keys=keys[:1],
+            deadline=5.0,
+        )
+        for i in range(1_000)
+    ]
+    log.append(small)
+    assert log.recent() == small  # the big ones gave way; the count bound holds as before

@@ -43,6 +43,7 @@ __all__ = [
     "FORMAT_VERSION",
     "MAGIC",
     "MAX_RECORD_BYTES",
+    "RING_KEYS",
     "Durability",
     "DurabilityKind",
     "EventLog",
@@ -55,6 +56,9 @@ logger = logging.getLogger("p2pactor.log")
 
 Listener = Callable[[Sequence[AnyEvent]], None]
 """Called with each batch of appended events, after they are recorded."""
+
+RING_KEYS = 131_072
+"""Keys the in-memory ring's events may hold together (about 10 MB of vLLM keys)."""
 
 
 class DurabilityKind(enum.Enum):
@@ -225,7 +229,9 @@ class EventLog:
             event (tests), 0 none. Enough to look at the last steps of a
             stuck request; a bigger ring costs the garbage collector (with
             100,000 events kept, its full collections paused a node for up
-            to 0.23 s, the p99 of every lookup in flight then).
+            to 0.23 s, the p99 of every lookup in flight then). Whatever
+            ``keep`` says, the oldest go once the ring's events hold more
+            than :data:`RING_KEYS` keys together (with ``keep=None``, never).
         clock_origin: ``(wall time, monotonic time)`` read at one instant,
             stored in the header so a reader can turn event times (which are
             monotonic, as trio's clock is) into wall-clock times.
@@ -252,6 +258,8 @@ class EventLog:
         self._node_id = node_id
         self._durability = Durability() if durability is None else durability
         self._ring: deque[AnyEvent] = deque(maxlen=keep)
+        self._ring_keys: deque[int] = deque()  # each ringed event's keys, in step with it
+        self._ring_key_total = 0
         self._listeners: list[Listener] = []
         self._path = None if path is None else os.fspath(path)
         self._buffer = bytearray()
@@ -321,7 +329,7 @@ class EventLog:
             self._buffer += batch
             self._counts.bytes_appended += len(batch)
             self._counts.records_buffered += len(records)
-        self._ring.extend(events)
+        self._keep(events)
         self._counts.events_appended += len(events)
         try:
             if self._buffer and self._should_write_now():
@@ -427,6 +435,30 @@ class EventLog:
             if self._closed:
                 return
             self.flush()
+
+    def _keep(self, events: Sequence[AnyEvent]) -> None:
+        """Ring ``events``, the oldest going once the ring holds too many events or keys.
+
+        A lookup's event holds its keys, up to 65,536: by count alone, a
+        thousand of a hostile peer's largest lookups would keep gigabytes
+        after their requests ended (issue 30).
+        """
+        ring, weights = self._ring, self._ring_keys
+        maxlen = ring.maxlen
+        if maxlen == 0:
+            return
+        for event in events:
+            keys = getattr(event, "keys", None)
+            weight = len(keys) if isinstance(keys, tuple) else 0
+            if maxlen is not None and len(ring) == maxlen:
+                self._ring_key_total -= weights.popleft()  # the deque drops its oldest
+            ring.append(event)
+            weights.append(weight)
+            self._ring_key_total += weight
+        if maxlen is not None:
+            while self._ring_key_total > RING_KEYS and len(ring) > 1:
+                ring.popleft()
+                self._ring_key_total -= weights.popleft()
 
     def recent(self, actor: ActorId | None = None) -> list[AnyEvent]:
         """The events still in the in-memory ring, oldest first, of ``actor`` or all."""
