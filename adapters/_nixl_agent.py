@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2pactor.nixl")
 
 MAX_BLOCKS = 2**31 - 1  # NIXL takes descriptor indexes as int32
+PER_BLOCK_LIMIT = 65_536
+"""The most blocks of a peer's pool prepared one descriptor per block, only when NIXL
+refuses the pool as one strided row (it spans several registrations): at most about
+6 MiB at the peak and 4-7 ms of a worker thread (measured), whatever the peer advertises."""
 IN_PROGRESS = frozenset({"PROC", "PEND"})
 
 _T = TypeVar("_T")
@@ -181,6 +185,19 @@ def block_pool(
     return Pool(name, addr, nbytes, keepalive, block_len, options)
 
 
+def _strided(base_addr: int, num_blocks: int, block_len: int) -> Descs:
+    """The pool as one strided row, ``(address, length, device 0, stride, count)``.
+
+    NIXL (1.5 on, which p2pactor requires) prepares an Nx5 array as a
+    compressed list: index ``i`` names block ``i`` exactly as in a list of one
+    row per block, but preparing and keeping it costs the same for 16 blocks
+    as for 2**31 - 1. A per-block list peaked at about 72 bytes a block (274 MiB
+    for 4,000,000) and held the GIL for about 0.1 s of that, and a peer chooses
+    how many blocks it advertises (issue 30).
+    """
+    return np.array([[base_addr, block_len, 0, block_len, num_blocks]], dtype=np.uint64)
+
+
 def _block_descs(base_addr: int, num_blocks: int, block_len: int) -> Descs:
     """One ``(address, length, device 0)`` row per block, for ``prep_xfer_dlist``."""
     descs = np.zeros((num_blocks, 3), dtype=np.uint64)
@@ -221,7 +238,7 @@ class Pool:
     block_len: int
     options: NixlOptions
     registration: object | None = None
-    local_dlist: object | None = None  # the pool's prepared per-block descriptor list
+    local_dlist: object | None = None  # the pool's prepared (strided) descriptor list
     metadata: bytes = b""
     threaded: bool = False  # NIXL's progress thread runs: the pump need not drive progress
     late_write_window: float = 0.0  # from the UCX TCP timeout in effect (_ucx_tcp_environment)
@@ -273,9 +290,10 @@ class Pool:
             self.registration = agent.register_memory(
                 [(self.addr, self.nbytes, 0, "")], mem_type="DRAM"
             )
+            # One registration, so one strided row covers it (see _strided).
             self.local_dlist = agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
-                _block_descs(self.addr, self.num_blocks, self.block_len),
+                _strided(self.addr, self.num_blocks, self.block_len),
                 mem_type="DRAM",
             )
             # Taken after registering: the metadata carries the registered region.
@@ -317,7 +335,10 @@ class Pool:
     def add_peer(
         self, agent: Agent, metadata: bytes, base_addr: int, num_blocks: int, known: frozenset[str]
     ) -> tuple[str, object] | str:
-        """Load a peer's agent, prepare its descriptors: (agent name, list), or why not."""
+        """Load a peer's agent, prepare its descriptors: (agent name, list), or why not.
+
+        The list is one strided row whatever the peer advertises (:func:`_strided`).
+        """
         try:
             name = agent.add_remote_agent(metadata)
         except Exception as exc:
@@ -325,16 +346,44 @@ class Pool:
         remote = name.decode() if isinstance(name, bytes) else name
         dlist: object | None = None
         try:
-            dlist = agent.prep_xfer_dlist(
-                remote, _block_descs(base_addr, num_blocks, self.block_len), mem_type="DRAM"
-            )
+            dlist = self._peer_dlist(agent, remote, base_addr, num_blocks)
             if self.options.connect_eagerly:
                 agent.make_connection(remote)
         except Exception as exc:
             # Another name may use this agent: only a first registration is undone.
             self.remove_peer(agent, dlist, None if remote in known else remote)
-            return nixl_error(exc)
+            return str(exc) if isinstance(exc, DataPlaneError) else nixl_error(exc)
         return remote, dlist
+
+    def _peer_dlist(self, agent: Agent, remote: str, base_addr: int, num_blocks: int) -> object:
+        """Prepare a peer's pool as one strided row; block by block if NIXL refuses that.
+
+        NIXL takes a strided row only inside one registered region. vLLM and
+        p2pactor register their pool as one; a peer whose pool spans several
+        gets a per-block list, but only up to :data:`PER_BLOCK_LIMIT` blocks.
+        """
+        try:
+            return agent.prep_xfer_dlist(
+                remote, _strided(base_addr, num_blocks, self.block_len), mem_type="DRAM"
+            )
+        except Exception as exc:
+            if num_blocks > PER_BLOCK_LIMIT:
+                raise DataPlaneError(
+                    f"NIXL refused its {num_blocks}-block pool as one registered region "
+                    f"({nixl_error(exc)}), and a pool of more than {PER_BLOCK_LIMIT} blocks "
+                    "is not prepared block by block"
+                ) from exc
+        dlist = agent.prep_xfer_dlist(
+            remote, _block_descs(base_addr, num_blocks, self.block_len), mem_type="DRAM"
+        )
+        log.info(
+            "NIXL agent %s: agent %s's pool spans several registrations: its %d blocks "
+            "are prepared one by one",
+            self.name,
+            remote,
+            num_blocks,
+        )
+        return dlist
 
     def remove_peer(self, agent: Agent, dlist: object | None, remote: str | None) -> None:
         """Release a peer's descriptors and, unless ``remote`` is None, its agent."""

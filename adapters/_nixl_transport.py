@@ -131,9 +131,11 @@ class NixlDataTransport(Writes):
         num_blocks: int,
         block_len: int,
     ) -> None:
-        """Register a peer's pool: its agent, and one descriptor per block.
+        """Register a peer's pool: its agent, and its blocks as one strided descriptor.
 
-        The NIXL work (O(num_blocks)) runs in a worker thread.
+        What this costs does not grow with ``num_blocks``, which the peer
+        chooses (issue 30); the NIXL work runs in a worker thread all the same
+        (loading the agent's metadata, connecting).
 
         Raises:
             TransferError: The name is taken, the pool does not match ours, or
@@ -145,7 +147,8 @@ class NixlDataTransport(Writes):
             raise TransferError(
                 f"{peer_id} uses {block_len}-byte blocks, this node {self.block_len}"
             )
-        if not 0 < num_blocks <= MAX_BLOCKS or base_addr <= 0:
+        end = base_addr + num_blocks * block_len  # NIXL takes addresses as uint64
+        if not 0 < num_blocks <= MAX_BLOCKS or base_addr <= 0 or end > 2**64:
             raise TransferError(
                 f"{peer_id} advertised an impossible pool ({num_blocks} blocks at {base_addr:#x})"
             )

@@ -26,7 +26,7 @@ class Peer:
     peer_id: str
     num_blocks: int
     remote: str | None = None  # NIXL's name for the peer's agent, once added
-    dlist: object | None = None  # the peer's prepared per-block descriptor list
+    dlist: object | None = None  # the peer's prepared descriptor list (one strided row)
     ready: trio.Event = attrs.field(factory=trio.Event)  # the add finished, either way
     removing: bool = False
     writes: set[_Write] = attrs.field(factory=set)  # started and not over

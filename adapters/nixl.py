@@ -4,11 +4,18 @@ A producer WRITEs its pinned blocks straight into the consumer's blocks, one
 prepared NIXL transfer per fetch, exactly as vLLM's ``NixlTransport`` does, so a
 p2pactor node and a stock vLLM node move bytes into each other's pools:
 
-* the node's whole block pool is **one DRAM registration**, and its per-block
-  descriptor list is prepared **once**;
+* the node's whole block pool is **one DRAM registration**, and its descriptor
+  list is prepared **once**;
 * a peer's pool (advertised in ``connect``: agent metadata, base address, block
-  count and size) gets one ``add_remote_agent`` and one per-block remote
-  descriptor list, prepared once per peer;
+  count and size) gets one ``add_remote_agent`` and one remote descriptor list,
+  prepared once per peer;
+* each list is **one strided row** (address, block length, device, stride,
+  count: NIXL 1.5's Nx5 descriptor array), which NIXL indexes block by block as
+  it would a list of one row per block (vLLM's), at a cost that does not grow
+  with the block count: a peer advertising 4,000,000 blocks cost 274 MiB and a
+  0.1 s GIL hold with per-block lists (issue 30). A peer whose pool NIXL will
+  not take as one row (it spans several registrations) gets a per-block list, up
+  to 65,536 blocks;
 * a write is ``make_prepped_xfer("WRITE", local list, local indexes, remote list,
   remote indexes)`` plus ``transfer()``, with no notification attached (the
   consumer learns of completion from ``TransferDone`` on the control channel).
@@ -45,15 +52,15 @@ How trio and NIXL meet (``shared/reference/trio-stack.md`` section 2):
   be running (:meth:`~NixlDataTransport.expect_writes`, and ``wireup_grace``
   after a peer is added).
 * ``transfer()`` may do the whole copy **inside the call** on shared memory
-  (measured 20-40 ms for 64 MiB), and peer registration is O(blocks). Both run
-  in a worker thread (``trio.to_thread.run_sync``) so the event loop never
-  stalls on them; polls run on the trio thread. The hop to the worker thread
-  and back costs about 0.25-0.4 ms, though, so a write predicted quick
-  (``inline_post_budget``) is posted on the trio thread, right inside
-  ``start_write``; small writes (and every write on RDMA, where ``transfer()``
-  only queues) skip the hop. The first write, and any write predicted slower,
-  goes to the one *poster* task, which posts writes in order from a worker
-  thread.
+  (measured 20-40 ms for 64 MiB), and peer registration loads the peer's
+  metadata and may connect. Both run in a worker thread
+  (``trio.to_thread.run_sync``) so the event loop never stalls on them; polls
+  run on the trio thread. The hop to the worker thread and back costs about
+  0.25-0.4 ms, though, so a write predicted quick (``inline_post_budget``) is
+  posted on the trio thread, right inside ``start_write``; small writes (and
+  every write on RDMA, where ``transfer()`` only queues) skip the hop. The first
+  write, and any write predicted slower, goes to the one *poster* task, which
+  posts writes in order from a worker thread.
 * The agent runs with ``NIXL_THREAD_SYNC_NONE``: its API is not thread-safe.
   Every call into it, from the trio thread or a worker thread, is made while
   holding one :class:`trio.Lock`, so the agent never sees two calls at once.
@@ -160,10 +167,10 @@ async def open_nixl_transport(
 ) -> AsyncIterator[NixlDataTransport]:
     """Open a NIXL agent over the node's block pool, and run it until the block exits.
 
-    The pool is registered once as one DRAM region and its per-block descriptors
-    are prepared once (in a worker thread). On exit, writes still in flight get
-    ``close_timeout`` to end; then every transfer, descriptor list and remote
-    agent is released and the pool is deregistered.
+    The pool is registered once as one DRAM region and its descriptors are
+    prepared once (in a worker thread), as one strided row. On exit, writes
+    still in flight get ``close_timeout`` to end; then every transfer,
+    descriptor list and remote agent is released and the pool is deregistered.
 
     Args:
         pool: The node's KV block pool: a contiguous CPU torch tensor (any
