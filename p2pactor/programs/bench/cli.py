@@ -32,6 +32,7 @@ SECTIONS: tuple[str, ...] = (
     "fleet",
     "engine-real",
     "index-scale",
+    "summary-attack",
 )
 """Section names, in the order they run; each is the module ``p2pactor.programs.bench.<name>``
 (a ``-`` in the name is a ``_`` in the module's)."""
