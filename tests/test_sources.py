@@ -605,3 +605,27 @@ def test_a_snapshot_over_the_budget_keeps_what_fits_in_bounded_memory() -> None:
             index.work()
     assert index.position("b") == (E1, 0, True)  # the half snapshot was given up
     assert index.strikes("b") == 2
+
+
+def test_a_flood_drops_the_compaction_it_cut_short_with_the_rest() -> None:
+    # A compaction queued behind a delta keeps every removal made meanwhile
+    # for its result; dropped unrun by a flood, it must not keep them for ever.
+    index = SourceIndex(max_queued_bytes=64 * 1024, inline_fps=0)
+    index.add_peer("b", capacity=100_000)
+    index.snapshot("b", E1, 0, part=0, parts=1, fps=[])
+    while index.pending:
+        index.work()
+    index.delta("b", E1, 1, add=range(1, 3000), remove=[])
+    claims = index._peers["b"].summary.claims
+    for _ in range(3000):  # a fingerprint at a time, to the one that makes it due
+        if claims.compacting:
+            break
+        index.work(1)
+    held = index.claims_of("b")
+    assert 1024 < held < 2999  # the rest of the delta waits behind the compaction
+    for seq in range(2, 40):  # 8 KiB each, none applied: a flood
+        index.delta("b", E1, seq, add=range(seq * 1000, seq * 1000 + 1000), remove=[])
+    assert index.floods("b") >= 1
+    assert not claims.compacting
+    index.missed("b", list(range(1, 100)))
+    assert index.claims_of("b") == held - 99

@@ -190,6 +190,15 @@ class ClaimSet:
         """A compaction (the recent adds merged into the array), run by its steps."""
         return Compaction(self)
 
+    @property
+    def compacting(self) -> bool:
+        """Whether a compaction is under way (removals meanwhile are kept for it)."""
+        return self._compacting is not None
+
+    def cancel_compaction(self) -> None:
+        """Give up the compaction under way, if any (its steps will not be run)."""
+        self._compacting = None
+
     def _publish(self, keys: FpArray, live: _Mask, dead: int) -> None:
         # The main array first, the small one after: a reader on another
         # thread that takes the emptied small array finds the new main one.

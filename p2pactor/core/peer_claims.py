@@ -234,6 +234,7 @@ class PeerClaims:
         """Its messages come faster than they are applied: drop them, and ask again."""
         self.floods += 1
         self.strikes += 1
+        self.claims.cancel_compaction()  # it was queued: its steps are dropped with the rest
         self.queue.clear()
         self.queued_bytes = 0
         self.assembly = None
