@@ -94,7 +94,7 @@ class ZmqOptions:
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     redial_delay: float = attrs.field(default=0.05, validator=_not_negative)
     receive_batch: int = attrs.field(default=64, validator=checks.positive_int)
-    receive_slice_s: float = attrs.field(default=0.002, validator=_positive)
+    receive_slice_s: float = attrs.field(default=0.001, validator=_positive)
     batch_io_threads: bool = True
 
 

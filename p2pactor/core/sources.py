@@ -64,9 +64,9 @@ that snapshot's parts (8) and its column (3); and the deltas buffered
 meanwhile (2 on average: a quarter of a fingerprint a claim). A node's
 budget for a peer (less what its queued messages may hold) divided by this
 is how many claims it keeps."""
-SLICE_FPS = 8192
-"""Fingerprints of summary work one :meth:`SourceIndex.work` call does (a few ms)."""
-INLINE_FPS = 2048
+SLICE_FPS = 2048
+"""Fingerprints of summary work one :meth:`SourceIndex.work` call does (under a millisecond)."""
+INLINE_FPS = 1024
 """Fingerprints of a message applied as it arrives, when nothing of its peer waits."""
 MAX_QUARANTINE_DOUBLINGS = 32
 """Quarantines counted for the back-off (it reached its cap long before)."""

@@ -276,8 +276,10 @@ def _notes(
             "honest peer: a p2pactor node looking up 4 preloaded keys 50 times a second, fetching "
             "them and checking every byte; p50/p99 of the lookups, failed = a MISS, a failed fetch "
             f"or a wrong byte; the victim, the honest peer and the hostile process share this "
-            f"machine's {os.cpu_count()} cores, so a hostile peer sending as fast as it can also "
-            "takes CPU from both"
+            f"machine's {os.cpu_count()} cores: the hostile process runs at idle CPU priority "
+            "(SCHED_IDLE), as a peer on another host, so that its own sending takes no CPU from "
+            "the other two (what it costs the victim is what is measured; _summary_hostile "
+            "--own-cpu competes as an ordinary process)"
         ),
         (
             "RSS over the victim's RSS before the hostile peer connected: peak (VmHWM, started "
