@@ -178,6 +178,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         "advertised_keys": 5,
         "index_claims": 7,
         "index_bytes": index_bytes,
+        "index_pending": False,
         "peers": [
             {
                 "peer": b.id,

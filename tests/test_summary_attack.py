@@ -148,8 +148,9 @@ def test_a_peer_registering_a_million_blocks_and_claiming_them_costs_a_bounded_a
     result = arena.attack("register-1m")
     _bounded(result)
     claimed = result.steps[-1].claimed_keys
-    assert claimed is not None
-    assert claimed <= SourceOptions().max_claims_per_peer  # what its budget buys, at most
+    # A valid snapshot, paced as a p2pactor sender paces it, is kept whole
+    # within what the node's budget for the peer buys (1,223,338 claims).
+    assert claimed == min(1_000_000, SourceOptions().max_claims_per_peer)
 
 
 def test_a_peer_registering_four_million_blocks_costs_a_bounded_amount(arena: Arena) -> None:

@@ -59,6 +59,7 @@ class _Sources(NamedTuple):
     counts: DirectoryCounts
     index_claims: int
     index_bytes: int
+    index_pending: bool
     advertised_keys: int
     peers: list[_SourcePeer]
 
@@ -85,6 +86,7 @@ def source_state(node: NodeView) -> _Sources:
         directory.counts,
         len(index),
         index.nbytes,
+        index.pending,
         # Not sharing, the node tells its peers nothing, whatever it may hold.
         len(directory.holdings) if directory.enabled else 0,
         peers,

@@ -261,6 +261,7 @@ def _source_status(node: NodeView) -> dict[str, Any]:
         "advertised_keys": sources.advertised_keys,
         "index_claims": sources.index_claims,
         "index_bytes": sources.index_bytes,
+        "index_pending": sources.index_pending,
         "peers": [
             {
                 "peer": p.peer,

@@ -42,8 +42,8 @@ __all__ = [
 
 HOSTILE = "p2pactor.programs.bench._summary_hostile"
 HONEST = "p2pactor.programs.bench._summary_honest"
-SETTLE_READ_S = 0.25
-"""Two reads of a peer's claims this far apart that agree: the victim has folded them in."""
+SETTLE_READ_S = 0.05
+"""How often the victim's /status is read while it applies a step's summaries."""
 SETTLE_CAP_S = 30.0
 """The longest the victim may take to fold a step's summaries in before it is read anyway."""
 STEP_TIMEOUT_S = 300.0
@@ -324,16 +324,17 @@ def _claimed(victim: Victim, peer: str) -> int | None:
 
 
 def _settled_claims(victim: Victim, peer: str) -> int | None:
-    """``peer``'s claims at ``victim`` once two reads :data:`SETTLE_READ_S` apart agree."""
-    last = _claimed(victim, peer)
+    """``peer``'s claims at ``victim`` once it has applied every summary message it read.
+
+    The victim read them all (the step ended with a lookup it answered after
+    them); it applies them a slice at a time: ``/status`` says while any wait.
+    """
     deadline = time.monotonic() + SETTLE_CAP_S
     while time.monotonic() < deadline:
-        time.sleep(SETTLE_READ_S)
-        now = _claimed(victim, peer)
-        if now == last:
+        if not victim.status().get("sources", {}).get("index_pending", False):
             break
-        last = now
-    return last
+        time.sleep(SETTLE_READ_S)
+    return _claimed(victim, peer)
 
 
 def merge_honest(windows: list[dict[str, Any]]) -> dict[str, Any]:
