@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from p2pactor.core.choice import ChoicePolicy
-from p2pactor.core.sources import BYTES_PER_CLAIM, Resync, SourceIndex, fingerprint
+from p2pactor.core.sources import BYTES_PER_CLAIM, SLICE_FPS, Resync, SourceIndex, fingerprint
+from p2pactor.core.work_budget import WorkBudget
 from p2pactor.errors import ConfigError
 
 E1, E2 = b"epoch-one-16byte", b"epoch-two-16byte"
@@ -629,3 +630,52 @@ def test_a_flood_drops_the_compaction_it_cut_short_with_the_rest() -> None:
     assert not claims.compacting
     index.missed("b", list(range(1, 100)))
     assert index.claims_of("b") == held - 99
+
+
+def test_a_work_budget_refills_at_its_rate_and_bursts_a_tenth_of_a_second() -> None:
+    budget = WorkBudget(1000.0, now=0.0)
+    assert budget.ready(0.0)
+    budget.spend(150, 0.0)  # past the burst (100): it waits
+    assert not budget.ready(0.0)
+    assert budget.ready_at(0.0) == pytest.approx(0.051)  # back above zero
+    assert budget.ready(0.051)
+    budget.spend(10**6, 1.0)
+    assert budget.ready_at(1.0) == pytest.approx(1.0 + (10**6 - 100 + 1) / 1000)
+    unlimited = WorkBudget(None)
+    unlimited.spend(10**9, 0.0)
+    assert unlimited.ready(0.0)
+    assert budget.ready(None)  # no time said: no limit
+
+
+def test_a_peer_past_its_work_budget_waits_and_the_others_go_on() -> None:
+    # 10,000 fingerprints a second: a delta of 20,000 takes seconds to apply,
+    # a slice at a time; another peer's messages are applied meanwhile.
+    index = SourceIndex(work_fps_per_s=10_000, inline_fps=0)
+    for peer in ("hog", "other"):
+        index.add_peer(peer, capacity=100_000)
+        index.snapshot(peer, E1, 0, part=0, parts=1, fps=[], now=0.0)
+    index.work(now=0.0)
+    index.work(now=0.0)
+    index.delta("hog", E1, 1, add=range(1, 20_001), remove=[], now=0.0)
+    for _ in range(10):
+        index.work(now=0.0)
+    assert index.claims_of("hog") <= 1_000 + SLICE_FPS  # its burst, and a slice past it
+    index.delta("other", E1, 1, add=[10**9], remove=[], now=0.0)
+    ready = index.ready_at(0.0)
+    assert ready is not None
+    assert ready == 0.0  # the other peer's work may go on now
+    index.work(now=0.0)
+    index.work(now=0.0)
+    assert index.claimed_by(10**9) == {"other"}
+    assert index.ready_at(0.0) is not None
+    assert index.ready_at(0.0) > 0.0  # only the hog waits, for its budget
+    now = 0.0
+    while index.pending:
+        ready = index.ready_at(now)
+        assert ready is not None
+        now = max(now, ready)
+        index.work(now=now)
+    assert index.claims_of("hog") == 20_000
+    # 20,000 applied at 10,000 a second, less its first burst, and the
+    # compactions they made (merging counts for an eighth of applying).
+    assert (20_000 - 1_000) / 10_000 <= now < 5.0

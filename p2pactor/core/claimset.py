@@ -215,12 +215,14 @@ class Compaction:
     truncation) meanwhile cancels it (the next one starts over).
     """
 
-    __slots__ = ("_claims", "_merge", "removed")
+    __slots__ = ("_claims", "_merge", "removed", "work")
 
     def __init__(self, claims: ClaimSet) -> None:
         self._claims = claims
         self._merge: Merge | None = None  # made by the first step: the mask is O(claims)
         self.removed: list[FpArray] = []
+        self.work = 0
+        """Fingerprints its last step went over (masked, or merged)."""
         claims._compacting = self
 
     @property
@@ -231,6 +233,7 @@ class Compaction:
     def step(self, most: int) -> bool:
         """Merge the next ``most`` or so; whether it is over (done, or cancelled)."""
         claims = self._claims
+        self.work = 0
         if self.cancelled:
             return True
         merge = self._merge
@@ -238,8 +241,9 @@ class Compaction:
             keys, live = claims._sorted
             kept = keys[live] if claims._dead else keys
             merge = self._merge = Merge(kept, claims._extra)
+            self.work = len(keys)
             return False
-        merge.step(most)
+        self.work = merge.step(most)
         if not merge.done:
             return False
         claims._compacting = None

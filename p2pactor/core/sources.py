@@ -27,6 +27,8 @@ from p2pactor.core.choice import Choice, ChoicePolicy, Claim
 from p2pactor.core.claimfilter import ClaimFilter
 from p2pactor.core.fparrays import Fingerprints, as_fps
 from p2pactor.core.peer_claims import Incoming, PeerClaims, Resync
+from p2pactor.core.peer_trust import PeerTrust
+from p2pactor.core.work_budget import WorkBudget
 
 __all__ = [
     "BYTES_PER_CLAIM",
@@ -68,31 +70,17 @@ SLICE_FPS = 2048
 """Fingerprints of summary work one :meth:`SourceIndex.work` call does (under a millisecond)."""
 INLINE_FPS = 1024
 """Fingerprints of a message applied as it arrives, when nothing of its peer waits."""
-MAX_QUARANTINE_DOUBLINGS = 32
-"""Quarantines counted for the back-off (it reached its cap long before)."""
 
 
-class _Peer:
-    """One peer's summary and record (mutable: the index owns it alone)."""
+class _Peer(PeerTrust):
+    """One peer's summary, work budget and trust (mutable: the index owns it alone)."""
 
-    __slots__ = (
-        "failed_fetches",
-        "in_flight",
-        "precision",
-        "probed",
-        "quarantined_until",
-        "quarantines",
-        "summary",
-    )
+    __slots__ = ("budget", "summary")
 
-    def __init__(self, summary: PeerClaims) -> None:
+    def __init__(self, summary: PeerClaims, budget: WorkBudget) -> None:
+        super().__init__()
         self.summary = summary
-        self.precision = 1.0
-        self.probed = 0
-        self.in_flight = 0
-        self.failed_fetches = 0  # in a row
-        self.quarantines = 0
-        self.quarantined_until = 0.0
+        self.budget = budget  # how much of the node's thread its summaries may take
 
 
 class SourceIndex:
@@ -109,6 +97,10 @@ class SourceIndex:
         policy: How claims are trusted and when a lookup is worth it.
         max_queued_bytes: What one peer's messages not applied yet may hold.
         inline_fps: Work a message may take as it arrives (none of its peer's waits).
+        work_fps_per_s: Fingerprints of one peer's summaries applied a second,
+            at most (None: no limit). Its messages wait past it, and are
+            dropped as a flood once they hold ``max_queued_bytes``. The
+            limit counts only where the caller says the time (``now``).
     """
 
     def __init__(
@@ -117,10 +109,12 @@ class SourceIndex:
         *,
         max_queued_bytes: int = 4 << 20,
         inline_fps: int = INLINE_FPS,
+        work_fps_per_s: float | None = None,
     ) -> None:
         self.policy = policy or ChoicePolicy()
         self.max_queued_bytes = max_queued_bytes
         self.inline_fps = inline_fps
+        self.work_fps_per_s = work_fps_per_s
         self._peers: dict[str, _Peer] = {}
         self._filter = ClaimFilter()
         self._columns: dict[int, str] = {}  # the filter's column -> its peer
@@ -247,7 +241,7 @@ class SourceIndex:
         if found is None:
             column = self._filter.open()
             summary = PeerClaims(peer, capacity, self._filter, column, self.max_queued_bytes)
-            found = self._peers[peer] = _Peer(summary)
+            found = self._peers[peer] = _Peer(summary, WorkBudget(self.work_fps_per_s))
             self._columns[column] = peer
         else:
             found.summary.cut(capacity)
@@ -267,18 +261,25 @@ class SourceIndex:
     # --- summaries --------------------------------------------------------------------
 
     def delta(
-        self, peer: str, epoch: bytes, seq: int, add: Fingerprints, remove: Fingerprints
+        self,
+        peer: str,
+        epoch: bytes,
+        seq: int,
+        add: Fingerprints,
+        remove: Fingerprints,
+        *,
+        now: float | None = None,
     ) -> Resync | None:
         """``peer``'s delta number ``seq``: applied in turn; a Resync to send if it asks one.
 
-        Applied at once if it is small and nothing of the peer's waits;
-        otherwise by :meth:`work`.
+        Applied at once if it is small and nothing of the peer's waits (and,
+        at ``now``, its work budget allows); otherwise by :meth:`work`.
         """
         found = self._peers.get(peer)
         if found is None:
             return None  # no session: nothing to keep it for
         summary = found.summary
-        return self._received(summary, summary.delta(epoch, seq, add, remove))
+        return self._received(found, summary.delta(epoch, seq, add, remove), now)
 
     def snapshot(
         self,
@@ -289,6 +290,7 @@ class SourceIndex:
         part: int,
         parts: int,
         fps: Fingerprints,
+        now: float | None = None,
     ) -> Resync | None:
         """Part ``part`` of ``parts`` of ``peer``'s snapshot as of ``upto_seq``, applied in turn.
 
@@ -302,48 +304,61 @@ class SourceIndex:
         if found is None:
             return None
         summary = found.summary
-        return self._received(summary, summary.part(epoch, upto_seq, part, parts, fps))
+        return self._received(found, summary.part(epoch, upto_seq, part, parts, fps), now)
 
-    def _received(self, summary: PeerClaims, message: Incoming) -> Resync | None:
+    def _received(self, found: _Peer, message: Incoming, now: float | None) -> Resync | None:
+        summary = found.summary
         first = not summary.pending
         resync = summary.receive(message)
-        if first:
-            resync = self._run(summary, self.inline_fps) or resync
+        if first and found.budget.ready(now):
+            resync = self._run(found, self.inline_fps, now) or resync
         if summary.pending and summary.peer not in self._busy:
             self._busy.append(summary.peer)
         return resync
 
     @property
     def pending(self) -> bool:
-        """Whether summary messages wait for :meth:`work`."""
+        """Whether summary messages wait for :meth:`work` (now, or once a budget allows)."""
         return bool(self._busy)
 
-    def work(self, most: int = SLICE_FPS) -> list[Resync]:
+    def ready_at(self, now: float) -> float | None:
+        """When :meth:`work` has work it may do: ``now``, later (budgets), or None (none waits)."""
+        peers = self._peers
+        times = [peers[p].budget.ready_at(now) for p in self._busy if p in peers]
+        return min(times, default=None)
+
+    def work(self, most: int = SLICE_FPS, now: float | None = None) -> list[Resync]:
         """Apply about ``most`` fingerprints of the next waiting peer's messages.
 
         Peers take turns, a call each: one that sends a lot never holds up
-        the others. Returns the resyncs to send.
+        the others, and one past its work budget at ``now`` waits for it
+        (:meth:`ready_at`). Returns the resyncs to send.
         """
         busy = self._busy
-        while busy:
+        for _ in range(len(busy)):
             peer = busy.popleft()
             found = self._peers.get(peer)
             if found is None or not found.summary.pending:
                 continue
-            resync = self._run(found.summary, most)
+            if not found.budget.ready(now):
+                busy.append(peer)
+                continue
+            resync = self._run(found, most, now)
             if found.summary.pending:
                 busy.append(peer)
             return [] if resync is None else [resync]
         return []
 
-    def _run(self, summary: PeerClaims, most: int) -> Resync | None:
-        """Up to ``most`` of ``summary``'s waiting work; the last resync it asked."""
+    def _run(self, found: _Peer, most: int, now: float | None) -> Resync | None:
+        """Up to ``most`` of a peer's waiting work; the last resync it asked."""
+        summary = found.summary
         resync = None
         used = 0
         while used < most and summary.pending:
             done, asked = summary.step(most - used)
             used += done
             resync = asked or resync
+        found.budget.spend(used, now)
         return resync
 
     def missed(self, peer: str, fps: Fingerprints) -> None:
@@ -447,19 +462,11 @@ class SourceIndex:
 
         A failed lookup (no answer) is ``held=0``; so is a HIT whose fetch the
         peer then failed. Updates the peer's precision and quarantines it when
-        too few of its claims hold. Scores that come during a quarantine count
-        for nothing: the burst that caused it is one quarantine, not several.
+        too few of its claims hold (:class:`~p2pactor.core.peer_trust.PeerTrust`).
         """
         found = self._peers.get(peer)
-        if found is None or claimed <= 0 or now < found.quarantined_until:
-            return
-        policy = self.policy
-        keep = (1.0 - policy.precision_weight) ** claimed
-        share = max(0, min(held, claimed)) / claimed
-        found.precision = found.precision * keep + share * (1.0 - keep)
-        found.probed += claimed
-        if found.probed >= policy.min_probed_keys and found.precision < policy.min_precision:
-            self._quarantine(peer, found, now)
+        if found is not None and found.score(claimed, held, now, self.policy):
+            self._excluded = self._excluded | {peer}
 
     def fetches_ended(self, peer: str, *, delivered: int, failed: int, now: float) -> None:
         """Fetches of ``peer``'s hits for one request ended: ``delivered`` did, ``failed`` not.
@@ -469,20 +476,5 @@ class SourceIndex:
         few keys each carried.
         """
         found = self._peers.get(peer)
-        if found is None or now < found.quarantined_until:
-            return
-        if delivered:
-            found.failed_fetches = 0
-        found.failed_fetches += failed
-        if found.failed_fetches >= self.policy.max_failed_fetches:
-            self._quarantine(peer, found, now)
-
-    def _quarantine(self, peer: str, found: _Peer, now: float) -> None:
-        policy = self.policy
-        doublings = min(found.quarantines, MAX_QUARANTINE_DOUBLINGS)
-        span = min(policy.max_quarantine_s, policy.quarantine_s * 2.0**doublings)
-        found.quarantines += 1
-        found.quarantined_until = now + span
-        self._excluded = self._excluded | {peer}
-        # After the quarantine it starts over, with the back-off remembered.
-        found.precision, found.probed, found.failed_fetches = 1.0, 0, 0
+        if found is not None and found.fetches_ended(delivered, failed, now, self.policy):
+            self._excluded = self._excluded | {peer}

@@ -113,7 +113,11 @@ class SourceDirectory:
     ) -> None:
         self.options = options
         self.holdings = Holdings(capacity, epoch=os.urandom(_EPOCH_BYTES), options=options.summary)
-        self.index = SourceIndex(options.choice, max_queued_bytes=options.max_queued_bytes_per_peer)
+        self.index = SourceIndex(
+            options.choice,
+            max_queued_bytes=options.max_queued_bytes_per_peer,
+            work_fps_per_s=options.peer_work_fps_per_s,
+        )
         self.counts = DirectoryCounts()
         self.auto: dict[RequestActor, AutoProbe] = {}
         self._timers = timers
@@ -290,11 +294,19 @@ class SourceDirectory:
         match msg:
             case wire.KvsumDelta():
                 self.counts.bytes_received += len(msg.add) + len(msg.remove)
-                resync = index.delta(peer, msg.epoch, msg.seq, msg.add, msg.remove)
+                resync = index.delta(
+                    peer, msg.epoch, msg.seq, msg.add, msg.remove, now=self._clock()
+                )
             case wire.KvsumSnapshot():
                 self.counts.bytes_received += len(msg.fps)
                 resync = index.snapshot(
-                    peer, msg.epoch, msg.upto_seq, part=msg.part, parts=msg.parts, fps=msg.fps
+                    peer,
+                    msg.epoch,
+                    msg.upto_seq,
+                    part=msg.part,
+                    parts=msg.parts,
+                    fps=msg.fps,
+                    now=self._clock(),
                 )
             case wire.KvsumResync():
                 self.parts.asked(peer, self._clock())
@@ -312,14 +324,23 @@ class SourceDirectory:
 
         Between two slices the node's other tasks run: a peer that sends a
         snapshot of a million keys, or deltas as fast as it can, costs
-        everyone else at most a slice's wait, and peers take turns.
+        everyone else at most a slice's wait, and peers take turns. A peer
+        past its work budget (``SourceOptions.peer_work_fps_per_s``) waits
+        for it, while the others go on.
         """
         index = self.index
         while True:
             await self._work_wanted.wait()
             self._work_wanted = trio.Event()
-            while index.pending:
-                for resync in index.work():
+            while (ready := index.ready_at(now := self._clock())) is not None:
+                if ready > now:
+                    # Every peer with work waits for its budget: until the first
+                    # may go on, or a message of another peer comes.
+                    with trio.move_on_at(ready):
+                        await self._work_wanted.wait()
+                    self._work_wanted = trio.Event()
+                    continue
+                for resync in index.work(now=now):
                     self._resync(resync)
                 await trio.lowlevel.checkpoint()
 

@@ -9,7 +9,7 @@ does with them. See ``docs/sources.md``.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
 import attrs
 
@@ -19,6 +19,15 @@ from p2pactor.core.holdings import SummaryOptions
 from p2pactor.core.sources import BYTES_PER_CLAIM
 
 __all__ = ["DEFAULT_SOURCES", "SourceOptions"]
+
+
+_positive_rate = checks.positive(finite=True)
+
+
+def _rate(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    """A positive finite rate, or None (no limit)."""
+    if value is not None:
+        _positive_rate(instance, attribute, value)
 
 
 @attrs.frozen(kw_only=True)
@@ -58,6 +67,13 @@ class SourceOptions:
             :attr:`max_claims_per_peer` of them (logged once), and claims
             past it are cut and struck. 64 MiB keeps 1,223,338 claims and
             8 MiB of waiting messages.
+        peer_work_fps_per_s: Fingerprints of one peer's summaries this node
+            applies a second, at most (about a quarter of a microsecond each:
+            500,000 is an eighth of its thread); past it the peer's messages
+            wait, and are dropped as a flood once they fill its share of the
+            budget. An honest peer's deltas are tens of thousands of changes
+            a second at most, its snapshot of a million keys two seconds. None:
+            no limit.
     """
 
     share: bool = attrs.field(default=True, validator=checks.instance_of(bool))
@@ -72,6 +88,7 @@ class SourceOptions:
     refresh_s: float = attrs.field(default=300.0, validator=checks.non_negative(finite=True))
     resync_interval_s: float = attrs.field(default=1.0, validator=checks.non_negative(finite=True))
     peer_budget_bytes: int = attrs.field(default=64 << 20, validator=checks.positive_int)
+    peer_work_fps_per_s: float | None = attrs.field(default=500_000.0, validator=_rate)
 
     @property
     def max_queued_bytes_per_peer(self) -> int:
