@@ -579,38 +579,28 @@ def test_a_missing_file_raises_file_not_found(tmp_path: Path) -> None:
         read_log(tmp_path / "missing.log")
 
 
+def _lookup(kv_request_id: str, keys: tuple[bytes, ...]) -> ev.LookupReceived:
+    return ev.LookupReceived(
+        actor=ActorId(Role.PRODUCER, "p", kv_request_id),
+        seq=1,
+        at=0.0,
+        lookup_id=0,
+        round_seq=0,
+        keys=keys,
+        deadline=5.0,
+    )
+
+
 def test_the_ring_keeps_fewer_events_when_they_hold_many_keys() -> None:
     # Issue 30: a hostile peer's largest lookups (65,536 keys each) kept by
     # count alone held hundreds of MiB after their requests ended.
     log = EventLog("n", keep=1_000)
     keys = tuple(i.to_bytes(36, "big") for i in range(65_536))
-    big = [
-        ev.LookupReceived(
-            actor=ActorId(Role.PRODUCER, "p", f"r{i}"),
-            seq=1,
-            at=0.0,
-            lookup_id=0,
-            round_seq=0,
-            keys=keys,
-            deadline=5.0,
-        )
-        for i in range(10)
-    ]
+    big = [_lookup(f"r{i}", keys) for i in range(10)]
     log.append(big)
     held = log.recent()
     assert held == big[-(RING_KEYS // len(keys)) :]  # the newest that fit the bound
     assert sum(len(e.keys) for e in held) <= RING_KEYS
-    small = [
-        ev.LookupReceived(
-            actor=ActorId(Role.PRODUCER, "p", f"s{i}"),
-            seq=1,
-            at=0.0,
-            lookup_id=0,
-            round_seq=0,
-            keys=keys[:1],
-            deadline=5.0,
-        )
-        for i in range(1_000)
-    ]
+    small = [_lookup(f"s{i}", keys[:1]) for i in range(1_000)]
     log.append(small)
     assert log.recent() == small  # the big ones gave way; the count bound holds as before
