@@ -149,6 +149,7 @@ class HostileSummaries(RuleBasedStateMachine):
     @rule(parts=st.integers(1, 3))
     def honest_snapshot(self, parts: int) -> None:
         held = sorted(self.held)
+        floods = self.index.floods("honest")
         for part in range(parts):
             msg = through_the_codec(
                 "kvsum_snapshot",
@@ -160,7 +161,8 @@ class HostileSummaries(RuleBasedStateMachine):
             )
             assert msg is not None
             self._feed("honest", msg)
-        self.synced = True
+        # Whole unless a flood dropped some of its parts (then a later one must repair it).
+        self.synced = self.index.floods("honest") == floods
 
     # --- the node's task ------------------------------------------------------------------
 
