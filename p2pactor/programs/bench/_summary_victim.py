@@ -14,6 +14,7 @@ long ``/status`` took to answer.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import queue
 import subprocess
@@ -30,6 +31,7 @@ from p2pactor.programs.bench._control_common import child_env, module_command, p
 
 __all__ = [
     "AttackHarnessError",
+    "ChildLines",
     "Monitor",
     "Victim",
     "VictimSettings",
@@ -49,6 +51,60 @@ FRESH_READ_S = 10.0
 
 class AttackHarnessError(RuntimeError):
     """A process of the summary-attack harness failed or hung; the message says where to look."""
+
+
+class ChildLines:
+    """A helper process whose stdout lines a thread queues, to be read with a timeout.
+
+    Its stderr goes to a file (its tail names what went wrong); ``env``: extra variables.
+    """
+
+    def __init__(
+        self, command: list[str], stderr: Path, *, stdin: bool = False, **env: str
+    ) -> None:
+        self.stderr = stderr
+        with stderr.open("w") as err:
+            self.proc = subprocess.Popen(  # noqa: S603 - our own helper module or command
+                command,
+                stdin=subprocess.PIPE if stdin else None,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=child_env(**env),
+            )
+        self.pid = self.proc.pid
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
+
+    def next_line(self, deadline: float) -> str | None:
+        """Its next line by ``deadline`` (monotonic); None once it exited.
+
+        Raises:
+            queue.Empty: It said nothing more by then.
+        """
+        return self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+
+    def why(self) -> str:
+        """What its stderr ends with (for an error message)."""
+        try:
+            return self.stderr.read_text(errors="replace")[-2000:].strip()
+        except OSError:
+            return ""
+
+    def reap(self) -> None:
+        """Once it exited: read its output to the end, and close its pipes."""
+        self._reader.join(timeout=10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
 
 
 def serve_has_slow_step() -> bool:
@@ -105,40 +161,20 @@ class Victim:
         argv += ["--metrics-port", str(s.metrics_port)]
         if s.slow_step_ms is not None:
             argv += ["--slow-step-ms", f"{s.slow_step_ms:g}"]
-        self.stderr = stderr
-        with stderr.open("w") as err:
-            self.proc = subprocess.Popen(  # noqa: S603 - our own command line
-                module_command("p2pactor", *argv),
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=child_env(),
-            )
-        self.pid = self.proc.pid
+        self.child = ChildLines(module_command("p2pactor", *argv), stderr)
+        self.proc, self.pid, self.stderr = self.child.proc, self.child.pid, stderr
         self.url = f"http://127.0.0.1:{s.metrics_port}/status"
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line.strip())
-        self._lines.put(None)
 
     def why(self) -> str:
         """What its stderr ends with (for an error message)."""
-        try:
-            return self.stderr.read_text(errors="replace")[-2000:].strip()
-        except OSError:
-            return ""
+        return self.child.why()
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Wait until it serves (its ``p2pactor node ... serving`` line) and ``/status`` answers."""
         deadline = time.monotonic() + timeout
         while True:
             try:
-                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+                line = self.child.next_line(deadline)
             except queue.Empty:
                 raise AttackHarnessError(
                     f"p2pactor serve did not start in {timeout:g} s; its stderr is in "
@@ -223,9 +259,7 @@ class Victim:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._reader.join(timeout=10)  # it reads to the end of the dead process's output
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        self.child.reap()
 
 
 @attrs.frozen(kw_only=True)
