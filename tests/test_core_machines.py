@@ -539,11 +539,13 @@ class ProducerMachine(RuleBasedStateMachine):
         # admitted prefix, hits over the pin budget) are answered MISS and
         # never pinned; a refused fetch writes nothing and its round fails.
         never: dict[int, set[bytes]] = {}
+        admitted: dict[int, int] = {}
         refused_rounds: set[int] = set()
         for e in self.h.log:
             match e:
                 case ev.LookupLimited():
                     never[e.lookup_id] = set(e.keys[e.admitted :]) - set(e.keys[: e.admitted])
+                    admitted[e.lookup_id] = e.admitted
                 case ev.KeysRefused():
                     never.setdefault(e.lookup_id, set()).update(e.keys)
                 case ev.KeysPinned():
@@ -551,6 +553,12 @@ class ProducerMachine(RuleBasedStateMachine):
                 case ev.LookupAnswered():
                     for k, hit in zip(e.keys, e.hits, strict=True):
                         assert not (hit and k in never.get(e.lookup_id, set()))
+                    # Every key past the admitted prefix, a repeat of an
+                    # admitted one included, is a refused MISS.
+                    prefix = admitted.get(e.lookup_id, len(e.keys))
+                    assert not any(e.hits[prefix:])
+                    if prefix < len(e.keys):
+                        assert all(e.refused[prefix:])
                 case ev.FetchRefused():
                     refused_rounds.add(e.round_seq)
                 case ev.TransferStarted():

@@ -135,12 +135,13 @@ class TestCoreRefusals:
         assert list(h.cache.pins.values()) == [(key(1), key(2))]
         (resp,) = h.sent_of(wire.LookupResp)
         assert isinstance(resp, wire.LookupResp)
-        # every key answered, in wire order: the admitted prefix (and its
-        # duplicate) as found, the rest MISS although key 3 is stored
+        # every key answered, in wire order: the admitted prefix as found, the
+        # rest MISS although key 3 is stored, and so is key 1 past the prefix
+        # (the keys past the quota are never looked at one by one)
         assert resp.keys == msg.keys
-        assert resp.hits == (True, True, True, False, False)
+        assert resp.hits == (True, True, False, False, False)
         # The keys not looked up are refusals, not MISSes of what it lacks.
-        assert resp.refused == (False, False, False, True, True)
+        assert resp.refused == (False, False, True, True, True)
         h.fetch([key(1), key(2)], [0, 1])
         h.complete_all()
         assert h.sent_of(wire.TransferDone)[-1].success  # type: ignore[attr-defined]

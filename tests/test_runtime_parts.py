@@ -162,7 +162,7 @@ CORE_RECORDS = [
     ConsumerState.new(CONSUMER),
     Load(job_id=1, deadline=2.0),
     ProducerState.new(ActorId(Role.PRODUCER, "p:1", "req", 0)),
-    ActiveLookup(lookup_id=1, round_seq=0, keys=(b"k",), deadline=5.0),
+    ActiveLookup(lookup_id=1, round_seq=0, keys=(b"k",), admitted=1, deadline=5.0),
     RoundState(round_seq=3),
     PinJob(job_id=1, round_seq=0, keys=(b"k",), blocks=(1,), expires_at=9.0),
     CONSUMER,

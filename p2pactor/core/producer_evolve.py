@@ -151,15 +151,13 @@ def _evolve_lookup_opened(
     s: ProducerState, e: ev.LookupReceived | ev.LookupLimited, admitted: int
 ) -> ProducerState:
     """Open a lookup whose first ``admitted`` keys go to the parent; the rest answer MISS."""
-    asked = frozenset(e.keys[:admitted])
     lookup = ActiveLookup(
         lookup_id=e.lookup_id,
         round_seq=e.round_seq,
         keys=e.keys,
+        admitted=admitted,
         deadline=e.deadline,
-        resolved={k: False for k in e.keys[admitted:] if k not in asked},
-        pending=asked,
-        refused=frozenset(k for k in e.keys[admitted:] if k not in asked),
+        pending=frozenset(e.keys[:admitted]),
     )
     rnd = replace(_round(s, e.round_seq), lookup_supplied=True)
     return replace(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
@@ -132,13 +134,15 @@ def _answer_at_once(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Ti
             resolved[key] = False
         else:
             return False  # still pending: asked again later
+    hits, refused = _answers(lookup, resolved, frozenset())
     b.emit(
         ev.LookupAnswered(
             **b.head,
             lookup_id=lookup.lookup_id,
             round_seq=lookup.round_seq,
             keys=lookup.keys,
-            hits=tuple(resolved[k] for k in lookup.keys),
+            hits=hits,
+            refused=refused,
             resolved=True,
             pinned=None
             if pin is None
@@ -155,7 +159,28 @@ def _answer_at_once(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Ti
 
 def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:
     """The lookup's pending keys in wire order, once each."""
-    return tuple(k for k in dict.fromkeys(lookup.keys) if k in lookup.pending)
+    pending = lookup.pending
+    return tuple(k for k in dict.fromkeys(lookup.keys[: lookup.admitted]) if k in pending)
+
+
+def _answers(
+    lookup: ActiveLookup, resolved: Mapping[bytes, bool], refused: frozenset[bytes]
+) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """The answer's hits and refusals, each parallel to the lookup's keys.
+
+    ``refused`` (keys the pin budget refused) is empty when no admitted key's
+    MISS is a refusal. Every key past the admitted prefix answers MISS refused,
+    whatever it is: those keys are never looked at one by one, as a lookup may
+    carry 65,536 of them, and what they cost must stay far below what the
+    quota admits.
+    """
+    keys, admitted = lookup.keys, lookup.admitted
+    if admitted >= len(keys):
+        flags = tuple([k in refused for k in keys]) if refused else ()
+        return tuple([resolved[k] for k in keys]), flags
+    head, beyond = keys[:admitted], len(keys) - admitted
+    hits = tuple([resolved[k] for k in head]) + (False,) * beyond
+    return hits, tuple([k in refused for k in head]) + (True,) * beyond
 
 
 def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> None:
@@ -233,15 +258,15 @@ def _settle_lookup(b: _B, lookup_id: int) -> None:
 
 def _answer(b: _B, lookup: ActiveLookup) -> None:
     """Send the lookup's one answer, keys in wire order, duplicates included."""
-    refused = lookup.refused
+    hits, refused = _answers(lookup, lookup.resolved, lookup.refused)
     b.emit(
         ev.LookupAnswered(
             **b.head,
             lookup_id=lookup.lookup_id,
             round_seq=lookup.round_seq,
             keys=lookup.keys,
-            hits=tuple(lookup.resolved[k] for k in lookup.keys),
-            refused=tuple(k in refused for k in lookup.keys) if refused else (),
+            hits=hits,
+            refused=refused,
         )
     )
 

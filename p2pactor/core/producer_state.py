@@ -46,6 +46,11 @@ class ActiveLookup(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     round_seq: int
     keys: tuple[bytes, ...]
     """In wire order, duplicates included."""
+    admitted: int
+    """How many of ``keys``, from the first, are looked up; the others are over
+    the peer's keys-per-lookup quota and answer MISS (a refusal), even one that
+    repeats an admitted key. No state is kept per key past them, so that a
+    lookup's cost follows what the quota admits, not what the peer sent."""
     deadline: float
     """When pending keys are answered MISS."""
     resolved: Mapping[bytes, bool] = msgspec.field(default_factory=dict)
@@ -62,7 +67,8 @@ class ActiveLookup(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     dropped: bool = False
     """The request closed; no answer will be sent."""
     refused: frozenset[bytes] = frozenset()
-    """Keys answered MISS because the peer is over a quota (not because we lack them)."""
+    """Admitted keys answered MISS because the peer is over its pinned-blocks quota
+    (not because we lack them)."""
 
 
 class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -93,14 +93,16 @@ class _Peer:
 
 
 class _Keys:
-    """A producer lookup's keys that were ever pending, that expired, that were refused."""
+    """A producer lookup's keys that were ever pending, and that expired.
 
-    __slots__ = ("expired", "pending", "refused")
+    Refusals need no table: the answer itself flags them (``LookupAnswered.refused``).
+    """
+
+    __slots__ = ("expired", "pending")
 
     def __init__(self) -> None:
         self.pending: set[bytes] = set()
         self.expired: set[bytes] = set()
-        self.refused: set[bytes] = set()
 
 
 class _Open:

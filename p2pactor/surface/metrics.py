@@ -345,9 +345,6 @@ class NodeMetrics:
     def _lookup_limited(self, event: ev.LookupLimited) -> None:
         self._peer(event.actor.peer).served_lookups += 1
         self._refused(event.actor.peer, "keys_per_lookup")
-        if event.admitted < len(event.keys):
-            refused = self._track(event.actor).keys_of(event.lookup_id).refused
-            refused.update(event.keys[event.admitted :])
 
     def _lookup_refused(self, event: ev.LookupRefused) -> None:
         peer = self._peer(event.actor.peer)
@@ -357,7 +354,6 @@ class NodeMetrics:
 
     def _keys_refused(self, event: ev.KeysRefused) -> None:
         self._refused(event.actor.peer, event.quota.value)
-        self._track(event.actor).keys_of(event.lookup_id).refused.update(event.keys)
 
     def _fetch_refused(self, event: ev.FetchRefused) -> None:
         self._refused(event.actor.peer, event.quota.value)
@@ -377,15 +373,20 @@ class NodeMetrics:
         served = self._peer(event.actor.peer).served
         track = self._open.get(event.actor)
         unusual = None if track is None else track.pop_lookup(event.lookup_id)
+        # The answer says which MISSes are a quota's refusals: summed in C, as a
+        # lookup over the keys-per-lookup quota may answer 65,536 keys.
+        refused = sum(event.refused)
         if unusual is None:
-            hits = sum(event.hits)  # the common case: no key was ever pending or refused
+            hits = sum(event.hits)  # the common case: no key was ever pending
             served["hit"] += hits
-            served["miss"] += len(event.hits) - hits
+            served["refused"] += refused
+            served["miss"] += len(event.hits) - hits - refused
             return
-        for key, hit in zip(event.keys, event.hits, strict=True):
+        flags = event.refused or (False,) * len(event.keys)
+        for key, hit, no in zip(event.keys, event.hits, flags, strict=True):
             if hit:
                 served["pending_resolved" if key in unusual.pending else "hit"] += 1
-            elif key in unusual.refused:
+            elif no:
                 served["refused"] += 1
             elif key in unusual.expired:
                 served["pending_expired"] += 1
