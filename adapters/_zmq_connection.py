@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 
 import attrs
@@ -13,6 +14,7 @@ from zmq.utils.monitor import parse_monitor_message
 from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _handshake_failure
 from p2pactor.adapters._zmq_options import ZmqOptions, log
 from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor
+from p2pactor.core.protocol import Frame
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
@@ -57,8 +59,14 @@ class ZmqConnection:
         self._monitor = monitor
         self._inbound = inbound
         self._capacity = owner.options.inbound_queue
-        self._frames_in, self._frames_out = trio.open_memory_channel[bytes](self._capacity)
+        self._frames_in, self._frames_out = trio.open_memory_channel[Frame](self._capacity)
         self._queued_bytes = 0
+        # Frames read for the attached receiver and not handed to it yet: the
+        # ROUTER task reads ahead of what it hands over, so that the peer's
+        # backlog is here, counted in bytes, not in libzmq, counted in frames.
+        self._unhandled: deque[Frame] = deque()
+        self._unhandled_bytes = 0
+        self._in_turn = False  # the ROUTER task has it among the connections to hand frames to
         self._dead_reason: str | None = None
         self._reached = False  # the ZeroMQ handshake with the peer completed
         self._claimed = False  # connect() or accept() handed it out
@@ -170,6 +178,12 @@ class ZmqConnection:
         """
         self._receiver = None
         if receiver is None:
+            # Frames read for the old receiver wait for the next, before later ones.
+            while self._unhandled:
+                frame = self._unhandled.popleft()
+                self._unhandled_bytes -= len(frame)
+                if not self._buffer(frame):
+                    break  # it died of it, which dropped the rest
             return
         while True:
             try:
@@ -182,7 +196,7 @@ class ZmqConnection:
         if self._dead_reason is not None:
             self._tell_lost()
 
-    def _hand(self, receiver: FrameReceiver, frame: bytes) -> None:
+    def _hand(self, receiver: FrameReceiver, frame: Frame) -> None:
         try:
             receiver.frame_received(frame)
         except Exception:  # the receiver's bug must not take the ROUTER (every peer) down
@@ -208,7 +222,7 @@ class ZmqConnection:
             extra=peer_context(self._peer_id, node=self._owner.local_id),
         )
 
-    async def receive(self) -> bytes:
+    async def receive(self) -> Frame:
         """Wait for the peer's next frame (while no receiver is attached).
 
         Any number of tasks may wait at once; each frame goes to one of them.
@@ -241,19 +255,42 @@ class ZmqConnection:
     def _lost(self) -> ConnectionLost:
         return ConnectionLost(self._dead_reason or "connection closed")
 
-    def _deliver(self, frame: bytes) -> bool:
-        """Hand a frame from the peer to the receiver, or queue it for :meth:`receive`.
+    def _deliver(self, frame: Frame) -> bool:
+        """Take a frame from the peer: for the receiver, or queued for :meth:`receive`.
 
-        Called by the ROUTER task. Returns whether it was taken; a frame that
-        does not fit the queue kills the connection (the peer floods us) and is
-        dropped.
+        Called by the ROUTER task, which then hands frames to the receiver in
+        turn with other connections' (:meth:`_hand_next`). Returns whether it
+        was taken. A frame that does not fit kills the connection and is
+        dropped: the peer sends faster than we handle what it sends, and more
+        than ``inbound_bytes`` of it wait.
         """
+        if self._dead_reason is not None:
+            return False
+        if self._receiver is None:
+            return self._buffer(frame)
+        most = self._owner.options.inbound_bytes
+        if self._unhandled and self._unhandled_bytes + len(frame) > most:
+            self._die(
+                f"{self._peer_id} flooded us: more than {most} bytes received and not yet handled"
+            )
+            return False
+        self._unhandled.append(frame)
+        self._unhandled_bytes += len(frame)
+        return True
+
+    def _hand_next(self) -> bool:
+        """Hand the oldest frame read for the receiver to it; whether more wait."""
+        if not self._unhandled:
+            return False
+        frame = self._unhandled.popleft()
+        self._unhandled_bytes -= len(frame)
         receiver = self._receiver
-        if receiver is not None:
-            if self._dead_reason is not None:
-                return False
+        if receiver is not None:  # attach(None) moves what waits to the queue
             self._hand(receiver, frame)
-            return True
+        return bool(self._unhandled)
+
+    def _buffer(self, frame: Frame) -> bool:
+        """Queue a frame for :meth:`receive` (no receiver is attached); whether it fit."""
         most = self._owner.options.inbound_bytes
         if self._queued_bytes and self._queued_bytes + len(frame) > most:
             self._die(
@@ -340,6 +377,8 @@ class ZmqConnection:
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
+        self._unhandled.clear()  # what waits for a receiver that will not get it
+        self._unhandled_bytes = 0
         self._frames_in.close()  # receivers drain what came, then ConnectionLost
         self._owner.retire(self)
         self._monitor.close()  # wakes our monitor task

@@ -18,6 +18,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from p2pactor.adapters._zmq_options import ZmqTransportError, _worth_logging, log
 from p2pactor.adapters._zmq_socket import _AsyncSocket
+from p2pactor.core.protocol import Frame
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.keys import KEYGEN_HINT, CurveKeypair, CurveSecurity, write_keypair
 from p2pactor.runtime.transport import ConnectionLost
@@ -195,25 +196,25 @@ class _CurveGate:
         router_monitor.start_watching(nursery, "zmq router monitor fd")
         nursery.start_soon(self._router_monitor_loop, router_monitor, name="zmq router monitor")
 
-    def impostor(self, frames: list[bytes]) -> str | None:
-        """Pop the sender's User-Id off ``frames``; what is wrong if it is not the identity's key.
+    def impostor(self, identity: bytes, parts: list[Frame]) -> str | None:
+        """Pop the sender's User-Id off ``parts``; what is wrong if it is not the identity's key.
 
-        ``frames`` ends with the sender's User-Id, its public key, which our ZAP
+        ``parts`` ends with the sender's User-Id, its public key, which our ZAP
         handler vouched for. The identity (``host:port``) is only what the
         sender claims: a frame whose identity the keyring binds to another key
         (or to none) must be dropped, before it can open a connection or a dial-back.
         """
-        user_id = frames.pop().decode("ascii", "replace")
+        user_id = bytes(parts.pop()).decode("ascii", "replace")
         keyring = self.curve.keyring
         try:
-            bound = keyring.key_for(frames[0].decode())
+            bound = keyring.key_for(identity.decode())
         except UnicodeDecodeError:
             bound = None
         if user_id and bound == user_id:
             return None
         owner = ", ".join(sorted(keyring.addresses_of(user_id))) or "no trusted peer"
         return (
-            f"a frame claiming to come from {frames[0][:64]!r} but sent with the CURVE "
+            f"a frame claiming to come from {identity[:64]!r} but sent with the CURVE "
             f"key of {owner}: a trusted peer posing as another, or a .key file whose "
             "address is not its node's id"
         )

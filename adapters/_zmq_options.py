@@ -49,8 +49,12 @@ class ZmqOptions:
             sender lives on.
         inbound_queue: Frames queued per connection until they are received;
             one more and the peer counts as flooding us and the connection dies.
-        inbound_bytes: The same bound in bytes (a frame arriving at an empty
-            queue always fits): frames may be up to ``max_frame_bytes`` each.
+        inbound_bytes: Bytes of one peer's frames received and not yet
+            handled (by its session, or by ``receive`` before a session
+            attaches); past it the peer counts as flooding us and the
+            connection dies. A frame arriving when none waits always fits.
+            Twice the largest frame (32 MiB): an honest peer's backlog is its
+            frames of one burst, which the node handles as they come.
         accept_backlog: New inbound connections waiting for :meth:`accept`;
             frames from further new peers are dropped (and logged) meanwhile.
         connect_timeout: A connection that has not completed the ZeroMQ
@@ -89,7 +93,9 @@ class ZmqOptions:
         default=DEFAULT_MAX_FRAME_BYTES, validator=checks.positive_int
     )
     inbound_queue: int = attrs.field(default=10_000, validator=checks.positive_int)
-    inbound_bytes: int = attrs.field(default=256 * 1024 * 1024, validator=checks.positive_int)
+    inbound_bytes: int = attrs.field(
+        default=2 * DEFAULT_MAX_FRAME_BYTES, validator=checks.positive_int
+    )
     accept_backlog: int = attrs.field(default=128, validator=checks.positive_int)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     redial_delay: float = attrs.field(default=0.05, validator=_not_negative)

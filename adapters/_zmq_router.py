@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
@@ -25,12 +26,13 @@ from p2pactor.adapters._zmq_options import (
     log,
 )
 from p2pactor.adapters._zmq_socket import _AsyncSocket, _events, _Monitor, _ms
+from p2pactor.core.protocol import Frame
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.logcontext import peer_context, request_context
 from p2pactor.runtime.transport import ConnectionLost
 
 _transport_serials = itertools.count(1)
-_REFAIR_EVERY = 4  # frames between the ROUTER's looks for newly readable connections
+_REFAIR_EVERY = 4  # frames read between the ROUTER's looks for newly readable connections
 
 
 def _peer_address(peer_id: str) -> str | None:
@@ -84,6 +86,8 @@ class ZmqControlTransport:
         self._gate = None if curve is None else _CurveGate(curve, local_id, lambda: self._closed)
         self._owner = _Owner(local_id, options, nursery, curve, self._retire)
         self._allowed: Callable[[str], bool] | None = None
+        # Connections with frames read and not yet handed on, in turn (see _receive_loop).
+        self._turns: deque[ZmqConnection] = deque()
 
     def __repr__(self) -> str:
         return f"<ZmqControlTransport {self._local_id} ({len(self._connections)} connections)>"
@@ -220,6 +224,7 @@ class ZmqControlTransport:
         if self._closed:
             return
         self._closed = True
+        self._turns.clear()
         for conn in list(self._connections.values()):
             conn._die("the control transport closed", linger=self._options.dealer_linger)
         self._accept_in.close()
@@ -301,61 +306,63 @@ class ZmqControlTransport:
         )
 
     async def _receive_loop(self) -> None:
-        """The ROUTER's one receive task: each frame goes to its connection as it is read.
+        """The ROUTER's one receive task: it reads frames ahead, and hands them on in turn.
 
-        A frame is handed on (to its session, which steps it) before the next
-        is read. libzmq's ROUTER takes messages round-robin across its
-        connections, so a peer that floods us gets one frame handled in turn
-        with each other peer's, never a batch of its own ahead of theirs. After
-        ``receive_batch`` frames, or ``receive_slice_s`` of handling them,
-        the task lets the node's other tasks run.
+        Each round reads what is there (up to ``receive_batch`` frames) into
+        its connection's frames waiting for their receiver, then hands those
+        on, one frame per connection in turn, for ``receive_slice_s``; then it
+        lets the node's other tasks run. Reading ahead of the handing keeps a
+        peer's backlog here, bounded in bytes (``inbound_bytes``: past it the
+        peer is cut off as a flood), rather than in libzmq, which bounds it by
+        frames alone (1,000 frames of up to ``max_frame_bytes``). Handing in
+        turn means a peer whose frames are slow to handle (large lookups) holds
+        every other peer up for one of its frames, never for its backlog.
         """
-        route = self._route if self._curve is None else self._route_authenticated
         router = self._router
-        recv = router._recv_authenticated if router.authenticated else router.sock.recv_multipart
+        recv = router.recv_routed
+        route = self._route if self._curve is None else self._route_authenticated
         limit = self._options.receive_batch
         slice_s = self._options.receive_slice_s
         clock = time.perf_counter
-        read = 0  # frames read since the last look for newly readable connections
+        turns = self._turns
         try:
             while True:
                 await trio.lowlevel.checkpoint_if_cancelled()
-                handled = 0
                 ends = clock() + slice_s
-                while handled < limit and not router.closed:
+                read = 0
+                while read < limit and not router.closed:
                     try:
-                        frames = recv(zmq.NOBLOCK)
+                        identity, parts = recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     except zmq.ZMQError as exc:
                         if self._closed:
                             return
                         raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
-                    handled += 1
                     read += 1
-                    route(frames)
-                    if read >= _REFAIR_EVERY and not router.closed:
+                    route(identity, parts)
+                    if read % _REFAIR_EVERY == 0 and not router.closed:
                         # libzmq notices a connection that has just become
                         # readable only when it processes its commands, which
                         # recv does once per 100 messages while one connection
-                        # has a backlog: a flooding peer's 100 frames would go
-                        # before an honest peer's next one. Reading EVENTS
+                        # has a backlog: a flooding peer's 100 frames would be
+                        # read before an honest peer's next one. Reading EVENTS
                         # processes them now, so the round-robin includes it.
-                        read = 0
                         router.sock.getsockopt(zmq.EVENTS)
-                    if clock() >= ends:
-                        # Frames whose handling is slow (large ones, or many
-                        # with work each) end the batch early: other tasks
-                        # wait for a slice, never for a whole batch of them.
-                        handled = limit
-                        break
+                while turns and clock() < ends:
+                    conn = turns.popleft()
+                    if conn._hand_next():
+                        turns.append(conn)
+                    else:
+                        conn._in_turn = False
                 if router.closed:
                     return
-                if handled < limit and not _events(router.sock) & zmq.POLLIN:
-                    # Read dry: this task is the ROUTER's only user, so it parks
-                    # on the fd itself, and that is its one yield for the batch
-                    # (a lone frame costs one task wake-up, not two). EVENTS was
-                    # just read, and no zmq call has consumed an edge since.
+                if not turns and read < limit and not _events(router.sock) & zmq.POLLIN:
+                    # Read dry, all handed on: this task is the ROUTER's only
+                    # user, so it parks on the fd itself, and that is its one
+                    # yield for the round (a lone frame costs one task wake-up,
+                    # not two). EVENTS was just read, and no zmq call has
+                    # consumed an edge since.
                     await trio.lowlevel.wait_readable(router._fd)
                 else:
                     # More is waiting: let the node's other tasks run first.
@@ -363,22 +370,22 @@ class ZmqControlTransport:
         except trio.ClosedResourceError:
             return
 
-    def _route_authenticated(self, frames: list[bytes]) -> None:
+    def _route_authenticated(self, identity: bytes, parts: list[Frame]) -> None:
         """:meth:`_route` for a CURVE ROUTER: the claimed identity must be the key's."""
         assert self._gate is not None
-        impostor = self._gate.impostor(frames)
+        impostor = self._gate.impostor(identity, parts)
         if impostor is not None:
             self._received += 1
             self._drop(impostor)
             return
-        self._route(frames)
+        self._route(identity, parts)
 
-    def _route(self, frames: list[bytes]) -> None:
+    def _route(self, identity: bytes, parts: list[Frame]) -> None:
+        """Take one message to its connection (which waits its turn to hand it on)."""
         self._received += 1
-        if len(frames) != 2:
-            self._drop(f"a message of {len(frames) - 1} frames (expected [identity, payload])")
+        if len(parts) != 1:
+            self._drop(f"a message of {len(parts)} frames (expected [identity, payload])")
             return
-        identity, payload = frames
         if len(identity) == 5 and identity[0] == 0:
             # libzmq's own name for a connection our ROUTER handed over to a
             # newer one of the same peer (ROUTER_HANDOVER): its last frames
@@ -400,8 +407,11 @@ class ZmqControlTransport:
             conn = self._accept_new(peer_id)
             if conn is None:
                 return
-        if not conn._deliver(payload):
+        if not conn._deliver(parts[0]):
             self._dropped += 1  # its connection died of it: logged there
+        elif conn._unhandled and not conn._in_turn:
+            conn._in_turn = True
+            self._turns.append(conn)
 
     def _accept_new(self, peer_id: str) -> ZmqConnection | None:
         """An inbound connection for a peer's first frame, or None (frame dropped)."""

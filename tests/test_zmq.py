@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
@@ -34,7 +35,7 @@ import trio
 import trio.testing
 import zmq
 
-from p2pactor.adapters._zmq_socket import _AsyncSocket
+from p2pactor.adapters._zmq_socket import COPY_BELOW, _AsyncSocket
 from p2pactor.adapters.zmq import (
     ZmqConnection,
     ZmqControlTransport,
@@ -573,6 +574,77 @@ async def test_a_peer_flooding_us_with_bytes_loses_its_connection() -> None:
             queued, lost = await drain(a_conn)
             assert queued == [b"y" * 400] * 2
             assert "more than 1000 bytes" in lost.reason
+
+
+async def test_a_peer_sending_faster_than_its_frames_are_handled_is_cut_off() -> None:
+    """Frames read for an attached receiver and not handed on yet count in bytes.
+
+    The receiver takes 20 ms a frame (a node busy with large lookups); the
+    peer sends 40 frames of 8 KiB at once. The ROUTER task reads ahead of what
+    it hands on, so the backlog is ours, in bytes, and past ``inbound_bytes``
+    the connection dies of it, not libzmq's queue of up to 1,000 frames. What
+    was handed on before is a prefix, in order; another peer is served after.
+    """
+    options = attrs.evolve(FAST, inbound_bytes=64 * 1024)
+    frames = [b"%02d" % i + bytes(8190) for i in range(40)]
+    with trio.fail_after(20):
+        async with transport(options) as node, transport() as flooder, transport() as other:
+            to_node, from_flooder = await link(flooder, node)
+            handed: list[bytes] = []
+            lost: list[str] = []
+
+            class Slow:
+                def frame_received(self, frame: wire.Frame) -> None:
+                    handed.append(bytes(frame))
+                    time.sleep(0.02)  # holds the node's thread, as a slow step does
+
+                def connection_lost(self, reason: str) -> None:
+                    lost.append(reason)
+
+            from_flooder.attach(Slow())
+            for frame in frames:
+                assert to_node.send_nowait(frame)
+            await wait_dead(from_flooder, within=10)
+            assert lost == [from_flooder.dead_reason]
+            assert "flooded us: more than 65536 bytes received and not yet handled" in lost[0]
+            assert handed == frames[: len(handed)]
+            assert len(handed) < len(frames)  # the rest was dropped with the connection
+            # Nobody else pays for it. (The flooder's frames read after the cut
+            # open a connection of their own, as a restarted peer's would.)
+            other_conn = await other.connect(node.local_id)
+            await other_conn.send(b"still served")
+            at_node = await node.accept()
+            while at_node.peer_id != other.local_id:
+                at_node = await node.accept()
+            assert await at_node.receive() == b"still served"
+
+
+async def test_a_large_frame_is_handed_on_uncopied_and_decodes() -> None:
+    """A frame of ``COPY_BELOW`` bytes or more reaches the receiver as a view, not a copy."""
+    keys = tuple(i.to_bytes(4, "big") + bytes(32) for i in range(4096))  # 150 KiB
+    lookup = wire.Lookup(kv_request_id="big", keys=keys, round_seq=0)
+    with trio.fail_after(10):
+        async with transport() as node, transport() as peer:
+            to_node, from_peer = await link(peer, node)
+            got: list[wire.Frame] = []
+
+            class Keep:
+                def frame_received(self, frame: wire.Frame) -> None:
+                    got.append(frame)
+
+                def connection_lost(self, reason: str) -> None:
+                    pass
+
+            from_peer.attach(Keep())
+            await to_node.send(wire.encode(lookup))
+            await to_node.send(b"small")
+            await until(lambda: len(got) == 2)
+            big, small = got
+            assert isinstance(big, memoryview)
+            assert len(big) >= COPY_BELOW
+            assert wire.decode(big) == lookup
+            assert small == b"small"
+            assert isinstance(small, bytes)
 
 
 async def test_oversize_frame_is_dropped_and_kills_the_senders_connection() -> None:

@@ -67,7 +67,7 @@ from p2pactor.core.protocol_limits import (
     MAX_SUMMARY_BYTES,
     Limits,
 )
-from p2pactor.core.protocol_scan import leading_type
+from p2pactor.core.protocol_scan import Frame, leading_type
 from p2pactor.core.protocol_summaries import (
     FEATURE_SUMMARIES,
     KvsumDelta,
@@ -109,6 +109,7 @@ __all__ = [
     "ConnectExtension",
     "Disconnect",
     "Fetch",
+    "Frame",
     "KvsumDelta",
     "KvsumResync",
     "KvsumSnapshot",
@@ -378,14 +379,14 @@ def encode(msg: Message) -> bytes:
     return _ENCODER.encode(msg)
 
 
-def decode(frame: bytes, *, limits: Limits = DEFAULT_LIMITS) -> Message:
+def decode(frame: Frame, *, limits: Limits = DEFAULT_LIMITS) -> Message:
     """Decode and validate one msgpack frame from a peer.
 
     Unknown keys in a known message are ignored, so a newer peer may add
     fields; they still count toward the frame size bound.
 
     Args:
-        frame: The frame payload, as received.
+        frame: The frame payload, as received (bytes, or a view of them).
         limits: The bounds to enforce (the protocol's own unless tightened).
 
     Returns:

@@ -32,7 +32,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from p2pactor.core.protocol_limits import Limits
-from p2pactor.core.protocol_scan import top_field
+from p2pactor.core.protocol_scan import Frame, top_field
 from p2pactor.errors import InvalidField, MalformedFrame, ProtocolError, UnknownMessageType
 
 __all__ = ["EXPLAIN_BYTES", "QUOTE_BYTES", "explain", "tuned_checker", "type_error"]
@@ -169,7 +169,7 @@ def _step(raw: memoryview, name: str, index: str) -> memoryview | None:
     return memoryview(items[item]) if item < len(items) else None
 
 
-def type_error(frame: bytes, known: Mapping[str, type]) -> ProtocolError | str:
+def type_error(frame: Frame, known: Mapping[str, type]) -> ProtocolError | str:
     """The frame's message type, or the error if it has none this protocol knows.
 
     Only the ``"type"`` is read; every other key is skipped unread. A frame
@@ -203,7 +203,7 @@ def type_error(frame: bytes, known: Mapping[str, type]) -> ProtocolError | str:
 
 
 def explain(
-    frame: bytes,
+    frame: Frame,
     exc: msgspec.ValidationError,
     known: Mapping[str, type],
     mtype: str | None = None,
@@ -245,7 +245,7 @@ def explain(
     return InvalidField(problem, message_type=mtype, field=".".join(names))
 
 
-def _explain_long(frame: bytes, verdict: str, mtype: str) -> ProtocolError:
+def _explain_long(frame: Frame, verdict: str, mtype: str) -> ProtocolError:
     """:func:`explain` for a long frame: its cost bounded by the frame's top-level keys."""
     text, _, at = verdict.partition(" - at `$")
     steps = _PATH.findall(at.rstrip("`"))

@@ -14,9 +14,12 @@ or words the error without the value. Pure: no I/O, no clock.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, TypeAlias
 
-__all__ = ["Extent", "leading_type", "top_field"]
+__all__ = ["Extent", "Frame", "leading_type", "top_field"]
+
+Frame: TypeAlias = bytes | memoryview
+"""A frame as received: bytes, or a view of a large one the transport did not copy."""
 
 _MAX_TYPE_BYTES: Final = 64
 # Scalars and length-prefixed values: header byte -> (bytes of the length, fixed payload).
@@ -103,7 +106,7 @@ def _extent(frame: memoryview, at: int) -> Extent | None:
     return Extent(at, at + 1 + width + extra + n)
 
 
-def leading_type(frame: bytes) -> str | None:
+def leading_type(frame: Frame) -> str | None:
     """The frame's ``"type"`` if it is its map's first key and a short string, else None."""
     view = memoryview(frame)
     start = _map_start(view)
@@ -125,7 +128,7 @@ def leading_type(frame: bytes) -> str | None:
         return None
 
 
-def top_field(frame: bytes, name: str) -> Extent | None:
+def top_field(frame: Frame, name: str) -> Extent | None:
     """Where top-level key ``name``'s value is, if only short values come before it."""
     view = memoryview(frame)
     start = _map_start(view)

@@ -239,7 +239,7 @@ class ControlLink(abc.ABC):
         }
 
     @abc.abstractmethod
-    def frame_received(self, frame: bytes) -> None:
+    def frame_received(self, frame: wire.Frame) -> None:
         """Step one frame of the peer's (the transport calls it once the handshake began)."""
 
     def connection_lost(self, reason: str) -> None:

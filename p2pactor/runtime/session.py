@@ -203,7 +203,7 @@ class PeerSession(ControlLink):
 
     # --- frames, as the transport hands them over (FrameReceiver) -------------------
 
-    def frame_received(self, frame: bytes) -> None:
+    def frame_received(self, frame: wire.Frame) -> None:
         """Decode one frame of the peer's and step it now (on the transport's receive path)."""
         if not self._alive:
             return

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from p2pactor.core.protocol_scan import Frame
 from p2pactor.errors import P2PActorError
 
 __all__ = [
@@ -46,7 +47,7 @@ class TransferError(P2PActorError):
 class FrameReceiver(Protocol):
     """Who a connection hands its frames to once attached (a session)."""
 
-    def frame_received(self, frame: bytes) -> None:
+    def frame_received(self, frame: Frame) -> None:
         """One frame from the peer, in order. Must not block; exceptions are logged."""
 
     def connection_lost(self, reason: str) -> None:
@@ -93,7 +94,7 @@ class ControlConnection(Protocol):
         this returns; so is the death of a connection that already died.
         """
 
-    async def receive(self) -> bytes:
+    async def receive(self) -> Frame:
         """Wait for the peer's next frame, while no receiver is attached.
 
         Raises:
