@@ -365,8 +365,13 @@ def _max_lookups(a: AttackContext) -> None:
         for i in range(a.args.count):
             peer.send(wire.Lookup(kv_request_id=f"big-{i}", keys=keys, round_seq=0))
         sent = time.time()
-        peer.ping("lookups")
-        return {"frames": a.args.count, "bytes": peer.sent_bytes, "send_s": sent - t0}
+        answered = peer.ping("lookups", may_cut=True)
+        return {
+            "frames": a.args.count,
+            "bytes": peer.sent_bytes,
+            "send_s": sent - t0,
+            "cut": not answered,
+        }
 
     a.step("max-lookups", body)
 

@@ -30,6 +30,8 @@ _GROUP_MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 HANDSHAKE_S = 30.0
 """How long the victim may take to finish the handshake (it registers our memory first)."""
+PING_AGAIN_S = 5.0
+"""How often a ping that may have been dropped with a cut connection is sent again."""
 
 
 class Failure(Exception):
@@ -214,26 +216,44 @@ class RawPeer:
         """Wait for the victim's first snapshot, whole (it sends it once the session is ready)."""
         self.inbox.wait_for(lambda: self.inbox.snapshots_whole > 0, timeout, "snapshot")
 
-    def ping(self, label: str, timeout: float = 120.0) -> None:
+    def ping(self, label: str, timeout: float = 120.0, *, may_cut: bool = False) -> bool:
         """Wait until the victim has stepped everything we sent before this call.
 
         The victim steps one connection's frames in order, so the answer to a
         lookup sent now comes after it stepped every frame before it. The
         lookup is of one key nobody holds, and its request is closed at once.
+
+        Returns:
+            True once answered; False if the victim cut us off first (only
+            with ``may_cut``). A victim that cuts a flooding peer drops what
+            it had not handled, this lookup too, and tells it nothing: the
+            lookup is sent again every :data:`PING_AGAIN_S`, and the victim
+            answers one on a connection it no longer has with a ``disconnect``.
+
+        Raises:
+            Failure: No answer within ``timeout``, or cut off without ``may_cut``.
         """
         kv = f"ping-{label}"
-        self.send(wire.Lookup(kv_request_id=kv, keys=(bytes(36),), round_seq=0))
+        ping = wire.Lookup(kv_request_id=kv, keys=(bytes(36),), round_seq=0)
+        self.send(ping)
         deadline = time.monotonic() + timeout
+        again = time.monotonic() + PING_AGAIN_S
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise Failure(f"the victim did not answer a lookup within {timeout:g} s")
+            if may_cut and time.monotonic() >= again:
+                self.send(ping)
+                again = time.monotonic() + PING_AGAIN_S
             msg = self.inbox.take(min(remaining, 0.5))
             if isinstance(msg, wire.LookupResp) and msg.kv_request_id == kv:
                 break
             if isinstance(msg, wire.Disconnect):
+                if may_cut:
+                    return False
                 raise Failure(f"the victim disconnected us before it answered {kv}")
         self.send(wire.Fetch(kv_request_id=kv, keys=(), block_indexes=(), round_seq=0))
+        return True
 
     def close(self, *, disconnect: bool = True) -> None:
         """Say ``disconnect`` (unless told not to) and close both sockets."""
