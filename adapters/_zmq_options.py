@@ -65,7 +65,8 @@ class ZmqOptions:
             connection that shows our identity while the old one is still
             open there (measured: 19 in 100 immediate re-dials on 127.0.0.1,
             none after 1 ms). An inbound connection's dial-back does not wait.
-        receive_batch: Frames the ROUTER task reads before it yields to others.
+        receive_batch: Frames the ROUTER task reads in one round, before it
+            hands them on and yields to others.
         receive_slice_s: Seconds of handling frames after which the ROUTER
             task yields to others, however few it read: frames that take
             long to handle (a peer's large messages, or many with work each)

@@ -170,7 +170,10 @@ def _figure(attack: str, result: AttackResult) -> tuple[str, float | None]:
         return "resyncs the hostile peer got", float(done["resyncs"])
     if attack == "resync-flood":
         return "snapshot parts/s it got", float(done["parts"]) / seconds if seconds else None
-    if attack in ("max-frames", "max-lookups"):
+    if attack == "max-lookups":
+        # Cut off as a flood (its frames waited past inbound_bytes), or every lookup answered.
+        return "cut off (1) or all answered (0)", float(bool(done.get("cut")))
+    if attack == "max-frames":
         return "MB/s the victim read", float(done["bytes"]) / seconds / 1e6 if seconds else None
     return "", None
 

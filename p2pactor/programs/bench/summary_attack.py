@@ -76,7 +76,9 @@ FULL: tuple[Attack, ...] = (
     Attack("300 snapshots of 65,536 fps", "snapshot-flood", ("--count=300",)),
     Attack("part 0/2, 255 deltas of 65,536, part 1", "deltas-mid-snapshot", ("--count=255",)),
     Attack("100,000 resyncs", "resync-flood", ("--count=100000",)),
-    Attack("3,000 messages, a new epoch each", "epoch-flip", ("--count=3000",)),
+    # 30,000, not issue 30's 3,000: those take 0.5 s, about 25 honest lookups, so that
+    # the row's p99 was its slowest lookup, the one at the hostile peer's connect.
+    Attack("30,000 messages, a new epoch each", "epoch-flip", ("--count=30000",)),
     Attack("2,000 snapshot parts of 65,536 fps", "max-frames", ("--count=2000",)),
     Attack("100 lookups of 65,536 keys", "max-lookups", ("--count=100",)),
 )
