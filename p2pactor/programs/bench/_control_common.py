@@ -25,6 +25,7 @@ __all__ = [
     "process_cpu_s",
     "ratio_or_none",
     "run_module",
+    "say",
     "thread_cpu_ns",
     "vllm_missing",
 ]
@@ -97,6 +98,12 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def say(obj: Any) -> None:
+    """Report one line to the parent process at once: ``obj`` itself if a str, else its JSON."""
+    sys.stdout.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
+    sys.stdout.flush()
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.core.inputs import Pin
+from p2pactor.programs.bench._control_common import say
 from p2pactor.runtime.parent import EmbeddedCache
 
 __all__ = [
@@ -98,12 +99,7 @@ def _ready() -> None:
     """
     gc.collect()
     gc.freeze()
-    _say("READY")
-
-
-def _say(obj: Any) -> None:
-    sys.stdout.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
-    sys.stdout.flush()
+    say("READY")
 
 
 def _cpu_s() -> float:
@@ -276,7 +272,7 @@ async def _ours(args: argparse.Namespace) -> None:
             await trio.to_thread.run_sync(sys.stdin.read)
             if trace:
                 _dump(f"{trace}.{args.role}", seen)
-            _say(_producer_counters(cache))
+            say(_producer_counters(cache))
             return
         peer = f"{HOST}:{args.peer_port}"
         counter = iter(range(10**12))
@@ -307,7 +303,7 @@ async def _ours(args: argparse.Namespace) -> None:
             async with trio.open_nursery() as nursery:
                 for _ in range(conc):
                     nursery.start_soon(worker, tally, keys, deadline)
-            _say(tally.result(start, _cpu_s() - cpu0))
+            say(tally.result(start, _cpu_s() - cpu0))
 
 
 # --- vLLM -------------------------------------------------------------------------------
@@ -351,7 +347,7 @@ def _vllm(args: argparse.Namespace) -> None:
                 cache.release_job(int(result.job_id), success=bool(result.success))
             tier.serve_external_requests(parent)
         tier.shutdown()
-        _say(_producer_counters(cache))
+        say(_producer_counters(cache))
         return
 
     source = {"remote_host": HOST, "remote_port": args.peer_port}
@@ -414,7 +410,7 @@ def _vllm(args: argparse.Namespace) -> None:
             if time.perf_counter() < deadline:
                 for _ in range(done):
                     begin(keys, flight, new_ids)
-        _say(tally.result(start, _cpu_s() - cpu0))
+        say(tally.result(start, _cpu_s() - cpu0))
 
 
 class CacheParent:

@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from p2pactor.programs.bench._control_common import percentile
+from p2pactor.programs.bench._control_common import percentile, say
 from p2pactor.programs.bench._control_peer import (
     BLOCK_LEN,
     HASH_SEED,
@@ -53,11 +53,6 @@ CONSUMER_BLOCKS = 4 * HONEST_KEYS
 """The honest node's own pool, fetched into."""
 FAILURES_KEPT = 5
 """Failures described in an answer (all are counted)."""
-
-
-def _say(obj: Any) -> None:
-    sys.stdout.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
-    sys.stdout.flush()
 
 
 def _cpu_s() -> float:
@@ -197,7 +192,7 @@ async def _run(args: argparse.Namespace) -> None:
         open_node(config, control=control, data=data) as node,
         trio.open_nursery() as nursery,
     ):
-        _say("READY")
+        say("READY")
         running: tuple[_Tally, trio.Event, trio.Event] | None = None
         while True:
             line = await trio.to_thread.run_sync(sys.stdin.readline)
@@ -207,15 +202,15 @@ async def _run(args: argparse.Namespace) -> None:
             if cmd == "start" and running is None:
                 running = (_Tally(), trio.Event(), trio.Event())
                 nursery.start_soon(loop, node, *running)
-                _say({"started": True})
+                say({"started": True})
             elif cmd == "stop" and running is not None:
                 tally, stop, done = running
                 stop.set()
                 await done.wait()
                 running = None
-                _say(tally.result())
+                say(tally.result())
             else:
-                _say({"error": f"unexpected command {cmd!r}"})
+                say({"error": f"unexpected command {cmd!r}"})
         if running is not None:
             running[1].set()
             await running[2].wait()

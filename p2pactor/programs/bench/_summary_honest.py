@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from p2pactor.programs.bench._control_common import percentile
+from p2pactor.programs.bench._control_common import percentile, say
 
 __all__ = ["HONEST_KEYS", "RATE_HZ", "main"]
 
@@ -43,11 +43,6 @@ POOL_BLOCKS = 8 * HONEST_KEYS
 """The honest node's own pool, fetched into."""
 FAILURES_KEPT = 5
 """Failures described in an answer (all are counted)."""
-
-
-def _say(obj: Any) -> None:
-    sys.stdout.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
-    sys.stdout.flush()
 
 
 class _Tally:
@@ -153,7 +148,7 @@ async def _run(args: argparse.Namespace) -> None:
         open_node(config, control=control, data=data) as node,
         trio.open_nursery() as nursery,
     ):
-        _say("READY")
+        say("READY")
         running: tuple[list[_Tally], trio.Event, trio.Event] | None = None
         while True:
             line = await trio.to_thread.run_sync(sys.stdin.readline)
@@ -163,19 +158,19 @@ async def _run(args: argparse.Namespace) -> None:
             if cmd == "start" and running is None:
                 running = ([_Tally()], trio.Event(), trio.Event())
                 nursery.start_soon(loop, node, *running)
-                _say({"started": True})
+                say({"started": True})
             elif cmd == "window" and running is not None:
                 box = running[0]
                 done_window, box[0] = box[0], _Tally()
-                _say(done_window.result())
+                say(done_window.result())
             elif cmd == "stop" and running is not None:
                 box, stop, done = running
                 stop.set()
                 await done.wait()
                 running = None
-                _say(box[0].result())
+                say(box[0].result())
             else:
-                _say({"error": f"unexpected command {cmd!r}"})
+                say({"error": f"unexpected command {cmd!r}"})
         if running is not None:
             running[1].set()
             await running[2].wait()
