@@ -941,8 +941,12 @@ async def test_a_session_that_died_on_one_side_only_restarts_over_zmq() -> None:
 
 def _zmq_threads() -> dict[int, str]:
     """This process's libzmq threads: id -> name (Linux)."""
-    tasks = Path(f"/proc/{os.getpid()}/task")
-    names = {int(t.name): (t / "comm").read_text().strip() for t in tasks.iterdir()}
+    names: dict[int, str] = {}
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        try:
+            names[int(task.name)] = (task / "comm").read_text().strip()
+        except FileNotFoundError:  # a thread (another test's worker) exited since the listing
+            continue
     return {tid: name for tid, name in names.items() if name.startswith("ZMQbg/")}
 
 
