@@ -76,7 +76,7 @@ from p2pactor.adapters._vllm_thread import NodeThread
 from p2pactor.adapters._vllm_watch import Watch
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.config import NodeConfig, slow_step_from_ms
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.node import Node
 from p2pactor.runtime.threadsafe import LookupView
@@ -138,6 +138,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             of it. Default: on, unless ``P2PACTOR_SUMMARIES=0``.
         event_log: Write the node's event log to this file (for
             ``p2pactor replay``).
+        slow_step_ms: Report every step that holds the node's thread at
+            least this many milliseconds (``docs/status.md``); ``0`` turns
+            the watch off. Default: ``P2PACTOR_SLOW_STEP_MS``, else 50.
         curve_secret_key: This engine's secret CURVE certificate (made by
             ``p2pactor keygen``, with an ``--address`` for every data-parallel
             rank's ``host:port``); with ``curve_trusted``, the control channel is
@@ -169,6 +172,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         seed_peers: Collection[str] | str | None = None,
         summaries: bool | None = None,
         event_log: str | None = None,
+        slow_step_ms: float | None = None,
         curve_secret_key: str | None = None,
         curve_trusted: str | None = None,
         **kwargs: Any,
@@ -212,6 +216,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 sources=source_options(base.sources, offloading_spec, summaries),
                 unbound_store_timeout=float(unbound_store_timeout_s),
                 drain_timeout=_SHUTDOWN_DRAIN_S,
+                slow_step_s=base.slow_step_s
+                if slow_step_ms is None
+                else slow_step_from_ms(slow_step_ms, said=f"slow_step_ms={slow_step_ms!r}"),
                 curve_secret_key=curve_secret_key,
                 curve_trusted=curve_trusted,
             )

@@ -1432,7 +1432,14 @@ def test_backpressure_is_refused() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"no_such_option": 1}, {"unbound_store_timeout_s": 0}, {"unbound_store_timeout_s": -1.0}],
+    [
+        {"no_such_option": 1},
+        {"unbound_store_timeout_s": 0},
+        {"unbound_store_timeout_s": -1.0},
+        {"slow_step_ms": -1},
+        {"slow_step_ms": "often"},
+        {"slow_step_ms": True},
+    ],
 )
 def test_bad_options_are_refused(kwargs: dict[str, Any]) -> None:
     view = memoryview(torch.zeros(4, CHUNK_BYTES, dtype=torch.uint8).numpy())
@@ -1450,6 +1457,21 @@ def test_vllm_only_options_are_accepted(h: Harness, b: Engine) -> None:
     assert engine.tier.node.config.fingerprint != ""  # the stand-in spec is real enough
     assert engine.tier.node.config.fingerprint == b.tier.node.config.fingerprint
     h.retire(engine)
+    h.check()
+
+
+def test_the_slow_step_watch_is_an_option(h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``slow_step_ms`` sets the node's threshold over ``P2PACTOR_SLOW_STEP_MS``; 0 is off."""
+    monkeypatch.setenv("P2PACTOR_SLOW_STEP_MS", "20")
+    by_env = h.add(Engine("watch-env"))
+    chosen = h.add(Engine("watch-chosen", slow_step_ms=5))
+    off = h.add(Engine("watch-off", slow_step_ms=0))
+    assert by_env.tier.node.config.slow_step_s == 0.02
+    assert chosen.tier.node.config.slow_step_s == 0.005
+    assert off.tier.node.config.slow_step_s is None
+    assert chosen.tier.node.loop_watch.snapshot().slow_step_s == 0.005
+    for engine in (by_env, chosen, off):
+        h.retire(engine)
     h.check()
 
 

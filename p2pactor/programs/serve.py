@@ -15,7 +15,6 @@ import argparse
 import functools
 import gc
 import logging
-import math
 import os
 import signal
 import sys
@@ -27,7 +26,7 @@ import attrs
 import trio
 
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.config import NodeConfig, slow_step_from_ms
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.samples import block_bytes, preload_keys
@@ -224,12 +223,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
     }
     slow_ms = args.slow_step_ms
     if slow_ms is not None:
-        if not 0 <= slow_ms < math.inf:
-            raise ConfigError(
-                f"--slow-step-ms {slow_ms:g}: give milliseconds above 0, or 0 to turn the "
-                "slow-step watch off"
-            )
-        overrides["slow_step_s"] = None if slow_ms == 0 else slow_ms / 1000
+        overrides["slow_step_s"] = slow_step_from_ms(slow_ms, said=f"--slow-step-ms {slow_ms:g}")
     for flag, field in ((args.allowed_peers, "allowed_peers"), (args.seed_peers, "seed_peers")):
         if flag:
             overrides[field] = frozenset(p.strip() for p in flag.split(",") if p.strip())

@@ -458,20 +458,26 @@ class NodeConfig:
             values["sources"] = attrs.evolve(DEFAULT_SOURCES, share=share == "1")
         slow_ms = env.get("P2PACTOR_SLOW_STEP_MS", "")
         if slow_ms:
-            values["slow_step_s"] = _slow_step_env(slow_ms)
+            said = f"P2PACTOR_SLOW_STEP_MS={slow_ms!r}"
+            values["slow_step_s"] = slow_step_from_ms(slow_ms, said=said)
         values.update(overrides)
         return cls(**values)
 
 
-def _slow_step_env(raw: str) -> float | None:
-    """``P2PACTOR_SLOW_STEP_MS``: milliseconds as ``slow_step_s``, ``0`` for off."""
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = math.nan
-    if not 0 <= ms < math.inf:
+def slow_step_from_ms(ms: object, *, said: str) -> float | None:
+    """Milliseconds, as given by a user, as ``NodeConfig.slow_step_s``: ``0`` turns the watch off.
+
+    ``said`` names where the value came from (a flag, a variable, a tier
+    option), for the error a bad value gets.
+    """
+    if isinstance(ms, str):
+        try:
+            ms = float(ms)
+        except ValueError:
+            ms = math.nan
+    if isinstance(ms, bool) or not isinstance(ms, int | float) or not 0 <= ms < math.inf:
         raise ConfigError(
-            f"P2PACTOR_SLOW_STEP_MS={raw!r}: give milliseconds above 0 (a step that holds "
-            "the node's thread that long is reported), or 0 to turn the watch off"
+            f"{said}: give milliseconds above 0 (a step that holds the node's thread that "
+            "long is reported), or 0 to turn the slow-step watch off"
         )
     return None if ms == 0 else ms / 1000
