@@ -158,6 +158,15 @@ def test_a_peer_outside_allowed_peers_is_no_source() -> None:
         settle([a, b])
 
 
+def test_the_slow_step_watch_is_set_from_the_secondary_tiers_entry() -> None:
+    """vLLM's ``SecondaryTierFactory`` hands the entry's ``slow_step_ms`` to the tier."""
+    with open_nodes(("w", {"slow_step_ms": 7}), ("off", {"slow_step_ms": 0})) as (w, off):
+        assert w.tier.node.config.slow_step_s == 0.007
+        assert w.tier.node.loop_watch.snapshot().slow_step_s == 0.007
+        assert off.tier.node.config.slow_step_s is None
+        settle([w, off])
+
+
 def test_a_request_naming_no_source_loads_from_the_peer_whose_summary_has_it() -> None:
     with (
         open_nodes(("d", {}), ("e", {})) as (d, e),
