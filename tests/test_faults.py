@@ -471,23 +471,24 @@ async def test_a_producer_killed_mid_transfer_fails_the_load_and_spares_everythi
                 outcome: list[Any] = []
 
                 async def fetch() -> None:
-                    start = trio.current_time()
-                    result = await node.fetch(p1.node_id, "r1", keys, dest)
-                    outcome.append((result, trio.current_time() - start))
+                    outcome.append(await node.fetch(p1.node_id, "r1", keys, dest))
 
                 try:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(fetch)
+                        # Negative check: a stopped pool ends nothing (a fetch that
+                        # failed early would end in milliseconds, not after the window).
                         await trio.sleep(1.0)
                         assert outcome == [], "the write finished while the pool was stopped"
                         p1.kill()
-                    [(result, took)] = outcome
+                    [result] = outcome
                 finally:
                     pool.process.send_signal(signal.SIGCONT)
                 assert not result.success
                 assert "session lost" in result.reason, result.reason
                 assert "went away" in result.reason, result.reason
-                assert took < cfg.timings.load_timeout, f"failed only at its deadline ({took} s)"
+                # The session's loss failed it, not its deadline.
+                assert "no transfer_done within" not in result.reason, result.reason
                 assert "went away" in await closed_with(node, p1.node_id)
 
                 # The blocks no longer change, now that the pool runs again. (What
@@ -495,7 +496,7 @@ async def test_a_producer_killed_mid_transfer_fails_the_load_and_spares_everythi
                 # held up the write's completion, not necessarily its bytes.)
                 where = "SUM " + " ".join(map(str, dest))
                 at_failure = await pool.ask(where, "SUM")
-                await trio.sleep(1.0)
+                await trio.sleep(1.0)  # negative check: nothing lands in them any more
                 assert await pool.ask(where, "SUM") == at_failure
                 want = _sha256(b"".join(expected(k) for k in keys))
                 landed = {zero_sum: "none", want: "all"}.get(at_failure[0], "part")
@@ -505,7 +506,7 @@ async def test_a_producer_killed_mid_transfer_fails_the_load_and_spares_everythi
                 result = await node.fetch(p2.node_id, "r2", keys, dest)
                 assert result.success, result.reason
                 assert await pool.ask(where, "SUM") == [want]
-                await trio.sleep(1.0)  # and nothing late overwrites them
+                await trio.sleep(1.0)  # negative check: nothing late overwrites them
                 assert await pool.ask(where, "SUM") == [want]
                 assert node.session(p2.node_id) is second, "the kill disturbed p2's session"
                 assert second.alive
@@ -617,7 +618,7 @@ async def test_a_consumer_killed_with_lookups_and_fetches_open_leaves_nothing_he
             await wait_until(lambda: (s := p.node.session(c.node_id)) is None or not s.alive)
             # The write may still read its 4 blocks: they stay pinned; the rest is let go.
             await wait_until(lambda: p.cache.pinned() <= 4 and not p.cache.opened)
-            await trio.sleep(0.5)
+            await trio.sleep(0.5)  # negative check: the write's 4 stay pinned
             assert p.cache.pinned() == 4
             assert p.cache.opened == set()
             assert not any(r.peer_id == c.node_id for r in p.node.closed_sessions())
@@ -658,7 +659,7 @@ async def test_control_lost_while_a_write_runs_no_ack_and_no_release_until_it_en
             await wait_until(lambda: p.gated is not None and p.gated.waiting == 1)
             await c.send("finish", req="r")  # the load is in flight: abort_fetch goes out
             await wait_until(lambda: p.events(ev.AbortReceived))
-            await trio.sleep(0.3)
+            await trio.sleep(0.3)  # negative check: no ack while the write is pending
             assert p.events(ev.AbortAckSent) == [], "acked an abort with a write pending"
             assert p.cache.pinned() == 4
 
@@ -667,7 +668,7 @@ async def test_control_lost_while_a_write_runs_no_ack_and_no_release_until_it_en
                 p.gated.open()
                 await wait_until(lambda: p.data.statistics().writes_in_flight == 1)
                 await wait_until(lambda: (s := p.node.session(c.node_id)) is None or not s.alive)
-                await trio.sleep(1.0)
+                await trio.sleep(1.0)  # negative check (below): nothing acked or released
                 # Control is gone, the WRITE is not: nothing is acked or released.
                 assert p.data.statistics().writes_in_flight == 1
                 assert p.events(ev.AbortAckSent) == []
@@ -1027,9 +1028,15 @@ async def test_the_event_log_survives_a_sigkill_of_its_node(tmp_path: Path) -> N
                     await request(c, s.node_id, f"busy-{i}")
                     i += 1
 
+            def durable_requests() -> list[str]:
+                """Requests the consumer saw completed a second before now, at least."""
+                return [r for r, t in completed.items() if t <= trio.current_time() - 1.0]
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(traffic)
-                await trio.sleep(2.0)
+                # Traffic goes on until some busy requests are a second old, however
+                # fast the machine serves them.
+                await wait_until(lambda: len(durable_requests()) > 3)
                 killed_at = trio.current_time()
                 s.kill()
                 nursery.cancel_scope.cancel()

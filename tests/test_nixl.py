@@ -7,7 +7,10 @@ Rules of this module:
   says so, what an agent *reports* (a transfer that stays "running"), to reach
   the timeout paths deterministically; the bytes still move for real.
 * The clock is real (NIXL and worker threads do not run on trio's mock clock):
-  every wait is bounded with ``trio.fail_after``, and sleeps are short.
+  every wait is bounded with ``trio.fail_after``, and sleeps are short. No
+  test asserts how fast anything is (``p2pactor bench`` measures that): a
+  bound on a wait only says "it hangs". A fixed sleep stands only before a
+  check that something does *not* happen (documented where it stands).
 * The module is skipped, with the reason, only when no NIXL wheel imports.
 """
 
@@ -18,7 +21,7 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -136,6 +139,18 @@ async def wait_for(condition: Callable[[], bool], limit: float = 5.0) -> None:
             if condition():
                 return
             await trio.sleep(0.005)
+
+
+async def loop_turns(n: int) -> None:
+    """A window for a check that the pump does *not* poll: ``n`` turns of the trio loop.
+
+    Each turn lets at least 1 ms pass on trio's clock, the pump's
+    ``idle_poll_interval``: a pump that drove progress while it should rest
+    polls within the window however slow the machine (a slow machine makes
+    the window longer, never emptier).
+    """
+    for _ in range(n):
+        await trio.sleep(0.001)
 
 
 # --- writes --------------------------------------------------------------------------
@@ -299,11 +314,11 @@ async def test_a_write_past_its_deadline_fails_only_once_nixl_lets_go(
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(writer)
-                await trio.sleep(0.6)  # three deadlines
+                # Past its deadline, NIXL refuses to cancel it, again and again.
+                await wait_for(lambda: stuck.refused >= 3)
                 assert failed == []  # never while NIXL says it is running
                 stats = a.statistics()
                 assert (stats.writes_in_flight, stats.zombies) == (1, 1)
-                assert stuck.refused >= 1
                 let_go = trio.current_time()
                 stuck.held = False
         [(when, message)] = failed
@@ -321,9 +336,12 @@ async def test_a_write_past_its_deadline_is_cancelled_through_nixl(
         await a.write("b", [0], [0])
         stuck = Stuck(a._agent, monkeypatch, refuse=False)
         start = trio.current_time()
-        with trio.fail_after(5), pytest.raises(TransferError, match="NIXL cancelled it"):
+        with (
+            trio.fail_after(5),
+            pytest.raises(TransferError, match=r"no completion within 0\.2 s; NIXL cancelled it"),
+        ):
             await a.write("b", [1], [1])
-        assert 0.2 <= trio.current_time() - start < 2
+        assert trio.current_time() - start >= 0.2  # not before its deadline
         assert stuck.released == 1
         assert a.statistics().writes_in_flight == 0
 
@@ -349,6 +367,8 @@ async def test_remove_peer_waits_for_the_writes_in_flight(
                 nursery.start_soon(writer)
                 await wait_for(lambda: a.statistics().writes_in_flight == 1)
                 nursery.start_soon(remover)
+                # Negative check: neither ends while NIXL says the write runs (a
+                # remove_peer that did not wait would end in milliseconds).
                 await trio.sleep(0.3)
                 assert events == []
                 with pytest.raises(TransferError, match="not registered"):
@@ -573,13 +593,13 @@ async def test_a_write_into_a_killed_peer_process_fails_with_nixls_reason() -> N
             peer.process.kill()
             await peer.process.wait()
             for attempt in range(2):  # and keeps failing the same way: nothing got stuck
-                start = trio.current_time()
                 with pytest.raises(TransferError) as info:
                     await data.write("peer:1#1", [1, 2], [1, 2])
                 message = str(info.value)
                 assert "NIXL failed the write" in message, message
                 assert "NIXL_ERR_REMOTE_DISCONNECT" in message, message
-                assert trio.current_time() - start < 5, f"attempt {attempt}: not NIXL's own verdict"
+                # NIXL's own verdict, not our transfer_timeout's.
+                assert "no completion within" not in message, f"attempt {attempt}: {message}"
             stats = data.statistics()
             assert (stats.writes_in_flight, stats.zombies) == (0, 0)
             assert (stats.writes_done, stats.writes_failed) == (1, 2)
@@ -629,15 +649,17 @@ async def test_a_peer_process_killed_mid_write_fails_the_write_in_flight() -> No
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(writer)
                 await wait_for(lambda: data.statistics().writes_in_flight == 1)
+                # Negative check: a stopped peer is no failure (a write failed
+                # early would fail in milliseconds, not after the window).
                 await trio.sleep(0.3)
                 assert failed == [], "the write ended while the peer was stopped"
                 assert data.statistics().writes_in_flight == 1
-                killed = trio.current_time()
                 peer.process.kill()
-            [(when, message)] = failed
+            [(_, message)] = failed
             assert "NIXL failed the write" in message, message
             assert "NIXL_ERR_REMOTE_DISCONNECT" in message, message
-            assert when - killed < 10, "NIXL did not notice the death: the deadline did"
+            # NIXL noticed the death; the write's deadline did not end it.
+            assert "no completion within" not in message, message
             stats = data.statistics()
             assert (stats.writes_in_flight, stats.zombies, stats.writes_failed) == (0, 0, 1)
             await data.write("live:1#1", [0, 63], [3, 2])
@@ -814,6 +836,8 @@ async def test_a_fetch_whose_destination_process_dies_mid_write_fails_with_a_rea
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(fetch)
                 await wait_for(lambda: data_b.statistics().writes_in_flight == 1)
+                # Negative check: a stopped pool fails nothing (a fetch failed early
+                # would end in milliseconds, not after the window).
                 await trio.sleep(0.3)
                 assert outcome == [], "the fetch ended while the consumer's pool was stopped"
                 peer.process.kill()
@@ -837,31 +861,26 @@ async def test_a_fetch_whose_destination_process_dies_mid_write_fails_with_a_rea
 # --- the event loop -----------------------------------------------------------------
 
 
-async def test_regression_guard_large_writes_never_stall_the_trio_loop() -> None:
-    """Regression guard, not a speed claim: posting stays off the trio thread.
+async def test_regression_guard_large_writes_are_posted_off_the_trio_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression guard: NIXL's ``transfer()`` of a large write never runs on the trio thread.
 
-    On shared memory ``transfer()`` copies the whole write before it returns,
-    so the transport posts from a worker thread. Each write here is 512 MiB
-    (64 x 8 MiB) so that posting it on the trio thread would clearly stall the
-    loop: measured on a 2-core VM (about 5 GB/s), that regression blocks it for
-    100-140 ms per write, while from the worker thread the longest gap between
-    a monitor task's 1 ms sleeps was 2-10 ms. The 50 ms bound leaves room for a
-    loaded machine and still catches the regression twice over.
+    On shared memory ``transfer()`` copies the whole write before it returns
+    (here 512 MiB a write: 100-140 ms on a 2-core VM), so a post on the trio
+    thread would stall the loop that long; the transport posts such writes
+    from a worker thread (``inline_post_budget``: only writes predicted to
+    post within 2 ms go inline). The test records the thread of every
+    ``transfer()`` call, so it judges where the post ran, not how long the
+    loop waited (``p2pactor bench --only dataplane`` measures the producer
+    loop's longest stall).
     """
     num_blocks, block_len, writes = 64, 8 * 1024 * 1024, 4
     pool_a, pool_b = bytearray(num_blocks * block_len), bytearray(num_blocks * block_len)
     pool_a[-1] = 7
     blocks = list(range(num_blocks))
-    gaps: list[float] = []
-
-    async def monitor(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        last = trio.current_time()
-        task_status.started()
-        while True:
-            await trio.sleep(0.001)
-            now = trio.current_time()
-            gaps.append(now - last)
-            last = now
+    trio_thread = threading.get_ident()
+    posted_on: list[int] = []  # the thread of each transfer() call, in order
 
     with trio.fail_after(60):
         async with (
@@ -869,27 +888,39 @@ async def test_regression_guard_large_writes_never_stall_the_trio_loop() -> None
             open_nixl_transport(pool_b, block_len, name="b") as b,
         ):
             await register(a, b, "b")
-            await a.write("b", [0], [0])  # the connection is set up
-            async with trio.open_nursery() as nursery:
-                await nursery.start(monitor)
-                for _ in range(writes):
-                    await a.write("b", blocks, blocks)
-                nursery.cancel_scope.cancel()
-            assert a.statistics().writes_done == 1 + writes
+            real_transfer = a._agent.transfer
+
+            def transfer(handle: Any) -> str:
+                posted_on.append(threading.get_ident())
+                return str(real_transfer(handle))
+
+            monkeypatch.setattr(a._agent, "transfer", transfer)
+            await a.write("b", [0], [0])  # the connection is set up; the post rate is known
+            for _ in range(writes):
+                await a.write("b", blocks, blocks)
+            stats = a.statistics()
+            assert stats.writes_done == 1 + writes
     assert pool_b[-1] == 7
-    worst = sorted(gaps)[-5:]
-    assert max(gaps) < 0.050, f"the trio loop stalled; longest gaps (s): {worst}"
+    assert len(posted_on) == 1 + writes  # one post a write, in order
+    large = posted_on[1:]
+    assert trio_thread not in large, "a 512 MiB write was posted on the trio thread"
+    assert stats.posted_inline == 0
 
 
 async def test_an_idle_transport_sleeps_and_polls_only_while_writes_may_run() -> None:
-    """Without NIXL's progress thread: the pump drives progress only while a write may run."""
+    """Without NIXL's progress thread: the pump drives progress only while a write may run.
+
+    The windows in which it must not poll are turns of the trio loop
+    (:func:`loop_turns`), not a fixed time: a pump polling every 1 ms, as it
+    used to, polls in them on any machine.
+    """
     options = NixlOptions(progress_thread_wakeup=None)
     with trio.fail_after(20):
         async with open_nixl_transport(pattern(1), BL, name="idle", options=options) as a:
             assert not a.statistics().progress_thread
             await wait_for(lambda: a.statistics().idle)
             polls = a.statistics().progress_polls
-            await trio.sleep(0.3)  # polling every 1 ms, as it used to, would be ~300 polls
+            await loop_turns(100)  # negative check: no poll while idle
             assert a.statistics().progress_polls == polls
             a.expect_writes(1)  # a load in flight: a peer's write may need our progress
             await wait_for(lambda: a.statistics().progress_polls >= polls + 5)
@@ -897,23 +928,49 @@ async def test_an_idle_transport_sleeps_and_polls_only_while_writes_may_run() ->
             a.expect_writes(-1)
             await wait_for(lambda: a.statistics().idle)
             polls = a.statistics().progress_polls
-            await trio.sleep(0.3)
+            await loop_turns(100)  # negative check: no poll once idle again
             assert a.statistics().progress_polls == polls
 
 
-async def test_nixls_progress_thread_sleeps_while_idle_and_the_pump_never_polls() -> None:
-    """The default: NIXL's thread waits on UCX's event fd, not in a spin, and the pump rests."""
+class AgentConfigSpy:
+    """Stands in for NIXL's binding module: records each agent's config as NIXL gets it."""
+
+    def __init__(self, binding: Any) -> None:
+        self._binding = binding
+        self.configs: list[tuple[bool, int]] = []  # (useProgThread, pthrDelay in us)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._binding, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # NIXL's name for it
+        self.configs.append((bool(config.useProgThread), int(config.pthrDelay)))
+        return self._binding.nixlAgent(name, config)
+
+
+async def test_nixls_progress_thread_sleeps_while_idle_and_the_pump_never_polls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default: NIXL's progress thread, waking every 100 ms, and a pump that rests.
+
+    NIXL's Python constructor sets the thread's delay to 0, which makes it
+    spin a core (about 1 s of CPU a second); the transport gives it ours
+    (``progress_thread_wakeup``, 0.1 s). The test reads the config NIXL's
+    binding receives, and checks that the pump, with a peer's write expected,
+    goes idle and never polls: the thread, not the pump, progresses it.
+    (The CPU an idle node takes is ``p2pactor bench --only idle``'s figure.)
+    """
+    api = import_nixl()
+    spy = AgentConfigSpy(api.nixlBind)
+    monkeypatch.setattr(api, "nixlBind", spy)
     with trio.fail_after(20):
         async with open_nixl_transport(pattern(1), BL, name="threaded") as a:
+            assert spy.configs == [(True, 100_000)]  # the thread on, waking every 0.1 s
             assert a.statistics().progress_thread
             a.expect_writes(1)  # the thread, not the pump, progresses a peer's write
             await wait_for(lambda: a.statistics().idle)
-            cpu = time.process_time()
-            await trio.sleep(1.0)
-            used = time.process_time() - cpu
+            await loop_turns(100)  # negative check: the pump polls in none of them
             assert a.statistics().progress_polls == 0
-            # A spinning thread takes about 1 s of CPU a second (NIXL's own default).
-            assert used < 0.3, f"{used:.2f} s of CPU in 1 s idle"
+            assert a.statistics().idle
 
 
 def test_the_tcp_timeout_bounds_how_long_a_silent_peers_write_may_land() -> None:

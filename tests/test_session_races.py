@@ -4,35 +4,57 @@ With 16 node processes starting together, node B's frame often reached node A
 after A had created its session for B but before that session dialed: A's node
 saw an inbound connection for a peer whose session was alive, refused it, and
 lost B's ``connect``; A's session then never finished its handshake and every
-lookup on it waited 30 s and failed. These tests make both nodes dial each
-other at once, many times over, and require one session per pair and answers.
+lookup on it waited 30 s and failed. The first test forces that interleaving
+and checks that it happened; the second makes both nodes dial each other
+once both sessions exist, in both orders (crossed dials, not that race: see
+its docstring). Both require one session per pair and answers.
+
+Everything runs in one trio run over in-memory transports, so "every other
+task has run until it blocked" (``trio.testing.wait_all_tasks_blocked``) is a
+point the test can wait for, where a sleep would only make it likely.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+import pytest
 import trio
+import trio.testing
 
 from p2pactor.core.inputs import LookupResult
-from tests.cluster import key, open_cluster
+from tests.cluster import Member, key, open_cluster
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS
 
 
-async def test_a_peer_dialing_us_while_our_session_is_about_to_dial_it_is_that_session() -> None:
+async def test_a_peer_dialing_us_while_our_session_is_about_to_dial_it_is_that_session(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The race, forced: a's ``connect`` reaches b's node while b's session for a waits to dial.
+
+    b's session starts first and its dial is held until a's connection is in
+    b's transport and every other task has run until it blocked: b's node has
+    then taken the inbound connection, with b's session still dialing. The
+    test checks that it was so, and that b's node said it took that branch.
+    """
+    caplog.set_level(logging.DEBUG, logger="p2pactor")
     async with open_cluster("a", "b") as cluster:
         a, b = cluster["a"], cluster["b"]
         a.store(key(1))
         b.store(key(2))
         transport = b.node.control
         dial = transport.connect
+        dialing_when_a_came: list[bool] = []
 
         async def dial_once_a_has_dialed_us(peer: str) -> Any:
             # b's session exists but has not dialed yet when a's `connect` arrives.
             while a.id not in transport.connections:  # type: ignore[attr-defined]  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.001)
-            await trio.sleep(0.05)  # and b's node has seen the inbound connection
+            await trio.testing.wait_all_tasks_blocked()  # b's node has seen the connection
+            session = b.node.session(a.id)
+            dialing_when_a_came.append(session is not None and session.dialing)
             return await dial(peer)
 
         transport.connect = dial_once_a_has_dialed_us  # type: ignore[method-assign]
@@ -44,8 +66,13 @@ async def test_a_peer_dialing_us_while_our_session_is_about_to_dial_it_is_that_s
         with trio.fail_after(10):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(ask, "b", a.id, key(1))
-                await trio.sleep(0.01)  # b's session is created and waits to dial
+                await trio.testing.wait_all_tasks_blocked()
+                session = b.node.session(a.id)
+                assert session is not None, "b's session was not created"
+                assert session.dialing, "b's session is not waiting to dial"
                 nursery.start_soon(ask, "a", b.id, key(2))
+        assert dialing_when_a_came == [True]
+        assert any("while we dial it" in r.getMessage() for r in caplog.records), caplog.text
         assert answers == {"a": [HIT], "b": [HIT]}
         for member, peer in ((a, b), (b, a)):
             assert member.node.closed_sessions() == []
@@ -54,12 +81,51 @@ async def test_a_peer_dialing_us_while_our_session_is_about_to_dial_it_is_that_s
             assert session.ready
 
 
+def hold_dials_until_both_sessions_exist(a: Member, b: Member, first: str) -> list[str]:
+    """Make each node's dial wait until each has a session for the other; ``first`` dials first.
+
+    The other dials as soon as ``first``'s dial has begun, before it can have
+    reached its peer. Returns the list the held dials append their node's
+    name to.
+    """
+    both, first_dials = trio.Event(), trio.Event()
+    held: list[str] = []
+    for member in (a, b):
+        transport = member.node.control
+        dial = transport.connect
+
+        async def held_dial(peer: str, member: Member = member, dial: Any = dial) -> Any:
+            held.append(member.name)
+            if a.node.session(b.id) is not None and b.node.session(a.id) is not None:
+                both.set()
+            await both.wait()
+            if member.name == first:
+                first_dials.set()
+            else:
+                await first_dials.wait()
+            return await dial(peer)
+
+        transport.connect = held_dial  # type: ignore[method-assign]
+    return held
+
+
 async def test_nodes_dialing_each_other_at_once_share_one_session() -> None:
+    """Both sessions exist before either dials, then both dial: crossed connects.
+
+    Each order of the two dials is forced five times (the first dial has
+    begun, not ended, when the second begins). This is not the race that
+    lost connects: on in-memory transports the second dial finds the
+    connection the first one opened, so no node sees an inbound connection
+    while its session still dials (with that branch broken, this test still
+    passes). The test above forces that race.
+    """
     for attempt in range(10):
+        first = "ab"[attempt % 2]
         async with open_cluster("a", "b") as cluster:
             a, b = cluster["a"], cluster["b"]
             a.store(key(1))
             b.store(key(2))
+            held = hold_dials_until_both_sessions_exist(a, b, first)
             answers: dict[str, list[LookupResult]] = {}
 
             async def ask(
@@ -71,6 +137,7 @@ async def test_nodes_dialing_each_other_at_once_share_one_session() -> None:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(ask, "a", b.id, key(2))
                     nursery.start_soon(ask, "b", a.id, key(1))
+            assert sorted(held) == ["a", "b"], attempt  # one dial each, both held
             assert answers == {"a": [HIT], "b": [HIT]}, attempt
             for member, peer in ((a, b), (b, a)):
                 assert member.node.closed_sessions() == [], attempt
@@ -91,11 +158,12 @@ async def test_a_peer_still_talking_in_a_session_that_died_here_is_told_to_disco
             b.node.control.connections[a.id].kill("dropped on b's side only")  # type: ignore[attr-defined]
             while b.node.sessions():  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.01)
-            start = trio.current_time()
-            # Answered at once (b's new inbound session says disconnect), not
-            # after the 30 s lookup deadline.
+            # Answered because b's new inbound session says disconnect, not by
+            # the 30 s lookup deadline (which fail_after(10) would not wait for).
             assert await a.node.lookup(b.id, "r2", [key(3)]) == [MISS]
-            assert trio.current_time() - start < 5
+            r2 = [e for e in a.log.recent() if e.actor.kv_request_id == "r2"]
+            assert "LookupTimedOut" not in [e.KIND for e in r2]
+            assert [e.reason for e in r2 if e.KIND == "SessionLost"] == ["the peer disconnected"]  # type: ignore[attr-defined]
             assert not first.alive
             assert await a.node.lookup(b.id, "r3", [key(4)]) == [HIT]
             (second,) = a.node.sessions()

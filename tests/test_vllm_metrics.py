@@ -11,10 +11,16 @@ NIXL on 127.0.0.1), driven step by step like vLLM's scheduler drives them; the
 tests read back what Prometheus holds and compare it with what happened:
 lookups, keys by answer, blocks and bytes each way, failed transfers, sessions
 and pins.
+
+The node's thread publishes its figures for ``get_stats`` (every 0.1 s, when
+they changed), so no test reads Prometheus after a fixed pause: each steps
+the engines until every node is at rest and Prometheus shows exactly what the
+node counted (:meth:`Scheduler.rest`), read on the node's own thread.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 from collections import Counter as Tally
@@ -24,6 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import trio
 
 from tests.test_vllm_tier import (
     CHUNK_BYTES,
@@ -55,7 +62,7 @@ with warnings.catch_warnings():
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pactor.adapters._vllm_metrics import STATS_INTERVAL_S
+from p2pactor.adapters._vllm_metrics import METRICS, SERIES
 from p2pactor.adapters.vllm import P2PActorTierManager
 
 P = "vllm:kv_offload_p2pactor_"
@@ -81,7 +88,7 @@ COUNTERS = {
     "handshakes": ("outcome",),
 }
 GAUGES = {"sessions": (), "peers": (), "actors": (), "pinned_blocks": ()}
-QUIET_S = 3 * STATS_INTERVAL_S  # long enough for the node to publish anything left
+HOLD_S = 10.0  # how long a test holds a node's thread at most
 ENGINE_LABELS = {"model_name": "p2pactor/tiny-test-model", "engine": "0"}
 
 
@@ -132,6 +139,19 @@ class Frontend:
         found = self.registry.get_sample_value(name, labels)
         return 0.0 if found is None else found
 
+    def unshown(self, totals: dict[str, float]) -> dict[str, tuple[float, float]]:
+        """The node's ``totals`` Prometheus does not hold as counted: {figure: (held, counted)}."""
+        out = {}
+        for figure, counted in totals.items():
+            series = SERIES[figure]
+            labelnames = METRICS[series.metric.removeprefix(P)][2]
+            labels = {**ENGINE_LABELS, **dict(zip(labelnames, series.labels, strict=True))}
+            name = series.metric + ("" if series.gauge else "_total")
+            held = self.registry.get_sample_value(name, labels) or 0.0
+            if held != counted:
+                out[figure] = (held, counted)
+        return out
+
     def figures(self) -> dict[str, float]:
         """Every series this test asserts on, by ``metric`` or ``metric:outcome``."""
         out = {}
@@ -167,17 +187,51 @@ class Scheduler:
             self.step()
             time.sleep(0.002)
 
-    def quiet(self) -> None:
-        """Step long enough that the nodes have published all they will."""
-        deadline = time.monotonic() + QUIET_S
-        while time.monotonic() < deadline:
+    def at_rest(self) -> dict[str, Any]:
+        """Why the engines are not at rest yet, by engine (empty once they are).
+
+        At rest: no tier has pending work, no node holds an actor or a pin,
+        and Prometheus holds every figure exactly as the node counted it
+        (read on the node's own thread, where it counts).
+        """
+        out: dict[str, Any] = {}
+        for name, frontend in self.frontends.items():
+            engine = next(e for e in self.h.engines if e.name == name)
+            totals = node_totals(engine)
+            busy = {k: totals[k] for k in ("actors", "pins_outstanding") if totals[k]}
+            if engine.tier.has_pending_work():
+                busy["pending work"] = True
+            unshown = frontend.unshown(totals)
+            if busy or unshown:
+                out[name] = {**busy, "not in Prometheus (held, counted)": unshown}
+        return out
+
+    def rest(self) -> None:
+        """Step until :meth:`at_rest` holds (every figure then is final)."""
+        deadline = time.monotonic() + TIMEOUT
+        while why := self.at_rest():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not at rest within {TIMEOUT:g} s: {why}")
             self.step()
-            time.sleep(0.005)
+            time.sleep(0.002)
 
     def settle(self) -> None:
-        """Finish open requests, wait until the tiers are idle, then read the last figures."""
+        """Finish open requests, wait until the tiers are idle, then until at rest."""
         self.h.check()
-        self.quiet()
+        self.rest()
+
+
+def node_totals(engine: Engine) -> dict[str, float]:
+    """The figures the tier reports, as the node counts them now (read on its own thread)."""
+    runner = engine.tier._runner
+    surface = runner.surface
+    assert runner._token is not None
+    assert surface is not None
+
+    def read() -> dict[str, float]:
+        return {k: v for k, v in surface.metrics.totals().items() if k in SERIES}
+
+    return trio.from_thread.run_sync(read, trio_token=runner._token)
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +308,7 @@ def test_a_lookup_and_its_load_reach_vllms_metrics_on_both_engines(
     (the gauge shows 3, then 0); a session and a ready peer on each side.
     """
     a, b = pair
-    s.quiet()
+    s.rest()
     a0, b0 = s[a].figures(), s[b].figures()
     keys = new_keys(5)
     src = b.put(keys[:3])
@@ -309,7 +363,7 @@ def test_get_stats_reports_increases_and_nothing_when_nothing_happened(
     ``reduce`` (its log line).
     """
     a, b = pair
-    s.quiet()
+    s.rest()
     assert [a.tier.get_stats() for _ in range(3)] == [None] * 3  # settled: nothing new
     before = s[a].figures()
     s[a].payloads.clear()
@@ -354,7 +408,7 @@ def test_get_stats_reports_increases_and_nothing_when_nothing_happened(
 def test_a_failed_load_is_counted(s: Scheduler, pair: tuple[Engine, Engine]) -> None:
     """PD: the prefiller finishes without one demanded block; ``a``'s load fails."""
     a, b = pair
-    s.quiet()
+    s.rest()
     a0, b0 = s[a].figures(), s[b].figures()
     kv_id = new_id("pd")
     keys = new_keys(2)
@@ -379,41 +433,86 @@ def test_a_failed_load_is_counted(s: Scheduler, pair: tuple[Engine, Engine]) -> 
 # --- the engine's thread --------------------------------------------------------
 
 
-def test_get_stats_never_waits_for_the_node_thread(pair: tuple[Engine, Engine]) -> None:
-    """With the node's thread busy for 0.5 s, get_stats still answers at once."""
+def test_get_stats_never_waits_for_the_node_thread(
+    pair: tuple[Engine, Engine], frontends: dict[str, Frontend]
+) -> None:
+    """get_stats answers while the node's thread is held: it reads what that thread published.
+
+    The node's thread runs a step that the test holds until get_stats has
+    returned (``HOLD_S`` at most). A get_stats that waited for the node's
+    thread would return only once the hold gave up, and the hold records
+    whether the test released it.
+    """
     a, _ = pair
     runner = a.tier._runner
     assert runner._token is not None
-    started = time.monotonic()
-    runner._token.run_sync_soon(time.sleep, 0.5)
-    a.tier.get_stats()
-    took = time.monotonic() - started
-    assert took < 0.1, f"get_stats took {took:.3f} s while the node's thread was busy"
-    time.sleep(0.6)
+    held, release, ended = threading.Event(), threading.Event(), threading.Event()
+    released: list[bool] = []
+
+    def hold() -> None:  # on the node's thread: nothing else runs there meanwhile
+        held.set()
+        released.append(release.wait(HOLD_S))
+        ended.set()
+
+    runner._token.run_sync_soon(hold)
+    assert held.wait(TIMEOUT), "the node's thread never ran the hold"
+    frontends[a.name].step()  # vLLM's get_stats, observed as its frontend does
+    release.set()
+    assert ended.wait(TIMEOUT)
+    assert released == [True], "get_stats returned only once the node's thread was free"
+
+
+def node_tasks(engine: Engine) -> list[str]:
+    """The names of the tasks running on the node's thread (read there)."""
+    runner = engine.tier._runner
+    assert runner._token is not None
+
+    def names() -> list[str]:
+        out: list[str] = []
+        todo = [trio.lowlevel.current_root_task()]
+        while todo:
+            task = todo.pop()
+            out.append(task.name)
+            todo += [t for n in task.child_nurseries for t in n.child_tasks]
+        return out
+
+    return trio.from_thread.run_sync(names, trio_token=runner._token)
+
+
+def publishing(engine: Engine) -> bool:
+    """Whether the node's thread still runs the task that publishes its figures."""
+    return any(name.endswith("._publish_totals") for name in node_tasks(engine))
 
 
 def test_a_failing_totals_stops_the_figures_not_the_tier(
     s: Scheduler, pair: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A bug in the node's metrics ends the tier's reports; lookups still work."""
+    """A bug in the node's metrics ends the tier's reports; lookups still work.
+
+    The publishing task is seen to end after the bug; from then on nothing can
+    publish, so the last ``get_stats`` is None however long one waited.
+    """
     _, b = pair
-    s.quiet()
+    s.rest()
+    hit_the_bug = threading.Event()
 
     def broken() -> dict[str, float]:
+        hit_the_bug.set()
         raise RuntimeError("metrics bug")
 
     extra = s.h.add(Engine("broken"))
     try:
-        time.sleep(QUIET_S)
-        assert extra.tier.get_stats() is not None  # what it published before the bug
+        # What it published before the bug.
+        s.h.steps_until(lambda: extra.tier.get_stats() is not None, "extra's first figures")
+        assert publishing(extra)
         monkeypatch.setattr(extra.tier._runner.surface.metrics, "totals", broken)
-        time.sleep(QUIET_S)
+        s.h.steps_until(lambda: not publishing(extra), "the publishing task ended")
+        assert hit_the_bug.is_set()
         extra.tier.get_stats()  # at most one more snapshot was published before the patch
         keys = new_keys(2)
         b.put(keys[:1])
         ctx, _ = s.h.open(extra, source("remote_kv_source", new_id("kv"), b))
         assert s.h.lookup_all(extra, ctx, keys) == [HIT, MISS]
-        time.sleep(QUIET_S)
         assert extra.tier.get_stats() is None
         s.h.retire(extra)
     finally:

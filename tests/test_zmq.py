@@ -203,9 +203,11 @@ async def test_frames_queued_before_anyone_waits_are_received() -> None:
     with trio.fail_after(10):
         async with transport() as a, transport() as b:
             a_conn, b_conn = await link(a, b)
+            before = a.statistics().frames_received
             for i in range(100):
                 await b_conn.send(b"%d" % i)
-            await trio.sleep(0.3)  # all of them have arrived; nobody waits yet
+            # All of them have arrived (a's transport read them); nobody waits yet.
+            await until(lambda: a.statistics().frames_received == before + 100)
             assert [await a_conn.receive() for _ in range(100)] == [b"%d" % i for i in range(100)]
 
 
@@ -266,12 +268,19 @@ async def test_socket_edge_trap_waiters_and_cancellation() -> None:
 
 
 async def test_two_receivers_and_sends_racing_receives() -> None:
+    """Two tasks receive on one connection while a third sends on it.
+
+    Forced: both receives are waiting (every other task has run until it
+    blocked, and the peer holds its frames back) when the first send goes
+    out; then the peer's frames arrive while the sends go on.
+    """
     n = 2000
     with trio.fail_after(30):
         async with transport() as a, transport() as b:
             a_conn, b_conn = await link(a, b)
             per_task: list[list[int]] = [[], []]
             echoed: list[bytes] = []
+            go = trio.Event()
 
             async def receiver(into: list[int], done: trio.CancelScope) -> None:
                 while True:
@@ -280,19 +289,26 @@ async def test_two_receivers_and_sends_racing_receives() -> None:
                         done.cancel()
 
             async def b_side() -> None:
+                await go.wait()
                 for i in range(n):
                     await b_conn.send(b"%d" % i)
                     if i % 10 == 0:
                         await trio.lowlevel.checkpoint()
                 echoed.extend([await b_conn.receive() for _ in range(n)])
 
+            async def a_sends() -> None:
+                for i in range(n):  # a sends while its two receivers wait
+                    await a_conn.send(b"a%d" % i)
+                    go.set()
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(b_side)
                 async with trio.open_nursery() as receivers:
                     receivers.start_soon(receiver, per_task[0], receivers.cancel_scope)
                     receivers.start_soon(receiver, per_task[1], receivers.cancel_scope)
-                    for i in range(n):  # a sends while its two receivers wait
-                        await a_conn.send(b"a%d" % i)
+                    await trio.testing.wait_all_tasks_blocked()  # both receives wait
+                    assert per_task == [[], []]
+                    nursery.start_soon(a_sends)
             assert sorted(per_task[0] + per_task[1]) == list(range(n))
             assert all(x == sorted(x) for x in per_task)
             assert echoed == [b"a%d" % i for i in range(n)]

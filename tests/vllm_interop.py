@@ -397,6 +397,19 @@ class TierHost:
         out: dict[str, Any] = self.call("wait_quiet", reply_timeout=timeout + 10, timeout=timeout)
         return out
 
+    def clock(self) -> float:
+        """The host's time now, on the clock of its ``calls`` records."""
+        return float(self.call("clock"))
+
+    def on_one_clock(self, t: float) -> float:
+        """The host's time ``t`` on ``time.monotonic``, which every host of a machine shares."""
+        return float(self.info["clock_origin"]) + t
+
+    def producer_events(self, kv_request_id: str) -> list[dict[str, Any]] | None:
+        """A p2pactor tier's producer events for ``kv_request_id``; None for others."""
+        out: list[dict[str, Any]] | None = self.call("producer_events", kv_request_id=kv_request_id)
+        return out
+
     def closed_sessions(self) -> list[dict[str, Any]] | None:
         """A p2pactor tier's closed sessions (``peer_id``, ``reason``, ...); None for others."""
         out: list[dict[str, Any]] | None = self.call("closed_sessions")

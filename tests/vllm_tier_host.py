@@ -90,7 +90,10 @@ Engine side (the scheduler and the tiering manager, as vLLM runs them):
   ``{"results": {id: result}, "elapsed_s"}`` (``kind: "timeout"`` if not).
 * ``has_pending_work()``, ``shutdown()`` (stops the poll thread, then
   ``tier.shutdown()``; the process stays up for reports), ``exit()`` (exits now;
-  end of input does the same after a best-effort shutdown), ``info()``, ``ping()``.
+  end of input does the same after a best-effort shutdown), ``info()``, ``ping()``,
+  ``clock()`` (the host's time now, as ``calls`` records it; ``info``'s
+  ``clock_origin`` is its zero on ``time.monotonic``, which every process of a
+  machine shares).
 
 Cache side (this engine's primary tier, as the parent sees it):
 
@@ -119,6 +122,10 @@ Checks:
   seconds since the host started, ``thread`` "main" or "poll").
 * ``wait_quiet(timeout=10)``: steps until no context is open, no pin is held
   and no load is in flight -> the report, with ``quiet``.
+* ``producer_events(kv_request_id)``: for a tier with a p2pactor node, the
+  node's producer events for that request, oldest first: ``[{"kind", "at",
+  "lookup_id"?, "deadline"?, "keys"?}]`` (``at`` and ``deadline`` on the node's
+  own clock); null for a tier without one.
 * ``closed_sessions()``: for a tier with a p2pactor node (``tier.node``), what
   each session that has closed left behind, oldest first: ``[{"peer_id",
   "reason", "failed_loads", "failed_requests", "held_pins", "open_contexts"}]``;
@@ -714,10 +721,32 @@ class Host:
             "tier_init_s": round(self.tier_init_s, 3),
             "steps": self.steps,
             "poll_rounds": self.poll_rounds,
+            "clock_origin": START,
         }
 
     def cmd_ping(self) -> str:
         return "pong"
+
+    def cmd_clock(self) -> float:
+        return now()
+
+    def cmd_producer_events(self, kv_request_id: str) -> list[dict[str, Any]] | None:
+        node = getattr(self.tier, "node", None)
+        if node is None:
+            return None
+        out = []
+        for e in node.event_log.recent():
+            actor = e.actor
+            if actor.role.name != "PRODUCER" or actor.kv_request_id != kv_request_id:
+                continue
+            entry: dict[str, Any] = {"kind": e.KIND, "at": e.at}
+            for name in ("lookup_id", "deadline"):
+                if hasattr(e, name):
+                    entry[name] = getattr(e, name)
+            if hasattr(e, "keys"):
+                entry["keys"] = [bytes(k).hex() for k in e.keys]
+            out.append(entry)
+        return out
 
     def cmd_new_request(self, req: str, params: dict[str, Any] | None = None) -> str:
         if req in self.requests:

@@ -4,12 +4,14 @@ Run by :class:`~p2pactor.programs.vllmreal.client.EngineProcess` as ``python -m
 p2pactor.programs.vllmreal.engine OPTIONS_JSON``. It builds ``vllm.LLM`` on
 vLLM's CPU platform (token-id prompts, no tokenizer, eager, float32) with
 ``OffloadingConnector`` and ``TieringOffloadingSpec`` and the secondary tier the
-options name, warms it up, answers ``{"ready": ...}``, then one answer per
+options name, warms it up (and, for a p2pactor tier with seed peers, waits for
+their whole summaries), answers ``{"ready": ...}``, then one answer per
 command line::
 
     {"cmd": "generate", "prompts": [[ids]], "kv": [params | null], "max_tokens": N}
         -> {"tokens": [[ids]], "logprobs": [[float]], "ttft": [s], "cached": [n], "seconds": s}
-    {"cmd": "metrics"}  -> {"metrics": {"name{label=value}": value}}  (vLLM's own)
+    {"cmd": "metrics"}  -> {"metrics": {"name{label=value}": value}}  (vLLM's own, with
+                           every figure a p2pactor tier's node counted so far)
     {"cmd": "quit"}     -> {"left": [files of its own left in /dev/shm]}, then it exits
 
 ``kv`` is each prompt's ``kv_transfer_params`` (``remote_kv_source`` and the
@@ -61,6 +63,71 @@ def _claim_stdout() -> TextIO:
     fd = os.dup(1)
     os.dup2(2, 1)
     return os.fdopen(fd, "w", encoding="utf-8", buffering=1)
+
+
+_FIGURES_TIMEOUT_S = 30.0
+"""How long ``metrics`` waits for a p2pactor tier's figures to reach vLLM (and the
+engine, at start, for its seed peers' summaries)."""
+
+
+def _p2pactor_tiers(llm: Any, tier: dict[str, Any] | None) -> list[Any] | None:
+    """The p2pactor tiers of the engine (``tier`` is its ``secondary_tiers`` entry).
+
+    None if the entry names p2pactor's tier but vLLM's engine core runs in
+    another process (``inproc`` off), out of reach.
+    """
+    if tier is None or tier.get("module_path") != "p2pactor.adapters.vllm":
+        return []
+    from p2pactor.adapters.vllm import P2PActorTierManager  # noqa: PLC0415 - after ENV
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # InprocClient's
+    if core is None:
+        return None
+    manager = core.scheduler.connector.connector_scheduler.manager
+    return [t for t in manager.secondary_tiers if isinstance(t, P2PActorTierManager)]
+
+
+def _published(tier: Any) -> bool:
+    """Whether the tier's node thread has published every figure its node counted so far.
+
+    The node counts on its own thread and publishes for ``get_stats`` every
+    0.1 s; the figures are read on that thread too.
+    """
+    import trio  # noqa: PLC0415
+
+    from p2pactor.adapters._vllm_metrics import SERIES  # noqa: PLC0415
+
+    runner = tier._runner
+    surface = runner.surface
+
+    def counted() -> dict[str, float]:
+        return {k: v for k, v in surface.metrics.totals().items() if k in SERIES}
+
+    return bool(runner.totals == trio.from_thread.run_sync(counted, trio_token=runner._token))
+
+
+def _has_seed_summaries(tier: Any) -> bool:
+    """Whether the tier's node holds a whole summary of each of its seed peers, all applied.
+
+    Until then a request naming no source finds nothing at them. Read on the
+    node's thread, which applies the summaries.
+    """
+    import trio  # noqa: PLC0415
+
+    node = tier.node
+    seeds = node.config.seed_peers
+
+    def synced() -> bool:
+        index = node.sources.index
+        positions = [index.position(peer) for peer in seeds]
+        return not index.pending and all(p is not None and p[2] for p in positions)
+
+    return bool(trio.from_thread.run_sync(synced, trio_token=tier._runner._token))
+
+
+def _reported(tier: Any) -> bool:
+    """Whether ``get_stats`` has handed over the figures last published."""
+    return bool(tier._reported is tier._runner.totals)
 
 
 def _metrics(llm: Any) -> dict[str, float]:
@@ -116,9 +183,18 @@ class _Engine:
         self.startup_s = time.perf_counter() - started
         self.engine_id = str(options["engine_id"])
         self.block = int(options.get("block_size", 32))
+        self._tiers = _p2pactor_tiers(self.llm, options.get("tier"))
         # The first request with logprobs costs seconds once per process; one
         # shorter than a block stores nothing and looks nothing up.
         self._run([[5] * (self.block // 2)], [None], 2)
+        # Ready for requests naming no source: the seed peers' summaries are in.
+        deadline = time.monotonic() + _FIGURES_TIMEOUT_S
+        while not all(_has_seed_summaries(t) for t in self._tiers or ()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"no whole summary from a seed peer within {_FIGURES_TIMEOUT_S:g} s"
+                )
+            time.sleep(0.01)
 
     def _run(self, prompts: list[list[int]], kv: list[Any], max_tokens: int) -> list[Any]:
         from vllm import SamplingParams  # noqa: PLC0415
@@ -155,11 +231,25 @@ class _Engine:
         }
 
     def metrics(self) -> dict[str, Any]:
-        # A tier's figures reach vLLM's registry at a scheduler step, at most
-        # 0.1 s after they changed: wait, then take a step that stores nothing.
-        time.sleep(0.3)
-        self._run([[7] * (self.block // 2)], [None], 1)
-        return {"metrics": _metrics(self.llm)}
+        # A p2pactor tier's figures reach vLLM's registry through get_stats at a
+        # scheduler step, from what its node's thread last published: wait until
+        # that is everything the node counted, then take a step that stores
+        # nothing, until get_stats has handed it over.
+        tiers = self._tiers
+        if tiers is None:
+            raise RuntimeError("metrics waits for p2pactor's figures only in inproc engines")
+        deadline = time.monotonic() + _FIGURES_TIMEOUT_S
+        while True:
+            if all(_published(t) for t in tiers):
+                self._run([[7] * (self.block // 2)], [None], 1)
+                if all(_reported(t) for t in tiers):
+                    return {"metrics": _metrics(self.llm)}
+            else:
+                time.sleep(0.01)
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"a p2pactor tier's figures did not reach vLLM within {_FIGURES_TIMEOUT_S:g} s"
+                )
 
     def quit(self) -> dict[str, Any]:
         # LLM has no close() in 0.33.0: what its finalizer calls.
