@@ -266,13 +266,7 @@ class Pool:
         """Make the agent, register the pool and prepare its descriptors."""
         options = self.options
         wakeup = options.progress_thread_wakeup
-        self.threaded = wakeup is not None and hasattr(api, "nixlBind")
-        if wakeup is not None and not self.threaded:
-            log.warning(
-                "NIXL agent %s: this NIXL has no nixlBind module to set the progress "
-                "thread's wakeup on; running without the thread (the pump drives progress)",
-                self.name,
-            )
+        self.threaded = wakeup is not None
         try:
             config = api.nixl_agent_config(
                 enable_prog_thread=self.threaded,

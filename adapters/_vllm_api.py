@@ -1,14 +1,7 @@
-"""vLLM's API as the tier sees it: the imports, the variants in the field, the conversions.
-
-Detected once, at import: a job's chunk ids are ``TransferJob.chunk_ids`` since
-vLLM ~0.27 (``JobMetadata.block_ids`` before); ``LookupResult`` arrived in 0.25
-(tiers answered True/False/None before); tiers report their own metrics and
-jobs their transfer time and bytes only in newer releases.
-"""
+"""vLLM 0.33's API as the tier sees it: the names it imports and the conversions."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -18,46 +11,21 @@ import attrs
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.runtime.config import fingerprint_of
 
-__all__ = [
-    "JOB_IDS",
-    "POLLS_TIERS",
-    "PRIMARY_ONLY",
-    "TO_VLLM",
-    "TRANSFER_FIELDS",
-    "VLLM_HIT",
-    "VLLM_MISS",
-    "CacheHitSource",
-    "Dest",
-    "JobResult",
-    "OffloadPolicy",
-    "OffloadingConnectorStats",
-    "OffloadingCounterMetadata",
-    "OffloadingGaugeMetadata",
-    "ParentManager",
-    "ReqContext",
-    "RequestOffloadingContext",
-    "SecondaryTierManager",
-    "Source",
-    "VllmLookup",
-    "from_vllm",
-    "hash_seed",
-    "job_ids",
-    "job_result",
-    "layout_fingerprint",
-    "parse_dest",
-    "parse_source",
-    "positions",
-    "request_keys",
-    "require_tier_polling",
-]
-
 try:
-    from vllm.v1.kv_offload.base import ReqContext, RequestOffloadingContext
-    from vllm.v1.kv_offload.tiering.base import (
-        JobResult,
-        ParentManager,
-        SecondaryTierManager,
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats as OffloadingConnectorStats,
     )
+    from vllm.v1.core import kv_cache_utils as _kv_cache_utils
+    from vllm.v1.kv_offload.base import LookupResult, TierFilter
+    from vllm.v1.kv_offload.base import OffloadingCounterMetadata as OffloadingCounterMetadata
+    from vllm.v1.kv_offload.base import OffloadingGaugeMetadata as OffloadingGaugeMetadata
+    from vllm.v1.kv_offload.base import OffloadPolicy as OffloadPolicy
+    from vllm.v1.kv_offload.base import ReqContext as ReqContext
+    from vllm.v1.kv_offload.base import RequestOffloadingContext as RequestOffloadingContext
+    from vllm.v1.kv_offload.tiering.base import JobResult as JobResult
+    from vllm.v1.kv_offload.tiering.base import ParentManager as ParentManager
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager as SecondaryTierManager
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource as CacheHitSource
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "p2pactor.adapters.vllm needs vLLM 0.33 or newer (tiered KV offloading with "
@@ -65,33 +33,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         f"extra. The import failed with: {exc}"
     ) from exc
 
-from vllm.v1.core import kv_cache_utils as _kv_cache_utils
-from vllm.v1.kv_offload import base as _vllm_base
-from vllm.v1.kv_offload.tiering import base as _tiering_base
-
-JOB_IDS = "chunk_ids" if hasattr(_tiering_base, "TransferJob") else "block_ids"
-# JobResult.transfer_time and transfer_bytes (vLLM's tier metrics read them).
-TRANSFER_FIELDS = {"transfer_time", "transfer_bytes"} <= {
-    f.name for f in dataclasses.fields(JobResult)
-}
+VllmLookup = LookupResult
 # vLLM serves tiers that ask for it between engine steps, from its tier-poll
 # thread (0.33); before, only at steps, and an idle engine never steps.
 POLLS_TIERS = hasattr(SecondaryTierManager, "tolerates_off_thread_polling")
-VllmLookup = getattr(_vllm_base, "LookupResult", None)
-OffloadPolicy = getattr(_vllm_base, "OffloadPolicy", None)
-# A lookup that asks the primary tier alone (0.30+); None: no such filter.
-PRIMARY_ONLY = _vllm_base.TierFilter(matchers=()) if hasattr(_vllm_base, "TierFilter") else None
-try:
-    from vllm.v1.metrics.cache_hit_source import CacheHitSource
-except ImportError:  # pragma: no cover - before per-source hit metrics
-    CacheHitSource = None
-try:
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadingConnectorStats,
-    )
-    from vllm.v1.kv_offload.base import OffloadingCounterMetadata, OffloadingGaugeMetadata
-except ImportError:  # pragma: no cover - before tiers reported their own metrics
-    OffloadingConnectorStats = OffloadingCounterMetadata = OffloadingGaugeMetadata = None
+# A lookup that asks the primary tier alone.
+PRIMARY_ONLY = TierFilter(matchers=())
 
 log = logging.getLogger("p2pactor.vllm")
 
@@ -143,35 +90,22 @@ def parse_dest(params: dict[str, Any] | None) -> Dest | None:
     return Dest(str(kv_id) if kv_id else None)
 
 
-# Our answers as vLLM's LookupResult (or, before vLLM 0.25, True/False/None).
-TO_VLLM: dict[Answer, Any] = (
-    {Answer.HIT: True, Answer.MISS: False, Answer.RETRY: None, Answer.HIT_PENDING: None}
-    if VllmLookup is None
-    else {a: getattr(VllmLookup, a.name) for a in Answer}
-)
+# Our answers as vLLM's LookupResult, and back.
+TO_VLLM: dict[Answer, Any] = {a: getattr(VllmLookup, a.name) for a in Answer}
 VLLM_HIT, VLLM_MISS = TO_VLLM[Answer.HIT], TO_VLLM[Answer.MISS]
 
 
 def from_vllm(result: Any) -> Answer:
-    """VLLM's LookupResult (or a legacy bool/None) as our answer."""
-    if result is True:
-        return Answer.HIT
-    if result is False:
-        return Answer.MISS
-    if result is None:
-        return Answer.RETRY
+    """VLLM's LookupResult as our answer."""
     return Answer(result.name.lower())
 
 
-def positions(ctx: Any, keys: Sequence[bytes]) -> list[int | None] | None:
+def positions(ctx: Any, keys: Sequence[bytes]) -> list[int | None]:
     """Each key's end-token position on the request, as vLLM's scheduler records it.
 
-    vLLM's LRU ranks a request's chunks by it (0.33); None where this vLLM
-    records none.
+    vLLM's LRU ranks a request's chunks by it.
     """
-    get = getattr(ctx, "get_offload_key_position", None)
-    if get is None:  # pragma: no cover - before vLLM recorded positions
-        return None
+    get = ctx.get_offload_key_position
     return [get(k) for k in keys]
 
 
@@ -211,11 +145,12 @@ def request_keys(ctx: Any) -> dict[bytes, int] | None:
 
 
 def job_ids(job: Any) -> list[int]:
-    return [int(i) for i in getattr(job, JOB_IDS)]
+    """A job's chunk ids (``TransferJob.chunk_ids``) as ints."""
+    return [int(i) for i in job.chunk_ids]
 
 
 def job_result(job_id: int, *, success: bool, seconds: float | None, size: int | None) -> Any:
-    """A job's result for vLLM, with its transfer time (s) and bytes where vLLM has them.
+    """A job's result for vLLM, with its transfer time (s) and bytes.
 
     What vLLM 0.33 reads of them: ``TieringMetricsTracker`` adds
     ``transfer_time`` to ``kv_offload_tiering_read_time`` (loads) or
@@ -225,9 +160,7 @@ def job_result(job_id: int, *, success: bool, seconds: float | None, size: int |
     successful store's backpressure detector (``tiering/manager.py:559-576``),
     which this tier refuses.
     """
-    if TRANSFER_FIELDS:
-        return JobResult(job_id=job_id, success=success, transfer_time=seconds, transfer_bytes=size)
-    return JobResult(job_id=job_id, success=success)  # pragma: no cover - older vLLM
+    return JobResult(job_id=job_id, success=success, transfer_time=seconds, transfer_bytes=size)
 
 
 def hash_seed() -> str:

@@ -31,8 +31,6 @@ from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.runtime.node import Node
 from p2pactor.runtime.source_options import SourceOptions
 
-__all__ = ["Auto", "AutoSources", "source_options"]
-
 
 def source_options(base: SourceOptions, spec: Any, summaries: bool | None) -> SourceOptions:
     """The tier's source options: ``base`` (the environment's), for ``spec``'s chunks.

@@ -17,8 +17,6 @@ from p2pactor.adapters._vllm_api import job_result
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.node import Node
 
-__all__ = ["JobBook"]
-
 log = logging.getLogger("p2pactor.vllm")
 
 # The clock of the jobs' transfer_time, bound once: vLLM's own (its

@@ -93,8 +93,6 @@ SERIES: dict[str, _Series] = {
 
 def metric_definitions() -> dict[str, Any]:
     """The tier's metrics, as vLLM's OffloadingMetricMetadata by name."""
-    if OffloadingConnectorStats is None:  # pragma: no cover - vLLM without tier metrics
-        return {}
     return {
         METRIC_PREFIX + name: (OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata)(
             documentation=doc, labelnames=labelnames
@@ -109,8 +107,6 @@ def tier_stats(before: dict[str, float], now: dict[str, float]) -> Any:
     Counters carry their increase (vLLM's frontend adds it to the Prometheus
     counter), gauges their value now.
     """
-    if OffloadingConnectorStats is None:  # pragma: no cover - vLLM without tier metrics
-        return None
     stats = OffloadingConnectorStats()
     for figure, value in now.items():
         series = SERIES.get(figure)

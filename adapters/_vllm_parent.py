@@ -25,8 +25,6 @@ from p2pactor.adapters._vllm_jobs import JobBook
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult as Answer
 
-__all__ = ["LentParent", "TierBooks", "scrub"]
-
 _scrub_ids = itertools.count(1)
 
 
@@ -85,11 +83,9 @@ def scrub(
 
     One synthetic request, opened and finished around the lookups; with the
     primary-only filter nothing is promoted, and the CPU tier's lookup does
-    not touch its LRU order. Without the filter (vLLM before 0.30) nothing is
-    asked (every key is taken as held): a lookup could start promotions from
-    other tiers.
+    not touch its LRU order.
     """
-    if PRIMARY_ONLY is None or not keys:
+    if not keys:
         return [], list(keys)
     ctx = ReqContext(
         req_id=f"p2pactor-scrub-{node_id}-{next(_scrub_ids)}",
@@ -109,4 +105,4 @@ def scrub(
 
 def _held(result: Any) -> bool:
     # HIT_PENDING: being written into the primary, so held by the time a peer asks.
-    return VllmLookup is None or result is not VllmLookup.MISS
+    return result is not VllmLookup.MISS

@@ -29,8 +29,6 @@ from typing import Any
 from p2pactor.adapters._vllm_api import PRIMARY_ONLY, ParentManager, ReqContext, VllmLookup
 from p2pactor.runtime.node import Node
 
-__all__ = ["Watch"]
-
 _MOST_REQUESTS = 4096  # followed at once; a request past that is claimed at its cascade only
 _ids = itertools.count(1)
 
@@ -60,11 +58,7 @@ class Watch:
 
     def follow(self, req_id: str, record: Mapping[bytes, int], first: int) -> None:
         """Follow ``req_id``'s keys from end-token position ``first`` on (the first it asked)."""
-        if (
-            PRIMARY_ONLY is None
-            or not self._node.shares_summaries
-            or len(self._followed) >= _MOST_REQUESTS
-        ):
+        if not self._node.shares_summaries or len(self._followed) >= _MOST_REQUESTS:
             return
         ahead = sorted((p, k) for k, p in record.items() if p >= first)
         if ahead:
@@ -115,5 +109,4 @@ class Watch:
 
 def _there(result: Any) -> bool:
     # HIT, or HIT_PENDING: vLLM is writing it (its store, or a promotion).
-    assert VllmLookup is not None  # followed only where vLLM is (PRIMARY_ONLY)
     return result is not VllmLookup.MISS

@@ -29,7 +29,7 @@ engine's CPU tier holds is told to them in turn, ranked as vLLM's LRU ranks it
 check through the lent parent sized to the tier's churn, a new epoch at
 ``drain_jobs``).
 
-Its parts: ``_vllm_api.py`` (vLLM's API across versions), ``_vllm_parent.py``
+Its parts: ``_vllm_api.py`` (vLLM 0.33's API), ``_vllm_parent.py``
 (the lent parent, the check), ``_vllm_auto.py`` (the automatic choice),
 ``_vllm_jobs.py`` (the jobs owed to vLLM), ``_vllm_watch.py`` (what vLLM is
 writing, claimed before its cascade), ``_vllm_thread.py`` (the node's
@@ -127,7 +127,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             request wait for their fetch (vLLM's default, 60 s).
         allowed_peers: Peers this engine may dial, as ``host:port`` (a list
             or a comma-separated string); request parameters naming anything
-            else are treated as having no source. Default: any peer.
+            else are treated as having no source. Default:
+            ``P2PACTOR_ALLOWED_PEERS``, else any peer.
         seed_peers: Peers to open sessions with at start (a list or a
             comma-separated string of ``host:port``), so their summaries are
             here before the first request that names no source (default
@@ -154,7 +155,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             ``num_threads``) are accepted and ignored; anything else is an error.
     """
 
-    cache_hit_source: ClassVar[Any] = CacheHitSource.P2P if CacheHitSource is not None else None
+    cache_hit_source: ClassVar[Any] = CacheHitSource.P2P
     tolerates_off_thread_polling: ClassVar[bool] = True
 
     def __init__(
@@ -188,7 +189,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         if kwargs:
             raise ValueError(f"unknown p2pactor tier options: {sorted(kwargs)}")
         super().__init__(offloading_spec, primary_kv_view, tier_type)
-        allowed_peers = _peer_list(allowed_peers)
+        allowed = _peer_list(allowed_peers)
         seeds = _peer_list(seed_peers)
         dp_index = int(offloading_spec.config.parallel.data_parallel_index)
         # The CURVE keys are read once host and port are known: the key must
@@ -211,7 +212,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 num_blocks=int(view.shape[0]) if view.shape else 0,
                 block_len=int(self.block_size_bytes),
                 fingerprint=layout_fingerprint(offloading_spec),
-                allowed_peers=None if allowed_peers is None else frozenset(allowed_peers),
+                allowed_peers=base.allowed_peers if allowed is None else frozenset(allowed),
                 seed_peers=base.seed_peers if seeds is None else frozenset(seeds),
                 sources=source_options(base.sources, offloading_spec, summaries),
                 unbound_store_timeout=float(unbound_store_timeout_s),
@@ -268,7 +269,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         dest = parse_dest(params)
         if dest is not None:
             req_context.set_state(dest)
-            if dest.kv_request_id is not None and OffloadPolicy is not None:
+            if dest.kv_request_id is not None:
                 return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
         elif source is None:
             self._auto.begin(req_context)  # no source named: the summaries may know one

@@ -970,6 +970,17 @@ def test_submit_load_of_no_keys_succeeds(h: Harness, a: Engine, b: Engine) -> No
     h.check()
 
 
+def test_allowed_peers_default_to_their_environment_variable(
+    h: Harness, b: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``P2PACTOR_ALLOWED_PEERS`` is the default of ``allowed_peers``; the option overrides it."""
+    monkeypatch.setenv("P2PACTOR_ALLOWED_PEERS", f"{b.peer_id},{HOST}:2")
+    from_env = h.add(Engine("allowed-env"))
+    assert from_env.tier.node.config.allowed_peers == frozenset({b.peer_id, f"{HOST}:2"})
+    chosen = h.add(Engine("allowed-option", allowed_peers=[f"{HOST}:3"]))
+    assert chosen.tier.node.config.allowed_peers == frozenset({f"{HOST}:3"})
+
+
 def test_a_peer_outside_allowed_peers_is_no_source_and_never_dialed(
     h: Harness, a: Engine, b: Engine
 ) -> None:
@@ -1519,7 +1530,7 @@ def test_shutdown_closes_cleanly_and_frees_the_port(h: Harness, b: Engine) -> No
 # --- vLLM API variants ---------------------------------------------------------------
 
 
-def test_lookup_results_map_both_ways_including_legacy_bools() -> None:
+def test_lookup_results_map_both_ways() -> None:
     from vllm.v1.kv_offload.base import LookupResult as VllmLookupResult  # noqa: PLC0415
 
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
@@ -1528,17 +1539,7 @@ def test_lookup_results_map_both_ways_including_legacy_bools() -> None:
         theirs = vllm_api.TO_VLLM[ours]
         assert theirs is getattr(VllmLookupResult, ours.name)
         assert vllm_api.from_vllm(theirs) is ours
-    # tiers before vLLM 0.25 answered with bools, and None for "not yet"
-    assert vllm_api.from_vllm(True) is LookupResult.HIT
-    assert vllm_api.from_vllm(False) is LookupResult.MISS
-    assert vllm_api.from_vllm(None) is LookupResult.RETRY
 
 
-def test_job_chunk_ids_are_read_from_the_field_this_vllm_has(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    assert vllm_api.JOB_IDS == "chunk_ids"
-    current = SimpleNamespace(chunk_ids=np.array([3, 4]))
-    assert vllm_api.job_ids(current) == [3, 4]
-    monkeypatch.setattr(vllm_api, "JOB_IDS", "block_ids")  # JobMetadata, vLLM <= 0.26
-    assert vllm_api.job_ids(SimpleNamespace(block_ids=[5, 6])) == [5, 6]
+def test_job_chunk_ids_are_read_from_the_transfer_job() -> None:
+    assert vllm_api.job_ids(SimpleNamespace(chunk_ids=np.array([3, 4]))) == [3, 4]
