@@ -28,7 +28,8 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import ConfigError
 from p2pactor.programs.cli import build_parser
 from p2pactor.programs.serve import config_from_args
-from p2pactor.runtime.config import NodeConfig, is_loopback, is_wildcard
+from p2pactor.runtime.addresses import is_loopback, is_wildcard
+from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.testing import MemoryDataPlane

@@ -29,7 +29,9 @@ from collections.abc import Mapping
 from typing import Annotated, Final, TypeAlias
 
 import msgspec
-from msgspec import UNSET, Meta, UnsetType
+from msgspec import UNSET as UNSET
+from msgspec import Meta
+from msgspec import UnsetType as UnsetType
 
 from p2pactor.core.protocol_base import (
     Address,
@@ -48,84 +50,33 @@ from p2pactor.core.protocol_base import (
     parallel,
 )
 from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, tuned_checker, type_error
-from p2pactor.core.protocol_limits import (
-    DEFAULT_LIMITS,
-    DEFAULT_MAX_FRAME_BYTES,
-    MAX_ADDRESS,
-    MAX_AGENT_METADATA_BYTES,
-    MAX_BLOCK_INDEX,
-    MAX_BLOCK_LEN,
-    MAX_DEADLINE_MS,
-    MAX_EXTENSION_VERSION,
-    MAX_FEATURE_CHARS,
-    MAX_FEATURES,
-    MAX_KEY_BYTES,
-    MAX_LIST_ITEMS,
-    MAX_NUM_BLOCKS,
-    MAX_ROUND_SEQ,
-    MAX_STRING_CHARS,
-    MAX_SUMMARY_BYTES,
-    Limits,
-)
-from p2pactor.core.protocol_scan import Frame, leading_type
-from p2pactor.core.protocol_summaries import (
-    FEATURE_SUMMARIES,
-    KvsumDelta,
-    KvsumResync,
-    KvsumSnapshot,
-    SummaryMessage,
-    fingerprints,
-    packed,
-)
+from p2pactor.core.protocol_limits import DEFAULT_LIMITS as DEFAULT_LIMITS
+from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES as DEFAULT_MAX_FRAME_BYTES
+from p2pactor.core.protocol_limits import MAX_ADDRESS as MAX_ADDRESS
+from p2pactor.core.protocol_limits import MAX_AGENT_METADATA_BYTES as MAX_AGENT_METADATA_BYTES
+from p2pactor.core.protocol_limits import MAX_BLOCK_INDEX as MAX_BLOCK_INDEX
+from p2pactor.core.protocol_limits import MAX_BLOCK_LEN as MAX_BLOCK_LEN
+from p2pactor.core.protocol_limits import MAX_DEADLINE_MS as MAX_DEADLINE_MS
+from p2pactor.core.protocol_limits import MAX_EXTENSION_VERSION as MAX_EXTENSION_VERSION
+from p2pactor.core.protocol_limits import MAX_FEATURE_CHARS as MAX_FEATURE_CHARS
+from p2pactor.core.protocol_limits import MAX_FEATURES as MAX_FEATURES
+from p2pactor.core.protocol_limits import MAX_KEY_BYTES as MAX_KEY_BYTES
+from p2pactor.core.protocol_limits import MAX_LIST_ITEMS as MAX_LIST_ITEMS
+from p2pactor.core.protocol_limits import MAX_NUM_BLOCKS as MAX_NUM_BLOCKS
+from p2pactor.core.protocol_limits import MAX_ROUND_SEQ as MAX_ROUND_SEQ
+from p2pactor.core.protocol_limits import MAX_STRING_CHARS as MAX_STRING_CHARS
+from p2pactor.core.protocol_limits import MAX_SUMMARY_BYTES as MAX_SUMMARY_BYTES
+from p2pactor.core.protocol_limits import Limits as Limits
+from p2pactor.core.protocol_scan import Frame as Frame
+from p2pactor.core.protocol_scan import leading_type
+from p2pactor.core.protocol_summaries import FEATURE_SUMMARIES as FEATURE_SUMMARIES
+from p2pactor.core.protocol_summaries import KvsumDelta as KvsumDelta
+from p2pactor.core.protocol_summaries import KvsumResync as KvsumResync
+from p2pactor.core.protocol_summaries import KvsumSnapshot as KvsumSnapshot
+from p2pactor.core.protocol_summaries import SummaryMessage as SummaryMessage
+from p2pactor.core.protocol_summaries import fingerprints as fingerprints
+from p2pactor.core.protocol_summaries import packed as packed
 from p2pactor.errors import FrameTooLarge, InvalidField, MalformedFrame, ProtocolError
-
-__all__ = [
-    "DEFAULT_LIMITS",
-    "DEFAULT_MAX_FRAME_BYTES",
-    "EXTENSION_KEY",
-    "FEATURE_SUMMARIES",
-    "MAX_ADDRESS",
-    "MAX_AGENT_METADATA_BYTES",
-    "MAX_BLOCK_INDEX",
-    "MAX_BLOCK_LEN",
-    "MAX_DEADLINE_MS",
-    "MAX_EXTENSION_VERSION",
-    "MAX_FEATURES",
-    "MAX_FEATURE_CHARS",
-    "MAX_KEY_BYTES",
-    "MAX_LIST_ITEMS",
-    "MAX_NUM_BLOCKS",
-    "MAX_ROUND_SEQ",
-    "MAX_STRING_CHARS",
-    "MAX_SUMMARY_BYTES",
-    "MESSAGE_TYPES",
-    "UNSET",
-    "VLLM_MESSAGE_TYPES",
-    "AbortAck",
-    "AbortFetch",
-    "BaseMessage",
-    "Connect",
-    "ConnectAck",
-    "ConnectExtension",
-    "Disconnect",
-    "Fetch",
-    "Frame",
-    "KvsumDelta",
-    "KvsumResync",
-    "KvsumSnapshot",
-    "Limits",
-    "Lookup",
-    "LookupResp",
-    "Message",
-    "PeerProcess",
-    "SummaryMessage",
-    "TransferDone",
-    "UnsetType",
-    "decode",
-    "encode",
-    "fingerprints",
-    "packed",
-]
 
 EXTENSION_KEY: Final = "p2pactor"
 """The ``connect`` key under which p2pactor peers advertise their extensions."""

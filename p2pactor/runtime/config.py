@@ -1,33 +1,15 @@
 """Node configuration: one frozen value, from keyword arguments or the environment.
 
 Defaults follow vLLM 0.33.0 wherever vLLM has one, and the same environment
-variables are read, so an operator's existing settings carry over:
-
-============================== =========================== ==========
-variable                       field                       default
-============================== =========================== ==========
-``VLLM_P2P_SIDE_CHANNEL_HOST`` ``host``                    localhost
-``P2PACTOR_BIND_HOST``         ``bind_host``               ``host``
-``VLLM_P2P_SIDE_CHANNEL_PORT`` ``port``                    5710
-``VLLM_P2P_MAX_PEERS``         ``max_peers``               128
-``VLLM_P2P_HANDSHAKE_TIMEOUT_S`` ``handshake_timeout``     30
-``VLLM_P2P_IDLE_TIMEOUT_S``    ``idle_timeout``            300
-``PYTHONHASHSEED``             ``hash_seed``               vllm-none-hash
-============================== =========================== ==========
-
-p2pactor's own settings use the ``P2PACTOR_`` prefix (see :meth:`NodeConfig.from_env`).
-
-Across hosts a node binds one address and is known by another (``docs/deploy.md``):
-``bind_host`` is where the ROUTER binds (``0.0.0.0``, the pod's interface), ``host``
-the address peers dial back, which is half of the node's id. A wildcard ``host`` is
-refused when the config is made, and a node known by a loopback ``host`` never dials
-(nor accepts) a peer on another host (:meth:`NodeConfig.dial_refusal`).
+variables are read (vLLM's ``VLLM_P2P_*`` and ``PYTHONHASHSEED``, and p2pactor's own
+``P2PACTOR_*``: :meth:`NodeConfig.from_env`, ``docs/vllm.md``), so an operator's
+existing settings carry over. Which addresses a node binds, is known by and may
+dial: :mod:`p2pactor.runtime.addresses`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 import json
 import math
 import os
@@ -41,18 +23,10 @@ from p2pactor.core import checks
 from p2pactor.core.protocol import DEFAULT_LIMITS, Limits
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 from p2pactor.errors import ConfigError
+from p2pactor.runtime.addresses import check_bind_host, check_host, is_loopback, peer_host
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
 from p2pactor.runtime.source_options import DEFAULT_SOURCES, SourceOptions
-
-__all__ = [
-    "DEFAULT_HASH_SEED",
-    "SLOW_STEP_S",
-    "NodeConfig",
-    "fingerprint_of",
-    "is_loopback",
-    "is_wildcard",
-]
 
 DEFAULT_HASH_SEED: Final = "vllm-none-hash"
 """The hash seed vLLM uses for sha256 block hashing when PYTHONHASHSEED is unset."""
@@ -71,8 +45,7 @@ def fingerprint_of(fields: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# Timeouts and intervals may be inf: never.
-_positive = checks.positive(finite=False)
+_positive = checks.positive(finite=False)  # timeouts and intervals may be inf: never
 
 
 def _unused_actor_inbox(_: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -85,67 +58,10 @@ def _unused_actor_inbox(_: object, attribute: attrs.Attribute[int], value: int) 
         )
 
 
-def _bare_host(host: str) -> str:
-    # An IPv6 literal may come bracketed, as in a URL or a ZeroMQ endpoint.
-    host = host.strip()
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
-def is_wildcard(host: str) -> bool:
-    """Whether ``host`` is a bind-anything address (``0.0.0.0``, ``::``, ``*``, empty).
-
-    Such an address can be bound but never dialed: a node must not be known by one.
-    """
-    host = _bare_host(host)
-    if host in ("", "*"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False  # a name
-
-
 _DIAL_MEMORY = 4096  # peers whose may_dial answer a config remembers
 
 SLOW_STEP_S: Final = 0.05
 """The default ``slow_step_s``; measured at under 1% of the node's hot path (docs/status.md)."""
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` names this machine only (``localhost``, ``127.x``, ``::1``)."""
-    host = _bare_host(host).lower().rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always loopback
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # any other name: it may resolve anywhere
-
-
-def _peer_host(peer_id: str) -> str:
-    return peer_id.rpartition(":")[0]
-
-
-def _advertised(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    if not isinstance(value, str):
-        raise ConfigError(f"NodeConfig.host must be a string, got {value!r}")
-    if is_wildcard(value):
-        # Peers would dial back to "0.0.0.0:port": nowhere. Binding every
-        # interface is bind_host's job; host is the address peers reach.
-        raise ConfigError(
-            f"NodeConfig.host={value!r} is a wildcard address: peers dial a node back at "
-            "its host, and cannot dial that. Set bind_host=0.0.0.0 (P2PACTOR_BIND_HOST, "
-            "--bind-host) to listen on every interface, and host=<an address peers reach> "
-            "(VLLM_P2P_SIDE_CHANNEL_HOST, --host): this machine's IP or DNS name"
-        )
-
-
-def _bind_host(instance: object, attribute: attrs.Attribute[str | None], value: object) -> None:
-    if value is not None and not (isinstance(value, str) and value.strip()):
-        raise ConfigError(
-            f"NodeConfig.bind_host must be an address to bind (e.g. 0.0.0.0) or None "
-            f"(bind host), got {value!r}"
-        )
 
 
 def _slow_step(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -268,8 +184,8 @@ class NodeConfig:
             :mod:`p2pactor.runtime.loopwatch` and ``docs/status.md``.
     """
 
-    host: str = attrs.field(default="localhost", validator=_advertised)
-    bind_host: str | None = attrs.field(default=None, validator=_bind_host)
+    host: str = attrs.field(default="localhost", validator=check_host)
+    bind_host: str | None = attrs.field(default=None, validator=check_bind_host)
     port: int = attrs.field(default=5710, validator=checks.port)
     num_blocks: int = attrs.field(default=1024, validator=checks.positive_int)
     block_len: int = attrs.field(default=4096, validator=checks.positive_int)
@@ -384,7 +300,7 @@ class NodeConfig:
         timeout with nothing said. Loopback peers of a loopback node (one
         machine) are fine. Decided from the two ids alone, before any socket.
         """
-        if not self._loopback or is_loopback(_peer_host(peer_id)):
+        if not self._loopback or is_loopback(peer_host(peer_id)):
             return None
         return (
             f"this node is {self.node_id}, a loopback address, and {peer_id} is on another "
@@ -398,12 +314,13 @@ class NodeConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> NodeConfig:
         """Build a config from environment variables, then keyword overrides.
 
-        Reads vLLM's variables (see the module docstring) and
+        Reads vLLM's ``VLLM_P2P_SIDE_CHANNEL_HOST``, ``VLLM_P2P_SIDE_CHANNEL_PORT``,
+        ``VLLM_P2P_MAX_PEERS``, ``VLLM_P2P_HANDSHAKE_TIMEOUT_S``, ``VLLM_P2P_IDLE_TIMEOUT_S``
+        and ``PYTHONHASHSEED`` (their defaults: ``docs/vllm.md``), and
         ``P2PACTOR_BIND_HOST``, ``P2PACTOR_NUM_BLOCKS``, ``P2PACTOR_BLOCK_LEN``,
-        ``P2PACTOR_FINGERPRINT``,
-        ``P2PACTOR_ALLOWED_PEERS`` and ``P2PACTOR_SEED_PEERS`` (comma-separated
-        ``host:port``), ``P2PACTOR_SUMMARIES`` (``0`` turns summaries off),
-        ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
+        ``P2PACTOR_FINGERPRINT``, ``P2PACTOR_ALLOWED_PEERS`` and ``P2PACTOR_SEED_PEERS``
+        (comma-separated ``host:port``), ``P2PACTOR_SUMMARIES`` (``0`` turns summaries
+        off), ``P2PACTOR_DASHBOARD_PORT``, ``P2PACTOR_DASHBOARD_HOST``,
         ``P2PACTOR_METRICS_PORT``, ``P2PACTOR_METRICS_HOST``,
         ``P2PACTOR_CURVE_SECRET_KEY`` and ``P2PACTOR_CURVE_TRUSTED``,
         ``P2PACTOR_SLOW_STEP_MS`` (milliseconds; ``0`` turns the watch off), and the

@@ -5,27 +5,18 @@ written by ``p2pactor keygen STEM --address HOST:PORT``:
 
 * ``STEM.key``: the public certificate. Hand it to every peer that should
   trust this node; they put it in their trusted directory.
-* ``STEM.key_secret``: the secret certificate, mode 0600. It never leaves the
-  node.
+* ``STEM.key_secret``: the secret certificate, mode 0600, never leaves the node.
 
-Both are ZeroMQ certificates in ZPL, the text format of czmq's ``zcert``, so
-ZeroMQ tools can read them::
-
-    metadata
-        address = "10.0.0.5:5710"
-    curve
-        public-key = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
-        secret-key = "JTKVSB%%)wK0E.X)V>+}o?pNmC{O&4W4b!Ni{Lh6"
-
-(``secret-key`` in the secret file only). The ``address`` is what the key
+Both are ZeroMQ certificates in ZPL, the text format of czmq's ``zcert``: a
+``metadata`` section with the ``address``, and a ``curve`` section with the
+``public-key`` (and the ``secret-key``, in the secret file only). The ``address`` is what the key
 speaks for: the node ids (``host:port``, comma-separated when one key serves
 several nodes, say the data-parallel ranks of one engine) whose connections
 this key may authenticate. A peer claiming an address bound to another key is
 refused, so a trusted peer cannot pose as another.
 
-Everything here is plain file handling with no I/O beyond reading and writing
-these files; every problem is a :class:`~p2pactor.errors.ConfigError` that says
-what to do.
+Plain file handling; every problem is a :class:`~p2pactor.errors.ConfigError`
+that says what to do.
 """
 
 from __future__ import annotations
@@ -42,20 +33,6 @@ import attrs
 
 from p2pactor.errors import ConfigError
 from p2pactor.runtime import zpl
-
-__all__ = [
-    "KEYGEN_HINT",
-    "PUBLIC_SUFFIX",
-    "SECRET_SUFFIX",
-    "CurveKeypair",
-    "CurveSecurity",
-    "Keyring",
-    "load_keyring",
-    "load_public",
-    "load_secret",
-    "parse_addresses",
-    "write_keypair",
-]
 
 PUBLIC_SUFFIX: Final = ".key"
 """File name suffix of a public certificate (what peers trust)."""
@@ -137,8 +114,7 @@ def _addresses_of(sections: Mapping[str, Mapping[str, str]], path: Path) -> froz
     if not raw:
         raise ConfigError(
             f"{path} has no address metadata (the host:port the key speaks for), so it "
-            "cannot bind a peer's identity: regenerate it with "
-            "`p2pactor keygen STEM --address HOST:PORT`"
+            f"cannot bind a peer's identity: regenerate it with `{KEYGEN_HINT}`"
         )
     return parse_addresses(raw, where=f"{path}, metadata address")
 
@@ -189,8 +165,7 @@ def write_keypair(
             files may be written.
         force: Replace existing files; otherwise refuse to touch them.
 
-    Returns:
-        The public and the secret file's paths.
+    Returns the public and the secret file's paths.
 
     Raises:
         ConfigError: A file exists (and not ``force``), an address is not
@@ -223,10 +198,9 @@ def write_keypair(
 def _write_new(path: Path, text: str, mode: int, *, replace: bool) -> None:
     """Write ``path`` whole or not at all, created with ``mode`` (never wider).
 
-    A temporary file in the same folder is created with the final mode (so the
-    secret is never readable by others, not even for a moment), then renamed
-    over the target (``replace``) or hard-linked to it, which fails if the
-    target appeared meanwhile.
+    Through a temporary file made with the final mode (the secret is never
+    readable by others, not even for a moment), renamed over the target
+    (``replace``) or hard-linked to it (which fails if it appeared meanwhile).
     """
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -282,12 +256,8 @@ def load_secret(path: str | os.PathLike[str]) -> CurveKeypair:
     secret = _check_key(curve.get("secret-key"), "secret-key", file)
     # Whether the public key belongs to the secret one takes libzmq: the zmq
     # transport checks it when it sets up CURVE (p2pactor.adapters._zmq_curve).
-    return CurveKeypair(
-        public_key=public,
-        secret_key=secret,
-        addresses=_addresses_of(sections, file),
-        path=str(file),
-    )
+    addresses = _addresses_of(sections, file)
+    return CurveKeypair(public_key=public, secret_key=secret, addresses=addresses, path=str(file))
 
 
 def load_public(path: str | os.PathLike[str]) -> tuple[str, frozenset[str]]:
@@ -318,10 +288,9 @@ def _frozen_map(value: Mapping[str, str]) -> Mapping[str, str]:
 
 @attrs.frozen(kw_only=True)
 class Keyring:
-    """The peers a node trusts: each peer id (``host:port``) and its public key.
+    """The peers a node trusts: each peer id (``host:port``) and its one public key.
 
-    Build it with :func:`load_keyring`, or directly for tests. A key may speak
-    for several ids; an id has one key.
+    Built by :func:`load_keyring` (or directly, in tests).
 
     Attributes:
         keys: Peer id -> public key (Z85).

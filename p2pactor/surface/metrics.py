@@ -63,32 +63,14 @@ CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 """The exposition format's content type (what ``GET /metrics`` answers with)."""
 
 HANDSHAKE_OUTCOMES: Final = (
-    "ok",
-    "seed_mismatch",
-    "block_size_mismatch",
-    "fingerprint_mismatch",
-    "identity_mismatch",
-    "timeout",
-    "unauthenticated",
+    *("ok", "seed_mismatch", "block_size_mismatch", "fingerprint_mismatch"),
+    *("identity_mismatch", "timeout", "unauthenticated"),
 )
 """How a session's handshake ended (``p2pactor_handshakes_total``)."""
 
 _LATENCY_BUCKETS: Final = (
-    0.0005,
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
+    *(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+    *(1.0, 2.5, 5.0, 10.0, 30.0),
 )
 _KEY_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _OTHER_PEERS: Final = "other"

@@ -27,163 +27,26 @@ everything into one :class:`ReplayResult` (the result types live in
 from __future__ import annotations
 
 import os
-import sys
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Final
+from collections.abc import Iterable, Iterator
 
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.consumer import ConsumerState
-from p2pactor.core.consumer_state import CONSUMER_FOLDS
-from p2pactor.core.events import ConsumerPhase
-from p2pactor.core.fold import ActorState, evolve, initial_state
-from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import ProducerPhase, ProducerState
-from p2pactor.core.producer_evolve import PRODUCER_FOLDS
+from p2pactor.core.fold import evolve
+from p2pactor.core.ids import ActorId
+from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.logread import LogReader, read_log
-from p2pactor.surface.replay_checks import ConsumerCheck, ProducerCheck
-from p2pactor.surface.replay_describe import describe
-from p2pactor.surface.replay_results import (
-    ActorResult,
-    InvariantViolation,
-    LogInfo,
-    ReplayResult,
-    Summary,
-    TimelineRow,
-    Unfinished,
-)
-
-__all__ = [
-    "ActorResult",
-    "InvariantViolation",
-    "LogInfo",
-    "ReplayResult",
-    "ReplayRun",
-    "Replayer",
-    "Summary",
-    "TimelineRow",
-    "Unfinished",
-    "describe",
-    "open_logs",
-    "replay",
-    "replay_logs",
-]
-
-
-# --- the engine ---------------------------------------------------------------------
-
-
-_CheckStep = Callable[[ev.AnyEvent, Any, Any, ev.AnyEvent | None], list[str]]
-"""A check's step: (event, state before, state after, event before) -> what it breaks."""
-
-
-class _Live:
-    """What replay keeps about one actor while it runs."""
-
-    __slots__ = (
-        "actor",
-        "check",
-        "check_step",
-        "events",
-        "fast",
-        "first_at",
-        "folds",
-        "last_at",
-        "node_id",
-        "prev",
-        "rows",
-        "state",
-        "violations",
-    )
-
-    def __init__(self, node_id: str, actor: ActorId, *, check: bool, rows: bool) -> None:
-        self.node_id = node_id
-        self.actor = actor
-        self.state: ActorState = initial_state(actor)
-        self.events = 0
-        self.first_at = 0.0
-        self.last_at = 0.0
-        self.prev: ev.AnyEvent | None = None
-        self.rows: list[TimelineRow] | None = [] if rows else None
-        self.violations = 0
-        self.check: ConsumerCheck | ProducerCheck | None = None
-        # The check's step, bound once: (event, state before, state after, event before).
-        self.check_step: _CheckStep | None = None
-        if check:
-            self.check = ConsumerCheck() if actor.role is Role.CONSUMER else ProducerCheck()
-            self.check_step = self.check.step
-        self.folds: Mapping[type[ev.Event], Callable[[Any, Any], ActorState]] = (
-            CONSUMER_FOLDS if actor.role is Role.CONSUMER else PRODUCER_FOLDS
-        )
-        # No timeline to show: each event is folded (and checked) inline (Replayer.feed).
-        self.fast = self.rows is None
-
-
-_Counts = Counter[str]
-_REFUSED: Final = "refused:"
-"""The prefix of the counts of quota refusals, by quota."""
-
-
-def _count_lookup_resp(c: _Counts, e: ev.LookupResp) -> None:
-    hits = sum(e.hits)
-    c["keys_hit"] += hits
-    c["keys_missed"] += len(e.hits) - hits
-
-
-def _count_lookup_answered(c: _Counts, e: ev.LookupAnswered) -> None:
-    if e.resolved:
-        # What a KeysResolved (of distinct keys) and a KeysPinned said apart.
-        answers = dict(zip(e.keys, e.hits, strict=True))
-        hits = sum(answers.values())
-        c["keys_served_hit"] += hits
-        c["keys_served_missed"] += len(answers) - hits
-        c["pins_answered"] += e.pinned is not None
-
-
-def _count_keys_resolved(c: _Counts, e: ev.KeysResolved) -> None:
-    c["keys_served_hit"] += len(e.hits)
-    c["keys_served_missed"] += len(e.misses)
-
-
-def _count_load_failed(c: _Counts, e: ev.AnyEvent) -> None:
-    c["loads_failed"] += 1
-
-
-def _count_refusal(c: _Counts, e: ev.LookupRefused | ev.KeysRefused | ev.FetchRefused) -> None:
-    c[_REFUSED + e.quota.value] += 1
-
-
-_COUNTERS: Final[Mapping[type[ev.Event], Callable[[_Counts, Any], None]]] = {
-    ev.LookupResp: _count_lookup_resp,
-    ev.LookupTimedOut: lambda c, e: c.update(keys_timed_out=len(e.keys)),
-    ev.KeysResolved: _count_keys_resolved,
-    ev.LookupAnswered: _count_lookup_answered,
-    ev.Closed: lambda c, e: c.update(pins_closed=len(e.released)),
-    ev.PendingExpired: lambda c, e: c.update(keys_served_timed_out=len(e.keys)),
-    ev.TransferDone: lambda c, e: c.update(("loads_done" if e.success else "loads_failed",)),
-    ev.AbortAcked: _count_load_failed,
-    ev.Aborted: _count_load_failed,
-    ev.FetchSkipped: lambda c, e: None if e.success else _count_load_failed(c, e),
-    ev.LookupRefused: _count_refusal,
-    ev.KeysRefused: _count_refusal,
-    ev.FetchRefused: _count_refusal,
-    ev.LookupLimited: lambda c, e: c.update((_REFUSED + ev.Quota.KEYS_PER_LOOKUP.value,)),
-}
-"""What each counted event type adds to the summary's counts (one dict
-lookup per event, where a ``match`` would test every arm in turn)."""
-
-_TERMINAL: Final = frozenset({*(p for p in ConsumerPhase if p.terminal), ProducerPhase.CLOSED})
-"""The phases an actor of either role ends in."""
-
-_EndedKey = tuple[str, Role, str, str, int]
-
-
-def _ended_key(node_id: str, actor: ActorId) -> _EndedKey:
-    # The only memory replay keeps per ended actor: flat, with the peer shared
-    # by all its actors, it is a third of the decoded ActorId it stands for.
-    return (node_id, actor.role, sys.intern(actor.peer), actor.kv_request_id, actor.incarnation)
+from p2pactor.surface.replay_describe import describe as describe
+from p2pactor.surface.replay_live import COUNTERS, REFUSED, TERMINAL, EndedKey, Live, ended_key
+from p2pactor.surface.replay_results import ActorResult as ActorResult
+from p2pactor.surface.replay_results import InvariantViolation as InvariantViolation
+from p2pactor.surface.replay_results import LogInfo as LogInfo
+from p2pactor.surface.replay_results import ReplayResult as ReplayResult
+from p2pactor.surface.replay_results import Summary as Summary
+from p2pactor.surface.replay_results import TimelineRow as TimelineRow
+from p2pactor.surface.replay_results import Unfinished as Unfinished
 
 
 class Replayer:
@@ -204,9 +67,9 @@ class Replayer:
         self._check = check
         self._request = request
         self._timelines = timelines
-        self._live: dict[tuple[str, ActorId], _Live] = {}
+        self._live: dict[tuple[str, ActorId], Live] = {}
         # Actors that ended, with their terminal event, to catch events after it.
-        self._ended: dict[_EndedKey, str] = {}
+        self._ended: dict[EndedKey, str] = {}
         self._seen = 0
         self._kinds: dict[type[ev.Event], int] = {}
         self._counts: Counter[str] = Counter()
@@ -229,7 +92,7 @@ class Replayer:
         kind = type(event)
         kinds = self._kinds
         kinds[kind] = kinds.get(kind, 0) + 1
-        counter = _COUNTERS.get(kind)
+        counter = COUNTERS.get(kind)
         if counter is not None:
             counter(self._counts, event)
         key = (node_id, actor)
@@ -260,20 +123,20 @@ class Replayer:
         else:
             self._apply(live, event)
             state = live.state
-        if state.phase not in _TERMINAL:
+        if state.phase not in TERMINAL:
             return None
         del self._live[key]
-        self._ended[_ended_key(node_id, actor)] = event.KIND
+        self._ended[ended_key(node_id, actor)] = event.KIND
         return self._result(live, ())
 
-    def _begin(self, node_id: str, event: ev.AnyEvent, old: _Live | None) -> _Live | None:
+    def _begin(self, node_id: str, event: ev.AnyEvent, old: Live | None) -> Live | None:
         """The actor ``event`` begins (None: it must not), replacing ``old``."""
         actor = event.actor
         if old is not None:
             # The same id began a new life (a reused kv_request_id on a new
             # session) while the old one never ended: it was abandoned.
             self._abandon(old)
-        ended = self._ended.get(_ended_key(node_id, actor))
+        ended = self._ended.get(ended_key(node_id, actor))
         if ended is not None and event.seq != 1:
             self._violation(
                 node_id, event, f"recorded after {ended}: nothing follows a request's end"
@@ -281,7 +144,7 @@ class Replayer:
             return None
         keep_rows = self._timelines is None or self._seen < self._timelines
         self._seen += 1
-        live = _Live(node_id, actor, check=self._check, rows=keep_rows)
+        live = Live(node_id, actor, check=self._check, rows=keep_rows)
         live.first_at = event.at
         self._live[node_id, actor] = live
         return live
@@ -292,7 +155,7 @@ class Replayer:
         self._live.clear()
         return results
 
-    def _abandon(self, live: _Live) -> ActorResult:
+    def _abandon(self, live: Live) -> ActorResult:
         """Report an actor whose events stop before its end, and forget it."""
         open_now = live.check.open_obligations() if live.check is not None else []
         self.unfinished.extend(
@@ -333,9 +196,9 @@ class Replayer:
             pins_released=k["PinReleased"] + c["pins_closed"],
             rejected=k["Rejected"],
             quota_refusals={
-                name.removeprefix(_REFUSED): n
+                name.removeprefix(REFUSED): n
                 for name, n in sorted(c.items())
-                if name.startswith(_REFUSED)
+                if name.startswith(REFUSED)
             },
             violations=len(self.violations),
             by_kind=dict(sorted(k.items())),
@@ -348,7 +211,7 @@ class Replayer:
             )
         )
 
-    def _apply(self, live: _Live, event: ev.AnyEvent) -> None:
+    def _apply(self, live: Live, event: ev.AnyEvent) -> None:
         before = live.state
         problems: list[str] = []
         if event.seq <= before.seq:
@@ -386,7 +249,7 @@ class Replayer:
             self._violation(live.node_id, event, message)
         live.violations += len(problems)
 
-    def _result(self, live: _Live, unfinished: tuple[str, ...]) -> ActorResult:
+    def _result(self, live: Live, unfinished: tuple[str, ...]) -> ActorResult:
         state = live.state
         role = live.actor.role.value
         self._phases.setdefault(role, Counter())[state.phase.value] += 1
