@@ -29,28 +29,6 @@ import attrs
 from p2pactor.adapters._vllm_api import ReqContext, Source
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.runtime.node import Node
-from p2pactor.runtime.source_options import SourceOptions
-
-
-def source_options(base: SourceOptions, spec: Any, summaries: bool | None) -> SourceOptions:
-    """The tier's source options: ``base`` (the environment's), for ``spec``'s chunks.
-
-    A key is one offload chunk: ``blocks_per_chunk`` blocks of the group's
-    tokens, which is what a HIT saves in prefill; the choice weighs a claimed
-    run by those tokens against the round trip. ``summaries`` (the tier
-    option), when given, says whether summaries are shared at all.
-    """
-    if summaries is not None:
-        base = attrs.evolve(base, share=bool(summaries))
-    config = getattr(spec, "config", None)
-    groups = getattr(config, "groups", ())
-    per_chunk = getattr(spec, "blocks_per_chunk", None) or getattr(
-        getattr(config, "cache", None), "blocks_per_chunk", 0
-    )
-    tokens = max((int(g.tokens_per_block) for g in groups), default=0) * int(per_chunk or 0)
-    if tokens <= 0:
-        return base  # a spec that does not say: the policy's default
-    return attrs.evolve(base, choice=attrs.evolve(base.choice, tokens_per_key=tokens))
 
 
 @attrs.define(eq=False)

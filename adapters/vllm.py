@@ -29,23 +29,20 @@ engine's CPU tier holds is told to them in turn, ranked as vLLM's LRU ranks it
 check through the lent parent sized to the tier's churn, a new epoch at
 ``drain_jobs``).
 
-Its parts: ``_vllm_api.py`` (vLLM 0.33's API), ``_vllm_parent.py``
-(the lent parent, the check), ``_vllm_auto.py`` (the automatic choice),
-``_vllm_jobs.py`` (the jobs owed to vLLM), ``_vllm_watch.py`` (what vLLM is
-writing, claimed before its cascade), ``_vllm_thread.py`` (the node's
-thread), ``_vllm_metrics.py`` (``/metrics``).
+Its parts: ``_vllm_api.py`` (vLLM 0.33's API), ``_vllm_config.py`` (the options
+as a ``NodeConfig``), ``_vllm_parent.py`` (the lent parent, the check),
+``_vllm_auto.py`` (the automatic choice), ``_vllm_jobs.py`` (the jobs owed to
+vLLM), ``_vllm_watch.py`` (what vLLM is writing, claimed before its cascade),
+``_vllm_thread.py`` (the node's thread), ``_vllm_metrics.py`` (``/metrics``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
-
-import attrs
 
 from p2pactor.adapters._vllm_api import (
     TO_VLLM,
@@ -61,22 +58,20 @@ from p2pactor.adapters._vllm_api import (
     SecondaryTierManager,
     Source,
     job_ids,
-    layout_fingerprint,
     parse_dest,
     parse_source,
     positions,
     request_keys,
     require_tier_polling,
 )
-from p2pactor.adapters._vllm_auto import Auto, AutoSources, source_options
+from p2pactor.adapters._vllm_auto import Auto, AutoSources
+from p2pactor.adapters._vllm_config import TIER_OPTIONS, tier_config
 from p2pactor.adapters._vllm_jobs import JobBook
 from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
 from p2pactor.adapters._vllm_parent import LentParent, scrub
 from p2pactor.adapters._vllm_thread import NodeThread
 from p2pactor.adapters._vllm_watch import Watch
 from p2pactor.core.inputs import LookupResult as Answer
-from p2pactor.errors import ConfigError
-from p2pactor.runtime.config import NodeConfig, slow_step_from_ms
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.node import Node
 from p2pactor.runtime.threadsafe import LookupView
@@ -87,72 +82,26 @@ log = logging.getLogger("p2pactor.vllm")
 
 _SHUTDOWN_DRAIN_S = 3.0  # vLLM's own: wait this long for writes, then give up
 _DRAIN_TIMEOUT_S = 30.0
-_CURVE_ENV = frozenset({"P2PACTOR_CURVE_SECRET_KEY", "P2PACTOR_CURVE_TRUSTED"})
 
 
 class _Seen:
     """A request's first lookup here was seen (its ``ReqContext`` state)."""
 
 
-def _peer_list(peers: Collection[str] | str | None) -> list[str] | None:
-    """Peers as a list: from a comma-separated string too."""
-    if peers is None:
-        return None
-    if isinstance(peers, str):
-        return [p.strip() for p in peers.split(",") if p.strip()]
-    return list(peers)
-
-
 class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM is Any to mypy
     """A vLLM secondary tier backed by a p2pactor node.
 
-    Args:
-        offloading_spec: What vLLM's factory passes: the offloading
-            configuration (model and cache layout give the fingerprint; the
-            data-parallel index offsets the port).
-        primary_kv_view: The CPU primary tier's memory, one row per chunk: it
-            becomes the NIXL block pool.
-        tier_type: The tier's type name.
-        backpressure_detector: Must be None: like vLLM's P2P tier, this tier
-            can't fail fast on store backpressure.
-        host: Address peers dial to reach this engine, half of its id
-            (default ``VLLM_P2P_SIDE_CHANNEL_HOST``, ``localhost``; set the
-            pod's IP or DNS name for cross-host use: a loopback host refuses
-            peers on other hosts). Never a wildcard such as ``0.0.0.0``.
-        bind_host: Address the control port binds, e.g. ``0.0.0.0`` (default
-            ``P2PACTOR_BIND_HOST``, else ``host``); peers still dial ``host``.
-        port: Base control port (default ``VLLM_P2P_SIDE_CHANNEL_PORT``,
-            5710), plus the data-parallel index.
-        unbound_store_timeout_s: How long stored blocks of a prefill/decode
-            request wait for their fetch (vLLM's default, 60 s).
-        allowed_peers: Peers this engine may dial, as ``host:port`` (a list
-            or a comma-separated string); request parameters naming anything
-            else are treated as having no source. Default:
-            ``P2PACTOR_ALLOWED_PEERS``, else any peer.
-        seed_peers: Peers to open sessions with at start (a list or a
-            comma-separated string of ``host:port``), so their summaries are
-            here before the first request that names no source (default
-            ``P2PACTOR_SEED_PEERS``). Peers that connect to us join too.
-        summaries: Tell p2pactor peers which keys this engine's CPU tier
-            holds, and find a source for requests that name none from what
-            they tell us (``docs/sources.md``). Stock vLLM peers never hear
-            of it. Default: on, unless ``P2PACTOR_SUMMARIES=0``.
-        event_log: Write the node's event log to this file (for
-            ``p2pactor replay``).
-        slow_step_ms: Report every step that holds the node's thread at
-            least this many milliseconds (``docs/status.md``); ``0`` turns
-            the watch off. Default: ``P2PACTOR_SLOW_STEP_MS``, else 50.
-        curve_secret_key: This engine's secret CURVE certificate (made by
-            ``p2pactor keygen``, with an ``--address`` for every data-parallel
-            rank's ``host:port``); with ``curve_trusted``, the control channel is
-            authenticated and encrypted and talks only to trusted p2pactor
-            peers, never to stock vLLM ones (``docs/security.md``). Default:
-            ``P2PACTOR_CURVE_SECRET_KEY``, else off.
-        curve_trusted: Folder of the trusted peers' ``.key`` files (default
-            ``P2PACTOR_CURVE_TRUSTED``); with CURVE, request parameters naming
-            a peer without a trusted key are treated as having no source.
-        **kwargs: Keys vLLM's own P2P tier takes (``backends``,
-            ``num_threads``) are accepted and ignored; anything else is an error.
+    vLLM's factory passes ``offloading_spec`` (the model and cache layout give
+    the fingerprint; the data-parallel index offsets the port),
+    ``primary_kv_view`` (the CPU primary tier's memory, one row per chunk: the
+    NIXL block pool) and ``tier_type``; ``backpressure_detector`` must be None,
+    as for vLLM's P2P tier. The keyword options are the ``secondary_tiers``
+    entry's: ``host``, ``bind_host``, ``port``, ``unbound_store_timeout_s``,
+    ``allowed_peers``, ``seed_peers``, ``summaries``, ``event_log``,
+    ``slow_step_ms``, ``curve_secret_key``, ``curve_trusted``, each with its
+    environment variable and default in ``docs/vllm.md``'s options table; the
+    keys vLLM's own P2P tier takes (``backends``, ``num_threads``,
+    ``locality``) are accepted and ignored, anything else is an error.
     """
 
     cache_hit_source: ClassVar[Any] = CacheHitSource.P2P
@@ -165,18 +114,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         tier_type: str = "p2pactor",
         *,
         backpressure_detector: Any = None,
-        host: str | None = None,
-        bind_host: str | None = None,
-        port: int | str | None = None,
-        unbound_store_timeout_s: float = 60.0,
-        allowed_peers: Collection[str] | str | None = None,
-        seed_peers: Collection[str] | str | None = None,
-        summaries: bool | None = None,
         event_log: str | None = None,
-        slow_step_ms: float | None = None,
-        curve_secret_key: str | None = None,
-        curve_trusted: str | None = None,
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
         require_tier_polling()
         if backpressure_detector is not None:
@@ -185,46 +124,14 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 "tier): remove the 'backpressure' config from its secondary_tiers entry."
             )
         for ignored in ("backends", "num_threads", "locality"):
-            kwargs.pop(ignored, None)
-        if kwargs:
-            raise ValueError(f"unknown p2pactor tier options: {sorted(kwargs)}")
+            options.pop(ignored, None)
+        if unknown := set(options) - TIER_OPTIONS:
+            raise ValueError(f"unknown p2pactor tier options: {sorted(unknown)}")
         super().__init__(offloading_spec, primary_kv_view, tier_type)
-        allowed = _peer_list(allowed_peers)
-        seeds = _peer_list(seed_peers)
-        dp_index = int(offloading_spec.config.parallel.data_parallel_index)
-        # The CURVE keys are read once host and port are known: the key must
-        # speak for this rank's id, not for the environment's default one.
-        # The options go in before the config is made: a wildcard
-        # VLLM_P2P_SIDE_CHANNEL_HOST the tier's own "host" replaces is no error.
-        chosen = {k: v for k, v in (("host", host), ("bind_host", bind_host)) if v is not None}
-        base = NodeConfig.from_env(
-            {k: v for k, v in os.environ.items() if k not in _CURVE_ENV}, **chosen
-        )
-        if curve_secret_key is None:
-            curve_secret_key = os.environ.get("P2PACTOR_CURVE_SECRET_KEY") or None
-        if curve_trusted is None:
-            curve_trusted = os.environ.get("P2PACTOR_CURVE_TRUSTED") or None
         view = primary_kv_view
-        try:
-            config = attrs.evolve(
-                base,
-                port=int(port if port is not None else base.port) + dp_index,
-                num_blocks=int(view.shape[0]) if view.shape else 0,
-                block_len=int(self.block_size_bytes),
-                fingerprint=layout_fingerprint(offloading_spec),
-                allowed_peers=base.allowed_peers if allowed is None else frozenset(allowed),
-                seed_peers=base.seed_peers if seeds is None else frozenset(seeds),
-                sources=source_options(base.sources, offloading_spec, summaries),
-                unbound_store_timeout=float(unbound_store_timeout_s),
-                drain_timeout=_SHUTDOWN_DRAIN_S,
-                slow_step_s=base.slow_step_s
-                if slow_step_ms is None
-                else slow_step_from_ms(slow_step_ms, said=f"slow_step_ms={slow_step_ms!r}"),
-                curve_secret_key=curve_secret_key,
-                curve_trusted=curve_trusted,
-            )
-        except (ConfigError, TypeError) as exc:
-            raise ValueError(f"bad p2pactor tier configuration: {exc}") from exc
+        config = tier_config(
+            offloading_spec, view, self.block_size_bytes, _SHUTDOWN_DRAIN_S, **options
+        )
         self._contexts: dict[str, ReqContext] = {}
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
         self._views: dict[tuple[str, str], LookupView] = {}  # this step's, per request
