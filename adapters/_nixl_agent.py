@@ -11,12 +11,12 @@ import threading
 import time
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import attrs
 import numpy as np
-import numpy.typing as npt
 
+from p2pactor.adapters._nixl_api import Agent, Descs, Index
 from p2pactor.adapters._nixl_options import NixlOptions, late_write_window
 from p2pactor.errors import ConfigError, DataPlaneError
 
@@ -33,36 +33,6 @@ refuses the pool as one strided row (it spans several registrations): at most ab
 IN_PROGRESS = frozenset({"PROC", "PEND"})
 
 _T = TypeVar("_T")
-
-Index = npt.NDArray[np.int32]
-Descs = npt.NDArray[np.uint64]
-
-
-class Agent(Protocol):
-    """The part of ``nixl_agent`` the transport uses, typed (handles are opaque)."""
-
-    def get_agent_metadata(self) -> bytes: ...
-    def register_memory(
-        self, reg_list: list[tuple[int, int, int, str]], mem_type: str
-    ) -> object: ...
-    def deregister_memory(self, dereg_list: object) -> None: ...
-    def prep_xfer_dlist(self, agent_name: str, xfer_list: Descs, mem_type: str) -> object: ...
-    def release_dlist_handle(self, handle: object) -> None: ...
-    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
-    def remove_remote_agent(self, agent: str) -> None: ...
-    def make_connection(self, remote_agent: str) -> None: ...
-    def make_prepped_xfer(
-        self,
-        operation: str,
-        local_xfer_side: object,
-        local_indices: Index,
-        remote_xfer_side: object,
-        remote_indices: Index,
-    ) -> object: ...
-    def transfer(self, handle: object) -> str: ...
-    def check_xfer_state(self, handle: object) -> str: ...
-    def release_xfer_handle(self, handle: object) -> None: ...
-    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
 
 
 def nixl_error(exc: Exception) -> str:

@@ -11,7 +11,8 @@ import attrs
 import numpy as np
 import trio
 
-from p2pactor.adapters._nixl_agent import IN_PROGRESS, Agent, Index, Pool, Posted, log, nixl_error
+from p2pactor.adapters._nixl_agent import IN_PROGRESS, Pool, Posted, log, nixl_error
+from p2pactor.adapters._nixl_api import Agent, Index
 from p2pactor.adapters._nixl_options import NixlOptions, Tally
 from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.transport import TransferError, WriteDone

@@ -11,13 +11,12 @@ from typing import Literal
 import trio
 import zmq
 
-from p2pactor.adapters._zmq_connection import _MONITOR_MASK, ZmqConnection, _Owner
+from p2pactor.adapters._zmq_connection import ZmqConnection, _Owner
 from p2pactor.adapters._zmq_curve import (
-    _ROUTER_MONITOR_MASK,
     _curve_client,
     _CurveGate,
-    _make_curve_server,
 )
+from p2pactor.adapters._zmq_dial import _peer_address, _transport_serials, dial
 from p2pactor.adapters._zmq_options import (
     ZmqOptions,
     ZmqStatistics,
@@ -25,24 +24,13 @@ from p2pactor.adapters._zmq_options import (
     _worth_logging,
     log,
 )
-from p2pactor.adapters._zmq_socket import _AsyncSocket, _events, _Monitor, _ms
+from p2pactor.adapters._zmq_socket import _AsyncSocket, _events, _Monitor
 from p2pactor.core.protocol import Frame
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.logcontext import peer_context, request_context
 from p2pactor.runtime.transport import ConnectionLost
 
-_transport_serials = itertools.count(1)
 _REFAIR_EVERY = 4  # frames read between the ROUTER's looks for newly readable connections
-
-
-def _peer_address(peer_id: str) -> str | None:
-    """``tcp://host:port`` for a peer id, or None if it is not ``host:port``."""
-    host, sep, port = peer_id.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
-        return None
-    if any(c.isspace() or c in "/;" for c in host):
-        return None
-    return f"tcp://{host}:{port}"
 
 
 class ZmqControlTransport:
@@ -77,10 +65,7 @@ class ZmqControlTransport:
         )
         self._last_close: dict[str, float] = {}
         self._closed = False
-        self._received = 0
-        self._dropped = 0
-        self._opened = 0
-        self._died = 0
+        self._received = self._dropped = self._opened = self._died = 0
         self._curve = curve
         self._router_monitor = router_monitor
         self._gate = None if curve is None else _CurveGate(curve, local_id, lambda: self._closed)
@@ -103,11 +88,6 @@ class ZmqControlTransport:
         return self._port
 
     @property
-    def options(self) -> ZmqOptions:
-        """The transport's options."""
-        return self._options
-
-    @property
     def closed(self) -> bool:
         """Whether the transport has been closed."""
         return self._closed
@@ -121,11 +101,6 @@ class ZmqControlTransport:
         plain ZeroMQ, which anyone who reaches the port can use and read.
         """
         return "none" if self._curve is None else "curve"
-
-    @property
-    def curve(self) -> CurveSecurity | None:
-        """The CURVE keys the transport uses, or None without CURVE."""
-        return self._curve
 
     def connections(self) -> list[ZmqConnection]:
         """The live connections, one per peer."""
@@ -193,18 +168,16 @@ class ZmqControlTransport:
     def accept_only(self, allowed: Callable[[str], bool]) -> None:
         """Drop the first frame of any peer for which ``allowed`` is False.
 
-        The check comes before the dial-back to the address the frame's
-        identity claims, so a sender outside ``allowed`` never makes this
-        node connect anywhere. :func:`~p2pactor.runtime.node.open_node` sets it to
-        :meth:`NodeConfig.may_dial <p2pactor.runtime.config.NodeConfig.may_dial>`.
+        Checked before the dial-back to the identity's address: a sender outside
+        ``allowed`` never makes this node connect anywhere (``open_node`` sets it
+        to ``NodeConfig.may_dial``).
         """
         self._allowed = allowed
 
     async def aclose(self) -> None:
         """Close every connection and the ROUTER; wake everyone waiting. Idempotent.
 
-        Waiting receivers get :class:`ConnectionLost`, waiting ``accept()`` calls
-        ``trio.ClosedResourceError``. Closing the context manager calls this.
+        Receivers get :class:`ConnectionLost`, ``accept()`` ``trio.ClosedResourceError``.
         """
         self._close()
         await trio.lowlevel.checkpoint()
@@ -230,46 +203,34 @@ class ZmqControlTransport:
         self._accept_in.close()
         if self._router_monitor is not None:
             self._router_monitor.close()
-        # Closing the sockets ends every task of ours (each sees its socket
-        # closed); the nursery is not cancelled here, as the caller's body runs
-        # in it too.
+        # Closing the sockets ends our tasks; the nursery is not cancelled: the
+        # caller's body runs in it too.
         self._router.close(self._options.router_linger)
 
     def _open(self, peer_id: str, *, inbound: bool) -> ZmqConnection:
         """A new connection to ``peer_id``: DEALER, monitor, and their task.
 
         Raises:
-            ConnectionLost: The peer id is not a dialable ``host:port``, or
-                (with CURVE) no key is trusted for it.
+            ConnectionLost: ``peer_id`` is not ``host:port``, or (CURVE) has no trusted key.
         """
         address = _peer_address(peer_id)
         if address is None:
             raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
         curve_options = [] if self._curve is None else _curve_client(self._curve, peer_id)
-        opts = self._options
-        dealer = self._ctx.socket(zmq.DEALER)
-        monitor: _Monitor | None = None
+        # A monitor endpoint unique per connection, not per peer: libzmq
+        # releases an inproc name on its reaper thread after close()
+        # returned, so reusing it on a reconnect fails with EADDRINUSE.
+        endpoint = f"inproc://p2pactor-monitor-{self._serial}-{next(self._monitor_serials)}"
         try:
-            _apply_heartbeat(dealer, opts)
-            dealer.setsockopt(zmq.IDENTITY, self._local_id.encode())
-            dealer.setsockopt(zmq.SNDHWM, opts.send_hwm)
-            dealer.setsockopt(zmq.LINGER, _ms(opts.dealer_linger))
-            if address.startswith("tcp://["):
-                dealer.setsockopt(zmq.IPV6, 1)
-            for option, value in curve_options:
-                dealer.setsockopt(option, value)
-            # ZMQ_IMMEDIATE stays 0 (vLLM): frames queue before the connection
-            # completes, so the `connect` sent right away fits.
-            # A monitor endpoint unique per connection, not per peer: libzmq
-            # releases an inproc name on its reaper thread after close()
-            # returned, so reusing it on a reconnect fails with EADDRINUSE.
-            endpoint = f"inproc://p2pactor-monitor-{self._serial}-{next(self._monitor_serials)}"
-            monitor = _Monitor(self._ctx, dealer, endpoint, _MONITOR_MASK)
-            dealer.connect(address)
+            dealer, monitor = dial(
+                self._ctx,
+                self._local_id,
+                address,
+                self._options,
+                curve_options=curve_options,
+                endpoint=endpoint,
+            )
         except zmq.ZMQError as exc:
-            if monitor is not None:
-                monitor.close()
-            dealer.close(linger=0)
             raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
         conn = ZmqConnection(self._owner, peer_id, _AsyncSocket(dealer), monitor, inbound=inbound)
         self._connections[peer_id] = conn
@@ -308,15 +269,11 @@ class ZmqControlTransport:
     async def _receive_loop(self) -> None:
         """The ROUTER's one receive task: it reads frames ahead, and hands them on in turn.
 
-        Each round reads what is there (up to ``receive_batch`` frames) into
-        its connection's frames waiting for their receiver, then hands those
-        on, one frame per connection in turn, for ``receive_slice_s``; then it
-        lets the node's other tasks run. Reading ahead of the handing keeps a
-        peer's backlog here, bounded in bytes (``inbound_bytes``: past it the
-        peer is cut off as a flood), rather than in libzmq, which bounds it by
-        frames alone (1,000 frames of up to ``max_frame_bytes``). Handing in
-        turn means a peer whose frames are slow to handle (large lookups) holds
-        every other peer up for one of its frames, never for its backlog.
+        Each round reads up to ``receive_batch`` frames into their connections,
+        then hands them on, one frame per connection in turn, for
+        ``receive_slice_s``, then yields. A peer's backlog stays here, bounded
+        in bytes (``inbound_bytes``), not in libzmq (bounded in frames only);
+        a peer slow to handle holds others up for one frame, never its backlog.
         """
         router = self._router
         recv = router.recv_routed
@@ -373,12 +330,11 @@ class ZmqControlTransport:
     def _route_authenticated(self, identity: bytes, parts: list[Frame]) -> None:
         """:meth:`_route` for a CURVE ROUTER: the claimed identity must be the key's."""
         assert self._gate is not None
-        impostor = self._gate.impostor(identity, parts)
-        if impostor is not None:
+        if (impostor := self._gate.impostor(identity, parts)) is None:
+            self._route(identity, parts)
+        else:
             self._received += 1
             self._drop(impostor)
-            return
-        self._route(identity, parts)
 
     def _route(self, identity: bytes, parts: list[Frame]) -> None:
         """Take one message to its connection (which waits its turn to hand it on)."""
@@ -454,44 +410,3 @@ class ZmqControlTransport:
                 self._dropped,
                 extra=request_context(peer, None, node=self._local_id),
             )
-
-
-def _apply_heartbeat(sock: zmq.Socket[bytes], options: ZmqOptions) -> None:
-    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(options.heartbeat_interval))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(options.heartbeat_timeout))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(options.heartbeat_ttl))
-
-
-def _bind_router(
-    ctx: zmq.Context[zmq.Socket[bytes]],
-    host: str,
-    port: int,
-    options: ZmqOptions,
-    curve: CurveSecurity | None = None,
-) -> tuple[zmq.Socket[bytes], int, _Monitor | None]:
-    """The bound ROUTER, its port, and (with CURVE) the monitor of its failed handshakes."""
-    router = ctx.socket(zmq.ROUTER)
-    monitor: _Monitor | None = None
-    endpoint = f"tcp://{host}:{port or '*'}"
-    try:
-        _apply_heartbeat(router, options)
-        if curve is not None:
-            _make_curve_server(router, curve)
-            events = f"inproc://p2pactor-router-monitor-{next(_transport_serials)}"
-            monitor = _Monitor(ctx, router, events, _ROUTER_MONITOR_MASK)
-        router.setsockopt(zmq.LINGER, _ms(options.router_linger))
-        # See ZmqOptions.max_frame_bytes; the decoder's own bound stays as a backstop.
-        router.setsockopt(zmq.MAXMSGSIZE, options.max_frame_bytes)
-        # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay).
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if host.startswith("["):
-            router.setsockopt(zmq.IPV6, 1)
-        router.bind(endpoint)
-        bound = router.getsockopt(zmq.LAST_ENDPOINT)
-    except zmq.ZMQError as exc:
-        if monitor is not None:
-            monitor.close()
-        router.close(linger=0)
-        raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
-    assert isinstance(bound, bytes)
-    return router, int(bound.decode().rpartition(":")[2]), monitor

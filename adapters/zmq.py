@@ -77,8 +77,9 @@ import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
 from p2pactor.adapters._zmq_curve import ZAP_DOMAIN, _bind_zap, check_keypair, generate_keypair
+from p2pactor.adapters._zmq_dial import _bind_router
 from p2pactor.adapters._zmq_options import ZmqOptions, ZmqStatistics, ZmqTransportError, log
-from p2pactor.adapters._zmq_router import ZmqControlTransport, _bind_router
+from p2pactor.adapters._zmq_router import ZmqControlTransport
 from p2pactor.adapters._zmq_socket import _AsyncSocket
 from p2pactor.runtime.keys import CurveSecurity
 
@@ -94,8 +95,7 @@ __all__ = [
 ]
 
 
-def _log_security(transport: ZmqControlTransport, port: int) -> None:
-    curve = transport.curve
+def _log_security(transport: ZmqControlTransport, port: int, curve: CurveSecurity | None) -> None:
     if curve is None:
         log.warning(
             "%s: the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE "
@@ -190,7 +190,7 @@ async def open_zmq_transport(
                         router_monitor=router_monitor,
                     )
                     transport._start(zap)
-                    _log_security(transport, bound_port)
+                    _log_security(transport, bound_port, curve)
                     if bind_host and bind_host != host:
                         # Which address is which, said once: a wrong one shows
                         # only as peers that never answer.
