@@ -67,9 +67,7 @@ def _require_browser() -> str:
         except ImportError:
             missing = "Playwright is not installed (pip install -e '.[test]')"
     if missing is not None:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI must run the browser test: {missing}")
-        pytest.skip(missing)
+        pytest.skip(missing)  # a failure under CI=1 (conftest.py)
     assert path is not None
     return path
 

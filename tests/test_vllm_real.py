@@ -44,9 +44,7 @@ pytestmark = pytest.mark.real_vllm
 
 _missing = missing()
 if _missing is not None:
-    if os.environ.get("CI"):
-        pytest.fail(f"CI must run the real-engine tests: {_missing}", pytrace=False)
-    pytest.skip(_missing, allow_module_level=True)
+    pytest.skip(_missing, allow_module_level=True)  # a failure under CI=1 (conftest.py)
 
 from p2pactor.programs.vllmreal.client import EngineOptions, EngineProcess, tier_entry  # noqa: E402
 from p2pactor.programs.vllmreal.model import ModelShape, make_model  # noqa: E402
