@@ -222,9 +222,17 @@ class LineProcess:
 
     def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
         """Send one command; its JSON answer."""
+        self.send(cmd)
+        return self.answer()
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        """Send one command (its answer: :meth:`answer`)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(cmd) + "\n")
         self.proc.stdin.flush()
+
+    def answer(self) -> dict[str, Any]:
+        """The next JSON line it says."""
         while True:
             line = self.line()
             if line.startswith("{"):

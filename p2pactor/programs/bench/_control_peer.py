@@ -29,6 +29,8 @@ handshakes exchange NIXL metadata) on 127.0.0.1:
   registers it and answers RETRY, ``on_schedule_end`` to send the lookups, then
   polling until ``lookup`` answers HIT or MISS, ``on_request_finished``), one
   loop over the C requests in flight, waking when its ROUTER is readable.
+  ``{"idle": T}`` answers ``{}`` after T seconds of nothing (ours) or of the
+  calls vLLM's tier-poll thread makes every 1 ms for an idle engine (vLLM's).
 """
 
 from __future__ import annotations
@@ -283,6 +285,10 @@ async def _ours(args: argparse.Namespace) -> None:
                     _dump(f"{trace}.{args.role}", seen)
                 return
             cmd = json.loads(line)
+            if "idle" in cmd:  # nothing calls the node meanwhile
+                await trio.sleep(float(cmd["idle"]))
+                say({})
+                continue
             keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
             tally = _Tally()
             cpu0 = _cpu_s()
@@ -359,6 +365,14 @@ def _vllm(args: argparse.Namespace) -> None:
             tier.shutdown()
             return
         cmd = json.loads(line)
+        if "idle" in cmd:  # as vLLM's tier-poll thread calls an idle engine's tier
+            end = time.perf_counter() + float(cmd["idle"])
+            while time.perf_counter() < end:
+                poller.poll(1)
+                tier.has_pending_work()
+                tier.get_finished_jobs()
+            say({})
+            continue
         keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
         tally = _Tally()
         cpu0 = _cpu_s()

@@ -61,8 +61,7 @@ median across repeats and, in brackets, the min and max.
 
 ``p2pactor bench --only engine`` runs it (in a subprocess) and reports its
 headline figures; for every figure, run it with vLLM installed:
-``python -m p2pactor.programs.bench._vllm_engine`` (or the wrapper
-``benchmarks/vllm_engine_thread.py``) (``--requests N``,
+``python -m p2pactor.programs.bench._vllm_engine`` (``--requests N``,
 ``--repeats R``, ``--json PATH``; ``--help`` for the rest). About two minutes
 at the defaults on two cores (longer when a tier falls behind). The default
 load is 2 new requests per 10 ms step: 200 requests/s, 3,200 keys/s; raise

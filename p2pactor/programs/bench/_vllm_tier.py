@@ -1,6 +1,6 @@
 """What both sides of the vLLM benchmarks share: workload, spec, parent, tiers, producer.
 
-Used by the ``engine`` section (and ``benchmarks/vllm_engine_thread.py``) and
+Used by the ``engine`` section and
 by the vLLM side of the ``control`` section. Run as
 ``python -m p2pactor.programs.bench._vllm_tier --tier ours|vllm --port N ...`` it is a
 *producer*: one tier (``ours``: p2pactor's ``P2PActorTierManager``; ``vllm``:

@@ -2,7 +2,7 @@
 
 vLLM calls a secondary tier synchronously from its scheduler thread; whatever
 the tier does inside those calls delays the step. The measurement is
-:mod:`p2pactor.programs.bench._vllm_engine` (also ``benchmarks/vllm_engine_thread.py``):
+:mod:`p2pactor.programs.bench._vllm_engine`:
 a scripted engine drives p2pactor's ``P2PActorTierManager`` and vLLM's
 ``P2PSecondaryTierManager`` through the same scheduler calls (1,000 requests of
 16 keys, 2 admitted per 10 ms step, a 1 ms tier-poll thread; quick: 100
