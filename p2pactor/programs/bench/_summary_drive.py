@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 HOSTILE = "p2pactor.programs.bench._summary_hostile"
-HONEST = "p2pactor.programs.bench._summary_honest"
+HONEST = "p2pactor.programs.bench._honest"
 SETTLE_READ_S = 0.05
 """How often the victim's /status is read while it applies a step's summaries."""
 SETTLE_CAP_S = 30.0
@@ -119,7 +119,7 @@ class HostileProcess:
 
 
 class HonestPeer:
-    """The honest node's process (:mod:`p2pactor.programs.bench._summary_honest`)."""
+    """The honest node's process (:mod:`p2pactor.programs.bench._honest`)."""
 
     def __init__(self, port: int, victim: Victim, stderr: Path) -> None:
         s = victim.settings
@@ -127,6 +127,8 @@ class HonestPeer:
             HONEST,
             f"--port={port}",
             f"--victim={s.node_id}",
+            "--keys=4",
+            "--rate=50",
             f"--hash-seed={s.hash_seed}",
             f"--block-len={s.block_len}",
             f"--preload={s.preload}",

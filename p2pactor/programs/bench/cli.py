@@ -99,7 +99,7 @@ def _main(args: argparse.Namespace) -> int:
         )
         return 2
     with tempfile.TemporaryDirectory(prefix="p2pactor-bench-") as work:
-        repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+        repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
         options = BenchOptions(quick=args.quick, repeats=repeats, work_dir=work)
         # With --json -, stdout holds the JSON document alone: the tables go to stderr.
         to_stdout = args.json == "-"
@@ -149,6 +149,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help=f"run only these sections ({', '.join(SECTIONS)})",
     )
     parser.add_argument(
-        "--repeats", type=int, default=None, help="repeats per measurement (default 5; quick 2)"
+        "--repeats", type=int, default=None, help="repeats per measurement (default 5; quick 1)"
     )
     parser.set_defaults(handler=_main)

@@ -117,16 +117,18 @@ def _ratios(size: str, runs: Runs) -> dict[str, Stat]:
     def per_repeat(get: Callable[[Run, Runs, int], float], arm: str) -> Stat:
         return Stat.of(get(run, runs, i) / 100.0 for i, run in enumerate(runs[arm]))
 
-    return {
+    ratios = {
         f"{size}: auto/oracle tokens loaded from peers": per_repeat(
             _share("loaded_tokens", "oracle"), "auto"
         ),
         f"{size}: auto/oracle tokens saved": per_repeat(_share("saved_tokens", "oracle"), "auto"),
-        f"{size}: others' savings with a hostile engine 0 / with a silent one": Stat.of(
+    }
+    if "hostile" in runs and "silent" in runs:
+        ratios[f"{size}: others' savings with a hostile engine 0 / with a silent one"] = Stat.of(
             sum(h["saved_by_engine"][1:]) / max(1, sum(s["saved_by_engine"][1:]))
             for h, s in zip(runs["hostile"], runs["silent"], strict=True)
-        ),
-    }
+        )
+    return ratios
 
 
 def _median(runs: list[Run], get: Callable[[Run], float]) -> float:
@@ -213,12 +215,14 @@ def run(options: BenchOptions) -> SectionResult:
     if missing is not None:
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
-    conversations = 40 if options.quick else 160
-    requests = 160 if options.quick else 480
+    conversations = 20 if options.quick else 160
+    requests = 60 if options.quick else 480
     runs: list[Run] = []
+    # --quick: one fleet per workload, the arms the ratios need.
+    smoke = ["--sizes=4", "--arms=oracle,auto"] if options.quick else []
     for workload, extra in (
-        ("chat", [f"--conversations={conversations}"]),
-        ("rag", [f"--requests={requests}"]),
+        ("chat", [f"--conversations={conversations}", *smoke]),
+        ("rag", [f"--requests={requests}", *(smoke and ["--sizes=5", "--capacities=0.25"])]),
     ):
         out = os.path.join(options.work_dir, f"fleet-{workload}.json")
         run_module(

@@ -10,7 +10,7 @@ Per producer, three kinds of process on 127.0.0.1 over real ZeroMQ and NIXL:
   log. vLLM's: its ``P2PSecondaryTierManager`` woken when its ROUTER is
   readable (else every 1 ms), serving from a vLLM ``ParentManager`` over the
   same cache class; it has no quotas.
-* the **honest peer**, a p2pactor node (:mod:`p2pactor.programs.bench._flood_honest`):
+* the **honest peer**, a p2pactor node (:mod:`p2pactor.programs.bench._honest`):
   again and again, a lookup of 16 keys the producer holds, a fetch of the 16
   blocks, each verified byte for byte, then a 10 ms pause. The figure is the
   **lookup** latency, from the ``Node.lookup`` call to its answers; the fetch
@@ -101,7 +101,7 @@ MAX_REPEATS = 3
 GREETING_S = 2.0
 """How long a producer's ZeroMQ socket may take to greet a new connection before it is stuck."""
 PRODUCER = "p2pactor.programs.bench._control_peer"
-HONEST = "p2pactor.programs.bench._flood_honest"
+HONEST = "p2pactor.programs.bench._honest"
 HOSTILE = "p2pactor.programs.bench._flood_hostile"
 SIDE_NAMES = {"ours": "ours", "vllm": "vLLM"}
 """How each producer is named in the table."""
@@ -131,7 +131,9 @@ class _Side:
         self.honest = LineProcess(
             HONEST,
             f"--port={honest_port}",
-            f"--peer-port={self.port}",
+            f"--victim=127.0.0.1:{self.port}",
+            "--keys=16",
+            "--pause=0.01",
             stderr=str(Path(work_dir) / f"flood-{side}-honest.err"),
             PYTHONHASHSEED="0",
         )
