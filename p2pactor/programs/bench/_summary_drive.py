@@ -1,6 +1,6 @@
 """Runs one attack of the ``summary-attack`` section against the victim, and measures it.
 
-:func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._summary_hostile`,
+:func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._hostile`,
 a process of its own, ``--paced``) and, before each of its steps, reads the
 victim's RSS and starts its peak (``VmHWM``) afresh; after each step it reads
 both again and asks the :class:`~p2pactor.programs.bench._summary_victim.Monitor`
@@ -43,7 +43,7 @@ __all__ = [
     "run_attack",
 ]
 
-HOSTILE = "p2pactor.programs.bench._summary_hostile"
+HOSTILE = "p2pactor.programs.bench._hostile"
 HONEST = "p2pactor.programs.bench._honest"
 SETTLE_READ_S = 0.05
 """How often the victim's /status is read while it applies a step's summaries."""

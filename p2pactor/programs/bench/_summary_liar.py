@@ -3,7 +3,7 @@
 Here the node under attack is the one that chooses its sources itself: a
 p2pactor node in this process (real ZeroMQ and NIXL on 127.0.0.1, an
 embedded cache to fetch into, no peer but the liar). The liar
-(:mod:`p2pactor.programs.bench._summary_hostile` ``--attack liar``, a process of
+(:mod:`p2pactor.programs.bench._hostile` ``--attack liar``, a process of
 its own) dials it, claims in its summary the keys of ``p2pactor serve
 --preload``, answers HIT to every lookup and fails every fetch
 (``transfer_done(success=false)``). The node then runs requests that name no

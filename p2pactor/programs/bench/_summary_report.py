@@ -281,7 +281,7 @@ def _notes(
             f"or a wrong byte; the victim, the honest peer and the hostile process share this "
             f"machine's {os.cpu_count()} cores: the hostile process runs at idle CPU priority "
             "(SCHED_IDLE), as a peer on another host, so that its own sending takes no CPU from "
-            "the other two (what it costs the victim is what is measured; _summary_hostile "
+            "the other two (what it costs the victim is what is measured; _hostile "
             "--own-cpu competes as an ordinary process)"
         ),
         (

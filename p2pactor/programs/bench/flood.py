@@ -16,8 +16,8 @@ Per producer, three kinds of process on 127.0.0.1 over real ZeroMQ and NIXL:
   **lookup** latency, from the ``Node.lookup`` call to its answers; the fetch
   is there so that the honest peer does the whole job, and every byte must
   verify.
-* the **hostile peer** (:mod:`p2pactor.programs.bench._flood_hostile`, bare pyzmq in
-  vLLM's dialect, so it floods both producers alike): a fresh process and
+* the **hostile peer** (:mod:`p2pactor.programs.bench._hostile` ``--attack lookup-flood``,
+  bare pyzmq in vLLM's dialect, so it floods both producers alike): a fresh process and
   session per flood, 100,000 lookups (``--quick``: 3,000) of 16 keys the
   producer holds, each under a fresh request id, never fetched, never closed,
   at most 256 unanswered at once.
@@ -102,7 +102,7 @@ GREETING_S = 2.0
 """How long a producer's ZeroMQ socket may take to greet a new connection before it is stuck."""
 PRODUCER = "p2pactor.programs.bench._control_peer"
 HONEST = "p2pactor.programs.bench._honest"
-HOSTILE = "p2pactor.programs.bench._flood_hostile"
+HOSTILE = "p2pactor.programs.bench._hostile"
 SIDE_NAMES = {"ours": "ours", "vllm": "vLLM"}
 """How each producer is named in the table."""
 
@@ -184,6 +184,7 @@ class _Side:
             hostile = subprocess.Popen(  # noqa: S603 - runs our own helper module
                 module_command(
                     HOSTILE,
+                    "--attack=lookup-flood",
                     f"--victim=127.0.0.1:{self.port}",
                     f"--hash-seed={HASH_SEED}",
                     f"--block-len={BLOCK_LEN}",

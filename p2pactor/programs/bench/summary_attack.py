@@ -12,7 +12,7 @@ a node's memory and steers its requests. This section runs each attack issue
   (:mod:`p2pactor.programs.bench._honest`) that looks up 4 preloaded
   keys 50 times a second throughout, fetches them and checks every byte;
 * the **hostile peer**, a process per attack
-  (:mod:`p2pactor.programs.bench._summary_hostile`: bare pyzmq, a real NIXL
+  (:mod:`p2pactor.programs.bench._hostile`: bare pyzmq, a real NIXL
   agent, a ``connect`` offering ``kvsum/1``), driven step by step
   (:mod:`p2pactor.programs.bench._summary_drive`), so the victim's RSS is read
   and its peak (``VmHWM``) started afresh before each step;
