@@ -25,8 +25,6 @@ import zmq
 
 from p2pactor.core import protocol as wire
 
-__all__ = ["Failure", "Inbox", "RawPeer", "fingerprint"]
-
 _GROUP_MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 HANDSHAKE_S = 30.0

@@ -25,8 +25,6 @@ import trio
 
 from p2pactor.programs.bench._summary_drive import HostileProcess
 
-__all__ = ["KEYS_PER_REQUEST", "LiarResult", "run_liar"]
-
 KEYS_PER_REQUEST = 10
 """Keys each request looks up (the claimed run the node asks the liar for)."""
 CLAIMED = 400

@@ -17,8 +17,6 @@ from collections.abc import Sequence
 from p2pactor.programs.bench._control_common import free_port
 from p2pactor.programs.bench._vllm_spawn import make_parser, spawn_producer
 
-__all__ = ["main"]
-
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Start the first producers (with ``--prestart``), then run the benchmark."""

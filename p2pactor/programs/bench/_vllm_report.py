@@ -14,8 +14,6 @@ from typing import Any
 from p2pactor.programs.bench import _vllm_tier as shared
 from p2pactor.programs.bench._control_common import TIER_METHODS
 
-__all__ = ["LABEL", "ROWS", "aggregate", "provenance", "table"]
-
 LABEL = {"ours": "p2pactor", "vllm": "vLLM"}
 
 

@@ -14,8 +14,6 @@ import subprocess
 import sys
 from typing import Any
 
-__all__ = ["make_parser", "spawn_producer", "start_producer", "stop_producer", "wait_ready"]
-
 
 def make_parser() -> argparse.ArgumentParser:
     """The engine benchmark's command line."""

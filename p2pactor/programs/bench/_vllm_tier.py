@@ -56,20 +56,6 @@ from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
 
 init_none_hash(sha256)
 
-__all__ = [
-    "HOST",
-    "STAMP",
-    "TIERS",
-    "FakeParent",
-    "RequestSpec",
-    "make_pool",
-    "make_spec",
-    "make_tier",
-    "offload_key",
-    "producer_pool",
-    "stamp",
-    "workload",
-]
 
 HOST = "127.0.0.1"
 """Every benchmark process binds here."""

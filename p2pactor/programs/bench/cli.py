@@ -18,7 +18,6 @@ from p2pactor.programs.bench.report import BenchOptions, BenchReport, SectionRes
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["SECTIONS", "register", "run_bench"]
 
 SECTIONS: tuple[str, ...] = (
     "dataplane",

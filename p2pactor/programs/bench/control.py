@@ -41,8 +41,6 @@ from p2pactor.programs.bench._control_common import (
 )
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
-__all__ = ["NAME", "TITLE", "run"]
-
 NAME = "control"
 """The section's name."""
 TITLE = "lookup throughput and latency over ZeroMQ vs vLLM 0.33.0's P2P sessions"

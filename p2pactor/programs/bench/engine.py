@@ -23,8 +23,6 @@ from typing import Any
 from p2pactor.programs.bench._control_common import TIER_METHODS, run_module, vllm_missing
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
-__all__ = ["NAME", "TITLE", "run"]
-
 NAME = "engine"
 """The section's name."""
 TITLE = "engine-thread cost of the vLLM adapter vs vLLM 0.33.0's P2P tier (same scripted engine)"

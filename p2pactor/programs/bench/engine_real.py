@@ -20,8 +20,6 @@ from typing import Any
 
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
-__all__ = ["NAME", "TITLE", "run"]
-
 NAME = "engine-real"
 """The section's name."""
 TITLE = "real vLLM engines: B's prefill of what A computed, through p2pactor, vLLM's tier, none"

@@ -26,8 +26,6 @@ from typing import Any
 from p2pactor.programs.bench._control_common import run_module, vllm_missing
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
-__all__ = ["NAME", "TITLE", "run"]
-
 NAME = "fleet"
 """The section's name."""
 TITLE = "finding the source with no router: chat and RAG fleets on vLLM's own stack, by arm"

@@ -36,8 +36,6 @@ from p2pactor.programs.bench._dataplane_peer import PREFIX
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.programs.hosts import Host, hosts_unavailable, open_hosts
 
-__all__ = ["NAME", "QUICK_SIZES", "SIZES", "TITLE", "run"]
-
 NAME = "hosts"
 """The section's name."""
 

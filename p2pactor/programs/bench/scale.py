@@ -26,8 +26,6 @@ from typing import Any
 from p2pactor.programs.bench._control_common import run_module
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
-__all__ = ["NAME", "TITLE", "run"]
-
 NAME = "scale"
 """The section's name."""
 TITLE = "N concurrent requests on one node (in-memory network, logs on disk); replay speed"

@@ -55,8 +55,6 @@ from p2pactor.programs.bench._summary_victim import (
 )
 from p2pactor.programs.bench.report import BenchOptions, SectionResult
 
-__all__ = ["FULL", "NAME", "QUICK", "TITLE", "run"]
-
 NAME = "summary-attack"
 """The section's name."""
 TITLE = (
