@@ -125,9 +125,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "bench",
         help="measure p2pactor against raw NIXL, memcpy and vLLM's own P2P tier",
         description=(
-            "Measure the data plane (vs raw NIXL and memcpy), the control plane and "
-            "engine-thread cost, lookup latency under a flood and idle CPU (vs vLLM "
-            "0.33.0's P2P tier when vLLM is installed), actor scale and many peers, "
+            "Measure the data plane (vs raw NIXL and memcpy), the control plane, idle CPU "
+            "and engine-thread cost, lookup latency under a flood (vs vLLM 0.33.0's P2P "
+            "tier when vLLM is installed), fleets, hostile peers, actor scale and replay, "
             "side by side in one run. Results are "
             "medians over repeats with [min..max]; see docs/benchmarks.md."
         ),
