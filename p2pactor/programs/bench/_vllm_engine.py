@@ -56,7 +56,7 @@ from typing import Any
 from p2pactor.programs.bench import _vllm_tier as shared
 from p2pactor.programs.bench._control_common import free_port
 from p2pactor.programs.bench._vllm_measure import Meter, say, thread_cpu, thread_names
-from p2pactor.programs.bench._vllm_report import LABEL, aggregate, provenance, table
+from p2pactor.programs.bench._vllm_report import LABEL, provenance, table
 from p2pactor.programs.bench._vllm_scheduler import Engine, make_requests
 from p2pactor.programs.bench._vllm_spawn import (
     make_parser,
@@ -228,9 +228,7 @@ def main(
     say(f"({time.perf_counter() - started:.0f} s in all)")
     say()
 
-    summary = {t: aggregate(rs) for t, rs in runs.items()}
-    for line in table(summary):
-        say(line)
+    say(table(runs))
     for kind, rs in runs.items():
         threads: dict[str, list[float]] = {}
         for r in rs:
@@ -242,9 +240,7 @@ def main(
     say("measured: " + ", ".join(f"{k} {v}" for k, v in tree.items()))
     if args.json:
         Path(args.json).write_text(
-            json.dumps(
-                {"args": vars(args), "tree": tree, "summary": summary, "runs": runs}, indent=2
-            )
+            json.dumps({"args": vars(args), "tree": tree, "runs": runs}, indent=2)
         )
         say(f"wrote {args.json}")
     return 0
