@@ -43,9 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -54,16 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from p2pactor.programs.bench import _vllm_tier as shared
-from p2pactor.programs.bench._control_common import free_port
+from p2pactor.programs.bench._control_common import LineProcess, free_port
 from p2pactor.programs.bench._vllm_measure import Meter, say, thread_cpu, thread_names
 from p2pactor.programs.bench._vllm_report import LABEL, provenance, table
 from p2pactor.programs.bench._vllm_scheduler import Engine, make_requests
 from p2pactor.programs.bench._vllm_spawn import (
     make_parser,
     spawn_producer,
-    start_producer,
-    stop_producer,
-    wait_ready,
 )
 
 WARMUP_REQUESTS = 8
@@ -73,7 +68,7 @@ def run_tier(
     kind: str,
     rep: int,
     args: argparse.Namespace,
-    spawned: tuple[subprocess.Popen[str], int] | None = None,
+    spawned: tuple[LineProcess, int] | None = None,
 ) -> dict[str, Any]:
     """One producer and one consumer of ``kind``: warm up, measure, tear down.
 
@@ -83,11 +78,12 @@ def run_tier(
     consumer_port = free_port()
     if spawned is None:
         producer_port = free_port()
-        producer = start_producer(kind, producer_port, args)
+        producer = spawn_producer(kind, producer_port, args)
+        producer.wait_ready()
     else:
         # Started, made ready and stopped by main(): let it run again.
         producer, producer_port = spawned
-        os.kill(producer.pid, signal.SIGCONT)
+        producer.pause(paused=False)
     try:
         before_tier = set(thread_cpu())
         pool = shared.make_pool(args.consumer_blocks, args.block_bytes)
@@ -118,7 +114,7 @@ def run_tier(
             tier.shutdown()
             shutdown_s = time.perf_counter() - t1
     finally:
-        producer_report = stop_producer(producer)
+        producer_report = producer.close(timeout=60)
 
     engine_tid = threading.main_thread().native_id
     poll_tid = engine.poll_tid()
@@ -172,12 +168,12 @@ def run_tier(
 
 def main(
     argv: Sequence[str] | None = None,
-    prespawned: dict[str, tuple[subprocess.Popen[str], int]] | None = None,
+    prespawned: dict[str, tuple[LineProcess, int]] | None = None,
 ) -> int:
     """Run the benchmark and print the table.
 
     ``prespawned``: the first repeat's producers, already started (and their
-    ports) by :mod:`p2pactor.programs.bench._vllm_launch` while this module imported.
+    ports) by :mod:`p2pactor.programs.bench._vllm_spawn` while this module imported.
     """
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -201,7 +197,7 @@ def main(
         order = tiers if rep % 2 == 0 else list(reversed(tiers))
         # --prestart (quick runs): every producer of the repeat starts at once,
         # so their imports overlap; an idle producer then polls beside the run.
-        spawned: dict[str, tuple[subprocess.Popen[str], int]] = {}
+        spawned: dict[str, tuple[LineProcess, int]] = {}
         if rep == 0 and prespawned:
             spawned = dict(prespawned)
         elif args.prestart:
@@ -211,9 +207,9 @@ def main(
         # A producer waiting for its turn must not run beside the measured
         # one (vLLM's NIXL progress thread spins): ready, then stopped until
         # run_tier continues it.
-        for kind, (proc, _) in spawned.items():
-            wait_ready(kind, proc)
-            os.kill(proc.pid, signal.SIGSTOP)
+        for proc, _ in spawned.values():
+            proc.wait_ready()
+            proc.pause(paused=True)
         for kind in order:
             run = run_tier(kind, rep, args, spawned.get(kind))
             runs[kind].append(run)

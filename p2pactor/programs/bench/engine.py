@@ -75,7 +75,7 @@ def run(options: BenchOptions) -> SectionResult:
     if options.quick:
         args.append("--prestart")  # the producers' vLLM imports overlap
     run_module(
-        "p2pactor.programs.bench._vllm_launch",
+        "p2pactor.programs.bench._vllm_spawn",
         *args,
         timeout=150 if options.quick else 1800 * repeats,
     )
