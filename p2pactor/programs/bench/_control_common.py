@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 TIER_METHODS = (
@@ -85,6 +85,30 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.asynccontextmanager
+async def open_bench_node(
+    port: int, pool: bytearray, block_len: int, *, name: str, parent: Any = None, **config: Any
+) -> AsyncIterator[Any]:
+    """A p2pactor node on 127.0.0.1:``port`` over real ZeroMQ, and NIXL over ``pool``.
+
+    ``config``: more :class:`~p2pactor.runtime.config.NodeConfig` fields (its blocks
+    are the pool's); ``name``: the NIXL agent's.
+    """
+    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415 - loads NIXL
+    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
+    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
+    from p2pactor.runtime.node import open_node  # noqa: PLC0415
+
+    blocks = len(pool) // block_len
+    cfg = NodeConfig(host="127.0.0.1", port=port, num_blocks=blocks, block_len=block_len, **config)
+    async with (
+        open_zmq_transport(cfg.node_id, port=port) as control,
+        open_nixl_transport(pool, block_len, name=name) as data,
+        open_node(cfg, control=control, data=data, parent=parent) as node,
+    ):
+        yield node
 
 
 def say(obj: Any) -> None:

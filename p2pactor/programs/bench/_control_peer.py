@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.core.inputs import Pin
-from p2pactor.programs.bench._control_common import percentile, say
+from p2pactor.programs.bench._control_common import open_bench_node, percentile, say
 from p2pactor.runtime.parent import EmbeddedCache
 
 HOST = "127.0.0.1"
@@ -198,10 +198,6 @@ def producer_counters(cache: Any) -> dict[str, Any]:
 async def _ours(args: argparse.Namespace) -> None:
     import trio  # noqa: PLC0415
 
-    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
-    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
-    from p2pactor.runtime.node import open_node  # noqa: PLC0415
     from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415
     from p2pactor.surface.attach import open_operator_surface  # noqa: PLC0415
 
@@ -221,19 +217,16 @@ async def _ours(args: argparse.Namespace) -> None:
             max_pinned_blocks=10**9, max_open_lookups=100_000, max_open_requests=100_000
         )
     )
-    config = NodeConfig(
-        host=HOST,
-        port=args.port,
-        num_blocks=blocks,
-        block_len=BLOCK_LEN,
-        hash_seed=HASH_SEED,
-        quotas=quotas,
-    )
-    node_id = f"{HOST}:{args.port}"
     async with (
-        open_zmq_transport(node_id, port=args.port) as control,
-        open_nixl_transport(pool, BLOCK_LEN, name=f"bench-{args.role}") as data,
-        open_node(config, control=control, data=data, parent=cache if producer else None) as node,
+        open_bench_node(
+            args.port,
+            pool,
+            BLOCK_LEN,
+            name=f"bench-{args.role}",
+            parent=cache if producer else None,
+            hash_seed=HASH_SEED,
+            quotas=quotas,
+        ) as node,
         # As deployed (serve, the vLLM adapter): with its metrics.
         open_operator_surface(node),
     ):

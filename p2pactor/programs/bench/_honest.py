@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from p2pactor.programs.bench._control_common import percentile, say
+from p2pactor.programs.bench._control_common import open_bench_node, percentile, say
 
 FAILURES_KEPT = 5
 """Failures described in an answer (all are counted)."""
@@ -121,11 +121,8 @@ def _why_failed(node: Any, peer: str, kv: str) -> tuple[str, bool]:
 async def _run(args: argparse.Namespace) -> None:
     import trio  # noqa: PLC0415
 
-    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
-    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
-    from p2pactor.runtime.node import Node, open_node  # noqa: PLC0415
+    from p2pactor.runtime.node import Node  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
 
     keys, content, seed = _victim_data(args)
@@ -133,9 +130,6 @@ async def _run(args: argparse.Namespace) -> None:
     blocks = 4 * per
     pool = bytearray(blocks * block_len)
     cache = EmbeddedCache(blocks, block_len, memory=memoryview(pool))
-    config = NodeConfig(
-        host="127.0.0.1", port=args.port, num_blocks=blocks, block_len=block_len, hash_seed=seed
-    )
     counter = iter(range(10**12))
 
     async def one(node: Node, tally: _Tally) -> None:
@@ -188,9 +182,9 @@ async def _run(args: argparse.Namespace) -> None:
             done.set()
 
     async with (
-        open_zmq_transport(f"127.0.0.1:{args.port}", port=args.port) as control,
-        open_nixl_transport(pool, block_len, name=f"bench-honest-{os.getpid()}") as data,
-        open_node(config, control=control, data=data) as node,
+        open_bench_node(
+            args.port, pool, block_len, name=f"bench-honest-{os.getpid()}", hash_seed=seed
+        ) as node,
         trio.open_nursery() as nursery,
     ):
         say("READY")

@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import trio
 
+from p2pactor.programs.bench._control_common import open_bench_node
 from p2pactor.programs.bench._summary_drive import HostileProcess
 
 KEYS_PER_REQUEST = 10
@@ -52,11 +53,7 @@ class LiarResult:
 async def _consume(
     port: int, settings: dict[str, object], hostile: HostileProcess, limit: int
 ) -> tuple[int, bool, str, int, dict[str, Any]]:
-    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
-    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
-    from p2pactor.runtime.node import open_node  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
     from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415
 
@@ -65,15 +62,17 @@ async def _consume(
     keys = preload_keys(seed, CLAIMED)
     pool = bytearray(POOL_BLOCKS * block_len)
     cache = EmbeddedCache(POOL_BLOCKS, block_len, memory=memoryview(pool))
-    config = NodeConfig(
-        host="127.0.0.1", port=port, num_blocks=POOL_BLOCKS, block_len=block_len, hash_seed=seed
-    )
     misrouted = failed = 0
     quarantined, reason = False, ""
     async with (
-        open_zmq_transport(config.node_id, port=port) as control,
-        open_nixl_transport(pool, block_len, name=f"summary-consumer-{os.getpid()}") as data,
-        open_node(config, control=control, data=data, parent=cache) as node,
+        open_bench_node(
+            port,
+            pool,
+            block_len,
+            name=f"summary-consumer-{os.getpid()}",
+            parent=cache,
+            hash_seed=seed,
+        ) as node,
     ):
         hostile.go()  # now the liar dials us
         await trio.to_thread.run_sync(hostile.expect, "READY")
