@@ -1,5 +1,7 @@
 """The fleet benchmark's process (``python -m p2pactor.programs.bench._fleet_run --json OUT``).
 
+Chat, then RAG fleets, in one process (one import of vLLM).
+
 Each arm builds its fleet here: a :class:`~p2pactor.programs.bench._fleet_engine.FleetEngine`
 per engine, each with its own tier (p2pactor's vLLM adapter or vLLM 0.33's
 ``P2PSecondaryTierManager``) over its own CPU pool and port on 127.0.0.1, real ZeroMQ
@@ -305,16 +307,17 @@ def run_arm(
 
 
 def _plans(args: argparse.Namespace, repeat: int) -> list[FleetPlan | RagPlan]:
-    seed = args.seed + repeat
-    if args.workload == "rag":
-        return [
-            RagPlan(engines=size, requests=args.requests, capacity=share, seed=seed)
-            for size in (int(s) for s in args.sizes.split(","))
-            for share in (float(c) for c in args.capacities.split(","))
-        ]
-    return [
-        FleetPlan(engines=size, conversations=args.conversations, seed=seed)
-        for size in (int(s) for s in args.sizes.split(","))
+    seed, workloads = args.seed + repeat, args.workloads.split(",")
+    chat: list[FleetPlan | RagPlan] = [
+        FleetPlan(engines=int(size), conversations=args.conversations, seed=seed)
+        for size in args.chat_sizes.split(",")
+        if "chat" in workloads
+    ]
+    return chat + [
+        RagPlan(engines=int(size), requests=args.requests, capacity=float(share), seed=seed)
+        for size in args.rag_sizes.split(",")
+        for share in args.capacities.split(",")
+        if "rag" in workloads
     ]
 
 
@@ -322,8 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every arm on every fleet (size, tier share); write the figures as JSON."""
     parser = argparse.ArgumentParser(description="the fleet benchmark's process")
     parser.add_argument("--json", required=True)
-    parser.add_argument("--workload", choices=("chat", "rag"), default="chat")
-    parser.add_argument("--sizes", default=None, help="engines per fleet (chat: 4,8; rag: 5)")
+    parser.add_argument("--workloads", default="chat,rag", help="chat, rag or both")
+    parser.add_argument("--chat-sizes", default="4,8", help="engines per chat fleet")
+    parser.add_argument("--rag-sizes", default="5", help="engines per RAG fleet")
     parser.add_argument("--conversations", type=int, default=FleetPlan().conversations)
     parser.add_argument("--requests", type=int, default=RagPlan().requests)
     parser.add_argument("--capacities", default="0.25,0.1", help="rag: CPU tier shares")
@@ -331,8 +335,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.sizes is None:
-        args.sizes = "5" if args.workload == "rag" else "4,8"
     pace = Pace()
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
@@ -341,12 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             turns = rag_turns_of(plan) if isinstance(plan, RagPlan) else turns_of(plan)
             for arm in args.arms.split(","):
                 figures = run_arm(plan, arm, turns, pace)
-                figures["workload"] = args.workload
+                figures["workload"] = "rag" if isinstance(plan, RagPlan) else "chat"
                 figures["working_set"] = working_set(turns)
                 figures["repeat"] = repeat
                 runs.append(figures)
     with open(args.json, "w") as f:
-        json.dump({"workload": args.workload, "pace": attrs.asdict(pace), "runs": runs}, f)
+        json.dump({"workloads": args.workloads, "pace": attrs.asdict(pace), "runs": runs}, f)
     return 0
 
 

@@ -208,31 +208,27 @@ def _fleet_notes(fleet: str, runs: Runs) -> list[str]:
 
 
 def run(options: BenchOptions) -> SectionResult:
-    """Run the fleet benchmark (chat, then RAG) in subprocesses and tabulate its figures."""
+    """Run the fleet benchmark (chat, then RAG) in a subprocess and tabulate its figures."""
     missing = vllm_missing()
     if missing is not None:
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
     conversations = 20 if options.quick else 160
     requests = 60 if options.quick else 480
-    runs: list[Run] = []
+    out = os.path.join(options.work_dir, "fleet.json")
     # --quick: one fleet per workload, the arms the ratios need.
-    smoke = ["--sizes=4", "--arms=oracle,auto"] if options.quick else []
-    for workload, extra in (
-        ("chat", [f"--conversations={conversations}", *smoke]),
-        ("rag", [f"--requests={requests}", *(smoke and ["--sizes=5", "--capacities=0.25"])]),
-    ):
-        out = os.path.join(options.work_dir, f"fleet-{workload}.json")
-        run_module(
-            "p2pactor.programs.bench._fleet_run",
-            f"--json={out}",
-            f"--workload={workload}",
-            f"--repeats={repeats}",
-            *extra,
-            timeout=300 if options.quick else 900 * repeats,
-        )
-        with open(out) as f:
-            runs += json.load(f)["runs"]
+    smoke = ["--chat-sizes=4", "--capacities=0.25", "--arms=oracle,auto"] if options.quick else []
+    run_module(
+        "p2pactor.programs.bench._fleet_run",
+        f"--json={out}",
+        f"--repeats={repeats}",
+        f"--conversations={conversations}",
+        f"--requests={requests}",
+        *smoke,
+        timeout=300 if options.quick else 1800 * repeats,
+    )
+    with open(out) as f:
+        runs: list[Run] = json.load(f)["runs"]
     fleets: dict[str, Runs] = {}
     for r in runs:
         fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
