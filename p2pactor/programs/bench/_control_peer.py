@@ -109,6 +109,13 @@ def _result(latencies: list[float], elapsed: float, hits: int, misses: int, cpu:
     }
 
 
+def begin_cell(cmd: dict[str, Any]) -> tuple[int, int, Tally, float, float, float]:
+    """A cell command's keys and concurrency, its tally, the CPU and time now, its end."""
+    tally, cpu0 = Tally(), cpu_s()
+    start = tally.last = time.perf_counter()
+    return int(cmd["keys"]), int(cmd["conc"]), tally, cpu0, start, start + float(cmd["seconds"])
+
+
 class Tally:
     """What one cell's lookups measured so far."""
 
@@ -246,11 +253,7 @@ async def _ours(args: argparse.Namespace) -> None:
                 await trio.sleep(float(cmd["idle"]))
                 say({})
                 continue
-            keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
-            tally = Tally()
-            cpu0 = cpu_s()
-            start = tally.last = time.perf_counter()
-            deadline = start + seconds
+            keys, conc, tally, cpu0, start, deadline = begin_cell(cmd)
 
             async def worker(tally: Tally, keys: int, deadline: float) -> None:
                 while time.perf_counter() < deadline:

@@ -23,7 +23,7 @@ from p2pactor.programs.bench._control_peer import (
     HOST,
     NUM_KEYS,
     PinCountingCache,
-    Tally,
+    begin_cell,
     cpu_s,
     fill,
     key_window,
@@ -91,11 +91,7 @@ def run_vllm(args: argparse.Namespace) -> None:
                 tier.get_finished_jobs()
             say({})
             continue
-        keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
-        tally = Tally()
-        cpu0 = cpu_s()
-        start = tally.last = time.perf_counter()
-        deadline = start + seconds
+        keys, conc, tally, cpu0, start, deadline = begin_cell(cmd)
         # in flight: (context, keys, start time)
         flight: list[tuple[Any, list[bytes], float]] = []
         new_ids: list[str] = []
