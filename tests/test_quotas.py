@@ -11,7 +11,7 @@
   its session dies; every pin is released; another peer is never affected;
   replay equals live.
 * **Real transports**: a victim node on ZeroMQ + NIXL, a hostile raw peer in
-  its own process (``p2pactor.programs.bench._flood_hostile``) flooding lookups, and an
+  its own process (``p2pactor.programs.bench._hostile``) flooding lookups, and an
   honest p2pactor node whose fetches still verify byte for byte.
 """
 
@@ -840,7 +840,7 @@ class TestNodes:
 
 # --- real transports: a hostile raw peer floods, an honest node fetches --------------------
 
-FLOOD_PEER = "p2pactor.programs.bench._flood_hostile"
+FLOOD_PEER = "p2pactor.programs.bench._hostile"
 """The hostile raw peer, a module of the bench (``python -m``)."""
 REAL_BLOCK_LEN = 4096
 REAL_BLOCKS = 64
@@ -885,6 +885,7 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
                         sys.executable,
                         "-m",
                         FLOOD_PEER,
+                        "--attack=lookup-flood",
                         f"--victim={victim.node_id}",
                         f"--hash-seed={seed}",
                         f"--block-len={REAL_BLOCK_LEN}",

@@ -3,8 +3,8 @@
 Each test starts a fresh victim (``p2pactor serve``, summaries on as by
 default, 16,384 preloaded blocks: :mod:`p2pactor.programs.bench._summary_victim`),
 an honest peer that looks it up 50 times a second, fetches and checks every
-byte (:mod:`p2pactor.programs.bench._summary_honest`), and the hostile peer as a
-process of its own (:mod:`p2pactor.programs.bench._summary_hostile`), driven
+byte (:mod:`p2pactor.programs.bench._honest`), and the hostile peer as a
+process of its own (:mod:`p2pactor.programs.bench._hostile`), driven
 step by step as the ``summary-attack`` bench section drives it
 (:func:`~p2pactor.programs.bench._summary_drive.run_attack`). The liar's test
 runs the consumer that chooses its sources itself in this process

@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
-
-__all__ = [
-    "TIER_METHODS",
-    "LineProcess",
-    "child_env",
-    "free_port",
-    "module_command",
-    "nixl_missing",
-    "peak_rss_kib",
-    "percentile",
-    "process_cpu_s",
-    "ratio_or_none",
-    "run_module",
-    "say",
-    "thread_cpu_ns",
-    "vllm_missing",
-]
 
 TIER_METHODS = (
     "has_pending_work",
@@ -100,6 +87,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+@contextlib.asynccontextmanager
+async def open_bench_node(
+    port: int, pool: bytearray, block_len: int, *, name: str, parent: Any = None, **config: Any
+) -> AsyncIterator[Any]:
+    """A p2pactor node on 127.0.0.1:``port`` over real ZeroMQ, and NIXL over ``pool``.
+
+    ``config``: more :class:`~p2pactor.runtime.config.NodeConfig` fields (its blocks
+    are the pool's); ``name``: the NIXL agent's.
+    """
+    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415 - loads NIXL
+    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
+    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
+    from p2pactor.runtime.node import open_node  # noqa: PLC0415
+
+    blocks = len(pool) // block_len
+    cfg = NodeConfig(host="127.0.0.1", port=port, num_blocks=blocks, block_len=block_len, **config)
+    async with (
+        open_zmq_transport(cfg.node_id, port=port) as control,
+        open_nixl_transport(pool, block_len, name=name) as data,
+        open_node(cfg, control=control, data=data, parent=parent) as node,
+    ):
+        yield node
+
+
 def say(obj: Any) -> None:
     """Report one line to the parent process at once: ``obj`` itself if a str, else its JSON."""
     sys.stdout.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
@@ -167,13 +178,19 @@ def thread_cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
     return out
 
 
-class LineProcess:
-    """A helper process (``python -m module args``) spoken to by lines of JSON.
+class ChildError(RuntimeError):
+    """A helper process failed, exited or hung; the message says where to look."""
 
-    It says ``READY`` when it is set up; each command is one JSON line on its
-    stdin and gets one JSON line back on its stdout (other lines, a library's
-    logging say, are skipped); closing its stdin stops it, and it may print
-    one last JSON line then.
+
+class LineProcess:
+    """A helper process (``python -m module args``) spoken to by lines, the bench's one protocol.
+
+    It says ``READY`` (maybe with more words) when it is set up. A command is one JSON
+    line on its stdin, answered by one JSON line (other lines, a library's logging say,
+    are skipped); a line ``WORD rest`` can be waited for (:meth:`expect`; ``ERROR ...``
+    raises); closing its stdin stops it, and it may print one last JSON line then. A
+    thread queues its stdout so that every read can time out; its stderr goes to a file
+    (whose tail the errors quote) or is dropped.
     """
 
     def __init__(self, module: str, *args: str, stderr: str | None = None, **env: str) -> None:
@@ -194,58 +211,90 @@ class LineProcess:
             if not isinstance(err, int):
                 err.close()  # the child has its own copy
         self.pid = self.proc.pid
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
-    def _why(self) -> str:
-        tail = ""
-        if self.stderr:
-            try:
-                with open(self.stderr) as f:
-                    tail = f.read()[-2000:].strip()
-            except OSError:
-                pass
-        return f"{self.module} (pid {self.pid}) exited with {self.proc.wait()}" + (
-            f":\n{tail}" if tail else ""
-        )
-
-    def line(self) -> str:
-        """Its next line of output; raise if it exited."""
+    def _read(self) -> None:
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(self._why())
-        return line.strip()
+        for line in self.proc.stdout:
+            self._lines.put(line.strip())
+        self._lines.put(None)
 
-    def wait_ready(self) -> None:
-        """Wait for its ``READY``."""
-        while self.line() != "READY":
-            pass
-
-    def ask(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        """Send one command; its JSON answer."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        while True:
-            line = self.line()
-            if line.startswith("{"):
-                answer: dict[str, Any] = json.loads(line)
-                return answer
-
-    def close(self) -> dict[str, Any]:
-        """Close its stdin and wait; its last JSON line (a producer's counters), if any."""
+    def why(self) -> str:
+        """What its stderr ends with (for an error message)."""
         try:
-            out, _ = self.proc.communicate(input="", timeout=30)
+            with open(self.stderr or "", errors="replace") as f:
+                return f.read()[-2000:].strip()
+        except OSError:
+            return ""
+
+    def line(self, timeout: float | None = None) -> str:
+        """Its next line of output; raise :class:`ChildError` if it exited or hung."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise ChildError(
+                f"{self.module} (pid {self.pid}) said nothing in {timeout:g} s; "
+                f"its stderr: {self.stderr}"
+            ) from None
+        if line is None:
+            self._lines.put(None)
+            raise ChildError(
+                f"{self.module} (pid {self.pid}) exited with {self.proc.wait()}: {self.why()}"
+            )
+        return line
+
+    def expect(self, *words: str, timeout: float | None = None) -> tuple[str, Any]:
+        """The next line starting with one of ``words``: ``(word, its JSON or text)``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            word, _, rest = self.line(left).partition(" ")
+            if word == "ERROR":
+                raise ChildError(f"{self.module} (pid {self.pid}) failed: {rest}")
+            if word in words:
+                return word, json.loads(rest) if rest.startswith("{") else rest
+
+    def wait_ready(self, timeout: float | None = None) -> Any:
+        """Wait for its ``READY``; what it said after the word."""
+        return self.expect("READY", timeout=timeout)[1]
+
+    def send(self, cmd: dict[str, Any] | str) -> None:
+        """Send one command (JSON, or a line as it is); its answer: :meth:`answer`."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((cmd if isinstance(cmd, str) else json.dumps(cmd)) + "\n")
+        self.proc.stdin.flush()
+
+    def answer(self, timeout: float | None = None) -> dict[str, Any]:
+        """The next JSON line it says."""
+        while not (line := self.line(timeout)).startswith("{"):
+            pass
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def ask(self, cmd: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Send one command; its JSON answer."""
+        self.send(cmd)
+        return self.answer(timeout)
+
+    def close(self, timeout: float = 30) -> dict[str, Any]:
+        """Close its stdin and wait; its last JSON line (a producer's counters), if any."""
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
+            self.kill()
             return {}
-        except (BrokenPipeError, ValueError):
-            return {}
-        for line in reversed(out.splitlines()):
+        self._reader.join(timeout=10)
+        last: dict[str, Any] = {}
+        while (line := self._lines.get()) is not None:
             if line.startswith("{"):
-                result: dict[str, Any] = json.loads(line)
-                return result
-        return {}
+                last = json.loads(line)
+        self._lines.put(None)
+        return last
 
     def pause(self, *, paused: bool) -> None:
         """Stop it (SIGSTOP) or let it go on (SIGCONT), while it runs."""
@@ -253,8 +302,13 @@ class LineProcess:
             os.kill(self.pid, signal.SIGSTOP if paused else signal.SIGCONT)
 
     def kill(self) -> None:
-        """Kill it if it still runs (after a failure), and reap it."""
+        """Kill it if it still runs (after a failure), reap it, close its pipes."""
         if self.proc.poll() is None:
             os.kill(self.pid, signal.SIGCONT)  # a stopped process dies only once continued
             self.proc.kill()
-            self.proc.wait()
+        self.proc.wait()
+        self._reader.join(timeout=10)
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()

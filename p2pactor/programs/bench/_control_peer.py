@@ -11,7 +11,8 @@ handshakes exchange NIXL metadata) on 127.0.0.1:
   ``ZmqTransport``), driven by an event loop that wakes when its ROUTER socket
   is readable (or every 1 ms, like vLLM's tier-poll thread) and then calls
   ``get_finished_jobs()`` and ``serve_external_requests(parent)`` with
-  :class:`CacheParent`, a vLLM ``ParentManager`` over the same cache class.
+  ``CacheParent`` (:mod:`~p2pactor.programs.bench._control_vllm`), a vLLM
+  ``ParentManager`` over the same cache class.
   It prints ``READY``, serves until its stdin closes, then prints one JSON
   line of counters (pins still held, synthetic requests still open, and per
   peer the most blocks pinned at once and those still pinned: see
@@ -29,6 +30,8 @@ handshakes exchange NIXL metadata) on 127.0.0.1:
   registers it and answers RETRY, ``on_schedule_end`` to send the lookups, then
   polling until ``lookup`` answers HIT or MISS, ``on_request_finished``), one
   loop over the C requests in flight, waking when its ROUTER is readable.
+  ``{"idle": T}`` answers ``{}`` after T seconds of nothing (ours) or of the
+  calls vLLM's tier-poll thread makes every 1 ms for an idle engine (vLLM's).
 """
 
 from __future__ import annotations
@@ -39,28 +42,14 @@ import hashlib
 import json
 import os
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.core.inputs import Pin
-from p2pactor.programs.bench._control_common import say
+from p2pactor.programs.bench._control_common import open_bench_node, percentile, say
 from p2pactor.runtime.parent import EmbeddedCache
-
-__all__ = [
-    "BLOCK_LEN",
-    "HASH_SEED",
-    "HOST",
-    "NUM_KEYS",
-    "CacheParent",
-    "PinCountingCache",
-    "block_content",
-    "control_key",
-    "key_window",
-    "main",
-]
 
 HOST = "127.0.0.1"
 """Every process binds here."""
@@ -89,7 +78,7 @@ def key_window(n: int, count: int) -> list[bytes]:
     return [KEYS[(start + j) % NUM_KEYS] for j in range(count)]
 
 
-def _ready() -> None:
+def ready() -> None:
     """Say READY, once set up: the startup heap is frozen first, on both sides alike.
 
     What is left from importing and setting up (modules, the cache, the keys)
@@ -102,22 +91,17 @@ def _ready() -> None:
     say("READY")
 
 
-def _cpu_s() -> float:
+def cpu_s() -> float:
     t = os.times()
     return t.user + t.system
-
-
-def _pct(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
 
 
 def _result(latencies: list[float], elapsed: float, hits: int, misses: int, cpu: float) -> Any:
     return {
         "lookups": len(latencies),
         "elapsed_s": elapsed,
-        "p50_s": _pct(latencies, 0.5),
-        "p99_s": _pct(latencies, 0.99),
+        "p50_s": percentile(latencies, 0.5) if latencies else 0.0,
+        "p99_s": percentile(latencies, 0.99) if latencies else 0.0,
         "mean_s": sum(latencies) / len(latencies) if latencies else 0.0,
         "hits": hits,
         "misses": misses,
@@ -125,7 +109,14 @@ def _result(latencies: list[float], elapsed: float, hits: int, misses: int, cpu:
     }
 
 
-class _Tally:
+def begin_cell(cmd: dict[str, Any]) -> tuple[int, int, Tally, float, float, float]:
+    """A cell command's keys and concurrency, its tally, the CPU and time now, its end."""
+    tally, cpu0 = Tally(), cpu_s()
+    start = tally.last = time.perf_counter()
+    return int(cmd["keys"]), int(cmd["conc"]), tally, cpu0, start, start + float(cmd["seconds"])
+
+
+class Tally:
     """What one cell's lookups measured so far."""
 
     def __init__(self) -> None:
@@ -143,17 +134,12 @@ class _Tally:
         return _result(self.latencies, self.last - start, self.hits, self.misses, cpu)
 
 
-def _dump(path: str, lines: list[str]) -> None:
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 def block_content(i: int, block_len: int = BLOCK_LEN) -> bytes:
     """The bytes the producer stores under key ``i``: what a fetch of it must read."""
     return i.to_bytes(8, "little") * (block_len // 8)
 
 
-def _fill(cache: Any) -> None:
+def fill(cache: Any) -> None:
     for i, key in enumerate(KEYS):
         cache.store(key, block_content(i))
 
@@ -161,7 +147,7 @@ def _fill(cache: Any) -> None:
 class PinCountingCache(EmbeddedCache):
     """An :class:`~p2pactor.runtime.parent.EmbeddedCache` that counts the blocks each peer pins.
 
-    Both producers (ours and vLLM's, through :class:`CacheParent`) pin through
+    Both producers (ours and vLLM's, through ``CacheParent``) pin through
     :meth:`create_store_job` with the synthetic request's name as context,
     ``p2p:{peer}:{kv_request_id}:lu{n}`` on both sides, so the peer is read from
     it. A peer's count is the sum of the blocks of its jobs not yet released
@@ -202,7 +188,7 @@ def _peer_of(context: str) -> str:
     return f"{parts[1]}:{parts[2]}" if len(parts) > 3 and parts[0] == "p2p" else context
 
 
-def _producer_counters(cache: Any) -> dict[str, Any]:
+def producer_counters(cache: Any) -> dict[str, Any]:
     """What the producer prints when it stops (``pinned``, ``held_jobs``, ``open`` must be 0)."""
     return {
         "pinned": cache.pinned(),
@@ -219,10 +205,6 @@ def _producer_counters(cache: Any) -> dict[str, Any]:
 async def _ours(args: argparse.Namespace) -> None:
     import trio  # noqa: PLC0415
 
-    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
-    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
-    from p2pactor.runtime.node import open_node  # noqa: PLC0415
     from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415
     from p2pactor.surface.attach import open_operator_surface  # noqa: PLC0415
 
@@ -231,7 +213,7 @@ async def _ours(args: argparse.Namespace) -> None:
     pool = bytearray(blocks * BLOCK_LEN)
     cache = PinCountingCache(blocks, BLOCK_LEN, memory=memoryview(pool))
     if producer:
-        _fill(cache)
+        fill(cache)
     # No quota may refuse: 64 lookups of 256 keys pin 16,384 blocks at once,
     # and vLLM's tier has no quotas to compare with. The flood keeps the
     # defaults: they are what protects the node from the hostile peer.
@@ -242,54 +224,38 @@ async def _ours(args: argparse.Namespace) -> None:
             max_pinned_blocks=10**9, max_open_lookups=100_000, max_open_requests=100_000
         )
     )
-    config = NodeConfig(
-        host=HOST,
-        port=args.port,
-        num_blocks=blocks,
-        block_len=BLOCK_LEN,
-        hash_seed=HASH_SEED,
-        quotas=quotas,
-    )
-    node_id = f"{HOST}:{args.port}"
     async with (
-        open_zmq_transport(node_id, port=args.port) as control,
-        open_nixl_transport(pool, BLOCK_LEN, name=f"bench-{args.role}") as data,
-        open_node(config, control=control, data=data, parent=cache if producer else None) as node,
+        open_bench_node(
+            args.port,
+            pool,
+            BLOCK_LEN,
+            name=f"bench-{args.role}",
+            parent=cache if producer else None,
+            hash_seed=HASH_SEED,
+            quotas=quotas,
+        ) as node,
         # As deployed (serve, the vLLM adapter): with its metrics.
         open_operator_surface(node),
     ):
-        trace = os.environ.get("P2PACTOR_BENCH_TRACE")
-        seen: list[str] = []
-        if trace:  # where a lookup's time goes: every event with the wall clock
-            node.watch_events(
-                lambda events, _state: seen.extend(
-                    f"{time.time():.6f} {args.role} {type(e).__name__} {e.actor.kv_request_id}"
-                    for e in events
-                )
-            )
-        _ready()
+        ready()
         if producer:
             await trio.to_thread.run_sync(sys.stdin.read)
-            if trace:
-                _dump(f"{trace}.{args.role}", seen)
-            say(_producer_counters(cache))
+            say(producer_counters(cache))
             return
         peer = f"{HOST}:{args.peer_port}"
         counter = iter(range(10**12))
         while True:
             line = await trio.to_thread.run_sync(sys.stdin.readline)
             if not line:
-                if trace:
-                    _dump(f"{trace}.{args.role}", seen)
                 return
             cmd = json.loads(line)
-            keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
-            tally = _Tally()
-            cpu0 = _cpu_s()
-            start = tally.last = time.perf_counter()
-            deadline = start + seconds
+            if "idle" in cmd:  # nothing calls the node meanwhile
+                await trio.sleep(float(cmd["idle"]))
+                say({})
+                continue
+            keys, conc, tally, cpu0, start, deadline = begin_cell(cmd)
 
-            async def worker(tally: _Tally, keys: int, deadline: float) -> None:
+            async def worker(tally: Tally, keys: int, deadline: float) -> None:
                 while time.perf_counter() < deadline:
                     n = next(counter)
                     kv = f"bench-{n}"
@@ -303,162 +269,7 @@ async def _ours(args: argparse.Namespace) -> None:
             async with trio.open_nursery() as nursery:
                 for _ in range(conc):
                     nursery.start_soon(worker, tally, keys, deadline)
-            say(tally.result(start, _cpu_s() - cpu0))
-
-
-# --- vLLM -------------------------------------------------------------------------------
-
-
-def _vllm(args: argparse.Namespace) -> None:
-    os.environ["PYTHONHASHSEED"] = HASH_SEED
-    import numpy as np  # noqa: PLC0415
-    import zmq  # noqa: PLC0415
-
-    from p2pactor.programs.bench import _vllm_tier as shared  # noqa: PLC0415 - imports vLLM
-
-    vbase = sys.modules["vllm.v1.kv_offload.base"]
-    tbase = sys.modules["vllm.v1.kv_offload.tiering.base"]
-    LookupResult, ReqContext = vbase.LookupResult, vbase.ReqContext  # noqa: N806
-    ScheduleEndContext = vbase.ScheduleEndContext  # noqa: N806
-
-    producer = args.role == "producer"
-    blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
-    pool = np.zeros((blocks, BLOCK_LEN), dtype=np.uint8)
-    cache = PinCountingCache(blocks, BLOCK_LEN, memory=pool.data.cast("B"))
-    if producer:
-        _fill(cache)
-    tier = shared.make_tier("vllm", pool, args.port)
-    poller = zmq.Poller()
-    poller.register(tier._control._router, zmq.POLLIN)
-    stop = threading.Event()
-
-    def watch() -> None:
-        if producer:
-            sys.stdin.read()
-            stop.set()
-
-    _ready()
-    if producer:
-        parent = CacheParent(cache, tbase.TransferJob, vbase.RequestOffloadingContext, LookupResult)
-        threading.Thread(target=watch, daemon=True).start()
-        while not stop.is_set():
-            poller.poll(1)  # vLLM's tier-poll interval, unless a message arrives first
-            for result in tier.get_finished_jobs():
-                cache.release_job(int(result.job_id), success=bool(result.success))
-            tier.serve_external_requests(parent)
-        tier.shutdown()
-        say(_producer_counters(cache))
-        return
-
-    source = {"remote_host": HOST, "remote_port": args.peer_port}
-    counter = iter(range(10**12))
-    retry, hit = LookupResult.RETRY, LookupResult.HIT
-    while True:
-        line = sys.stdin.readline()
-        if not line:
-            tier.shutdown()
-            return
-        cmd = json.loads(line)
-        keys, conc, seconds = int(cmd["keys"]), int(cmd["conc"]), float(cmd["seconds"])
-        tally = _Tally()
-        cpu0 = _cpu_s()
-        start = tally.last = time.perf_counter()
-        deadline = start + seconds
-        # in flight: (context, keys, start time)
-        flight: list[tuple[Any, list[bytes], float]] = []
-        new_ids: list[str] = []
-
-        def begin(
-            keys: int,
-            flight: list[tuple[Any, list[bytes], float]],
-            new_ids: list[str],
-        ) -> None:
-            n = next(counter)
-            ctx = ReqContext(
-                req_id=f"req-{n}",
-                kv_transfer_params={"remote_kv_source": {**source, "kv_request_id": f"bench-{n}"}},
-            )
-            wanted = key_window(n, keys)
-            t0 = time.perf_counter()
-            tier.on_new_request(ctx)
-            for key in wanted:
-                tier.lookup(key, ctx)  # registers the key: RETRY until the answer comes
-            flight.append((ctx, wanted, t0))
-            new_ids.append(ctx.req_id)
-
-        for _ in range(conc):
-            begin(keys, flight, new_ids)
-        while flight:
-            tier.on_schedule_end(
-                ScheduleEndContext(new_req_ids=list(new_ids), preempted_req_ids=())
-            )
-            new_ids.clear()
-            poller.poll(1)
-            tier.get_finished_jobs()
-            still = []
-            for ctx, wanted, t0 in flight:
-                # One LookupResp answers every key of the request at once.
-                if tier.lookup(wanted[0], ctx) is retry:
-                    still.append((ctx, wanted, t0))
-                    continue
-                answers = [tier.lookup(k, ctx) for k in wanted]
-                t1 = time.perf_counter()
-                tally.add(t1 - t0, t1, sum(1 for a in answers if a is hit), len(answers))
-                tier.on_request_finished(ctx)
-            done = len(flight) - len(still)
-            flight = still
-            if time.perf_counter() < deadline:
-                for _ in range(done):
-                    begin(keys, flight, new_ids)
-        say(tally.result(start, _cpu_s() - cpu0))
-
-
-class CacheParent:
-    """VLLM's ``ParentManager`` over an :class:`~p2pactor.runtime.parent.EmbeddedCache`.
-
-    The same cache class our producer serves from, so both producers do the
-    same work per key (a dict lookup, a pin per job). Built on the fly (vLLM's
-    classes are passed in) so that this module imports without vLLM; the tier
-    only calls these four methods.
-    """
-
-    def __init__(self, cache: Any, job_cls: Any, ctx_cls: Any, results: Any) -> None:
-        self._cache = cache
-        self._job = job_cls
-        self._ctx = ctx_cls
-        self._results = {
-            "HIT": results.HIT,
-            "MISS": results.MISS,
-            "HIT_PENDING": results.HIT_PENDING,
-            "RETRY": results.RETRY,
-        }
-
-    def on_new_request(self, req_context: Any) -> Any:
-        """Open the synthetic request of a peer's lookup."""
-        self._cache.on_new_request(req_context.req_id)
-        return self._ctx()
-
-    def lookup(self, key: Any, req_context: Any) -> Any:
-        """The cache's answer, as vLLM's LookupResult."""
-        return self._results[self._cache.lookup(bytes(key), req_context.req_id).name]
-
-    def create_store_job(self, keys: Any, req_context: Any) -> Any:
-        """Pin the blocks of ``keys``; the tier reports the job when it lets go."""
-        import numpy as np  # noqa: PLC0415
-
-        keys = [bytes(k) for k in keys]
-        pin = self._cache.create_store_job(keys, req_context.req_id)
-        return self._job(
-            job_id=pin.job_id,
-            keys=keys,
-            chunk_ids=np.array(pin.blocks, dtype=np.int64),
-            is_promotion=False,
-            req_context=req_context,
-        )
-
-    def on_request_finished(self, req_context: Any) -> None:
-        """Close the synthetic request."""
-        self._cache.on_request_finished(req_context.req_id)
+            say(tally.result(start, cpu_s() - cpu0))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -480,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         trio.run(_ours, args)
     else:
-        _vllm(args)
+        from p2pactor.programs.bench._control_vllm import run_vllm  # noqa: PLC0415
+
+        run_vllm(args)
     return 0
 
 

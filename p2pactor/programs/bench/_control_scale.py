@@ -27,8 +27,6 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-__all__ = ["KEYS_PER_REQUEST", "main"]
-
 KEYS_PER_REQUEST = 4
 """Keys per request: the producer holds all but the last (3 hits, 1 miss)."""
 BLOCK_LEN = 256

@@ -38,17 +38,6 @@ from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import chain_keys
 
-__all__ = [
-    "HASH_SEED",
-    "INLINE_BUDGET_ENV",
-    "PREFIX",
-    "bench_config",
-    "bench_keys",
-    "block_content",
-    "main",
-    "producer_argv",
-]
-
 PREFIX = "@bench "
 """Marks the lines the benchmark reads."""
 

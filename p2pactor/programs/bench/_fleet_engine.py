@@ -10,19 +10,29 @@ the first MISS, every step until the scan decides; the hit run loaded from the
 CPU tier, what a P2P tier promoted into it included; the rest computed and
 stored, and cascaded to the tiers by vLLM). Nobody calls ``touch`` (vLLM 0.33's
 scheduler never does). Every computed chunk holds its key's bytes, and every
-chunk loaded is checked against them.
+chunk loaded is checked against them. :func:`build_fleet` builds an arm's engines.
 """
 
 from __future__ import annotations
 
+import os
+import random
+import socket
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from p2pactor.programs.bench import _vllm_tier as shared
 from p2pactor.programs.bench._fleet_workload import Turn
-from p2pactor.programs.vllmstack import Phase, Stack, StackEngine, StackRequest
-
-__all__ = ["FleetEngine", "FleetRequest"]
+from p2pactor.programs.vllmstack import (
+    Phase,
+    Stack,
+    StackEngine,
+    StackOptions,
+    StackRequest,
+    build_stack,
+    tier_entry,
+)
 
 
 @dataclass(eq=False)
@@ -143,3 +153,62 @@ class FleetEngine:
         """A step with no request of its own, if vLLM's engine core would take one."""
         if self.engine.wants_step():
             self.engine.step()
+
+
+def _kinds(arm: str, n: int) -> list[str]:
+    if arm == "none":
+        return ["none"] * n
+    if arm == "mixed":
+        return ["ours" if i % 2 == 0 else "stock" for i in range(n)]
+    return ["ours"] * n
+
+
+_PORTS = random.Random()  # noqa: S311 - spreads the ports, no secret
+
+
+def _ports(n: int) -> list[int]:
+    """``n`` ports free now, below the ephemeral range (not reused as source ports)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        port = _PORTS.randrange(20_000, 32_000)
+        with socket.socket() as s:
+            try:
+                s.bind((shared.HOST, port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def build_fleet(arm: str, n: int, capacity: int, chunk_bytes: int) -> list[FleetEngine]:
+    """The engines of ``arm``'s fleet of ``n``, each on a free port, tiers of ``capacity``."""
+    kinds = _kinds(arm, n)
+    ports = _ports(n)
+    ids = [f"{shared.HOST}:{p}" for p in ports]
+    summaries = arm in ("auto", "mixed", "silent", "hostile")
+    engines: list[FleetEngine] = []
+    try:
+        for i, kind in enumerate(kinds):
+            tiers = []
+            if kind == "ours":
+                seeds = [p for j, p in enumerate(ids) if j != i] if summaries else []
+                shares = summaries and not (arm == "silent" and i == 0)
+                entry = tier_entry(
+                    "ours", shared.HOST, ports[i], seed_peers=seeds, summaries=shares
+                )
+                tiers = [entry]
+            elif kind == "stock":
+                tiers = [tier_entry("stock", shared.HOST, ports[i])]
+            options = StackOptions(
+                tiers=tiers,
+                num_chunks=capacity,
+                chunk_bytes=chunk_bytes,
+                engine_id=f"p2pactor-fleet-{os.getpid()}-{arm}-{i}",
+            )
+            engines.append(FleetEngine(i, build_stack(options), ports[i], p2p=kind != "none"))
+    except BaseException:
+        for e in engines:
+            e.stack.shutdown()
+        raise
+    return engines

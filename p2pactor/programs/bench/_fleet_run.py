@@ -1,36 +1,26 @@
-"""The fleet benchmark's process: every arm of router-less chat, on 4 and on 8 engines.
+"""The fleet benchmark's process (``python -m p2pactor.programs.bench._fleet_run --json OUT``).
 
-Run by the ``fleet`` section (``python -m p2pactor.programs.bench._fleet_run
---json OUT``). Each arm builds its fleet in this process: one
-:class:`~p2pactor.programs.bench._fleet_engine.FleetEngine` per engine, each
-with its own tier (p2pactor's vLLM adapter, whose node thread is its own, or
-vLLM 0.33's ``P2PSecondaryTierManager``) over its own CPU pool, bound to its
-own port on 127.0.0.1: real ZeroMQ and NIXL between them. The engines step
-in lockstep (each its scheduler calls, then one forward-pass sleep, then each
-its output processing). The arms, on the same turns:
+Chat, then RAG fleets, in one process (one import of vLLM).
 
-- ``none``: no P2P tier; each engine reuses its own CPU tier only;
-- ``oracle``: each request names the engine whose CPU tier holds the longest
-  prefix of it (read from every engine's tier at admission), when longer
-  than its own;
-- ``random``: each request names a peer drawn at random;
-- ``auto``: no request names a source; the tiers exchange summaries;
-- ``mixed``: as ``auto``, every other engine running vLLM's own tier;
-- ``silent``: as ``auto``, engine 0 sharing no summary (what a quarantine
-  leaves of it: the reference the hostile arm's cost is measured from);
-- ``hostile``: as ``auto``, engine 0 claiming keys of the workload, as many
-  as its summary may hold (a tier's worth), never dropping one and never
-  claiming what it really holds (its honesty checks off); its producer
-  answers what its tier holds, as the others'.
+Each arm builds its fleet here: a :class:`~p2pactor.programs.bench._fleet_engine.FleetEngine`
+per engine, each with its own tier (p2pactor's vLLM adapter or vLLM 0.33's
+``P2PSecondaryTierManager``) over its own CPU pool and port on 127.0.0.1, real ZeroMQ
+and NIXL between them, stepped in lockstep (scheduler calls, a forward-pass sleep,
+output processing). The arms, on the same turns: ``none`` (no P2P tier); ``oracle``
+(each request names the engine whose CPU tier holds its longest prefix, read at
+admission); ``random`` (a random peer named); ``auto`` (none named; the tiers exchange
+summaries); ``mixed`` (``auto``, every other engine on vLLM's own tier); ``silent``
+(``auto``, engine 0 sharing no summary: what a quarantine leaves, the hostile arm's
+reference); ``hostile`` (``auto``, engine 0 claiming as many workload keys as its
+summary may hold, never dropping one, its honesty checks off; its producer answers
+what its tier holds).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -39,7 +29,7 @@ from typing import Any
 import attrs
 
 from p2pactor.programs.bench import _vllm_tier as shared
-from p2pactor.programs.bench._fleet_engine import FleetEngine, FleetRequest
+from p2pactor.programs.bench._fleet_engine import FleetEngine, FleetRequest, build_fleet
 from p2pactor.programs.bench._fleet_workload import (
     TOKENS_PER_BLOCK,
     FleetPlan,
@@ -49,9 +39,6 @@ from p2pactor.programs.bench._fleet_workload import (
     turns_of,
     working_set,
 )
-from p2pactor.programs.vllmstack import StackOptions, build_stack, tier_entry
-
-__all__ = ["ARMS", "main", "run_arm"]
 
 ARMS = ("none", "oracle", "random", "auto", "mixed", "silent", "hostile")
 """The arms, in the order they run."""
@@ -76,68 +63,6 @@ class Pace:
     step_ms: float = 10.0
     admit: int = 4
     per_engine: int = 4
-
-
-def _kinds(arm: str, n: int) -> list[str]:
-    if arm == "none":
-        return ["none"] * n
-    if arm == "mixed":
-        return ["ours" if i % 2 == 0 else "stock" for i in range(n)]
-    return ["ours"] * n
-
-
-_PORTS = random.Random()  # noqa: S311 - spreads the ports, no secret
-
-
-def _ports(n: int) -> list[int]:
-    """``n`` ports free now, below the ephemeral range.
-
-    A port the kernel hands out (bind to 0) may be taken again at once as
-    the source port of an outgoing connection: the fleet opens hundreds.
-    """
-    ports: list[int] = []
-    while len(ports) < n:
-        port = _PORTS.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind((shared.HOST, port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
-def _build(arm: str, n: int, capacity: int) -> list[FleetEngine]:
-    kinds = _kinds(arm, n)
-    ports = _ports(n)
-    ids = [f"{shared.HOST}:{p}" for p in ports]
-    summaries = arm in ("auto", "mixed", "silent", "hostile")
-    engines: list[FleetEngine] = []
-    try:
-        for i, kind in enumerate(kinds):
-            tiers = []
-            if kind == "ours":
-                seeds = [p for j, p in enumerate(ids) if j != i] if summaries else []
-                shares = summaries and not (arm == "silent" and i == 0)
-                entry = tier_entry(
-                    "ours", shared.HOST, ports[i], seed_peers=seeds, summaries=shares
-                )
-                tiers = [entry]
-            elif kind == "stock":
-                tiers = [tier_entry("stock", shared.HOST, ports[i])]
-            options = StackOptions(
-                tiers=tiers,
-                num_chunks=capacity,
-                chunk_bytes=BLOCK_BYTES,
-                engine_id=f"p2pactor-fleet-{os.getpid()}-{arm}-{i}",
-            )
-            engines.append(FleetEngine(i, build_stack(options), ports[i], p2p=kind != "none"))
-    except BaseException:
-        for e in engines:
-            e.stack.shutdown()
-        raise
-    return engines
 
 
 def _ours(engines: Sequence[FleetEngine]) -> list[FleetEngine]:
@@ -351,7 +276,7 @@ def run_arm(
     """Build the fleet of ``arm``, run ``turns`` through it, settle, shut it down; its figures."""
     every = working_set(turns)
     capacity = max(16, int(plan.capacity * every))
-    engines = _build(arm, plan.engines, capacity)
+    engines = build_fleet(arm, plan.engines, capacity, BLOCK_BYTES)
     try:
         hostile = None
         if arm == "hostile":
@@ -382,16 +307,17 @@ def run_arm(
 
 
 def _plans(args: argparse.Namespace, repeat: int) -> list[FleetPlan | RagPlan]:
-    seed = args.seed + repeat
-    if args.workload == "rag":
-        return [
-            RagPlan(engines=size, requests=args.requests, capacity=share, seed=seed)
-            for size in (int(s) for s in args.sizes.split(","))
-            for share in (float(c) for c in args.capacities.split(","))
-        ]
-    return [
-        FleetPlan(engines=size, conversations=args.conversations, seed=seed)
-        for size in (int(s) for s in args.sizes.split(","))
+    seed, workloads = args.seed + repeat, args.workloads.split(",")
+    chat: list[FleetPlan | RagPlan] = [
+        FleetPlan(engines=int(size), conversations=args.conversations, seed=seed)
+        for size in args.chat_sizes.split(",")
+        if "chat" in workloads
+    ]
+    return chat + [
+        RagPlan(engines=int(size), requests=args.requests, capacity=float(share), seed=seed)
+        for size in args.rag_sizes.split(",")
+        for share in args.capacities.split(",")
+        if "rag" in workloads
     ]
 
 
@@ -399,8 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run every arm on every fleet (size, tier share); write the figures as JSON."""
     parser = argparse.ArgumentParser(description="the fleet benchmark's process")
     parser.add_argument("--json", required=True)
-    parser.add_argument("--workload", choices=("chat", "rag"), default="chat")
-    parser.add_argument("--sizes", default=None, help="engines per fleet (chat: 4,8; rag: 5)")
+    parser.add_argument("--workloads", default="chat,rag", help="chat, rag or both")
+    parser.add_argument("--chat-sizes", default="4,8", help="engines per chat fleet")
+    parser.add_argument("--rag-sizes", default="5", help="engines per RAG fleet")
     parser.add_argument("--conversations", type=int, default=FleetPlan().conversations)
     parser.add_argument("--requests", type=int, default=RagPlan().requests)
     parser.add_argument("--capacities", default="0.25,0.1", help="rag: CPU tier shares")
@@ -408,8 +335,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.sizes is None:
-        args.sizes = "5" if args.workload == "rag" else "4,8"
     pace = Pace()
     runs: list[dict[str, Any]] = []
     for repeat in range(args.repeats):
@@ -418,12 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             turns = rag_turns_of(plan) if isinstance(plan, RagPlan) else turns_of(plan)
             for arm in args.arms.split(","):
                 figures = run_arm(plan, arm, turns, pace)
-                figures["workload"] = args.workload
+                figures["workload"] = "rag" if isinstance(plan, RagPlan) else "chat"
                 figures["working_set"] = working_set(turns)
                 figures["repeat"] = repeat
                 runs.append(figures)
     with open(args.json, "w") as f:
-        json.dump({"workload": args.workload, "pace": attrs.asdict(pace), "runs": runs}, f)
+        json.dump({"workloads": args.workloads, "pace": attrs.asdict(pace), "runs": runs}, f)
     return 0
 
 

@@ -31,16 +31,6 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import hash_block_tokens
 from vllm.v1.kv_offload.base import make_offload_key
 
-__all__ = [
-    "TOKENS_PER_BLOCK",
-    "FleetPlan",
-    "RagPlan",
-    "Turn",
-    "rag_turns_of",
-    "turns_of",
-    "working_set",
-]
-
 TOKENS_PER_BLOCK = 16
 """Tokens per block (and per key: one block per chunk), as the benchmark's spec says."""
 

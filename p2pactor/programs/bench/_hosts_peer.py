@@ -38,8 +38,6 @@ from p2pactor.programs.bench._dataplane_peer import (
 )
 from p2pactor.programs.hosts import Host
 
-__all__ = ["LOOKUP_BLOCKS", "LOOKUP_BLOCK_LEN", "main"]
-
 LOOPBACK = "127.0.0.1"
 
 LOOKUP_BLOCKS = 4

@@ -1,6 +1,6 @@
 """Runs one attack of the ``summary-attack`` section against the victim, and measures it.
 
-:func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._summary_hostile`,
+:func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._hostile`,
 a process of its own, ``--paced``) and, before each of its steps, reads the
 victim's RSS and starts its peak (``VmHWM``) afresh; after each step it reads
 both again and asks the :class:`~p2pactor.programs.bench._summary_victim.Monitor`
@@ -13,8 +13,6 @@ whole attack, from the first step to the session's end.
 from __future__ import annotations
 
 import contextlib
-import json
-import queue
 import time
 from pathlib import Path
 from typing import Any
@@ -23,28 +21,16 @@ import attrs
 
 from p2pactor.programs.bench._control_common import (
     LineProcess,
-    module_command,
     percentile,
 )
 from p2pactor.programs.bench._summary_victim import (
-    AttackHarnessError,
-    ChildLines,
     Monitor,
     Victim,
     Window,
 )
 
-__all__ = [
-    "AttackResult",
-    "HonestPeer",
-    "HostileProcess",
-    "StepResult",
-    "merge_honest",
-    "run_attack",
-]
-
-HOSTILE = "p2pactor.programs.bench._summary_hostile"
-HONEST = "p2pactor.programs.bench._summary_honest"
+HOSTILE = "p2pactor.programs.bench._hostile"
+HONEST = "p2pactor.programs.bench._honest"
 SETTLE_READ_S = 0.05
 """How often the victim's /status is read while it applies a step's summaries."""
 SETTLE_CAP_S = 30.0
@@ -53,54 +39,25 @@ STEP_TIMEOUT_S = 300.0
 """The longest a step may take (a flood on a loaded 2-core machine)."""
 
 
-class HostileProcess:
-    """The hostile peer's process: its lines as they come, and stdin to pace it."""
+class HostileProcess(LineProcess):
+    """The hostile peer's process (:mod:`p2pactor.programs.bench._hostile`), paced by stdin."""
 
     def __init__(self, victim: str, attack: str, args: list[str], stderr: Path, **env: str) -> None:
         self.attack = attack
-        self.stderr = stderr
-        command = module_command(HOSTILE, f"--victim={victim}", f"--attack={attack}", *args)
-        self.child = ChildLines(command, stderr, stdin=True, **env)
-        self.proc = self.child.proc
+        super().__init__(
+            HOSTILE, f"--victim={victim}", f"--attack={attack}", *args, stderr=str(stderr), **env
+        )
 
-    def expect(self, *words: str, timeout: float = STEP_TIMEOUT_S) -> tuple[str, Any]:
-        """The next line starting with one of ``words``: ``(word, its JSON or text)``.
-
-        Raises:
-            AttackHarnessError: It said ERROR, exited first, or said nothing in ``timeout``.
-        """
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.child.next_line(deadline)
-            except queue.Empty:
-                raise AttackHarnessError(
-                    f"the hostile peer ({self.attack}) said none of {words} in {timeout:g} s; "
-                    f"its stderr is in {self.stderr}"
-                ) from None
-            if line is None:
-                raise AttackHarnessError(
-                    f"the hostile peer ({self.attack}) exited with {self.proc.wait()} "
-                    f"before {'/'.join(words)}; its stderr ({self.stderr}) ends: "
-                    f"{self.child.why()}"
-                )
-            word, _, rest = line.partition(" ")
-            if word == "ERROR":
-                raise AttackHarnessError(f"the hostile peer ({self.attack}) failed: {rest}")
-            if word in words:
-                return word, json.loads(rest) if rest.startswith("{") else rest
+    def expect(self, *words: str, timeout: float | None = STEP_TIMEOUT_S) -> tuple[str, Any]:
+        """The next line starting with one of ``words`` (within a step's time by default)."""
+        return super().expect(*words, timeout=timeout)
 
     def go(self) -> None:
         """Let it take its next step."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("go\n")
-        self.proc.stdin.flush()
+        self.send("go")
 
     def leave(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Close its stdin (it says ``disconnect`` and exits) and reap it.
-
-        Returns what it said meanwhile (``DONE``, ``RESULT``), by word.
-        """
+        """Close its stdin (it says ``disconnect`` and exits); what it said meanwhile, by word."""
         assert self.proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):
             self.proc.stdin.close()
@@ -110,16 +67,9 @@ class HostileProcess:
         self.proc.wait(timeout=timeout)
         return said
 
-    def kill(self) -> None:
-        """Kill it if it still runs, and close its pipes."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.child.reap()
-
 
 class HonestPeer:
-    """The honest node's process (:mod:`p2pactor.programs.bench._summary_honest`)."""
+    """The honest node's process (:mod:`p2pactor.programs.bench._honest`)."""
 
     def __init__(self, port: int, victim: Victim, stderr: Path) -> None:
         s = victim.settings
@@ -127,6 +77,8 @@ class HonestPeer:
             HONEST,
             f"--port={port}",
             f"--victim={s.node_id}",
+            "--keys=4",
+            "--rate=50",
             f"--hash-seed={s.hash_seed}",
             f"--block-len={s.block_len}",
             f"--preload={s.preload}",

@@ -3,7 +3,7 @@
 Here the node under attack is the one that chooses its sources itself: a
 p2pactor node in this process (real ZeroMQ and NIXL on 127.0.0.1, an
 embedded cache to fetch into, no peer but the liar). The liar
-(:mod:`p2pactor.programs.bench._summary_hostile` ``--attack liar``, a process of
+(:mod:`p2pactor.programs.bench._hostile` ``--attack liar``, a process of
 its own) dials it, claims in its summary the keys of ``p2pactor serve
 --preload``, answers HIT to every lookup and fails every fetch
 (``transfer_done(success=false)``). The node then runs requests that name no
@@ -23,9 +23,8 @@ from typing import Any
 import attrs
 import trio
 
+from p2pactor.programs.bench._control_common import open_bench_node
 from p2pactor.programs.bench._summary_drive import HostileProcess
-
-__all__ = ["KEYS_PER_REQUEST", "LiarResult", "run_liar"]
 
 KEYS_PER_REQUEST = 10
 """Keys each request looks up (the claimed run the node asks the liar for)."""
@@ -54,11 +53,7 @@ class LiarResult:
 async def _consume(
     port: int, settings: dict[str, object], hostile: HostileProcess, limit: int
 ) -> tuple[int, bool, str, int, dict[str, Any]]:
-    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
-    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
-    from p2pactor.runtime.node import open_node  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
     from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415
 
@@ -67,15 +62,17 @@ async def _consume(
     keys = preload_keys(seed, CLAIMED)
     pool = bytearray(POOL_BLOCKS * block_len)
     cache = EmbeddedCache(POOL_BLOCKS, block_len, memory=memoryview(pool))
-    config = NodeConfig(
-        host="127.0.0.1", port=port, num_blocks=POOL_BLOCKS, block_len=block_len, hash_seed=seed
-    )
     misrouted = failed = 0
     quarantined, reason = False, ""
     async with (
-        open_zmq_transport(config.node_id, port=port) as control,
-        open_nixl_transport(pool, block_len, name=f"summary-consumer-{os.getpid()}") as data,
-        open_node(config, control=control, data=data, parent=cache) as node,
+        open_bench_node(
+            port,
+            pool,
+            block_len,
+            name=f"summary-consumer-{os.getpid()}",
+            parent=cache,
+            hash_seed=seed,
+        ) as node,
     ):
         hostile.go()  # now the liar dials us
         await trio.to_thread.run_sync(hostile.expect, "READY")

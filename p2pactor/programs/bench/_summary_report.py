@@ -19,19 +19,6 @@ from p2pactor.programs.bench._summary_liar import LiarResult
 from p2pactor.programs.bench._summary_victim import VictimSettings, Window
 from p2pactor.programs.bench.report import Cell, SectionResult, Stat
 
-__all__ = [
-    "EPOCH_TARGET",
-    "FRAME_TARGET_X",
-    "LIAR_TARGET",
-    "P99_TARGET_X",
-    "RSS_TARGET_MIB",
-    "STALL_TARGET_MS",
-    "Attack",
-    "Repeat",
-    "parts_per_snapshot",
-    "tabulate",
-]
-
 RSS_TARGET_MIB = 64.0
 """Issue 30: the victim's RSS grows at most this much per hostile peer."""
 STALL_TARGET_MS = 50.0
@@ -281,7 +268,7 @@ def _notes(
             f"or a wrong byte; the victim, the honest peer and the hostile process share this "
             f"machine's {os.cpu_count()} cores: the hostile process runs at idle CPU priority "
             "(SCHED_IDLE), as a peer on another host, so that its own sending takes no CPU from "
-            "the other two (what it costs the victim is what is measured; _summary_hostile "
+            "the other two (what it costs the victim is what is measured; _hostile "
             "--own-cpu competes as an ordinary process)"
         ),
         (

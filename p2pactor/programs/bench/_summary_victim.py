@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import queue
 import subprocess
 import threading
 import time
@@ -27,17 +26,11 @@ from typing import Any
 
 import attrs
 
-from p2pactor.programs.bench._control_common import child_env, module_command, percentile
-
-__all__ = [
-    "AttackHarnessError",
-    "ChildLines",
-    "Monitor",
-    "Victim",
-    "VictimSettings",
-    "memory_kib",
-    "serve_has_slow_step",
-]
+from p2pactor.programs.bench._control_common import (
+    ChildError,
+    LineProcess,
+    percentile,
+)
 
 RSS_POLL_S = 0.01
 """How often the victim's RSS is read (a file read: cheap for it)."""
@@ -47,64 +40,6 @@ overflow between two reads unless steps of over 3 ms follow each other back to b
 STATUS_TIMEOUT_S = 30.0
 FRESH_READ_S = 10.0
 """The longest a window waits for a read of ``/status`` asked after its end."""
-
-
-class AttackHarnessError(RuntimeError):
-    """A process of the summary-attack harness failed or hung; the message says where to look."""
-
-
-class ChildLines:
-    """A helper process whose stdout lines a thread queues, to be read with a timeout.
-
-    Its stderr goes to a file (its tail names what went wrong); ``env``: extra variables.
-    """
-
-    def __init__(
-        self, command: list[str], stderr: Path, *, stdin: bool = False, **env: str
-    ) -> None:
-        self.stderr = stderr
-        with stderr.open("w") as err:
-            self.proc = subprocess.Popen(  # noqa: S603 - our own helper module or command
-                command,
-                stdin=subprocess.PIPE if stdin else None,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=child_env(**env),
-            )
-        self.pid = self.proc.pid
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line.strip())
-        self._lines.put(None)
-
-    def next_line(self, deadline: float) -> str | None:
-        """Its next line by ``deadline`` (monotonic); None once it exited.
-
-        Raises:
-            queue.Empty: It said nothing more by then.
-        """
-        return self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-
-    def why(self) -> str:
-        """What its stderr ends with (for an error message)."""
-        try:
-            return self.stderr.read_text(errors="replace")[-2000:].strip()
-        except OSError:
-            return ""
-
-    def reap(self) -> None:
-        """Once it exited: read its output to the end, and close its pipes."""
-        self._reader.join(timeout=10)
-        for pipe in (self.proc.stdin, self.proc.stdout):
-            if pipe is not None:
-                with contextlib.suppress(BrokenPipeError):
-                    pipe.close()
 
 
 def serve_has_slow_step() -> bool:
@@ -161,7 +96,7 @@ class Victim:
         argv += ["--metrics-port", str(s.metrics_port)]
         if s.slow_step_ms is not None:
             argv += ["--slow-step-ms", f"{s.slow_step_ms:g}"]
-        self.child = ChildLines(module_command("p2pactor", *argv), stderr)
+        self.child = LineProcess("p2pactor", *argv, stderr=str(stderr))
         self.proc, self.pid, self.stderr = self.child.proc, self.child.pid, stderr
         self.url = f"http://127.0.0.1:{s.metrics_port}/status"
 
@@ -172,21 +107,11 @@ class Victim:
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Wait until it serves (its ``p2pactor node ... serving`` line) and ``/status`` answers."""
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self.child.next_line(deadline)
-            except queue.Empty:
-                raise AttackHarnessError(
-                    f"p2pactor serve did not start in {timeout:g} s; its stderr is in "
-                    f"{self.stderr} (a busy machine: run again when it is quieter)"
-                ) from None
-            if line is None:
-                raise AttackHarnessError(
-                    f"p2pactor serve exited with {self.proc.wait()} as it started (its stderr, "
-                    f"{self.stderr}, ends: {self.why()})"
-                )
-            if line.startswith("p2pactor node") and "serving" in line:
-                break
+        while not (
+            (line := self.child.line(deadline - time.monotonic())).startswith("p2pactor node")
+            and "serving" in line
+        ):
+            pass
         self.wait_status(lambda _: True, deadline - time.monotonic(), "its /status")
 
     def memory_kib(self) -> tuple[int, int]:
@@ -211,7 +136,7 @@ class Victim:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise AttackHarnessError(
+                raise ChildError(
                     f"p2pactor serve exited with {self.proc.returncode} while it was watched "
                     f"for {what} (its stderr, {self.stderr}, ends: {self.why()})"
                 )
@@ -222,7 +147,7 @@ class Victim:
             except OSError:
                 pass  # not serving yet, or too busy to answer in time: ask again
             if time.monotonic() > deadline:
-                raise AttackHarnessError(
+                raise ChildError(
                     f"the victim did not show {what} within {timeout:g} s (its /status: "
                     f"{self.url}; its stderr: {self.stderr})"
                 )
@@ -254,12 +179,9 @@ class Victim:
         """Stop it (SIGTERM, then SIGKILL after 20 s) and reap it."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.child.reap()
+        self.child.kill()
 
 
 @attrs.frozen(kw_only=True)

@@ -1,81 +1,41 @@
 """Engine-thread cost of a P2P secondary tier: p2pactor's vLLM adapter against vLLM's own tier.
 
-vLLM calls a secondary tier synchronously from its scheduler (engine) thread,
-under the offloading manager's lock; whatever the tier does inside those calls
-delays the step. This drives p2pactor's ``P2PActorTierManager`` and vLLM
-0.33's ``P2PSecondaryTierManager`` through the same scripted sequence of
-scheduler calls and reports the time spent inside tier calls on the engine
-thread, per method and per step, both tiers side by side.
+vLLM calls a secondary tier synchronously from its scheduler thread, under the
+offloading manager's lock: whatever the tier does there delays the step. This drives
+p2pactor's ``P2PActorTierManager`` and vLLM 0.33's ``P2PSecondaryTierManager`` through
+the same scripted scheduler calls and times them on the engine thread, per method and
+per step. Per tier class and repeat: a producer tier in a subprocess
+(:mod:`~p2pactor.programs.bench._vllm_tier`, serving every 1 ms as vLLM's tier-poll
+thread does, over a pool holding every HIT key) and a consumer tier here; real ZeroMQ
+and NIXL on 127.0.0.1, 4 KiB blocks.
 
-Setup, per tier class and per repeat: a *producer* tier in a subprocess
-(``python -m p2pactor.programs.bench._vllm_tier``: it only serves, calling
-``get_finished_jobs()`` and ``serve_external_requests(parent)`` every 1 ms like
-vLLM's tier-poll thread, over a pool holding every HIT key), and a *consumer*
-tier of the same class in this process. Real ZeroMQ and NIXL (UCX) on
-127.0.0.1; 4 KiB blocks so that the data plane is not what is measured.
+The scripted engine (:mod:`~p2pactor.programs.bench._vllm_scheduler`), one step at a
+time, as vLLM's offloading connector and ``TieringOffloadingManager`` call:
 
-The scripted engine, one step at a time, in the order vLLM's offloading
-connector and ``TieringOffloadingManager`` make the calls:
+1. ``has_pending_work()``, under a short lock;
+2. ``--admit`` new requests (``remote_kv_source`` naming the producer, ``--keys`` keys,
+   a prefix of K/2..K on the producer) get ``on_new_request()``;
+3. ``schedule()``, under the step lock: ``get_finished_jobs()``, then ``lookup()`` of
+   each waiting request's keys in order (past HIT and RETRY, up to the first MISS); a
+   request with no RETRY left has its HIT prefix queued as one promotion; then
+   ``serve_external_requests(parent)``, a ``submit_load()`` per promotion,
+   ``on_schedule_end()``;
+4. the forward pass: ``--step-ms`` of sleep, lock released, while the tier-poll thread
+   (``--poll-ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
+5. each request whose load finished gets ``on_request_finished()``.
 
-1. ``has_pending_work()`` (the engine's liveness check), under a short lock;
-2. ``add_request``: ``--admit`` new requests (``remote_kv_source`` naming the
-   producer, ``--keys`` keys, of which a prefix of K/2..K, 75% on average, is on
-   the producer) get ``on_new_request()``, each under a short lock;
-3. ``schedule()``, under the step lock: ``get_finished_jobs()`` once, then
-   ``lookup()`` of each waiting request's keys in order, skipping keys already
-   answered HIT (the primary tier holds them once promoted), going on past
-   RETRY and stopping at the first MISS; a request with no RETRY left gets
-   its HIT prefix queued as one promotion (chunks from a free list);
-   then ``serve_external_requests(parent)``, one ``submit_load()`` per queued
-   promotion, and ``on_schedule_end()``;
-4. the model's forward pass: ``--step-ms`` of sleep with the lock released,
-   while the tier-poll thread (``--poll-ms``, 0 to turn it off) calls
-   ``get_finished_jobs()`` and ``serve_external_requests()`` under the lock;
-5. output processing: each request whose load finished (or that had nothing
-   to load) gets ``on_request_finished()``, under a short lock, and frees its
-   chunks.
+A scripted engine, not vLLM's stack, so that each tier's own calls are timed alone
+(vLLM's CPU tier, evictions and cascades are left out; a whole engine is
+``engine-real``'s). Same requests and rules for both tiers; only how many steps the
+answers take differs, so call counts come with the times. Measured: ``perf_counter_ns``
+around every tier call on the engine and tier-poll threads, the lock waits, every
+thread's CPU (schedstat) by role, the producer's CPU; each repeat runs both tiers
+(alternating), fresh processes each.
 
-Why a scripted engine, not vLLM's stack (``p2pactor.programs.vllmstack``):
-this section times each tier's own calls, alone, on the engine thread; inside
-vLLM's ``TieringOffloadingManager`` the time of vLLM's own code (its promotions,
-its LRU, its stats) would sit between them, the same in both arms. What it
-leaves out: vLLM's CPU tier and its evictions, its promotions (loads go to a
-free list of chunks), cascades. What the tier costs inside a whole engine is
-the ``engine-real`` section's (two real vLLM engines).
-
-The run ends when every request has finished. The sequence is the same for
-both tiers (same requests, same admission schedule, same rules); only how many
-steps the answers and loads take depends on the tier, so call counts are
-reported with the times. A few warm-up requests go first (the handshake); they
-are reported apart.
-
-Measured: ``time.perf_counter_ns`` around every tier call on the engine thread
-(and, apart, on the tier-poll thread), plus the engine's waits for the lock;
-the CPU time of every thread of this process from
-``/proc/self/task/*/schedstat`` (ns), split into the engine thread, the
-tier-poll thread, the threads the consumer tier started (p2pactor's trio
-thread, NIXL/UCX threads, vLLM's registration executor) and the rest; the
-producer process's CPU time. Each repeat runs both tiers (alternating which
-goes first), each with a fresh producer and consumer; the table gives the
-median across repeats and, in brackets, the min and max.
-
-``p2pactor bench --only engine`` runs it (in a subprocess) and reports its
-headline figures; for every figure, run it with vLLM installed:
-``python -m p2pactor.programs.bench._vllm_engine`` (or the wrapper
-``benchmarks/vllm_engine_thread.py``) (``--requests N``,
-``--repeats R``, ``--json PATH``; ``--help`` for the rest). About two minutes
-at the defaults on two cores (longer when a tier falls behind). The default
-load is 2 new requests per 10 ms step: 200 requests/s, 3,200 keys/s; raise
-``--admit`` for more. A tier that falls behind shows it in the "steps from
-admission" rows: like vLLM's scheduler, the script looks every waiting
-request's unanswered keys up again each step, so a tier's engine-thread time
-grows with its backlog, as it would in an engine.
-
-This module runs it (:func:`run_tier`, :func:`main`); the parts live apart:
-:mod:`~p2pactor.programs.bench._vllm_scheduler` (the scripted engine),
-:mod:`~p2pactor.programs.bench._vllm_measure` (timing and CPU accounting),
-:mod:`~p2pactor.programs.bench._vllm_report` (the rows and the table) and
-:mod:`~p2pactor.programs.bench._vllm_spawn` (the command line and the producers).
+``p2pactor bench --only engine`` reports the headline figures; every figure:
+``python -m p2pactor.programs.bench._vllm_engine`` (``--requests N``, ``--repeats R``,
+``--json PATH``, ``--help``), about two minutes. A tier that falls behind shows in the
+"steps from admission" rows (waiting keys are looked up again each step, as vLLM does).
 """
 
 from __future__ import annotations
@@ -83,9 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -94,16 +52,13 @@ from pathlib import Path
 from typing import Any
 
 from p2pactor.programs.bench import _vllm_tier as shared
-from p2pactor.programs.bench._control_common import free_port
+from p2pactor.programs.bench._control_common import LineProcess, free_port
 from p2pactor.programs.bench._vllm_measure import Meter, say, thread_cpu, thread_names
-from p2pactor.programs.bench._vllm_report import LABEL, aggregate, provenance, table
+from p2pactor.programs.bench._vllm_report import LABEL, provenance, table
 from p2pactor.programs.bench._vllm_scheduler import Engine, make_requests
 from p2pactor.programs.bench._vllm_spawn import (
     make_parser,
     spawn_producer,
-    start_producer,
-    stop_producer,
-    wait_ready,
 )
 
 WARMUP_REQUESTS = 8
@@ -113,7 +68,7 @@ def run_tier(
     kind: str,
     rep: int,
     args: argparse.Namespace,
-    spawned: tuple[subprocess.Popen[str], int] | None = None,
+    spawned: tuple[LineProcess, int] | None = None,
 ) -> dict[str, Any]:
     """One producer and one consumer of ``kind``: warm up, measure, tear down.
 
@@ -123,11 +78,12 @@ def run_tier(
     consumer_port = free_port()
     if spawned is None:
         producer_port = free_port()
-        producer = start_producer(kind, producer_port, args)
+        producer = spawn_producer(kind, producer_port, args)
+        producer.wait_ready()
     else:
         # Started, made ready and stopped by main(): let it run again.
         producer, producer_port = spawned
-        os.kill(producer.pid, signal.SIGCONT)
+        producer.pause(paused=False)
     try:
         before_tier = set(thread_cpu())
         pool = shared.make_pool(args.consumer_blocks, args.block_bytes)
@@ -158,7 +114,7 @@ def run_tier(
             tier.shutdown()
             shutdown_s = time.perf_counter() - t1
     finally:
-        producer_report = stop_producer(producer)
+        producer_report = producer.close(timeout=60)
 
     engine_tid = threading.main_thread().native_id
     poll_tid = engine.poll_tid()
@@ -212,12 +168,12 @@ def run_tier(
 
 def main(
     argv: Sequence[str] | None = None,
-    prespawned: dict[str, tuple[subprocess.Popen[str], int]] | None = None,
+    prespawned: dict[str, tuple[LineProcess, int]] | None = None,
 ) -> int:
     """Run the benchmark and print the table.
 
     ``prespawned``: the first repeat's producers, already started (and their
-    ports) by :mod:`p2pactor.programs.bench._vllm_launch` while this module imported.
+    ports) by :mod:`p2pactor.programs.bench._vllm_spawn` while this module imported.
     """
     parser = make_parser()
     args = parser.parse_args(argv)
@@ -241,7 +197,7 @@ def main(
         order = tiers if rep % 2 == 0 else list(reversed(tiers))
         # --prestart (quick runs): every producer of the repeat starts at once,
         # so their imports overlap; an idle producer then polls beside the run.
-        spawned: dict[str, tuple[subprocess.Popen[str], int]] = {}
+        spawned: dict[str, tuple[LineProcess, int]] = {}
         if rep == 0 and prespawned:
             spawned = dict(prespawned)
         elif args.prestart:
@@ -251,9 +207,9 @@ def main(
         # A producer waiting for its turn must not run beside the measured
         # one (vLLM's NIXL progress thread spins): ready, then stopped until
         # run_tier continues it.
-        for kind, (proc, _) in spawned.items():
-            wait_ready(kind, proc)
-            os.kill(proc.pid, signal.SIGSTOP)
+        for proc, _ in spawned.values():
+            proc.wait_ready()
+            proc.pause(paused=True)
         for kind in order:
             run = run_tier(kind, rep, args, spawned.get(kind))
             runs[kind].append(run)
@@ -268,9 +224,7 @@ def main(
     say(f"({time.perf_counter() - started:.0f} s in all)")
     say()
 
-    summary = {t: aggregate(rs) for t, rs in runs.items()}
-    for line in table(summary):
-        say(line)
+    say(table(runs))
     for kind, rs in runs.items():
         threads: dict[str, list[float]] = {}
         for r in rs:
@@ -282,9 +236,7 @@ def main(
     say("measured: " + ", ".join(f"{k} {v}" for k, v in tree.items()))
     if args.json:
         Path(args.json).write_text(
-            json.dumps(
-                {"args": vars(args), "tree": tree, "summary": summary, "runs": runs}, indent=2
-            )
+            json.dumps({"args": vars(args), "tree": tree, "runs": runs}, indent=2)
         )
         say(f"wrote {args.json}")
     return 0

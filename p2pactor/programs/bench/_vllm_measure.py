@@ -19,8 +19,6 @@ from typing import Any
 
 from p2pactor.programs.bench._control_common import TIER_METHODS
 
-__all__ = ["Meter", "pct", "say", "thread_cpu", "thread_names"]
-
 
 def say(line: str = "") -> None:
     """Print one line of the report."""

@@ -24,8 +24,6 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 from p2pactor.programs.bench import _vllm_tier as shared
 from p2pactor.programs.bench._vllm_measure import Meter
 
-__all__ = ["RUN_TIMEOUT_S", "Engine", "Request", "make_requests"]
-
 RUN_TIMEOUT_S = 300.0
 
 

@@ -1,20 +1,20 @@
-"""The engine benchmark's command line and its producer processes.
+"""The engine benchmark's command line, its producer processes, and its launcher.
 
-Both :mod:`p2pactor.programs.bench._vllm_launch` (which starts producers before the heavy
-imports) and :mod:`p2pactor.programs.bench._vllm_engine` (the benchmark) need them; here
-neither has to import the other.
+``python -m p2pactor.programs.bench._vllm_spawn [ARGS]`` takes the arguments of
+:mod:`p2pactor.programs.bench._vllm_engine`. With ``--prestart`` it starts the first
+repeat's producers before importing vLLM, so that the three interpreters' imports
+(about 10 s of CPU each) overlap; then it runs the benchmark. Without it, it is the same
+as running ``_vllm_engine``. Here neither has to import the other.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
-from typing import Any
+from collections.abc import Sequence
 
-__all__ = ["make_parser", "spawn_producer", "start_producer", "stop_producer", "wait_ready"]
+from p2pactor.programs.bench._control_common import LineProcess, free_port
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -40,11 +40,9 @@ def make_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def spawn_producer(kind: str, port: int, args: argparse.Namespace) -> subprocess.Popen[str]:
-    """Start the producer process; :func:`wait_ready` waits for its tier."""
-    cmd = [
-        sys.executable,
-        "-m",
+def spawn_producer(kind: str, port: int, args: argparse.Namespace) -> LineProcess:
+    """Start the producer process (:mod:`~p2pactor.programs.bench._vllm_tier`); not yet ready."""
+    return LineProcess(
         "p2pactor.programs.bench._vllm_tier",
         f"--tier={kind}",
         f"--port={port}",
@@ -53,37 +51,29 @@ def spawn_producer(kind: str, port: int, args: argparse.Namespace) -> subprocess
         f"--seed={args.seed}",
         f"--block-bytes={args.block_bytes}",
         f"--poll-ms={args.producer_poll_ms}",
-    ]
-    env = dict(os.environ, NIXL_LOG_LEVEL="WARN", PYTHONHASHSEED=os.environ["PYTHONHASHSEED"])
-    return subprocess.Popen(  # noqa: S603 - runs our own helper
-        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        NIXL_LOG_LEVEL="WARN",
+        PYTHONHASHSEED=os.environ["PYTHONHASHSEED"],
     )
 
 
-def start_producer(kind: str, port: int, args: argparse.Namespace) -> subprocess.Popen[str]:
-    """Start the producer process and wait until its tier is up."""
-    return wait_ready(kind, spawn_producer(kind, port, args))
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start the first producers (with ``--prestart``), then run the benchmark."""
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    args = make_parser().parse_args(argv)
+    prespawned: dict[str, tuple[LineProcess, int]] = {}
+    if args.prestart:
+        for kind in [t.strip() for t in args.tiers.split(",") if t.strip()]:
+            port = free_port()
+            prespawned[kind] = (spawn_producer(kind, port, args), port)
+    from p2pactor.programs.bench import _vllm_engine  # noqa: PLC0415 - imports vLLM: after the spawn
 
-
-def wait_ready(kind: str, proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
-    """Wait until the producer ``proc`` says READY; kill it if it says anything else."""
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    if line.strip() != "READY":
-        proc.kill()
-        raise RuntimeError(f"the {kind} producer did not start (it said {line!r})")
-    return proc
-
-
-def stop_producer(proc: subprocess.Popen[str]) -> dict[str, Any]:
-    """Close the producer's stdin and collect its counters."""
     try:
-        out, _ = proc.communicate(input="", timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return {}
-    for line in reversed(out.splitlines()):
-        if line.startswith("{"):
-            return dict(json.loads(line))
-    return {}
+        return _vllm_engine.main(argv, prespawned)
+    finally:
+        for proc, _ in prespawned.values():
+            proc.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

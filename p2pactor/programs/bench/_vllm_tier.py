@@ -1,6 +1,6 @@
 """What both sides of the vLLM benchmarks share: workload, spec, parent, tiers, producer.
 
-Used by the ``engine`` section (and ``benchmarks/vllm_engine_thread.py``) and
+Used by the ``engine`` section and
 by the vLLM side of the ``control`` section. Run as
 ``python -m p2pactor.programs.bench._vllm_tier --tier ours|vllm --port N ...`` it is a
 *producer*: one tier (``ours``: p2pactor's ``P2PActorTierManager``; ``vllm``:
@@ -56,20 +56,6 @@ from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
 
 init_none_hash(sha256)
 
-__all__ = [
-    "HOST",
-    "STAMP",
-    "TIERS",
-    "FakeParent",
-    "RequestSpec",
-    "make_pool",
-    "make_spec",
-    "make_tier",
-    "offload_key",
-    "producer_pool",
-    "stamp",
-    "workload",
-]
 
 HOST = "127.0.0.1"
 """Every benchmark process binds here."""

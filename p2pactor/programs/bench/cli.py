@@ -18,16 +18,13 @@ from p2pactor.programs.bench.report import BenchOptions, BenchReport, SectionRes
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["SECTIONS", "register", "run_bench"]
 
 SECTIONS: tuple[str, ...] = (
     "dataplane",
     "control",
     "engine",
     "scale",
-    "peers",
     "flood",
-    "idle",
     "hosts",
     "fleet",
     "engine-real",
@@ -101,7 +98,7 @@ def _main(args: argparse.Namespace) -> int:
         )
         return 2
     with tempfile.TemporaryDirectory(prefix="p2pactor-bench-") as work:
-        repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+        repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
         options = BenchOptions(quick=args.quick, repeats=repeats, work_dir=work)
         # With --json -, stdout holds the JSON document alone: the tables go to stderr.
         to_stdout = args.json == "-"
@@ -128,9 +125,9 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "bench",
         help="measure p2pactor against raw NIXL, memcpy and vLLM's own P2P tier",
         description=(
-            "Measure the data plane (vs raw NIXL and memcpy), the control plane and "
-            "engine-thread cost, lookup latency under a flood and idle CPU (vs vLLM "
-            "0.33.0's P2P tier when vLLM is installed), actor scale and many peers, "
+            "Measure the data plane (vs raw NIXL and memcpy), the control plane, idle CPU "
+            "and engine-thread cost, lookup latency under a flood (vs vLLM 0.33.0's P2P "
+            "tier when vLLM is installed), fleets, hostile peers, actor scale and replay, "
             "side by side in one run. Results are "
             "medians over repeats with [min..max]; see docs/benchmarks.md."
         ),
@@ -151,6 +148,6 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help=f"run only these sections ({', '.join(SECTIONS)})",
     )
     parser.add_argument(
-        "--repeats", type=int, default=None, help="repeats per measurement (default 5; quick 2)"
+        "--repeats", type=int, default=None, help="repeats per measurement (default 5; quick 1)"
     )
     parser.set_defaults(handler=_main)

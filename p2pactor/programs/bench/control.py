@@ -17,6 +17,11 @@ All four processes start together and stay up; every repeat runs every cell
 for a fixed time each. Reported per cell: lookups/s, latency p50 and p99 (from
 the lookup call to every answer), CPU per lookup of both processes, medians over
 repeats with [min..max]; the ratios ours/vLLM per repeat.
+
+Then idle CPU (what was the ``idle`` section): per repeat (at most 3), one
+window of 10 s (``--quick``: 1 s) in which nothing calls our nodes and vLLM's
+tiers are called every 1 ms as vLLM's tier-poll thread calls an idle engine's;
+every thread's CPU (schedstat) of all four processes, side by side.
 """
 
 from __future__ import annotations
@@ -30,11 +35,11 @@ from p2pactor.programs.bench._control_common import (
     LineProcess,
     free_port,
     process_cpu_s,
+    ratio_or_none,
+    thread_cpu_ns,
     vllm_missing,
 )
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
-
-__all__ = ["NAME", "TITLE", "run"]
 
 NAME = "control"
 """The section's name."""
@@ -49,6 +54,10 @@ QUICK_CELLS = ((16, 1), (16, 8))
 """(keys, concurrent) cells of a quick run."""
 HELPER = "p2pactor.programs.bench._control_peer"
 """The module each producer and consumer process runs."""
+IDLE_S, QUICK_IDLE_S = 10.0, 1.0
+"""The idle window (seconds), full and ``--quick``."""
+IDLE_TARGET_CORES = 0.02
+"""The target for an idle node of ours (a note, never asserted)."""
 
 
 def _cells(quick: bool) -> list[tuple[int, int]]:
@@ -134,6 +143,9 @@ def run(options: BenchOptions) -> SectionResult:
                         p.pause(paused=other != side)
                     r = procs[side].cell(keys, conc, seconds)
                     results.setdefault((side, keys, conc), []).append(r)
+        for p in procs.values():
+            p.pause(paused=False)
+        idle = _idle(procs, QUICK_IDLE_S if options.quick else IDLE_S, min(repeats, 3))
         for side, p in procs.items():
             leftovers[side] = p.close()
     finally:
@@ -148,7 +160,31 @@ def run(options: BenchOptions) -> SectionResult:
         seconds=seconds,
         repeats=repeats,
         startup=startup,
+        idle=idle,
     )
+
+
+def _cpu_ns(pid: int, before: dict[int, tuple[str, int]] | None = None) -> int:
+    """CPU ns of every live thread of ``pid``, less what each had in ``before``."""
+    was = before or {}
+    return sum(ns - was.get(tid, ("", 0))[1] for tid, (_, ns) in thread_cpu_ns(pid).items())
+
+
+def _idle(procs: dict[str, _Side], window: float, repeats: int) -> dict[str, list[float]]:
+    """Cores each process (``ours producer``...) spent per idle window, all side by side."""
+    every = {f"{s} {r}": getattr(p, r) for s, p in procs.items() for r in ("producer", "consumer")}
+    cores: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        before = {name: thread_cpu_ns(p.pid) for name, p in every.items()}
+        w0 = time.perf_counter()
+        for p in procs.values():
+            p.consumer.send({"idle": window})
+        for p in procs.values():
+            p.consumer.answer()
+        wall = time.perf_counter() - w0
+        for name, p in every.items():
+            cores.setdefault(name, []).append(_cpu_ns(p.pid, before[name]) / 1e9 / wall)
+    return cores
 
 
 def _rate(r: dict[str, Any]) -> float:
@@ -169,6 +205,7 @@ def _tabulate(
     seconds: float,
     repeats: int,
     startup: float,
+    idle: dict[str, list[float]],
 ) -> SectionResult:
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
@@ -224,6 +261,22 @@ def _tabulate(
             "EmbeddedCache class"
         ),
     ]
+    for role in ("producer", "consumer"):
+        per = [
+            r
+            for a, b in zip(idle[f"ours {role}"], idle.get(f"vllm {role}", ()), strict=False)
+            if (r := ratio_or_none(a, b)) is not None
+        ]
+        if per:
+            ratios[f"idle cores ours/vLLM, {role}"] = Stat.of(per)
+    worst = max(Stat.of(idle[f"ours {r}"]).median for r in ("producer", "consumer"))
+    notes.append(
+        "idle CPU ms per s (1000 = one core; every thread's schedstat): "
+        + ", ".join(f"{name} {Stat.of(v).scaled(1e3).text()}" for name, v in idle.items())
+        + f"; target ours <= {IDLE_TARGET_CORES:g} core per idle node: "
+        + ("met" if worst <= IDLE_TARGET_CORES else "missed")
+        + f" (highest median {worst:.4f} core)"
+    )
     if missing:
         notes.append(f"vLLM side skipped: {missing}")
     if misses:

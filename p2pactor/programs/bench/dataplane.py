@@ -1,28 +1,14 @@
 """``p2pactor bench`` section ``dataplane``: a fetch end to end against the physical limit.
 
-For each batch of B blocks of S bytes, this process runs a consumer node and
-starts a producer node in another process (:mod:`p2pactor.programs.bench._dataplane_peer`),
-both on real transports (ZeroMQ on loopback, NIXL over torch pools). Side by
-side in each repeat it measures:
-
-* **ours**: ``node.lookup`` then ``node.fetch`` of the B keys (lookup, fetch,
-  the producer's NIXL WRITE into our blocks, ``transfer_done``), through the
-  public Node API, as an engine would; the bytes are checked after each batch;
-* **raw NIXL**: the same WRITE (same source blocks, same destination blocks,
-  same two processes) from a bare NIXL agent in the producer, posted and
-  polled to DONE in a tight loop with no trio, no actor, no control message:
-  the most the data plane can do on this machine;
-* **memcpy**: a numpy copy of the same bytes into the same destination blocks,
-  in this process.
-
-GB/s are bytes over seconds per operation; each repeat takes the median of a
-few operations, and the table shows the median over repeats with [min..max].
-The ratios ours/raw and ours/memcpy are computed per repeat, from operations
-run back to back. Per-phase timestamps (``time.perf_counter``, comparable
-across the two processes) say where ours spends the time: the lookup's round
-trip, the fetch reaching the producer's write, the hop of posting into NIXL's
-worker thread, ``transfer()`` itself, completion polling, and
-``transfer_done`` returning to the consumer.
+Per batch of B blocks of S bytes: a consumer node here, a producer node in another
+process (:mod:`p2pactor.programs.bench._dataplane_peer`), on ZeroMQ over loopback and
+NIXL over torch pools. Per repeat, back to back: **ours** (``Node.lookup`` then
+``Node.fetch`` of the B keys, as an engine would; bytes checked), **raw NIXL** (the
+same WRITE between the same blocks of the same processes from a bare agent, posted and
+polled to DONE with no trio, no actor, no message: the machine's limit) and **memcpy**
+(numpy, the same bytes, here). GB/s per operation, the median of a few per repeat;
+ratios per repeat. Per-phase timestamps (``perf_counter``, comparable across the two
+processes) say where ours spends its time.
 """
 
 from __future__ import annotations
@@ -55,24 +41,16 @@ from p2pactor.programs.bench._dataplane_peer import (
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.programs.hosts import Host
 
-__all__ = ["NAME", "QUICK_SIZES", "SIZES", "TITLE", "run"]
-
 NAME = "dataplane"
 """The section's name."""
-
 TITLE = "fetch B x S from a node in another process, end to end, vs raw NIXL and memcpy"
 """What the section measures."""
 
-KIB = 1024
-MIB = 1024 * KIB
-
+KIB, MIB = 1024, 1024 * 1024
 SIZES: tuple[tuple[int, int], ...] = ((64, 64 * KIB), (64, 256 * KIB), (64, MIB), (256, MIB))
 """(blocks, bytes per block) of a full run."""
-
 QUICK_SIZES: tuple[tuple[int, int], ...] = SIZES
-"""(blocks, bytes per block) of ``--quick``: every size, so that the quick JSON has
-every row and ratio key of a full run; it runs fewer operations per repeat."""
-
+"""``--quick``'s: every size (every row and ratio of a full run), fewer operations."""
 TARGET = 0.9
 """ours / raw NIXL wanted for batches of 64 x 256 KiB and up."""
 
@@ -173,8 +151,7 @@ async def _measure_group(
 ) -> dict[int, _Measured]:
     """Measure every batch of ``block_len`` blocks against one producer process.
 
-    Our node binds and is known at ``address``; the producer runs here on
-    loopback, or ``producer_on`` a namespaced host at that host's address.
+    It runs here on loopback, or ``producer_on`` a namespaced host; we are at ``address``.
     """
     import torch  # noqa: PLC0415 - heavy; only this section needs it
 

@@ -2,7 +2,7 @@
 
 vLLM calls a secondary tier synchronously from its scheduler thread; whatever
 the tier does inside those calls delays the step. The measurement is
-:mod:`p2pactor.programs.bench._vllm_engine` (also ``benchmarks/vllm_engine_thread.py``):
+:mod:`p2pactor.programs.bench._vllm_engine`:
 a scripted engine drives p2pactor's ``P2PActorTierManager`` and vLLM's
 ``P2PSecondaryTierManager`` through the same scheduler calls (1,000 requests of
 16 keys, 2 admitted per 10 ms step, a 1 ms tier-poll thread; quick: 100
@@ -22,8 +22,6 @@ from typing import Any
 
 from p2pactor.programs.bench._control_common import TIER_METHODS, run_module, vllm_missing
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
-
-__all__ = ["NAME", "TITLE", "run"]
 
 NAME = "engine"
 """The section's name."""
@@ -77,7 +75,7 @@ def run(options: BenchOptions) -> SectionResult:
     if options.quick:
         args.append("--prestart")  # the producers' vLLM imports overlap
     run_module(
-        "p2pactor.programs.bench._vllm_launch",
+        "p2pactor.programs.bench._vllm_spawn",
         *args,
         timeout=150 if options.quick else 1800 * repeats,
     )

@@ -26,8 +26,6 @@ from typing import Any
 from p2pactor.programs.bench._control_common import run_module, vllm_missing
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
-__all__ = ["NAME", "TITLE", "run"]
-
 NAME = "fleet"
 """The section's name."""
 TITLE = "finding the source with no router: chat and RAG fleets on vLLM's own stack, by arm"
@@ -117,16 +115,18 @@ def _ratios(size: str, runs: Runs) -> dict[str, Stat]:
     def per_repeat(get: Callable[[Run, Runs, int], float], arm: str) -> Stat:
         return Stat.of(get(run, runs, i) / 100.0 for i, run in enumerate(runs[arm]))
 
-    return {
+    ratios = {
         f"{size}: auto/oracle tokens loaded from peers": per_repeat(
             _share("loaded_tokens", "oracle"), "auto"
         ),
         f"{size}: auto/oracle tokens saved": per_repeat(_share("saved_tokens", "oracle"), "auto"),
-        f"{size}: others' savings with a hostile engine 0 / with a silent one": Stat.of(
+    }
+    if "hostile" in runs and "silent" in runs:
+        ratios[f"{size}: others' savings with a hostile engine 0 / with a silent one"] = Stat.of(
             sum(h["saved_by_engine"][1:]) / max(1, sum(s["saved_by_engine"][1:]))
             for h, s in zip(runs["hostile"], runs["silent"], strict=True)
-        ),
-    }
+        )
+    return ratios
 
 
 def _median(runs: list[Run], get: Callable[[Run], float]) -> float:
@@ -208,29 +208,27 @@ def _fleet_notes(fleet: str, runs: Runs) -> list[str]:
 
 
 def run(options: BenchOptions) -> SectionResult:
-    """Run the fleet benchmark (chat, then RAG) in subprocesses and tabulate its figures."""
+    """Run the fleet benchmark (chat, then RAG) in a subprocess and tabulate its figures."""
     missing = vllm_missing()
     if missing is not None:
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
-    conversations = 40 if options.quick else 160
-    requests = 160 if options.quick else 480
-    runs: list[Run] = []
-    for workload, extra in (
-        ("chat", [f"--conversations={conversations}"]),
-        ("rag", [f"--requests={requests}"]),
-    ):
-        out = os.path.join(options.work_dir, f"fleet-{workload}.json")
-        run_module(
-            "p2pactor.programs.bench._fleet_run",
-            f"--json={out}",
-            f"--workload={workload}",
-            f"--repeats={repeats}",
-            *extra,
-            timeout=300 if options.quick else 900 * repeats,
-        )
-        with open(out) as f:
-            runs += json.load(f)["runs"]
+    conversations = 20 if options.quick else 160
+    requests = 60 if options.quick else 480
+    out = os.path.join(options.work_dir, "fleet.json")
+    # --quick: one fleet per workload, the arms the ratios need.
+    smoke = ["--chat-sizes=4", "--capacities=0.25", "--arms=oracle,auto"] if options.quick else []
+    run_module(
+        "p2pactor.programs.bench._fleet_run",
+        f"--json={out}",
+        f"--repeats={repeats}",
+        f"--conversations={conversations}",
+        f"--requests={requests}",
+        *smoke,
+        timeout=300 if options.quick else 1800 * repeats,
+    )
+    with open(out) as f:
+        runs: list[Run] = json.load(f)["runs"]
     fleets: dict[str, Runs] = {}
     for r in runs:
         fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)

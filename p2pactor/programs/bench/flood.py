@@ -1,53 +1,23 @@
 """Flood: an honest peer's lookup latency while a hostile peer floods the producer.
 
-Per producer, three kinds of process on 127.0.0.1 over real ZeroMQ and NIXL:
+Per producer, three processes on 127.0.0.1 over real ZeroMQ and NIXL: the producer
+(:mod:`~p2pactor.programs.bench._control_peer`, 4,096 blocks of 1 KiB; ours with its
+**default per-peer quotas**, vLLM's ``P2PSecondaryTierManager`` with none); the honest
+peer (:mod:`~p2pactor.programs.bench._honest`: lookup of 16 held keys, fetch, every
+byte checked, 10 ms pause; the figure is the lookup's latency); and per flood a fresh
+hostile peer (:mod:`~p2pactor.programs.bench._hostile` ``--attack lookup-flood``, vLLM's
+dialect so that it floods both alike: 100,000 lookups, ``--quick`` 3,000, of 16 held
+keys, never fetched or closed, at most 256 unanswered).
 
-* the **producer**, holding 4,096 blocks of 1 KiB in an
-  :class:`~p2pactor.runtime.parent.EmbeddedCache` (:mod:`p2pactor.programs.bench._control_peer`,
-  the ``control`` section's producers). Ours: a p2pactor node serving from the
-  cache as its embedded parent, with its **default per-peer quotas** (a peer
-  may pin 1,024 of the 4,096 blocks and keep 4,096 requests open), no event
-  log. vLLM's: its ``P2PSecondaryTierManager`` woken when its ROUTER is
-  readable (else every 1 ms), serving from a vLLM ``ParentManager`` over the
-  same cache class; it has no quotas.
-* the **honest peer**, a p2pactor node (:mod:`p2pactor.programs.bench._flood_honest`):
-  again and again, a lookup of 16 keys the producer holds, a fetch of the 16
-  blocks, each verified byte for byte, then a 10 ms pause. The figure is the
-  **lookup** latency, from the ``Node.lookup`` call to its answers; the fetch
-  is there so that the honest peer does the whole job, and every byte must
-  verify.
-* the **hostile peer** (:mod:`p2pactor.programs.bench._flood_hostile`, bare pyzmq in
-  vLLM's dialect, so it floods both producers alike): a fresh process and
-  session per flood, 100,000 lookups (``--quick``: 3,000) of 16 keys the
-  producer holds, each under a fresh request id, never fetched, never closed,
-  at most 256 unanswered at once.
-
-Each repeat measures the honest peer for a fixed time with no hostile peer
-(unflooded), then for as long as one flood lasts (flooded); then the hostile
-peer disconnects and exits, and the honest peer works again until the
-producer's CPU is back to what it used unflooded (the producer may still be
-dropping the hostile session's requests: how long it takes, and the slowest
-honest lookup meanwhile, are reported too). All processes start together; the
-two producers are measured one after the other (vLLM's processes stopped,
-before any session, while ours run), since a flood can outlast ZeroMQ's 10 s
-heartbeat. Reported per producer: honest lookup p50 and p99 unflooded and
-flooded (medians over repeats, with [min..max]), flooded p99 / unflooded p99
-per repeat, the hostile lookups/s and the share of its keys answered HIT, the
-producer's CPU during the flood, and the most blocks the hostile peer had
-pinned at once (counted by the producer's cache) against the quota; and ours
-flooded p99 / vLLM's flooded p99, repeat by repeat. The section fails (raises)
-if an honest lookup answered MISS, a fetch failed or a byte differed, or the
-hostile peer ever held more pinned blocks on our node than its quota; but not
-when vLLM's producer stopped answering altogether, as it may when a hostile
-peer leaves (:func:`_check`): that is noted, and vLLM's side measured no more.
+Each repeat: the honest peer alone, during one flood, then until the producer idles
+again; the producers in turn. It raises on an honest MISS, failed fetch or wrong byte,
+or more blocks pinned by the hostile peer than our quota (:func:`_check`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,9 +25,7 @@ from typing import Any
 
 from p2pactor.programs.bench._control_common import (
     LineProcess,
-    child_env,
     free_port,
-    module_command,
     nixl_missing,
     process_cpu_s,
     ratio_or_none,
@@ -67,49 +35,28 @@ from p2pactor.programs.bench._control_peer import BLOCK_LEN, HASH_SEED, HOST, NU
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.runtime.quotas import PeerQuotas
 
-__all__ = ["FLOOD_LOOKUPS", "NAME", "QUICK_FLOOD_LOOKUPS", "TITLE", "run"]
-
 NAME = "flood"
 """The section's name."""
 TITLE = "an honest peer's lookup latency while a hostile peer floods the producer, ours vs vLLM's"
 """One line saying what is measured."""
 
-FLOOD_LOOKUPS = 100_000
-"""Hostile lookups per flood in a full run."""
-QUICK_FLOOD_LOOKUPS = 3_000
-"""Hostile lookups per flood with ``--quick``."""
-HOSTILE_KEYS = 16
-"""Keys per hostile lookup."""
-HOSTILE_WINDOW = 256
-"""Hostile lookups unanswered at once (more, and our transport drops it as a flood)."""
-UNFLOODED_S = 10.0
-"""The unflooded window of a full run (seconds)."""
-QUICK_UNFLOODED_S = 1.5
-"""The unflooded window with ``--quick``."""
-SETTLE_S = 1.0
-"""Pause after each flood once the producer is quiet again."""
-QUICK_SETTLE_S = 0.5
-"""The pause after each flood with ``--quick``."""
-QUIET_MARGIN_CORES = 0.1
-"""The producer is quiet again when it uses at most its idle CPU plus this."""
-QUIET_SAMPLE_S = 0.2
-"""How long each reading of the producer's CPU lasts while waiting for it to be quiet."""
-QUIET_CAP_S = 60.0
-"""The longest wait for the producer to be quiet after a flood."""
+FLOOD_LOOKUPS, QUICK_FLOOD_LOOKUPS = 100_000, 3_000
+"""Hostile lookups per flood (full run, ``--quick``)."""
+HOSTILE_KEYS, HOSTILE_WINDOW = 16, 256
+"""Keys per hostile lookup; lookups unanswered at once (more: our transport cuts it)."""
+UNFLOODED_S, QUICK_UNFLOODED_S = 10.0, 1.5
+"""The unflooded window (seconds)."""
+SETTLE_S, QUICK_SETTLE_S = 1.0, 0.5
+"""The pause after each flood once the producer is quiet again."""
+QUIET_MARGIN_CORES, QUIET_SAMPLE_S, QUIET_CAP_S = 0.1, 0.2, 60.0
+"""Quiet again: at most its unflooded CPU plus this, read over this long, waited at most."""
 MAX_REPEATS = 3
 """At most this many repeats: one ours flood of 100,000 lookups is about a minute."""
 GREETING_S = 2.0
 """How long a producer's ZeroMQ socket may take to greet a new connection before it is stuck."""
-PRODUCER = "p2pactor.programs.bench._control_peer"
-HONEST = "p2pactor.programs.bench._flood_honest"
-HOSTILE = "p2pactor.programs.bench._flood_hostile"
-SIDE_NAMES = {"ours": "ours", "vllm": "vLLM"}
-"""How each producer is named in the table."""
-
-
-def _quota() -> int:
-    """Our producer's pinned-blocks quota per peer: the default share of its blocks."""
-    return PeerQuotas().pinned_blocks_limit(NUM_KEYS)
+PRODUCER, HONEST, HOSTILE = (
+    f"p2pactor.programs.bench._{m}" for m in ("control_peer", "honest", "hostile")
+)
 
 
 class _Side:
@@ -131,7 +78,9 @@ class _Side:
         self.honest = LineProcess(
             HONEST,
             f"--port={honest_port}",
-            f"--peer-port={self.port}",
+            f"--victim=127.0.0.1:{self.port}",
+            "--keys=16",
+            "--pause=0.01",
             stderr=str(Path(work_dir) / f"flood-{side}-honest.err"),
             PYTHONHASHSEED="0",
         )
@@ -147,11 +96,7 @@ class _Side:
             proc.pause(paused=paused)
 
     def wait_quiet(self, usual_cores: float) -> float:
-        """Wait until the producer uses about ``usual_cores`` again; the seconds it took.
-
-        A producer may keep working after the hostile peer left (dropping its
-        session's requests); the next unflooded window must not measure that.
-        """
+        """Wait until the producer uses about ``usual_cores`` again; the seconds it took."""
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < QUIET_CAP_S:
             cpu0, s0 = process_cpu_s(self.producer.pid), time.perf_counter()
@@ -170,60 +115,42 @@ class _Side:
         return result
 
     def flooded(self, lookups: int, usual_cores: float) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The honest peer while one hostile peer floods ``lookups`` lookups, and as it leaves.
-
-        Returns the honest peer's figures during the flood (with the hostile
-        peer's), and from the hostile peer's ``disconnect`` until the producer
-        is back to ``usual_cores`` (its CPU in the unflooded window).
-        """
+        """The honest peer's figures during one flood, and after it until the producer idles."""
         self.floods += 1
         err_path = Path(self.work_dir) / f"flood-{self.side}-hostile-{self.floods}.err"
-        with open(err_path, "w") as err:
-            hostile = subprocess.Popen(  # noqa: S603 - runs our own helper module
-                module_command(
-                    HOSTILE,
-                    f"--victim=127.0.0.1:{self.port}",
-                    f"--hash-seed={HASH_SEED}",
-                    f"--block-len={BLOCK_LEN}",
-                    f"--bench-keys={NUM_KEYS}",
-                    f"--phase=real:{lookups}",
-                    f"--keys={HOSTILE_KEYS}",
-                    f"--window={HOSTILE_WINDOW}",
-                    f"--seed={self.floods}",
-                    "--linger",
-                ),
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                env=child_env(PYTHONHASHSEED="0"),
-            )
+        hostile = LineProcess(
+            HOSTILE,
+            "--attack=lookup-flood",
+            f"--victim=127.0.0.1:{self.port}",
+            f"--hash-seed={HASH_SEED}",
+            f"--block-len={BLOCK_LEN}",
+            f"--bench-keys={NUM_KEYS}",
+            f"--phase=real:{lookups}",
+            f"--keys={HOSTILE_KEYS}",
+            f"--window={HOSTILE_WINDOW}",
+            f"--seed={self.floods}",
+            "--linger",
+            stderr=str(err_path),
+            PYTHONHASHSEED="0",
+        )
         try:
-            # The honest peer is timed only while the flood runs: not while the
-            # hostile process starts (imports, NIXL) or leaves.
-            peer = _expect(hostile, "READY ", err_path).split()[1]
+            # The honest peer is timed while the flood runs, not as the hostile peer starts.
+            peer = hostile.wait_ready().split()[0]
             self.hostile_peers.append(peer)
             cpu0, t0 = process_cpu_s(self.producer.pid), time.perf_counter()
             self.honest.ask({"cmd": "start"})
-            phase = _expect(hostile, "PHASE ", err_path)
+            _, phase = hostile.expect("PHASE")
             honest = self.honest.ask({"cmd": "stop"})
             honest["producer_cores"] = _cores(cpu0, t0, self.producer.pid)
-            # Now the hostile peer leaves, its session and requests with it; the
-            # honest peer goes back to work once it is gone, while the producer
-            # may still be dropping what the hostile session left.
-            assert hostile.stdin is not None
             left = time.perf_counter()
-            hostile.stdin.close()
-            hostile.wait(timeout=60)
+            hostile.close(timeout=60)
             self.honest.ask({"cmd": "start"})
             self.wait_quiet(usual_cores)
             leaving = self.honest.ask({"cmd": "stop"})
             leaving["busy_after_s"] = time.perf_counter() - left
         finally:
-            if hostile.poll() is None:
-                hostile.kill()
-                hostile.wait()
-        honest["hostile"] = json.loads(phase.split(" ", 1)[1])
+            hostile.kill()
+        honest["hostile"] = phase
         honest["hostile_peer"] = peer
         return honest, leaving
 
@@ -240,21 +167,6 @@ class _Side:
 def _cores(cpu0: float, t0: float, pid: int) -> float:
     wall = time.perf_counter() - t0
     return (process_cpu_s(pid) - cpu0) / wall if wall > 0 else 0.0
-
-
-def _expect(proc: subprocess.Popen[str], prefix: str, err_path: Path) -> str:
-    """The hostile peer's next line starting with ``prefix``; raise on ERROR or exit."""
-    assert proc.stdout is not None
-    for raw in proc.stdout:
-        line = raw.strip()
-        if line.startswith(prefix):
-            return line
-        if line.startswith("ERROR"):
-            raise RuntimeError(f"the hostile peer failed: {line}")
-    tail = err_path.read_text()[-1500:].strip() if err_path.exists() else ""
-    raise RuntimeError(
-        f"the hostile peer exited with {proc.wait()} before {prefix.strip()}: {tail}"
-    )
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -325,17 +237,11 @@ def run(options: BenchOptions) -> SectionResult:
 def _check(p: _Side, window: str, result: dict[str, Any]) -> str | None:
     """Fail the section if the honest peer saw a MISS, a failed fetch or a wrong byte.
 
-    Except on vLLM's producer, when every failure is a lost session and its
-    ZeroMQ socket no longer greets a new connection: its ZeroMQ I/O thread is
-    stuck for good. vLLM 0.33.0 gets there as a peer leaves: closing its DEALER
-    to the peer, it closes the DEALER's monitor socket first, and an event the
-    DEALER emits after that (it reconnects to the gone peer while it lingers;
-    surely so when a frame of the peer's came after its session was reaped and
-    vLLM dialed it back) is one no one reads, which libzmq's I/O thread sends
-    blocking. Every session to that producer then dies of the heartbeat
-    timeout, its requests answering MISS as p2pactor answers for any lost
-    peer. vLLM's bug, not ours: the note saying so is returned, and the
-    section measures that producer no more.
+    Except on vLLM's producer when every failure is a lost session and its ZeroMQ socket
+    no longer greets a new connection: vLLM 0.33.0, closing its DEALER to a peer that
+    left, closes the DEALER's monitor socket first, and the next event (it redials the
+    gone peer while it lingers) is one no one reads, which libzmq's I/O thread sends
+    blocking, stuck for good. Its bug, not ours: noted, that producer measured no more.
     """
     if result.get("failed"):
         what = (
@@ -356,11 +262,7 @@ def _check(p: _Side, window: str, result: dict[str, Any]) -> str | None:
 
 
 def _greets(port: int) -> bool:
-    """Whether the ZeroMQ socket bound at ``port`` still sends a new connection its greeting.
-
-    libzmq's I/O thread greets at once; while that thread is stuck the kernel
-    still accepts the connection, but no byte comes.
-    """
+    """Whether the ZeroMQ socket at ``port`` still greets a new connection (stuck: no byte)."""
     try:
         with socket.create_connection((HOST, port), timeout=GREETING_S) as conn:
             conn.settimeout(GREETING_S)
@@ -387,7 +289,7 @@ def _tabulate(
     repeats: int,
     startup: float,
 ) -> SectionResult:
-    quota = _quota()
+    quota = PeerQuotas().pinned_blocks_limit(NUM_KEYS)  # our default, per peer
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
     flooded_p99: dict[str, list[float]] = {}
@@ -413,7 +315,7 @@ def _tabulate(
             for b, f, _ in runs[side]
             if (r := ratio_or_none(f["lookup_p99_s"], b["lookup_p99_s"])) is not None
         ]
-        name = SIDE_NAMES[side]
+        name = {"ours": "ours", "vllm": "vLLM"}[side]
         flooded_p99[side] = [float(f["lookup_p99_s"]) for f in flood]
         hit_keys = sum(int(f["hostile"]["keys_hit"]) for f in flood)
         row: dict[str, Cell] = {
@@ -453,35 +355,26 @@ def _tabulate(
             ours_vs_vllm = ratios["flooded p99 ours/vLLM"] = Stat.of(pairs)
     notes[:0] = [
         (
-            f"{repeats} repeat(s) per producer: the honest peer alone for {unflooded_s:g} s "
-            f"(unflooded), then during one flood of {lookups:,} hostile lookups (flooded), "
-            "then the hostile peer disconnects and exits, the honest peer goes back to work, "
-            f"and the producer is watched until its CPU is back within {QUIET_MARGIN_CORES:g} "
-            "core of what it used unflooded ('busy after it left': from the disconnect, at "
-            f"most {QUIET_CAP_S:g} s more; 'as it left max' = the slowest honest lookup "
-            f"meanwhile), then {settle_s:g} s more; processes started in {startup:.0f} s"
+            f"{repeats} repeat(s) per producer: the honest peer alone {unflooded_s:g} s "
+            f"(unflooded), during one flood of {lookups:,} lookups (flooded), then from the "
+            "hostile peer's disconnect until the producer is within "
+            f"{QUIET_MARGIN_CORES:g} core of its unflooded CPU ('busy after it left', at most "
+            f"{QUIET_CAP_S:g} s; 'as it left max': the slowest honest lookup then), then "
+            f"{settle_s:g} s more; processes started in {startup:.0f} s"
         ),
         (
-            "honest peer: a p2pactor node; lookup of 16 keys the producer holds, then a fetch "
-            "of the 16 blocks of 1 KiB, 10 ms pause; latency = the lookup alone (Node.lookup to "
-            f"its answers); {verified} fetched blocks verified byte for byte, no MISS, no "
-            f"failed fetch{' but where a producer stopped answering (below)' if stopped else ''}; "
+            "honest peer: lookup of 16 held keys (the latency), fetch of their 1 KiB blocks, "
+            f"10 ms pause; {verified} blocks verified byte for byte, no MISS, no failed fetch"
+            f"{' but where a producer stopped answering (below)' if stopped else ''}; "
             "honest lookups counted unflooded / flooded over all repeats"
         ),
         (
-            f"hostile peer: bare pyzmq in vLLM's dialect, a fresh process and session per "
-            f"flood, {HOSTILE_KEYS} real keys per lookup under a fresh request id, never "
-            f"fetched or closed, at most {HOSTILE_WINDOW} unanswered; 'hostile keys HIT' = "
-            "keys it got answered HIT (ours refuses pins over its quota and requests over "
-            "its open-requests quota, answering MISS)"
-        ),
-        (
-            "producers: ours = a p2pactor node with its default quotas, no event log; "
-            "vLLM = P2PSecondaryTierManager woken when its ROUTER is readable (else every "
-            "1 ms) over a vLLM ParentManager on the same EmbeddedCache class, no quotas; "
-            "measured one after the other, the other's processes stopped (SIGSTOP); "
-            "hostile peak pinned = the most blocks of the hostile peer's jobs pinned at "
-            "once, counted by the producer's cache"
+            f"hostile peer: vLLM's dialect, a fresh process and session per flood, "
+            f"{HOSTILE_KEYS} held keys a lookup, never fetched or closed, at most "
+            f"{HOSTILE_WINDOW} unanswered; 'keys HIT': what it got answered HIT (ours answers "
+            "MISS over its pinned and open-requests quotas); 'peak pinned': the most blocks "
+            "its jobs held at once; producers: ours with default quotas, no event log, vLLM's "
+            "woken by its ROUTER (else every 1 ms), no quotas; the other's processes stopped"
         ),
     ]
     notes.extend(stopped.values())

@@ -31,12 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from p2pactor.programs.bench._control_common import nixl_missing
+from p2pactor.programs.bench._control_common import nixl_missing, percentile
 from p2pactor.programs.bench._dataplane_peer import PREFIX
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.programs.hosts import Host, hosts_unavailable, open_hosts
-
-__all__ = ["NAME", "QUICK_SIZES", "SIZES", "TITLE", "run"]
 
 NAME = "hosts"
 """The section's name."""
@@ -96,15 +94,10 @@ def _ask(
     raise RuntimeError(f"the {role} process on {where} exited {done.returncode}: {tail}")
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
-
-
 def _lookup_stats(runs: Sequence[Sequence[float]]) -> tuple[Stat, Stat]:
     """p50 and p99 (ms) per repeat, as statistics over repeats."""
-    p50 = Stat.of(_percentile(r, 0.5) for r in runs).scaled(1e3)
-    p99 = Stat.of(_percentile(r, 0.99) for r in runs).scaled(1e3)
+    p50 = Stat.of(percentile(r, 0.5) for r in runs).scaled(1e3)
+    p99 = Stat.of(percentile(r, 0.99) for r in runs).scaled(1e3)
     return p50, p99
 
 
@@ -197,10 +190,10 @@ def run(options: BenchOptions) -> SectionResult:
     a50, a99 = _lookup_stats(across)
     l50, l99 = _lookup_stats(loopback)
     ratios["lookup p50 hosts/loopback"] = Stat.of(
-        _percentile(a, 0.5) / _percentile(b, 0.5) for a, b in zip(across, loopback, strict=True)
+        percentile(a, 0.5) / percentile(b, 0.5) for a, b in zip(across, loopback, strict=True)
     )
     ratios["lookup p99 hosts/loopback"] = Stat.of(
-        _percentile(a, 0.99) / _percentile(b, 0.99) for a, b in zip(across, loopback, strict=True)
+        percentile(a, 0.99) / percentile(b, 0.99) for a, b in zip(across, loopback, strict=True)
     )
     notes.append(
         f"single-key lookup latency, {lookups['count']} per repeat: across hosts p50 "

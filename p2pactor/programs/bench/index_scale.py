@@ -35,8 +35,6 @@ from p2pactor.core.protocol_summaries import packed
 from p2pactor.core.sources import SourceIndex
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
-__all__ = ["NAME", "TITLE", "run"]
-
 NAME = "index-scale"
 """The section's name."""
 TITLE = "the source index at 16, 64 and 128 peers: memory per claim, time per change and choice"

@@ -17,8 +17,6 @@ from typing import Any
 
 import attrs
 
-__all__ = ["BenchOptions", "BenchReport", "SectionResult", "Stat", "machine"]
-
 REPORT_VERSION = 1
 
 

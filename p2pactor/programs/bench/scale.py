@@ -1,4 +1,4 @@
-"""Actor scale: 10,000 concurrent requests on one node, and replay speed.
+"""Actor scale: 10,000 concurrent requests on one node; replay speed; in-process costs.
 
 Requests (:mod:`p2pactor.programs.bench._control_scale`, a fresh interpreter per repeat
 so that its peak RSS is its own): two nodes over the in-memory transports of
@@ -12,6 +12,9 @@ Replay: a log of 1,000,000 events (quick: 100,000), made by repeating the
 first run's logged events under fresh request ids, is read, replayed, and
 replayed with invariant checks, each in a fresh interpreter: events per second
 and peak RSS growth (replay streams: memory must not grow with the log).
+
+Costs (:mod:`p2pactor.programs.bench._costs`, the old ``benchmarks`` scripts'): the
+core's cost per input, log appends per durability policy, timeline publishing.
 """
 
 from __future__ import annotations
@@ -22,8 +25,6 @@ from typing import Any
 
 from p2pactor.programs.bench._control_common import run_module
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
-
-__all__ = ["NAME", "TITLE", "run"]
 
 NAME = "scale"
 """The section's name."""
@@ -80,6 +81,15 @@ def run(options: BenchOptions) -> SectionResult:
                 _json(run_module(HELPER, "replay", mode, big, timeout=1200).stdout)
             )
     os.remove(big)
+    costs = _json(
+        run_module(
+            "p2pactor.programs.bench._costs",
+            f"--lives={200 if options.quick else 2000}",
+            os.path.join(first, "a.log"),
+            os.path.join(first, "b.log"),
+            timeout=600,
+        ).stdout
+    )
 
     def stat(key: str, scale: float = 1.0) -> Stat:
         return Stat.of(float(r[key]) * scale for r in runs)
@@ -130,6 +140,7 @@ def run(options: BenchOptions) -> SectionResult:
                 "unit": "MiB",
             }
         )
+    rows += _cost_rows(costs)
     notes = [
         (
             f"{repeats} repeat(s) of the requests and {replay_repeats} of each replay, each "
@@ -137,6 +148,13 @@ def run(options: BenchOptions) -> SectionResult:
             "both nodes log to disk (Durability.interval)"
         ),
         "the replay log repeats the first run's events (both nodes) under fresh request ids",
+        (
+            "event cost: the pure core stepped through lives of 1 and 16 keys (lookup then "
+            "close, lookup then fetch), median per input; log append: that run's events 3 at "
+            "a time from a trio task, 'loop trip' = the longest return to it (the flusher's "
+            "writes); timeline: the same events through Feed.watch, one per step "
+            "(all in-process, p2pactor.programs.bench._costs)"
+        ),
     ]
     failed = sum(int(r["failed"]) for r in runs)
     if failed:
@@ -145,3 +163,31 @@ def run(options: BenchOptions) -> SectionResult:
     if violations:
         notes.append(f"replay --check found {violations} violation(s) in the repeated log")
     return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
+
+
+def _cost_rows(costs: dict[str, Any]) -> list[dict[str, Cell]]:
+    ev, logs, feed = costs["events"], costs["durability"], costs["timeline"]
+    rows: list[dict[str, Cell]] = [
+        {"figure": f"event cost: {k}", "value": v, "unit": "us"} for k, v in ev["inputs"].items()
+    ]
+    rows += [
+        {"figure": f"event cost: {k} per life", "value": v, "unit": "us"}
+        for k, v in ev["lives"].items()
+    ]
+    for policy, f in logs.items():
+        rows += [
+            {"figure": f"log append {policy}: p50", "value": f["p50"], "unit": "us"},
+            {"figure": f"log append {policy}: p99", "value": f["p99"], "unit": "us"},
+            {"figure": f"log append {policy}: loop trip max", "value": f["stall"], "unit": "us"},
+        ]
+    for subs, f in feed.items():
+        what = "no subscriber" if subs == "none" else f"10 {subs} subscribers"
+        rows += [
+            {
+                "figure": f"timeline, {what}: publish",
+                "value": f["events_per_s"],
+                "unit": "events/s",
+            },
+            {"figure": f"timeline, {what}: longest watch", "value": f["worst_ms"], "unit": "ms"},
+        ]
+    return rows

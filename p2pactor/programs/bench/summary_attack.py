@@ -9,10 +9,10 @@ a node's memory and steers its requests. This section runs each attack issue
   preloaded blocks of 1 KiB, its metrics port, and ``--slow-step-ms 10`` so
   that ``/status`` lists every step of its node thread of 10 ms or more;
 * the **honest peer**, a p2pactor node in its own process
-  (:mod:`p2pactor.programs.bench._summary_honest`) that looks up 4 preloaded
+  (:mod:`p2pactor.programs.bench._honest`) that looks up 4 preloaded
   keys 50 times a second throughout, fetches them and checks every byte;
 * the **hostile peer**, a process per attack
-  (:mod:`p2pactor.programs.bench._summary_hostile`: bare pyzmq, a real NIXL
+  (:mod:`p2pactor.programs.bench._hostile`: bare pyzmq, a real NIXL
   agent, a ``connect`` offering ``kvsum/1``), driven step by step
   (:mod:`p2pactor.programs.bench._summary_drive`), so the victim's RSS is read
   and its peak (``VmHWM``) started afresh before each step;
@@ -55,8 +55,6 @@ from p2pactor.programs.bench._summary_victim import (
 )
 from p2pactor.programs.bench.report import BenchOptions, SectionResult
 
-__all__ = ["FULL", "NAME", "QUICK", "TITLE", "run"]
-
 NAME = "summary-attack"
 """The section's name."""
 TITLE = (
@@ -85,17 +83,12 @@ FULL: tuple[Attack, ...] = (
 """The full run's attacks, in the order they run (the refused frames first, while
 the victim's heap has the least free memory to hide a frame's cost in)."""
 QUICK: tuple[Attack, ...] = (
-    Attack("refused frames", "refused-frame", (f"--sizes={MIB},{4 * MIB}",)),
-    Attack("register 1,000,000 blocks, claim all", "register-1m", ()),
+    Attack("refused frames", "refused-frame", (f"--sizes={MIB}",)),
     Attack("30 snapshots of 65,536 fps", "snapshot-flood", ("--count=30",)),
-    Attack("part 0/2, 32 deltas of 65,536, part 1", "deltas-mid-snapshot", ("--count=32",)),
-    Attack("10,000 resyncs", "resync-flood", ("--count=10000", "--drain-s=1.1")),
-    Attack("300 messages, a new epoch each", "epoch-flip", ("--count=300",)),
-    Attack("200 snapshot parts of 65,536 fps", "max-frames", ("--count=200",)),
     Attack("10 lookups of 65,536 keys", "max-lookups", ("--count=10",)),
 )
-"""``--quick``'s attacks: every row but the 4,000,000 blocks and the frame at the limit,
-smaller."""
+"""``--quick``'s attacks, a smoke run: a refused frame, a summary flood, a lookup flood
+(``tests/test_summary_attack.py`` runs every attack)."""
 BASELINE_S = 10.0
 QUICK_BASELINE_S = 2.0
 BASELINE_WINDOW_S = 2.0

@@ -1,70 +1,26 @@
-"""A hostile p2pactor peer that attacks a node through its summaries, run as a process.
+"""The attacks of :mod:`p2pactor.programs.bench._hostile` (its docstring says each), by name.
 
-``python -m p2pactor.programs.bench._summary_hostile --victim HOST:PORT --attack NAME ...``.
-Used by the ``summary-attack`` section of ``p2pactor bench`` and by
-``tests/test_summary_attack.py``. Like :mod:`p2pactor.programs.bench._flood_hostile`
-it is bare pyzmq laid out as vLLM lays its sockets out, with a real NIXL agent
-(the victim registers its memory at the handshake, never written), but it
-speaks p2pactor's dialect: its ``connect`` offers ``kvsum/1``, so the victim
-reads what it sends as summaries. The attacks (issue 30), one a row:
-
-* ``register-1m``: register ``--blocks`` (1,000,000) blocks of a region mapped
-  lazily (anonymous, never touched: it costs us nothing) and send a valid
-  snapshot claiming that many fingerprints, in parts of 65,536 paced 10 ms apart.
-* ``snapshot-flood``: ``--count`` (300) one-part snapshots of 65,536 fingerprints,
-  each newer than the last.
-* ``deltas-mid-snapshot``: part 0 of a 2-part snapshot, then ``--count`` (255)
-  deltas of 65,536 fingerprints each, then the last part.
-* ``liar``: claim the keys ``p2pactor serve --preload --claims`` would hold, answer
-  HIT to every lookup and ``transfer_done(success=false)`` to every fetch, until
-  stdin closes. Here the victim is a consumer that chooses its sources itself.
-* ``refused-frame``: for each of ``--sizes`` (bytes) and ``--modes`` (``session``:
-  after a handshake; ``fresh``: the first frame of a new connection), one
-  ``kvsum_delta`` whose ``add`` is an array of empty maps, which the decoder
-  must refuse; a new session for each.
-* ``resync-flood``: ``--count`` (100,000) ``kvsum_resync`` as fast as libzmq takes
-  them, counting the snapshot parts they earn.
-* ``epoch-flip``: ``--count`` (3,000) deltas, each of a new epoch, counting the
-  resyncs they earn.
-* ``max-frames``: ``--count`` (2,000) snapshot parts of 65,536 fingerprints (the
-  largest summary frame, 524,365 bytes) as fast as the victim takes them (the
-  DEALER's queue is libzmq's default 1000, so a send waits once it lags).
-* ``max-lookups``: ``--count`` (300) lookups of 65,536 keys of 36 bytes (the
-  most keys a frame may carry, 2.4 MiB), each a new request, likewise.
-
-What it prints, one line each, JSON after the word: ``READY peer`` once the
-handshake is done and the victim's own snapshot has arrived; per step ``STEP
-{label}`` (with ``--paced`` it then waits for a line on stdin, so the driver
-can measure the victim first), ``DONE {...}`` (the step's window in unix time,
-what it sent and received); at the end ``RESULT {...}`` (every message type
-received); then with ``--linger`` it holds the session until stdin closes;
-then it says ``disconnect``, prints ``LEFT`` and exits 0. Any failure exits 1
-with ``ERROR ...``.
+Each is a function of an :class:`AttackContext` (the options, the NIXL agent, the
+session); :data:`ATTACKS` names them for ``--attack``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import mmap
 import os
+import random
 import sys
 import threading
 import time
-
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-
 from collections.abc import Callable, Sequence
 
 import attrs
-import trio
 import zmq
 
-from p2pactor.adapters.nixl import open_nixl_transport
 from p2pactor.core import protocol as wire
-from p2pactor.programs.bench._summary_peer import Failure, RawPeer, fingerprint
-
-__all__ = ["ATTACKS", "DEFAULT_BLOCKS", "MAX_FPS", "main", "refused_frame"]
+from p2pactor.programs.bench._hostile_peer import Failure, RawPeer, fingerprint
 
 MAX_FPS = 65_536
 """Fingerprints in the largest summary field (``MAX_SUMMARY_BYTES`` / 8)."""
@@ -91,17 +47,15 @@ DEFAULT_COUNTS = {
 """Messages each attack sends unless ``--count`` says."""
 SMALL_BLOCKS = 64
 """Blocks the other attacks register: they attack with what they send, not with memory."""
-_MAP_NORESERVE = 0x4000 if sys.platform == "linux" else 0
-"""Linux's ``MAP_NORESERVE``, which Python's :mod:`mmap` does not name before 3.13."""
 
 
-def _say(word: str, body: object = None) -> None:
+def say(word: str, body: object = None) -> None:
     text = word if body is None else f"{word} {json.dumps(body)}"
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
 
-def _wait_go() -> None:
+def wait_go() -> None:
     """Wait for the driver's line on stdin (it measures the victim first)."""
     if not sys.stdin.readline():
         raise Failure("stdin closed before the driver said go")
@@ -145,10 +99,17 @@ class AttackContext:
         hwm = 1000 if args.attack in ("max-frames", "max-lookups") else 0
         peer = RawPeer(self.ctx, args.host, args.victim, send_hwm=hwm)
         try:
+            summaries = args.attack != "lookup-flood"
             peer.handshake(
-                self.metadata, self.base_addr, self.num_blocks, args.block_len, args.hash_seed
+                self.metadata,
+                self.base_addr,
+                self.num_blocks,
+                args.block_len,
+                args.hash_seed,
+                summaries=summaries,
             )
-            peer.wait_snapshot()
+            if summaries:
+                peer.wait_snapshot()
         except BaseException:
             peer.close(disconnect=False)
             raise
@@ -156,12 +117,12 @@ class AttackContext:
 
     def step(self, label: str, body: Callable[[], dict[str, object]]) -> None:
         """Announce a step, wait for the driver if paced, run it and report its window."""
-        _say("STEP", {"label": label})
+        say("STEP", {"label": label})
         if self.args.paced:
-            _wait_go()
+            wait_go()
         start = time.time()
         result = body()
-        _say("DONE", {"label": label, "start": start, "end": time.time(), **result})
+        say("DONE", {"label": label, "start": start, "end": time.time(), **result})
 
     def session(self) -> RawPeer:
         """The main session (opened before the first step)."""
@@ -230,7 +191,7 @@ def _liar(a: AttackContext) -> None:
         wire.KvsumSnapshot(epoch=os.urandom(EPOCH_BYTES), upto_seq=0, part=0, parts=1, fps=fps)
     )
     peer.ping("claimed")
-    _say("CLAIMED", {"keys": len(keys)})
+    say("CLAIMED", {"keys": len(keys)})
     lookups = fetches = aborts = 0
     while not a.stdin_closed.is_set():
         msg = peer.inbox.take(0.05)
@@ -250,7 +211,7 @@ def _liar(a: AttackContext) -> None:
             peer.send(wire.AbortAck(kv_request_id=msg.kv_request_id, round_seq=msg.round_seq))
         elif isinstance(msg, wire.Disconnect):
             raise Failure("the victim disconnected the liar")
-    _say("DONE", {"label": "liar", "lookups": lookups, "fetches_failed": fetches, "aborts": aborts})
+    say("DONE", {"label": "liar", "lookups": lookups, "fetches_failed": fetches, "aborts": aborts})
 
 
 def _refused_frames(a: AttackContext) -> None:
@@ -376,7 +337,47 @@ def _max_lookups(a: AttackContext) -> None:
     a.step("max-lookups", body)
 
 
+def _real_keys(args: argparse.Namespace) -> list[bytes]:
+    if args.bench_keys:
+        from p2pactor.programs.bench._control_peer import KEYS  # noqa: PLC0415
+
+        return list(KEYS[: args.bench_keys])
+    if args.preload:
+        from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415
+
+        return preload_keys(args.hash_seed, args.preload)
+    return []
+
+
+def _lookup_flood(a: AttackContext) -> None:
+    args, peer = a.args, a.session()
+    rng = random.Random(args.seed)  # noqa: S311 - reproducible junk keys, not secrets
+    real = _real_keys(args)
+    phases = [(kind, int(n)) for kind, _, n in (p.partition(":") for p in args.phase)]
+    for kind, _ in phases:
+        if kind not in ("random", "real", "rounds") or (kind != "random" and not real):
+            raise Failure(f"bad --phase {kind}: random:N, real:N or rounds:N (with real keys)")
+
+    def keys(kind: str) -> tuple[bytes, ...]:
+        if kind == "random":
+            return tuple(rng.randbytes(32) + bytes(4) for _ in range(args.keys))
+        start = rng.randrange(max(1, len(real) - args.keys + 1))
+        return tuple(real[start : start + args.keys])
+
+    for kind, count in phases:
+        figures = peer.flood(
+            kind,
+            count,
+            functools.partial(keys, kind),
+            args.window,
+            args.stall_timeout,
+            close=args.close,
+        )
+        say("PHASE", figures)
+
+
 ATTACKS: dict[str, Callable[[AttackContext], None]] = {
+    "lookup-flood": _lookup_flood,
     "register-1m": _register_1m,
     "snapshot-flood": _snapshot_flood,
     "deltas-mid-snapshot": _deltas_mid_snapshot,
@@ -388,102 +389,3 @@ ATTACKS: dict[str, Callable[[AttackContext], None]] = {
     "max-lookups": _max_lookups,
 }
 """Each attack by its ``--attack`` name."""
-
-
-def _watch_stdin(closed: threading.Event) -> None:
-    while sys.stdin.readline():
-        pass
-    closed.set()
-
-
-def _attack(args: argparse.Namespace, metadata: bytes, base_addr: int, blocks: int) -> int:
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    a = AttackContext(args, ctx, metadata, base_addr, blocks)
-    try:
-        if args.paced:  # the driver reads the victim before we connect
-            _say("LOADED")
-            _wait_go()
-        if args.attack != "refused-frame":
-            a.peer = a.open_session()
-        _say(f"READY {a.peer.peer_id if a.peer else '-'}")
-        if args.attack == "liar":  # it lies until stdin closes
-            threading.Thread(target=_watch_stdin, args=(a.stdin_closed,), daemon=True).start()
-        ATTACKS[args.attack](a)
-        counts = a.peer.inbox.snapshot_counts() if a.peer else {}
-        _say("RESULT", {"received": counts, "sent": a.peer.sent if a.peer else 0})
-        if args.linger and args.attack != "liar":
-            _watch_stdin(a.stdin_closed)  # hold the session until stdin closes
-    except Failure as exc:
-        _say(f"ERROR {exc}")
-        return 1
-    finally:
-        if a.peer is not None:
-            a.peer.close()
-        for stray in a.strays:
-            stray.close(disconnect=False)
-        ctx.term()
-    _say("LEFT")
-    return 0
-
-
-def _pool(blocks: int, block_len: int) -> memoryview:
-    """Our registered memory: a lazily mapped region (never touched, so never resident)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", _MAP_NORESERVE)
-    return memoryview(mmap.mmap(-1, blocks * block_len, flags=flags))
-
-
-async def _run(args: argparse.Namespace) -> int:
-    blocks = args.blocks or DEFAULT_BLOCKS.get(args.attack, SMALL_BLOCKS)
-    pool = _pool(blocks, args.block_len)
-    # One agent name per process: a victim may still know the last attacker's agent.
-    name = f"summary-hostile-{os.getpid()}"
-    async with open_nixl_transport(pool, args.block_len, name=name) as data:
-        # The attack blocks on its sockets: a worker thread, not the trio loop.
-        status: int = await trio.to_thread.run_sync(
-            _attack, args, data.agent_metadata, data.base_addr, blocks
-        )
-        return status
-
-
-def _sizes(text: str) -> list[int]:
-    return [int(s) for s in text.split(",") if s]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the arguments, attack, and return the exit status."""
-    assert __doc__ is not None
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--victim", required=True, help="the node's host:port")
-    parser.add_argument("--attack", required=True, choices=sorted(ATTACKS))
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (our peer id)")
-    parser.add_argument("--hash-seed", required=True, help="the victim's hash seed")
-    parser.add_argument("--block-len", type=int, required=True, help="the victim's block size")
-    parser.add_argument("--blocks", type=int, default=0, help="blocks to register (0: per attack)")
-    parser.add_argument("--claims", type=int, default=0, help="register-1m/liar: keys claimed")
-    parser.add_argument("--count", type=int, default=0, help="messages (0: the attack's default)")
-    parser.add_argument("--sizes", type=_sizes, default=[1 << 20, 4 << 20], help="bytes, a,b,c")
-    parser.add_argument(
-        "--modes", type=lambda t: t.split(","), default=["session", "fresh"], help="session,fresh"
-    )
-    parser.add_argument("--drain-s", type=float, default=1.5, help="resync-flood: wait after")
-    parser.add_argument("--paced", action="store_true", help="wait for a stdin line per step")
-    parser.add_argument("--linger", action="store_true", help="leave only once stdin closes")
-    parser.add_argument(
-        "--own-cpu",
-        action="store_true",
-        help="compete for the CPU as an ordinary process (default: idle priority, as a peer "
-        "on another host, whose own sending takes no CPU from the victim or the honest peer)",
-    )
-    args = parser.parse_args(argv)
-    args.count = args.count or DEFAULT_COUNTS.get(args.attack, 0)
-    if not args.own_cpu and hasattr(os, "SCHED_IDLE"):
-        # On a 2-core machine a peer that sends as fast as it can would take
-        # a core from the victim and the honest peer, which a hostile peer on
-        # another host never does: what it costs them is what is measured.
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    status: int = trio.run(_run, args)
-    return status
-
-
-if __name__ == "__main__":
-    sys.exit(main())

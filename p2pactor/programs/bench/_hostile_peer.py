@@ -9,7 +9,8 @@ thread owns the ROUTER and reads everything the victim says as it arrives
 told), while the attack's thread owns the DEALER and sends as fast as libzmq
 takes it: two sockets, one thread each, as libzmq requires.
 
-Used by :mod:`p2pactor.programs.bench._summary_hostile` only.
+Used by :mod:`p2pactor.programs.bench._hostile` only: every attack, and the lookup flood
+(:meth:`RawPeer.flood`, in vLLM's dialect: no ``kvsum/1`` offered).
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ from collections.abc import Callable
 import zmq
 
 from p2pactor.core import protocol as wire
-
-__all__ = ["Failure", "Inbox", "RawPeer", "fingerprint"]
 
 _GROUP_MIX = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -182,9 +181,17 @@ class RawPeer:
         self.sent_bytes += len(frame)
 
     def handshake(
-        self, metadata: bytes, base_addr: int, num_blocks: int, block_len: int, hash_seed: str
+        self,
+        metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+        hash_seed: str,
+        *,
+        summaries: bool = True,
     ) -> None:
-        """``connect`` offering ``kvsum/1``; ack the victim's; wait for its ack."""
+        """``connect`` offering ``kvsum/1`` (else vLLM's dialect); ack the victim's; its ack."""
+        features = frozenset({wire.FEATURE_SUMMARIES})
         self.send(
             wire.Connect(
                 peer_id=self.peer_id,
@@ -193,8 +200,8 @@ class RawPeer:
                 num_blocks=num_blocks,
                 block_len=block_len,
                 hash_seed=hash_seed,
-                extension=wire.ConnectExtension(
-                    version=1, features=frozenset({wire.FEATURE_SUMMARIES})
+                extension=(
+                    wire.ConnectExtension(version=1, features=features) if summaries else wire.UNSET
                 ),
             )
         )
@@ -254,6 +261,53 @@ class RawPeer:
                 raise Failure(f"the victim disconnected us before it answered {kv}")
         self.send(wire.Fetch(kv_request_id=kv, keys=(), block_indexes=(), round_seq=0))
         return True
+
+    def flood(
+        self,
+        kind: str,
+        count: int,
+        keys: Callable[[], tuple[bytes, ...]],
+        window: int,
+        stall_s: float,
+        *,
+        close: bool = False,
+    ) -> dict[str, object]:
+        """``count`` lookups of ``keys()``, at most ``window`` unanswered; the figures.
+
+        Each under a fresh request id, or (``kind`` ``rounds``) all in one request, a
+        new round each; with ``close``, each request closed (the empty fetch) once
+        answered, so that it is served in full.
+        """
+        sent = answered = hits = 0
+        start = time.perf_counter()
+        last = time.monotonic()
+        while answered < count:
+            while sent - answered < window and sent < count:
+                rounds = kind == "rounds"
+                kv = "flood" if rounds else f"flood-{kind}-{sent}"
+                self.send(wire.Lookup(kv_request_id=kv, keys=keys(), round_seq=sent * rounds))
+                sent += 1
+            got = self.inbox.take(1.0)
+            if isinstance(got, wire.Disconnect):
+                raise Failure("the victim disconnected us")
+            if isinstance(got, wire.LookupResp):
+                answered += 1
+                hits += sum(got.hits)
+                last = time.monotonic()
+                if close:
+                    kv = got.kv_request_id
+                    self.send(wire.Fetch(kv_request_id=kv, keys=(), block_indexes=(), round_seq=0))
+            if time.monotonic() - last > stall_s:
+                raise Failure(f"no answer for {stall_s:g} s ({answered}/{count})")
+        seconds = time.perf_counter() - start
+        return {
+            "phase": kind,
+            "lookups": count,
+            "answered": answered,
+            "keys_hit": hits,
+            "seconds": round(seconds, 3),
+            "lookups_per_s": round(count / seconds, 1),
+        }
 
     def close(self, *, disconnect: bool = True) -> None:
         """Say ``disconnect`` (unless told not to) and close both sockets."""
