@@ -14,7 +14,7 @@ import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
-from p2pactor.core.events_base import filed_under
+from p2pactor.core.builder import filed_under
 from p2pactor.core.ids import ActorId
 
 __all__ = [

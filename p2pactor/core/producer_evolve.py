@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar, get_args
+from typing import Any, Final, TypeVar
 
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.events import check_follows
-from p2pactor.core.events_base import filed_under
+from p2pactor.core.builder import evolver, filed_under
 from p2pactor.core.producer_state import (
     PRODUCER_PHASE_AT,
     ActiveLookup,
@@ -205,18 +204,6 @@ checks of actor and sequence (for a caller that made them: replay)."""
 
 
 _arm = filed_under(PRODUCER_FOLDS)
-
-
-def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerState:
-    """Apply one event to a producer state; pure. One copy of the state per event.
-
-    Raises:
-        ReplayError: The event belongs to another actor or does not follow the
-            last one applied.
-    """
-    check_follows(state.actor, state.seq, event)
-    # A table, not a match: a match tries its arms in turn (about 0.1 µs each).
-    return PRODUCER_FOLDS[type(event)](state, event)
 
 
 @_arm(ev.LookupReceived)
@@ -447,7 +434,7 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
     return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, aborted), jobs=jobs)
 
 
-# Every producer event has its arm, and nothing else does (mypy cannot see a
-# table's coverage as it sees a match's).
-_UNMATCHED = set(PRODUCER_FOLDS) ^ set(get_args(ev.ProducerEvent))
-assert not _UNMATCHED, _UNMATCHED
+# Apply one event to a producer state; pure (ReplayError if it does not follow).
+evolve_producer: Callable[[ProducerState, ev.ProducerEvent], ProducerState] = evolver(
+    PRODUCER_FOLDS, ev.ProducerEvent
+)
