@@ -24,18 +24,6 @@ import attrs
 
 from p2pactor.errors import ConfigError
 
-__all__ = [
-    "Validator",
-    "fraction",
-    "instance_of",
-    "non_negative",
-    "non_negative_int",
-    "optional_port",
-    "port",
-    "positive",
-    "positive_int",
-]
-
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 """What ``attrs.field(validator=...)`` takes."""
 

@@ -29,21 +29,10 @@ from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
 from p2pactor.core.choice import Choice
-from p2pactor.core.consumer_state import ConsumerState, Load, evolve_consumer
+from p2pactor.core.consumer_state import ConsumerState as ConsumerState
+from p2pactor.core.consumer_state import evolve_consumer
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
-
-__all__ = [
-    "ConsumerInput",
-    "ConsumerState",
-    "Load",
-    "decide_consumer",
-    "evolve_consumer",
-    "next_consumer_deadline",
-    "probe_answer",
-    "probe_answers",
-    "step_consumer",
-]
 
 ConsumerInput = (
     inp.Register
@@ -114,16 +103,6 @@ def step_consumer(
         case _:
             assert_never(event_input)
     return b.state, tuple(b.events)
-
-
-def decide_consumer(
-    state: ConsumerState,
-    event_input: ConsumerInput,
-    now: float,
-    timings: Timings = DEFAULT_TIMINGS,
-) -> tuple[ev.ConsumerEvent, ...]:
-    """The events that ``event_input`` at time ``now`` produces; pure."""
-    return step_consumer(state, event_input, now, timings)[1]
 
 
 def _accepting_keys(state: ConsumerState) -> bool:

@@ -19,15 +19,6 @@ from p2pactor.core.builder import evolver, filed_under
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
 
-__all__ = [
-    "CONSUMER_FOLDS",
-    "CONSUMER_PHASE_AT",
-    "ConsumerState",
-    "Load",
-    "consumer_phase_after",
-    "evolve_consumer",
-]
-
 CONSUMER_PHASE_AT: Final[Mapping[type[ev.Event], ConsumerPhase]] = {
     ev.Probed: ConsumerPhase.PROBING,
     ev.FetchSent: ConsumerPhase.FETCH_SENT,

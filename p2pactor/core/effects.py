@@ -17,22 +17,6 @@ from p2pactor.core import protocol as wire
 from p2pactor.core.builder import filed_under
 from p2pactor.core.ids import ActorId
 
-__all__ = [
-    "EFFECTFUL",
-    "Disconnect",
-    "Effect",
-    "ParentClose",
-    "ParentLookup",
-    "ParentRequest",
-    "ReleasePin",
-    "ReportLoad",
-    "Retire",
-    "Send",
-    "StartTransfer",
-    "context_name",
-    "effects_of",
-]
-
 
 class Send(msgspec.Struct, frozen=True, gc=False):
     """Send ``message`` to the actor's peer."""

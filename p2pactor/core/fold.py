@@ -6,31 +6,14 @@ from collections.abc import Iterable
 from typing import Final, get_args
 
 from p2pactor.core import events as ev
-from p2pactor.core.consumer import ConsumerState, evolve_consumer, next_consumer_deadline
-from p2pactor.core.consumer_state import consumer_phase_after
+from p2pactor.core.consumer import next_consumer_deadline
+from p2pactor.core.consumer_state import ConsumerState, consumer_phase_after, evolve_consumer
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import (
-    ProducerPhase,
-    ProducerState,
-    evolve_producer,
-    next_producer_deadline,
-)
-from p2pactor.core.producer_state import PRODUCER_PHASE_AT
+from p2pactor.core.producer import next_producer_deadline
+from p2pactor.core.producer_evolve import evolve_producer
+from p2pactor.core.producer_state import PRODUCER_PHASE_AT, ProducerPhase, ProducerState
 from p2pactor.errors import ReplayError
-
-__all__ = [
-    "PRODUCER_PHASE_AT",
-    "ActorState",
-    "Phase",
-    "evolve",
-    "fold",
-    "initial_phase",
-    "initial_state",
-    "is_terminal",
-    "next_deadline",
-    "phase_after",
-]
 
 ActorState = ConsumerState | ProducerState
 """The state of an actor of either role."""

@@ -6,8 +6,6 @@ import enum
 
 import msgspec
 
-__all__ = ["ActorId", "IdentityEnum", "Role"]
-
 
 class IdentityEnum(enum.Enum):
     """An enum whose members hash by identity, in C.

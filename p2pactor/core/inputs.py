@@ -17,22 +17,6 @@ from p2pactor.core.choice import Choice
 from p2pactor.core.events import Quota
 from p2pactor.core.ids import IdentityEnum
 
-__all__ = [
-    "AddStore",
-    "Finish",
-    "Flush",
-    "LookupResult",
-    "OverQuota",
-    "ParentAnswer",
-    "Pin",
-    "Register",
-    "SessionEnded",
-    "SubmitLoad",
-    "Tick",
-    "TransferResult",
-    "WritesSettled",
-]
-
 
 class LookupResult(IdentityEnum):
     """What a cache says about one key (the same four answers as vLLM's)."""

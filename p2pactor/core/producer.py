@@ -38,13 +38,8 @@ from p2pactor.core.producer_lookups import (
     _on_parent_answer,
     _tick_lookups,
 )
-from p2pactor.core.producer_pins import (
-    PIN_EXPIRED,
-    _expirable,
-    _expire_pins,
-    _release_stores,
-    pin_expired,
-)
+from p2pactor.core.producer_pins import _expirable, _expire_pins, _release_stores
+from p2pactor.core.producer_pins import pin_expired as pin_expired
 from p2pactor.core.producer_rounds import (
     _on_abort,
     _on_fetch,
@@ -52,34 +47,10 @@ from p2pactor.core.producer_rounds import (
     _on_transfer_result,
     _sweep_round,
 )
-from p2pactor.core.producer_state import (
-    _B,
-    ActiveLookup,
-    PinJob,
-    ProducerPhase,
-    ProducerState,
-    RoundState,
-    Supply,
-    Transfer,
-)
+from p2pactor.core.producer_state import _B
+from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
+from p2pactor.core.producer_state import ProducerState as ProducerState
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
-
-__all__ = [
-    "PIN_EXPIRED",
-    "ActiveLookup",
-    "PinJob",
-    "ProducerInput",
-    "ProducerPhase",
-    "ProducerState",
-    "RoundState",
-    "Supply",
-    "Transfer",
-    "decide_producer",
-    "evolve_producer",
-    "next_producer_deadline",
-    "pin_expired",
-    "step_producer",
-]
 
 ProducerInput = (
     wire.Lookup
@@ -140,16 +111,6 @@ def step_producer(
             assert_never(event_input)
     _sweep(b)
     return b.state, tuple(b.events)
-
-
-def decide_producer(
-    state: ProducerState,
-    event_input: ProducerInput,
-    now: float,
-    timings: Timings = DEFAULT_TIMINGS,
-) -> tuple[ev.ProducerEvent, ...]:
-    """The events that ``event_input`` at time ``now`` produces; pure."""
-    return step_producer(state, event_input, now, timings)[1]
 
 
 def _on_local_finish(b: _B) -> None:

@@ -22,8 +22,6 @@ import msgspec
 from p2pactor.core.events import EVENT_TYPES, AnyEvent, Event
 from p2pactor.errors import EventFormatError
 
-__all__ = ["EVENT_DECODER", "Format", "decode_event", "decode_legacy_event", "encode_event"]
-
 Format = Literal["msgpack", "json"]
 """The two encodings of an event."""
 

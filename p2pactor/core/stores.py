@@ -24,8 +24,6 @@ import msgspec
 
 from p2pactor.core import inputs as inp
 
-__all__ = ["Reaped", "StoreBook", "StoreRefused", "Unbound"]
-
 H = TypeVar("H")
 
 REAPED_MEMORY_S = 60.0

@@ -12,9 +12,6 @@ import attrs
 
 from p2pactor.core import checks
 
-__all__ = ["DEFAULT_TIMINGS", "Timings"]
-
-
 # A timer may be inf: never.
 _positive = checks.positive(finite=False)
 

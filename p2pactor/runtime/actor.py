@@ -32,8 +32,6 @@ from p2pactor.core.producer import ProducerInput, next_producer_deadline, step_p
 from p2pactor.core.timings import Timings
 from p2pactor.runtime.logcontext import request_context
 
-__all__ = ["ActorHost", "ActorInput", "RequestActor", "Runner"]
-
 log = logging.getLogger("p2pactor.actor")
 
 ActorInput = ConsumerInput | ProducerInput

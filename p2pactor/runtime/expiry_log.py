@@ -8,8 +8,6 @@ import math
 from p2pactor.core import events as ev
 from p2pactor.runtime.logcontext import request_context
 
-__all__ = ["ExpiryWarnings"]
-
 log = logging.getLogger("p2pactor.session")
 
 INTERVAL_S = 10.0

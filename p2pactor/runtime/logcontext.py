@@ -10,8 +10,6 @@ from __future__ import annotations
 import re
 from typing import Final
 
-__all__ = ["CONTEXT_FIELDS", "parent_request_context", "peer_context", "request_context"]
-
 CONTEXT_FIELDS: Final = ("node", "peer", "kv_request_id")
 """Record attributes the formatters add when a log call set them through ``extra=``."""
 

@@ -23,8 +23,6 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import P2PActorError
 from p2pactor.runtime.logcontext import parent_request_context
 
-__all__ = ["CacheFull", "EmbeddedCache", "Parent", "ParentMisuse", "serve_parent_request"]
-
 log = logging.getLogger("p2pactor.parent")
 
 

@@ -39,8 +39,6 @@ from p2pactor.runtime.parent import Parent, serve_parent_request
 from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.timers import Timers
 
-__all__ = ["Answered", "ParentService"]
-
 log = logging.getLogger("p2pactor.node")
 
 

@@ -18,8 +18,6 @@ from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.timers import Timers
 
-__all__ = ["StoreDesk"]
-
 log = logging.getLogger("p2pactor.node")
 
 

@@ -23,8 +23,6 @@ from typing import Protocol
 
 import trio
 
-__all__ = ["Timed", "Timers"]
-
 _FIRED_PER_TURN = 256
 """Items expired before the timer task lets other tasks run (fairness)."""
 _MIN_REBUILD = 1024
