@@ -24,8 +24,8 @@ import attrs
 
 from p2pactor.errors import ConfigError
 
+# What ``attrs.field(validator=...)`` takes.
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
-"""What ``attrs.field(validator=...)`` takes."""
 
 
 def _refuse(instance: object, attribute: attrs.Attribute[Any], value: object, what: str) -> None:

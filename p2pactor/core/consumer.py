@@ -34,6 +34,7 @@ from p2pactor.core.consumer_state import evolve_consumer
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
+# Everything a consumer actor reacts to.
 ConsumerInput = (
     inp.Register
     | inp.Flush
@@ -46,7 +47,6 @@ ConsumerInput = (
     | wire.TransferDone
     | wire.AbortAck
 )
-"""Everything a consumer actor reacts to."""
 
 
 def _builder(state: ConsumerState, now: float) -> Builder[ConsumerState, ev.ConsumerEvent]:

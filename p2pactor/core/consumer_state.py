@@ -19,16 +19,13 @@ from p2pactor.core.builder import evolver, filed_under
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
 
+# The non-terminal phase each event moves a consumer to (if it is further on). ``Finished`` moves it
+# to the terminal phase the event names; any other event leaves the phase as it is.
 CONSUMER_PHASE_AT: Final[Mapping[type[ev.Event], ConsumerPhase]] = {
     ev.Probed: ConsumerPhase.PROBING,
     ev.FetchSent: ConsumerPhase.FETCH_SENT,
     ev.LookupCancelled: ConsumerPhase.FETCH_SENT,
 }
-"""The non-terminal phase each event moves a consumer to (if it is further on).
-
-``Finished`` moves it to the terminal phase the event names; any other event
-leaves the phase as it is.
-"""
 
 # Phases in the order they may be entered; evolve never moves backwards.
 _ORDER: Final = {phase: rank for rank, phase in enumerate(ConsumerPhase)}
@@ -151,9 +148,9 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
 
 
 _Arm = Callable[[ConsumerState, Any], ConsumerState]
+# How each consumer event changes the state: ``evolve_consumer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
 CONSUMER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
-"""How each consumer event changes the state: ``evolve_consumer``'s table, without its
-checks of actor and sequence (for a caller that made them: replay)."""
 
 
 _arm = filed_under(CONSUMER_FOLDS)

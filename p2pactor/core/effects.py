@@ -63,8 +63,8 @@ class ParentClose(msgspec.Struct, frozen=True, gc=False):
     context: str
 
 
+# What a producer actor may ask of the parent; served only with the handle.
 ParentRequest = ParentLookup | ParentClose
-"""What a producer actor may ask of the parent; served only with the handle."""
 
 
 class ReleasePin(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -92,6 +92,7 @@ class Retire(msgspec.Struct, frozen=True, gc=False):
     """The actor reached a terminal state; its task may end."""
 
 
+# Anything an event asks the runtime to do.
 Effect = (
     Send
     | StartTransfer
@@ -102,7 +103,6 @@ Effect = (
     | Disconnect
     | Retire
 )
-"""Anything an event asks the runtime to do."""
 
 
 def context_name(actor: ActorId, lookup_id: int) -> str:
@@ -301,8 +301,8 @@ def _rejected(e: ev.Rejected) -> tuple[Effect, ...]:
     return (Disconnect(f"{e.violation.value} in {e.input}: {e.detail}"),)
 
 
+# The event types that make the runtime do something; every other event is a record only.
 EFFECTFUL: Final[frozenset[type[ev.Event]]] = frozenset(_MAKERS)
-"""The event types that make the runtime do something; every other event is a record only."""
 
 
 def effects_of(event: ev.AnyEvent) -> tuple[Effect, ...]:

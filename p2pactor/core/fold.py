@@ -15,11 +15,11 @@ from p2pactor.core.producer_evolve import evolve_producer
 from p2pactor.core.producer_state import PRODUCER_PHASE_AT, ProducerPhase, ProducerState
 from p2pactor.errors import ReplayError
 
+# The state of an actor of either role.
 ActorState = ConsumerState | ProducerState
-"""The state of an actor of either role."""
 
+# A phase of either role.
 Phase = ConsumerPhase | ProducerPhase
-"""A phase of either role."""
 
 _CONSUMER_KINDS: Final = frozenset(get_args(ev.ConsumerEvent))
 _PRODUCER_KINDS: Final = frozenset(get_args(ev.ProducerEvent))

@@ -52,6 +52,7 @@ from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
 from p2pactor.core.producer_state import ProducerState as ProducerState
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
+# Everything a producer actor reacts to.
 ProducerInput = (
     wire.Lookup
     | wire.Fetch
@@ -64,7 +65,6 @@ ProducerInput = (
     | inp.Tick
     | inp.SessionEnded
 )
-"""Everything a producer actor reacts to."""
 
 
 def step_producer(

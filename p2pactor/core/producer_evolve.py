@@ -198,9 +198,9 @@ def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerSt
 
 
 _Arm = Callable[[ProducerState, Any], ProducerState]
+# How each producer event changes the state: ``evolve_producer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
 PRODUCER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
-"""How each producer event changes the state: ``evolve_producer``'s table, without its
-checks of actor and sequence (for a caller that made them: replay)."""
 
 
 _arm = filed_under(PRODUCER_FOLDS)

@@ -10,8 +10,8 @@ from p2pactor.core import events as ev
 from p2pactor.core.producer_state import _B, PinJob, ProducerPhase, ProducerState
 from p2pactor.core.timings import Timings
 
+# How the reason of a :class:`~p2pactor.core.events.PinReleased` begins when the pin expired.
 PIN_EXPIRED = "no fetch used it within"
-"""How the reason of a :class:`~p2pactor.core.events.PinReleased` begins when the pin expired."""
 
 
 def pin_expired(event: ev.PinReleased) -> bool:

@@ -26,8 +26,8 @@ from p2pactor.core import inputs as inp
 
 H = TypeVar("H")
 
+# How long a reaped request id is remembered (vLLM keeps these 60 s too).
 REAPED_MEMORY_S = 60.0
-"""How long a reaped request id is remembered (vLLM keeps these 60 s too)."""
 
 
 class Unbound(msgspec.Struct, frozen=True, gc=False):

@@ -45,5 +45,5 @@ class Timings:
     pin_timeout: float = attrs.field(default=30.0, validator=_positive)
 
 
+# vLLM 0.33.0's timers.
 DEFAULT_TIMINGS = Timings()
-"""vLLM 0.33.0's timers."""

@@ -34,8 +34,8 @@ from p2pactor.runtime.logcontext import request_context
 
 log = logging.getLogger("p2pactor.actor")
 
+# Anything an actor of either role reacts to.
 ActorInput = ConsumerInput | ProducerInput
-"""Anything an actor of either role reacts to."""
 
 # A role's step with its timings (and first round) bound: state, input, now.
 _Decide = Callable[[Any, Any, float], tuple[Any, tuple[ev.AnyEvent, ...]]]

@@ -10,8 +10,8 @@ from p2pactor.runtime.logcontext import request_context
 
 log = logging.getLogger("p2pactor.session")
 
+# At most one line per session this often: a peer that never fetches expires many pins.
 INTERVAL_S = 10.0
-"""At most one line per session this often: a peer that never fetches expires many pins."""
 
 
 class ExpiryWarnings:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from typing import Final
 
+# Record attributes the formatters add when a log call set them through ``extra=``.
 CONTEXT_FIELDS: Final = ("node", "peer", "kv_request_id")
-"""Record attributes the formatters add when a log call set them through ``extra=``."""
 
 
 def request_context(

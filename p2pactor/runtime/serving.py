@@ -51,8 +51,8 @@ class _Release:
 # What producers ask of the parent, in order, with the actor owed the answer.
 _Item = tuple[RequestActor | None, fx.ParentRequest | _Release]
 
+# A parent answer and the actor it is for.
 Answered = tuple[RequestActor, inp.ParentAnswer]
-"""A parent answer and the actor it is for."""
 
 
 class ParentService:

@@ -23,8 +23,8 @@ from typing import Protocol
 
 import trio
 
+# Items expired before the timer task lets other tasks run (fairness).
 _FIRED_PER_TURN = 256
-"""Items expired before the timer task lets other tasks run (fairness)."""
 _MIN_REBUILD = 1024
 
 

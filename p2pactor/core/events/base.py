@@ -88,9 +88,9 @@ class Quota(IdentityEnum):
     ROUNDS_PER_REQUEST = "rounds_per_request"
 
 
+# Every concrete event type by its ``KIND`` (each subclass adds itself): the registry used to read
+# logs.
 EVENT_TYPES: dict[str, type[Event]] = {}
-"""Every concrete event type by its ``KIND`` (each subclass adds itself): the
-registry used to read logs."""
 
 
 def _tag(name: str) -> str:
