@@ -64,10 +64,6 @@ class Timers:
         if len(self._heap) > 4 * _MIN_REBUILD and len(self._heap) % _MIN_REBUILD == 0:
             self._compact()
 
-    def next_deadline(self) -> float:
-        """The earliest armed deadline (``inf`` when nothing is armed); may be stale."""
-        return self._heap[0][0] if self._heap else math.inf
-
     async def run(self) -> None:
         """Expire items as their deadlines pass, forever."""
         heap = self._heap
