@@ -38,8 +38,6 @@ from p2pactor.core.producer_lookups import (
     _on_parent_answer,
     _tick_lookups,
 )
-from p2pactor.core.producer_pins import _expirable, _expire_pins, _release_stores
-from p2pactor.core.producer_pins import pin_expired as pin_expired
 from p2pactor.core.producer_rounds import (
     _on_abort,
     _on_fetch,
@@ -47,9 +45,10 @@ from p2pactor.core.producer_rounds import (
     _on_transfer_result,
     _sweep_round,
 )
-from p2pactor.core.producer_state import _B
+from p2pactor.core.producer_state import _B, _expirable, _expire_pins, _release_stores
 from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
 from p2pactor.core.producer_state import ProducerState as ProducerState
+from p2pactor.core.producer_state import pin_expired as pin_expired
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
 # Everything a producer actor reacts to.

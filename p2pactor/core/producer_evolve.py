@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar
+from collections.abc import Callable
+from typing import Any, Final
 
 from msgspec.structs import replace
 
@@ -14,81 +14,14 @@ from p2pactor.core.producer_state import (
     ActiveLookup,
     PinJob,
     ProducerState,
-    RoundState,
     Supply,
     Transfer,
+    _drop,
+    _pool_take,
+    _put,
+    _round,
+    _with_lookup,
 )
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-def _put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
-    out = dict(mapping)
-    out[key] = value
-    return out
-
-
-def _drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
-    out = dict(mapping)
-    out.pop(key, None)
-    return out
-
-
-def _pool_take(
-    pool: Mapping[bytes, tuple[Supply, ...]], key: bytes, job_id: int
-) -> dict[bytes, tuple[Supply, ...]]:
-    """Remove one entry of ``job_id`` for ``key`` from the pool."""
-    out = dict(pool)
-    entries = list(out.get(key, ()))
-    for i, sup in enumerate(entries):
-        if sup.job_id == job_id:
-            del entries[i]
-            break
-    if entries:
-        out[key] = tuple(entries)
-    else:
-        out.pop(key, None)
-    return out
-
-
-def _evolve_transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
-    rnd = s.rounds[e.round_seq]
-    demand = list(rnd.demand)
-    pool = s.pool
-    for key, remote, job_id in zip(e.keys, e.remote_blocks, e.job_ids, strict=True):
-        demand.remove((key, remote))
-        in_round = rnd.supply.get(key)
-        # Round supply is pinned for this round's one fetch and may be read more
-        # than once; pool blocks are handed out once each, as vLLM does.
-        if in_round is None or in_round.job_id != job_id:
-            pool = _pool_take(pool, key, job_id)
-    jobs = dict(s.jobs)
-    for job_id in set(e.job_ids):
-        job = jobs[job_id]
-        jobs[job_id] = replace(
-            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
-        )
-    rounds = dict(s.rounds)
-    rounds[e.round_seq] = replace(
-        rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
-    )
-    transfers = dict(s.transfers)
-    transfers[e.transfer_id] = Transfer(
-        transfer_id=e.transfer_id,
-        round_seq=e.round_seq,
-        job_ids=frozenset(e.job_ids),
-        blocks=len(e.keys),
-    )
-    return replace(
-        s,
-        seq=e.seq,
-        rounds=rounds,
-        jobs=jobs,
-        pool=pool,
-        transfers=transfers,
-        next_transfer_id=e.transfer_id + 1,
-    )
 
 
 def _evolve_transfer_ended(
@@ -189,14 +122,6 @@ def _pinned(s: ProducerState, seq: int, round_seq: int, pin: ev.Pinned) -> Produ
     return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds)
 
 
-def _round(s: ProducerState, round_seq: int) -> RoundState:
-    return s.rounds.get(round_seq) or RoundState(round_seq=round_seq)
-
-
-def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerState:
-    return replace(s, seq=seq, lookups=_put(s.lookups, lookup.lookup_id, lookup))
-
-
 _Arm = Callable[[ProducerState, Any], ProducerState]
 # How each producer event changes the state: ``evolve_producer``'s table, without its checks of
 # actor and sequence (for a caller that made them: replay).
@@ -206,14 +131,10 @@ PRODUCER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
 _arm = filed_under(PRODUCER_FOLDS)
 
 
-@_arm(ev.LookupReceived)
-def _lookup_received(s: ProducerState, e: ev.LookupReceived) -> ProducerState:
-    return _evolve_lookup_opened(s, e, len(e.keys))
-
-
-@_arm(ev.LookupLimited)
-def _lookup_limited(s: ProducerState, e: ev.LookupLimited) -> ProducerState:
-    return _evolve_lookup_opened(s, e, e.admitted)
+@_arm(ev.LookupReceived, ev.LookupLimited)
+def _lookup_opened(s: ProducerState, e: ev.LookupReceived | ev.LookupLimited) -> ProducerState:
+    admitted = e.admitted if isinstance(e, ev.LookupLimited) else len(e.keys)
+    return _evolve_lookup_opened(s, e, admitted)
 
 
 @_arm(ev.KeysResolved)
@@ -329,17 +250,48 @@ def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
 
 @_arm(ev.TransferStarted)
 def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
-    return _evolve_transfer_started(s, e)
+    rnd = s.rounds[e.round_seq]
+    demand = list(rnd.demand)
+    pool = s.pool
+    for key, remote, job_id in zip(e.keys, e.remote_blocks, e.job_ids, strict=True):
+        demand.remove((key, remote))
+        in_round = rnd.supply.get(key)
+        # Round supply is pinned for this round's one fetch and may be read more
+        # than once; pool blocks are handed out once each, as vLLM does.
+        if in_round is None or in_round.job_id != job_id:
+            pool = _pool_take(pool, key, job_id)
+    jobs = dict(s.jobs)
+    for job_id in set(e.job_ids):
+        job = jobs[job_id]
+        jobs[job_id] = replace(
+            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
+        )
+    rounds = dict(s.rounds)
+    rounds[e.round_seq] = replace(
+        rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
+    )
+    transfers = dict(s.transfers)
+    transfers[e.transfer_id] = Transfer(
+        transfer_id=e.transfer_id,
+        round_seq=e.round_seq,
+        job_ids=frozenset(e.job_ids),
+        blocks=len(e.keys),
+    )
+    return replace(
+        s,
+        seq=e.seq,
+        rounds=rounds,
+        jobs=jobs,
+        pool=pool,
+        transfers=transfers,
+        next_transfer_id=e.transfer_id + 1,
+    )
 
 
-@_arm(ev.TransferCompleted)
-def _transfer_completed(s: ProducerState, e: ev.TransferCompleted) -> ProducerState:
-    return _evolve_transfer_ended(s, e.seq, e.transfer_id, None)
-
-
-@_arm(ev.TransferFailed)
-def _transfer_failed(s: ProducerState, e: ev.TransferFailed) -> ProducerState:
-    return _evolve_transfer_ended(s, e.seq, e.transfer_id, e.reason)
+@_arm(ev.TransferCompleted, ev.TransferFailed)
+def _transfer_ended(s: ProducerState, e: ev.TransferCompleted | ev.TransferFailed) -> ProducerState:
+    failure = e.reason if isinstance(e, ev.TransferFailed) else None
+    return _evolve_transfer_ended(s, e.seq, e.transfer_id, failure)
 
 
 @_arm(ev.FinishRequested)
