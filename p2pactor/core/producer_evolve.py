@@ -131,10 +131,14 @@ PRODUCER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
 _arm = filed_under(PRODUCER_FOLDS)
 
 
-@_arm(ev.LookupReceived, ev.LookupLimited)
-def _lookup_opened(s: ProducerState, e: ev.LookupReceived | ev.LookupLimited) -> ProducerState:
-    admitted = e.admitted if isinstance(e, ev.LookupLimited) else len(e.keys)
-    return _evolve_lookup_opened(s, e, admitted)
+@_arm(ev.LookupReceived)
+def _lookup_received(s: ProducerState, e: ev.LookupReceived) -> ProducerState:
+    return _evolve_lookup_opened(s, e, len(e.keys))
+
+
+@_arm(ev.LookupLimited)
+def _lookup_limited(s: ProducerState, e: ev.LookupLimited) -> ProducerState:
+    return _evolve_lookup_opened(s, e, e.admitted)
 
 
 @_arm(ev.KeysResolved)
