@@ -33,6 +33,11 @@ class ProducerPhase(IdentityEnum):
     CLOSING = "closing"
     CLOSED = "closed"
 
+    @property
+    def terminal(self) -> bool:
+        """Whether the request has ended."""
+        return self is ProducerPhase.CLOSED
+
 
 # The phase each event moves a producer to; any other event leaves it as it is.
 PRODUCER_PHASE_AT: Final[Mapping[type[ev.Event], ProducerPhase]] = {
