@@ -15,8 +15,8 @@ Life of a consumer (PROTOCOL.md "Lookup", "Fetch, rounds and completion"):
   still open is closed with the terminal empty fetch.
 
 The phase only moves forward: REGISTERED -> PROBING -> FETCH_SENT -> DONE, FAILED
-or ABORTED (the rule: :mod:`~p2pactor.core.consumer_state`, with the state and
-its fold, re-exported here). Everything here is pure: time is the ``now`` argument.
+or ABORTED (the rule: :mod:`~p2pactor.core.consumer_state`, with the state,
+re-exported here, and its fold). Everything here is pure: time is the ``now`` argument.
 """
 
 from __future__ import annotations
