@@ -10,21 +10,38 @@ event type (:func:`filed_under`), made into a checked function by :func:`evolver
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Generic, Protocol, TypedDict, TypeVar, get_args
+from typing import Any, ClassVar, Generic, Self, TypedDict, TypeVar, get_args
+
+import msgspec
 
 from p2pactor.core.events import Event
-from p2pactor.core.ids import ActorId
+from p2pactor.core.ids import ActorId, Role
 from p2pactor.errors import ReplayError
 
 
-class _HasSeq(Protocol):
-    @property
-    def actor(self) -> ActorId: ...
-    @property
-    def seq(self) -> int: ...
+class ActorRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """What the state of an actor of either role begins with.
+
+    Attributes:
+        ROLE: The role whose state this is.
+        actor: Who this is.
+        seq: The sequence number of the last event applied.
+    """
+
+    ROLE: ClassVar[Role]
+
+    actor: ActorId
+    seq: int = 0
+
+    @classmethod
+    def new(cls, actor: ActorId) -> Self:
+        """The state of ``actor`` before its first event (ValueError: another role's)."""
+        if actor.role is not cls.ROLE:
+            raise ValueError(f"{actor} is not a {cls.ROLE.value}")
+        return cls(actor=actor)
 
 
-S = TypeVar("S", bound=_HasSeq)
+S = TypeVar("S", bound=ActorRecord)
 E = TypeVar("E", bound=Event)
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -9,15 +9,15 @@ applies it (forward only; ``Finished`` sets its own terminal phase). Both
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 
 import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import evolver, filed_under
+from p2pactor.core.builder import ActorRecord, evolver, filed_under
 from p2pactor.core.events import ConsumerPhase
-from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.ids import Role
 
 # The non-terminal phase each event moves a consumer to (if it is further on). ``Finished`` moves it
 # to the terminal phase the event names; any other event leaves the phase as it is.
@@ -56,7 +56,7 @@ class Load(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         return self.ack_deadline is not None
 
 
-class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class ConsumerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     """Everything a consumer actor knows, rebuilt exactly by replaying its events.
 
     Attributes:
@@ -83,8 +83,8 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         problem: What made the outcome worse, first time it got worse.
     """
 
-    actor: ActorId
-    seq: int = 0
+    ROLE: ClassVar[Role] = Role.CONSUMER
+
     phase: ConsumerPhase = ConsumerPhase.REGISTERED
     round_seq: int | None = None
     probes: Mapping[bytes, bool | None] = msgspec.field(default_factory=dict)
@@ -98,13 +98,6 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     session_lost: bool = False
     outcome: ConsumerPhase = ConsumerPhase.DONE
     problem: str = ""
-
-    @classmethod
-    def new(cls, actor: ActorId) -> ConsumerState:
-        """The state of a consumer before its first event."""
-        if actor.role is not Role.CONSUMER:
-            raise ValueError(f"{actor} is not a consumer")
-        return cls(actor=actor)
 
     def waiting_keys(self) -> tuple[bytes, ...]:
         """Keys asked on the wire and not answered yet."""

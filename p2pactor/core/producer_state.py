@@ -9,14 +9,14 @@ failure counts as a success.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final, TypeVar
+from typing import ClassVar, Final, TypeVar
 
 import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import Builder
-from p2pactor.core.ids import ActorId, IdentityEnum, Role
+from p2pactor.core.builder import ActorRecord, Builder
+from p2pactor.core.ids import IdentityEnum, Role
 from p2pactor.core.timings import Timings
 
 
@@ -153,7 +153,7 @@ class Transfer(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     blocks: int
 
 
-class ProducerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     """Everything a producer actor knows, rebuilt exactly by replaying its events.
 
     Attributes:
@@ -171,8 +171,8 @@ class ProducerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         close_reason: Why the request is closing.
     """
 
-    actor: ActorId
-    seq: int = 0
+    ROLE: ClassVar[Role] = Role.PRODUCER
+
     phase: ProducerPhase = ProducerPhase.OPEN
     next_lookup_id: int = 0
     next_transfer_id: int = 0
@@ -187,13 +187,6 @@ class ProducerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     finishing: bool = False
     session_lost: bool = False
     close_reason: str = ""
-
-    @classmethod
-    def new(cls, actor: ActorId) -> ProducerState:
-        """The state of a producer before its first event."""
-        if actor.role is not Role.PRODUCER:
-            raise ValueError(f"{actor} is not a producer")
-        return cls(actor=actor)
 
     @property
     def idle(self) -> bool:
