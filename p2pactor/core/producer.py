@@ -103,7 +103,8 @@ def step_producer(
         case inp.Finish():
             _on_local_finish(b)
         case inp.Tick():
-            _tick(b, timings)
+            _tick_lookups(b)
+            _expire_pins(b, timings)
         case inp.SessionEnded():
             _on_session_ended(b, event_input.reason)
         case _:
@@ -124,11 +125,6 @@ def _on_session_ended(b: _B, reason: str) -> None:
         return
     b.emit(ev.SessionLost(**b.head, reason=reason))
     _drop_lookups(b, f"session lost: {reason}")
-
-
-def _tick(b: _B, t: Timings) -> None:
-    _tick_lookups(b)
-    _expire_pins(b, t)
 
 
 def _sweep(b: _B) -> None:
