@@ -27,12 +27,8 @@ from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
-from p2pactor.core.consumer import (
-    ConsumerInput,
-    Load,
-    next_consumer_deadline,
-    probe_answer,
-)
+from p2pactor.core.consumer import ConsumerInput, next_consumer_deadline, probe_answer
+from p2pactor.core.consumer_state import Load
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.fold import fold
 from p2pactor.core.inputs import LookupResult

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE_FILES = sorted((ROOT / "p2pactor" / "core").glob("*.py"))
+CORE_FILES = sorted((ROOT / "p2pactor" / "core").rglob("*.py"))
 PURE_STDLIB = {
     "__future__",
     "abc",
@@ -56,13 +56,13 @@ def is_allowed(module: str) -> bool:
     return module in {"p2pactor.errors", "p2pactor"} or module.startswith("p2pactor.core")
 
 
-@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_core_module_imports_only_pure_modules(path: Path) -> None:
     bad = sorted(m for m in imported_modules(path) if not is_allowed(m))
     assert bad == [], f"{path.name} imports {bad}; the core must stay free of I/O and clocks"
 
 
-@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", CORE_FILES, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_core_module_reads_no_clock(path: Path) -> None:
     source = path.read_text()
     for clock in ("time.monotonic", "time.time", "perf_counter", "current_time", "datetime.now"):

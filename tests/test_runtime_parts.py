@@ -17,9 +17,9 @@ import trio
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import ConsumerState, Load
+from p2pactor.core.consumer_state import ConsumerState, Load
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import ActiveLookup, PinJob, ProducerState, RoundState
+from p2pactor.core.producer_state import ActiveLookup, PinJob, ProducerState, RoundState
 from p2pactor.core.timings import DEFAULT_TIMINGS
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
 from p2pactor.runtime.timers import Timers

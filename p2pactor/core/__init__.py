@@ -5,7 +5,7 @@ feeding inputs and looking at outputs, in the sans-IO style of h11:
 
 * :mod:`~p2pactor.core.events`: the immutable event vocabulary;
 * :mod:`~p2pactor.core.consumer` and :mod:`~p2pactor.core.producer`: typed state,
-  ``evolve(state, event)`` and ``step``/``decide(state, input, now)`` per role;
+  ``evolve(state, event)`` and ``step(state, input, now)`` per role;
 * :mod:`~p2pactor.core.effects`: what the runtime does because of an event;
 * :mod:`~p2pactor.core.fold`: replay, for either role;
 * :mod:`~p2pactor.core.serde`: events as msgpack or JSON.
@@ -13,51 +13,25 @@ feeding inputs and looking at outputs, in the sans-IO style of h11:
 Time is always an argument (``now``); deadlines are absolute times in the state.
 """
 
-from p2pactor.core.consumer import (
-    ConsumerState,
-    decide_consumer,
-    evolve_consumer,
-    probe_answer,
-    probe_answers,
-    step_consumer,
-)
-from p2pactor.core.effects import effects_of
-from p2pactor.core.events import ConsumerPhase
-from p2pactor.core.fold import ActorState, evolve, fold, initial_state, is_terminal, next_deadline
-from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.inputs import LookupResult
-from p2pactor.core.producer import (
-    ProducerPhase,
-    ProducerState,
-    decide_producer,
-    evolve_producer,
-    step_producer,
-)
-from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
-
-__all__ = [
-    "DEFAULT_TIMINGS",
-    "ActorId",
-    "ActorState",
-    "ConsumerPhase",
-    "ConsumerState",
-    "LookupResult",
-    "ProducerPhase",
-    "ProducerState",
-    "Role",
-    "Timings",
-    "decide_consumer",
-    "decide_producer",
-    "effects_of",
-    "evolve",
-    "evolve_consumer",
-    "evolve_producer",
-    "fold",
-    "initial_state",
-    "is_terminal",
-    "next_deadline",
-    "probe_answer",
-    "probe_answers",
-    "step_consumer",
-    "step_producer",
-]
+from p2pactor.core.consumer import ConsumerState as ConsumerState
+from p2pactor.core.consumer import probe_answer as probe_answer
+from p2pactor.core.consumer import probe_answers as probe_answers
+from p2pactor.core.consumer import step_consumer as step_consumer
+from p2pactor.core.consumer_state import evolve_consumer as evolve_consumer
+from p2pactor.core.effects import effects_of as effects_of
+from p2pactor.core.events import ConsumerPhase as ConsumerPhase
+from p2pactor.core.fold import ActorState as ActorState
+from p2pactor.core.fold import evolve as evolve
+from p2pactor.core.fold import fold as fold
+from p2pactor.core.fold import initial_state as initial_state
+from p2pactor.core.fold import is_terminal as is_terminal
+from p2pactor.core.fold import next_deadline as next_deadline
+from p2pactor.core.ids import ActorId as ActorId
+from p2pactor.core.ids import Role as Role
+from p2pactor.core.inputs import LookupResult as LookupResult
+from p2pactor.core.producer import ProducerPhase as ProducerPhase
+from p2pactor.core.producer import ProducerState as ProducerState
+from p2pactor.core.producer import step_producer as step_producer
+from p2pactor.core.producer_evolve import evolve_producer as evolve_producer
+from p2pactor.core.timings import DEFAULT_TIMINGS as DEFAULT_TIMINGS
+from p2pactor.core.timings import Timings as Timings

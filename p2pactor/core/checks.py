@@ -24,20 +24,8 @@ import attrs
 
 from p2pactor.errors import ConfigError
 
-__all__ = [
-    "Validator",
-    "fraction",
-    "instance_of",
-    "non_negative",
-    "non_negative_int",
-    "optional_port",
-    "port",
-    "positive",
-    "positive_int",
-]
-
+# What ``attrs.field(validator=...)`` takes.
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
-"""What ``attrs.field(validator=...)`` takes."""
 
 
 def _refuse(instance: object, attribute: attrs.Attribute[Any], value: object, what: str) -> None:
@@ -49,67 +37,51 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _number_passes(value: Any, test: Callable[[Any], object], *, finite: bool) -> bool:
-    if isinstance(value, bool):
-        return False
-    try:
-        # NaN fails every comparison; a non-number raises TypeError (or, for
-        # an array, ValueError).
-        return bool(test(value)) and (not finite or math.isfinite(value))
-    except (TypeError, ValueError):
-        return False
+def _rule(what: str, test: Callable[[Any], object]) -> Validator:
+    """A validator refusing, as not ``what``, each value ``test`` fails or cannot judge."""
+
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
+        try:
+            # NaN fails every comparison; a non-number raises TypeError (or, for
+            # an array, ValueError).
+            passes = bool(test(value))
+        except (TypeError, ValueError):
+            passes = False
+        if not passes:
+            _refuse(instance, attribute, value, what)
+
+    return check
+
+
+def _number(what: str, test: Callable[[Any], object], *, finite: bool) -> Validator:
+    def number(v: Any) -> bool:
+        return not isinstance(v, bool) and bool(test(v)) and (not finite or math.isfinite(v))
+
+    return _rule(f"a finite {what}" if finite else f"a {what}", number)
 
 
 def positive(*, finite: bool) -> Validator:
     """A number above 0 (int or float, not bool); ``finite=True`` also refuses ``inf``."""
-    what = "a finite number above 0" if finite else "a number above 0"
-
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not _number_passes(value, lambda v: v > 0, finite=finite):
-            _refuse(instance, attribute, value, what)
-
-    return check
+    return _number("number above 0", lambda v: v > 0, finite=finite)
 
 
 def non_negative(*, finite: bool) -> Validator:
     """A number >= 0 (int or float, not bool); ``finite=True`` also refuses ``inf``."""
-    what = "a finite number >= 0" if finite else "a number >= 0"
-
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not _number_passes(value, lambda v: v >= 0, finite=finite):
-            _refuse(instance, attribute, value, what)
-
-    return check
+    return _number("number >= 0", lambda v: v >= 0, finite=finite)
 
 
-def fraction(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """A share: a number above 0 and at most 1 (not bool)."""
-    if not _number_passes(value, lambda v: 0 < v <= 1, finite=True):
-        _refuse(instance, attribute, value, "a number above 0 and at most 1")
-
-
-def positive_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """An int above 0 (not bool, not float)."""
-    if not (_is_int(value) and value > 0):
-        _refuse(instance, attribute, value, "a positive integer")
-
-
-def non_negative_int(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """An int >= 0 (not bool, not float)."""
-    if not (_is_int(value) and value >= 0):
-        _refuse(instance, attribute, value, "an integer >= 0")
-
-
-def port(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """A TCP port: an int from 0 (any free port) to 65535."""
-    if not (_is_int(value) and 0 <= value <= 65535):
-        _refuse(instance, attribute, value, "a TCP port (0-65535)")
-
-
-def optional_port(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    """A TCP port, or None for "off"."""
-    if value is not None and not (_is_int(value) and 0 <= value <= 65535):
-        _refuse(instance, attribute, value, "a TCP port (0-65535) or None (off)")
+# A share: a number above 0 and at most 1 (not bool).
+fraction = _number("number above 0 and at most 1", lambda v: 0 < v <= 1, finite=False)
+# An int above 0 (not bool, not float).
+positive_int = _rule("a positive integer", lambda v: _is_int(v) and v > 0)
+# An int >= 0 (not bool, not float).
+non_negative_int = _rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+# A TCP port: an int from 0 (any free port) to 65535.
+port = _rule("a TCP port (0-65535)", lambda v: _is_int(v) and 0 <= v <= 65535)
+# A TCP port, or None for "off".
+optional_port = _rule(
+    "a TCP port (0-65535) or None (off)", lambda v: v is None or (_is_int(v) and 0 <= v <= 65535)
+)
 
 
 def instance_of(kind: type) -> Validator:

@@ -15,8 +15,8 @@ Life of a consumer (PROTOCOL.md "Lookup", "Fetch, rounds and completion"):
   still open is closed with the terminal empty fetch.
 
 The phase only moves forward: REGISTERED -> PROBING -> FETCH_SENT -> DONE, FAILED
-or ABORTED (the rule: :mod:`~p2pactor.core.consumer_state`, with the state and
-its fold, re-exported here). Everything here is pure: time is the ``now`` argument.
+or ABORTED (the rule: :mod:`~p2pactor.core.consumer_state`, with the state,
+re-exported here, and its fold). Everything here is pure: time is the ``now`` argument.
 """
 
 from __future__ import annotations
@@ -29,22 +29,12 @@ from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
 from p2pactor.core.choice import Choice
-from p2pactor.core.consumer_state import ConsumerState, Load, evolve_consumer
+from p2pactor.core.consumer_state import ConsumerState as ConsumerState
+from p2pactor.core.consumer_state import evolve_consumer
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
-__all__ = [
-    "ConsumerInput",
-    "ConsumerState",
-    "Load",
-    "decide_consumer",
-    "evolve_consumer",
-    "next_consumer_deadline",
-    "probe_answer",
-    "probe_answers",
-    "step_consumer",
-]
-
+# Everything a consumer actor reacts to.
 ConsumerInput = (
     inp.Register
     | inp.Flush
@@ -57,11 +47,10 @@ ConsumerInput = (
     | wire.TransferDone
     | wire.AbortAck
 )
-"""Everything a consumer actor reacts to."""
 
 
-def _builder(state: ConsumerState, now: float) -> Builder[ConsumerState, ev.ConsumerEvent]:
-    return Builder(state, now, evolve_consumer)
+# The builder every consumer decision emits its events through.
+_B = Builder[ConsumerState, ev.ConsumerEvent]
 
 
 def step_consumer(
@@ -85,7 +74,7 @@ def step_consumer(
     """
     if state.phase.terminal:
         return state, ()
-    b = _builder(state, now)
+    b: _B = Builder(state, now, evolve_consumer)
     rnd = first_round if state.round_seq is None else state.round_seq
     match event_input:
         case inp.Register():
@@ -116,16 +105,6 @@ def step_consumer(
     return b.state, tuple(b.events)
 
 
-def decide_consumer(
-    state: ConsumerState,
-    event_input: ConsumerInput,
-    now: float,
-    timings: Timings = DEFAULT_TIMINGS,
-) -> tuple[ev.ConsumerEvent, ...]:
-    """The events that ``event_input`` at time ``now`` produces; pure."""
-    return step_consumer(state, event_input, now, timings)[1]
-
-
 def _accepting_keys(state: ConsumerState) -> bool:
     return not (state.finishing or state.lookup_failed or state.session_lost)
 
@@ -136,7 +115,7 @@ def _new_keys(state: ConsumerState, keys: tuple[bytes, ...]) -> tuple[bytes, ...
     return tuple(k for k in dict.fromkeys(keys) if k not in probes)
 
 
-def _register(b: Builder[ConsumerState, ev.ConsumerEvent], keys: tuple[bytes, ...]) -> None:
+def _register(b: _B, keys: tuple[bytes, ...]) -> None:
     if not _accepting_keys(b.state):
         return  # every key answers MISS now; nothing to ask
     new = _new_keys(b.state, keys)
@@ -145,7 +124,7 @@ def _register(b: Builder[ConsumerState, ev.ConsumerEvent], keys: tuple[bytes, ..
 
 
 def _flush(
-    b: Builder[ConsumerState, ev.ConsumerEvent],
+    b: _B,
     t: Timings,
     rnd: int,
     keys: tuple[bytes, ...] = (),
@@ -166,9 +145,7 @@ def _flush(
     b.emit(ev.Probed(**b.head, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=choice))
 
 
-def _on_lookup_resp(
-    b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.LookupResp, t: Timings
-) -> None:
+def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
     s = b.state
     if s.finishing or s.lookup_failed or s.session_lost:
         b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="the request no longer looks up"))
@@ -206,9 +183,7 @@ def _on_lookup_resp(
     )
 
 
-def _submit_load(
-    b: Builder[ConsumerState, ev.ConsumerEvent], load: inp.SubmitLoad, t: Timings, rnd: int
-) -> None:
+def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
     s = b.state
 
     def skip(reason: str, *, success: bool = False) -> None:
@@ -242,7 +217,7 @@ def _submit_load(
         )
 
 
-def _on_transfer_done(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.TransferDone) -> None:
+def _on_transfer_done(b: _B, msg: wire.TransferDone) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None:
         reason = f"no load in flight for round {msg.round_seq}"
@@ -255,7 +230,7 @@ def _on_transfer_done(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.Tra
     _maybe_finished(b)
 
 
-def _on_abort_ack(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.AbortAck) -> None:
+def _on_abort_ack(b: _B, msg: wire.AbortAck) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None or not load.aborting or load.held:
         # An unsolicited ack must not release blocks a write may still reach.
@@ -266,7 +241,7 @@ def _on_abort_ack(b: Builder[ConsumerState, ev.ConsumerEvent], msg: wire.AbortAc
     _maybe_finished(b)
 
 
-def _finish(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
+def _finish(b: _B, t: Timings) -> None:
     s = b.state
     if s.finishing:
         return
@@ -307,7 +282,7 @@ def _open_round(s: ConsumerState) -> int | None:
     return None
 
 
-def _tick(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
+def _tick(b: _B, t: Timings) -> None:
     now = b.now
     for round_seq, load in sorted(b.state.loads.items()):
         if load.ack_deadline is not None:
@@ -330,7 +305,7 @@ def _tick(b: Builder[ConsumerState, ev.ConsumerEvent], t: Timings) -> None:
     _maybe_finished(b)
 
 
-def _session_ended(b: Builder[ConsumerState, ev.ConsumerEvent], ended: inp.SessionEnded) -> None:
+def _session_ended(b: _B, ended: inp.SessionEnded) -> None:
     if b.state.session_lost:
         return  # its loads are held: the session ended once already
     reason = ended.reason
@@ -355,7 +330,7 @@ def _session_ended(b: Builder[ConsumerState, ev.ConsumerEvent], ended: inp.Sessi
     b.emit(ev.Finished(**b.head, phase=phase, reason=summary))
 
 
-def _writes_settled(b: Builder[ConsumerState, ev.ConsumerEvent], reason: str) -> None:
+def _writes_settled(b: _B, reason: str) -> None:
     """The loads held for a late write fail now: none can land any more."""
     held = [(r, load) for r, load in sorted(b.state.loads.items()) if load.held]
     for round_seq, load in held:
@@ -364,7 +339,7 @@ def _writes_settled(b: Builder[ConsumerState, ev.ConsumerEvent], reason: str) ->
         _maybe_finished(b)
 
 
-def _maybe_finished(b: Builder[ConsumerState, ev.ConsumerEvent]) -> None:
+def _maybe_finished(b: _B) -> None:
     s = b.state
     if (s.finishing or s.session_lost) and not s.loads:
         reason = s.problem if s.problem else "finished"
@@ -416,9 +391,4 @@ def probe_answer(state: ConsumerState, key: bytes) -> inp.LookupResult:
     first). Once the request has finished, failed its lookup or lost its
     session, every key is a MISS: the engine computes it locally.
     """
-    if _answers_miss(state):
-        return inp.LookupResult.MISS
-    answer = state.probes.get(key)
-    if answer is None:
-        return inp.LookupResult.RETRY
-    return inp.LookupResult.HIT if answer else inp.LookupResult.MISS
+    return inp.LookupResult.MISS if _answers_miss(state) else _ANSWER[state.probes.get(key)]

@@ -9,35 +9,23 @@ applies it (forward only; ``Finished`` sets its own terminal phase). Both
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final, get_args
+from typing import Any, ClassVar, Final
 
 import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.events import ConsumerPhase, check_follows
-from p2pactor.core.events_base import filed_under
-from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.builder import ActorRecord, evolver, filed_under
+from p2pactor.core.events import ConsumerPhase
+from p2pactor.core.ids import Role
 
-__all__ = [
-    "CONSUMER_FOLDS",
-    "CONSUMER_PHASE_AT",
-    "ConsumerState",
-    "Load",
-    "consumer_phase_after",
-    "evolve_consumer",
-]
-
+# The non-terminal phase each event moves a consumer to (if it is further on). ``Finished`` moves it
+# to the terminal phase the event names; any other event leaves the phase as it is.
 CONSUMER_PHASE_AT: Final[Mapping[type[ev.Event], ConsumerPhase]] = {
     ev.Probed: ConsumerPhase.PROBING,
     ev.FetchSent: ConsumerPhase.FETCH_SENT,
     ev.LookupCancelled: ConsumerPhase.FETCH_SENT,
 }
-"""The non-terminal phase each event moves a consumer to (if it is further on).
-
-``Finished`` moves it to the terminal phase the event names; any other event
-leaves the phase as it is.
-"""
 
 # Phases in the order they may be entered; evolve never moves backwards.
 _ORDER: Final = {phase: rank for rank, phase in enumerate(ConsumerPhase)}
@@ -68,7 +56,7 @@ class Load(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         return self.ack_deadline is not None
 
 
-class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+class ConsumerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     """Everything a consumer actor knows, rebuilt exactly by replaying its events.
 
     Attributes:
@@ -95,8 +83,8 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         problem: What made the outcome worse, first time it got worse.
     """
 
-    actor: ActorId
-    seq: int = 0
+    ROLE: ClassVar[Role] = Role.CONSUMER
+
     phase: ConsumerPhase = ConsumerPhase.REGISTERED
     round_seq: int | None = None
     probes: Mapping[bytes, bool | None] = msgspec.field(default_factory=dict)
@@ -110,13 +98,6 @@ class ConsumerState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     session_lost: bool = False
     outcome: ConsumerPhase = ConsumerPhase.DONE
     problem: str = ""
-
-    @classmethod
-    def new(cls, actor: ActorId) -> ConsumerState:
-        """The state of a consumer before its first event."""
-        if actor.role is not Role.CONSUMER:
-            raise ValueError(f"{actor} is not a consumer")
-        return cls(actor=actor)
 
     def waiting_keys(self) -> tuple[bytes, ...]:
         """Keys asked on the wire and not answered yet."""
@@ -160,24 +141,12 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
 
 
 _Arm = Callable[[ConsumerState, Any], ConsumerState]
+# How each consumer event changes the state: ``evolve_consumer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
 CONSUMER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
-"""How each consumer event changes the state: ``evolve_consumer``'s table, without its
-checks of actor and sequence (for a caller that made them: replay)."""
 
 
 _arm = filed_under(CONSUMER_FOLDS)
-
-
-def evolve_consumer(state: ConsumerState, event: ev.ConsumerEvent) -> ConsumerState:
-    """Apply one event to a consumer state; pure. One copy of the state per event.
-
-    Raises:
-        ReplayError: The event belongs to another actor or does not follow the
-            last one applied.
-    """
-    check_follows(state.actor, state.seq, event)
-    # A table, not a match: a match tries its arms in turn (about 0.1 µs each).
-    return CONSUMER_FOLDS[type(event)](state, event)
 
 
 @_arm(ev.Opened)
@@ -328,7 +297,7 @@ def _session_lost(s: ConsumerState, e: ev.SessionLost) -> ConsumerState:
     return replace(s, seq=e.seq, session_lost=True, lookup_deadline=None, loads=loads)
 
 
-# Every consumer event has its arm, and nothing else does (mypy cannot see a
-# table's coverage as it sees a match's).
-_UNMATCHED = set(CONSUMER_FOLDS) ^ set(get_args(ev.ConsumerEvent))
-assert not _UNMATCHED, _UNMATCHED
+# Apply one event to a consumer state; pure (ReplayError if it does not follow).
+evolve_consumer: Callable[[ConsumerState, ev.ConsumerEvent], ConsumerState] = evolver(
+    CONSUMER_FOLDS, ev.ConsumerEvent
+)

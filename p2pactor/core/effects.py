@@ -14,24 +14,8 @@ import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
-from p2pactor.core.events_base import filed_under
+from p2pactor.core.builder import filed_under
 from p2pactor.core.ids import ActorId
-
-__all__ = [
-    "EFFECTFUL",
-    "Disconnect",
-    "Effect",
-    "ParentClose",
-    "ParentLookup",
-    "ParentRequest",
-    "ReleasePin",
-    "ReportLoad",
-    "Retire",
-    "Send",
-    "StartTransfer",
-    "context_name",
-    "effects_of",
-]
 
 
 class Send(msgspec.Struct, frozen=True, gc=False):
@@ -79,8 +63,8 @@ class ParentClose(msgspec.Struct, frozen=True, gc=False):
     context: str
 
 
+# What a producer actor may ask of the parent; served only with the handle.
 ParentRequest = ParentLookup | ParentClose
-"""What a producer actor may ask of the parent; served only with the handle."""
 
 
 class ReleasePin(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -108,6 +92,7 @@ class Retire(msgspec.Struct, frozen=True, gc=False):
     """The actor reached a terminal state; its task may end."""
 
 
+# Anything an event asks the runtime to do.
 Effect = (
     Send
     | StartTransfer
@@ -118,7 +103,6 @@ Effect = (
     | Disconnect
     | Retire
 )
-"""Anything an event asks the runtime to do."""
 
 
 def context_name(actor: ActorId, lookup_id: int) -> str:
@@ -317,8 +301,8 @@ def _rejected(e: ev.Rejected) -> tuple[Effect, ...]:
     return (Disconnect(f"{e.violation.value} in {e.input}: {e.detail}"),)
 
 
+# The event types that make the runtime do something; every other event is a record only.
 EFFECTFUL: Final[frozenset[type[ev.Event]]] = frozenset(_MAKERS)
-"""The event types that make the runtime do something; every other event is a record only."""
 
 
 def effects_of(event: ev.AnyEvent) -> tuple[Effect, ...]:

@@ -2,51 +2,48 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Final, get_args
+from collections.abc import Callable, Iterable
+from typing import Any, Final, get_args
 
 from p2pactor.core import events as ev
-from p2pactor.core.consumer import ConsumerState, evolve_consumer, next_consumer_deadline
-from p2pactor.core.consumer_state import consumer_phase_after
+from p2pactor.core.consumer import next_consumer_deadline
+from p2pactor.core.consumer_state import ConsumerState, consumer_phase_after, evolve_consumer
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import (
-    ProducerPhase,
-    ProducerState,
-    evolve_producer,
-    next_producer_deadline,
-)
-from p2pactor.core.producer_state import PRODUCER_PHASE_AT
+from p2pactor.core.producer import next_producer_deadline
+from p2pactor.core.producer_evolve import evolve_producer
+from p2pactor.core.producer_state import PRODUCER_PHASE_AT, ProducerPhase, ProducerState
 from p2pactor.errors import ReplayError
 
-__all__ = [
-    "PRODUCER_PHASE_AT",
-    "ActorState",
-    "Phase",
-    "evolve",
-    "fold",
-    "initial_phase",
-    "initial_state",
-    "is_terminal",
-    "next_deadline",
-    "phase_after",
-]
-
+# The state of an actor of either role.
 ActorState = ConsumerState | ProducerState
-"""The state of an actor of either role."""
 
+# A phase of either role.
 Phase = ConsumerPhase | ProducerPhase
-"""A phase of either role."""
 
-_CONSUMER_KINDS: Final = frozenset(get_args(ev.ConsumerEvent))
-_PRODUCER_KINDS: Final = frozenset(get_args(ev.ProducerEvent))
+# Each role's state type: its events, its evolve, its next deadline, its name.
+_Role = tuple[
+    frozenset[type[ev.Event]], Callable[[Any, Any], ActorState], Callable[[Any], float | None], str
+]
+_ROLES: Final[dict[type, _Role]] = {
+    ConsumerState: (
+        frozenset(get_args(ev.ConsumerEvent)),
+        evolve_consumer,
+        next_consumer_deadline,
+        "consumer",
+    ),
+    ProducerState: (
+        frozenset(get_args(ev.ProducerEvent)),
+        evolve_producer,
+        next_producer_deadline,
+        "producer",
+    ),
+}
 
 
 def initial_state(actor: ActorId) -> ActorState:
     """The state of ``actor`` before its first event."""
-    if actor.role is Role.CONSUMER:
-        return ConsumerState.new(actor)
-    return ProducerState.new(actor)
+    return (ConsumerState if actor.role is Role.CONSUMER else ProducerState).new(actor)
 
 
 def evolve(state: ActorState, event: ev.AnyEvent) -> ActorState:
@@ -56,14 +53,11 @@ def evolve(state: ActorState, event: ev.AnyEvent) -> ActorState:
         ReplayError: The event does not belong to this actor, is of the other
             role, or breaks the sequence.
     """
+    kinds, evolve_role, _, role = _ROLES[type(state)]
     try:
-        if isinstance(state, ConsumerState):
-            if type(event) not in _CONSUMER_KINDS:
-                raise ReplayError(f"{event.KIND} is not a consumer event ({state.actor})")
-            return evolve_consumer(state, event)  # type: ignore[arg-type]
-        if type(event) not in _PRODUCER_KINDS:
-            raise ReplayError(f"{event.KIND} is not a producer event ({state.actor})")
-        return evolve_producer(state, event)  # type: ignore[arg-type]
+        if type(event) not in kinds:
+            raise ReplayError(f"{event.KIND} is not a {role} event ({state.actor})")
+        return evolve_role(state, event)
     except (KeyError, ValueError) as exc:
         # evolve trusts its input; a log that names a lookup, round or job the
         # state never had is corrupt, and says so in one exception type.
@@ -109,13 +103,9 @@ def phase_after(phase: Phase, event: ev.AnyEvent) -> Phase:
 
 def is_terminal(state: ActorState) -> bool:
     """Whether the actor has ended (terminal states absorb every input)."""
-    if isinstance(state, ConsumerState):
-        return state.phase.terminal
-    return state.phase is ProducerPhase.CLOSED
+    return state.phase.terminal
 
 
 def next_deadline(state: ActorState) -> float | None:
     """When the actor next needs a tick, if ever."""
-    if isinstance(state, ConsumerState):
-        return next_consumer_deadline(state)
-    return next_producer_deadline(state)
+    return _ROLES[type(state)][2](state)

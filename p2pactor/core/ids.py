@@ -6,8 +6,6 @@ import enum
 
 import msgspec
 
-__all__ = ["ActorId", "IdentityEnum", "Role"]
-
 
 class IdentityEnum(enum.Enum):
     """An enum whose members hash by identity, in C.
@@ -21,13 +19,15 @@ class IdentityEnum(enum.Enum):
 
 
 class Role(IdentityEnum):
-    """Which side of a request an actor plays."""
+    """Which side of a request an actor plays.
+
+    Attributes:
+        CONSUMER: Our request, pulling blocks from a peer.
+        PRODUCER: A peer's request, served from our blocks.
+    """
 
     CONSUMER = "consumer"
-    """Our request, pulling blocks from a peer."""
-
     PRODUCER = "producer"
-    """A peer's request, served from our blocks."""
 
 
 class ActorId(msgspec.Struct, frozen=True, gc=False, cache_hash=True):

@@ -17,34 +17,21 @@ from p2pactor.core.choice import Choice
 from p2pactor.core.events import Quota
 from p2pactor.core.ids import IdentityEnum
 
-__all__ = [
-    "AddStore",
-    "Finish",
-    "Flush",
-    "LookupResult",
-    "OverQuota",
-    "ParentAnswer",
-    "Pin",
-    "Register",
-    "SessionEnded",
-    "SubmitLoad",
-    "Tick",
-    "TransferResult",
-    "WritesSettled",
-]
-
 
 class LookupResult(IdentityEnum):
-    """What a cache says about one key (the same four answers as vLLM's)."""
+    """What a cache says about one key (the same four answers as vLLM's).
+
+    Attributes:
+        HIT: Present and readable now.
+        MISS: Not present.
+        HIT_PENDING: Present but not readable yet (a write or promotion in flight).
+        RETRY: Not known yet; ask again later.
+    """
 
     HIT = "hit"
-    """Present and readable now."""
     MISS = "miss"
-    """Not present."""
     HIT_PENDING = "hit_pending"
-    """Present but not readable yet (a write or promotion in flight)."""
     RETRY = "retry"
-    """Not known yet; ask again later."""
 
 
 class Register(msgspec.Struct, frozen=True, gc=False):

@@ -38,13 +38,6 @@ from p2pactor.core.producer_lookups import (
     _on_parent_answer,
     _tick_lookups,
 )
-from p2pactor.core.producer_pins import (
-    PIN_EXPIRED,
-    _expirable,
-    _expire_pins,
-    _release_stores,
-    pin_expired,
-)
 from p2pactor.core.producer_rounds import (
     _on_abort,
     _on_fetch,
@@ -52,35 +45,13 @@ from p2pactor.core.producer_rounds import (
     _on_transfer_result,
     _sweep_round,
 )
-from p2pactor.core.producer_state import (
-    _B,
-    ActiveLookup,
-    PinJob,
-    ProducerPhase,
-    ProducerState,
-    RoundState,
-    Supply,
-    Transfer,
-)
+from p2pactor.core.producer_state import _B, _expirable, _expire_pins, _release_stores
+from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
+from p2pactor.core.producer_state import ProducerState as ProducerState
+from p2pactor.core.producer_state import pin_expired as pin_expired
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
-__all__ = [
-    "PIN_EXPIRED",
-    "ActiveLookup",
-    "PinJob",
-    "ProducerInput",
-    "ProducerPhase",
-    "ProducerState",
-    "RoundState",
-    "Supply",
-    "Transfer",
-    "decide_producer",
-    "evolve_producer",
-    "next_producer_deadline",
-    "pin_expired",
-    "step_producer",
-]
-
+# Everything a producer actor reacts to.
 ProducerInput = (
     wire.Lookup
     | wire.Fetch
@@ -93,7 +64,6 @@ ProducerInput = (
     | inp.Tick
     | inp.SessionEnded
 )
-"""Everything a producer actor reacts to."""
 
 
 def step_producer(
@@ -133,23 +103,14 @@ def step_producer(
         case inp.Finish():
             _on_local_finish(b)
         case inp.Tick():
-            _tick(b, timings)
+            _tick_lookups(b)
+            _expire_pins(b, timings)
         case inp.SessionEnded():
             _on_session_ended(b, event_input.reason)
         case _:
             assert_never(event_input)
     _sweep(b)
     return b.state, tuple(b.events)
-
-
-def decide_producer(
-    state: ProducerState,
-    event_input: ProducerInput,
-    now: float,
-    timings: Timings = DEFAULT_TIMINGS,
-) -> tuple[ev.ProducerEvent, ...]:
-    """The events that ``event_input`` at time ``now`` produces; pure."""
-    return step_producer(state, event_input, now, timings)[1]
 
 
 def _on_local_finish(b: _B) -> None:
@@ -164,11 +125,6 @@ def _on_session_ended(b: _B, reason: str) -> None:
         return
     b.emit(ev.SessionLost(**b.head, reason=reason))
     _drop_lookups(b, f"session lost: {reason}")
-
-
-def _tick(b: _B, t: Timings) -> None:
-    _tick_lookups(b)
-    _expire_pins(b, t)
 
 
 def _sweep(b: _B) -> None:

@@ -2,94 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Final, TypeVar, get_args
+from collections.abc import Callable
+from typing import Any, Final
 
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.events import check_follows
-from p2pactor.core.events_base import filed_under
+from p2pactor.core.builder import evolver, filed_under
 from p2pactor.core.producer_state import (
     PRODUCER_PHASE_AT,
     ActiveLookup,
     PinJob,
     ProducerState,
-    RoundState,
     Supply,
     Transfer,
+    _drop,
+    _pool_take,
+    _put,
+    _round,
+    _with_lookup,
 )
-
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-def _put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
-    out = dict(mapping)
-    out[key] = value
-    return out
-
-
-def _drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
-    out = dict(mapping)
-    out.pop(key, None)
-    return out
-
-
-def _pool_take(
-    pool: Mapping[bytes, tuple[Supply, ...]], key: bytes, job_id: int
-) -> dict[bytes, tuple[Supply, ...]]:
-    """Remove one entry of ``job_id`` for ``key`` from the pool."""
-    out = dict(pool)
-    entries = list(out.get(key, ()))
-    for i, sup in enumerate(entries):
-        if sup.job_id == job_id:
-            del entries[i]
-            break
-    if entries:
-        out[key] = tuple(entries)
-    else:
-        out.pop(key, None)
-    return out
-
-
-def _evolve_transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
-    rnd = s.rounds[e.round_seq]
-    demand = list(rnd.demand)
-    pool = s.pool
-    for key, remote, job_id in zip(e.keys, e.remote_blocks, e.job_ids, strict=True):
-        demand.remove((key, remote))
-        in_round = rnd.supply.get(key)
-        # Round supply is pinned for this round's one fetch and may be read more
-        # than once; pool blocks are handed out once each, as vLLM does.
-        if in_round is None or in_round.job_id != job_id:
-            pool = _pool_take(pool, key, job_id)
-    jobs = dict(s.jobs)
-    for job_id in set(e.job_ids):
-        job = jobs[job_id]
-        jobs[job_id] = replace(
-            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
-        )
-    rounds = dict(s.rounds)
-    rounds[e.round_seq] = replace(
-        rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
-    )
-    transfers = dict(s.transfers)
-    transfers[e.transfer_id] = Transfer(
-        transfer_id=e.transfer_id,
-        round_seq=e.round_seq,
-        job_ids=frozenset(e.job_ids),
-        blocks=len(e.keys),
-    )
-    return replace(
-        s,
-        seq=e.seq,
-        rounds=rounds,
-        jobs=jobs,
-        pool=pool,
-        transfers=transfers,
-        next_transfer_id=e.transfer_id + 1,
-    )
 
 
 def _evolve_transfer_ended(
@@ -190,33 +122,13 @@ def _pinned(s: ProducerState, seq: int, round_seq: int, pin: ev.Pinned) -> Produ
     return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds)
 
 
-def _round(s: ProducerState, round_seq: int) -> RoundState:
-    return s.rounds.get(round_seq) or RoundState(round_seq=round_seq)
-
-
-def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerState:
-    return replace(s, seq=seq, lookups=_put(s.lookups, lookup.lookup_id, lookup))
-
-
 _Arm = Callable[[ProducerState, Any], ProducerState]
+# How each producer event changes the state: ``evolve_producer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
 PRODUCER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
-"""How each producer event changes the state: ``evolve_producer``'s table, without its
-checks of actor and sequence (for a caller that made them: replay)."""
 
 
 _arm = filed_under(PRODUCER_FOLDS)
-
-
-def evolve_producer(state: ProducerState, event: ev.ProducerEvent) -> ProducerState:
-    """Apply one event to a producer state; pure. One copy of the state per event.
-
-    Raises:
-        ReplayError: The event belongs to another actor or does not follow the
-            last one applied.
-    """
-    check_follows(state.actor, state.seq, event)
-    # A table, not a match: a match tries its arms in turn (about 0.1 µs each).
-    return PRODUCER_FOLDS[type(event)](state, event)
 
 
 @_arm(ev.LookupReceived)
@@ -342,17 +254,48 @@ def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
 
 @_arm(ev.TransferStarted)
 def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
-    return _evolve_transfer_started(s, e)
+    rnd = s.rounds[e.round_seq]
+    demand = list(rnd.demand)
+    pool = s.pool
+    for key, remote, job_id in zip(e.keys, e.remote_blocks, e.job_ids, strict=True):
+        demand.remove((key, remote))
+        in_round = rnd.supply.get(key)
+        # Round supply is pinned for this round's one fetch and may be read more
+        # than once; pool blocks are handed out once each, as vLLM does.
+        if in_round is None or in_round.job_id != job_id:
+            pool = _pool_take(pool, key, job_id)
+    jobs = dict(s.jobs)
+    for job_id in set(e.job_ids):
+        job = jobs[job_id]
+        jobs[job_id] = replace(
+            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
+        )
+    rounds = dict(s.rounds)
+    rounds[e.round_seq] = replace(
+        rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
+    )
+    transfers = dict(s.transfers)
+    transfers[e.transfer_id] = Transfer(
+        transfer_id=e.transfer_id,
+        round_seq=e.round_seq,
+        job_ids=frozenset(e.job_ids),
+        blocks=len(e.keys),
+    )
+    return replace(
+        s,
+        seq=e.seq,
+        rounds=rounds,
+        jobs=jobs,
+        pool=pool,
+        transfers=transfers,
+        next_transfer_id=e.transfer_id + 1,
+    )
 
 
-@_arm(ev.TransferCompleted)
-def _transfer_completed(s: ProducerState, e: ev.TransferCompleted) -> ProducerState:
-    return _evolve_transfer_ended(s, e.seq, e.transfer_id, None)
-
-
-@_arm(ev.TransferFailed)
-def _transfer_failed(s: ProducerState, e: ev.TransferFailed) -> ProducerState:
-    return _evolve_transfer_ended(s, e.seq, e.transfer_id, e.reason)
+@_arm(ev.TransferCompleted, ev.TransferFailed)
+def _transfer_ended(s: ProducerState, e: ev.TransferCompleted | ev.TransferFailed) -> ProducerState:
+    failure = e.reason if isinstance(e, ev.TransferFailed) else None
+    return _evolve_transfer_ended(s, e.seq, e.transfer_id, failure)
 
 
 @_arm(ev.FinishRequested)
@@ -447,7 +390,7 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
     return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, aborted), jobs=jobs)
 
 
-# Every producer event has its arm, and nothing else does (mypy cannot see a
-# table's coverage as it sees a match's).
-_UNMATCHED = set(PRODUCER_FOLDS) ^ set(get_args(ev.ProducerEvent))
-assert not _UNMATCHED, _UNMATCHED
+# Apply one event to a producer state; pure (ReplayError if it does not follow).
+evolve_producer: Callable[[ProducerState, ev.ProducerEvent], ProducerState] = evolver(
+    PRODUCER_FOLDS, ev.ProducerEvent
+)

@@ -8,8 +8,7 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota, Violation
-from p2pactor.core.producer_pins import _release
-from p2pactor.core.producer_state import _B, ActiveLookup, ProducerPhase, ProducerState
+from p2pactor.core.producer_state import _B, ActiveLookup, ProducerPhase, ProducerState, _release
 from p2pactor.core.timings import Timings
 
 

@@ -7,8 +7,14 @@ from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.events import Violation
 from p2pactor.core.producer_lookups import _drop_lookups, _reject
-from p2pactor.core.producer_pins import _release_round_jobs
-from p2pactor.core.producer_state import _B, ProducerPhase, ProducerState, RoundState, Supply
+from p2pactor.core.producer_state import (
+    _B,
+    ProducerPhase,
+    ProducerState,
+    RoundState,
+    Supply,
+    _release_round_jobs,
+)
 from p2pactor.core.timings import Timings
 
 

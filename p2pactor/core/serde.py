@@ -22,16 +22,14 @@ import msgspec
 from p2pactor.core.events import EVENT_TYPES, AnyEvent, Event
 from p2pactor.errors import EventFormatError
 
-__all__ = ["EVENT_DECODER", "Format", "decode_event", "decode_legacy_event", "encode_event"]
-
+# The two encodings of an event.
 Format = Literal["msgpack", "json"]
-"""The two encodings of an event."""
 
 _MSGPACK: Final = msgspec.msgpack.Encoder()
 _JSON: Final = msgspec.json.Encoder()
+# msgspec's decoder of this version's records (msgpack), for readers that handle its errors
+# themselves (by calling :func:`decode_event`, which says what they are).
 EVENT_DECODER: Final = msgspec.msgpack.Decoder(AnyEvent)
-"""msgspec's decoder of this version's records (msgpack), for readers that handle
-its errors themselves (by calling :func:`decode_event`, which says what they are)."""
 
 _Decoder = msgspec.msgpack.Decoder[Any] | msgspec.json.Decoder[Any]
 _DECODERS: Final[dict[str, _Decoder]] = {

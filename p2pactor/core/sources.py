@@ -10,7 +10,7 @@ that finds a request's candidate peers at once; keeps per peer its epoch, its
 sequence and how often its claims held when probed; and chooses, for a
 request's keys in order, the peer worth one lookup.
 
-Sans-IO like :mod:`p2pactor.core.stores`: no I/O, no clock (``now`` is an
+Sans-IO: no I/O, no clock (``now`` is an
 argument), and every method returns what the runtime must do, as data (a
 :class:`Resync` to send, a :class:`Choice` to record and act on). A peer's
 claims only steer performance: a false claim costs one lookup that answers

@@ -12,9 +12,6 @@ import attrs
 
 from p2pactor.core import checks
 
-__all__ = ["DEFAULT_TIMINGS", "Timings"]
-
-
 # A timer may be inf: never.
 _positive = checks.positive(finite=False)
 
@@ -48,5 +45,5 @@ class Timings:
     pin_timeout: float = attrs.field(default=30.0, validator=_positive)
 
 
+# vLLM 0.33.0's timers.
 DEFAULT_TIMINGS = Timings()
-"""vLLM 0.33.0's timers."""

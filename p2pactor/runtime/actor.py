@@ -32,12 +32,10 @@ from p2pactor.core.producer import ProducerInput, next_producer_deadline, step_p
 from p2pactor.core.timings import Timings
 from p2pactor.runtime.logcontext import request_context
 
-__all__ = ["ActorHost", "ActorInput", "RequestActor", "Runner"]
-
 log = logging.getLogger("p2pactor.actor")
 
+# Anything an actor of either role reacts to.
 ActorInput = ConsumerInput | ProducerInput
-"""Anything an actor of either role reacts to."""
 
 # A role's step with its timings (and first round) bound: state, input, now.
 _Decide = Callable[[Any, Any, float], tuple[Any, tuple[ev.AnyEvent, ...]]]
@@ -82,8 +80,8 @@ class RequestActor:
         state: Its current state; replaced, never mutated, after every step.
         deadline: When it next needs a :class:`~p2pactor.core.inputs.Tick`
             (``next_deadline(state)``), or None.
-        abandoned: Its session closed without it ending (the drain gave up):
-            it takes no input any more, and what it held was reported.
+        done: Whether it reached a terminal state or was abandoned (its session
+            closed without it ending): it takes no input any more.
 
     A consumer's ``first_round`` is the round its first lookup or fetch takes
     (its session numbers them); a producer's rounds are the peer's.
@@ -93,7 +91,6 @@ class RequestActor:
         "_decide",
         "_host",
         "_next_deadline",
-        "abandoned",
         "deadline",
         "done",
         "id",
@@ -106,9 +103,7 @@ class RequestActor:
         self.id = actor_id
         self.state: ActorState = initial_state(actor_id)
         self.deadline: float | None = None
-        self.abandoned = False
         self.done = False
-        """Whether the actor reached a terminal state (or was abandoned)."""
         self._host = host
         # The role's core functions, bound once: a step does no dispatch of its own.
         self._decide: _Decide
@@ -122,11 +117,6 @@ class RequestActor:
     def __repr__(self) -> str:
         return f"<RequestActor {self.id} seq={self.state.seq}>"
 
-    @property
-    def host(self) -> ActorHost:
-        """The session that owns the actor."""
-        return self._host
-
     def step(self, event_input: ActorInput, now: float) -> None:
         """Feed one input through the core at ``now`` and hand its events to the host.
 
@@ -139,14 +129,7 @@ class RequestActor:
         try:
             self.state, events = self._decide(self.state, host.admit(self, event_input), now)
         except Exception as exc:  # a bug in the core must not take the node down
-            log.exception(
-                "%s: the core failed on %r; input dropped (a bug in p2pactor: please report "
-                "it with this traceback)",
-                self.id,
-                event_input,
-                extra=request_context(self.id.peer, self.id.kv_request_id),
-            )
-            host.actor_failed(self, event_input, exc)
+            self._bug(f"the core failed on {event_input!r}; input dropped", event_input, exc)
             return
         host.actor_handled(self, event_input)
         if not events:
@@ -159,14 +142,17 @@ class RequestActor:
         try:
             host.actor_stepped(self, events)
         except Exception as exc:  # nor may a bug in performing its effects
-            log.exception(
-                "%s: performing the effects of %s failed (a bug in p2pactor: please report "
-                "it with this traceback)",
-                self.id,
-                [e.KIND for e in events],
-                extra=request_context(self.id.peer, self.id.kv_request_id),
-            )
-            host.actor_failed(self, event_input, exc)
+            kinds = [e.KIND for e in events]
+            self._bug(f"performing the effects of {kinds} failed", event_input, exc)
+
+    def _bug(self, what: str, event_input: ActorInput, exc: Exception) -> None:
+        log.exception(
+            "%s: %s (a bug in p2pactor: please report it with this traceback)",
+            self.id,
+            what,
+            extra=request_context(self.id.peer, self.id.kv_request_id),
+        )
+        self._host.actor_failed(self, event_input, exc)
 
     def expire(self) -> None:
         """Its deadline passed: hand it a tick (the node's timer calls this)."""
@@ -174,7 +160,6 @@ class RequestActor:
 
     def abandon(self) -> None:
         """Take no input any more (its session closed without it ending)."""
-        self.abandoned = True
         self.done = True
         self.deadline = None
 

@@ -22,7 +22,7 @@ The node is a facade over its parts, each in its module: the runner and the
 timer that step actors (:mod:`p2pactor.runtime.actor`, :mod:`p2pactor.runtime.timers`), the
 sessions and their accept policy (:mod:`p2pactor.runtime.peers`), the parent service
 (:mod:`p2pactor.runtime.serving`), the stores of prefill/decode requests
-(:mod:`p2pactor.runtime.stores`, its policy in :mod:`p2pactor.core.stores`) and the
+(:mod:`p2pactor.runtime.stores`) and the
 engine bridge (:mod:`p2pactor.runtime.engine`, :mod:`p2pactor.runtime.threadsafe`). The
 operator surface (metrics, ``/status``, the timeline) attaches from outside
 (:mod:`p2pactor.surface.attach`).

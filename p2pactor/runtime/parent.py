@@ -23,8 +23,6 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import P2PActorError
 from p2pactor.runtime.logcontext import parent_request_context
 
-__all__ = ["CacheFull", "EmbeddedCache", "Parent", "ParentMisuse", "serve_parent_request"]
-
 log = logging.getLogger("p2pactor.parent")
 
 
@@ -85,12 +83,7 @@ def serve_parent_request(
         try:
             parent.on_new_request(request.context)
         except Exception:
-            log.exception(
-                "parent refused to open %s; answering MISS (a bug in the engine's parent: "
-                "see the traceback)",
-                request.context,
-                extra=parent_request_context(request.context),
-            )
+            _parent_failed("refused to open", request.context, "answering MISS")
             misses = tuple((key, LookupResult.MISS) for key in request.keys)
             return inp.ParentAnswer(lookup_id=request.lookup_id, results=misses)
     results: list[tuple[bytes, LookupResult]] = []
@@ -98,12 +91,7 @@ def serve_parent_request(
         try:
             result = parent.lookup(key, request.context)
         except Exception:
-            log.exception(
-                "parent lookup failed in %s; answering MISS (a bug in the engine's parent: "
-                "see the traceback)",
-                request.context,
-                extra=parent_request_context(request.context),
-            )
+            _parent_failed("lookup failed in", request.context, "answering MISS")
             result = LookupResult.MISS
         results.append((key, result))
     hits = [k for k, r in results if r is LookupResult.HIT]
@@ -116,19 +104,23 @@ def serve_parent_request(
         try:
             pin = parent.create_store_job(hits, request.context)
         except Exception:
-            log.exception(
-                "parent could not pin %d hits in %s; none pinned (a bug in the engine's "
-                "parent: see the traceback)",
-                len(hits),
-                request.context,
-                extra=parent_request_context(request.context),
-            )
+            _parent_failed(f"could not pin {len(hits)} hits in", request.context, "none pinned")
     return inp.ParentAnswer(
         lookup_id=request.lookup_id,
         results=tuple(results),
         pin=pin,
         refused=tuple(refused),
         refusal=refusal if refused else "",
+    )
+
+
+def _parent_failed(what: str, context: str, so: str) -> None:
+    log.exception(
+        "parent %s %s; %s (a bug in the engine's parent: see the traceback)",
+        what,
+        context,
+        so,
+        extra=parent_request_context(context),
     )
 
 
@@ -262,9 +254,7 @@ class EmbeddedCache:
         If ``key`` is stored already, the loaded copy is given back instead: the
         stored block may be pinned and read by a transfer right now.
         """
-        self._pins[block] -= 1
-        if self._pins[block] <= 0:
-            del self._pins[block]
+        self._unpin((block,))
         if key in self._index:
             self._free.append(block)
             return
@@ -276,15 +266,19 @@ class EmbeddedCache:
 
     def free(self, blocks: Sequence[int]) -> None:
         """Give back blocks from :meth:`allocate` whose load failed."""
-        for block in blocks:
-            self._pins[block] -= 1
-            if self._pins[block] <= 0:
-                del self._pins[block]
-            self._free.append(block)
+        self._unpin(blocks)
+        self._free.extend(blocks)
 
     def pinned(self) -> int:
         """How many blocks are pinned right now."""
         return len(self._pins)
+
+    def _unpin(self, blocks: Sequence[int]) -> None:
+        pins = self._pins
+        for block in blocks:
+            pins[block] -= 1
+            if pins[block] <= 0:
+                del pins[block]
 
     def _allocate(self) -> int:
         if self._free:
@@ -351,10 +345,7 @@ class EmbeddedCache:
         if blocks is None:
             raise ParentMisuse(f"job {job_id} released but not held (released twice?)")
         self.released[job_id] += 1
-        for block in blocks:
-            self._pins[block] -= 1
-            if self._pins[block] <= 0:
-                del self._pins[block]
+        self._unpin(blocks)
 
     def held_jobs(self) -> set[int]:
         """Jobs pinned and not released."""

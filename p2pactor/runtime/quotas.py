@@ -51,7 +51,8 @@ from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota
 from p2pactor.core.ids import ActorId
-from p2pactor.core.producer import ProducerState, RoundState
+from p2pactor.core.producer import ProducerState
+from p2pactor.core.producer_state import RoundState
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.logcontext import request_context
 

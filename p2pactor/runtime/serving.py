@@ -27,8 +27,6 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-import attrs
-
 from p2pactor.core import effects as fx
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult
@@ -39,22 +37,14 @@ from p2pactor.runtime.parent import Parent, serve_parent_request
 from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.timers import Timers
 
-__all__ = ["Answered", "ParentService"]
-
 log = logging.getLogger("p2pactor.node")
 
 
-@attrs.frozen
-class _Release:
-    job_id: int
-    success: bool
-
-
 # What producers ask of the parent, in order, with the actor owed the answer.
-_Item = tuple[RequestActor | None, fx.ParentRequest | _Release]
+_Item = tuple[RequestActor | None, fx.ParentRequest | fx.ReleasePin]
 
+# A parent answer and the actor it is for.
 Answered = tuple[RequestActor, inp.ParentAnswer]
-"""A parent answer and the actor it is for."""
 
 
 class ParentService:
@@ -93,17 +83,16 @@ class ParentService:
         self.deadline: float | None = None  # embedded: when parked lookups are asked again
 
     @property
-    def embedded(self) -> Parent | None:
-        """The in-process parent, if the node has one."""
-        return self._embedded
-
-    @property
     def pending(self) -> bool:
         """Whether any request waits (queued or parked). Any thread."""
         return bool(self._queue or self._parked)
 
-    def post(self, actor: RequestActor, request: fx.ParentRequest) -> None:
-        """Run ``request`` now (embedded) or at the next serve (lent). Node's thread."""
+    def post(self, actor: RequestActor | None, request: fx.ParentRequest | fx.ReleasePin) -> None:
+        """Run ``request`` now (embedded) or at the next serve (lent). Node's thread.
+
+        ``actor`` is owed a lookup's answer; None for a release or a close whose
+        actor is gone (its session closed with the request open).
+        """
         if self._embedded is None:
             self._queue.append((actor, request))
             return
@@ -115,34 +104,17 @@ class ParentService:
 
     def release(self, job_id: int, *, success: bool) -> None:
         """Release pin job ``job_id`` now (embedded) or at the next serve (lent)."""
-        if self._embedded is None:
-            self._queue.append((None, _Release(job_id, success)))
-        else:
-            self._one(self._embedded, None, _Release(job_id, success), self._clock())
+        self.post(None, fx.ReleasePin(job_id=job_id, success=success))
 
     def post_close(self, context: str) -> None:
-        """Close synthetic request ``context`` now (embedded) or at the next serve (lent).
-
-        For a request whose actor is gone (its session closed with it open).
-        """
-        if self._embedded is None:
-            self._queue.append((None, fx.ParentClose(context)))
-        else:
-            self._one(self._embedded, None, fx.ParentClose(context), self._clock())
-
-    def serve(self, parent: Parent) -> list[Answered]:
-        """Run the parked and the queued requests against a lent ``parent`` (any thread).
-
-        Returns:
-            The answers, for the node to step on its own thread.
-        """
-        return self._serve(parent)
+        """Close synthetic request ``context`` (its actor is gone) now or at the next serve."""
+        self.post(None, fx.ParentClose(context))
 
     def expire(self) -> None:
         """Ask the parked lookups again (embedded; the node's timer calls this)."""
         self.deadline = None
         if self._embedded is not None:
-            for answered in self._serve(self._embedded):
+            for answered in self.serve(self._embedded):
                 self._runner.deliver(*answered)
             self._arm()
 
@@ -151,23 +123,25 @@ class ParentService:
         parent = self._embedded
         if parent is None:
             return
-        for _, answer in self._serve(parent):
+        for _, answer in self.serve(parent):
             if answer.pin is not None:
-                self._quotas.released(answer.pin.job_id)
-                parent.release_job(answer.pin.job_id, success=False)
+                release = fx.ReleasePin(job_id=answer.pin.job_id, success=False)
+                self._one(parent, None, release, self._clock())
 
     def _arm(self) -> None:
         if self._parked and self.deadline is None:
             self.deadline = self._clock() + self._poll_interval
             self._timers.arm(self)
 
-    def _serve(self, parent: Parent, *, parked: bool = True) -> list[Answered]:
-        """Serve the queue, and (``parked``) the parked lookups first."""
+    def serve(self, parent: Parent) -> list[Answered]:
+        """Run the parked, then the queued requests against ``parent`` (lent: any thread).
+
+        Returns:
+            The answers, for the node to step on its own thread.
+        """
         answers: list[Answered] = []
         now = self._clock()
-        asked: list[_Item] = []
-        if parked:
-            asked, self._parked = self._parked, []
+        asked, self._parked = self._parked, []
         while True:
             if asked:
                 actor, request = asked.pop()
@@ -184,7 +158,7 @@ class ParentService:
         self,
         parent: Parent,
         actor: RequestActor | None,
-        request: fx.ParentRequest | _Release,
+        request: fx.ParentRequest | fx.ReleasePin,
         now: float,
     ) -> Answered | None:
         """Serve one request: the answer a lookup gets now, if any (else it is parked)."""
@@ -206,7 +180,7 @@ class ParentService:
                         context,
                         extra=parent_request_context(context, node=self._node_id),
                     )
-            case _Release(job_id, success):
+            case fx.ReleasePin(job_id=job_id, success=success):
                 self._quotas.released(job_id)
                 try:
                     parent.release_job(job_id, success=success)

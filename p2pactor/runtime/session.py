@@ -44,9 +44,8 @@ from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerState, pin_expired
 from p2pactor.errors import ProtocolError, UnknownMessageType
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
-from p2pactor.runtime.expiry_log import ExpiryWarnings
 from p2pactor.runtime.handshake import EXTENSION, ControlLink
-from p2pactor.runtime.logcontext import request_context
+from p2pactor.runtime.logcontext import ExpiryWarnings, request_context
 from p2pactor.runtime.process import ProcessWatch
 from p2pactor.runtime.session_host import SessionCloseResult, SessionHost, SessionState
 from p2pactor.runtime.transport import ControlConnection

@@ -1,10 +1,13 @@
-"""The store desk: the node's side of prefill/decode stores (policy: core.stores).
+"""The store desk: where the stored blocks of prefill/decode requests wait for their fetch.
 
-The pure :class:`~p2pactor.core.stores.StoreBook` decides where a store goes,
-when a waiting one is reaped and what a fetch binds; the desk does what it
-decides: gives stores to producers (through the runner), releases the pins of
-refused and reaped stores (through the parent service) with a WARNING saying
-why, and arms the node's timer for the book's next deadline.
+In a prefill/decode split the prefill engine *stores* a request's blocks
+(``Node.submit_store``) before, or after, the decode engine's fetch for that
+kv_request_id arrives. vLLM binds a request id to the session its fetch came
+on; stores for it go to that request's producer from then on. Until a fetch
+binds it, a store *waits* here; one that waits longer than
+``unbound_store_timeout`` is *reaped*: its pin released with a WARNING saying
+why, and nothing can be served under that id for a while (a late fetch fails at
+once, a late store is refused).
 """
 
 from __future__ import annotations
@@ -13,18 +16,21 @@ import logging
 from collections.abc import Callable
 
 from p2pactor.core import inputs as inp
-from p2pactor.core.stores import StoreBook, StoreRefused, Unbound
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.timers import Timers
 
-__all__ = ["StoreDesk"]
-
 log = logging.getLogger("p2pactor.node")
+
+# How long a reaped request id is remembered (vLLM keeps these 60 s too).
+REAPED_MEMORY_S = 60.0
 
 
 class StoreDesk:
     """Stores of prefill/decode requests, bound to their producers or waiting for a fetch.
+
+    A bound producer that has ended (``done``) takes no store: one for it waits
+    for the next fetch instead.
 
     Args:
         node_id: For log lines.
@@ -46,29 +52,40 @@ class StoreDesk:
         clock: Callable[[], float],
     ) -> None:
         self._node_id = node_id
+        self.unbound_timeout = unbound_timeout
         self._runner = runner
         self._timers = timers
         self._release = release
         self._clock = clock
-        self.book: StoreBook[RequestActor] = StoreBook(
-            unbound_timeout, alive=lambda actor: not actor.done
-        )
         self.deadline: float | None = None  # the reaper's, on the node's timer
+        self._bound: dict[str, RequestActor] = {}
+        self._waiting: dict[str, list[tuple[float, inp.AddStore]]] = {}
+        self._finished: set[str] = set()  # waiting ones the engine finished
+        self._reaped: dict[str, float] = {}
+        self._binds = 0
+
+    def _live(self, kv_request_id: str) -> RequestActor | None:
+        bound = self._bound.get(kv_request_id)
+        return None if bound is None or bound.done else bound
 
     def store(self, kv_request_id: str, store: inp.AddStore) -> None:
         """Give stored blocks to the request's producer, or keep them until its fetch."""
-        verdict = self.book.store(kv_request_id, store, self._clock())
-        if isinstance(verdict, StoreRefused):
+        bound = self._live(kv_request_id)
+        if bound is not None:
+            self._runner.deliver(bound, store)
+        elif kv_request_id in self._reaped:
             log.warning(
-                "%s",
-                verdict.reason,
+                "%s: refused a store that came after its blocks were released (no fetch "
+                "within unbound_store_timeout, %g s); raise it if fetches come this late",
+                kv_request_id,
+                self.unbound_timeout,
                 extra=request_context(None, kv_request_id, node=self._node_id),
             )
             self._release(store.job_id)
-        elif isinstance(verdict, Unbound):
-            self._arm()
         else:
-            self._runner.deliver(verdict, store)
+            self._bound.pop(kv_request_id, None)
+            self._waiting.setdefault(kv_request_id, []).append((self._clock(), store))
+            self._arm()
 
     def bind(self, actor: RequestActor) -> None:
         """A fetch opened ``actor``: the request's waiting stores go to it, then its finish.
@@ -78,38 +95,63 @@ class StoreDesk:
         finished at once, so its fetch fails now instead of at the consumer's
         30 s load timeout.
         """
-        stores, finished = self.book.bind(actor.id.kv_request_id, actor)
-        for store in stores:
+        kv_id = actor.id.kv_request_id
+        self._bound[kv_id] = actor
+        self._binds += 1
+        if self._binds % 1024 == 0:
+            # Ended producers bind nothing (every use checks): forget them, or a
+            # peer flooding fresh request ids piles them up here.
+            self.forget(lambda bound: bound.done)
+        waiting = self._waiting.pop(kv_id, [])
+        finished = kv_id in self._finished or kv_id in self._reaped
+        self._finished.discard(kv_id)
+        for _, store in waiting:
             self._runner.deliver(actor, store)
         if finished:
             self._runner.deliver(actor, inp.Finish())
 
     def finish(self, kv_request_id: str) -> None:
         """The engine stores no more for ``kv_request_id``: finish its producer, if bound."""
-        bound = self.book.finish(kv_request_id)
+        bound = self._live(kv_request_id)
         if bound is not None:
             self._runner.deliver(bound, inp.Finish())
+        elif kv_request_id in self._waiting:
+            self._finished.add(kv_request_id)
 
     def forget(self, ended: Callable[[RequestActor], bool]) -> None:
         """Forget the bindings whose producer ``ended`` says is gone (its session closed)."""
-        self.book.unbind(ended)
+        for kv_id in [k for k, actor in self._bound.items() if ended(actor)]:
+            del self._bound[kv_id]
 
     def expire(self) -> None:
         """Release the stores no fetch came for within ``unbound_store_timeout``."""
         self.deadline = None
-        for reaped in self.book.reap(self._clock()):
+        now = self._clock()
+        reaped: list[tuple[str, int]] = []
+        for kv_id, waiting in list(self._waiting.items()):
+            if waiting and waiting[0][0] <= now - self.unbound_timeout:
+                del self._waiting[kv_id]
+                self._finished.discard(kv_id)
+                self._reaped[kv_id] = now
+                reaped.extend((kv_id, store.job_id) for _, store in waiting)
+        for kv_id, when in list(self._reaped.items()):
+            if when <= now - REAPED_MEMORY_S:
+                del self._reaped[kv_id]
+        for kv_id, job_id in reaped:
             log.warning(
                 "no fetch came for %s within unbound_store_timeout (%g s); releasing its "
                 "stored blocks (check that the decode side runs and reaches this node)",
-                reaped.kv_request_id,
-                self.book.unbound_timeout,
-                extra=request_context(None, reaped.kv_request_id, node=self._node_id),
+                kv_id,
+                self.unbound_timeout,
+                extra=request_context(None, kv_id, node=self._node_id),
             )
-            self._release(reaped.job_id)
+            self._release(job_id)
         self._arm()
 
     def _arm(self) -> None:
-        deadline = self.book.next_deadline()
+        times = [w[0][0] + self.unbound_timeout for w in self._waiting.values() if w]
+        times.extend(at + REAPED_MEMORY_S for at in self._reaped.values())
+        deadline = min(times, default=None)
         if deadline is not None and (self.deadline is None or deadline < self.deadline):
             self.deadline = deadline
             self._timers.arm(self)

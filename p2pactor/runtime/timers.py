@@ -23,10 +23,8 @@ from typing import Protocol
 
 import trio
 
-__all__ = ["Timed", "Timers"]
-
+# Items expired before the timer task lets other tasks run (fairness).
 _FIRED_PER_TURN = 256
-"""Items expired before the timer task lets other tasks run (fairness)."""
 _MIN_REBUILD = 1024
 
 
@@ -65,10 +63,6 @@ class Timers:
             scope.deadline = when
         if len(self._heap) > 4 * _MIN_REBUILD and len(self._heap) % _MIN_REBUILD == 0:
             self._compact()
-
-    def next_deadline(self) -> float:
-        """The earliest armed deadline (``inf`` when nothing is armed); may be stale."""
-        return self._heap[0][0] if self._heap else math.inf
 
     async def run(self) -> None:
         """Expire items as their deadlines pass, forever."""

@@ -9,36 +9,7 @@ from typing import ClassVar
 
 import msgspec
 
-from p2pactor.core.events_base import Event, Ints, Keys, Quota
-
-__all__ = [
-    "AbortAckSent",
-    "AbortReceived",
-    "CloseRequested",
-    "Closed",
-    "ContextClosed",
-    "FetchReceived",
-    "FetchRefused",
-    "KeysPinned",
-    "KeysRefused",
-    "KeysResolved",
-    "LookupAnswered",
-    "LookupDropped",
-    "LookupLimited",
-    "LookupReceived",
-    "LookupRefused",
-    "ParentExpired",
-    "PendingExpired",
-    "PendingPolled",
-    "PinReleased",
-    "Pinned",
-    "RoundClosed",
-    "StoreAdded",
-    "TransferCompleted",
-    "TransferDoneSent",
-    "TransferFailed",
-    "TransferStarted",
-]
+from p2pactor.core.events.base import Event, Ints, Keys
 
 
 class LookupReceived(Event, frozen=True, kw_only=True):
@@ -205,86 +176,6 @@ class ContextClosed(Event, frozen=True, kw_only=True):
     """
 
     lookup_id: int
-
-
-class LookupRefused(Event, frozen=True, kw_only=True):
-    """A whole lookup was refused because the peer is over a quota.
-
-    It is answered at once, every key MISS; the parent is not asked and nothing
-    is pinned. Its round counts as looked up, so a fetch for it fails fast.
-
-    Attributes:
-        round_seq: The round it belongs to.
-        keys: Its keys in wire order, duplicates included (the answer's keys).
-        quota: Which quota the peer is over.
-        reason: The specifics, with the numbers, for the log.
-    """
-
-    round_seq: int
-    keys: Keys
-    quota: Quota
-    reason: str
-
-
-class LookupLimited(Event, frozen=True, kw_only=True):
-    """A lookup had more keys than the peer's quota allows: only a prefix is looked up.
-
-    Like :class:`LookupReceived`, but only the first ``admitted`` keys (in wire
-    order) go to the parent; the others are answered MISS and never pinned.
-    The one answer still lists every key.
-
-    Attributes:
-        lookup_id: Our number for this lookup, unique within the actor.
-        round_seq: The round it belongs to.
-        keys: All its keys in wire order, duplicates included.
-        admitted: How many keys, from the first, are looked up.
-        deadline: When admitted keys still pending are answered MISS.
-        reason: The specifics, with the numbers, for the log.
-    """
-
-    lookup_id: int
-    round_seq: int
-    keys: Keys
-    admitted: int
-    deadline: float
-    reason: str
-
-
-class KeysRefused(Event, frozen=True, kw_only=True):
-    """Hits of a lookup were not pinned because the peer is over a quota.
-
-    The keys are answered MISS (the :class:`KeysResolved` that follows lists
-    them as misses).
-
-    Attributes:
-        lookup_id: Which lookup.
-        keys: The hits refused.
-        quota: Which quota the peer is over.
-        reason: The specifics, with the numbers, for the log.
-    """
-
-    lookup_id: int
-    keys: Keys
-    quota: Quota
-    reason: str
-
-
-class FetchRefused(Event, frozen=True, kw_only=True):
-    """A fetch was refused because the peer is over a quota; its round fails.
-
-    Follows the fetch's :class:`FetchReceived`. The round then ends with a
-    failed ``transfer_done`` and every pin of the round is released; nothing
-    is written.
-
-    Attributes:
-        round_seq: The round.
-        quota: Which quota the peer is over.
-        reason: The specifics, with the numbers, for the log.
-    """
-
-    round_seq: int
-    quota: Quota
-    reason: str
 
 
 class StoreAdded(Event, frozen=True, kw_only=True):

@@ -8,23 +8,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from p2pactor.core.choice import Choice
-from p2pactor.core.events_base import ConsumerPhase, Event, Ints, Keys
-
-__all__ = [
-    "AbortAcked",
-    "AbortSent",
-    "Aborted",
-    "FetchSent",
-    "FetchSkipped",
-    "Finished",
-    "LookupCancelled",
-    "LookupResp",
-    "LookupTimedOut",
-    "Opened",
-    "Probed",
-    "Registered",
-    "TransferDone",
-]
+from p2pactor.core.events.base import ConsumerPhase, Event, Ints, Keys
 
 
 class Opened(Event, frozen=True, kw_only=True):
