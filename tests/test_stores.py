@@ -7,6 +7,7 @@ reaches them and whose end the test decides; released pins are recorded.
 from __future__ import annotations
 
 import attrs
+import pytest
 
 from p2pactor.core import inputs as inp
 from p2pactor.runtime.actor import Runner
@@ -104,7 +105,9 @@ def test_finish_reaches_the_live_bound_producer_only() -> None:
     assert d.desk.deadline == TIMEOUT
 
 
-def test_stores_nobody_fetched_are_reaped_and_later_ones_refused() -> None:
+def test_stores_nobody_fetched_are_reaped_and_later_ones_refused(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     d = Desk()
     d.store("r", 1, now=0.0)
     d.store("r", 2, now=30.0)
@@ -115,6 +118,9 @@ def test_stores_nobody_fetched_are_reaped_and_later_ones_refused() -> None:
     assert d.desk.deadline == 10.0 + TIMEOUT
     d.store("r", 4, now=TIMEOUT + 1)  # refused: its pin released at once
     assert d.released == [1, 2, 4]
+    (refused,) = [r for r in caplog.records if "refused a store" in r.getMessage()]
+    assert refused.levelname == "WARNING"
+    assert "unbound_store_timeout" in refused.getMessage()  # says what to raise
     # A fetch for a reaped id is finished at once: nothing can be served under it.
     late = Handle("r")
     d.desk.bind(late)
