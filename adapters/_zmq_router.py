@@ -94,11 +94,9 @@ class ZmqControlTransport:
 
     @property
     def security(self) -> Literal["curve", "none"]:
-        """How the control channel is protected.
+        """``"curve"`` (authenticated, encrypted, peers bound to their keys) or ``"none"``.
 
-        ``"curve"``: every connection is authenticated and encrypted with
-        ZeroMQ CURVE, and peers are bound to their keys. ``"none"``: vLLM's
-        plain ZeroMQ, which anyone who reaches the port can use and read.
+        ``"none"`` is vLLM's plain ZeroMQ: anyone who reaches the port can use and read it.
         """
         return "none" if self._curve is None else "curve"
 
@@ -119,11 +117,10 @@ class ZmqControlTransport:
         )
 
     async def connect(self, peer_id: str) -> ZmqConnection:
-        """The live connection to ``peer_id``, or a new outbound one.
+        """The live connection to ``peer_id``, or a new outbound one, returned at once.
 
-        A new connection is returned at once: frames sent before the TCP and
-        ZeroMQ handshakes complete are queued (up to ``send_hwm``). If the peer
-        cannot be reached, the connection dies with a reason soon after.
+        Frames sent before the TCP and ZeroMQ handshakes complete are queued (up
+        to ``send_hwm``); an unreachable peer's connection dies with a reason.
 
         Raises:
             ConnectionLost: ``peer_id`` is not ``host:port``, no CURVE key is
@@ -148,10 +145,10 @@ class ZmqControlTransport:
         return conn
 
     async def accept(self) -> ZmqConnection:
-        """Wait for a peer we have no connection with to send a frame.
+        """Wait for a peer we have no connection with to send a frame; its connection.
 
-        Each connection is returned once, with that frame queued; one that died
-        or that ``connect()`` claimed before it was accepted is skipped.
+        Each is returned once, its frame queued; one that died or that ``connect()``
+        claimed first is skipped.
 
         Raises:
             trio.ClosedResourceError: The transport is closed.
