@@ -36,8 +36,10 @@ import heapq
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["SCRUB_LOST_S", "Mirror"]
+if TYPE_CHECKING:
+    from p2pactor.core.holdings import SummaryOptions
 
 SCRUB_LOST_S = 5.0
 """A batch to check whose answers have not come by then is taken as lost."""
@@ -52,26 +54,12 @@ class Mirror:
 
     Args:
         capacity: The most keys the parent's tier can hold (its blocks).
-        scrub_per_key: Keys checked for every key that came to be held.
-        scrub_most: Keys checked in one batch at most.
-        scrub_base_per_s: Keys checked a second besides, while the tier is in use.
-        scrub_idle_s: With no change for this long, only changes bring checks.
+        options: Its ``scrub_*`` fields pace the checks.
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        *,
-        scrub_per_key: float,
-        scrub_most: int,
-        scrub_base_per_s: float,
-        scrub_idle_s: float,
-    ) -> None:
+    def __init__(self, capacity: int, options: SummaryOptions) -> None:
         self.capacity = capacity
-        self.scrub_per_key = scrub_per_key
-        self.scrub_most = scrub_most
-        self.scrub_base_per_s = scrub_base_per_s
-        self.scrub_idle_s = scrub_idle_s
+        self.options = options
         # key -> its rank (lowest evicted first); the heap holds (rank, key)
         # entries, some stale (the key moved or went): skipped when popped.
         self._ranks: dict[bytes, _Rank] = {}
@@ -298,14 +286,14 @@ class Mirror:
         next comes once :meth:`scrubbed` gave this one's answers (or
         :data:`SCRUB_LOST_S` after it was planned: its answers are lost).
         """
-        out = self._scrub_out
+        out, options = self._scrub_out, self.options
         if out is not None and now < out + SCRUB_LOST_S:
             return []
         if self._scrub_at is not None and self._in_use(now):
-            self._scrub_owed += self.scrub_base_per_s * min(1.0, max(0.0, now - self._scrub_at))
+            self._scrub_owed += options.scrub_base_per_s * min(1.0, max(0.0, now - self._scrub_at))
         self._scrub_at = now
-        self._scrub_owed += self.scrub_per_key * self._churn
-        most = int(min(self._scrub_owed, self.scrub_most))
+        self._scrub_owed += options.scrub_per_key * self._churn
+        most = int(min(self._scrub_owed, options.scrub_most))
         if most < 1:
             return []
         batch = self.scrub(most)
@@ -315,16 +303,16 @@ class Mirror:
 
     def next_scrub(self) -> float | None:
         """When the base pace has a batch due (None: it does not, until a change)."""
-        if self._scrub_out is not None or not self.scrub_base_per_s or not self._ranks:
+        if self._scrub_out is not None or not self.options.scrub_base_per_s or not self._ranks:
             return None
         if self._changed_at is None:
             return None
         start = self._scrub_at if self._scrub_at is not None else self._changed_at
-        due = start + max(0.01, min(1.0, 1.0 / self.scrub_base_per_s * 16))
-        return due if due <= self._changed_at + self.scrub_idle_s else None
+        due = start + max(0.01, min(1.0, 1.0 / self.options.scrub_base_per_s * 16))
+        return due if due <= self._changed_at + self.options.scrub_idle_s else None
 
     def _in_use(self, now: float) -> bool:
-        return self._changed_at is not None and now <= self._changed_at + self.scrub_idle_s
+        return self._changed_at is not None and now <= self._changed_at + self.options.scrub_idle_s
 
     def scrubbed(self, gone: Iterable[bytes], kept: Iterable[bytes], now: float) -> None:
         """The answers to the batch :meth:`plan_scrub` gave: the next may be planned."""
@@ -343,7 +331,7 @@ class Mirror:
         before the step's forward pass is over.
         """
         since, self._since_frontier = self._since_frontier, self._churned
-        n = min(self.scrub_most, max(16, 2 * (self._churned - since)))
+        n = min(self.options.scrub_most, max(16, 2 * (self._churned - since)))
         return self._lowest(n, checked=True)
 
     def _lowest(self, n: int, *, checked: bool = False) -> list[bytes]:

@@ -28,6 +28,7 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import attrs
 import msgspec
@@ -37,7 +38,7 @@ from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
 from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
-from p2pactor.core.holdings import Holdings, SummaryDelta
+from p2pactor.core.holdings import Holdings, Out
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.sources import Resync, SourceIndex, fingerprint
 from p2pactor.runtime.actor import RequestActor
@@ -54,10 +55,7 @@ from p2pactor.runtime.sources_calls import (
     Scrubbed,
     Touched,
 )
-from p2pactor.runtime.summary_parts import SnapshotParts, SummaryPeer
 from p2pactor.runtime.timers import Timers
-
-__all__ = ["DirectoryCounts", "SourceDirectory", "SummaryPeer"]
 
 log = logging.getLogger("p2pactor.sources")
 
@@ -93,6 +91,18 @@ class DirectoryCounts:
     """Times a peer's summary messages came faster than they were applied, and were dropped."""
 
 
+class SummaryPeer(Protocol):
+    """A session summaries go over (a :class:`~p2pactor.runtime.session.PeerSession`)."""
+
+    @property
+    def peer_id(self) -> str:
+        """The peer's id."""
+        ...
+
+    def send(self, msg: wire.Message) -> None:
+        """Queue ``msg`` for the peer; never blocks."""
+
+
 class SourceDirectory:
     """The summaries both ways, and the choice of a source. Made by the node's host.
 
@@ -112,7 +122,14 @@ class SourceDirectory:
         clock: Callable[[], float],
     ) -> None:
         self.options = options
-        self.holdings = Holdings(capacity, epoch=os.urandom(_EPOCH_BYTES), options=options.summary)
+        self.holdings = Holdings(
+            capacity,
+            epoch=os.urandom(_EPOCH_BYTES),
+            options=options.summary,
+            part_interval_s=options.part_interval_s,
+            resync_interval_s=options.resync_interval_s,
+            refresh_s=options.refresh_s,
+        )
         self.index = SourceIndex(
             options.choice,
             max_queued_bytes=options.max_queued_bytes_per_peer,
@@ -127,10 +144,6 @@ class SourceDirectory:
         self._flooded: set[str] = set()  # peers told (in the log) their summaries came too fast
         self._floods: dict[str, int] = {}  # each peer's floods counted so far
         self._work_wanted = trio.Event()  # set when summary messages wait for :meth:`run`
-        self.parts = SnapshotParts(
-            self.holdings, options, self._peers, self._broadcast, self._part_sent
-        )
-        self._next_refresh: float | None = None  # the next whole snapshot to every peer
         self._armed: float | None = None
         # Read by engine threads (one dict lookup, or a pop: atomic).
         self.decisions: dict[str, Decision] = {}
@@ -199,10 +212,7 @@ class SourceDirectory:
 
     def drained(self) -> None:
         """The engine dropped everything: a new epoch, told to every peer at once."""
-        now = self._clock()
-        snapshot = self.holdings.reset(os.urandom(_EPOCH_BYTES), now)
-        self.parts.to_all(now, fresh=snapshot, busy_too=True)
-        self.parts.send(now)
+        self._send(self.holdings.drain(os.urandom(_EPOCH_BYTES), self._clock(), self._peers))
         self._arm()
 
     def apply(
@@ -214,7 +224,7 @@ class SourceDirectory:
             case Held(keys, request, positions, at_once):
                 self.stored(keys, request, positions)
                 if at_once:  # a peer may ask for them within the step
-                    self._flush_now(now)
+                    self._send(holdings.flush_all(now))
             case Reused(keys, request, positions):
                 holdings.accessed(keys, request, positions)
             case Ended(request):
@@ -232,15 +242,11 @@ class SourceDirectory:
             case Scrubbed(gone, kept):
                 holdings.scrubbed(gone, kept, now)
                 if gone:  # a claim the parent dropped costs every peer a lookup: tell now
-                    self._flush_now(now)
+                    self._send(holdings.flush_all(now))
         if self.checked and not isinstance(call, Scrubbed):
             self.frontier = holdings.frontier()
         self._plan_scrub(now)
         self._arm()
-
-    def _flush_now(self, now: float) -> None:
-        while (delta := self.holdings.flush(now, force=True)) is not None:
-            self._broadcast(delta)
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -268,18 +274,15 @@ class SourceDirectory:
     def peer_ready(self, session: SummaryPeer) -> None:
         """``session`` is ready both ways: send the peer our snapshot."""
         if self._peers.get(session.peer_id) is session:
-            self.parts.start(session.peer_id, self._clock())
+            self._send(self.holdings.started(session.peer_id, self._clock()))
             self._arm()
-            if self._next_refresh is None and self.options.refresh_s:
-                self._next_refresh = self._clock() + self.options.refresh_s
-                self._arm()
 
     def peer_closed(self, peer: str, current: SummaryPeer | None) -> None:
         """A session of ``peer`` closed; ``current`` is its session now, if it has one."""
         found = self._peers.get(peer)
         if found is not None and found is not current:
             del self._peers[peer]
-            self.parts.forget(peer)
+            self.holdings.forget(peer)
         if current is None:
             self.index.remove_peer(peer)
             self._floods.pop(peer, None)  # its count starts over with its next session
@@ -309,7 +312,7 @@ class SourceDirectory:
                     now=self._clock(),
                 )
             case wire.KvsumResync():
-                self.parts.asked(peer, self._clock())
+                self._send(self.holdings.asked(peer, self._clock()))
                 self._arm()
         if resync is not None:
             self._resync(resync)
@@ -475,14 +478,7 @@ class SourceDirectory:
         self._armed = None
         now = self._clock()
         self.index.release(now)
-        # Flushed with no peer too: the changes would pile up otherwise.
-        while (delta := self.holdings.flush(now)) is not None:
-            self._broadcast(delta)
-        if self._next_refresh is not None and now >= self._next_refresh:
-            self._refresh(now)
-        due = self.parts.next_due()
-        if due is not None and now >= due:
-            self.parts.send(now)
+        self._send(self.holdings.due(now, self._peers))
         self._plan_scrub(now)
         self._arm()
 
@@ -493,17 +489,10 @@ class SourceDirectory:
             if batch:
                 self.scrubs.append(batch)
 
-    def _refresh(self, now: float) -> None:
-        """A whole snapshot to every peer (one snapshot, the same parts to each, paced)."""
-        self._next_refresh = now + self.options.refresh_s if self._peers else None
-        self.parts.to_all(now)
-
     def _due(self) -> float | None:
         times = (
-            self.holdings.next_flush(),
+            self.holdings.next_due(),
             self.holdings.next_scrub() if self.checked else None,
-            self.parts.next_due(),
-            self._next_refresh,
             self.index.next_release(),
         )
         return min((t for t in times if t is not None), default=None)
@@ -514,19 +503,16 @@ class SourceDirectory:
             self._armed = when
             self._timers.arm(self)
 
-    def _broadcast(self, delta: SummaryDelta) -> None:
-        msg = wire.KvsumDelta(
-            epoch=delta.epoch,
-            seq=delta.seq,
-            add=wire.packed(delta.add),
-            remove=wire.packed(delta.remove),
-        )
-        size = len(msg.add) + len(msg.remove)
-        for session in self._peers.values():
-            session.send(msg)
-        self.counts.deltas_sent += len(self._peers)
-        self.counts.bytes_sent += size * len(self._peers)
-
-    def _part_sent(self, size: int) -> None:
-        self.counts.parts_sent += 1
-        self.counts.bytes_sent += size
+    def _send(self, out: list[Out]) -> None:
+        """Send what :attr:`holdings` returned: a delta to every summary peer, a part to one."""
+        counts, peers = self.counts, self._peers
+        for peer, msg in out:
+            if isinstance(msg, wire.KvsumDelta):
+                for each in peers.values():
+                    each.send(msg)
+                counts.deltas_sent += len(peers)
+                counts.bytes_sent += (len(msg.add) + len(msg.remove)) * len(peers)
+            elif peer is not None and (session := peers.get(peer)) is not None:
+                session.send(msg)
+                counts.parts_sent += 1
+                counts.bytes_sent += len(msg.fps)
