@@ -13,8 +13,6 @@ import msgspec
 
 from p2pactor.core import checks
 
-__all__ = ["Choice", "ChoicePolicy", "Claim"]
-
 
 @attrs.frozen
 class ChoicePolicy:

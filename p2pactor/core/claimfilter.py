@@ -32,8 +32,6 @@ import numpy.typing as npt
 
 from p2pactor.core.fparrays import FpArray
 
-__all__ = ["ClaimFilter"]
-
 KEYS_PER_WORD = 3
 """Keys a column's word holds on average before the table doubles its rows (16 to 32 bits a key)."""
 MIN_WORDS, MAX_WORDS = 1 << 10, 1 << 24

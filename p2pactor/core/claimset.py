@@ -23,8 +23,6 @@ import numpy.typing as npt
 
 from p2pactor.core.fparrays import EMPTY, Fingerprints, FpArray, Merge, as_fps, unique
 
-__all__ = ["ClaimSet", "Compaction"]
-
 COMPACT_MIN = 1024
 """Changes since the last compaction below which a set is never compacted."""
 

@@ -17,8 +17,6 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Fingerprints", "FpArray", "Merge", "MergeRuns", "as_fps", "count", "unique"]
-
 FpArray = npt.NDArray[np.uint64]
 """Fingerprints as the index computes with them."""
 Fingerprints = bytes | bytearray | memoryview | Sequence[int] | FpArray

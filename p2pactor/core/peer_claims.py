@@ -30,16 +30,6 @@ from p2pactor.core.claimfilter import ClaimFilter
 from p2pactor.core.claimset import ClaimSet, Compaction
 from p2pactor.core.fparrays import Fingerprints, FpArray, MergeRuns, as_fps, count, unique
 
-__all__ = [
-    "BUFFERED_SHARE",
-    "BUFFERED_SLACK",
-    "MAX_BUFFERED_DELTAS",
-    "RESYNC_AFTER_DELTAS",
-    "Incoming",
-    "PeerClaims",
-    "Resync",
-]
-
 MAX_BUFFERED_DELTAS = 256
 """Deltas kept while a snapshot is assembled; past that the snapshot is given up."""
 BUFFERED_SHARE = 4

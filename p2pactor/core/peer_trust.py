@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from p2pactor.core.choice import ChoicePolicy
 
-__all__ = ["MAX_QUARANTINE_DOUBLINGS", "PeerTrust"]
-
 MAX_QUARANTINE_DOUBLINGS = 32
 """Quarantines counted for the back-off (it reached its cap long before)."""
 

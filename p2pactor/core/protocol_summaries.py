@@ -29,16 +29,6 @@ from p2pactor.core.protocol_base import MessageBase, bounded
 from p2pactor.core.protocol_limits import MAX_EPOCH_BYTES, MAX_NUM_BLOCKS, MAX_SUMMARY_BYTES
 from p2pactor.errors import InvalidField
 
-__all__ = [
-    "FEATURE_SUMMARIES",
-    "KvsumDelta",
-    "KvsumResync",
-    "KvsumSnapshot",
-    "SummaryMessage",
-    "fingerprints",
-    "packed",
-]
-
 FEATURE_SUMMARIES: Final = "kvsum/1"
 """The feature a ``connect`` offers when its sender sends and reads summaries."""
 

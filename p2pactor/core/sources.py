@@ -30,15 +30,6 @@ from p2pactor.core.peer_claims import Incoming, PeerClaims, Resync
 from p2pactor.core.peer_trust import PeerTrust
 from p2pactor.core.work_budget import WorkBudget
 
-__all__ = [
-    "BYTES_PER_CLAIM",
-    "INLINE_FPS",
-    "SLICE_FPS",
-    "Resync",
-    "SourceIndex",
-    "fingerprint",
-]
-
 _MASK64 = (1 << 64) - 1
 _GROUP_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads group indexes over all bits
 
@@ -457,24 +448,29 @@ class SourceIndex:
         if found is not None:
             found.in_flight = max(0, found.in_flight - 1)
 
-    def score(self, peer: str, claimed: int, held: int, now: float) -> None:
+    def score(self, peer: str, claimed: int, held: int, now: float) -> bool:
         """``held`` of ``claimed`` keys ``peer`` claimed turned out held (by answer and deed).
 
         A failed lookup (no answer) is ``held=0``; so is a HIT whose fetch the
         peer then failed. Updates the peer's precision and quarantines it when
-        too few of its claims hold (:class:`~p2pactor.core.peer_trust.PeerTrust`).
+        too few of its claims hold (:class:`~p2pactor.core.peer_trust.PeerTrust`);
+        returns whether it did.
         """
         found = self._peers.get(peer)
-        if found is not None and found.score(claimed, held, now, self.policy):
-            self._excluded = self._excluded | {peer}
+        if found is None or not found.score(claimed, held, now, self.policy):
+            return False
+        self._excluded = self._excluded | {peer}
+        return True
 
-    def fetches_ended(self, peer: str, *, delivered: int, failed: int, now: float) -> None:
+    def fetches_ended(self, peer: str, *, delivered: int, failed: int, now: float) -> bool:
         """Fetches of ``peer``'s hits for one request ended: ``delivered`` did, ``failed`` not.
 
         Besides the precision (:meth:`score`): a peer whose fetches keep
         failing is quarantined after ``max_failed_fetches`` in a row, however
-        few keys each carried.
+        few keys each carried. Returns whether this quarantined it.
         """
         found = self._peers.get(peer)
-        if found is not None and found.fetches_ended(delivered, failed, now, self.policy):
-            self._excluded = self._excluded | {peer}
+        if found is None or not found.fetches_ended(delivered, failed, now, self.policy):
+            return False
+        self._excluded = self._excluded | {peer}
+        return True

@@ -16,8 +16,6 @@ from collections.abc import Callable, Collection
 
 from p2pactor.runtime.timers import Timers
 
-__all__ = ["SeedRedial"]
-
 
 class SeedRedial:
     """When to dial each seed peer whose session ended, and the back-off of each.

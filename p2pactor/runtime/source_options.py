@@ -18,9 +18,6 @@ from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.holdings import SummaryOptions
 from p2pactor.core.sources import BYTES_PER_CLAIM
 
-__all__ = ["DEFAULT_SOURCES", "SourceOptions"]
-
-
 _positive_rate = checks.positive(finite=True)
 
 
