@@ -6,20 +6,20 @@ with it; ``mirror.py`` says how) that turns every change into the summary
 its peers are told. A key our server answered MISS for is dropped at once;
 a drain starts a new epoch.
 
-Sans-IO like the rest of the core: ``now`` is an argument. The node asks
-:meth:`Holdings.next_flush` when to call :meth:`Holdings.flush`, which turns
-the changes since the last flush into one :class:`SummaryDelta` for every peer
-(a key added and removed within one window is never sent);
-:meth:`Holdings.snapshot` gives the whole summary in parts
-(:class:`SummaryPart`) for a peer whose session just became ready or that
-asked for a resync.
+Sans-IO like the rest of the core: ``now`` is an argument. Holdings also
+paces the checks (:meth:`Holdings.plan_scrub`) and says what goes to whom:
+each change batched into one :class:`~p2pactor.core.protocol.KvsumDelta`
+for every peer (a key added and removed within one window is never sent),
+and the whole summary in parts, packed once and shared, for a peer whose
+session just became ready, that asked (at most one an interval), or at a
+refresh. The runtime (:mod:`p2pactor.runtime.directory`) only sends.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 import attrs
 import msgspec
@@ -30,6 +30,7 @@ from p2pactor.core.mirror import Mirror
 from p2pactor.core.sources import fingerprint
 from p2pactor.errors import ConfigError
 
+SCRUB_LOST_S = 5.0  # a batch to check whose answers have not come by then is taken as lost
 MAX_DELTA_KEYS = 65_536  # most keys one delta carries (the wire's bound on a summary field)
 
 
@@ -135,6 +136,9 @@ class Holdings(Mirror):
         self._wanted: set[str] = set()  # resyncs that wait for their interval's end
         self._next_part: float | None = None
         self._next_refresh: float | None = None
+        self._scrub_owed = 0.0  # keys due for a check, not yet in a batch
+        self._scrub_out: float | None = None  # when the batch being checked was planned
+        self._scrub_at: float | None = None  # when the base pace last accrued
 
     def reset(self, epoch: bytes, now: float) -> Snapshot:
         """The parent was drained: nothing is held, and a new epoch begins.
@@ -144,9 +148,54 @@ class Holdings(Mirror):
         """
         self.clear()
         self._pending.clear()
-        self._since = None
+        self._since = self._scrub_out = self._scrub_at = None
+        self._scrub_owed = 0.0
         self.epoch, self.seq = epoch, 0
         return self.snapshot(now)
+
+    # --- checks with the parent ------------------------------------------------------
+
+    def plan_scrub(self, now: float) -> list[bytes]:
+        """The next batch to check with the parent, if one is due; one batch at a time.
+
+        What is due grows with the churn (``scrub_per_key`` keys for every key
+        that came to be held); a batch is at most ``scrub_most`` keys, and the
+        next comes once :meth:`scrubbed` gave this one's answers (or
+        :data:`SCRUB_LOST_S` after it was planned: its answers are lost).
+        """
+        out, options = self._scrub_out, self.options
+        if out is not None and now < out + SCRUB_LOST_S:
+            return []
+        if self._scrub_at is not None and self._in_use(now):
+            self._scrub_owed += options.scrub_base_per_s * min(1.0, max(0.0, now - self._scrub_at))
+        self._scrub_at = now
+        self._scrub_owed += options.scrub_per_key * self._churn
+        most = int(min(self._scrub_owed, options.scrub_most))
+        if most < 1:
+            return []
+        batch = self.scrub(most)
+        self._scrub_owed = max(0.0, self._scrub_owed - max(len(batch), most))
+        self._scrub_out = now if batch else None
+        return batch
+
+    def next_scrub(self) -> float | None:
+        """When the base pace has a batch due (None: it does not, until a change)."""
+        if self._scrub_out is not None or not self.options.scrub_base_per_s or not self._ranks:
+            return None
+        if self._changed_at is None:
+            return None
+        start = self._scrub_at if self._scrub_at is not None else self._changed_at
+        due = start + max(0.01, min(1.0, 1.0 / self.options.scrub_base_per_s * 16))
+        return due if due <= self._changed_at + self.options.scrub_idle_s else None
+
+    def _in_use(self, now: float) -> bool:
+        return self._changed_at is not None and now <= self._changed_at + self.options.scrub_idle_s
+
+    def scrubbed(self, gone: Iterable[bytes], kept: Iterable[bytes], now: float) -> None:
+        """The answers to the batch :meth:`plan_scrub` gave: the next may be planned."""
+        self._scrub_out = None
+        self.gone(gone, now)
+        self.kept(kept, now)
 
     # --- deltas and snapshots ---------------------------------------------------------
 

@@ -18,7 +18,7 @@ past them), and the end of each request (:meth:`Mirror.finished`). Keys the
 parent has pinned for a peer are passed over, as its LRU passes them over.
 
 Checks with the parent keep it honest where it cannot see (another tier's
-promotions evict too; a ranking it got wrong): :meth:`Mirror.plan_scrub`
+promotions evict too; a ranking it got wrong): :meth:`~p2pactor.core.holdings.Holdings.plan_scrub`
 offers what it would evict next, and what it dropped for room that the
 parent may still hold, as often as the tier turns over;
 :meth:`Mirror.frontier`, the very next to go, to ask right after the parent
@@ -40,9 +40,6 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from p2pactor.core.holdings import SummaryOptions
-
-SCRUB_LOST_S = 5.0
-"""A batch to check whose answers have not come by then is taken as lost."""
 
 _Rank = tuple[int, int]
 _MAX_REQUESTS = 4096  # requests whose keys are kept for their finish; older ones lose it
@@ -82,9 +79,6 @@ class Mirror:
         self._pinned: Counter[bytes] = Counter()
         self._reserved = 0  # the parent's blocks taken by loads in flight
         self._churn = 0  # keys that came to be held since the last scrub
-        self._scrub_owed = 0.0  # keys due for a check, not yet in a batch
-        self._scrub_out: float | None = None  # when the batch being checked was planned
-        self._scrub_at: float | None = None  # when the base pace last accrued
         self._changed_at: float | None = None  # the last change
 
     def _changed(self, key: bytes, now: float, *, held: bool) -> None:
@@ -98,8 +92,7 @@ class Mirror:
             more.clear()
         self._heap.clear()
         self._churn = 0
-        self._scrub_owed, self._scrub_out = 0.0, None
-        self._scrub_at = self._changed_at = None
+        self._changed_at = None
         self._since_frontier = self._churned
 
     def __len__(self) -> int:
@@ -277,48 +270,6 @@ class Mirror:
             more = self._lowest(most, checked=True)
             out += [k for k in more if k not in listed][: most - len(out)]
         return out
-
-    def plan_scrub(self, now: float) -> list[bytes]:
-        """The next batch to check with the parent, if one is due; one batch at a time.
-
-        What is due grows with the churn (``scrub_per_key`` keys for every key
-        that came to be held); a batch is at most ``scrub_most`` keys, and the
-        next comes once :meth:`scrubbed` gave this one's answers (or
-        :data:`SCRUB_LOST_S` after it was planned: its answers are lost).
-        """
-        out, options = self._scrub_out, self.options
-        if out is not None and now < out + SCRUB_LOST_S:
-            return []
-        if self._scrub_at is not None and self._in_use(now):
-            self._scrub_owed += options.scrub_base_per_s * min(1.0, max(0.0, now - self._scrub_at))
-        self._scrub_at = now
-        self._scrub_owed += options.scrub_per_key * self._churn
-        most = int(min(self._scrub_owed, options.scrub_most))
-        if most < 1:
-            return []
-        batch = self.scrub(most)
-        self._scrub_owed = max(0.0, self._scrub_owed - max(len(batch), most))
-        self._scrub_out = now if batch else None
-        return batch
-
-    def next_scrub(self) -> float | None:
-        """When the base pace has a batch due (None: it does not, until a change)."""
-        if self._scrub_out is not None or not self.options.scrub_base_per_s or not self._ranks:
-            return None
-        if self._changed_at is None:
-            return None
-        start = self._scrub_at if self._scrub_at is not None else self._changed_at
-        due = start + max(0.01, min(1.0, 1.0 / self.options.scrub_base_per_s * 16))
-        return due if due <= self._changed_at + self.options.scrub_idle_s else None
-
-    def _in_use(self, now: float) -> bool:
-        return self._changed_at is not None and now <= self._changed_at + self.options.scrub_idle_s
-
-    def scrubbed(self, gone: Iterable[bytes], kept: Iterable[bytes], now: float) -> None:
-        """The answers to the batch :meth:`plan_scrub` gave: the next may be planned."""
-        self._scrub_out = None
-        self.gone(gone, now)
-        self.kept(kept, now)
 
     def frontier(self) -> list[bytes]:
         """The held keys the parent evicts next, to check right after it made room.
