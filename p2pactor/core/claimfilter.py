@@ -32,13 +32,13 @@ import numpy.typing as npt
 
 from p2pactor.core.fparrays import FpArray
 
+# Keys a column's word holds on average before the table doubles its rows (16 to 32 bits a key).
 KEYS_PER_WORD = 3
-"""Keys a column's word holds on average before the table doubles its rows (16 to 32 bits a key)."""
 MIN_WORDS, MAX_WORDS = 1 << 10, 1 << 24
 MIN_COLUMNS = 2
 _FIRST_STAGE = 8  # keys every candidate's run is checked over before the rest
+# Removed claims a column may keep past as many as it has live ones, before it is rebuilt.
 STALE_SLACK = 4096
-"""Removed claims a column may keep past as many as it has live ones, before it is rebuilt."""
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection on 64 bits
 _MIX_INT = int(_MIX)

@@ -37,8 +37,8 @@ from p2pactor.core.fparrays import (
     unique,
 )
 
+# Changes since the last compaction below which a set is never compacted.
 COMPACT_MIN = 1024
-"""Changes since the last compaction below which a set is never compacted."""
 
 _Mask = npt.NDArray[np.bool_]
 
@@ -233,8 +233,8 @@ class Compaction:
         self._claims = claims
         self._merge: Merge | None = None  # made by the first step: the mask is O(claims)
         self.removed: list[FpArray] = []
+        # Fingerprints its last step went over (masked, or merged).
         self.work = 0
-        """Fingerprints its last step went over (masked, or merged)."""
         claims._compacting = self
 
     @property

@@ -72,8 +72,8 @@ class SummaryOptions:
     scrub_idle_s: float = attrs.field(default=10.0, validator=checks.non_negative(finite=True))
 
 
+# A message to send, and to whom (None: every summary peer).
 Out = tuple[str | None, wire.KvsumDelta | wire.KvsumSnapshot]
-"""A message to send, and to whom (None: every summary peer)."""
 
 
 class Snapshot(msgspec.Struct, frozen=True, gc=False):

@@ -30,18 +30,18 @@ from p2pactor.core.claimfilter import ClaimFilter
 from p2pactor.core.claimset import Assembly, ClaimSet, Compaction, Complete, Fill
 from p2pactor.core.fparrays import Fingerprints, as_fps, count
 
+# Deltas kept while a snapshot is assembled; past that the snapshot is given up.
 MAX_BUFFERED_DELTAS = 256
-"""Deltas kept while a snapshot is assembled; past that the snapshot is given up."""
+# Deltas buffered during a snapshot carry at most a fingerprint for this many claims.
 BUFFERED_SHARE = 4
-"""Deltas buffered during a snapshot carry at most a fingerprint for this many claims."""
+# Fingerprints buffered during a snapshot past that share.
 BUFFERED_SLACK = 64
-"""Fingerprints buffered during a snapshot past that share."""
+# Deltas a gap may last before its resync is asked again (the first may be lost).
 RESYNC_AFTER_DELTAS = 64
-"""Deltas a gap may last before its resync is asked again (the first may be lost)."""
+# Fingerprints merged (a snapshot's parts, a compaction) for the work of one applied.
 MERGE_RATIO = 8
-"""Fingerprints merged (a snapshot's parts, a compaction) for the work of one applied."""
+# What a queued message costs besides its fingerprints (its record and fields).
 MESSAGE_BYTES = 128
-"""What a queued message costs besides its fingerprints (its record and fields)."""
 
 
 class Resync(msgspec.Struct, frozen=True, gc=False):
@@ -85,8 +85,8 @@ class _Apply:
         self.struck = False
 
 
+# A summary message as it waits for its turn (made by :meth:`PeerClaims.delta` or ``.part``).
 Incoming = _Delta | _Part
-"""A summary message as it waits for its turn (made by :meth:`PeerClaims.delta` or ``.part``)."""
 _Job = _Delta | _Part | _Apply | Fill | Complete | Compaction
 
 

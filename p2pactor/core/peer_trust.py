@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 from p2pactor.core.choice import ChoicePolicy
 
+# Quarantines counted for the back-off (it reached its cap long before).
 MAX_QUARANTINE_DOUBLINGS = 32
-"""Quarantines counted for the back-off (it reached its cap long before)."""
 
 
 class PeerTrust:

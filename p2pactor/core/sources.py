@@ -43,16 +43,16 @@ def fingerprint(key: bytes) -> int:
     return low ^ ((group * _GROUP_MIX) & _MASK64)
 
 
+# What one claim a peer may make costs this node, at most (``tracemalloc``,
+# ``docs/sources.md``): 9 bytes packed and up to 5 in the recent changes; 3 to 11
+# of the filter's column; in a snapshot being assembled 8, its merge 8 and its
+# column 3; the deltas buffered meanwhile 2. A node's budget for a peer (less its
+# queued messages' share) divided by this is how many claims it keeps.
 BYTES_PER_CLAIM = 48
-"""What one claim a peer may make costs this node, at most (``tracemalloc``,
-``docs/sources.md``): 9 bytes packed and up to 5 in the recent changes; 3 to 11
-of the filter's column; in a snapshot being assembled 8, its merge 8 and its
-column 3; the deltas buffered meanwhile 2. A node's budget for a peer (less its
-queued messages' share) divided by this is how many claims it keeps."""
+# Fingerprints of summary work one :meth:`SourceIndex.work` call does (under a millisecond).
 SLICE_FPS = 2048
-"""Fingerprints of summary work one :meth:`SourceIndex.work` call does (under a millisecond)."""
+# Fingerprints of a message applied as it arrives, when nothing of its peer waits.
 INLINE_FPS = 1024
-"""Fingerprints of a message applied as it arrives, when nothing of its peer waits."""
 
 
 class _Peer(PeerTrust):

@@ -98,5 +98,5 @@ class SourceOptions:
         return max(1, (self.peer_budget_bytes - self.max_queued_bytes_per_peer) // BYTES_PER_CLAIM)
 
 
+# Summaries on, the core's default policy.
 DEFAULT_SOURCES: Final = SourceOptions()
-"""Summaries on, the core's default policy."""

@@ -90,7 +90,7 @@ class LocateWanted(msgspec.Struct, frozen=True, gc=False):
     keys: tuple[bytes, ...]
 
 
+# An engine call about holdings or a choice.
 SourcesCall = (
     Held | Reused | Ended | Touched | Lacking | Reserved | Drained | Scrubbed | LocateWanted
 )
-"""An engine call about holdings or a choice."""
