@@ -225,6 +225,9 @@ class Compaction:
     Until it is done the set reads as before; removals meanwhile are kept
     and applied to the new array before it is published, and an add (or a
     truncation) meanwhile cancels it (the next one starts over).
+
+    Attributes:
+        work: Fingerprints its last step went over (masked, or merged).
     """
 
     __slots__ = ("_claims", "_merge", "removed", "work")
@@ -233,7 +236,6 @@ class Compaction:
         self._claims = claims
         self._merge: Merge | None = None  # made by the first step: the mask is O(claims)
         self.removed: list[FpArray] = []
-        # Fingerprints its last step went over (masked, or merged).
         self.work = 0
         claims._compacting = self
 
