@@ -283,12 +283,9 @@ class Holdings(Mirror):
 
     def started(self, peer: str, now: float) -> list[Out]:
         """``peer``'s session is ready: a snapshot to it, its first part now."""
-        out: list[Out] = []
-        self._queues[peer] = deque(self._parts(now, out))
         if self._next_refresh is None and self.refresh_s:
             self._next_refresh = now + self.refresh_s
-        self._send(now, (peer,), out, only=peer)
-        return out
+        return self._start(peer, now)
 
     def asked(self, peer: str, now: float) -> list[Out]:
         """``peer`` asked for a snapshot: now, at its interval's end, or by the one under way."""
@@ -299,7 +296,13 @@ class Holdings(Mirror):
             self._wanted.add(peer)
             return []
         self._answered[peer] = now
-        return self.started(peer, now)
+        return self._start(peer, now)
+
+    def _start(self, peer: str, now: float) -> list[Out]:
+        out: list[Out] = []
+        self._queues[peer] = deque(self._parts(now, out))
+        self._send(now, (peer,), out, only=peer)
+        return out
 
     def drain(self, epoch: bytes, now: float, peers: Collection[str]) -> list[Out]:
         """The engine dropped everything: the new epoch to every peer, busy or not, at once."""
