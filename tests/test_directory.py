@@ -318,7 +318,7 @@ async def test_resyncs_are_answered_once_an_interval_from_one_shared_snapshot(
         await linked(a, c)
         await until(lambda: b.node.sources.index.claims_of(a.id) == 100)
         seen = tap(cluster)
-        built = a.node.sources.parts.built
+        built = a.node.sources.holdings.built
         resync = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
         for _ in range(300):  # 3 s, 100 a second, from b and from c
             cluster.network.post(b.id, a.id, resync)
@@ -330,7 +330,7 @@ async def test_resyncs_are_answered_once_an_interval_from_one_shared_snapshot(
             snapshots = [m for m in sent if isinstance(m, wire.KvsumSnapshot)]
             assert 3 <= len(snapshots) <= 4  # one a second (one part each: 100 keys)
             assert peer.node.sources.index.claims_of(a.id) == 100
-        assert a.node.sources.parts.built == built  # nothing changed: the same snapshot
+        assert a.node.sources.holdings.built == built  # nothing changed: the same snapshot
 
 
 async def test_a_peer_is_kept_to_this_nodes_budget_whatever_it_registered(

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from p2pactor.core import holdings as holdings_module
-from p2pactor.core.holdings import Holdings, SummaryDelta, SummaryOptions
+from p2pactor.core.holdings import Holdings, SummaryOptions
+from p2pactor.core.protocol_summaries import KvsumDelta, fingerprints, packed
 from p2pactor.core.sources import SourceIndex, fingerprint
 from p2pactor.errors import ConfigError
 
@@ -39,7 +40,9 @@ def test_stores_are_flushed_as_one_delta_after_the_window() -> None:
     assert h.next_flush() == pytest.approx(1.05)
     assert h.flush(now=1.02) is None  # not due yet
     delta = h.flush(now=1.05)
-    assert delta == SummaryDelta(E1, 1, tuple(fingerprint(key(i)) for i in (1, 2)), ())
+    assert delta == KvsumDelta(
+        epoch=E1, seq=1, add=packed([fingerprint(key(i)) for i in (1, 2)]), remove=b""
+    )
     assert h.next_flush() is None
     assert h.flush(now=9.0) is None
 
@@ -50,7 +53,7 @@ def test_a_full_window_flushes_at_once() -> None:
     assert h.next_flush() == 1.0
     delta = h.flush(now=1.0)
     assert delta is not None
-    assert len(delta.add) == 3
+    assert len(fingerprints(delta.add)) == 3
 
 
 def test_a_key_stored_and_gone_within_one_window_is_never_sent() -> None:
@@ -60,7 +63,9 @@ def test_a_key_stored_and_gone_within_one_window_is_never_sent() -> None:
     assert h.next_flush() is None
     assert h.flush(now=1.0) is None
     h.stored([key(2)], now=2.0)
-    assert h.flush(now=3.0) == SummaryDelta(E1, 1, (fingerprint(key(2)),), ())
+    assert h.flush(now=3.0) == KvsumDelta(
+        epoch=E1, seq=1, add=packed([fingerprint(key(2))]), remove=b""
+    )
     h.gone([key(2)], now=4.0)
     h.stored([key(2)], now=4.01)  # back where the peers last saw it
     assert h.flush(now=5.0) is None
@@ -76,7 +81,7 @@ def test_the_tier_s_capacity_evicts_the_least_recently_used() -> None:
     assert key(1) in h
     delta = h.flush(now=3.0)
     assert delta is not None
-    assert (set(delta.add), set(delta.remove)) == (fps(3), fps(2))
+    assert (set(fingerprints(delta.add)), set(fingerprints(delta.remove))) == (fps(3), fps(2))
 
 
 def test_loads_in_flight_take_room_and_give_it_back_when_they_end() -> None:
@@ -89,7 +94,7 @@ def test_loads_in_flight_take_room_and_give_it_back_when_they_end() -> None:
     assert [k for k in map(key, range(4)) if k in h] == [key(2), key(3)]
     delta = h.flush(now=1.0, force=True)
     assert delta is not None
-    assert set(delta.remove) == fps(0, 1)
+    assert set(fingerprints(delta.remove)) == fps(0, 1)
     # The load ended: its room comes back, and its keys fill it.
     h.reserve(-2, now=2.0)
     h.stored([key(8), key(9)], now=2.0)
@@ -107,13 +112,13 @@ def test_a_snapshot_flushes_first_and_comes_in_bounded_parts() -> None:
     snap = h.snapshot(now=0.0)
     assert snap.delta is not None
     assert snap.delta.seq == 1
-    assert [len(p.fps) for p in snap.parts] == [3, 3, 1]
+    assert [len(fingerprints(p.fps)) for p in snap.parts] == [3, 3, 1]
     assert {p.upto_seq for p in snap.parts} == {1}
     assert {p.parts for p in snap.parts} == {3}
-    assert set().union(*(p.fps for p in snap.parts)) == fps(*range(7))
+    assert set().union(*(fingerprints(p.fps) for p in snap.parts)) == fps(*range(7))
     empty = holdings().snapshot(now=0.0)
     assert empty.delta is None
-    assert [(p.part, p.parts, p.fps) for p in empty.parts] == [(0, 1, ())]
+    assert [(p.part, p.parts, p.fps) for p in empty.parts] == [(0, 1, b"")]
 
 
 def test_a_drain_starts_a_new_epoch_with_nothing_held() -> None:
@@ -124,7 +129,7 @@ def test_a_drain_starts_a_new_epoch_with_nothing_held() -> None:
     assert (len(h), h.epoch, h.seq) == (0, E2, 0)
     # Every peer hears of the new epoch at once, with nothing in it.
     assert told.delta is None
-    assert [(p.epoch, p.upto_seq, p.fps) for p in told.parts] == [(E2, 0, ())]
+    assert [(p.epoch, p.upto_seq, p.fps) for p in told.parts] == [(E2, 0, b"")]
     assert h.flush(now=2.0, force=True) is None
 
 
@@ -217,11 +222,11 @@ def test_a_delta_carries_at_most_what_one_message_may(monkeypatch: pytest.Monkey
     h.stored([key(i) for i in range(5)], now=1.0)
     first = h.flush(now=1.0, force=True)
     assert first is not None
-    assert first.add == tuple(fingerprint(key(i)) for i in range(3))
+    assert fingerprints(first.add) == tuple(fingerprint(key(i)) for i in range(3))
     assert h.next_flush() == 1.0 + 0.05  # the rest stays pending, its window kept
     second = h.flush(now=2.0)
     assert second is not None
-    assert (second.seq, second.add) == (2, (fingerprint(key(3)), fingerprint(key(4))))
+    assert (second.seq, fingerprints(second.add)) == (2, (fingerprint(key(3)), fingerprint(key(4))))
     assert h.flush(now=3.0, force=True) is None
 
 
@@ -247,7 +252,7 @@ class SummaryMachine(RuleBasedStateMachine):
     def _epoch(self) -> bytes:
         return self.epochs.to_bytes(16, "big")
 
-    def _deliver(self, delta: SummaryDelta | None, *, lost: bool) -> None:
+    def _deliver(self, delta: KvsumDelta | None, *, lost: bool) -> None:
         if delta is None:
             return
         if lost:

@@ -3,17 +3,22 @@
 :class:`ChoicePolicy` is the tier's configuration of how claims are weighed;
 :class:`Choice` (with one :class:`Claim` per peer) is what
 :meth:`~p2pactor.core.sources.SourceIndex.choose` decides, and what the
-consumer's ``Probed`` event records. Pure data.
+consumer's ``Probed`` event records; :func:`choose` decides it. Pure.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import msgspec
 
 from p2pactor.core import checks
 
-__all__ = ["Choice", "ChoicePolicy", "Claim"]
+if TYPE_CHECKING:
+    from p2pactor.core.fparrays import FpArray
+    from p2pactor.core.sources import _Peer
 
 
 @attrs.frozen
@@ -84,3 +89,71 @@ class Choice(msgspec.Struct, frozen=True, gc=False):
     keys: int
     claims: tuple[Claim, ...]
     reason: str
+
+
+def choose(
+    policy: ChoicePolicy,
+    wanted: FpArray,
+    now: float,
+    *,
+    columns: Sequence[int],
+    runs: Sequence[int],
+    names: Mapping[int, str],
+    peers: Mapping[str, _Peer],
+    most: int | None,
+) -> Choice:
+    """The peer to look up for a request whose keys are ``wanted``, in order.
+
+    ``columns`` and ``runs`` are the filter's candidates (by column, ``names``
+    their peers) and their runs, each as long as its claims make it or longer
+    (a "maybe" past the run's end); the best is checked against its exact
+    claims, and cut down, until the best is one checked: the choice is exact,
+    the other claims are as the filter reads them. ``most``: how many claims
+    the choice records (the best; all with None).
+    """
+    most_probes = policy.max_probes_per_peer
+    per_key = policy.tokens_per_key * policy.prefill_s_per_token
+    cost, load = policy.round_trip_s, policy.load_s
+    scored: list[tuple[float, int, str, int]] = []  # (-score, -run, peer, run): best first
+    skipped = False
+    for column, run in zip(columns, runs, strict=True):
+        peer = names.get(column)
+        if peer is None:
+            continue
+        found = peers[peer]
+        if now < found.quarantined_until or found.in_flight >= most_probes:
+            skipped = True
+            continue
+        # This loop runs for every peer claiming the first key: the score inline.
+        score = run * per_key * found.precision - cost - load * found.in_flight
+        scored.append((-score, -run, peer, run))
+    checked: set[str] = set()
+    while scored:
+        best = min(scored)
+        peer = best[2]
+        if peer in checked:
+            break
+        checked.add(peer)
+        found = peers[peer]
+        held = found.summary.claims.mask(wanted[: best[3]])
+        run = best[3] if held.all() else int(held.argmin())
+        if run < best[3]:
+            scored.remove(best)
+            if run:
+                saved = run * policy.tokens_per_key * policy.prefill_s_per_token
+                score = saved * found.precision - cost - load * found.in_flight
+                scored.append((-score, -run, peer, run))
+    if not scored:
+        if skipped:
+            return Choice(None, 0, (), "every peer claiming the first key is quarantined or busy")
+        return Choice(None, 0, (), "no peer claims the first key")
+    scored.sort()
+    claims = tuple(
+        Claim(peer, run, peers[peer].precision, -score) for score, _, peer, run in scored[:most]
+    )
+    best_claim = claims[0]
+    if best_claim.score <= 0:
+        return Choice(None, 0, claims, "no claimed run is worth a round trip")
+    keys = min(len(wanted), best_claim.run + policy.tail_keys)
+    reason = f"longest worthwhile run: {best_claim.run} of {len(wanted)} keys"
+    return Choice(best_claim.peer, keys, claims, reason)

@@ -32,15 +32,13 @@ import numpy.typing as npt
 
 from p2pactor.core.fparrays import FpArray
 
-__all__ = ["ClaimFilter"]
-
+# Keys a column's word holds on average before the table doubles its rows (16 to 32 bits a key).
 KEYS_PER_WORD = 3
-"""Keys a column's word holds on average before the table doubles its rows (16 to 32 bits a key)."""
 MIN_WORDS, MAX_WORDS = 1 << 10, 1 << 24
 MIN_COLUMNS = 2
 _FIRST_STAGE = 8  # keys every candidate's run is checked over before the rest
+# Removed claims a column may keep past as many as it has live ones, before it is rebuilt.
 STALE_SLACK = 4096
-"""Removed claims a column may keep past as many as it has live ones, before it is rebuilt."""
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection on 64 bits
 _MIX_INT = int(_MIX)
@@ -175,7 +173,7 @@ class ClaimFilter:
         """
         self._rebuilds.pop(column, None)
         self._set_load(column, load)
-        self._table[:, column] = self._fit(scratch)
+        self._table[:, column] = _fit(scratch, self.words)
         self._built[column] = min(len(scratch), self.words)
 
     def due(self, column: int, live: int) -> bool:
@@ -198,10 +196,7 @@ class ClaimFilter:
         self.fill(rebuild.scratch, part)
         rebuild.at += len(part)
         if rebuild.at >= len(rebuild.todo):
-            del self._rebuilds[column]
-            self._table[:, column] = self._fit(rebuild.scratch)
-            self._set_load(column, len(rebuild.todo) + rebuild.added)
-            self._built[column] = min(len(rebuild.scratch), self.words)
+            self.install(column, rebuild.scratch, len(rebuild.todo) + rebuild.added)
 
     # --- reading ----------------------------------------------------------------------
 
@@ -260,7 +255,7 @@ class ClaimFilter:
             words *= 2
         if words > self.words:
             # A new table, never resized in place: a reader may hold the old one.
-            self._table = self._resized(words)
+            self._table = _fit(self._table, words)
 
     def _shrink_if_due(self) -> None:
         """Halve the rows while the columns hold under a quarter of what they may."""
@@ -269,39 +264,8 @@ class ClaimFilter:
         while words > MIN_WORDS and 4 * self._total < KEYS_PER_WORD * (words // 2) * used:
             words //= 2
         if words < self.words:
-            self._table = self._resized(words)
+            self._table = _fit(self._table, words)
             self._built = [min(b, words) for b in self._built]
-
-    def _resized(self, words: int) -> FpArray:
-        """The table at ``words`` rows: its rows repeated, or folded (OR) onto the first."""
-        old = self._table
-        rows = len(old)
-        if words >= rows:
-            table = np.empty((words, old.shape[1]), np.uint64)
-            for start in range(0, words, rows):
-                table[start : start + rows] = old
-            return table
-        folded: FpArray = np.bitwise_or.reduce(
-            old.reshape(rows // words, words, old.shape[1]), axis=0
-        )
-        return folded
-
-    def _fit(self, column: FpArray) -> FpArray:
-        """``column`` (rows of a table of another size) as rows of this table's size.
-
-        A key's row in a table twice the size is its row in the smaller one,
-        or that plus the smaller size: repeating each row keeps every key,
-        and so does folding the two halves together (OR).
-        """
-        words = self.words
-        if len(column) < words:
-            return np.tile(column, words // len(column))
-        if len(column) > words:
-            folded: FpArray = np.bitwise_or.reduce(
-                column.reshape(len(column) // words, words), axis=0
-            )
-            return folded
-        return column
 
     def _widen(self) -> None:
         old = self._table
@@ -312,3 +276,19 @@ class ClaimFilter:
         self._load += [0] * columns
         self._built += [self.words] * columns
         self._free = list(range(2 * columns - 1, columns - 1, -1))
+
+
+def _fit(rows: FpArray, words: int) -> FpArray:
+    """``rows`` (a table's, or one column's) as ``words`` rows: a new array, or ``rows``.
+
+    A key's row in a table twice the size is its row in the smaller one, or
+    that plus the smaller size: repeating the rows keeps every key, and so
+    does folding the halves together (OR).
+    """
+    n = len(rows)
+    if n < words:
+        return np.tile(rows, (words // n,) + (1,) * (rows.ndim - 1))
+    if n > words:
+        folded: FpArray = np.bitwise_or.reduce(rows.reshape(n // words, words, *rows.shape[1:]), 0)
+        return folded
+    return rows

@@ -14,6 +14,10 @@ Read from other threads (the engine's lookups) while the node thread
 changes it: an array is never resized in place (a change makes a new one),
 a reader takes the main array and its mask as one tuple, and a compaction
 publishes the new main array before it empties the small one.
+
+A snapshot that comes in parts is assembled (:class:`Assembly`) a slice at a
+time too: each part a sorted run (:class:`Fill`), all merged once it is whole
+(:class:`Complete`), then installed as the peer's claims.
 """
 
 from __future__ import annotations
@@ -21,12 +25,20 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from p2pactor.core.fparrays import EMPTY, Fingerprints, FpArray, Merge, as_fps, unique
+from p2pactor.core.claimfilter import ClaimFilter
+from p2pactor.core.fparrays import (
+    EMPTY,
+    Fingerprints,
+    FpArray,
+    Merge,
+    MergeRuns,
+    as_fps,
+    count,
+    unique,
+)
 
-__all__ = ["ClaimSet", "Compaction"]
-
+# Changes since the last compaction below which a set is never compacted.
 COMPACT_MIN = 1024
-"""Changes since the last compaction below which a set is never compacted."""
 
 _Mask = npt.NDArray[np.bool_]
 
@@ -213,6 +225,9 @@ class Compaction:
     Until it is done the set reads as before; removals meanwhile are kept
     and applied to the new array before it is published, and an add (or a
     truncation) meanwhile cancels it (the next one starts over).
+
+    Attributes:
+        work: Fingerprints its last step went over (masked, or merged).
     """
 
     __slots__ = ("_claims", "_merge", "removed", "work")
@@ -222,7 +237,6 @@ class Compaction:
         self._merge: Merge | None = None  # made by the first step: the mask is O(claims)
         self.removed: list[FpArray] = []
         self.work = 0
-        """Fingerprints its last step went over (masked, or merged)."""
         claims._compacting = self
 
     @property
@@ -258,3 +272,73 @@ class Compaction:
                 dead += int(found.sum())
         claims._publish(keys, live, dead)
         return True
+
+
+class Assembly:
+    """A snapshot being put together from its parts: sorted runs, merged once it is whole."""
+
+    __slots__ = (
+        "buffered",
+        "buffered_fps",
+        "column",
+        "cut",
+        "held",
+        "parts",
+        "runs",
+        "seen",
+        "upto",
+    )
+
+    def __init__(self, upto: int, parts: int, column: FpArray) -> None:
+        self.upto = upto
+        self.parts = parts
+        self.seen: set[int] = set()
+        self.runs: list[FpArray] = []  # each sorted, each value once within it
+        self.held = 0  # fingerprints in ``runs`` (one in two runs counts twice)
+        self.column = column  # the filter's column for ``runs``, filled as they come
+        # Deltas after ``upto`` that came meanwhile: applied once it is whole.
+        self.buffered: list[tuple[int, Fingerprints, Fingerprints]] = []
+        self.buffered_fps = 0  # fingerprints in ``buffered``
+        self.cut = False  # it claimed more than it may: cut back to its capacity
+
+
+class Fill:
+    """A part's fingerprints going into its assembly a slice at a time."""
+
+    __slots__ = ("assembly", "at", "fps", "n")
+
+    def __init__(self, assembly: Assembly, fps: Fingerprints) -> None:
+        self.assembly, self.fps, self.n, self.at = assembly, fps, count(fps), 0
+
+    def step(self, most: int, capacity: int, filt: ClaimFilter) -> tuple[int, bool]:
+        """The next ``most`` at most; the work done, and whether the peer is struck now.
+
+        A peer claiming more than it may (what it registered, or this node's
+        budget for it) keeps what fits, struck once a snapshot; what does not
+        fit is never even converted.
+        """
+        assembly = self.assembly
+        left = self.n - self.at
+        take = min(most, left, max(0, capacity - assembly.held))
+        if take:
+            run = unique(as_fps(self.fps, take, self.at))
+            assembly.runs.append(run)
+            assembly.held += len(run)
+            filt.fill(assembly.column, run)
+            self.at += take
+        struck = False
+        if take < min(most, left):
+            struck, assembly.cut = not assembly.cut, True
+            self.at = self.n
+        return max(1, take), struck
+
+
+class Complete:
+    """A whole snapshot's runs merged into one, then installed as the claims."""
+
+    __slots__ = ("assembly", "merge")
+
+    def __init__(self, assembly: Assembly) -> None:
+        self.assembly = assembly
+        self.merge = MergeRuns(assembly.runs)
+        assembly.runs = []  # the merge holds them now

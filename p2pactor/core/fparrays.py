@@ -17,12 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["Fingerprints", "FpArray", "Merge", "MergeRuns", "as_fps", "count", "unique"]
-
+# Fingerprints as the index computes with them.
 FpArray = npt.NDArray[np.uint64]
-"""Fingerprints as the index computes with them."""
+# Fingerprints as they come: a summary's packed field (8 bytes each, big-endian) or ints.
 Fingerprints = bytes | bytearray | memoryview | Sequence[int] | FpArray
-"""Fingerprints as they come: a summary's packed field (8 bytes each, big-endian) or ints."""
 
 EMPTY: FpArray = np.zeros(0, np.uint64)
 EMPTY.flags.writeable = False

@@ -6,39 +6,32 @@ with it; ``mirror.py`` says how) that turns every change into the summary
 its peers are told. A key our server answered MISS for is dropped at once;
 a drain starts a new epoch.
 
-Sans-IO like the rest of the core: ``now`` is an argument. The node asks
-:meth:`Holdings.next_flush` when to call :meth:`Holdings.flush`, which turns
-the changes since the last flush into one :class:`SummaryDelta` for every peer
-(a key added and removed within one window is never sent);
-:meth:`Holdings.snapshot` gives the whole summary in parts
-(:class:`SummaryPart`) for a peer whose session just became ready or that
-asked for a resync.
+Sans-IO like the rest of the core: ``now`` is an argument. Holdings also
+paces the checks (:meth:`Holdings.plan_scrub`) and says what goes to whom:
+each change batched into one :class:`~p2pactor.core.protocol.KvsumDelta`
+for every peer (a key added and removed within one window is never sent),
+and the whole summary in parts, packed once and shared, for a peer whose
+session just became ready, that asked (at most one an interval), or at a
+refresh. The runtime (:mod:`p2pactor.runtime.directory`) only sends.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
+from collections.abc import Collection, Iterable
 
 import attrs
 import msgspec
 
 from p2pactor.core import checks
-from p2pactor.core.mirror import SCRUB_LOST_S, Mirror
+from p2pactor.core import protocol as wire
+from p2pactor.core.mirror import Mirror
 from p2pactor.core.sources import fingerprint
 from p2pactor.errors import ConfigError
 
-__all__ = [
-    "MAX_DELTA_KEYS",
-    "SCRUB_LOST_S",
-    "Holdings",
-    "Snapshot",
-    "SummaryDelta",
-    "SummaryOptions",
-    "SummaryPart",
-]
-
-MAX_DELTA_KEYS = 65_536
-"""Most keys one delta carries (the wire's bound on a summary field)."""
+SCRUB_LOST_S = 5.0  # a batch to check whose answers have not come by then is taken as lost
+MAX_DELTA_KEYS = 65_536  # most keys one delta carries (the wire's bound on a summary field)
 
 
 def _part_keys(instance: object, attribute: attrs.Attribute[int], value: object) -> None:
@@ -79,23 +72,8 @@ class SummaryOptions:
     scrub_idle_s: float = attrs.field(default=10.0, validator=checks.non_negative(finite=True))
 
 
-class SummaryDelta(msgspec.Struct, frozen=True, gc=False):
-    """Keys this node came to hold, and stopped holding, since delta ``seq - 1``."""
-
-    epoch: bytes
-    seq: int
-    add: tuple[int, ...]
-    remove: tuple[int, ...]
-
-
-class SummaryPart(msgspec.Struct, frozen=True, gc=False):
-    """Part ``part`` of ``parts`` of everything this node holds as of delta ``upto_seq``."""
-
-    epoch: bytes
-    upto_seq: int
-    part: int
-    parts: int
-    fps: tuple[int, ...]
+# A message to send, and to whom (None: every summary peer).
+Out = tuple[str | None, wire.KvsumDelta | wire.KvsumSnapshot]
 
 
 class Snapshot(msgspec.Struct, frozen=True, gc=False):
@@ -103,58 +81,64 @@ class Snapshot(msgspec.Struct, frozen=True, gc=False):
 
     Attributes:
         delta: The changes not yet flushed (for every peer), or None.
-        parts: The summary as of ``delta`` (for the peer that needs it).
+        parts: The summary as of ``delta`` (for the peer that needs it), packed once.
     """
 
-    delta: SummaryDelta | None
-    parts: tuple[SummaryPart, ...]
+    delta: wire.KvsumDelta | None
+    parts: tuple[wire.KvsumSnapshot, ...]
 
 
 class Holdings(Mirror):
-    """The keys this node's engine holds, in its LRU's order, and the summary of them.
+    """The keys this node's engine holds, in its LRU's order, and what its peers are told.
 
     Args:
         capacity: The most keys the parent's tier can hold (its blocks).
         epoch: This life's id: a peer that sees a new one drops the old summary.
         options: How changes are batched.
+        part_interval_s: Seconds between two parts of one snapshot to one peer.
+        resync_interval_s: The least time between two snapshots a peer asked for.
+        refresh_s: Seconds between two whole snapshots to every peer (0: none).
+
+    Attributes:
+        epoch: This life's id.
+        seq: The last delta's number (0: none yet in this epoch).
+        built: Snapshots built (fingerprinting every held key), for the tests and the bench.
 
     Raises:
         ConfigError: ``capacity`` is not a positive integer.
     """
 
     def __init__(
-        self, capacity: int, *, epoch: bytes, options: SummaryOptions | None = None
+        self,
+        capacity: int,
+        *,
+        epoch: bytes,
+        options: SummaryOptions | None = None,
+        part_interval_s: float = 0.01,
+        resync_interval_s: float = 1.0,
+        refresh_s: float = 0.0,
     ) -> None:
         if type(capacity) is not int or capacity < 1:
             raise ConfigError(f"Holdings capacity must be a positive integer, got {capacity!r}")
-        options = options or SummaryOptions()
-        super().__init__(
-            capacity,
-            scrub_per_key=options.scrub_per_key,
-            scrub_most=options.scrub_most,
-            scrub_base_per_s=options.scrub_base_per_s,
-            scrub_idle_s=options.scrub_idle_s,
-        )
-        self.flush_keys = options.flush_keys
-        self.flush_s = options.flush_s
-        self.part_keys = options.part_keys
-        self._epoch = epoch
-        self._seq = 0
+        super().__init__(capacity, options or SummaryOptions())
+        self.part_interval_s = part_interval_s
+        self.resync_interval_s = resync_interval_s
+        self.refresh_s = refresh_s
+        self.epoch = epoch
+        self.seq = 0
+        self.built = 0
         # Keys changed since the last flush: True came to be held, False stopped.
         self._pending: dict[bytes, bool] = {}
         self._since: float | None = None  # when the first unflushed change came
-
-    @property
-    def epoch(self) -> bytes:
-        """This life's id."""
-        return self._epoch
-
-    @property
-    def seq(self) -> int:
-        """The last delta's number (0: none yet in this epoch)."""
-        return self._seq
-
-    # --- what the tier sees -------------------------------------------------------
+        self._cached: tuple[bytes, int, tuple[wire.KvsumSnapshot, ...]] | None = None
+        self._queues: dict[str, deque[wire.KvsumSnapshot]] = {}  # parts still to send
+        self._answered: dict[str, float] = {}  # when each peer's last resync was answered
+        self._wanted: set[str] = set()  # resyncs that wait for their interval's end
+        self._next_part: float | None = None
+        self._next_refresh: float | None = None
+        self._scrub_owed = 0.0  # keys due for a check, not yet in a batch
+        self._scrub_out: float | None = None  # when the batch being checked was planned
+        self._scrub_at: float | None = None  # when the base pace last accrued
 
     def reset(self, epoch: bytes, now: float) -> Snapshot:
         """The parent was drained: nothing is held, and a new epoch begins.
@@ -164,23 +148,66 @@ class Holdings(Mirror):
         """
         self.clear()
         self._pending.clear()
-        self._since = None
-        self._epoch, self._seq = epoch, 0
+        self._since = self._scrub_out = self._scrub_at = None
+        self._scrub_owed = 0.0
+        self.epoch, self.seq = epoch, 0
         return self.snapshot(now)
 
-    # --- ranks ---------------------------------------------------------------------
+    # --- checks with the parent ------------------------------------------------------
 
-    # --- what the peers are told ----------------------------------------------------
+    def plan_scrub(self, now: float) -> list[bytes]:
+        """The next batch to check with the parent, if one is due; one batch at a time.
+
+        What is due grows with the churn (``scrub_per_key`` keys for every key
+        that came to be held); a batch is at most ``scrub_most`` keys, and the
+        next comes once :meth:`scrubbed` gave this one's answers (or
+        :data:`SCRUB_LOST_S` after it was planned: its answers are lost).
+        """
+        out, options = self._scrub_out, self.options
+        if out is not None and now < out + SCRUB_LOST_S:
+            return []
+        if self._scrub_at is not None and self._in_use(now):
+            self._scrub_owed += options.scrub_base_per_s * min(1.0, max(0.0, now - self._scrub_at))
+        self._scrub_at = now
+        self._scrub_owed += options.scrub_per_key * self._churn
+        most = int(min(self._scrub_owed, options.scrub_most))
+        if most < 1:
+            return []
+        batch = self.scrub(most)
+        self._scrub_owed = max(0.0, self._scrub_owed - max(len(batch), most))
+        self._scrub_out = now if batch else None
+        return batch
+
+    def next_scrub(self) -> float | None:
+        """When the base pace has a batch due (None: it does not, until a change)."""
+        if self._scrub_out is not None or not self.options.scrub_base_per_s or not self._ranks:
+            return None
+        if self._changed_at is None:
+            return None
+        start = self._scrub_at if self._scrub_at is not None else self._changed_at
+        due = start + max(0.01, min(1.0, 1.0 / self.options.scrub_base_per_s * 16))
+        return due if due <= self._changed_at + self.options.scrub_idle_s else None
+
+    def _in_use(self, now: float) -> bool:
+        return self._changed_at is not None and now <= self._changed_at + self.options.scrub_idle_s
+
+    def scrubbed(self, gone: Iterable[bytes], kept: Iterable[bytes], now: float) -> None:
+        """The answers to the batch :meth:`plan_scrub` gave: the next may be planned."""
+        self._scrub_out = None
+        self.gone(gone, now)
+        self.kept(kept, now)
+
+    # --- deltas and snapshots ---------------------------------------------------------
 
     def next_flush(self) -> float | None:
         """When :meth:`flush` has something to send (None: nothing changed)."""
         if not self._pending or self._since is None:
             return None
-        if len(self._pending) >= self.flush_keys:
+        if len(self._pending) >= self.options.flush_keys:
             return self._since
-        return self._since + self.flush_s
+        return self._since + self.options.flush_s
 
-    def flush(self, now: float, *, force: bool = False) -> SummaryDelta | None:
+    def flush(self, now: float, *, force: bool = False) -> wire.KvsumDelta | None:
         """The delta of the changes since the last flush, if due (or ``force``).
 
         A delta carries at most :data:`MAX_DELTA_KEYS` changes (what one
@@ -190,8 +217,8 @@ class Holdings(Mirror):
         if not pending:
             self._since = None  # every change there was cancelled out
             return None
-        due = self._since is not None and now >= self._since + self.flush_s
-        if not (force or due or len(pending) >= self.flush_keys):
+        due = self._since is not None and now >= self._since + self.options.flush_s
+        if not (force or due or len(pending) >= self.options.flush_keys):
             return None
         if len(pending) <= MAX_DELTA_KEYS:
             taken = list(pending.items())
@@ -201,21 +228,38 @@ class Holdings(Mirror):
             taken = list(itertools.islice(pending.items(), MAX_DELTA_KEYS))
             for key, _ in taken:
                 del pending[key]
-        add = tuple(fingerprint(k) for k, held in taken if held)
-        remove = tuple(fingerprint(k) for k, held in taken if not held)
-        self._seq += 1
-        return SummaryDelta(self._epoch, self._seq, add, remove)
+        add = [fingerprint(k) for k, held in taken if held]
+        remove = [fingerprint(k) for k, held in taken if not held]
+        self.seq += 1
+        return wire.KvsumDelta(
+            epoch=self.epoch, seq=self.seq, add=wire.packed(add), remove=wire.packed(remove)
+        )
 
     def snapshot(self, now: float) -> Snapshot:
-        """Everything held, in parts, after flushing what is pending."""
+        """Everything held, in parts, after flushing what is pending.
+
+        The parts are built (and packed) once per epoch and delta number, and
+        shared: a hundred resyncs in a row cost one fingerprinting of the keys.
+        """
         delta = self.flush(now, force=True)
+        cached = self._cached
+        if cached is not None and cached[:2] == (self.epoch, self.seq):
+            return Snapshot(delta, cached[2])
         fps = [fingerprint(k) for k in self._ranks]
-        size = self.part_keys
+        size = self.options.part_keys
         count = max(1, -(-len(fps) // size))
         parts = tuple(
-            SummaryPart(self._epoch, self._seq, i, count, tuple(fps[i * size : (i + 1) * size]))
+            wire.KvsumSnapshot(
+                epoch=self.epoch,
+                upto_seq=self.seq,
+                part=i,
+                parts=count,
+                fps=wire.packed(fps[i * size : (i + 1) * size]),
+            )
             for i in range(count)
         )
+        self.built += 1
+        self._cached = (self.epoch, self.seq, parts)
         return Snapshot(delta, parts)
 
     def _changed(self, key: bytes, now: float, *, held: bool) -> None:
@@ -229,3 +273,116 @@ class Holdings(Mirror):
             pending[key] = held
             if self._since is None:
                 self._since = now
+
+    # --- to whom, and when ------------------------------------------------------------
+    # Every method below returns the messages to send now, each with its peer
+    # (None: every summary peer). What a peer's asking costs is bounded: a
+    # resync while a snapshot to it is under way is answered by that one, one
+    # sooner than ``resync_interval_s`` after the last answered waits for the
+    # interval's end, and parts go one a peer every ``part_interval_s``.
+
+    def started(self, peer: str, now: float) -> list[Out]:
+        """``peer``'s session is ready: a snapshot to it, its first part now."""
+        if self._next_refresh is None and self.refresh_s:
+            self._next_refresh = now + self.refresh_s
+        return self._start(peer, now)
+
+    def asked(self, peer: str, now: float) -> list[Out]:
+        """``peer`` asked for a snapshot: now, at its interval's end, or by the one under way."""
+        if peer in self._queues:
+            return []  # the one being sent answers it
+        last = self._answered.get(peer)
+        if last is not None and now < last + self.resync_interval_s:
+            self._wanted.add(peer)
+            return []
+        self._answered[peer] = now
+        return self._start(peer, now)
+
+    def _start(self, peer: str, now: float) -> list[Out]:
+        out: list[Out] = []
+        self._queues[peer] = deque(self._parts(now, out))
+        self._send(now, (peer,), out, only=peer)
+        return out
+
+    def drain(self, epoch: bytes, now: float, peers: Collection[str]) -> list[Out]:
+        """The engine dropped everything: the new epoch to every peer, busy or not, at once."""
+        parts = self.reset(epoch, now).parts
+        for peer in peers:
+            self._queues[peer] = deque(parts)
+        out: list[Out] = []
+        self._send(now, peers, out)
+        return out
+
+    def forget(self, peer: str) -> None:
+        """``peer``'s session is gone: nothing more to send it."""
+        self._queues.pop(peer, None)
+        self._wanted.discard(peer)
+        self._answered.pop(peer, None)
+
+    def flush_all(self, now: float) -> list[Out]:
+        """Every pending change, now (a peer may ask for it within the engine's step)."""
+        out: list[Out] = []
+        while (delta := self.flush(now, force=True)) is not None:
+            out.append((None, delta))
+        return out
+
+    def next_due(self) -> float | None:
+        """When :meth:`due` has something to send next."""
+        times = (self.next_flush(), self._parts_due(), self._next_refresh)
+        return min((t for t in times if t is not None), default=None)
+
+    def _parts_due(self) -> float | None:
+        interval = self.resync_interval_s
+        times = [self._answered[p] + interval for p in self._wanted]  # wanted: answered before
+        if self._next_part is not None:
+            times.append(self._next_part)
+        return min(times, default=None)
+
+    def due(self, now: float, peers: Collection[str]) -> list[Out]:
+        """The deltas due, a refresh when due, the resyncs whose interval ended, the parts due.
+
+        Deltas are flushed with no peer too: the changes would pile up otherwise.
+        """
+        out: list[Out] = []
+        while (delta := self.flush(now)) is not None:
+            out.append((None, delta))
+        if self._next_refresh is not None and now >= self._next_refresh:
+            self._next_refresh = now + self.refresh_s if peers else None
+            parts = self._parts(now, out)
+            for peer in peers:
+                self._queues.setdefault(peer, deque(parts))
+            self._next_part = now
+        parts_due = self._parts_due()
+        if parts_due is not None and now >= parts_due:
+            self._send(now, peers, out)
+        return out
+
+    def _parts(self, now: float, out: list[Out]) -> tuple[wire.KvsumSnapshot, ...]:
+        """The snapshot as of now, after the deltas that bring everyone else up to it."""
+        while (delta := self.flush(now, force=True)) is not None:
+            out.append((None, delta))
+        return self.snapshot(now).parts
+
+    def _send(
+        self, now: float, peers: Collection[str], out: list[Out], only: str | None = None
+    ) -> None:
+        """The resyncs whose interval ended, then one part to each peer with parts queued.
+
+        With ``only``: one part to ``only``, nothing else.
+        """
+        if only is None and self._wanted:
+            interval = self.resync_interval_s
+            for peer in [p for p in self._wanted if now >= self._answered[p] + interval]:
+                self._wanted.discard(peer)
+                if peer in peers and peer not in self._queues:
+                    self._answered[peer] = now
+                    self._queues[peer] = deque(self._parts(now, out))
+        for peer in [only] if only is not None else list(self._queues):
+            queue = self._queues.get(peer)
+            if not queue or peer not in peers:
+                self._queues.pop(peer, None)
+                continue
+            out.append((peer, queue.popleft()))
+            if not queue:
+                del self._queues[peer]
+        self._next_part = now + self.part_interval_s if self._queues else None

@@ -18,7 +18,7 @@ past them), and the end of each request (:meth:`Mirror.finished`). Keys the
 parent has pinned for a peer are passed over, as its LRU passes them over.
 
 Checks with the parent keep it honest where it cannot see (another tier's
-promotions evict too; a ranking it got wrong): :meth:`Mirror.plan_scrub`
+promotions evict too; a ranking it got wrong): :meth:`~p2pactor.core.holdings.Holdings.plan_scrub`
 offers what it would evict next, and what it dropped for room that the
 parent may still hold, as often as the tier turns over;
 :meth:`Mirror.frontier`, the very next to go, to ask right after the parent
@@ -36,11 +36,10 @@ import heapq
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["SCRUB_LOST_S", "Mirror"]
-
-SCRUB_LOST_S = 5.0
-"""A batch to check whose answers have not come by then is taken as lost."""
+if TYPE_CHECKING:
+    from p2pactor.core.holdings import SummaryOptions
 
 _Rank = tuple[int, int]
 _MAX_REQUESTS = 4096  # requests whose keys are kept for their finish; older ones lose it
@@ -52,26 +51,12 @@ class Mirror:
 
     Args:
         capacity: The most keys the parent's tier can hold (its blocks).
-        scrub_per_key: Keys checked for every key that came to be held.
-        scrub_most: Keys checked in one batch at most.
-        scrub_base_per_s: Keys checked a second besides, while the tier is in use.
-        scrub_idle_s: With no change for this long, only changes bring checks.
+        options: Its ``scrub_*`` fields pace the checks.
     """
 
-    def __init__(
-        self,
-        capacity: int,
-        *,
-        scrub_per_key: float,
-        scrub_most: int,
-        scrub_base_per_s: float,
-        scrub_idle_s: float,
-    ) -> None:
+    def __init__(self, capacity: int, options: SummaryOptions) -> None:
         self.capacity = capacity
-        self.scrub_per_key = scrub_per_key
-        self.scrub_most = scrub_most
-        self.scrub_base_per_s = scrub_base_per_s
-        self.scrub_idle_s = scrub_idle_s
+        self.options = options
         # key -> its rank (lowest evicted first); the heap holds (rank, key)
         # entries, some stale (the key moved or went): skipped when popped.
         self._ranks: dict[bytes, _Rank] = {}
@@ -94,9 +79,6 @@ class Mirror:
         self._pinned: Counter[bytes] = Counter()
         self._reserved = 0  # the parent's blocks taken by loads in flight
         self._churn = 0  # keys that came to be held since the last scrub
-        self._scrub_owed = 0.0  # keys due for a check, not yet in a batch
-        self._scrub_out: float | None = None  # when the batch being checked was planned
-        self._scrub_at: float | None = None  # when the base pace last accrued
         self._changed_at: float | None = None  # the last change
 
     def _changed(self, key: bytes, now: float, *, held: bool) -> None:
@@ -110,8 +92,7 @@ class Mirror:
             more.clear()
         self._heap.clear()
         self._churn = 0
-        self._scrub_owed, self._scrub_out = 0.0, None
-        self._scrub_at = self._changed_at = None
+        self._changed_at = None
         self._since_frontier = self._churned
 
     def __len__(self) -> int:
@@ -290,48 +271,6 @@ class Mirror:
             out += [k for k in more if k not in listed][: most - len(out)]
         return out
 
-    def plan_scrub(self, now: float) -> list[bytes]:
-        """The next batch to check with the parent, if one is due; one batch at a time.
-
-        What is due grows with the churn (``scrub_per_key`` keys for every key
-        that came to be held); a batch is at most ``scrub_most`` keys, and the
-        next comes once :meth:`scrubbed` gave this one's answers (or
-        :data:`SCRUB_LOST_S` after it was planned: its answers are lost).
-        """
-        out = self._scrub_out
-        if out is not None and now < out + SCRUB_LOST_S:
-            return []
-        if self._scrub_at is not None and self._in_use(now):
-            self._scrub_owed += self.scrub_base_per_s * min(1.0, max(0.0, now - self._scrub_at))
-        self._scrub_at = now
-        self._scrub_owed += self.scrub_per_key * self._churn
-        most = int(min(self._scrub_owed, self.scrub_most))
-        if most < 1:
-            return []
-        batch = self.scrub(most)
-        self._scrub_owed = max(0.0, self._scrub_owed - max(len(batch), most))
-        self._scrub_out = now if batch else None
-        return batch
-
-    def next_scrub(self) -> float | None:
-        """When the base pace has a batch due (None: it does not, until a change)."""
-        if self._scrub_out is not None or not self.scrub_base_per_s or not self._ranks:
-            return None
-        if self._changed_at is None:
-            return None
-        start = self._scrub_at if self._scrub_at is not None else self._changed_at
-        due = start + max(0.01, min(1.0, 1.0 / self.scrub_base_per_s * 16))
-        return due if due <= self._changed_at + self.scrub_idle_s else None
-
-    def _in_use(self, now: float) -> bool:
-        return self._changed_at is not None and now <= self._changed_at + self.scrub_idle_s
-
-    def scrubbed(self, gone: Iterable[bytes], kept: Iterable[bytes], now: float) -> None:
-        """The answers to the batch :meth:`plan_scrub` gave: the next may be planned."""
-        self._scrub_out = None
-        self.gone(gone, now)
-        self.kept(kept, now)
-
     def frontier(self) -> list[bytes]:
         """The held keys the parent evicts next, to check right after it made room.
 
@@ -343,7 +282,7 @@ class Mirror:
         before the step's forward pass is over.
         """
         since, self._since_frontier = self._since_frontier, self._churned
-        n = min(self.scrub_most, max(16, 2 * (self._churned - since)))
+        n = min(self.options.scrub_most, max(16, 2 * (self._churned - since)))
         return self._lowest(n, checked=True)
 
     def _lowest(self, n: int, *, checked: bool = False) -> list[bytes]:

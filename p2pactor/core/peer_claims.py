@@ -27,31 +27,21 @@ from collections import deque
 import msgspec
 
 from p2pactor.core.claimfilter import ClaimFilter
-from p2pactor.core.claimset import ClaimSet, Compaction
-from p2pactor.core.fparrays import Fingerprints, FpArray, MergeRuns, as_fps, count, unique
+from p2pactor.core.claimset import Assembly, ClaimSet, Compaction, Complete, Fill
+from p2pactor.core.fparrays import Fingerprints, as_fps, count
 
-__all__ = [
-    "BUFFERED_SHARE",
-    "BUFFERED_SLACK",
-    "MAX_BUFFERED_DELTAS",
-    "RESYNC_AFTER_DELTAS",
-    "Incoming",
-    "PeerClaims",
-    "Resync",
-]
-
+# Deltas kept while a snapshot is assembled; past that the snapshot is given up.
 MAX_BUFFERED_DELTAS = 256
-"""Deltas kept while a snapshot is assembled; past that the snapshot is given up."""
+# Deltas buffered during a snapshot carry at most a fingerprint for this many claims.
 BUFFERED_SHARE = 4
-"""Deltas buffered during a snapshot carry at most a fingerprint for this many claims."""
+# Fingerprints buffered during a snapshot past that share.
 BUFFERED_SLACK = 64
-"""Fingerprints buffered during a snapshot past that share."""
+# Deltas a gap may last before its resync is asked again (the first may be lost).
 RESYNC_AFTER_DELTAS = 64
-"""Deltas a gap may last before its resync is asked again (the first may be lost)."""
+# Fingerprints merged (a snapshot's parts, a compaction) for the work of one applied.
 MERGE_RATIO = 8
-"""Fingerprints merged (a snapshot's parts, a compaction) for the work of one applied."""
+# What a queued message costs besides its fingerprints (its record and fields).
 MESSAGE_BYTES = 128
-"""What a queued message costs besides its fingerprints (its record and fields)."""
 
 
 class Resync(msgspec.Struct, frozen=True, gc=False):
@@ -95,57 +85,9 @@ class _Apply:
         self.struck = False
 
 
-class _Assembly:
-    """A snapshot being put together from its parts: sorted runs, merged once it is whole."""
-
-    __slots__ = (
-        "buffered",
-        "buffered_fps",
-        "column",
-        "cut",
-        "held",
-        "parts",
-        "runs",
-        "seen",
-        "upto",
-    )
-
-    def __init__(self, upto: int, parts: int, column: FpArray) -> None:
-        self.upto = upto
-        self.parts = parts
-        self.seen: set[int] = set()
-        self.runs: list[FpArray] = []  # each sorted, each value once within it
-        self.held = 0  # fingerprints in ``runs`` (one in two runs counts twice)
-        self.column = column  # the filter's column for ``runs``, filled as they come
-        # Deltas after ``upto`` that came meanwhile: applied once it is whole.
-        self.buffered: list[tuple[int, Fingerprints, Fingerprints]] = []
-        self.buffered_fps = 0  # fingerprints in ``buffered``
-        self.cut = False  # it claimed more than it may: cut back to its capacity
-
-
-class _Fill:
-    """A part's fingerprints going into its assembly a slice at a time."""
-
-    __slots__ = ("assembly", "at", "fps", "n")
-
-    def __init__(self, assembly: _Assembly, fps: Fingerprints) -> None:
-        self.assembly, self.fps, self.n, self.at = assembly, fps, count(fps), 0
-
-
-class _Complete:
-    """A whole snapshot's runs merged into one, then installed as the claims."""
-
-    __slots__ = ("assembly", "merge")
-
-    def __init__(self, assembly: _Assembly) -> None:
-        self.assembly = assembly
-        self.merge = MergeRuns(assembly.runs)
-        assembly.runs = []  # the merge holds them now
-
-
+# A summary message as it waits for its turn (made by :meth:`PeerClaims.delta` or ``.part``).
 Incoming = _Delta | _Part
-"""A summary message as it waits for its turn (made by :meth:`PeerClaims.delta` or ``.part``)."""
-_Job = _Delta | _Part | _Apply | _Fill | _Complete | Compaction
+_Job = _Delta | _Part | _Apply | Fill | Complete | Compaction
 
 
 class PeerClaims:
@@ -193,7 +135,7 @@ class PeerClaims:
         self.resync_asked = False  # a Resync is out and no snapshot came since
         self.gap_deltas = 0  # deltas the gap has lasted since the resync was asked
         self.claims = ClaimSet()
-        self.assembly: _Assembly | None = None
+        self.assembly: Assembly | None = None
         self.queue: deque[_Job] = deque()
         self.queued_bytes = 0  # of the messages in ``queue``
         self.strikes = 0  # messages that claimed more than it may
@@ -208,7 +150,7 @@ class PeerClaims:
             total += sum(int(r.nbytes) for r in assembly.runs) + int(assembly.column.nbytes)
             total += 8 * assembly.buffered_fps
         head = self.queue[0] if self.queue else None
-        if isinstance(head, _Complete):
+        if isinstance(head, Complete):
             total += head.merge.nbytes  # the runs it merges and its output
             if head.assembly is not assembly:
                 total += int(head.assembly.column.nbytes)
@@ -273,13 +215,14 @@ class PeerClaims:
             if self.claims.compact_due:
                 queue.appendleft(self.claims.compaction())  # before the rest of the queue
             return used, None
-        if isinstance(job, _Fill):
-            used = self._fill(job, most)
+        if isinstance(job, Fill):
+            used, struck = job.step(most, self.capacity, self._filter)
+            self.strikes += struck
             if job.at >= job.n:
                 queue.popleft()
                 assembly = job.assembly
                 if len(assembly.seen) == assembly.parts and assembly is self.assembly:
-                    queue.appendleft(_Complete(assembly))
+                    queue.appendleft(Complete(assembly))
             return used, None
         # Merging costs about an eighth of applying, a fingerprint: a slice
         # merges that many more, and counts for as much work.
@@ -349,7 +292,7 @@ class PeerClaims:
             if self.synced and upto < self.seq:
                 return None  # a new snapshot older than what deltas already brought
             kept = [] if assembly is None else [b for b in assembly.buffered if b[0] > upto]
-            assembly = self.assembly = _Assembly(upto, parts, self._filter.scratch())
+            assembly = self.assembly = Assembly(upto, parts, self._filter.scratch())
             assembly.buffered = kept
             assembly.buffered_fps = sum(
                 min(count(add), self.capacity) + min(count(remove), self.capacity)
@@ -358,29 +301,10 @@ class PeerClaims:
         if part in assembly.seen:
             return None
         assembly.seen.add(part)
-        self.queue.appendleft(_Fill(assembly, msg.fps))
+        self.queue.appendleft(Fill(assembly, msg.fps))
         return None
 
-    def _fill(self, job: _Fill, most: int) -> int:
-        assembly = job.assembly
-        left = job.n - job.at
-        take = min(most, left, max(0, self.capacity - assembly.held))
-        if take:
-            run = unique(as_fps(job.fps, take, job.at))
-            assembly.runs.append(run)
-            assembly.held += len(run)
-            self._filter.fill(assembly.column, run)
-            job.at += take
-        if take < min(most, left):
-            # More than it may claim (what it registered, or this node's budget
-            # for it): keep what fits, strike it once a snapshot. What does not
-            # fit is never even converted.
-            self.strikes += not assembly.cut
-            assembly.cut = True
-            job.at = job.n
-        return max(1, take)
-
-    def _install(self, job: _Complete) -> Resync | None:
+    def _install(self, job: Complete) -> Resync | None:
         """The merged snapshot becomes the claims; the deltas buffered meanwhile follow it."""
         assembly = job.assembly
         if self.assembly is assembly:

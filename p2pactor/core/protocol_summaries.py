@@ -29,18 +29,8 @@ from p2pactor.core.protocol_base import MessageBase, bounded
 from p2pactor.core.protocol_limits import MAX_EPOCH_BYTES, MAX_NUM_BLOCKS, MAX_SUMMARY_BYTES
 from p2pactor.errors import InvalidField
 
-__all__ = [
-    "FEATURE_SUMMARIES",
-    "KvsumDelta",
-    "KvsumResync",
-    "KvsumSnapshot",
-    "SummaryMessage",
-    "fingerprints",
-    "packed",
-]
-
+# The feature a ``connect`` offers when its sender sends and reads summaries.
 FEATURE_SUMMARIES: Final = "kvsum/1"
-"""The feature a ``connect`` offers when its sender sends and reads summaries."""
 
 _FP_BYTES: Final = 8
 _MAX_SEQ: Final = 2**63 - 1
@@ -130,5 +120,5 @@ class KvsumResync(MessageBase, frozen=True, kw_only=True):
     from_seq: _Seq
 
 
+# Any message of the summary extension.
 SummaryMessage = KvsumDelta | KvsumSnapshot | KvsumResync
-"""Any message of the summary extension."""

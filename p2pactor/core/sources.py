@@ -1,21 +1,16 @@
 """Which peers claim which keys, and the choice of a source for a request that names none.
 
-Each p2pactor peer tells us, over its session, the keys its engine's CPU tier
-holds: sequenced deltas of 64-bit fingerprints (:func:`fingerprint`), and
-snapshots (in parts) on session ready, on a gap and now and then.
-:class:`SourceIndex` keeps each peer's claims exactly, packed
-(:class:`~p2pactor.core.claimset.ClaimSet`), and all of them in one Bloom
-filter with a column per peer (:class:`~p2pactor.core.claimfilter.ClaimFilter`)
-that finds a request's candidate peers at once; keeps per peer its epoch, its
-sequence and how often its claims held when probed; and chooses, for a
-request's keys in order, the peer worth one lookup.
-
-Sans-IO: no I/O, no clock (``now`` is an
-argument), and every method returns what the runtime must do, as data (a
-:class:`Resync` to send, a :class:`Choice` to record and act on). A peer's
-claims only steer performance: a false claim costs one lookup that answers
-MISS, never wrong bytes, and a peer whose claims keep missing is quarantined
-for automatic choice (it stays usable as a source a request names).
+Each p2pactor peer tells us the keys its engine's CPU tier holds: sequenced
+deltas of 64-bit fingerprints (:func:`fingerprint`), and snapshots in parts.
+:class:`SourceIndex` keeps each peer's claims exactly
+(:class:`~p2pactor.core.claimset.ClaimSet`) and all of them in one Bloom
+filter with a column per peer (:class:`~p2pactor.core.claimfilter.ClaimFilter`),
+each peer's epoch, sequence and trust, and chooses
+(:func:`~p2pactor.core.choice.choose`) the peer worth one lookup. Sans-IO:
+``now`` is an argument, and what the runtime must do comes back as data (a
+:class:`Resync`, a :class:`Choice`). Claims only steer performance: a false
+one costs a lookup that answers MISS, never wrong bytes, and a peer whose
+claims keep missing is quarantined for automatic choice only.
 """
 
 from __future__ import annotations
@@ -23,21 +18,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from p2pactor.core.choice import Choice, ChoicePolicy, Claim
+from p2pactor.core.choice import Choice, ChoicePolicy, choose
 from p2pactor.core.claimfilter import ClaimFilter
 from p2pactor.core.fparrays import Fingerprints, as_fps
 from p2pactor.core.peer_claims import Incoming, PeerClaims, Resync
-from p2pactor.core.peer_trust import PeerTrust
+from p2pactor.core.peer_trust import PeerTrust, Trust
 from p2pactor.core.work_budget import WorkBudget
-
-__all__ = [
-    "BYTES_PER_CLAIM",
-    "INLINE_FPS",
-    "SLICE_FPS",
-    "Resync",
-    "SourceIndex",
-    "fingerprint",
-]
 
 _MASK64 = (1 << 64) - 1
 _GROUP_MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads group indexes over all bits
@@ -57,19 +43,16 @@ def fingerprint(key: bytes) -> int:
     return low ^ ((group * _GROUP_MIX) & _MASK64)
 
 
+# What one claim a peer may make costs this node, at most (``tracemalloc``,
+# ``docs/sources.md``): 9 bytes packed and up to 5 in the recent changes; 3 to 11
+# of the filter's column; in a snapshot being assembled 8, its merge 8 and its
+# column 3; the deltas buffered meanwhile 2. A node's budget for a peer (less its
+# queued messages' share) divided by this is how many claims it keeps.
 BYTES_PER_CLAIM = 48
-"""What one claim a peer may make costs this node, at most. Measured with
-``tracemalloc`` (``docs/sources.md``): the claim itself, 9 bytes packed and
-up to 5 more in the set of recent changes; its share of the filter's column,
-3 to 11 bytes; its place in a snapshot being assembled (8), the merge of
-that snapshot's parts (8) and its column (3); and the deltas buffered
-meanwhile (2 on average: a quarter of a fingerprint a claim). A node's
-budget for a peer (less what its queued messages may hold) divided by this
-is how many claims it keeps."""
+# Fingerprints of summary work one :meth:`SourceIndex.work` call does (under a millisecond).
 SLICE_FPS = 2048
-"""Fingerprints of summary work one :meth:`SourceIndex.work` call does (under a millisecond)."""
+# Fingerprints of a message applied as it arrives, when nothing of its peer waits.
 INLINE_FPS = 1024
-"""Fingerprints of a message applied as it arrives, when nothing of its peer waits."""
 
 
 class _Peer(PeerTrust):
@@ -83,7 +66,7 @@ class _Peer(PeerTrust):
         self.budget = budget  # how much of the node's thread its summaries may take
 
 
-class SourceIndex:
+class SourceIndex(Trust):
     """Every peer's claims, and the choice of a source per request.
 
     What a peer sends costs work in proportion to the message, done a slice
@@ -119,9 +102,7 @@ class SourceIndex:
         self._filter = ClaimFilter()
         self._columns: dict[int, str] = {}  # the filter's column -> its peer
         self._busy: deque[str] = deque()  # peers with work queued, in turn
-        # The quarantined peers, replaced whole (read by engine threads): a
-        # key only they claim is unclaimed, a MISS with no wait.
-        self._excluded: frozenset[str] = frozenset()
+        self._excluded: frozenset[str] = frozenset()  # see Trust
 
     # --- what the index holds ---------------------------------------------------------
 
@@ -180,20 +161,6 @@ class SourceIndex:
                     break
         return found
 
-    def next_release(self) -> float | None:
-        """When the first quarantine ends (None: no peer is quarantined)."""
-        peers = self._peers
-        ends = [peers[p].quarantined_until for p in self._excluded if p in peers]
-        return min(ends, default=None)
-
-    def release(self, now: float) -> None:
-        """End the quarantines that are over at ``now``: their claims count again."""
-        if self._excluded:
-            peers = self._peers
-            self._excluded = frozenset(
-                p for p in self._excluded if p in peers and now < peers[p].quarantined_until
-            )
-
     def claims_of(self, peer: str) -> int:
         """How many fingerprints ``peer`` claims."""
         found = self._peers.get(peer)
@@ -207,11 +174,6 @@ class SourceIndex:
         summary = found.summary
         return (summary.epoch, summary.seq, summary.synced)
 
-    def precision(self, peer: str) -> float:
-        """How often ``peer``'s probed claims held (a moving average; 1.0 before any)."""
-        found = self._peers.get(peer)
-        return found.precision if found is not None else 1.0
-
     def strikes(self, peer: str) -> int:
         """Messages of ``peer`` that claimed more than it may, or came as a flood."""
         found = self._peers.get(peer)
@@ -221,11 +183,6 @@ class SourceIndex:
         """Times ``peer``'s messages came faster than they were applied, and were dropped."""
         found = self._peers.get(peer)
         return found.summary.floods if found is not None else 0
-
-    def quarantined(self, peer: str, now: float) -> bool:
-        """Whether automatic choice skips ``peer`` at ``now``."""
-        found = self._peers.get(peer)
-        return found is not None and now < found.quarantined_until
 
     # --- membership -----------------------------------------------------------------
 
@@ -372,109 +329,21 @@ class SourceIndex:
     def choose(self, fps: Sequence[int], now: float, *, most: int | None = None) -> Choice:
         """The peer to look up for a request whose keys are ``fps``, in order.
 
-        The filter gives every peer's run at once, each as long as its claims
-        make it or longer (a "maybe" past the run's end); the best is checked
-        against its exact claims, and cut down, until the best is one
-        checked: the choice is exact, the other claims are as the filter
-        reads them. ``most``: how many claims the choice records (the best;
-        all by default).
+        :func:`~p2pactor.core.choice.choose` says how; ``most``: how many
+        claims the choice records (the best; all by default).
         """
         if not fps:
             return Choice(None, 0, (), "no keys")
         self.release(now)
         wanted = as_fps(fps)
         columns, runs = self._filter.runs(wanted)
-        policy = self.policy
-        names, peers = self._columns, self._peers
-        most_probes = policy.max_probes_per_peer
-        per_key = policy.tokens_per_key * policy.prefill_s_per_token
-        cost, load = policy.round_trip_s, policy.load_s
-        scored: list[tuple[float, int, str, int]] = []  # (-score, -run, peer, run): best first
-        skipped = False
-        for column, run in zip(columns.tolist(), runs.tolist(), strict=True):
-            peer = names.get(column)
-            if peer is None:
-                continue
-            found = peers[peer]
-            if now < found.quarantined_until or found.in_flight >= most_probes:
-                skipped = True
-                continue
-            # As _score, inline: this loop runs for every peer claiming the first key.
-            score = run * per_key * found.precision - cost - load * found.in_flight
-            scored.append((-score, -run, peer, run))
-        checked: set[str] = set()
-        while scored:
-            best = min(scored)
-            peer = best[2]
-            if peer in checked:
-                break
-            checked.add(peer)
-            found = peers[peer]
-            held = found.summary.claims.mask(wanted[: best[3]])
-            run = best[3] if held.all() else int(held.argmin())
-            if run < best[3]:
-                scored.remove(best)
-                if run:
-                    scored.append((-self._score(found, run), -run, peer, run))
-        if not scored:
-            if skipped:
-                reason = "every peer claiming the first key is quarantined or busy"
-                return Choice(None, 0, (), reason)
-            return Choice(None, 0, (), "no peer claims the first key")
-        scored.sort()
-        claims = tuple(
-            Claim(peer, run, peers[peer].precision, -score) for score, _, peer, run in scored[:most]
+        return choose(
+            self.policy,
+            wanted,
+            now,
+            columns=columns.tolist(),
+            runs=runs.tolist(),
+            names=self._columns,
+            peers=self._peers,
+            most=most,
         )
-        best_claim = claims[0]
-        if best_claim.score <= 0:
-            return Choice(None, 0, claims, "no claimed run is worth a round trip")
-        keys = min(len(fps), best_claim.run + policy.tail_keys)
-        reason = f"longest worthwhile run: {best_claim.run} of {len(fps)} keys"
-        return Choice(best_claim.peer, keys, claims, reason)
-
-    def _score(self, found: _Peer, run: int) -> float:
-        policy = self.policy
-        saved = run * policy.tokens_per_key * policy.prefill_s_per_token
-        return saved * found.precision - policy.round_trip_s - policy.load_s * found.in_flight
-
-    def probe_started(self, peer: str) -> None:
-        """An automatic lookup to ``peer`` was sent."""
-        found = self._peers.get(peer)
-        if found is not None:
-            found.in_flight += 1
-
-    def probe_ended(self, peer: str, claimed: int, hits: int, now: float) -> None:
-        """An automatic lookup to ``peer`` ended: ``hits`` of the ``claimed`` keys it asked held.
-
-        :meth:`probe_answered`, then :meth:`score`.
-        """
-        self.probe_answered(peer)
-        self.score(peer, claimed, hits, now)
-
-    def probe_answered(self, peer: str) -> None:
-        """An automatic lookup to ``peer`` has its answers (or never will): no longer in flight."""
-        found = self._peers.get(peer)
-        if found is not None:
-            found.in_flight = max(0, found.in_flight - 1)
-
-    def score(self, peer: str, claimed: int, held: int, now: float) -> None:
-        """``held`` of ``claimed`` keys ``peer`` claimed turned out held (by answer and deed).
-
-        A failed lookup (no answer) is ``held=0``; so is a HIT whose fetch the
-        peer then failed. Updates the peer's precision and quarantines it when
-        too few of its claims hold (:class:`~p2pactor.core.peer_trust.PeerTrust`).
-        """
-        found = self._peers.get(peer)
-        if found is not None and found.score(claimed, held, now, self.policy):
-            self._excluded = self._excluded | {peer}
-
-    def fetches_ended(self, peer: str, *, delivered: int, failed: int, now: float) -> None:
-        """Fetches of ``peer``'s hits for one request ended: ``delivered`` did, ``failed`` not.
-
-        Besides the precision (:meth:`score`): a peer whose fetches keep
-        failing is quarantined after ``max_failed_fetches`` in a row, however
-        few keys each carried.
-        """
-        found = self._peers.get(peer)
-        if found is not None and found.fetches_ended(delivered, failed, now, self.policy):
-            self._excluded = self._excluded | {peer}

@@ -15,10 +15,8 @@ Pure: time is an argument.
 
 from __future__ import annotations
 
-__all__ = ["BURST_S", "WorkBudget"]
-
+# Seconds of the rate a peer may spend at once, after a quiet spell.
 BURST_S = 0.1
-"""Seconds of the rate a peer may spend at once, after a quiet spell."""
 
 
 class WorkBudget:

@@ -1,23 +1,14 @@
-"""The node's directory: what it tells peers it holds, what they claim, and the choice.
+"""The node's directory: the summaries (``kvsum/1``) both ways, and the choice.
 
-:class:`SourceDirectory` runs the summary extension (``kvsum/1``) on the
-node's thread. It keeps the core's two halves and does their I/O:
-
-- :class:`~p2pactor.core.holdings.Holdings`, the keys this node's engine
-  holds, fed by the parent (an embedded cache tells it exactly), the engine's
-  stores and our loads, and corrected when our server answers MISS for a key
-  we claimed. Its changes go to every summary peer as deltas, on the node's
-  timer; a peer whose session becomes ready, or that asks, gets a snapshot,
-  one part per ``part_interval_s`` so its lookups never wait behind it.
-- :class:`~p2pactor.core.sources.SourceIndex`, what the peers claim, fed by
-  their deltas and snapshots: a small message is applied as it arrives, a
-  large one (and any behind it) by :meth:`SourceDirectory.run`, a slice of
-  a few milliseconds at a time with the node's other tasks between, so no
-  peer's summary holds up anyone's lookups. :meth:`SourceDirectory.choose` picks the peer
-  worth a lookup for a request that names none; the lookups it starts are
-  followed (:meth:`SourceDirectory.stepped`) so each peer's precision is
-  measured, and a key it claimed and missed is dropped from its claims.
-
+:class:`SourceDirectory` does the I/O of the core's two halves on the node's
+thread: :class:`~p2pactor.core.holdings.Holdings` (what this node's engine
+holds, fed by the parent, the engine's stores and our loads, corrected when
+our server answers MISS for a key we claimed; it says which deltas and
+snapshot parts are due, sent here on the node's timer) and
+:class:`~p2pactor.core.sources.SourceIndex` (what the peers claim: a small
+message applied as it arrives, a large one by :meth:`SourceDirectory.run`, a
+slice of a few milliseconds at a time, so no peer's summary holds up anyone's
+lookups). The choice and its lookups are :mod:`p2pactor.runtime.auto_choice`'s.
 Only sessions where both sides offered the feature take part: a stock vLLM
 peer is never sent a summary message and is never chosen.
 """
@@ -28,20 +19,17 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 import attrs
-import msgspec
 import trio
 
-from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
-from p2pactor.core.choice import Choice
-from p2pactor.core.consumer import ConsumerState, probe_answers
-from p2pactor.core.holdings import Holdings, SummaryDelta
-from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import Resync, SourceIndex, fingerprint
+from p2pactor.core.holdings import Holdings, Out
+from p2pactor.core.peer_claims import Resync
+from p2pactor.core.sources import SourceIndex
 from p2pactor.runtime.actor import RequestActor
-from p2pactor.runtime.auto_probe import AutoProbe
+from p2pactor.runtime.auto_choice import AutoChoice, AutoProbe
 from p2pactor.runtime.source_options import SourceOptions
 from p2pactor.runtime.sources_calls import (
     Decision,
@@ -54,46 +42,59 @@ from p2pactor.runtime.sources_calls import (
     Scrubbed,
     Touched,
 )
-from p2pactor.runtime.summary_parts import SnapshotParts, SummaryPeer
 from p2pactor.runtime.timers import Timers
-
-__all__ = ["DirectoryCounts", "SourceDirectory", "SummaryPeer"]
 
 log = logging.getLogger("p2pactor.sources")
 
 _EPOCH_BYTES = 16
-_MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
 
 
 @attrs.define
 class DirectoryCounts:
-    """What the directory did, for metrics and the demo's table (totals since start)."""
+    """What the directory did, for metrics and the demo's table (totals since start).
+
+    Attributes:
+        chosen: Requests sent to a peer by automatic choice.
+        unclaimed: Requests no live peer claimed: a MISS at once.
+        not_worth: Requests a peer claimed, but not enough to be worth a round trip.
+        probed_keys: Claimed keys asked of chosen peers.
+        false_claims: Of those, the keys the peer answered MISS for (or never
+            answered), refusals aside.
+        refused_claims: Of those, the keys the peer refused over a quota.
+        undelivered_claims: Of those, the keys answered HIT and then not delivered.
+        bytes_sent: Summary bytes sent (fingerprints, 8 per key), to all peers.
+        summary_floods: Times a peer's summary messages came faster than they
+            were applied, and were dropped.
+    """
 
     chosen: int = 0
-    """Requests sent to a peer by automatic choice."""
     unclaimed: int = 0
-    """Requests no live peer claimed: a MISS at once."""
     not_worth: int = 0
-    """Requests a peer claimed, but not enough to be worth a round trip."""
     probed_keys: int = 0
-    """Claimed keys asked of chosen peers."""
     false_claims: int = 0
-    """Of those, the keys the peer answered MISS for (or never answered), refusals aside."""
     refused_claims: int = 0
-    """Of those, the keys the peer refused over a quota (a p2pactor peer says so)."""
     undelivered_claims: int = 0
-    """Of those, the keys the peer answered HIT for and then failed to deliver."""
     deltas_sent: int = 0
     parts_sent: int = 0
     bytes_sent: int = 0
-    """Summary bytes sent (fingerprints, 8 per key), to all peers."""
     bytes_received: int = 0
     resyncs_sent: int = 0
     summary_floods: int = 0
-    """Times a peer's summary messages came faster than they were applied, and were dropped."""
 
 
-class SourceDirectory:
+class SummaryPeer(Protocol):
+    """A session summaries go over (a :class:`~p2pactor.runtime.session.PeerSession`)."""
+
+    @property
+    def peer_id(self) -> str:
+        """The peer's id."""
+        ...
+
+    def send(self, msg: wire.Message) -> None:
+        """Queue ``msg`` for the peer; never blocks."""
+
+
+class SourceDirectory(AutoChoice):
     """The summaries both ways, and the choice of a source. Made by the node's host.
 
     Args:
@@ -101,6 +102,11 @@ class SourceDirectory:
         capacity: The most keys this node's engine holds (its blocks).
         timers: The node's timer (flushes and paced parts are armed on it).
         clock: The node's clock.
+
+    Attributes:
+        scrubs: Batches of held keys to check with the engine's parent (the engine takes them).
+        checked: Whether the engine checks held keys with its parent (it took a batch once).
+        frontier: The held keys the parent evicts next (checked after it allocates).
     """
 
     def __init__(
@@ -112,7 +118,14 @@ class SourceDirectory:
         clock: Callable[[], float],
     ) -> None:
         self.options = options
-        self.holdings = Holdings(capacity, epoch=os.urandom(_EPOCH_BYTES), options=options.summary)
+        self.holdings = Holdings(
+            capacity,
+            epoch=os.urandom(_EPOCH_BYTES),
+            options=options.summary,
+            part_interval_s=options.part_interval_s,
+            resync_interval_s=options.resync_interval_s,
+            refresh_s=options.refresh_s,
+        )
         self.index = SourceIndex(
             options.choice,
             max_queued_bytes=options.max_queued_bytes_per_peer,
@@ -127,19 +140,11 @@ class SourceDirectory:
         self._flooded: set[str] = set()  # peers told (in the log) their summaries came too fast
         self._floods: dict[str, int] = {}  # each peer's floods counted so far
         self._work_wanted = trio.Event()  # set when summary messages wait for :meth:`run`
-        self.parts = SnapshotParts(
-            self.holdings, options, self._peers, self._broadcast, self._part_sent
-        )
-        self._next_refresh: float | None = None  # the next whole snapshot to every peer
         self._armed: float | None = None
-        # Read by engine threads (one dict lookup, or a pop: atomic).
         self.decisions: dict[str, Decision] = {}
         self.scrubs: deque[list[bytes]] = deque()
-        """Batches of held keys to check with the engine's parent (the engine takes them)."""
         self.checked = False
-        """Whether the engine checks held keys with its parent (it took a batch once)."""
         self.frontier: list[bytes] = []
-        """The held keys the parent evicts next (the engine checks them after it allocates)."""
 
     @property
     def enabled(self) -> bool:
@@ -173,15 +178,6 @@ class SourceDirectory:
         self.holdings.gone((key,), self._clock())
         self._arm()
 
-    def touched(self, keys: Iterable[bytes]) -> None:
-        """The engine reused ``keys``."""
-        self.holdings.touched(keys)
-
-    def gone(self, keys: Iterable[bytes]) -> None:
-        """This node's engine no longer holds ``keys``."""
-        self.holdings.gone(keys, self._clock())
-        self._arm()
-
     def pinned(self, job: int, keys: Sequence[bytes]) -> None:
         """Our server pinned ``keys`` for a peer (parent job ``job``)."""
         self.holdings.pinned(job, keys)
@@ -195,15 +191,8 @@ class SourceDirectory:
         held = self.holdings
         claimed = [k for k in keys if k in held]
         if claimed:
-            self.gone(claimed)
-
-    def drained(self) -> None:
-        """The engine dropped everything: a new epoch, told to every peer at once."""
-        now = self._clock()
-        snapshot = self.holdings.reset(os.urandom(_EPOCH_BYTES), now)
-        self.parts.to_all(now, fresh=snapshot, busy_too=True)
-        self.parts.send(now)
-        self._arm()
+            held.gone(claimed, self._clock())
+            self._arm()
 
     def apply(
         self, call: Held | Reused | Ended | Touched | Lacking | Reserved | Drained | Scrubbed
@@ -212,35 +201,30 @@ class SourceDirectory:
         holdings, now = self.holdings, self._clock()
         match call:
             case Held(keys, request, positions, at_once):
-                self.stored(keys, request, positions)
+                holdings.stored(keys, now, request=request, positions=positions)
                 if at_once:  # a peer may ask for them within the step
-                    self._flush_now(now)
+                    self._send(holdings.flush_all(now))
             case Reused(keys, request, positions):
                 holdings.accessed(keys, request, positions)
             case Ended(request):
                 holdings.finished(request)
             case Reserved(blocks):
                 holdings.reserve(blocks, now)
-                self._arm()
             case Touched(keys):
-                self.touched(keys)
+                holdings.touched(keys)
             case Lacking(keys):
-                self.gone(keys)
-            case Drained():
-                self.drained()
+                holdings.gone(keys, now)
+            case Drained():  # a new epoch, told to every peer at once
+                self._send(holdings.drain(os.urandom(_EPOCH_BYTES), now, self._peers))
                 self.scrubs.clear()
             case Scrubbed(gone, kept):
                 holdings.scrubbed(gone, kept, now)
                 if gone:  # a claim the parent dropped costs every peer a lookup: tell now
-                    self._flush_now(now)
+                    self._send(holdings.flush_all(now))
         if self.checked and not isinstance(call, Scrubbed):
             self.frontier = holdings.frontier()
         self._plan_scrub(now)
         self._arm()
-
-    def _flush_now(self, now: float) -> None:
-        while (delta := self.holdings.flush(now, force=True)) is not None:
-            self._broadcast(delta)
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -268,18 +252,15 @@ class SourceDirectory:
     def peer_ready(self, session: SummaryPeer) -> None:
         """``session`` is ready both ways: send the peer our snapshot."""
         if self._peers.get(session.peer_id) is session:
-            self.parts.start(session.peer_id, self._clock())
+            self._send(self.holdings.started(session.peer_id, self._clock()))
             self._arm()
-            if self._next_refresh is None and self.options.refresh_s:
-                self._next_refresh = self._clock() + self.options.refresh_s
-                self._arm()
 
     def peer_closed(self, peer: str, current: SummaryPeer | None) -> None:
         """A session of ``peer`` closed; ``current`` is its session now, if it has one."""
         found = self._peers.get(peer)
         if found is not None and found is not current:
             del self._peers[peer]
-            self.parts.forget(peer)
+            self.holdings.forget(peer)
         if current is None:
             self.index.remove_peer(peer)
             self._floods.pop(peer, None)  # its count starts over with its next session
@@ -309,7 +290,7 @@ class SourceDirectory:
                     now=self._clock(),
                 )
             case wire.KvsumResync():
-                self.parts.asked(peer, self._clock())
+                self._send(self.holdings.asked(peer, self._clock()))
                 self._arm()
         if resync is not None:
             self._resync(resync)
@@ -365,100 +346,6 @@ class SourceDirectory:
                 self.options.max_queued_bytes_per_peer,
             )
 
-    # --- choosing a source --------------------------------------------------------------
-
-    def choose(self, keys: Sequence[bytes]) -> Choice:
-        """The peer to look up for a request's ``keys`` (in order), and why."""
-        choice = self.index.choose([fingerprint(k) for k in keys], self._clock())
-        counts = self.counts
-        if choice.chosen is not None:
-            counts.chosen += 1
-        elif choice.claims:
-            counts.not_worth += 1
-        else:
-            counts.unclaimed += 1
-        most = self.options.recorded_claims
-        if len(choice.claims) > most:
-            choice = msgspec.structs.replace(choice, claims=choice.claims[:most])
-        return choice
-
-    def decided(self, kv_request_id: str, decision: Decision) -> None:
-        """Publish the choice for an engine's request (its thread reads :meth:`decision`)."""
-        decisions = self.decisions
-        if len(decisions) >= _MAX_DECISIONS:
-            del decisions[next(iter(decisions))]
-        decisions[kv_request_id] = decision
-
-    def decision(self, kv_request_id: str) -> Decision | None:
-        """The choice made for ``kv_request_id``, None while it is being made. Any thread."""
-        return self.decisions.get(kv_request_id)
-
-    def finished(self, kv_request_id: str) -> None:
-        """The engine is done with ``kv_request_id``: forget its choice."""
-        self.decisions.pop(kv_request_id, None)
-
-    def probe_started(self, actor: RequestActor, choice: Choice, keys: Sequence[bytes]) -> None:
-        """A lookup of ``keys`` went to ``choice.chosen`` through ``actor``; follow it."""
-        assert choice.chosen is not None
-        run = choice.claims[0].run if choice.claims else len(keys)
-        claimed = tuple(keys[:run])
-        if actor in self.auto:
-            return  # the request asked again: its first probe is the one measured
-        self.auto[actor] = AutoProbe(choice.chosen, claimed)
-        self.index.probe_started(choice.chosen)
-        self.counts.probed_keys += len(claimed)
-
-    def stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
-        """``actor`` (of :attr:`auto`) stepped: score its answers, then its fetches' outcome."""
-        probe = self.auto[actor]
-        probe.follow(events)
-        if not probe.answered:
-            state = actor.state
-            assert isinstance(state, ConsumerState)
-            answers = probe_answers(state, probe.claimed)
-            if LookupResult.RETRY in answers and not actor.done:
-                return
-            self._answered(probe, answers, state.refused)
-        if probe.held > 0 and not (probe.ended or actor.done):
-            return  # its hits are scored once their fetches are over
-        del self.auto[actor]
-        self.counts.undelivered_claims += min(probe.held, probe.failed)
-        was = self.index.quarantined(probe.peer, self._clock())
-        now = self._clock()
-        self.index.score(probe.peer, probe.counted, probe.held_by_deed, now)
-        if probe.delivered or probe.failed_jobs:
-            self.index.fetches_ended(
-                probe.peer, delivered=probe.delivered, failed=probe.failed_jobs, now=now
-            )
-        if not was and self.index.quarantined(probe.peer, self._clock()):
-            log.warning(
-                "%s's summary claims keys it does not deliver (%d of %d probed held); not "
-                "choosing it automatically for a while (it stays usable as a named source)",
-                probe.peer,
-                probe.held_by_deed,
-                probe.counted,
-            )
-            self._arm()  # its claims count again when the quarantine ends
-
-    def _answered(
-        self, probe: AutoProbe, answers: Sequence[LookupResult], refused: frozenset[bytes]
-    ) -> None:
-        """The claimed keys are answered: a MISS is a false claim now, a HIT awaits its fetch."""
-        probe.answered = True
-        # A quota's refusal says nothing of what the peer holds: no false claim.
-        missed = [
-            fingerprint(k)
-            for k, a in zip(probe.claimed, answers, strict=True)
-            if a is not LookupResult.HIT and k not in refused
-        ]
-        spared = sum(1 for k in probe.claimed if k in refused)
-        probe.held = answers.count(LookupResult.HIT)
-        probe.counted = len(probe.claimed) - spared
-        self.counts.false_claims += len(missed)
-        self.counts.refused_claims += spared
-        self.index.missed(probe.peer, missed)
-        self.index.probe_answered(probe.peer)
-
     # --- the timer: flushes and paced snapshot parts ---------------------------------
 
     @property
@@ -475,14 +362,7 @@ class SourceDirectory:
         self._armed = None
         now = self._clock()
         self.index.release(now)
-        # Flushed with no peer too: the changes would pile up otherwise.
-        while (delta := self.holdings.flush(now)) is not None:
-            self._broadcast(delta)
-        if self._next_refresh is not None and now >= self._next_refresh:
-            self._refresh(now)
-        due = self.parts.next_due()
-        if due is not None and now >= due:
-            self.parts.send(now)
+        self._send(self.holdings.due(now, self._peers))
         self._plan_scrub(now)
         self._arm()
 
@@ -493,40 +373,27 @@ class SourceDirectory:
             if batch:
                 self.scrubs.append(batch)
 
-    def _refresh(self, now: float) -> None:
-        """A whole snapshot to every peer (one snapshot, the same parts to each, paced)."""
-        self._next_refresh = now + self.options.refresh_s if self._peers else None
-        self.parts.to_all(now)
-
-    def _due(self) -> float | None:
+    def _arm(self) -> None:
         times = (
-            self.holdings.next_flush(),
+            self.holdings.next_due(),
             self.holdings.next_scrub() if self.checked else None,
-            self.parts.next_due(),
-            self._next_refresh,
             self.index.next_release(),
         )
-        return min((t for t in times if t is not None), default=None)
-
-    def _arm(self) -> None:
-        when = self._due()
+        when = min((t for t in times if t is not None), default=None)
         if when is not None and (self._armed is None or when < self._armed):
             self._armed = when
             self._timers.arm(self)
 
-    def _broadcast(self, delta: SummaryDelta) -> None:
-        msg = wire.KvsumDelta(
-            epoch=delta.epoch,
-            seq=delta.seq,
-            add=wire.packed(delta.add),
-            remove=wire.packed(delta.remove),
-        )
-        size = len(msg.add) + len(msg.remove)
-        for session in self._peers.values():
-            session.send(msg)
-        self.counts.deltas_sent += len(self._peers)
-        self.counts.bytes_sent += size * len(self._peers)
-
-    def _part_sent(self, size: int) -> None:
-        self.counts.parts_sent += 1
-        self.counts.bytes_sent += size
+    def _send(self, out: list[Out]) -> None:
+        """Send what :attr:`holdings` returned: a delta to every summary peer, a part to one."""
+        counts, peers = self.counts, self._peers
+        for peer, msg in out:
+            if isinstance(msg, wire.KvsumDelta):
+                for each in peers.values():
+                    each.send(msg)
+                counts.deltas_sent += len(peers)
+                counts.bytes_sent += (len(msg.add) + len(msg.remove)) * len(peers)
+            elif peer is not None and (session := peers.get(peer)) is not None:
+                session.send(msg)
+                counts.parts_sent += 1
+                counts.bytes_sent += len(msg.fps)

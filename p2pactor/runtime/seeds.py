@@ -16,8 +16,6 @@ from collections.abc import Callable, Collection
 
 from p2pactor.runtime.timers import Timers
 
-__all__ = ["SeedRedial"]
-
 
 class SeedRedial:
     """When to dial each seed peer whose session ended, and the back-off of each.
@@ -49,16 +47,11 @@ class SeedRedial:
         self._max_s = max_s
         self._due: dict[str, float] = {}
         self._wait: dict[str, float] = {}  # the next back-off of each peer that failed
-        self.redials = 0
 
     @property
     def deadline(self) -> float | None:
         """When the next seed is dialed again (None: none is waiting)."""
         return min(self._due.values(), default=None)
-
-    def waiting(self, peer: str) -> float | None:
-        """When ``peer`` is dialed again, if it is waiting."""
-        return self._due.get(peer)
 
     def lost(self, peer: str) -> None:
         """``peer``'s session ended with no other to replace it: dial it again later."""
@@ -84,6 +77,5 @@ class SeedRedial:
         for peer, when in list(self._due.items()):
             if when <= now:
                 del self._due[peer]
-                self.redials += 1
                 self._dial(peer)
         self._timers.arm(self)

@@ -18,9 +18,6 @@ from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.holdings import SummaryOptions
 from p2pactor.core.sources import BYTES_PER_CLAIM
 
-__all__ = ["DEFAULT_SOURCES", "SourceOptions"]
-
-
 _positive_rate = checks.positive(finite=True)
 
 
@@ -101,5 +98,5 @@ class SourceOptions:
         return max(1, (self.peer_budget_bytes - self.max_queued_bytes_per_peer) // BYTES_PER_CLAIM)
 
 
+# Summaries on, the core's default policy.
 DEFAULT_SOURCES: Final = SourceOptions()
-"""Summaries on, the core's default policy."""

@@ -11,20 +11,6 @@ from __future__ import annotations
 
 import msgspec
 
-__all__ = [
-    "Decision",
-    "Drained",
-    "Ended",
-    "Held",
-    "Lacking",
-    "LocateWanted",
-    "Reserved",
-    "Reused",
-    "Scrubbed",
-    "SourcesCall",
-    "Touched",
-]
-
 
 class Decision(msgspec.Struct, frozen=True, gc=False):
     """The choice made for an engine's request that names no source.
@@ -104,7 +90,7 @@ class LocateWanted(msgspec.Struct, frozen=True, gc=False):
     keys: tuple[bytes, ...]
 
 
+# An engine call about holdings or a choice.
 SourcesCall = (
     Held | Reused | Ended | Touched | Lacking | Reserved | Drained | Scrubbed | LocateWanted
 )
-"""An engine call about holdings or a choice."""

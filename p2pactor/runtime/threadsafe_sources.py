@@ -32,8 +32,6 @@ from p2pactor.runtime.sources_calls import (
     Touched,
 )
 
-__all__ = ["ThreadSafeSources"]
-
 
 class ThreadSafeSources:
     """What an engine's threads tell the node about its holdings, and ask of its choices."""
