@@ -35,8 +35,6 @@ from typing import Final
 import attrs
 import trio
 
-__all__ = ["RECENT_SLOW", "LoopSnapshot", "LoopWatch", "SlowStep"]
-
 log = logging.getLogger("p2pactor.loopwatch")
 
 RECENT_SLOW: Final = 32

@@ -15,8 +15,6 @@ from typing import Final
 
 from p2pactor.errors import ConfigError
 
-__all__ = ["parse", "quote", "render"]
-
 _NAME: Final = re.compile(r"[A-Za-z0-9$\-_@.&+/]+")
 
 
