@@ -64,17 +64,8 @@ SLOW_STEP_S: Final = 0.05
 """The default ``slow_step_s``; measured at under 1% of the node's hot path (docs/status.md)."""
 
 
-def _slow_step(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"NodeConfig.slow_step_s must be seconds or None (off), got {value!r}")
-    if not 0 < value < math.inf:
-        # 0 would report every step: off is None (serve --slow-step-ms 0).
-        raise ConfigError(
-            f"NodeConfig.slow_step_s must be a finite number of seconds above 0, or None "
-            f"to turn the slow-step watch off, got {value!r}"
-        )
+# 0 would report every step: off is None (serve --slow-step-ms 0).
+_slow_step: checks.Validator = attrs.validators.optional(checks.positive(finite=True))
 
 
 def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
