@@ -15,19 +15,10 @@ import attrs
 
 from p2pactor.adapters._vllm_api import layout_fingerprint
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.config import NodeConfig, slow_step_from_ms
+from p2pactor.runtime.config import NodeConfig, peer_ids, slow_step_from_ms
 from p2pactor.runtime.source_options import SourceOptions
 
 _CURVE_ENV = frozenset({"P2PACTOR_CURVE_SECRET_KEY", "P2PACTOR_CURVE_TRUSTED"})
-
-
-def _peer_list(peers: Collection[str] | str | None) -> list[str] | None:
-    """Peers as a list: from a comma-separated string too."""
-    if peers is None:
-        return None
-    if isinstance(peers, str):
-        return [p.strip() for p in peers.split(",") if p.strip()]
-    return list(peers)
 
 
 def tier_config(
@@ -52,8 +43,6 @@ def tier_config(
     Raises:
         ValueError: An option or variable is unusable; the message says which.
     """
-    allowed = _peer_list(allowed_peers)
-    seeds = _peer_list(seed_peers)
     dp_index = int(offloading_spec.config.parallel.data_parallel_index)
     # The CURVE keys are read once host and port are known: the key must
     # speak for this rank's id, not for the environment's default one.
@@ -74,8 +63,8 @@ def tier_config(
             num_blocks=int(view.shape[0]) if view.shape else 0,
             block_len=int(block_len),
             fingerprint=layout_fingerprint(offloading_spec),
-            allowed_peers=base.allowed_peers if allowed is None else frozenset(allowed),
-            seed_peers=base.seed_peers if seeds is None else frozenset(seeds),
+            allowed_peers=base.allowed_peers if allowed_peers is None else peer_ids(allowed_peers),
+            seed_peers=base.seed_peers if seed_peers is None else peer_ids(seed_peers),
             sources=source_options(base.sources, offloading_spec, summaries),
             unbound_store_timeout=float(unbound_store_timeout_s),
             drain_timeout=drain_timeout,

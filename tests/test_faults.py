@@ -56,7 +56,8 @@ from p2pactor.errors import DataPlaneError, ProtocolError, UnknownMessageType
 from p2pactor.programs.hosts import Host
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.keys import CurveSecurity
-from p2pactor.runtime.log import EventLog, read_log
+from p2pactor.runtime.log import EventLog
+from p2pactor.runtime.logread import read_log
 from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.quotas import PeerQuotas

@@ -9,6 +9,8 @@ says so, ON_CLOSE at close only). A file cut anywhere inside its last records
 reads back every complete record before the cut and flags a torn tail without
 raising; damage in the middle is reported as corruption at its byte offset;
 files that are not logs are refused with a message that says what to do.
+Whoever follows the events watches the node's steps (``Node.watch_events``): every
+step's events, in the log's order, whatever a watcher does (fail, unsubscribe itself).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 import logging
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgspec
@@ -24,10 +27,14 @@ import pytest
 import trio
 
 from p2pactor.core import events as ev
+from p2pactor.core.fold import ActorState
 from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import ConfigError, LogError, LogFormatError
 from p2pactor.runtime.log import RING_KEYS, Durability, DurabilityKind, EventLog
 from p2pactor.runtime.logread import FORMAT_VERSION, MAGIC, LogReader, ProblemKind, read_log
+from p2pactor.runtime.node import Node
+from tests.cluster import key, node_id, open_cluster
 from tests.test_replay import NODE_B, event_mix, happy, repeated_pattern
 
 NODE = "10.0.0.9:5710"
@@ -228,56 +235,85 @@ def test_keep_none_keeps_everything_and_zero_nothing(events: list[ev.AnyEvent]) 
     assert nothing.recent() == []
 
 
-def test_listeners_see_each_batch_and_can_unsubscribe(events: list[ev.AnyEvent]) -> None:
-    log = EventLog(NODE)
-    seen: list[Sequence[ev.AnyEvent]] = []
-    unsubscribe = log.add_listener(seen.append)
-    log.append(events[:2])
-    log.append(events[2:3])
-    unsubscribe()
-    unsubscribe()
-    log.append(events[3:4])
-
-    assert seen == [events[:2], events[2:3]]
+# --- the node's event watchers: the one way to follow the events ---------------------------
+# (The log tells no one: what followed its appends watches the node's steps instead.)
 
 
-def test_a_failing_listener_never_breaks_append(
-    tmp_path: Path, events: list[ev.AnyEvent], caplog: pytest.LogCaptureFixture
+Watched = list[tuple[Sequence[ev.AnyEvent], ActorState]]
+
+
+def stepped(watched: Watched) -> list[ev.AnyEvent]:
+    return [event for events, _ in watched for event in events]
+
+
+@asynccontextmanager
+async def node_b() -> AsyncIterator[tuple[Node, Callable[[], list[ev.AnyEvent]]]]:
+    """Node b, whose lookups of ``key(0)`` at ``A`` hit; and what b has logged since."""
+    async with open_cluster("a", "b") as cluster:
+        cluster["a"].store(key(0))
+        b = cluster["b"]
+        before = len(b.log.recent())
+        yield b.node, lambda: b.log.recent()[before:]
+
+
+A = node_id("a")
+
+
+async def test_watchers_see_each_step_and_can_unsubscribe(
+    autojump_clock: trio.testing.MockClock,
 ) -> None:
-    path = tmp_path / "node.log"
-    log = EventLog(NODE, path=path, durability=Durability.every_event())
-    seen: list[Sequence[ev.AnyEvent]] = []
+    async with node_b() as (node, logged):
+        seen: Watched = []
+        unwatch = node.watch_events(lambda events, state: seen.append((events, state)))
+        await node.lookup(A, "r1", [key(0)])
 
-    def broken(batch: Sequence[ev.AnyEvent]) -> None:
-        raise RuntimeError("listener bug")
-
-    log.add_listener(broken)
-    log.add_listener(seen.append)
-    with caplog.at_level(logging.ERROR, logger="p2pactor.log"):
-        log.append(events[:3])
-
-    assert list(read_log(path)) == events[:3]
-    assert seen == [events[:3]], "later listeners still run"
-    assert log.statistics().listener_errors == 1
-    (record,) = caplog.records
-    assert record.name == "p2pactor.log"
-    assert "listener" in record.getMessage()
-    assert record.exc_info is not None
-    log.close()
+        assert seen
+        assert stepped(seen) == logged(), "every event, in the log's order"
+        for events, state in seen:
+            assert state.seq == events[-1].seq, "the state after the step's events"
+        unwatch()
+        unwatch()
+        steps = list(seen)
+        await node.lookup(A, "r2", [key(0)])
+        assert seen == steps
 
 
-def test_a_listener_may_unsubscribe_itself(events: list[ev.AnyEvent]) -> None:
-    log = EventLog(NODE)
+async def test_a_failing_watcher_never_breaks_a_step(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(events: Sequence[ev.AnyEvent], state: ActorState) -> None:
+        raise RuntimeError("watcher bug")
+
+    async with node_b() as (node, logged):
+        seen: Watched = []
+        node.watch_events(broken)
+        node.watch_events(lambda events, state: seen.append((events, state)))
+        with caplog.at_level(logging.ERROR, logger="p2pactor.node"):
+            assert await node.lookup(A, "r1", [key(0)]) == [LookupResult.HIT]
+
+        assert stepped(seen) == logged(), "later watchers still run"
+        failures = [r for r in caplog.records if r.name == "p2pactor.node"]
+        assert len(failures) == len(seen), "one line per step it failed"
+        assert all("watcher" in r.getMessage() and r.exc_info for r in failures)
+
+
+async def test_a_watcher_may_unsubscribe_itself_and_the_next_still_sees_that_step(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     calls: list[int] = []
 
-    def once(batch: Sequence[ev.AnyEvent]) -> None:
-        calls.append(len(batch))
-        unsubscribe()
+    def once(events: Sequence[ev.AnyEvent], state: ActorState) -> None:
+        calls.append(len(events))
+        unwatch()
 
-    unsubscribe = log.add_listener(once)
-    log.append(events[:2])
-    log.append(events[2:4])
-    assert calls == [2]
+    async with node_b() as (node, logged):
+        after: Watched = []
+        unwatch = node.watch_events(once)
+        node.watch_events(lambda events, state: after.append((events, state)))
+        await node.lookup(A, "r1", [key(0)])
+
+        assert len(calls) == 1
+        assert stepped(after) == logged(), "the first step too"
 
 
 def test_close_is_idempotent_and_append_after_close_fails(

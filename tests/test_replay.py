@@ -36,7 +36,8 @@ from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerPhase, ProducerState
 from p2pactor.programs.cli import main
-from p2pactor.runtime.log import Durability, EventLog, read_log
+from p2pactor.runtime.log import Durability, EventLog
+from p2pactor.runtime.logread import read_log
 from p2pactor.surface.replay import Replayer, ReplayResult, describe, replay, replay_logs
 from tests.harness import ConsumerHarness, ProducerHarness, key
 
@@ -1009,7 +1010,7 @@ def test_cli_through_a_subprocess(logs: tuple[Path, Path], tmp_path: Path) -> No
 _MEASURE = """
 import contextlib, io, json, resource, sys, time
 from p2pactor.programs.cli import main
-from p2pactor.runtime.log import read_log
+from p2pactor.runtime.logread import read_log
 
 def peak_kib():
     # VmHWM is this process's own high-water mark: ru_maxrss would include the

@@ -26,7 +26,7 @@ import attrs
 import trio
 
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.config import NodeConfig, slow_step_from_ms
+from p2pactor.runtime.config import NodeConfig, peer_ids, slow_step_from_ms
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.samples import block_bytes, preload_keys
@@ -226,7 +226,7 @@ def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = N
         overrides["slow_step_s"] = slow_step_from_ms(slow_ms, said=f"--slow-step-ms {slow_ms:g}")
     for flag, field in ((args.allowed_peers, "allowed_peers"), (args.seed_peers, "seed_peers")):
         if flag:
-            overrides[field] = frozenset(p.strip() for p in flag.split(",") if p.strip())
+            overrides[field] = peer_ids(flag)
     config = NodeConfig.from_env(env, **overrides)
     if args.no_summaries:
         config = attrs.evolve(config, sources=attrs.evolve(config.sources, share=False))

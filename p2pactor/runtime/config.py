@@ -64,34 +64,29 @@ SLOW_STEP_S: Final = 0.05
 """The default ``slow_step_s``; measured at under 1% of the node's hot path (docs/status.md)."""
 
 
-def _slow_step(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"NodeConfig.slow_step_s must be seconds or None (off), got {value!r}")
-    if not 0 < value < math.inf:
-        # 0 would report every step: off is None (serve --slow-step-ms 0).
-        raise ConfigError(
-            f"NodeConfig.slow_step_s must be a finite number of seconds above 0, or None "
-            f"to turn the slow-step watch off, got {value!r}"
-        )
+# 0 would report every step: off is None (serve --slow-step-ms 0).
+_slow_step: checks.Validator = attrs.validators.optional(checks.positive(finite=True))
 
 
 def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
     return None if value is None else os.fspath(value)
 
 
-def _seeds(value: Iterable[str]) -> frozenset[str]:
+def _peer_set(value: Iterable[str]) -> frozenset[str]:
     if isinstance(value, str):
-        raise ConfigError("seed_peers takes a collection of 'host:port' strings, not one string")
+        raise ConfigError(
+            "allowed_peers and seed_peers take a collection of 'host:port' strings, not one string"
+        )
     return frozenset(value)
 
 
-def _peers(value: Iterable[str] | None) -> frozenset[str] | None:
-    if value is None:
-        return None
+def peer_ids(value: str | Iterable[str]) -> frozenset[str]:
+    """Peer ids (``host:port``) from a collection, or from one comma-separated string.
+
+    The string is what a flag, a variable or a tier option gives (``"a:1, b:2"``).
+    """
     if isinstance(value, str):
-        raise ConfigError("allowed_peers takes a collection of 'host:port' strings, not one string")
+        return frozenset(p.strip() for p in value.split(",") if p.strip())
     return frozenset(value)
 
 
@@ -196,7 +191,9 @@ class NodeConfig:
     max_peers: int = attrs.field(default=128, validator=checks.positive_int)
     handshake_timeout: float = attrs.field(default=30.0, validator=_positive)
     idle_timeout: float = attrs.field(default=300.0, validator=_positive)
-    allowed_peers: frozenset[str] | None = attrs.field(default=None, converter=_peers)
+    allowed_peers: frozenset[str] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_peer_set)
+    )
     actor_inbox: int = attrs.field(
         default=256, validator=[checks.positive_int, _unused_actor_inbox]
     )
@@ -214,7 +211,7 @@ class NodeConfig:
     metrics_host: str = "127.0.0.1"
     curve_secret_key: str | None = attrs.field(default=None, converter=_optional_path)
     curve_trusted: str | None = attrs.field(default=None, converter=_optional_path)
-    seed_peers: frozenset[str] = attrs.field(default=frozenset(), converter=_seeds)
+    seed_peers: frozenset[str] = attrs.field(default=frozenset(), converter=_peer_set)
     sources: SourceOptions = attrs.field(
         default=DEFAULT_SOURCES, validator=checks.instance_of(SourceOptions)
     )
@@ -342,6 +339,14 @@ class NodeConfig:
             except ValueError:
                 raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
 
+        def share(raw: str) -> SourceOptions:
+            if raw not in ("0", "1"):
+                raise ConfigError(f"P2PACTOR_SUMMARIES={raw!r}: set it to 1 (on) or 0 (off)")
+            return attrs.evolve(DEFAULT_SOURCES, share=raw == "1")
+
+        def slow_step(raw: str) -> float | None:
+            return slow_step_from_ms(raw, said=f"P2PACTOR_SLOW_STEP_MS={raw!r}")
+
         read("VLLM_P2P_SIDE_CHANNEL_HOST", "host", str)
         read("P2PACTOR_BIND_HOST", "bind_host", str)
         read("VLLM_P2P_SIDE_CHANNEL_PORT", "port", int)
@@ -358,25 +363,13 @@ class NodeConfig:
         read("P2PACTOR_METRICS_HOST", "metrics_host", str)
         read("P2PACTOR_CURVE_SECRET_KEY", "curve_secret_key", str)
         read("P2PACTOR_CURVE_TRUSTED", "curve_trusted", str)
+        read("P2PACTOR_ALLOWED_PEERS", "allowed_peers", peer_ids)
+        read("P2PACTOR_SEED_PEERS", "seed_peers", peer_ids)
+        read("P2PACTOR_SUMMARIES", "sources", share)
+        read("P2PACTOR_SLOW_STEP_MS", "slow_step_s", slow_step)
         quotas = PeerQuotas.from_env(env)  # P2PACTOR_QUOTA_*: see docs/quotas.md
         if quotas is not None:
             values["quotas"] = quotas
-        for name, field in (
-            ("P2PACTOR_ALLOWED_PEERS", "allowed_peers"),
-            ("P2PACTOR_SEED_PEERS", "seed_peers"),
-        ):
-            listed = env.get(name)
-            if listed:
-                values[field] = frozenset(p.strip() for p in listed.split(",") if p.strip())
-        share = env.get("P2PACTOR_SUMMARIES", "")
-        if share:
-            if share not in ("0", "1"):
-                raise ConfigError(f"P2PACTOR_SUMMARIES={share!r}: set it to 1 (on) or 0 (off)")
-            values["sources"] = attrs.evolve(DEFAULT_SOURCES, share=share == "1")
-        slow_ms = env.get("P2PACTOR_SLOW_STEP_MS", "")
-        if slow_ms:
-            said = f"P2PACTOR_SLOW_STEP_MS={slow_ms!r}"
-            values["slow_step_s"] = slow_step_from_ms(slow_ms, said=said)
         values.update(overrides)
         return cls(**values)
 

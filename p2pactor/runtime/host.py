@@ -225,10 +225,16 @@ class NodeHost:
         ``state`` is the actor's state after ``events``. Watchers run on the
         node's thread inside the step: they must be quick and must not block
         (the live timeline queues and returns). An exception in a watcher is
-        logged and otherwise ignored.
+        logged and otherwise ignored. Unsubscribing twice is harmless.
         """
-        self._event_watchers.append(watcher)
-        return lambda: self._event_watchers.remove(watcher)
+        self._event_watchers = [*self._event_watchers, watcher]
+
+        def unwatch() -> None:
+            # A new list, never an edit of the one a step may be going through:
+            # a watcher that unsubscribes (itself or another) makes none miss that step.
+            self._event_watchers = [w for w in self._event_watchers if w is not watcher]
+
+        return unwatch
 
     def record(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
         """Append an actor's events to the log, show them to the watchers, wake its callers."""

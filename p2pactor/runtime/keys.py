@@ -299,18 +299,6 @@ class Keyring:
 
     keys: Mapping[str, str] = attrs.field(converter=_frozen_map, hash=False)
     directory: str | None = None
-    _addresses: Mapping[str, frozenset[str]] = attrs.field(
-        init=False, eq=False, hash=False, repr=False
-    )
-
-    def __attrs_post_init__(self) -> None:
-        by_key: dict[str, set[str]] = {}
-        for address, key in self.keys.items():
-            by_key.setdefault(key, set()).add(address)
-        # A derived index of a frozen value: set once here, never changed.
-        object.__setattr__(
-            self, "_addresses", MappingProxyType({k: frozenset(v) for k, v in by_key.items()})
-        )
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -319,13 +307,16 @@ class Keyring:
         """The public key trusted for ``peer_id``, or None if none is."""
         return self.keys.get(peer_id)
 
+    # The two below go over every key: they answer a new connection (ZAP) or
+    # name an impostor, never a frame of a known peer (key_for is a dict lookup).
+
     def addresses_of(self, public_key: str) -> frozenset[str]:
         """The peer ids ``public_key`` speaks for (empty if it is not trusted)."""
-        return self._addresses.get(public_key, frozenset())
+        return frozenset(address for address, key in self.keys.items() if key == public_key)
 
     def trusts(self, public_key: str) -> bool:
         """Whether ``public_key`` belongs to a trusted peer."""
-        return public_key in self._addresses
+        return public_key in self.keys.values()
 
     def where(self) -> str:
         """The trusted directory, for messages."""

@@ -1,14 +1,14 @@
 """The node's event log: every event of every actor, in order, in memory and on disk.
 
 One :class:`EventLog` per node records what each actor decided, in the order the
-node applied it. It keeps the last events in memory (:meth:`EventLog.recent`),
-tells listeners (the live timeline) about each batch, and, given a path, writes
-every event to a file in the format of ``docs/log-format.md``, which
-:func:`~p2pactor.runtime.logread.read_log` (also importable from here) streams back.
+node applied it. It keeps the last events in memory (:meth:`EventLog.recent`)
+and, given a path, writes every event to a file in the format of
+``docs/log-format.md``, which :func:`~p2pactor.runtime.logread.read_log` streams
+back. Observers follow the node's steps, not the log (``Node.watch_events``).
 
 How soon a record reaches the file is the :class:`Durability` policy, a trade of
-append latency against how much a crash can lose; ``benchmarks/log_durability.py``
-measures it.
+append latency against how much a crash can lose; the log append rows of
+``p2pactor bench --only scale`` measure it.
 
 The writer is synchronous and is called only from the node's trio thread. Only
 :meth:`EventLog.flush_periodically` needs trio; the rest of the module runs
@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import enum
 import io
-import logging
+import math
 import os
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Sequence
-from types import TracebackType
+from collections.abc import Sequence
 from typing import ClassVar
 
 import attrs
@@ -37,25 +36,7 @@ from p2pactor.core.events import AnyEvent
 from p2pactor.core.ids import ActorId
 from p2pactor.core.serde import encode_event
 from p2pactor.errors import ConfigError, LogError
-from p2pactor.runtime.logread import _FRAME, FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES, read_log
-
-__all__ = [
-    "FORMAT_VERSION",
-    "MAGIC",
-    "MAX_RECORD_BYTES",
-    "RING_KEYS",
-    "Durability",
-    "DurabilityKind",
-    "EventLog",
-    "Listener",
-    "LogStatistics",
-    "read_log",
-]
-
-logger = logging.getLogger("p2pactor.log")
-
-Listener = Callable[[Sequence[AnyEvent]], None]
-"""Called with each batch of appended events, after they are recorded."""
+from p2pactor.runtime.logread import _FRAME, FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES
 
 RING_KEYS = 131_072
 """Keys the in-memory ring's events may hold together (about 10 MB of vLLM keys)."""
@@ -83,7 +64,7 @@ class Durability:
     survives the process being killed (it is in the kernel's page cache) but
     not the machine losing power. With it, every write waits for the device:
     milliseconds per write on an SSD, which under EVERY_EVENT means per append
-    (see ``benchmarks/log_durability.py``).
+    (the log append rows of ``p2pactor bench --only scale``).
 
     Attributes:
         kind: When records are written.
@@ -127,7 +108,7 @@ class Durability:
         return cls(kind=DurabilityKind.ON_CLOSE, fsync=fsync)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class LogStatistics:
     """Counters of one :class:`EventLog` since it was created.
 
@@ -139,37 +120,19 @@ class LogStatistics:
         bytes_buffered: Their size in bytes.
         flushes: Writes to the operating system (one per flush with data).
         fsyncs: Writes forced to the disk.
-        listener_errors: Exceptions raised by listeners (logged and swallowed).
         appends: Calls to :meth:`EventLog.append` with at least one event.
         bytes_appended: Bytes of event records encoded by those calls (0 for a
             log kept in memory only: nothing is encoded).
         append_seconds: Time spent in those calls (``time.perf_counter``).
     """
 
-    events_appended: int
-    records_written: int
-    bytes_written: int
-    records_buffered: int
-    bytes_buffered: int
-    flushes: int
-    fsyncs: int
-    listener_errors: int
-    appends: int = 0
-    bytes_appended: int = 0
-    append_seconds: float = 0.0
-
-
-@attrs.define
-class _Counts:
-    """The counters of :class:`LogStatistics` but ``bytes_buffered``, as the log counts."""
-
     events_appended: int = 0
     records_written: int = 0
     bytes_written: int = 0
     records_buffered: int = 0
+    bytes_buffered: int = 0  # kept by the buffer itself: filled in by the copy
     flushes: int = 0
     fsyncs: int = 0
-    listener_errors: int = 0
     appends: int = 0
     bytes_appended: int = 0
     append_seconds: float = 0.0
@@ -179,38 +142,11 @@ def _frame(payload: bytes) -> bytes:
     return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
 
 
-def _header_payload(node_id: str, clock_origin: tuple[float, float] | None) -> bytes:
-    wall, mono = (time.time(), None) if clock_origin is None else clock_origin
-    header = {
-        "format": FORMAT_VERSION,
-        "node_id": node_id,
-        "created_wall": float(wall),
-        "created_mono": None if mono is None else float(mono),
-    }
-    return msgspec.msgpack.encode(header)
-
-
-def _create(path: str | os.PathLike[str], *, overwrite: bool) -> io.FileIO:
-    try:
-        # Unbuffered: a write goes straight to the OS, so "written" means written.
-        return io.FileIO(path, "w" if overwrite else "x")
-    except FileExistsError:
-        raise LogError(
-            f"{os.fspath(path)!s} already exists; an event log never appends to an old "
-            "file: choose a new path, or pass overwrite=True to replace it"
-        ) from None
-    except OSError as exc:
-        raise LogError(
-            f"cannot create the event log {os.fspath(path)!s}: {exc.strerror}; "
-            "check that its directory exists and is writable"
-        ) from exc
-
-
 class EventLog:
     """The ordered record of every event of one node's actors.
 
-    Appending keeps the events in an in-memory ring, writes them to ``path``
-    (if given) as the ``durability`` policy says, and calls the listeners.
+    Appending keeps the events in an in-memory ring and writes them to
+    ``path`` (if given) as the ``durability`` policy says.
 
     A log always starts a new file: it refuses an existing ``path`` unless
     ``overwrite`` is true, and then truncates it. The header goes out as soon
@@ -220,6 +156,12 @@ class EventLog:
     Every method is synchronous and must be called from the node's trio
     thread: the log has no lock. Under the INTERVAL policy the node runs
     :meth:`flush_periodically` as a task.
+
+    Attributes:
+        node_id: The node whose events these are.
+        path: The file written, or None for a log kept in memory only.
+        durability: The flush policy.
+        closed: Whether :meth:`close` was called.
 
     Args:
         node_id: The node whose events these are; recorded in the header.
@@ -255,65 +197,68 @@ class EventLog:
     ) -> None:
         if keep is not None and keep < 0:
             raise ConfigError(f"keep must be 0 or more (or None for everything), got {keep}")
-        self._node_id = node_id
-        self._durability = Durability() if durability is None else durability
+        self.node_id = node_id
+        self.durability = Durability() if durability is None else durability
+        self.path = None if path is None else os.fspath(path)
+        self.closed = False
         self._ring: deque[AnyEvent] = deque(maxlen=keep)
         self._ring_keys: deque[int] = deque()  # each ringed event's keys, in step with it
         self._ring_key_total = 0
-        self._listeners: list[Listener] = []
-        self._path = None if path is None else os.fspath(path)
         self._buffer = bytearray()
-        self._closed = False
-        self._counts = _Counts()
+        self._stats = LogStatistics()
         self._file: io.FileIO | None = None
+        # What an append may leave unwritten: nothing, a bound, or everything (ON_CLOSE).
+        kind, bound = self.durability.kind, self.durability.max_buffer_bytes
+        self._write_over = {Durability.EVERY_EVENT: 0, Durability.INTERVAL: bound}.get(
+            kind, math.inf
+        )
         if path is not None:
-            self._file = _create(path, overwrite=overwrite)
-            self._buffer += MAGIC + _frame(_header_payload(node_id, clock_origin))
+            try:
+                # Unbuffered: a write goes straight to the OS, so "written" means written.
+                self._file = io.FileIO(path, "w" if overwrite else "x")
+            except FileExistsError:
+                raise LogError(
+                    f"{self.path} already exists; an event log never appends to an old "
+                    "file: choose a new path, or pass overwrite=True to replace it"
+                ) from None
+            except OSError as exc:
+                raise LogError(
+                    f"cannot create the event log {self.path}: {exc.strerror}; "
+                    "check that its directory exists and is writable"
+                ) from exc
+            wall, mono = (time.time(), None) if clock_origin is None else clock_origin
+            header = {
+                "format": FORMAT_VERSION,
+                "node_id": node_id,
+                "created_wall": float(wall),
+                "created_mono": None if mono is None else float(mono),
+            }
+            self._buffer += MAGIC + _frame(msgspec.msgpack.encode(header))
             try:
                 self._write_buffer(records=0)
             except LogError:
                 self._file.close()
                 raise
 
-    @property
-    def node_id(self) -> str:
-        """The node whose events these are."""
-        return self._node_id
-
-    @property
-    def path(self) -> str | None:
-        """The file written, or None for a log kept in memory only."""
-        return self._path
-
-    @property
-    def durability(self) -> Durability:
-        """The flush policy."""
-        return self._durability
-
-    @property
-    def closed(self) -> bool:
-        """Whether :meth:`close` was called."""
-        return self._closed
-
     def append(self, events: Sequence[AnyEvent]) -> None:
         """Record ``events`` (one actor step's, in order) after everything so far.
 
         Encoding happens here; the file is written only under EVERY_EVENT (one
         write for the whole batch), or when an INTERVAL buffer is over its
-        limit. Listeners are called last; their exceptions are logged and
-        swallowed.
+        limit.
 
         Raises:
             LogError: The log is closed, an event is over
                 :data:`MAX_RECORD_BYTES`, or writing the file failed (the
-                events are recorded in memory and listeners still hear of
-                them; the unwritten records stay buffered for the next flush).
+                events are recorded in memory; the unwritten records stay
+                buffered for the next flush).
         """
-        if self._closed:
-            raise LogError(f"event log of {self._node_id} is closed; nothing can be appended")
+        if self.closed:
+            raise LogError(f"event log of {self.node_id} is closed; nothing can be appended")
         if not events:
             return
         started = time.perf_counter()  # ~50 ns: cheap next to encoding the events
+        stats = self._stats
         if self._file is not None:
             records = []
             for event in events:
@@ -327,40 +272,16 @@ class EventLog:
                 records.append(_frame(payload))
             batch = b"".join(records)
             self._buffer += batch
-            self._counts.bytes_appended += len(batch)
-            self._counts.records_buffered += len(records)
+            stats.bytes_appended += len(batch)
+            stats.records_buffered += len(records)
         self._keep(events)
-        self._counts.events_appended += len(events)
+        stats.events_appended += len(events)
         try:
-            if self._buffer and self._should_write_now():
-                self._write_buffer(records=self._counts.records_buffered)
+            if len(self._buffer) > self._write_over:
+                self._write_buffer(records=stats.records_buffered)
         finally:
-            # The events are recorded (in memory at least): observers hear of them.
-            if self._listeners:
-                self._notify(events)
-            self._counts.appends += 1
-            self._counts.append_seconds += time.perf_counter() - started
-
-    def _should_write_now(self) -> bool:
-        durability = self._durability
-        if durability.kind is DurabilityKind.EVERY_EVENT:
-            return True
-        over = len(self._buffer) > durability.max_buffer_bytes
-        return over and durability.kind is DurabilityKind.INTERVAL
-
-    def _notify(self, events: Sequence[AnyEvent]) -> None:
-        # A copy: a listener may unsubscribe itself (or another) while called.
-        for listener in tuple(self._listeners):
-            try:
-                listener(events)
-            except Exception:
-                # A broken observer must never stop the node from recording.
-                self._counts.listener_errors += 1
-                logger.exception(
-                    "event log listener %r failed; it stays subscribed (fix the listener: see "
-                    "the traceback)",
-                    listener,
-                )
+            stats.appends += 1
+            stats.append_seconds += time.perf_counter() - started
 
     def _write_buffer(self, *, records: int) -> None:
         file = self._file
@@ -373,22 +294,23 @@ class EventLog:
                     count = file.write(view[written:])
                     # FileIO returns None only for non-blocking files; ours blocks.
                     written += count or 0
-            if self._durability.fsync:
+            if self.durability.fsync:
                 os.fsync(file.fileno())
-                self._counts.fsyncs += 1
+                self._stats.fsyncs += 1
         except OSError as exc:
             raise LogError(
-                f"writing the event log {self._path} failed: {exc.strerror}; "
+                f"writing the event log {self.path} failed: {exc.strerror}; "
                 "free disk space or move the log, the unwritten records are kept"
             ) from exc
         finally:
             # Drop exactly what reached the file, so a retry never writes twice.
             del self._buffer[:written]
-            self._counts.bytes_written += written
+            stats = self._stats
+            stats.bytes_written += written
             if written == total:
-                self._counts.flushes += 1
-                self._counts.records_written += records
-                self._counts.records_buffered -= records
+                stats.flushes += 1
+                stats.records_written += records
+                stats.records_buffered -= records
 
     def flush(self) -> None:
         """Write every buffered record to the file now (a no-op without a file).
@@ -397,7 +319,7 @@ class EventLog:
             LogError: Writing failed; the records stay buffered.
         """
         if self._file is not None and self._buffer:
-            self._write_buffer(records=self._counts.records_buffered)
+            self._write_buffer(records=self._stats.records_buffered)
 
     def close(self) -> None:
         """Flush and close the file; idempotent. Appending afterwards fails.
@@ -405,10 +327,9 @@ class EventLog:
         Raises:
             LogError: The last flush failed (the file is closed anyway).
         """
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
-        self._listeners.clear()
+        self.closed = True
         if self._file is None:
             return
         try:
@@ -428,11 +349,11 @@ class EventLog:
             LogError: Writing failed: the node decides whether to go on
                 without a durable log.
         """
-        if self._durability.kind is not DurabilityKind.INTERVAL or self._file is None:
+        if self.durability.kind is not DurabilityKind.INTERVAL or self._file is None:
             return
         while True:
-            await trio.sleep(self._durability.interval_s)
-            if self._closed:
+            await trio.sleep(self.durability.interval_s)
+            if self.closed:
                 return
             self.flush()
 
@@ -466,31 +387,12 @@ class EventLog:
             return list(self._ring)
         return [event for event in self._ring if event.actor == actor]
 
-    def add_listener(self, listener: Listener) -> Callable[[], None]:
-        """Call ``listener`` with each appended batch; returns the unsubscribe function.
-
-        The listener runs inside :meth:`append`, on the node's thread: it must
-        be quick and must not append. Unsubscribing twice is harmless.
-        """
-        self._listeners.append(listener)
-
-        def unsubscribe() -> None:
-            if listener in self._listeners:
-                self._listeners.remove(listener)
-
-        return unsubscribe
-
     def statistics(self) -> LogStatistics:
-        """The log's counters now."""
-        return LogStatistics(bytes_buffered=len(self._buffer), **attrs.asdict(self._counts))
+        """The log's counters now (a copy: the log goes on counting in its own)."""
+        return attrs.evolve(self._stats, bytes_buffered=len(self._buffer))
 
     def __enter__(self) -> EventLog:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()

@@ -25,17 +25,6 @@ from p2pactor.core.events import AnyEvent
 from p2pactor.core.serde import EVENT_DECODER, decode_event, decode_legacy_event
 from p2pactor.errors import EventFormatError, LogFormatError
 
-__all__ = [
-    "FORMAT_VERSION",
-    "MAGIC",
-    "MAX_RECORD_BYTES",
-    "LogHeader",
-    "LogProblem",
-    "LogReader",
-    "ProblemKind",
-    "read_log",
-]
-
 MAGIC: Final = b"P2PLOG\x00\x01"
 """The first eight bytes of every log file: ``P2PLOG``, then the major format, 1."""
 
@@ -122,12 +111,6 @@ class LogProblem:
         return f"{what} at byte {self.offset}: {self.reason}"
 
 
-class _HeaderFields(msgspec.Struct):
-    node_id: str
-    created_wall: float
-    created_mono: float | None
-
-
 def _parse_header(path: str, data: bytes) -> tuple[LogHeader, int]:
     """Check the magic and decode the header record; returns it and where data starts."""
     if data[:6] != _MAGIC_NAME:
@@ -162,16 +145,9 @@ def _parse_header(path: str, data: bytes) -> tuple[LogHeader, int]:
             "that wrote it"
         )
     try:
-        fields = msgspec.convert(raw, _HeaderFields)
+        return msgspec.convert(raw, LogHeader), start + length
     except msgspec.ValidationError as exc:
         raise LogFormatError(f"{damaged} ({exc})") from None
-    header = LogHeader(
-        format=raw["format"],
-        node_id=fields.node_id,
-        created_wall=fields.created_wall,
-        created_mono=fields.created_mono,
-    )
-    return header, start + length
 
 
 class LogReader:
@@ -186,16 +162,24 @@ class LogReader:
     Attributes:
         path: The file.
         header: What the file says about itself.
+        problem: Why the last iteration stopped early, or None if it read the
+            whole file.
+        complete: The last iteration ran to its end (with or without a problem).
+        events_read: How many events the last iteration yielded.
+        end_offset: The byte offset just after the last complete record read.
     """
 
     def __init__(self, path: str, header: LogHeader, data_offset: int) -> None:
         self.path = path
         self.header = header
         self._data_offset = data_offset
-        self._problem: LogProblem | None = None
-        self._events_read = 0
-        self._end_offset = data_offset
-        self._done = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self.problem: LogProblem | None = None
+        self.complete = False
+        self.events_read = 0
+        self.end_offset = self._data_offset
 
     @property
     def node_id(self) -> str:
@@ -203,50 +187,25 @@ class LogReader:
         return self.header.node_id
 
     @property
-    def problem(self) -> LogProblem | None:
-        """Why the last iteration stopped early, or None if it read the whole file."""
-        return self._problem
-
-    @property
     def torn_tail(self) -> bool:
         """The last iteration ended at a torn tail (expected after a crash)."""
-        return self._problem is not None and self._problem.kind is ProblemKind.TORN_TAIL
+        return self.problem is not None and self.problem.kind is ProblemKind.TORN_TAIL
 
     @property
     def corrupt(self) -> bool:
         """The last iteration stopped at corruption or an unreadable event."""
-        return self._problem is not None and self._problem.fatal
-
-    @property
-    def complete(self) -> bool:
-        """The last iteration ran to its end (with or without a problem)."""
-        return self._done
-
-    @property
-    def events_read(self) -> int:
-        """How many events the last iteration yielded."""
-        return self._events_read
-
-    @property
-    def end_offset(self) -> int:
-        """The byte offset just after the last complete record read."""
-        return self._end_offset
+        return self.problem is not None and self.problem.fatal
 
     def __iter__(self) -> Iterator[AnyEvent]:
         self._reset()
         with open(self.path, "rb") as file:
             file.seek(self._data_offset)
             yield from self._records(file)
-        self._done = True
-        problem = self.problem
-        if problem is not None:
-            logger.warning("%s: %s; stopped after %d events", self.path, problem, self._events_read)
-
-    def _reset(self) -> None:
-        self._problem = None
-        self._events_read = 0
-        self._end_offset = self._data_offset
-        self._done = False
+        self.complete = True
+        if self.problem is not None:
+            logger.warning(
+                "%s: %s; stopped after %d events", self.path, self.problem, self.events_read
+            )
 
     def _records(self, file: io.BufferedReader) -> Iterator[AnyEvent]:
         decode = _READS[self.header.format]
@@ -271,9 +230,9 @@ class LogReader:
             return len(buf) - pos >= count
 
         unpack, crc32, head = _FRAME.unpack_from, zlib.crc32, _FRAME.size
-        while have(1):
-            # The common case, inline: sound records wholly in the buffer. The
-            # checks below (one record at a time) take whatever this does not.
+        while True:
+            # Records wholly in the buffer, inline. What this does not take (a
+            # record the buffer cuts, an impossible length) is looked at below.
             end = len(buf)
             while pos + head <= end:
                 length, crc = unpack(buf, pos)
@@ -282,7 +241,12 @@ class LogReader:
                     break
                 payload = buf[pos + head : stop]
                 if crc32(payload) != crc:
-                    break
+                    offset, pos = base + pos, stop
+                    last = not have(1)
+                    kind = ProblemKind.TORN_TAIL if last else ProblemKind.CORRUPT
+                    where = "the last record" if last else "a record with more data after it"
+                    self._stop(kind, offset, f"checksum mismatch in {where}")
+                    return
                 try:
                     event = fast(payload)
                 except (msgspec.DecodeError, msgspec.ValidationError):
@@ -292,56 +256,31 @@ class LogReader:
                         self._stop(ProblemKind.UNREADABLE, base + pos, str(exc))
                         return
                 pos = stop
-                self._end_offset = base + pos
-                self._events_read += 1
+                self.end_offset = base + pos
+                self.events_read += 1
                 yield event
             if not have(1):
                 return
             offset = base + pos
-            if not have(_FRAME.size):
-                self._stop(
-                    ProblemKind.TORN_TAIL,
-                    offset,
-                    f"the file ends inside a record's frame ({len(buf) - pos} of 8 bytes)",
-                )
+            if not have(head):
+                got = len(buf) - pos
+                reason = f"the file ends inside a record's frame ({got} of 8 bytes)"
+                self._stop(ProblemKind.TORN_TAIL, offset, reason)
                 return
-            length, crc = _FRAME.unpack_from(buf, pos)
-            if length == 0 or length > MAX_RECORD_BYTES:
+            length, crc = unpack(buf, pos)
+            if not 0 < length <= MAX_RECORD_BYTES:
                 if self._rest_is_zero(file, buf[pos:]):
-                    self._stop(
-                        ProblemKind.TORN_TAIL,
-                        offset,
-                        "the file ends in zero bytes the writer never filled",
-                    )
+                    reason = "the file ends in zero bytes the writer never filled"
+                    self._stop(ProblemKind.TORN_TAIL, offset, reason)
                 else:
                     self._stop(ProblemKind.CORRUPT, offset, f"impossible record length {length}")
                 return
-            if not have(_FRAME.size + length):
-                got = len(buf) - pos - _FRAME.size
-                self._stop(
-                    ProblemKind.TORN_TAIL,
-                    offset,
-                    f"the file ends inside a record ({got} of {length} payload bytes)",
-                )
+            if not have(head + length):
+                got = len(buf) - pos - head
+                reason = f"the file ends inside a record ({got} of {length} payload bytes)"
+                self._stop(ProblemKind.TORN_TAIL, offset, reason)
                 return
-            end = pos + _FRAME.size + length  # after have(), which may move pos
-            payload = buf[pos + _FRAME.size : end]
-            if zlib.crc32(payload) != crc:
-                pos = end
-                last = not have(1)
-                kind = ProblemKind.TORN_TAIL if last else ProblemKind.CORRUPT
-                where = "the last record" if last else "a record with more data after it"
-                self._stop(kind, offset, f"checksum mismatch in {where}")
-                return
-            try:
-                event = decode(payload)
-            except EventFormatError as exc:
-                self._stop(ProblemKind.UNREADABLE, offset, str(exc))
-                return
-            pos = end
-            self._end_offset = base + pos
-            self._events_read += 1
-            yield event
+            # The record is whole in the buffer now: the loop above takes it.
 
     @staticmethod
     def _rest_is_zero(file: io.BufferedReader, start: bytes) -> bool:
@@ -354,7 +293,7 @@ class LogReader:
         return True
 
     def _stop(self, kind: ProblemKind, offset: int, reason: str) -> None:
-        self._problem = LogProblem(kind=kind, offset=offset, reason=reason)
+        self.problem = LogProblem(kind=kind, offset=offset, reason=reason)
 
 
 def read_log(path: str | os.PathLike[str]) -> LogReader:

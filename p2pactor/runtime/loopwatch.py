@@ -35,8 +35,6 @@ from typing import Final
 import attrs
 import trio
 
-__all__ = ["RECENT_SLOW", "LoopSnapshot", "LoopWatch", "SlowStep"]
-
 log = logging.getLogger("p2pactor.loopwatch")
 
 RECENT_SLOW: Final = 32
@@ -96,22 +94,6 @@ class LoopWatch(trio.abc.Instrument):
             give their own).
     """
 
-    # Slots and one comparison per step: trio calls both hooks on every step
-    # of every task, some 10k a second on a busy node.
-    __slots__ = (
-        "_bar",
-        "_clock",
-        "_longest",
-        "_recent",
-        "_slow",
-        "_started",
-        "_watching",
-        "node_id",
-        "slow_step_s",
-        "slow_steps",
-        "steps",
-    )
-
     def __init__(
         self,
         slow_step_s: float | None,
@@ -131,7 +113,9 @@ class LoopWatch(trio.abc.Instrument):
         self._slow = math.inf if slow_step_s is None else slow_step_s
         self._longest = 0.0
         # min(longest, slow): a step under it changes nothing, so the common
-        # step costs one comparison. Longest only grows: it is rarely passed.
+        # step costs one comparison (trio calls both hooks on every step of
+        # every task, some 10k a second on a busy node). Longest only grows:
+        # it is rarely passed.
         self._bar = 0.0
         # inf: the step running when the watch is added ends with no start
         # (-inf seconds), and is not counted.

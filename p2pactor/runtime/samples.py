@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import random
 
-__all__ = ["block_bytes", "chain_keys", "preload_keys"]
-
 
 def chain_keys(seed: str, tokens: list[str], parent: bytes = b"") -> list[bytes]:
     """Offload keys of consecutive token blocks ``tokens``, chained from ``parent``.

@@ -15,28 +15,16 @@ from typing import Final
 
 from p2pactor.errors import ConfigError
 
-__all__ = ["parse", "quote", "render"]
-
 _NAME: Final = re.compile(r"[A-Za-z0-9$\-_@.&+/]+")
-
-
-def quote(value: str) -> str:
-    """``value`` in double quotes, as a certificate holds it.
-
-    Raises:
-        ConfigError: ``value`` holds a quote or a newline, which ZPL cannot write.
-    """
-    # ZPL has no escapes: a value holds any character but the quote around it.
-    # Ours (z85 keys, host:port lists) never hold '"'; refuse rather than corrupt.
-    if '"' in value or "\n" in value or "\r" in value:
-        raise ConfigError(f"cannot write {value!r} in a certificate: it holds a quote or newline")
-    return f'"{value}"'
 
 
 def render(kind: str, sections: Mapping[str, Mapping[str, str]]) -> str:
     """A certificate's text: a header saying what it is (``kind``), then ``sections``.
 
     ``kind`` is "secret" or "public": the header warns or says whom to give it.
+
+    Raises:
+        ConfigError: A value holds a quote or a newline, which ZPL cannot write.
     """
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     lines = [f"#   ****  Generated on {now} by p2pactor keygen  ****"]
@@ -54,7 +42,14 @@ def render(kind: str, sections: Mapping[str, Mapping[str, str]]) -> str:
     lines.append("")
     for section, values in sections.items():
         lines.append(section)
-        lines.extend(f"    {name} = {quote(value)}" for name, value in values.items())
+        for name, value in values.items():
+            # ZPL has no escapes: a value holds any character but the quote around it.
+            # Ours (z85 keys, host:port lists) never hold '"'; refuse rather than corrupt.
+            if '"' in value or "\n" in value or "\r" in value:
+                raise ConfigError(
+                    f"cannot write {value!r} in a certificate: it holds a quote or newline"
+                )
+            lines.append(f'    {name} = "{value}"')
     return "\n".join(lines) + "\n"
 
 

@@ -224,31 +224,29 @@ def _counters(
     )
 
 
+# The event log's counters: each family's name after ``p2pactor_event_log_``, its field
+# of LogStatistics, and its help.
+_LOG_COUNTERS: Final = (
+    ("appends", "appends", "Batches appended to the event log."),
+    ("events", "events_appended", "Events appended to the event log."),
+    (
+        "append_seconds",
+        "append_seconds",
+        "Time spent in the event log's append (encoding, buffering, writes it made).",
+    ),
+    (
+        "appended_bytes",
+        "bytes_appended",
+        "Bytes of event records appended (encoded; 0 for a log kept in memory only).",
+    ),
+    ("written_bytes", "bytes_written", "Bytes of the event log handed to the operating system."),
+)
+
+
 def _log_families(node: NodeView) -> Iterator[Metric]:
     stats = node.event_log.statistics()
-    yield CounterMetricFamily(
-        "p2pactor_event_log_appends", "Batches appended to the event log.", value=stats.appends
-    )
-    yield CounterMetricFamily(
-        "p2pactor_event_log_events",
-        "Events appended to the event log.",
-        value=stats.events_appended,
-    )
-    yield CounterMetricFamily(
-        "p2pactor_event_log_append_seconds",
-        "Time spent in the event log's append (encoding, buffering, writes it made).",
-        value=stats.append_seconds,
-    )
-    yield CounterMetricFamily(
-        "p2pactor_event_log_appended_bytes",
-        "Bytes of event records appended (encoded; 0 for a log kept in memory only).",
-        value=stats.bytes_appended,
-    )
-    yield CounterMetricFamily(
-        "p2pactor_event_log_written_bytes",
-        "Bytes of the event log handed to the operating system.",
-        value=stats.bytes_written,
-    )
+    for name, field, doc in _LOG_COUNTERS:
+        yield CounterMetricFamily(f"p2pactor_event_log_{name}", doc, value=getattr(stats, field))
 
 
 def _loop_families(node: NodeView) -> Iterator[Metric]:

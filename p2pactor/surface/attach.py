@@ -30,8 +30,6 @@ from p2pactor.surface.status import node_status
 from p2pactor.surface.timeline import TimelineServer, open_timeline_server
 from p2pactor.surface.timeline.http import HttpRequest
 
-__all__ = ["OperatorSurface", "open_operator_surface"]
-
 _FROM_CONFIG: Any = object()
 
 

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from p2pactor.runtime.session import PeerSession, SessionCloseResult
     from p2pactor.runtime.view import NodeView
 
-__all__ = ["SCHEMA", "node_status"]
 
 SCHEMA: Final = 1
 """The version of the layout :func:`node_status` returns."""

@@ -156,7 +156,7 @@ async def _requests(n: int, folder: str) -> dict[str, Any]:
 def _repeat(paths: Sequence[str], total: int) -> Iterator[Any]:
     from msgspec.structs import replace  # noqa: PLC0415
 
-    from p2pactor.runtime.log import read_log  # noqa: PLC0415
+    from p2pactor.runtime.logread import read_log  # noqa: PLC0415
 
     pattern = [e for path in paths for e in read_log(path)]
     if not pattern:
@@ -197,7 +197,7 @@ def _write(paths: Sequence[str], total: int, out: str) -> dict[str, Any]:
 
 
 def _replay(mode: str, path: str) -> dict[str, Any]:
-    from p2pactor.runtime.log import read_log  # noqa: PLC0415
+    from p2pactor.runtime.logread import read_log  # noqa: PLC0415
     from p2pactor.surface.replay import replay_logs  # noqa: PLC0415
 
     before = _peak_kib()

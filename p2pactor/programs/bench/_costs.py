@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Measure all three, print one JSON line."""
     from msgspec.structs import replace  # noqa: PLC0415
 
-    from p2pactor.runtime.log import read_log  # noqa: PLC0415
+    from p2pactor.runtime.logread import read_log  # noqa: PLC0415
 
     parser = argparse.ArgumentParser(description="the scale section's in-process costs")
     parser.add_argument("--lives", type=int, default=2000, help="lives of each kind")
