@@ -16,18 +16,6 @@ from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.process import this_process
 from p2pactor.runtime.transport import DataTransport
 
-__all__ = [
-    "EXTENSION",
-    "FEATURE_DEADLINE",
-    "FEATURE_REFUSED",
-    "FEATURE_RESP_ROUND",
-    "FEATURE_SESSION_ROUNDS",
-    "agreed",
-    "connect_message",
-    "incompatibility",
-    "to_dialect",
-]
-
 FEATURE_RESP_ROUND = "lookup_resp_round"
 """A ``lookup_resp`` carries the ``round_seq`` of the lookup it answers."""
 FEATURE_SESSION_ROUNDS = "session_rounds"

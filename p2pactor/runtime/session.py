@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Final
 
 import trio
 from msgspec.structs import replace
@@ -49,7 +48,6 @@ log = logging.getLogger("p2pactor.session")
 
 _LOCAL_DRAIN = 0.1  # s: what a dead peer on this kernel sent drains (loopback, memory speed)
 _ENDED_PER_TURN = 32  # actors told their session ended before the drain lets others run
-_SUMMARIES: Final = (wire.KvsumDelta, wire.KvsumSnapshot, wire.KvsumResync)
 
 
 class PeerSession(SessionActors):
@@ -162,7 +160,7 @@ class PeerSession(SessionActors):
             self._on_ack()
         elif isinstance(msg, wire.Disconnect):
             self._die("the peer disconnected")
-        elif accepted and self.summaries and isinstance(msg, _SUMMARIES):
+        elif accepted and self.summaries and isinstance(msg, wire.SummaryMessage):
             self._host.directory.received(self, msg)
         else:  # after the peer's connect, only summaries it did not agree to come here
             self._violation(
