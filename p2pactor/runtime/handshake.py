@@ -1,15 +1,12 @@
-"""The handshake with a peer, and the control connection it opens (PROTOCOL.md "Handshake").
+"""The handshake with a peer, and the control connection it opens (``docs/protocol.md``).
 
 Each side sends ``connect`` at once; checks the peer's (block size,
 fingerprint, hash seed: a mismatch fails loudly with what to align), registers
 the peer's memory off the receive path, and only then sends ``connect_ack``.
 Our own messages wait until our ``connect`` is acked and our ``connect_ack``
-has gone out. Not ready within the handshake timeout: dead.
-
-:func:`connect_message`, :func:`incompatibility` and :func:`to_dialect` are
-pure: what we offer, what we require, what a peer speaking vLLM's dialect may
-hear. :class:`ControlLink`, the base of :class:`~p2pactor.runtime.session.PeerSession`,
-runs the steps and holds the messages queued for the peer.
+has gone out. Not ready within the handshake timeout: dead. What each side
+offers and requires, and what a peer of each dialect may hear:
+:mod:`p2pactor.runtime.dialect`.
 """
 
 from __future__ import annotations
@@ -21,118 +18,18 @@ import logging
 from collections import deque
 
 import trio
-from msgspec.structs import replace
 
 from p2pactor.core import protocol as wire
 from p2pactor.errors import ProtocolError
-from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.dialect import agreed, connect_message, incompatibility, to_dialect
 from p2pactor.runtime.logcontext import peer_context
-from p2pactor.runtime.process import ProcessWatch, this_process, watch
+from p2pactor.runtime.process import ProcessWatch, watch
 from p2pactor.runtime.session_host import SessionHost, SessionState
-from p2pactor.runtime.transport import (
-    ConnectionLost,
-    ControlConnection,
-    DataTransport,
-    TransferError,
-)
+from p2pactor.runtime.transport import ConnectionLost, ControlConnection, TransferError
 
-__all__ = [
-    "EXTENSION",
-    "FEATURE_DEADLINE",
-    "FEATURE_REFUSED",
-    "FEATURE_RESP_ROUND",
-    "FEATURE_SESSION_ROUNDS",
-    "ControlLink",
-    "connect_message",
-    "incompatibility",
-    "offered_features",
-    "to_dialect",
-]
+__all__ = ["ControlLink"]
 
 log = logging.getLogger("p2pactor.session")  # a session's lines, wherever they are written
-
-FEATURE_RESP_ROUND = "lookup_resp_round"
-"""A ``lookup_resp`` carries the ``round_seq`` of the lookup it answers."""
-FEATURE_SESSION_ROUNDS = "session_rounds"
-"""Rounds come from one counter per session, which never repeats (no ABA on a reused id)."""
-FEATURE_DEADLINE = "lookup_deadline"
-"""A ``lookup`` carries its ``deadline_ms``."""
-FEATURE_REFUSED = "lookup_refused"
-"""A ``lookup_resp`` says which of its MISSes are a quota's refusals (``refused``)."""
-EXTENSION = wire.ConnectExtension(
-    version=1,
-    features=frozenset(
-        {FEATURE_RESP_ROUND, FEATURE_SESSION_ROUNDS, FEATURE_DEADLINE, FEATURE_REFUSED}
-    ),
-)
-"""What this p2pactor offers peers in its ``connect``."""
-
-
-def connect_message(config: NodeConfig, data: DataTransport, hash_seed: str) -> wire.Connect:
-    """This node's ``connect``: its memory, its configuration, and what it speaks."""
-    return wire.Connect(
-        peer_id=config.node_id,
-        agent_metadata=data.agent_metadata,
-        base_addr=data.base_addr,
-        num_blocks=data.num_blocks,
-        block_len=data.block_len,
-        config_fingerprint=config.fingerprint,
-        hash_seed=hash_seed,
-        extension=replace(EXTENSION, features=offered_features(config), process=this_process())
-        if config.round_extension
-        else wire.UNSET,
-    )
-
-
-def offered_features(config: NodeConfig) -> frozenset[str]:
-    """The features this node offers in its ``connect`` (summaries only when it shares them)."""
-    if config.sources.share:
-        return EXTENSION.features | {wire.FEATURE_SUMMARIES}
-    return EXTENSION.features
-
-
-def incompatibility(
-    msg: wire.Connect, peer_id: str, config: NodeConfig, hash_seed: str
-) -> tuple[str, str]:
-    """``(outcome, problem)``: why ``peer_id`` can't be talked to (for metrics, for people).
-
-    ``("", "")`` when it can.
-    """
-    if msg.peer_id != peer_id:
-        return "identity_mismatch", (
-            f"it connected as {msg.peer_id!r} but its connection says {peer_id!r}; "
-            "a peer's id must be the host:port it bound"
-        )
-    if msg.block_len != config.block_len:
-        return "block_size_mismatch", (
-            f"block size differs: {peer_id} uses {msg.block_len}-byte blocks, this node "
-            f"{config.block_len}; every peer must use the same KV block layout"
-        )
-    ours = config.fingerprint
-    if msg.config_fingerprint and ours and msg.config_fingerprint != ours:
-        return "fingerprint_mismatch", (
-            f"config fingerprint differs ({msg.config_fingerprint} vs {ours}): "
-            "the peers run different models, dtypes or block sizes; align them"
-        )
-    if msg.hash_seed != hash_seed:
-        return "seed_mismatch", (
-            f"hash seed differs ({msg.hash_seed!r} vs {hash_seed!r}): the same tokens "
-            "would get different keys; set PYTHONHASHSEED to the same value on every node"
-        )
-    return "", ""
-
-
-def to_dialect(msg: wire.Message, extension: wire.ConnectExtension | None) -> wire.Message:
-    """``msg`` without the extension fields a peer offering ``extension`` does not speak."""
-    features = extension.features if extension is not None else frozenset()
-    if isinstance(msg, wire.Lookup) and FEATURE_DEADLINE not in features:
-        return replace(msg, deadline_ms=wire.UNSET)
-    if isinstance(msg, wire.LookupResp):
-        if FEATURE_RESP_ROUND not in features:
-            msg = replace(msg, round_seq=wire.UNSET)
-        if FEATURE_REFUSED not in features and msg.refused is not wire.UNSET:
-            msg = replace(msg, refused=wire.UNSET)
-    return msg
 
 
 class ControlLink(abc.ABC):
@@ -157,6 +54,8 @@ class ControlLink(abc.ABC):
         self.state = SessionState.CONNECTING
         self.death_reason: str | None = None
         self.peer_extension: wire.ConnectExtension | None = None
+        # The extensions both sides speak, from the peer's connect on (none: vLLM's dialect).
+        self.features: frozenset[str] = frozenset()
         # The peer's process, where only this kernel lies between us (runtime/process.py).
         self.peer_process: ProcessWatch | None = None
         self.last_activity = 0.0
@@ -179,12 +78,11 @@ class ControlLink(abc.ABC):
         self._early: deque[bytes] = deque()
         self._backlog: deque[bytes] = deque()
         self._alive = True
-        self._flowing = False  # our messages go out (both connects acked)
         self._ack_sent = False
-        self._acked = trio.Event()
-        self._established = trio.Event()  # both connects acked: READY
+        self._acked = False
+        self._established = trio.Event()  # both connects acked: READY, our messages go out
         self._peer_accepted = False
-        self._peer_registered = trio.Event()
+        self._peer_registered = False
         self._peer_num_blocks = 0
         self._dead = trio.Event()
         self._send_disconnect = False
@@ -207,7 +105,7 @@ class ControlLink(abc.ABC):
     @property
     def ready(self) -> bool:
         """Whether the handshake completed both ways."""
-        return self._acked.is_set() and self._peer_registered.is_set()
+        return self._acked and self._peer_registered
 
     @property
     def extended(self) -> bool:
@@ -234,8 +132,8 @@ class ControlLink(abc.ABC):
         return {
             "connected": self._conn is not None,
             "peer_connect_accepted": self._peer_accepted,
-            "our_connect_acked": self._acked.is_set(),
-            "peer_memory_registered": self._peer_registered.is_set(),
+            "our_connect_acked": self._acked,
+            "peer_memory_registered": self._peer_registered,
         }
 
     @abc.abstractmethod
@@ -249,16 +147,7 @@ class ControlLink(abc.ABC):
     @property
     def summaries(self) -> bool:
         """Whether both sides offered the summary extension (so its messages may flow)."""
-        ext = self.peer_extension
-        return (
-            ext is not None
-            and wire.FEATURE_SUMMARIES in ext.features
-            and self._config.sources.share
-        )
-
-    def _session_rounds(self) -> bool:
-        ext = self.peer_extension
-        return ext is not None and FEATURE_SESSION_ROUNDS in ext.features
+        return wire.FEATURE_SUMMARIES in self.features
 
     # --- the handshake's steps -----------------------------------------------------
 
@@ -328,8 +217,8 @@ class ControlLink(abc.ABC):
         self._host.handshake_ended(self.peer_id, "timeout")
         what = (
             "our connect was not acknowledged"
-            if not self._acked.is_set()
-            else ("the peer's connect never arrived or its memory never registered")
+            if not self._acked
+            else "the peer's connect never arrived or its memory never registered"
         )
         self._die(
             f"handshake not complete after {self._config.handshake_timeout:g} s ({what}); "
@@ -350,6 +239,7 @@ class ControlLink(abc.ABC):
             self.peer_process = watch(msg.extension.process)
         if self._config.round_extension:
             self.peer_extension = msg.extension or None
+        self.features = agreed(self._config, self.peer_extension)
         if self.summaries:
             self._host.directory.peer_accepted(self, msg.num_blocks)
         assert self._nursery is not None
@@ -364,7 +254,7 @@ class ControlLink(abc.ABC):
         except TransferError as exc:
             self._die(f"could not register the peer's memory: {exc}", disconnect=True)
             return
-        self._peer_registered.set()
+        self._peer_registered = True
         if not self._alive:
             return
         assert self._conn is not None
@@ -377,16 +267,13 @@ class ControlLink(abc.ABC):
         self._open_gate()
 
     def _on_ack(self) -> None:
-        if self._acked.is_set():
-            return
-        self._acked.set()
+        self._acked = True
         self._open_gate()
 
     def _open_gate(self) -> None:
         """Once both connects are acked the session is ready: send what waited, in order."""
-        if not (self._acked.is_set() and self._ack_sent) or self._flowing or not self._alive:
+        if not (self._acked and self._ack_sent and self._alive) or self._established.is_set():
             return
-        self._flowing = True
         self.state = SessionState.READY
         self._established.set()
         self._host.handshake_ended(self.peer_id, "ok")
@@ -405,8 +292,8 @@ class ControlLink(abc.ABC):
         if not self._alive:
             return
         self.last_sent = trio.current_time()
-        frame = wire.encode(to_dialect(msg, self.peer_extension))
-        if self._flowing:
+        frame = wire.encode(to_dialect(msg, self.features))
+        if self._established.is_set():
             self._put(frame)
         elif self._room():
             self._early.append(frame)

@@ -49,10 +49,11 @@ from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import LoadResult
 from p2pactor.runtime.host import Answers, Load, NodeHost
+from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.loopwatch import LoopWatch
 from p2pactor.runtime.parent import Parent
-from p2pactor.runtime.quotas import PeerUsage, QuotaLedger
+from p2pactor.runtime.quotas import PeerUsage
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
 from p2pactor.runtime.threadsafe import ThreadSafeAPI
 from p2pactor.runtime.threadsafe_sources import ThreadSafeSources

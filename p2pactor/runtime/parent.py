@@ -228,10 +228,7 @@ class EmbeddedCache:
         block = self._index.get(key)
         if block is None:
             block = self._allocate()
-            self._index[key] = block
-            self._key_of[block] = key
-            if self._came is not None:
-                self._came(key)
+            self._add(key, block)
         self._index.move_to_end(key)
         self._pending.discard(key)
         self.memory[block * self.block_len : (block + 1) * self.block_len] = data
@@ -257,7 +254,11 @@ class EmbeddedCache:
         self._unpin((block,))
         if key in self._index:
             self._free.append(block)
-            return
+        else:
+            self._add(key, block)
+
+    def _add(self, key: bytes, block: int) -> None:
+        """Index ``block`` as ``key`` (stored now: no longer pending)."""
         self._index[key] = block
         self._key_of[block] = key
         self._pending.discard(key)

@@ -16,6 +16,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+import attrs
 import trio
 
 from p2pactor.core import protocol as wire
@@ -33,6 +34,7 @@ CLOSED_KEPT = 1024
 """Closed sessions whose results :meth:`PeerRegistry.closed_sessions` keeps."""
 
 
+@attrs.define(eq=False)
 class PeerRegistry:
     """The sessions of one node, keyed by peer id.
 
@@ -44,29 +46,23 @@ class PeerRegistry:
         on_closed: Called with each closed session's result (on the node's thread).
     """
 
-    def __init__(
-        self,
-        host: SessionHost,
-        config: NodeConfig,
-        control: ControlTransport,
-        nursery: trio.Nursery,
-        on_closed: Callable[[SessionCloseResult], None],
-    ) -> None:
-        self._host = host
-        self._config = config
-        self._control = control
-        self._nursery = nursery
-        self._on_closed = on_closed
-        self._sessions: dict[str, PeerSession] = {}
-        self._closing: set[PeerSession] = set()
-        # The most recent only: a long-lived node sees peers come and go for
-        # ever, and each result holds what its session left owed.
-        self._closed_results: deque[SessionCloseResult] = deque(maxlen=CLOSED_KEPT)
-        self._closed_count = 0
-        # Peers refused for a loopback id, said once each: an engine asks per
-        # request, and the same line a thousand times hides everything else.
-        self._unreachable: set[str] = set()
-        self.shutting_down = False
+    _host: SessionHost
+    _config: NodeConfig
+    _control: ControlTransport
+    _nursery: trio.Nursery
+    _on_closed: Callable[[SessionCloseResult], None]
+    _sessions: dict[str, PeerSession] = attrs.field(factory=dict, init=False)
+    _closing: set[PeerSession] = attrs.field(factory=set, init=False)
+    # The most recent only: a long-lived node sees peers come and go for
+    # ever, and each result holds what its session left owed.
+    _closed_results: deque[SessionCloseResult] = attrs.field(
+        factory=lambda: deque(maxlen=CLOSED_KEPT), init=False
+    )
+    closed_count: int = attrs.field(default=0, init=False)  # sessions closed since the start
+    # Peers refused for a loopback id, said once each: an engine asks per
+    # request, and the same line a thousand times hides everything else.
+    _unreachable: set[str] = attrs.field(factory=set, init=False)
+    shutting_down: bool = attrs.field(default=False, init=False)
 
     def sessions(self) -> list[PeerSession]:
         """Live sessions, one per peer."""
@@ -83,11 +79,6 @@ class PeerRegistry:
     def closed_sessions(self) -> list[SessionCloseResult]:
         """What the sessions that closed left behind, oldest first (the last 1,024)."""
         return list(self._closed_results)
-
-    @property
-    def closed_count(self) -> int:
-        """How many sessions have closed since the node started."""
-        return self._closed_count
 
     @property
     def draining(self) -> bool:
@@ -155,7 +146,7 @@ class PeerRegistry:
             self._closing.discard(session)
             if session.result is not None:
                 self._closed_results.append(session.result)
-                self._closed_count += 1
+                self.closed_count += 1
                 self._on_closed(session.result)
 
     def restarted(self, old: PeerSession, conn: ControlConnection, first: wire.Connect) -> None:
@@ -178,16 +169,14 @@ class PeerRegistry:
         peer = conn.peer_id
         existing = self._sessions.get(peer)
         context = peer_context(peer, node=self._config.node_id)
-        if self._config.dial_refusal(peer) is not None:
-            self._say_unreachable(peer, "refused")
-            await conn.aclose()
-        elif not self._config.may_dial(peer):
-            log.warning(
-                "refused %s: not in allowed_peers; add it to allowed_peers "
-                "(P2PACTOR_ALLOWED_PEERS) to accept it",
-                peer,
-                extra=context,
-            )
+        if not self.may_accept(peer):  # (which says why a loopback id is refused)
+            if self._config.dial_refusal(peer) is None:
+                log.warning(
+                    "refused %s: not in allowed_peers; add it to allowed_peers "
+                    "(P2PACTOR_ALLOWED_PEERS) to accept it",
+                    peer,
+                    extra=context,
+                )
             await conn.aclose()
         elif existing is not None and existing.dialing:
             # Both nodes dialed each other at once, and the peer's frame came

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
+import attrs
+
 from p2pactor.runtime.timers import Timers
 
 
+@attrs.define(eq=False)
 class SeedRedial:
     """When to dial each seed peer whose session ended, and the back-off of each.
 
@@ -29,24 +32,15 @@ class SeedRedial:
         max_s: The longest wait between two attempts.
     """
 
-    def __init__(
-        self,
-        seeds: Collection[str],
-        dial: Callable[[str], None],
-        *,
-        timers: Timers,
-        clock: Callable[[], float],
-        first_s: float = 1.0,
-        max_s: float = 60.0,
-    ) -> None:
-        self.seeds = frozenset(seeds)
-        self._dial = dial
-        self._timers = timers
-        self._clock = clock
-        self._first_s = first_s
-        self._max_s = max_s
-        self._due: dict[str, float] = {}
-        self._wait: dict[str, float] = {}  # the next back-off of each peer that failed
+    seeds: Collection[str]
+    _dial: Callable[[str], None]
+    _timers: Timers = attrs.field(kw_only=True)
+    _clock: Callable[[], float] = attrs.field(kw_only=True)
+    _first_s: float = attrs.field(default=1.0, kw_only=True)
+    _max_s: float = attrs.field(default=60.0, kw_only=True)
+    _due: dict[str, float] = attrs.field(factory=dict, init=False)
+    # The next back-off of each peer that failed.
+    _wait: dict[str, float] = attrs.field(factory=dict, init=False)
 
     @property
     def deadline(self) -> float | None:

@@ -27,14 +27,16 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+import attrs
+
 from p2pactor.core import effects as fx
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.actor import RequestActor, Runner
+from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.logcontext import parent_request_context, request_context
 from p2pactor.runtime.parent import Parent, serve_parent_request
-from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.timers import Timers
 
 log = logging.getLogger("p2pactor.node")
@@ -47,6 +49,7 @@ _Item = tuple[RequestActor | None, fx.ParentRequest | fx.ReleasePin]
 Answered = tuple[RequestActor, inp.ParentAnswer]
 
 
+@attrs.define(eq=False, kw_only=True)
 class ParentService:
     """Runs parent requests against an embedded parent at once, or a lent one in batches.
 
@@ -60,27 +63,16 @@ class ParentService:
         embedded: The in-process parent, or None when the engine lends one.
     """
 
-    def __init__(
-        self,
-        *,
-        node_id: str,
-        quotas: QuotaLedger,
-        runner: Runner,
-        timers: Timers,
-        poll_interval: float,
-        clock: Callable[[], float],
-        embedded: Parent | None,
-    ) -> None:
-        self._node_id = node_id
-        self._quotas = quotas
-        self._runner = runner
-        self._timers = timers
-        self._poll_interval = poll_interval
-        self._clock = clock
-        self._embedded = embedded
-        self._queue: deque[_Item] = deque()  # lent: waiting for the next serve
-        self._parked: list[_Item] = []
-        self.deadline: float | None = None  # embedded: when parked lookups are asked again
+    _node_id: str
+    _quotas: QuotaLedger
+    _runner: Runner
+    _timers: Timers
+    _poll_interval: float
+    _clock: Callable[[], float]
+    _embedded: Parent | None
+    _queue: deque[_Item] = attrs.field(factory=deque, init=False)  # lent: until the next serve
+    _parked: list[_Item] = attrs.field(factory=list, init=False)
+    deadline: float | None = attrs.field(default=None, init=False)  # embedded: the next re-poll
 
     @property
     def pending(self) -> bool:

@@ -19,7 +19,7 @@ from p2pactor.core import events as ev
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
-from p2pactor.runtime.quotas import QuotaLedger
+from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.timers import Timers
 from p2pactor.runtime.transport import ControlTransport, DataTransport
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import attrs
+
 from p2pactor.core import inputs as inp
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.logcontext import request_context
@@ -26,6 +28,7 @@ log = logging.getLogger("p2pactor.node")
 REAPED_MEMORY_S = 60.0
 
 
+@attrs.define(eq=False, kw_only=True)
 class StoreDesk:
     """Stores of prefill/decode requests, bound to their producers or waiting for a fetch.
 
@@ -41,28 +44,18 @@ class StoreDesk:
         clock: The node's clock.
     """
 
-    def __init__(
-        self,
-        *,
-        node_id: str,
-        unbound_timeout: float,
-        runner: Runner,
-        timers: Timers,
-        release: Callable[[int], None],
-        clock: Callable[[], float],
-    ) -> None:
-        self._node_id = node_id
-        self.unbound_timeout = unbound_timeout
-        self._runner = runner
-        self._timers = timers
-        self._release = release
-        self._clock = clock
-        self.deadline: float | None = None  # the reaper's, on the node's timer
-        self._bound: dict[str, RequestActor] = {}
-        self._waiting: dict[str, list[tuple[float, inp.AddStore]]] = {}
-        self._finished: set[str] = set()  # waiting ones the engine finished
-        self._reaped: dict[str, float] = {}
-        self._binds = 0
+    _node_id: str
+    unbound_timeout: float
+    _runner: Runner
+    _timers: Timers
+    _release: Callable[[int], None]
+    _clock: Callable[[], float]
+    deadline: float | None = attrs.field(default=None, init=False)  # the reaper's, on the timer
+    _bound: dict[str, RequestActor] = attrs.field(factory=dict, init=False)
+    _waiting: dict[str, list[tuple[float, inp.AddStore]]] = attrs.field(factory=dict, init=False)
+    _finished: set[str] = attrs.field(factory=set, init=False)  # waiting ones the engine finished
+    _reaped: dict[str, float] = attrs.field(factory=dict, init=False)
+    _binds: int = attrs.field(default=0, init=False)
 
     def _live(self, kv_request_id: str) -> RequestActor | None:
         bound = self._bound.get(kv_request_id)

@@ -17,9 +17,10 @@ from p2pactor.core.fold import ActorState
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
+from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.loopwatch import LoopWatch
-from p2pactor.runtime.quotas import PeerUsage, QuotaLedger
+from p2pactor.runtime.quotas import PeerUsage
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
 from p2pactor.runtime.transport import ControlTransport
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any, Final
 from p2pactor import __version__
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.producer import ProducerState
-from p2pactor.runtime.session import EXTENSION, SessionState
+from p2pactor.runtime.dialect import EXTENSION
+from p2pactor.runtime.session import SessionState
 from p2pactor.runtime.view import control_security
 from p2pactor.surface._metrics_scrape import source_state
 

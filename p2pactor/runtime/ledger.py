@@ -1,0 +1,297 @@
+"""The quota ledger: each peer's counts, and the verdict on what goes over a limit.
+
+The limits, what a peer past each gets and how it is counted:
+:mod:`p2pactor.runtime.quotas` and ``docs/quotas.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Final
+
+import attrs
+
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
+from p2pactor.core.events import Quota
+from p2pactor.core.producer import ProducerState
+from p2pactor.core.producer_state import RoundState
+from p2pactor.runtime.logcontext import request_context
+from p2pactor.runtime.quotas import PeerQuotas, PeerUsage
+
+__all__ = ["QuotaLedger"]
+
+log = logging.getLogger("p2pactor.quotas")
+
+_REMEMBERED_PEERS: Final = 4096
+"""Peers whose counts the ledger keeps before it forgets those holding nothing."""
+
+_HELD: Final = {
+    Quota.PINNED_BLOCKS: "blocks pinned",
+    Quota.OPEN_LOOKUPS: "lookups unanswered",
+    Quota.FETCH_ROUNDS: "fetch rounds in flight",
+    Quota.OPEN_REQUESTS: "requests open",
+}
+"""What a peer holds, counted per peer, by the quota that bounds it (for refusals)."""
+
+
+@attrs.define(eq=False)
+class _Peer:
+    """One peer's counts (mutable, runtime only)."""
+
+    held: Counter[Quota] = attrs.field(factory=Counter)  # by the quotas of _HELD
+    peak_pinned: int = 0
+    refusals: Counter[Quota] = attrs.field(factory=Counter)
+    last_logged: dict[Quota, float] = attrs.field(factory=dict)
+    unlogged: Counter[Quota] = attrs.field(factory=Counter)
+
+
+@attrs.define(eq=False)
+class _Request:
+    """What one producer request of a peer holds as of its last observed state."""
+
+    peer: str
+    refusal: str  # why the request is refused whole, or ""
+    lookups: int = 0  # its open lookups, counted in its peer's total
+    rounds: int = 0  # its fetch rounds in flight, counted likewise
+    held: Mapping[int, RoundState] = attrs.field(factory=dict)  # its rounds (keys only)
+
+
+_CHANGES: Final = frozenset(
+    {ev.LookupReceived, ev.LookupLimited, ev.LookupAnswered, ev.LookupDropped, ev.FetchReceived}
+    | {ev.TransferDoneSent, ev.AbortAckSent, ev.RoundClosed}
+)
+"""The events that open or end a lookup or round: only they change what a state holds."""
+
+_COUNTED: Final = _CHANGES | {ev.LookupRefused, ev.KeysRefused, ev.FetchRefused, ev.Closed}
+"""The events :meth:`QuotaLedger.observe` acts on; a step with none of them is skipped."""
+
+
+class QuotaLedger:
+    """The runtime's per-peer counts, and its verdicts on what goes over a limit.
+
+    Requests are tracked by a handle (the runtime's actor object), so that two
+    sessions of the same peer (an old one draining, a new one) never mix their
+    counts. Lookups and rounds are read from a request's state right after
+    each step (:meth:`observe`), a verdict is asked right before one
+    (:meth:`admit`), both inside one synchronous step on the node's thread, so
+    a count can never be overtaken by messages queued behind it. Pins are
+    counted where the parent pins them (:meth:`pin_budget`, :meth:`pinned`,
+    :meth:`released`), on whichever thread lends the parent; those three are
+    only ever called from one thread at a time.
+
+    Args:
+        quotas: The limits.
+        num_blocks: The node's blocks, for a pinned-blocks limit given as a
+            fraction.
+    """
+
+    def __init__(self, quotas: PeerQuotas, num_blocks: int) -> None:
+        self.quotas = quotas
+        self.pinned_limit = quotas.pinned_blocks_limit(num_blocks)
+        self._limits = {q: getattr(quotas, f"max_{q.value}") for q in _HELD}
+        self._limits[Quota.PINNED_BLOCKS] = self.pinned_limit
+        self._peers: dict[str, _Peer] = {}
+        self._requests: dict[Hashable, _Request] = {}
+        self._pins: dict[int, tuple[str, int]] = {}  # job -> (peer, blocks)
+
+    def _peer(self, peer: str) -> _Peer:
+        p = self._peers.get(peer)
+        if p is None:
+            if len(self._peers) >= _REMEMBERED_PEERS:
+                self._forget_idle_peers()
+            p = self._peers[peer] = _Peer()
+        return p
+
+    def _forget_idle_peers(self) -> None:
+        """Drop the counts of peers that hold nothing (their refusal totals go too).
+
+        Without CURVE a peer is whoever claims a ``host:port``: one that comes
+        back under ever new ids must not grow the ledger without bound.
+        """
+        holding = {r.peer for r in self._requests.values()}
+        holding.update(peer for peer, _ in self._pins.values())
+        for peer in [peer for peer in self._peers if peer not in holding]:
+            del self._peers[peer]
+
+    def _held(self, peer: str, quota: Quota) -> int:
+        p = self._peers.get(peer)
+        return p.held[quota] if p is not None else 0
+
+    def _refusal(self, peer: str, quota: Quota, *, full: bool = True) -> str:
+        """Why ``peer`` may not hold more of ``quota``, with the numbers ("" while it may).
+
+        ``full=False``: the reason whatever the count (the caller knows it is over).
+        """
+        held, limit = self._held(peer, quota), self._limits[quota]
+        if full and held < limit:
+            return ""
+        return f"{peer} already has {held} {_HELD[quota]} here (quota {limit} per peer)"
+
+    # --- requests ---------------------------------------------------------------------
+
+    def open_request(self, peer: str, handle: Hashable) -> bool:
+        """Count a new producer request of ``peer``.
+
+        Returns:
+            False if the peer is over its open-requests quota: the request is
+            still counted (it lives for one step), but every lookup of it is
+            answered all MISS and every fetch fails.
+        """
+        p = self._peer(peer)
+        refusal = self._refusal(peer, Quota.OPEN_REQUESTS)
+        p.held[Quota.OPEN_REQUESTS] += 1
+        self._requests[handle] = _Request(peer, refusal)
+        return not refusal
+
+    def admit(
+        self, handle: Hashable, message: wire.Lookup | wire.Fetch
+    ) -> wire.Lookup | wire.Fetch | inp.OverQuota:
+        """The verdict on a peer's lookup or fetch, just before its request steps it.
+
+        Returns:
+            ``message`` itself when it is within every quota, else an
+            :class:`~p2pactor.core.inputs.OverQuota` carrying it.
+        """
+        request = self._requests.get(handle)
+        fetch = isinstance(message, wire.Fetch)
+        if request is None or (fetch and not message.keys):
+            # Not a counted request (a consumer's, or a test's), or the empty
+            # fetch that closes one: never refused.
+            return message
+        if request.refusal:
+            return inp.OverQuota(message=message, quota=Quota.OPEN_REQUESTS, reason=request.refusal)
+        limit, held = self.quotas.max_rounds_per_request, request.held
+        if message.round_seq not in held and len(held) >= limit:
+            reason = (
+                f"request {message.kv_request_id!r} of {request.peer} already holds "
+                f"{len(held)} rounds here (quota {limit} per request)"
+            )
+            return inp.OverQuota(message=message, quota=Quota.ROUNDS_PER_REQUEST, reason=reason)
+        quota = Quota.FETCH_ROUNDS if fetch else Quota.OPEN_LOOKUPS
+        if reason := self._refusal(request.peer, quota):
+            return inp.OverQuota(message=message, quota=quota, reason=reason)
+        cap = self.quotas.max_keys_per_lookup
+        if fetch or len(message.keys) <= cap:
+            return message
+        reason = f"a lookup of {len(message.keys)} keys; only the first {cap} are looked up"
+        return inp.OverQuota(
+            message=message,
+            quota=Quota.KEYS_PER_LOOKUP,
+            reason=f"{reason} (quota per lookup)",
+            admit=cap,
+        )
+
+    def observe(
+        self, handle: Hashable, events: Sequence[ev.AnyEvent], state: ProducerState, now: float
+    ) -> None:
+        """Take up what a request holds after a step (its ``state``); log the step's refusals.
+
+        Its open lookups: ``state.lookups`` neither answered nor dropped; its
+        fetch rounds: ``state.rounds`` fetched; the rounds it holds: all of
+        ``state.rounds``. Only a step with one of :data:`_CHANGES` changes them.
+        """
+        request = self._requests.get(handle)
+        if request is None:
+            return
+        changed = False
+        for event in events:
+            kind = type(event)
+            if kind not in _COUNTED:
+                continue  # most events change no count: skip the match
+            changed = changed or kind in _CHANGES
+            match event:
+                case ev.LookupRefused() | ev.KeysRefused() | ev.FetchRefused() | ev.LookupLimited():
+                    quota = getattr(event, "quota", Quota.KEYS_PER_LOOKUP)  # limited: keys
+                    self._refused(request.peer, event.actor.kv_request_id, quota, event.reason, now)
+                case ev.Closed():
+                    self.forget(handle)
+                    return
+        if not changed:
+            return
+        lookups = sum(not (lookup.answered or lookup.dropped) for lookup in state.lookups.values())
+        rounds = sum(rnd.fetched for rnd in state.rounds.values())
+        held = self._peers[request.peer].held  # never forgotten while it has a request
+        held[Quota.OPEN_LOOKUPS] += lookups - request.lookups
+        held[Quota.FETCH_ROUNDS] += rounds - request.rounds
+        request.lookups, request.rounds, request.held = lookups, rounds, state.rounds
+
+    def forget(self, handle: Hashable) -> None:
+        """The request ended (or its session did): it holds nothing any more. Idempotent."""
+        request = self._requests.pop(handle, None)
+        if request is not None:
+            held = self._peer(request.peer).held
+            held[Quota.OPEN_REQUESTS] -= 1
+            held[Quota.OPEN_LOOKUPS] -= request.lookups
+            held[Quota.FETCH_ROUNDS] -= request.rounds
+
+    def forget_all(self, handles: Iterable[Hashable]) -> None:
+        """Forget every request in ``handles`` (a session ended)."""
+        for handle in handles:
+            self.forget(handle)
+
+    # --- pins ---------------------------------------------------------------------------
+
+    def pin_budget(self, peer: str) -> int:
+        """How many more blocks ``peer`` may have pinned now."""
+        return self.pinned_limit - self._held(peer, Quota.PINNED_BLOCKS)
+
+    def pin_refusal(self, peer: str) -> str:
+        """Why hits of ``peer`` are left unpinned, with the numbers."""
+        return self._refusal(peer, Quota.PINNED_BLOCKS, full=False)
+
+    def pinned(self, peer: str, job_id: int, blocks: int) -> None:
+        """The parent pinned ``blocks`` blocks for ``peer`` as job ``job_id``."""
+        p = self._peer(peer)
+        self._pins[job_id] = (peer, blocks)
+        p.held[Quota.PINNED_BLOCKS] += blocks
+        p.peak_pinned = max(p.peak_pinned, p.held[Quota.PINNED_BLOCKS])
+
+    def released(self, job_id: int) -> None:
+        """The parent released job ``job_id`` (a store job, not counted, is ignored)."""
+        held = self._pins.pop(job_id, None)
+        if held is not None:
+            self._peer(held[0]).held[Quota.PINNED_BLOCKS] -= held[1]
+
+    # --- reporting ----------------------------------------------------------------------
+
+    def usage(self, peer: str) -> PeerUsage:
+        """What ``peer`` holds now and what it was refused (zeros for a stranger)."""
+        p = self._peers.get(peer)
+        if p is None:
+            return PeerUsage()
+        return PeerUsage(
+            **{q.value: p.held[q] for q in _HELD},
+            peak_pinned_blocks=p.peak_pinned,
+            refusals={q.value: n for q, n in sorted(p.refusals.items(), key=lambda i: i[0].value)},
+        )
+
+    def usages(self) -> dict[str, PeerUsage]:
+        """:meth:`usage` of every peer seen so far."""
+        return {peer: self.usage(peer) for peer in sorted(self._peers)}
+
+    def _refused(
+        self, peer: str, kv_request_id: str, quota: Quota, reason: str, now: float
+    ) -> None:
+        p = self._peer(peer)
+        p.refusals[quota] += 1
+        last = p.last_logged.get(quota)
+        if last is not None and now - last < self.quotas.log_interval:
+            p.unlogged[quota] += 1
+            return
+        more = p.unlogged.pop(quota, 0)
+        tail = f" ({more} more refusals of this kind since the last message)" if more else ""
+        log.warning(
+            "refused %s over its %s quota: %s%s; if this peer may use more, raise "
+            "P2PACTOR_QUOTA_%s (docs/quotas.md)",
+            peer,
+            quota.value,
+            reason,
+            tail,
+            quota.value.upper(),
+            extra=request_context(peer, kv_request_id),
+        )
+        p.last_logged[quota] = now

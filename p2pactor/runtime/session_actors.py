@@ -1,0 +1,249 @@
+"""A session's request actors: their table, what they hold, and the session as their host.
+
+:class:`SessionActors` is the middle of a session (between its control link,
+:class:`~p2pactor.runtime.handshake.ControlLink`, and the routing and close of
+:class:`~p2pactor.runtime.session.PeerSession`): it spawns one actor per
+(role, kv_request_id), a new incarnation when an ended id comes back, counts
+what they hold for the node's threads, and, as their
+:class:`~p2pactor.runtime.actor.ActorHost`, records their steps and performs
+their effects.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from functools import partial
+from typing import Final
+
+import trio
+
+from p2pactor.core import effects as fx
+from p2pactor.core import events as ev
+from p2pactor.core import inputs as inp
+from p2pactor.core import protocol as wire
+from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.producer import ProducerState, pin_expired
+from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
+from p2pactor.runtime.dialect import FEATURE_SESSION_ROUNDS
+from p2pactor.runtime.handshake import ControlLink
+from p2pactor.runtime.logcontext import ExpiryWarnings, request_context
+from p2pactor.runtime.session_host import SessionHost, SessionState
+from p2pactor.runtime.transport import ControlConnection
+
+__all__ = ["SessionActors"]
+
+log = logging.getLogger("p2pactor.session")
+
+_RETIRED_MEMORY = 4096
+TO_PRODUCER: Final = (wire.Lookup, wire.Fetch, wire.AbortFetch)
+"""The peer's messages for the producer of their kv_request_id."""
+TO_CONSUMER: Final = (wire.LookupResp, wire.TransferDone, wire.AbortAck)
+"""The peer's messages for the consumer of their kv_request_id."""
+
+# How each consumer event changes the loads in flight (writes a peer may be
+# making into our pool): the data transport polls for progress only while any is.
+_LOADS: Final[dict[type[ev.Event], int]] = {
+    ev.FetchSent: 1,
+    ev.TransferDone: -1,
+    ev.AbortAcked: -1,
+    ev.Aborted: -1,
+}
+
+
+def _mark(marked: set[RequestActor], actor: RequestActor, now: bool) -> None:
+    """Keep ``actor`` in ``marked`` exactly while ``now`` holds."""
+    if now:
+        marked.add(actor)
+    else:
+        marked.discard(actor)
+
+
+class SessionActors(ControlLink):
+    """The request actors on one session, and the session as their host (ActorHost)."""
+
+    def __init__(
+        self,
+        host: SessionHost,
+        peer_id: str,
+        conn: ControlConnection | None,
+        first: wire.Connect | None,
+    ) -> None:
+        super().__init__(host, peer_id, conn, first)
+        self.runner: Runner = host.runner  # the actors' host hands their inputs to it
+        # The latest actor of each (role, kv_request_id); the drain waits for _live == 0.
+        self._actors: dict[tuple[Role, str], RequestActor] = {}
+        self._live = 0
+        # What has_pending_work reads from engine threads, kept as each step
+        # changes it: loads in flight (a peer may be writing into our pool), and
+        # the producers that are looking up or writing (and, of those, writing).
+        self._loading = 0
+        self._busy: set[RequestActor] = set()
+        self._writing: set[RequestActor] = set()
+        self._expiries = ExpiryWarnings(peer_id, host.config.node_id)
+        # Recently ended ids, so that a reused kv_request_id gets a new
+        # incarnation; bounded, and replay copes when an old one is forgotten.
+        self._retired: OrderedDict[tuple[Role, str], int] = OrderedDict()
+        self._closing = False
+        self._quiet = trio.Event()  # closing, and every actor has ended
+        self._dispatch_errors = 0
+        self._round_counter = itertools.count(1)
+
+    # --- what the node asks ------------------------------------------------------
+
+    def has_pending_work(self) -> bool:
+        """True only while something is really outstanding on this session.
+
+        Safe from any thread, and O(1): it reads counts each step keeps.
+        """
+        state = self.state
+        if state is SessionState.CLOSED:
+            return False
+        if state is SessionState.CLOSING or not self.ready:
+            return True
+        return self._loading > 0 or bool(self._busy)
+
+    def has_transfers_in_flight(self) -> bool:
+        """Whether a load or a write of this session is still running. Thread-safe."""
+        return self._loading > 0 or bool(self._writing)
+
+    def consumer(self, kv_request_id: str) -> RequestActor:
+        """The live consumer actor for ``kv_request_id``, created if needed."""
+        actor = self._live_actor(Role.CONSUMER, kv_request_id)
+        return actor or self._spawn(
+            Role.CONSUMER, kv_request_id, first_round=self.next_round() or 0
+        )
+
+    def next_round(self) -> int | None:
+        """The round to use after a fetch: session-wide with p2pactor peers."""
+        return next(self._round_counter) if FEATURE_SESSION_ROUNDS in self.features else None
+
+    def live_actors(self) -> list[RequestActor]:
+        """Every actor of this session that has not ended."""
+        return [a for a in self._actors.values() if not a.done]
+
+    # --- the actors ------------------------------------------------------------------
+
+    def _live_actor(self, role: Role, kv_request_id: str) -> RequestActor | None:
+        actor = self._actors.get((role, kv_request_id))
+        return None if actor is None or actor.done else actor
+
+    def _spawn(self, role: Role, kv_request_id: str, *, first_round: int = 0) -> RequestActor:
+        key = role, kv_request_id
+        previous = self._retired.pop(key, None)
+        incarnation = 0 if previous is None else previous + 1
+        actor_id = ActorId(role, self.peer_id, kv_request_id, incarnation)
+        actor = RequestActor(actor_id, self, self._config.timings, first_round=first_round)
+        self._actors[key] = actor
+        self._live += 1
+        self._host.actor_created(actor)
+        return actor
+
+    def _retire(self, actor: RequestActor) -> None:
+        key = actor.id.role, actor.id.kv_request_id
+        if self._actors.get(key) is actor:
+            del self._actors[key]
+        self._retired[key] = actor.id.incarnation
+        if len(self._retired) > _RETIRED_MEMORY:
+            self._retired.popitem(last=False)
+        self._live -= 1
+        if self._closing and not self._live:
+            self._quiet.set()
+
+    # --- the actors' host (ActorHost) ---------------------------------------------
+
+    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
+        """The quota verdict on a peer's lookup or fetch, just before its actor steps it."""
+        if isinstance(event_input, wire.Lookup | wire.Fetch):
+            return self._host.quotas.admit(actor, event_input)
+        return event_input
+
+    def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+        """Log an actor's events, count what they hold, and perform their effects."""
+        host = self._host
+        producer = actor.id.role is Role.PRODUCER
+        if producer:
+            state = actor.state
+            assert isinstance(state, ProducerState)
+            host.quotas.observe(actor, events, state, trio.current_time())
+            _mark(self._busy, actor, bool(state.transfers or state.lookups))
+            _mark(self._writing, actor, bool(state.transfers))
+        host.record(actor, events)
+        loads = 0
+        for event in events:
+            if not producer:
+                loads += _LOADS.get(type(event), 0)
+            elif type(event) is ev.PinReleased and pin_expired(event):
+                self._expiries.pin_expired(actor.id.kv_request_id, event)
+            for effect in fx.effects_of(event):
+                self._perform(actor, effect)
+        if loads:
+            self._loading += loads
+            host.data.expect_writes(loads)
+
+    def _perform(self, actor: RequestActor, effect: fx.Effect) -> None:
+        host = self._host
+        match effect:
+            case fx.Send(message):
+                self.send(message)
+            case fx.StartTransfer(transfer_id=transfer_id):
+                # One WRITE; its end comes back to the actor as an input.
+                ended = partial(self._transfer_ended, actor, transfer_id)
+                host.data.start_write(
+                    self.data_name, effect.local_blocks, effect.remote_blocks, ended
+                )
+            case fx.ParentLookup() | fx.ParentClose():
+                host.post_parent(actor, effect)
+            case fx.ReleasePin(job_id=job_id, success=success):
+                host.release_pin(job_id, success=success)
+            case fx.ReportLoad(job_id=job_id, success=success, reason=reason):
+                host.report_load(job_id, success=success, reason=reason)
+            case fx.Disconnect(reason):
+                self._violation(reason)
+            case fx.Retire():
+                self._retire(actor)
+
+    def actor_failed(self, actor: RequestActor, event_input: ActorInput, exc: Exception) -> None:
+        """The core raised on an input of ``actor``: count it against the session."""
+        del actor, event_input, exc
+        self._count_error()
+
+    def actor_handled(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """A peer's message was handled: the run of errors is over (vLLM's rule)."""
+        del actor
+        if isinstance(event_input, (*TO_PRODUCER, *TO_CONSUMER)):
+            self._dispatch_errors = 0
+
+    def input_dropped(self, actor: RequestActor, event_input: ActorInput) -> None:
+        """An input reached ``actor`` after it ended: release a pin it carries."""
+        if isinstance(event_input, inp.ParentAnswer) and event_input.pin is not None:
+            log.error(
+                "%s ended before its parent answer; releasing its pin",
+                actor.id,
+                extra=self._request_extra(actor.id.kv_request_id),
+            )
+            self._host.release_pin(event_input.pin.job_id, success=False)
+
+    def deadline_changed(self, actor: RequestActor) -> None:
+        """Arm the node's timer for the actor's new deadline."""
+        self._host.timers.arm(actor)
+
+    def _transfer_ended(self, actor: RequestActor, transfer_id: int, error: str | None) -> None:
+        ended = inp.TransferResult(transfer_id=transfer_id, ok=error is None, reason=error or "")
+        self.runner.deliver(actor, ended)
+
+    # --- errors and death ----------------------------------------------------------
+
+    def _count_error(self) -> None:
+        self._dispatch_errors += 1
+        if self._dispatch_errors >= self._config.max_dispatch_errors:
+            self._die(
+                f"{self._dispatch_errors} handler errors in a row (see the log above)",
+                disconnect=True,
+            )
+
+    def _request_extra(self, kv_request_id: str | None) -> dict[str, str]:
+        """The ``extra=`` of a line about one request of this session's."""
+        return request_context(self.peer_id, kv_request_id, node=self._config.node_id)
