@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import enum
 import itertools
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 import trio
 from msgspec.structs import replace
@@ -28,13 +30,15 @@ from p2pactor.errors import ProtocolError
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.process import ProcessWatch, this_process, watch
-from p2pactor.runtime.session_host import SessionHost, SessionState
 from p2pactor.runtime.transport import (
     ConnectionLost,
     ControlConnection,
     DataTransport,
     TransferError,
 )
+
+if TYPE_CHECKING:
+    from p2pactor.runtime.host import NodeHost
 
 __all__ = [
     "EXTENSION",
@@ -43,6 +47,7 @@ __all__ = [
     "FEATURE_RESP_ROUND",
     "FEATURE_SESSION_ROUNDS",
     "ControlLink",
+    "SessionState",
     "connect_message",
     "incompatibility",
     "offered_features",
@@ -135,6 +140,19 @@ def to_dialect(msg: wire.Message, extension: wire.ConnectExtension | None) -> wi
     return msg
 
 
+class SessionState(enum.Enum):
+    """Where a session is in its life."""
+
+    CONNECTING = "connecting"
+    """Dialing, or waiting for the handshake to complete."""
+    READY = "ready"
+    """Both connects accepted and acked: requests flow both ways."""
+    CLOSING = "closing"
+    """Dead; actors are finishing what can't be abandoned."""
+    CLOSED = "closed"
+    """Gone. Its result says what was still owed."""
+
+
 class ControlLink(abc.ABC):
     """The control connection to one peer: its handshake, and our messages queued for it.
 
@@ -147,7 +165,7 @@ class ControlLink(abc.ABC):
 
     def __init__(
         self,
-        host: SessionHost,
+        host: NodeHost,
         peer_id: str,
         conn: ControlConnection | None,
         first: wire.Connect | None,

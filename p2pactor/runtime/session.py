@@ -29,8 +29,9 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
+import attrs
 import trio
 from msgspec.structs import replace
 
@@ -44,13 +45,15 @@ from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerState, pin_expired
 from p2pactor.errors import ProtocolError, UnknownMessageType
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
-from p2pactor.runtime.handshake import EXTENSION, ControlLink
+from p2pactor.runtime.handshake import EXTENSION, ControlLink, SessionState
 from p2pactor.runtime.logcontext import ExpiryWarnings, request_context
 from p2pactor.runtime.process import ProcessWatch
-from p2pactor.runtime.session_host import SessionCloseResult, SessionHost, SessionState
 from p2pactor.runtime.transport import ControlConnection
 
-__all__ = ["EXTENSION", "PeerSession", "SessionCloseResult", "SessionHost", "SessionState"]
+if TYPE_CHECKING:
+    from p2pactor.runtime.host import NodeHost
+
+__all__ = ["EXTENSION", "PeerSession", "SessionCloseResult", "SessionState"]
 
 log = logging.getLogger("p2pactor.session")
 
@@ -80,6 +83,29 @@ def _mark(marked: set[RequestActor], actor: RequestActor, now: bool) -> None:
         marked.discard(actor)
 
 
+@attrs.frozen(kw_only=True)
+class SessionCloseResult:
+    """What a closed session leaves behind.
+
+    Attributes:
+        peer_id: The peer.
+        reason: Why the session ended.
+        failed_loads: Load jobs of this node that failed because it ended.
+        failed_requests: Our kv_request_ids that lost their answers.
+        held_pins: Pin jobs still held when the drain gave up; the node
+            releases them.
+        open_contexts: Synthetic parent requests still owed a close; the node
+            closes them at the next serve.
+    """
+
+    peer_id: str
+    reason: str
+    failed_loads: tuple[int, ...] = ()
+    failed_requests: tuple[str, ...] = ()
+    held_pins: tuple[int, ...] = ()
+    open_contexts: tuple[str, ...] = ()
+
+
 class PeerSession(ControlLink):
     """The control session with one peer, and the request actors on it.
 
@@ -89,7 +115,7 @@ class PeerSession(ControlLink):
 
     def __init__(
         self,
-        host: SessionHost,
+        host: NodeHost,
         peer_id: str,
         conn: ControlConnection | None = None,
         *,
