@@ -92,9 +92,11 @@ class FetchResult:
 class Node(NodeHost):
     """A p2pactor node. Create it with :func:`open_node`.
 
-    Its parts and what it tells its streams' watchers are its
-    :class:`~p2pactor.runtime.host.NodeHost`'s; the sync, thread-safe calls its
-    :class:`~p2pactor.runtime.engine.EngineBridge`'s.
+    One object: its parts and the streams its operator surface follows are its
+    host's (:class:`~p2pactor.runtime.host.NodeHost`), the sync, thread-safe
+    calls its engine bridge's (:class:`~p2pactor.runtime.engine.EngineBridge`,
+    :class:`~p2pactor.runtime.threadsafe_sources.ThreadSafeSources`); what it
+    reads of its state and the async API are here.
     """
 
     # --- state (read on the node's thread unless said) -----------------------------
