@@ -72,9 +72,9 @@ from p2pactor.adapters._vllm_parent import LentParent, scrub
 from p2pactor.adapters._vllm_thread import NodeThread
 from p2pactor.adapters._vllm_watch import Watch
 from p2pactor.core.inputs import LookupResult as Answer
+from p2pactor.runtime.engine import LookupView
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.node import Node
-from p2pactor.runtime.threadsafe import LookupView
 
 __all__ = ["P2PActorTierManager"]
 

@@ -42,7 +42,6 @@ from p2pactor.core.timings import DEFAULT_TIMINGS
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.engine import EngineBridge, LoadResult
-from p2pactor.runtime.threadsafe import ThreadSafeAPI
 from tests.cluster import key, open_cluster
 from tests.test_node import assert_replay_matches, assert_settled
 
@@ -179,21 +178,22 @@ MACHINE_SETTINGS = settings(
 )
 
 
-class EngineSide:
-    """What the bridge asks of its node, with real actors and a scripted peer's inbox."""
+class EngineSide(EngineBridge):
+    """The bridge over real actors and a scripted peer's inbox: what the adapter calls."""
 
     def __init__(self) -> None:
+        super().__init__(name="machine", inbox_limit=10_000, poll_interval=0.001)
+        self.config = NodeConfig(host="127.0.0.1", port=5710, num_blocks=16, block_len=64)
         self.now = 0.0
         self.runner = Runner(lambda: self.now)
         self.actors: dict[tuple[str, str], RequestActor] = {}
         self.retired: list[RequestActor] = []
         self.to_peer: list[tuple[RequestActor, wire.Message]] = []
-        self.bridge: EngineBridge | None = None
         self.failures: list[Exception] = []
         self.missed: dict[ActorId, set[bytes]] = {}  # keys each actor heard MISS for
         self.offered: dict[ActorId, set[bytes]] = {}  # HITs heard since its last fetch
 
-    # EngineSide
+    # what the node's host provides
     def consumer_for(self, peer: str, kv_request_id: str) -> RequestActor | None:
         if peer == NOWHERE:
             return None
@@ -215,8 +215,7 @@ class EngineSide:
         self.runner.deliver(actor, inp.SubmitLoad(job_id=job_id, keys=keys, block_indexes=blocks))
 
     def report_load(self, job_id: int, *, success: bool, reason: str) -> None:
-        assert self.bridge is not None
-        self.bridge.result(LoadResult(job_id, success, reason))
+        self._results.append(LoadResult(job_id, success, reason))
 
     def finish_request(self, kv_request_id: str) -> None:
         for (peer, kv), actor in list(self.actors.items()):
@@ -224,18 +223,6 @@ class EngineSide:
                 del self.actors[peer, kv]
                 self.retired.append(actor)
                 self.runner.deliver(actor, inp.Finish())
-
-    def store(self, kv_request_id: str, store: inp.AddStore) -> None:
-        raise AssertionError("no stores here")
-
-    def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
-        raise AssertionError("no parent here")
-
-    def dial(self, peer: str) -> None:
-        raise AssertionError("no dials here")
-
-    def sources_call(self, call: object) -> None:
-        raise AssertionError("no summaries here")
 
     # ActorHost
     def admit(self, actor: RequestActor, event_input: Any) -> Any:
@@ -276,30 +263,18 @@ class EngineSide:
         pass
 
 
-class Api(ThreadSafeAPI):
-    """The node's thread-safe half over the machine's bridge: what the adapter calls."""
-
-    def __init__(self, side: EngineSide, bridge: EngineBridge) -> None:
-        self._config = NodeConfig(host="127.0.0.1", port=5710, num_blocks=16, block_len=64)
-        self._bridge = bridge
-        self._side = side
-
-    def known_consumer(self, peer: str, kv_request_id: str) -> RequestActor | None:
-        return self._side.known_consumer(peer, kv_request_id)
-
-
-def bridge_off_thread(side: EngineSide) -> EngineBridge:
+def bridge_off_thread() -> EngineSide:
     """A bridge whose node thread is another: the machine's calls only hand over.
 
     It is made inside a trio run on a helper thread that then ends, so every
     call from here appends to its inbox (its wake-ups find no run and do
-    nothing); the machine applies the inbox itself (:meth:`EngineBridge.apply`)
+    nothing); the machine applies the inbox itself (``EngineBridge._apply``)
     whenever it plays the node's thread.
     """
-    made: list[EngineBridge] = []
+    made: list[EngineSide] = []
 
     async def make() -> None:
-        made.append(EngineBridge(side, name="machine", inbox_limit=10_000, poll_interval=0.001))
+        made.append(EngineSide())
 
     thread = threading.Thread(target=trio.run, args=(make,))
     thread.start()
@@ -324,10 +299,7 @@ class BridgeMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.side = EngineSide()
-        self.bridge = bridge_off_thread(self.side)
-        self.side.bridge = self.bridge
-        self.api = Api(self.side, self.bridge)
+        self.side = self.bridge = self.api = bridge_off_thread()
         self.requests = {kv: Request(kv, peer, list(keys)) for kv, (peer, keys) in REQUESTS.items()}
         self.local: set[bytes] = set()  # this engine's CPU tier
         self.peer_holds: set[bytes] = set(KEYS[:3])
@@ -409,7 +381,7 @@ class BridgeMachine(RuleBasedStateMachine):
 
     @rule()
     def node_applies(self) -> None:
-        self.bridge.apply()
+        self.bridge._apply()
 
     @rule(seconds=st.sampled_from([0.001, 1.0, 5.0, 31.0]))
     def time_passes(self, seconds: float) -> None:
@@ -456,7 +428,7 @@ class BridgeMachine(RuleBasedStateMachine):
         """Run engine, node and a responsive peer until the request's scan decides."""
         for _ in range(steps):
             self.engine_step_of(req)
-            self.bridge.apply()
+            self.bridge._apply()
             while self.side.to_peer:
                 actor, msg = self.side.to_peer.pop(0)
                 self.peer_handles(actor, msg, stamped=True, success=True)
@@ -465,7 +437,7 @@ class BridgeMachine(RuleBasedStateMachine):
             self.api.flush()
             if result is not None and not req.promote:
                 return result
-            self.bridge.apply()
+            self.bridge._apply()
         answers = [self.api.peek_key(req.peer, req.kv, k) for k in req.keys]
         raise AssertionError(f"{req.kv} never decided: {answers}")
 
@@ -480,7 +452,7 @@ class BridgeMachine(RuleBasedStateMachine):
                 before = len(self.side.to_peer)
                 assert self.scan(req) == result
                 self.api.flush()
-                self.bridge.apply()
+                self.bridge._apply()
                 assert len(self.side.to_peer) == before
                 if req.peer == NOWHERE:  # only what the CPU tier holds
                     assert result == next(
@@ -488,7 +460,7 @@ class BridgeMachine(RuleBasedStateMachine):
                     )
             for kv in self.requests:
                 self.api.finish(kv)
-            self.bridge.apply()
+            self.bridge._apply()
             for _ in range(3):
                 while self.side.to_peer:
                     actor, msg = self.side.to_peer.pop(0)
@@ -497,7 +469,7 @@ class BridgeMachine(RuleBasedStateMachine):
             assert all(a.done for a in self.side.retired)
             assert not self.side.failures
         finally:
-            self.bridge.stop()
+            self.bridge._wakeup.stop()
 
 
 TestBridgeMachine = BridgeMachine.TestCase

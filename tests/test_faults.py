@@ -62,8 +62,7 @@ from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import block_bytes, preload_keys
-from p2pactor.runtime.session import SessionCloseResult
-from p2pactor.runtime.session_host import SessionState
+from p2pactor.runtime.session import SessionCloseResult, SessionState
 from p2pactor.runtime.transport import WriteDone
 from p2pactor.surface.replay import replay
 from tests.ports import free_port

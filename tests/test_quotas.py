@@ -821,7 +821,7 @@ class TestNodes:
                 if i % 100 == 99:
                     for _ in range(100):
                         await peer.expect(wire.LookupResp)
-            assert len(node._host.stores._bound) < 1100  # the 8 open ones and at most 1024 ended
+            assert len(node.stores._bound) < 1100  # the 8 open ones and at most 1024 ended
             assert node.peer_usage(peer.peer_id).open_requests == 8
             for i in range(8):
                 await peer.send(fetch_msg([], kv=f"r{i}"))

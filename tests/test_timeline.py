@@ -36,8 +36,8 @@ from trio_websocket import (
 from p2pactor.core import events as ev
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logread import read_log
-from p2pactor.runtime.view import control_security
 from p2pactor.surface.attach import OperatorSurface
+from p2pactor.surface.status import control_security
 from p2pactor.surface.timeline import (
     BadFilter,
     Feed,

@@ -1349,7 +1349,7 @@ def test_drain_jobs_waits_for_a_load_submitted_just_before(
     h.steps_until(lambda: not a.tier.has_pending_work(), "a idle")
     time.sleep(0.05)
     drained = threading.Event()
-    a.tier.node._bridge._token.run_sync_soon(drained.wait, 2.0)  # the node thread is busy
+    a.tier.node._wakeup.token.run_sync_soon(drained.wait, 2.0)  # the node thread is busy
     dst = a.chunks(4)
     job = h.load(a, ctx, keys, dst)
     try:

@@ -31,7 +31,6 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.core.sources import SourceIndex, fingerprint
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.source_options import SourceOptions
-from p2pactor.runtime.sources_calls import Decision
 
 if TYPE_CHECKING:
     from p2pactor.runtime.directory import DirectoryCounts
@@ -39,6 +38,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2pactor.sources")
 
 _MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
+
+
+class Decision(msgspec.Struct, frozen=True, gc=False):
+    """The choice made for an engine's request that names no source.
+
+    Attributes:
+        peer: The peer asked, or None: nobody (every key is a MISS).
+        asked: How many of the request's keys (its first ones) were asked.
+    """
+
+    peer: str | None
+    asked: int
 
 
 class AutoProbe(msgspec.Struct, gc=False):

@@ -29,19 +29,8 @@ from p2pactor.core.holdings import Holdings, Out
 from p2pactor.core.peer_claims import Resync
 from p2pactor.core.sources import SourceIndex
 from p2pactor.runtime.actor import RequestActor
-from p2pactor.runtime.auto_choice import AutoChoice, AutoProbe
+from p2pactor.runtime.auto_choice import AutoChoice, AutoProbe, Decision
 from p2pactor.runtime.source_options import SourceOptions
-from p2pactor.runtime.sources_calls import (
-    Decision,
-    Drained,
-    Ended,
-    Held,
-    Lacking,
-    Reserved,
-    Reused,
-    Scrubbed,
-    Touched,
-)
 from p2pactor.runtime.timers import Timers
 
 log = logging.getLogger("p2pactor.sources")
@@ -194,37 +183,31 @@ class SourceDirectory(AutoChoice):
             held.gone(claimed, self._clock())
             self._arm()
 
-    def apply(
-        self, call: Held | Reused | Ended | Touched | Lacking | Reserved | Drained | Scrubbed
+    def told(
+        self, change: Callable[[float], object], flush: bool = False, scrub: bool = False
     ) -> None:
-        """Apply an engine call about what this node holds; plan the check it makes due."""
-        holdings, now = self.holdings, self._clock()
-        match call:
-            case Held(keys, request, positions, at_once):
-                holdings.stored(keys, now, request=request, positions=positions)
-                if at_once:  # a peer may ask for them within the step
-                    self._send(holdings.flush_all(now))
-            case Reused(keys, request, positions):
-                holdings.accessed(keys, request, positions)
-            case Ended(request):
-                holdings.finished(request)
-            case Reserved(blocks):
-                holdings.reserve(blocks, now)
-            case Touched(keys):
-                holdings.touched(keys)
-            case Lacking(keys):
-                holdings.gone(keys, now)
-            case Drained():  # a new epoch, told to every peer at once
-                self._send(holdings.drain(os.urandom(_EPOCH_BYTES), now, self._peers))
-                self.scrubs.clear()
-            case Scrubbed(gone, kept):
-                holdings.scrubbed(gone, kept, now)
-                if gone:  # a claim the parent dropped costs every peer a lookup: tell now
-                    self._send(holdings.flush_all(now))
-        if self.checked and not isinstance(call, Scrubbed):
-            self.frontier = holdings.frontier()
+        """Apply an engine call about what this node holds (``Node.holds`` and the others).
+
+        ``change`` is a :attr:`holdings` method given all but the time; with
+        ``flush``, the peers hear of it at once, not with the next batched
+        delta; ``scrub``: it answers a check (the frontier stays as it was).
+        Then the check it makes due is planned.
+        """
+        now = self._clock()
+        change(now)
+        if flush:
+            self._send(self.holdings.flush_all(now))
+        if self.checked and not scrub:
+            self.frontier = self.holdings.frontier()
         self._plan_scrub(now)
         self._arm()
+
+    def drained(self) -> None:
+        """The engine dropped everything it held: a new epoch, told to every peer at once."""
+        self.scrubs.clear()
+        self.told(
+            lambda now: self._send(self.holdings.drain(os.urandom(_EPOCH_BYTES), now, self._peers))
+        )
 
     # --- sessions ---------------------------------------------------------------------
 

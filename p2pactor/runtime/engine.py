@@ -1,41 +1,41 @@
 """The engine bridge: how engines on their own threads hand work to a node.
 
 vLLM calls its tier synchronously, under its own lock, from the scheduler
-thread and its tier-poll thread; those calls must never wait on trio. The
-bridge is the thread-safe half of :class:`~p2pactor.runtime.node.Node`: each call
-appends to a deque and returns, and the node's thread applies the items in
-order. Keys registered for a lookup are applied at the step's ``flush`` as
-*one* input per request (register and send), so an engine step costs each
-request one actor step.
+thread and its tier-poll thread; those calls must never wait on trio.
+:class:`EngineBridge`, a base of :class:`~p2pactor.runtime.node.Node`, is what
+they call: each reads what the node's thread already published (immutable
+actor states, load results) or appends a ``(method, arguments)`` pair to a
+deque, and the node's thread applies the pairs in order (at once, when called
+on it). Keys registered for a lookup are applied at the step's ``flush`` as
+*one* input per request (register and send): one actor step per request.
 
-Waking the node's thread costs the engine's thread: ``run_sync_soon`` writes
-to trio's wake-up socket, and that send hands the GIL to the trio thread,
-which then runs its whole batch before the engine thread gets it back (~0.5 ms
-per ``on_schedule_end``, measured with ``p2pactor bench --only engine``). So
-the engine thread only sets a :class:`threading.Event`; a small waker thread
-makes the ``run_sync_soon`` call when the engine thread next lets go of the
-GIL. Calls made with ``wake=False`` only append: they are picked up at the
-next flush or kick (or within ``engine_poll_interval`` while the node's thread
-is awake anyway); an idle node's loop sleeps until woken, so it costs nothing.
+Calls made with ``wake=False`` only append: they are picked up at the next
+flush or kick (or within ``engine_poll_interval`` while the node's thread is
+awake anyway); an idle node sleeps until woken (:mod:`p2pactor.runtime.wakeup`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import math
 import threading
 from collections import deque
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, final
 
+import attrs
 import msgspec
-import trio
 
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import ConsumerState
+from p2pactor.core.consumer import ConsumerState, probe_answer, probe_answers
+from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor, Runner
-from p2pactor.runtime.sources_calls import LocateWanted, SourcesCall
+from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.wakeup import Wakeup
 
-__all__ = ["EngineBridge", "EngineSide", "LoadResult"]
+__all__ = ["EngineBridge", "LoadResult", "LookupView"]
+
+RETRY = LookupResult.RETRY
+_Call = tuple[Callable[..., object], tuple[Any, ...]]
 
 
 class LoadResult(msgspec.Struct, frozen=True, gc=False):
@@ -52,110 +52,74 @@ class LoadResult(msgspec.Struct, frozen=True, gc=False):
     reason: str = ""
 
 
-# What the engine's threads hand to the node's thread.
-class _Register(msgspec.Struct, frozen=True, gc=False):
-    peer: str
-    kv_request_id: str
-    keys: tuple[bytes, ...]
+@final
+@attrs.define
+class LookupView:
+    """A request's lookup answers as of one moment (:meth:`EngineBridge.lookup_view`).
+
+    Attributes:
+        state: The request's consumer state then; None when it had no actor.
+        absent: The answer for every key when ``state`` is None: RETRY while
+            the actor is being made, MISS when it never will be.
+        fetching: A load of the request was on its way to its actor: its
+            HITs are stale (the fetch closes the round), so they are RETRY.
+    """
+
+    _state: ConsumerState | None
+    _absent: LookupResult = LookupResult.MISS
+    _fetching: bool = False
+
+    def answer(self, key: bytes) -> LookupResult:
+        """HIT, MISS or RETRY for ``key``, as the request stood when the view was taken."""
+        state = self._state
+        if state is None:
+            return self._absent
+        answer = probe_answer(state, key)
+        if answer is LookupResult.HIT and self._fetching:
+            # The engine has fetched this round (the hand-over is on its way):
+            # a HIT it did not fetch loses its pin with the round. Ask again.
+            return RETRY
+        return answer
+
+    def answers(self, keys: Sequence[bytes]) -> list[LookupResult]:
+        """:meth:`answer` for every key of ``keys``, the request-wide checks made once."""
+        if self._state is None:
+            return [self._absent] * len(keys)
+        answers = probe_answers(self._state, keys)
+        if self._fetching:
+            return [RETRY if a is LookupResult.HIT else a for a in answers]
+        return answers
 
 
-class _Flush(msgspec.Struct, frozen=True, gc=False):
-    pass
-
-
-class _Load(msgspec.Struct, frozen=True, gc=False):
-    peer: str
-    kv_request_id: str
-    job_id: int
-    keys: tuple[bytes, ...]
-    blocks: tuple[int, ...]
-
-
-class _Finish(msgspec.Struct, frozen=True, gc=False):
-    kv_request_id: str
-
-
-class _Store(msgspec.Struct, frozen=True, gc=False):
-    kv_request_id: str
-    store: inp.AddStore
-
-
-class _Dial(msgspec.Struct, frozen=True, gc=False):
-    peer: str
-
-
-class _Answer(msgspec.Struct, frozen=True):  # holds an actor: tracked by the gc
-    actor: RequestActor
-    answer: inp.ParentAnswer
-
-
-class _Sources(msgspec.Struct, frozen=True, gc=False):
-    call: SourcesCall
-
-
-_Item = _Register | _Flush | _Load | _Finish | _Store | _Dial | _Answer | _Sources
-
-
-class EngineSide(Protocol):
-    """What the bridge asks of the node, on the node's thread."""
-
-    @property
-    def runner(self) -> Runner:
-        """Where inputs are stepped."""
-        ...
-
-    def consumer_for(self, peer: str, kv_request_id: str) -> RequestActor | None:
-        """The consumer actor of (peer, request), created with its session if need be."""
-
-    def known_consumer(self, peer: str, kv_request_id: str) -> RequestActor | None:
-        """The consumer actor of (peer, request) if there is one (any thread)."""
-
-    def submit(
-        self, actor: RequestActor, job_id: int, keys: tuple[bytes, ...], blocks: tuple[int, ...]
-    ) -> None:
-        """Start a load on ``actor``."""
-
-    def report_load(self, job_id: int, *, success: bool, reason: str) -> None:
-        """Report a load finished."""
-
-    def finish_request(self, kv_request_id: str) -> None:
-        """The engine is done with ``kv_request_id`` (both roles)."""
-
-    def store(self, kv_request_id: str, store: inp.AddStore) -> None:
-        """Offer stored blocks to the request's producer."""
-
-    def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
-        """Step a lent parent's ``answer`` on ``actor``."""
-
-    def dial(self, peer: str) -> None:
-        """Open the session with ``peer`` now."""
-
-    def sources_call(self, call: SourcesCall) -> None:
-        """Apply an engine call about what this node holds, or a choice to make."""
+_NO_ACTOR = LookupView(None)
+_NO_ACTOR_YET = LookupView(None, RETRY)
 
 
 class EngineBridge:
-    """The thread-safe hand-over from engine threads to the node's thread.
+    """The sync, thread-safe half of a node: what engines on their own threads call.
+
+    None of its methods blocks; each is safe from any thread. The node's thread
+    runs :meth:`run`, which applies what was handed over.
 
     Args:
-        node: The node (its thread-side operations).
         name: For the waker thread's name.
         inbox_limit: Engine calls queued before the node counts as overloaded.
         poll_interval: How soon calls made without waking are picked up.
     """
 
-    def __init__(
-        self,
-        node: EngineSide,
-        *,
-        name: str,
-        inbox_limit: int,
-        poll_interval: float,
-    ) -> None:
-        self._node = node
+    config: NodeConfig
+    runner: Runner
+    # What the node's host provides (:class:`~p2pactor.runtime.host.NodeHost`).
+    known_consumer: Callable[[str, str], RequestActor | None]
+    consumer_for: Callable[[str, str], RequestActor | None]
+    submit: Callable[[RequestActor, int, tuple[bytes, ...], tuple[int, ...]], None]
+    finish_request: Callable[[str], None]
+    report_load: Callable[..., None]
+
+    def __init__(self, *, name: str, inbox_limit: int, poll_interval: float) -> None:
         self._inbox_limit = inbox_limit
         self._poll_interval = poll_interval
-        self._inbox: deque[_Item] = deque()
+        self._inbox: deque[_Call] = deque()
         self._lock = threading.Lock()
         self._registered = False
         # Keys handed over per (peer, request) and not yet delivered to its
@@ -180,54 +144,89 @@ class EngineBridge:
         self._unflushed: dict[RequestActor, list[bytes]] = {}
         self._dirty: set[RequestActor] = set()
         self._results: deque[LoadResult] = deque()
-        # _Sources items posted (engine threads, under the engine's lock) and
-        # applied (the node's thread): each counter has one writer at a time.
-        self._sources_posted = 0
-        self._sources_applied = 0
-        self._token = trio.lowlevel.current_trio_token()
-        self._trio_thread = threading.get_ident()
-        self._wakeup = trio.Event()
-        self._wake_pending = False
-        self._waker_event = threading.Event()
-        self._waker_stop = False
-        self._waker = threading.Thread(
-            target=self._waker_loop, name=f"p2pactor-waker {name}", daemon=True
-        )
-        self._waker.start()
+        # Calls about holdings posted (engine threads, under the engine's lock)
+        # and applied (the node's thread): each counter has one writer at a time.
+        self._told_posted = 0
+        self._told_applied = 0
+        self._wakeup = Wakeup(name)
 
     @property
-    def backlog(self) -> int:
-        """Engine calls handed over and not yet applied."""
+    def engine_backlog(self) -> int:
+        """Engine calls handed over and not yet applied (bounded by ``engine_inbox``)."""
         return len(self._inbox)
 
     @property
-    def pending(self) -> int:
-        """Of :attr:`backlog`, the calls the engine must keep stepping for.
+    def engine_pending(self) -> int:
+        """Of :attr:`engine_backlog`, the calls the engine must keep stepping for.
 
-        What an engine says about its holdings (a store's keys, a check's
-        answers), unlike a choice it waits for, needs no step of it: an idle
-        engine may stop with those in the inbox. Any thread; a count read
-        while the node's thread applies may be one off for that moment.
+        What an engine says about its holdings, unlike a choice it waits for,
+        needs no step of it: an idle engine may stop with those in the inbox.
+        A count read while the node's thread applies may be one off then.
         """
-        sources = self._sources_posted - self._sources_applied
-        return max(0, len(self._inbox) - sources)
+        return max(0, len(self._inbox) - (self._told_posted - self._told_applied))
 
-    @property
-    def overloaded(self) -> bool:
-        """Whether the inbox is full (new loads fail at once). Any thread."""
-        return len(self._inbox) >= self._inbox_limit
+    # --- lookups and loads (any thread) ----------------------------------------------
 
-    # --- the engine's side (any thread) ---------------------------------------------
+    def register_lookup(
+        self, peer: str, kv_request_id: str, keys: Sequence[bytes]
+    ) -> list[LookupResult]:
+        """Answer what is known about ``keys`` now; ask the peer about the rest.
+
+        Returns HIT or MISS for keys already answered and RETRY for keys still
+        being asked (newly registered keys go out at the next :meth:`flush`).
+        """
+        answers = self.peek_lookup(peer, kv_request_id, keys)
+        self.ask(peer, kv_request_id, [k for k, a in zip(keys, answers, strict=True) if a is RETRY])
+        return answers
+
+    def peek_lookup(
+        self, peer: str, kv_request_id: str, keys: Sequence[bytes]
+    ) -> list[LookupResult]:
+        """What is known about ``keys`` now, without asking anything.
+
+        HIT or MISS for keys answered; RETRY for keys being asked or never
+        asked (see :meth:`ask`); MISS for everything when ``peer`` may not be
+        dialed, no session with it could be opened, or the request's lookup
+        failed.
+        """
+        return self.lookup_view(peer, kv_request_id).answers(keys)
+
+    def peek_key(self, peer: str, kv_request_id: str, key: bytes) -> LookupResult:
+        """:meth:`peek_lookup` of one key, without the lists (vLLM asks key by key)."""
+        return self.lookup_view(peer, kv_request_id).answer(key)
+
+    def lookup_view(self, peer: str, kv_request_id: str) -> LookupView:
+        """What is known about the request's keys now, as one snapshot.
+
+        Its answers are those of :meth:`peek_key` at this moment, whatever the
+        node's thread does meanwhile. An engine that asks key by key and acts
+        on each answer (vLLM promotes a HIT as soon as it hears it, and scans
+        on past a RETRY) asks one view per scan: an answer landing mid-scan
+        would otherwise make it fetch the run's tail without its head, and
+        the head (unpinned with the round) would need a round of its own.
+        """
+        if not self.config.may_dial(peer):
+            return _NO_ACTOR
+        actor = self.known_consumer(peer, kv_request_id)
+        if actor is None:
+            return _NO_ACTOR if (kv_request_id, peer) in self._unreachable else _NO_ACTOR_YET
+        state = actor.state
+        assert isinstance(state, ConsumerState)
+        return LookupView(state, RETRY, (kv_request_id, peer) in self._fetching)
 
     def ask(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:
-        """Hand over the keys of ``keys`` the request's actor does not know yet.
+        """Ask ``peer`` about the ``keys`` not known yet, at the next :meth:`flush`.
 
-        A key already on its way (handed over, not yet delivered) is not
-        handed over again. The state read here may be a step behind the
-        node's thread; a key handed over twice because of it is known to the
-        actor by the time the second copy arrives, and asks nothing more.
+        A key is handed to the node's thread once, however often the engine
+        asks about it before the answer comes: an engine that re-asks every
+        step must not flood the node (and the node must not fall behind). The
+        state read here may be a step behind the node's thread; a key handed
+        over twice because of it is known to the actor by the time the second
+        copy arrives, and asks nothing more.
         """
-        actor = self._node.known_consumer(peer, kv_request_id)
+        if not keys or not self.config.may_dial(peer):
+            return
+        actor = self.known_consumer(peer, kv_request_id)
         state = actor.state if actor is not None else None
         known = state.probes if isinstance(state, ConsumerState) else {}
         with self._lock:
@@ -237,83 +236,61 @@ class EngineBridge:
                 return
             posted.update(new)
             self._registered = True
-        self.post(_Register(peer, kv_request_id, new), wake=False)
-
-    def unreachable(self, peer: str, kv_request_id: str) -> bool:
-        """Whether the request's keys could not be asked of ``peer`` (no session). Any thread."""
-        return (kv_request_id, peer) in self._unreachable
+        self._post((self._register, (peer, kv_request_id, new)), wake=False)
 
     def flush(self) -> None:
-        """Send what was registered since the last flush (nothing: post nothing)."""
+        """Send the lookups of every request that registered new keys.
+
+        A step that registered nothing posts nothing: an idle engine must not
+        look busy to ``has_pending_work``.
+        """
         with self._lock:
             registered, self._registered = self._registered, False
         if registered:
-            self.post(_Flush())
+            self._post((self._flush, ()), wake=True)
         else:
             self.kick()
 
     def kick(self) -> None:
-        """Wake the node's thread if anything was handed over without waking it."""
-        if self._inbox:
-            self._wake()
+        """Wake the node's thread if anything was handed over without waking it.
 
-    def load(
+        Engines that batch (``wake=False`` on the calls of a step) call this, or
+        :meth:`flush`, once per step: one wake-up instead of one per call.
+        """
+        if self._inbox:
+            self._wakeup.set()
+
+    def submit_load(
         self,
         peer: str,
         kv_request_id: str,
         job_id: int,
         keys: Sequence[bytes],
-        blocks: Sequence[int],
+        dest_blocks: Sequence[int],
         *,
-        wake: bool,
+        wake: bool = True,
     ) -> None:
-        """Hand over a load job (or fail it at once when overloaded)."""
-        if self.overloaded:
+        """Load ``keys`` from ``peer`` into our ``dest_blocks`` as the engine's ``job_id``.
+
+        The result arrives in :meth:`finished_jobs` (at once, failed, when the
+        node is overloaded); with ``wake=False`` the node's thread picks it up
+        at the next :meth:`flush` or :meth:`kick`.
+        """
+        if len(self._inbox) >= self._inbox_limit:
             reason = f"the node is overloaded ({len(self._inbox)} engine calls queued)"
             self._results.append(LoadResult(job_id, success=False, reason=reason))
             return
         with self._lock:
             where = (kv_request_id, peer)
             self._fetching[where] = self._fetching.get(where, 0) + 1
-        self.post(_Load(peer, kv_request_id, job_id, tuple(keys), tuple(blocks)), wake=wake)
+        load = (peer, kv_request_id, job_id, tuple(keys), tuple(dest_blocks))
+        self._post((self._load, load), wake=wake)
 
-    def fetching(self, peer: str, kv_request_id: str) -> bool:
-        """Whether a load of the request is on its way to its actor. Any thread.
+    def finish(self, kv_request_id: str, *, wake: bool = True) -> None:
+        """The engine is done with ``kv_request_id`` (either role)."""
+        self._post((self._finish, (kv_request_id,)), wake=wake)
 
-        While it is, the actor's HITs are stale: the fetch closes the round.
-        """
-        return (kv_request_id, peer) in self._fetching
-
-    def finish(self, kv_request_id: str, *, wake: bool) -> None:
-        """Hand over the end of a request (its asked keys are forgotten on the node's thread)."""
-        self.post(_Finish(kv_request_id), wake=wake)
-
-    def store(self, kv_request_id: str, store: inp.AddStore, *, wake: bool) -> None:
-        """Hand over stored blocks of a prefill/decode request."""
-        self.post(_Store(kv_request_id, store), wake=wake)
-
-    def dial(self, peer: str, *, wake: bool) -> None:
-        """Hand over a request to open a session now."""
-        self.post(_Dial(peer), wake=wake)
-
-    def sources(self, call: SourcesCall, *, wake: bool) -> None:
-        """Hand over a call about holdings or a choice (:mod:`p2pactor.runtime.directory`)."""
-        if not isinstance(call, LocateWanted):  # a choice to make: the engine waits on it
-            self._sources_posted += 1
-        self.post(_Sources(call), wake=wake)
-
-    def answers(self, answered: Sequence[tuple[RequestActor, inp.ParentAnswer]]) -> None:
-        """Hand over a lent parent's answers (one wake-up for the batch)."""
-        for actor, answer in answered:
-            self.post(_Answer(actor, answer), wake=False)
-        if answered:
-            self._wake()
-
-    def result(self, result: LoadResult) -> None:
-        """A load finished that no task waits for: keep it for :meth:`finished`."""
-        self._results.append(result)
-
-    def finished(self) -> list[LoadResult]:
+    def finished_jobs(self) -> list[LoadResult]:
         """Load results since the last call."""
         out = []
         while True:
@@ -322,134 +299,97 @@ class EngineBridge:
             except IndexError:
                 return out
 
-    def post(self, item: _Item, *, wake: bool = True) -> None:
-        """Hand ``item`` to the node's thread: applied now if this is that thread.
+    def _post(self, call: _Call, *, wake: bool) -> None:
+        """Hand ``call`` to the node's thread: applied now if this is that thread.
 
         From another thread it is appended, and the node's thread is woken if
         asked; without ``wake`` the caller's next :meth:`flush` or :meth:`kick`
-        does it (or, while the node's thread is awake, its poll interval).
-        Not waking is the point: the engine's thread pays for a wake-up (a
-        lock, a futex, often losing its CPU to the woken thread), and every
-        engine step ends in a flush anyway.
+        does it. Not waking is the point: the engine's thread pays for a
+        wake-up, and every engine step ends in a flush anyway.
         """
-        self._inbox.append(item)
-        if threading.get_ident() == self._trio_thread:
-            self.apply()  # the caller is on the node's thread: no hop, no wait
-            return
-        if wake:
-            self._wake()
+        self._inbox.append(call)
+        if threading.get_ident() == self._wakeup.trio_thread:
+            self._apply()  # the caller is on the node's thread: no hop, no wait
+        elif wake:
+            self._wakeup.set()
 
-    def _wake(self) -> None:
-        if threading.get_ident() == self._trio_thread:
-            self._wakeup.set()  # on the node's own thread: no hop needed
-            return
-        with self._lock:
-            if self._wake_pending:
-                return
-            self._wake_pending = True
-        self._waker_event.set()
+    def _tell(self, call: _Call, *, wake: bool) -> None:
+        """:meth:`_post` a call about holdings (not counted in :attr:`engine_pending`)."""
+        self._told_posted += 1
+        self._post((self._told, call), wake=wake)
 
-    def _waker_loop(self) -> None:
-        while True:
-            self._waker_event.wait()
-            self._waker_event.clear()
-            if self._waker_stop:
-                return
-            # If the node is gone, nothing will read the inbox again anyway.
-            with contextlib.suppress(trio.RunFinishedError):
-                self._token.run_sync_soon(self._wake_in_trio)
-
-    def _wake_in_trio(self) -> None:
-        with self._lock:
-            self._wake_pending = False
-        self._wakeup.set()
-
-    def stop(self) -> None:
-        """Stop the waker thread (the node is closing)."""
-        self._waker_stop = True
-        self._waker_event.set()
-
-    # --- the node's side (its thread) -----------------------------------------------
+    # --- the node's thread -----------------------------------------------------------
 
     async def run(self) -> None:
-        """Apply handed-over items as they come, forever."""
+        """Apply handed-over calls as they come, forever."""
         while True:
-            if self._inbox:
-                # Items came without a wake-up: pick them up within the interval.
-                with trio.move_on_after(self._poll_interval):
-                    await self._wakeup.wait()
-            else:
-                await self._wakeup.wait()
-            self._wakeup = trio.Event()
-            self.apply()
+            # Calls that came without a wake-up are picked up within the interval.
+            await self._wakeup.wait(self._poll_interval if self._inbox else math.inf)
+            self._apply()
 
-    def apply(self) -> None:
-        """Apply every item handed over so far, in order."""
+    def _apply(self) -> None:
         inbox = self._inbox
         while inbox:
-            self._apply(inbox.popleft())
+            method, args = inbox.popleft()
+            method(*args)
 
-    def _apply(self, item: _Item) -> None:
-        node = self._node
-        match item:
-            case _Register(peer, kv_id, keys):
-                actor = node.consumer_for(peer, kv_id)
-                if actor is not None:
-                    self._unflushed.setdefault(actor, []).extend(keys)
-                else:
-                    with self._lock:
-                        self._unreachable.add((kv_id, peer))
-                    self._delivered(peer, kv_id, keys)
-            case _Flush():
-                unflushed, self._unflushed = self._unflushed, {}
-                dirty, self._dirty = self._dirty, set()
-                runner = node.runner
-                for actor, asked in unflushed.items():
-                    runner.deliver(actor, inp.Register(tuple(asked), flush=True))
-                    self._delivered(actor.id.peer, actor.id.kv_request_id, asked)
-                for actor in dirty.difference(unflushed):
-                    runner.deliver(actor, inp.Flush())
-            case _Load(peer, kv_id, job_id, keys, blocks):
-                actor = node.consumer_for(peer, kv_id)
-                if actor is None:
-                    node.report_load(job_id, success=False, reason=f"{peer} is not an allowed peer")
-                else:
-                    self._register_first(actor)
-                    node.submit(actor, job_id, keys, blocks)
-                with self._lock:
-                    where = (kv_id, peer)
-                    left = self._fetching.get(where, 1) - 1
-                    if left > 0:
-                        self._fetching[where] = left
-                    else:
-                        self._fetching.pop(where, None)
-            case _Finish(kv_id):
-                with self._lock:
-                    self._posted.pop(kv_id, None)
-                    if self._unreachable:
-                        self._unreachable = {u for u in self._unreachable if u[0] != kv_id}
-                for actor in [a for a in self._unflushed if a.id.kv_request_id == kv_id]:
-                    self._register_first(actor)
-                if self._dirty:
-                    self._dirty = {a for a in self._dirty if a.id.kv_request_id != kv_id}
-                node.finish_request(kv_id)
-            case _Store(kv_id, store):
-                node.store(kv_id, store)
-            case _Dial(peer):
-                node.dial(peer)
-            case _Answer(actor, answer):
-                node.parent_answered(actor, answer)
-            case _Sources(call):
-                if not isinstance(call, LocateWanted):
-                    self._sources_applied += 1
-                node.sources_call(call)
+    def _told(self, method: Callable[..., object], args: tuple[Any, ...]) -> None:
+        self._told_applied += 1
+        method(*args)
+
+    def _register(self, peer: str, kv_id: str, keys: tuple[bytes, ...]) -> None:
+        actor = self.consumer_for(peer, kv_id)
+        if actor is not None:
+            self._unflushed.setdefault(actor, []).extend(keys)
+        else:
+            with self._lock:
+                self._unreachable.add((kv_id, peer))
+            self._delivered(peer, kv_id, keys)
+
+    def _flush(self) -> None:
+        unflushed, self._unflushed = self._unflushed, {}
+        dirty, self._dirty = self._dirty, set()
+        deliver = self.runner.deliver
+        for actor, asked in unflushed.items():
+            deliver(actor, inp.Register(tuple(asked), flush=True))
+            self._delivered(actor.id.peer, actor.id.kv_request_id, asked)
+        for actor in dirty.difference(unflushed):
+            deliver(actor, inp.Flush())
+
+    def _load(
+        self, peer: str, kv_id: str, job_id: int, keys: tuple[bytes, ...], blocks: tuple[int, ...]
+    ) -> None:
+        actor = self.consumer_for(peer, kv_id)
+        if actor is None:
+            self.report_load(job_id, success=False, reason=f"{peer} is not an allowed peer")
+        else:
+            self._register_first(actor)
+            self.submit(actor, job_id, keys, blocks)
+        with self._lock:
+            where = (kv_id, peer)
+            left = self._fetching.get(where, 1) - 1
+            if left > 0:
+                self._fetching[where] = left
+            else:
+                self._fetching.pop(where, None)
+
+    def _finish(self, kv_id: str) -> None:
+        with self._lock:
+            self._posted.pop(kv_id, None)
+            if self._unreachable:
+                self._unreachable = {u for u in self._unreachable if u[0] != kv_id}
+        for actor in [a for a in self._unflushed if a.id.kv_request_id == kv_id]:
+            self._register_first(actor)
+        if self._dirty:
+            self._dirty = {a for a in self._dirty if a.id.kv_request_id != kv_id}
+        self.finish_request(kv_id)
 
     def _register_first(self, actor: RequestActor) -> None:
         """Keys registered for ``actor`` before another input of its: they come first."""
         keys = self._unflushed.pop(actor, None)
         if keys:
             self._dirty.add(actor)
-            self._node.runner.deliver(actor, inp.Register(tuple(keys)))
+            self.runner.deliver(actor, inp.Register(tuple(keys)))
             self._delivered(actor.id.peer, actor.id.kv_request_id, keys)
 
     def _delivered(self, peer: str, kv_request_id: str, keys: Sequence[bytes]) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import enum
 import itertools
 import logging
 from collections import deque
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -24,12 +26,27 @@ from p2pactor.errors import ProtocolError
 from p2pactor.runtime.dialect import agreed, connect_message, incompatibility, to_dialect
 from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.process import ProcessWatch, watch
-from p2pactor.runtime.session_host import SessionHost, SessionState
 from p2pactor.runtime.transport import ConnectionLost, ControlConnection, TransferError
 
-__all__ = ["ControlLink"]
+if TYPE_CHECKING:
+    from p2pactor.runtime.host import NodeHost
+
+__all__ = ["ControlLink", "SessionState"]
 
 log = logging.getLogger("p2pactor.session")  # a session's lines, wherever they are written
+
+
+class SessionState(enum.Enum):
+    """Where a session is in its life."""
+
+    CONNECTING = "connecting"
+    """Dialing, or waiting for the handshake to complete."""
+    READY = "ready"
+    """Both connects accepted and acked: requests flow both ways."""
+    CLOSING = "closing"
+    """Dead; actors are finishing what can't be abandoned."""
+    CLOSED = "closed"
+    """Gone. Its result says what was still owed."""
 
 
 class ControlLink(abc.ABC):
@@ -44,7 +61,7 @@ class ControlLink(abc.ABC):
 
     def __init__(
         self,
-        host: SessionHost,
+        host: NodeHost,
         peer_id: str,
         conn: ControlConnection | None,
         first: wire.Connect | None,

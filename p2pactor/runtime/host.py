@@ -1,12 +1,12 @@
-"""The node's host: what its sessions, its engine bridge and its facade stand on.
+"""The node's host: its parts, and what its sessions and its engine bridge ask of it.
 
 :class:`NodeHost` owns the node's parts (runner, timer, quota ledger, parent
-service, store desk, peer registry, engine bridge) and implements what the
-parts ask of the node: a session's :class:`~p2pactor.runtime.session_host.SessionHost`
-(record a step's events, ask the parent, release a pin, report a load) and
-the bridge's :class:`~p2pactor.runtime.engine.EngineSide` (find or open a consumer,
-start a load, finish a request). :class:`~p2pactor.runtime.node.Node` is the public
-facade over it; nothing here is API.
+service, store desk, peer registry, directory) and does what they ask of the
+node: what a :class:`~p2pactor.runtime.session.PeerSession` needs (record a
+step's events, ask the parent, release a pin, report a load) and what the
+engine bridge it extends needs (find or open a consumer, start a load, finish
+a request). :class:`~p2pactor.runtime.node.Node`, the public API, is a
+:class:`NodeHost`; nothing here is API of its own.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
+from p2pactor.core.fold import ActorState
 from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
-from p2pactor.runtime.engine import EngineBridge, LoadResult
+from p2pactor.runtime.engine import LoadResult
 from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.logcontext import peer_context, request_context
@@ -36,39 +37,48 @@ from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.peers import PeerRegistry
 from p2pactor.runtime.seeds import SeedRedial
 from p2pactor.runtime.serving import ParentService
-from p2pactor.runtime.session_host import SessionCloseResult
-from p2pactor.runtime.sources_calls import Decision, LocateWanted, SourcesCall
+from p2pactor.runtime.session import SessionCloseResult
 from p2pactor.runtime.stores import StoreDesk
+from p2pactor.runtime.threadsafe_sources import ThreadSafeSources
 from p2pactor.runtime.timers import Timers
 from p2pactor.runtime.transport import ControlTransport, DataTransport
-from p2pactor.runtime.view import EventWatcher, HandshakeWatcher
 
-__all__ = ["NodeHost"]
+__all__ = ["EventWatcher", "HandshakeWatcher", "NodeHost"]
 
 log = logging.getLogger("p2pactor.node")
 
 RETRY = LookupResult.RETRY
 _OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
 
+EventWatcher = Callable[[Sequence[ev.AnyEvent], ActorState], None]
+"""Called with an actor's events of one step and its state after them."""
 
-@attrs.define(eq=False)
-class Answers:
-    """A caller of ``Node.lookup`` waiting for every key's answer."""
-
-    keys: Sequence[bytes]
-    ready: trio.Event = attrs.field(factory=trio.Event)
+HandshakeWatcher = Callable[[str, str], None]
+"""Called with a peer and how its handshake ended: ``ok``, or why not."""
 
 
 @attrs.define(eq=False)
-class Load:
-    """A caller of ``Node.fetch`` waiting for its load's result."""
+class Waiter:
+    """A caller waiting: of ``Node.lookup``, for its ``keys``' answers; of ``fetch``, its result."""
 
+    keys: Sequence[bytes] = ()
     ready: trio.Event = attrs.field(factory=trio.Event)
     result: LoadResult | None = None
 
 
-class NodeHost:
-    """The parts of one node and what they ask of it. Made by ``open_node``."""
+class NodeHost(ThreadSafeSources):
+    """The parts of one node and what they ask of it. Made by ``open_node``.
+
+    Attributes:
+        config: The node's configuration.
+        control: The control transport.
+        data: The data transport.
+        event_log: The node's event log.
+        runner: The runner that steps every actor of the node (node's thread only).
+        timers: The node's one timer (node's thread only).
+        quotas: The per-peer quota counts (see :mod:`p2pactor.runtime.quotas`).
+        loop_watch: The slow-step watch on the node's trio thread (its counts: ``snapshot()``).
+    """
 
     def __init__(
         self,
@@ -81,24 +91,26 @@ class NodeHost:
         nursery: trio.Nursery,
         hash_seed: Callable[[], str] | None = None,
     ) -> None:
+        super().__init__(
+            name=config.node_id,
+            inbox_limit=config.engine_inbox,
+            poll_interval=config.engine_poll_interval,
+        )
         self.config = config
         self._hash_seed_source = hash_seed
         self._hash_seed: str | None = None if hash_seed is not None else config.hash_seed
         self.control = control
         self.data = data
-        self.log = event_log
-        self.nursery = nursery
+        self.event_log = event_log
         self.clock = trio.lowlevel.current_clock()
         self.started_at = self.clock.current_time()  # for uptime (status reports)
         self.loop_watch = LoopWatch(config.slow_step_s, node_id=config.node_id)
         self.runner = Runner()
         self.timers = Timers()
         self.quotas = QuotaLedger(config.quotas, config.num_blocks)
+        clock = self.clock.current_time
         self.directory = SourceDirectory(
-            config.sources,
-            capacity=config.num_blocks,
-            timers=self.timers,
-            clock=self.clock.current_time,
+            config.sources, capacity=config.num_blocks, timers=self.timers, clock=clock
         )
         self.service = ParentService(
             node_id=config.node_id,
@@ -106,7 +118,7 @@ class NodeHost:
             runner=self.runner,
             timers=self.timers,
             poll_interval=config.timings.pending_poll_interval,
-            clock=self.clock.current_time,
+            clock=clock,
             embedded=parent,
         )
         self.stores = StoreDesk(
@@ -115,26 +127,23 @@ class NodeHost:
             runner=self.runner,
             timers=self.timers,
             release=lambda job_id: self.release_pin(job_id, success=False),
-            clock=self.clock.current_time,
+            clock=clock,
         )
         self.peers = PeerRegistry(self, config, control, nursery, self.session_closed)
-        self.seeds = SeedRedial(
-            config.seed_peers, self.dial, timers=self.timers, clock=self.clock.current_time
-        )
-        self.bridge = EngineBridge(
-            self,
-            name=config.node_id,
-            inbox_limit=config.engine_inbox,
-            poll_interval=config.engine_poll_interval,
-        )
+        self.seeds = SeedRedial(config.seed_peers, self.dial, timers=self.timers, clock=clock)
         # Consumer actors by kv_request_id, then peer: a finish finds its own at once.
         self.consumers: dict[str, dict[str, RequestActor]] = {}
-        self.answers: dict[RequestActor, list[Answers]] = {}
-        self.loads: dict[int, Load] = {}
+        self.answers: dict[RequestActor, list[Waiter]] = {}
+        self.loads: dict[int, Waiter] = {}  # the async API's fetches, by their job
         self.job_ids = itertools.count(start=-1, step=-1)  # the async API's own jobs
         self._actor_watchers: list[Callable[[RequestActor], None]] = []
         self._event_watchers: list[EventWatcher] = []
         self._handshake_watchers: list[HandshakeWatcher] = []
+
+    @property
+    def node_id(self) -> str:
+        """``host:port``: this node's id on the wire."""
+        return self.config.node_id
 
     @property
     def hash_seed(self) -> str:
@@ -147,6 +156,8 @@ class NodeHost:
             assert self._hash_seed_source is not None
             self._hash_seed = self._hash_seed_source()
         return self._hash_seed
+
+    # --- the engine's requests (the node's thread) -----------------------------------
 
     def consumer_for(self, peer: str, kv_request_id: str) -> RequestActor | None:
         """The consumer actor for (peer, request), created with its session if needed."""
@@ -186,13 +197,21 @@ class NodeHost:
         if self.directory.decisions:
             self.directory.finished(kv_request_id)
 
-    def store(self, kv_request_id: str, store: inp.AddStore) -> None:
-        """Give stored blocks to the request's producer, or keep them until its fetch."""
-        self.stores.store(kv_request_id, store)
-
     def dial(self, peer: str) -> None:
         """Open the session with ``peer`` now."""
         self.peers.session_for(peer)
+
+    def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
+        """Step a lent parent's answer; a key it says we lack leaves our summary at once."""
+        if self.directory.enabled:
+            misses = [key for key, result in answer.results if result is LookupResult.MISS]
+            if misses:
+                self.directory.answered_miss(misses)
+            if answer.pin is not None:  # the parent evicts around them until released
+                self.directory.pinned(answer.pin.job_id, answer.pin.keys)
+        self.runner.deliver(actor, answer)
+
+    # --- following the node (the operator surface) -----------------------------------
 
     def watch_actors(self, watcher: Callable[[RequestActor], None]) -> Callable[[], None]:
         """Call ``watcher`` with every actor created from now on; returns an unsubscribe."""
@@ -206,18 +225,6 @@ class NodeHost:
         """
         self._handshake_watchers.append(watcher)
         return lambda: self._handshake_watchers.remove(watcher)
-
-    def handshake_ended(self, peer: str, outcome: str) -> None:
-        """Tell the handshake watchers how a session's handshake ended."""
-        if outcome == "ok":
-            self.seeds.connected(peer)
-        for watcher in list(self._handshake_watchers):
-            watcher(peer, outcome)
-
-    def actor_created(self, actor: RequestActor) -> None:
-        """Tell the watchers about a new actor."""
-        for watcher in list(self._actor_watchers):
-            watcher(actor)
 
     def watch_events(self, watcher: EventWatcher) -> Callable[[], None]:
         """Call ``watcher(events, state)`` after every actor step; returns an unsubscribe.
@@ -236,9 +243,23 @@ class NodeHost:
 
         return unwatch
 
+    # --- what sessions ask (the node's thread) ---------------------------------------
+
+    def handshake_ended(self, peer: str, outcome: str) -> None:
+        """Tell the handshake watchers how a session's handshake ended."""
+        if outcome == "ok":
+            self.seeds.connected(peer)
+        for watcher in list(self._handshake_watchers):
+            watcher(peer, outcome)
+
+    def actor_created(self, actor: RequestActor) -> None:
+        """Tell the watchers about a new actor."""
+        for watcher in list(self._actor_watchers):
+            watcher(actor)
+
     def record(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
         """Append an actor's events to the log, show them to the watchers, wake its callers."""
-        self.log.append(events)
+        self.event_log.append(events)
         for watcher in self._event_watchers:
             try:
                 watcher(events, actor.state)
@@ -258,53 +279,12 @@ class NodeHost:
             directory.stepped(actor, events)
 
     def check_answers(self, actor: RequestActor) -> None:
-        """Wake the callers of :meth:`lookup` on ``actor`` whose keys are all answered."""
+        """Wake the callers of ``Node.lookup`` on ``actor`` whose keys are all answered."""
         state = actor.state
         assert isinstance(state, ConsumerState)
         for waiter in self.answers.get(actor, ()):
             if not waiter.ready.is_set() and RETRY not in probe_answers(state, waiter.keys):
                 waiter.ready.set()
-
-    def sources_call(self, call: SourcesCall) -> None:
-        """An engine's call about what it holds, or a request to choose a source for."""
-        if isinstance(call, LocateWanted):
-            self.locate(call.kv_request_id, call.keys)
-        else:
-            self.directory.apply(call)
-
-    def locate(
-        self, kv_request_id: str, keys: Sequence[bytes]
-    ) -> tuple[Choice, RequestActor | None]:
-        """Choose a source for ``kv_request_id`` and send it the lookup; publish the choice.
-
-        Returns the choice and the consumer actor asked (None: nobody was).
-        """
-        directory = self.directory
-        choice = directory.choose(keys) if directory.enabled else _OFF
-        actor = None
-        if choice.chosen is not None:
-            actor = self.consumer_for(choice.chosen, kv_request_id)
-        if actor is not None:
-            asked = tuple(keys[: choice.keys])
-            directory.probe_started(actor, choice, asked)
-            self.runner.deliver(actor, inp.Register(asked, flush=True, choice=choice))
-        # Published after the lookup is registered: an engine that reads the
-        # choice finds the request's actor asking already.
-        if actor is None:
-            directory.decided(kv_request_id, Decision(None, 0))
-        else:
-            directory.decided(kv_request_id, Decision(choice.chosen, choice.keys))
-        return choice, actor
-
-    def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
-        """Step a lent parent's answer; a key it says we lack leaves our summary at once."""
-        if self.directory.enabled:
-            misses = [key for key, result in answer.results if result is LookupResult.MISS]
-            if misses:
-                self.directory.answered_miss(misses)
-            if answer.pin is not None:  # the parent evicts around them until released
-                self.directory.pinned(answer.pin.job_id, answer.pin.keys)
-        self.runner.deliver(actor, answer)
 
     def post_parent(self, actor: RequestActor, request: fx.ParentRequest) -> None:
         """Have the parent service run ``request`` (now, or at the next serve)."""
@@ -317,14 +297,14 @@ class NodeHost:
             self.directory.released(job_id)
 
     def report_load(self, job_id: int, *, success: bool, reason: str) -> None:
-        """Hand a load result to whoever waits for it."""
+        """Hand a load result to whoever waits for it (a ``fetch``, or the engine's poll)."""
         result = LoadResult(job_id, success, reason)
         waiter = self.loads.get(job_id)
-        if waiter is not None:
+        if waiter is None:
+            self._results.append(result)
+        else:
             waiter.result = result
             waiter.ready.set()
-        else:
-            self.bridge.result(result)
 
     def producer_opened(self, actor: RequestActor) -> None:
         """Bind a prefill/decode request's waiting stores to the actor that will serve them."""
@@ -355,8 +335,8 @@ class NodeHost:
 
     async def aclose(self) -> None:
         """Close every session (draining them), then the log. Idempotent."""
-        self.bridge.stop()
+        self._wakeup.stop()
         self.seeds.stop()
         await self.peers.close_all("the node is shutting down")
         self.service.drain()
-        self.log.close()
+        self.event_log.close()

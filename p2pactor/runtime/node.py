@@ -14,18 +14,18 @@ Two ways in, for two kinds of engines:
   request that names no source), for engines written on trio;
 * **sync and thread-safe** (:meth:`Node.register_lookup`, :meth:`Node.flush`,
   :meth:`Node.submit_load`, :meth:`Node.finish`, :meth:`Node.finished_jobs`,
-  :meth:`Node.submit_store`), for engines that step on their own thread (vLLM).
-  These never wait on trio: they hand work over (:mod:`p2pactor.runtime.engine`) and
-  read what the node's thread already published (:mod:`p2pactor.runtime.threadsafe`).
+  :meth:`Node.submit_store`, and what an engine says of its holdings,
+  :meth:`Node.holds` and the others), for engines that step on their own thread
+  (vLLM). These never wait on trio: they hand work over through the engine
+  bridge (:mod:`p2pactor.runtime.engine`) and read what the node's thread
+  already published.
 
-The node is a facade over its parts, each in its module: the runner and the
-timer that step actors (:mod:`p2pactor.runtime.actor`, :mod:`p2pactor.runtime.timers`), the
-sessions and their accept policy (:mod:`p2pactor.runtime.peers`), the parent service
-(:mod:`p2pactor.runtime.serving`), the stores of prefill/decode requests
-(:mod:`p2pactor.runtime.stores`) and the
-engine bridge (:mod:`p2pactor.runtime.engine`, :mod:`p2pactor.runtime.threadsafe`). The
+A :class:`Node` is its own host (:class:`~p2pactor.runtime.host.NodeHost`: the
+runner and the timer that step actors, the sessions and their accept policy, the
+parent service, the store desk, the directory) and its own engine bridge. The
 operator surface (metrics, ``/status``, the timeline) attaches from outside
-(:mod:`p2pactor.surface.attach`).
+(:mod:`p2pactor.surface.attach`), reading a node and following its streams
+(:meth:`~p2pactor.runtime.host.NodeHost.watch_events` and the others).
 A lookup goes from :meth:`Node.lookup` to the socket and back without a
 channel or another task: the caller steps its actor (which sends the lookup),
 the transport's receive task steps the answer where it arrives, and the caller
@@ -44,24 +44,18 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import probe_answers
 from p2pactor.core.inputs import LookupResult
-from p2pactor.runtime.actor import RequestActor, Runner
+from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import LoadResult
-from p2pactor.runtime.host import Answers, Load, NodeHost
-from p2pactor.runtime.ledger import QuotaLedger
+from p2pactor.runtime.host import NodeHost, Waiter
 from p2pactor.runtime.log import EventLog
-from p2pactor.runtime.loopwatch import LoopWatch
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.quotas import PeerUsage
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
-from p2pactor.runtime.threadsafe import ThreadSafeAPI
-from p2pactor.runtime.threadsafe_sources import ThreadSafeSources
-from p2pactor.runtime.timers import Timers
 from p2pactor.runtime.transport import ControlTransport, DataTransport
-from p2pactor.runtime.view import EventWatcher, HandshakeWatcher
 
-__all__ = ["EventWatcher", "FetchResult", "LoadResult", "Located", "Node", "open_node"]
+__all__ = ["FetchResult", "LoadResult", "Located", "Node", "open_node"]
 
 
 @attrs.frozen(kw_only=True)
@@ -95,136 +89,70 @@ class FetchResult:
     reason: str = ""
 
 
-class Node(ThreadSafeAPI, ThreadSafeSources):
+class Node(NodeHost):
     """A p2pactor node. Create it with :func:`open_node`.
 
-    A facade over its :class:`~p2pactor.runtime.host.NodeHost`: the async API, the
-    sync and thread-safe one (:class:`~p2pactor.runtime.threadsafe.ThreadSafeAPI`,
-    :class:`~p2pactor.runtime.threadsafe_sources.ThreadSafeSources`),
-    and a read-only view of its state (:class:`~p2pactor.runtime.view.NodeView`).
+    One object: its parts and the streams its operator surface follows are its
+    host's (:class:`~p2pactor.runtime.host.NodeHost`), the sync, thread-safe
+    calls its engine bridge's (:class:`~p2pactor.runtime.engine.EngineBridge`,
+    :class:`~p2pactor.runtime.threadsafe_sources.ThreadSafeSources`); what it
+    reads of its state and the async API are here.
     """
 
-    def __init__(self, host: NodeHost) -> None:
-        self._host = host
-        self._config = host.config
-        self._bridge = host.bridge
-        self._service = host.service
-        self._directory = host.directory
-
-    # --- identity and state ------------------------------------------------------
-
-    @property
-    def config(self) -> NodeConfig:
-        """The node's configuration."""
-        return self._host.config
-
-    @property
-    def node_id(self) -> str:
-        """``host:port``: this node's id on the wire."""
-        return self._host.config.node_id
-
-    @property
-    def hash_seed(self) -> str:
-        """The hash seed this node advertises and requires of peers.
-
-        Resolved on first use when the node was given a source for it: vLLM
-        knows its seed only once the engine has started, after the tier exists.
-        """
-        return self._host.hash_seed
-
-    @property
-    def control(self) -> ControlTransport:
-        """The control transport."""
-        return self._host.control
-
-    @property
-    def data(self) -> DataTransport:
-        """The data transport."""
-        return self._host.data
-
-    @property
-    def event_log(self) -> EventLog:
-        """The node's event log."""
-        return self._host.log
+    # --- state (read on the node's thread unless said) -----------------------------
 
     @property
     def sources(self) -> SourceDirectory:
         """What this node tells peers it holds, what they claim, and the choices made."""
-        return self._host.directory
-
-    @property
-    def runner(self) -> Runner:
-        """The runner that steps every actor of the node (node's thread only)."""
-        return self._host.runner
-
-    @property
-    def timers(self) -> Timers:
-        """The node's one timer (node's thread only)."""
-        return self._host.timers
-
-    @property
-    def quotas(self) -> QuotaLedger:
-        """The per-peer quota counts (see :mod:`p2pactor.runtime.quotas`)."""
-        return self._host.quotas
+        return self.directory
 
     def peer_usage(self, peer: str) -> PeerUsage:
         """What ``peer`` holds on this node now, and what its quotas refused. Any thread."""
-        return self._host.quotas.usage(peer)
+        return self.quotas.usage(peer)
 
     def quota_usage(self) -> dict[str, PeerUsage]:
         """:meth:`peer_usage` of every peer seen so far, by peer id."""
-        return self._host.quotas.usages()
+        return self.quotas.usages()
 
     def now(self) -> float:
         """The node's clock (trio's): session activity times are on it. Any thread."""
-        return self._host.clock.current_time()
-
-    @property
-    def loop_watch(self) -> LoopWatch:
-        """The slow-step watch on the node's trio thread (its counts: ``snapshot()``)."""
-        return self._host.loop_watch
+        return self.clock.current_time()
 
     @property
     def uptime(self) -> float:
         """Seconds since the node started. Any thread."""
-        return self._host.clock.current_time() - self._host.started_at
-
-    @property
-    def engine_backlog(self) -> int:
-        """Engine calls handed over and not yet applied (bounded by ``engine_inbox``)."""
-        return self._host.bridge.backlog
+        return self.clock.current_time() - self.started_at
 
     def sessions(self) -> list[PeerSession]:
         """Live sessions, one per peer."""
-        return self._host.peers.sessions()
+        return self.peers.sessions()
 
     def replaced_sessions(self) -> list[PeerSession]:
         """Sessions a reconnecting peer replaced, still draining (not in :meth:`sessions`)."""
-        return self._host.peers.replaced_sessions()
+        return self.peers.replaced_sessions()
 
     def session(self, peer: str) -> PeerSession | None:
         """The live session with ``peer``, if any."""
-        return self._host.peers.session(peer)
+        return self.peers.session(peer)
 
     def closed_sessions(self) -> list[SessionCloseResult]:
         """What the sessions that closed left behind, oldest first (the last 1,024)."""
-        return self._host.peers.closed_sessions()
+        return self.peers.closed_sessions()
 
     @property
     def closed_session_count(self) -> int:
         """How many sessions have closed since the node started."""
-        return self._host.peers.closed_count
+        return self.peers.closed_count
 
     def has_transfers_in_flight(self) -> bool:
         """Whether a load of ours or a write of ours is still running. Thread-safe."""
-        return any(s.has_transfers_in_flight() for s in self._host.peers.sessions())
+        return any(s.has_transfers_in_flight() for s in self.peers.sessions())
 
     def has_pending_work(self) -> bool:
         """Whether anything is really outstanding: handshakes, loads, writes, parent work."""
-        host = self._host
-        if host.service.pending or host.bridge.pending or host.peers.draining:
+        if self.service.pending or self.engine_pending or self.peers.draining:
             return True
-        return any(s.has_pending_work() for s in host.peers.sessions())
+        return any(s.has_pending_work() for s in self.peers.sessions())
 
     # --- the async API (trio thread) ---------------------------------------------
 
@@ -238,7 +166,12 @@ class Node(ThreadSafeAPI, ThreadSafeSources):
         goes out from this call; the caller is woken once, when the answer is
         complete.
         """
-        return await self._ask(peer, kv_request_id, keys)
+        actor = self.consumer_for(peer, kv_request_id)
+        if actor is None:
+            await trio.lowlevel.checkpoint()
+            return [LookupResult.MISS] * len(keys)
+        self.runner.deliver(actor, inp.Register(tuple(keys), flush=True))
+        return await self._answers(actor, keys)
 
     async def locate(self, kv_request_id: str, keys: Sequence[bytes]) -> Located:
         """Look ``keys`` up at the peer that claims most of them, for a request naming none.
@@ -251,8 +184,7 @@ class Node(ThreadSafeAPI, ThreadSafeSources):
         the hits from ``Located.peer``, then :meth:`finish` it. The choice is
         recorded with the lookup (the ``source`` of its ``Probed`` event).
         """
-        host = self._host
-        choice, actor = host.locate(kv_request_id, keys)
+        choice, actor = self.choose(kv_request_id, keys)
         if actor is None:
             await trio.lowlevel.checkpoint()
             return Located(peer=None, answers=(LookupResult.MISS,) * len(keys), choice=choice)
@@ -261,31 +193,19 @@ class Node(ThreadSafeAPI, ThreadSafeSources):
         rest = (LookupResult.MISS,) * (len(keys) - len(asked))
         return Located(peer=choice.chosen, answers=(*answers, *rest), choice=choice)
 
-    async def _ask(
-        self, peer: str, kv_request_id: str, keys: Sequence[bytes]
-    ) -> list[LookupResult]:
-        host = self._host
-        actor = host.consumer_for(peer, kv_request_id)
-        if actor is None:
-            await trio.lowlevel.checkpoint()
-            return [LookupResult.MISS] * len(keys)
-        host.runner.deliver(actor, inp.Register(tuple(keys), flush=True))
-        return await self._answers(actor, keys)
-
     async def _answers(self, actor: RequestActor, keys: Sequence[bytes]) -> list[LookupResult]:
         """Wait until every one of ``keys`` (asked of ``actor``) is answered."""
-        host = self._host
-        waiter = Answers(keys)
-        host.answers.setdefault(actor, []).append(waiter)
+        waiter = Waiter(keys)
+        self.answers.setdefault(actor, []).append(waiter)
         try:
-            host.check_answers(actor)  # answered already (known keys, a failed lookup)
+            self.check_answers(actor)  # answered already (known keys, a failed lookup)
             await waiter.ready.wait()
         finally:
-            waiting = host.answers.get(actor)
+            waiting = self.answers.get(actor)
             if waiting is not None and waiter in waiting:
                 waiting.remove(waiter)
                 if not waiting:
-                    del host.answers[actor]
+                    del self.answers[actor]
         return probe_answers(actor.state, keys)  # type: ignore[arg-type]
 
     async def fetch(
@@ -296,58 +216,70 @@ class Node(ThreadSafeAPI, ThreadSafeSources):
         dest_blocks: Sequence[int],
     ) -> FetchResult:
         """Load ``keys`` from ``peer`` into our ``dest_blocks`` and wait for the outcome."""
-        host = self._host
-        job_id = next(host.job_ids)
-        waiter = host.loads[job_id] = Load()
+        job_id = next(self.job_ids)
+        waiter = self.loads[job_id] = Waiter()
         try:
-            actor = host.consumer_for(peer, kv_request_id)
+            actor = self.consumer_for(peer, kv_request_id)
             if actor is None:
                 await trio.lowlevel.checkpoint()
                 # The loopback refusal says what to set; the others are the allowlist's.
-                why = host.config.dial_refusal(peer) or f"{peer} may not be dialed"
+                why = self.config.dial_refusal(peer) or f"{peer} may not be dialed"
                 return FetchResult(success=False, blocks=0, reason=why)
-            host.submit(actor, job_id, tuple(keys), tuple(dest_blocks))
+            self.submit(actor, job_id, tuple(keys), tuple(dest_blocks))
             await waiter.ready.wait()
         finally:
-            host.loads.pop(job_id, None)
+            self.loads.pop(job_id, None)
         result = waiter.result
         assert result is not None
         blocks = len(keys) if result.success else 0
         return FetchResult(success=result.success, blocks=blocks, reason=result.reason)
 
-    def known_consumer(self, peer: str, kv_request_id: str) -> RequestActor | None:
-        """The consumer actor of (peer, request), if there is one. Any thread."""
-        return self._host.known_consumer(peer, kv_request_id)
+    # --- more of the sync, thread-safe API ------------------------------------------
 
-    def _has_session(self, peer: str) -> bool:
-        return self._host.peers.session(peer) is not None
+    def prepare(self, peer: str, *, wake: bool = True) -> None:
+        """Open the session with ``peer`` now: its handshake is done when a lookup comes.
 
-    # --- following it (NodeView) ----------------------------------------------------
-
-    def watch_actors(self, watcher: Callable[[RequestActor], None]) -> Callable[[], None]:
-        """Call ``watcher`` with every actor created from now on; returns an unsubscribe."""
-        return self._host.watch_actors(watcher)
-
-    def watch_handshakes(self, watcher: HandshakeWatcher) -> Callable[[], None]:
-        """Call ``watcher(peer, outcome)`` as each handshake ends; returns an unsubscribe.
-
-        ``outcome`` is ``ok`` or why not (``timeout``, ``seed_mismatch``, ...).
+        Thread-safe, never blocks; a peer that may not be dialed, or that has
+        its session already, is ignored.
         """
-        return self._host.watch_handshakes(watcher)
+        if self.config.may_dial(peer) and self.peers.session(peer) is None:
+            self._post((self.dial, (peer,)), wake=wake)
 
-    def watch_events(self, watcher: EventWatcher) -> Callable[[], None]:
-        """Call ``watcher(events, state)`` after every actor step; returns an unsubscribe.
+    def submit_store(
+        self,
+        kv_request_id: str,
+        job_id: int,
+        keys: Sequence[bytes],
+        blocks: Sequence[int],
+        *,
+        wake: bool = True,
+    ) -> None:
+        """Offer pinned blocks of a prefill/decode request to the peer that will fetch them.
 
-        ``state`` is the actor's state after ``events``. Watchers run on the
-        node's thread inside the step: they must be quick and must not block
-        (the live timeline queues and returns). An exception in a watcher is
-        logged and otherwise ignored.
+        ``job_id`` is released through the parent exactly once. Thread-safe.
         """
-        return self._host.watch_events(watcher)
+        store = inp.AddStore(job_id=job_id, keys=tuple(keys), blocks=tuple(blocks))
+        self._post((self.stores.store, (kv_request_id, store)), wake=wake)
 
-    async def aclose(self) -> None:
-        """Close every session (draining them), then the log. Idempotent."""
-        await self._host.aclose()
+    def serve_parent(self, parent: Parent) -> int:
+        """Run the parent requests that are waiting, while the engine lends ``parent``.
+
+        Call it from the engine's thread, holding the engine's lock; ``parent``
+        is used only during this call and never kept. The answers reach the
+        actors on the node's thread, in one batch.
+
+        Returns:
+            How many requests were served.
+        """
+        service = self.service
+        if not service.pending:
+            return 0  # the tier-poll thread asks every 1 ms: nothing to do is the rule
+        answers = service.serve(parent)
+        for actor, answer in answers:
+            self._post((self.parent_answered, (actor, answer)), wake=False)
+        if answers:
+            self.kick()
+        return len(answers)
 
 
 @asynccontextmanager
@@ -374,7 +306,7 @@ async def open_node(
     """
     event_log = event_log or EventLog(config.node_id)
     async with trio.open_nursery() as nursery:
-        host = NodeHost(
+        node = Node(
             config,
             control=control,
             data=data,
@@ -383,26 +315,26 @@ async def open_node(
             nursery=nursery,
             hash_seed=hash_seed,
         )
-        node = Node(host)
+        directory = node.directory
         # Peers we may not dial are dropped by the transport itself, before
         # it dials back to the address their frames claim (config.may_dial,
         # and a log line for a peer a loopback-known node cannot serve).
         watch_keys = getattr(parent, "watch_keys", None)
-        if watch_keys is not None and host.directory.enabled:
+        if watch_keys is not None and directory.enabled:
             # An embedded cache says exactly what it holds: the summary is exact.
-            watch_keys(host.directory.came, host.directory.went)
-        control.accept_only(host.peers.may_accept)
-        nursery.start_soon(host.peers.accept, name="accept")
-        nursery.start_soon(host.bridge.run, name="engine bridge")
-        nursery.start_soon(host.timers.run, name="timers")
-        if host.directory.enabled:
-            nursery.start_soon(host.directory.run, name="summaries")
+            watch_keys(directory.came, directory.went)
+        control.accept_only(node.peers.may_accept)
+        nursery.start_soon(node.peers.accept, name="accept")
+        nursery.start_soon(node.run, name="engine bridge")
+        nursery.start_soon(node.timers.run, name="timers")
+        if directory.enabled:
+            nursery.start_soon(directory.run, name="summaries")
         nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
         for peer in sorted(config.seed_peers):
-            host.dial(peer)  # summaries are here before the first request naming no source
+            node.dial(peer)  # summaries are here before the first request naming no source
         # Added to the run already going, whoever started it (a program's
         # trio.run, the vLLM tier's thread), and removed with the node.
-        host.loop_watch.start()
+        node.loop_watch.start()
         try:
             yield node
         finally:
@@ -412,5 +344,5 @@ async def open_node(
                 with trio.CancelScope(shield=True), trio.move_on_after(config.drain_timeout + 5):
                     await node.aclose()
             finally:
-                host.loop_watch.stop()  # even if closing failed: the run may go on
+                node.loop_watch.stop()  # even if closing failed: the run may go on
             nursery.cancel_scope.cancel()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -22,9 +23,11 @@ import trio
 from p2pactor.core import protocol as wire
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logcontext import peer_context
-from p2pactor.runtime.session import PeerSession
-from p2pactor.runtime.session_host import SessionCloseResult, SessionHost
+from p2pactor.runtime.session import PeerSession, SessionCloseResult
 from p2pactor.runtime.transport import ControlConnection, ControlTransport
+
+if TYPE_CHECKING:
+    from p2pactor.runtime.host import NodeHost
 
 __all__ = ["CLOSED_KEPT", "PeerRegistry"]
 
@@ -46,7 +49,7 @@ class PeerRegistry:
         on_closed: Called with each closed session's result (on the node's thread).
     """
 
-    _host: SessionHost
+    _host: NodeHost
     _config: NodeConfig
     _control: ControlTransport
     _nursery: trio.Nursery

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
+import attrs
 import trio
 from msgspec.structs import replace
 
@@ -37,17 +39,43 @@ from p2pactor.core.effects import context_name
 from p2pactor.core.ids import Role
 from p2pactor.core.producer import ProducerState
 from p2pactor.errors import ProtocolError, UnknownMessageType
+from p2pactor.runtime.handshake import SessionState
 from p2pactor.runtime.process import ProcessWatch
 from p2pactor.runtime.session_actors import TO_CONSUMER, TO_PRODUCER, SessionActors
-from p2pactor.runtime.session_host import SessionCloseResult, SessionHost, SessionState
 from p2pactor.runtime.transport import ControlConnection
 
-__all__ = ["PeerSession", "SessionCloseResult", "SessionHost", "SessionState"]
+if TYPE_CHECKING:
+    from p2pactor.runtime.host import NodeHost
+
+__all__ = ["PeerSession", "SessionCloseResult", "SessionState"]
 
 log = logging.getLogger("p2pactor.session")
 
 _LOCAL_DRAIN = 0.1  # s: what a dead peer on this kernel sent drains (loopback, memory speed)
 _ENDED_PER_TURN = 32  # actors told their session ended before the drain lets others run
+
+
+@attrs.frozen(kw_only=True)
+class SessionCloseResult:
+    """What a closed session leaves behind.
+
+    Attributes:
+        peer_id: The peer.
+        reason: Why the session ended.
+        failed_loads: Load jobs of this node that failed because it ended.
+        failed_requests: Our kv_request_ids that lost their answers.
+        held_pins: Pin jobs still held when the drain gave up; the node
+            releases them.
+        open_contexts: Synthetic parent requests still owed a close; the node
+            closes them at the next serve.
+    """
+
+    peer_id: str
+    reason: str
+    failed_loads: tuple[int, ...] = ()
+    failed_requests: tuple[str, ...] = ()
+    held_pins: tuple[int, ...] = ()
+    open_contexts: tuple[str, ...] = ()
 
 
 class PeerSession(SessionActors):
@@ -59,7 +87,7 @@ class PeerSession(SessionActors):
 
     def __init__(
         self,
-        host: SessionHost,
+        host: NodeHost,
         peer_id: str,
         conn: ControlConnection | None = None,
         *,

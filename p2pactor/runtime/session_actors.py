@@ -16,7 +16,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from functools import partial
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import trio
 
@@ -28,10 +28,12 @@ from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerState, pin_expired
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
 from p2pactor.runtime.dialect import FEATURE_SESSION_ROUNDS
-from p2pactor.runtime.handshake import ControlLink
+from p2pactor.runtime.handshake import ControlLink, SessionState
 from p2pactor.runtime.logcontext import ExpiryWarnings, request_context
-from p2pactor.runtime.session_host import SessionHost, SessionState
 from p2pactor.runtime.transport import ControlConnection
+
+if TYPE_CHECKING:
+    from p2pactor.runtime.host import NodeHost
 
 __all__ = ["SessionActors"]
 
@@ -66,7 +68,7 @@ class SessionActors(ControlLink):
 
     def __init__(
         self,
-        host: SessionHost,
+        host: NodeHost,
         peer_id: str,
         conn: ControlConnection | None,
         first: wire.Connect | None,

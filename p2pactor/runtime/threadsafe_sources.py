@@ -1,48 +1,48 @@
-"""The thread-safe calls an engine makes about what it holds and where to look.
+"""What an engine's threads tell a node about what it holds, and the choices it waits for.
 
-A base of :class:`~p2pactor.runtime.node.Node`, beside
-:class:`~p2pactor.runtime.threadsafe.ThreadSafeAPI`. An engine that lends its
-cache (vLLM) tells the node what its cache came to hold (:meth:`holds`, for
-which request: :meth:`ended`), reused (:meth:`touch`), set aside for loads
-(:meth:`reserve`) or dropped (:meth:`drained`), checks held keys while the
-cache is lent (:meth:`take_scrub`, :meth:`scrubbed`, :meth:`lacks`), and,
-for a request that names no source, asks whether any peer claims its first
-key (:meth:`claimed`, one dict lookup), hands over the choice
-(:meth:`locate_soon`) and reads it back (:meth:`decision`). None of them
-blocks; what changes state is applied on the node's thread.
+:class:`ThreadSafeSources`, a base of :class:`~p2pactor.runtime.node.Node`
+(through its host): an engine that lends its cache (vLLM) tells the node what
+its cache came to hold (:meth:`~ThreadSafeSources.holds`, for which request:
+:meth:`~ThreadSafeSources.ended`), reused (:meth:`~ThreadSafeSources.touch`),
+set aside for loads (:meth:`~ThreadSafeSources.reserve`) or dropped
+(:meth:`~ThreadSafeSources.drained`), checks held keys while the cache is lent
+(:meth:`~ThreadSafeSources.take_scrub`, :meth:`~ThreadSafeSources.scrubbed`,
+:meth:`~ThreadSafeSources.lacks`), and, for a request that names no source,
+asks whether any peer claims its first key (:meth:`~ThreadSafeSources.claimed`,
+one dict lookup), hands over the choice (:meth:`~ThreadSafeSources.locate_soon`)
+and reads it back (:meth:`~ThreadSafeSources.decision`). None of them blocks:
+what changes state is handed to the node's thread as a call of the
+:class:`~p2pactor.runtime.directory.SourceDirectory` (through the engine
+bridge), and applied there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
+from p2pactor.core import inputs as inp
+from p2pactor.core.choice import Choice
 from p2pactor.core.sources import fingerprint
+from p2pactor.runtime.actor import RequestActor
+from p2pactor.runtime.auto_choice import Decision
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import EngineBridge
-from p2pactor.runtime.sources_calls import (
-    Decision,
-    Drained,
-    Ended,
-    Held,
-    Lacking,
-    LocateWanted,
-    Reserved,
-    Reused,
-    Scrubbed,
-    Touched,
-)
+
+__all__ = ["ThreadSafeSources"]
+
+_OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
 
 
-class ThreadSafeSources:
+class ThreadSafeSources(EngineBridge):
     """What an engine's threads tell the node about its holdings, and ask of its choices."""
 
-    _bridge: EngineBridge
-    _directory: SourceDirectory
+    directory: SourceDirectory
 
     @property
     def shares_summaries(self) -> bool:
         """Whether this node exchanges summaries (``SourceOptions.share``). Any thread."""
-        return self._directory.enabled
+        return self.directory.enabled
 
     def holds(
         self,
@@ -61,29 +61,33 @@ class ThreadSafeSources:
         peers hear of them at once, not with the next batched delta (another
         engine may ask for them within the step).
         """
-        if keys and self._directory.enabled:
+        if keys:
             where = None if positions is None else tuple(positions)
-            self._bridge.sources(Held(tuple(keys), request, where, now), wake=wake)
+            stored = partial(self.directory.holdings.stored, tuple(keys))
+            self._change(partial(stored, request=request, positions=where), wake, flush=now)
 
     def reused(self, keys: Sequence[bytes], request: str, positions: Sequence[int | None]) -> None:
         """The engine's ``request`` reused ``keys`` its cache held (at ``positions`` in it)."""
-        if keys and self._directory.enabled:
-            self._bridge.sources(Reused(tuple(keys), request, tuple(positions)), wake=False)
+        if keys:
+            where = tuple(positions)
+            accessed = partial(self.directory.holdings.accessed, tuple(keys), request, where)
+            self._change(lambda _: accessed(), wake=False)
 
     def ended(self, request: str, *, wake: bool = False) -> None:
         """The engine's ``request`` finished (the one :meth:`holds` named)."""
-        if self._directory.enabled:
-            self._bridge.sources(Ended(request), wake=wake)
+        finished = self.directory.holdings.finished
+        self._change(lambda _: finished(request), wake)
 
     def touch(self, keys: Sequence[bytes], *, wake: bool = False) -> None:
         """The engine reused ``keys`` (they are its most recent now)."""
-        if keys and self._directory.enabled:
-            self._bridge.sources(Touched(tuple(keys)), wake=wake)
+        if keys:
+            touched = partial(self.directory.holdings.touched, tuple(keys))
+            self._change(lambda _: touched(), wake)
 
     def lacks(self, keys: Sequence[bytes], *, wake: bool = False) -> None:
         """A check with the engine's cache found ``keys`` gone."""
-        if keys and self._directory.enabled:
-            self._bridge.sources(Lacking(tuple(keys)), wake=wake)
+        if keys:
+            self._change(partial(self.directory.holdings.gone, tuple(keys)), wake)
 
     def reserve(self, blocks: int, *, wake: bool = False) -> None:
         """Loads in flight took ``blocks`` of the engine's cache (negative: gave them back).
@@ -93,13 +97,13 @@ class ThreadSafeSources:
         the summary (its oldest go). Give them back when the load ends,
         before :meth:`holds` of what it brought.
         """
-        if blocks and self._directory.enabled:
-            self._bridge.sources(Reserved(blocks), wake=wake)
+        if blocks:
+            self._change(partial(self.directory.holdings.reserve, blocks), wake)
 
     def drained(self) -> None:
         """The engine's cache dropped everything: peers hear of a new epoch."""
-        if self._directory.enabled:
-            self._bridge.sources(Drained(), wake=True)
+        if self.directory.enabled:
+            self._tell((self.directory.drained, ()), wake=True)
 
     def take_scrub(self) -> list[bytes] | None:
         """Keys to check with the cache now, if any are due (then :meth:`scrubbed`).
@@ -107,7 +111,7 @@ class ThreadSafeSources:
         An engine that calls it checks: from then on the node plans batches as
         its cache turns over (:meth:`~p2pactor.core.holdings.Holdings.plan_scrub`).
         """
-        directory = self._directory
+        directory = self.directory
         directory.checked = True
         try:
             return directory.scrubs.popleft()
@@ -121,18 +125,30 @@ class ThreadSafeSources:
         ``on_schedule_end``), then :meth:`scrubbed` the gone ones (and no kept:
         those were only next in line).
         """
-        directory = self._directory
+        directory = self.directory
         batch, directory.frontier = directory.frontier, []
         return batch
 
     def scrubbed(self, gone: Sequence[bytes], kept: Sequence[bytes]) -> None:
         """The answers for a batch of :meth:`take_scrub`: the keys the cache lacks, and holds."""
-        if self._directory.enabled:
-            self._bridge.sources(Scrubbed(tuple(gone), tuple(kept)), wake=False)
+        checked = partial(self.directory.holdings.scrubbed, tuple(gone), tuple(kept))
+        # A claim the parent dropped costs every peer a lookup: tell them now.
+        self._change(checked, wake=False, flush=bool(gone), scrub=True)
+
+    def _change(
+        self,
+        change: Callable[[float], object],
+        wake: bool,
+        flush: bool = False,
+        scrub: bool = False,
+    ) -> None:
+        """Hand a change of the holdings over (``SourceDirectory.told``), if summaries are on."""
+        if self.directory.enabled:
+            self._tell((self.directory.told, (change, flush, scrub)), wake=wake)
 
     def claimed(self, key: bytes) -> bool:
         """Whether any peer's summary claims ``key`` now (one dict lookup)."""
-        directory = self._directory
+        directory = self.directory
         return directory.enabled and directory.index.claimed(fingerprint(key))
 
     def locate_soon(self, kv_request_id: str, keys: Sequence[bytes], *, wake: bool = False) -> None:
@@ -140,9 +156,34 @@ class ThreadSafeSources:
 
         The choice appears in :meth:`decision`; from then on the request is
         that peer's, as if named (``peek_key``, ``submit_load``, ``finish``).
+        The engine waits on it: it counts in :meth:`has_pending_work`.
         """
-        self._bridge.sources(LocateWanted(kv_request_id, tuple(keys)), wake=wake)
+        self._post((self.choose, (kv_request_id, tuple(keys))), wake=wake)
 
     def decision(self, kv_request_id: str) -> Decision | None:
         """The choice made for ``kv_request_id`` (:meth:`locate_soon`); None until it is."""
-        return self._directory.decision(kv_request_id)
+        return self.directory.decision(kv_request_id)
+
+    def choose(
+        self, kv_request_id: str, keys: Sequence[bytes]
+    ) -> tuple[Choice, RequestActor | None]:
+        """Choose a source for ``kv_request_id`` and send it the lookup; publish the choice.
+
+        Returns the choice and the consumer actor asked (None: nobody was).
+        """
+        directory = self.directory
+        choice = directory.choose(keys) if directory.enabled else _OFF
+        actor = None
+        if choice.chosen is not None:
+            actor = self.consumer_for(choice.chosen, kv_request_id)
+        if actor is not None:
+            asked = tuple(keys[: choice.keys])
+            directory.probe_started(actor, choice, asked)
+            self.runner.deliver(actor, inp.Register(asked, flush=True, choice=choice))
+        # Published after the lookup is registered: an engine that reads the
+        # choice finds the request's actor asking already.
+        if actor is None:
+            directory.decided(kv_request_id, Decision(None, 0))
+        else:
+            directory.decided(kv_request_id, Decision(choice.chosen, choice.keys))
+        return choice, actor

@@ -20,7 +20,7 @@ from p2pactor.runtime.directory import DirectoryCounts
 from p2pactor.surface._metrics_counts import _Histogram, _Peer
 
 if TYPE_CHECKING:
-    from p2pactor.runtime.view import NodeView
+    from p2pactor.runtime.node import Node
 
 _UNKNOWN_PEER: Final = "unknown"  # the transport refuses unauthenticated peers before naming them
 
@@ -32,7 +32,7 @@ class _Gauges(NamedTuple):
     pinned: dict[str, int]
 
 
-def _gauges(node: NodeView) -> _Gauges:
+def _gauges(node: Node) -> _Gauges:
     sessions: dict[str, int] = {}
     actors = dict.fromkeys((Role.CONSUMER.value, Role.PRODUCER.value), 0)
     ready = 0
@@ -64,7 +64,7 @@ class _Sources(NamedTuple):
     peers: list[_SourcePeer]
 
 
-def source_state(node: NodeView) -> _Sources:
+def source_state(node: Node) -> _Sources:
     """The source directory's counts and state now (for ``/metrics`` and ``/status``)."""
     directory = node.sources
     index = directory.index
@@ -93,7 +93,7 @@ def source_state(node: NodeView) -> _Sources:
     )
 
 
-def _unauthenticated(node: NodeView) -> int:
+def _unauthenticated(node: Node) -> int:
     """CURVE clients the control transport refused (0 when it does not say)."""
     statistics = getattr(node.control, "statistics", None)
     if not callable(statistics):
@@ -105,7 +105,7 @@ class _NodeCollector(Collector):
     """Turns a node's counts and its state into metric families."""
 
     def __init__(
-        self, node: NodeView, peers: dict[str, _Peer], histograms: Sequence[_Histogram]
+        self, node: Node, peers: dict[str, _Peer], histograms: Sequence[_Histogram]
     ) -> None:
         self._node = node
         self._peers = peers
@@ -243,13 +243,13 @@ _LOG_COUNTERS: Final = (
 )
 
 
-def _log_families(node: NodeView) -> Iterator[Metric]:
+def _log_families(node: Node) -> Iterator[Metric]:
     stats = node.event_log.statistics()
     for name, field, doc in _LOG_COUNTERS:
         yield CounterMetricFamily(f"p2pactor_event_log_{name}", doc, value=getattr(stats, field))
 
 
-def _loop_families(node: NodeView) -> Iterator[Metric]:
+def _loop_families(node: Node) -> Iterator[Metric]:
     """The slow-step watch on the node's trio thread (0 and 0 while it is off)."""
     loop = node.loop_watch.snapshot()
     yield CounterMetricFamily(

@@ -1,7 +1,8 @@
 """A node's operator surface: metrics, ``/status``, the live timeline, and their servers.
 
-The runtime knows nothing of these. They attach from outside, through the
-node's read-only view (:class:`p2pactor.runtime.view.NodeView`), with one call that
+The runtime knows nothing of these. They attach from outside, reading the
+node (:class:`p2pactor.runtime.node.Node`) and following its event streams,
+never driving it, with one call that
 ``p2pactor serve``, the demo and the vLLM adapter all make::
 
     async with open_node(config, control=..., data=...) as node:
@@ -19,16 +20,18 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
-from p2pactor.runtime.view import NodeView
 from p2pactor.surface.httpserve import NODE_PATHS, MetricsServer, answer, open_metrics_server
 from p2pactor.surface.metrics import NodeMetrics
 from p2pactor.surface.status import node_status
 from p2pactor.surface.timeline import TimelineServer, open_timeline_server
 from p2pactor.surface.timeline.http import HttpRequest
+
+if TYPE_CHECKING:
+    from p2pactor.runtime.node import Node
 
 _FROM_CONFIG: Any = object()
 
@@ -37,13 +40,13 @@ class OperatorSurface:
     """What operators see of one node. Open it with :func:`open_operator_surface`.
 
     Attributes:
-        node: The node's read-only view.
+        node: The node.
         metrics: Its Prometheus metrics (``docs/metrics.md``).
         dashboard: Its live timeline server, when served.
         metrics_server: Its metrics-only server, when served.
     """
 
-    def __init__(self, node: NodeView) -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
         self.metrics = NodeMetrics(node)
         self.dashboard: TimelineServer | None = None
@@ -87,7 +90,7 @@ class OperatorSurface:
 
 @asynccontextmanager
 async def open_operator_surface(
-    node: NodeView,
+    node: Node,
     *,
     dashboard_host: str = _FROM_CONFIG,
     dashboard_port: int | None = _FROM_CONFIG,

@@ -3,14 +3,14 @@
 A node's operator surface (:func:`p2pactor.surface.attach.open_operator_surface`) makes
 its :class:`NodeMetrics`, with its own ``CollectorRegistry``: several nodes may
 share a process (tests, the bench), and the global default registry would mix
-them. The runtime does not know it exists: it follows the node's read-only view
-(:class:`p2pactor.runtime.view.NodeView`). What they mean, their labels and
+them. The runtime does not know it exists: it reads and follows the node
+(:class:`p2pactor.runtime.node.Node`). What they mean, their labels and
 where they are served: ``docs/metrics.md``.
 
 Two halves, for two costs:
 
 * **counters and histograms** follow the node's event stream
-  (:meth:`p2pactor.runtime.view.NodeView.watch_events`) and its handshakes. The
+  (:meth:`p2pactor.runtime.node.Node.watch_events`) and its handshakes. The
   node steps ~10k events/s, so
   the watcher does one dict lookup per event and adds to plain integers kept
   per peer (:mod:`p2pactor.surface._metrics_counts`, which says why its histograms
@@ -48,7 +48,7 @@ from p2pactor.surface._metrics_counts import (
 from p2pactor.surface._metrics_scrape import _gauges, _NodeCollector, _unauthenticated
 
 if TYPE_CHECKING:
-    from p2pactor.runtime.view import NodeView
+    from p2pactor.runtime.node import Node
 
 __all__ = [
     "CONTENT_TYPE",
@@ -87,7 +87,7 @@ class NodeMetrics:
     (the text format) or :meth:`totals` (flat numbers, for programs).
     """
 
-    def __init__(self, node: NodeView) -> None:
+    def __init__(self, node: Node) -> None:
         self._node = node
         self._block_len = node.config.block_len
         self._peers: dict[str, _Peer] = {}

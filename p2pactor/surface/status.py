@@ -12,21 +12,20 @@ field changes meaning or goes away (new fields do not change it).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from p2pactor import __version__
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.dialect import EXTENSION
 from p2pactor.runtime.session import SessionState
-from p2pactor.runtime.view import control_security
 from p2pactor.surface._metrics_scrape import source_state
 
 if TYPE_CHECKING:
     from p2pactor.runtime.loopwatch import LoopSnapshot
+    from p2pactor.runtime.node import Node
     from p2pactor.runtime.quotas import PeerUsage
     from p2pactor.runtime.session import PeerSession, SessionCloseResult
-    from p2pactor.runtime.view import NodeView
 
 
 SCHEMA: Final = 1
@@ -36,8 +35,19 @@ _CLOSED_SHOWN: Final = 20
 """Closed sessions listed (the most recent); ``closed_sessions.total`` counts them all."""
 
 
+def control_security(node: object) -> Literal["curve", "none"]:
+    """How ``node``'s control channel is protected: ``"curve"`` or ``"none"``.
+
+    The control transport's ``security`` property when it has one (the ZeroMQ
+    transport does, see ``adapters/zmq.py``); ``"none"`` otherwise: a
+    transport that does not say it authenticates its peers is taken not to.
+    """
+    security = getattr(getattr(node, "control", None), "security", None)
+    return "curve" if security == "curve" else "none"
+
+
 def node_status(
-    node: NodeView, *, totals: dict[str, float], dashboard: str | None = None
+    node: Node, *, totals: dict[str, float], dashboard: str | None = None
 ) -> dict[str, Any]:
     """The node's status, JSON-serialisable (see docs/status.md).
 
@@ -159,7 +169,7 @@ def _limit(name: str, used: int, limit: int, what: str) -> dict[str, Any]:
     }
 
 
-def _limits(node: NodeView, sessions: int, pinned: int) -> list[dict[str, Any]]:
+def _limits(node: Node, sessions: int, pinned: int) -> list[dict[str, Any]]:
     """The node-wide limits, with how much of each is used now."""
     config = node.config
     peers = node.sessions()
@@ -188,7 +198,7 @@ def _limits(node: NodeView, sessions: int, pinned: int) -> list[dict[str, Any]]:
     ]
 
 
-def _quota_limits(node: NodeView) -> dict[str, int]:
+def _quota_limits(node: Node) -> dict[str, int]:
     """The per-peer quota limits in force (docs/quotas.md)."""
     q = node.quotas.quotas
     return {
@@ -231,7 +241,7 @@ def _usage(usage: PeerUsage) -> dict[str, Any]:
     }
 
 
-def _source_status(node: NodeView) -> dict[str, Any]:
+def _source_status(node: Node) -> dict[str, Any]:
     """The source directory: its choices and summaries (totals since start), its index now.
 
     The same figures ``/metrics`` exports as ``p2pactor_source_*`` and

@@ -31,8 +31,8 @@ from p2pactor.core.ids import ActorId
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logread import LogReader, read_log
 from p2pactor.runtime.session import PeerSession
-from p2pactor.runtime.view import control_security
 from p2pactor.surface.replay import open_logs
+from p2pactor.surface.status import control_security
 from p2pactor.surface.timeline.feed import Feed, FeedFilters, FeedLimits, FeedStats, Subscriber
 from p2pactor.surface.timeline.http import HttpRequest
 from p2pactor.surface.timeline.messages import (
