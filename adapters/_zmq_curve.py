@@ -14,10 +14,9 @@ from pathlib import Path
 import trio
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from p2pactor.adapters._zmq_options import ZmqTransportError, _worth_logging, log
-from p2pactor.adapters._zmq_socket import _AsyncSocket
+from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor
 from p2pactor.core.protocol import Frame
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.keys import KEYGEN_HINT, CurveKeypair, CurveSecurity, write_keypair
@@ -100,19 +99,21 @@ def _bind_zap(ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
     return zap
 
 
-def _make_curve_server(router: zmq.Socket[bytes], curve: CurveSecurity) -> None:
-    router.setsockopt(zmq.CURVE_SERVER, 1)
-    router.setsockopt(zmq.CURVE_SECRETKEY, curve.keypair.secret_key.encode("ascii"))
-    router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-    # A draft in libzmq 4.3's header, honoured by its builds: a client is
-    # refused when no handler is bound, so a missing handler can only mean "refuse".
-    try:
-        router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-    except (zmq.ZMQError, AttributeError) as exc:  # older: the handler's lifetime covers us
-        log.debug("ZMQ_ZAP_ENFORCE_DOMAIN not supported by this libzmq: %s", exc)
+def _curve_server(curve: CurveSecurity) -> list[tuple[int, int | bytes]]:
+    """The options of a ROUTER that admits the CURVE clients our ZAP handler trusts."""
+    settings: list[tuple[int, int | bytes]] = [
+        (zmq.CURVE_SERVER, 1),
+        (zmq.CURVE_SECRETKEY, curve.keypair.secret_key.encode("ascii")),
+        (zmq.ZAP_DOMAIN, ZAP_DOMAIN),
+    ]
+    if zmq.zmq_version_info() >= (4, 3):
+        # A client is refused when no handler is bound, so a missing handler can
+        # only mean "refuse". (Before 4.3 the handler's lifetime covers us.)
+        settings.append((zmq.ZAP_ENFORCE_DOMAIN, 1))
+    return settings
 
 
-def _curve_client(curve: CurveSecurity, peer_id: str) -> list[tuple[int, bytes]]:
+def _curve_client(curve: CurveSecurity, peer_id: str) -> list[tuple[int, int | bytes]]:
     """The options of a DEALER that accepts only the key we trust for ``peer_id``.
 
     Raises:
@@ -187,13 +188,13 @@ class _CurveGate:
         self._closed = closed  # whether the transport has closed
 
     def start(
-        self, nursery: trio.Nursery, zap: zmq.Socket[bytes], router_monitor: _AsyncSocket
+        self, nursery: trio.Nursery, zap: zmq.Socket[bytes], router_monitor: _Monitor
     ) -> None:
         """Answer ``zap`` (from :func:`_bind_zap`) and read ``router_monitor``, in ``nursery``."""
         zap_socket = _AsyncSocket(zap)
         zap_socket.start_watching(nursery, "zmq zap fd")
         nursery.start_soon(self._zap_loop, zap_socket, name="zmq zap")
-        router_monitor.start_watching(nursery, "zmq router monitor fd")
+        router_monitor.events.start_watching(nursery, "zmq router monitor fd")
         nursery.start_soon(self._router_monitor_loop, router_monitor, name="zmq router monitor")
 
     def impostor(self, identity: bytes, parts: list[Frame]) -> str | None:
@@ -269,7 +270,7 @@ class _CurveGate:
         self._refuse(f"a CURVE client at {address.decode('ascii', 'replace')}: {why}")
         return [*head, b"400", b"key not trusted", b"", b""]
 
-    async def _router_monitor_loop(self, monitor: _AsyncSocket) -> None:
+    async def _router_monitor_loop(self, monitor: _Monitor) -> None:
         """Log the clients a CURVE ROUTER turned away before ZAP was asked.
 
         A client without CURVE (a stock vLLM peer, a p2pactor node without
@@ -278,9 +279,7 @@ class _CurveGate:
         """
         try:
             while True:
-                for frames in await monitor.receive_batch(16):
-                    message = parse_monitor_message(frames)
-                    event, value = message["event"], message["value"]
+                for event, value in await monitor.receive():
                     if (
                         event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                         and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -11,12 +10,8 @@ from typing import Literal
 import trio
 import zmq
 
-from p2pactor.adapters._zmq_connection import ZmqConnection, _Owner
-from p2pactor.adapters._zmq_curve import (
-    _curve_client,
-    _CurveGate,
-)
-from p2pactor.adapters._zmq_dial import _peer_address, _transport_serials, dial
+from p2pactor.adapters._zmq_connection import ZmqConnection, _peer_address
+from p2pactor.adapters._zmq_curve import _CurveGate
 from p2pactor.adapters._zmq_options import (
     ZmqOptions,
     ZmqStatistics,
@@ -57,8 +52,6 @@ class ZmqControlTransport:
         self._port = port
         self._options = options
         self._nursery = nursery
-        self._serial = next(_transport_serials)
-        self._monitor_serials = itertools.count()
         self._connections: dict[str, ZmqConnection] = {}
         self._accept_in, self._accept_out = trio.open_memory_channel[ZmqConnection](
             options.accept_backlog
@@ -69,7 +62,6 @@ class ZmqControlTransport:
         self._curve = curve
         self._router_monitor = router_monitor
         self._gate = None if curve is None else _CurveGate(curve, local_id, lambda: self._closed)
-        self._owner = _Owner(local_id, options, nursery, curve, self._retire)
         self._allowed: Callable[[str], bool] | None = None
         # Connections with frames read and not yet handed on, in turn (see _receive_loop).
         self._turns: deque[ZmqConnection] = deque()
@@ -187,7 +179,7 @@ class ZmqControlTransport:
             assert zap is not None
             assert self._router_monitor is not None
             self._router.authenticated = True
-            self._gate.start(self._nursery, zap, self._router_monitor.events)
+            self._gate.start(self._nursery, zap, self._router_monitor)
         self._nursery.start_soon(self._receive_loop, name="zmq router")
 
     def _close(self) -> None:
@@ -205,35 +197,14 @@ class ZmqControlTransport:
         self._router.close(self._options.router_linger)
 
     def _open(self, peer_id: str, *, inbound: bool) -> ZmqConnection:
-        """A new connection to ``peer_id``: DEALER, monitor, and their task.
+        """A new connection to ``peer_id``, in the table.
 
         Raises:
             ConnectionLost: ``peer_id`` is not ``host:port``, or (CURVE) has no trusted key.
         """
-        address = _peer_address(peer_id)
-        if address is None:
-            raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
-        curve_options = [] if self._curve is None else _curve_client(self._curve, peer_id)
-        # A monitor endpoint unique per connection, not per peer: libzmq
-        # releases an inproc name on its reaper thread after close()
-        # returned, so reusing it on a reconnect fails with EADDRINUSE.
-        endpoint = f"inproc://p2pactor-monitor-{self._serial}-{next(self._monitor_serials)}"
-        try:
-            dealer, monitor = dial(
-                self._ctx,
-                self._local_id,
-                address,
-                self._options,
-                curve_options=curve_options,
-                endpoint=endpoint,
-            )
-        except zmq.ZMQError as exc:
-            raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
-        conn = ZmqConnection(self._owner, peer_id, _AsyncSocket(dealer), monitor, inbound=inbound)
+        conn = ZmqConnection(self, peer_id, inbound=inbound)
         self._connections[peer_id] = conn
         self._opened += 1
-        monitor.events.start_watching(self._nursery, f"zmq monitor fd {peer_id}")
-        self._nursery.start_soon(conn._watch, name=f"zmq monitor {peer_id}")
         log.info(
             "%s: %s connection to %s opened",
             self._local_id,
@@ -274,7 +245,7 @@ class ZmqControlTransport:
         """
         router = self._router
         recv = router.recv_routed
-        route = self._route if self._curve is None else self._route_authenticated
+        route = self._route
         limit = self._options.receive_batch
         slice_s = self._options.receive_slice_s
         clock = time.perf_counter
@@ -324,18 +295,15 @@ class ZmqControlTransport:
         except trio.ClosedResourceError:
             return
 
-    def _route_authenticated(self, identity: bytes, parts: list[Frame]) -> None:
-        """:meth:`_route` for a CURVE ROUTER: the claimed identity must be the key's."""
-        assert self._gate is not None
-        if (impostor := self._gate.impostor(identity, parts)) is None:
-            self._route(identity, parts)
-        else:
-            self._received += 1
-            self._drop(impostor)
-
     def _route(self, identity: bytes, parts: list[Frame]) -> None:
-        """Take one message to its connection (which waits its turn to hand it on)."""
+        """Take one message to its connection (which waits its turn to hand it on).
+
+        On a CURVE ROUTER the claimed identity must be the key's (``_CurveGate.impostor``).
+        """
         self._received += 1
+        if self._gate is not None and (impostor := self._gate.impostor(identity, parts)):
+            self._drop(impostor)
+            return
         if len(parts) != 1:
             self._drop(f"a message of {len(parts)} frames (expected [identity, payload])")
             return
@@ -362,9 +330,6 @@ class ZmqControlTransport:
                 return
         if not conn._deliver(parts[0]):
             self._dropped += 1  # its connection died of it: logged there
-        elif conn._unhandled and not conn._in_turn:
-            conn._in_turn = True
-            self._turns.append(conn)
 
     def _accept_new(self, peer_id: str) -> ZmqConnection | None:
         """An inbound connection for a peer's first frame, or None (frame dropped)."""

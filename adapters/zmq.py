@@ -59,11 +59,12 @@ claims; the transport says so in a warning when it opens. With ``curve`` (a
 encrypted and authenticated both ways, and a frame counts only if the keyring
 binds its claimed identity to the key that sent it (``_zmq_curve``).
 
-The parts, each importing only those above it: ``_zmq_socket`` (a socket waited
-on from trio, and its monitor), ``_zmq_options`` (options, statistics, error),
-``_zmq_curve`` (CURVE keys, the ZAP handler, failed handshakes),
-``_zmq_connection`` (:class:`ZmqConnection`), ``_zmq_router``
-(:class:`ZmqControlTransport`); this module opens the transport.
+The parts, each importing only those above it: ``_zmq_options`` (options,
+statistics, error), ``_zmq_socket`` (a socket waited on from trio, its monitor,
+and how sockets are made), ``_zmq_curve`` (CURVE keys, the ZAP handler, failed
+handshakes), ``_zmq_connection`` (:class:`ZmqConnection`, which dials its
+DEALER), ``_zmq_router`` (:class:`ZmqControlTransport`); this module binds the
+ROUTER and opens the transport.
 """
 
 from __future__ import annotations
@@ -76,11 +77,17 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
-from p2pactor.adapters._zmq_curve import ZAP_DOMAIN, _bind_zap, check_keypair, generate_keypair
-from p2pactor.adapters._zmq_dial import _bind_router
+from p2pactor.adapters._zmq_curve import (
+    _ROUTER_MONITOR_MASK,
+    ZAP_DOMAIN,
+    _bind_zap,
+    _curve_server,
+    check_keypair,
+    generate_keypair,
+)
 from p2pactor.adapters._zmq_options import ZmqOptions, ZmqStatistics, ZmqTransportError, log
 from p2pactor.adapters._zmq_router import ZmqControlTransport
-from p2pactor.adapters._zmq_socket import _AsyncSocket
+from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket
 from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
@@ -171,10 +178,28 @@ async def open_zmq_transport(
             zap = _bind_zap(ctx) if curve is not None else None
             if zap is not None:
                 sockets.callback(zap.close, linger=0)
-            router, bound_port, router_monitor = _bind_router(
-                ctx, bind_host or host, port, options, curve
-            )
+            # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
+            # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
+            settings = [(zmq.MAXMSGSIZE, options.max_frame_bytes), (zmq.ROUTER_HANDOVER, 1)]
+            endpoint = f"tcp://{bind_host or host}:{port or '*'}"
+            try:
+                router, router_monitor = make_socket(
+                    ctx,
+                    zmq.ROUTER,
+                    endpoint,
+                    options,
+                    linger=options.router_linger,
+                    settings=settings if curve is None else [*settings, *_curve_server(curve)],
+                    monitor_mask=0 if curve is None else _ROUTER_MONITOR_MASK,
+                )
+            except zmq.ZMQError as exc:
+                raise ZmqTransportError(
+                    f"cannot bind the control ROUTER on {endpoint}: {exc}"
+                ) from exc
             sockets.callback(router.close, linger=0)
+            bound = router.getsockopt(zmq.LAST_ENDPOINT)
+            assert isinstance(bound, bytes)
+            bound_port = int(bound.decode().rpartition(":")[2])
             if router_monitor is not None:  # already closed unless the nursery failed
                 sockets.callback(router_monitor.close)
             try:
