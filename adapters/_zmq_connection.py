@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from logging import DEBUG, ERROR
 from typing import TYPE_CHECKING
 
 import trio
 import zmq
 
 from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _curve_client, _handshake_failure
-from p2pactor.adapters._zmq_options import log
+from p2pactor.adapters._zmq_options import note
 from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket
 from p2pactor.core.protocol import Frame
-from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
 
 if TYPE_CHECKING:
@@ -41,6 +41,10 @@ class ZmqConnection:
 
     Created by :meth:`ZmqControlTransport.connect` (outbound) or returned by
     :meth:`ZmqControlTransport.accept` (inbound); never directly.
+
+    Attributes:
+        peer_id: The peer's id, ``host:port``.
+        inbound: Whether the peer opened it (by sending us a frame first).
     """
 
     def __init__(self, transport: ZmqControlTransport, peer_id: str, *, inbound: bool) -> None:
@@ -76,10 +80,10 @@ class ZmqConnection:
         except zmq.ZMQError as exc:
             raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
         assert monitor is not None
-        self._peer_id = peer_id
+        self.peer_id = peer_id
         self._dealer = _AsyncSocket(dealer)
         self._monitor = monitor
-        self._inbound = inbound
+        self.inbound = inbound
         # Frames read and not handed on yet: to the attached receiver, in turn
         # with other connections' (the ROUTER task reads ahead of what it hands
         # over, so the peer's backlog is here, counted in bytes, not in libzmq,
@@ -98,19 +102,9 @@ class ZmqConnection:
         nursery.start_soon(self._watch, name=f"zmq monitor {peer_id}")
 
     def __repr__(self) -> str:
-        way = "inbound" if self._inbound else "outbound"
+        way = "inbound" if self.inbound else "outbound"
         state = "alive" if self.alive else f"dead: {self._dead_reason}"
-        return f"<ZmqConnection {self._transport.local_id} -> {self._peer_id} {way} ({state})>"
-
-    @property
-    def peer_id(self) -> str:
-        """The peer's id, ``host:port``."""
-        return self._peer_id
-
-    @property
-    def inbound(self) -> bool:
-        """Whether the peer opened it (by sending us a frame first)."""
-        return self._inbound
+        return f"<ZmqConnection {self._transport.local_id} -> {self.peer_id} {way} ({state})>"
 
     @property
     def alive(self) -> bool:
@@ -152,7 +146,7 @@ class ZmqConnection:
         # vLLM's rule, with a grace period: control frames are small, so a queue
         # that stays full means the peer stopped reading. Failing beats stalling.
         raise self._die(
-            f"{self._peer_id} is not reading: {options.send_hwm} frames queued for it "
+            f"{self.peer_id} is not reading: {options.send_hwm} frames queued for it "
             f"and no room for {options.send_timeout:g} s"
         )
 
@@ -186,7 +180,7 @@ class ZmqConnection:
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
-            raise self._die(f"sending to {self._peer_id} failed: {exc}") from exc
+            raise self._die(f"sending to {self.peer_id} failed: {exc}") from exc
         self._dealer.after_operation()
         return True
 
@@ -228,15 +222,9 @@ class ZmqConnection:
             self._receiver_failed("when told the connection died")
 
     def _receiver_failed(self, when: str) -> None:
-        local_id = self._transport.local_id
-        log.exception(
-            "%s: the receiver of %s failed %s (a bug in p2pactor: please report it with "
-            "this traceback)",
-            local_id,
-            self._peer_id,
-            when,
-            extra=peer_context(self._peer_id, node=local_id),
-        )
+        peer, node = self.peer_id, self._transport.local_id
+        bug = "(a bug in p2pactor: please report it with this traceback)"
+        note(ERROR, node, "the receiver of %s failed %s %s", peer, when, bug, peer=peer)
 
     async def receive(self) -> Frame:
         """Wait for the peer's next frame (while no receiver is attached).
@@ -299,7 +287,7 @@ class ZmqConnection:
                 self._in_turn = True
                 self._transport._turns.append(self)
             return True
-        self._die(f"{self._peer_id} flooded us: more than {too_many} received and not yet handled")
+        self._die(f"{self.peer_id} flooded us: more than {too_many} received and not yet handled")
         return False
 
     def _hand_next(self) -> bool:
@@ -314,7 +302,7 @@ class ZmqConnection:
         """Turn the DEALER's monitor events (and a missed dial deadline) into death."""
         opts = self._options
         deadline = trio.current_time() + opts.connect_timeout
-        local_id = self._transport.local_id
+        peer, node = self.peer_id, self._transport.local_id
         try:
             while self.alive:
                 events: list[tuple[int, int]] = []
@@ -322,20 +310,13 @@ class ZmqConnection:
                     events = await self._monitor.receive()
                 if not events and not self._reached:
                     self._die(
-                        f"could not reach {self._peer_id} within {opts.connect_timeout:g} s "
+                        f"could not reach {self.peer_id} within {opts.connect_timeout:g} s "
                         "(no ZeroMQ handshake: host unreachable, name unresolvable, or "
                         "no ZeroMQ peer at that address)"
                     )
                     return
                 for event, value in events:
-                    log.debug(
-                        "%s: monitor of %r: %r %r",
-                        local_id,
-                        self,
-                        event,
-                        value,
-                        extra=peer_context(self._peer_id, node=local_id),
-                    )
+                    note(DEBUG, node, "monitor of %r: %r %r", self, event, value, peer=peer)
                     reason = self._death_reason(event, value)
                     if reason is not None:
                         self._die(reason)
@@ -345,7 +326,7 @@ class ZmqConnection:
 
     def _death_reason(self, event: int, value: int) -> str | None:
         """What a monitor event (and its value) means: a reason to die, or None."""
-        peer = self._peer_id
+        peer = self.peer_id
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._reached = True
             return None

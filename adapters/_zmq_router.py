@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from logging import DEBUG, INFO, WARNING
 from typing import Literal
 
 import trio
@@ -17,12 +18,10 @@ from p2pactor.adapters._zmq_options import (
     ZmqStatistics,
     ZmqTransportError,
     _worth_logging,
-    log,
+    note,
 )
-from p2pactor.adapters._zmq_socket import _AsyncSocket, _events, _Monitor
+from p2pactor.adapters._zmq_socket import _AsyncSocket, _events
 from p2pactor.core.protocol import Frame
-from p2pactor.runtime.keys import CurveSecurity
-from p2pactor.runtime.logcontext import peer_context, request_context
 from p2pactor.runtime.transport import ConnectionLost
 
 _REFAIR_EVERY = 4  # frames read between the ROUTER's looks for newly readable connections
@@ -32,26 +31,29 @@ class ZmqControlTransport:
     """A node's ZeroMQ control endpoint. Open it with :func:`open_zmq_transport`.
 
     Implements :class:`p2pactor.runtime.transport.ControlTransport`.
+
+    Attributes:
+        local_id: This node's id, ``host:port``: the DEALER identity, and where peers dial.
+        port: The TCP port the ROUTER is bound on (the ephemeral one if 0 was asked).
     """
 
     def __init__(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
-        router: _AsyncSocket,
-        *,
-        local_id: str,
-        port: int,
+        router: zmq.Socket[bytes],
+        host: str,
         options: ZmqOptions,
-        nursery: trio.Nursery,
-        curve: CurveSecurity | None = None,
-        router_monitor: _Monitor | None = None,
+        gate: _CurveGate | None,
     ) -> None:
+        bound = router.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(bound, bytes)
+        self.port = int(bound.decode().rpartition(":")[2])
+        self.local_id = f"{host}:{self.port}"
         self._ctx = ctx
-        self._router = router
-        self._local_id = local_id
-        self._port = port
+        self._router = _AsyncSocket(router)
+        self._router.authenticated = gate is not None
         self._options = options
-        self._nursery = nursery
+        self._nursery: trio.Nursery  # set by _start
         self._connections: dict[str, ZmqConnection] = {}
         self._accept_in, self._accept_out = trio.open_memory_channel[ZmqConnection](
             options.accept_backlog
@@ -59,25 +61,16 @@ class ZmqControlTransport:
         self._last_close: dict[str, float] = {}
         self._closed = False
         self._received = self._dropped = self._opened = self._died = 0
-        self._curve = curve
-        self._router_monitor = router_monitor
-        self._gate = None if curve is None else _CurveGate(curve, local_id, lambda: self._closed)
+        self._gate = gate
+        self._curve = None if gate is None else gate.curve
+        if gate is not None:
+            gate.local_id = self.local_id
         self._allowed: Callable[[str], bool] | None = None
         # Connections with frames read and not yet handed on, in turn (see _receive_loop).
         self._turns: deque[ZmqConnection] = deque()
 
     def __repr__(self) -> str:
-        return f"<ZmqControlTransport {self._local_id} ({len(self._connections)} connections)>"
-
-    @property
-    def local_id(self) -> str:
-        """This node's id, ``host:port``: the DEALER identity, and where peers dial."""
-        return self._local_id
-
-    @property
-    def port(self) -> int:
-        """The TCP port the ROUTER is bound on (the ephemeral one if 0 was asked)."""
-        return self._port
+        return f"<ZmqControlTransport {self.local_id} ({len(self._connections)} connections)>"
 
     @property
     def closed(self) -> bool:
@@ -173,14 +166,12 @@ class ZmqControlTransport:
 
     # --- internals --------------------------------------------------------------
 
-    def _start(self, zap: zmq.Socket[bytes] | None) -> None:
-        """Start the transport's tasks; ``zap`` is the ZAP handler's socket (with CURVE)."""
+    def _start(self, nursery: trio.Nursery) -> None:
+        """Start the transport's tasks in ``nursery``."""
+        self._nursery = nursery
         if self._gate is not None:
-            assert zap is not None
-            assert self._router_monitor is not None
-            self._router.authenticated = True
-            self._gate.start(self._nursery, zap, self._router_monitor)
-        self._nursery.start_soon(self._receive_loop, name="zmq router")
+            self._gate.start(nursery)
+        nursery.start_soon(self._receive_loop, name="zmq router")
 
     def _close(self) -> None:
         if self._closed:
@@ -190,11 +181,9 @@ class ZmqControlTransport:
         for conn in list(self._connections.values()):
             conn._die("the control transport closed", linger=self._options.dealer_linger)
         self._accept_in.close()
-        if self._router_monitor is not None:
-            self._router_monitor.close()
-        # Closing the sockets ends our tasks; the nursery is not cancelled: the
-        # caller's body runs in it too.
         self._router.close(self._options.router_linger)
+        if self._gate is not None:
+            self._gate.close()
 
     def _open(self, peer_id: str, *, inbound: bool) -> ZmqConnection:
         """A new connection to ``peer_id``, in the table.
@@ -205,13 +194,8 @@ class ZmqControlTransport:
         conn = ZmqConnection(self, peer_id, inbound=inbound)
         self._connections[peer_id] = conn
         self._opened += 1
-        log.info(
-            "%s: %s connection to %s opened",
-            self._local_id,
-            "inbound" if inbound else "outbound",
-            peer_id,
-            extra=peer_context(peer_id, node=self._local_id),
-        )
+        way = "inbound" if inbound else "outbound"
+        note(INFO, self.local_id, "%s connection to %s opened", way, peer_id, peer=peer_id)
         return conn
 
     def _retire(self, conn: ZmqConnection) -> None:
@@ -226,13 +210,8 @@ class ZmqControlTransport:
         self._last_close[conn.peer_id] = now
         if self._closed:
             return
-        log.info(
-            "%s: connection to %s ended: %s",
-            self._local_id,
-            conn.peer_id,
-            conn.dead_reason,
-            extra=peer_context(conn.peer_id, node=self._local_id),
-        )
+        peer, why = conn.peer_id, conn.dead_reason
+        note(INFO, self.local_id, "connection to %s ended: %s", peer, why, peer=peer)
 
     async def _receive_loop(self) -> None:
         """The ROUTER's one receive task: it reads frames ahead, and hands them on in turn.
@@ -312,11 +291,7 @@ class ZmqControlTransport:
             # newer one of the same peer (ROUTER_HANDOVER): its last frames
             # belong to a connection both sides have given up. Not news.
             self._dropped += 1
-            log.debug(
-                "%s: dropped a frame from a replaced connection",
-                self._local_id,
-                extra={"node": self._local_id},
-            )
+            note(DEBUG, self.local_id, "dropped a frame from a replaced connection")
             return
         try:
             peer_id = identity.decode()
@@ -365,10 +340,5 @@ class ZmqControlTransport:
     def _drop(self, what: str, *, peer: str | None = None) -> None:
         self._dropped += 1
         if _worth_logging(self._dropped):
-            log.warning(
-                "%s: dropped %s (%d dropped so far)",
-                self._local_id,
-                what,
-                self._dropped,
-                extra=request_context(peer, None, node=self._local_id),
-            )
+            count = self._dropped
+            note(WARNING, self.local_id, "dropped %s (%d dropped so far)", what, count, peer=peer)

@@ -70,6 +70,7 @@ ROUTER and opens the transport.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 
@@ -78,16 +79,21 @@ import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
 from p2pactor.adapters._zmq_curve import (
-    _ROUTER_MONITOR_MASK,
+    ROUTER_MONITOR_MASK,
     ZAP_DOMAIN,
-    _bind_zap,
-    _curve_server,
+    _CurveGate,
     check_keypair,
     generate_keypair,
 )
-from p2pactor.adapters._zmq_options import ZmqOptions, ZmqStatistics, ZmqTransportError, log
+from p2pactor.adapters._zmq_options import (
+    ZmqOptions,
+    ZmqStatistics,
+    ZmqTransportError,
+    log,
+    note,
+)
 from p2pactor.adapters._zmq_router import ZmqControlTransport
-from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket
+from p2pactor.adapters._zmq_socket import make_socket
 from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
@@ -102,28 +108,28 @@ __all__ = [
 ]
 
 
-def _log_security(transport: ZmqControlTransport, port: int, curve: CurveSecurity | None) -> None:
+def _log_security(transport: ZmqControlTransport, bind_host: str | None) -> None:
+    node, port, curve = transport.local_id, transport.port, transport._curve
     if curve is None:
-        log.warning(
-            "%s: the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE "
-            "keys configured): any host that reaches it can connect, read the hash seed and "
-            "block keys, and look up and fetch blocks. Configure curve_secret_key and "
-            "curve_trusted (docs/security.md) unless every peer is a stock vLLM node on a "
-            "network you trust",
-            transport.local_id,
+        note(
+            logging.WARNING,
+            node,
+            "the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE keys "
+            "configured): any host that reaches it can connect, read the hash seed and block "
+            "keys, and look up and fetch blocks. Configure curve_secret_key and curve_trusted "
+            "(docs/security.md) unless every peer is a stock vLLM node on a network you trust",
             port,
-            extra={"node": transport.local_id},
         )
-        return
-    log.info(
-        "%s: control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)",
-        transport.local_id,
-        port,
-        curve.keypair.public_key,
-        len(curve.keyring),
-        curve.keyring.where(),
-        extra={"node": transport.local_id},
-    )
+    else:
+        keyring = curve.keyring
+        what = "control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)"
+        note(
+            logging.INFO, node, what, port, curve.keypair.public_key, len(keyring), keyring.where()
+        )
+    if bind_host and bind_host != node.rpartition(":")[0]:
+        # Which address is which, said once: a wrong one shows only as peers that never answer.
+        what = "control ROUTER bound on %s:%d; peers dial %s"
+        note(logging.INFO, node, what, bind_host, port, node)
 
 
 @contextlib.asynccontextmanager
@@ -174,70 +180,45 @@ async def open_zmq_transport(
         except (zmq.ZMQError, AttributeError) as exc:  # a libzmq without it
             log.debug("cannot run the ZeroMQ I/O threads as SCHED_BATCH: %s", exc)
     try:
-        with contextlib.ExitStack() as sockets:  # closed last to first
-            zap = _bind_zap(ctx) if curve is not None else None
-            if zap is not None:
-                sockets.callback(zap.close, linger=0)
-            # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
-            # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
-            settings = [(zmq.MAXMSGSIZE, options.max_frame_bytes), (zmq.ROUTER_HANDOVER, 1)]
-            endpoint = f"tcp://{bind_host or host}:{port or '*'}"
-            try:
-                router, router_monitor = make_socket(
-                    ctx,
-                    zmq.ROUTER,
-                    endpoint,
-                    options,
-                    linger=options.router_linger,
-                    settings=settings if curve is None else [*settings, *_curve_server(curve)],
-                    monitor_mask=0 if curve is None else _ROUTER_MONITOR_MASK,
-                )
-            except zmq.ZMQError as exc:
-                raise ZmqTransportError(
-                    f"cannot bind the control ROUTER on {endpoint}: {exc}"
-                ) from exc
-            sockets.callback(router.close, linger=0)
-            bound = router.getsockopt(zmq.LAST_ENDPOINT)
-            assert isinstance(bound, bytes)
-            bound_port = int(bound.decode().rpartition(":")[2])
-            if router_monitor is not None:  # already closed unless the nursery failed
-                sockets.callback(router_monitor.close)
-            try:
-                async with trio.open_nursery() as nursery:
-                    transport = ZmqControlTransport(
-                        ctx,
-                        _AsyncSocket(router),
-                        local_id=f"{host}:{bound_port}",
-                        port=bound_port,
-                        options=options,
-                        nursery=nursery,
-                        curve=curve,
-                        router_monitor=router_monitor,
-                    )
-                    transport._start(zap)
-                    _log_security(transport, bound_port, curve)
-                    if bind_host and bind_host != host:
-                        # Which address is which, said once: a wrong one shows
-                        # only as peers that never answer.
-                        log.info(
-                            "%s: control ROUTER bound on %s:%d; peers dial %s",
-                            transport.local_id,
-                            bind_host,
-                            bound_port,
-                            transport.local_id,
-                            extra={"node": transport.local_id},
-                        )
-                    try:
-                        yield transport
-                    finally:
-                        transport._close()
-                        nursery.cancel_scope.cancel()
-            except BaseExceptionGroup as group:
-                # Our tasks never fail on their own: a lone exception is the body's;
-                # raise it as itself, not wrapped by our nursery.
-                if len(group.exceptions) == 1:
-                    raise group.exceptions[0] from None
-                raise
+        gate = None if curve is None else _CurveGate(ctx, curve)  # before the ROUTER
+        # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
+        # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
+        settings = [(zmq.MAXMSGSIZE, options.max_frame_bytes), (zmq.ROUTER_HANDOVER, 1)]
+        endpoint = f"tcp://{bind_host or host}:{port or '*'}"
+        try:
+            router, monitor = make_socket(
+                ctx,
+                zmq.ROUTER,
+                endpoint,
+                options,
+                linger=options.router_linger,
+                settings=settings if gate is None else [*settings, *gate.settings()],
+                monitor_mask=0 if gate is None else ROUTER_MONITOR_MASK,
+            )
+        except zmq.ZMQError as exc:
+            if gate is not None:
+                gate.close()
+            raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
+        if gate is not None:
+            gate.monitor = monitor
+        transport = ZmqControlTransport(ctx, router, host, options, gate)
+        try:
+            async with trio.open_nursery() as nursery:
+                transport._start(nursery)
+                _log_security(transport, bind_host)
+                try:
+                    yield transport
+                finally:
+                    transport._close()
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Our tasks never fail on their own: a lone exception is the body's;
+            # raise it as itself, not wrapped by our nursery.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        finally:
+            transport._close()  # if the nursery never ran the body
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(ctx.term)
