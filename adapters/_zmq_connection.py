@@ -45,6 +45,7 @@ class ZmqConnection:
     Attributes:
         peer_id: The peer's id, ``host:port``.
         inbound: Whether the peer opened it (by sending us a frame first).
+        dead_reason: Why the connection died, or None while it lives.
     """
 
     def __init__(self, transport: ZmqControlTransport, peer_id: str, *, inbound: bool) -> None:
@@ -92,7 +93,7 @@ class ZmqConnection:
         self._bytes = 0
         self._arrival = trio.lowlevel.ParkingLot()  # receive() waits here
         self._in_turn = False  # the ROUTER task has it among the connections to hand frames to
-        self._dead_reason: str | None = None
+        self.dead_reason: str | None = None
         self._reached = False  # the ZeroMQ handshake with the peer completed
         self._claimed = False  # connect() or accept() handed it out
         self._receiver: FrameReceiver | None = None  # see attach()
@@ -103,18 +104,13 @@ class ZmqConnection:
 
     def __repr__(self) -> str:
         way = "inbound" if self.inbound else "outbound"
-        state = "alive" if self.alive else f"dead: {self._dead_reason}"
+        state = "alive" if self.alive else f"dead: {self.dead_reason}"
         return f"<ZmqConnection {self._transport.local_id} -> {self.peer_id} {way} ({state})>"
 
     @property
     def alive(self) -> bool:
         """Whether the connection still works."""
-        return self._dead_reason is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        """Why the connection died, or None while it lives."""
-        return self._dead_reason
+        return self.dead_reason is None
 
     async def send(self, frame: bytes) -> None:
         """Queue ``frame`` for the peer, in order.
@@ -165,8 +161,8 @@ class ZmqConnection:
             ConnectionLost: The connection is dead, or libzmq refused the frame
                 for another reason than room (the connection dies of it).
         """
-        if self._dead_reason is not None:
-            raise ConnectionLost(self._dead_reason)
+        if self.dead_reason is not None:
+            raise ConnectionLost(self.dead_reason)
         return self._try_send(frame)
 
     def _try_send(self, frame: bytes) -> bool:
@@ -197,7 +193,7 @@ class ZmqConnection:
         while self._frames:
             self._hand(receiver, self._pop())
         self._receiver = receiver
-        if self._dead_reason is not None:
+        if self.dead_reason is not None:
             self._tell_lost()
 
     def _pop(self) -> Frame:
@@ -217,7 +213,7 @@ class ZmqConnection:
             return
         self._told_lost = True
         try:
-            receiver.connection_lost(self._dead_reason or "connection closed")
+            receiver.connection_lost(self.dead_reason or "connection closed")
         except Exception:
             self._receiver_failed("when told the connection died")
 
@@ -238,7 +234,7 @@ class ZmqConnection:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         while not self._frames or self._receiver is not None:
-            if self._dead_reason is not None:
+            if self.dead_reason is not None:
                 raise self._lost()
             await self._arrival.park()
         frame = self._pop()
@@ -260,7 +256,7 @@ class ZmqConnection:
     # --- what the transport does ------------------------------------------------
 
     def _lost(self) -> ConnectionLost:
-        return ConnectionLost(self._dead_reason or "connection closed")
+        return ConnectionLost(self.dead_reason or "connection closed")
 
     def _deliver(self, frame: Frame) -> bool:
         """Take a frame from the peer (the ROUTER task); whether it was taken.
@@ -271,7 +267,7 @@ class ZmqConnection:
         and more than ``inbound_bytes`` of it (or, with no receiver attached,
         ``inbound_queue`` frames) wait.
         """
-        if self._dead_reason is not None:
+        if self.dead_reason is not None:
             return False
         options = self._options
         if self._frames and self._bytes + len(frame) > options.inbound_bytes:
@@ -352,8 +348,8 @@ class ZmqConnection:
         when it died, so that nothing queued for a peer we gave up on reaches
         it later (a refused peer that comes up, a stalled one that wakes).
         """
-        if self._dead_reason is None:
-            self._dead_reason = reason
+        if self.dead_reason is None:
+            self.dead_reason = reason
             if self._receiver is not None:  # what waits for a receiver that will not get it
                 self._frames.clear()
                 self._bytes = 0

@@ -35,6 +35,7 @@ class ZmqControlTransport:
     Attributes:
         local_id: This node's id, ``host:port``: the DEALER identity, and where peers dial.
         port: The TCP port the ROUTER is bound on (the ephemeral one if 0 was asked).
+        closed: Whether the transport has been closed.
     """
 
     def __init__(
@@ -59,7 +60,7 @@ class ZmqControlTransport:
             options.accept_backlog
         )
         self._last_close: dict[str, float] = {}
-        self._closed = False
+        self.closed = False
         self._received = self._dropped = self._opened = self._died = 0
         self._gate = gate
         self._curve = None if gate is None else gate.curve
@@ -71,11 +72,6 @@ class ZmqControlTransport:
 
     def __repr__(self) -> str:
         return f"<ZmqControlTransport {self.local_id} ({len(self._connections)} connections)>"
-
-    @property
-    def closed(self) -> bool:
-        """Whether the transport has been closed."""
-        return self._closed
 
     @property
     def security(self) -> Literal["curve", "none"]:
@@ -113,7 +109,7 @@ class ZmqControlTransport:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
-            if self._closed:
+            if self.closed:
                 raise ConnectionLost("the control transport is closed")
             conn = self._connections.get(peer_id)
             if conn is not None:  # the table holds live connections only
@@ -174,9 +170,9 @@ class ZmqControlTransport:
         nursery.start_soon(self._receive_loop, name="zmq router")
 
     def _close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._turns.clear()
         for conn in list(self._connections.values()):
             conn._die("the control transport closed", linger=self._options.dealer_linger)
@@ -208,7 +204,7 @@ class ZmqControlTransport:
         if len(self._last_close) > 1024:  # keep the table bounded
             self._last_close = {p: t for p, t in self._last_close.items() if t > horizon}
         self._last_close[conn.peer_id] = now
-        if self._closed:
+        if self.closed:
             return
         peer, why = conn.peer_id, conn.dead_reason
         note(INFO, self.local_id, "connection to %s ended: %s", peer, why, peer=peer)
@@ -240,7 +236,7 @@ class ZmqControlTransport:
                     except zmq.Again:
                         break
                     except zmq.ZMQError as exc:
-                        if self._closed:
+                        if self.closed:
                             return
                         raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
                     read += 1
@@ -308,7 +304,7 @@ class ZmqControlTransport:
 
     def _accept_new(self, peer_id: str) -> ZmqConnection | None:
         """An inbound connection for a peer's first frame, or None (frame dropped)."""
-        if self._closed:
+        if self.closed:
             return None
         if _peer_address(peer_id) is None:
             self._drop(f"a frame from identity {peer_id[:64]!r}, which is not host:port")

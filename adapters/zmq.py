@@ -26,8 +26,9 @@ How trio and libzmq meet:
   a DEALER only once its queue is full (``SNDHWM``): its watcher starts then,
   and senders wait for room at most ``send_timeout``.
 * A frame read from the ROUTER is handled before the task next checkpoints, so
-  cancellation never loses one. A connection no session has attached yet keeps
-  its frames in a bounded trio memory channel (:meth:`ZmqConnection.receive`).
+  cancellation never loses one. Each connection keeps the frames read and not
+  yet handled in one bounded queue: for its session's turn, or, before a session
+  attaches, for :meth:`ZmqConnection.receive`.
 
 How a connection dies (never silently), with a reason in :class:`ConnectionLost`:
 
