@@ -200,15 +200,20 @@ class Pool:
     local_dlist: object | None = None  # the pool's prepared (strided) descriptor list
     metadata: bytes = b""
     threaded: bool = False  # NIXL's progress thread runs: the pump need not drive progress
-    late_write_window: float = 0.0  # from the UCX TCP timeout in effect (_ucx_tcp_environment)
+    late_write_window: float = 0.0  # from the UCX TCP timeout in effect (ucx_tcp_environment)
 
     @property
     def num_blocks(self) -> int:
         """Blocks in the pool."""
         return self.nbytes // self.block_len
 
-    def attempt(self, what: str, call: Callable[[_T], object], arg: _T) -> bool:
-        """Make one NIXL call; log a failure (and go on). Returns whether it worked."""
+    def attempt(self, what: str, call: Callable[[_T], object], arg: _T | None) -> bool:
+        """Make one NIXL call (none if ``arg`` is None); log a failure (and go on).
+
+        Returns whether it worked.
+        """
+        if arg is None:
+            return True
         try:
             call(arg)
         except Exception as exc:
@@ -269,12 +274,10 @@ class Pool:
             self.remove_peer(agent, dlist, None)
         for remote in left.remotes:  # after the lists prepared for them
             self.remove_peer(agent, None, remote)
-        if self.local_dlist is not None:
-            self.attempt(
-                "releasing the pool's descriptors", agent.release_dlist_handle, self.local_dlist
-            )
-        if self.registration is not None:
-            self.attempt("deregistering the pool", agent.deregister_memory, self.registration)
+        self.attempt(
+            "releasing the pool's descriptors", agent.release_dlist_handle, self.local_dlist
+        )
+        self.attempt("deregistering the pool", agent.deregister_memory, self.registration)
         self.local_dlist = self.registration = None
         # The agent (and its UCX context) goes with its last reference, here, in
         # this thread: tearing UCX down can take a while.
@@ -331,10 +334,8 @@ class Pool:
 
     def remove_peer(self, agent: Agent, dlist: object | None, remote: str | None) -> None:
         """Release a peer's descriptors and, unless ``remote`` is None, its agent."""
-        if dlist is not None:
-            self.attempt("releasing a peer's descriptors", agent.release_dlist_handle, dlist)
-        if remote is not None:
-            self.attempt(f"removing remote agent {remote}", agent.remove_remote_agent, remote)
+        self.attempt("releasing a peer's descriptors", agent.release_dlist_handle, dlist)
+        self.attempt(f"removing remote agent {remote}", agent.remove_remote_agent, remote)
 
     def post(self, agent: Agent, local: Index, peer_dlist: object, remote: Index) -> Posted:
         """Make and post one WRITE of our blocks ``local`` into the peer's ``remote``.

@@ -201,26 +201,23 @@ class ZmqConnection:
         self._bytes -= len(frame)
         return frame
 
-    def _hand(self, receiver: FrameReceiver, frame: Frame) -> None:
+    def _hand(self, receiver: FrameReceiver, frame: Frame | None) -> None:
+        """Hand ``frame`` to ``receiver`` (None: tell it the connection died)."""
         try:
-            receiver.frame_received(frame)
+            if frame is None:
+                receiver.connection_lost(self.dead_reason or "connection closed")
+            else:
+                receiver.frame_received(frame)
         except Exception:  # the receiver's bug must not take the ROUTER (every peer) down
-            self._receiver_failed("on a frame; frame dropped")
+            peer, node = self.peer_id, self._transport.local_id
+            when = "when told the connection died" if frame is None else "on a frame; frame dropped"
+            bug = "(a bug in p2pactor: please report it with this traceback)"
+            note(ERROR, node, "the receiver of %s failed %s %s", peer, when, bug, peer=peer)
 
     def _tell_lost(self) -> None:
-        receiver = self._receiver
-        if receiver is None or self._told_lost:
-            return
-        self._told_lost = True
-        try:
-            receiver.connection_lost(self.dead_reason or "connection closed")
-        except Exception:
-            self._receiver_failed("when told the connection died")
-
-    def _receiver_failed(self, when: str) -> None:
-        peer, node = self.peer_id, self._transport.local_id
-        bug = "(a bug in p2pactor: please report it with this traceback)"
-        note(ERROR, node, "the receiver of %s failed %s %s", peer, when, bug, peer=peer)
+        if self._receiver is not None and not self._told_lost:
+            self._told_lost = True
+            self._hand(self._receiver, None)
 
     async def receive(self) -> Frame:
         """Wait for the peer's next frame (while no receiver is attached).
