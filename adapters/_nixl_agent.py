@@ -1,29 +1,25 @@
-"""The block pool as its NIXL agent sees it, and the calls into the agent that may block."""
+"""The block pool as its NIXL agent sees it, and the calls into the agent (typed) that may block."""
 
 from __future__ import annotations
 
 import ctypes
-import logging
-import os
-import re
 import sys
 import threading
 import time
 from collections.abc import Callable
+from logging import DEBUG, INFO, WARNING
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 
 import attrs
 import numpy as np
+import numpy.typing as npt
 
-from p2pactor.adapters._nixl_api import Agent, Descs, Index
-from p2pactor.adapters._nixl_options import NixlOptions, late_write_window
+from p2pactor.adapters._nixl_options import NixlOptions, note, ucx_tcp_environment
 from p2pactor.errors import ConfigError, DataPlaneError
 
 if TYPE_CHECKING:
     import torch
-
-log = logging.getLogger("p2pactor.nixl")
 
 MAX_BLOCKS = 2**31 - 1  # NIXL takes descriptor indexes as int32
 PER_BLOCK_LIMIT = 65_536
@@ -31,6 +27,37 @@ PER_BLOCK_LIMIT = 65_536
 refuses the pool as one strided row (it spans several registrations): at most about
 6 MiB at the peak and 4-7 ms of a worker thread (measured), whatever the peer advertises."""
 IN_PROGRESS = frozenset({"PROC", "PEND"})
+
+Index = npt.NDArray[np.int32]
+Descs = npt.NDArray[np.uint64]
+
+
+class Agent(Protocol):
+    """The part of ``nixl_agent`` the transport uses, typed (handles are opaque)."""
+
+    def get_agent_metadata(self) -> bytes: ...
+    def register_memory(
+        self, reg_list: list[tuple[int, int, int, str]], mem_type: str
+    ) -> object: ...
+    def deregister_memory(self, dereg_list: object) -> None: ...
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: Descs, mem_type: str) -> object: ...
+    def release_dlist_handle(self, handle: object) -> None: ...
+    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
+    def remove_remote_agent(self, agent: str) -> None: ...
+    def make_connection(self, remote_agent: str) -> None: ...
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: object,
+        local_indices: Index,
+        remote_xfer_side: object,
+        remote_indices: Index,
+    ) -> object: ...
+    def transfer(self, handle: object) -> str: ...
+    def check_xfer_state(self, handle: object) -> str: ...
+    def release_xfer_handle(self, handle: object) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+
 
 _T = TypeVar("_T")
 
@@ -40,46 +67,8 @@ def nixl_error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-# Held while NIXL's module is swapped for the stand-in in _new_agent, or os.environ set.
+# Held while NIXL's module is swapped for the stand-in in _new_agent.
 _NEW_AGENT_LOCK = threading.Lock()
-
-_UCX_TIME = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(s|ms|us|ns|m)?\s*", re.IGNORECASE)
-_UCX_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "m": 60.0}
-
-
-def _ucx_seconds(text: str) -> float | None:
-    """A UCX time value ("1000ms", "2s", "2": seconds) in seconds; None for "inf", "auto"."""
-    match = _UCX_TIME.fullmatch(text)
-    if match is None:
-        return None
-    return float(match[1]) * _UCX_UNITS[(match[2] or "s").lower()]
-
-
-def _ucx_tcp_environment(options: NixlOptions) -> float:
-    """Set UCX's TCP timeouts the environment leaves unset; the late-write window in effect.
-
-    UCX reads its configuration from the process environment as an agent is
-    made, so what counts is the value there: the operator's own, or the first
-    transport's. The window is computed from it, not from ``options``.
-    """
-    with _NEW_AGENT_LOCK:
-        for variable, value in options.ucx_environment().items():
-            os.environ.setdefault(variable, value)
-        in_effect = os.environ.get("UCX_TCP_USER_TIMEOUT")
-    if in_effect is None:
-        return 0.0  # tcp_timeout is None, and the environment sets nothing either
-    seconds = _ucx_seconds(in_effect)
-    if seconds is None or seconds <= 0:
-        window = options.late_write_window
-        log.warning(
-            "UCX_TCP_USER_TIMEOUT=%s bounds nothing: a write a link flap cut may land in "
-            "blocks long after its load failed. Holding a lost load's blocks %g s anyway; "
-            "unset it (p2pactor sets 1000ms) or give it a time",
-            in_effect,
-            window,
-        )
-        return window
-    return late_write_window(seconds)
 
 
 def _new_agent(api: ModuleType, name: str, config: object, wakeup: float | None) -> Agent:
@@ -211,24 +200,25 @@ class Pool:
     local_dlist: object | None = None  # the pool's prepared (strided) descriptor list
     metadata: bytes = b""
     threaded: bool = False  # NIXL's progress thread runs: the pump need not drive progress
-    late_write_window: float = 0.0  # from the UCX TCP timeout in effect (_ucx_tcp_environment)
+    late_write_window: float = 0.0  # from the UCX TCP timeout in effect (ucx_tcp_environment)
 
     @property
     def num_blocks(self) -> int:
         """Blocks in the pool."""
         return self.nbytes // self.block_len
 
-    def attempt(self, what: str, call: Callable[[_T], object], arg: _T) -> bool:
-        """Make one NIXL call; log a failure (and go on). Returns whether it worked."""
+    def attempt(self, what: str, call: Callable[[_T], object], arg: _T | None) -> bool:
+        """Make one NIXL call (none if ``arg`` is None); log a failure (and go on).
+
+        Returns whether it worked.
+        """
+        if arg is None:
+            return True
         try:
             call(arg)
         except Exception as exc:
-            log.warning(
-                "NIXL agent %s: %s failed: %s (NIXL_LOG_LEVEL=INFO shows why)",
-                self.name,
-                what,
-                nixl_error(exc),
-            )
+            why = nixl_error(exc)
+            note(WARNING, self.name, "%s failed: %s (NIXL_LOG_LEVEL=INFO shows why)", what, why)
             return False
         return True
 
@@ -243,7 +233,7 @@ class Pool:
                 backends=list(options.backends),
                 num_threads=options.num_threads,
             )
-            self.late_write_window = _ucx_tcp_environment(options)
+            self.late_write_window = ucx_tcp_environment(options)
             agent = _new_agent(api, self.name, config, wakeup if self.threaded else None)
         except Exception as exc:
             raise DataPlaneError(
@@ -284,12 +274,10 @@ class Pool:
             self.remove_peer(agent, dlist, None)
         for remote in left.remotes:  # after the lists prepared for them
             self.remove_peer(agent, None, remote)
-        if self.local_dlist is not None:
-            self.attempt(
-                "releasing the pool's descriptors", agent.release_dlist_handle, self.local_dlist
-            )
-        if self.registration is not None:
-            self.attempt("deregistering the pool", agent.deregister_memory, self.registration)
+        self.attempt(
+            "releasing the pool's descriptors", agent.release_dlist_handle, self.local_dlist
+        )
+        self.attempt("deregistering the pool", agent.deregister_memory, self.registration)
         self.local_dlist = self.registration = None
         # The agent (and its UCX context) goes with its last reference, here, in
         # this thread: tearing UCX down can take a while.
@@ -340,21 +328,14 @@ class Pool:
         dlist = agent.prep_xfer_dlist(
             remote, _block_descs(base_addr, num_blocks, self.block_len), mem_type="DRAM"
         )
-        log.info(
-            "NIXL agent %s: agent %s's pool spans several registrations: its %d blocks "
-            "are prepared one by one",
-            self.name,
-            remote,
-            num_blocks,
-        )
+        what = "agent %s's pool spans several registrations: its %d blocks are prepared one by one"
+        note(INFO, self.name, what, remote, num_blocks)
         return dlist
 
     def remove_peer(self, agent: Agent, dlist: object | None, remote: str | None) -> None:
         """Release a peer's descriptors and, unless ``remote`` is None, its agent."""
-        if dlist is not None:
-            self.attempt("releasing a peer's descriptors", agent.release_dlist_handle, dlist)
-        if remote is not None:
-            self.attempt(f"removing remote agent {remote}", agent.remove_remote_agent, remote)
+        self.attempt("releasing a peer's descriptors", agent.release_dlist_handle, dlist)
+        self.attempt(f"removing remote agent {remote}", agent.remove_remote_agent, remote)
 
     def post(self, agent: Agent, local: Index, peer_dlist: object, remote: Index) -> Posted:
         """Make and post one WRITE of our blocks ``local`` into the peer's ``remote``.
@@ -388,8 +369,8 @@ class Pool:
         try:
             notifs = agent.get_new_notifs()
         except Exception as exc:
-            log.warning("NIXL agent %s: get_new_notifs failed: %s", self.name, exc)
+            note(WARNING, self.name, "get_new_notifs failed: %s", exc)
             return
         if notifs:
             # We attach no notifications and vLLM's tier sends none: drop them.
-            log.debug("NIXL agent %s: ignoring notifications from %s", self.name, list(notifs))
+            note(DEBUG, self.name, "ignoring notifications from %s", list(notifs))

@@ -1,8 +1,12 @@
-"""How a NIXL data transport is driven, and what it counts (see :mod:`p2pactor.adapters.nixl`)."""
+"""How a NIXL data transport is driven (UCX's environment too), and what it counts."""
 
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import re
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +24,20 @@ def _positive_or_none(instance: object, attribute: attrs.Attribute[Any], value: 
         _positive(instance, attribute, value)
 
 
-def late_write_window(tcp_timeout: float | None) -> float:
+log = logging.getLogger("p2pactor.nixl")
+
+
+def note(level: int, agent: str, message: str, *args: object, peer: str | None = None) -> None:
+    """Log ``NIXL agent <agent>: message`` (``%``-formatted), with ``peer`` as its field."""
+    line = "NIXL agent %s: " + message
+    log.log(level, line, agent, *args, extra={} if peer is None else {"peer": peer}, stacklevel=2)
+
+
+# Held while os.environ is read and set (ucx_tcp_environment).
+_ENVIRON_LOCK = threading.Lock()
+
+
+def _late_write_window(tcp_timeout: float | None) -> float:
     """:attr:`NixlOptions.late_write_window` for a TCP timeout (None: no bound, 0)."""
     return 0.0 if tcp_timeout is None else 4 * tcp_timeout + 1.0
 
@@ -121,7 +138,7 @@ class NixlOptions:
         longer on its link is bounded only by the producer's transfer_timeout.
         0 when ``tcp_timeout`` is None: nothing bounds it.
         """
-        return late_write_window(self.tcp_timeout)
+        return _late_write_window(self.tcp_timeout)
 
     def ucx_environment(self) -> dict[str, str]:
         """The UCX variables ``tcp_timeout`` sets (where the environment does not)."""
@@ -141,6 +158,45 @@ class NixlOptions:
         while True:
             yield min(interval, self.max_poll_interval)
             interval *= 2
+
+
+_UCX_TIME = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(s|ms|us|ns|m)?\s*", re.IGNORECASE)
+_UCX_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "m": 60.0}
+
+
+def _ucx_seconds(text: str) -> float | None:
+    """A UCX time value ("1000ms", "2s", "2": seconds) in seconds; None for "inf", "auto"."""
+    match = _UCX_TIME.fullmatch(text)
+    if match is None:
+        return None
+    return float(match[1]) * _UCX_UNITS[(match[2] or "s").lower()]
+
+
+def ucx_tcp_environment(options: NixlOptions) -> float:
+    """Set UCX's TCP timeouts the environment leaves unset; the late-write window in effect.
+
+    UCX reads its configuration from the process environment as an agent is
+    made, so what counts is the value there: the operator's own, or the first
+    transport's. The window is computed from it, not from ``options``.
+    """
+    with _ENVIRON_LOCK:
+        for variable, value in options.ucx_environment().items():
+            os.environ.setdefault(variable, value)
+        in_effect = os.environ.get("UCX_TCP_USER_TIMEOUT")
+    if in_effect is None:
+        return 0.0  # tcp_timeout is None, and the environment sets nothing either
+    seconds = _ucx_seconds(in_effect)
+    if seconds is None or seconds <= 0:
+        window = options.late_write_window
+        log.warning(
+            "UCX_TCP_USER_TIMEOUT=%s bounds nothing: a write a link flap cut may land in "
+            "blocks long after its load failed. Holding a lost load's blocks %g s anyway; "
+            "unset it (p2pactor sets 1000ms) or give it a time",
+            in_effect,
+            window,
+        )
+        return window
+    return _late_write_window(seconds)
 
 
 @attrs.define(kw_only=True)

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from logging import DEBUG
 from types import ModuleType
 
 import attrs
 import trio
 
-from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Leftovers, log
-from p2pactor.adapters._nixl_options import NixlStatistics
+from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Leftovers
+from p2pactor.adapters._nixl_options import NixlStatistics, note
 from p2pactor.adapters._nixl_writes import Peer, Writes
-from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.transport import TransferError, WriteDone
 
 
@@ -21,6 +21,17 @@ class NixlDataTransport(Writes):
 
     Made by :func:`~p2pactor.adapters.nixl.open_nixl_transport`, which owns its
     pump task and releases every NIXL resource when its block exits.
+
+    Attributes:
+        agent_name: This agent's NIXL name (unique: it ends with a uuid).
+        agent_metadata: The agent's NIXL metadata, for peers' ``add_remote_agent``.
+        base_addr: Address of block 0 of the pool.
+        num_blocks: Blocks in the pool.
+        block_len: Bytes per block.
+        late_write_window: How long a silent peer's write may still land
+            (:attr:`NixlOptions.late_write_window`), from the
+            ``UCX_TCP_USER_TIMEOUT`` in effect in the process when the agent
+            was made: the operator's, or the one ``tcp_timeout`` set.
     """
 
     # --- setup and teardown ------------------------------------------------------------
@@ -28,7 +39,9 @@ class NixlDataTransport(Writes):
     @asynccontextmanager
     async def _running(self, api: ModuleType) -> AsyncIterator[None]:
         """Open the agent, run the pump and the poster, and release everything on exit."""
-        self._agent = await trio.to_thread.run_sync(self._pool.open, api)
+        pool = self._pool
+        self._agent = await trio.to_thread.run_sync(pool.open, api)
+        self.agent_metadata, self.late_write_window = pool.metadata, pool.late_write_window
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pump)
@@ -63,13 +76,12 @@ class NixlDataTransport(Writes):
                     self._agent,
                     handles=[w.handle for w in self._inflight],
                     dlists=[p.dlist for p in self._peers.values() if p.dlist is not None],
-                    remotes=list(self._remote_refs),
+                    remotes=list(self._remotes()),
                 )
                 self._agent = None
                 for peer in self._peers.values():
                     peer.dlist = None  # its wrapper keeps the native agent alive
                 self._peers.clear()
-                self._remote_refs.clear()
                 await trio.to_thread.run_sync(self._pool.release_all, left)
         self._pool.keepalive = None  # a bytearray pool may be resized again
         # Released with the agent: its endpoints are closed, nothing more lands.
@@ -78,45 +90,11 @@ class NixlDataTransport(Writes):
 
     # --- the DataTransport interface --------------------------------------------------
 
-    @property
-    def agent_name(self) -> str:
-        """This agent's NIXL name (unique: it ends with a uuid)."""
-        return self._pool.name
-
-    @property
-    def agent_metadata(self) -> bytes:
-        """The agent's NIXL metadata, for peers' ``add_remote_agent``."""
-        return self._pool.metadata
-
-    @property
-    def base_addr(self) -> int:
-        """Address of block 0 of the pool."""
-        return self._pool.addr
-
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool."""
-        return self._pool.num_blocks
-
-    @property
-    def block_len(self) -> int:
-        """Bytes per block."""
-        return self._pool.block_len
-
-    @property
-    def late_write_window(self) -> float:
-        """How long a silent peer's write may still land (:attr:`NixlOptions.late_write_window`).
-
-        Computed from the ``UCX_TCP_USER_TIMEOUT`` in effect in the process
-        when the agent was made: the operator's, or the one ``tcp_timeout`` set.
-        """
-        return self._pool.late_write_window
-
     def statistics(self) -> NixlStatistics:
         """Counters, for tests and monitoring."""
         return NixlStatistics(
             peers=len(self._peers),
-            remote_agents=len(self._remote_refs),
+            remote_agents=len(self._remotes()),
             writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
             zombies=sum(w.zombie for w in self._inflight),
             progress_thread=self._pool.threaded,
@@ -162,7 +140,7 @@ class NixlDataTransport(Writes):
         try:
             async with self._lock:
                 agent = self._live_agent()
-                known = frozenset(self._remote_refs)
+                known = self._remotes()
                 outcome = await trio.to_thread.run_sync(
                     self._pool.add_peer, agent, agent_metadata, base_addr, num_blocks, known
                 )
@@ -170,7 +148,6 @@ class NixlDataTransport(Writes):
                 # what the thread made is recorded (and released by remove or close).
                 if not isinstance(outcome, str):
                     peer.remote, peer.dlist = outcome
-                    self._remote_refs[peer.remote] = self._remote_refs.get(peer.remote, 0) + 1
         finally:
             peer.ready.set()
             if isinstance(outcome, str) and self._peers.get(peer_id) is peer:
@@ -178,13 +155,7 @@ class NixlDataTransport(Writes):
             self._signal()
         if isinstance(outcome, str):
             raise TransferError(f"cannot register {peer_id}'s pool with NIXL: {outcome}")
-        log.debug(
-            "NIXL agent %s: %s registered (agent %s)",
-            self.agent_name,
-            peer_id,
-            peer.remote,
-            extra=peer_context(peer_id),
-        )
+        note(DEBUG, self.agent_name, "%s registered (agent %s)", peer_id, peer.remote, peer=peer_id)
 
     async def remove_peer(self, peer_id: str) -> None:
         """Forget a peer once its writes have ended, then release its NIXL state.
@@ -208,15 +179,14 @@ class NixlDataTransport(Writes):
         with trio.CancelScope(shield=True):  # half a removal would leak the agent
             async with self._lock:
                 agent = self._agent
-                refs = self._remote_refs.pop(peer.remote, 0) - 1
-                if refs > 0:
-                    self._remote_refs[peer.remote] = refs
-                last = peer.remote if refs <= 0 else None
+                last = None if peer.remote in self._remotes() else peer.remote
                 if agent is not None:
                     await trio.to_thread.run_sync(self._pool.remove_peer, agent, peer.dlist, last)
-        log.debug(
-            "NIXL agent %s: %s removed", self.agent_name, peer_id, extra=peer_context(peer_id)
-        )
+        note(DEBUG, self.agent_name, "%s removed", peer_id, peer=peer_id)
+
+    def _remotes(self) -> frozenset[str]:
+        """The remote agents loaded: one for any number of peer names."""
+        return frozenset(p.remote for p in self._peers.values() if p.remote is not None)
 
     def start_write(
         self,

@@ -6,15 +6,14 @@ import math
 import operator
 from collections import deque
 from collections.abc import Callable, Sequence
+from logging import WARNING
 
 import attrs
 import numpy as np
 import trio
 
-from p2pactor.adapters._nixl_agent import IN_PROGRESS, Pool, Posted, log, nixl_error
-from p2pactor.adapters._nixl_api import Agent, Index
-from p2pactor.adapters._nixl_options import NixlOptions, Tally
-from p2pactor.runtime.logcontext import peer_context
+from p2pactor.adapters._nixl_agent import IN_PROGRESS, Agent, Index, Pool, Posted, nixl_error
+from p2pactor.adapters._nixl_options import NixlOptions, Tally, log, note
 from p2pactor.runtime.transport import TransferError, WriteDone
 
 _RATE_WEIGHT = 0.25  # of the newest post in the moving average of post times
@@ -55,10 +54,13 @@ class Writes:
     def __init__(self, pool: Pool, options: NixlOptions) -> None:
         self._agent: Agent | None = None  # set once open; None again once closed
         self._pool = pool
+        self.agent_name, self.base_addr = pool.name, pool.addr
+        self.num_blocks, self.block_len = pool.num_blocks, pool.block_len
+        self.agent_metadata = b""  # and the window: once the agent is open
+        self.late_write_window = 0.0
         self._options = options
         self._lock = trio.Lock()  # held around every call into the agent
         self._peers: dict[str, Peer] = {}
-        self._remote_refs: dict[str, int] = {}  # remote agent -> peer names using it
         self._inflight: list[_Write] = []  # posted, polled by the pump
         self._to_post: deque[_Write] = deque()  # waiting for the poster task
         self._kick = trio.Event()  # new work for the pump
@@ -88,7 +90,7 @@ class Writes:
             _tell(done, None)
             return None
         deadline = trio.current_time() + self._options.transfer_timeout
-        write = _Write(peer, local, remote, len(local) * self._pool.block_len, deadline, done)
+        write = _Write(peer, local, remote, len(local) * self.block_len, deadline, done)
         peer.writes.add(write)
         if not self._to_post and self._quick(write):
             try:
@@ -117,7 +119,7 @@ class Writes:
             raise TransferError(
                 f"{len(local_blocks)} local blocks but {len(remote_blocks)} remote blocks"
             )
-        local = _indexes(local_blocks, self._pool.num_blocks, "local")
+        local = _indexes(local_blocks, self.num_blocks, "local")
         remote = _indexes(remote_blocks, peer.num_blocks, f"{peer_id}'s")
         return peer, local, remote
 
@@ -250,14 +252,9 @@ class Writes:
         except Exception as exc:
             if not write.zombie:
                 write.zombie = True
-                log.warning(
-                    "NIXL agent %s: a write to %s cannot be released yet (%s); "
-                    "polling it until it ends",
-                    self._pool.name,
-                    write.peer.peer_id,
-                    nixl_error(exc),
-                    extra=peer_context(write.peer.peer_id),
-                )
+                peer, why = write.peer.peer_id, nixl_error(exc)
+                what = "a write to %s cannot be released yet (%s); polling it until it ends"
+                note(WARNING, self.agent_name, what, peer, why, peer=peer)
             return False
         return True
 

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from logging import DEBUG, ERROR
+from typing import TYPE_CHECKING
 
-import attrs
 import trio
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
-from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _handshake_failure
-from p2pactor.adapters._zmq_options import ZmqOptions, log
-from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor
+from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _curve_client, _handshake_failure
+from p2pactor.adapters._zmq_options import note
+from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket
 from p2pactor.core.protocol import Frame
-from p2pactor.runtime.keys import CurveSecurity
-from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
+
+if TYPE_CHECKING:
+    from p2pactor.adapters._zmq_router import ZmqControlTransport
 
 # vLLM's fatal events, plus HANDSHAKE_SUCCEEDED, which tells a refused or
 # unreachable peer from one that went away after we reached it.
@@ -26,15 +26,14 @@ _MONITOR_MASK = (
 )
 
 
-@attrs.frozen
-class _Owner:
-    """What a connection needs of the transport that opened it."""
-
-    local_id: str
-    options: ZmqOptions
-    nursery: trio.Nursery
-    curve: CurveSecurity | None
-    retire: Callable[[ZmqConnection], None]  # takes a dead connection out of its table
+def _peer_address(peer_id: str) -> str | None:
+    """``tcp://host:port`` for a peer id, or None if it is not ``host:port``."""
+    host, sep, port = peer_id.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
+        return None
+    if any(c.isspace() or c in "/;" for c in host):
+        return None
+    return f"tcp://{host}:{port}"
 
 
 class ZmqConnection:
@@ -42,61 +41,76 @@ class ZmqConnection:
 
     Created by :meth:`ZmqControlTransport.connect` (outbound) or returned by
     :meth:`ZmqControlTransport.accept` (inbound); never directly.
+
+    Attributes:
+        peer_id: The peer's id, ``host:port``.
+        inbound: Whether the peer opened it (by sending us a frame first).
+        dead_reason: Why the connection died, or None while it lives.
     """
 
-    def __init__(
-        self,
-        owner: _Owner,
-        peer_id: str,
-        dealer: _AsyncSocket,
-        monitor: _Monitor,
-        *,
-        inbound: bool,
-    ) -> None:
-        self._owner = owner
-        self._peer_id = peer_id
-        self._dealer = dealer
+    def __init__(self, transport: ZmqControlTransport, peer_id: str, *, inbound: bool) -> None:
+        """Dial ``peer_id``: a DEALER (identity ``local_id``), its monitor, and their tasks.
+
+        Raises:
+            ConnectionLost: ``peer_id`` is not ``host:port``, (CURVE) has no
+                trusted key, or libzmq refused.
+        """
+        address = _peer_address(peer_id)
+        if address is None:
+            raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
+        self._transport = transport
+        self._options = options = transport._options
+        settings: list[tuple[int, int | bytes]] = [
+            (zmq.IDENTITY, transport.local_id.encode()),
+            (zmq.SNDHWM, options.send_hwm),
+        ]
+        if transport._curve is not None:
+            settings += _curve_client(transport._curve, peer_id)
+        # ZMQ_IMMEDIATE stays 0 (vLLM): frames queue before the connection
+        # completes, so the `connect` sent right away fits.
+        try:
+            dealer, monitor = make_socket(
+                transport._ctx,
+                zmq.DEALER,
+                address,
+                options,
+                linger=options.dealer_linger,
+                settings=settings,
+                monitor_mask=_MONITOR_MASK,
+            )
+        except zmq.ZMQError as exc:
+            raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
+        assert monitor is not None
+        self.peer_id = peer_id
+        self._dealer = _AsyncSocket(dealer)
         self._monitor = monitor
-        self._inbound = inbound
-        self._capacity = owner.options.inbound_queue
-        self._frames_in, self._frames_out = trio.open_memory_channel[Frame](self._capacity)
-        self._queued_bytes = 0
-        # Frames read for the attached receiver and not handed to it yet: the
-        # ROUTER task reads ahead of what it hands over, so that the peer's
-        # backlog is here, counted in bytes, not in libzmq, counted in frames.
-        self._unhandled: deque[Frame] = deque()
-        self._unhandled_bytes = 0
+        self.inbound = inbound
+        # Frames read and not handed on yet: to the attached receiver, in turn
+        # with other connections' (the ROUTER task reads ahead of what it hands
+        # over, so the peer's backlog is here, counted in bytes, not in libzmq,
+        # counted in frames), or else to receive().
+        self._frames: deque[Frame] = deque()
+        self._bytes = 0
+        self._arrival = trio.lowlevel.ParkingLot()  # receive() waits here
         self._in_turn = False  # the ROUTER task has it among the connections to hand frames to
-        self._dead_reason: str | None = None
+        self.dead_reason: str | None = None
         self._reached = False  # the ZeroMQ handshake with the peer completed
         self._claimed = False  # connect() or accept() handed it out
         self._receiver: FrameReceiver | None = None  # see attach()
         self._told_lost = False
+        nursery = transport._nursery
+        monitor.events.start_watching(nursery, f"zmq monitor fd {peer_id}")
+        nursery.start_soon(self._watch, name=f"zmq monitor {peer_id}")
 
     def __repr__(self) -> str:
-        way = "inbound" if self._inbound else "outbound"
-        state = "alive" if self.alive else f"dead: {self._dead_reason}"
-        return f"<ZmqConnection {self._owner.local_id} -> {self._peer_id} {way} ({state})>"
-
-    @property
-    def peer_id(self) -> str:
-        """The peer's id, ``host:port``."""
-        return self._peer_id
-
-    @property
-    def inbound(self) -> bool:
-        """Whether the peer opened it (by sending us a frame first)."""
-        return self._inbound
+        way = "inbound" if self.inbound else "outbound"
+        state = "alive" if self.alive else f"dead: {self.dead_reason}"
+        return f"<ZmqConnection {self._transport.local_id} -> {self.peer_id} {way} ({state})>"
 
     @property
     def alive(self) -> bool:
         """Whether the connection still works."""
-        return self._dead_reason is None
-
-    @property
-    def dead_reason(self) -> str | None:
-        """Why the connection died, or None while it lives."""
-        return self._dead_reason
+        return self.dead_reason is None
 
     async def send(self, frame: bytes) -> None:
         """Queue ``frame`` for the peer, in order.
@@ -114,10 +128,10 @@ class ZmqConnection:
         if self.send_nowait(frame):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        options = self._owner.options
+        options = self._options
         with trio.move_on_after(options.send_timeout):
             if not self._dealer.watched:  # the first full queue: start watching it
-                self._dealer.start_watching(self._owner.nursery, f"zmq dealer fd {self}")
+                self._dealer.start_watching(self._transport._nursery, f"zmq dealer fd {self}")
             while True:
                 try:
                     await self._dealer.wait(zmq.POLLOUT)
@@ -127,12 +141,10 @@ class ZmqConnection:
                     return  # sent: no checkpoint may follow that could lose it
         # vLLM's rule, with a grace period: control frames are small, so a queue
         # that stays full means the peer stopped reading. Failing beats stalling.
-        reason = (
-            f"{self._peer_id} is not reading: {options.send_hwm} frames queued for it "
+        raise self._die(
+            f"{self.peer_id} is not reading: {options.send_hwm} frames queued for it "
             f"and no room for {options.send_timeout:g} s"
         )
-        self._die(reason)
-        raise ConnectionLost(reason)
 
     def send_nowait(self, frame: bytes) -> bool:
         """Queue ``frame`` for the peer now if there is room; never blocks, no checkpoint.
@@ -149,8 +161,8 @@ class ZmqConnection:
             ConnectionLost: The connection is dead, or libzmq refused the frame
                 for another reason than room (the connection dies of it).
         """
-        if self._dead_reason is not None:
-            raise ConnectionLost(self._dead_reason)
+        if self.dead_reason is not None:
+            raise ConnectionLost(self.dead_reason)
         return self._try_send(frame)
 
     def _try_send(self, frame: bytes) -> bool:
@@ -164,9 +176,7 @@ class ZmqConnection:
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
-            reason = f"sending to {self._peer_id} failed: {exc}"
-            self._die(reason)
-            raise ConnectionLost(reason) from exc
+            raise self._die(f"sending to {self.peer_id} failed: {exc}") from exc
         self._dealer.after_operation()
         return True
 
@@ -178,49 +188,36 @@ class ZmqConnection:
         """
         self._receiver = None
         if receiver is None:
-            # Frames read for the old receiver wait for the next, before later ones.
-            while self._unhandled:
-                frame = self._unhandled.popleft()
-                self._unhandled_bytes -= len(frame)
-                if not self._buffer(frame):
-                    break  # it died of it, which dropped the rest
+            self._arrival.unpark_all()  # what waits now waits for receive()
             return
-        while True:
-            try:
-                frame = self._frames_out.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-                break
-            self._queued_bytes -= len(frame)
-            self._hand(receiver, frame)
+        while self._frames:
+            self._hand(receiver, self._pop())
         self._receiver = receiver
-        if self._dead_reason is not None:
+        if self.dead_reason is not None:
             self._tell_lost()
 
-    def _hand(self, receiver: FrameReceiver, frame: Frame) -> None:
+    def _pop(self) -> Frame:
+        frame = self._frames.popleft()
+        self._bytes -= len(frame)
+        return frame
+
+    def _hand(self, receiver: FrameReceiver, frame: Frame | None) -> None:
+        """Hand ``frame`` to ``receiver`` (None: tell it the connection died)."""
         try:
-            receiver.frame_received(frame)
+            if frame is None:
+                receiver.connection_lost(self.dead_reason or "connection closed")
+            else:
+                receiver.frame_received(frame)
         except Exception:  # the receiver's bug must not take the ROUTER (every peer) down
-            self._receiver_failed("on a frame; frame dropped")
+            peer, node = self.peer_id, self._transport.local_id
+            when = "when told the connection died" if frame is None else "on a frame; frame dropped"
+            bug = "(a bug in p2pactor: please report it with this traceback)"
+            note(ERROR, node, "the receiver of %s failed %s %s", peer, when, bug, peer=peer)
 
     def _tell_lost(self) -> None:
-        receiver = self._receiver
-        if receiver is None or self._told_lost:
-            return
-        self._told_lost = True
-        try:
-            receiver.connection_lost(self._dead_reason or "connection closed")
-        except Exception:
-            self._receiver_failed("when told the connection died")
-
-    def _receiver_failed(self, when: str) -> None:
-        log.exception(
-            "%s: the receiver of %s failed %s (a bug in p2pactor: please report it with "
-            "this traceback)",
-            self._owner.local_id,
-            self._peer_id,
-            when,
-            extra=peer_context(self._peer_id, node=self._owner.local_id),
-        )
+        if self._receiver is not None and not self._told_lost:
+            self._told_lost = True
+            self._hand(self._receiver, None)
 
     async def receive(self) -> Frame:
         """Wait for the peer's next frame (while no receiver is attached).
@@ -232,11 +229,13 @@ class ZmqConnection:
         Raises:
             ConnectionLost: The connection died (or was closed); no frame will come.
         """
-        try:
-            frame = await self._frames_out.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise self._lost() from None
-        self._queued_bytes -= len(frame)
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._frames or self._receiver is not None:
+            if self.dead_reason is not None:
+                raise self._lost()
+            await self._arrival.park()
+        frame = self._pop()
+        await trio.lowlevel.cancel_shielded_checkpoint()
         return frame
 
     async def aclose(self) -> None:
@@ -246,99 +245,71 @@ class ZmqConnection:
         told (send it a ``disconnect`` first); its own side lives on until it
         notices. A checkpoint.
         """
-        self._die("connection closed", linger=self._owner.options.dealer_linger)
-        self._frames_out.close()
+        self._die("connection closed", linger=self._options.dealer_linger)
+        self._frames.clear()
+        self._bytes = 0
         await trio.lowlevel.checkpoint()
 
     # --- what the transport does ------------------------------------------------
 
     def _lost(self) -> ConnectionLost:
-        return ConnectionLost(self._dead_reason or "connection closed")
+        return ConnectionLost(self.dead_reason or "connection closed")
 
     def _deliver(self, frame: Frame) -> bool:
-        """Take a frame from the peer: for the receiver, or queued for :meth:`receive`.
+        """Take a frame from the peer (the ROUTER task); whether it was taken.
 
-        Called by the ROUTER task, which then hands frames to the receiver in
-        turn with other connections' (:meth:`_hand_next`). Returns whether it
-        was taken. A frame that does not fit kills the connection and is
-        dropped: the peer sends faster than we handle what it sends, and more
-        than ``inbound_bytes`` of it wait.
+        It waits its turn to be handed to the receiver (:meth:`_hand_next`),
+        or for :meth:`receive`. A frame that does not fit kills the connection
+        and is dropped: the peer sends faster than we handle what it sends,
+        and more than ``inbound_bytes`` of it (or, with no receiver attached,
+        ``inbound_queue`` frames) wait.
         """
-        if self._dead_reason is not None:
+        if self.dead_reason is not None:
             return False
-        if self._receiver is None:
-            return self._buffer(frame)
-        most = self._owner.options.inbound_bytes
-        if self._unhandled and self._unhandled_bytes + len(frame) > most:
-            self._die(
-                f"{self._peer_id} flooded us: more than {most} bytes received and not yet handled"
-            )
-            return False
-        self._unhandled.append(frame)
-        self._unhandled_bytes += len(frame)
-        return True
+        options = self._options
+        if self._frames and self._bytes + len(frame) > options.inbound_bytes:
+            too_many = f"{options.inbound_bytes} bytes"
+        elif self._receiver is None and len(self._frames) >= options.inbound_queue:
+            too_many = f"{options.inbound_queue} frames"
+        else:
+            self._frames.append(frame)
+            self._bytes += len(frame)
+            if self._receiver is None:
+                self._arrival.unpark()
+            elif not self._in_turn:
+                self._in_turn = True
+                self._transport._turns.append(self)
+            return True
+        self._die(f"{self.peer_id} flooded us: more than {too_many} received and not yet handled")
+        return False
 
     def _hand_next(self) -> bool:
         """Hand the oldest frame read for the receiver to it; whether more wait."""
-        if not self._unhandled:
-            return False
-        frame = self._unhandled.popleft()
-        self._unhandled_bytes -= len(frame)
         receiver = self._receiver
-        if receiver is not None:  # attach(None) moves what waits to the queue
-            self._hand(receiver, frame)
-        return bool(self._unhandled)
-
-    def _buffer(self, frame: Frame) -> bool:
-        """Queue a frame for :meth:`receive` (no receiver is attached); whether it fit."""
-        most = self._owner.options.inbound_bytes
-        if self._queued_bytes and self._queued_bytes + len(frame) > most:
-            self._die(
-                f"{self._peer_id} flooded us: more than {most} bytes "
-                "queued before they were received"
-            )
+        if receiver is None or not self._frames:  # attach(None): they wait for receive()
             return False
-        try:
-            self._frames_in.send_nowait(frame)
-        except trio.WouldBlock:
-            self._die(
-                f"{self._peer_id} flooded us: more than {self._capacity} frames "
-                "queued before they were received"
-            )
-            return False
-        except trio.ClosedResourceError:
-            return False  # died meanwhile (it is out of the table already)
-        self._queued_bytes += len(frame)
-        return True
+        self._hand(receiver, self._pop())
+        return bool(self._frames)
 
     async def _watch(self) -> None:
         """Turn the DEALER's monitor events (and a missed dial deadline) into death."""
-        opts = self._owner.options
+        opts = self._options
         deadline = trio.current_time() + opts.connect_timeout
-        monitor = self._monitor.events
+        peer, node = self.peer_id, self._transport.local_id
         try:
             while self.alive:
-                batch: list[list[bytes]] = []
+                events: list[tuple[int, int]] = []
                 with trio.move_on_at(math.inf if self._reached else deadline):
-                    batch = await monitor.receive_batch(16)
-                if not batch and not self._reached:
+                    events = await self._monitor.receive()
+                if not events and not self._reached:
                     self._die(
-                        f"could not reach {self._peer_id} within {opts.connect_timeout:g} s "
+                        f"could not reach {self.peer_id} within {opts.connect_timeout:g} s "
                         "(no ZeroMQ handshake: host unreachable, name unresolvable, or "
                         "no ZeroMQ peer at that address)"
                     )
                     return
-                for frames in batch:
-                    message = parse_monitor_message(frames)
-                    event, value = message["event"], message["value"]
-                    log.debug(
-                        "%s: monitor of %r: %r %r",
-                        self._owner.local_id,
-                        self,
-                        event,
-                        value,
-                        extra=peer_context(self._peer_id, node=self._owner.local_id),
-                    )
+                for event, value in events:
+                    note(DEBUG, node, "monitor of %r: %r %r", self, event, value, peer=peer)
                     reason = self._death_reason(event, value)
                     if reason is not None:
                         self._die(reason)
@@ -348,7 +319,7 @@ class ZmqConnection:
 
     def _death_reason(self, event: int, value: int) -> str | None:
         """What a monitor event (and its value) means: a reason to die, or None."""
-        peer = self._peer_id
+        peer = self.peer_id
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._reached = True
             return None
@@ -356,31 +327,32 @@ class ZmqConnection:
             # libzmq reports a heartbeat timeout as a plain disconnect.
             return (
                 f"{peer} went away: the connection dropped (the peer closed it or "
-                f"died, or sent nothing for {self._owner.options.heartbeat_timeout:g} s)"
+                f"died, or sent nothing for {self._options.heartbeat_timeout:g} s)"
             )
         if event == zmq.EVENT_CLOSED:
             if self._reached:
                 return f"{peer} went away: the connection closed"
             return f"cannot connect to {peer}: refused (nothing listens there?)"
         if event & _HANDSHAKE_FAILED:
-            return _handshake_failure(peer, event, value, self._owner.curve)
+            return _handshake_failure(peer, event, value, self._transport._curve)
         return None
 
-    def _die(self, reason: str, *, linger: float = 0.0) -> None:
-        """Make the connection dead and release its sockets. Idempotent.
+    def _die(self, reason: str, *, linger: float = 0.0) -> ConnectionLost:
+        """Make the connection dead and release its sockets; why, to raise. Idempotent.
 
         ``linger`` is how long frames still queued on the DEALER may take to
         leave: ``dealer_linger`` when we close it (a final ``disconnect``), 0
         when it died, so that nothing queued for a peer we gave up on reaches
         it later (a refused peer that comes up, a stalled one that wakes).
         """
-        if self._dead_reason is not None:
-            return
-        self._dead_reason = reason
-        self._unhandled.clear()  # what waits for a receiver that will not get it
-        self._unhandled_bytes = 0
-        self._frames_in.close()  # receivers drain what came, then ConnectionLost
-        self._owner.retire(self)
-        self._monitor.close()  # wakes our monitor task
-        self._dealer.close(linger)  # wakes senders waiting for room
-        self._tell_lost()  # last: the receiver may close or replace us
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            if self._receiver is not None:  # what waits for a receiver that will not get it
+                self._frames.clear()
+                self._bytes = 0
+            self._arrival.unpark_all()  # receivers drain what came, then ConnectionLost
+            self._transport._retire(self)
+            self._monitor.close()  # wakes our monitor task
+            self._dealer.close(linger)  # wakes senders waiting for room
+            self._tell_lost()  # last: the receiver may close or replace us
+        return ConnectionLost(reason)

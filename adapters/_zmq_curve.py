@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from logging import WARNING
 from pathlib import Path
 
 import trio
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
-from p2pactor.adapters._zmq_options import ZmqTransportError, _worth_logging, log
-from p2pactor.adapters._zmq_socket import _AsyncSocket
+from p2pactor.adapters._zmq_options import ZmqTransportError, _worth_logging, note
+from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor
 from p2pactor.core.protocol import Frame
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.keys import KEYGEN_HINT, CurveKeypair, CurveSecurity, write_keypair
@@ -34,7 +34,7 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
 # What a CURVE ROUTER turns away before ZAP is asked (see _router_monitor_loop).
-_ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 def _new_keys() -> tuple[str, str]:
@@ -84,35 +84,7 @@ def check_keypair(keypair: CurveKeypair) -> None:
         )
 
 
-def _bind_zap(ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes]:
-    """The socket libzmq sends its ZAP requests to (answered by :class:`_CurveGate`).
-
-    Bind it before the CURVE ROUTER and close it after: libzmq lets every
-    client in when no handler answers.
-    """
-    zap = ctx.socket(zmq.ROUTER)
-    try:
-        zap.setsockopt(zmq.LINGER, 0)
-        zap.bind(_ZAP_ENDPOINT)
-    except zmq.ZMQError as exc:
-        zap.close(linger=0)
-        raise ZmqTransportError(f"cannot bind the CURVE ZAP handler: {exc}") from exc
-    return zap
-
-
-def _make_curve_server(router: zmq.Socket[bytes], curve: CurveSecurity) -> None:
-    router.setsockopt(zmq.CURVE_SERVER, 1)
-    router.setsockopt(zmq.CURVE_SECRETKEY, curve.keypair.secret_key.encode("ascii"))
-    router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
-    # A draft in libzmq 4.3's header, honoured by its builds: a client is
-    # refused when no handler is bound, so a missing handler can only mean "refuse".
-    try:
-        router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-    except (zmq.ZMQError, AttributeError) as exc:  # older: the handler's lifetime covers us
-        log.debug("ZMQ_ZAP_ENFORCE_DOMAIN not supported by this libzmq: %s", exc)
-
-
-def _curve_client(curve: CurveSecurity, peer_id: str) -> list[tuple[int, bytes]]:
+def _curve_client(curve: CurveSecurity, peer_id: str) -> list[tuple[int, int | bytes]]:
     """The options of a DEALER that accepts only the key we trust for ``peer_id``.
 
     Raises:
@@ -178,23 +150,59 @@ def _handshake_failure(peer: str, event: int, value: int, curve: CurveSecurity |
 
 
 class _CurveGate:
-    """What a CURVE ROUTER lets in: the ZAP handler, the identity check, the refusals."""
+    """What a CURVE ROUTER lets in: the ZAP handler, the identity check, the refusals.
 
-    def __init__(self, curve: CurveSecurity, local_id: str, closed: Callable[[], bool]) -> None:
+    Make it before the ROUTER, which it gives its :meth:`settings`, and close it
+    after: libzmq lets every client in when no ZAP handler answers.
+    """
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], curve: CurveSecurity) -> None:
+        """Bind the socket libzmq sends its ZAP requests to.
+
+        Raises:
+            ZmqTransportError: It cannot be bound.
+        """
         self.curve = curve
         self.refused = 0  # clients turned away
-        self._local_id = local_id
-        self._closed = closed  # whether the transport has closed
+        self.local_id = ""  # the transport's, once it is bound
+        self.monitor: _Monitor | None = None  # the ROUTER's (see _router_monitor_loop)
+        self._closed = False
+        zap = ctx.socket(zmq.ROUTER)
+        try:
+            zap.setsockopt(zmq.LINGER, 0)
+            zap.bind(_ZAP_ENDPOINT)
+        except zmq.ZMQError as exc:
+            zap.close(linger=0)
+            raise ZmqTransportError(f"cannot bind the CURVE ZAP handler: {exc}") from exc
+        self._zap = _AsyncSocket(zap)
 
-    def start(
-        self, nursery: trio.Nursery, zap: zmq.Socket[bytes], router_monitor: _AsyncSocket
-    ) -> None:
-        """Answer ``zap`` (from :func:`_bind_zap`) and read ``router_monitor``, in ``nursery``."""
-        zap_socket = _AsyncSocket(zap)
-        zap_socket.start_watching(nursery, "zmq zap fd")
-        nursery.start_soon(self._zap_loop, zap_socket, name="zmq zap")
-        router_monitor.start_watching(nursery, "zmq router monitor fd")
-        nursery.start_soon(self._router_monitor_loop, router_monitor, name="zmq router monitor")
+    def settings(self) -> list[tuple[int, int | bytes]]:
+        """The options of a ROUTER that admits the CURVE clients our ZAP handler trusts."""
+        settings: list[tuple[int, int | bytes]] = [
+            (zmq.CURVE_SERVER, 1),
+            (zmq.CURVE_SECRETKEY, self.curve.keypair.secret_key.encode("ascii")),
+            (zmq.ZAP_DOMAIN, ZAP_DOMAIN),
+        ]
+        if zmq.zmq_version_info() >= (4, 3):
+            # A client is refused when no handler is bound, so a missing handler
+            # can only mean "refuse". (Before 4.3 the handler's lifetime covers us.)
+            settings.append((zmq.ZAP_ENFORCE_DOMAIN, 1))
+        return settings
+
+    def start(self, nursery: trio.Nursery) -> None:
+        """Answer the ZAP requests and read the ROUTER's monitor, in ``nursery``."""
+        assert self.monitor is not None
+        self._zap.start_watching(nursery, "zmq zap fd")
+        nursery.start_soon(self._zap_loop, self._zap, name="zmq zap")
+        self.monitor.events.start_watching(nursery, "zmq router monitor fd")
+        nursery.start_soon(self._router_monitor_loop, self.monitor, name="zmq router monitor")
+
+    def close(self) -> None:
+        """Close the ROUTER's monitor, then the ZAP handler (after the ROUTER). Idempotent."""
+        self._closed = True
+        if self.monitor is not None:
+            self.monitor.close()
+        self._zap.close(0)
 
     def impostor(self, identity: bytes, parts: list[Frame]) -> str | None:
         """Pop the sender's User-Id off ``parts``; what is wrong if it is not the identity's key.
@@ -232,7 +240,7 @@ class _CurveGate:
                 try:
                     batch = await zap.receive_batch(16)
                 except zmq.ZMQError as exc:
-                    if self._closed():
+                    if self._closed:
                         return
                     raise ZmqTransportError(f"the CURVE ZAP handler failed: {exc}") from exc
                 for request in batch:
@@ -269,7 +277,7 @@ class _CurveGate:
         self._refuse(f"a CURVE client at {address.decode('ascii', 'replace')}: {why}")
         return [*head, b"400", b"key not trusted", b"", b""]
 
-    async def _router_monitor_loop(self, monitor: _AsyncSocket) -> None:
+    async def _router_monitor_loop(self, monitor: _Monitor) -> None:
         """Log the clients a CURVE ROUTER turned away before ZAP was asked.
 
         A client without CURVE (a stock vLLM peer, a p2pactor node without
@@ -278,9 +286,7 @@ class _CurveGate:
         """
         try:
             while True:
-                for frames in await monitor.receive_batch(16):
-                    message = parse_monitor_message(frames)
-                    event, value = message["event"], message["value"]
+                for event, value in await monitor.receive():
                     if (
                         event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                         and value == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
@@ -304,10 +310,4 @@ class _CurveGate:
     def _refuse(self, what: str) -> None:
         self.refused += 1
         if _worth_logging(self.refused):
-            log.warning(
-                "%s: refused %s (%d refused so far)",
-                self._local_id,
-                what,
-                self.refused,
-                extra={"node": self._local_id},
-            )
+            note(WARNING, self.local_id, "refused %s (%d refused so far)", what, self.refused)

@@ -9,6 +9,7 @@ import attrs
 from p2pactor.core import checks
 from p2pactor.core.protocol import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.errors import P2PActorError
+from p2pactor.runtime.logcontext import request_context
 
 log = logging.getLogger("p2pactor.zmq")
 
@@ -130,6 +131,16 @@ class ZmqStatistics:
     connections_opened: int
     connections_died: int
     auth_refused: int = 0
+
+
+def note(level: int, node: str, message: str, *args: object, peer: str | None = None) -> None:
+    """Log ``node: message`` (``%``-formatted), with ``node`` and ``peer`` as its fields.
+
+    At ``ERROR`` and above, the exception being handled goes with it.
+    """
+    line = "%s: " + message
+    extra = request_context(peer, None, node=node)
+    log.log(level, line, node, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2)
 
 
 def _worth_logging(count: int) -> bool:

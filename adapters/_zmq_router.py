@@ -2,32 +2,26 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from collections.abc import Callable
+from logging import DEBUG, INFO, WARNING
 from typing import Literal
 
 import trio
 import zmq
 
-from p2pactor.adapters._zmq_connection import ZmqConnection, _Owner
-from p2pactor.adapters._zmq_curve import (
-    _curve_client,
-    _CurveGate,
-)
-from p2pactor.adapters._zmq_dial import _peer_address, _transport_serials, dial
+from p2pactor.adapters._zmq_connection import ZmqConnection, _peer_address
+from p2pactor.adapters._zmq_curve import _CurveGate
 from p2pactor.adapters._zmq_options import (
     ZmqOptions,
     ZmqStatistics,
     ZmqTransportError,
     _worth_logging,
-    log,
+    note,
 )
-from p2pactor.adapters._zmq_socket import _AsyncSocket, _events, _Monitor
+from p2pactor.adapters._zmq_socket import _AsyncSocket, _events
 from p2pactor.core.protocol import Frame
-from p2pactor.runtime.keys import CurveSecurity
-from p2pactor.runtime.logcontext import peer_context, request_context
 from p2pactor.runtime.transport import ConnectionLost
 
 _REFAIR_EVERY = 4  # frames read between the ROUTER's looks for newly readable connections
@@ -37,60 +31,47 @@ class ZmqControlTransport:
     """A node's ZeroMQ control endpoint. Open it with :func:`open_zmq_transport`.
 
     Implements :class:`p2pactor.runtime.transport.ControlTransport`.
+
+    Attributes:
+        local_id: This node's id, ``host:port``: the DEALER identity, and where peers dial.
+        port: The TCP port the ROUTER is bound on (the ephemeral one if 0 was asked).
+        closed: Whether the transport has been closed.
     """
 
     def __init__(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
-        router: _AsyncSocket,
-        *,
-        local_id: str,
-        port: int,
+        router: zmq.Socket[bytes],
+        host: str,
         options: ZmqOptions,
-        nursery: trio.Nursery,
-        curve: CurveSecurity | None = None,
-        router_monitor: _Monitor | None = None,
+        gate: _CurveGate | None,
     ) -> None:
+        bound = router.getsockopt(zmq.LAST_ENDPOINT)
+        assert isinstance(bound, bytes)
+        self.port = int(bound.decode().rpartition(":")[2])
+        self.local_id = f"{host}:{self.port}"
         self._ctx = ctx
-        self._router = router
-        self._local_id = local_id
-        self._port = port
+        self._router = _AsyncSocket(router)
+        self._router.authenticated = gate is not None
         self._options = options
-        self._nursery = nursery
-        self._serial = next(_transport_serials)
-        self._monitor_serials = itertools.count()
+        self._nursery: trio.Nursery  # set by _start
         self._connections: dict[str, ZmqConnection] = {}
         self._accept_in, self._accept_out = trio.open_memory_channel[ZmqConnection](
             options.accept_backlog
         )
         self._last_close: dict[str, float] = {}
-        self._closed = False
+        self.closed = False
         self._received = self._dropped = self._opened = self._died = 0
-        self._curve = curve
-        self._router_monitor = router_monitor
-        self._gate = None if curve is None else _CurveGate(curve, local_id, lambda: self._closed)
-        self._owner = _Owner(local_id, options, nursery, curve, self._retire)
+        self._gate = gate
+        self._curve = None if gate is None else gate.curve
+        if gate is not None:
+            gate.local_id = self.local_id
         self._allowed: Callable[[str], bool] | None = None
         # Connections with frames read and not yet handed on, in turn (see _receive_loop).
         self._turns: deque[ZmqConnection] = deque()
 
     def __repr__(self) -> str:
-        return f"<ZmqControlTransport {self._local_id} ({len(self._connections)} connections)>"
-
-    @property
-    def local_id(self) -> str:
-        """This node's id, ``host:port``: the DEALER identity, and where peers dial."""
-        return self._local_id
-
-    @property
-    def port(self) -> int:
-        """The TCP port the ROUTER is bound on (the ephemeral one if 0 was asked)."""
-        return self._port
-
-    @property
-    def closed(self) -> bool:
-        """Whether the transport has been closed."""
-        return self._closed
+        return f"<ZmqControlTransport {self.local_id} ({len(self._connections)} connections)>"
 
     @property
     def security(self) -> Literal["curve", "none"]:
@@ -128,7 +109,7 @@ class ZmqControlTransport:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         while True:
-            if self._closed:
+            if self.closed:
                 raise ConnectionLost("the control transport is closed")
             conn = self._connections.get(peer_id)
             if conn is not None:  # the table holds live connections only
@@ -181,66 +162,36 @@ class ZmqControlTransport:
 
     # --- internals --------------------------------------------------------------
 
-    def _start(self, zap: zmq.Socket[bytes] | None) -> None:
-        """Start the transport's tasks; ``zap`` is the ZAP handler's socket (with CURVE)."""
+    def _start(self, nursery: trio.Nursery) -> None:
+        """Start the transport's tasks in ``nursery``."""
+        self._nursery = nursery
         if self._gate is not None:
-            assert zap is not None
-            assert self._router_monitor is not None
-            self._router.authenticated = True
-            self._gate.start(self._nursery, zap, self._router_monitor.events)
-        self._nursery.start_soon(self._receive_loop, name="zmq router")
+            self._gate.start(nursery)
+        nursery.start_soon(self._receive_loop, name="zmq router")
 
     def _close(self) -> None:
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         self._turns.clear()
         for conn in list(self._connections.values()):
             conn._die("the control transport closed", linger=self._options.dealer_linger)
         self._accept_in.close()
-        if self._router_monitor is not None:
-            self._router_monitor.close()
-        # Closing the sockets ends our tasks; the nursery is not cancelled: the
-        # caller's body runs in it too.
         self._router.close(self._options.router_linger)
+        if self._gate is not None:
+            self._gate.close()
 
     def _open(self, peer_id: str, *, inbound: bool) -> ZmqConnection:
-        """A new connection to ``peer_id``: DEALER, monitor, and their task.
+        """A new connection to ``peer_id``, in the table.
 
         Raises:
             ConnectionLost: ``peer_id`` is not ``host:port``, or (CURVE) has no trusted key.
         """
-        address = _peer_address(peer_id)
-        if address is None:
-            raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
-        curve_options = [] if self._curve is None else _curve_client(self._curve, peer_id)
-        # A monitor endpoint unique per connection, not per peer: libzmq
-        # releases an inproc name on its reaper thread after close()
-        # returned, so reusing it on a reconnect fails with EADDRINUSE.
-        endpoint = f"inproc://p2pactor-monitor-{self._serial}-{next(self._monitor_serials)}"
-        try:
-            dealer, monitor = dial(
-                self._ctx,
-                self._local_id,
-                address,
-                self._options,
-                curve_options=curve_options,
-                endpoint=endpoint,
-            )
-        except zmq.ZMQError as exc:
-            raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
-        conn = ZmqConnection(self._owner, peer_id, _AsyncSocket(dealer), monitor, inbound=inbound)
+        conn = ZmqConnection(self, peer_id, inbound=inbound)
         self._connections[peer_id] = conn
         self._opened += 1
-        monitor.events.start_watching(self._nursery, f"zmq monitor fd {peer_id}")
-        self._nursery.start_soon(conn._watch, name=f"zmq monitor {peer_id}")
-        log.info(
-            "%s: %s connection to %s opened",
-            self._local_id,
-            "inbound" if inbound else "outbound",
-            peer_id,
-            extra=peer_context(peer_id, node=self._local_id),
-        )
+        way = "inbound" if inbound else "outbound"
+        note(INFO, self.local_id, "%s connection to %s opened", way, peer_id, peer=peer_id)
         return conn
 
     def _retire(self, conn: ZmqConnection) -> None:
@@ -253,15 +204,10 @@ class ZmqControlTransport:
         if len(self._last_close) > 1024:  # keep the table bounded
             self._last_close = {p: t for p, t in self._last_close.items() if t > horizon}
         self._last_close[conn.peer_id] = now
-        if self._closed:
+        if self.closed:
             return
-        log.info(
-            "%s: connection to %s ended: %s",
-            self._local_id,
-            conn.peer_id,
-            conn.dead_reason,
-            extra=peer_context(conn.peer_id, node=self._local_id),
-        )
+        peer, why = conn.peer_id, conn.dead_reason
+        note(INFO, self.local_id, "connection to %s ended: %s", peer, why, peer=peer)
 
     async def _receive_loop(self) -> None:
         """The ROUTER's one receive task: it reads frames ahead, and hands them on in turn.
@@ -274,7 +220,7 @@ class ZmqControlTransport:
         """
         router = self._router
         recv = router.recv_routed
-        route = self._route if self._curve is None else self._route_authenticated
+        route = self._route
         limit = self._options.receive_batch
         slice_s = self._options.receive_slice_s
         clock = time.perf_counter
@@ -290,7 +236,7 @@ class ZmqControlTransport:
                     except zmq.Again:
                         break
                     except zmq.ZMQError as exc:
-                        if self._closed:
+                        if self.closed:
                             return
                         raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
                     read += 1
@@ -324,18 +270,15 @@ class ZmqControlTransport:
         except trio.ClosedResourceError:
             return
 
-    def _route_authenticated(self, identity: bytes, parts: list[Frame]) -> None:
-        """:meth:`_route` for a CURVE ROUTER: the claimed identity must be the key's."""
-        assert self._gate is not None
-        if (impostor := self._gate.impostor(identity, parts)) is None:
-            self._route(identity, parts)
-        else:
-            self._received += 1
-            self._drop(impostor)
-
     def _route(self, identity: bytes, parts: list[Frame]) -> None:
-        """Take one message to its connection (which waits its turn to hand it on)."""
+        """Take one message to its connection (which waits its turn to hand it on).
+
+        On a CURVE ROUTER the claimed identity must be the key's (``_CurveGate.impostor``).
+        """
         self._received += 1
+        if self._gate is not None and (impostor := self._gate.impostor(identity, parts)):
+            self._drop(impostor)
+            return
         if len(parts) != 1:
             self._drop(f"a message of {len(parts)} frames (expected [identity, payload])")
             return
@@ -344,11 +287,7 @@ class ZmqControlTransport:
             # newer one of the same peer (ROUTER_HANDOVER): its last frames
             # belong to a connection both sides have given up. Not news.
             self._dropped += 1
-            log.debug(
-                "%s: dropped a frame from a replaced connection",
-                self._local_id,
-                extra={"node": self._local_id},
-            )
+            note(DEBUG, self.local_id, "dropped a frame from a replaced connection")
             return
         try:
             peer_id = identity.decode()
@@ -362,13 +301,10 @@ class ZmqControlTransport:
                 return
         if not conn._deliver(parts[0]):
             self._dropped += 1  # its connection died of it: logged there
-        elif conn._unhandled and not conn._in_turn:
-            conn._in_turn = True
-            self._turns.append(conn)
 
     def _accept_new(self, peer_id: str) -> ZmqConnection | None:
         """An inbound connection for a peer's first frame, or None (frame dropped)."""
-        if self._closed:
+        if self.closed:
             return None
         if _peer_address(peer_id) is None:
             self._drop(f"a frame from identity {peer_id[:64]!r}, which is not host:port")
@@ -400,10 +336,5 @@ class ZmqControlTransport:
     def _drop(self, what: str, *, peer: str | None = None) -> None:
         self._dropped += 1
         if _worth_logging(self._dropped):
-            log.warning(
-                "%s: dropped %s (%d dropped so far)",
-                self._local_id,
-                what,
-                self._dropped,
-                extra=request_context(peer, None, node=self._local_id),
-            )
+            count = self._dropped
+            note(WARNING, self.local_id, "dropped %s (%d dropped so far)", what, count, peer=peer)

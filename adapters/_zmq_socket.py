@@ -1,4 +1,4 @@
-"""A zmq socket waited on from trio (``shared/reference/trio-stack.md`` section 1).
+"""A zmq socket waited on from trio (``shared/reference/trio-stack.md`` section 1), and made.
 
 ``zmq.FD`` is edge-triggered relative to the socket's state: it signals that
 libzmq has internal commands to process, not that a message is there, and any
@@ -12,11 +12,15 @@ waiters.
 from __future__ import annotations
 
 import contextlib
+import itertools
+from collections.abc import Iterable
 from typing import Final, cast
 
 import trio
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
+from p2pactor.adapters._zmq_options import ZmqOptions
 from p2pactor.core.protocol import Frame
 
 COPY_BELOW: Final = 64 * 1024
@@ -211,6 +215,15 @@ class _Monitor:
             self.close()
             raise
 
+    async def receive(self) -> list[tuple[int, int]]:
+        """The next events, 1 to 16 of them, as ``(event, value)``; a checkpoint.
+
+        Raises:
+            trio.ClosedResourceError: The monitor closed.
+        """
+        messages = map(parse_monitor_message, await self.events.receive_batch(16))
+        return [(message["event"], message["value"]) for message in messages]
+
     def close(self) -> None:
         """Stop the events, then close the PAIR, waking its reader. Idempotent."""
         if self.events.closed:
@@ -218,3 +231,53 @@ class _Monitor:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         self.events.close(0)
+
+
+# A monitor endpoint unique per socket: libzmq releases an inproc name on its
+# reaper thread after close() returned, so reusing one fails with EADDRINUSE.
+_monitor_serials = itertools.count(1)
+
+
+def make_socket(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    kind: int,
+    address: str,
+    options: ZmqOptions,
+    *,
+    linger: float,
+    settings: Iterable[tuple[int, int | bytes]] = (),
+    monitor_mask: int = 0,
+) -> tuple[zmq.Socket[bytes], _Monitor | None]:
+    """A socket of ``kind`` bound (a ROUTER) or dialed to ``address``, with its monitor.
+
+    It gets the transport's heartbeat, ``linger`` and ``settings``; with a
+    ``monitor_mask``, a :class:`_Monitor` of those events, made before it binds or dials.
+
+    Raises:
+        zmq.ZMQError: libzmq refused; nothing is left open.
+    """
+    sock = ctx.socket(kind)
+    monitor: _Monitor | None = None
+    try:
+        for option, value in (
+            (zmq.HEARTBEAT_IVL, _ms(options.heartbeat_interval)),
+            (zmq.HEARTBEAT_TIMEOUT, _ms(options.heartbeat_timeout)),
+            (zmq.HEARTBEAT_TTL, _ms(options.heartbeat_ttl)),
+            (zmq.LINGER, _ms(linger)),
+            (zmq.IPV6, int(address.startswith("tcp://["))),
+            *settings,
+        ):
+            sock.setsockopt(option, value)
+        if monitor_mask:
+            endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
+            monitor = _Monitor(ctx, sock, endpoint, monitor_mask)
+        if kind == zmq.ROUTER:
+            sock.bind(address)
+        else:
+            sock.connect(address)
+    except zmq.ZMQError:
+        if monitor is not None:
+            monitor.close()
+        sock.close(linger=0)
+        raise
+    return sock, monitor

@@ -26,8 +26,9 @@ How trio and libzmq meet:
   a DEALER only once its queue is full (``SNDHWM``): its watcher starts then,
   and senders wait for room at most ``send_timeout``.
 * A frame read from the ROUTER is handled before the task next checkpoints, so
-  cancellation never loses one. A connection no session has attached yet keeps
-  its frames in a bounded trio memory channel (:meth:`ZmqConnection.receive`).
+  cancellation never loses one. Each connection keeps the frames read and not
+  yet handled in one bounded queue: for its session's turn, or, before a session
+  attaches, for :meth:`ZmqConnection.receive`.
 
 How a connection dies (never silently), with a reason in :class:`ConnectionLost`:
 
@@ -59,16 +60,18 @@ claims; the transport says so in a warning when it opens. With ``curve`` (a
 encrypted and authenticated both ways, and a frame counts only if the keyring
 binds its claimed identity to the key that sent it (``_zmq_curve``).
 
-The parts, each importing only those above it: ``_zmq_socket`` (a socket waited
-on from trio, and its monitor), ``_zmq_options`` (options, statistics, error),
-``_zmq_curve`` (CURVE keys, the ZAP handler, failed handshakes),
-``_zmq_connection`` (:class:`ZmqConnection`), ``_zmq_router``
-(:class:`ZmqControlTransport`); this module opens the transport.
+The parts, each importing only those above it: ``_zmq_options`` (options,
+statistics, error), ``_zmq_socket`` (a socket waited on from trio, its monitor,
+and how sockets are made), ``_zmq_curve`` (CURVE keys, the ZAP handler, failed
+handshakes), ``_zmq_connection`` (:class:`ZmqConnection`, which dials its
+DEALER), ``_zmq_router`` (:class:`ZmqControlTransport`); this module binds the
+ROUTER and opens the transport.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 
@@ -76,11 +79,22 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
-from p2pactor.adapters._zmq_curve import ZAP_DOMAIN, _bind_zap, check_keypair, generate_keypair
-from p2pactor.adapters._zmq_dial import _bind_router
-from p2pactor.adapters._zmq_options import ZmqOptions, ZmqStatistics, ZmqTransportError, log
+from p2pactor.adapters._zmq_curve import (
+    ROUTER_MONITOR_MASK,
+    ZAP_DOMAIN,
+    _CurveGate,
+    check_keypair,
+    generate_keypair,
+)
+from p2pactor.adapters._zmq_options import (
+    ZmqOptions,
+    ZmqStatistics,
+    ZmqTransportError,
+    log,
+    note,
+)
 from p2pactor.adapters._zmq_router import ZmqControlTransport
-from p2pactor.adapters._zmq_socket import _AsyncSocket
+from p2pactor.adapters._zmq_socket import make_socket
 from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
@@ -95,28 +109,28 @@ __all__ = [
 ]
 
 
-def _log_security(transport: ZmqControlTransport, port: int, curve: CurveSecurity | None) -> None:
+def _log_security(transport: ZmqControlTransport, bind_host: str | None) -> None:
+    node, port, curve = transport.local_id, transport.port, transport._curve
     if curve is None:
-        log.warning(
-            "%s: the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE "
-            "keys configured): any host that reaches it can connect, read the hash seed and "
-            "block keys, and look up and fetch blocks. Configure curve_secret_key and "
-            "curve_trusted (docs/security.md) unless every peer is a stock vLLM node on a "
-            "network you trust",
-            transport.local_id,
+        note(
+            logging.WARNING,
+            node,
+            "the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE keys "
+            "configured): any host that reaches it can connect, read the hash seed and block "
+            "keys, and look up and fetch blocks. Configure curve_secret_key and curve_trusted "
+            "(docs/security.md) unless every peer is a stock vLLM node on a network you trust",
             port,
-            extra={"node": transport.local_id},
         )
-        return
-    log.info(
-        "%s: control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)",
-        transport.local_id,
-        port,
-        curve.keypair.public_key,
-        len(curve.keyring),
-        curve.keyring.where(),
-        extra={"node": transport.local_id},
-    )
+    else:
+        keyring = curve.keyring
+        what = "control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)"
+        note(
+            logging.INFO, node, what, port, curve.keypair.public_key, len(keyring), keyring.where()
+        )
+    if bind_host and bind_host != node.rpartition(":")[0]:
+        # Which address is which, said once: a wrong one shows only as peers that never answer.
+        what = "control ROUTER bound on %s:%d; peers dial %s"
+        note(logging.INFO, node, what, bind_host, port, node)
 
 
 @contextlib.asynccontextmanager
@@ -167,52 +181,45 @@ async def open_zmq_transport(
         except (zmq.ZMQError, AttributeError) as exc:  # a libzmq without it
             log.debug("cannot run the ZeroMQ I/O threads as SCHED_BATCH: %s", exc)
     try:
-        with contextlib.ExitStack() as sockets:  # closed last to first
-            zap = _bind_zap(ctx) if curve is not None else None
-            if zap is not None:
-                sockets.callback(zap.close, linger=0)
-            router, bound_port, router_monitor = _bind_router(
-                ctx, bind_host or host, port, options, curve
+        gate = None if curve is None else _CurveGate(ctx, curve)  # before the ROUTER
+        # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
+        # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
+        settings = [(zmq.MAXMSGSIZE, options.max_frame_bytes), (zmq.ROUTER_HANDOVER, 1)]
+        endpoint = f"tcp://{bind_host or host}:{port or '*'}"
+        try:
+            router, monitor = make_socket(
+                ctx,
+                zmq.ROUTER,
+                endpoint,
+                options,
+                linger=options.router_linger,
+                settings=settings if gate is None else [*settings, *gate.settings()],
+                monitor_mask=0 if gate is None else ROUTER_MONITOR_MASK,
             )
-            sockets.callback(router.close, linger=0)
-            if router_monitor is not None:  # already closed unless the nursery failed
-                sockets.callback(router_monitor.close)
-            try:
-                async with trio.open_nursery() as nursery:
-                    transport = ZmqControlTransport(
-                        ctx,
-                        _AsyncSocket(router),
-                        local_id=f"{host}:{bound_port}",
-                        port=bound_port,
-                        options=options,
-                        nursery=nursery,
-                        curve=curve,
-                        router_monitor=router_monitor,
-                    )
-                    transport._start(zap)
-                    _log_security(transport, bound_port, curve)
-                    if bind_host and bind_host != host:
-                        # Which address is which, said once: a wrong one shows
-                        # only as peers that never answer.
-                        log.info(
-                            "%s: control ROUTER bound on %s:%d; peers dial %s",
-                            transport.local_id,
-                            bind_host,
-                            bound_port,
-                            transport.local_id,
-                            extra={"node": transport.local_id},
-                        )
-                    try:
-                        yield transport
-                    finally:
-                        transport._close()
-                        nursery.cancel_scope.cancel()
-            except BaseExceptionGroup as group:
-                # Our tasks never fail on their own: a lone exception is the body's;
-                # raise it as itself, not wrapped by our nursery.
-                if len(group.exceptions) == 1:
-                    raise group.exceptions[0] from None
-                raise
+        except zmq.ZMQError as exc:
+            if gate is not None:
+                gate.close()
+            raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
+        if gate is not None:
+            gate.monitor = monitor
+        transport = ZmqControlTransport(ctx, router, host, options, gate)
+        try:
+            async with trio.open_nursery() as nursery:
+                transport._start(nursery)
+                _log_security(transport, bind_host)
+                try:
+                    yield transport
+                finally:
+                    transport._close()
+                    nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Our tasks never fail on their own: a lone exception is the body's;
+            # raise it as itself, not wrapped by our nursery.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+        finally:
+            transport._close()  # if the nursery never ran the body
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(ctx.term)

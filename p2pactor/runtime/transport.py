@@ -64,7 +64,6 @@ class ControlConnection(Protocol):
     @property
     def peer_id(self) -> str:
         """The peer's id, ``host:port``."""
-        ...
 
     def send_nowait(self, frame: bytes) -> bool:
         """Queue ``frame`` for the peer now if there is room; never blocks.
@@ -76,7 +75,6 @@ class ControlConnection(Protocol):
         Raises:
             ConnectionLost: The connection is dead.
         """
-        ...
 
     async def send(self, frame: bytes) -> None:
         """Queue ``frame`` for the peer, in order, waiting for room if need be.
@@ -85,7 +83,6 @@ class ControlConnection(Protocol):
             ConnectionLost: The connection is dead, or the peer stopped reading
                 (its queue stayed full).
         """
-        ...
 
     def attach(self, receiver: FrameReceiver | None) -> None:
         """Hand every frame from now on to ``receiver`` (None: buffer them again).
@@ -100,11 +97,9 @@ class ControlConnection(Protocol):
         Raises:
             ConnectionLost: The connection died; no frame will come.
         """
-        ...
 
     async def aclose(self) -> None:
         """Close the connection. Idempotent."""
-        ...
 
 
 class ControlTransport(Protocol):
@@ -113,7 +108,6 @@ class ControlTransport(Protocol):
     @property
     def local_id(self) -> str:
         """This node's id, ``host:port``, as peers dial it."""
-        ...
 
     async def connect(self, peer_id: str) -> ControlConnection:
         """Open (or return the existing) connection to ``peer_id``.
@@ -121,14 +115,12 @@ class ControlTransport(Protocol):
         Raises:
             ConnectionLost: The peer cannot be dialed at all.
         """
-        ...
 
     async def accept(self) -> ControlConnection:
         """Wait for a peer this node has no connection with to send a frame.
 
         The connection is returned once, with that first frame buffered.
         """
-        ...
 
     def accept_only(self, allowed: Callable[[str], bool]) -> None:
         """From now on, drop the first frame of any peer for which ``allowed`` is False.
@@ -146,22 +138,18 @@ class DataTransport(Protocol):
     @property
     def agent_metadata(self) -> bytes:
         """What a peer needs to register this node (sent in ``connect``)."""
-        ...
 
     @property
     def base_addr(self) -> int:
         """Address of block 0 of this node's pool, as peers must name it."""
-        ...
 
     @property
     def num_blocks(self) -> int:
         """Blocks in this node's pool."""
-        ...
 
     @property
     def block_len(self) -> int:
         """Bytes per block."""
-        ...
 
     @property
     def late_write_window(self) -> float:
@@ -172,7 +160,6 @@ class DataTransport(Protocol):
         the blocks of a load whose session was lost for this long before the
         engine may reuse them. 0: nothing lands once the session is gone.
         """
-        ...
 
     async def add_peer(
         self,
@@ -189,11 +176,9 @@ class DataTransport(Protocol):
         Raises:
             TransferError: The peer's pool cannot be registered.
         """
-        ...
 
     async def remove_peer(self, peer_id: str) -> None:
         """Forget a peer. Writes to it that are still running are waited for."""
-        ...
 
     def start_write(
         self,
