@@ -75,10 +75,11 @@ def _say(**message: Any) -> None:
     sys.stdout.flush()
 
 
-class _RawWriter:
-    """A bare NIXL agent over the producer's pool: the reference, no trio."""
+class RawAgent:
+    """A bare NIXL agent over a pool: the raw-NIXL reference (no trio), on either side."""
 
     def __init__(self, pool_addr: int, num_blocks: int, block_len: int) -> None:
+        """Register the pool and its per-block descriptors."""
         from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415
 
         api = import_nixl()
@@ -87,6 +88,7 @@ class _RawWriter:
         self.block_len = block_len
         nbytes = num_blocks * block_len
         self.registration = self.agent.register_memory([(pool_addr, nbytes, 0, "")], "DRAM")
+        self.metadata: bytes = bytes(self.agent.get_agent_metadata())
         self.local = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _descs(pool_addr, num_blocks, block_len), "DRAM"
         )
@@ -116,6 +118,13 @@ class _RawWriter:
         if state != "DONE":
             raise RuntimeError(f"raw NIXL write ended {state}")
         return elapsed
+
+    def close(self) -> None:
+        """Release the descriptors and the pool."""
+        for dlist in (self.local, self.remote):
+            if dlist is not None:
+                self.agent.release_dlist_handle(dlist)
+        self.agent.deregister_memory(self.registration)
 
 
 def _descs(base: int, num_blocks: int, block_len: int) -> Any:
@@ -175,7 +184,7 @@ async def _serve(num_blocks: int, block_len: int, address: str) -> None:
     cache = EmbeddedCache(num_blocks, block_len, memory=pool.numpy().data)
     for i, key in enumerate(bench_keys(num_blocks, block_len)):
         cache.store(key, block_content(i, block_len))
-    raw = _RawWriter(pool.data_ptr(), num_blocks, block_len)
+    raw = RawAgent(pool.data_ptr(), num_blocks, block_len)
     trace: list[tuple[float, ...]] = []
     gaps = [0.0]  # the loop's longest gap since the last trace
     commands_send, commands = trio.open_memory_channel[dict[str, Any]](16)
@@ -236,10 +245,7 @@ async def _serve(num_blocks: int, block_len: int, address: str) -> None:
                     case _:
                         break
         nursery.cancel_scope.cancel()
-    raw.agent.release_dlist_handle(raw.local)
-    if raw.remote is not None:
-        raw.agent.release_dlist_handle(raw.remote)
-    raw.agent.deregister_memory(raw.registration)
+    raw.close()
 
 
 def main() -> None:

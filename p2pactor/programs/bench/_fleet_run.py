@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pactor.programs.bench import _vllm_tier as shared
+from p2pactor.programs.bench._control_common import spread_ports
 from p2pactor.programs.bench._fleet_workload import (
     TOKENS_PER_BLOCK,
     Turn,
@@ -131,26 +130,10 @@ class Engine:
             self.engine.step()
 
 
-def _ports(n: int) -> list[int]:
-    """``n`` ports free now, below the ephemeral range (not reused as source ports)."""
-    ports: list[int] = []
-    rng = random.Random()  # noqa: S311 - spreads the ports, no secret
-    while len(ports) < n:
-        port = rng.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind((shared.HOST, port))
-            except OSError:
-                continue
-        if port not in ports:
-            ports.append(port)
-    return ports
-
-
 def build_fleet(arm: str, n: int, capacity: int) -> list[Engine]:
     """The engines of ``arm``'s fleet of ``n``, each on a free port, tiers of ``capacity``."""
     kinds = {"none": ["none"] * n, "mixed": ["ours", "stock"] * n}.get(arm, ["ours"] * n)
-    ports = _ports(n)
+    ports = spread_ports(n)
     summaries = arm in ("auto", "mixed")
     engines: list[Engine] = []
     try:

@@ -1,9 +1,22 @@
-"""The engine benchmark's scripted engine: a tier driven as vLLM's scheduler drives it, timed.
+"""The engine section's scripted engine: a tier driven as vLLM's scheduler drives it, timed.
 
-:class:`Engine` makes, step by step, the calls vLLM's offloading connector and
-``TieringOffloadingManager`` make of a secondary tier (the ``engine`` section's
-docstring lists them), each timed by a :class:`Meter`; a tier-poll thread makes
-those of vLLM's. Importing it needs vLLM.
+:class:`Engine` makes these calls, one step at a time, as vLLM's offloading connector
+and ``TieringOffloadingManager`` make them of a secondary tier, each timed by a
+:class:`Meter`:
+
+1. ``has_pending_work()``, under a short lock;
+2. ``--admit`` new requests (``remote_kv_source`` naming the producer, ``--keys``
+   keys, a prefix of K/2..K on the producer) get ``on_new_request()``;
+3. ``schedule()``, under the step lock: ``get_finished_jobs()``, then ``lookup()`` of
+   each waiting request's keys in order (past HIT and RETRY, up to the first MISS); a
+   request with no RETRY left has its HIT prefix queued as one promotion; then
+   ``serve_external_requests(parent)``, a ``submit_load()`` per promotion,
+   ``on_schedule_end()``;
+4. the forward pass: ``--step-ms`` of sleep, lock released, while the tier-poll
+   thread (``--poll-ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
+5. each request whose load finished gets ``on_request_finished()``.
+
+Importing it needs vLLM.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,7 +34,13 @@ import trio
 import trio.lowlevel
 
 from p2pactor.programs.bench._control_common import child_env, module_command, nixl_missing
-from p2pactor.programs.bench._dataplane_peer import PREFIX, bench_config, bench_keys, block_content
+from p2pactor.programs.bench._dataplane_peer import (
+    PREFIX,
+    RawAgent,
+    bench_config,
+    bench_keys,
+    block_content,
+)
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "dataplane"
@@ -79,28 +84,16 @@ class _Lines:
             self._buffer += chunk
 
 
-class _RawTarget:
-    """A bare NIXL agent over the consumer's pool: the raw writes' destination."""
+async def _progress_until(raw: RawAgent, done: trio.Event) -> None:
+    """Drive the raw writes' target's progress, without pause, while they run.
 
-    def __init__(self, pool_addr: int, nbytes: int) -> None:
-        from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415
-
-        api = import_nixl()
-        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
-        self.agent: Any = api.nixl_agent(f"bench-raw-target-{uuid.uuid4()}", config)
-        self.registration = self.agent.register_memory([(pool_addr, nbytes, 0, "")], "DRAM")
-        self.metadata: bytes = bytes(self.agent.get_agent_metadata())
-
-    async def progress_until(self, done: trio.Event) -> None:
-        """Drive the target's progress, without pause, while raw writes run.
-
-        Over TCP the target's UCX receives the bytes only when progressed: a
-        target progressed every 1 ms paced the raw baseline below the link
-        (ours came out at 1.2-1.3x "raw" across namespaced hosts).
-        """
-        while not done.is_set():
-            self.agent.get_new_notifs()
-            await trio.lowlevel.checkpoint()
+    Over TCP the target's UCX receives the bytes only when progressed: a target
+    progressed every 1 ms paced the raw baseline below the link (ours came out at
+    1.2-1.3x "raw" across namespaced hosts).
+    """
+    while not done.is_set():
+        raw.agent.get_new_notifs()
+        await trio.lowlevel.checkpoint()
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -155,7 +148,7 @@ async def measure(
             stderr=stderr,
             env=on.env(child_env()) if on else child_env(),
         )
-    raw_target = _RawTarget(pool.data_ptr(), most * block_len)
+    raw_target = RawAgent(pool.data_ptr(), most, block_len)
     figures: dict[int, dict[str, Any]] = {c: {k: [] for k in _FIGURES} for c in counts}
     runs: list[list[float]] = []
     try:
@@ -200,7 +193,7 @@ async def measure(
                     async def raw(count: int, n: int) -> float:
                         done = trio.Event()
                         async with trio.open_nursery() as nursery:
-                            nursery.start_soon(raw_target.progress_until, done)
+                            nursery.start_soon(_progress_until, raw_target, done)
                             cmd = {"cmd": "raw", "local": source[:count], "remote": dest[:count]}
                             reply = await lines.ask({**cmd, "iters": n}, "raw")
                             done.set()
@@ -261,7 +254,7 @@ async def measure(
             process.kill()
             with trio.CancelScope(shield=True):
                 await process.wait()
-        raw_target.agent.deregister_memory(raw_target.registration)
+        raw_target.close()
     return {"measured": {str(c): m for c, m in figures.items()}, "lookups": runs}
 
 

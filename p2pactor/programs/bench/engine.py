@@ -2,33 +2,19 @@
 
 vLLM calls a secondary tier synchronously from its scheduler thread, under the
 offloading manager's lock: whatever the tier does there delays the step. A scripted
-engine (:mod:`~p2pactor.programs.bench._vllm_engine`) drives p2pactor's
-``P2PActorTierManager`` and vLLM's ``P2PSecondaryTierManager`` through the same calls,
-one step at a time, as vLLM's offloading connector and ``TieringOffloadingManager``
-make them:
-
-1. ``has_pending_work()``, under a short lock;
-2. ``--admit`` new requests (``remote_kv_source`` naming the producer, ``--keys``
-   keys, a prefix of K/2..K on the producer) get ``on_new_request()``;
-3. ``schedule()``, under the step lock: ``get_finished_jobs()``, then ``lookup()`` of
-   each waiting request's keys in order (past HIT and RETRY, up to the first MISS); a
-   request with no RETRY left has its HIT prefix queued as one promotion; then
-   ``serve_external_requests(parent)``, a ``submit_load()`` per promotion,
-   ``on_schedule_end()``;
-4. the forward pass: ``--step-ms`` of sleep, lock released, while the tier-poll
-   thread (``--poll-ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
-5. each request whose load finished gets ``on_request_finished()``.
-
-A scripted engine, not vLLM's stack, so that each tier's own calls are timed alone (a
-whole engine is ``engine-real``'s). Each against a producer tier of its own class in
-another process (:mod:`~p2pactor.programs.bench._vllm_tier`), over real ZeroMQ and
-NIXL on 127.0.0.1, 4 KiB blocks; 1,000 requests of 16 keys, 2 admitted per 10 ms step,
-a 1 ms tier-poll thread (quick: 100 requests). The consumers run in one subprocess
-(``python -m p2pactor.programs.bench.engine``: vLLM's import is heavy and NIXL's state
-is per process); each repeat runs both tiers (alternating which goes first), fresh
-processes each. Measured: ``perf_counter_ns`` around every tier call on the engine and
-tier-poll threads, the lock waits, every thread's CPU (schedstat) by role, the
-producer's CPU. Per tier, the median over repeats with [min..max]; ours/vLLM per repeat.
+engine (:mod:`~p2pactor.programs.bench._vllm_engine`, whose docstring lists its calls)
+drives p2pactor's ``P2PActorTierManager`` and vLLM's ``P2PSecondaryTierManager``
+through the same scheduler calls, each against a producer tier of its own class in
+another process (:mod:`~p2pactor.programs.bench._vllm_tier`), over real ZeroMQ and NIXL
+on 127.0.0.1, 4 KiB blocks: 1,000 requests of 16 keys, 2 admitted per 10 ms step, a
+1 ms tier-poll thread (quick: 100 requests). A scripted engine, not vLLM's stack, so
+that each tier's own calls are timed alone (a whole engine is ``engine-real``'s). The
+consumers run in one subprocess (``python -m p2pactor.programs.bench.engine``: vLLM's
+import is heavy, NIXL's state per process); each repeat runs both tiers, alternating
+which goes first, fresh producers each. Measured: ``perf_counter_ns`` around every tier
+call on the engine and tier-poll threads, the lock waits, every thread's CPU
+(schedstat) by role, the producer's CPU. Per tier, the median over repeats with
+[min..max]; ours/vLLM per repeat.
 """
 
 from __future__ import annotations
