@@ -168,9 +168,8 @@ class Engine:
                 self.counts["loads_ok"] += 1
                 self.counts["keys_loaded"] += len(req.chunks)
                 for j, chunk in enumerate(req.chunks):
-                    if self.pool[chunk, : shared.STAMP.size].tobytes() != shared.stamp(
-                        req.spec.index, j
-                    ):
+                    stamp = shared.STAMP.pack(req.spec.index, j)
+                    if self.pool[chunk, : shared.STAMP.size].tobytes() != stamp:
                         self.counts["bad_blocks"] += 1
             else:
                 self.counts["loads_failed"] += 1

@@ -44,6 +44,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
 
+from p2pactor.programs.bench._control_common import say
 from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
 
 init_none_hash(sha256)
@@ -85,22 +86,15 @@ def workload(requests: int, keys_per_request: int) -> list[RequestSpec]:
     return out
 
 
-def stamp(request: int, key: int) -> bytes:
-    """The bytes the producer writes at the head of the block of (request, key)."""
-    return STAMP.pack(request, key)
-
-
 class FakeParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any to mypy
     """VLLM's ParentManager over a dict of key -> chunk: what the tier serves from."""
 
     def __init__(self, blocks: dict[bytes, int] | None = None) -> None:
         self.blocks = blocks or {}
-        self.open: set[str] = set()
         self.next_job = 1_000_000
 
     def on_new_request(self, req_context: Any) -> Any:
         """A synthetic request for a peer's lookups opens."""
-        self.open.add(req_context.req_id)
         return RequestOffloadingContext()
 
     def lookup(self, key: Any, req_context: Any) -> Any:
@@ -122,8 +116,7 @@ class FakeParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any to
         )
 
     def on_request_finished(self, req_context: Any) -> None:
-        """A synthetic request closes."""
-        self.open.discard(req_context.req_id)
+        """A synthetic request closes (nothing to release: the pool never evicts)."""
 
 
 def make_pool(blocks: int, block_bytes: int) -> Any:
@@ -142,17 +135,15 @@ def make_tier(kind: str, pool: Any, port: int) -> Any:
     )
     spec = spec_of(options)  # what vLLM hands its tiers: one full-attention group, TP=1
     view = memoryview(pool)
+    if kind not in TIERS:
+        raise ValueError(f"unknown tier {kind!r}; pick one of {TIERS}")
     if kind == "ours":
         from p2pactor.adapters.vllm import P2PActorTierManager  # noqa: PLC0415
 
         return P2PActorTierManager(spec, view, host=HOST, port=port)
-    if kind == "vllm":
-        from vllm.v1.kv_offload.tiering.p2p.manager import (  # noqa: PLC0415
-            P2PSecondaryTierManager,
-        )
+    from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager  # noqa: PLC0415
 
-        return P2PSecondaryTierManager(spec, view, host=HOST, port=port)
-    raise ValueError(f"unknown tier {kind!r}; pick one of {TIERS}")
+    return P2PSecondaryTierManager(spec, view, host=HOST, port=port)
 
 
 def producer_pool(
@@ -166,14 +157,8 @@ def producer_pool(
         for j in range(r.hits):
             b = len(blocks)
             blocks[r.keys[j]] = b
-            pool[b, : STAMP.size] = np.frombuffer(stamp(r.index, j), dtype=np.uint8)
+            pool[b, : STAMP.size] = np.frombuffer(STAMP.pack(r.index, j), dtype=np.uint8)
     return pool, blocks
-
-
-def _watch_stdin(stop: threading.Event) -> None:
-    while sys.stdin.readline():
-        pass
-    stop.set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,10 +176,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parent = FakeParent(blocks)
     tier = make_tier(args.tier, pool, args.port)
     stop = threading.Event()
-    threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
-    sys.stdout.write("READY\n")
-    sys.stdout.flush()
 
+    def watch() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    say("READY")
     while not stop.wait(args.poll_ms / 1000):
         tier.get_finished_jobs()
         tier.serve_external_requests(parent)
