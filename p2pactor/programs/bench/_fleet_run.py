@@ -28,7 +28,7 @@ from typing import Any
 
 from p2pactor.programs.bench import _vllm_tier as shared
 from p2pactor.programs.bench._control_common import spread_ports
-from p2pactor.programs.bench._fleet_workload import (
+from p2pactor.programs.bench.fleet import (
     TOKENS_PER_BLOCK,
     Turn,
     chat_turns,

@@ -20,6 +20,7 @@ call on the engine and tier-poll threads, the lock waits, every thread's CPU
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -90,7 +91,7 @@ def run(options: BenchOptions) -> SectionResult:
     repeats = 1 if options.quick else max(1, options.repeats)
     out = os.path.join(options.work_dir, "engine.json")
     args = [f"--requests={requests}", f"--repeats={repeats}", f"--json={out}"]
-    run_module(__name__, *args, timeout=150 if options.quick else 1800 * repeats)
+    run_module(__name__, *args, timeout=300 if options.quick else 1800 * repeats)
     with open(out) as f:
         report = json.load(f)
     ours, theirs = (report["runs"][t] for t in TIERS)
@@ -212,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # repeat's with this process's), then stay stopped (SIGSTOP) until their turn:
         # vLLM's NIXL progress thread spins, and must not run beside the measured one.
         spawned = {kind: _producer(kind, args) for kind in TIERS}
+        importlib.import_module("p2pactor.programs.bench._vllm_engine")  # meanwhile
         try:
             for proc, _ in spawned.values():
                 proc.wait_ready()
