@@ -9,7 +9,7 @@ workload (nothing evicts, so both tiers' serving is measured alone, the same for
 both), its parent a scripted :class:`FakeParent`; it says ``READY``, then does what
 vLLM's tier-poll thread does for an idle engine (every ``--poll-ms``:
 ``get_finished_jobs()`` and ``serve_external_requests(parent)``) until its stdin
-closes, and prints one JSON line of counters.
+closes, then shuts the tier down.
 
 Importing it sets ``NIXL_LOG_LEVEL=WARN``, ``PYTHONHASHSEED=0`` and
 ``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and seeds
