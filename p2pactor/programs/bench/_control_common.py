@@ -8,6 +8,7 @@ import json
 import math
 import os
 import queue
+import random
 import signal
 import socket
 import subprocess
@@ -85,6 +86,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def spread_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` ports free on ``host`` now, below the ephemeral range (no source port)."""
+    ports: list[int] = []
+    rng = random.Random()  # noqa: S311 - spreads the ports, no secret
+    while len(ports) < n:
+        port = rng.randrange(20_000, 32_000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 @contextlib.asynccontextmanager

@@ -1,13 +1,12 @@
-"""The producer process of ``p2pactor bench``'s data-plane section.
+"""The producer process of ``p2pactor bench``'s ``dataplane`` and ``hosts`` sections.
 
-Run as ``python -m p2pactor.programs.bench._dataplane_peer NUM_BLOCKS BLOCK_LEN [ADDRESS]``
-(:func:`producer_argv`; ADDRESS, default ``127.0.0.1``, is where its node binds). It
-stores ``NUM_BLOCKS`` deterministic blocks (:func:`bench_keys`,
-:func:`block_content`) in a node on real transports (ZeroMQ on loopback, NIXL
-over a torch pool), opens a second, bare NIXL agent over the same pool for the
-raw-NIXL reference, says ``ready`` and then answers commands, one JSON line
-each on stdin, with one JSON line on stdout (prefixed :data:`PREFIX`; anything
-else on stdout, NIXL's logging say, is to be ignored):
+Run as ``python -m p2pactor.programs.bench._dataplane_peer NUM_BLOCKS BLOCK_LEN ADDRESS``
+(its node binds ADDRESS). It stores ``NUM_BLOCKS`` deterministic blocks
+(:func:`bench_keys`, :func:`block_content`) in a node on real transports (ZeroMQ,
+NIXL over a torch pool), opens a second, bare NIXL agent over the same pool for the
+raw-NIXL reference, says ``ready`` and then answers commands, one JSON line each on
+stdin, with one JSON line on stdout (prefixed :data:`PREFIX`; anything else on
+stdout, NIXL's logging say, is to be ignored):
 
 * ``{"cmd": "raw_peer", "metadata": hex, "base_addr": n, "num_blocks": n}``:
   add the consumer's bare agent as the raw agent's peer;
@@ -15,8 +14,8 @@ else on stdout, NIXL's logging say, is to be ignored):
   WRITEs, each timed alone (post, then poll until DONE, no trio in between:
   the node's loop is blocked meanwhile on purpose);
 * ``{"cmd": "trace"}``: the node's write timestamps since the last ``trace``
-  (``time.perf_counter``, which is CLOCK_MONOTONIC on Linux and so comparable
-  with the consumer process's);
+  (``time.perf_counter``, CLOCK_MONOTONIC on Linux: comparable with the
+  consumer's), its loop's longest gap, its CPU seconds and write counters;
 * ``{"cmd": "exit"}``.
 """
 
@@ -43,10 +42,6 @@ PREFIX = "@bench "
 
 HASH_SEED = "p2pactor-bench"
 """The hash seed both nodes of the benchmark advertise."""
-
-INLINE_BUDGET_ENV = "P2PACTOR_BENCH_INLINE_POST_BUDGET"
-"""If set, the producer's ``NixlOptions.inline_post_budget`` (seconds; 0: always
-post from the worker thread, as before inline posting existed)."""
 
 
 def bench_config(local_id: str, num_blocks: int, block_len: int) -> NodeConfig:
@@ -80,10 +75,11 @@ def _say(**message: Any) -> None:
     sys.stdout.flush()
 
 
-class _RawWriter:
-    """A bare NIXL agent over the producer's pool: the reference, no trio."""
+class RawAgent:
+    """A bare NIXL agent over a pool: the raw-NIXL reference (no trio), on either side."""
 
     def __init__(self, pool_addr: int, num_blocks: int, block_len: int) -> None:
+        """Register the pool and its per-block descriptors."""
         from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415
 
         api = import_nixl()
@@ -92,14 +88,11 @@ class _RawWriter:
         self.block_len = block_len
         nbytes = num_blocks * block_len
         self.registration = self.agent.register_memory([(pool_addr, nbytes, 0, "")], "DRAM")
+        self.metadata: bytes = bytes(self.agent.get_agent_metadata())
         self.local = self.agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", _descs(pool_addr, num_blocks, block_len), "DRAM"
         )
         self.remote: Any = None
-
-    def metadata(self) -> bytes:
-        """This agent's metadata (for a consumer that wants to write back; unused)."""
-        return bytes(self.agent.get_agent_metadata())
 
     def add_peer(self, metadata: bytes, base_addr: int, num_blocks: int) -> None:
         """Register the consumer's bare agent and its per-block descriptors."""
@@ -125,6 +118,13 @@ class _RawWriter:
         if state != "DONE":
             raise RuntimeError(f"raw NIXL write ended {state}")
         return elapsed
+
+    def close(self) -> None:
+        """Release the descriptors and the pool."""
+        for dlist in (self.local, self.remote):
+            if dlist is not None:
+                self.agent.release_dlist_handle(dlist)
+        self.agent.deregister_memory(self.registration)
 
 
 def _descs(base: int, num_blocks: int, block_len: int) -> Any:
@@ -170,16 +170,10 @@ def _instrument(data: Any, trace: list[tuple[float, ...]]) -> None:
     setattr(data, "start_write", timed_start)  # noqa: B010
 
 
-def producer_argv(num_blocks: int, block_len: int, address: str = "127.0.0.1") -> list[str]:
-    """The command line of a producer with ``num_blocks`` blocks, its node at ``address``."""
-    module = "p2pactor.programs.bench._dataplane_peer"
-    return [sys.executable, "-m", module, str(num_blocks), str(block_len), address]
-
-
-async def _serve(num_blocks: int, block_len: int, address: str = "127.0.0.1") -> None:
+async def _serve(num_blocks: int, block_len: int, address: str) -> None:
     import torch  # noqa: PLC0415 - only the benchmark's processes need torch
 
-    from p2pactor.adapters.nixl import NixlOptions, open_nixl_transport  # noqa: PLC0415
+    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
     from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
     from p2pactor.programs.demo.node import _commands  # noqa: PLC0415
     from p2pactor.runtime.node import open_node  # noqa: PLC0415
@@ -190,12 +184,10 @@ async def _serve(num_blocks: int, block_len: int, address: str = "127.0.0.1") ->
     cache = EmbeddedCache(num_blocks, block_len, memory=pool.numpy().data)
     for i, key in enumerate(bench_keys(num_blocks, block_len)):
         cache.store(key, block_content(i, block_len))
-    raw = _RawWriter(pool.data_ptr(), num_blocks, block_len)
+    raw = RawAgent(pool.data_ptr(), num_blocks, block_len)
     trace: list[tuple[float, ...]] = []
     gaps = [0.0]  # the loop's longest gap since the last trace
     commands_send, commands = trio.open_memory_channel[dict[str, Any]](16)
-    budget = os.environ.get(INLINE_BUDGET_ENV)
-    options = None if budget is None else NixlOptions(inline_post_budget=float(budget))
 
     async def ticker() -> None:
         # A 1 ms sleeper: its longest gap is how long the loop stalled (plus
@@ -209,7 +201,7 @@ async def _serve(num_blocks: int, block_len: int, address: str = "127.0.0.1") ->
 
     async with (
         open_zmq_transport(f"{address}:0", port=0) as control,
-        open_nixl_transport(pool, block_len, name="bench-producer", options=options) as data,
+        open_nixl_transport(pool, block_len, name="bench-producer") as data,
         trio.open_nursery() as nursery,
     ):
         _instrument(data, trace)
@@ -253,16 +245,12 @@ async def _serve(num_blocks: int, block_len: int, address: str = "127.0.0.1") ->
                     case _:
                         break
         nursery.cancel_scope.cancel()
-    raw.agent.release_dlist_handle(raw.local)
-    if raw.remote is not None:
-        raw.agent.release_dlist_handle(raw.remote)
-    raw.agent.deregister_memory(raw.registration)
+    raw.close()
 
 
 def main() -> None:
-    """Entry point: see :func:`producer_argv`."""
-    address = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
-    trio.run(_serve, int(sys.argv[1]), int(sys.argv[2]), address)
+    """Entry point: ``NUM_BLOCKS BLOCK_LEN ADDRESS``."""
+    trio.run(_serve, int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
 
 
 if __name__ == "__main__":

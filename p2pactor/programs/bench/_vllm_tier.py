@@ -1,38 +1,30 @@
-"""What both sides of the vLLM benchmarks share: workload, spec, parent, tiers, producer.
+"""The tiers of the vLLM comparisons (``engine``, ``control``), and the engine section's producer.
 
-Used by the ``engine`` section and
-by the vLLM side of the ``control`` section. Run as
-``python -m p2pactor.programs.bench._vllm_tier --tier ours|vllm --port N ...`` it is a
-*producer*: one tier (``ours``: p2pactor's ``P2PActorTierManager``; ``vllm``:
-vLLM 0.33's ``P2PSecondaryTierManager``) over a block pool holding the
-workload's HIT keys; it prints ``READY``, then does what vLLM's tier-poll
-thread does for an idle engine: every ``--poll-ms`` it calls
-``get_finished_jobs()`` and ``serve_external_requests(parent)`` with a
-:class:`FakeParent` answering from the pool. It stops when its stdin closes,
-shuts the tier down and prints one JSON line of counters.
-
-The producer's parent is scripted, not vLLM's stack: it answers from a pool
-that holds every HIT key for the whole run (nothing evicts), so that the
-``control`` and ``flood`` sections measure the tiers' serving alone, the
-same for both.
+:func:`make_tier` makes one tier over a pool (``ours``: p2pactor's
+``P2PActorTierManager``; ``vllm``: vLLM 0.33's ``P2PSecondaryTierManager``) from a
+real ``TieringOffloadingSpec`` (:func:`~p2pactor.programs.vllmstack.spec_of`). Run as
+``python -m p2pactor.programs.bench._vllm_tier --tier ours|vllm --port N ...`` it is
+the ``engine`` section's *producer*: one tier over a pool holding every HIT key of the
+workload (nothing evicts, so both tiers' serving is measured alone, the same for
+both), its parent a scripted :class:`FakeParent`; it says ``READY``, then does what
+vLLM's tier-poll thread does for an idle engine (every ``--poll-ms``:
+``get_finished_jobs()`` and ``serve_external_requests(parent)``) until its stdin
+closes, then shuts the tier down.
 
 Importing it sets ``NIXL_LOG_LEVEL=WARN``, ``PYTHONHASHSEED=0`` and
-``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and
-seeds vLLM's ``NONE_HASH`` with ``init_none_hash(sha256)``, as an engine does
-at start-up. It needs vLLM: import it only where vLLM is importable.
+``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and seeds
+vLLM's ``NONE_HASH`` as an engine does at start-up: import it only where vLLM is.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import random
 import struct
 import sys
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +44,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
 
+from p2pactor.programs.bench._control_common import say
 from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
 
 init_none_hash(sha256)
@@ -63,9 +56,8 @@ TIERS = ("ours", "vllm")
 """``ours``: p2pactor's vLLM adapter; ``vllm``: vLLM 0.33's own P2P tier."""
 STAMP = struct.Struct("<II")
 """(request, key) at the head of every producer block, checked after each load."""
-
-
-# --- the workload ----------------------------------------------------------------------
+BLOCK_BYTES = 4096
+"""Bytes per block of the engine section's pools."""
 
 
 @dataclass(frozen=True)
@@ -83,9 +75,9 @@ def offload_key(request: int, key: int) -> bytes:
     return digest + (0).to_bytes(4, "big")
 
 
-def workload(requests: int, keys_per_request: int, seed: int) -> list[RequestSpec]:
+def workload(requests: int, keys_per_request: int) -> list[RequestSpec]:
     """The deterministic workload: each request's HIT prefix is uniform in [K/2, K] (75% hit)."""
-    rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
+    rng = random.Random(0)  # noqa: S311 - a reproducible workload, not a secret
     out = []
     for i in range(requests):
         hits = rng.randint(keys_per_request // 2, keys_per_request)
@@ -94,63 +86,26 @@ def workload(requests: int, keys_per_request: int, seed: int) -> list[RequestSpe
     return out
 
 
-def stamp(request: int, key: int) -> bytes:
-    """The bytes the producer writes at the head of the block of (request, key)."""
-    return STAMP.pack(request, key)
-
-
-# --- the engine's OffloadingSpec -----------------------------------------------------
-
-
-def make_spec(kind: str, block_bytes: int, num_blocks: int, port: int, layers: int = 28) -> Any:
-    """The spec vLLM hands its tiers, for one full-attention group of 16-token blocks, TP=1.
-
-    A real ``TieringOffloadingSpec`` over a real ``OffloadingConfig``
-    (:func:`~p2pactor.programs.vllmstack.spec_of`): both tiers read
-    ``config`` (the layout fingerprint through
-    ``FileMapper.from_offloading_spec(..., parallel_agnostic=True)``, the data
-    parallel index for the port) and ``blocks_per_chunk``. Its extra config
-    names the tier of ``kind`` as an engine's ``secondary_tiers`` entry would.
-    """
-    options = StackOptions(
-        tiers=[tier_entry("ours" if kind == "ours" else "stock", HOST, port)],
-        num_chunks=num_blocks,
-        chunk_bytes=block_bytes,
-        layers=layers,
-        engine_id="p2pactor-bench",
-    )
-    return spec_of(options)
-
-
-# --- the parent ----------------------------------------------------------------------
-
-
 class FakeParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any to mypy
     """VLLM's ParentManager over a dict of key -> chunk: what the tier serves from."""
 
     def __init__(self, blocks: dict[bytes, int] | None = None) -> None:
         self.blocks = blocks or {}
-        self.open: set[str] = set()
         self.next_job = 1_000_000
-        self.lookups = 0
-        self.pins = 0
 
     def on_new_request(self, req_context: Any) -> Any:
         """A synthetic request for a peer's lookups opens."""
-        self.open.add(req_context.req_id)
         return RequestOffloadingContext()
 
     def lookup(self, key: Any, req_context: Any) -> Any:
         """HIT when the pool holds ``key``."""
         del req_context
-        self.lookups += 1
         return LookupResult.HIT if bytes(key) in self.blocks else LookupResult.MISS
 
     def create_store_job(self, keys: Iterable[Any], req_context: Any) -> Any:
         """Pin the chunks of ``keys`` for a peer's fetch."""
         keys = list(keys)
         self.next_job += 1
-        self.pins += 1
         chunks = np.array([self.blocks[bytes(k)] for k in keys], dtype=np.int64)
         return TransferJob(
             job_id=self.next_job,
@@ -161,11 +116,7 @@ class FakeParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any to
         )
 
     def on_request_finished(self, req_context: Any) -> None:
-        """A synthetic request closes."""
-        self.open.discard(req_context.req_id)
-
-
-# --- the tiers -------------------------------------------------------------------------
+        """A synthetic request closes (nothing to release: the pool never evicts)."""
 
 
 def make_pool(blocks: int, block_bytes: int) -> Any:
@@ -175,19 +126,24 @@ def make_pool(blocks: int, block_bytes: int) -> Any:
 
 def make_tier(kind: str, pool: Any, port: int) -> Any:
     """One tier of ``kind`` over ``pool``, bound to ``HOST:port``."""
-    spec = make_spec(kind, pool.shape[1], pool.shape[0], port)
+    entry = tier_entry("ours" if kind == "ours" else "stock", HOST, port)
+    options = StackOptions(
+        tiers=[entry],
+        num_chunks=pool.shape[0],
+        chunk_bytes=pool.shape[1],
+        engine_id="p2pactor-bench",
+    )
+    spec = spec_of(options)  # what vLLM hands its tiers: one full-attention group, TP=1
     view = memoryview(pool)
+    if kind not in TIERS:
+        raise ValueError(f"unknown tier {kind!r}; pick one of {TIERS}")
     if kind == "ours":
         from p2pactor.adapters.vllm import P2PActorTierManager  # noqa: PLC0415
 
         return P2PActorTierManager(spec, view, host=HOST, port=port)
-    if kind == "vllm":
-        from vllm.v1.kv_offload.tiering.p2p.manager import (  # noqa: PLC0415
-            P2PSecondaryTierManager,
-        )
+    from vllm.v1.kv_offload.tiering.p2p.manager import P2PSecondaryTierManager  # noqa: PLC0415
 
-        return P2PSecondaryTierManager(spec, view, host=HOST, port=port)
-    raise ValueError(f"unknown tier {kind!r}; pick one of {TIERS}")
+    return P2PSecondaryTierManager(spec, view, host=HOST, port=port)
 
 
 def producer_pool(
@@ -201,17 +157,8 @@ def producer_pool(
         for j in range(r.hits):
             b = len(blocks)
             blocks[r.keys[j]] = b
-            pool[b, : STAMP.size] = np.frombuffer(stamp(r.index, j), dtype=np.uint8)
+            pool[b, : STAMP.size] = np.frombuffer(STAMP.pack(r.index, j), dtype=np.uint8)
     return pool, blocks
-
-
-# --- the producer process --------------------------------------------------------------
-
-
-def _watch_stdin(stop: threading.Event) -> None:
-    while sys.stdin.readline():
-        pass
-    stop.set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,38 +168,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--keys", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-bytes", type=int, default=4096)
     parser.add_argument("--poll-ms", type=float, default=1.0)
     args = parser.parse_args(argv)
 
-    requests = workload(args.requests, args.keys, args.seed)
-    pool, blocks = producer_pool(requests, args.block_bytes)
+    requests = workload(args.requests, args.keys)
+    pool, blocks = producer_pool(requests, BLOCK_BYTES)
     parent = FakeParent(blocks)
     tier = make_tier(args.tier, pool, args.port)
     stop = threading.Event()
-    threading.Thread(target=_watch_stdin, args=(stop,), daemon=True).start()
-    sys.stdout.write("READY\n")
-    sys.stdout.flush()
 
-    rounds = released = 0
-    interval = args.poll_ms / 1000
-    while not stop.is_set():
-        released += sum(1 for _ in tier.get_finished_jobs())
+    def watch() -> None:
+        sys.stdin.read()
+        stop.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    say("READY")
+    while not stop.wait(args.poll_ms / 1000):
+        tier.get_finished_jobs()
         tier.serve_external_requests(parent)
-        rounds += 1
-        stop.wait(interval)
     tier.shutdown()
-    report = {
-        "rounds": rounds,
-        "released": released,
-        "parent_lookups": parent.lookups,
-        "pins": parent.pins,
-        "open_contexts": len(parent.open),
-    }
-    sys.stdout.write(json.dumps(report) + "\n")
-    sys.stdout.flush()
-    time.sleep(0.05)
     return 0
 
 

@@ -1,26 +1,43 @@
 """Engine-thread cost of the vLLM adapter, against vLLM 0.33.0's own P2P tier.
 
-vLLM calls a secondary tier synchronously from its scheduler thread; whatever
-the tier does inside those calls delays the step. The measurement is
-:mod:`p2pactor.programs.bench._vllm_engine`:
-a scripted engine drives p2pactor's ``P2PActorTierManager`` and vLLM's
-``P2PSecondaryTierManager`` through the same scheduler calls (1,000 requests of
-16 keys, 2 admitted per 10 ms step, a 1 ms tier-poll thread; quick: 100
-requests), each against a producer tier of its own class in another process,
-over real ZeroMQ and NIXL. It runs in a subprocess (vLLM's import is heavy and
-NIXL's state is per process); this section reports its headline figures, per
-tier the median over repeats with [min..max], and ours/vLLM per repeat.
+vLLM calls a secondary tier synchronously from its scheduler thread, under the
+offloading manager's lock: whatever the tier does there delays the step. A scripted
+engine (:mod:`~p2pactor.programs.bench._vllm_engine`, whose docstring lists its calls)
+drives p2pactor's ``P2PActorTierManager`` and vLLM's ``P2PSecondaryTierManager``
+through the same scheduler calls, each against a producer tier of its own class in
+another process (:mod:`~p2pactor.programs.bench._vllm_tier`), over real ZeroMQ and NIXL
+on 127.0.0.1, 4 KiB blocks: 1,000 requests of 16 keys, 2 admitted per 10 ms step, a
+1 ms tier-poll thread (quick: 100 requests). A scripted engine, not vLLM's stack, so
+that each tier's own calls are timed alone (a whole engine is ``engine-real``'s). The
+consumers run in one subprocess (``python -m p2pactor.programs.bench.engine``: vLLM's
+import is heavy, NIXL's state per process); each repeat runs both tiers, alternating
+which goes first, fresh producers each. Measured: ``perf_counter_ns`` around every tier
+call on the engine and tier-poll threads, the lock waits, every thread's CPU
+(schedstat) by role, the producer's CPU. Per tier, the median over repeats with
+[min..max]; ours/vLLM per repeat.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import math
 import os
 import statistics
+import sys
+import threading
+from collections.abc import Sequence
 from typing import Any
 
-from p2pactor.programs.bench._control_common import TIER_METHODS, run_module, vllm_missing
+from p2pactor.programs.bench._control_common import (
+    TIER_METHODS,
+    LineProcess,
+    free_port,
+    run_module,
+    thread_cpu_ns,
+    vllm_missing,
+)
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "engine"
@@ -28,6 +45,7 @@ NAME = "engine"
 TITLE = "engine-thread cost of the vLLM adapter vs vLLM 0.33.0's P2P tier (same scripted engine)"
 """One line saying what is measured."""
 
+TIERS = ("ours", "vllm")
 FIGURES: tuple[tuple[str, str], ...] = (
     ("engine thread in tier calls (ms)", "engine.tier_ms"),
     ("engine step p99 in tier calls (us)", "engine.step_p99_us"),
@@ -43,6 +61,7 @@ FIGURES: tuple[tuple[str, str], ...] = (
     ("loads failed", "counts.loads_failed"),
     ("blocks with wrong bytes", "counts.bad_blocks"),
     ("engine steps", "engine.steps"),
+    ("steps from admission to answers, mean", "steps_to_answer_mean"),
     ("wall time (s)", "wall_s"),
 )
 """(row label, path into one run's figures), in table order."""
@@ -72,68 +91,145 @@ def run(options: BenchOptions) -> SectionResult:
     repeats = 1 if options.quick else max(1, options.repeats)
     out = os.path.join(options.work_dir, "engine.json")
     args = [f"--requests={requests}", f"--repeats={repeats}", f"--json={out}"]
-    if options.quick:
-        args.append("--prestart")  # the producers' vLLM imports overlap
-    run_module(
-        "p2pactor.programs.bench._vllm_spawn",
-        *args,
-        timeout=150 if options.quick else 1800 * repeats,
-    )
+    run_module(__name__, *args, timeout=300 if options.quick else 1800 * repeats)
     with open(out) as f:
         report = json.load(f)
-    runs: dict[str, list[dict[str, Any]]] = report["runs"]
-    ours, theirs = runs["ours"], runs["vllm"]
+    ours, theirs = (report["runs"][t] for t in TIERS)
     rows: list[dict[str, Cell]] = []
     for label, path in FIGURES:
         a = Stat.of(_get(r, path) for r in ours)
         b = Stat.of(_get(r, path) for r in theirs)
-        ratio = a.median / b.median if b.median else None
-        rows.append({"figure": label, "ours": a, "vLLM": b, "ours/vLLM": ratio})
+        rows.append({"figure": label, "ours": a, "vLLM": b, "ours/vLLM": _over(a.median, b.median)})
     ratios: dict[str, Stat] = {}
     for name, path in RATIOS:
-        pairs = [
-            _get(a_run, path) / _get(b_run, path)
-            for a_run, b_run in zip(ours, theirs, strict=True)
-            if _get(b_run, path) > 0
-        ]
+        both = zip(ours, theirs, strict=True)
+        pairs = [_get(a, path) / _get(b, path) for a, b in both if _get(b, path) > 0]
         if pairs and all(math.isfinite(x) for x in pairs):
             ratios[name] = Stat.of(pairs)
-    notes = _notes(report, ours, theirs, requests, repeats)
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
-
-
-def _notes(
-    report: dict[str, Any],
-    ours: list[dict[str, Any]],
-    theirs: list[dict[str, Any]],
-    requests: int,
-    repeats: int,
-) -> list[str]:
-    args = report["args"]
-    notes = [
-        (
-            f"{requests} requests x {args['keys']} keys (75% HIT), {args['admit']} admitted per "
-            f"{args['step_ms']:g} ms step, tier-poll every {args['poll_ms']:g} ms; {repeats} "
-            "repeat(s), both tiers in each (alternating which goes first), fresh processes per run"
-        ),
-        (
-            "engine thread: perf_counter around every tier call the scripted scheduler makes; "
-            "CPU from /proc/self/task/*/schedstat"
-        ),
-    ]
+    a = report["args"]
     t_ours = statistics.median(_get(r, "engine.tier_ms") for r in ours)
     t_vllm = statistics.median(_get(r, "engine.tier_ms") for r in theirs)
-    verdict = "lower" if t_ours <= t_vllm else "HIGHER"
-    notes.append(
+    notes = [
+        (
+            f"{requests} requests x {a['keys']} keys (75% HIT), {a['admit']} admitted per "
+            f"{a['step_ms']:g} ms step, tier-poll every {a['poll_ms']:g} ms; {repeats} repeat(s), "
+            "both tiers in each (alternating which goes first), fresh processes per run; engine "
+            "thread: perf_counter around every tier call; CPU from /proc/self/task/*/schedstat"
+        ),
         f"engine thread in tier calls: ours {t_ours:.0f} ms vs vLLM {t_vllm:.0f} ms "
-        f"(x{t_ours / t_vllm:.2f}, {verdict})"
+        f"(x{t_ours / t_vllm:.2f}, {'lower' if t_ours <= t_vllm else 'HIGHER'})"
         if t_vllm
-        else "vLLM spent no time in tier calls"
-    )
+        else "vLLM spent no time in tier calls",
+    ]
     failed = sum(_get(r, "counts.loads_failed") + _get(r, "counts.bad_blocks") for r in ours)
     if failed:
         notes.append(f"ours: {failed:.0f} failed loads or wrong blocks (should be 0)")
-    tree = report.get("tree", {})
-    if tree:
-        notes.append("measured: " + ", ".join(f"{k} {v}" for k, v in tree.items()))
-    return notes
+    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+
+
+def _over(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+# --- the consumers' process ---------------------------------------------------------------
+
+
+def _producer(kind: str, args: argparse.Namespace) -> tuple[LineProcess, int]:
+    """Start a producer of ``kind`` (:mod:`~p2pactor.programs.bench._vllm_tier`); its port."""
+    port = free_port()
+    proc = LineProcess(
+        "p2pactor.programs.bench._vllm_tier",
+        f"--tier={kind}",
+        f"--port={port}",
+        f"--requests={args.requests}",
+        f"--keys={args.keys}",
+        f"--poll-ms={args.poll_ms}",
+        NIXL_LOG_LEVEL="WARN",
+        PYTHONHASHSEED=os.environ["PYTHONHASHSEED"],
+    )
+    return proc, port
+
+
+def _run_tier(kind: str, args: argparse.Namespace, producer: LineProcess, port: int) -> Any:
+    """One consumer of ``kind`` against its producer: warm up, measure, tear down."""
+    from p2pactor.programs.bench import _vllm_tier as shared  # noqa: PLC0415 - vLLM
+    from p2pactor.programs.bench._vllm_engine import Engine, Meter, make_requests  # noqa: PLC0415
+
+    specs = shared.workload(args.requests, args.keys)
+    producer.pause(paused=False)
+    try:
+        me = os.getpid()
+        before = set(thread_cpu_ns(me))
+        pool = shared.make_pool(4096, shared.BLOCK_BYTES)
+        tier = shared.make_tier(kind, pool, free_port())
+        engine = Engine(tier, pool, args)
+        try:
+            with engine.polling():
+                engine.run(make_requests(kind, "warm", specs[:8], port), Meter())
+                engine.counts = dict.fromkeys(engine.counts, 0)
+                engine.poll_meter = Meter()
+                cpu0, prod0, times0 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
+                meter = Meter()
+                result = engine.run(make_requests(kind, "run", specs, port), meter)
+                cpu1, prod1, times1 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
+        finally:
+            tier.shutdown()
+    finally:
+        producer.close(timeout=60)
+    role = {threading.main_thread().native_id: "engine_thread", engine.poll_tid(): "poll_thread"}
+    cpu_ms = dict.fromkeys(("engine_thread", "poll_thread", "tier_threads", "other_threads"), 0.0)
+    for tid, (_, ns) in cpu1.items():
+        group = role.get(tid) or ("other_threads" if tid in before else "tier_threads")
+        cpu_ms[group] += (ns - cpu0.get(tid, ("", 0))[1]) / 1e6
+    cpu_ms["process"] = sum(times1[:2]) * 1e3 - sum(times0[:2]) * 1e3
+    cpu_ms["producer_process"] = sum(ns - prod0.get(t, ("", 0))[1] for t, (_, ns) in prod1.items())
+    cpu_ms["producer_process"] /= 1e6
+    poll = engine.poll_meter.summary()
+    return {
+        **result,
+        "engine": meter.summary(),
+        "poll": poll,
+        "cpu_ms": cpu_ms,
+        "counts": engine.counts,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The consumers' process: every repeat, both tiers; write every figure as JSON."""
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    parser = argparse.ArgumentParser(description="engine-thread cost: ours vs vLLM's tier")
+    parser.add_argument("--requests", type=int, default=1000, help="requests per run (1000)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per tier (3)")
+    parser.add_argument("--json", metavar="PATH", required=True, help="write every figure here")
+    parser.add_argument("--keys", type=int, default=16, help="keys per request (16)")
+    parser.add_argument("--admit", type=int, default=2, help="new requests per step (2)")
+    parser.add_argument("--step-ms", type=float, default=10.0, help="forward pass (10 ms)")
+    parser.add_argument("--poll-ms", type=float, default=1.0, help="tier-poll thread; 0: off")
+    args = parser.parse_args(argv)
+    runs: dict[str, list[Any]] = {t: [] for t in TIERS}
+    for rep in range(args.repeats):
+        # A repeat's producers start together (their vLLM imports overlap, the first
+        # repeat's with this process's), then stay stopped (SIGSTOP) until their turn:
+        # vLLM's NIXL progress thread spins, and must not run beside the measured one.
+        spawned = {kind: _producer(kind, args) for kind in TIERS}
+        importlib.import_module("p2pactor.programs.bench._vllm_engine")  # meanwhile
+        try:
+            for proc, _ in spawned.values():
+                proc.wait_ready()
+                proc.pause(paused=True)
+            for kind in TIERS if rep % 2 == 0 else TIERS[::-1]:
+                run = _run_tier(kind, args, *spawned[kind])
+                runs[kind].append(run)
+                e = run["engine"]
+                sys.stderr.write(f"repeat {rep + 1} {kind}: {e['tier_ms']:.1f} ms in tier calls\n")
+        finally:
+            for proc, _ in spawned.values():
+                proc.kill()
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "runs": runs}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

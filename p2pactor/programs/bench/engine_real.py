@@ -18,6 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from p2pactor.programs.bench._control_common import spread_ports
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "engine-real"
@@ -26,20 +27,6 @@ TITLE = "real vLLM engines: B's prefill of what A computed, through p2pactor, vL
 """One line saying what is measured."""
 
 ARMS = ("ours", "stock", "none")
-_PORTS = random.Random()  # noqa: S311 - spreads the ports, no secret
-
-
-def _port() -> int:
-    import socket  # noqa: PLC0415 - only here
-
-    while True:
-        port = _PORTS.randrange(20_000, 32_000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
 
 
 def _prompt_sets(sets: int, per_set: int, prefix: int, own: int) -> list[list[list[int]]]:
@@ -74,13 +61,13 @@ def _arm(
         )
 
     a = None
-    a_port = _port()
+    a_port, b_port = spread_ports(2)
     outputs: list[list[list[int]]] = []
     try:
         if arm != "none":
             a = EngineProcess(options(f"a-{arm}", a_port), work / f"a-{arm}.log")
             outputs = [a.generate(s, max_tokens=8)["tokens"] for s in sets]
-        with EngineProcess(options(f"b-{arm}", _port()), work / f"b-{arm}.log") as b:
+        with EngineProcess(options(f"b-{arm}", b_port), work / f"b-{arm}.log") as b:
             runs, warm = [], []
             for i, prompts in enumerate(sets):
                 kv = None if arm == "none" else _named(a_port, f"{arm}-{i}", len(prompts))

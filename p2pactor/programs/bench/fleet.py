@@ -1,26 +1,41 @@
-"""Finding the source without a router: fleets of engines on vLLM's own stack, every arm.
+"""Finding the source without a router: fleets of engines on vLLM's own stack, by arm.
 
-Every engine is vLLM 0.33's own offloading stack
-(:mod:`p2pactor.programs.bench._fleet_engine`: ``TieringOffloadingManager``
-from ``get_manager()``, its CPU tier with vLLM's LRU and its tier-poll thread,
-p2pactor's tier or vLLM's own from the tier entry, stepped as vLLM's connector
-scheduler steps it, over real ZeroMQ and NIXL). Two workloads
-(:mod:`p2pactor.programs.bench._fleet_workload`): router-less shared-prefix
-chat on 4 and 8 engines with each CPU tier a quarter of the working set, and
-RAG on 5 engines (Zipf documents coming into use over the run, a fifth of the
-requests for a prefix nobody holds) with tiers a quarter and a tenth of it.
-The arms (:mod:`p2pactor.programs.bench._fleet_run`): no P2P, an oracle naming
-the engine whose CPU tier vLLM says holds the longest prefix, a random peer
-named, automatic choice, a mixed fleet (every other engine stock vLLM),
-engine 0 silent (no summary), engine 0 hostile (claims keys it does not hold).
-Per fleet, the median over repeats with [min..max].
+Every engine is vLLM 0.33's own offloading stack (:mod:`~p2pactor.programs.vllmstack`:
+``TieringOffloadingManager`` from ``get_manager()``, its CPU tier with vLLM's LRU and
+its tier-poll thread, p2pactor's tier or vLLM's own from the tier entry, stepped as
+vLLM's connector scheduler steps it, over real ZeroMQ and NIXL), in one process
+(:mod:`~p2pactor.programs.bench._fleet_run`). The arms: no P2P, an oracle naming the
+engine whose CPU tier vLLM says holds the longest prefix, automatic choice (nobody
+named), and a mixed fleet (automatic choice, every other engine stock vLLM). Per
+fleet, the median over repeats with [min..max]. The workloads (every request lands
+on an engine drawn uniformly at random: no router):
+
+* **chat** on 4 and 8 engines, each CPU tier a quarter of the working set
+  (:func:`chat_turns`): 32 system prompts of 16-64 blocks, of Zipf popularity (s = 1),
+  start the conversations; each has 2-5 turns, and every turn's prompt is the system
+  prompt, the whole history (every earlier user message of 2-6 blocks and reply of
+  2-8) and a new user message, so a follow-up's prefix is the previous turn's prompt
+  and reply. A user takes 10-40 engine steps to write a follow-up (0.1-0.4 s: users
+  take longer, which only leaves the summaries more time).
+* **RAG** on 5 engines, tiers a quarter and a tenth of it (:func:`rag_turns`): a
+  shared system prompt of 4 blocks, a retrieved document of 16-64 and a question of
+  1-4; the 64 documents are of Zipf popularity (s = 0.8) and come into use over the
+  run (document d a d-th of the way into its first 80%), and a fifth of the requests
+  retrieve a document nobody else ever asks for (a prefix nobody holds). Replies are
+  2-6 blocks.
+
+Token ids are synthetic (seeded), every segment a whole number of 16-token blocks;
+the keys are vLLM's: ``hash_block_tokens`` with sha256 chained from ``NONE_HASH`` (the
+caller has seeded it, as an engine does at start-up), then ``make_offload_key(hash, 0)``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from p2pactor.programs.bench._control_common import run_module, vllm_missing
@@ -31,64 +46,50 @@ NAME = "fleet"
 TITLE = "finding the source with no router: chat and RAG fleets on vLLM's own stack, by arm"
 """One line saying what is measured."""
 
-ARMS = ("none", "oracle", "random", "auto", "mixed", "silent", "hostile")
+ARMS = ("none", "oracle", "auto", "mixed")
 
 Run = dict[str, Any]
 Runs = dict[str, list[Run]]  # arm -> its repeats
+Figure = Callable[[Run, Runs, int], float]
 
 
-def fleet_of(run: Run) -> str:
-    """The fleet a run belongs to, as its rows name it."""
-    if run.get("workload") == "rag":
-        return f"rag, {run['engines']} engines, tiers {100 * run['capacity_share']:g}%"
-    return f"chat, {run['engines']} engines"
+def _by(key: str, scale: float = 1.0) -> Figure:
+    return lambda run, runs, i: scale * float(run[key])
 
 
-def _by(key: str) -> Callable[[Run, Runs, int], float]:
-    return lambda run, runs, i: float(run[key])
-
-
-def _share(key: str, of: str) -> Callable[[Run, Runs, int], float]:
-    """``run[key]`` as a percentage of arm ``of``'s, in the same repeat."""
+def _share(key: str) -> Figure:
+    """``run[key]`` as a percentage of the oracle arm's, in the same repeat."""
 
     def get(run: Run, runs: Runs, i: int) -> float:
-        base = float(runs[of][i][key])
+        base = float(runs["oracle"][i][key])
         return 100.0 * float(run[key]) / base if base else 0.0
 
     return get
 
 
-def _others(run: Run, runs: Runs, i: int) -> float:
-    """Tokens saved by engines 1..n-1 (not engine 0), as a percentage of the auto arm's."""
-    base = sum(runs["auto"][i]["saved_by_engine"][1:])
-    return 100.0 * sum(run["saved_by_engine"][1:]) / base if base else 0.0
-
-
-def _per_key(key: str, total: str, scale: float = 100.0) -> Callable[[Run, Runs, int], float]:
+def _per(key: str, total: str, scale: float) -> Figure:
     return lambda run, runs, i: scale * run[key] / run[total] if run[total] else 0.0
 
 
-def _wait(kind: str, stat: str) -> Callable[[Run, Runs, int], float]:
+def _wait(kind: str, stat: str) -> Figure:
     return lambda run, runs, i: float(run[f"wait_steps_{stat}"][kind])
 
 
-FIGURES: tuple[tuple[str, Callable[[Run, Runs, int], float]], ...] = (
-    ("prefix hit rate (% of prompt tokens)", lambda r, rs, i: 100.0 * r["hit_rate"]),
-    ("prefill tokens saved (k)", lambda r, rs, i: r["saved_tokens"] / 1000),
-    ("  of them loaded from peers (k)", lambda r, rs, i: r["loaded_tokens"] / 1000),
-    ("tokens saved, % of the oracle's", _share("saved_tokens", "oracle")),
-    ("tokens loaded from peers, % of the oracle's", _share("loaded_tokens", "oracle")),
-    ("saved by engines 1..n-1, % of auto's", _others),
+FIGURES: tuple[tuple[str, Figure], ...] = (
+    ("prefix hit rate (% of prompt tokens)", _by("hit_rate", 100.0)),
+    ("prefill tokens saved (k)", _by("saved_tokens", 1e-3)),
+    ("  of them loaded from peers (k)", _by("loaded_tokens", 1e-3)),
+    ("tokens saved, % of the oracle's", _share("saved_tokens")),
+    ("tokens loaded from peers, % of the oracle's", _share("loaded_tokens")),
     ("wait, claimed requests (steps, mean)", _wait("claimed", "mean")),
     ("wait, named requests (steps, mean)", _wait("named", "mean")),
     ("wait, unclaimed requests (steps, max)", _wait("unclaimed", "max")),
     ("hung requests (no answer in 5 s)", _by("hung")),
-    ("lookups per named request", _per_key("lookups_sent", "named", 1.0)),
-    ("probes per request", _by("probes_per_request")),
-    ("false claims (% of probed keys)", _per_key("false_claims", "probed_keys")),
+    ("lookups per named request", _per("lookups_sent", "named", 1.0)),
+    ("false claims (% of probed keys)", _per("false_claims", "probed_keys", 100.0)),
     ("summary bytes/s per peer pair", _by("summary_bytes_per_s_per_peer")),
     ("index entries per engine", _by("index_claims_per_engine")),
-    ("index memory per engine (KiB)", lambda r, rs, i: r["index_bytes_per_engine"] / 1024),
+    ("index memory per engine (KiB)", _by("index_bytes_per_engine", 1 / 1024)),
     ("pins left", _by("pins_left")),
     ("blocks with wrong bytes", _by("wrong_blocks")),
     ("loads failed", _by("loads_failed")),
@@ -97,87 +98,47 @@ FIGURES: tuple[tuple[str, Callable[[Run, Runs, int], float]], ...] = (
 """(row label, the figure of one run), in table order; a column per arm."""
 
 
-def _stat(values: list[float]) -> Stat | None:
-    return Stat.of(values) if values else None
-
-
-def _rows(fleet: str, runs: Runs) -> list[dict[str, Cell]]:
-    rows: list[dict[str, Cell]] = []
-    for label, get in FIGURES:
-        row: dict[str, Cell] = {"figure": f"{fleet}: {label}"}
-        for arm in ARMS:
-            row[arm] = _stat([get(run, runs, i) for i, run in enumerate(runs.get(arm, []))])
-        rows.append(row)
-    return rows
-
-
-def _ratios(size: str, runs: Runs) -> dict[str, Stat]:
-    def per_repeat(get: Callable[[Run, Runs, int], float], arm: str) -> Stat:
-        return Stat.of(get(run, runs, i) / 100.0 for i, run in enumerate(runs[arm]))
-
-    ratios = {
-        f"{size}: auto/oracle tokens loaded from peers": per_repeat(
-            _share("loaded_tokens", "oracle"), "auto"
-        ),
-        f"{size}: auto/oracle tokens saved": per_repeat(_share("saved_tokens", "oracle"), "auto"),
-    }
-    if "hostile" in runs and "silent" in runs:
-        ratios[f"{size}: others' savings with a hostile engine 0 / with a silent one"] = Stat.of(
-            sum(h["saved_by_engine"][1:]) / max(1, sum(s["saved_by_engine"][1:]))
-            for h, s in zip(runs["hostile"], runs["silent"], strict=True)
-        )
-    return ratios
-
-
-def _median(runs: list[Run], get: Callable[[Run], float]) -> float:
-    return Stat.of(get(r) for r in runs).median
-
-
-def _notes(fleets: dict[str, Runs], repeats: int, args: dict[str, Any]) -> list[str]:
-    notes = [
-        (
-            f"chat: {args['conversations']} conversations of 2-5 turns; rag: {args['requests']} "
-            f"requests over Zipf documents, a fifth for a prefix nobody holds; {repeats} "
-            "repeat(s); 10 ms steps, 4 requests admitted per step over the fleet, 4 in flight "
-            "per engine; every engine is vLLM's own stack (its LRU, no touch)"
-        ),
-        (
-            "tokens saved: prompt tokens not prefilled (loaded from the engine's own CPU tier, "
-            "or from a peer through it); the oracle names the engine whose CPU tier (vLLM's "
-            "own lookup) holds the longest prefix at admission; a hung request waited 5 s for "
-            "its lookups and was given up (as a client would)"
-        ),
-    ]
-    for fleet, runs in fleets.items():
-        notes += _fleet_notes(fleet, runs)
-    return notes
+def fleet_of(run: Run) -> str:
+    """The fleet a run belongs to, as its rows name it."""
+    if run["workload"] == "rag":
+        return f"rag, {run['engines']} engines, tiers {100 * run['capacity_share']:g}%"
+    return f"chat, {run['engines']} engines"
 
 
 def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
-def _fleet_notes(fleet: str, runs: Runs) -> list[str]:
+def _tabulate(fleet: str, runs: Runs) -> tuple[list[dict[str, Cell]], dict[str, Stat], list[str]]:
+    rows: list[dict[str, Cell]] = []
+    for label, get in FIGURES:
+        row: dict[str, Cell] = {"figure": f"{fleet}: {label}"}
+        for arm in ARMS:
+            values = [get(run, runs, i) for i, run in enumerate(runs.get(arm, []))]
+            row[arm] = Stat.of(values) if values else None
+        rows.append(row)
     auto = runs["auto"]
-
-    def share(figure: str) -> float:
-        # Each repeat's own ratio (the same turns in both arms), then their median.
-        get = _share(figure, "oracle")
-        return Stat.of(get(r, runs, i) / 100.0 for i, r in enumerate(auto)).median
-
-    p2p, saved = share("loaded_tokens"), share("saved_tokens")
+    # Each repeat's own ratio (the same turns in both arms), then their median.
+    p2p, saved = (
+        Stat.of(_share(key)(r, runs, i) / 100.0 for i, r in enumerate(auto))
+        for key in ("loaded_tokens", "saved_tokens")
+    )
+    ratios = {
+        f"{fleet}: auto/oracle tokens loaded from peers": p2p,
+        f"{fleet}: auto/oracle tokens saved": saved,
+    }
     probed = sum(r["probed_keys"] for r in auto)
     false = sum(r["false_claims"] for r in auto) / probed if probed else 0.0
-    arms = [a for a in ARMS if a in runs]
-    unclaimed = max(r["wait_steps_max"]["unclaimed"] for a in arms for r in runs[a])
-    hung = sum(r["hung"] for a in arms for r in runs[a])
-    left = sum(r["pins_left"] + r["open_left"] for a in arms for r in runs[a])
-    wrong = sum(r["wrong_blocks"] for a in arms for r in runs[a])
+    every = [r for arm in ARMS for r in runs.get(arm, [])]
+    unclaimed = max(r["wait_steps_max"]["unclaimed"] for r in every)
+    hung = sum(r["hung"] for r in every)
+    left = sum(r["pins_left"] + r["open_left"] for r in every)
+    wrong = sum(r["wrong_blocks"] for r in every)
     notes = [
         (
-            f"{fleet}: auto saves {saved:.1%} of the oracle's tokens ({p2p:.1%} of what it "
-            f"loads from peers); target 90%: {_verdict(p2p >= 0.9)} on the tokens loaded, "
-            f"{_verdict(saved >= 0.9)} on all"
+            f"{fleet}: auto saves {saved.median:.1%} of the oracle's tokens ({p2p.median:.1%} of "
+            f"what it loads from peers); target 90%: {_verdict(p2p.median >= 0.9)} on the tokens "
+            f"loaded, {_verdict(saved.median >= 0.9)} on all"
         ),
         f"{fleet}: false claims {false:.2%} of probed keys; target 2%: {_verdict(false <= 0.02)}",
         (
@@ -190,21 +151,7 @@ def _fleet_notes(fleet: str, runs: Runs) -> list[str]:
             f"(target 0: {_verdict(left == 0 and wrong == 0)})"
         ),
     ]
-    if "hostile" in runs and "silent" in runs:
-        hostile = [sum(r["saved_by_engine"][1:]) for r in runs["hostile"]]
-        silent = [sum(r["saved_by_engine"][1:]) for r in runs["silent"]]
-        honest = [sum(r["saved_by_engine"][1:]) for r in auto]
-        cost_silent = 1 - Stat.of(h / s for h, s in zip(hostile, silent, strict=True)).median
-        cost_auto = 1 - Stat.of(h / a for h, a in zip(hostile, honest, strict=True)).median
-        caught = _median(runs["hostile"], lambda r: r["hostile_quarantined_by"])
-        peers = runs["hostile"][0]["engines"] - 1
-        notes.append(
-            f"{fleet}: the hostile engine is quarantined by {caught:g} of {peers} peers; it "
-            f"costs the others {cost_silent:.1%} of their savings against a silent engine 0, "
-            f"{cost_auto:.1%} against an honest one; target 5%: "
-            f"{_verdict(cost_silent <= 0.05)} against silent"
-        )
-    return notes
+    return rows, ratios, notes
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -228,11 +175,145 @@ def run(options: BenchOptions) -> SectionResult:
         timeout=300 if options.quick else 1800 * repeats,
     )
     with open(out) as f:
-        runs: list[Run] = json.load(f)["runs"]
-    fleets: dict[str, Runs] = {}
-    for r in runs:
-        fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
-    rows = [row for fleet, by_arm in fleets.items() for row in _rows(fleet, by_arm)]
-    ratios = {k: v for fleet, by_arm in fleets.items() for k, v in _ratios(fleet, by_arm).items()}
-    notes = _notes(fleets, repeats, {"conversations": conversations, "requests": requests})
+        fleets: dict[str, Runs] = {}
+        for r in json.load(f)["runs"]:
+            fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
+    rows: list[dict[str, Cell]] = []
+    ratios: dict[str, Stat] = {}
+    notes = [
+        (
+            f"chat: {conversations} conversations of 2-5 turns; rag: {requests} requests over Zipf "
+            f"documents, a fifth for a prefix nobody holds; {repeats} repeat(s); 10 ms steps, 4 "
+            "requests admitted per step over the fleet, 4 in flight per engine; every engine is "
+            "vLLM's own stack (its LRU, no touch)"
+        ),
+        (
+            "tokens saved: prompt tokens not prefilled (loaded from the engine's own CPU tier, or "
+            "from a peer through it); the oracle names the engine whose CPU tier (vLLM's own "
+            "lookup) holds the longest prefix at admission; a hung request waited 5 s for its "
+            "lookups and was given up (as a client would)"
+        ),
+    ]
+    for fleet, runs in fleets.items():
+        fleet_rows, fleet_ratios, fleet_notes = _tabulate(fleet, runs)
+        rows += fleet_rows
+        ratios |= fleet_ratios
+        notes += fleet_notes
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+
+
+# --- the workloads (needing vLLM: run by _fleet_run) -------------------------------------
+
+
+TOKENS_PER_BLOCK = 16
+"""Tokens per block (and per key: one block per chunk), as the benchmark's spec says."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One request: a turn of a conversation, on the engine it landed on.
+
+    Attributes:
+        index: Its place in arrival order.
+        conversation: The conversation it belongs to (a RAG request is its own).
+        turn: Which turn (0 is the first).
+        engine: The engine it landed on.
+        keys: Its prompt's keys, in order.
+        reply: The keys of the reply it generates (the next turn's history).
+        think_steps: Engine steps the user takes, after the previous turn
+            ended, to write this one (none for a first turn).
+    """
+
+    index: int
+    conversation: int
+    turn: int
+    engine: int
+    keys: tuple[bytes, ...]
+    reply: tuple[bytes, ...]
+    think_steps: int
+
+
+class _Chain:
+    """vLLM's block-hash chain over token ids, extended one segment at a time."""
+
+    def __init__(self) -> None:
+        self.keys: list[bytes] = []
+        self._parent: bytes | None = None
+
+    def extend(self, tokens: Sequence[int]) -> list[bytes]:
+        from vllm.utils.hashing import sha256  # noqa: PLC0415 - vLLM in _fleet_run only
+        from vllm.v1.core.kv_cache_utils import hash_block_tokens  # noqa: PLC0415
+        from vllm.v1.kv_offload.base import make_offload_key  # noqa: PLC0415
+
+        added = []
+        for start in range(0, len(tokens), TOKENS_PER_BLOCK):
+            block = tokens[start : start + TOKENS_PER_BLOCK]
+            digest = hash_block_tokens(sha256, self._parent, block, None)
+            self._parent = digest
+            added.append(bytes(make_offload_key(digest, 0)))
+        self.keys += added
+        return added
+
+    def copy(self) -> _Chain:
+        other = _Chain()
+        other.keys, other._parent = list(self.keys), self._parent
+        return other
+
+
+def _tokens(rng: random.Random, blocks: int) -> list[int]:
+    return [rng.randrange(1, 150_000) for _ in range(blocks * TOKENS_PER_BLOCK)]
+
+
+def chat_turns(engines: int, conversations: int, seed: int) -> list[Turn]:
+    """Every request of a chat run, in arrival order (a conversation's turns in turn order)."""
+    rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
+    systems = [_tokens(rng, rng.randint(16, 64)) for _ in range(32)]
+    weights = [1 / (rank + 1) for rank in range(32)]
+    timed: list[tuple[float, int, int, _Chain, list[bytes], int]] = []
+    for conversation in range(conversations):
+        chain = _Chain()
+        chain.extend(systems[rng.choices(range(32), weights)[0]])
+        at = rng.uniform(0.0, 1.0)
+        for turn in range(rng.randint(2, 5)):
+            chain.extend(_tokens(rng, rng.randint(2, 6)))
+            prompt = chain.copy()
+            reply = chain.extend(_tokens(rng, rng.randint(2, 8)))
+            think = rng.randint(10, 40) if turn else 0
+            timed.append((at, conversation, turn, prompt, reply, think))
+            at += rng.uniform(0.05, 0.3)  # arrival order: the next message comes later
+    timed.sort(key=lambda t: (t[0], t[1], t[2]))
+    return [
+        Turn(i, conversation, turn, rng.randrange(engines), tuple(p.keys), tuple(reply), think)
+        for i, (_, conversation, turn, p, reply, think) in enumerate(timed)
+    ]
+
+
+def rag_turns(engines: int, requests: int, seed: int) -> list[Turn]:
+    """Every request of a RAG run, in arrival order (each its own one-turn conversation)."""
+    rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
+    system = _tokens(rng, 4)
+    docs = [_tokens(rng, rng.randint(16, 64)) for _ in range(64)]
+    # Document d comes into use a d-th of the way into the run: before it,
+    # requests ask about the documents already in use.
+    opens = [int(requests * 0.8 * d / 64) for d in range(64)]
+    weights = [1 / (rank + 1) ** 0.8 for rank in range(64)]
+    turns = []
+    for i in range(requests):
+        if rng.random() < 0.2:
+            document = _tokens(rng, rng.randint(16, 64))
+        else:
+            live = [d for d in range(64) if opens[d] <= i] or [0]
+            document = docs[rng.choices(live, [weights[d] for d in live])[0]]
+        chain = _Chain()
+        chain.extend(system)
+        chain.extend(document)
+        chain.extend(_tokens(rng, rng.randint(1, 4)))
+        prompt = chain.copy()
+        reply = chain.extend(_tokens(rng, rng.randint(2, 6)))
+        turns.append(Turn(i, i, 0, rng.randrange(engines), tuple(prompt.keys), tuple(reply), 0))
+    return turns
+
+
+def working_set(turns: Sequence[Turn]) -> int:
+    """Distinct keys the run computes (prompts and replies)."""
+    return len({k for t in turns for k in (*t.keys, *t.reply)})

@@ -4,9 +4,8 @@ Two namespaced hosts (:mod:`p2pactor.programs.hosts`: each its own network,
 hostname and ``/dev/shm``, UCX limited to ``tcp,self`` on its ``eth0``) are
 joined by a veth pair and a bridge, so the bytes cross the kernel's TCP stack
 as between machines. The measurement is the ``dataplane`` section's own
-(:func:`p2pactor.programs.bench.dataplane._measure_group`), run in a consumer
-process on ``h1`` with its producer process on ``h2``
-(:mod:`p2pactor.programs.bench._hosts_peer`). Side by side in each repeat:
+(:func:`p2pactor.programs.bench.dataplane.measure`), its consumer process on
+``h1`` and its producer process on ``h2``. Side by side in each repeat:
 
 * **ours**: ``node.lookup`` then ``node.fetch`` of B blocks of S bytes through
   the two nodes, byte-checked;
@@ -15,8 +14,8 @@ process on ``h1`` with its producer process on ``h2``
   here.
 
 The table shows GB/s and ours/raw as the median over repeats with
-[min..max]. Then the lookup latency: a loop of single-key lookups from a node
-on ``h1`` to a node on ``h2``, against the same loop between two nodes on
+[min..max]. Then the lookup latency: a loop of single-key lookups from the node
+on ``h1`` to the node on ``h2``, against the same loop between two nodes on
 ``127.0.0.1``; p50 and p99 per repeat. Needs root (namespaces); without it the
 section is skipped with a note.
 """
@@ -24,81 +23,58 @@ section is skipped with a note.
 from __future__ import annotations
 
 import json
-import statistics
 import subprocess
-import sys
-from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from p2pactor.programs.bench._control_common import nixl_missing, percentile
-from p2pactor.programs.bench._dataplane_peer import PREFIX
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+import attrs
+
+from p2pactor.programs.bench._control_common import (
+    child_env,
+    module_command,
+    nixl_missing,
+    percentile,
+)
+from p2pactor.programs.bench.dataplane import KIB, MIB, by_block_len, tabulate
+from p2pactor.programs.bench.report import BenchOptions, SectionResult, Stat
 from p2pactor.programs.hosts import Host, hosts_unavailable, open_hosts
 
 NAME = "hosts"
 """The section's name."""
-
 TITLE = "fetch B x S across two namespaced hosts over UCX TCP (veth), vs raw NIXL"
 """What the section measures."""
 
-KIB = 1024
-MIB = 1024 * KIB
-
 SIZES: tuple[tuple[int, int], ...] = ((64, MIB), (256, MIB))
 """(blocks, bytes per block) of a full run."""
-
 QUICK_SIZES: tuple[tuple[int, int], ...] = ((16, 256 * KIB),)
 """(blocks, bytes per block) of ``--quick``: one small batch."""
-
-TARGET = 0.9
-"""ours / raw NIXL wanted across hosts for batches of 64 x 1 MiB and up."""
-
 SKIP = "no namespaced hosts"
 """How the section's skip note starts (``tests/test_bench.py`` allows it)."""
 
 
-def _label(count: int, block_len: int) -> str:
-    size = f"{block_len // MIB} MiB" if block_len >= MIB else f"{block_len // KIB} KiB"
-    return f"{count} x {size}"
+def _on(host: Host | None, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """:func:`~p2pactor.programs.bench.dataplane.measure` of ``spec``, in a process on ``host``.
 
-
-def _peer(host: Host | None) -> dict[str, str] | None:
-    return (
-        None if host is None else {"name": host.name, "netns": host.netns, "address": host.address}
-    )
-
-
-def _ask(
-    role: str, spec: dict[str, Any], on: Host | None, work_dir: str, timeout: float
-) -> dict[str, Any]:
-    """Run a :mod:`~p2pactor.programs.bench._hosts_peer` role (on ``on``); its one line."""
-    argv = [sys.executable, "-m", "p2pactor.programs.bench._hosts_peer", role, json.dumps(spec)]
-    where = "loopback" if on is None else on.name
-    stderr_path = Path(work_dir) / f"hosts-{role}-{where}.stderr"
-    with stderr_path.open("wb") as stderr:
+    ``None``: on this machine's loopback, a fresh process too (a like reference).
+    """
+    argv = module_command("p2pactor.programs.bench.dataplane", json.dumps(spec))
+    where = "loopback" if host is None else host.name
+    stderr = f"{spec['work_dir']}/hosts-consumer-{spec['block_len']}-{where}.stderr"
+    with open(stderr, "wb") as err:
         done = subprocess.run(  # noqa: S603 - our own interpreter and module
-            argv if on is None else on.command(argv),
+            argv if host is None else host.command(argv),
             stdout=subprocess.PIPE,
-            stderr=stderr,
-            env=None if on is None else on.env(),
+            stderr=err,
+            env=child_env() if host is None else host.env(child_env()),
             timeout=timeout,
             check=False,
         )
     for line in done.stdout.decode(errors="replace").splitlines():
-        if line.startswith(PREFIX):
-            message: dict[str, Any] = json.loads(line[len(PREFIX) :])
-            if message.get("event") == role:
-                return message
-    tail = stderr_path.read_text(errors="replace")[-2000:]
-    raise RuntimeError(f"the {role} process on {where} exited {done.returncode}: {tail}")
-
-
-def _lookup_stats(runs: Sequence[Sequence[float]]) -> tuple[Stat, Stat]:
-    """p50 and p99 (ms) per repeat, as statistics over repeats."""
-    p50 = Stat.of(percentile(r, 0.5) for r in runs).scaled(1e3)
-    p99 = Stat.of(percentile(r, 0.99) for r in runs).scaled(1e3)
-    return p50, p99
+        if line.startswith("RESULT "):
+            found: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
+            return found
+    with open(stderr, errors="replace") as f:
+        tail = f.read()[-2000:]
+    raise RuntimeError(f"the consumer on {where} exited {done.returncode}: {tail}")
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -110,94 +86,46 @@ def run(options: BenchOptions) -> SectionResult:
     if missing:
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     sizes = QUICK_SIZES if options.quick else SIZES
-    groups: dict[int, list[int]] = {}
-    for count, block_len in sizes:
-        groups.setdefault(block_len, []).append(count)
-    iters = 4 if options.quick else 10
-    lookups = {"count": 200 if options.quick else 1000, "warmup": 50, "repeats": options.repeats}
+    iters, lookups = (4, 200) if options.quick else (10, 1000)
     measured: dict[tuple[int, int], dict[str, Any]] = {}
+    across: list[list[float]] = []
     with open_hosts(2) as (h1, h2):
-        for block_len, counts in groups.items():
+        for block_len, counts in by_block_len(sizes).items():
             spec = {
-                "address": h1.address,
-                "peer": _peer(h2),
                 "block_len": block_len,
                 "counts": counts,
                 "repeats": options.repeats,
                 "iters": iters,
                 "work_dir": options.work_dir,
+                "address": h1.address,
+                "host": attrs.asdict(h2),
+                "lookups": 0 if across else lookups,  # with the first group only
             }
-            found = _ask("fetch", spec, h1, options.work_dir, 120 if options.quick else 400)
-            measured.update({(int(c), block_len): m for c, m in found["measured"].items()})
-        across = _ask(
-            "lookups",
-            {**lookups, "address": h1.address, "peer": _peer(h2), "work_dir": options.work_dir},
-            h1,
-            options.work_dir,
-            120,
-        )["runs"]
-    loopback = _ask(
-        "lookups",
-        {**lookups, "address": "127.0.0.1", "peer": None, "work_dir": options.work_dir},
-        None,
-        options.work_dir,
-        120,
-    )["runs"]
-    rows: list[dict[str, Cell]] = []
-    ratios: dict[str, Stat] = {}
-    missed: list[str] = []
-    notes: list[str] = [
-        (
-            f"h1 -> h2 over UCX_TLS=tcp,self on eth0 (a veth pair and a bridge); ours = lookup + "
-            f"fetch through the Node API, fetch only = fetch to transfer_done, raw NIXL = the same "
-            f"WRITE from bare agents in the same two processes; {options.repeats} repeats of "
-            f"{iters} operations each"
-        )
-    ]
-    for count, block_len in sizes:
-        m = measured[count, block_len]
-        label = _label(count, block_len)
-        ours_raw = Stat.of(m["ours_raw"])
-        rows.append(
-            {
-                "batch": label,
-                "MiB": count * block_len / MIB,
-                "ours GB/s": Stat.of(m["ours"]),
-                "fetch only GB/s": Stat.of(m["fetch"]),
-                "raw NIXL GB/s": Stat.of(m["raw"]),
-                "ours/raw": ours_raw,
-                "fetch/raw": Stat.of(m["fetch_raw"]),
-                "producer stall ms": Stat.of(m["stall_ms"]),
-            }
-        )
-        ratios[f"ours/raw across hosts {label}"] = ours_raw
-        ratios[f"fetch only/raw across hosts {label}"] = Stat.of(m["fetch_raw"])
-        phases: dict[str, list[float]] = m["phases"]
-        if phases:
-            parts = ", ".join(
-                f"{p} {statistics.median(v) * 1e3:.2f}" for p, v in phases.items() if v
-            )
-            notes.append(f"{label} where ours spends its time (median ms): {parts}")
-        if count * block_len >= 64 * MIB and ours_raw.median < TARGET:
-            missed.append(f"{label} at {ours_raw.median:.2f}")
-    if any(count * block_len >= 64 * MIB for count, block_len in sizes):
-        if missed:
-            notes.append(
-                f"target ours/raw >= {TARGET} for 64 x 1 MiB and up missed: " + "; ".join(missed)
-            )
-        else:
-            notes.append(f"target ours/raw >= {TARGET} for 64 x 1 MiB and up: met")
-    a50, a99 = _lookup_stats(across)
-    l50, l99 = _lookup_stats(loopback)
-    ratios["lookup p50 hosts/loopback"] = Stat.of(
-        percentile(a, 0.5) / percentile(b, 0.5) for a, b in zip(across, loopback, strict=True)
+            found = _on(h1, spec, 120 if options.quick else 400)
+            measured.update({(c, block_len): found["measured"][str(c)] for c in counts})
+            across = across or found["lookups"]
+    reference = {**spec, "block_len": 4096, "counts": [], "address": "127.0.0.1", "host": None}
+    loopback: list[list[float]] = _on(None, reference | {"lookups": lookups}, 120)["lookups"]
+    rows, ratios, notes = tabulate(sizes, measured, 64 * MIB, " across hosts")
+    notes.insert(
+        0,
+        f"h1 -> h2 over UCX_TLS=tcp,self on eth0 (a veth pair and a bridge); ours = lookup + "
+        f"fetch through the Node API, fetch only = fetch to transfer_done, raw NIXL = the same "
+        f"WRITE from bare agents in the same two processes; {options.repeats} repeats of "
+        f"{iters} operations each",
     )
-    ratios["lookup p99 hosts/loopback"] = Stat.of(
-        percentile(a, 0.99) / percentile(b, 0.99) for a, b in zip(across, loopback, strict=True)
+    pairs = list(zip(across, loopback, strict=True))
+    for q, name in ((0.5, "p50"), (0.99, "p99")):
+        ratios[f"lookup {name} hosts/loopback"] = Stat.of(
+            percentile(a, q) / percentile(b, q) for a, b in pairs
+        )
+    a50, a99, l50, l99 = (
+        Stat.of(percentile(r, q) for r in runs).scaled(1e3).text(3)
+        for runs in (across, loopback)
+        for q in (0.5, 0.99)
     )
     notes.append(
-        f"single-key lookup latency, {lookups['count']} per repeat: across hosts p50 "
-        f"{a50.text(3)} ms, p99 {a99.text(3)} ms; on 127.0.0.1 p50 {l50.text(3)} ms, "
-        f"p99 {l99.text(3)} ms"
+        f"single-key lookup latency, {lookups} per repeat: across hosts p50 {a50} ms, p99 "
+        f"{a99} ms; on 127.0.0.1 p50 {l50} ms, p99 {l99} ms"
     )
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
