@@ -10,7 +10,7 @@ event type (:func:`filed_under`), made into a checked function by :func:`evolver
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Generic, Self, TypedDict, TypeVar, get_args
+from typing import Any, ClassVar, Generic, Self, TypeVar, get_args
 
 import msgspec
 
@@ -46,14 +46,6 @@ E = TypeVar("E", bound=Event)
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-class Head(TypedDict):
-    """The fields every event shares, for ``Event(**builder.head, ...)``."""
-
-    actor: ActorId
-    seq: int
-    at: float
-
-
 class Builder(Generic[S, E]):
     """Accumulates the events of one decision over an evolving state."""
 
@@ -63,14 +55,11 @@ class Builder(Generic[S, E]):
         self.events: list[E] = []
         self._evolve = evolve
 
-    @property
-    def head(self) -> Head:
-        """The shared fields of the next event."""
-        return Head(actor=self.state.actor, seq=self.state.seq + 1, at=self.now)
-
-    def emit(self, event: E) -> None:
-        """Record ``event`` and apply it to the state."""
-        self.state = self._evolve(self.state, event)
+    def emit(self, kind: type[E], /, **fields: Any) -> None:
+        """Record the next event, a ``kind`` of ``fields``, and apply it to the state."""
+        state = self.state
+        event = kind(actor=state.actor, seq=state.seq + 1, at=self.now, **fields)
+        self.state = self._evolve(state, event)
         self.events.append(event)
 
 

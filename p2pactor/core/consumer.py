@@ -120,7 +120,7 @@ def _register(b: _B, keys: tuple[bytes, ...]) -> None:
         return  # every key answers MISS now; nothing to ask
     new = _new_keys(b.state, keys)
     if new:
-        b.emit(ev.Registered(**b.head, keys=new))
+        b.emit(ev.Registered, keys=new)
 
 
 def _flush(
@@ -142,21 +142,21 @@ def _flush(
     deadline = (
         s.lookup_deadline if s.lookup_deadline is not None else b.now + t.lookup_progress_timeout
     )
-    b.emit(ev.Probed(**b.head, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=choice))
+    b.emit(ev.Probed, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=choice)
 
 
 def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
     s = b.state
     if s.finishing or s.lookup_failed or s.session_lost:
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="the request no longer looks up"))
+        b.emit(ev.Ignored, input=msg.TYPE, reason="the request no longer looks up")
         return
     if msg.round_seq is not wire.UNSET and msg.round_seq != s.round_seq:
         reason = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
         return
     if len(msg.keys) != len(msg.hits):
         reason = f"{len(msg.keys)} keys but {len(msg.hits)} hits"
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
         return
     waiting = set(s.waiting_keys())
     applied: dict[bytes, bool] = {}
@@ -167,19 +167,17 @@ def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
             applied[key] = hit
             refused[key] = no and not hit
     if not applied:
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="it answers no key that is waiting"))
+        b.emit(ev.Ignored, input=msg.TYPE, reason="it answers no key that is waiting")
         return
     still_waiting = len(waiting) > len(applied)
     deadline = b.now + t.lookup_progress_timeout if still_waiting else None
     b.emit(
-        ev.LookupResp(
-            **b.head,
-            round_seq=None if msg.round_seq is wire.UNSET else msg.round_seq,
-            keys=tuple(applied),
-            hits=tuple(applied.values()),
-            lookup_deadline=deadline,
-            refused=tuple(refused.values()) if any(refused.values()) else (),
-        )
+        ev.LookupResp,
+        round_seq=None if msg.round_seq is wire.UNSET else msg.round_seq,
+        keys=tuple(applied),
+        hits=tuple(applied.values()),
+        lookup_deadline=deadline,
+        refused=tuple(refused.values()) if any(refused.values()) else (),
     )
 
 
@@ -187,7 +185,7 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
     s = b.state
 
     def skip(reason: str, *, success: bool = False) -> None:
-        b.emit(ev.FetchSkipped(**b.head, job_id=load.job_id, success=success, reason=reason))
+        b.emit(ev.FetchSkipped, job_id=load.job_id, success=success, reason=reason)
 
     if s.finishing:
         skip("the request already finished")
@@ -205,15 +203,13 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
     else:
         next_round = rnd + 1 if load.next_round is None else load.next_round
         b.emit(
-            ev.FetchSent(
-                **b.head,
-                round_seq=rnd,
-                job_id=load.job_id,
-                keys=load.keys,
-                block_indexes=load.block_indexes,
-                load_deadline=b.now + t.load_timeout,
-                next_round=next_round,
-            )
+            ev.FetchSent,
+            round_seq=rnd,
+            job_id=load.job_id,
+            keys=load.keys,
+            block_indexes=load.block_indexes,
+            load_deadline=b.now + t.load_timeout,
+            next_round=next_round,
         )
 
 
@@ -221,12 +217,10 @@ def _on_transfer_done(b: _B, msg: wire.TransferDone) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None:
         reason = f"no load in flight for round {msg.round_seq}"
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
         return
     # A transfer_done that crosses our abort is still the truth: the write ended.
-    b.emit(
-        ev.TransferDone(**b.head, round_seq=msg.round_seq, job_id=load.job_id, success=msg.success)
-    )
+    b.emit(ev.TransferDone, round_seq=msg.round_seq, job_id=load.job_id, success=msg.success)
     _maybe_finished(b)
 
 
@@ -235,9 +229,9 @@ def _on_abort_ack(b: _B, msg: wire.AbortAck) -> None:
     if load is None or not load.aborting or load.held:
         # An unsolicited ack must not release blocks a write may still reach.
         reason = f"no abort of round {msg.round_seq} is waiting for an ack"
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
         return
-    b.emit(ev.AbortAcked(**b.head, round_seq=msg.round_seq, job_id=load.job_id))
+    b.emit(ev.AbortAcked, round_seq=msg.round_seq, job_id=load.job_id)
     _maybe_finished(b)
 
 
@@ -248,30 +242,26 @@ def _finish(b: _B, t: Timings) -> None:
     if not s.loads:
         # Nothing in flight: the request ends now, in one event.
         b.emit(
-            ev.Finished(
-                **b.head,
-                phase=s.outcome,
-                reason=s.problem or "finished",
-                requested=True,
-                cancelled_round=_open_round(s),
-            )
+            ev.Finished,
+            phase=s.outcome,
+            reason=s.problem or "finished",
+            requested=True,
+            cancelled_round=_open_round(s),
         )
         return
-    b.emit(ev.FinishRequested(**b.head))
+    b.emit(ev.FinishRequested)
     for round_seq, load in sorted(b.state.loads.items()):
         if not load.aborting:
             b.emit(
-                ev.AbortSent(
-                    **b.head,
-                    round_seq=round_seq,
-                    job_id=load.job_id,
-                    reason="the request finished while its load was in flight",
-                    ack_deadline=b.now + t.abort_ack_timeout,
-                )
+                ev.AbortSent,
+                round_seq=round_seq,
+                job_id=load.job_id,
+                reason="the request finished while its load was in flight",
+                ack_deadline=b.now + t.abort_ack_timeout,
             )
     cancelled = _open_round(b.state)
     if cancelled is not None:
-        b.emit(ev.LookupCancelled(**b.head, round_seq=cancelled))
+        b.emit(ev.LookupCancelled, round_seq=cancelled)
     _maybe_finished(b)
 
 
@@ -288,20 +278,18 @@ def _tick(b: _B, t: Timings) -> None:
         if load.ack_deadline is not None:
             if now >= load.ack_deadline:
                 reason = load.held or f"no abort_ack within {t.abort_ack_timeout:g} s"
-                b.emit(ev.Aborted(**b.head, round_seq=round_seq, job_id=load.job_id, reason=reason))
+                b.emit(ev.Aborted, round_seq=round_seq, job_id=load.job_id, reason=reason)
         elif now >= load.deadline:
             b.emit(
-                ev.AbortSent(
-                    **b.head,
-                    round_seq=round_seq,
-                    job_id=load.job_id,
-                    reason=f"no transfer_done within {t.load_timeout:g} s",
-                    ack_deadline=now + t.abort_ack_timeout,
-                )
+                ev.AbortSent,
+                round_seq=round_seq,
+                job_id=load.job_id,
+                reason=f"no transfer_done within {t.load_timeout:g} s",
+                ack_deadline=now + t.abort_ack_timeout,
             )
     deadline = b.state.lookup_deadline
     if deadline is not None and now >= deadline:
-        b.emit(ev.LookupTimedOut(**b.head, keys=b.state.waiting_keys()))
+        b.emit(ev.LookupTimedOut, keys=b.state.waiting_keys())
     _maybe_finished(b)
 
 
@@ -312,29 +300,27 @@ def _session_ended(b: _B, ended: inp.SessionEnded) -> None:
     if b.state.loads and ended.write_grace > 0:
         # A failed load gives its blocks back to the engine at once; a write
         # still on the wire would land in whatever the engine put there.
-        b.emit(ev.SessionLost(**b.head, reason=reason, loads_held_until=b.now + ended.write_grace))
+        b.emit(ev.SessionLost, reason=reason, loads_held_until=b.now + ended.write_grace)
         return  # the loads fail at the deadline (_tick), then the request ends
     waiting = bool(b.state.waiting_keys())
-    b.emit(ev.SessionLost(**b.head, reason=reason))
+    b.emit(ev.SessionLost, reason=reason)
     for round_seq, load in sorted(b.state.loads.items()):
         b.emit(
-            ev.Aborted(
-                **b.head, round_seq=round_seq, job_id=load.job_id, reason=f"session lost: {reason}"
-            )
+            ev.Aborted, round_seq=round_seq, job_id=load.job_id, reason=f"session lost: {reason}"
         )
     s = b.state
     phase = s.outcome
     if phase is ConsumerPhase.DONE and waiting:
         phase = ConsumerPhase.FAILED
     summary = s.problem if s.problem else f"session lost: {reason}"
-    b.emit(ev.Finished(**b.head, phase=phase, reason=summary))
+    b.emit(ev.Finished, phase=phase, reason=summary)
 
 
 def _writes_settled(b: _B, reason: str) -> None:
     """The loads held for a late write fail now: none can land any more."""
     held = [(r, load) for r, load in sorted(b.state.loads.items()) if load.held]
     for round_seq, load in held:
-        b.emit(ev.Aborted(**b.head, round_seq=round_seq, job_id=load.job_id, reason=reason))
+        b.emit(ev.Aborted, round_seq=round_seq, job_id=load.job_id, reason=reason)
     if held:
         _maybe_finished(b)
 
@@ -343,7 +329,7 @@ def _maybe_finished(b: _B) -> None:
     s = b.state
     if (s.finishing or s.session_lost) and not s.loads:
         reason = s.problem if s.problem else "finished"
-        b.emit(ev.Finished(**b.head, phase=s.outcome, reason=reason))
+        b.emit(ev.Finished, phase=s.outcome, reason=reason)
 
 
 def next_consumer_deadline(state: ConsumerState) -> float | None:

@@ -116,14 +116,14 @@ def step_producer(
 def _on_local_finish(b: _B) -> None:
     if b.state.finishing:
         return
-    b.emit(ev.FinishRequested(**b.head))
+    b.emit(ev.FinishRequested)
     _drop_lookups(b, "the engine finished the request")
 
 
 def _on_session_ended(b: _B, reason: str) -> None:
     if b.state.session_lost:
         return
-    b.emit(ev.SessionLost(**b.head, reason=reason))
+    b.emit(ev.SessionLost, reason=reason)
     _drop_lookups(b, f"session lost: {reason}")
 
 
@@ -136,7 +136,7 @@ def _sweep(b: _B) -> None:
     _release_stores(b)
     if b.state.idle:
         reason = b.state.close_reason or "nothing left to serve"
-        b.emit(ev.Closed(**b.head, reason=reason))
+        b.emit(ev.Closed, reason=reason)
 
 
 def next_producer_deadline(state: ProducerState) -> float | None:

@@ -13,7 +13,7 @@ from p2pactor.core.timings import Timings
 
 
 def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None:
-    b.emit(ev.Rejected(**b.head, input=msg.TYPE, violation=violation, detail=detail))
+    b.emit(ev.Rejected, input=msg.TYPE, violation=violation, detail=detail)
 
 
 def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | None = None) -> None:
@@ -29,20 +29,18 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
         _reject(b, msg, Violation.STALE_ROUND, detail)
         return
     if not msg.keys:
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="a lookup without keys"))
+        b.emit(ev.Ignored, input=msg.TYPE, reason="a lookup without keys")
         return
     # A quota refusal is checked after the protocol's own rules: a peer over
     # quota that also breaks the protocol is still disconnected.
     admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
     if verdict is not None and admit <= 0:
         b.emit(
-            ev.LookupRefused(
-                **b.head,
-                round_seq=msg.round_seq,
-                keys=msg.keys,
-                quota=verdict.quota,
-                reason=verdict.reason,
-            )
+            ev.LookupRefused,
+            round_seq=msg.round_seq,
+            keys=msg.keys,
+            quota=verdict.quota,
+            reason=verdict.reason,
         )
         return
     budget = t.pending_timeout
@@ -50,25 +48,21 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
         budget = min(budget, msg.deadline_ms / 1000)
     if verdict is not None and admit < len(msg.keys):
         b.emit(
-            ev.LookupLimited(
-                **b.head,
-                lookup_id=s.next_lookup_id,
-                round_seq=msg.round_seq,
-                keys=msg.keys,
-                admitted=admit,
-                deadline=b.now + budget,
-                reason=verdict.reason,
-            )
-        )
-        return
-    b.emit(
-        ev.LookupReceived(
-            **b.head,
+            ev.LookupLimited,
             lookup_id=s.next_lookup_id,
             round_seq=msg.round_seq,
             keys=msg.keys,
+            admitted=admit,
             deadline=b.now + budget,
+            reason=verdict.reason,
         )
+        return
+    b.emit(
+        ev.LookupReceived,
+        lookup_id=s.next_lookup_id,
+        round_seq=msg.round_seq,
+        keys=msg.keys,
+        deadline=b.now + budget,
     )
 
 
@@ -87,24 +81,24 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
     lookup = b.state.lookups.get(answer.lookup_id)
     if lookup is None or not lookup.outstanding:
         reason = f"no lookup {answer.lookup_id} is waiting for the parent"
-        b.emit(ev.Ignored(**b.head, input="parent_answer", reason=reason))
+        b.emit(ev.Ignored, input="parent_answer", reason=reason)
         if answer.pin is not None:
             _release(b, answer.pin.job_id, "stray parent answer")
         return
     if not answer.expired and _answer_at_once(b, lookup, answer, t):
         return
     if answer.expired:
-        b.emit(ev.ParentExpired(**b.head, lookup_id=lookup.lookup_id))
+        b.emit(ev.ParentExpired, lookup_id=lookup.lookup_id)
         if answer.pin is not None:  # the runtime never pins past not_after; if it did:
             reason = "an expired parent answer carried a pin"
-            b.emit(ev.Ignored(**b.head, input="parent_answer", reason=reason))
+            b.emit(ev.Ignored, input="parent_answer", reason=reason)
             _release(b, answer.pin.job_id, reason)
     else:
         _resolve(b, lookup, answer, t)
     lookup = b.state.lookups[answer.lookup_id]
     done = lookup.dropped or lookup.answered
     if lookup.pending and not done and b.now >= lookup.deadline:
-        b.emit(ev.PendingExpired(**b.head, lookup_id=lookup.lookup_id, keys=_ordered(lookup)))
+        b.emit(ev.PendingExpired, lookup_id=lookup.lookup_id, keys=_ordered(lookup))
     _settle_lookup(b, answer.lookup_id)
 
 
@@ -135,23 +129,21 @@ def _answer_at_once(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Ti
             return False  # still pending: asked again later
     hits, refused = _answers(lookup, resolved, frozenset())
     b.emit(
-        ev.LookupAnswered(
-            **b.head,
-            lookup_id=lookup.lookup_id,
-            round_seq=lookup.round_seq,
-            keys=lookup.keys,
-            hits=hits,
-            refused=refused,
-            resolved=True,
-            pinned=None
-            if pin is None
-            else ev.Pinned(
-                job_id=pin.job_id,
-                keys=pin.keys,
-                blocks=pin.blocks,
-                expires_at=b.now + t.pin_timeout,
-            ),
-        )
+        ev.LookupAnswered,
+        lookup_id=lookup.lookup_id,
+        round_seq=lookup.round_seq,
+        keys=lookup.keys,
+        hits=hits,
+        refused=refused,
+        resolved=True,
+        pinned=None
+        if pin is None
+        else ev.Pinned(
+            job_id=pin.job_id,
+            keys=pin.keys,
+            blocks=pin.blocks,
+            expires_at=b.now + t.pin_timeout,
+        ),
     )
     return True
 
@@ -190,13 +182,11 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
         keys = tuple(k for k in _ordered(lookup) if k in refused)
         if keys:
             b.emit(
-                ev.KeysRefused(
-                    **b.head,
-                    lookup_id=lookup.lookup_id,
-                    keys=keys,
-                    quota=Quota.PINNED_BLOCKS,
-                    reason=answer.refusal or "the peer is over its pinned-blocks quota",
-                )
+                ev.KeysRefused,
+                lookup_id=lookup.lookup_id,
+                keys=keys,
+                quota=Quota.PINNED_BLOCKS,
+                reason=answer.refusal or "the peer is over its pinned-blocks quota",
             )
     hits: list[bytes] = []
     misses: list[bytes] = []
@@ -214,28 +204,24 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
     if pending and b.now < lookup.deadline:
         next_poll = min(b.now + t.pending_poll_interval, lookup.deadline)
     b.emit(
-        ev.KeysResolved(
-            **b.head,
-            lookup_id=lookup.lookup_id,
-            hits=tuple(hits),
-            misses=tuple(misses),
-            pending=tuple(pending),
-            next_poll_at=next_poll,
-        )
+        ev.KeysResolved,
+        lookup_id=lookup.lookup_id,
+        hits=tuple(hits),
+        misses=tuple(misses),
+        pending=tuple(pending),
+        next_poll_at=next_poll,
     )
     if answer.pin is None:
         return
     pin = answer.pin
     b.emit(
-        ev.KeysPinned(
-            **b.head,
-            lookup_id=lookup.lookup_id,
-            round_seq=lookup.round_seq,
-            job_id=pin.job_id,
-            keys=pin.keys,
-            blocks=pin.blocks,
-            expires_at=b.now + t.pin_timeout,
-        )
+        ev.KeysPinned,
+        lookup_id=lookup.lookup_id,
+        round_seq=lookup.round_seq,
+        job_id=pin.job_id,
+        keys=pin.keys,
+        blocks=pin.blocks,
+        expires_at=b.now + t.pin_timeout,
     )
     refusal = _pin_refusal(b.state, lookup)
     if refusal:
@@ -252,30 +238,28 @@ def _settle_lookup(b: _B, lookup_id: int) -> None:
             return
         _answer(b, lookup)
     if lookup_id in b.state.open_contexts:
-        b.emit(ev.ContextClosed(**b.head, lookup_id=lookup_id))
+        b.emit(ev.ContextClosed, lookup_id=lookup_id)
 
 
 def _answer(b: _B, lookup: ActiveLookup) -> None:
     """Send the lookup's one answer, keys in wire order, duplicates included."""
     hits, refused = _answers(lookup, lookup.resolved, lookup.refused)
     b.emit(
-        ev.LookupAnswered(
-            **b.head,
-            lookup_id=lookup.lookup_id,
-            round_seq=lookup.round_seq,
-            keys=lookup.keys,
-            hits=hits,
-            refused=refused,
-        )
+        ev.LookupAnswered,
+        lookup_id=lookup.lookup_id,
+        round_seq=lookup.round_seq,
+        keys=lookup.keys,
+        hits=hits,
+        refused=refused,
     )
 
 
 def _drop_lookups(b: _B, reason: str) -> None:
     for lookup_id, lookup in sorted(b.state.lookups.items()):
         if not lookup.dropped:
-            b.emit(ev.LookupDropped(**b.head, lookup_id=lookup_id, reason=reason))
+            b.emit(ev.LookupDropped, lookup_id=lookup_id, reason=reason)
             if lookup_id in b.state.open_contexts and lookup_id not in b.state.lookups:
-                b.emit(ev.ContextClosed(**b.head, lookup_id=lookup_id))
+                b.emit(ev.ContextClosed, lookup_id=lookup_id)
 
 
 def _tick_lookups(b: _B) -> None:
@@ -286,7 +270,7 @@ def _tick_lookups(b: _B) -> None:
         if now >= lookup.deadline:
             # The deadline holds even while the parent has not served us (an
             # engine that stopped stepping): answer now, clean up when it does.
-            b.emit(ev.PendingExpired(**b.head, lookup_id=lookup_id, keys=_ordered(lookup)))
+            b.emit(ev.PendingExpired, lookup_id=lookup_id, keys=_ordered(lookup))
             if lookup.outstanding:
                 _answer(b, b.state.lookups[lookup_id])
             else:
@@ -295,7 +279,8 @@ def _tick_lookups(b: _B) -> None:
             continue
         elif lookup.next_poll_at is not None and now >= lookup.next_poll_at:
             b.emit(
-                ev.PendingPolled(
-                    **b.head, lookup_id=lookup_id, keys=_ordered(lookup), not_after=lookup.deadline
-                )
+                ev.PendingPolled,
+                lookup_id=lookup_id,
+                keys=_ordered(lookup),
+                not_after=lookup.deadline,
             )

@@ -46,15 +46,13 @@ def _plan(s: ProducerState, round_seq: int) -> tuple[list[tuple[bytes, int, Supp
 
 def _start(b: _B, round_seq: int, matched: list[tuple[bytes, int, Supply]]) -> None:
     b.emit(
-        ev.TransferStarted(
-            **b.head,
-            transfer_id=b.state.next_transfer_id,
-            round_seq=round_seq,
-            keys=tuple(key for key, _, _ in matched),
-            local_blocks=tuple(sup.block for _, _, sup in matched),
-            remote_blocks=tuple(remote for _, remote, _ in matched),
-            job_ids=tuple(sup.job_id for _, _, sup in matched),
-        )
+        ev.TransferStarted,
+        transfer_id=b.state.next_transfer_id,
+        round_seq=round_seq,
+        keys=tuple(key for key, _, _ in matched),
+        local_blocks=tuple(sup.block for _, _, sup in matched),
+        remote_blocks=tuple(remote for _, remote, _ in matched),
+        job_ids=tuple(sup.job_id for _, _, sup in matched),
     )
 
 
@@ -65,7 +63,7 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         if msg.keys:
             _reject(b, msg, Violation.AFTER_CLOSE, f"fetch for round {r} after the request closed")
         else:
-            b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="the request is already closed"))
+            b.emit(ev.Ignored, input=msg.TYPE, reason="the request is already closed")
         return
     if len(msg.keys) != len(msg.block_indexes):
         detail = f"{len(msg.keys)} keys but {len(msg.block_indexes)} block indexes"
@@ -75,7 +73,7 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         reason = "the consumer finished the request (empty fetch)"
         if _close_at_once(b, r, reason):
             return
-        b.emit(ev.CloseRequested(**b.head, round_seq=r, reason=reason))
+        b.emit(ev.CloseRequested, round_seq=r, reason=reason)
         _drop_lookups(b, reason)
         return
     existing = s.rounds.get(r)
@@ -86,10 +84,10 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         detail = f"fetch for round {r} after round {s.closed_through}; rounds only move forward"
         _reject(b, msg, Violation.STALE_ROUND, detail)
         return
-    b.emit(ev.FetchReceived(**b.head, round_seq=r, keys=msg.keys, block_indexes=msg.block_indexes))
+    b.emit(ev.FetchReceived, round_seq=r, keys=msg.keys, block_indexes=msg.block_indexes)
     if verdict is not None:
         # The round fails whole and at once; the sweep ends it, releasing its pins.
-        b.emit(ev.FetchRefused(**b.head, round_seq=r, quota=verdict.quota, reason=verdict.reason))
+        b.emit(ev.FetchRefused, round_seq=r, quota=verdict.quota, reason=verdict.reason)
         return
     matched, unmatched = _plan(b.state, r)
     symmetric = b.state.rounds[r].lookup_supplied or r <= b.state.looked_up_through
@@ -124,13 +122,7 @@ def _close_at_once(b: _B, round_seq: int, reason: str) -> bool:
         job_id for r in closed for job_id, job in sorted(s.jobs.items()) if job.round_seq == r
     )
     b.emit(
-        ev.Closed(
-            **b.head,
-            reason=reason,
-            requested_round=round_seq,
-            released=released,
-            rounds_closed=closed,
-        )
+        ev.Closed, reason=reason, requested_round=round_seq, released=released, rounds_closed=closed
     )
     return True
 
@@ -141,16 +133,16 @@ def _on_abort(b: _B, msg: wire.AbortFetch) -> None:
     rnd = s.rounds.get(r)
     if rnd is not None and rnd.fetched:
         if rnd.cancelled:
-            b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=f"round {r} is already aborting"))
+            b.emit(ev.Ignored, input=msg.TYPE, reason=f"round {r} is already aborting")
             return
-        b.emit(ev.AbortReceived(**b.head, round_seq=r))
+        b.emit(ev.AbortReceived, round_seq=r)
         _release_round_jobs(b, r, f"round {r} aborted", idle_only=True)
     elif r <= s.closed_through:
         # The round ended before the abort arrived (its transfer_done crossed
         # the abort on the wire): nothing of it can still write.
-        b.emit(ev.AbortReceived(**b.head, round_seq=r))
+        b.emit(ev.AbortReceived, round_seq=r)
         if rnd is None and not s.session_lost:
-            b.emit(ev.AbortAckSent(**b.head, round_seq=r))
+            b.emit(ev.AbortAckSent, round_seq=r)
         # A looked-up round that a later round's fetch skipped is still here,
         # holding its pins: the sweep releases them, then acks.
     else:
@@ -159,13 +151,11 @@ def _on_abort(b: _B, msg: wire.AbortFetch) -> None:
 
 def _on_store(b: _B, store: inp.AddStore, t: Timings) -> None:
     b.emit(
-        ev.StoreAdded(
-            **b.head,
-            job_id=store.job_id,
-            keys=store.keys,
-            blocks=store.blocks,
-            expires_at=b.now + t.pin_timeout,
-        )
+        ev.StoreAdded,
+        job_id=store.job_id,
+        keys=store.keys,
+        blocks=store.blocks,
+        expires_at=b.now + t.pin_timeout,
     )
     if b.state.phase is not ProducerPhase.OPEN:
         return  # the sweep releases it
@@ -179,21 +169,21 @@ def _on_store(b: _B, store: inp.AddStore, t: Timings) -> None:
 def _on_transfer_result(b: _B, result: inp.TransferResult) -> None:
     if result.transfer_id not in b.state.transfers:
         reason = f"no transfer {result.transfer_id} is in flight"
-        b.emit(ev.Ignored(**b.head, input="transfer_result", reason=reason))
+        b.emit(ev.Ignored, input="transfer_result", reason=reason)
     elif result.ok:
-        b.emit(ev.TransferCompleted(**b.head, transfer_id=result.transfer_id))
+        b.emit(ev.TransferCompleted, transfer_id=result.transfer_id)
     else:
         reason = result.reason or "the transfer failed"
-        b.emit(ev.TransferFailed(**b.head, transfer_id=result.transfer_id, reason=reason))
+        b.emit(ev.TransferFailed, transfer_id=result.transfer_id, reason=reason)
 
 
 def _finalize(b: _B, round_seq: int, *, success: bool, reason: str) -> None:
     """End a fetched round: release its pins and tell the peer, if it can hear."""
     _release_round_jobs(b, round_seq, reason or "round served", served=success)
     if b.state.phase is ProducerPhase.OPEN:
-        b.emit(ev.TransferDoneSent(**b.head, round_seq=round_seq, success=success, reason=reason))
+        b.emit(ev.TransferDoneSent, round_seq=round_seq, success=success, reason=reason)
     else:
-        b.emit(ev.RoundClosed(**b.head, round_seq=round_seq, reason=b.state.close_reason))
+        b.emit(ev.RoundClosed, round_seq=round_seq, reason=b.state.close_reason)
 
 
 def _sweep_round(b: _B, rnd: RoundState) -> None:
@@ -204,16 +194,16 @@ def _sweep_round(b: _B, rnd: RoundState) -> None:
     if rnd.cancelled:
         _release_round_jobs(b, r, f"round {r} aborted")
         if s.session_lost:
-            b.emit(ev.RoundClosed(**b.head, round_seq=r, reason=s.close_reason))
+            b.emit(ev.RoundClosed, round_seq=r, reason=s.close_reason)
         else:
-            b.emit(ev.AbortAckSent(**b.head, round_seq=r))
+            b.emit(ev.AbortAckSent, round_seq=r)
     elif not rnd.fetched:
         # A looked-up round waits for its fetch, even once its pins expired, so
         # that a late fetch fails fast instead of parking (vLLM keeps it too).
         # Only the end of the request ends it.
         if s.phase is not ProducerPhase.OPEN:
             _release_round_jobs(b, r, s.close_reason)
-            b.emit(ev.RoundClosed(**b.head, round_seq=r, reason=s.close_reason))
+            b.emit(ev.RoundClosed, round_seq=r, reason=s.close_reason)
     elif rnd.failure:
         _finalize(b, r, success=False, reason=rnd.failure)
     elif rnd.demand:

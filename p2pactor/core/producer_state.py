@@ -257,7 +257,7 @@ def _release(b: _B, job_id: int, reason: str, *, served: bool = False) -> None:
     """
     job = b.state.jobs.get(job_id)
     success = served and job is not None and not job.failed
-    b.emit(ev.PinReleased(**b.head, job_id=job_id, success=success, reason=reason))
+    b.emit(ev.PinReleased, job_id=job_id, success=success, reason=reason)
 
 
 def _release_round_jobs(
