@@ -28,7 +28,6 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
-from p2pactor.core.choice import Choice
 from p2pactor.core.consumer_state import ConsumerState as ConsumerState
 from p2pactor.core.consumer_state import evolve_consumer
 from p2pactor.core.events import ConsumerPhase
@@ -78,12 +77,9 @@ def step_consumer(
     rnd = first_round if state.round_seq is None else state.round_seq
     match event_input:
         case inp.Register():
-            if event_input.flush:
-                _flush(b, timings, rnd, event_input.keys, event_input.choice)
-            else:
-                _register(b, event_input.keys)
+            _ask(b, timings, rnd, event_input)
         case inp.Flush():
-            _flush(b, timings, rnd)
+            _ask(b, timings, rnd, _FLUSH)
         case inp.SubmitLoad():
             _submit_load(b, event_input, timings, rnd)
         case inp.Finish():
@@ -105,36 +101,21 @@ def step_consumer(
     return b.state, tuple(b.events)
 
 
-def _accepting_keys(state: ConsumerState) -> bool:
-    return not (state.finishing or state.lookup_failed or state.session_lost)
+# A flush is a registration of no new key that goes out at once.
+_FLUSH: Final = inp.Register((), flush=True)
 
 
-def _new_keys(state: ConsumerState, keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
-    """``keys`` the request has not registered, once each, in order."""
-    probes = state.probes
-    return tuple(k for k in dict.fromkeys(keys) if k not in probes)
-
-
-def _register(b: _B, keys: tuple[bytes, ...]) -> None:
-    if not _accepting_keys(b.state):
-        return  # every key answers MISS now; nothing to ask
-    new = _new_keys(b.state, keys)
-    if new:
-        b.emit(ev.Registered, keys=new)
-
-
-def _flush(
-    b: _B,
-    t: Timings,
-    rnd: int,
-    keys: tuple[bytes, ...] = (),
-    choice: Choice | None = None,
-) -> None:
-    """Send what was registered, and ``keys`` (registered by the same event)."""
+def _ask(b: _B, t: Timings, rnd: int, register: inp.Register) -> None:
+    """Register keys; with ``flush``, put every key registered and unsent on the wire."""
     s = b.state
-    if not _accepting_keys(s):
+    if not s.asking:
+        return  # every key answers MISS now; nothing to ask
+    new = tuple(k for k in dict.fromkeys(register.keys) if k not in s.probes)
+    if not register.flush:
+        if new:
+            b.emit(ev.Registered, keys=new)
         return
-    asked = s.unsent + _new_keys(s, keys) if keys else s.unsent
+    asked = s.unsent + new
     if not asked:
         return
     # The progress deadline is armed by the first lookup and only moved by
@@ -142,32 +123,29 @@ def _flush(
     deadline = (
         s.lookup_deadline if s.lookup_deadline is not None else b.now + t.lookup_progress_timeout
     )
-    b.emit(ev.Probed, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=choice)
+    b.emit(ev.Probed, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=register.choice)
 
 
 def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
     s = b.state
-    if s.finishing or s.lookup_failed or s.session_lost:
-        b.emit(ev.Ignored, input=msg.TYPE, reason="the request no longer looks up")
-        return
-    if msg.round_seq is not wire.UNSET and msg.round_seq != s.round_seq:
-        reason = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
-        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
-        return
-    if len(msg.keys) != len(msg.hits):
-        reason = f"{len(msg.keys)} keys but {len(msg.hits)} hits"
-        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
-        return
     waiting = set(s.waiting_keys())
     applied: dict[bytes, bool] = {}
     refused: dict[bytes, bool] = {}
-    said = msg.refused if msg.refused is not wire.UNSET else (False,) * len(msg.keys)
-    for key, hit, no in zip(msg.keys, msg.hits, said, strict=True):
-        if key in waiting and key not in applied:
-            applied[key] = hit
-            refused[key] = no and not hit
-    if not applied:
-        b.emit(ev.Ignored, input=msg.TYPE, reason="it answers no key that is waiting")
+    if not s.asking:
+        ignored = "the request no longer looks up"
+    elif msg.round_seq is not wire.UNSET and msg.round_seq != s.round_seq:
+        ignored = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
+    elif len(msg.keys) != len(msg.hits):
+        ignored = f"{len(msg.keys)} keys but {len(msg.hits)} hits"
+    else:
+        said = msg.refused if msg.refused is not wire.UNSET else (False,) * len(msg.keys)
+        for key, hit, no in zip(msg.keys, msg.hits, said, strict=True):
+            if key in waiting and key not in applied:
+                applied[key] = hit
+                refused[key] = no and not hit
+        ignored = "" if applied else "it answers no key that is waiting"
+    if ignored:
+        b.emit(ev.Ignored, input=msg.TYPE, reason=ignored)
         return
     still_waiting = len(waiting) > len(applied)
     deadline = b.now + t.lookup_progress_timeout if still_waiting else None
@@ -345,18 +323,13 @@ def next_consumer_deadline(state: ConsumerState) -> float | None:
     return min(times, default=None)
 
 
-def _answers_miss(state: ConsumerState) -> bool:
-    """Whether every key is a MISS now: the request ended, failed its lookup or lost its peer."""
-    return state.phase.terminal or state.finishing or state.lookup_failed or state.session_lost
-
-
 def probe_answers(state: ConsumerState, keys: Sequence[bytes]) -> list[inp.LookupResult]:
     """:func:`probe_answer` for every key of ``keys``, in order.
 
     The request-wide checks are made once, not once per key: an engine asks
     about hundreds of keys at a time, after every step of the request.
     """
-    if _answers_miss(state):
+    if state.phase.terminal or not state.asking:
         return [inp.LookupResult.MISS] * len(keys)
     probes = state.probes
     answer = _ANSWER.__getitem__
@@ -377,4 +350,4 @@ def probe_answer(state: ConsumerState, key: bytes) -> inp.LookupResult:
     first). Once the request has finished, failed its lookup or lost its
     session, every key is a MISS: the engine computes it locally.
     """
-    return inp.LookupResult.MISS if _answers_miss(state) else _ANSWER[state.probes.get(key)]
+    return probe_answers(state, (key,))[0]

@@ -99,6 +99,11 @@ class ConsumerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     outcome: ConsumerPhase = ConsumerPhase.DONE
     problem: str = ""
 
+    @property
+    def asking(self) -> bool:
+        """Whether keys may be asked: not finishing, its lookup not failed, its peer not lost."""
+        return not (self.finishing or self.lookup_failed or self.session_lost)
+
     def waiting_keys(self) -> tuple[bytes, ...]:
         """Keys asked on the wire and not answered yet."""
         unsent = set(self.unsent)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
+
+import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
@@ -85,67 +88,19 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
         if answer.pin is not None:
             _release(b, answer.pin.job_id, "stray parent answer")
         return
-    if not answer.expired and _answer_at_once(b, lookup, answer, t):
-        return
     if answer.expired:
         b.emit(ev.ParentExpired, lookup_id=lookup.lookup_id)
         if answer.pin is not None:  # the runtime never pins past not_after; if it did:
             reason = "an expired parent answer carried a pin"
             b.emit(ev.Ignored, input="parent_answer", reason=reason)
             _release(b, answer.pin.job_id, reason)
-    else:
-        _resolve(b, lookup, answer, t)
+    elif _resolve(b, lookup, answer, t):
+        return
     lookup = b.state.lookups[answer.lookup_id]
     done = lookup.dropped or lookup.answered
     if lookup.pending and not done and b.now >= lookup.deadline:
         b.emit(ev.PendingExpired, lookup_id=lookup.lookup_id, keys=_ordered(lookup))
     _settle_lookup(b, answer.lookup_id)
-
-
-def _answer_at_once(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> bool:
-    """Answer in one event if the parent's first answer settles every key; whether it did.
-
-    The common case: every key of the lookup is a HIT the parent pinned or a
-    MISS, at its first answer, and nothing else happened to the lookup. What
-    ``_resolve`` and ``_settle_lookup`` would record as four events is then
-    one :class:`~p2pactor.core.events.LookupAnswered`.
-    """
-    pin = answer.pin
-    if answer.refused or lookup.dropped or lookup.answered or lookup.resolved or lookup.refused:
-        return False  # a quota's refusal, a close, a deadline, or keys settled before
-    if pin is not None and _pin_refusal(b.state, lookup):
-        return False
-    results = dict(answer.results)
-    pinned = frozenset(pin.keys) if pin is not None else frozenset()
-    resolved: dict[bytes, bool] = {}
-    for key in lookup.pending:
-        result = results.get(key)
-        if result is inp.LookupResult.HIT:
-            # A hit the parent could not pin is no hit: it may be evicted.
-            resolved[key] = key in pinned
-        elif result is inp.LookupResult.MISS:
-            resolved[key] = False
-        else:
-            return False  # still pending: asked again later
-    hits, refused = _answers(lookup, resolved, frozenset())
-    b.emit(
-        ev.LookupAnswered,
-        lookup_id=lookup.lookup_id,
-        round_seq=lookup.round_seq,
-        keys=lookup.keys,
-        hits=hits,
-        refused=refused,
-        resolved=True,
-        pinned=None
-        if pin is None
-        else ev.Pinned(
-            job_id=pin.job_id,
-            keys=pin.keys,
-            blocks=pin.blocks,
-            expires_at=b.now + t.pin_timeout,
-        ),
-    )
-    return True
 
 
 def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:
@@ -154,40 +109,17 @@ def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:
     return tuple(k for k in dict.fromkeys(lookup.keys[: lookup.admitted]) if k in pending)
 
 
-def _answers(
-    lookup: ActiveLookup, resolved: Mapping[bytes, bool], refused: frozenset[bytes]
-) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-    """The answer's hits and refusals, each parallel to the lookup's keys.
+def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> bool:
+    """Record the parent's answer; whether it answered the lookup whole, in one event.
 
-    ``refused`` (keys the pin budget refused) is empty when no admitted key's
-    MISS is a refusal. Every key past the admitted prefix answers MISS refused,
-    whatever it is: those keys are never looked at one by one, as a lookup may
-    carry 65,536 of them, and what they cost must stay far below what the
-    quota admits.
+    The common case: every key of the lookup is a HIT the parent pinned or a
+    MISS, at its first answer, and nothing else happened to the lookup. What
+    the parent's answer, its pin, the lookup's answer and its close would
+    record as four events is then one :class:`~p2pactor.core.events.LookupAnswered`.
     """
-    keys, admitted = lookup.keys, lookup.admitted
-    if admitted >= len(keys):
-        flags = tuple([k in refused for k in keys]) if refused else ()
-        return tuple([resolved[k] for k in keys]), flags
-    head, beyond = keys[:admitted], len(keys) - admitted
-    hits = tuple([resolved[k] for k in head]) + (False,) * beyond
-    return hits, tuple([k in refused for k in head]) + (True,) * beyond
-
-
-def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> None:
     results = dict(answer.results)
-    pinned = set(answer.pin.keys) if answer.pin is not None else set()
-    if answer.refused:
-        refused = set(answer.refused) - pinned
-        keys = tuple(k for k in _ordered(lookup) if k in refused)
-        if keys:
-            b.emit(
-                ev.KeysRefused,
-                lookup_id=lookup.lookup_id,
-                keys=keys,
-                quota=Quota.PINNED_BLOCKS,
-                reason=answer.refusal or "the peer is over its pinned-blocks quota",
-            )
+    pin = answer.pin
+    pinned = frozenset(pin.keys) if pin is not None else frozenset()
     hits: list[bytes] = []
     misses: list[bytes] = []
     pending: list[bytes] = []
@@ -200,6 +132,26 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
             misses.append(key)
         else:  # HIT_PENDING, RETRY, or not answered: ask again
             pending.append(key)
+    held = None
+    if pin is not None:
+        expires_at = b.now + t.pin_timeout
+        held = ev.Pinned(job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=expires_at)
+    refusal = "" if pin is None else _pin_refusal(b.state, lookup)
+    # Not whole: a quota's refusal, a close, a deadline, keys settled before or still pending.
+    settled = lookup.dropped or lookup.answered or lookup.resolved or lookup.refused
+    if not (pending or answer.refused or refusal or settled):
+        resolved = dict.fromkeys(hits, True) | dict.fromkeys(misses, False)
+        _answer(b, lookup, resolved, frozenset(), resolved=True, pinned=held)
+        return True
+    if answer.refused:
+        refused = set(answer.refused) - pinned
+        keys = tuple(k for k in _ordered(lookup) if k in refused)
+        if keys:
+            reason = answer.refusal or "the peer is over its pinned-blocks quota"
+            quota = Quota.PINNED_BLOCKS
+            b.emit(
+                ev.KeysRefused, lookup_id=lookup.lookup_id, keys=keys, quota=quota, reason=reason
+            )
     next_poll = None
     if pending and b.now < lookup.deadline:
         next_poll = min(b.now + t.pending_poll_interval, lookup.deadline)
@@ -211,21 +163,12 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
         pending=tuple(pending),
         next_poll_at=next_poll,
     )
-    if answer.pin is None:
-        return
-    pin = answer.pin
-    b.emit(
-        ev.KeysPinned,
-        lookup_id=lookup.lookup_id,
-        round_seq=lookup.round_seq,
-        job_id=pin.job_id,
-        keys=pin.keys,
-        blocks=pin.blocks,
-        expires_at=b.now + t.pin_timeout,
-    )
-    refusal = _pin_refusal(b.state, lookup)
-    if refusal:
-        _release(b, pin.job_id, refusal)
+    if held is not None:
+        fields = msgspec.structs.asdict(held)
+        b.emit(ev.KeysPinned, lookup_id=lookup.lookup_id, round_seq=lookup.round_seq, **fields)
+        if refusal:
+            _release(b, held.job_id, refusal)
+    return False
 
 
 def _settle_lookup(b: _B, lookup_id: int) -> None:
@@ -236,21 +179,43 @@ def _settle_lookup(b: _B, lookup_id: int) -> None:
     if not (lookup.dropped or lookup.answered):
         if lookup.pending:
             return
-        _answer(b, lookup)
+        _answer(b, lookup, lookup.resolved, lookup.refused)
     if lookup_id in b.state.open_contexts:
         b.emit(ev.ContextClosed, lookup_id=lookup_id)
 
 
-def _answer(b: _B, lookup: ActiveLookup) -> None:
-    """Send the lookup's one answer, keys in wire order, duplicates included."""
-    hits, refused = _answers(lookup, lookup.resolved, lookup.refused)
+def _answer(
+    b: _B,
+    lookup: ActiveLookup,
+    answers: Mapping[bytes, bool],
+    refused: frozenset[bytes],
+    **whole: Any,
+) -> None:
+    """Send the lookup's one answer, keys in wire order, duplicates included.
+
+    Its hits and refusals are each parallel to the lookup's keys; ``refused``
+    (keys the pin budget refused) is empty when no admitted key's MISS is a
+    refusal. Every key past the admitted prefix answers MISS refused, whatever
+    it is: those keys are never looked at one by one, as a lookup may carry
+    65,536 of them, and what they cost must stay far below what the quota
+    admits.
+    """
+    keys, admitted = lookup.keys, lookup.admitted
+    if admitted >= len(keys):
+        flags = tuple([k in refused for k in keys]) if refused else ()
+        hits = tuple([answers[k] for k in keys])
+    else:
+        head, beyond = keys[:admitted], len(keys) - admitted
+        hits = tuple([answers[k] for k in head]) + (False,) * beyond
+        flags = tuple([k in refused for k in head]) + (True,) * beyond
     b.emit(
         ev.LookupAnswered,
         lookup_id=lookup.lookup_id,
         round_seq=lookup.round_seq,
-        keys=lookup.keys,
+        keys=keys,
         hits=hits,
-        refused=refused,
+        refused=flags,
+        **whole,
     )
 
 
@@ -272,7 +237,7 @@ def _tick_lookups(b: _B) -> None:
             # engine that stopped stepping): answer now, clean up when it does.
             b.emit(ev.PendingExpired, lookup_id=lookup_id, keys=_ordered(lookup))
             if lookup.outstanding:
-                _answer(b, b.state.lookups[lookup_id])
+                _answer(b, (looked := b.state.lookups[lookup_id]), looked.resolved, looked.refused)
             else:
                 _settle_lookup(b, lookup_id)
         elif lookup.outstanding:

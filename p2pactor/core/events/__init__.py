@@ -11,62 +11,13 @@ data the action needs, so :func:`p2pactor.core.effects.effects_of` can derive th
 action from the event alone.
 """
 
+# ruff: noqa: F403, F405
 from __future__ import annotations
 
-from p2pactor.core.events.base import (
-    EVENT_TYPES as EVENT_TYPES,
-    ConsumerPhase as ConsumerPhase,
-    Event as Event,
-    FetchRefused as FetchRefused,
-    FinishRequested as FinishRequested,
-    Ignored as Ignored,
-    KeysRefused as KeysRefused,
-    LookupLimited as LookupLimited,
-    LookupRefused as LookupRefused,
-    Quota as Quota,
-    Rejected as Rejected,
-    SessionLost as SessionLost,
-    Violation as Violation,
-)
-from p2pactor.core.events.consumer import (
-    AbortAcked as AbortAcked,
-    Aborted as Aborted,
-    AbortSent as AbortSent,
-    FetchSent as FetchSent,
-    FetchSkipped as FetchSkipped,
-    Finished as Finished,
-    LookupCancelled as LookupCancelled,
-    LookupResp as LookupResp,
-    LookupTimedOut as LookupTimedOut,
-    Opened as Opened,
-    Probed as Probed,
-    Registered as Registered,
-    TransferDone as TransferDone,
-)
-from p2pactor.core.events.producer import (
-    AbortAckSent as AbortAckSent,
-    AbortReceived as AbortReceived,
-    Closed as Closed,
-    CloseRequested as CloseRequested,
-    ContextClosed as ContextClosed,
-    FetchReceived as FetchReceived,
-    KeysPinned as KeysPinned,
-    KeysResolved as KeysResolved,
-    LookupAnswered as LookupAnswered,
-    LookupDropped as LookupDropped,
-    LookupReceived as LookupReceived,
-    ParentExpired as ParentExpired,
-    PendingExpired as PendingExpired,
-    PendingPolled as PendingPolled,
-    Pinned as Pinned,
-    PinReleased as PinReleased,
-    RoundClosed as RoundClosed,
-    StoreAdded as StoreAdded,
-    TransferCompleted as TransferCompleted,
-    TransferDoneSent as TransferDoneSent,
-    TransferFailed as TransferFailed,
-    TransferStarted as TransferStarted,
-)
+# The vocabulary is what its modules define: every event type, and the enums its fields name.
+from p2pactor.core.events.base import *
+from p2pactor.core.events.consumer import *
+from p2pactor.core.events.producer import *
 
 # Events of a consumer actor.
 ConsumerEvent = (
