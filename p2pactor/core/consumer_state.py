@@ -15,7 +15,7 @@ import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import ActorRecord, evolver, filed_under
+from p2pactor.core.builder import ActorRecord, evolver
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import Role
 
@@ -145,28 +145,12 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
     return rest
 
 
-_Arm = Callable[[ConsumerState, Any], ConsumerState]
-# How each consumer event changes the state: ``evolve_consumer``'s table, without its checks of
-# actor and sequence (for a caller that made them: replay).
-CONSUMER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
-
-
-_arm = filed_under(CONSUMER_FOLDS)
-
-
-@_arm(ev.Opened)
-def _opened(s: ConsumerState, e: ev.Opened) -> ConsumerState:
-    return replace(s, seq=e.seq, round_seq=e.round_seq)
-
-
-@_arm(ev.Registered)
 def _registered_keys(s: ConsumerState, e: ev.Registered) -> ConsumerState:
     probes = dict(s.probes)
     probes.update(dict.fromkeys(e.keys))
     return replace(s, seq=e.seq, probes=probes, unsent=s.unsent + e.keys)
 
 
-@_arm(ev.Probed)
 def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
     return replace(
         s,
@@ -180,7 +164,6 @@ def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
     )
 
 
-@_arm(ev.LookupResp)
 def _lookup_resp(s: ConsumerState, e: ev.LookupResp) -> ConsumerState:
     probes = dict(s.probes)
     probes.update(zip(e.keys, e.hits, strict=True))
@@ -190,17 +173,6 @@ def _lookup_resp(s: ConsumerState, e: ev.LookupResp) -> ConsumerState:
     return replace(s, seq=e.seq, probes=probes, refused=refused, lookup_deadline=e.lookup_deadline)
 
 
-@_arm(ev.FinishRequested)
-def _finish_requested(s: ConsumerState, e: ev.FinishRequested) -> ConsumerState:
-    return replace(s, seq=e.seq, finishing=True, probes={}, unsent=(), lookup_deadline=None)
-
-
-@_arm(ev.LookupCancelled)
-def _lookup_cancelled(s: ConsumerState, e: ev.LookupCancelled) -> ConsumerState:
-    return replace(s, seq=e.seq, phase=consumer_phase_after(s.phase, e), lookup_open=False)
-
-
-@_arm(ev.Finished)
 def _finished(s: ConsumerState, e: ev.Finished) -> ConsumerState:
     return replace(
         s,
@@ -215,7 +187,6 @@ def _finished(s: ConsumerState, e: ev.Finished) -> ConsumerState:
     )
 
 
-@_arm(ev.FetchSent)
 def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
     loads = dict(s.loads)
     loads[e.round_seq] = Load(job_id=e.job_id, deadline=e.load_deadline)
@@ -232,7 +203,6 @@ def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
     )
 
 
-@_arm(ev.TransferDone)
 def _transfer_done(s: ConsumerState, e: ev.TransferDone) -> ConsumerState:
     loads = _without(s.loads, e.round_seq)
     if e.success:
@@ -241,12 +211,6 @@ def _transfer_done(s: ConsumerState, e: ev.TransferDone) -> ConsumerState:
     return replace(s, seq=e.seq, loads=loads, outcome=outcome, problem=problem)
 
 
-@_arm(ev.Ignored, ev.Rejected)
-def _noted(s: ConsumerState, e: ev.Ignored | ev.Rejected) -> ConsumerState:
-    return replace(s, seq=e.seq)
-
-
-@_arm(ev.LookupTimedOut)
 def _lookup_timed_out(s: ConsumerState, e: ev.LookupTimedOut) -> ConsumerState:
     outcome, problem = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
     return replace(
@@ -261,7 +225,6 @@ def _lookup_timed_out(s: ConsumerState, e: ev.LookupTimedOut) -> ConsumerState:
     )
 
 
-@_arm(ev.FetchSkipped)
 def _fetch_skipped(s: ConsumerState, e: ev.FetchSkipped) -> ConsumerState:
     if e.success:
         return replace(s, seq=e.seq)
@@ -269,7 +232,6 @@ def _fetch_skipped(s: ConsumerState, e: ev.FetchSkipped) -> ConsumerState:
     return replace(s, seq=e.seq, outcome=outcome, problem=problem)
 
 
-@_arm(ev.AbortSent)
 def _abort_sent(s: ConsumerState, e: ev.AbortSent) -> ConsumerState:
     loads = dict(s.loads)
     loads[e.round_seq] = replace(loads[e.round_seq], ack_deadline=e.ack_deadline)
@@ -277,12 +239,6 @@ def _abort_sent(s: ConsumerState, e: ev.AbortSent) -> ConsumerState:
     return replace(s, seq=e.seq, loads=loads, outcome=outcome, problem=problem)
 
 
-@_arm(ev.AbortAcked)
-def _abort_acked(s: ConsumerState, e: ev.AbortAcked) -> ConsumerState:
-    return replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq))
-
-
-@_arm(ev.Aborted)
 def _aborted(s: ConsumerState, e: ev.Aborted) -> ConsumerState:
     # An abort that went out already made the outcome ABORTED; a load lost
     # with its session failed without one.
@@ -292,7 +248,6 @@ def _aborted(s: ConsumerState, e: ev.Aborted) -> ConsumerState:
     )
 
 
-@_arm(ev.SessionLost)
 def _session_lost(s: ConsumerState, e: ev.SessionLost) -> ConsumerState:
     until = e.loads_held_until
     if until is None or not s.loads:
@@ -301,6 +256,32 @@ def _session_lost(s: ConsumerState, e: ev.SessionLost) -> ConsumerState:
     loads = {r: replace(load, ack_deadline=until, held=why) for r, load in s.loads.items()}
     return replace(s, seq=e.seq, session_lost=True, lookup_deadline=None, loads=loads)
 
+
+# How each consumer event changes the state: ``evolve_consumer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
+CONSUMER_FOLDS: Final[dict[type[ev.Event], Callable[[ConsumerState, Any], ConsumerState]]] = {
+    ev.Opened: lambda s, e: replace(s, seq=e.seq, round_seq=e.round_seq),
+    ev.Registered: _registered_keys,
+    ev.Probed: _probed,
+    ev.LookupResp: _lookup_resp,
+    ev.FinishRequested: lambda s, e: replace(
+        s, seq=e.seq, finishing=True, probes={}, unsent=(), lookup_deadline=None
+    ),
+    ev.LookupCancelled: lambda s, e: replace(
+        s, seq=e.seq, phase=consumer_phase_after(s.phase, e), lookup_open=False
+    ),
+    ev.Finished: _finished,
+    ev.FetchSent: _fetch_sent,
+    ev.TransferDone: _transfer_done,
+    ev.Ignored: lambda s, e: replace(s, seq=e.seq),
+    ev.Rejected: lambda s, e: replace(s, seq=e.seq),
+    ev.LookupTimedOut: _lookup_timed_out,
+    ev.FetchSkipped: _fetch_skipped,
+    ev.AbortSent: _abort_sent,
+    ev.AbortAcked: lambda s, e: replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq)),
+    ev.Aborted: _aborted,
+    ev.SessionLost: _session_lost,
+}
 
 # Apply one event to a consumer state; pure (ReplayError if it does not follow).
 evolve_consumer: Callable[[ConsumerState, ev.ConsumerEvent], ConsumerState] = evolver(

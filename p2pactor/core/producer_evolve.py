@@ -8,7 +8,7 @@ from typing import Any, Final
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import evolver, filed_under
+from p2pactor.core.builder import evolver
 from p2pactor.core.producer_state import (
     PRODUCER_PHASE_AT,
     ActiveLookup,
@@ -20,7 +20,6 @@ from p2pactor.core.producer_state import (
     _pool_take,
     _put,
     _round,
-    _with_lookup,
 )
 
 
@@ -102,7 +101,9 @@ def _evolve_lookup_opened(
     )
 
 
-def _pinned(s: ProducerState, seq: int, round_seq: int, pin: ev.Pinned) -> ProducerState:
+def _pinned(
+    s: ProducerState, seq: int, round_seq: int, pin: ev.Pinned | ev.KeysPinned
+) -> ProducerState:
     """A lookup's hits pinned: the job held, and its blocks the round's supply."""
     job_id = pin.job_id
     job = PinJob(
@@ -122,26 +123,12 @@ def _pinned(s: ProducerState, seq: int, round_seq: int, pin: ev.Pinned) -> Produ
     return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds)
 
 
-_Arm = Callable[[ProducerState, Any], ProducerState]
-# How each producer event changes the state: ``evolve_producer``'s table, without its checks of
-# actor and sequence (for a caller that made them: replay).
-PRODUCER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
+def _lookup(s: ProducerState, e: Any, **changes: Any) -> ProducerState:
+    """``s`` after ``e``, with the changes to the lookup ``e`` names."""
+    lookup = replace(s.lookups[e.lookup_id], **changes)
+    return replace(s, seq=e.seq, lookups=_put(s.lookups, e.lookup_id, lookup))
 
 
-_arm = filed_under(PRODUCER_FOLDS)
-
-
-@_arm(ev.LookupReceived)
-def _lookup_received(s: ProducerState, e: ev.LookupReceived) -> ProducerState:
-    return _evolve_lookup_opened(s, e, len(e.keys))
-
-
-@_arm(ev.LookupLimited)
-def _lookup_limited(s: ProducerState, e: ev.LookupLimited) -> ProducerState:
-    return _evolve_lookup_opened(s, e, e.admitted)
-
-
-@_arm(ev.KeysResolved)
 def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:
     lookup = s.lookups[e.lookup_id]
     resolved = dict(lookup.resolved)
@@ -162,13 +149,6 @@ def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:
     )
 
 
-@_arm(ev.KeysPinned)
-def _keys_pinned(s: ProducerState, e: ev.KeysPinned) -> ProducerState:
-    pin = ev.Pinned(job_id=e.job_id, keys=e.keys, blocks=e.blocks, expires_at=e.expires_at)
-    return _pinned(s, e.seq, e.round_seq, pin)
-
-
-@_arm(ev.LookupAnswered)
 def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
     if e.resolved:
         # The parent's answer, its pin and the answer in one step: the lookup
@@ -185,11 +165,10 @@ def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
     if answered.outstanding:
         # Answered at its deadline with the parent still busy: keep it until
         # the parent's answer, whose pin must be released.
-        return _with_lookup(s, e.seq, replace(answered, answered=True, next_poll_at=None))
+        return _lookup(s, e, answered=True, next_poll_at=None)
     return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
 
 
-@_arm(ev.ContextClosed)
 def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
     lookups = s.lookups
     closing = lookups.get(e.lookup_id)
@@ -198,34 +177,14 @@ def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
     return replace(s, seq=e.seq, lookups=lookups, open_contexts=s.open_contexts - {e.lookup_id})
 
 
-@_arm(ev.CloseRequested)
-def _close_requested(s: ProducerState, e: ev.CloseRequested) -> ProducerState:
-    return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
-
-
-@_arm(ev.LookupDropped)
 def _lookup_dropped(s: ProducerState, e: ev.LookupDropped) -> ProducerState:
     lookup = s.lookups[e.lookup_id]
     if lookup.outstanding:
         # Kept for the parent's answer, as a late-answered lookup is.
-        return _with_lookup(s, e.seq, replace(lookup, dropped=True, next_poll_at=None))
+        return _lookup(s, e, dropped=True, next_poll_at=None)
     return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
 
 
-@_arm(ev.PinReleased)
-def _pin_released(s: ProducerState, e: ev.PinReleased) -> ProducerState:
-    return _evolve_pin_released(s, e.seq, e.job_id)
-
-
-@_arm(ev.TransferDoneSent, ev.AbortAckSent, ev.RoundClosed)
-def _round_ended(
-    s: ProducerState, e: ev.TransferDoneSent | ev.AbortAckSent | ev.RoundClosed
-) -> ProducerState:
-    served = isinstance(e, ev.TransferDoneSent) and e.success
-    return _evolve_round_ended(s, e.seq, e.round_seq, served=served)
-
-
-@_arm(ev.Closed)
 def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
     if e.requested_round is not None:
         s = replace(s, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
@@ -236,7 +195,6 @@ def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
     return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.Closed])
 
 
-@_arm(ev.FetchReceived)
 def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
     rnd = replace(
         _round(s, e.round_seq),
@@ -252,7 +210,6 @@ def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
     )
 
 
-@_arm(ev.TransferStarted)
 def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
     rnd = s.rounds[e.round_seq]
     demand = list(rnd.demand)
@@ -292,81 +249,21 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
     )
 
 
-@_arm(ev.TransferCompleted, ev.TransferFailed)
-def _transfer_ended(s: ProducerState, e: ev.TransferCompleted | ev.TransferFailed) -> ProducerState:
-    failure = e.reason if isinstance(e, ev.TransferFailed) else None
-    return _evolve_transfer_ended(s, e.seq, e.transfer_id, failure)
-
-
-@_arm(ev.FinishRequested)
-def _finish_requested(s: ProducerState, e: ev.FinishRequested) -> ProducerState:
-    return replace(s, seq=e.seq, finishing=True)
-
-
-@_arm(ev.Ignored, ev.Rejected)
-def _noted(s: ProducerState, e: ev.Ignored | ev.Rejected) -> ProducerState:
-    return replace(s, seq=e.seq)
-
-
-@_arm(ev.KeysRefused)
-def _keys_refused(s: ProducerState, e: ev.KeysRefused) -> ProducerState:
-    # The KeysResolved that follows counts the keys as misses; the answer says why.
-    lookup = s.lookups[e.lookup_id]
-    return _with_lookup(s, e.seq, replace(lookup, refused=lookup.refused | frozenset(e.keys)))
-
-
-@_arm(ev.SessionLost)
-def _session_lost(s: ProducerState, e: ev.SessionLost) -> ProducerState:
-    return replace(
-        s,
-        seq=e.seq,
-        phase=PRODUCER_PHASE_AT[ev.SessionLost],
-        session_lost=True,
-        close_reason=e.reason,
-    )
-
-
-@_arm(ev.LookupRefused)
-def _lookup_refused(s: ProducerState, e: ev.LookupRefused) -> ProducerState:
-    # No lookup opens and nothing is held (so a refused request can close at
-    # once), but the round counts as looked up: a fetch for it fails fast
-    # instead of waiting for stored blocks.
-    return replace(s, seq=e.seq, looked_up_through=max(s.looked_up_through, e.round_seq))
-
-
-@_arm(ev.FetchRefused)
 def _fetch_refused(s: ProducerState, e: ev.FetchRefused) -> ProducerState:
     refused = s.rounds[e.round_seq]
     refused = replace(refused, demand=(), failure=refused.failure or e.reason)
     return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, refused))
 
 
-@_arm(ev.PendingPolled)
-def _pending_polled(s: ProducerState, e: ev.PendingPolled) -> ProducerState:
-    lookup = replace(s.lookups[e.lookup_id], outstanding=True, next_poll_at=None)
-    return _with_lookup(s, e.seq, lookup)
-
-
-@_arm(ev.ParentExpired)
-def _parent_expired(s: ProducerState, e: ev.ParentExpired) -> ProducerState:
-    return _with_lookup(s, e.seq, replace(s.lookups[e.lookup_id], outstanding=False))
-
-
-@_arm(ev.PendingExpired)
 def _pending_expired(s: ProducerState, e: ev.PendingExpired) -> ProducerState:
     lookup = s.lookups[e.lookup_id]
     resolved = dict(lookup.resolved)
     resolved.update(dict.fromkeys(e.keys, False))
-    lookup = replace(
-        lookup,
-        resolved=resolved,
-        pending=lookup.pending - frozenset(e.keys),
-        next_poll_at=None,
+    return _lookup(
+        s, e, resolved=resolved, pending=lookup.pending - frozenset(e.keys), next_poll_at=None
     )
-    return _with_lookup(s, e.seq, lookup)
 
 
-@_arm(ev.StoreAdded)
 def _store_added(s: ProducerState, e: ev.StoreAdded) -> ProducerState:
     job = PinJob(
         job_id=e.job_id, round_seq=None, keys=e.keys, blocks=e.blocks, expires_at=e.expires_at
@@ -377,7 +274,6 @@ def _store_added(s: ProducerState, e: ev.StoreAdded) -> ProducerState:
     return replace(s, seq=e.seq, jobs=_put(s.jobs, e.job_id, job), pool=pool)
 
 
-@_arm(ev.AbortReceived)
 def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
     aborted = s.rounds.get(e.round_seq)
     if aborted is None:
@@ -389,6 +285,51 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
     aborted = replace(aborted, cancelled=True, demand=())
     return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, aborted), jobs=jobs)
 
+
+# How each producer event changes the state: ``evolve_producer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
+PRODUCER_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], ProducerState]]] = {
+    ev.Ignored: lambda s, e: replace(s, seq=e.seq),
+    ev.Rejected: lambda s, e: replace(s, seq=e.seq),
+    ev.SessionLost: lambda s, e: replace(
+        s, seq=e.seq, phase=PRODUCER_PHASE_AT[type(e)], session_lost=True, close_reason=e.reason
+    ),
+    ev.FinishRequested: lambda s, e: replace(s, seq=e.seq, finishing=True),
+    ev.LookupReceived: lambda s, e: _evolve_lookup_opened(s, e, len(e.keys)),
+    ev.LookupLimited: lambda s, e: _evolve_lookup_opened(s, e, e.admitted),
+    # No lookup opens and nothing is held (so a refused request can close at once), but the round
+    # counts as looked up: a fetch for it fails fast instead of waiting for stored blocks.
+    ev.LookupRefused: lambda s, e: replace(
+        s, seq=e.seq, looked_up_through=max(s.looked_up_through, e.round_seq)
+    ),
+    ev.KeysResolved: _keys_resolved,
+    ev.KeysPinned: lambda s, e: _pinned(s, e.seq, e.round_seq, e),
+    # The KeysResolved that follows counts the keys as misses; the answer says why.
+    ev.KeysRefused: lambda s, e: _lookup(
+        s, e, refused=s.lookups[e.lookup_id].refused | frozenset(e.keys)
+    ),
+    ev.PendingPolled: lambda s, e: _lookup(s, e, outstanding=True, next_poll_at=None),
+    ev.ParentExpired: lambda s, e: _lookup(s, e, outstanding=False),
+    ev.PendingExpired: _pending_expired,
+    ev.LookupAnswered: _lookup_answered,
+    ev.LookupDropped: _lookup_dropped,
+    ev.ContextClosed: _context_closed,
+    ev.StoreAdded: _store_added,
+    ev.FetchReceived: _fetch_received,
+    ev.FetchRefused: _fetch_refused,
+    ev.TransferStarted: _transfer_started,
+    ev.TransferCompleted: lambda s, e: _evolve_transfer_ended(s, e.seq, e.transfer_id, None),
+    ev.TransferFailed: lambda s, e: _evolve_transfer_ended(s, e.seq, e.transfer_id, e.reason),
+    ev.TransferDoneSent: lambda s, e: _evolve_round_ended(s, e.seq, e.round_seq, served=e.success),
+    ev.AbortReceived: _abort_received,
+    ev.AbortAckSent: lambda s, e: _evolve_round_ended(s, e.seq, e.round_seq, served=False),
+    ev.RoundClosed: lambda s, e: _evolve_round_ended(s, e.seq, e.round_seq, served=False),
+    ev.PinReleased: lambda s, e: _evolve_pin_released(s, e.seq, e.job_id),
+    ev.CloseRequested: lambda s, e: replace(
+        s, seq=e.seq, phase=PRODUCER_PHASE_AT[type(e)], close_reason=e.reason
+    ),
+    ev.Closed: _closed,
+}
 
 # Apply one event to a producer state; pure (ReplayError if it does not follow).
 evolve_producer: Callable[[ProducerState, ev.ProducerEvent], ProducerState] = evolver(

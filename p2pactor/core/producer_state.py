@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import ClassVar, Final, TypeVar
 
 import msgspec
-from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.builder import ActorRecord, Builder
@@ -235,10 +234,6 @@ def _pool_take(
 
 def _round(s: ProducerState, round_seq: int) -> RoundState:
     return s.rounds.get(round_seq) or RoundState(round_seq=round_seq)
-
-
-def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerState:
-    return replace(s, seq=seq, lookups=_put(s.lookups, lookup.lookup_id, lookup))
 
 
 # How the reason of a :class:`~p2pactor.core.events.PinReleased` begins when the pin expired.
