@@ -89,7 +89,8 @@ def step_consumer(
         case inp.SessionEnded():
             _session_ended(b, event_input)
         case inp.WritesSettled():
-            _writes_settled(b, event_input.reason)
+            # The loads held for a late write fail now: none can land any more.
+            _abort(b, [r for r, load in b.state.loads.items() if load.held], event_input.reason)
         case wire.LookupResp():
             _on_lookup_resp(b, event_input, timings)
         case wire.TransferDone():
@@ -282,10 +283,7 @@ def _session_ended(b: _B, ended: inp.SessionEnded) -> None:
         return  # the loads fail at the deadline (_tick), then the request ends
     waiting = bool(b.state.waiting_keys())
     b.emit(ev.SessionLost, reason=reason)
-    for round_seq, load in sorted(b.state.loads.items()):
-        b.emit(
-            ev.Aborted, round_seq=round_seq, job_id=load.job_id, reason=f"session lost: {reason}"
-        )
+    _abort(b, list(b.state.loads), f"session lost: {reason}", finish=False)
     s = b.state
     phase = s.outcome
     if phase is ConsumerPhase.DONE and waiting:
@@ -294,12 +292,12 @@ def _session_ended(b: _B, ended: inp.SessionEnded) -> None:
     b.emit(ev.Finished, phase=phase, reason=summary)
 
 
-def _writes_settled(b: _B, reason: str) -> None:
-    """The loads held for a late write fail now: none can land any more."""
-    held = [(r, load) for r, load in sorted(b.state.loads.items()) if load.held]
-    for round_seq, load in held:
-        b.emit(ev.Aborted, round_seq=round_seq, job_id=load.job_id, reason=reason)
-    if held:
+def _abort(b: _B, rounds: list[int], reason: str, *, finish: bool = True) -> None:
+    """Fail the loads of ``rounds`` without the peer's word (then end, if it may)."""
+    for round_seq in sorted(rounds):
+        job_id = b.state.loads[round_seq].job_id
+        b.emit(ev.Aborted, round_seq=round_seq, job_id=job_id, reason=reason)
+    if rounds and finish:
         _maybe_finished(b)
 
 

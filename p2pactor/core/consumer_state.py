@@ -110,11 +110,11 @@ class ConsumerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         return tuple(k for k, v in self.probes.items() if v is None and k not in unsent)
 
 
-def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> tuple[ConsumerPhase, str]:
-    """``(outcome, problem)`` after an outcome of ``outcome``: it only gets worse."""
+def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> dict[str, Any]:
+    """The changes an outcome of ``outcome`` makes: none unless it is worse (it only gets worse)."""
     if _SEVERITY[outcome] <= _SEVERITY[state.outcome]:
-        return state.outcome, state.problem
-    return outcome, problem
+        return {}
+    return {"outcome": outcome, "problem": problem}
 
 
 def consumer_phase_after(phase: ConsumerPhase, event: ev.AnyEvent) -> ConsumerPhase:
@@ -204,56 +204,42 @@ def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
 
 
 def _transfer_done(s: ConsumerState, e: ev.TransferDone) -> ConsumerState:
-    loads = _without(s.loads, e.round_seq)
-    if e.success:
-        return replace(s, seq=e.seq, loads=loads)
-    outcome, problem = _worse(s, ConsumerPhase.FAILED, f"round {e.round_seq}: the transfer failed")
-    return replace(s, seq=e.seq, loads=loads, outcome=outcome, problem=problem)
+    why = f"round {e.round_seq}: the transfer failed"
+    worse = {} if e.success else _worse(s, ConsumerPhase.FAILED, why)
+    return replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq), **worse)
 
 
 def _lookup_timed_out(s: ConsumerState, e: ev.LookupTimedOut) -> ConsumerState:
-    outcome, problem = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
+    worse = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
     return replace(
-        s,
-        seq=e.seq,
-        probes={},
-        unsent=(),
-        lookup_deadline=None,
-        lookup_failed=True,
-        outcome=outcome,
-        problem=problem,
+        s, seq=e.seq, probes={}, unsent=(), lookup_deadline=None, lookup_failed=True, **worse
     )
 
 
 def _fetch_skipped(s: ConsumerState, e: ev.FetchSkipped) -> ConsumerState:
-    if e.success:
-        return replace(s, seq=e.seq)
-    outcome, problem = _worse(s, ConsumerPhase.FAILED, e.reason)
-    return replace(s, seq=e.seq, outcome=outcome, problem=problem)
+    return replace(s, seq=e.seq, **({} if e.success else _worse(s, ConsumerPhase.FAILED, e.reason)))
 
 
 def _abort_sent(s: ConsumerState, e: ev.AbortSent) -> ConsumerState:
     loads = dict(s.loads)
     loads[e.round_seq] = replace(loads[e.round_seq], ack_deadline=e.ack_deadline)
-    outcome, problem = _worse(s, ConsumerPhase.ABORTED, f"round {e.round_seq}: {e.reason}")
-    return replace(s, seq=e.seq, loads=loads, outcome=outcome, problem=problem)
+    worse = _worse(s, ConsumerPhase.ABORTED, f"round {e.round_seq}: {e.reason}")
+    return replace(s, seq=e.seq, loads=loads, **worse)
 
 
 def _aborted(s: ConsumerState, e: ev.Aborted) -> ConsumerState:
     # An abort that went out already made the outcome ABORTED; a load lost
     # with its session failed without one.
-    outcome, problem = _worse(s, ConsumerPhase.FAILED, f"round {e.round_seq}: {e.reason}")
-    return replace(
-        s, seq=e.seq, loads=_without(s.loads, e.round_seq), outcome=outcome, problem=problem
-    )
+    worse = _worse(s, ConsumerPhase.FAILED, f"round {e.round_seq}: {e.reason}")
+    return replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq), **worse)
 
 
 def _session_lost(s: ConsumerState, e: ev.SessionLost) -> ConsumerState:
     until = e.loads_held_until
-    if until is None or not s.loads:
-        return replace(s, seq=e.seq, session_lost=True, lookup_deadline=None)
-    why = f"session lost: {e.reason}; its blocks were held until no write could land"
-    loads = {r: replace(load, ack_deadline=until, held=why) for r, load in s.loads.items()}
+    loads = s.loads
+    if until is not None:
+        why = f"session lost: {e.reason}; its blocks were held until no write could land"
+        loads = {r: replace(load, ack_deadline=until, held=why) for r, load in loads.items()}
     return replace(s, seq=e.seq, session_lost=True, lookup_deadline=None, loads=loads)
 
 

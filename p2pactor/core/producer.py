@@ -104,30 +104,20 @@ def step_producer(
         case inp.TransferResult():
             _on_transfer_result(b, event_input)
         case inp.Finish():
-            _on_local_finish(b)
+            if not b.state.finishing:
+                b.emit(ev.FinishRequested)
+                _drop_lookups(b, "the engine finished the request")
         case inp.Tick():
             _tick_lookups(b)
             _expire_pins(b, timings)
         case inp.SessionEnded():
-            _on_session_ended(b, event_input.reason)
+            if not b.state.session_lost:
+                b.emit(ev.SessionLost, reason=event_input.reason)
+                _drop_lookups(b, f"session lost: {event_input.reason}")
         case _:
             assert_never(event_input)
     _sweep(b)
     return b.state, tuple(b.events)
-
-
-def _on_local_finish(b: _B) -> None:
-    if b.state.finishing:
-        return
-    b.emit(ev.FinishRequested)
-    _drop_lookups(b, "the engine finished the request")
-
-
-def _on_session_ended(b: _B, reason: str) -> None:
-    if b.state.session_lost:
-        return
-    b.emit(ev.SessionLost, reason=reason)
-    _drop_lookups(b, f"session lost: {reason}")
 
 
 def _sweep(b: _B) -> None:

@@ -37,15 +37,14 @@ def _evolve_transfer_ended(
     rounds = dict(s.rounds)
     rnd = rounds.get(t.round_seq)
     if rnd is not None:
-        if failure is None:
-            rnd = replace(
-                rnd, inflight=rnd.inflight - {transfer_id}, remaining=rnd.remaining - t.blocks
-            )
-        else:
-            rnd = replace(
-                rnd, inflight=rnd.inflight - {transfer_id}, failure=rnd.failure or failure
-            )
-        rounds[t.round_seq] = rnd
+        # A failed write leaves its blocks unwritten: the round failed.
+        written = t.blocks if failure is None else 0
+        rounds[t.round_seq] = replace(
+            rnd,
+            inflight=rnd.inflight - {transfer_id},
+            remaining=rnd.remaining - written,
+            failure=rnd.failure or failure or "",
+        )
     return replace(s, seq=seq, jobs=jobs, rounds=rounds, transfers=_drop(s.transfers, transfer_id))
 
 

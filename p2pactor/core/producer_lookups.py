@@ -49,23 +49,14 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
     budget = t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
         budget = min(budget, msg.deadline_ms / 1000)
-    if verdict is not None and admit < len(msg.keys):
-        b.emit(
-            ev.LookupLimited,
-            lookup_id=s.next_lookup_id,
-            round_seq=msg.round_seq,
-            keys=msg.keys,
-            admitted=admit,
-            deadline=b.now + budget,
-            reason=verdict.reason,
-        )
-        return
+    whole = verdict is None or admit >= len(msg.keys)
     b.emit(
-        ev.LookupReceived,
+        ev.LookupReceived if whole else ev.LookupLimited,
         lookup_id=s.next_lookup_id,
         round_seq=msg.round_seq,
         keys=msg.keys,
         deadline=b.now + budget,
+        **({} if verdict is None or whole else {"admitted": admit, "reason": verdict.reason}),
     )
 
 
