@@ -15,7 +15,6 @@ from p2pactor.core.producer_state import (
     PinJob,
     ProducerState,
     Supply,
-    Transfer,
     _drop,
     _pool_take,
     _put,
@@ -38,7 +37,7 @@ def _evolve_transfer_ended(
     rnd = rounds.get(t.round_seq)
     if rnd is not None:
         # A failed write leaves its blocks unwritten: the round failed.
-        written = t.blocks if failure is None else 0
+        written = len(t.keys) if failure is None else 0
         rounds[t.round_seq] = replace(
             rnd,
             inflight=rnd.inflight - {transfer_id},
@@ -101,25 +100,27 @@ def _evolve_lookup_opened(
 
 
 def _pinned(
-    s: ProducerState, seq: int, round_seq: int, pin: ev.Pinned | ev.KeysPinned
+    s: ProducerState,
+    seq: int,
+    round_seq: int | None,
+    pin: ev.Pinned | ev.KeysPinned | ev.StoreAdded,
 ) -> ProducerState:
-    """A lookup's hits pinned: the job held, and its blocks the round's supply."""
-    job_id = pin.job_id
+    """Blocks pinned: the job held, its blocks a looked-up round's supply or the store's pool."""
+    job_id, keys, blocks = pin.job_id, pin.keys, pin.blocks
     job = PinJob(
-        job_id=job_id,
-        round_seq=round_seq,
-        keys=pin.keys,
-        blocks=pin.blocks,
-        expires_at=pin.expires_at,
+        job_id=job_id, round_seq=round_seq, keys=keys, blocks=blocks, expires_at=pin.expires_at
     )
-    rounds = s.rounds
-    if round_seq in rounds:
+    rounds, pool = s.rounds, s.pool
+    if round_seq is None:
+        pool = dict(pool)
+        for key, block in zip(keys, blocks, strict=True):
+            pool[key] = (*pool.get(key, ()), Supply(job_id, block))
+    elif round_seq in rounds:
         rnd = rounds[round_seq]
         supply = dict(rnd.supply)
-        for key, block in zip(pin.keys, pin.blocks, strict=True):
-            supply[key] = Supply(job_id, block)
+        supply.update((key, Supply(job_id, block)) for key, block in zip(keys, blocks, strict=True))
         rounds = _put(rounds, round_seq, replace(rnd, supply=supply))
-    return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds)
+    return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds, pool=pool)
 
 
 def _lookup(s: ProducerState, e: Any, **changes: Any) -> ProducerState:
@@ -230,13 +231,8 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
     rounds[e.round_seq] = replace(
         rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
     )
-    transfers = dict(s.transfers)
-    transfers[e.transfer_id] = Transfer(
-        transfer_id=e.transfer_id,
-        round_seq=e.round_seq,
-        job_ids=frozenset(e.job_ids),
-        blocks=len(e.keys),
-    )
+    transfers = _put(s.transfers, e.transfer_id, e)
+    next_transfer_id = e.transfer_id + 1
     return replace(
         s,
         seq=e.seq,
@@ -244,7 +240,7 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
         jobs=jobs,
         pool=pool,
         transfers=transfers,
-        next_transfer_id=e.transfer_id + 1,
+        next_transfer_id=next_transfer_id,
     )
 
 
@@ -261,16 +257,6 @@ def _pending_expired(s: ProducerState, e: ev.PendingExpired) -> ProducerState:
     return _lookup(
         s, e, resolved=resolved, pending=lookup.pending - frozenset(e.keys), next_poll_at=None
     )
-
-
-def _store_added(s: ProducerState, e: ev.StoreAdded) -> ProducerState:
-    job = PinJob(
-        job_id=e.job_id, round_seq=None, keys=e.keys, blocks=e.blocks, expires_at=e.expires_at
-    )
-    pool = dict(s.pool)
-    for key, block in zip(e.keys, e.blocks, strict=True):
-        pool[key] = (*pool.get(key, ()), Supply(e.job_id, block))
-    return replace(s, seq=e.seq, jobs=_put(s.jobs, e.job_id, job), pool=pool)
 
 
 def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
@@ -313,7 +299,7 @@ PRODUCER_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], Produc
     ev.LookupAnswered: _lookup_answered,
     ev.LookupDropped: _lookup_dropped,
     ev.ContextClosed: _context_closed,
-    ev.StoreAdded: _store_added,
+    ev.StoreAdded: lambda s, e: _pinned(s, e.seq, None, e),
     ev.FetchReceived: _fetch_received,
     ev.FetchRefused: _fetch_refused,
     ev.TransferStarted: _transfer_started,

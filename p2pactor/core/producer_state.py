@@ -138,20 +138,6 @@ class PinJob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     failed: bool = False
 
 
-class Transfer(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """A WRITE in flight.
-
-    Attributes:
-        job_ids: The jobs whose blocks it reads.
-        blocks: How many blocks it writes.
-    """
-
-    transfer_id: int
-    round_seq: int
-    job_ids: frozenset[int]
-    blocks: int
-
-
 class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     """Everything a producer actor knows, rebuilt exactly by replaying its events.
 
@@ -161,7 +147,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         rounds: Rounds in progress, by round number.
         jobs: Pin jobs held, by job id.
         pool: Stored blocks of a prefill/decode request not sent yet, by key.
-        transfers: Transfers in flight, by id.
+        transfers: Transfers in flight, by id: each as its start recorded it.
         open_contexts: Lookups whose synthetic parent request is open.
         closed_through: The highest round closed by a fetch (-1: none).
         looked_up_through: The highest round that had a lookup (-1: none).
@@ -179,7 +165,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     rounds: Mapping[int, RoundState] = msgspec.field(default_factory=dict)
     jobs: Mapping[int, PinJob] = msgspec.field(default_factory=dict)
     pool: Mapping[bytes, tuple[Supply, ...]] = msgspec.field(default_factory=dict)
-    transfers: Mapping[int, Transfer] = msgspec.field(default_factory=dict)
+    transfers: Mapping[int, ev.TransferStarted] = msgspec.field(default_factory=dict)
     open_contexts: frozenset[int] = frozenset()
     closed_through: int = -1
     looked_up_through: int = -1
