@@ -102,7 +102,15 @@ def step_producer(
         case inp.AddStore():
             _on_store(b, event_input, timings)
         case inp.TransferResult():
-            _on_transfer_result(b, event_input)
+            tid = event_input.transfer_id
+            if tid not in b.state.transfers:
+                reason = f"no transfer {tid} is in flight"
+                b.emit(ev.Ignored, input="transfer_result", reason=reason)
+            elif event_input.ok:
+                b.emit(ev.TransferCompleted, transfer_id=tid)
+            else:
+                reason = event_input.reason or "the transfer failed"
+                b.emit(ev.TransferFailed, transfer_id=tid, reason=reason)
         case inp.Finish():
             if not b.state.finishing:
                 b.emit(ev.FinishRequested)
@@ -293,17 +301,6 @@ def _on_store(b: _B, store: inp.AddStore, t: Timings) -> None:
             matched, _ = _plan(b.state, r)
             if matched:
                 _start(b, r, matched)
-
-
-def _on_transfer_result(b: _B, result: inp.TransferResult) -> None:
-    if result.transfer_id not in b.state.transfers:
-        reason = f"no transfer {result.transfer_id} is in flight"
-        b.emit(ev.Ignored, input="transfer_result", reason=reason)
-    elif result.ok:
-        b.emit(ev.TransferCompleted, transfer_id=result.transfer_id)
-    else:
-        reason = result.reason or "the transfer failed"
-        b.emit(ev.TransferFailed, transfer_id=result.transfer_id, reason=reason)
 
 
 def _finalize(b: _B, round_seq: int, *, success: bool, reason: str) -> None:

@@ -206,15 +206,10 @@ def _pool_take(
 ) -> dict[bytes, tuple[Supply, ...]]:
     """Remove one entry of ``job_id`` for ``key`` from the pool."""
     out = dict(pool)
-    entries = list(out.get(key, ()))
-    for i, sup in enumerate(entries):
-        if sup.job_id == job_id:
-            del entries[i]
-            break
-    if entries:
-        out[key] = tuple(entries)
-    else:
-        out.pop(key, None)
+    entries = out.pop(key, ())
+    at = next((i for i, sup in enumerate(entries) if sup.job_id == job_id), len(entries))
+    if rest := entries[:at] + entries[at + 1 :]:
+        out[key] = rest
     return out
 
 
