@@ -146,7 +146,7 @@ def next_producer_deadline(state: ProducerState) -> float | None:
         return None
     times: list[float] = []
     for lookup in state.lookups.values():
-        if lookup.answered or lookup.dropped or not lookup.pending:
+        if not lookup.waiting:
             continue
         times.append(lookup.deadline)
         if lookup.next_poll_at is not None and not lookup.outstanding:

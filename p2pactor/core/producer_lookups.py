@@ -88,8 +88,7 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
     elif _resolve(b, lookup, answer, t):
         return
     lookup = b.state.lookups[answer.lookup_id]
-    done = lookup.dropped or lookup.answered
-    if lookup.pending and not done and b.now >= lookup.deadline:
+    if lookup.waiting and b.now >= lookup.deadline:
         b.emit(ev.PendingExpired, lookup_id=lookup.lookup_id, keys=_ordered(lookup))
     _settle_lookup(b, answer.lookup_id)
 
@@ -132,7 +131,7 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
     settled = lookup.dropped or lookup.answered or lookup.resolved or lookup.refused
     if not (pending or answer.refused or refusal or settled):
         resolved = dict.fromkeys(hits, True) | dict.fromkeys(misses, False)
-        _answer(b, lookup, resolved, frozenset(), resolved=True, pinned=held)
+        _answer(b, lookup, resolved, resolved=True, pinned=held)
         return True
     if answer.refused:
         refused = set(answer.refused) - pinned
@@ -170,7 +169,7 @@ def _settle_lookup(b: _B, lookup_id: int) -> None:
     if not (lookup.dropped or lookup.answered):
         if lookup.pending:
             return
-        _answer(b, lookup, lookup.resolved, lookup.refused)
+        _answer(b, lookup)
     if lookup_id in b.state.open_contexts:
         b.emit(ev.ContextClosed, lookup_id=lookup_id)
 
@@ -178,20 +177,20 @@ def _settle_lookup(b: _B, lookup_id: int) -> None:
 def _answer(
     b: _B,
     lookup: ActiveLookup,
-    answers: Mapping[bytes, bool],
-    refused: frozenset[bytes],
+    answers: Mapping[bytes, bool] | None = None,
     **whole: Any,
 ) -> None:
     """Send the lookup's one answer, keys in wire order, duplicates included.
 
-    Its hits and refusals are each parallel to the lookup's keys; ``refused``
-    (keys the pin budget refused) is empty when no admitted key's MISS is a
-    refusal. Every key past the admitted prefix answers MISS refused, whatever
-    it is: those keys are never looked at one by one, as a lookup may carry
-    65,536 of them, and what they cost must stay far below what the quota
-    admits.
+    Its hits (``answers``, or those the lookup resolved) and refusals are each
+    parallel to the lookup's keys; the refusals are empty when no admitted key's
+    MISS is a refusal of the pin budget. Every key past the admitted prefix
+    answers MISS refused, whatever it is: those keys are never looked at one by
+    one, as a lookup may carry 65,536 of them, and what they cost must stay far
+    below what the quota admits.
     """
-    keys, admitted = lookup.keys, lookup.admitted
+    keys, admitted, refused = lookup.keys, lookup.admitted, lookup.refused
+    answers = lookup.resolved if answers is None else answers
     if admitted >= len(keys):
         flags = tuple([k in refused for k in keys]) if refused else ()
         hits = tuple([answers[k] for k in keys])
@@ -221,14 +220,14 @@ def _drop_lookups(b: _B, reason: str) -> None:
 def _tick_lookups(b: _B) -> None:
     now = b.now
     for lookup_id, lookup in sorted(b.state.lookups.items()):
-        if lookup.answered or lookup.dropped or not lookup.pending:
+        if not lookup.waiting:
             continue
         if now >= lookup.deadline:
             # The deadline holds even while the parent has not served us (an
             # engine that stopped stepping): answer now, clean up when it does.
             b.emit(ev.PendingExpired, lookup_id=lookup_id, keys=_ordered(lookup))
             if lookup.outstanding:
-                _answer(b, (looked := b.state.lookups[lookup_id]), looked.resolved, looked.refused)
+                _answer(b, b.state.lookups[lookup_id])
             else:
                 _settle_lookup(b, lookup_id)
         elif lookup.outstanding:

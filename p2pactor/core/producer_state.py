@@ -88,6 +88,11 @@ class ActiveLookup(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     dropped: bool = False
     refused: frozenset[bytes] = frozenset()
 
+    @property
+    def waiting(self) -> bool:
+        """Whether keys still wait for an answer: it was neither answered nor dropped."""
+        return bool(self.pending) and not (self.answered or self.dropped)
+
 
 class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One lookup -> fetch round of the request.

@@ -293,14 +293,12 @@ class FetchRefused(Event, frozen=True, kw_only=True):
 from p2pactor.core.events.consumer import *
 from p2pactor.core.events.producer import *
 
+# Events either role may record.
+_EitherRole = Ignored | Rejected | SessionLost | FinishRequested
+
 # Events of a consumer actor.
 ConsumerEvent = (
-    # either role
-    Ignored
-    | Rejected
-    | SessionLost
-    | FinishRequested
-    # this role
+    _EitherRole
     | Opened
     | Registered
     | Probed
@@ -318,12 +316,7 @@ ConsumerEvent = (
 
 # Events of a producer actor.
 ProducerEvent = (
-    # either role
-    Ignored
-    | Rejected
-    | SessionLost
-    | FinishRequested
-    # this role
+    _EitherRole
     | LookupReceived
     | LookupRefused
     | LookupLimited
