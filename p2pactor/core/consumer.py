@@ -231,17 +231,20 @@ def _finish(b: _B, t: Timings) -> None:
     b.emit(ev.FinishRequested)
     for round_seq, load in sorted(b.state.loads.items()):
         if not load.aborting:
-            b.emit(
-                ev.AbortSent,
-                round_seq=round_seq,
-                job_id=load.job_id,
-                reason="the request finished while its load was in flight",
-                ack_deadline=b.now + t.abort_ack_timeout,
-            )
+            _send_abort(b, t, round_seq, "the request finished while its load was in flight")
     cancelled = _open_round(b.state)
     if cancelled is not None:
         b.emit(ev.LookupCancelled, round_seq=cancelled)
     _maybe_finished(b)
+
+
+def _send_abort(b: _B, t: Timings, round_seq: int, reason: str) -> None:
+    """Ask the peer to abort the load of ``round_seq``; it fails anyway if no ack comes in time."""
+    ack_deadline = b.now + t.abort_ack_timeout
+    job_id = b.state.loads[round_seq].job_id
+    b.emit(
+        ev.AbortSent, round_seq=round_seq, job_id=job_id, reason=reason, ack_deadline=ack_deadline
+    )
 
 
 def _open_round(s: ConsumerState) -> int | None:
@@ -259,13 +262,7 @@ def _tick(b: _B, t: Timings) -> None:
                 reason = load.held or f"no abort_ack within {t.abort_ack_timeout:g} s"
                 b.emit(ev.Aborted, round_seq=round_seq, job_id=load.job_id, reason=reason)
         elif now >= load.deadline:
-            b.emit(
-                ev.AbortSent,
-                round_seq=round_seq,
-                job_id=load.job_id,
-                reason=f"no transfer_done within {t.load_timeout:g} s",
-                ack_deadline=now + t.abort_ack_timeout,
-            )
+            _send_abort(b, t, round_seq, f"no transfer_done within {t.load_timeout:g} s")
     deadline = b.state.lookup_deadline
     if deadline is not None and now >= deadline:
         b.emit(ev.LookupTimedOut, keys=b.state.waiting_keys())

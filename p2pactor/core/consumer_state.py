@@ -131,12 +131,9 @@ def _registered(
     probes: Mapping[bytes, bool | None], keys: tuple[bytes, ...]
 ) -> Mapping[bytes, bool | None]:
     """``probes`` with every key of ``keys`` asked (unanswered unless it was answered)."""
-    if all(k in probes for k in keys):
-        return probes  # registered before (a Probed of version 1 followed a Registered)
-    out = dict(probes)
-    for key in keys:
-        out.setdefault(key, None)
-    return out
+    new = dict.fromkeys(k for k in keys if k not in probes)
+    # None new: registered before (a Probed of version 1 followed a Registered).
+    return {**probes, **new} if new else probes
 
 
 def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
