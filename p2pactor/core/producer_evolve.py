@@ -130,23 +130,13 @@ def _lookup(s: ProducerState, e: Any, **changes: Any) -> ProducerState:
 
 
 def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:
-    lookup = s.lookups[e.lookup_id]
-    resolved = dict(lookup.resolved)
-    resolved.update(dict.fromkeys(e.hits, True))
-    resolved.update(dict.fromkeys(e.misses, False))
-    lookup = replace(
-        lookup,
-        resolved=resolved,
-        pending=frozenset(e.pending),
-        outstanding=False,
-        next_poll_at=e.next_poll_at,
+    hits, misses = dict.fromkeys(e.hits, True), dict.fromkeys(e.misses, False)
+    resolved = {**s.lookups[e.lookup_id].resolved, **hits, **misses}
+    pending = frozenset(e.pending)
+    s = _lookup(
+        s, e, resolved=resolved, pending=pending, outstanding=False, next_poll_at=e.next_poll_at
     )
-    return replace(
-        s,
-        seq=e.seq,
-        lookups=_put(s.lookups, e.lookup_id, lookup),
-        open_contexts=s.open_contexts | {e.lookup_id},
-    )
+    return replace(s, open_contexts=s.open_contexts | {e.lookup_id})
 
 
 def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
@@ -252,8 +242,7 @@ def _fetch_refused(s: ProducerState, e: ev.FetchRefused) -> ProducerState:
 
 def _pending_expired(s: ProducerState, e: ev.PendingExpired) -> ProducerState:
     lookup = s.lookups[e.lookup_id]
-    resolved = dict(lookup.resolved)
-    resolved.update(dict.fromkeys(e.keys, False))
+    resolved = {**lookup.resolved, **dict.fromkeys(e.keys, False)}
     return _lookup(
         s, e, resolved=resolved, pending=lookup.pending - frozenset(e.keys), next_poll_at=None
     )
