@@ -151,12 +151,7 @@ def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
             lookups=_drop(s.lookups, e.lookup_id),
             open_contexts=s.open_contexts - {e.lookup_id},
         )
-    answered = s.lookups[e.lookup_id]
-    if answered.outstanding:
-        # Answered at its deadline with the parent still busy: keep it until
-        # the parent's answer, whose pin must be released.
-        return _lookup(s, e, answered=True, next_poll_at=None)
-    return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
+    return _lookup_ended(s, e, answered=True)  # at its deadline
 
 
 def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
@@ -167,11 +162,13 @@ def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
     return replace(s, seq=e.seq, lookups=lookups, open_contexts=s.open_contexts - {e.lookup_id})
 
 
-def _lookup_dropped(s: ProducerState, e: ev.LookupDropped) -> ProducerState:
-    lookup = s.lookups[e.lookup_id]
-    if lookup.outstanding:
-        # Kept for the parent's answer, as a late-answered lookup is.
-        return _lookup(s, e, dropped=True, next_poll_at=None)
+def _lookup_ended(s: ProducerState, e: Any, **how: bool) -> ProducerState:
+    """The lookup ``e`` names answered or dropped: forgotten, or marked ``how`` for the parent.
+
+    A lookup the parent has not served yet is kept for its answer, whose pin must be released.
+    """
+    if s.lookups[e.lookup_id].outstanding:
+        return _lookup(s, e, next_poll_at=None, **how)
     return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
 
 
@@ -217,20 +214,11 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
         jobs[job_id] = replace(
             job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
         )
-    rounds = dict(s.rounds)
-    rounds[e.round_seq] = replace(
-        rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
-    )
-    transfers = _put(s.transfers, e.transfer_id, e)
-    next_transfer_id = e.transfer_id + 1
+    rnd = replace(rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id})
+    rounds, transfers = _put(s.rounds, e.round_seq, rnd), _put(s.transfers, e.transfer_id, e)
+    n = e.transfer_id + 1
     return replace(
-        s,
-        seq=e.seq,
-        rounds=rounds,
-        jobs=jobs,
-        pool=pool,
-        transfers=transfers,
-        next_transfer_id=next_transfer_id,
+        s, seq=e.seq, rounds=rounds, jobs=jobs, pool=pool, transfers=transfers, next_transfer_id=n
     )
 
 
@@ -286,7 +274,7 @@ PRODUCER_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], Produc
     ev.ParentExpired: lambda s, e: _lookup(s, e, outstanding=False),
     ev.PendingExpired: _pending_expired,
     ev.LookupAnswered: _lookup_answered,
-    ev.LookupDropped: _lookup_dropped,
+    ev.LookupDropped: lambda s, e: _lookup_ended(s, e, dropped=True),
     ev.ContextClosed: _context_closed,
     ev.StoreAdded: lambda s, e: _pinned(s, e.seq, None, e),
     ev.FetchReceived: _fetch_received,
