@@ -195,15 +195,11 @@ V = TypeVar("V")
 
 
 def _put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
-    out = dict(mapping)
-    out[key] = value
-    return out
+    return {**mapping, key: value}
 
 
 def _drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
-    out = dict(mapping)
-    out.pop(key, None)
-    return out
+    return {k: v for k, v in mapping.items() if k != key}
 
 
 def _pool_take(
@@ -253,9 +249,7 @@ def _expirable(s: ProducerState, job: PinJob) -> bool:
     """A pin no fetch is using or about to use: it may time out."""
     if job.readers or job.serving:
         return False
-    if job.round_seq is None:
-        return True
-    rnd = s.rounds.get(job.round_seq)
+    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
     return rnd is None or not rnd.fetched
 
 
