@@ -195,8 +195,7 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
 def _on_transfer_done(b: _B, msg: wire.TransferDone) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None:
-        reason = f"no load in flight for round {msg.round_seq}"
-        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
+        b.emit(ev.Ignored, input=msg.TYPE, reason=f"no load in flight for round {msg.round_seq}")
         return
     # A transfer_done that crosses our abort is still the truth: the write ended.
     b.emit(ev.TransferDone, round_seq=msg.round_seq, job_id=load.job_id, success=msg.success)
@@ -282,11 +281,9 @@ def _session_ended(b: _B, ended: inp.SessionEnded) -> None:
     b.emit(ev.SessionLost, reason=reason)
     _abort(b, list(b.state.loads), f"session lost: {reason}", finish=False)
     s = b.state
-    phase = s.outcome
-    if phase is ConsumerPhase.DONE and waiting:
-        phase = ConsumerPhase.FAILED
-    summary = s.problem if s.problem else f"session lost: {reason}"
-    b.emit(ev.Finished, phase=phase, reason=summary)
+    # A lookup still waiting fails with its session, though no load did.
+    phase = ConsumerPhase.FAILED if s.outcome is ConsumerPhase.DONE and waiting else s.outcome
+    b.emit(ev.Finished, phase=phase, reason=s.problem or f"session lost: {reason}")
 
 
 def _abort(b: _B, rounds: list[int], reason: str, *, finish: bool = True) -> None:
@@ -301,8 +298,7 @@ def _abort(b: _B, rounds: list[int], reason: str, *, finish: bool = True) -> Non
 def _maybe_finished(b: _B) -> None:
     s = b.state
     if (s.finishing or s.session_lost) and not s.loads:
-        reason = s.problem if s.problem else "finished"
-        b.emit(ev.Finished, phase=s.outcome, reason=reason)
+        b.emit(ev.Finished, phase=s.outcome, reason=s.problem or "finished")
 
 
 def next_consumer_deadline(state: ConsumerState) -> float | None:

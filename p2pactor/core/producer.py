@@ -136,8 +136,7 @@ def _sweep(b: _B) -> None:
         _sweep_round(b, rnd)
     _release_stores(b)
     if b.state.idle:
-        reason = b.state.close_reason or "nothing left to serve"
-        b.emit(ev.Closed, reason=reason)
+        b.emit(ev.Closed, reason=b.state.close_reason or "nothing left to serve")
 
 
 def next_producer_deadline(state: ProducerState) -> float | None:

@@ -230,12 +230,6 @@ def _tick_lookups(b: _B) -> None:
                 _answer(b, b.state.lookups[lookup_id])
             else:
                 _settle_lookup(b, lookup_id)
-        elif lookup.outstanding:
-            continue
-        elif lookup.next_poll_at is not None and now >= lookup.next_poll_at:
-            b.emit(
-                ev.PendingPolled,
-                lookup_id=lookup_id,
-                keys=_ordered(lookup),
-                not_after=lookup.deadline,
-            )
+        elif not lookup.outstanding and (poll := lookup.next_poll_at) is not None and now >= poll:
+            keys, not_after = _ordered(lookup), lookup.deadline
+            b.emit(ev.PendingPolled, lookup_id=lookup_id, keys=keys, not_after=not_after)
