@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import assert_never
 
+import msgspec
+
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
@@ -286,13 +288,7 @@ def _on_abort(b: _B, msg: wire.AbortFetch) -> None:
 
 
 def _on_store(b: _B, store: inp.AddStore, t: Timings) -> None:
-    b.emit(
-        ev.StoreAdded,
-        job_id=store.job_id,
-        keys=store.keys,
-        blocks=store.blocks,
-        expires_at=b.now + t.pin_timeout,
-    )
+    b.emit(ev.StoreAdded, **msgspec.structs.asdict(store), expires_at=b.now + t.pin_timeout)
     if b.state.phase is not ProducerPhase.OPEN:
         return  # the sweep releases it
     for r, rnd in sorted(b.state.rounds.items()):

@@ -124,8 +124,7 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
             pending.append(key)
     held = None
     if pin is not None:
-        expires_at = b.now + t.pin_timeout
-        held = ev.Pinned(job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=expires_at)
+        held = ev.Pinned(**msgspec.structs.asdict(pin), expires_at=b.now + t.pin_timeout)
     refusal = "" if pin is None else _pin_refusal(b.state, lookup)
     # Not whole: a quota's refusal, a close, a deadline, keys settled before or still pending.
     settled = lookup.dropped or lookup.answered or lookup.resolved or lookup.refused
