@@ -121,9 +121,7 @@ def _ask(b: _B, t: Timings, rnd: int, register: inp.Register) -> None:
         return
     # The progress deadline is armed by the first lookup and only moved by
     # answers, so a request that keeps asking can't keep itself alive forever.
-    deadline = (
-        s.lookup_deadline if s.lookup_deadline is not None else b.now + t.lookup_progress_timeout
-    )
+    deadline = b.now + t.lookup_progress_timeout if s.lookup_deadline is None else s.lookup_deadline
     b.emit(ev.Probed, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=register.choice)
 
 
@@ -148,8 +146,7 @@ def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
     if ignored:
         b.emit(ev.Ignored, input=msg.TYPE, reason=ignored)
         return
-    still_waiting = len(waiting) > len(applied)
-    deadline = b.now + t.lookup_progress_timeout if still_waiting else None
+    deadline = b.now + t.lookup_progress_timeout if len(waiting) > len(applied) else None
     b.emit(
         ev.LookupResp,
         round_seq=None if msg.round_seq is wire.UNSET else msg.round_seq,
@@ -180,7 +177,6 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
     elif load.next_round is not None and load.next_round <= rnd:
         skip(f"next_round {load.next_round} must be above round {rnd}")
     else:
-        next_round = rnd + 1 if load.next_round is None else load.next_round
         b.emit(
             ev.FetchSent,
             round_seq=rnd,
@@ -188,7 +184,7 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
             keys=load.keys,
             block_indexes=load.block_indexes,
             load_deadline=b.now + t.load_timeout,
-            next_round=next_round,
+            next_round=rnd + 1 if load.next_round is None else load.next_round,
         )
 
 
@@ -231,8 +227,7 @@ def _finish(b: _B, t: Timings) -> None:
     for round_seq, load in sorted(b.state.loads.items()):
         if not load.aborting:
             _send_abort(b, t, round_seq, "the request finished while its load was in flight")
-    cancelled = _open_round(b.state)
-    if cancelled is not None:
+    if (cancelled := _open_round(b.state)) is not None:
         b.emit(ev.LookupCancelled, round_seq=cancelled)
     _maybe_finished(b)
 

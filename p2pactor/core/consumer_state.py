@@ -143,8 +143,7 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
 
 
 def _registered_keys(s: ConsumerState, e: ev.Registered) -> ConsumerState:
-    probes = dict(s.probes)
-    probes.update(dict.fromkeys(e.keys))
+    probes = {**s.probes, **dict.fromkeys(e.keys)}
     return replace(s, seq=e.seq, probes=probes, unsent=s.unsent + e.keys)
 
 
@@ -162,8 +161,7 @@ def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
 
 
 def _lookup_resp(s: ConsumerState, e: ev.LookupResp) -> ConsumerState:
-    probes = dict(s.probes)
-    probes.update(zip(e.keys, e.hits, strict=True))
+    probes = {**s.probes, **dict(zip(e.keys, e.hits, strict=True))}
     refused = s.refused
     if e.refused:
         refused = refused | {k for k, no in zip(e.keys, e.refused, strict=True) if no}
@@ -185,8 +183,7 @@ def _finished(s: ConsumerState, e: ev.Finished) -> ConsumerState:
 
 
 def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
-    loads = dict(s.loads)
-    loads[e.round_seq] = Load(job_id=e.job_id, deadline=e.load_deadline)
+    loads = {**s.loads, e.round_seq: Load(job_id=e.job_id, deadline=e.load_deadline)}
     return replace(
         s,
         seq=e.seq,
@@ -218,8 +215,7 @@ def _fetch_skipped(s: ConsumerState, e: ev.FetchSkipped) -> ConsumerState:
 
 
 def _abort_sent(s: ConsumerState, e: ev.AbortSent) -> ConsumerState:
-    loads = dict(s.loads)
-    loads[e.round_seq] = replace(loads[e.round_seq], ack_deadline=e.ack_deadline)
+    loads = {**s.loads, e.round_seq: replace(s.loads[e.round_seq], ack_deadline=e.ack_deadline)}
     worse = _worse(s, ConsumerPhase.ABORTED, f"round {e.round_seq}: {e.reason}")
     return replace(s, seq=e.seq, loads=loads, **worse)
 

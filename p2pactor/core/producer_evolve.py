@@ -51,8 +51,7 @@ def _evolve_pin_released(s: ProducerState, seq: int, job_id: int) -> ProducerSta
     job = s.jobs.get(job_id)
     if job is None:
         return replace(s, seq=seq)  # a stray pin released without ever being held
-    rounds = s.rounds
-    pool = s.pool
+    rounds, pool = s.rounds, s.pool
     if job.round_seq is None:
         for key in job.keys:
             while any(sup.job_id == job_id for sup in pool.get(key, ())):
