@@ -134,6 +134,21 @@ def _ask(e: Any, keys: tuple[bytes, ...], not_after: float | None = None) -> tup
     return (ask,)
 
 
+def _answered(e: ev.LookupAnswered) -> tuple[Effect, ...]:
+    """The answer to a lookup, and its synthetic request's close if it was answered whole."""
+    # Said out (no _send): this is every lookup's answer, on the producer's hot path.
+    resp = wire.LookupResp(
+        kv_request_id=e.actor.kv_request_id,
+        keys=e.keys,
+        hits=e.hits,
+        round_seq=e.round_seq,
+        refused=e.refused or wire.UNSET,
+    )
+    if e.resolved:
+        return (Send(resp), ParentClose(context_name(e.actor, e.lookup_id)))
+    return (Send(resp),)
+
+
 _RETIRE: tuple[Effect, ...] = (Retire(),)
 
 # What each event that makes the runtime do something makes it do; every other event is a record.
@@ -182,17 +197,7 @@ _MAKERS: Final[dict[type[ev.Event], Callable[[Any], tuple[Effect, ...]]]] = {
         round_seq=e.round_seq,
         refused=(True,) * len(e.keys),
     ),
-    ev.LookupAnswered: lambda e: (
-        *_send(
-            e,
-            wire.LookupResp,
-            keys=e.keys,
-            hits=e.hits,
-            round_seq=e.round_seq,
-            refused=e.refused or wire.UNSET,
-        ),
-        *((ParentClose(context_name(e.actor, e.lookup_id)),) if e.resolved else ()),
-    ),
+    ev.LookupAnswered: _answered,
     ev.ContextClosed: lambda e: (ParentClose(context_name(e.actor, e.lookup_id)),),
     ev.PinReleased: lambda e: (ReleasePin(job_id=e.job_id, success=e.success),),
     ev.TransferStarted: lambda e: (
@@ -200,11 +205,19 @@ _MAKERS: Final[dict[type[ev.Event], Callable[[Any], tuple[Effect, ...]]]] = {
             transfer_id=e.transfer_id, local_blocks=e.local_blocks, remote_blocks=e.remote_blocks
         ),
     ),
-    ev.TransferDoneSent: lambda e: _send(
-        e, wire.TransferDone, success=e.success, round_seq=e.round_seq
+    ev.TransferDoneSent: lambda e: (
+        Send(
+            wire.TransferDone(
+                kv_request_id=e.actor.kv_request_id, success=e.success, round_seq=e.round_seq
+            )
+        ),
     ),
     ev.AbortAckSent: lambda e: _send(e, wire.AbortAck, round_seq=e.round_seq),
-    ev.Closed: lambda e: (*(ReleasePin(job_id=j, success=False) for j in e.released), *_RETIRE),
+    ev.Closed: lambda e: (
+        (*(ReleasePin(job_id=j, success=False) for j in e.released), *_RETIRE)
+        if e.released
+        else _RETIRE
+    ),
     ev.Rejected: lambda e: (Disconnect(f"{e.violation.value} in {e.input}: {e.detail}"),),
 }
 

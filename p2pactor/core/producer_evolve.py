@@ -27,7 +27,7 @@ def _evolve_transfer_ended(
 ) -> ProducerState:
     t = s.transfers[transfer_id]
     jobs = dict(s.jobs)
-    for job_id in t.job_ids:
+    for job_id in set(t.job_ids):
         job = jobs.get(job_id)
         if job is not None:
             jobs[job_id] = replace(
@@ -117,7 +117,8 @@ def _pinned(
     elif round_seq in rounds:
         rnd = rounds[round_seq]
         supply = dict(rnd.supply)
-        supply.update((key, Supply(job_id, block)) for key, block in zip(keys, blocks, strict=True))
+        for key, block in zip(keys, blocks, strict=True):
+            supply[key] = Supply(job_id, block)
         rounds = _put(rounds, round_seq, replace(rnd, supply=supply))
     return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds, pool=pool)
 
@@ -241,7 +242,7 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
         return replace(s, seq=e.seq)
     jobs = dict(s.jobs)
     for tid in aborted.inflight:
-        for job_id in s.transfers[tid].job_ids:
+        for job_id in set(s.transfers[tid].job_ids):
             jobs[job_id] = replace(jobs[job_id], failed=True)
     aborted = replace(aborted, cancelled=True, demand=())
     return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, aborted), jobs=jobs)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import msgspec
 
@@ -110,46 +109,44 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
     results = dict(answer.results)
     pin = answer.pin
     pinned = frozenset(pin.keys) if pin is not None else frozenset()
-    hits: list[bytes] = []
-    misses: list[bytes] = []
-    pending: list[bytes] = []
-    for key in _ordered(lookup):
+    resolved: dict[bytes, bool] = {}
+    for key in lookup.pending:  # HIT_PENDING, RETRY, or not answered: still pending
         result = results.get(key)
         if result is inp.LookupResult.HIT:
-            # A hit the parent could not pin is no hit: it may be evicted.
-            (hits if key in pinned else misses).append(key)
+            resolved[key] = key in pinned  # a hit the parent could not pin may be evicted
         elif result is inp.LookupResult.MISS:
-            misses.append(key)
-        else:  # HIT_PENDING, RETRY, or not answered: ask again
-            pending.append(key)
+            resolved[key] = False
     held = None
     if pin is not None:
-        held = ev.Pinned(**msgspec.structs.asdict(pin), expires_at=b.now + t.pin_timeout)
+        held = ev.Pinned(
+            job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=b.now + t.pin_timeout
+        )
     refusal = "" if pin is None else _pin_refusal(b.state, lookup)
     # Not whole: a quota's refusal, a close, a deadline, keys settled before or still pending.
     settled = lookup.dropped or lookup.answered or lookup.resolved or lookup.refused
-    if not (pending or answer.refused or refusal or settled):
-        resolved = dict.fromkeys(hits, True) | dict.fromkeys(misses, False)
-        _answer(b, lookup, resolved, resolved=True, pinned=held)
+    if len(resolved) == len(lookup.pending) and not (answer.refused or refusal or settled):
+        _answer(b, lookup, resolved, whole=True, pinned=held)
         return True
+    order = _ordered(lookup)
     if answer.refused:
         refused = set(answer.refused) - pinned
-        keys = tuple(k for k in _ordered(lookup) if k in refused)
+        keys = tuple(k for k in order if k in refused)
         if keys:
             reason = answer.refusal or "the peer is over its pinned-blocks quota"
             quota = Quota.PINNED_BLOCKS
             b.emit(
                 ev.KeysRefused, lookup_id=lookup.lookup_id, keys=keys, quota=quota, reason=reason
             )
+    pending = tuple(k for k in order if k not in resolved)
     next_poll = None
     if pending and b.now < lookup.deadline:
         next_poll = min(b.now + t.pending_poll_interval, lookup.deadline)
     b.emit(
         ev.KeysResolved,
         lookup_id=lookup.lookup_id,
-        hits=tuple(hits),
-        misses=tuple(misses),
-        pending=tuple(pending),
+        hits=tuple(k for k in order if resolved.get(k) is True),
+        misses=tuple(k for k in order if resolved.get(k) is False),
+        pending=pending,
         next_poll_at=next_poll,
     )
     if held is not None:
@@ -177,7 +174,9 @@ def _answer(
     b: _B,
     lookup: ActiveLookup,
     answers: Mapping[bytes, bool] | None = None,
-    **whole: Any,
+    *,
+    whole: bool = False,
+    pinned: ev.Pinned | None = None,
 ) -> None:
     """Send the lookup's one answer, keys in wire order, duplicates included.
 
@@ -204,7 +203,8 @@ def _answer(
         keys=keys,
         hits=hits,
         refused=flags,
-        **whole,
+        resolved=whole,
+        pinned=pinned,
     )
 
 

@@ -199,7 +199,9 @@ def _put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
 
 
 def _drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
-    return {k: v for k, v in mapping.items() if k != key}
+    out = dict(mapping)
+    out.pop(key, None)
+    return out
 
 
 def _pool_take(
