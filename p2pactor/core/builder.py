@@ -4,13 +4,13 @@
 applied at once, so the next decision in the same step sees its effect. This
 guarantees that what a decision returns is exactly what replaying its events
 through ``evolve`` gives. Each role's ``evolve`` is a table of fold arms, one per
-event type (:func:`filed_under`), made into a checked function by :func:`evolver`.
+event type, made into a checked function by :func:`evolver`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Generic, Self, TypedDict, TypeVar, get_args
+from typing import Any, ClassVar, Generic, Self, TypeVar, get_args
 
 import msgspec
 
@@ -43,15 +43,6 @@ class ActorRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
 
 S = TypeVar("S", bound=ActorRecord)
 E = TypeVar("E", bound=Event)
-_F = TypeVar("_F", bound=Callable[..., Any])
-
-
-class Head(TypedDict):
-    """The fields every event shares, for ``Event(**builder.head, ...)``."""
-
-    actor: ActorId
-    seq: int
-    at: float
 
 
 class Builder(Generic[S, E]):
@@ -63,47 +54,12 @@ class Builder(Generic[S, E]):
         self.events: list[E] = []
         self._evolve = evolve
 
-    @property
-    def head(self) -> Head:
-        """The shared fields of the next event."""
-        return Head(actor=self.state.actor, seq=self.state.seq + 1, at=self.now)
-
-    def emit(self, event: E) -> None:
-        """Record ``event`` and apply it to the state."""
-        self.state = self._evolve(self.state, event)
+    def emit(self, kind: type[E], /, **fields: Any) -> None:
+        """Record the next event, a ``kind`` of ``fields``, and apply it to the state."""
+        state = self.state
+        event = kind(actor=state.actor, seq=state.seq + 1, at=self.now, **fields)
+        self.state = self._evolve(state, event)
         self.events.append(event)
-
-
-def check_follows(actor: ActorId, seq: int, event: Event) -> None:
-    """Check that ``event`` is the next event of ``actor``, whose last was ``seq``.
-
-    Raises:
-        ReplayError: It belongs to another actor, or skips or repeats a number.
-    """
-    # Identity first: a live step's events carry its state's own ActorId.
-    if event.actor is not actor and event.actor != actor:
-        raise ReplayError(f"event of {event.actor} applied to {actor}")
-    if event.seq != seq + 1:
-        raise ReplayError(f"{actor}: event seq {event.seq} after seq {seq}")
-
-
-def filed_under(table: dict[type[Event], _F]) -> Callable[..., Callable[[_F], _F]]:
-    """A decorator that files a function in ``table`` under event types.
-
-    ``arm = filed_under(TABLE)``, then ``@arm(ev.A, ev.B)`` on the function
-    for those events: the table is the dispatch, and each event type is named
-    once, beside the code that handles it.
-    """
-
-    def arm(*kinds: type[Event]) -> Callable[[_F], _F]:
-        def register(fn: _F) -> _F:
-            for kind in kinds:
-                table[kind] = fn
-            return fn
-
-        return register
-
-    return arm
 
 
 def evolver(
@@ -120,7 +76,11 @@ def evolver(
     assert not unmatched, unmatched
 
     def evolve(state: S, event: Any) -> S:
-        check_follows(state.actor, state.seq, event)
+        # Identity first: a live step's events carry its state's own ActorId.
+        if event.actor is not state.actor and event.actor != state.actor:
+            raise ReplayError(f"event of {event.actor} applied to {state.actor}")
+        if event.seq != state.seq + 1:
+            raise ReplayError(f"{state.actor}: event seq {event.seq} after seq {state.seq}")
         # A table, not a match: a match tries its arms in turn (about 0.1 µs each).
         return table[type(event)](state, event)
 

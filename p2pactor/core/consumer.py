@@ -28,7 +28,6 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
-from p2pactor.core.choice import Choice
 from p2pactor.core.consumer_state import ConsumerState as ConsumerState
 from p2pactor.core.consumer_state import evolve_consumer
 from p2pactor.core.events import ConsumerPhase
@@ -78,12 +77,9 @@ def step_consumer(
     rnd = first_round if state.round_seq is None else state.round_seq
     match event_input:
         case inp.Register():
-            if event_input.flush:
-                _flush(b, timings, rnd, event_input.keys, event_input.choice)
-            else:
-                _register(b, event_input.keys)
+            _ask(b, timings, rnd, event_input)
         case inp.Flush():
-            _flush(b, timings, rnd)
+            _ask(b, timings, rnd, _FLUSH)
         case inp.SubmitLoad():
             _submit_load(b, event_input, timings, rnd)
         case inp.Finish():
@@ -93,7 +89,8 @@ def step_consumer(
         case inp.SessionEnded():
             _session_ended(b, event_input)
         case inp.WritesSettled():
-            _writes_settled(b, event_input.reason)
+            # The loads held for a late write fail now: none can land any more.
+            _abort(b, [r for r, load in b.state.loads.items() if load.held], event_input.reason)
         case wire.LookupResp():
             _on_lookup_resp(b, event_input, timings)
         case wire.TransferDone():
@@ -105,81 +102,58 @@ def step_consumer(
     return b.state, tuple(b.events)
 
 
-def _accepting_keys(state: ConsumerState) -> bool:
-    return not (state.finishing or state.lookup_failed or state.session_lost)
+# A flush is a registration of no new key that goes out at once.
+_FLUSH: Final = inp.Register((), flush=True)
 
 
-def _new_keys(state: ConsumerState, keys: tuple[bytes, ...]) -> tuple[bytes, ...]:
-    """``keys`` the request has not registered, once each, in order."""
-    probes = state.probes
-    return tuple(k for k in dict.fromkeys(keys) if k not in probes)
-
-
-def _register(b: _B, keys: tuple[bytes, ...]) -> None:
-    if not _accepting_keys(b.state):
-        return  # every key answers MISS now; nothing to ask
-    new = _new_keys(b.state, keys)
-    if new:
-        b.emit(ev.Registered(**b.head, keys=new))
-
-
-def _flush(
-    b: _B,
-    t: Timings,
-    rnd: int,
-    keys: tuple[bytes, ...] = (),
-    choice: Choice | None = None,
-) -> None:
-    """Send what was registered, and ``keys`` (registered by the same event)."""
+def _ask(b: _B, t: Timings, rnd: int, register: inp.Register) -> None:
+    """Register keys; with ``flush``, put every key registered and unsent on the wire."""
     s = b.state
-    if not _accepting_keys(s):
+    if not s.asking:
+        return  # every key answers MISS now; nothing to ask
+    new = tuple(k for k in dict.fromkeys(register.keys) if k not in s.probes)
+    if not register.flush:
+        if new:
+            b.emit(ev.Registered, keys=new)
         return
-    asked = s.unsent + _new_keys(s, keys) if keys else s.unsent
+    asked = s.unsent + new
     if not asked:
         return
     # The progress deadline is armed by the first lookup and only moved by
     # answers, so a request that keeps asking can't keep itself alive forever.
-    deadline = (
-        s.lookup_deadline if s.lookup_deadline is not None else b.now + t.lookup_progress_timeout
-    )
-    b.emit(ev.Probed(**b.head, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=choice))
+    deadline = b.now + t.lookup_progress_timeout if s.lookup_deadline is None else s.lookup_deadline
+    b.emit(ev.Probed, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=register.choice)
 
 
 def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
     s = b.state
-    if s.finishing or s.lookup_failed or s.session_lost:
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="the request no longer looks up"))
-        return
-    if msg.round_seq is not wire.UNSET and msg.round_seq != s.round_seq:
-        reason = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
-        return
-    if len(msg.keys) != len(msg.hits):
-        reason = f"{len(msg.keys)} keys but {len(msg.hits)} hits"
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
-        return
     waiting = set(s.waiting_keys())
     applied: dict[bytes, bool] = {}
     refused: dict[bytes, bool] = {}
-    said = msg.refused if msg.refused is not wire.UNSET else (False,) * len(msg.keys)
-    for key, hit, no in zip(msg.keys, msg.hits, said, strict=True):
-        if key in waiting and key not in applied:
-            applied[key] = hit
-            refused[key] = no and not hit
-    if not applied:
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="it answers no key that is waiting"))
+    if not s.asking:
+        ignored = "the request no longer looks up"
+    elif msg.round_seq is not wire.UNSET and msg.round_seq != s.round_seq:
+        ignored = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
+    elif len(msg.keys) != len(msg.hits):
+        ignored = f"{len(msg.keys)} keys but {len(msg.hits)} hits"
+    else:
+        said = msg.refused if msg.refused is not wire.UNSET else (False,) * len(msg.keys)
+        for key, hit, no in zip(msg.keys, msg.hits, said, strict=True):
+            if key in waiting and key not in applied:
+                applied[key] = hit
+                refused[key] = no and not hit
+        ignored = "" if applied else "it answers no key that is waiting"
+    if ignored:
+        b.emit(ev.Ignored, input=msg.TYPE, reason=ignored)
         return
-    still_waiting = len(waiting) > len(applied)
-    deadline = b.now + t.lookup_progress_timeout if still_waiting else None
+    deadline = b.now + t.lookup_progress_timeout if len(waiting) > len(applied) else None
     b.emit(
-        ev.LookupResp(
-            **b.head,
-            round_seq=None if msg.round_seq is wire.UNSET else msg.round_seq,
-            keys=tuple(applied),
-            hits=tuple(applied.values()),
-            lookup_deadline=deadline,
-            refused=tuple(refused.values()) if any(refused.values()) else (),
-        )
+        ev.LookupResp,
+        round_seq=None if msg.round_seq is wire.UNSET else msg.round_seq,
+        keys=tuple(applied),
+        hits=tuple(applied.values()),
+        lookup_deadline=deadline,
+        refused=tuple(refused.values()) if any(refused.values()) else (),
     )
 
 
@@ -187,7 +161,7 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
     s = b.state
 
     def skip(reason: str, *, success: bool = False) -> None:
-        b.emit(ev.FetchSkipped(**b.head, job_id=load.job_id, success=success, reason=reason))
+        b.emit(ev.FetchSkipped, job_id=load.job_id, success=success, reason=reason)
 
     if s.finishing:
         skip("the request already finished")
@@ -203,30 +177,24 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
     elif load.next_round is not None and load.next_round <= rnd:
         skip(f"next_round {load.next_round} must be above round {rnd}")
     else:
-        next_round = rnd + 1 if load.next_round is None else load.next_round
         b.emit(
-            ev.FetchSent(
-                **b.head,
-                round_seq=rnd,
-                job_id=load.job_id,
-                keys=load.keys,
-                block_indexes=load.block_indexes,
-                load_deadline=b.now + t.load_timeout,
-                next_round=next_round,
-            )
+            ev.FetchSent,
+            round_seq=rnd,
+            job_id=load.job_id,
+            keys=load.keys,
+            block_indexes=load.block_indexes,
+            load_deadline=b.now + t.load_timeout,
+            next_round=rnd + 1 if load.next_round is None else load.next_round,
         )
 
 
 def _on_transfer_done(b: _B, msg: wire.TransferDone) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None:
-        reason = f"no load in flight for round {msg.round_seq}"
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        b.emit(ev.Ignored, input=msg.TYPE, reason=f"no load in flight for round {msg.round_seq}")
         return
     # A transfer_done that crosses our abort is still the truth: the write ended.
-    b.emit(
-        ev.TransferDone(**b.head, round_seq=msg.round_seq, job_id=load.job_id, success=msg.success)
-    )
+    b.emit(ev.TransferDone, round_seq=msg.round_seq, job_id=load.job_id, success=msg.success)
     _maybe_finished(b)
 
 
@@ -235,9 +203,9 @@ def _on_abort_ack(b: _B, msg: wire.AbortAck) -> None:
     if load is None or not load.aborting or load.held:
         # An unsolicited ack must not release blocks a write may still reach.
         reason = f"no abort of round {msg.round_seq} is waiting for an ack"
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason=reason))
+        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
         return
-    b.emit(ev.AbortAcked(**b.head, round_seq=msg.round_seq, job_id=load.job_id))
+    b.emit(ev.AbortAcked, round_seq=msg.round_seq, job_id=load.job_id)
     _maybe_finished(b)
 
 
@@ -248,31 +216,29 @@ def _finish(b: _B, t: Timings) -> None:
     if not s.loads:
         # Nothing in flight: the request ends now, in one event.
         b.emit(
-            ev.Finished(
-                **b.head,
-                phase=s.outcome,
-                reason=s.problem or "finished",
-                requested=True,
-                cancelled_round=_open_round(s),
-            )
+            ev.Finished,
+            phase=s.outcome,
+            reason=s.problem or "finished",
+            requested=True,
+            cancelled_round=_open_round(s),
         )
         return
-    b.emit(ev.FinishRequested(**b.head))
+    b.emit(ev.FinishRequested)
     for round_seq, load in sorted(b.state.loads.items()):
         if not load.aborting:
-            b.emit(
-                ev.AbortSent(
-                    **b.head,
-                    round_seq=round_seq,
-                    job_id=load.job_id,
-                    reason="the request finished while its load was in flight",
-                    ack_deadline=b.now + t.abort_ack_timeout,
-                )
-            )
-    cancelled = _open_round(b.state)
-    if cancelled is not None:
-        b.emit(ev.LookupCancelled(**b.head, round_seq=cancelled))
+            _send_abort(b, t, round_seq, "the request finished while its load was in flight")
+    if (cancelled := _open_round(b.state)) is not None:
+        b.emit(ev.LookupCancelled, round_seq=cancelled)
     _maybe_finished(b)
+
+
+def _send_abort(b: _B, t: Timings, round_seq: int, reason: str) -> None:
+    """Ask the peer to abort the load of ``round_seq``; it fails anyway if no ack comes in time."""
+    ack_deadline = b.now + t.abort_ack_timeout
+    job_id = b.state.loads[round_seq].job_id
+    b.emit(
+        ev.AbortSent, round_seq=round_seq, job_id=job_id, reason=reason, ack_deadline=ack_deadline
+    )
 
 
 def _open_round(s: ConsumerState) -> int | None:
@@ -288,20 +254,12 @@ def _tick(b: _B, t: Timings) -> None:
         if load.ack_deadline is not None:
             if now >= load.ack_deadline:
                 reason = load.held or f"no abort_ack within {t.abort_ack_timeout:g} s"
-                b.emit(ev.Aborted(**b.head, round_seq=round_seq, job_id=load.job_id, reason=reason))
+                b.emit(ev.Aborted, round_seq=round_seq, job_id=load.job_id, reason=reason)
         elif now >= load.deadline:
-            b.emit(
-                ev.AbortSent(
-                    **b.head,
-                    round_seq=round_seq,
-                    job_id=load.job_id,
-                    reason=f"no transfer_done within {t.load_timeout:g} s",
-                    ack_deadline=now + t.abort_ack_timeout,
-                )
-            )
+            _send_abort(b, t, round_seq, f"no transfer_done within {t.load_timeout:g} s")
     deadline = b.state.lookup_deadline
     if deadline is not None and now >= deadline:
-        b.emit(ev.LookupTimedOut(**b.head, keys=b.state.waiting_keys()))
+        b.emit(ev.LookupTimedOut, keys=b.state.waiting_keys())
     _maybe_finished(b)
 
 
@@ -312,38 +270,30 @@ def _session_ended(b: _B, ended: inp.SessionEnded) -> None:
     if b.state.loads and ended.write_grace > 0:
         # A failed load gives its blocks back to the engine at once; a write
         # still on the wire would land in whatever the engine put there.
-        b.emit(ev.SessionLost(**b.head, reason=reason, loads_held_until=b.now + ended.write_grace))
+        b.emit(ev.SessionLost, reason=reason, loads_held_until=b.now + ended.write_grace)
         return  # the loads fail at the deadline (_tick), then the request ends
     waiting = bool(b.state.waiting_keys())
-    b.emit(ev.SessionLost(**b.head, reason=reason))
-    for round_seq, load in sorted(b.state.loads.items()):
-        b.emit(
-            ev.Aborted(
-                **b.head, round_seq=round_seq, job_id=load.job_id, reason=f"session lost: {reason}"
-            )
-        )
+    b.emit(ev.SessionLost, reason=reason)
+    _abort(b, list(b.state.loads), f"session lost: {reason}", finish=False)
     s = b.state
-    phase = s.outcome
-    if phase is ConsumerPhase.DONE and waiting:
-        phase = ConsumerPhase.FAILED
-    summary = s.problem if s.problem else f"session lost: {reason}"
-    b.emit(ev.Finished(**b.head, phase=phase, reason=summary))
+    # A lookup still waiting fails with its session, though no load did.
+    phase = ConsumerPhase.FAILED if s.outcome is ConsumerPhase.DONE and waiting else s.outcome
+    b.emit(ev.Finished, phase=phase, reason=s.problem or f"session lost: {reason}")
 
 
-def _writes_settled(b: _B, reason: str) -> None:
-    """The loads held for a late write fail now: none can land any more."""
-    held = [(r, load) for r, load in sorted(b.state.loads.items()) if load.held]
-    for round_seq, load in held:
-        b.emit(ev.Aborted(**b.head, round_seq=round_seq, job_id=load.job_id, reason=reason))
-    if held:
+def _abort(b: _B, rounds: list[int], reason: str, *, finish: bool = True) -> None:
+    """Fail the loads of ``rounds`` without the peer's word (then end, if it may)."""
+    for round_seq in sorted(rounds):
+        job_id = b.state.loads[round_seq].job_id
+        b.emit(ev.Aborted, round_seq=round_seq, job_id=job_id, reason=reason)
+    if rounds and finish:
         _maybe_finished(b)
 
 
 def _maybe_finished(b: _B) -> None:
     s = b.state
     if (s.finishing or s.session_lost) and not s.loads:
-        reason = s.problem if s.problem else "finished"
-        b.emit(ev.Finished(**b.head, phase=s.outcome, reason=reason))
+        b.emit(ev.Finished, phase=s.outcome, reason=s.problem or "finished")
 
 
 def next_consumer_deadline(state: ConsumerState) -> float | None:
@@ -359,18 +309,13 @@ def next_consumer_deadline(state: ConsumerState) -> float | None:
     return min(times, default=None)
 
 
-def _answers_miss(state: ConsumerState) -> bool:
-    """Whether every key is a MISS now: the request ended, failed its lookup or lost its peer."""
-    return state.phase.terminal or state.finishing or state.lookup_failed or state.session_lost
-
-
 def probe_answers(state: ConsumerState, keys: Sequence[bytes]) -> list[inp.LookupResult]:
     """:func:`probe_answer` for every key of ``keys``, in order.
 
     The request-wide checks are made once, not once per key: an engine asks
     about hundreds of keys at a time, after every step of the request.
     """
-    if _answers_miss(state):
+    if state.phase.terminal or not state.asking:
         return [inp.LookupResult.MISS] * len(keys)
     probes = state.probes
     answer = _ANSWER.__getitem__
@@ -391,4 +336,4 @@ def probe_answer(state: ConsumerState, key: bytes) -> inp.LookupResult:
     first). Once the request has finished, failed its lookup or lost its
     session, every key is a MISS: the engine computes it locally.
     """
-    return inp.LookupResult.MISS if _answers_miss(state) else _ANSWER[state.probes.get(key)]
+    return probe_answers(state, (key,))[0]

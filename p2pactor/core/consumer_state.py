@@ -15,7 +15,7 @@ import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import ActorRecord, evolver, filed_under
+from p2pactor.core.builder import ActorRecord, evolver
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import Role
 
@@ -99,17 +99,22 @@ class ConsumerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     outcome: ConsumerPhase = ConsumerPhase.DONE
     problem: str = ""
 
+    @property
+    def asking(self) -> bool:
+        """Whether keys may be asked: not finishing, its lookup not failed, its peer not lost."""
+        return not (self.finishing or self.lookup_failed or self.session_lost)
+
     def waiting_keys(self) -> tuple[bytes, ...]:
         """Keys asked on the wire and not answered yet."""
         unsent = set(self.unsent)
         return tuple(k for k, v in self.probes.items() if v is None and k not in unsent)
 
 
-def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> tuple[ConsumerPhase, str]:
-    """``(outcome, problem)`` after an outcome of ``outcome``: it only gets worse."""
+def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> dict[str, Any]:
+    """The changes an outcome of ``outcome`` makes: none unless it is worse (it only gets worse)."""
     if _SEVERITY[outcome] <= _SEVERITY[state.outcome]:
-        return state.outcome, state.problem
-    return outcome, problem
+        return {}
+    return {"outcome": outcome, "problem": problem}
 
 
 def consumer_phase_after(phase: ConsumerPhase, event: ev.AnyEvent) -> ConsumerPhase:
@@ -126,12 +131,9 @@ def _registered(
     probes: Mapping[bytes, bool | None], keys: tuple[bytes, ...]
 ) -> Mapping[bytes, bool | None]:
     """``probes`` with every key of ``keys`` asked (unanswered unless it was answered)."""
-    if all(k in probes for k in keys):
-        return probes  # registered before (a Probed of version 1 followed a Registered)
-    out = dict(probes)
-    for key in keys:
-        out.setdefault(key, None)
-    return out
+    new = dict.fromkeys(k for k in keys if k not in probes)
+    # None new: registered before (a Probed of version 1 followed a Registered).
+    return {**probes, **new} if new else probes
 
 
 def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
@@ -140,28 +142,11 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
     return rest
 
 
-_Arm = Callable[[ConsumerState, Any], ConsumerState]
-# How each consumer event changes the state: ``evolve_consumer``'s table, without its checks of
-# actor and sequence (for a caller that made them: replay).
-CONSUMER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
-
-
-_arm = filed_under(CONSUMER_FOLDS)
-
-
-@_arm(ev.Opened)
-def _opened(s: ConsumerState, e: ev.Opened) -> ConsumerState:
-    return replace(s, seq=e.seq, round_seq=e.round_seq)
-
-
-@_arm(ev.Registered)
 def _registered_keys(s: ConsumerState, e: ev.Registered) -> ConsumerState:
-    probes = dict(s.probes)
-    probes.update(dict.fromkeys(e.keys))
+    probes = {**s.probes, **dict.fromkeys(e.keys)}
     return replace(s, seq=e.seq, probes=probes, unsent=s.unsent + e.keys)
 
 
-@_arm(ev.Probed)
 def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
     return replace(
         s,
@@ -175,27 +160,14 @@ def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
     )
 
 
-@_arm(ev.LookupResp)
 def _lookup_resp(s: ConsumerState, e: ev.LookupResp) -> ConsumerState:
-    probes = dict(s.probes)
-    probes.update(zip(e.keys, e.hits, strict=True))
+    probes = {**s.probes, **dict(zip(e.keys, e.hits, strict=True))}
     refused = s.refused
     if e.refused:
         refused = refused | {k for k, no in zip(e.keys, e.refused, strict=True) if no}
     return replace(s, seq=e.seq, probes=probes, refused=refused, lookup_deadline=e.lookup_deadline)
 
 
-@_arm(ev.FinishRequested)
-def _finish_requested(s: ConsumerState, e: ev.FinishRequested) -> ConsumerState:
-    return replace(s, seq=e.seq, finishing=True, probes={}, unsent=(), lookup_deadline=None)
-
-
-@_arm(ev.LookupCancelled)
-def _lookup_cancelled(s: ConsumerState, e: ev.LookupCancelled) -> ConsumerState:
-    return replace(s, seq=e.seq, phase=consumer_phase_after(s.phase, e), lookup_open=False)
-
-
-@_arm(ev.Finished)
 def _finished(s: ConsumerState, e: ev.Finished) -> ConsumerState:
     return replace(
         s,
@@ -210,10 +182,8 @@ def _finished(s: ConsumerState, e: ev.Finished) -> ConsumerState:
     )
 
 
-@_arm(ev.FetchSent)
 def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
-    loads = dict(s.loads)
-    loads[e.round_seq] = Load(job_id=e.job_id, deadline=e.load_deadline)
+    loads = {**s.loads, e.round_seq: Load(job_id=e.job_id, deadline=e.load_deadline)}
     return replace(
         s,
         seq=e.seq,
@@ -227,75 +197,70 @@ def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
     )
 
 
-@_arm(ev.TransferDone)
 def _transfer_done(s: ConsumerState, e: ev.TransferDone) -> ConsumerState:
-    loads = _without(s.loads, e.round_seq)
-    if e.success:
-        return replace(s, seq=e.seq, loads=loads)
-    outcome, problem = _worse(s, ConsumerPhase.FAILED, f"round {e.round_seq}: the transfer failed")
-    return replace(s, seq=e.seq, loads=loads, outcome=outcome, problem=problem)
+    why = f"round {e.round_seq}: the transfer failed"
+    worse = {} if e.success else _worse(s, ConsumerPhase.FAILED, why)
+    return replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq), **worse)
 
 
-@_arm(ev.Ignored, ev.Rejected)
-def _noted(s: ConsumerState, e: ev.Ignored | ev.Rejected) -> ConsumerState:
-    return replace(s, seq=e.seq)
-
-
-@_arm(ev.LookupTimedOut)
 def _lookup_timed_out(s: ConsumerState, e: ev.LookupTimedOut) -> ConsumerState:
-    outcome, problem = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
+    worse = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
     return replace(
-        s,
-        seq=e.seq,
-        probes={},
-        unsent=(),
-        lookup_deadline=None,
-        lookup_failed=True,
-        outcome=outcome,
-        problem=problem,
+        s, seq=e.seq, probes={}, unsent=(), lookup_deadline=None, lookup_failed=True, **worse
     )
 
 
-@_arm(ev.FetchSkipped)
 def _fetch_skipped(s: ConsumerState, e: ev.FetchSkipped) -> ConsumerState:
-    if e.success:
-        return replace(s, seq=e.seq)
-    outcome, problem = _worse(s, ConsumerPhase.FAILED, e.reason)
-    return replace(s, seq=e.seq, outcome=outcome, problem=problem)
+    return replace(s, seq=e.seq, **({} if e.success else _worse(s, ConsumerPhase.FAILED, e.reason)))
 
 
-@_arm(ev.AbortSent)
 def _abort_sent(s: ConsumerState, e: ev.AbortSent) -> ConsumerState:
-    loads = dict(s.loads)
-    loads[e.round_seq] = replace(loads[e.round_seq], ack_deadline=e.ack_deadline)
-    outcome, problem = _worse(s, ConsumerPhase.ABORTED, f"round {e.round_seq}: {e.reason}")
-    return replace(s, seq=e.seq, loads=loads, outcome=outcome, problem=problem)
+    loads = {**s.loads, e.round_seq: replace(s.loads[e.round_seq], ack_deadline=e.ack_deadline)}
+    worse = _worse(s, ConsumerPhase.ABORTED, f"round {e.round_seq}: {e.reason}")
+    return replace(s, seq=e.seq, loads=loads, **worse)
 
 
-@_arm(ev.AbortAcked)
-def _abort_acked(s: ConsumerState, e: ev.AbortAcked) -> ConsumerState:
-    return replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq))
-
-
-@_arm(ev.Aborted)
 def _aborted(s: ConsumerState, e: ev.Aborted) -> ConsumerState:
     # An abort that went out already made the outcome ABORTED; a load lost
     # with its session failed without one.
-    outcome, problem = _worse(s, ConsumerPhase.FAILED, f"round {e.round_seq}: {e.reason}")
-    return replace(
-        s, seq=e.seq, loads=_without(s.loads, e.round_seq), outcome=outcome, problem=problem
-    )
+    worse = _worse(s, ConsumerPhase.FAILED, f"round {e.round_seq}: {e.reason}")
+    return replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq), **worse)
 
 
-@_arm(ev.SessionLost)
 def _session_lost(s: ConsumerState, e: ev.SessionLost) -> ConsumerState:
     until = e.loads_held_until
-    if until is None or not s.loads:
-        return replace(s, seq=e.seq, session_lost=True, lookup_deadline=None)
-    why = f"session lost: {e.reason}; its blocks were held until no write could land"
-    loads = {r: replace(load, ack_deadline=until, held=why) for r, load in s.loads.items()}
+    loads = s.loads
+    if until is not None:
+        why = f"session lost: {e.reason}; its blocks were held until no write could land"
+        loads = {r: replace(load, ack_deadline=until, held=why) for r, load in loads.items()}
     return replace(s, seq=e.seq, session_lost=True, lookup_deadline=None, loads=loads)
 
+
+# How each consumer event changes the state: ``evolve_consumer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
+CONSUMER_FOLDS: Final[dict[type[ev.Event], Callable[[ConsumerState, Any], ConsumerState]]] = {
+    ev.Opened: lambda s, e: replace(s, seq=e.seq, round_seq=e.round_seq),
+    ev.Registered: _registered_keys,
+    ev.Probed: _probed,
+    ev.LookupResp: _lookup_resp,
+    ev.FinishRequested: lambda s, e: replace(
+        s, seq=e.seq, finishing=True, probes={}, unsent=(), lookup_deadline=None
+    ),
+    ev.LookupCancelled: lambda s, e: replace(
+        s, seq=e.seq, phase=consumer_phase_after(s.phase, e), lookup_open=False
+    ),
+    ev.Finished: _finished,
+    ev.FetchSent: _fetch_sent,
+    ev.TransferDone: _transfer_done,
+    ev.Ignored: lambda s, e: replace(s, seq=e.seq),
+    ev.Rejected: lambda s, e: replace(s, seq=e.seq),
+    ev.LookupTimedOut: _lookup_timed_out,
+    ev.FetchSkipped: _fetch_skipped,
+    ev.AbortSent: _abort_sent,
+    ev.AbortAcked: lambda s, e: replace(s, seq=e.seq, loads=_without(s.loads, e.round_seq)),
+    ev.Aborted: _aborted,
+    ev.SessionLost: _session_lost,
+}
 
 # Apply one event to a consumer state; pure (ReplayError if it does not follow).
 evolve_consumer: Callable[[ConsumerState, ev.ConsumerEvent], ConsumerState] = evolver(

@@ -14,7 +14,6 @@ import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
-from p2pactor.core.builder import filed_under
 from p2pactor.core.ids import ActorId
 
 
@@ -117,142 +116,27 @@ def context_name(actor: ActorId, lookup_id: int) -> str:
     return f"p2p:{actor.peer}:{kv_id}:lu{lookup_id}"
 
 
-def _deadline_ms(deadline: float, now: float) -> int:
-    return min(max(0, round((deadline - now) * 1000)), wire.MAX_DEADLINE_MS)
+def _send(e: Any, message: Callable[..., wire.Message], **fields: Any) -> tuple[Effect, ...]:
+    return (Send(message(kv_request_id=e.actor.kv_request_id, **fields)),)
 
 
-_Maker = Callable[[Any], tuple[Effect, ...]]
-_MAKERS: dict[type[ev.Event], _Maker] = {}
+def _report(job_id: int, reason: str, *, success: bool = False) -> tuple[Effect, ...]:
+    return (ReportLoad(job_id=job_id, success=success, reason=reason),)
 
 
-_of = filed_under(_MAKERS)
-
-
-# consumer
-
-
-@_of(ev.Probed)
-def _probed(e: ev.Probed) -> tuple[Effect, ...]:
-    lookup = wire.Lookup(
-        kv_request_id=e.actor.kv_request_id,
-        keys=e.keys,
-        round_seq=e.round_seq,
-        deadline_ms=_deadline_ms(e.lookup_deadline, e.at),
-    )
-    return (Send(lookup),)
-
-
-@_of(ev.FetchSent)
-def _fetch_sent(e: ev.FetchSent) -> tuple[Effect, ...]:
-    fetch = wire.Fetch(
-        kv_request_id=e.actor.kv_request_id,
-        keys=e.keys,
-        block_indexes=e.block_indexes,
-        round_seq=e.round_seq,
-    )
-    return (Send(fetch),)
-
-
-def _empty_fetch(actor: ActorId, round_seq: int) -> Send:
-    """The terminal empty fetch: the peer may drop the whole request."""
-    return Send(
-        wire.Fetch(
-            kv_request_id=actor.kv_request_id, keys=(), block_indexes=(), round_seq=round_seq
-        )
-    )
-
-
-@_of(ev.LookupCancelled)
-def _lookup_cancelled(e: ev.LookupCancelled) -> tuple[Effect, ...]:
-    return (_empty_fetch(e.actor, e.round_seq),)
-
-
-@_of(ev.AbortSent)
-def _abort_sent(e: ev.AbortSent) -> tuple[Effect, ...]:
-    return (Send(wire.AbortFetch(kv_request_id=e.actor.kv_request_id, round_seq=e.round_seq)),)
-
-
-@_of(ev.TransferDone)
-def _transfer_done(e: ev.TransferDone) -> tuple[Effect, ...]:
-    reason = "" if e.success else "the peer reported the transfer failed"
-    return (ReportLoad(job_id=e.job_id, success=e.success, reason=reason),)
-
-
-@_of(ev.AbortAcked)
-def _abort_acked(e: ev.AbortAcked) -> tuple[Effect, ...]:
-    reason = "aborted; the peer confirmed no write can still land"
-    return (ReportLoad(job_id=e.job_id, success=False, reason=reason),)
-
-
-@_of(ev.Aborted)
-def _aborted(e: ev.Aborted) -> tuple[Effect, ...]:
-    return (ReportLoad(job_id=e.job_id, success=False, reason=e.reason),)
-
-
-@_of(ev.FetchSkipped)
-def _fetch_skipped(e: ev.FetchSkipped) -> tuple[Effect, ...]:
-    return (ReportLoad(job_id=e.job_id, success=e.success, reason=e.reason),)
-
-
-_RETIRE: tuple[Effect, ...] = (Retire(),)
-
-
-@_of(ev.Finished)
-def _finished(e: ev.Finished) -> tuple[Effect, ...]:
-    if e.cancelled_round is None:
-        return _RETIRE
-    return (_empty_fetch(e.actor, e.cancelled_round), *_RETIRE)
-
-
-@_of(ev.Closed)
-def _closed(e: ev.Closed) -> tuple[Effect, ...]:
-    if not e.released:
-        return _RETIRE
-    return (*(ReleasePin(job_id=job, success=False) for job in e.released), *_RETIRE)
-
-
-# producer
-
-
-@_of(ev.LookupReceived, ev.LookupLimited)
-def _lookup_received(e: ev.LookupReceived | ev.LookupLimited) -> tuple[Effect, ...]:
-    keys = e.keys if isinstance(e, ev.LookupReceived) else e.keys[: e.admitted]
+def _ask(e: Any, keys: tuple[bytes, ...], not_after: float | None = None) -> tuple[Effect, ...]:
+    """Ask the parent about a lookup's keys: a re-poll (``not_after``) or the first ask."""
+    context = context_name(e.actor, e.lookup_id)
+    first = not_after is None
     ask = ParentLookup(
-        context=context_name(e.actor, e.lookup_id),
-        lookup_id=e.lookup_id,
-        keys=tuple(dict.fromkeys(keys)),
-        open_context=True,
-        not_after=None,
+        context=context, lookup_id=e.lookup_id, keys=keys, open_context=first, not_after=not_after
     )
     return (ask,)
 
 
-@_of(ev.LookupRefused)
-def _lookup_refused(e: ev.LookupRefused) -> tuple[Effect, ...]:
-    resp = wire.LookupResp(
-        kv_request_id=e.actor.kv_request_id,
-        keys=e.keys,
-        hits=(False,) * len(e.keys),
-        round_seq=e.round_seq,
-        refused=(True,) * len(e.keys),
-    )
-    return (Send(resp),)
-
-
-@_of(ev.PendingPolled)
-def _pending_polled(e: ev.PendingPolled) -> tuple[Effect, ...]:
-    ask = ParentLookup(
-        context=context_name(e.actor, e.lookup_id),
-        lookup_id=e.lookup_id,
-        keys=e.keys,
-        open_context=False,
-        not_after=e.not_after,
-    )
-    return (ask,)
-
-
-@_of(ev.LookupAnswered)
-def _lookup_answered(e: ev.LookupAnswered) -> tuple[Effect, ...]:
+def _answered(e: ev.LookupAnswered) -> tuple[Effect, ...]:
+    """The answer to a lookup, and its synthetic request's close if it was answered whole."""
+    # Said out (no _send): this is every lookup's answer, on the producer's hot path.
     resp = wire.LookupResp(
         kv_request_id=e.actor.kv_request_id,
         keys=e.keys,
@@ -260,46 +144,82 @@ def _lookup_answered(e: ev.LookupAnswered) -> tuple[Effect, ...]:
         round_seq=e.round_seq,
         refused=e.refused or wire.UNSET,
     )
-    if not e.resolved:
-        return (Send(resp),)
-    return (Send(resp), ParentClose(context_name(e.actor, e.lookup_id)))
+    if e.resolved:
+        return (Send(resp), ParentClose(context_name(e.actor, e.lookup_id)))
+    return (Send(resp),)
 
 
-@_of(ev.ContextClosed)
-def _context_closed(e: ev.ContextClosed) -> tuple[Effect, ...]:
-    return (ParentClose(context_name(e.actor, e.lookup_id)),)
+_RETIRE: tuple[Effect, ...] = (Retire(),)
 
-
-@_of(ev.PinReleased)
-def _pin_released(e: ev.PinReleased) -> tuple[Effect, ...]:
-    return (ReleasePin(job_id=e.job_id, success=e.success),)
-
-
-@_of(ev.TransferStarted)
-def _transfer_started(e: ev.TransferStarted) -> tuple[Effect, ...]:
-    start = StartTransfer(
-        transfer_id=e.transfer_id, local_blocks=e.local_blocks, remote_blocks=e.remote_blocks
-    )
-    return (start,)
-
-
-@_of(ev.TransferDoneSent)
-def _transfer_done_sent(e: ev.TransferDoneSent) -> tuple[Effect, ...]:
-    done = wire.TransferDone(
-        kv_request_id=e.actor.kv_request_id, success=e.success, round_seq=e.round_seq
-    )
-    return (Send(done),)
-
-
-@_of(ev.AbortAckSent)
-def _abort_ack_sent(e: ev.AbortAckSent) -> tuple[Effect, ...]:
-    return (Send(wire.AbortAck(kv_request_id=e.actor.kv_request_id, round_seq=e.round_seq)),)
-
-
-@_of(ev.Rejected)
-def _rejected(e: ev.Rejected) -> tuple[Effect, ...]:
-    return (Disconnect(f"{e.violation.value} in {e.input}: {e.detail}"),)
-
+# What each event that makes the runtime do something makes it do; every other event is a record.
+_MAKERS: Final[dict[type[ev.Event], Callable[[Any], tuple[Effect, ...]]]] = {
+    # consumer
+    ev.Probed: lambda e: _send(
+        e,
+        wire.Lookup,
+        keys=e.keys,
+        round_seq=e.round_seq,
+        deadline_ms=min(max(0, round((e.lookup_deadline - e.at) * 1000)), wire.MAX_DEADLINE_MS),
+    ),
+    ev.FetchSent: lambda e: _send(
+        e, wire.Fetch, keys=e.keys, block_indexes=e.block_indexes, round_seq=e.round_seq
+    ),
+    ev.LookupCancelled: lambda e: _send(
+        e, wire.Fetch, keys=(), block_indexes=(), round_seq=e.round_seq
+    ),
+    ev.AbortSent: lambda e: _send(e, wire.AbortFetch, round_seq=e.round_seq),
+    ev.TransferDone: lambda e: _report(
+        e.job_id, "" if e.success else "the peer reported the transfer failed", success=e.success
+    ),
+    ev.AbortAcked: lambda e: _report(
+        e.job_id, "aborted; the peer confirmed no write can still land"
+    ),
+    ev.Aborted: lambda e: _report(e.job_id, e.reason),
+    ev.FetchSkipped: lambda e: _report(e.job_id, e.reason, success=e.success),
+    # The terminal empty fetch, if a lookup was still open.
+    ev.Finished: lambda e: (
+        _RETIRE
+        if e.cancelled_round is None
+        else (
+            *_send(e, wire.Fetch, keys=(), block_indexes=(), round_seq=e.cancelled_round),
+            *_RETIRE,
+        )
+    ),
+    # producer
+    ev.LookupReceived: lambda e: _ask(e, tuple(dict.fromkeys(e.keys))),
+    ev.LookupLimited: lambda e: _ask(e, tuple(dict.fromkeys(e.keys[: e.admitted]))),
+    ev.PendingPolled: lambda e: _ask(e, e.keys, e.not_after),
+    ev.LookupRefused: lambda e: _send(
+        e,
+        wire.LookupResp,
+        keys=e.keys,
+        hits=(False,) * len(e.keys),
+        round_seq=e.round_seq,
+        refused=(True,) * len(e.keys),
+    ),
+    ev.LookupAnswered: _answered,
+    ev.ContextClosed: lambda e: (ParentClose(context_name(e.actor, e.lookup_id)),),
+    ev.PinReleased: lambda e: (ReleasePin(job_id=e.job_id, success=e.success),),
+    ev.TransferStarted: lambda e: (
+        StartTransfer(
+            transfer_id=e.transfer_id, local_blocks=e.local_blocks, remote_blocks=e.remote_blocks
+        ),
+    ),
+    ev.TransferDoneSent: lambda e: (
+        Send(
+            wire.TransferDone(
+                kv_request_id=e.actor.kv_request_id, success=e.success, round_seq=e.round_seq
+            )
+        ),
+    ),
+    ev.AbortAckSent: lambda e: _send(e, wire.AbortAck, round_seq=e.round_seq),
+    ev.Closed: lambda e: (
+        (*(ReleasePin(job_id=j, success=False) for j in e.released), *_RETIRE)
+        if e.released
+        else _RETIRE
+    ),
+    ev.Rejected: lambda e: (Disconnect(f"{e.violation.value} in {e.input}: {e.detail}"),),
+}
 
 # The event types that make the runtime do something; every other event is a record only.
 EFFECTFUL: Final[frozenset[type[ev.Event]]] = frozenset(_MAKERS)

@@ -21,23 +21,11 @@ ActorState = ConsumerState | ProducerState
 # A phase of either role.
 Phase = ConsumerPhase | ProducerPhase
 
-# Each role's state type: its events, its evolve, its next deadline, its name.
-_Role = tuple[
-    frozenset[type[ev.Event]], Callable[[Any, Any], ActorState], Callable[[Any], float | None], str
-]
+# Each role's state type: its events, its evolve and its next deadline.
+_Role = tuple[frozenset[type], Callable[[Any, Any], ActorState], Callable[[Any], float | None]]
 _ROLES: Final[dict[type, _Role]] = {
-    ConsumerState: (
-        frozenset(get_args(ev.ConsumerEvent)),
-        evolve_consumer,
-        next_consumer_deadline,
-        "consumer",
-    ),
-    ProducerState: (
-        frozenset(get_args(ev.ProducerEvent)),
-        evolve_producer,
-        next_producer_deadline,
-        "producer",
-    ),
+    ConsumerState: (frozenset(get_args(ev.ConsumerEvent)), evolve_consumer, next_consumer_deadline),
+    ProducerState: (frozenset(get_args(ev.ProducerEvent)), evolve_producer, next_producer_deadline),
 }
 
 
@@ -53,10 +41,10 @@ def evolve(state: ActorState, event: ev.AnyEvent) -> ActorState:
         ReplayError: The event does not belong to this actor, is of the other
             role, or breaks the sequence.
     """
-    kinds, evolve_role, _, role = _ROLES[type(state)]
+    kinds, evolve_role, _ = _ROLES[type(state)]
     try:
         if type(event) not in kinds:
-            raise ReplayError(f"{event.KIND} is not a {role} event ({state.actor})")
+            raise ReplayError(f"{event.KIND} is not a {state.ROLE.value} event ({state.actor})")
         return evolve_role(state, event)
     except (KeyError, ValueError) as exc:
         # evolve trusts its input; a log that names a lookup, round or job the
@@ -84,7 +72,7 @@ def fold(events: Iterable[ev.AnyEvent], state: ActorState | None = None) -> Acto
 
 def initial_phase(actor: ActorId) -> Phase:
     """The phase of ``actor`` before its first event."""
-    return ConsumerPhase.REGISTERED if actor.role is Role.CONSUMER else ProducerPhase.OPEN
+    return initial_state(actor).phase
 
 
 def phase_after(phase: Phase, event: ev.AnyEvent) -> Phase:

@@ -176,18 +176,11 @@ class OverQuota(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     admit: int = 0
 
 
-class AddStore(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """The engine stored (and pinned) blocks of a prefill/decode request.
+class AddStore(Pin, frozen=True, kw_only=True, gc=False):
+    """The engine stored (and pinned) blocks of a prefill/decode request: a pin of its own.
 
-    Attributes:
-        job_id: The engine's store job, released exactly once.
-        keys: The stored keys.
-        blocks: Our block index for each key, parallel to ``keys``.
+    Its ``job_id`` is the engine's store job, released exactly once.
     """
-
-    job_id: int
-    keys: tuple[bytes, ...]
-    blocks: tuple[int, ...]
 
 
 class TransferResult(msgspec.Struct, frozen=True, kw_only=True, gc=False):

@@ -27,25 +27,30 @@ from __future__ import annotations
 
 from typing import assert_never
 
+import msgspec
+
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder
+from p2pactor.core.events import Violation
 from p2pactor.core.producer_evolve import evolve_producer
 from p2pactor.core.producer_lookups import (
     _drop_lookups,
     _on_lookup,
     _on_parent_answer,
+    _reject,
     _tick_lookups,
 )
-from p2pactor.core.producer_rounds import (
-    _on_abort,
-    _on_fetch,
-    _on_store,
-    _on_transfer_result,
-    _sweep_round,
+from p2pactor.core.producer_state import (
+    _B,
+    RoundState,
+    Supply,
+    _expirable,
+    _expire_pins,
+    _release_round_jobs,
+    _release_stores,
 )
-from p2pactor.core.producer_state import _B, _expirable, _expire_pins, _release_stores
 from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
 from p2pactor.core.producer_state import ProducerState as ProducerState
 from p2pactor.core.producer_state import pin_expired as pin_expired
@@ -99,32 +104,30 @@ def step_producer(
         case inp.AddStore():
             _on_store(b, event_input, timings)
         case inp.TransferResult():
-            _on_transfer_result(b, event_input)
+            tid = event_input.transfer_id
+            if tid not in b.state.transfers:
+                reason = f"no transfer {tid} is in flight"
+                b.emit(ev.Ignored, input="transfer_result", reason=reason)
+            elif event_input.ok:
+                b.emit(ev.TransferCompleted, transfer_id=tid)
+            else:
+                reason = event_input.reason or "the transfer failed"
+                b.emit(ev.TransferFailed, transfer_id=tid, reason=reason)
         case inp.Finish():
-            _on_local_finish(b)
+            if not b.state.finishing:
+                b.emit(ev.FinishRequested)
+                _drop_lookups(b, "the engine finished the request")
         case inp.Tick():
             _tick_lookups(b)
             _expire_pins(b, timings)
         case inp.SessionEnded():
-            _on_session_ended(b, event_input.reason)
+            if not b.state.session_lost:
+                b.emit(ev.SessionLost, reason=event_input.reason)
+                _drop_lookups(b, f"session lost: {event_input.reason}")
         case _:
             assert_never(event_input)
     _sweep(b)
     return b.state, tuple(b.events)
-
-
-def _on_local_finish(b: _B) -> None:
-    if b.state.finishing:
-        return
-    b.emit(ev.FinishRequested(**b.head))
-    _drop_lookups(b, "the engine finished the request")
-
-
-def _on_session_ended(b: _B, reason: str) -> None:
-    if b.state.session_lost:
-        return
-    b.emit(ev.SessionLost(**b.head, reason=reason))
-    _drop_lookups(b, f"session lost: {reason}")
 
 
 def _sweep(b: _B) -> None:
@@ -135,8 +138,7 @@ def _sweep(b: _B) -> None:
         _sweep_round(b, rnd)
     _release_stores(b)
     if b.state.idle:
-        reason = b.state.close_reason or "nothing left to serve"
-        b.emit(ev.Closed(**b.head, reason=reason))
+        b.emit(ev.Closed, reason=b.state.close_reason or "nothing left to serve")
 
 
 def next_producer_deadline(state: ProducerState) -> float | None:
@@ -145,10 +147,189 @@ def next_producer_deadline(state: ProducerState) -> float | None:
         return None
     times: list[float] = []
     for lookup in state.lookups.values():
-        if lookup.answered or lookup.dropped or not lookup.pending:
+        if not lookup.waiting:
             continue
         times.append(lookup.deadline)
         if lookup.next_poll_at is not None and not lookup.outstanding:
             times.append(lookup.next_poll_at)
     times.extend(job.expires_at for job in state.jobs.values() if _expirable(state, job))
     return min(times, default=None)
+
+
+def _plan(s: ProducerState, round_seq: int) -> tuple[list[tuple[bytes, int, Supply]], int]:
+    """Match a round's parked demand against its supply and the pool.
+
+    Returns:
+        The matched ``(key, peer block, supply)`` triples and how many demanded
+        blocks stay unmatched.
+    """
+    rnd = s.rounds[round_seq]
+    taken: dict[bytes, int] = {}
+    matched: list[tuple[bytes, int, Supply]] = []
+    unmatched = 0
+    for key, remote in rnd.demand:
+        sup = rnd.supply.get(key)
+        if sup is None:
+            entries = s.pool.get(key, ())
+            used = taken.get(key, 0)
+            if used < len(entries):
+                sup = entries[used]
+                taken[key] = used + 1
+        if sup is None:
+            unmatched += 1
+        else:
+            matched.append((key, remote, sup))
+    return matched, unmatched
+
+
+def _start(b: _B, round_seq: int, matched: list[tuple[bytes, int, Supply]]) -> None:
+    b.emit(
+        ev.TransferStarted,
+        transfer_id=b.state.next_transfer_id,
+        round_seq=round_seq,
+        keys=tuple(key for key, _, _ in matched),
+        local_blocks=tuple(sup.block for _, _, sup in matched),
+        remote_blocks=tuple(remote for _, remote, _ in matched),
+        job_ids=tuple(sup.job_id for _, _, sup in matched),
+    )
+
+
+def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> None:
+    s = b.state
+    r = msg.round_seq
+    if s.phase is ProducerPhase.CLOSING:
+        if msg.keys:
+            _reject(b, msg, Violation.AFTER_CLOSE, f"fetch for round {r} after the request closed")
+        else:
+            b.emit(ev.Ignored, input=msg.TYPE, reason="the request is already closed")
+        return
+    if len(msg.keys) != len(msg.block_indexes):
+        detail = f"{len(msg.keys)} keys but {len(msg.block_indexes)} block indexes"
+        _reject(b, msg, Violation.MALFORMED, detail)
+        return
+    if not msg.keys:
+        reason = "the consumer finished the request (empty fetch)"
+        if _close_at_once(b, r, reason):
+            return
+        b.emit(ev.CloseRequested, round_seq=r, reason=reason)
+        _drop_lookups(b, reason)
+        return
+    existing = s.rounds.get(r)
+    if (existing is not None and existing.fetched) or r == s.closed_through:
+        _reject(b, msg, Violation.DUPLICATE_FETCH, f"a second fetch for round {r}")
+        return
+    if r < s.closed_through:
+        detail = f"fetch for round {r} after round {s.closed_through}; rounds only move forward"
+        _reject(b, msg, Violation.STALE_ROUND, detail)
+        return
+    b.emit(ev.FetchReceived, round_seq=r, keys=msg.keys, block_indexes=msg.block_indexes)
+    if verdict is not None:
+        # The round fails whole and at once; the sweep ends it, releasing its pins.
+        b.emit(ev.FetchRefused, round_seq=r, quota=verdict.quota, reason=verdict.reason)
+        return
+    matched, unmatched = _plan(b.state, r)
+    symmetric = b.state.rounds[r].lookup_supplied or r <= b.state.looked_up_through
+    if unmatched and (symmetric or b.state.finishing):
+        # Fail fast and whole: the consumer learns now instead of after 30 s,
+        # and never gets half a prefix.
+        what = "were not pinned by a lookup" if symmetric else "were never stored"
+        _finalize(b, r, success=False, reason=f"{unmatched} of {len(msg.keys)} keys {what}")
+    elif matched:
+        _start(b, r, matched)
+
+
+def _close_at_once(b: _B, round_seq: int, reason: str) -> bool:
+    """Close in one event if the request holds only pins of rounds it looked up; whether it did.
+
+    The common case of the empty fetch: nothing is being looked up, fetched
+    or written, and no stored block waits. What the close and the sweep after
+    it would record as a :class:`~p2pactor.core.events.CloseRequested`, a
+    release per pin, a ``RoundClosed`` per round and the ``Closed`` is then one
+    :class:`~p2pactor.core.events.Closed`.
+    """
+    s = b.state
+    if s.lookups or s.transfers or s.pool or s.open_contexts:
+        return False
+    rounds = s.rounds
+    if any(rnd.fetched for rnd in rounds.values()):
+        return False
+    if any(job.round_seq not in rounds or job.readers for job in s.jobs.values()):
+        return False  # a store's job (no round), or one some write still reads
+    closed = tuple(sorted(rounds))
+    released = tuple(
+        job_id for r in closed for job_id, job in sorted(s.jobs.items()) if job.round_seq == r
+    )
+    b.emit(
+        ev.Closed, reason=reason, requested_round=round_seq, released=released, rounds_closed=closed
+    )
+    return True
+
+
+def _on_abort(b: _B, msg: wire.AbortFetch) -> None:
+    s = b.state
+    r = msg.round_seq
+    rnd = s.rounds.get(r)
+    if rnd is not None and rnd.fetched:
+        if rnd.cancelled:
+            b.emit(ev.Ignored, input=msg.TYPE, reason=f"round {r} is already aborting")
+            return
+        b.emit(ev.AbortReceived, round_seq=r)
+        _release_round_jobs(b, r, f"round {r} aborted", idle_only=True)
+    elif r <= s.closed_through:
+        # The round ended before the abort arrived (its transfer_done crossed
+        # the abort on the wire): nothing of it can still write.
+        b.emit(ev.AbortReceived, round_seq=r)
+        if rnd is None and not s.session_lost:
+            b.emit(ev.AbortAckSent, round_seq=r)
+        # A looked-up round that a later round's fetch skipped is still here,
+        # holding its pins: the sweep releases them, then acks.
+    else:
+        _reject(b, msg, Violation.UNKNOWN_ROUND, f"abort for round {r}, which was never fetched")
+
+
+def _on_store(b: _B, store: inp.AddStore, t: Timings) -> None:
+    b.emit(ev.StoreAdded, **msgspec.structs.asdict(store), expires_at=b.now + t.pin_timeout)
+    if b.state.phase is not ProducerPhase.OPEN:
+        return  # the sweep releases it
+    for r, rnd in sorted(b.state.rounds.items()):
+        if rnd.fetched and rnd.demand and not rnd.cancelled and not rnd.failure:
+            matched, _ = _plan(b.state, r)
+            if matched:
+                _start(b, r, matched)
+
+
+def _finalize(b: _B, round_seq: int, *, success: bool, reason: str) -> None:
+    """End a fetched round: release its pins and tell the peer, if it can hear."""
+    _release_round_jobs(b, round_seq, reason or "round served", served=success)
+    if b.state.phase is ProducerPhase.OPEN:
+        b.emit(ev.TransferDoneSent, round_seq=round_seq, success=success, reason=reason)
+    else:
+        b.emit(ev.RoundClosed, round_seq=round_seq, reason=b.state.close_reason)
+
+
+def _sweep_round(b: _B, rnd: RoundState) -> None:
+    s = b.state
+    r = rnd.round_seq
+    if rnd.inflight:
+        return  # a write may still land in the peer's blocks: wait for it
+    if rnd.cancelled:
+        _release_round_jobs(b, r, f"round {r} aborted")
+        if s.session_lost:
+            b.emit(ev.RoundClosed, round_seq=r, reason=s.close_reason)
+        else:
+            b.emit(ev.AbortAckSent, round_seq=r)
+    elif not rnd.fetched:
+        # A looked-up round waits for its fetch, even once its pins expired, so
+        # that a late fetch fails fast instead of parking (vLLM keeps it too).
+        # Only the end of the request ends it.
+        if s.phase is not ProducerPhase.OPEN:
+            _release_round_jobs(b, r, s.close_reason)
+            b.emit(ev.RoundClosed, round_seq=r, reason=s.close_reason)
+    elif rnd.failure:
+        _finalize(b, r, success=False, reason=rnd.failure)
+    elif rnd.demand:
+        if s.finishing or s.phase is not ProducerPhase.OPEN:
+            reason = f"{len(rnd.demand)} demanded blocks were never stored"
+            _finalize(b, r, success=False, reason=reason)
+    elif rnd.remaining == 0:
+        _finalize(b, r, success=True, reason="")

@@ -8,19 +8,17 @@ from typing import Any, Final
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import evolver, filed_under
+from p2pactor.core.builder import evolver
 from p2pactor.core.producer_state import (
     PRODUCER_PHASE_AT,
     ActiveLookup,
     PinJob,
     ProducerState,
     Supply,
-    Transfer,
     _drop,
     _pool_take,
     _put,
     _round,
-    _with_lookup,
 )
 
 
@@ -29,7 +27,7 @@ def _evolve_transfer_ended(
 ) -> ProducerState:
     t = s.transfers[transfer_id]
     jobs = dict(s.jobs)
-    for job_id in t.job_ids:
+    for job_id in set(t.job_ids):
         job = jobs.get(job_id)
         if job is not None:
             jobs[job_id] = replace(
@@ -38,15 +36,14 @@ def _evolve_transfer_ended(
     rounds = dict(s.rounds)
     rnd = rounds.get(t.round_seq)
     if rnd is not None:
-        if failure is None:
-            rnd = replace(
-                rnd, inflight=rnd.inflight - {transfer_id}, remaining=rnd.remaining - t.blocks
-            )
-        else:
-            rnd = replace(
-                rnd, inflight=rnd.inflight - {transfer_id}, failure=rnd.failure or failure
-            )
-        rounds[t.round_seq] = rnd
+        # A failed write leaves its blocks unwritten: the round failed.
+        written = len(t.keys) if failure is None else 0
+        rounds[t.round_seq] = replace(
+            rnd,
+            inflight=rnd.inflight - {transfer_id},
+            remaining=rnd.remaining - written,
+            failure=rnd.failure or failure or "",
+        )
     return replace(s, seq=seq, jobs=jobs, rounds=rounds, transfers=_drop(s.transfers, transfer_id))
 
 
@@ -54,8 +51,7 @@ def _evolve_pin_released(s: ProducerState, seq: int, job_id: int) -> ProducerSta
     job = s.jobs.get(job_id)
     if job is None:
         return replace(s, seq=seq)  # a stray pin released without ever being held
-    rounds = s.rounds
-    pool = s.pool
+    rounds, pool = s.rounds, s.pool
     if job.round_seq is None:
         for key in job.keys:
             while any(sup.job_id == job_id for sup in pool.get(key, ())):
@@ -102,73 +98,47 @@ def _evolve_lookup_opened(
     )
 
 
-def _pinned(s: ProducerState, seq: int, round_seq: int, pin: ev.Pinned) -> ProducerState:
-    """A lookup's hits pinned: the job held, and its blocks the round's supply."""
-    job_id = pin.job_id
+def _pinned(
+    s: ProducerState,
+    seq: int,
+    round_seq: int | None,
+    pin: ev.Pinned | ev.KeysPinned | ev.StoreAdded,
+) -> ProducerState:
+    """Blocks pinned: the job held, its blocks a looked-up round's supply or the store's pool."""
+    job_id, keys, blocks = pin.job_id, pin.keys, pin.blocks
     job = PinJob(
-        job_id=job_id,
-        round_seq=round_seq,
-        keys=pin.keys,
-        blocks=pin.blocks,
-        expires_at=pin.expires_at,
+        job_id=job_id, round_seq=round_seq, keys=keys, blocks=blocks, expires_at=pin.expires_at
     )
-    rounds = s.rounds
-    if round_seq in rounds:
+    rounds, pool = s.rounds, s.pool
+    if round_seq is None:
+        pool = dict(pool)
+        for key, block in zip(keys, blocks, strict=True):
+            pool[key] = (*pool.get(key, ()), Supply(job_id, block))
+    elif round_seq in rounds:
         rnd = rounds[round_seq]
         supply = dict(rnd.supply)
-        for key, block in zip(pin.keys, pin.blocks, strict=True):
+        for key, block in zip(keys, blocks, strict=True):
             supply[key] = Supply(job_id, block)
         rounds = _put(rounds, round_seq, replace(rnd, supply=supply))
-    return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds)
+    return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds, pool=pool)
 
 
-_Arm = Callable[[ProducerState, Any], ProducerState]
-# How each producer event changes the state: ``evolve_producer``'s table, without its checks of
-# actor and sequence (for a caller that made them: replay).
-PRODUCER_FOLDS: Final[dict[type[ev.Event], _Arm]] = {}
+def _lookup(s: ProducerState, e: Any, **changes: Any) -> ProducerState:
+    """``s`` after ``e``, with the changes to the lookup ``e`` names."""
+    lookup = replace(s.lookups[e.lookup_id], **changes)
+    return replace(s, seq=e.seq, lookups=_put(s.lookups, e.lookup_id, lookup))
 
 
-_arm = filed_under(PRODUCER_FOLDS)
-
-
-@_arm(ev.LookupReceived)
-def _lookup_received(s: ProducerState, e: ev.LookupReceived) -> ProducerState:
-    return _evolve_lookup_opened(s, e, len(e.keys))
-
-
-@_arm(ev.LookupLimited)
-def _lookup_limited(s: ProducerState, e: ev.LookupLimited) -> ProducerState:
-    return _evolve_lookup_opened(s, e, e.admitted)
-
-
-@_arm(ev.KeysResolved)
 def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:
-    lookup = s.lookups[e.lookup_id]
-    resolved = dict(lookup.resolved)
-    resolved.update(dict.fromkeys(e.hits, True))
-    resolved.update(dict.fromkeys(e.misses, False))
-    lookup = replace(
-        lookup,
-        resolved=resolved,
-        pending=frozenset(e.pending),
-        outstanding=False,
-        next_poll_at=e.next_poll_at,
+    hits, misses = dict.fromkeys(e.hits, True), dict.fromkeys(e.misses, False)
+    resolved = {**s.lookups[e.lookup_id].resolved, **hits, **misses}
+    pending = frozenset(e.pending)
+    s = _lookup(
+        s, e, resolved=resolved, pending=pending, outstanding=False, next_poll_at=e.next_poll_at
     )
-    return replace(
-        s,
-        seq=e.seq,
-        lookups=_put(s.lookups, e.lookup_id, lookup),
-        open_contexts=s.open_contexts | {e.lookup_id},
-    )
+    return replace(s, open_contexts=s.open_contexts | {e.lookup_id})
 
 
-@_arm(ev.KeysPinned)
-def _keys_pinned(s: ProducerState, e: ev.KeysPinned) -> ProducerState:
-    pin = ev.Pinned(job_id=e.job_id, keys=e.keys, blocks=e.blocks, expires_at=e.expires_at)
-    return _pinned(s, e.seq, e.round_seq, pin)
-
-
-@_arm(ev.LookupAnswered)
 def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
     if e.resolved:
         # The parent's answer, its pin and the answer in one step: the lookup
@@ -181,15 +151,9 @@ def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
             lookups=_drop(s.lookups, e.lookup_id),
             open_contexts=s.open_contexts - {e.lookup_id},
         )
-    answered = s.lookups[e.lookup_id]
-    if answered.outstanding:
-        # Answered at its deadline with the parent still busy: keep it until
-        # the parent's answer, whose pin must be released.
-        return _with_lookup(s, e.seq, replace(answered, answered=True, next_poll_at=None))
-    return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
+    return _lookup_ended(s, e, answered=True)  # at its deadline
 
 
-@_arm(ev.ContextClosed)
 def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
     lookups = s.lookups
     closing = lookups.get(e.lookup_id)
@@ -198,34 +162,16 @@ def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
     return replace(s, seq=e.seq, lookups=lookups, open_contexts=s.open_contexts - {e.lookup_id})
 
 
-@_arm(ev.CloseRequested)
-def _close_requested(s: ProducerState, e: ev.CloseRequested) -> ProducerState:
-    return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
+def _lookup_ended(s: ProducerState, e: Any, **how: bool) -> ProducerState:
+    """The lookup ``e`` names answered or dropped: forgotten, or marked ``how`` for the parent.
 
-
-@_arm(ev.LookupDropped)
-def _lookup_dropped(s: ProducerState, e: ev.LookupDropped) -> ProducerState:
-    lookup = s.lookups[e.lookup_id]
-    if lookup.outstanding:
-        # Kept for the parent's answer, as a late-answered lookup is.
-        return _with_lookup(s, e.seq, replace(lookup, dropped=True, next_poll_at=None))
+    A lookup the parent has not served yet is kept for its answer, whose pin must be released.
+    """
+    if s.lookups[e.lookup_id].outstanding:
+        return _lookup(s, e, next_poll_at=None, **how)
     return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
 
 
-@_arm(ev.PinReleased)
-def _pin_released(s: ProducerState, e: ev.PinReleased) -> ProducerState:
-    return _evolve_pin_released(s, e.seq, e.job_id)
-
-
-@_arm(ev.TransferDoneSent, ev.AbortAckSent, ev.RoundClosed)
-def _round_ended(
-    s: ProducerState, e: ev.TransferDoneSent | ev.AbortAckSent | ev.RoundClosed
-) -> ProducerState:
-    served = isinstance(e, ev.TransferDoneSent) and e.success
-    return _evolve_round_ended(s, e.seq, e.round_seq, served=served)
-
-
-@_arm(ev.Closed)
 def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
     if e.requested_round is not None:
         s = replace(s, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
@@ -236,7 +182,6 @@ def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
     return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.Closed])
 
 
-@_arm(ev.FetchReceived)
 def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
     rnd = replace(
         _round(s, e.round_seq),
@@ -252,7 +197,6 @@ def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
     )
 
 
-@_arm(ev.TransferStarted)
 def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
     rnd = s.rounds[e.round_seq]
     demand = list(rnd.demand)
@@ -270,125 +214,84 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
         jobs[job_id] = replace(
             job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
         )
-    rounds = dict(s.rounds)
-    rounds[e.round_seq] = replace(
-        rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id}
-    )
-    transfers = dict(s.transfers)
-    transfers[e.transfer_id] = Transfer(
-        transfer_id=e.transfer_id,
-        round_seq=e.round_seq,
-        job_ids=frozenset(e.job_ids),
-        blocks=len(e.keys),
-    )
+    rnd = replace(rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id})
+    rounds, transfers = _put(s.rounds, e.round_seq, rnd), _put(s.transfers, e.transfer_id, e)
+    n = e.transfer_id + 1
     return replace(
-        s,
-        seq=e.seq,
-        rounds=rounds,
-        jobs=jobs,
-        pool=pool,
-        transfers=transfers,
-        next_transfer_id=e.transfer_id + 1,
+        s, seq=e.seq, rounds=rounds, jobs=jobs, pool=pool, transfers=transfers, next_transfer_id=n
     )
 
 
-@_arm(ev.TransferCompleted, ev.TransferFailed)
-def _transfer_ended(s: ProducerState, e: ev.TransferCompleted | ev.TransferFailed) -> ProducerState:
-    failure = e.reason if isinstance(e, ev.TransferFailed) else None
-    return _evolve_transfer_ended(s, e.seq, e.transfer_id, failure)
-
-
-@_arm(ev.FinishRequested)
-def _finish_requested(s: ProducerState, e: ev.FinishRequested) -> ProducerState:
-    return replace(s, seq=e.seq, finishing=True)
-
-
-@_arm(ev.Ignored, ev.Rejected)
-def _noted(s: ProducerState, e: ev.Ignored | ev.Rejected) -> ProducerState:
-    return replace(s, seq=e.seq)
-
-
-@_arm(ev.KeysRefused)
-def _keys_refused(s: ProducerState, e: ev.KeysRefused) -> ProducerState:
-    # The KeysResolved that follows counts the keys as misses; the answer says why.
-    lookup = s.lookups[e.lookup_id]
-    return _with_lookup(s, e.seq, replace(lookup, refused=lookup.refused | frozenset(e.keys)))
-
-
-@_arm(ev.SessionLost)
-def _session_lost(s: ProducerState, e: ev.SessionLost) -> ProducerState:
-    return replace(
-        s,
-        seq=e.seq,
-        phase=PRODUCER_PHASE_AT[ev.SessionLost],
-        session_lost=True,
-        close_reason=e.reason,
-    )
-
-
-@_arm(ev.LookupRefused)
-def _lookup_refused(s: ProducerState, e: ev.LookupRefused) -> ProducerState:
-    # No lookup opens and nothing is held (so a refused request can close at
-    # once), but the round counts as looked up: a fetch for it fails fast
-    # instead of waiting for stored blocks.
-    return replace(s, seq=e.seq, looked_up_through=max(s.looked_up_through, e.round_seq))
-
-
-@_arm(ev.FetchRefused)
 def _fetch_refused(s: ProducerState, e: ev.FetchRefused) -> ProducerState:
     refused = s.rounds[e.round_seq]
     refused = replace(refused, demand=(), failure=refused.failure or e.reason)
     return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, refused))
 
 
-@_arm(ev.PendingPolled)
-def _pending_polled(s: ProducerState, e: ev.PendingPolled) -> ProducerState:
-    lookup = replace(s.lookups[e.lookup_id], outstanding=True, next_poll_at=None)
-    return _with_lookup(s, e.seq, lookup)
-
-
-@_arm(ev.ParentExpired)
-def _parent_expired(s: ProducerState, e: ev.ParentExpired) -> ProducerState:
-    return _with_lookup(s, e.seq, replace(s.lookups[e.lookup_id], outstanding=False))
-
-
-@_arm(ev.PendingExpired)
 def _pending_expired(s: ProducerState, e: ev.PendingExpired) -> ProducerState:
     lookup = s.lookups[e.lookup_id]
-    resolved = dict(lookup.resolved)
-    resolved.update(dict.fromkeys(e.keys, False))
-    lookup = replace(
-        lookup,
-        resolved=resolved,
-        pending=lookup.pending - frozenset(e.keys),
-        next_poll_at=None,
+    resolved = {**lookup.resolved, **dict.fromkeys(e.keys, False)}
+    return _lookup(
+        s, e, resolved=resolved, pending=lookup.pending - frozenset(e.keys), next_poll_at=None
     )
-    return _with_lookup(s, e.seq, lookup)
 
 
-@_arm(ev.StoreAdded)
-def _store_added(s: ProducerState, e: ev.StoreAdded) -> ProducerState:
-    job = PinJob(
-        job_id=e.job_id, round_seq=None, keys=e.keys, blocks=e.blocks, expires_at=e.expires_at
-    )
-    pool = dict(s.pool)
-    for key, block in zip(e.keys, e.blocks, strict=True):
-        pool[key] = (*pool.get(key, ()), Supply(e.job_id, block))
-    return replace(s, seq=e.seq, jobs=_put(s.jobs, e.job_id, job), pool=pool)
-
-
-@_arm(ev.AbortReceived)
 def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
     aborted = s.rounds.get(e.round_seq)
     if aborted is None:
         return replace(s, seq=e.seq)
     jobs = dict(s.jobs)
     for tid in aborted.inflight:
-        for job_id in s.transfers[tid].job_ids:
+        for job_id in set(s.transfers[tid].job_ids):
             jobs[job_id] = replace(jobs[job_id], failed=True)
     aborted = replace(aborted, cancelled=True, demand=())
     return replace(s, seq=e.seq, rounds=_put(s.rounds, e.round_seq, aborted), jobs=jobs)
 
+
+# How each producer event changes the state: ``evolve_producer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
+PRODUCER_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], ProducerState]]] = {
+    ev.Ignored: lambda s, e: replace(s, seq=e.seq),
+    ev.Rejected: lambda s, e: replace(s, seq=e.seq),
+    ev.SessionLost: lambda s, e: replace(
+        s, seq=e.seq, phase=PRODUCER_PHASE_AT[type(e)], session_lost=True, close_reason=e.reason
+    ),
+    ev.FinishRequested: lambda s, e: replace(s, seq=e.seq, finishing=True),
+    ev.LookupReceived: lambda s, e: _evolve_lookup_opened(s, e, len(e.keys)),
+    ev.LookupLimited: lambda s, e: _evolve_lookup_opened(s, e, e.admitted),
+    # No lookup opens and nothing is held (so a refused request can close at once), but the round
+    # counts as looked up: a fetch for it fails fast instead of waiting for stored blocks.
+    ev.LookupRefused: lambda s, e: replace(
+        s, seq=e.seq, looked_up_through=max(s.looked_up_through, e.round_seq)
+    ),
+    ev.KeysResolved: _keys_resolved,
+    ev.KeysPinned: lambda s, e: _pinned(s, e.seq, e.round_seq, e),
+    # The KeysResolved that follows counts the keys as misses; the answer says why.
+    ev.KeysRefused: lambda s, e: _lookup(
+        s, e, refused=s.lookups[e.lookup_id].refused | frozenset(e.keys)
+    ),
+    ev.PendingPolled: lambda s, e: _lookup(s, e, outstanding=True, next_poll_at=None),
+    ev.ParentExpired: lambda s, e: _lookup(s, e, outstanding=False),
+    ev.PendingExpired: _pending_expired,
+    ev.LookupAnswered: _lookup_answered,
+    ev.LookupDropped: lambda s, e: _lookup_ended(s, e, dropped=True),
+    ev.ContextClosed: _context_closed,
+    ev.StoreAdded: lambda s, e: _pinned(s, e.seq, None, e),
+    ev.FetchReceived: _fetch_received,
+    ev.FetchRefused: _fetch_refused,
+    ev.TransferStarted: _transfer_started,
+    ev.TransferCompleted: lambda s, e: _evolve_transfer_ended(s, e.seq, e.transfer_id, None),
+    ev.TransferFailed: lambda s, e: _evolve_transfer_ended(s, e.seq, e.transfer_id, e.reason),
+    ev.TransferDoneSent: lambda s, e: _evolve_round_ended(s, e.seq, e.round_seq, served=e.success),
+    ev.AbortReceived: _abort_received,
+    ev.AbortAckSent: lambda s, e: _evolve_round_ended(s, e.seq, e.round_seq, served=False),
+    ev.RoundClosed: lambda s, e: _evolve_round_ended(s, e.seq, e.round_seq, served=False),
+    ev.PinReleased: lambda s, e: _evolve_pin_released(s, e.seq, e.job_id),
+    ev.CloseRequested: lambda s, e: replace(
+        s, seq=e.seq, phase=PRODUCER_PHASE_AT[type(e)], close_reason=e.reason
+    ),
+    ev.Closed: _closed,
+}
 
 # Apply one event to a producer state; pure (ReplayError if it does not follow).
 evolve_producer: Callable[[ProducerState, ev.ProducerEvent], ProducerState] = evolver(

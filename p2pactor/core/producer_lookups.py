@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import msgspec
+
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
@@ -13,7 +15,7 @@ from p2pactor.core.timings import Timings
 
 
 def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None:
-    b.emit(ev.Rejected(**b.head, input=msg.TYPE, violation=violation, detail=detail))
+    b.emit(ev.Rejected, input=msg.TYPE, violation=violation, detail=detail)
 
 
 def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | None = None) -> None:
@@ -29,46 +31,31 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
         _reject(b, msg, Violation.STALE_ROUND, detail)
         return
     if not msg.keys:
-        b.emit(ev.Ignored(**b.head, input=msg.TYPE, reason="a lookup without keys"))
+        b.emit(ev.Ignored, input=msg.TYPE, reason="a lookup without keys")
         return
     # A quota refusal is checked after the protocol's own rules: a peer over
     # quota that also breaks the protocol is still disconnected.
     admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
     if verdict is not None and admit <= 0:
         b.emit(
-            ev.LookupRefused(
-                **b.head,
-                round_seq=msg.round_seq,
-                keys=msg.keys,
-                quota=verdict.quota,
-                reason=verdict.reason,
-            )
+            ev.LookupRefused,
+            round_seq=msg.round_seq,
+            keys=msg.keys,
+            quota=verdict.quota,
+            reason=verdict.reason,
         )
         return
     budget = t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
         budget = min(budget, msg.deadline_ms / 1000)
-    if verdict is not None and admit < len(msg.keys):
-        b.emit(
-            ev.LookupLimited(
-                **b.head,
-                lookup_id=s.next_lookup_id,
-                round_seq=msg.round_seq,
-                keys=msg.keys,
-                admitted=admit,
-                deadline=b.now + budget,
-                reason=verdict.reason,
-            )
-        )
-        return
+    whole = verdict is None or admit >= len(msg.keys)
     b.emit(
-        ev.LookupReceived(
-            **b.head,
-            lookup_id=s.next_lookup_id,
-            round_seq=msg.round_seq,
-            keys=msg.keys,
-            deadline=b.now + budget,
-        )
+        ev.LookupReceived if whole else ev.LookupLimited,
+        lookup_id=s.next_lookup_id,
+        round_seq=msg.round_seq,
+        keys=msg.keys,
+        deadline=b.now + budget,
+        **({} if verdict is None or whole else {"admitted": admit, "reason": verdict.reason}),
     )
 
 
@@ -87,73 +74,22 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
     lookup = b.state.lookups.get(answer.lookup_id)
     if lookup is None or not lookup.outstanding:
         reason = f"no lookup {answer.lookup_id} is waiting for the parent"
-        b.emit(ev.Ignored(**b.head, input="parent_answer", reason=reason))
+        b.emit(ev.Ignored, input="parent_answer", reason=reason)
         if answer.pin is not None:
             _release(b, answer.pin.job_id, "stray parent answer")
         return
-    if not answer.expired and _answer_at_once(b, lookup, answer, t):
-        return
     if answer.expired:
-        b.emit(ev.ParentExpired(**b.head, lookup_id=lookup.lookup_id))
+        b.emit(ev.ParentExpired, lookup_id=lookup.lookup_id)
         if answer.pin is not None:  # the runtime never pins past not_after; if it did:
             reason = "an expired parent answer carried a pin"
-            b.emit(ev.Ignored(**b.head, input="parent_answer", reason=reason))
+            b.emit(ev.Ignored, input="parent_answer", reason=reason)
             _release(b, answer.pin.job_id, reason)
-    else:
-        _resolve(b, lookup, answer, t)
+    elif _resolve(b, lookup, answer, t):
+        return
     lookup = b.state.lookups[answer.lookup_id]
-    done = lookup.dropped or lookup.answered
-    if lookup.pending and not done and b.now >= lookup.deadline:
-        b.emit(ev.PendingExpired(**b.head, lookup_id=lookup.lookup_id, keys=_ordered(lookup)))
+    if lookup.waiting and b.now >= lookup.deadline:
+        b.emit(ev.PendingExpired, lookup_id=lookup.lookup_id, keys=_ordered(lookup))
     _settle_lookup(b, answer.lookup_id)
-
-
-def _answer_at_once(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> bool:
-    """Answer in one event if the parent's first answer settles every key; whether it did.
-
-    The common case: every key of the lookup is a HIT the parent pinned or a
-    MISS, at its first answer, and nothing else happened to the lookup. What
-    ``_resolve`` and ``_settle_lookup`` would record as four events is then
-    one :class:`~p2pactor.core.events.LookupAnswered`.
-    """
-    pin = answer.pin
-    if answer.refused or lookup.dropped or lookup.answered or lookup.resolved or lookup.refused:
-        return False  # a quota's refusal, a close, a deadline, or keys settled before
-    if pin is not None and _pin_refusal(b.state, lookup):
-        return False
-    results = dict(answer.results)
-    pinned = frozenset(pin.keys) if pin is not None else frozenset()
-    resolved: dict[bytes, bool] = {}
-    for key in lookup.pending:
-        result = results.get(key)
-        if result is inp.LookupResult.HIT:
-            # A hit the parent could not pin is no hit: it may be evicted.
-            resolved[key] = key in pinned
-        elif result is inp.LookupResult.MISS:
-            resolved[key] = False
-        else:
-            return False  # still pending: asked again later
-    hits, refused = _answers(lookup, resolved, frozenset())
-    b.emit(
-        ev.LookupAnswered(
-            **b.head,
-            lookup_id=lookup.lookup_id,
-            round_seq=lookup.round_seq,
-            keys=lookup.keys,
-            hits=hits,
-            refused=refused,
-            resolved=True,
-            pinned=None
-            if pin is None
-            else ev.Pinned(
-                job_id=pin.job_id,
-                keys=pin.keys,
-                blocks=pin.blocks,
-                expires_at=b.now + t.pin_timeout,
-            ),
-        )
-    )
-    return True
 
 
 def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:
@@ -162,84 +98,63 @@ def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:
     return tuple(k for k in dict.fromkeys(lookup.keys[: lookup.admitted]) if k in pending)
 
 
-def _answers(
-    lookup: ActiveLookup, resolved: Mapping[bytes, bool], refused: frozenset[bytes]
-) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
-    """The answer's hits and refusals, each parallel to the lookup's keys.
+def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> bool:
+    """Record the parent's answer; whether it answered the lookup whole, in one event.
 
-    ``refused`` (keys the pin budget refused) is empty when no admitted key's
-    MISS is a refusal. Every key past the admitted prefix answers MISS refused,
-    whatever it is: those keys are never looked at one by one, as a lookup may
-    carry 65,536 of them, and what they cost must stay far below what the
-    quota admits.
+    The common case: every key of the lookup is a HIT the parent pinned or a
+    MISS, at its first answer, and nothing else happened to the lookup. What
+    the parent's answer, its pin, the lookup's answer and its close would
+    record as four events is then one :class:`~p2pactor.core.events.LookupAnswered`.
     """
-    keys, admitted = lookup.keys, lookup.admitted
-    if admitted >= len(keys):
-        flags = tuple([k in refused for k in keys]) if refused else ()
-        return tuple([resolved[k] for k in keys]), flags
-    head, beyond = keys[:admitted], len(keys) - admitted
-    hits = tuple([resolved[k] for k in head]) + (False,) * beyond
-    return hits, tuple([k in refused for k in head]) + (True,) * beyond
-
-
-def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> None:
     results = dict(answer.results)
-    pinned = set(answer.pin.keys) if answer.pin is not None else set()
-    if answer.refused:
-        refused = set(answer.refused) - pinned
-        keys = tuple(k for k in _ordered(lookup) if k in refused)
-        if keys:
-            b.emit(
-                ev.KeysRefused(
-                    **b.head,
-                    lookup_id=lookup.lookup_id,
-                    keys=keys,
-                    quota=Quota.PINNED_BLOCKS,
-                    reason=answer.refusal or "the peer is over its pinned-blocks quota",
-                )
-            )
-    hits: list[bytes] = []
-    misses: list[bytes] = []
-    pending: list[bytes] = []
-    for key in _ordered(lookup):
+    pin = answer.pin
+    pinned = frozenset(pin.keys) if pin is not None else frozenset()
+    resolved: dict[bytes, bool] = {}
+    for key in lookup.pending:  # HIT_PENDING, RETRY, or not answered: still pending
         result = results.get(key)
         if result is inp.LookupResult.HIT:
-            # A hit the parent could not pin is no hit: it may be evicted.
-            (hits if key in pinned else misses).append(key)
+            resolved[key] = key in pinned  # a hit the parent could not pin may be evicted
         elif result is inp.LookupResult.MISS:
-            misses.append(key)
-        else:  # HIT_PENDING, RETRY, or not answered: ask again
-            pending.append(key)
+            resolved[key] = False
+    held = None
+    if pin is not None:
+        held = ev.Pinned(
+            job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=b.now + t.pin_timeout
+        )
+    refusal = "" if pin is None else _pin_refusal(b.state, lookup)
+    # Not whole: a quota's refusal, a close, a deadline, keys settled before or still pending.
+    settled = lookup.dropped or lookup.answered or lookup.resolved or lookup.refused
+    if len(resolved) == len(lookup.pending) and not (answer.refused or refusal or settled):
+        _answer(b, lookup, resolved, whole=True, pinned=held)
+        return True
+    order = _ordered(lookup)
+    if answer.refused:
+        refused = set(answer.refused) - pinned
+        keys = tuple(k for k in order if k in refused)
+        if keys:
+            reason = answer.refusal or "the peer is over its pinned-blocks quota"
+            quota = Quota.PINNED_BLOCKS
+            b.emit(
+                ev.KeysRefused, lookup_id=lookup.lookup_id, keys=keys, quota=quota, reason=reason
+            )
+    pending = tuple(k for k in order if k not in resolved)
     next_poll = None
     if pending and b.now < lookup.deadline:
         next_poll = min(b.now + t.pending_poll_interval, lookup.deadline)
     b.emit(
-        ev.KeysResolved(
-            **b.head,
-            lookup_id=lookup.lookup_id,
-            hits=tuple(hits),
-            misses=tuple(misses),
-            pending=tuple(pending),
-            next_poll_at=next_poll,
-        )
+        ev.KeysResolved,
+        lookup_id=lookup.lookup_id,
+        hits=tuple(k for k in order if resolved.get(k) is True),
+        misses=tuple(k for k in order if resolved.get(k) is False),
+        pending=pending,
+        next_poll_at=next_poll,
     )
-    if answer.pin is None:
-        return
-    pin = answer.pin
-    b.emit(
-        ev.KeysPinned(
-            **b.head,
-            lookup_id=lookup.lookup_id,
-            round_seq=lookup.round_seq,
-            job_id=pin.job_id,
-            keys=pin.keys,
-            blocks=pin.blocks,
-            expires_at=b.now + t.pin_timeout,
-        )
-    )
-    refusal = _pin_refusal(b.state, lookup)
-    if refusal:
-        _release(b, pin.job_id, refusal)
+    if held is not None:
+        fields = msgspec.structs.asdict(held)
+        b.emit(ev.KeysPinned, lookup_id=lookup.lookup_id, round_seq=lookup.round_seq, **fields)
+        if refusal:
+            _release(b, held.job_id, refusal)
+    return False
 
 
 def _settle_lookup(b: _B, lookup_id: int) -> None:
@@ -252,50 +167,68 @@ def _settle_lookup(b: _B, lookup_id: int) -> None:
             return
         _answer(b, lookup)
     if lookup_id in b.state.open_contexts:
-        b.emit(ev.ContextClosed(**b.head, lookup_id=lookup_id))
+        b.emit(ev.ContextClosed, lookup_id=lookup_id)
 
 
-def _answer(b: _B, lookup: ActiveLookup) -> None:
-    """Send the lookup's one answer, keys in wire order, duplicates included."""
-    hits, refused = _answers(lookup, lookup.resolved, lookup.refused)
+def _answer(
+    b: _B,
+    lookup: ActiveLookup,
+    answers: Mapping[bytes, bool] | None = None,
+    *,
+    whole: bool = False,
+    pinned: ev.Pinned | None = None,
+) -> None:
+    """Send the lookup's one answer, keys in wire order, duplicates included.
+
+    Its hits (``answers``, or those the lookup resolved) and refusals are each
+    parallel to the lookup's keys; the refusals are empty when no admitted key's
+    MISS is a refusal of the pin budget. Every key past the admitted prefix
+    answers MISS refused, whatever it is: those keys are never looked at one by
+    one, as a lookup may carry 65,536 of them, and what they cost must stay far
+    below what the quota admits.
+    """
+    keys, admitted, refused = lookup.keys, lookup.admitted, lookup.refused
+    answers = lookup.resolved if answers is None else answers
+    if admitted >= len(keys):
+        flags = tuple([k in refused for k in keys]) if refused else ()
+        hits = tuple([answers[k] for k in keys])
+    else:
+        head, beyond = keys[:admitted], len(keys) - admitted
+        hits = tuple([answers[k] for k in head]) + (False,) * beyond
+        flags = tuple([k in refused for k in head]) + (True,) * beyond
     b.emit(
-        ev.LookupAnswered(
-            **b.head,
-            lookup_id=lookup.lookup_id,
-            round_seq=lookup.round_seq,
-            keys=lookup.keys,
-            hits=hits,
-            refused=refused,
-        )
+        ev.LookupAnswered,
+        lookup_id=lookup.lookup_id,
+        round_seq=lookup.round_seq,
+        keys=keys,
+        hits=hits,
+        refused=flags,
+        resolved=whole,
+        pinned=pinned,
     )
 
 
 def _drop_lookups(b: _B, reason: str) -> None:
     for lookup_id, lookup in sorted(b.state.lookups.items()):
         if not lookup.dropped:
-            b.emit(ev.LookupDropped(**b.head, lookup_id=lookup_id, reason=reason))
+            b.emit(ev.LookupDropped, lookup_id=lookup_id, reason=reason)
             if lookup_id in b.state.open_contexts and lookup_id not in b.state.lookups:
-                b.emit(ev.ContextClosed(**b.head, lookup_id=lookup_id))
+                b.emit(ev.ContextClosed, lookup_id=lookup_id)
 
 
 def _tick_lookups(b: _B) -> None:
     now = b.now
     for lookup_id, lookup in sorted(b.state.lookups.items()):
-        if lookup.answered or lookup.dropped or not lookup.pending:
+        if not lookup.waiting:
             continue
         if now >= lookup.deadline:
             # The deadline holds even while the parent has not served us (an
             # engine that stopped stepping): answer now, clean up when it does.
-            b.emit(ev.PendingExpired(**b.head, lookup_id=lookup_id, keys=_ordered(lookup)))
+            b.emit(ev.PendingExpired, lookup_id=lookup_id, keys=_ordered(lookup))
             if lookup.outstanding:
                 _answer(b, b.state.lookups[lookup_id])
             else:
                 _settle_lookup(b, lookup_id)
-        elif lookup.outstanding:
-            continue
-        elif lookup.next_poll_at is not None and now >= lookup.next_poll_at:
-            b.emit(
-                ev.PendingPolled(
-                    **b.head, lookup_id=lookup_id, keys=_ordered(lookup), not_after=lookup.deadline
-                )
-            )
+        elif not lookup.outstanding and (poll := lookup.next_poll_at) is not None and now >= poll:
+            keys, not_after = _ordered(lookup), lookup.deadline
+            b.emit(ev.PendingPolled, lookup_id=lookup_id, keys=keys, not_after=not_after)

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from typing import ClassVar, Final, TypeVar
 
 import msgspec
-from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core.builder import ActorRecord, Builder
@@ -89,6 +88,11 @@ class ActiveLookup(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     dropped: bool = False
     refused: frozenset[bytes] = frozenset()
 
+    @property
+    def waiting(self) -> bool:
+        """Whether keys still wait for an answer: it was neither answered nor dropped."""
+        return bool(self.pending) and not (self.answered or self.dropped)
+
 
 class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """One lookup -> fetch round of the request.
@@ -139,20 +143,6 @@ class PinJob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     failed: bool = False
 
 
-class Transfer(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """A WRITE in flight.
-
-    Attributes:
-        job_ids: The jobs whose blocks it reads.
-        blocks: How many blocks it writes.
-    """
-
-    transfer_id: int
-    round_seq: int
-    job_ids: frozenset[int]
-    blocks: int
-
-
 class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     """Everything a producer actor knows, rebuilt exactly by replaying its events.
 
@@ -162,7 +152,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         rounds: Rounds in progress, by round number.
         jobs: Pin jobs held, by job id.
         pool: Stored blocks of a prefill/decode request not sent yet, by key.
-        transfers: Transfers in flight, by id.
+        transfers: Transfers in flight, by id: each as its start recorded it.
         open_contexts: Lookups whose synthetic parent request is open.
         closed_through: The highest round closed by a fetch (-1: none).
         looked_up_through: The highest round that had a lookup (-1: none).
@@ -180,7 +170,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     rounds: Mapping[int, RoundState] = msgspec.field(default_factory=dict)
     jobs: Mapping[int, PinJob] = msgspec.field(default_factory=dict)
     pool: Mapping[bytes, tuple[Supply, ...]] = msgspec.field(default_factory=dict)
-    transfers: Mapping[int, Transfer] = msgspec.field(default_factory=dict)
+    transfers: Mapping[int, ev.TransferStarted] = msgspec.field(default_factory=dict)
     open_contexts: frozenset[int] = frozenset()
     closed_through: int = -1
     looked_up_through: int = -1
@@ -205,9 +195,7 @@ V = TypeVar("V")
 
 
 def _put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
-    out = dict(mapping)
-    out[key] = value
-    return out
+    return {**mapping, key: value}
 
 
 def _drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
@@ -221,24 +209,15 @@ def _pool_take(
 ) -> dict[bytes, tuple[Supply, ...]]:
     """Remove one entry of ``job_id`` for ``key`` from the pool."""
     out = dict(pool)
-    entries = list(out.get(key, ()))
-    for i, sup in enumerate(entries):
-        if sup.job_id == job_id:
-            del entries[i]
-            break
-    if entries:
-        out[key] = tuple(entries)
-    else:
-        out.pop(key, None)
+    entries = out.pop(key, ())
+    at = next((i for i, sup in enumerate(entries) if sup.job_id == job_id), len(entries))
+    if rest := entries[:at] + entries[at + 1 :]:
+        out[key] = rest
     return out
 
 
 def _round(s: ProducerState, round_seq: int) -> RoundState:
     return s.rounds.get(round_seq) or RoundState(round_seq=round_seq)
-
-
-def _with_lookup(s: ProducerState, seq: int, lookup: ActiveLookup) -> ProducerState:
-    return replace(s, seq=seq, lookups=_put(s.lookups, lookup.lookup_id, lookup))
 
 
 # How the reason of a :class:`~p2pactor.core.events.PinReleased` begins when the pin expired.
@@ -257,7 +236,7 @@ def _release(b: _B, job_id: int, reason: str, *, served: bool = False) -> None:
     """
     job = b.state.jobs.get(job_id)
     success = served and job is not None and not job.failed
-    b.emit(ev.PinReleased(**b.head, job_id=job_id, success=success, reason=reason))
+    b.emit(ev.PinReleased, job_id=job_id, success=success, reason=reason)
 
 
 def _release_round_jobs(
@@ -272,9 +251,7 @@ def _expirable(s: ProducerState, job: PinJob) -> bool:
     """A pin no fetch is using or about to use: it may time out."""
     if job.readers or job.serving:
         return False
-    if job.round_seq is None:
-        return True
-    rnd = s.rounds.get(job.round_seq)
+    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
     return rnd is None or not rnd.fetched
 
 

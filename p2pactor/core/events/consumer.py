@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from p2pactor.core.choice import Choice
-from p2pactor.core.events.base import ConsumerPhase, Event, Ints, Keys
+from p2pactor.core.events import ConsumerPhase, Event, Ints, Keys
 
 
 class Opened(Event, frozen=True, kw_only=True):

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import msgspec
 
-from p2pactor.core.events.base import Event, Ints, Keys
+from p2pactor.core.events import Event, Ints, Keys
 
 
 class LookupReceived(Event, frozen=True, kw_only=True):
