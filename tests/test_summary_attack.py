@@ -7,8 +7,7 @@ byte (:mod:`p2pactor.programs.bench._honest`), and the hostile peer as a
 process of its own (:mod:`p2pactor.programs.bench._hostile`), driven
 step by step as the ``summary-attack`` bench section drives it
 (:func:`~p2pactor.programs.bench._summary_drive.run_attack`). The liar's test
-runs the consumer that chooses its sources itself in this process
-(:func:`~p2pactor.programs.bench._summary_liar.run_liar`).
+runs the consumer that chooses its sources itself in this process (:func:`run_liar`).
 
 They assert outcomes, never timings: what the victim's memory grew by (read
 from ``/proc``), how many resyncs or snapshot parts the hostile peer got, how
@@ -29,22 +28,27 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
+import trio
 
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
-from p2pactor.programs.bench._control_common import nixl_missing
-from p2pactor.programs.bench._summary_drive import AttackResult, HonestPeer, run_attack
-from p2pactor.programs.bench._summary_liar import run_liar
-from p2pactor.programs.bench._summary_report import (
+from p2pactor.programs.bench._control_common import nixl_missing, open_bench_node
+from p2pactor.programs.bench._summary_drive import (
+    AttackResult,
+    HonestPeer,
+    HostileProcess,
+    run_attack,
+)
+from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings
+from p2pactor.programs.bench.summary_attack import (
     EPOCH_TARGET,
     FRAME_TARGET_X,
-    LIAR_TARGET,
     RSS_TARGET_MIB,
     parts_per_snapshot,
 )
-from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings
 from p2pactor.runtime.source_options import SourceOptions
 from tests.ports import free_port
 
@@ -69,6 +73,10 @@ RESYNC_INTERVAL_S = 1.0
 """The least time between two snapshots a node sends one peer because it asked."""
 HONEST_AFTER = 10
 """Honest lookups after an attack that must all be served right."""
+LIAR_TARGET = 10
+"""Issue 30: a HIT-then-fail liar quarantined after at most this many misrouted requests."""
+LIAR_CLAIMS, LIAR_KEYS = 400, 10
+"""Keys the liar claims; keys a request to it looks up (a run it claims)."""
 
 
 @attrs.define
@@ -222,10 +230,90 @@ def test_a_stream_of_the_largest_lookups_costs_a_bounded_amount(arena: Arena) ->
         assert "not yet handled" in log
 
 
-def test_a_peer_that_answers_hit_and_fails_every_fetch_is_quarantined(tmp_path: Path) -> None:
-    result = run_liar(
-        port=free_port(), block_len=1024, hash_seed="summary-attack", work_dir=tmp_path
+@attrs.frozen(kw_only=True)
+class LiarResult:
+    """How many requests the liar got before the node stopped choosing it."""
+
+    misrouted: int
+    """Requests the node sent to the liar (each answered HIT, each fetch failed)."""
+    quarantined: bool
+    reason: str
+    """Why the node chose nobody at the end (the choice's reason)."""
+    failed_fetches: int
+    liar: dict[str, Any]
+    """What the liar said it did (its ``DONE``: lookups answered, fetches failed)."""
+
+
+async def _consume(port: int, hostile: HostileProcess, limit: int) -> LiarResult:
+    from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
+    from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415
+
+    block_len, blocks, seed = 1024, 64, "summary-attack"
+    keys = preload_keys(seed, LIAR_CLAIMS)
+    pool = bytearray(blocks * block_len)
+    cache = EmbeddedCache(blocks, block_len, memory=memoryview(pool))
+    misrouted = failed = 0
+    quarantined, reason = False, ""
+    async with open_bench_node(
+        port, pool, block_len, name=f"liar-victim-{os.getpid()}", parent=cache, hash_seed=seed
+    ) as node:
+        hostile.go()  # now the liar dials us
+        await trio.to_thread.run_sync(hostile.expect, "READY")
+        await trio.to_thread.run_sync(hostile.expect, "CLAIMED")  # its summary is applied
+        for i in range(limit + 1):
+            kv = f"auto-{i}"
+            first = (i * LIAR_KEYS) % (LIAR_CLAIMS - LIAR_KEYS)
+            wanted = keys[first : first + LIAR_KEYS]
+            located = await node.locate(kv, wanted)
+            if located.peer is None:
+                quarantined, reason = True, located.choice.reason
+                node.finish(kv)
+                break
+            misrouted += 1
+            hits = [
+                k for k, a in zip(wanted, located.answers, strict=True) if a is LookupResult.HIT
+            ]
+            into = cache.allocate(len(hits))
+            try:
+                failed += not (await node.fetch(located.peer, kv, hits, into)).success
+            finally:
+                cache.free(into)
+                node.finish(kv)
+        # The liar leaves first: our node's close would disconnect it mid-lie.
+        said = await trio.to_thread.run_sync(hostile.leave)
+    return LiarResult(
+        misrouted=misrouted,
+        quarantined=quarantined,
+        reason=reason,
+        failed_fetches=failed,
+        liar=dict(said.get("DONE", {})),
     )
+
+
+def run_liar(work_dir: Path, limit: int = 40) -> LiarResult:
+    """A consumer node here, the liar dialing it; how many requests it misrouted.
+
+    The node runs requests that name no source (:meth:`~p2pactor.runtime.node.Node.locate`
+    of 10 claimed keys, a fetch of its hits) until ``locate`` no longer chooses the liar;
+    ``limit``: requests after which it is taken never to quarantine it.
+    """
+    port = free_port()
+    hostile = HostileProcess(
+        f"127.0.0.1:{port}",
+        "liar",
+        ["--paced", "--hash-seed=summary-attack", "--block-len=1024", f"--claims={LIAR_CLAIMS}"],
+        work_dir / "hostile-liar.err",
+    )
+    try:
+        hostile.expect("LOADED", timeout=120)
+        return trio.run(_consume, port, hostile, limit)
+    finally:
+        hostile.kill()
+
+
+def test_a_peer_that_answers_hit_and_fails_every_fetch_is_quarantined(tmp_path: Path) -> None:
+    result = run_liar(tmp_path)
     assert result.quarantined, f"still chosen after {result.misrouted} misrouted requests"
     assert 1 <= result.misrouted <= LIAR_TARGET
     assert result.failed_fetches == result.misrouted  # each one answered HIT, then failed

@@ -39,27 +39,19 @@ def vllm_missing() -> str | None:
     return None if found else "vLLM is not importable here (pip install vllm==0.33.0)"
 
 
-def module_command(module: str, *args: str) -> list[str]:
-    """The command line running ``python -m module args`` with this interpreter."""
-    return [sys.executable, "-m", module, *args]
-
-
-def child_env(**extra: str) -> dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     """This environment for a helper process, with NIXL quiet and ``extra`` set."""
-    env = dict(os.environ)
-    env.setdefault("NIXL_LOG_LEVEL", "WARN")
-    env.update(extra)
-    return env
+    return {"NIXL_LOG_LEVEL": "WARN"} | dict(os.environ) | extra
 
 
 def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """Run ``python -m module args`` to the end; raise with its output's tail if it fails."""
     done = subprocess.run(  # noqa: S603 - runs our own helper module
-        module_command(module, *args),
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=child_env(),
+        env=_env(),
         check=False,
     )
     if done.returncode != 0:
@@ -123,13 +115,6 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
-
-
-def ratio_or_none(ours: float, theirs: float) -> float | None:
-    """``ours / theirs`` when both are finite and ``theirs`` is not 0, else None."""
-    if not (math.isfinite(ours) and math.isfinite(theirs)) or theirs == 0:
-        return None
-    return ours / theirs
 
 
 def peak_rss_kib() -> int:
@@ -200,12 +185,12 @@ class LineProcess:
         err = open(stderr, "w") if stderr else subprocess.DEVNULL  # noqa: SIM115 - the child's
         try:
             self.proc = subprocess.Popen(  # noqa: S603 - runs our own helper module
-                module_command(module, *args),
+                [sys.executable, "-m", module, *args],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,
-                env=child_env(**env),
+                env=_env(**env),
             )
         finally:
             if not isinstance(err, int):

@@ -22,14 +22,13 @@ from p2pactor.programs.bench._control_peer import (
     HASH_SEED,
     HOST,
     NUM_KEYS,
-    PinCountingCache,
-    begin_cell,
-    cpu_s,
+    Tally,
     fill,
     key_window,
     producer_counters,
     ready,
 )
+from p2pactor.runtime.parent import EmbeddedCache
 
 
 def run_vllm(args: argparse.Namespace) -> None:
@@ -48,7 +47,7 @@ def run_vllm(args: argparse.Namespace) -> None:
     producer = args.role == "producer"
     blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
     pool = np.zeros((blocks, BLOCK_LEN), dtype=np.uint8)
-    cache = PinCountingCache(blocks, BLOCK_LEN, memory=pool.data.cast("B"))
+    cache = EmbeddedCache(blocks, BLOCK_LEN, memory=pool.data.cast("B"))
     if producer:
         fill(cache)
     tier = shared.make_tier("vllm", pool, args.port)
@@ -91,7 +90,7 @@ def run_vllm(args: argparse.Namespace) -> None:
                 tier.get_finished_jobs()
             say({})
             continue
-        keys, conc, tally, cpu0, start, deadline = begin_cell(cmd)
+        tally = Tally(cmd)
         # in flight: (context, keys, start time)
         flight: list[tuple[Any, list[bytes], float]] = []
         new_ids: list[str] = []
@@ -114,8 +113,8 @@ def run_vllm(args: argparse.Namespace) -> None:
             flight.append((ctx, wanted, t0))
             new_ids.append(ctx.req_id)
 
-        for _ in range(conc):
-            begin(keys, flight, new_ids)
+        for _ in range(tally.conc):
+            begin(tally.keys, flight, new_ids)
         while flight:
             tier.on_schedule_end(
                 ScheduleEndContext(new_req_ids=list(new_ids), preempted_req_ids=())
@@ -135,10 +134,10 @@ def run_vllm(args: argparse.Namespace) -> None:
                 tier.on_request_finished(ctx)
             done = len(flight) - len(still)
             flight = still
-            if time.perf_counter() < deadline:
+            if time.perf_counter() < tally.deadline:
                 for _ in range(done):
-                    begin(keys, flight, new_ids)
-        say(tally.result(start, cpu_s() - cpu0))
+                    begin(tally.keys, flight, new_ids)
+        say(tally.result())
 
 
 class CacheParent:

@@ -1,20 +1,16 @@
 """Actor scale: 10,000 concurrent requests on one node; replay speed; in-process costs.
 
-Requests (:mod:`p2pactor.programs.bench._control_scale`, a fresh interpreter per repeat
-so that its peak RSS is its own): two nodes over the in-memory transports of
-:mod:`p2pactor.testing` (the network is not the point; the actors are), both
-writing real event logs on disk. One node starts 10,000 requests at once (quick:
-1,000) against the other; each looks up 4 keys (3 hits), fetches the hits and
-finishes. Reported: time until every request is done, events through
-decide/evolve/log on both nodes and their rate, peak RSS and its growth.
-
-Replay: a log of 1,000,000 events (quick: 100,000), made by repeating the
-first run's logged events under fresh request ids, is read, replayed, and
-replayed with invariant checks, each in a fresh interpreter: events per second
-and peak RSS growth (replay streams: memory must not grow with the log).
-
-Costs (:mod:`p2pactor.programs.bench._costs`, the old ``benchmarks`` scripts'): the
-core's cost per input, log appends per durability policy, timeline publishing.
+Each measurement runs in a fresh interpreter, so that its peak RSS is its own
+(:mod:`p2pactor.programs.bench._scale_run`, whose docstring says each). Requests: two
+nodes over the in-memory transports, both writing real event logs on disk; one starts
+10,000 requests at once (quick: 1,000) against the other, each a lookup of 4 keys (3
+hits), a fetch of the hits, finish: time until all are done, events through
+decide/evolve/log and their rate, peak RSS and its growth. Replay: a log of 1,000,000
+events (quick: 100,000), the first run's events repeated under fresh request ids, read,
+replayed, and replayed with invariant checks: events per second and peak RSS growth
+(replay streams: memory must not grow with the log). Costs (the old ``benchmarks``
+scripts'): the core's cost per input, log appends per durability policy, timeline
+publishing, on the first run's events.
 """
 
 from __future__ import annotations
@@ -31,13 +27,15 @@ NAME = "scale"
 TITLE = "N concurrent requests on one node (in-memory network, logs on disk); replay speed"
 """One line saying what is measured."""
 
-HELPER = "p2pactor.programs.bench._control_scale"
+HELPER = "p2pactor.programs.bench._scale_run"
 """The module each measurement runs in (a fresh interpreter)."""
 REPLAY_MODES = ("read", "replay", "replay --check")
 """Reading the log only; replaying it; replaying it with invariant checks."""
 
 
-def _json(out: str) -> dict[str, Any]:
+def _run(*args: str, timeout: float) -> dict[str, Any]:
+    """Run one measurement; its JSON line."""
+    out = run_module(HELPER, *args, timeout=timeout).stdout
     for line in reversed(out.splitlines()):
         if line.startswith("{"):
             result: dict[str, Any] = json.loads(line)
@@ -54,42 +52,15 @@ def run(options: BenchOptions) -> SectionResult:
     for rep in range(repeats):
         folder = os.path.join(options.work_dir, f"scale-{rep}")
         os.makedirs(folder, exist_ok=True)
-        done = run_module(
-            HELPER, "requests", f"--requests={n}", f"--dir={folder}", timeout=600 + n / 10
-        )
-        runs.append(_json(done.stdout))
-    first = os.path.join(options.work_dir, "scale-0")
+        runs.append(_run("requests", f"--requests={n}", f"--dir={folder}", timeout=600 + n / 10))
+    first = [os.path.join(options.work_dir, "scale-0", f"{x}.log") for x in "ab"]
     big = os.path.join(options.work_dir, "replay.log")
-    written = _json(
-        run_module(
-            HELPER,
-            "write",
-            f"--events={events}",
-            "--from",
-            os.path.join(first, "a.log"),
-            os.path.join(first, "b.log"),
-            f"--out={big}",
-            timeout=1200,
-        ).stdout
-    )
-    replays: dict[str, list[dict[str, Any]]] = {m: [] for m in REPLAY_MODES}
+    written = _run("write", f"--events={events}", "--from", *first, f"--out={big}", timeout=1200)
     # One replay each: a million events take minutes to replay with checks.
+    replays = {m: [_run("replay", m, big, timeout=1200)] for m in REPLAY_MODES}
     replay_repeats = 1
-    for _ in range(replay_repeats):
-        for mode in REPLAY_MODES:
-            replays[mode].append(
-                _json(run_module(HELPER, "replay", mode, big, timeout=1200).stdout)
-            )
     os.remove(big)
-    costs = _json(
-        run_module(
-            "p2pactor.programs.bench._costs",
-            f"--lives={200 if options.quick else 2000}",
-            os.path.join(first, "a.log"),
-            os.path.join(first, "b.log"),
-            timeout=600,
-        ).stdout
-    )
+    costs = _run("costs", f"--lives={200 if options.quick else 2000}", *first, timeout=600)
 
     def stat(key: str, scale: float = 1.0) -> Stat:
         return Stat.of(float(r[key]) * scale for r in runs)
@@ -153,7 +124,7 @@ def run(options: BenchOptions) -> SectionResult:
             "close, lookup then fetch), median per input; log append: that run's events 3 at "
             "a time from a trio task, 'loop trip' = the longest return to it (the flusher's "
             "writes); timeline: the same events through Feed.watch, one per step "
-            "(all in-process, p2pactor.programs.bench._costs)"
+            "(all in-process, p2pactor.programs.bench._scale_run costs)"
         ),
     ]
     failed = sum(int(r["failed"]) for r in runs)
