@@ -12,11 +12,10 @@ JSON command line with one JSON line:
   the call to its answers: the figure reported), ``Node.fetch`` of their blocks, every
   byte compared, ``Node.finish``.
 * ``{"cmd": "window"}``: what was measured since ``start`` or the last window (lookups,
-  latency p50/p99/max and every latency in seconds, blocks verified, failures: a MISS,
-  a failed fetch, a wrong byte, the first few described); a new window begins.
-* ``{"cmd": "stop"}``: stop after the current request; answer the last window.
+  their p99 and every latency in seconds, blocks verified, failures: a MISS, a failed
+  fetch, a wrong byte, the first few described); a new window begins.
 
-It exits when its stdin closes.
+It exits when its stdin closes, cancelling the request under way.
 """
 
 from __future__ import annotations
@@ -52,9 +51,7 @@ class _Tally:
         xs = self.lookups
         return {
             "lookups": len(xs),
-            "lookup_p50_s": percentile(xs, 0.5) if xs else None,
             "lookup_p99_s": percentile(xs, 0.99) if xs else None,
-            "lookup_max_s": max(xs, default=None),
             "verified": self.verified,
             "failed": self.failed,
             "failures": self.failures,
@@ -124,15 +121,12 @@ async def _run(args: argparse.Namespace) -> None:
             cache.free(into)
             node.finish(kv)
 
-    async def loop(node: Node, box: list[_Tally], stop: trio.Event, done: trio.Event) -> None:
+    async def loop(node: Node, box: list[_Tally]) -> None:
         due = trio.current_time()
-        try:
-            while not stop.is_set():
-                await one(node, box[0])
-                due = max(due + 1.0 / args.rate, trio.current_time())
-                await trio.sleep_until(due)
-        finally:
-            done.set()
+        while True:
+            await one(node, box[0])
+            due = max(due + 1.0 / args.rate, trio.current_time())
+            await trio.sleep_until(due)
 
     async with (
         open_bench_node(
@@ -141,26 +135,15 @@ async def _run(args: argparse.Namespace) -> None:
         trio.open_nursery() as nursery,
     ):
         say("READY")
-        running: tuple[list[_Tally], trio.Event, trio.Event] | None = None
+        box = [_Tally()]
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
-            cmd = json.loads(line)["cmd"]
-            if cmd == "start" and running is None:
-                running = ([_Tally()], trio.Event(), trio.Event())
-                nursery.start_soon(loop, node, *running)
+            if json.loads(line)["cmd"] == "start":
+                nursery.start_soon(loop, node, box)
                 say({"started": True})
-            elif cmd == "window" and running is not None:
-                ended, running[0][0] = running[0][0], _Tally()
+            else:  # a window: what was measured since the last; a new one begins
+                ended, box[0] = box[0], _Tally()
                 say(ended.result())
-            elif cmd == "stop" and running is not None:
-                running[1].set()
-                await running[2].wait()
-                say(running[0][0].result())
-                running = None
-            else:
-                say({"error": f"unexpected command {cmd!r}"})
-        if running is not None:
-            running[1].set()
-            await running[2].wait()
+        nursery.cancel_scope.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

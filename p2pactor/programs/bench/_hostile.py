@@ -16,8 +16,6 @@ summaries, except for the lookup flood, in vLLM's base dialect. The attacks:
   claiming ``--claims`` (that many) fingerprints, in parts of 65,536 paced 10 ms apart.
 * ``snapshot-flood``: ``--count`` one-part snapshots of 65,536 fingerprints.
 * ``deltas-mid-snapshot``: part 0 of 2, ``--count`` deltas of 65,536, then part 1.
-* ``liar``: claim the keys ``serve --preload --claims`` would hold, answer HIT to every
-  lookup and ``transfer_done(success=false)`` to every fetch, until stdin closes.
 * ``refused-frame``: per ``--sizes`` (bytes) and ``--modes`` (``session``: after a
   handshake; ``fresh``: a new connection's first frame), one ``kvsum_delta`` whose
   ``add`` is an array of empty maps, which the decoder must refuse.
@@ -44,7 +42,6 @@ import mmap
 import os
 import random
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,7 +55,7 @@ import zmq
 from p2pactor.adapters.nixl import open_nixl_transport
 from p2pactor.core import protocol as wire
 from p2pactor.programs.bench._control_common import say
-from p2pactor.programs.bench._hostile_peer import Failure, RawPeer, fingerprint
+from p2pactor.programs.bench._hostile_peer import Failure, RawPeer
 
 MAX_FPS = 65_536
 """Fingerprints in the largest summary field (``MAX_SUMMARY_BYTES`` / 8)."""
@@ -180,34 +177,6 @@ def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
     return {"deltas": a.args.count, "resyncs": peer.count("kvsum_resync") - before}
 
 
-def _liar(a: Attack) -> None:
-    from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415 - this attack only
-
-    peer = a.session
-    keys = preload_keys(a.args.hash_seed, a.args.claims or 200)
-    peer.send(_snapshot(wire.packed([fingerprint(k) for k in keys]), _epoch()))
-    peer.ping("claimed")
-    say(f"CLAIMED {json.dumps({'keys': len(keys)})}")
-    closed = threading.Event()
-    threading.Thread(target=_watch_stdin, args=(closed,), daemon=True).start()
-    lookups = fetches = 0
-    while not closed.is_set():
-        msg = peer.take(0.05)
-        if isinstance(msg, wire.Lookup):
-            lookups += 1
-            hits = (True,) * len(msg.keys)
-            peer.send(wire.LookupResp(kv_request_id=msg.kv_request_id, keys=msg.keys, hits=hits))
-        elif isinstance(msg, wire.Fetch) and msg.keys:
-            fetches += 1  # a HIT it never delivers: the fetch "failed" at once
-            kv, seq = msg.kv_request_id, msg.round_seq
-            peer.send(wire.TransferDone(kv_request_id=kv, success=False, round_seq=seq))
-        elif isinstance(msg, wire.AbortFetch):
-            peer.send(wire.AbortAck(kv_request_id=msg.kv_request_id, round_seq=msg.round_seq))
-        elif isinstance(msg, wire.Disconnect):
-            raise Failure("the victim disconnected the liar")
-    say(f"DONE {json.dumps({'label': 'liar', 'lookups': lookups, 'fetches_failed': fetches})}")
-
-
 def _refused_frames(a: Attack) -> None:
     for size in a.args.sizes:
         frame = refused_frame(size)
@@ -296,7 +265,6 @@ def _stepped(body: Callable[[Attack], dict[str, object]]) -> Callable[[Attack], 
 
 ATTACKS: dict[str, Callable[[Attack], None]] = {
     "lookup-flood": _lookup_flood,
-    "liar": _liar,
     "refused-frame": _refused_frames,
 } | {
     name: _stepped(body)
@@ -313,12 +281,6 @@ ATTACKS: dict[str, Callable[[Attack], None]] = {
 """Each attack by its ``--attack`` name."""
 
 
-def _watch_stdin(closed: threading.Event) -> None:
-    while sys.stdin.readline():
-        pass
-    closed.set()
-
-
 def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     a = Attack(args, ctx, agent)
@@ -332,8 +294,9 @@ def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int
         ATTACKS[args.attack](a)
         counts = dict(a.peer.counts) if a.peer else {}
         say(f"RESULT {json.dumps({'received': counts})}")
-        if args.paced and args.attack != "liar":
-            _watch_stdin(threading.Event())  # hold the session until stdin closes
+        if args.paced:  # hold the session until stdin closes
+            while sys.stdin.readline():
+                pass
     except Failure as exc:
         say(f"ERROR {exc}")
         return 1
@@ -370,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hash-seed", required=True, help="the victim's hash seed")
     p.add_argument("--block-len", type=int, required=True, help="the victim's block size")
     p.add_argument("--blocks", type=int, default=0, help="blocks to register (0: per attack)")
-    p.add_argument("--claims", type=int, default=0, help="register-1m/liar: keys claimed")
+    p.add_argument("--claims", type=int, default=0, help="register-1m: keys claimed")
     p.add_argument("--count", type=int, default=0, help="messages (0: the attack's default)")
     p.add_argument(
         "--sizes", type=lambda t: [int(s) for s in t.split(",")], default=[1 << 20, 4 << 20]

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from p2pactor.programs.bench._control_common import LineProcess, percentile
-from p2pactor.programs.bench._summary_victim import Monitor, Victim, Window
+from p2pactor.programs.bench._control_common import LineProcess, free_port, percentile
+from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings, Window
 
 STEP_TIMEOUT_S = 300.0
 """The longest a step may take (a flood on a loaded 2-core machine)."""
@@ -46,16 +47,13 @@ class HostileProcess(LineProcess):
         """Let it take its next step."""
         self.send("go")
 
-    def leave(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Close its stdin (it says ``disconnect`` and exits); what it said meanwhile, by word."""
+    def leave(self, timeout: float = 60.0) -> None:
+        """Close its stdin; wait until it has said ``disconnect`` and exited."""
         assert self.proc.stdin is not None
         with contextlib.suppress(BrokenPipeError):
             self.proc.stdin.close()
-        said: dict[str, Any] = {}
-        while (got := self.expect("DONE", "RESULT", "LEFT", timeout=timeout))[0] != "LEFT":
-            said[got[0]] = got[1]
+        self.expect("LEFT", timeout=timeout)
         self.proc.wait(timeout=timeout)
-        return said
 
 
 class HonestPeer(LineProcess):
@@ -132,6 +130,27 @@ class AttackResult:
         return (self.kept_kib - self.rss_before_kib) / 1024
 
 
+@contextlib.contextmanager
+def arena(settings: VictimSettings, work: Path) -> Iterator[tuple[Victim, Monitor, HonestPeer]]:
+    """A fresh victim, its monitor and an honest peer looking it up; all stopped after."""
+    victim = Victim(settings, work / f"victim-{time.time_ns()}.err")
+    honest: HonestPeer | None = None
+    monitor: Monitor | None = None
+    try:
+        victim.wait_ready()
+        honest = HonestPeer(free_port(), victim, work / f"honest-{time.time_ns()}.err")
+        honest.start()
+        monitor = Monitor(victim)
+        yield victim, monitor, honest
+    finally:
+        if monitor is not None:
+            monitor.close()
+        if honest is not None:
+            honest.close()  # it stops its lookups and exits once its stdin closes
+            honest.kill()
+        victim.close()
+
+
 def run_attack(
     attack: str,
     args: list[str],
@@ -155,7 +174,7 @@ def run_attack(
 
     def honest_window() -> dict[str, Any]:
         segments.append(honest.window())
-        return segments[-1]
+        return merge_honest(segments[-1:])
 
     def peers(document: dict[str, Any], *, closed: bool = False) -> list[str]:
         recent = document.get("closed_sessions", {}).get("recent", [])
@@ -213,7 +232,7 @@ def run_attack(
         attack=attack,
         steps=tuple(steps),
         rss_before_kib=base,
-        peak_kib=max([*peaks, peak_end, whole.max_rss_kib, *(st.peak_kib for st in steps)]),
+        peak_kib=max([*peaks, peak_end, *(st.peak_kib for st in steps)]),
         kept_kib=kept,
         honest=merge_honest(segments),
         window=whole,

@@ -3,8 +3,8 @@
 :class:`Victim` is ``p2pactor serve`` as a process (summaries on, preloaded so that an
 honest peer has something to look up); its memory is read from ``/proc/PID/status``
 (``VmRSS``; ``VmHWM``, the peak, started afresh by :meth:`Victim.reset_peak`).
-:class:`Monitor` polls it and its ``/status`` on a thread, so that a window of time can be
-asked afterwards for its largest RSS, the node thread's longest step (the slow-step
+:class:`Monitor` polls its ``/status`` on a thread, so that a window of time can be
+asked afterwards for the node thread's longest step (the slow-step
 watch's ``loop.recent_slow``) and the longest ``/status`` took.
 """
 
@@ -24,9 +24,9 @@ import attrs
 
 from p2pactor.programs.bench._control_common import ChildError, LineProcess
 
-POLL_S, STATUS_EVERY = 0.01, 10
-"""The victim's RSS is read every 10 ms (a file read: cheap for it), its ``/status`` every
-10th time (often enough that the 32 slow steps it lists do not overflow between reads)."""
+STATUS_POLL_S = 0.1
+"""How often ``/status`` is asked: often enough that the 32 slow steps it lists do not
+overflow between two reads unless slow steps follow each other back to back."""
 STATUS_TIMEOUT_S = 30.0
 
 
@@ -112,10 +112,6 @@ class Victim:
                 raise ChildError(f"the victim did not show {what} within {timeout:g} s")
             time.sleep(0.05)
 
-    def has_peer(self, peer: str) -> bool:
-        """Whether the victim has a session with ``peer`` now."""
-        return any(p.get("peer") == peer for p in self.status().get("peers", []))
-
     def close(self) -> None:
         """Stop it (SIGTERM, then SIGKILL after 20 s) and reap it."""
         if self.proc.poll() is None:
@@ -129,7 +125,6 @@ class Victim:
 class Window:
     """What the monitor saw between two times (unix seconds)."""
 
-    max_rss_kib: int
     longest_step_s: float | None
     """The node thread's longest slow step that began in the window (None: no watch)."""
     longest_task: str
@@ -139,13 +134,15 @@ class Window:
 
 
 class Monitor:
-    """Reads the victim's RSS and ``/status`` on a thread until :meth:`close`."""
+    """Reads the victim's ``/status`` on a thread until :meth:`close`.
+
+    Its RSS needs no polling: its ``VmHWM``, read before each reset, is the exact peak.
+    """
 
     def __init__(self, victim: Victim) -> None:
         self._victim = victim
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._rss: list[tuple[float, int]] = []
         self._status: list[tuple[float, float]] = []  # (asked at, seconds to answer)
         self._slow: set[tuple[float, float, str]] = set()
         self.watching = False  # the victim reports its slow steps (``loop`` in /status)
@@ -153,14 +150,7 @@ class Monitor:
         self._thread.start()
 
     def _poll(self) -> None:
-        n = 0
-        while not self._stop.wait(POLL_S):
-            rss, _ = self._victim.memory_kib()
-            with self._lock:
-                self._rss.append((time.time(), rss))
-            n += 1
-            if n % STATUS_EVERY:
-                continue
+        while not self._stop.wait(STATUS_POLL_S):
             t0 = time.time()
             try:
                 loop = self._victim.status().get("loop")
@@ -184,14 +174,12 @@ class Monitor:
             with self._lock:
                 if self._status and self._status[-1][0] >= end:
                     break
-            time.sleep(POLL_S)
+            time.sleep(STATUS_POLL_S / 4)
         with self._lock:
-            rss = [kib for t, kib in self._rss if start <= t <= end]
             took = [s for t, s in self._status if start <= t <= end]
             slow = max(((s, t) for at, s, t in self._slow if start <= at <= end), default=None)
             watching = self.watching
         return Window(
-            max_rss_kib=max(rss, default=0),
             longest_step_s=(slow[0] if slow else 0.0) if watching else None,
             longest_task=slow[1] if slow else "",
             status_max_s=max(took, default=None),

@@ -62,56 +62,40 @@ def run(options: BenchOptions) -> SectionResult:
     os.remove(big)
     costs = _run("costs", f"--lives={200 if options.quick else 2000}", *first, timeout=600)
 
-    def stat(key: str, scale: float = 1.0) -> Stat:
-        return Stat.of(float(r[key]) * scale for r in runs)
+    def stat(key: str, scale: float = 1.0, rs: list[dict[str, Any]] = runs) -> Stat:
+        return Stat.of(float(r[key]) * scale for r in rs)
 
-    rows: list[dict[str, Cell]] = [
-        {"figure": "concurrent requests", "value": n, "unit": "requests"},
-        {"figure": "time until all done", "value": stat("seconds"), "unit": "s"},
-        {
-            "figure": "requests per second",
-            "value": Stat.of(n / r["seconds"] for r in runs),
-            "unit": "1/s",
-        },
-        {"figure": "events logged (both nodes)", "value": stat("events"), "unit": "events"},
-        {
-            "figure": "events through decide/evolve/log",
-            "value": Stat.of(r["events"] / r["seconds"] for r in runs),
-            "unit": "events/s",
-        },
-        {"figure": "peak RSS", "value": stat("peak_rss_kib", 1 / 1024), "unit": "MiB"},
-        {
-            "figure": "RSS growth during the run",
-            "value": stat("rss_growth_kib", 1 / 1024),
-            "unit": "MiB",
-        },
-        {"figure": "RSS growth per request", "value": stat("rss_growth_kib", 1 / n), "unit": "KiB"},
-        {"figure": "failed requests", "value": stat("failed"), "unit": "requests"},
-        {"figure": "replay log", "value": int(written["events"]), "unit": "events"},
-        {"figure": "replay log size", "value": written["bytes"] / 2**20, "unit": "MiB"},
-        {
-            "figure": "writing the replay log",
-            "value": written["events"] / written["seconds"],
-            "unit": "events/s",
-        },
+    def per_s(rs: list[dict[str, Any]], what: str = "events") -> Stat:
+        return Stat.of(float(r[what]) / r["seconds"] for r in rs)
+
+    w, ev, logs, feed = written, costs["events"], costs["durability"], costs["timeline"]
+    table: list[tuple[str, Cell, str]] = [
+        ("concurrent requests", n, "requests"),
+        ("time until all done", stat("seconds"), "s"),
+        ("requests per second", per_s(runs, "requests"), "1/s"),
+        ("events logged (both nodes)", stat("events"), "events"),
+        ("events through decide/evolve/log", per_s(runs), "events/s"),
+        ("peak RSS", stat("peak_rss_kib", 1 / 1024), "MiB"),
+        ("RSS growth during the run", stat("rss_growth_kib", 1 / 1024), "MiB"),
+        ("RSS growth per request", stat("rss_growth_kib", 1 / n), "KiB"),
+        ("failed requests", stat("failed"), "requests"),
+        ("replay log", int(w["events"]), "events"),
+        ("replay log size", w["bytes"] / 2**20, "MiB"),
+        ("writing the replay log", w["events"] / w["seconds"], "events/s"),
     ]
-    for mode in REPLAY_MODES:
-        rs = replays[mode]
-        rows.append(
-            {
-                "figure": f"{mode}: speed",
-                "value": Stat.of(r["events"] / r["seconds"] for r in rs),
-                "unit": "events/s",
-            }
-        )
-        rows.append(
-            {
-                "figure": f"{mode}: peak RSS growth",
-                "value": Stat.of(r["growth_kib"] / 1024 for r in rs),
-                "unit": "MiB",
-            }
-        )
-    rows += _cost_rows(costs)
+    for mode, rs in replays.items():
+        table += [(f"{mode}: speed", per_s(rs), "events/s")]
+        table += [(f"{mode}: peak RSS growth", stat("growth_kib", 1 / 1024, rs), "MiB")]
+    table += [(f"event cost: {k}", v, "us") for k, v in ev["inputs"].items()]
+    table += [(f"event cost: {k} per life", v, "us") for k, v in ev["lives"].items()]
+    for policy, f in logs.items():
+        table += [(f"log append {policy}: {k}", f[k], "us") for k in ("p50", "p99")]
+        table += [(f"log append {policy}: loop trip max", f["stall"], "us")]
+    for subs, f in feed.items():
+        what = "no subscriber" if subs == "none" else f"10 {subs} subscribers"
+        table += [(f"timeline, {what}: publish", f["events_per_s"], "events/s")]
+        table += [(f"timeline, {what}: longest watch", f["worst_ms"], "ms")]
+    rows: list[dict[str, Cell]] = [{"figure": f, "value": v, "unit": u} for f, v, u in table]
     notes = [
         (
             f"{repeats} repeat(s) of the requests and {replay_repeats} of each replay, each "
@@ -134,31 +118,3 @@ def run(options: BenchOptions) -> SectionResult:
     if violations:
         notes.append(f"replay --check found {violations} violation(s) in the repeated log")
     return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
-
-
-def _cost_rows(costs: dict[str, Any]) -> list[dict[str, Cell]]:
-    ev, logs, feed = costs["events"], costs["durability"], costs["timeline"]
-    rows: list[dict[str, Cell]] = [
-        {"figure": f"event cost: {k}", "value": v, "unit": "us"} for k, v in ev["inputs"].items()
-    ]
-    rows += [
-        {"figure": f"event cost: {k} per life", "value": v, "unit": "us"}
-        for k, v in ev["lives"].items()
-    ]
-    for policy, f in logs.items():
-        rows += [
-            {"figure": f"log append {policy}: p50", "value": f["p50"], "unit": "us"},
-            {"figure": f"log append {policy}: p99", "value": f["p99"], "unit": "us"},
-            {"figure": f"log append {policy}: loop trip max", "value": f["stall"], "unit": "us"},
-        ]
-    for subs, f in feed.items():
-        what = "no subscriber" if subs == "none" else f"10 {subs} subscribers"
-        rows += [
-            {
-                "figure": f"timeline, {what}: publish",
-                "value": f["events_per_s"],
-                "unit": "events/s",
-            },
-            {"figure": f"timeline, {what}: longest watch", "value": f["worst_ms"], "unit": "ms"},
-        ]
-    return rows

@@ -23,13 +23,8 @@ import attrs
 
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.programs.bench._control_common import free_port, nixl_missing
-from p2pactor.programs.bench._summary_drive import (
-    AttackResult,
-    HonestPeer,
-    merge_honest,
-    run_attack,
-)
-from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings, Window
+from p2pactor.programs.bench._summary_drive import AttackResult, arena, merge_honest, run_attack
+from p2pactor.programs.bench._summary_victim import VictimSettings, Window
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "summary-attack"
@@ -89,17 +84,8 @@ def _repeat(
     work: Path, attacks: Sequence[tuple[str, str, tuple[str, ...]]], baseline_s: float
 ) -> Any:
     """One fresh victim and honest peer: the baseline and every attack."""
-    victim = Victim(
-        VictimSettings(port=free_port(), metrics_port=free_port()),
-        work / f"summary-victim-{time.time_ns()}.err",
-    )
-    honest: HonestPeer | None = None
-    monitor: Monitor | None = None
-    try:
-        victim.wait_ready()
-        honest = HonestPeer(free_port(), victim, work / f"summary-honest-{time.time_ns()}.err")
-        honest.start()
-        monitor = Monitor(victim)
+    settings = VictimSettings(port=free_port(), metrics_port=free_port())
+    with arena(settings, work) as (victim, monitor, honest):
         time.sleep(WARMUP_S)
         honest.window()
         windows = []
@@ -118,13 +104,6 @@ def _repeat(
             for row, name, args in attacks
         }
         return baseline, results, monitor.watching
-    finally:
-        if monitor is not None:
-            monitor.close()
-        if honest is not None:
-            honest.close()  # it stops its lookups and exits once its stdin closes
-            honest.kill()
-        victim.close()
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -306,7 +285,7 @@ def _tabulate(
         ),
         (
             "RSS over the victim's RSS before the hostile peer connected: peak (VmHWM, started "
-            "afresh before each step, and polled every 10 ms), held (its last step done, the "
+            "afresh before each step, read before each reset), held (its last step done, the "
             "session open), kept (once the victim ended the session); refused frames: per "
             "frame, over the RSS just before it"
         ),
