@@ -14,7 +14,8 @@ summaries, except for the lookup flood, in vLLM's base dialect. The attacks:
   priority, as a peer on another host, whose sending costs the victim nothing).
 * ``register-1m``: register ``--blocks`` (1,000,000) blocks and send a valid snapshot
   claiming ``--claims`` (that many) fingerprints, in parts of 65,536 paced 10 ms apart.
-* ``snapshot-flood``: ``--count`` one-part snapshots of 65,536 fingerprints.
+* ``snapshot-flood``: ``--count`` (every attack below sends that many) one-part snapshots
+  of 65,536 fingerprints.
 * ``deltas-mid-snapshot``: part 0 of 2, ``--count`` deltas of 65,536, then part 1.
 * ``refused-frame``: per ``--sizes`` (bytes) and ``--modes`` (``session``: after a
   handshake; ``fresh``: a new connection's first frame), one ``kvsum_delta`` whose
@@ -65,15 +66,6 @@ DEFAULT_BLOCKS = {"register-1m": 1_000_000} | dict.fromkeys(
 )
 """Blocks registered (else 64: the others attack with what they send, not with memory).
 131,072 holds two of the largest parts and the deltas buffered meanwhile."""
-DEFAULT_COUNTS = {
-    "snapshot-flood": 300,
-    "deltas-mid-snapshot": 255,
-    "resync-flood": 100_000,
-    "epoch-flip": 3_000,
-    "max-frames": 2_000,
-    "max-lookups": 300,
-}
-"""Messages each attack sends unless ``--count`` says."""
 PART_INTERVAL_S = 0.01
 """Seconds between two parts of the register attack's snapshot (a p2pactor sender's pacing)."""
 
@@ -334,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--block-len", type=int, required=True, help="the victim's block size")
     p.add_argument("--blocks", type=int, default=0, help="blocks to register (0: per attack)")
     p.add_argument("--claims", type=int, default=0, help="register-1m: keys claimed")
-    p.add_argument("--count", type=int, default=0, help="messages (0: the attack's default)")
+    p.add_argument("--count", type=int, default=0, help="messages the attack sends")
     p.add_argument(
         "--sizes", type=lambda t: [int(s) for s in t.split(",")], default=[1 << 20, 4 << 20]
     )
@@ -346,7 +338,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--preload", type=int, default=0, help="lookup-flood: serve's --preload")
     p.add_argument("--paced", action="store_true", help="wait for a stdin line per step")
     args = p.parse_args(argv)
-    args.count = args.count or DEFAULT_COUNTS.get(args.attack, 0)
     if args.attack != "lookup-flood" and hasattr(os, "SCHED_IDLE"):
         # On 2 cores a peer sending flat out would take a core from the victim and
         # the honest peer, which one on another host never does.

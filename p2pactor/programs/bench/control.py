@@ -1,27 +1,16 @@
 """Control plane: lookup throughput and latency, ours against vLLM 0.33.0's P2P sessions.
 
-Per side, two processes on 127.0.0.1 over real ZeroMQ
-(:mod:`p2pactor.programs.bench._control_peer`): a producer holding 4,096 blocks in an
-:class:`~p2pactor.runtime.parent.EmbeddedCache`, and a consumer running C concurrent
-lookup loops of K keys each (a fresh request id per lookup, every key a hit,
-the request finished once answered). Ours: two p2pactor nodes (``Node.lookup``,
-``Node.finish``; the producer serves from the cache as its embedded parent).
-vLLM: its ``P2PSecondaryTierManager`` on both sides (its ``P2PSession`` and
-``ZmqTransport``), each driven by a loop that wakes as soon as its ROUTER socket
-is readable (else every 1 ms, vLLM's tier-poll interval), with a vLLM
-``ParentManager`` over the same cache class on the producer: vLLM's session code
-at its fastest, not held back by engine steps.
-
-All four processes start together and stay up; every repeat runs every cell
-(K keys x C concurrent) on both sides in turn (alternating which goes first),
-for a fixed time each. Reported per cell: lookups/s, latency p50 and p99 (from
-the lookup call to every answer), CPU per lookup of both processes, medians over
-repeats with [min..max]; the ratios ours/vLLM per repeat.
-
-Then idle CPU (what was the ``idle`` section): per repeat (at most 3), one
-window of 10 s (``--quick``: 1 s) in which nothing calls our nodes and vLLM's
-tiers are called every 1 ms as vLLM's tier-poll thread calls an idle engine's;
-every thread's CPU (schedstat) of all four processes, side by side.
+Per side a producer holding 4,096 blocks and a consumer running C concurrent lookup loops
+of K keys (every key a hit), processes of :mod:`p2pactor.programs.bench._control_peer`
+(whose docstring says what each side runs: two p2pactor nodes, or vLLM's
+``P2PSecondaryTierManager`` on both ends at its fastest, not held back by engine steps).
+All four processes start together and stay up; every repeat runs every cell on both
+sides in turn (alternating which goes first, the other side stopped), for a fixed time
+each: lookups/s, latency p50 and p99 (from the lookup call to every answer), CPU per
+lookup of both processes, medians over repeats with [min..max]; the ratios ours/vLLM per
+repeat. Then idle CPU: per repeat (at most 3) a window of 10 s (``--quick``: 1 s) in which
+nothing calls our nodes and vLLM's tiers are called every 1 ms as vLLM's tier-poll thread
+calls an idle engine's; every thread's CPU (schedstat) of all four processes.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Actor scale: 10,000 concurrent requests on one node; replay speed; in-process costs.
 
 Each measurement runs in a fresh interpreter, so that its peak RSS is its own
-(:mod:`p2pactor.programs.bench._scale_run`, whose docstring says each). Requests: two
-nodes over the in-memory transports, both writing real event logs on disk; one starts
-10,000 requests at once (quick: 1,000) against the other, each a lookup of 4 keys (3
-hits), a fetch of the hits, finish: time until all are done, events through
-decide/evolve/log and their rate, peak RSS and its growth. Replay: a log of 1,000,000
-events (quick: 100,000), the first run's events repeated under fresh request ids, read,
-replayed, and replayed with invariant checks: events per second and peak RSS growth
-(replay streams: memory must not grow with the log). Costs (the old ``benchmarks``
-scripts'): the core's cost per input, log appends per durability policy, timeline
-publishing, on the first run's events.
+(:mod:`p2pactor.programs.bench._scale_run`, whose docstring says each): 10,000 requests
+at once (quick: 1,000) between two nodes over the in-memory transports, both logging to
+disk; the replay of a log of 1,000,000 events (quick: 100,000), the first run's events
+repeated (replay streams: memory must not grow with the log); the costs the old
+``benchmarks`` scripts measured, on the first run's events.
 """
 
 from __future__ import annotations
