@@ -41,7 +41,7 @@ import zmq
 from p2pactor.core import protocol as wire
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.programs.bench._control_common import nixl_missing, open_bench_node
-from p2pactor.programs.bench._hostile_peer import RawPeer, fingerprint
+from p2pactor.programs.bench._hostile_peer import RawPeer
 from p2pactor.programs.bench._summary_drive import AttackResult, HonestPeer, run_attack
 from p2pactor.programs.bench._summary_drive import arena as victim_arena
 from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings
@@ -231,6 +231,16 @@ class LiarResult:
     failed_fetches: int
     liar: dict[str, int]
     """What the liar did: lookups answered, fetches failed."""
+
+
+def fingerprint(key: bytes) -> int:
+    """A key's 64-bit summary fingerprint, as ``docs/protocol.md`` defines it.
+
+    Written from the document, not imported: the attacker is a separate
+    implementation of the wire format, as a real one would be.
+    """
+    group = int.from_bytes(key[-4:], "big")
+    return int.from_bytes(key[-12:-4], "big") ^ ((group * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))
 
 
 def _lie(

@@ -30,16 +30,6 @@ class Failure(Exception):
     """The attack could not go on; the message says why."""
 
 
-def fingerprint(key: bytes) -> int:
-    """A key's 64-bit summary fingerprint, as ``docs/protocol.md`` defines it.
-
-    Written from the document, not imported: the attacker is a separate
-    implementation of the wire format, as a real one would be.
-    """
-    group = int.from_bytes(key[-4:], "big")
-    return int.from_bytes(key[-12:-4], "big") ^ ((group * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))
-
-
 class RawPeer:
     """One session's raw sockets: a ROUTER of our own and a DEALER to the victim.
 

@@ -27,35 +27,6 @@ SETTLE_CAP_S = 30.0
 """The longest the victim may take to fold a step's summaries in before it is read anyway."""
 
 
-class HostileProcess(LineProcess):
-    """The hostile peer's process (:mod:`p2pactor.programs.bench._hostile`), paced by stdin."""
-
-    def __init__(
-        self, victim: str, attack: str, args: list[str], stderr: Path, *, preload: int = 0
-    ) -> None:
-        super().__init__(
-            "p2pactor.programs.bench._hostile",
-            *(f"--victim={victim}", f"--attack={attack}", f"--preload={preload}", *args),
-            stderr=str(stderr),
-        )
-
-    def expect(self, *words: str, timeout: float | None = STEP_TIMEOUT_S) -> tuple[str, Any]:
-        """The next line starting with one of ``words`` (within a step's time by default)."""
-        return super().expect(*words, timeout=timeout)
-
-    def go(self) -> None:
-        """Let it take its next step."""
-        self.send("go")
-
-    def leave(self, timeout: float = 60.0) -> None:
-        """Close its stdin; wait until it has said ``disconnect`` and exited."""
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
-        self.expect("LEFT", timeout=timeout)
-        self.proc.wait(timeout=timeout)
-
-
 class HonestPeer(LineProcess):
     """The honest node's process (:mod:`p2pactor.programs.bench._honest`): 4 keys, 50 Hz."""
 
@@ -162,13 +133,16 @@ def run_attack(
 ) -> AttackResult:
     """Run ``attack`` (with the hostile peer's extra ``args``) against ``victim``; measure it."""
     s = victim.settings
-    hostile = HostileProcess(
-        s.node_id,
-        attack,
-        ["--paced", f"--hash-seed={s.hash_seed}", f"--block-len={s.block_len}", *args],
-        work_dir / f"hostile-{attack}-{time.time_ns()}.err",
-        preload=s.preload,
+    hostile = LineProcess(
+        "p2pactor.programs.bench._hostile",
+        *(f"--victim={s.node_id}", f"--attack={attack}", "--paced", f"--preload={s.preload}"),
+        *(f"--hash-seed={s.hash_seed}", f"--block-len={s.block_len}", *args),
+        stderr=str(work_dir / f"hostile-{attack}-{time.time_ns()}.err"),
     )
+
+    def said(*words: str, timeout: float = STEP_TIMEOUT_S) -> tuple[str, Any]:
+        return hostile.expect(*words, timeout=timeout)
+
     steps: list[StepResult] = []
     segments: list[dict[str, Any]] = []  # the honest peer's windows, the attack's whole life
 
@@ -181,23 +155,23 @@ def run_attack(
         return [str(p.get("peer")) for p in (recent if closed else document.get("peers", []))]
 
     try:
-        hostile.expect("LOADED", timeout=120)
+        said("LOADED", timeout=120)
         # Its process is up: from here on what the victim does is the attack's.
         base, _ = victim.memory_kib()
         victim.reset_peak()
         honest.window()  # before the attack: not its
         start = time.time()
-        hostile.go()
-        _, peer = hostile.expect("READY", timeout=120)
+        hostile.send("go")
+        _, peer = said("READY", timeout=120)
         peaks = [victim.memory_kib()[1]]
-        while hostile.expect("STEP", "RESULT")[0] != "RESULT":
+        while said("STEP", "RESULT")[0] != "RESULT":
             rss, hwm = victim.memory_kib()
             peaks.append(hwm)
             victim.reset_peak()
             honest_window()
             t_go = time.time()
-            hostile.go()
-            _, done = hostile.expect("DONE")
+            hostile.send("go")
+            _, done = said("DONE")
             if done.get("mode") == "fresh":  # the victim read it and refused it
                 gone = str(done["peer"])
                 victim.wait_status(lambda d: gone in peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
@@ -218,7 +192,11 @@ def run_attack(
             )
         peaks.append(victim.memory_kib()[1])
         victim.reset_peak()
-        hostile.leave()
+        assert hostile.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            hostile.proc.stdin.close()  # it says disconnect, then LEFT, and exits
+        said("LEFT", timeout=60)
+        hostile.proc.wait(timeout=60)
         if peer != "-":
             victim.wait_status(lambda d: peer not in peers(d), 60, f"the end of {peer}")
         time.sleep(0.3)  # what leaving sets off (the session's end) runs its course
