@@ -935,7 +935,7 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
                     nursery.start_soon(honest_workload)
                 assert flooder.returncode == 0, lines
                 ready = [line for line in lines if line.startswith("READY ")]
-                phases = [json.loads(line[6:]) for line in lines if line.startswith("PHASE ")]
+                phases = [json.loads(line[5:]) for line in lines if line.startswith("DONE ")]
                 assert len(ready) == 1
                 assert [p["answered"] for p in phases] == [1500, 1500, 500]
                 hostile = ready[0].split()[1]

@@ -7,8 +7,9 @@ byte (:mod:`p2pactor.programs.bench._honest`), and the hostile peer as a
 process of its own (:mod:`p2pactor.programs.bench._hostile`), driven
 step by step as the ``summary-attack`` bench section drives it
 (:func:`~p2pactor.programs.bench._summary_drive.run_attack`). The liar's test
-runs the consumer that chooses its sources itself in this process
-(:func:`~p2pactor.programs.bench._summary_liar.run_liar`).
+runs the consumer that chooses its sources itself and the liar, a raw peer
+(:class:`~p2pactor.programs.bench._hostile_peer.RawPeer`) on a thread, in this
+process (:func:`run_liar`).
 
 They assert outcomes, never timings: what the victim's memory grew by (read
 from ``/proc``), how many resyncs or snapshot parts the hostile peer got, how
@@ -24,27 +25,32 @@ them is cut off once ``ZmqOptions.inbound_bytes`` of them wait.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import pytest
+import trio
+import zmq
 
+from p2pactor.core import protocol as wire
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
-from p2pactor.programs.bench._control_common import nixl_missing
+from p2pactor.programs.bench._control_common import nixl_missing, open_bench_node
+from p2pactor.programs.bench._hostile_peer import RawPeer
 from p2pactor.programs.bench._summary_drive import AttackResult, HonestPeer, run_attack
-from p2pactor.programs.bench._summary_liar import run_liar
-from p2pactor.programs.bench._summary_report import (
+from p2pactor.programs.bench._summary_drive import arena as victim_arena
+from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings
+from p2pactor.programs.bench.summary_attack import (
     EPOCH_TARGET,
     FRAME_TARGET_X,
-    LIAR_TARGET,
     RSS_TARGET_MIB,
     parts_per_snapshot,
 )
-from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings
 from p2pactor.runtime.source_options import SourceOptions
 from tests.ports import free_port
 
@@ -69,6 +75,10 @@ RESYNC_INTERVAL_S = 1.0
 """The least time between two snapshots a node sends one peer because it asked."""
 HONEST_AFTER = 10
 """Honest lookups after an attack that must all be served right."""
+LIAR_TARGET = 10
+"""Issue 30: a HIT-then-fail liar quarantined after at most this many misrouted requests."""
+LIAR_CLAIMS, LIAR_KEYS = 400, 10
+"""Keys the liar claims; keys a request to it looks up (a run it claims)."""
 
 
 @attrs.define
@@ -113,22 +123,8 @@ class Arena:
 def arena(tmp_path: Path) -> Iterator[Arena]:
     # No --slow-step-ms: these tests assert no timing, so they need no watch.
     settings = VictimSettings(port=free_port(), metrics_port=free_port(), slow_step_ms=None)
-    victim = Victim(settings, tmp_path / "victim.err")
-    honest: HonestPeer | None = None
-    monitor: Monitor | None = None
-    try:
-        victim.wait_ready()
-        honest = HonestPeer(free_port(), victim, tmp_path / "honest.err")
-        honest.start()
-        monitor = Monitor(victim)
+    with victim_arena(settings, tmp_path) as (victim, monitor, honest):
         yield Arena(victim, monitor, honest, tmp_path)
-    finally:
-        if monitor is not None:
-            monitor.close()
-        if honest is not None:
-            honest.close()
-            honest.kill()
-        victim.close()
 
 
 def _bounded(result: AttackResult) -> None:
@@ -185,7 +181,8 @@ def test_a_refused_frame_costs_at_most_twice_its_size(arena: Arena, mode: str) -
         most = FRAME_TARGET_X * int(step.hostile["bytes"]) + FRAME_SLACK_MIB * MIB
         assert grown <= most, f"{step.label}: the victim's RSS grew by {grown / MIB:.1f} MiB"
     # In a session the victim ended it (a violation); a fresh one never began.
-    assert not any(arena.victim.has_peer(str(s.hostile["peer"])) for s in result.steps)
+    peers = {p.get("peer") for p in arena.victim.status().get("peers", [])}
+    assert not any(str(s.hostile["peer"]) in peers for s in result.steps)
 
 
 def test_a_resync_flood_earns_at_most_one_snapshot_a_second(arena: Arena) -> None:
@@ -217,15 +214,132 @@ def test_a_stream_of_the_largest_lookups_costs_a_bounded_amount(arena: Arena) ->
     if result.steps[-1].hostile["cut"]:
         # Cut off as a flood (whether it is depends on how fast each side ran):
         # the victim's log says why.
-        log = (arena.work / "victim.err").read_text()
+        log = arena.victim.stderr.read_text()
         assert "flooded us: more than" in log
         assert "not yet handled" in log
 
 
-def test_a_peer_that_answers_hit_and_fails_every_fetch_is_quarantined(tmp_path: Path) -> None:
-    result = run_liar(
-        port=free_port(), block_len=1024, hash_seed="summary-attack", work_dir=tmp_path
+@attrs.frozen(kw_only=True)
+class LiarResult:
+    """How many requests the liar got before the node stopped choosing it."""
+
+    misrouted: int
+    """Requests the node sent to the liar (each answered HIT, each fetch failed)."""
+    quarantined: bool
+    reason: str
+    """Why the node chose nobody at the end (the choice's reason)."""
+    failed_fetches: int
+    liar: dict[str, int]
+    """What the liar did: lookups answered, fetches failed."""
+
+
+def fingerprint(key: bytes) -> int:
+    """A key's 64-bit summary fingerprint, as ``docs/protocol.md`` defines it.
+
+    Written from the document, not imported: the attacker is a separate
+    implementation of the wire format, as a real one would be.
+    """
+    group = int.from_bytes(key[-4:], "big")
+    return int.from_bytes(key[-12:-4], "big") ^ ((group * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))
+
+
+def _lie(
+    peer: RawPeer,
+    keys: list[bytes],
+    claimed: threading.Event,
+    stop: threading.Event,
+    did: dict[str, int],
+) -> None:
+    """Claim ``keys``, answer HIT to every lookup and fail every fetch, until ``stop``."""
+    fps = wire.packed([fingerprint(k) for k in keys])
+    peer.send(wire.KvsumSnapshot(epoch=os.urandom(16), upto_seq=0, part=0, parts=1, fps=fps))
+    peer.ping("claimed")  # the victim has applied the claims
+    claimed.set()
+    while not stop.is_set():
+        msg = peer.take(0.05)
+        if isinstance(msg, wire.Lookup):
+            did["lookups"] += 1
+            hits = (True,) * len(msg.keys)
+            peer.send(wire.LookupResp(kv_request_id=msg.kv_request_id, keys=msg.keys, hits=hits))
+        elif isinstance(msg, wire.Fetch) and msg.keys:
+            did["fetches_failed"] += 1  # a HIT it never delivers: the fetch "failed" at once
+            kv, seq = msg.kv_request_id, msg.round_seq
+            peer.send(wire.TransferDone(kv_request_id=kv, success=False, round_seq=seq))
+        elif isinstance(msg, wire.AbortFetch):
+            peer.send(wire.AbortAck(kv_request_id=msg.kv_request_id, round_seq=msg.round_seq))
+        elif isinstance(msg, wire.Disconnect):
+            raise AssertionError("the victim disconnected the liar")
+
+
+async def run_liar(limit: int = 40) -> LiarResult:
+    """A consumer node, and a liar (a raw peer on a thread of this process) dialing it.
+
+    The liar claims keys in its summary, answers HIT to every lookup and
+    ``transfer_done(success=false)`` to every fetch. The node runs requests that name no
+    source (:meth:`~p2pactor.runtime.node.Node.locate` of 10 claimed keys, a fetch of its
+    hits) until ``locate`` no longer chooses the liar; ``limit``: requests after which it
+    is taken never to quarantine it.
+    """
+    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
+    from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
+    from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415
+
+    block_len, blocks, seed, port = 1024, 64, "summary-attack", free_port()
+    keys = preload_keys(seed, LIAR_CLAIMS)
+    pool, liar_pool = bytearray(blocks * block_len), bytearray(blocks * block_len)
+    cache = EmbeddedCache(blocks, block_len, memory=memoryview(pool))
+    misrouted = failed = 0
+    quarantined, reason = False, ""
+    claimed, stop, did = threading.Event(), threading.Event(), {"lookups": 0, "fetches_failed": 0}
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    async with (
+        open_bench_node(
+            port, pool, block_len, name="liar-victim", parent=cache, hash_seed=seed
+        ) as node,
+        open_nixl_transport(liar_pool, block_len, name="liar") as agent,
+    ):
+        peer = RawPeer(ctx, "127.0.0.1", f"127.0.0.1:{port}")
+        shake = functools.partial(peer.handshake, summaries=True)
+        await trio.to_thread.run_sync(
+            shake, (agent.agent_metadata, agent.base_addr, blocks, block_len), seed
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, _lie, peer, keys, claimed, stop, did)
+            await trio.to_thread.run_sync(claimed.wait)
+            for i in range(limit + 1):
+                kv = f"auto-{i}"
+                first = (i * LIAR_KEYS) % (LIAR_CLAIMS - LIAR_KEYS)
+                wanted = keys[first : first + LIAR_KEYS]
+                located = await node.locate(kv, wanted)
+                if located.peer is None:
+                    quarantined, reason = True, located.choice.reason
+                    node.finish(kv)
+                    break
+                misrouted += 1
+                answers = zip(wanted, located.answers, strict=True)
+                hits = [k for k, a in answers if a is LookupResult.HIT]
+                into = cache.allocate(len(hits))
+                try:
+                    failed += not (await node.fetch(located.peer, kv, hits, into)).success
+                finally:
+                    cache.free(into)
+                    node.finish(kv)
+            stop.set()
+        # The liar leaves first: our node's close would disconnect it mid-lie.
+        await trio.to_thread.run_sync(peer.close)
+    ctx.term()
+    return LiarResult(
+        misrouted=misrouted,
+        quarantined=quarantined,
+        reason=reason,
+        failed_fetches=failed,
+        liar=did,
     )
+
+
+async def test_a_peer_that_answers_hit_and_fails_every_fetch_is_quarantined() -> None:
+    result = await run_liar()
     assert result.quarantined, f"still chosen after {result.misrouted} misrouted requests"
     assert 1 <= result.misrouted <= LIAR_TARGET
     assert result.failed_fetches == result.misrouted  # each one answered HIT, then failed

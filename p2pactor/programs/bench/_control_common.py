@@ -40,17 +40,14 @@ def vllm_missing() -> str | None:
     return None if found else "vLLM is not importable here (pip install vllm==0.33.0)"
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment for a helper process, with NIXL quiet and ``extra`` set."""
+    return {"NIXL_LOG_LEVEL": "WARN"} | dict(os.environ) | extra
+
+
 def module_command(module: str, *args: str) -> list[str]:
     """The command line running ``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment for a helper process, with NIXL quiet and ``extra`` set."""
-    env = dict(os.environ)
-    env.setdefault("NIXL_LOG_LEVEL", "WARN")
-    env.update(extra)
-    return env
 
 
 def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -140,13 +137,6 @@ def percentile(values: Sequence[float], q: float) -> float:
         return math.nan
     ordered = sorted(values)
     return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
-
-
-def ratio_or_none(ours: float, theirs: float) -> float | None:
-    """``ours / theirs`` when both are finite and ``theirs`` is not 0, else None."""
-    if not (math.isfinite(ours) and math.isfinite(theirs)) or theirs == 0:
-        return None
-    return ours / theirs
 
 
 def peak_rss_kib() -> int:

@@ -11,14 +11,9 @@ handshakes exchange NIXL metadata) on 127.0.0.1:
   ``ZmqTransport``), driven by an event loop that wakes when its ROUTER socket
   is readable (or every 1 ms, like vLLM's tier-poll thread) and then calls
   ``get_finished_jobs()`` and ``serve_external_requests(parent)`` with
-  ``CacheParent`` (:mod:`~p2pactor.programs.bench._control_vllm`), a vLLM
-  ``ParentManager`` over the same cache class.
+  :class:`CacheParent`, a vLLM ``ParentManager`` over the same cache class.
   It prints ``READY``, serves until its stdin closes, then prints one JSON
-  line of counters (pins still held, synthetic requests still open, and per
-  peer the most blocks pinned at once and those still pinned: see
-  :class:`PinCountingCache`). With ``--default-quotas`` (the ``flood``
-  section) our node keeps its default per-peer quotas instead of limits no
-  workload reaches.
+  line of counters (pins, jobs and synthetic requests still held: all 0).
 * **consumer**: prints ``READY``, then reads one JSON command per line:
   ``{"keys": K, "conc": C, "seconds": T}`` runs C concurrent lookup loops for
   T seconds (each: a fresh request id, a lookup of K keys the producer holds,
@@ -42,12 +37,11 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import time
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from p2pactor.core.inputs import Pin
 from p2pactor.programs.bench._control_common import open_bench_node, percentile, say
 from p2pactor.runtime.parent import EmbeddedCache
 
@@ -63,13 +57,12 @@ CONSUMER_BLOCKS = 64
 """The consumer's own pool (nothing is fetched into it)."""
 
 
-def control_key(i: int) -> bytes:
-    """Key ``i``: a vLLM OffloadKey (a 32-byte block hash, then the 4-byte group index)."""
-    return hashlib.sha256(f"p2pactor-bench-control/{i}".encode()).digest() + bytes(4)
-
-
-KEYS: tuple[bytes, ...] = tuple(control_key(i) for i in range(NUM_KEYS))
-"""Every key the producer holds, in order."""
+KEYS: tuple[bytes, ...] = tuple(
+    hashlib.sha256(f"p2pactor-bench-control/{i}".encode()).digest() + bytes(4)
+    for i in range(NUM_KEYS)
+)
+"""Every key the producer holds, in order: vLLM OffloadKeys (a 32-byte block hash, then
+the 4-byte group index)."""
 
 
 def key_window(n: int, count: int) -> list[bytes]:
@@ -81,10 +74,9 @@ def key_window(n: int, count: int) -> list[bytes]:
 def ready() -> None:
     """Say READY, once set up: the startup heap is frozen first, on both sides alike.
 
-    What is left from importing and setting up (modules, the cache, the keys)
-    never needs collecting, and a full collection that scans it pauses a node
-    for tens of milliseconds, which is every lookup's latency then (vLLM's
-    engine freezes its heap the same way once it has started).
+    What is left from importing and setting up never needs collecting, and a full
+    collection that scans it pauses a node for tens of milliseconds, which is every
+    lookup's latency then (vLLM's engine freezes its heap the same way once started).
     """
     gc.collect()
     gc.freeze()
@@ -92,110 +84,54 @@ def ready() -> None:
 
 
 def cpu_s() -> float:
+    """This process's CPU seconds so far."""
     t = os.times()
     return t.user + t.system
 
 
-def _result(latencies: list[float], elapsed: float, hits: int, misses: int, cpu: float) -> Any:
-    return {
-        "lookups": len(latencies),
-        "elapsed_s": elapsed,
-        "p50_s": percentile(latencies, 0.5) if latencies else 0.0,
-        "p99_s": percentile(latencies, 0.99) if latencies else 0.0,
-        "mean_s": sum(latencies) / len(latencies) if latencies else 0.0,
-        "hits": hits,
-        "misses": misses,
-        "cpu_s": cpu,
-    }
-
-
-def begin_cell(cmd: dict[str, Any]) -> tuple[int, int, Tally, float, float, float]:
-    """A cell command's keys and concurrency, its tally, the CPU and time now, its end."""
-    tally, cpu0 = Tally(), cpu_s()
-    start = tally.last = time.perf_counter()
-    return int(cmd["keys"]), int(cmd["conc"]), tally, cpu0, start, start + float(cmd["seconds"])
-
-
 class Tally:
-    """What one cell's lookups measured so far."""
+    """What one cell's lookups measured so far (a cell command: ``keys``, ``conc``, ``seconds``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cmd: dict[str, Any]) -> None:
+        self.keys, self.conc = int(cmd["keys"]), int(cmd["conc"])
         self.latencies: list[float] = []
         self.hits = self.misses = 0
-        self.last = 0.0
+        self.cpu0, self.start = cpu_s(), time.perf_counter()
+        self.last, self.deadline = self.start, self.start + float(cmd["seconds"])
 
     def add(self, latency: float, at: float, hits: int, keys: int) -> None:
+        """One lookup: its latency, when it was answered, its hits of ``keys``."""
         self.latencies.append(latency)
         self.last = at
         self.hits += hits
         self.misses += keys - hits
 
-    def result(self, start: float, cpu: float) -> Any:
-        return _result(self.latencies, self.last - start, self.hits, self.misses, cpu)
+    def result(self) -> dict[str, Any]:
+        """The cell's answer line."""
+        xs = self.latencies
+        return {
+            "lookups": len(xs),
+            "elapsed_s": self.last - self.start,
+            "p50_s": percentile(xs, 0.5) if xs else 0.0,
+            "p99_s": percentile(xs, 0.99) if xs else 0.0,
+            "hits": self.hits,
+            "misses": self.misses,
+            "cpu_s": cpu_s() - self.cpu0,
+        }
 
 
-def block_content(i: int, block_len: int = BLOCK_LEN) -> bytes:
-    """The bytes the producer stores under key ``i``: what a fetch of it must read."""
-    return i.to_bytes(8, "little") * (block_len // 8)
-
-
-def fill(cache: Any) -> None:
+def fill(cache: EmbeddedCache) -> None:
+    """Store every key's block (key ``i``'s bytes: ``i``, little-endian, repeated)."""
     for i, key in enumerate(KEYS):
-        cache.store(key, block_content(i))
+        cache.store(key, i.to_bytes(8, "little") * (BLOCK_LEN // 8))
 
 
-class PinCountingCache(EmbeddedCache):
-    """An :class:`~p2pactor.runtime.parent.EmbeddedCache` that counts the blocks each peer pins.
-
-    Both producers (ours and vLLM's, through ``CacheParent``) pin through
-    :meth:`create_store_job` with the synthetic request's name as context,
-    ``p2p:{peer}:{kv_request_id}:lu{n}`` on both sides, so the peer is read from
-    it. A peer's count is the sum of the blocks of its jobs not yet released
-    (what our pinned-blocks quota counts); ``peak_by_peer`` is the most it
-    ever reached.
-    """
-
-    def __init__(
-        self, num_blocks: int, block_len: int, memory: bytearray | memoryview | None = None
-    ) -> None:
-        """The cache, with nothing pinned by anyone."""
-        super().__init__(num_blocks, block_len, memory)
-        self.held_by_peer: Counter[str] = Counter()
-        self.peak_by_peer: Counter[str] = Counter()
-        self._job_peer: dict[int, tuple[str, int]] = {}
-
-    def create_store_job(self, keys: Sequence[bytes], context: str) -> Pin:
-        """Pin as the cache does, and count the blocks against the context's peer."""
-        pin = super().create_store_job(keys, context)
-        peer = _peer_of(context)
-        self._job_peer[pin.job_id] = (peer, len(pin.blocks))
-        self.held_by_peer[peer] += len(pin.blocks)
-        self.peak_by_peer[peer] = max(self.peak_by_peer[peer], self.held_by_peer[peer])
-        return pin
-
-    def release_job(self, job_id: int, *, success: bool) -> None:
-        """Unpin as the cache does, and take the blocks off the peer's count."""
-        super().release_job(job_id, success=success)
-        peer, blocks = self._job_peer.pop(job_id, ("", 0))
-        if peer:
-            self.held_by_peer[peer] -= blocks
-
-
-def _peer_of(context: str) -> str:
-    # "p2p:HOST:PORT:kv_request_id:luN"; every bench process binds an IPv4
-    # address, so the peer is the two fields after the prefix.
-    parts = context.split(":", 3)
-    return f"{parts[1]}:{parts[2]}" if len(parts) > 3 and parts[0] == "p2p" else context
-
-
-def producer_counters(cache: Any) -> dict[str, Any]:
+def producer_counters(cache: EmbeddedCache) -> dict[str, Any]:
     """What the producer prints when it stops (``pinned``, ``held_jobs``, ``open`` must be 0)."""
     return {
         "pinned": cache.pinned(),
         "held_jobs": len(cache.held_jobs()),
         "open": len(cache.opened),
-        "peak_pinned_by_peer": dict(cache.peak_by_peer),
-        "pinned_by_peer": {p: n for p, n in cache.held_by_peer.items() if n},
     }
 
 
@@ -211,18 +147,13 @@ async def _ours(args: argparse.Namespace) -> None:
     producer = args.role == "producer"
     blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
     pool = bytearray(blocks * BLOCK_LEN)
-    cache = PinCountingCache(blocks, BLOCK_LEN, memory=memoryview(pool))
+    cache = EmbeddedCache(blocks, BLOCK_LEN, memory=memoryview(pool))
     if producer:
         fill(cache)
     # No quota may refuse: 64 lookups of 256 keys pin 16,384 blocks at once,
-    # and vLLM's tier has no quotas to compare with. The flood keeps the
-    # defaults: they are what protects the node from the hostile peer.
-    quotas = (
-        PeerQuotas()
-        if args.default_quotas
-        else PeerQuotas(
-            max_pinned_blocks=10**9, max_open_lookups=100_000, max_open_requests=100_000
-        )
+    # and vLLM's tier has no quotas to compare with.
+    quotas = PeerQuotas(
+        max_pinned_blocks=10**9, max_open_lookups=100_000, max_open_requests=100_000
     )
     async with (
         open_bench_node(
@@ -253,13 +184,13 @@ async def _ours(args: argparse.Namespace) -> None:
                 await trio.sleep(float(cmd["idle"]))
                 say({})
                 continue
-            keys, conc, tally, cpu0, start, deadline = begin_cell(cmd)
+            tally = Tally(cmd)
 
-            async def worker(tally: Tally, keys: int, deadline: float) -> None:
-                while time.perf_counter() < deadline:
+            async def worker(tally: Tally) -> None:
+                while time.perf_counter() < tally.deadline:
                     n = next(counter)
                     kv = f"bench-{n}"
-                    wanted = key_window(n, keys)
+                    wanted = key_window(n, tally.keys)
                     t0 = time.perf_counter()
                     answers = await node.lookup(peer, kv, wanted)
                     t1 = time.perf_counter()
@@ -267,9 +198,169 @@ async def _ours(args: argparse.Namespace) -> None:
                     tally.add(t1 - t0, t1, sum(1 for a in answers if a.name == "HIT"), len(answers))
 
             async with trio.open_nursery() as nursery:
-                for _ in range(conc):
-                    nursery.start_soon(worker, tally, keys, deadline)
-            say(tally.result(start, cpu_s() - cpu0))
+                for _ in range(tally.conc):
+                    nursery.start_soon(worker, tally)
+            say(tally.result())
+
+
+# --- vLLM's ------------------------------------------------------------------------------
+
+
+def run_vllm(args: argparse.Namespace) -> None:
+    """Run vLLM's producer or consumer until its stdin closes."""
+    os.environ["PYTHONHASHSEED"] = HASH_SEED
+    import numpy as np  # noqa: PLC0415
+    import zmq  # noqa: PLC0415
+
+    from p2pactor.programs.bench import _vllm_tier as shared  # noqa: PLC0415 - imports vLLM
+
+    vbase = sys.modules["vllm.v1.kv_offload.base"]
+    tbase = sys.modules["vllm.v1.kv_offload.tiering.base"]
+    LookupResult, ReqContext = vbase.LookupResult, vbase.ReqContext  # noqa: N806
+    ScheduleEndContext = vbase.ScheduleEndContext  # noqa: N806
+
+    producer = args.role == "producer"
+    blocks = NUM_KEYS if producer else CONSUMER_BLOCKS
+    pool = np.zeros((blocks, BLOCK_LEN), dtype=np.uint8)
+    cache = EmbeddedCache(blocks, BLOCK_LEN, memory=pool.data.cast("B"))
+    if producer:
+        fill(cache)
+    tier = shared.make_tier("vllm", pool, args.port)
+    poller = zmq.Poller()
+    poller.register(tier._control._router, zmq.POLLIN)
+    stop = threading.Event()
+
+    def watch() -> None:
+        if producer:
+            sys.stdin.read()
+            stop.set()
+
+    ready()
+    if producer:
+        parent = CacheParent(cache, tbase.TransferJob, vbase.RequestOffloadingContext, LookupResult)
+        threading.Thread(target=watch, daemon=True).start()
+        while not stop.is_set():
+            poller.poll(1)  # vLLM's tier-poll interval, unless a message arrives first
+            for result in tier.get_finished_jobs():
+                cache.release_job(int(result.job_id), success=bool(result.success))
+            tier.serve_external_requests(parent)
+        tier.shutdown()
+        say(producer_counters(cache))
+        return
+
+    source = {"remote_host": HOST, "remote_port": args.peer_port}
+    counter = iter(range(10**12))
+    retry, hit = LookupResult.RETRY, LookupResult.HIT
+    while True:
+        line = sys.stdin.readline()
+        if not line:
+            tier.shutdown()
+            return
+        cmd = json.loads(line)
+        if "idle" in cmd:  # as vLLM's tier-poll thread calls an idle engine's tier
+            end = time.perf_counter() + float(cmd["idle"])
+            while time.perf_counter() < end:
+                poller.poll(1)
+                tier.has_pending_work()
+                tier.get_finished_jobs()
+            say({})
+            continue
+        tally = Tally(cmd)
+        # in flight: (context, keys, start time)
+        flight: list[tuple[Any, list[bytes], float]] = []
+        new_ids: list[str] = []
+
+        def begin(
+            keys: int,
+            flight: list[tuple[Any, list[bytes], float]],
+            new_ids: list[str],
+        ) -> None:
+            n = next(counter)
+            ctx = ReqContext(
+                req_id=f"req-{n}",
+                kv_transfer_params={"remote_kv_source": {**source, "kv_request_id": f"bench-{n}"}},
+            )
+            wanted = key_window(n, keys)
+            t0 = time.perf_counter()
+            tier.on_new_request(ctx)
+            for key in wanted:
+                tier.lookup(key, ctx)  # registers the key: RETRY until the answer comes
+            flight.append((ctx, wanted, t0))
+            new_ids.append(ctx.req_id)
+
+        for _ in range(tally.conc):
+            begin(tally.keys, flight, new_ids)
+        while flight:
+            tier.on_schedule_end(
+                ScheduleEndContext(new_req_ids=list(new_ids), preempted_req_ids=())
+            )
+            new_ids.clear()
+            poller.poll(1)
+            tier.get_finished_jobs()
+            still = []
+            for ctx, wanted, t0 in flight:
+                # One LookupResp answers every key of the request at once.
+                if tier.lookup(wanted[0], ctx) is retry:
+                    still.append((ctx, wanted, t0))
+                    continue
+                answers = [tier.lookup(k, ctx) for k in wanted]
+                t1 = time.perf_counter()
+                tally.add(t1 - t0, t1, sum(1 for a in answers if a is hit), len(answers))
+                tier.on_request_finished(ctx)
+            done = len(flight) - len(still)
+            flight = still
+            if time.perf_counter() < tally.deadline:
+                for _ in range(done):
+                    begin(tally.keys, flight, new_ids)
+        say(tally.result())
+
+
+class CacheParent:
+    """VLLM's ``ParentManager`` over an :class:`~p2pactor.runtime.parent.EmbeddedCache`.
+
+    The same cache class our producer serves from, so both producers do the
+    same work per key (a dict lookup, a pin per job). Built on the fly (vLLM's
+    classes are passed in) so that this module imports without vLLM; the tier
+    only calls these four methods.
+    """
+
+    def __init__(self, cache: Any, job_cls: Any, ctx_cls: Any, results: Any) -> None:
+        self._cache = cache
+        self._job = job_cls
+        self._ctx = ctx_cls
+        self._results = {
+            "HIT": results.HIT,
+            "MISS": results.MISS,
+            "HIT_PENDING": results.HIT_PENDING,
+            "RETRY": results.RETRY,
+        }
+
+    def on_new_request(self, req_context: Any) -> Any:
+        """Open the synthetic request of a peer's lookup."""
+        self._cache.on_new_request(req_context.req_id)
+        return self._ctx()
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        """The cache's answer, as vLLM's LookupResult."""
+        return self._results[self._cache.lookup(bytes(key), req_context.req_id).name]
+
+    def create_store_job(self, keys: Any, req_context: Any) -> Any:
+        """Pin the blocks of ``keys``; the tier reports the job when it lets go."""
+        import numpy as np  # noqa: PLC0415
+
+        keys = [bytes(k) for k in keys]
+        pin = self._cache.create_store_job(keys, req_context.req_id)
+        return self._job(
+            job_id=pin.job_id,
+            keys=keys,
+            chunk_ids=np.array(pin.blocks, dtype=np.int64),
+            is_promotion=False,
+            req_context=req_context,
+        )
+
+    def on_request_finished(self, req_context: Any) -> None:
+        """Close the synthetic request."""
+        self._cache.on_request_finished(req_context.req_id)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -279,11 +370,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--role", choices=("producer", "consumer"), required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--peer-port", type=int, default=0)
-    parser.add_argument(
-        "--default-quotas",
-        action="store_true",
-        help="ours: keep the node's default per-peer quotas (the flood section)",
-    )
     args = parser.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.side == "ours":
@@ -291,8 +377,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         trio.run(_ours, args)
     else:
-        from p2pactor.programs.bench._control_vllm import run_vllm  # noqa: PLC0415
-
         run_vllm(args)
     return 0
 

@@ -1,29 +1,21 @@
-"""The honest peer of the hostile-peer sections (``flood``, ``summary-attack``): a timed node.
+"""The honest peer of the ``summary-attack`` section: a timed p2pactor node, run as a process.
 
-``python -m p2pactor.programs.bench._honest --port N --victim HOST:PORT --keys K
-(--pause S | --rate HZ) [--preload P --hash-seed SEED --block-len L]``: a p2pactor
-node on real ZeroMQ and NIXL on 127.0.0.1 (no parent: it only consumes) whose
-victim holds either ``p2pactor serve --preload P``'s blocks
+``python -m p2pactor.programs.bench._honest --port N --victim HOST:PORT --keys K --rate HZ
+--preload P --hash-seed SEED --block-len L``: a node on real ZeroMQ and NIXL on 127.0.0.1
+(no parent: it only consumes) whose victim is ``p2pactor serve --preload P``
 (:func:`~p2pactor.runtime.samples.preload_keys`, their bytes
-:func:`~p2pactor.runtime.samples.block_bytes`) or, without ``--preload``, those of
-the bench's producer (:data:`~p2pactor.programs.bench._control_peer.KEYS`,
-:func:`~p2pactor.programs.bench._control_peer.block_content`). It prints ``READY``,
-then answers each JSON command line with one JSON line:
+:func:`~p2pactor.runtime.samples.block_bytes`). It prints ``READY``, then answers each
+JSON command line with one JSON line:
 
-* ``{"cmd": "start"}``: start the loop, answer ``{"started": true}``. Again and
-  again until stopped: a fresh request id, ``Node.lookup`` of K consecutive keys
-  the victim holds (timed from the call to its answers: the figure reported),
-  ``Node.fetch`` of their blocks (timed apart), every byte compared, ``Node.finish``;
-  then a pause of S seconds, or the next beat of HZ a second (one that ran late
-  makes no burst).
-* ``{"cmd": "window"}``: what was measured since ``start`` or the last window
-  (lookups, latency p50/p99/max and every latency in seconds, fetch p50/p99,
-  blocks verified, failures: a MISS, a failed fetch, a wrong byte, the first few
-  described with why, and how many because the session was lost; CPU seconds);
-  a new window begins.
-* ``{"cmd": "stop"}``: stop after the current request; answer the last window.
+* ``{"cmd": "start"}``: start the loop, ``HZ`` times a second (one that ran late makes
+  no burst): a fresh request id, ``Node.lookup`` of K consecutive held keys (timed from
+  the call to its answers: the figure reported), ``Node.fetch`` of their blocks, every
+  byte compared, ``Node.finish``.
+* ``{"cmd": "window"}``: what was measured since ``start`` or the last window (lookups,
+  their p99 and every latency in seconds, blocks verified, failures: a MISS, a failed
+  fetch, a wrong byte, the first few described); a new window begins.
 
-It exits when its stdin closes.
+It exits when its stdin closes, cancelling the request under way.
 """
 
 from __future__ import annotations
@@ -33,7 +25,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.programs.bench._control_common import open_bench_node, percentile, say
@@ -42,80 +34,43 @@ FAILURES_KEPT = 5
 """Failures described in an answer (all are counted)."""
 
 
-def _cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
 class _Tally:
     """What the loop measured in one window."""
 
     def __init__(self) -> None:
         self.lookups: list[float] = []
-        self.fetches: list[float] = []
-        self.verified = self.failed = self.lost_session = 0
+        self.verified = self.failed = 0
         self.failures: list[str] = []
-        self.cpu0, self.t0, self.start = _cpu_s(), time.perf_counter(), time.time()
 
-    def fail(self, why: str, *, lost_session: bool = False) -> None:
+    def fail(self, why: str) -> None:
         self.failed += 1
-        self.lost_session += lost_session
         if len(self.failures) < FAILURES_KEPT:
             self.failures.append(why)
 
     def result(self) -> dict[str, Any]:
-        xs, fs = self.lookups, self.fetches
+        xs = self.lookups
         return {
             "lookups": len(xs),
-            "start": self.start,
-            "end": time.time(),
-            "elapsed_s": time.perf_counter() - self.t0,
-            "lookup_p50_s": percentile(xs, 0.5) if xs else None,
             "lookup_p99_s": percentile(xs, 0.99) if xs else None,
-            "lookup_max_s": max(xs, default=None),
-            "fetch_p50_s": percentile(fs, 0.5) if fs else None,
-            "fetch_p99_s": percentile(fs, 0.99) if fs else None,
             "verified": self.verified,
             "failed": self.failed,
             "failures": self.failures,
-            "lost_session": self.lost_session,
-            "cpu_s": _cpu_s() - self.cpu0,
             "latencies_s": [round(x, 6) for x in xs],
         }
 
 
-def _victim_data(args: argparse.Namespace) -> tuple[list[bytes], Callable[[int], bytes], str]:
-    """The victim's keys, the bytes of the i-th key's block, and its hash seed."""
-    if args.preload:
-        from p2pactor.runtime.samples import block_bytes, preload_keys  # noqa: PLC0415
-
-        keys = preload_keys(args.hash_seed, args.preload)
-        return keys, lambda i: block_bytes(keys[i], args.block_len), args.hash_seed
-    from p2pactor.programs.bench import _control_peer as bench  # noqa: PLC0415
-
-    args.block_len = bench.BLOCK_LEN
-    return list(bench.KEYS[: bench.NUM_KEYS]), bench.block_content, bench.HASH_SEED
-
-
-def _why_failed(node: Any, peer: str, kv: str) -> tuple[str, bool]:
-    """Why request ``kv`` failed (a lost session, a timeout, the victim said so); lost?"""
+def _why_failed(node: Any, peer: str, kv: str) -> str:
+    """Why request ``kv`` failed: a lost session, a timed-out lookup, or the victim said so."""
     from p2pactor.core.consumer import ConsumerState  # noqa: PLC0415
 
     actor = node.known_consumer(peer, kv)
     state = actor.state if actor is not None else None
     if not isinstance(state, ConsumerState):
-        return "no request to the victim", False
+        return "no request to the victim"
     if state.session_lost:
-        session = node.session(peer)
-        if session is not None and not session.alive:
-            reason = session.death_reason or "closed"
-        else:
-            ended = [c.reason for c in node.closed_sessions() if c.peer_id == peer]
-            reason = ended[-1] if ended else "closed"
-        return f"the session to the victim was lost ({reason})", True
-    if state.lookup_failed:
-        return "its lookup timed out", False
-    return "the victim said so", False
+        ended = [c.reason for c in node.closed_sessions() if c.peer_id == peer]
+        return f"the session to the victim was lost ({ended[-1] if ended else 'closed'})"
+    return "its lookup timed out" if state.lookup_failed else "the victim said so"
 
 
 async def _run(args: argparse.Namespace) -> None:
@@ -124,9 +79,10 @@ async def _run(args: argparse.Namespace) -> None:
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
     from p2pactor.runtime.node import Node  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.runtime.samples import block_bytes, preload_keys  # noqa: PLC0415
 
-    keys, content, seed = _victim_data(args)
-    block_len, victim, per = args.block_len, args.victim, args.keys
+    seed, block_len, victim, per = args.hash_seed, args.block_len, args.victim, args.keys
+    keys = preload_keys(seed, args.preload)
     blocks = 4 * per
     pool = bytearray(blocks * block_len)
     cache = EmbeddedCache(blocks, block_len, memory=memoryview(pool))
@@ -144,23 +100,20 @@ async def _run(args: argparse.Namespace) -> None:
         tally.lookups.append(t1 - t0)
         if any(a is not LookupResult.HIT for a in answers):
             misses = sum(1 for a in answers if a is not LookupResult.HIT)
-            why, lost = _why_failed(node, victim, kv)
-            tally.fail(
-                f"{kv}: {misses} of {per} keys the victim holds answered MISS: {why}",
-                lost_session=lost,
-            )
+            why = _why_failed(node, victim, kv)
+            tally.fail(f"{kv}: {misses} of {per} keys the victim holds answered MISS: {why}")
             node.finish(kv)
             return
         into = cache.allocate(per)
         try:
             result = await node.fetch(victim, kv, wanted, into)
-            tally.fetches.append(time.perf_counter() - t1)
             if not result.success:
-                lost = _why_failed(node, victim, kv)[1]
-                tally.fail(f"{kv}: fetch failed: {result.reason}", lost_session=lost)
+                tally.fail(f"{kv}: fetch failed: {result.reason}")
                 return
             for i, block in zip(indexes, into, strict=True):
-                if pool[block * block_len : (block + 1) * block_len] != content(i):
+                if pool[block * block_len : (block + 1) * block_len] != block_bytes(
+                    keys[i], block_len
+                ):
                     tally.fail(f"{kv}: the block of key {i} differs from what the victim stored")
                 else:
                     tally.verified += 1
@@ -168,18 +121,12 @@ async def _run(args: argparse.Namespace) -> None:
             cache.free(into)
             node.finish(kv)
 
-    async def loop(node: Node, box: list[_Tally], stop: trio.Event, done: trio.Event) -> None:
+    async def loop(node: Node, box: list[_Tally]) -> None:
         due = trio.current_time()
-        try:
-            while not stop.is_set():
-                await one(node, box[0])
-                if args.rate:
-                    due = max(due + 1.0 / args.rate, trio.current_time())
-                    await trio.sleep_until(due)
-                else:
-                    await trio.sleep(args.pause)
-        finally:
-            done.set()
+        while True:
+            await one(node, box[0])
+            due = max(due + 1.0 / args.rate, trio.current_time())
+            await trio.sleep_until(due)
 
     async with (
         open_bench_node(
@@ -188,39 +135,27 @@ async def _run(args: argparse.Namespace) -> None:
         trio.open_nursery() as nursery,
     ):
         say("READY")
-        running: tuple[list[_Tally], trio.Event, trio.Event] | None = None
+        box = [_Tally()]
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
-            cmd = json.loads(line)["cmd"]
-            if cmd == "start" and running is None:
-                running = ([_Tally()], trio.Event(), trio.Event())
-                nursery.start_soon(loop, node, *running)
+            if json.loads(line)["cmd"] == "start":
+                nursery.start_soon(loop, node, box)
                 say({"started": True})
-            elif cmd == "window" and running is not None:
-                ended, running[0][0] = running[0][0], _Tally()
+            else:  # a window: what was measured since the last; a new one begins
+                ended, box[0] = box[0], _Tally()
                 say(ended.result())
-            elif cmd == "stop" and running is not None:
-                running[1].set()
-                await running[2].wait()
-                say(running[0][0].result())
-                running = None
-            else:
-                say({"error": f"unexpected command {cmd!r}"})
-        if running is not None:
-            running[1].set()
-            await running[2].wait()
+        nursery.cancel_scope.cancel()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the honest peer until its stdin closes."""
-    parser = argparse.ArgumentParser(description="the honest peer of the hostile-peer benches")
+    parser = argparse.ArgumentParser(description="the honest peer of the hostile-peer bench")
     parser.add_argument("--port", type=int, required=True, help="our control port")
     parser.add_argument("--victim", required=True, help="the victim's host:port")
     parser.add_argument("--keys", type=int, required=True, help="keys per lookup")
-    parser.add_argument("--pause", type=float, default=0.01, help="seconds between requests")
-    parser.add_argument("--rate", type=float, default=0.0, help="requests a second instead")
-    parser.add_argument("--preload", type=int, default=0, help="the victim's serve --preload")
-    parser.add_argument("--hash-seed", default="", help="the victim's hash seed (--preload)")
-    parser.add_argument("--block-len", type=int, default=0, help="its block size (--preload)")
+    parser.add_argument("--rate", type=float, required=True, help="requests a second")
+    parser.add_argument("--preload", type=int, required=True, help="the victim's serve --preload")
+    parser.add_argument("--hash-seed", required=True, help="the victim's hash seed")
+    parser.add_argument("--block-len", type=int, required=True, help="its block size")
     args = parser.parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     import trio  # noqa: PLC0415

@@ -1,105 +1,294 @@
-"""The hostile peer of ``p2pactor bench`` (``flood``, ``summary-attack``), run as a process.
+"""The hostile peer of ``p2pactor bench`` (``summary-attack``), run as a process.
 
 ``python -m p2pactor.programs.bench._hostile --victim HOST:PORT --attack NAME ...``, also
 used by ``tests/test_summary_attack.py`` and ``tests/test_quotas.py``: bare pyzmq laid
 out as vLLM lays its sockets out (:class:`~p2pactor.programs.bench._hostile_peer.RawPeer`),
-with a real NIXL agent (the victim registers its memory at the handshake, never
+with a real NIXL agent over lazily mapped memory (registered by the victim, never
 written). Its ``connect`` offers ``kvsum/1``, so the victim reads what it sends as
-summaries, except for the lookup flood, in vLLM's base dialect so that it floods
-vLLM's own tier alike. The attacks, one a row:
+summaries, except for the lookup flood, in vLLM's base dialect. The attacks:
 
-* ``lookup-flood``: ``--phase KIND:N`` after ``--phase`` (``random``: random keys;
-  ``real``: keys the victim holds, ``serve --preload``'s or with ``--bench-keys``
-  the bench producer's; ``rounds``: real keys, all in one request, a new round
-  each), ``--keys`` keys a lookup under a fresh request id, at most ``--window``
-  unanswered, never fetched (``--close``: each closed once answered); after each
-  phase ``PHASE {...}`` (lookups sent and answered, keys HIT, seconds, rate). It
-  runs at normal priority (the flood is the victim's load).
-* ``register-1m``: register ``--blocks`` (1,000,000) blocks of a region mapped
-  lazily (anonymous, never touched: it costs us nothing) and send a valid
-  snapshot claiming that many fingerprints, in parts of 65,536 paced 10 ms apart.
-* ``snapshot-flood``: ``--count`` (300) one-part snapshots of 65,536 fingerprints,
-  each newer than the last.
-* ``deltas-mid-snapshot``: part 0 of a 2-part snapshot, then ``--count`` (255)
-  deltas of 65,536 fingerprints each, then the last part.
-* ``liar``: claim the keys ``p2pactor serve --preload --claims`` would hold, answer
-  HIT to every lookup and ``transfer_done(success=false)`` to every fetch, until
-  stdin closes. Here the victim is a consumer that chooses its sources itself.
-* ``refused-frame``: for each of ``--sizes`` (bytes) and ``--modes`` (``session``:
-  after a handshake; ``fresh``: the first frame of a new connection), one
-  ``kvsum_delta`` whose ``add`` is an array of empty maps, which the decoder
-  must refuse; a new session for each.
-* ``resync-flood``: ``--count`` (100,000) ``kvsum_resync`` as fast as libzmq takes
-  them, counting the snapshot parts they earn.
-* ``epoch-flip``: ``--count`` (3,000) deltas, each of a new epoch, counting the
-  resyncs they earn.
-* ``max-frames``: ``--count`` (2,000) snapshot parts of 65,536 fingerprints (the
-  largest summary frame, 524,365 bytes) as fast as the victim takes them (the
-  DEALER's queue is libzmq's default 1000, so a send waits once it lags).
-* ``max-lookups``: ``--count`` (300) lookups of 65,536 keys of 36 bytes (the
-  most keys a frame may carry, 2.4 MiB), each a new request, likewise.
+* ``lookup-flood``: per ``--phase KIND:N`` (``random`` keys; ``real``: the keys of
+  ``serve --preload``; ``rounds``: real keys, all in one request, a new round each)
+  N lookups of ``--keys`` keys, at most ``--window`` unanswered, never fetched;
+  at normal CPU priority (the flood is the victim's load; the others run at idle
+  priority, as a peer on another host, whose sending costs the victim nothing).
+* ``register-1m``: register ``--blocks`` (1,000,000) blocks and send a valid snapshot
+  claiming ``--claims`` (that many) fingerprints, in parts of 65,536 paced 10 ms apart.
+* ``snapshot-flood``: ``--count`` (every attack below sends that many) one-part snapshots
+  of 65,536 fingerprints.
+* ``deltas-mid-snapshot``: part 0 of 2, ``--count`` deltas of 65,536, then part 1.
+* ``refused-frame``: per ``--sizes`` (bytes) and ``--modes`` (``session``: after a
+  handshake; ``fresh``: a new connection's first frame), one ``kvsum_delta`` whose
+  ``add`` is an array of empty maps, which the decoder must refuse.
+* ``resync-flood``: ``--count`` ``kvsum_resync``, counting the snapshot parts earned.
+* ``epoch-flip``: ``--count`` deltas, each of a new epoch, counting the resyncs earned.
+* ``max-frames``: ``--count`` snapshot parts of 65,536 fingerprints (the largest
+  summary frame) as fast as the victim takes them (a send queue of 1,000).
+* ``max-lookups``: ``--count`` lookups of 65,536 keys (the most a frame may carry).
 
-What it prints, one line each, JSON after the word: ``READY peer`` once the
-handshake is done and the victim's own snapshot has arrived; per step ``STEP
-{label}`` (with ``--paced`` it then waits for a line on stdin, so the driver
-can measure the victim first), ``DONE {...}`` (the step's window in unix time,
-what it sent and received); at the end ``RESULT {...}`` (every message type
-received); then with ``--linger`` it holds the session until stdin closes;
-then it says ``disconnect``, prints ``LEFT`` and exits 0. Any failure exits 1
-with ``ERROR ...``.
+It speaks :class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol:
+``READY peer`` once the handshake is done (and the victim's snapshot arrived); per step
+``STEP {label}`` (with ``--paced`` it waits for a stdin line first, so that the driver
+can read the victim; ``--paced`` also prints ``LOADED`` before it connects and holds the
+session until stdin closes), ``DONE {...}`` (the step's unix-time window and figures);
+``RESULT {...}`` (messages received, by type); ``LEFT`` as it exits 0; ``ERROR ...``, 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import mmap
 import os
+import random
 import sys
-import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from collections.abc import Sequence
-
+import attrs
 import trio
 import zmq
 
 from p2pactor.adapters.nixl import open_nixl_transport
-from p2pactor.programs.bench._attacks import (
-    ATTACKS,
-    DEFAULT_BLOCKS,
-    DEFAULT_COUNTS,
-    SMALL_BLOCKS,
-    AttackContext,
-    say,
-    wait_go,
+from p2pactor.core import protocol as wire
+from p2pactor.programs.bench._control_common import say
+from p2pactor.programs.bench._hostile_peer import Failure, RawPeer
+
+MAX_FPS = 65_536
+"""Fingerprints in the largest summary field (``MAX_SUMMARY_BYTES`` / 8)."""
+HOST = "127.0.0.1"
+DEFAULT_BLOCKS = {"register-1m": 1_000_000} | dict.fromkeys(
+    ("snapshot-flood", "deltas-mid-snapshot", "max-frames"), 131_072
 )
-from p2pactor.programs.bench._hostile_peer import Failure
+"""Blocks registered (else 64: the others attack with what they send, not with memory).
+131,072 holds two of the largest parts and the deltas buffered meanwhile."""
+PART_INTERVAL_S = 0.01
+"""Seconds between two parts of the register attack's snapshot (a p2pactor sender's pacing)."""
 
 
-def _watch_stdin(closed: threading.Event) -> None:
-    while sys.stdin.readline():
-        pass
-    closed.set()
+def _epoch() -> bytes:
+    return os.urandom(16)  # as p2pactor makes them
 
 
-def _attack(args: argparse.Namespace, metadata: bytes, base_addr: int, blocks: int) -> int:
+def _fps(count: int) -> bytes:
+    """``count`` random fingerprints, packed (random: nobody holds them)."""
+    return os.urandom(8 * count)
+
+
+def _snapshot(fps: bytes, epoch: bytes, seq: int = 0, part: int = 0, parts: int = 1) -> Any:
+    return wire.KvsumSnapshot(epoch=epoch, upto_seq=seq, part=part, parts=parts, fps=fps)
+
+
+def refused_frame(size: int) -> bytes:
+    """A ``kvsum_delta`` of about ``size`` bytes whose ``add`` is an array of empty maps.
+
+    Written byte by byte (millions of dicts would cost us gigabytes): a map of ``type``,
+    ``epoch``, ``seq``, ``add`` (array32 of ``0x80``, the empty map) and ``remove``.
+    """
+    head = b"\x85\xa4type\xabkvsum_delta\xa5epoch\xc4\x01e\xa3seq\x01\xa3add"
+    tail = b"\xa6remove\xc4\x00"
+    items = max(1, size - len(head) - 5 - len(tail))
+    return head + b"\xdd" + items.to_bytes(4, "big") + b"\x80" * items + tail
+
+
+@attrs.define
+class Attack:
+    """What an attack has to hand: the options, our NIXL agent and the session."""
+
+    args: argparse.Namespace
+    ctx: zmq.Context[zmq.Socket[bytes]]
+    agent: tuple[bytes, int, int, int]
+    """Our NIXL agent's metadata, base address, blocks and block size."""
+    peer: RawPeer | None = None
+    strays: list[RawPeer] = attrs.field(factory=list)
+    """Connections that never had a session (a refused first frame), closed as we leave."""
+
+    def open_session(self) -> RawPeer:
+        """A new session with the victim (a new id), the handshake done."""
+        a = self.args
+        hwm = 1000 if a.attack in ("max-frames", "max-lookups") else 0
+        peer = RawPeer(self.ctx, HOST, a.victim, send_hwm=hwm)
+        try:
+            peer.handshake(self.agent, a.hash_seed, summaries=a.attack != "lookup-flood")
+        except BaseException:
+            peer.close(disconnect=False)
+            raise
+        return peer
+
+    @property
+    def session(self) -> RawPeer:
+        """The main session (opened before the first step)."""
+        assert self.peer is not None
+        return self.peer
+
+    def step(self, label: str, body: Callable[[], dict[str, object]]) -> None:
+        """Announce a step, wait for the driver if paced, run it and report its window."""
+        say(f"STEP {label}")
+        if self.args.paced:
+            _wait_go()
+        start = time.time()
+        result = body()
+        say(f"DONE {json.dumps({'label': label, 'start': start, 'end': time.time(), **result})}")
+
+
+def _wait_go() -> None:
+    if not sys.stdin.readline():
+        raise Failure("stdin closed before the driver said go")
+
+
+def _register_1m(a: Attack) -> dict[str, object]:
+    peer, claims, epoch = a.session, a.args.claims or a.agent[2], _epoch()
+    parts = -(-claims // MAX_FPS)
+    for part in range(parts):
+        peer.send(_snapshot(_fps(min(MAX_FPS, claims - part * MAX_FPS)), epoch, 0, part, parts))
+        time.sleep(PART_INTERVAL_S)  # paced as p2pactor paces: a snapshot kept, not dropped
+    peer.ping("register")
+    return {"claimed": claims, "parts": parts, "registered_blocks": a.agent[2]}
+
+
+def _snapshot_flood(a: Attack) -> dict[str, object]:
+    peer, epoch = a.session, _epoch()
+    for i in range(a.args.count):
+        peer.send(_snapshot(_fps(MAX_FPS), epoch, i))
+    peer.ping("flood")
+    return {"snapshots": a.args.count}
+
+
+def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
+    peer, epoch = a.session, _epoch()
+    before = peer.count("kvsum_resync")
+    peer.send(_snapshot(_fps(MAX_FPS), epoch, 0, 0, 2))
+    for seq in range(1, a.args.count + 1):
+        peer.send(wire.KvsumDelta(epoch=epoch, seq=seq, add=_fps(MAX_FPS), remove=b""))
+    peer.send(_snapshot(_fps(MAX_FPS), epoch, 0, 1, 2))
+    peer.ping("deltas")
+    return {"deltas": a.args.count, "resyncs": peer.count("kvsum_resync") - before}
+
+
+def _refused_frames(a: Attack) -> None:
+    for size in a.args.sizes:
+        frame = refused_frame(size)
+        for mode in a.args.modes:
+
+            def body(frame: bytes = frame, mode: str = mode) -> dict[str, object]:
+                if mode == "session":
+                    peer = a.open_session()
+                    try:
+                        peer.send_raw(frame)
+                        if not peer.disconnected.wait(120):
+                            raise Failure("the victim neither refused the frame nor ended us")
+                    finally:
+                        peer.close(disconnect=False)
+                else:  # no connect, the frame first; our ROUTER stays up for the dial-back
+                    peer = RawPeer(a.ctx, HOST, a.args.victim)
+                    a.strays.append(peer)
+                    peer.send_raw(frame)
+                return {"mode": mode, "bytes": len(frame), "peer": peer.peer_id}
+
+            a.step(f"refused-frame {mode} {len(frame)}", body)
+
+
+def _resync_flood(a: Attack) -> dict[str, object]:
+    peer, count = a.session, a.args.count
+    parts0 = peer.count("kvsum_snapshot")
+    frame = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
+    for _ in range(count):
+        peer.send_raw(frame)
+    peer.ping("resync")  # the victim has read every resync
+    time.sleep(a.args.drain_s)  # a resync asked last is answered within a second
+    return {"resyncs": count, "parts": peer.count("kvsum_snapshot") - parts0}
+
+
+def _epoch_flip(a: Attack) -> dict[str, object]:
+    peer = a.session
+    peer.send(_snapshot(_fps(16), _epoch()))  # first a whole snapshot, as an honest peer's
+    peer.ping("snapshot")
+    before = peer.count("kvsum_resync")
+    for i in range(a.args.count):
+        peer.send(wire.KvsumDelta(epoch=_epoch(), seq=1, add=wire.packed([i + 1]), remove=b""))
+    peer.ping("flip")  # every resync the deltas earned came before its answer
+    return {"messages": a.args.count, "resyncs": peer.count("kvsum_resync") - before}
+
+
+def _max_frames(a: Attack) -> dict[str, object]:
+    peer, epoch = a.session, _epoch()
+    for i in range(a.args.count):
+        peer.send(_snapshot(_fps(MAX_FPS), epoch, i, 0, 2))
+    peer.ping("frames")
+    return {"frames": a.args.count, "bytes": peer.sent_bytes}
+
+
+def _max_lookups(a: Attack) -> dict[str, object]:
+    peer = a.session
+    keys = tuple(os.urandom(32) + bytes(4) for _ in range(wire.MAX_LIST_ITEMS))
+    for i in range(a.args.count):
+        peer.send(wire.Lookup(kv_request_id=f"big-{i}", keys=keys, round_seq=0))
+    return {"frames": a.args.count, "cut": not peer.ping("lookups", may_cut=True)}
+
+
+def _lookup_flood(a: Attack) -> None:
+    from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415 - this attack only
+
+    args, rng = a.args, random.Random(0)  # noqa: S311 - reproducible junk keys, not secrets
+    real = preload_keys(args.hash_seed, args.preload) if args.preload else []
+    phases = [(kind, int(n)) for kind, _, n in (p.partition(":") for p in args.phase)]
+    for kind, _ in phases:
+        if kind not in ("random", "real", "rounds") or (kind != "random" and not real):
+            raise Failure(f"bad --phase {kind}: random:N, real:N or rounds:N (with --preload)")
+
+    def keys(kind: str) -> tuple[bytes, ...]:
+        if kind == "random":
+            return tuple(rng.randbytes(32) + bytes(4) for _ in range(args.keys))
+        start = rng.randrange(max(1, len(real) - args.keys + 1))
+        return tuple(real[start : start + args.keys])
+
+    for kind, count in phases:
+        flood = functools.partial(a.session.flood, kind, count, functools.partial(keys, kind))
+        a.step(f"lookup-flood {kind}", functools.partial(flood, args.window))
+
+
+def _stepped(body: Callable[[Attack], dict[str, object]]) -> Callable[[Attack], None]:
+    return lambda a: a.step(a.args.attack, lambda: body(a))
+
+
+ATTACKS: dict[str, Callable[[Attack], None]] = {
+    "lookup-flood": _lookup_flood,
+    "refused-frame": _refused_frames,
+} | {
+    name: _stepped(body)
+    for name, body in {
+        "register-1m": _register_1m,
+        "snapshot-flood": _snapshot_flood,
+        "deltas-mid-snapshot": _deltas_mid_snapshot,
+        "resync-flood": _resync_flood,
+        "epoch-flip": _epoch_flip,
+        "max-frames": _max_frames,
+        "max-lookups": _max_lookups,
+    }.items()
+}
+"""Each attack by its ``--attack`` name."""
+
+
+def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int:
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    a = AttackContext(args, ctx, metadata, base_addr, blocks)
+    a = Attack(args, ctx, agent)
     try:
         if args.paced:  # the driver reads the victim before we connect
             say("LOADED")
-            wait_go()
+            _wait_go()
         if args.attack != "refused-frame":
             a.peer = a.open_session()
         say(f"READY {a.peer.peer_id if a.peer else '-'}")
-        if args.attack == "liar":  # it lies until stdin closes
-            threading.Thread(target=_watch_stdin, args=(a.stdin_closed,), daemon=True).start()
         ATTACKS[args.attack](a)
-        counts = a.peer.inbox.snapshot_counts() if a.peer else {}
-        say("RESULT", {"received": counts, "sent": a.peer.sent if a.peer else 0})
-        if args.linger and args.attack != "liar":
-            _watch_stdin(a.stdin_closed)  # hold the session until stdin closes
+        counts = dict(a.peer.counts) if a.peer else {}
+        say(f"RESULT {json.dumps({'received': counts})}")
+        if args.paced:  # hold the session until stdin closes
+            while sys.stdin.readline():
+                pass
     except Failure as exc:
         say(f"ERROR {exc}")
         return 1
@@ -113,72 +302,45 @@ def _attack(args: argparse.Namespace, metadata: bytes, base_addr: int, blocks: i
     return 0
 
 
-_MAP_NORESERVE = 0x4000 if sys.platform == "linux" else 0
-"""Linux's ``MAP_NORESERVE``, which Python's :mod:`mmap` does not name before 3.13."""
-
-
-def _pool(blocks: int, block_len: int) -> memoryview:
-    """Our registered memory: a lazily mapped region (never touched, so never resident)."""
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", _MAP_NORESERVE)
-    return memoryview(mmap.mmap(-1, blocks * block_len, flags=flags))
-
-
 async def _run(args: argparse.Namespace) -> int:
-    blocks = args.blocks or DEFAULT_BLOCKS.get(args.attack, SMALL_BLOCKS)
-    pool = _pool(blocks, args.block_len)
+    blocks = args.blocks or DEFAULT_BLOCKS.get(args.attack, 64)
+    # Lazily mapped (MAP_NORESERVE, 0x4000 on Linux), never touched: never resident.
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    pool = memoryview(mmap.mmap(-1, blocks * args.block_len, flags=flags))
     # One agent name per process: a victim may still know the last attacker's agent.
     name = f"summary-hostile-{os.getpid()}"
     async with open_nixl_transport(pool, args.block_len, name=name) as data:
         # The attack blocks on its sockets: a worker thread, not the trio loop.
-        status: int = await trio.to_thread.run_sync(
-            _attack, args, data.agent_metadata, data.base_addr, blocks
-        )
+        agent = (data.agent_metadata, data.base_addr, blocks, args.block_len)
+        status: int = await trio.to_thread.run_sync(_attack, args, agent)
         return status
-
-
-def _sizes(text: str) -> list[int]:
-    return [int(s) for s in text.split(",") if s]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse the arguments, attack, and return the exit status."""
     assert __doc__ is not None
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--victim", required=True, help="the node's host:port")
-    parser.add_argument("--attack", required=True, choices=sorted(ATTACKS))
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (our peer id)")
-    parser.add_argument("--hash-seed", required=True, help="the victim's hash seed")
-    parser.add_argument("--block-len", type=int, required=True, help="the victim's block size")
-    parser.add_argument("--blocks", type=int, default=0, help="blocks to register (0: per attack)")
-    parser.add_argument("--claims", type=int, default=0, help="register-1m/liar: keys claimed")
-    parser.add_argument("--count", type=int, default=0, help="messages (0: the attack's default)")
-    parser.add_argument("--sizes", type=_sizes, default=[1 << 20, 4 << 20], help="bytes, a,b,c")
-    parser.add_argument(
-        "--modes", type=lambda t: t.split(","), default=["session", "fresh"], help="session,fresh"
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--victim", required=True, help="the node's host:port")
+    p.add_argument("--attack", required=True, choices=sorted(ATTACKS))
+    p.add_argument("--hash-seed", required=True, help="the victim's hash seed")
+    p.add_argument("--block-len", type=int, required=True, help="the victim's block size")
+    p.add_argument("--blocks", type=int, default=0, help="blocks to register (0: per attack)")
+    p.add_argument("--claims", type=int, default=0, help="register-1m: keys claimed")
+    p.add_argument("--count", type=int, default=0, help="messages the attack sends")
+    p.add_argument(
+        "--sizes", type=lambda t: [int(s) for s in t.split(",")], default=[1 << 20, 4 << 20]
     )
-    parser.add_argument("--drain-s", type=float, default=1.5, help="resync-flood: wait after")
-    parser.add_argument("--phase", action="append", default=[], help="lookup-flood: KIND:N")
-    parser.add_argument("--keys", type=int, default=16, help="lookup-flood: keys per lookup")
-    parser.add_argument("--window", type=int, default=256, help="lookup-flood: most unanswered")
-    parser.add_argument("--close", action="store_true", help="lookup-flood: close each request")
-    parser.add_argument("--preload", type=int, default=0, help="lookup-flood: serve's --preload")
-    parser.add_argument("--bench-keys", type=int, default=0, help="lookup-flood: bench's N keys")
-    parser.add_argument("--seed", type=int, default=0, help="lookup-flood: random keys' seed")
-    parser.add_argument("--stall-timeout", type=float, default=60.0, help="lookup-flood: s")
-    parser.add_argument("--paced", action="store_true", help="wait for a stdin line per step")
-    parser.add_argument("--linger", action="store_true", help="leave only once stdin closes")
-    parser.add_argument(
-        "--own-cpu",
-        action="store_true",
-        help="compete for the CPU as an ordinary process (default: idle priority, as a peer "
-        "on another host, whose own sending takes no CPU from the victim or the honest peer)",
-    )
-    args = parser.parse_args(argv)
-    args.count = args.count or DEFAULT_COUNTS.get(args.attack, 0)
-    if not args.own_cpu and args.attack != "lookup-flood" and hasattr(os, "SCHED_IDLE"):
-        # On a 2-core machine a peer that sends as fast as it can would take
-        # a core from the victim and the honest peer, which a hostile peer on
-        # another host never does: what it costs them is what is measured.
+    p.add_argument("--modes", type=lambda t: t.split(","), default=["session", "fresh"])
+    p.add_argument("--drain-s", type=float, default=1.5, help="resync-flood: wait after")
+    p.add_argument("--phase", action="append", default=[], help="lookup-flood: KIND:N")
+    p.add_argument("--keys", type=int, default=16, help="lookup-flood: keys per lookup")
+    p.add_argument("--window", type=int, default=256, help="lookup-flood: most unanswered")
+    p.add_argument("--preload", type=int, default=0, help="lookup-flood: serve's --preload")
+    p.add_argument("--paced", action="store_true", help="wait for a stdin line per step")
+    args = p.parse_args(argv)
+    if args.attack != "lookup-flood" and hasattr(os, "SCHED_IDLE"):
+        # On 2 cores a peer sending flat out would take a core from the victim and
+        # the honest peer, which one on another host never does.
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     status: int = trio.run(_run, args)
     return status

@@ -1,124 +1,69 @@
-"""Runs one attack of the ``summary-attack`` section against the victim, and measures it.
+"""The bench's one hostile-peer driver: an attack run against the victim, and measured.
 
 :func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._hostile`,
-a process of its own, ``--paced``) and, before each of its steps, reads the
-victim's RSS and starts its peak (``VmHWM``) afresh; after each step it reads
-both again and asks the :class:`~p2pactor.programs.bench._summary_victim.Monitor`
-what it saw meanwhile (the node thread's longest step, ``/status``'s
-latency). Once the hostile peer has left and the victim has ended its
-session, it reads what the victim kept. The honest peer's figures cover the
-whole attack, from the first step to the session's end.
+``--paced``) and around each of its steps reads the victim's RSS and peak (its
+``VmHWM`` started afresh before the step), the honest peer's figures and what the
+:class:`~p2pactor.programs.bench._summary_victim.Monitor` saw; once the hostile peer has
+left and the victim ended its session, what the victim kept. The ``summary-attack``
+section and ``tests/test_summary_attack.py`` both drive their attacks through it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from p2pactor.programs.bench._control_common import (
-    LineProcess,
-    percentile,
-)
-from p2pactor.programs.bench._summary_victim import (
-    Monitor,
-    Victim,
-    Window,
-)
+from p2pactor.programs.bench._control_common import LineProcess, free_port, percentile
+from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings, Window
 
-HOSTILE = "p2pactor.programs.bench._hostile"
-HONEST = "p2pactor.programs.bench._honest"
-SETTLE_READ_S = 0.05
-"""How often the victim's /status is read while it applies a step's summaries."""
-SETTLE_CAP_S = 30.0
-"""The longest the victim may take to fold a step's summaries in before it is read anyway."""
 STEP_TIMEOUT_S = 300.0
 """The longest a step may take (a flood on a loaded 2-core machine)."""
+SETTLE_CAP_S = 30.0
+"""The longest the victim may take to fold a step's summaries in before it is read anyway."""
 
 
-class HostileProcess(LineProcess):
-    """The hostile peer's process (:mod:`p2pactor.programs.bench._hostile`), paced by stdin."""
-
-    def __init__(self, victim: str, attack: str, args: list[str], stderr: Path, **env: str) -> None:
-        self.attack = attack
-        super().__init__(
-            HOSTILE, f"--victim={victim}", f"--attack={attack}", *args, stderr=str(stderr), **env
-        )
-
-    def expect(self, *words: str, timeout: float | None = STEP_TIMEOUT_S) -> tuple[str, Any]:
-        """The next line starting with one of ``words`` (within a step's time by default)."""
-        return super().expect(*words, timeout=timeout)
-
-    def go(self) -> None:
-        """Let it take its next step."""
-        self.send("go")
-
-    def leave(self, timeout: float = 60.0) -> dict[str, Any]:
-        """Close its stdin (it says ``disconnect`` and exits); what it said meanwhile, by word."""
-        assert self.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            self.proc.stdin.close()
-        said: dict[str, Any] = {}
-        while (got := self.expect("DONE", "RESULT", "LEFT", timeout=timeout))[0] != "LEFT":
-            said[got[0]] = got[1]
-        self.proc.wait(timeout=timeout)
-        return said
-
-
-class HonestPeer:
-    """The honest node's process (:mod:`p2pactor.programs.bench._honest`)."""
+class HonestPeer(LineProcess):
+    """The honest node's process (:mod:`p2pactor.programs.bench._honest`): 4 keys, 50 Hz."""
 
     def __init__(self, port: int, victim: Victim, stderr: Path) -> None:
         s = victim.settings
-        self._proc = LineProcess(
-            HONEST,
-            f"--port={port}",
-            f"--victim={s.node_id}",
-            "--keys=4",
-            "--rate=50",
-            f"--hash-seed={s.hash_seed}",
-            f"--block-len={s.block_len}",
-            f"--preload={s.preload}",
+        super().__init__(
+            "p2pactor.programs.bench._honest",
+            *(f"--port={port}", f"--victim={s.node_id}", "--keys=4", "--rate=50"),
+            *(f"--hash-seed={s.hash_seed}", f"--block-len={s.block_len}", f"--preload={s.preload}"),
             stderr=str(stderr),
         )
 
     def start(self) -> None:
         """Wait until it is up, then start its lookups."""
-        self._proc.wait_ready()
-        self._proc.ask({"cmd": "start"})
+        self.wait_ready()
+        self.ask({"cmd": "start"})
 
     def window(self) -> dict[str, Any]:
         """Its figures since the last window; a new one begins."""
-        return self._proc.ask({"cmd": "window"})
-
-    def close(self) -> None:
-        """Stop it."""
-        self._proc.close()
-
-    def kill(self) -> None:
-        """Kill it if it still runs."""
-        self._proc.kill()
+        return self.ask({"cmd": "window"})
 
 
 @attrs.frozen(kw_only=True)
 class StepResult:
-    """One step of an attack, as the victim lived it."""
+    """One step of an attack, as the victim lived it (RSS and peak in KiB)."""
 
     label: str
     hostile: dict[str, Any]
     """What the hostile peer said of the step (its ``DONE`` line)."""
     rss_before_kib: int
-    """The victim's RSS just before the step."""
     peak_kib: int
     """The victim's ``VmHWM`` after the step (started afresh just before it)."""
     rss_after_kib: int
     """The victim's RSS once the step was over (and what it sent folded in)."""
     claimed_keys: int | None
-    """How many keys the victim takes the hostile peer to claim after the step (its
-    ``/status``), None when the step had no session of its own."""
+    """The keys the victim's ``/status`` says the hostile peer claims after the step (None:
+    the step had no session of its own)."""
     honest: dict[str, Any]
     """The honest peer's figures during the step (:func:`merge_honest`'s keys)."""
     window: Window
@@ -126,12 +71,10 @@ class StepResult:
 
 @attrs.frozen(kw_only=True)
 class AttackResult:
-    """One attack: its steps, what the victim kept, the honest peer's figures."""
+    """One attack: its steps, what the victim kept, the honest peer's figures (KiB)."""
 
     attack: str
     steps: tuple[StepResult, ...]
-    received: dict[str, int]
-    """Messages the hostile peer received from the victim, by type."""
     rss_before_kib: int
     """The victim's RSS before the hostile peer connected."""
     peak_kib: int
@@ -141,7 +84,6 @@ class AttackResult:
     honest: dict[str, Any]
     """The honest peer's figures over the same time (:func:`merge_honest`'s keys)."""
     window: Window
-    """What the monitor saw over the same time."""
 
     @property
     def peak_growth_mib(self) -> float:
@@ -159,61 +101,83 @@ class AttackResult:
         return (self.kept_kib - self.rss_before_kib) / 1024
 
 
+@contextlib.contextmanager
+def arena(settings: VictimSettings, work: Path) -> Iterator[tuple[Victim, Monitor, HonestPeer]]:
+    """A fresh victim, its monitor and an honest peer looking it up; all stopped after."""
+    victim = Victim(settings, work / f"victim-{time.time_ns()}.err")
+    honest: HonestPeer | None = None
+    monitor: Monitor | None = None
+    try:
+        victim.wait_ready()
+        honest = HonestPeer(free_port(), victim, work / f"honest-{time.time_ns()}.err")
+        honest.start()
+        monitor = Monitor(victim)
+        yield victim, monitor, honest
+    finally:
+        if monitor is not None:
+            monitor.close()
+        if honest is not None:
+            honest.close()  # it stops its lookups and exits once its stdin closes
+            honest.kill()
+        victim.close()
+
+
 def run_attack(
     attack: str,
     args: list[str],
     *,
     victim: Victim,
     monitor: Monitor,
-    honest: HonestPeer | None,
+    honest: HonestPeer,
     work_dir: Path,
-    settle_s: float = 0.3,
 ) -> AttackResult:
     """Run ``attack`` (with the hostile peer's extra ``args``) against ``victim``; measure it."""
     s = victim.settings
-    hostile = HostileProcess(
-        s.node_id,
-        attack,
-        ["--paced", "--linger", f"--hash-seed={s.hash_seed}", f"--block-len={s.block_len}", *args],
-        work_dir / f"hostile-{attack}-{time.time_ns()}.err",
+    hostile = LineProcess(
+        "p2pactor.programs.bench._hostile",
+        *(f"--victim={s.node_id}", f"--attack={attack}", "--paced", f"--preload={s.preload}"),
+        *(f"--hash-seed={s.hash_seed}", f"--block-len={s.block_len}", *args),
+        stderr=str(work_dir / f"hostile-{attack}-{time.time_ns()}.err"),
     )
+
+    def said(*words: str, timeout: float = STEP_TIMEOUT_S) -> tuple[str, Any]:
+        return hostile.expect(*words, timeout=timeout)
+
     steps: list[StepResult] = []
     segments: list[dict[str, Any]] = []  # the honest peer's windows, the attack's whole life
 
     def honest_window() -> dict[str, Any]:
-        window = honest.window() if honest is not None else merge_honest([])
-        segments.append(window)
-        return window
+        segments.append(honest.window())
+        return merge_honest(segments[-1:])
+
+    def peers(document: dict[str, Any], *, closed: bool = False) -> list[str]:
+        recent = document.get("closed_sessions", {}).get("recent", [])
+        return [str(p.get("peer")) for p in (recent if closed else document.get("peers", []))]
 
     try:
-        hostile.expect("LOADED", timeout=120)
+        said("LOADED", timeout=120)
         # Its process is up: from here on what the victim does is the attack's.
         base, _ = victim.memory_kib()
         victim.reset_peak()
-        if honest is not None:
-            honest.window()  # before the attack: not its
+        honest.window()  # before the attack: not its
         start = time.time()
-        hostile.go()
-        _, peer = hostile.expect("READY", timeout=120)
-        _, between_peak = victim.memory_kib()
-        while True:
-            word, body = hostile.expect("STEP", "RESULT")
-            if word == "RESULT":
-                received = dict(body["received"])
-                break
+        hostile.send("go")
+        _, peer = said("READY", timeout=120)
+        peaks = [victim.memory_kib()[1]]
+        while said("STEP", "RESULT")[0] != "RESULT":
             rss, hwm = victim.memory_kib()
-            between_peak = max(between_peak, hwm)
+            peaks.append(hwm)
             victim.reset_peak()
             honest_window()
             t_go = time.time()
-            hostile.go()
-            _, done = hostile.expect("DONE")
-            if done.get("mode") == "fresh":
-                victim.wait_closed(str(done["peer"]))  # the victim read it and refused it
-            # The victim may fold a summary in over several steps: the step lasts
-            # until what it holds of the peer's claims stops changing.
+            hostile.send("go")
+            _, done = said("DONE")
+            if done.get("mode") == "fresh":  # the victim read it and refused it
+                gone = str(done["peer"])
+                victim.wait_status(lambda d: gone in peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
             claimed = _settled_claims(victim, peer) if peer != "-" else None
             after, peak = victim.memory_kib()
+            window = monitor.window(t_go, time.time())  # the step's own
             steps.append(
                 StepResult(
                     label=str(done["label"]),
@@ -223,16 +187,19 @@ def run_attack(
                     rss_after_kib=after,
                     claimed_keys=claimed,
                     honest=honest_window(),
-                    window=monitor.window(t_go, time.time()),  # the step's own
+                    window=window,
                 )
             )
-        _, hwm = victim.memory_kib()
-        between_peak = max(between_peak, hwm)
+        peaks.append(victim.memory_kib()[1])
         victim.reset_peak()
-        hostile.leave()
+        assert hostile.proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            hostile.proc.stdin.close()  # it says disconnect, then LEFT, and exits
+        said("LEFT", timeout=60)
+        hostile.proc.wait(timeout=60)
         if peer != "-":
-            victim.wait_gone(peer)
-        time.sleep(settle_s)  # what leaving sets off (the session's end) runs its course
+            victim.wait_status(lambda d: peer not in peers(d), 60, f"the end of {peer}")
+        time.sleep(0.3)  # what leaving sets off (the session's end) runs its course
         kept, peak_end = victim.memory_kib()
         end = time.time()
         honest_window()
@@ -242,35 +209,28 @@ def run_attack(
     return AttackResult(
         attack=attack,
         steps=tuple(steps),
-        received=received,
         rss_before_kib=base,
-        peak_kib=max([between_peak, peak_end, whole.max_rss_kib, *(st.peak_kib for st in steps)]),
+        peak_kib=max([*peaks, peak_end, *(st.peak_kib for st in steps)]),
         kept_kib=kept,
         honest=merge_honest(segments),
         window=whole,
     )
 
 
-def _claimed(victim: Victim, peer: str) -> int | None:
-    """How many keys ``victim``'s index holds of ``peer``'s claims now (None: not listed)."""
+def _settled_claims(victim: Victim, peer: str) -> int | None:
+    """``peer``'s claims at ``victim`` (None: not listed) once it applied all it read.
+
+    The victim read them all (the step ended with a lookup it answered after them); it
+    applies them a slice at a time, which may outlast the step: ``/status`` says while
+    any wait.
+    """
+    deadline = time.monotonic() + SETTLE_CAP_S
+    while victim.status().get("sources", {}).get("index_pending") and time.monotonic() < deadline:
+        time.sleep(0.05)
     for entry in victim.status().get("sources", {}).get("peers", []):
         if entry.get("peer") == peer:
             return int(entry.get("claimed_keys", 0))
     return None
-
-
-def _settled_claims(victim: Victim, peer: str) -> int | None:
-    """``peer``'s claims at ``victim`` once it has applied every summary message it read.
-
-    The victim read them all (the step ended with a lookup it answered after
-    them); it applies them a slice at a time: ``/status`` says while any wait.
-    """
-    deadline = time.monotonic() + SETTLE_CAP_S
-    while time.monotonic() < deadline:
-        if not victim.status().get("sources", {}).get("index_pending", False):
-            break
-        time.sleep(SETTLE_READ_S)
-    return _claimed(victim, peer)
 
 
 def merge_honest(windows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -24,7 +24,6 @@ SECTIONS: tuple[str, ...] = (
     "control",
     "engine",
     "scale",
-    "flood",
     "hosts",
     "fleet",
     "engine-real",
@@ -42,13 +41,8 @@ class _Section(Protocol):
     def run(self, options: BenchOptions) -> SectionResult: ...
 
 
-def _load(name: str) -> _Section | None:
-    try:
-        module: Any = importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
-    except ModuleNotFoundError as exc:
-        if exc.name == f"p2pactor.programs.bench.{name.replace('-', '_')}":
-            return None  # a section not written yet
-        raise
+def _load(name: str) -> _Section:
+    module: Any = importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
     section: _Section = module
     return section
 
@@ -57,6 +51,8 @@ def run_bench(
     options: BenchOptions, only: Sequence[str] = (), *, out: Any = sys.stdout
 ) -> BenchReport:
     """Run the sections (all, or ``only``) and return the report; print each table."""
+    import attrs  # noqa: PLC0415 - keeps the CLI's import light
+
     results: list[SectionResult] = []
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     where = machine()  # before the sections: its load average is the one they started at
@@ -64,9 +60,6 @@ def run_bench(
         if only and name not in only:
             continue
         section = _load(name)
-        if section is None:
-            results.append(SectionResult(name=name, title="", skipped="not implemented"))
-            continue
         t0 = time.perf_counter()
         try:
             result = section.run(options)
@@ -75,17 +68,11 @@ def run_bench(
             result = SectionResult(
                 name=name, title=section.TITLE, skipped=f"failed: {type(exc).__name__}: {exc}"
             )
-        result = _with_seconds(result, time.perf_counter() - t0)
+        result = attrs.evolve(result, seconds=round(time.perf_counter() - t0, 2))
         results.append(result)
         out.write(result.table() + "\n\n")
         out.flush()
     return BenchReport(quick=options.quick, started=started, machine=where, sections=results)
-
-
-def _with_seconds(result: SectionResult, seconds: float) -> SectionResult:
-    import attrs  # noqa: PLC0415 - keeps the CLI's import light
-
-    return attrs.evolve(result, seconds=round(seconds, 2))
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -126,8 +113,8 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         help="measure p2pactor against raw NIXL, memcpy and vLLM's own P2P tier",
         description=(
             "Measure the data plane (vs raw NIXL and memcpy), the control plane, idle CPU "
-            "and engine-thread cost, lookup latency under a flood (vs vLLM 0.33.0's P2P "
-            "tier when vLLM is installed), fleets, hostile peers, actor scale and replay, "
+            "and engine-thread cost (vs vLLM 0.33.0's P2P tier when vLLM is installed), "
+            "fleets, hostile peers and floods, actor scale and replay, the source index, "
             "side by side in one run. Results are "
             "medians over repeats with [min..max]; see docs/benchmarks.md."
         ),

@@ -1,27 +1,16 @@
 """Control plane: lookup throughput and latency, ours against vLLM 0.33.0's P2P sessions.
 
-Per side, two processes on 127.0.0.1 over real ZeroMQ
-(:mod:`p2pactor.programs.bench._control_peer`): a producer holding 4,096 blocks in an
-:class:`~p2pactor.runtime.parent.EmbeddedCache`, and a consumer running C concurrent
-lookup loops of K keys each (a fresh request id per lookup, every key a hit,
-the request finished once answered). Ours: two p2pactor nodes (``Node.lookup``,
-``Node.finish``; the producer serves from the cache as its embedded parent).
-vLLM: its ``P2PSecondaryTierManager`` on both sides (its ``P2PSession`` and
-``ZmqTransport``), each driven by a loop that wakes as soon as its ROUTER socket
-is readable (else every 1 ms, vLLM's tier-poll interval), with a vLLM
-``ParentManager`` over the same cache class on the producer: vLLM's session code
-at its fastest, not held back by engine steps.
-
-All four processes start together and stay up; every repeat runs every cell
-(K keys x C concurrent) on both sides in turn (alternating which goes first),
-for a fixed time each. Reported per cell: lookups/s, latency p50 and p99 (from
-the lookup call to every answer), CPU per lookup of both processes, medians over
-repeats with [min..max]; the ratios ours/vLLM per repeat.
-
-Then idle CPU (what was the ``idle`` section): per repeat (at most 3), one
-window of 10 s (``--quick``: 1 s) in which nothing calls our nodes and vLLM's
-tiers are called every 1 ms as vLLM's tier-poll thread calls an idle engine's;
-every thread's CPU (schedstat) of all four processes, side by side.
+Per side a producer holding 4,096 blocks and a consumer running C concurrent lookup loops
+of K keys (every key a hit), processes of :mod:`p2pactor.programs.bench._control_peer`
+(whose docstring says what each side runs: two p2pactor nodes, or vLLM's
+``P2PSecondaryTierManager`` on both ends at its fastest, not held back by engine steps).
+All four processes start together and stay up; every repeat runs every cell on both
+sides in turn (alternating which goes first, the other side stopped), for a fixed time
+each: lookups/s, latency p50 and p99 (from the lookup call to every answer), CPU per
+lookup of both processes, medians over repeats with [min..max]; the ratios ours/vLLM per
+repeat. Then idle CPU: per repeat (at most 3) a window of 10 s (``--quick``: 1 s) in which
+nothing calls our nodes and vLLM's tiers are called every 1 ms as vLLM's tier-poll thread
+calls an idle engine's; every thread's CPU (schedstat) of all four processes.
 """
 
 from __future__ import annotations
@@ -35,7 +24,6 @@ from p2pactor.programs.bench._control_common import (
     LineProcess,
     free_port,
     process_cpu_s,
-    ratio_or_none,
     thread_cpu_ns,
     vllm_missing,
 )
@@ -195,6 +183,15 @@ def _cpu_us(r: dict[str, Any]) -> float:
     return (float(r["cpu_s"]) + float(r["producer_cpu_s"])) / max(1, int(r["lookups"])) * 1e6
 
 
+def _figures(who: str, rs: list[dict[str, Any]]) -> dict[str, Cell]:
+    return {
+        f"{who} lookups/s": Stat.of(_rate(r) for r in rs),
+        f"{who} p50 ms": Stat.of(r["p50_s"] * 1e3 for r in rs),
+        f"{who} p99 ms": Stat.of(r["p99_s"] * 1e3 for r in rs),
+        f"{who} CPU us/lookup": Stat.of(_cpu_us(r) for r in rs),
+    }
+
+
 def _tabulate(
     *,
     sides: Sequence[str],
@@ -209,44 +206,32 @@ def _tabulate(
 ) -> SectionResult:
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
-    tput_ratios: list[float] = []
-    p99_ratios: list[float] = []
-    both = "vllm" in sides
-    misses = 0
+    medians: dict[str, list[float]] = {"tput": [], "p99": []}
+    missed = []
     for keys, conc in cells:
         ours = results[("ours", keys, conc)]
-        misses += sum(int(r["misses"]) for r in ours)
-        row: dict[str, Cell] = {
-            "keys": keys,
-            "concurrent": conc,
-            "ours lookups/s": Stat.of(_rate(r) for r in ours),
-            "ours p50 ms": Stat.of(r["p50_s"] * 1e3 for r in ours),
-            "ours p99 ms": Stat.of(r["p99_s"] * 1e3 for r in ours),
-            "ours CPU us/lookup": Stat.of(_cpu_us(r) for r in ours),
-        }
-        if both:
+        row: dict[str, Cell] = {"keys": keys, "concurrent": conc, **_figures("ours", ours)}
+        if "vllm" in sides:
             theirs = results[("vllm", keys, conc)]
-            tr = [_rate(a) / _rate(b) for a, b in zip(ours, theirs, strict=True) if _rate(b)]
-            pr = [a["p99_s"] / b["p99_s"] for a, b in zip(ours, theirs, strict=True) if b["p99_s"]]
-            row |= {
-                "vLLM lookups/s": Stat.of(_rate(r) for r in theirs),
-                "vLLM p50 ms": Stat.of(r["p50_s"] * 1e3 for r in theirs),
-                "vLLM p99 ms": Stat.of(r["p99_s"] * 1e3 for r in theirs),
-                "vLLM CPU us/lookup": Stat.of(_cpu_us(r) for r in theirs),
-            }
-            if tr:
-                ratios[f"throughput ours/vLLM {keys} keys x {conc}"] = Stat.of(tr)
-                row["tput ours/vLLM"] = Stat.of(tr).median
-                tput_ratios.append(Stat.of(tr).median)
-            if pr:
-                ratios[f"p99 ours/vLLM {keys} keys x {conc}"] = Stat.of(pr)
-                row["p99 ours/vLLM"] = Stat.of(pr).median
-                p99_ratios.append(Stat.of(pr).median)
+            row |= _figures("vLLM", theirs)
+            pairs = list(zip(ours, theirs, strict=True))
+            for what, per in (
+                ("tput", [_rate(a) / _rate(b) for a, b in pairs if _rate(b)]),
+                ("p99", [a["p99_s"] / b["p99_s"] for a, b in pairs if b["p99_s"]]),
+            ):
+                if per:
+                    name = "throughput" if what == "tput" else what
+                    ratios[f"{name} ours/vLLM {keys} keys x {conc}"] = Stat.of(per)
+                    row[f"{what} ours/vLLM"] = Stat.of(per).median
+                    medians[what].append(Stat.of(per).median)
+            t, p = row.get("tput ours/vLLM"), row.get("p99 ours/vLLM")
+            if isinstance(t, float) and isinstance(p, float) and (t < 1.0 or p > 1.0):
+                missed.append(f"{keys}x{conc}: tput x{t:.2f}, p99 x{p:.2f}")
         rows.append(row)
-    if tput_ratios:
+    if medians["tput"]:
         ratios = {
-            "throughput ours/vLLM (geomean of cells)": Stat.of([_geomean(tput_ratios)]),
-            "p99 ours/vLLM (geomean of cells)": Stat.of([_geomean(p99_ratios)]),
+            "throughput ours/vLLM (geomean of cells)": Stat.of([_geomean(medians["tput"])]),
+            "p99 ours/vLLM (geomean of cells)": Stat.of([_geomean(medians["p99"])]),
             **ratios,
         }
     notes = [
@@ -263,9 +248,9 @@ def _tabulate(
     ]
     for role in ("producer", "consumer"):
         per = [
-            r
+            a / b
             for a, b in zip(idle[f"ours {role}"], idle.get(f"vllm {role}", ()), strict=False)
-            if (r := ratio_or_none(a, b)) is not None
+            if b
         ]
         if per:
             ratios[f"idle cores ours/vLLM, {role}"] = Stat.of(per)
@@ -279,17 +264,15 @@ def _tabulate(
     )
     if missing:
         notes.append(f"vLLM side skipped: {missing}")
+    misses = sum(
+        int(r["misses"]) for (side, _, _), rs in results.items() if side == "ours" for r in rs
+    )
     if misses:
         notes.append(f"ours answered {misses} MISS for keys the producer holds (should be 0)")
     for side, counters in leftovers.items():
-        held = {k: counters[k] for k in ("pinned", "held_jobs", "open") if counters.get(k)}
-        if held:
+        if held := {k: n for k, n in counters.items() if n}:
             notes.append(f"{side} producer still held after the run: {held}")
-    if tput_ratios:
-        missed = []
-        for (keys, conc), t, p in zip(cells, tput_ratios, p99_ratios, strict=False):
-            if t < 1.0 or p > 1.0:
-                missed.append(f"{keys}x{conc}: tput x{t:.2f}, p99 x{p:.2f}")
+    if medians["tput"]:
         notes.append(
             "targets (throughput >= vLLM, p99 <= vLLM): "
             + ("met in every cell" if not missed else "missed in " + "; ".join(missed))
@@ -299,6 +282,4 @@ def _tabulate(
 
 def _geomean(values: Sequence[float]) -> float:
     good = [v for v in values if v > 0 and math.isfinite(v)]
-    if not good:
-        return math.nan
-    return math.exp(sum(math.log(v) for v in good) / len(good))
+    return math.exp(sum(math.log(v) for v in good) / len(good)) if good else math.nan

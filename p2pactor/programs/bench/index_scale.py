@@ -1,26 +1,16 @@
 """Index scale: what the source index costs a node as the fleet grows (16, 64, 128 peers).
 
-In-process, no sockets: one :class:`~p2pactor.core.sources.SourceIndex` is fed
-as a node's directory feeds it (the fingerprints packed, as the wire carries
-them; each message, then the index's work on it a slice at a time), each
-peer's whole snapshot (in parts of 8,192 fingerprints), then deltas of 1,000
-changes each (500 keys added, 500 removed, as the summaries flush them).
-Each peer holds ``KEYS`` keys: a fifth drawn from a pool every peer shares
-(popular prefixes), the rest its own. Measured, per fleet size:
-
-- bytes per claim: ``tracemalloc``'s count of what the index holds, over
-  the claims it holds (peers x keys);
-- time per changed fingerprint: the deltas' node-thread time (the message
-  and the work it made) over their changes;
-- time per choice: ``choose`` over 128 keys (one peer's claimed run of 96,
-  then 32 nobody claims) with every peer live, median over 1,000 choices;
-- the longest single call, message or slice of work, while the snapshots
-  arrive (Python's garbage collector included, which runs when it will, as
-  on a node; the workload's own lists are frozen out of its sight).
-
-The targets of issue 30 are notes, never assertions: <= 24 bytes a claim,
-<= 0.3 us a changed fingerprint, <= 100 us a choice over 128 keys and 127
-peers.
+In-process, no sockets: one :class:`~p2pactor.core.sources.SourceIndex` fed as a node's
+directory feeds it (the fingerprints packed, as the wire carries them; each message, then
+the index's work on it a slice at a time): each peer's whole snapshot (in parts of 8,192),
+then deltas of 1,000 changes (500 added, 500 removed). Each peer holds ``KEYS`` keys, a
+fifth from a pool every peer shares (popular prefixes). Measured per fleet size: bytes per
+claim (``tracemalloc``'s count of what the index holds, over its claims); time per changed
+fingerprint (the deltas' node-thread time over their changes); time per choice (``choose``
+over 128 keys, one peer's claimed run of 96 then 32 nobody claims, median of 1,000); the
+longest single call while the snapshots arrive (the garbage collector included, as on a
+node; the workload's own lists frozen out of its sight). Issue 30's targets are notes:
+<= 24 bytes a claim, <= 0.3 us a changed fingerprint, <= 100 us a choice at 128 peers.
 """
 
 from __future__ import annotations
@@ -83,8 +73,8 @@ def _feed(index: SourceIndex, held: list[list[int]], keys: int) -> float:
 def _one(peers: int, keys: int, deltas: int, seed: int) -> dict[str, float]:
     rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
     held = _fleet(peers, keys, rng)
-    # The workload's own millions of ints in lists are not the index's: frozen,
-    # the collector never walks them, and what it walks is the index's.
+    # The workload's own millions of ints are not the index's: frozen, the
+    # collector never walks them, and what it walks is the index's.
     gc.collect()
     gc.freeze()
     try:
@@ -97,7 +87,6 @@ def _measure(
     held: list[list[int]], rng: random.Random, peers: int, keys: int, deltas: int
 ) -> dict[str, float]:
     # Memory in one pass (tracemalloc slows every allocation), times in another.
-    gc.collect()
     tracemalloc.start()
     measured = SourceIndex()
     _feed(measured, held, keys)

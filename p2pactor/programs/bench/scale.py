@@ -1,20 +1,11 @@
 """Actor scale: 10,000 concurrent requests on one node; replay speed; in-process costs.
 
-Requests (:mod:`p2pactor.programs.bench._control_scale`, a fresh interpreter per repeat
-so that its peak RSS is its own): two nodes over the in-memory transports of
-:mod:`p2pactor.testing` (the network is not the point; the actors are), both
-writing real event logs on disk. One node starts 10,000 requests at once (quick:
-1,000) against the other; each looks up 4 keys (3 hits), fetches the hits and
-finishes. Reported: time until every request is done, events through
-decide/evolve/log on both nodes and their rate, peak RSS and its growth.
-
-Replay: a log of 1,000,000 events (quick: 100,000), made by repeating the
-first run's logged events under fresh request ids, is read, replayed, and
-replayed with invariant checks, each in a fresh interpreter: events per second
-and peak RSS growth (replay streams: memory must not grow with the log).
-
-Costs (:mod:`p2pactor.programs.bench._costs`, the old ``benchmarks`` scripts'): the
-core's cost per input, log appends per durability policy, timeline publishing.
+Each measurement runs in a fresh interpreter, so that its peak RSS is its own
+(:mod:`p2pactor.programs.bench._scale_run`, whose docstring says each): 10,000 requests
+at once (quick: 1,000) between two nodes over the in-memory transports, both logging to
+disk; the replay of a log of 1,000,000 events (quick: 100,000), the first run's events
+repeated (replay streams: memory must not grow with the log); the costs the old
+``benchmarks`` scripts measured, on the first run's events.
 """
 
 from __future__ import annotations
@@ -31,13 +22,15 @@ NAME = "scale"
 TITLE = "N concurrent requests on one node (in-memory network, logs on disk); replay speed"
 """One line saying what is measured."""
 
-HELPER = "p2pactor.programs.bench._control_scale"
+HELPER = "p2pactor.programs.bench._scale_run"
 """The module each measurement runs in (a fresh interpreter)."""
 REPLAY_MODES = ("read", "replay", "replay --check")
 """Reading the log only; replaying it; replaying it with invariant checks."""
 
 
-def _json(out: str) -> dict[str, Any]:
+def _run(*args: str, timeout: float) -> dict[str, Any]:
+    """Run one measurement; its JSON line."""
+    out = run_module(HELPER, *args, timeout=timeout).stdout
     for line in reversed(out.splitlines()):
         if line.startswith("{"):
             result: dict[str, Any] = json.loads(line)
@@ -54,93 +47,50 @@ def run(options: BenchOptions) -> SectionResult:
     for rep in range(repeats):
         folder = os.path.join(options.work_dir, f"scale-{rep}")
         os.makedirs(folder, exist_ok=True)
-        done = run_module(
-            HELPER, "requests", f"--requests={n}", f"--dir={folder}", timeout=600 + n / 10
-        )
-        runs.append(_json(done.stdout))
-    first = os.path.join(options.work_dir, "scale-0")
+        runs.append(_run("requests", f"--requests={n}", f"--dir={folder}", timeout=600 + n / 10))
+    first = [os.path.join(options.work_dir, "scale-0", f"{x}.log") for x in "ab"]
     big = os.path.join(options.work_dir, "replay.log")
-    written = _json(
-        run_module(
-            HELPER,
-            "write",
-            f"--events={events}",
-            "--from",
-            os.path.join(first, "a.log"),
-            os.path.join(first, "b.log"),
-            f"--out={big}",
-            timeout=1200,
-        ).stdout
-    )
-    replays: dict[str, list[dict[str, Any]]] = {m: [] for m in REPLAY_MODES}
+    written = _run("write", f"--events={events}", "--from", *first, f"--out={big}", timeout=1200)
     # One replay each: a million events take minutes to replay with checks.
+    replays = {m: [_run("replay", m, big, timeout=1200)] for m in REPLAY_MODES}
     replay_repeats = 1
-    for _ in range(replay_repeats):
-        for mode in REPLAY_MODES:
-            replays[mode].append(
-                _json(run_module(HELPER, "replay", mode, big, timeout=1200).stdout)
-            )
     os.remove(big)
-    costs = _json(
-        run_module(
-            "p2pactor.programs.bench._costs",
-            f"--lives={200 if options.quick else 2000}",
-            os.path.join(first, "a.log"),
-            os.path.join(first, "b.log"),
-            timeout=600,
-        ).stdout
-    )
+    costs = _run("costs", f"--lives={200 if options.quick else 2000}", *first, timeout=600)
 
-    def stat(key: str, scale: float = 1.0) -> Stat:
-        return Stat.of(float(r[key]) * scale for r in runs)
+    def stat(key: str, scale: float = 1.0, rs: list[dict[str, Any]] = runs) -> Stat:
+        return Stat.of(float(r[key]) * scale for r in rs)
 
-    rows: list[dict[str, Cell]] = [
-        {"figure": "concurrent requests", "value": n, "unit": "requests"},
-        {"figure": "time until all done", "value": stat("seconds"), "unit": "s"},
-        {
-            "figure": "requests per second",
-            "value": Stat.of(n / r["seconds"] for r in runs),
-            "unit": "1/s",
-        },
-        {"figure": "events logged (both nodes)", "value": stat("events"), "unit": "events"},
-        {
-            "figure": "events through decide/evolve/log",
-            "value": Stat.of(r["events"] / r["seconds"] for r in runs),
-            "unit": "events/s",
-        },
-        {"figure": "peak RSS", "value": stat("peak_rss_kib", 1 / 1024), "unit": "MiB"},
-        {
-            "figure": "RSS growth during the run",
-            "value": stat("rss_growth_kib", 1 / 1024),
-            "unit": "MiB",
-        },
-        {"figure": "RSS growth per request", "value": stat("rss_growth_kib", 1 / n), "unit": "KiB"},
-        {"figure": "failed requests", "value": stat("failed"), "unit": "requests"},
-        {"figure": "replay log", "value": int(written["events"]), "unit": "events"},
-        {"figure": "replay log size", "value": written["bytes"] / 2**20, "unit": "MiB"},
-        {
-            "figure": "writing the replay log",
-            "value": written["events"] / written["seconds"],
-            "unit": "events/s",
-        },
+    def per_s(rs: list[dict[str, Any]], what: str = "events") -> Stat:
+        return Stat.of(float(r[what]) / r["seconds"] for r in rs)
+
+    w, ev, logs, feed = written, costs["events"], costs["durability"], costs["timeline"]
+    table: list[tuple[str, Cell, str]] = [
+        ("concurrent requests", n, "requests"),
+        ("time until all done", stat("seconds"), "s"),
+        ("requests per second", per_s(runs, "requests"), "1/s"),
+        ("events logged (both nodes)", stat("events"), "events"),
+        ("events through decide/evolve/log", per_s(runs), "events/s"),
+        ("peak RSS", stat("peak_rss_kib", 1 / 1024), "MiB"),
+        ("RSS growth during the run", stat("rss_growth_kib", 1 / 1024), "MiB"),
+        ("RSS growth per request", stat("rss_growth_kib", 1 / n), "KiB"),
+        ("failed requests", stat("failed"), "requests"),
+        ("replay log", int(w["events"]), "events"),
+        ("replay log size", w["bytes"] / 2**20, "MiB"),
+        ("writing the replay log", w["events"] / w["seconds"], "events/s"),
     ]
-    for mode in REPLAY_MODES:
-        rs = replays[mode]
-        rows.append(
-            {
-                "figure": f"{mode}: speed",
-                "value": Stat.of(r["events"] / r["seconds"] for r in rs),
-                "unit": "events/s",
-            }
-        )
-        rows.append(
-            {
-                "figure": f"{mode}: peak RSS growth",
-                "value": Stat.of(r["growth_kib"] / 1024 for r in rs),
-                "unit": "MiB",
-            }
-        )
-    rows += _cost_rows(costs)
+    for mode, rs in replays.items():
+        table += [(f"{mode}: speed", per_s(rs), "events/s")]
+        table += [(f"{mode}: peak RSS growth", stat("growth_kib", 1 / 1024, rs), "MiB")]
+    table += [(f"event cost: {k}", v, "us") for k, v in ev["inputs"].items()]
+    table += [(f"event cost: {k} per life", v, "us") for k, v in ev["lives"].items()]
+    for policy, f in logs.items():
+        table += [(f"log append {policy}: {k}", f[k], "us") for k in ("p50", "p99")]
+        table += [(f"log append {policy}: loop trip max", f["stall"], "us")]
+    for subs, f in feed.items():
+        what = "no subscriber" if subs == "none" else f"10 {subs} subscribers"
+        table += [(f"timeline, {what}: publish", f["events_per_s"], "events/s")]
+        table += [(f"timeline, {what}: longest watch", f["worst_ms"], "ms")]
+    rows: list[dict[str, Cell]] = [{"figure": f, "value": v, "unit": u} for f, v, u in table]
     notes = [
         (
             f"{repeats} repeat(s) of the requests and {replay_repeats} of each replay, each "
@@ -153,7 +103,7 @@ def run(options: BenchOptions) -> SectionResult:
             "close, lookup then fetch), median per input; log append: that run's events 3 at "
             "a time from a trio task, 'loop trip' = the longest return to it (the flusher's "
             "writes); timeline: the same events through Feed.watch, one per step "
-            "(all in-process, p2pactor.programs.bench._costs)"
+            "(all in-process, p2pactor.programs.bench._scale_run costs)"
         ),
     ]
     failed = sum(int(r["failed"]) for r in runs)
@@ -163,31 +113,3 @@ def run(options: BenchOptions) -> SectionResult:
     if violations:
         notes.append(f"replay --check found {violations} violation(s) in the repeated log")
     return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
-
-
-def _cost_rows(costs: dict[str, Any]) -> list[dict[str, Cell]]:
-    ev, logs, feed = costs["events"], costs["durability"], costs["timeline"]
-    rows: list[dict[str, Cell]] = [
-        {"figure": f"event cost: {k}", "value": v, "unit": "us"} for k, v in ev["inputs"].items()
-    ]
-    rows += [
-        {"figure": f"event cost: {k} per life", "value": v, "unit": "us"}
-        for k, v in ev["lives"].items()
-    ]
-    for policy, f in logs.items():
-        rows += [
-            {"figure": f"log append {policy}: p50", "value": f["p50"], "unit": "us"},
-            {"figure": f"log append {policy}: p99", "value": f["p99"], "unit": "us"},
-            {"figure": f"log append {policy}: loop trip max", "value": f["stall"], "unit": "us"},
-        ]
-    for subs, f in feed.items():
-        what = "no subscriber" if subs == "none" else f"10 {subs} subscribers"
-        rows += [
-            {
-                "figure": f"timeline, {what}: publish",
-                "value": f["events_per_s"],
-                "unit": "events/s",
-            },
-            {"figure": f"timeline, {what}: longest watch", "value": f["worst_ms"], "unit": "ms"},
-        ]
-    return rows

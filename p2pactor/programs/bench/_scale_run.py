@@ -1,0 +1,394 @@
+"""The ``scale`` section's measurements, each in a fresh interpreter (for its peak RSS).
+
+``python -m p2pactor.programs.bench._scale_run WHAT ...`` prints one JSON line:
+
+* ``requests --requests N --dir D``: two nodes in this process over the in-memory
+  transports of :mod:`p2pactor.testing` (the network is not what is measured; the actors
+  are), each writing a real :class:`~p2pactor.runtime.log.EventLog` on disk. Node ``a``
+  starts N requests at once against ``b`` (which holds every key in an embedded cache);
+  each looks up :data:`KEYS_PER_REQUEST` keys, fetches the hits and finishes: seconds
+  until all were done, events appended to both logs, requests failed, peak RSS, growth.
+* ``write --events M --from A B --out L``: a log of M events, the events of the logs
+  ``A`` and ``B`` (a real run's actors) repeated under fresh request ids.
+* ``replay MODE LOG``: read (``read``) or replay (``replay``, ``replay --check``) ``LOG``:
+  seconds, events, peak RSS growth.
+* ``costs --lives N LOG...`` (what the old ``benchmarks`` scripts measured), in-process:
+  **event cost** of the pure core, no I/O, a consumer and a producer stepped as the
+  runtime steps them through N lives of each kind (a lookup answered then closed, a
+  lookup then a fetch of its hits; 1 and 16 keys): the median of each input's step and
+  the mean per life and role; **log append** under each durability policy, the logs'
+  events 3 at a time from a trio task that goes back to its loop between appends:
+  p50/p99 and the longest trip through the loop (where the flusher writes); **timeline
+  publish**, the events (each with its actor's state after it) fed to
+  :meth:`~p2pactor.surface.timeline.Feed.watch` with no subscriber, 10 that read as the
+  websocket writer does and 10 that never read: events/s and the longest ``watch``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import trio
+
+from p2pactor.programs.bench._control_common import peak_rss_kib, say
+
+KEYS_PER_REQUEST = 4
+"""Keys per request: the producer holds all but the last (3 hits, 1 miss)."""
+BLOCK_LEN = 256
+"""Bytes per block: small, the copy is not what is measured."""
+
+
+async def _requests(n: int, folder: str) -> dict[str, Any]:
+    from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
+    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
+    from p2pactor.runtime.log import Durability, EventLog  # noqa: PLC0415
+    from p2pactor.runtime.node import open_node  # noqa: PLC0415
+    from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415
+    from p2pactor.testing import MemoryDataPlane, MemoryNetwork  # noqa: PLC0415
+
+    held = 4096
+    keys = [f"scale-key-{i}".encode().ljust(36, b".") for i in range(held + 1)]
+    missing = keys[held]  # never stored: every request's last key misses
+    producer_cache = EmbeddedCache(held, BLOCK_LEN)
+    for i, key in enumerate(keys[:held]):
+        producer_cache.store(key, bytes([i % 256]) * BLOCK_LEN)
+    consumer_blocks = n * (KEYS_PER_REQUEST - 1) + 16
+    consumer_cache = EmbeddedCache(consumer_blocks, BLOCK_LEN)
+    # Nothing may be refused: the point is N requests at once from one peer.
+    quotas = PeerQuotas(
+        max_pinned_blocks=10**9,
+        max_open_lookups=10**7,
+        max_fetch_rounds=10**7,
+        max_open_requests=10**7,
+    )
+    network, plane = MemoryNetwork(capacity=10 * n + 1000), MemoryDataPlane()
+
+    def config(name: str, blocks: int) -> Any:
+        return NodeConfig(
+            host=name,
+            port=5710,
+            num_blocks=blocks,
+            block_len=BLOCK_LEN,
+            quotas=quotas,
+            engine_inbox=10 * n + 1000,
+            session_outbox=10 * n + 1000,
+        )
+
+    logs = [
+        EventLog(
+            f"{name}:5710",
+            path=f"{folder}/{name}.log",
+            durability=Durability.interval(),
+            keep=0,
+            overwrite=True,
+        )
+        for name in ("a", "b")
+    ]
+    failed = 0
+    rss0 = peak_rss_kib()
+    async with (
+        open_node(
+            config("b", held),
+            control=network.transport("b:5710"),
+            data=plane.transport(producer_cache.memory, BLOCK_LEN),
+            parent=producer_cache,
+            event_log=logs[1],
+        ),
+        open_node(
+            config("a", consumer_blocks),
+            control=network.transport("a:5710"),
+            data=plane.transport(consumer_cache.memory, BLOCK_LEN),
+            parent=consumer_cache,
+            event_log=logs[0],
+        ) as a,
+    ):
+
+        async def one(i: int) -> None:
+            nonlocal failed
+            kv = f"scale-{i}"
+            start = (i * 7) % (held - KEYS_PER_REQUEST)
+            wanted = [*keys[start : start + KEYS_PER_REQUEST - 1], missing]
+            answers = await a.lookup("b:5710", kv, wanted)
+            hits = [k for k, x in zip(wanted, answers, strict=True) if x is LookupResult.HIT]
+            if hits:
+                blocks = consumer_cache.allocate(len(hits))
+                result = await a.fetch("b:5710", kv, hits, blocks)
+                if result.success:
+                    for key, block in zip(hits, blocks, strict=True):
+                        consumer_cache.commit(key, block)
+                else:
+                    consumer_cache.free(blocks)
+                    failed += 1
+            else:
+                failed += 1
+            a.finish(kv)
+
+        # The handshake first: the N requests measure the actors, not a pile-up
+        # of frames queued behind a session that is not up yet.
+        await a.lookup("b:5710", "scale-warmup", keys[:1])
+        a.finish("scale-warmup")
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+        seconds = time.perf_counter() - t0
+        peak = peak_rss_kib()
+    events = sum(log.statistics().events_appended for log in logs)
+    return {
+        "requests": n,
+        "seconds": seconds,
+        "events": events,
+        "failed": failed,
+        "peak_rss_kib": peak,
+        "rss_growth_kib": peak - rss0,
+    }
+
+
+def _repeat(paths: Sequence[str], total: int) -> Iterator[Any]:
+    """``total`` events: the logs' events, again and again under fresh request ids."""
+    from msgspec.structs import replace  # noqa: PLC0415
+
+    from p2pactor.runtime.logread import read_log  # noqa: PLC0415
+
+    pattern = [e for path in paths for e in read_log(path)]
+    for n in range(total if pattern else 0):
+        e = pattern[n % len(pattern)]
+        kv = f"{e.actor.kv_request_id}/{n // len(pattern)}"
+        yield replace(e, actor=replace(e.actor, kv_request_id=kv))
+
+
+def _write(paths: Sequence[str], total: int, out: str) -> dict[str, Any]:
+    from p2pactor.runtime.log import Durability, EventLog  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    with EventLog(
+        "replay:5710", path=out, durability=Durability.interval(), keep=0, overwrite=True
+    ) as log:
+        events = _repeat(paths, total)
+        while batch := list(itertools.islice(events, 64)):
+            log.append(batch)
+        stats = log.statistics()
+    return {
+        "events": stats.events_appended,
+        "bytes": stats.bytes_written,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _replay(mode: str, path: str) -> dict[str, Any]:
+    from p2pactor.runtime.logread import read_log  # noqa: PLC0415
+    from p2pactor.surface.replay import replay_logs  # noqa: PLC0415
+
+    before = peak_rss_kib()
+    t0 = time.perf_counter()
+    violations = 0
+    if mode == "read":
+        events = sum(1 for _ in read_log(path))
+    else:
+        run = replay_logs([path], check=mode.endswith("--check"), timelines=0)
+        for _ in run:
+            pass
+        events = run.summary().events
+        violations = len(run.violations)
+    return {
+        "mode": mode,
+        "seconds": time.perf_counter() - t0,
+        "events": events,
+        "violations": violations,
+        "growth_kib": peak_rss_kib() - before,
+    }
+
+
+PEER = "10.0.0.2:5710"
+COST_EVENTS = 60_000
+"""Events (from the logs, repeated) per durability policy and per timeline run."""
+
+
+def _life(kv: str, nkeys: int, *, fetch: bool, job: int, out: list[Any]) -> None:
+    """One request on both sides, each step timed: ``(role, input, seconds)`` to ``out``."""
+    from p2pactor.core import effects as fx  # noqa: PLC0415
+    from p2pactor.core import inputs as inp  # noqa: PLC0415
+    from p2pactor.core.consumer import ConsumerState, step_consumer  # noqa: PLC0415
+    from p2pactor.core.ids import ActorId, Role  # noqa: PLC0415
+    from p2pactor.core.producer import ProducerState, step_producer  # noqa: PLC0415
+
+    keys = tuple(i.to_bytes(32, "big") + bytes(4) for i in range(nkeys))
+    state = {
+        "consumer": ConsumerState.new(ActorId(Role.CONSUMER, PEER, kv)),
+        "producer": ProducerState.new(ActorId(Role.PRODUCER, PEER, kv)),
+    }
+    steppers: dict[str, Any] = {"consumer": step_consumer, "producer": step_producer}
+
+    def step(role: str, item: Any) -> list[Any]:
+        t0 = time.perf_counter()
+        state[role], events = steppers[role](state[role], item, 1.0)
+        out.append((role, type(item).__name__, time.perf_counter() - t0))
+        return [e for x in events for e in fx.effects_of(x)]
+
+    def sent(effects: list[Any]) -> list[Any]:
+        return [e.message for e in effects if isinstance(e, fx.Send)]
+
+    (lookup,) = sent(step("consumer", inp.Register(keys, flush=True)))
+    ask = next(e for e in step("producer", lookup) if isinstance(e, fx.ParentLookup))
+    pin = inp.Pin(job, ask.keys, tuple(range(len(ask.keys))))
+    hits = tuple((k, inp.LookupResult.HIT) for k in ask.keys)
+    (resp,) = sent(
+        step("producer", inp.ParentAnswer(lookup_id=ask.lookup_id, results=hits, pin=pin))
+    )
+    step("consumer", resp)
+    if fetch:
+        load = inp.SubmitLoad(job_id=job, keys=keys, block_indexes=tuple(range(nkeys)))
+        (fetch_msg,) = sent(step("consumer", load))
+        write = next(e for e in step("producer", fetch_msg) if isinstance(e, fx.StartTransfer))
+        (done,) = sent(step("producer", inp.TransferResult(transfer_id=write.transfer_id, ok=True)))
+        step("consumer", done)
+        step("consumer", inp.Finish())
+    else:
+        (close,) = sent(step("consumer", inp.Finish()))
+        step("producer", close)
+
+
+def event_cost(lives: int) -> dict[str, Any]:
+    """Median us per (role, input), and mean us per life and role."""
+    steps: list[Any] = []
+    gc.disable()  # a collection would land in whichever step runs then
+    for r in range(lives):
+        for nkeys in (1, 16):
+            for fetch in (False, True):
+                _life(f"r{r}-{nkeys}-{fetch:d}", nkeys, fetch=fetch, job=1000 + r, out=steps)
+        if r % 100 == 0:
+            gc.collect()
+    gc.enable()
+    by_input: dict[str, list[float]] = defaultdict(list)
+    per_role: dict[str, float] = defaultdict(float)
+    for role, name, took in steps:
+        by_input[f"{role} {name}"].append(took)
+        per_role[role] += took
+    return {
+        "inputs": {k: statistics.median(v) * 1e6 for k, v in sorted(by_input.items())},
+        "lives": {k: v / (4 * lives) * 1e6 for k, v in per_role.items()},
+    }
+
+
+async def _append_all(log: Any, batches: Sequence[Any]) -> tuple[list[int], int]:
+    latencies, stall = [], 0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(log.flush_periodically)
+        for batch in batches:
+            t0 = time.perf_counter_ns()
+            log.append(batch)
+            t1 = time.perf_counter_ns()
+            await trio.lowlevel.checkpoint()  # the flusher gets its turn here
+            latencies.append(t1 - t0)
+            stall = max(stall, time.perf_counter_ns() - t1)
+        log.close()
+    return latencies, stall
+
+
+def durability(events: Sequence[Any]) -> dict[str, Any]:
+    """Append p50/p99 (us) and the longest loop trip (us) per policy."""
+    from p2pactor.runtime.log import Durability, EventLog  # noqa: PLC0415
+
+    batches = [events[i : i + 3] for i in range(0, len(events), 3)]
+    policies = {
+        "ON_CLOSE": (Durability.on_close(), batches),
+        "INTERVAL 50 ms": (Durability.interval(0.05), batches),
+        "EVERY_EVENT": (Durability.every_event(), batches),
+        "INTERVAL 50 ms + fsync": (Durability.interval(0.05, fsync=True), batches[:2000]),
+        "EVERY_EVENT + fsync": (Durability.every_event(fsync=True), batches[:2000]),
+    }
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, (policy, work)) in enumerate(policies.items()):
+            log = EventLog("bench", path=f"{tmp}/{i}.log", durability=policy, keep=0)
+            lat, stall = trio.run(_append_all, log, work)
+            cuts = statistics.quantiles(lat, n=100)
+            out[name] = {"p50": cuts[49] / 1e3, "p99": cuts[98] / 1e3, "stall": stall / 1e3}
+    return out
+
+
+async def _publish(steps: Sequence[Any], subscribers: str) -> dict[str, float]:
+    from p2pactor.surface.timeline import Feed, FeedFilters, FeedLimits  # noqa: PLC0415
+
+    total = sum(len(events) for events, _ in steps)
+    limits = FeedLimits(queue=total + 1000) if subscribers == "reading" else FeedLimits()
+    feed = Feed("a:5710", block_len=4096, limits=limits)
+
+    async def drain(sub: Any) -> None:  # as the server's websocket writer does
+        while (batch := await sub.next_batch()) is not None:
+            if len(batch) < limits.queue // 2:
+                await trio.sleep(limits.batch_interval_s)
+
+    worst = 0.0
+    async with trio.open_nursery() as nursery:
+        subs = [feed.subscribe(FeedFilters()) for _ in range(0 if subscribers == "none" else 10)]
+        if subscribers == "reading":
+            for sub in subs:
+                nursery.start_soon(drain, sub)
+        await trio.lowlevel.checkpoint()
+        start = time.perf_counter()
+        for events, state in steps:
+            t0 = time.perf_counter()
+            feed.watch(events, state)
+            worst = max(worst, time.perf_counter() - t0)
+            await trio.lowlevel.checkpoint()  # the node's loop runs the writers
+        for sub in subs:
+            feed.unsubscribe(sub)  # readers finish what is queued, then stop
+    return {"events_per_s": total / (time.perf_counter() - start), "worst_ms": worst * 1e3}
+
+
+def timeline(events: Sequence[Any]) -> dict[str, Any]:
+    """Publishing through a feed with none, 10 reading and 10 stalled subscribers."""
+    from p2pactor.core.fold import evolve, initial_state  # noqa: PLC0415
+
+    states: dict[Any, Any] = {}
+    steps = []
+    for e in events:
+        states[e.actor] = evolve(states.get(e.actor) or initial_state(e.actor), e)
+        steps.append(((e,), states[e.actor]))
+    return {s: trio.run(_publish, steps, s) for s in ("none", "reading", "stalled")}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one measurement and print it as one JSON line."""
+    parser = argparse.ArgumentParser(description="a measurement of the scale benchmark")
+    sub = parser.add_subparsers(dest="what", required=True)
+    r = sub.add_parser("requests")
+    r.add_argument("--requests", type=int, required=True)
+    r.add_argument("--dir", required=True)
+    w = sub.add_parser("write")
+    w.add_argument("--events", type=int, required=True)
+    w.add_argument("--from", dest="sources", nargs="+", required=True)
+    w.add_argument("--out", required=True)
+    p = sub.add_parser("replay")
+    p.add_argument("mode", choices=("read", "replay", "replay --check"))
+    p.add_argument("log")
+    c = sub.add_parser("costs")
+    c.add_argument("--lives", type=int, default=2000, help="lives of each kind")
+    c.add_argument("logs", nargs="+")
+    args = parser.parse_args(argv)
+    if args.what == "requests":
+        say(trio.run(_requests, args.requests, args.dir))
+    elif args.what == "write":
+        say(_write(args.sources, args.events, args.out))
+    elif args.what == "replay":
+        say(_replay(args.mode, args.log))
+    else:
+        events = list(_repeat(args.logs, COST_EVENTS))
+        lives = event_cost(args.lives)
+        say({"events": lives, "durability": durability(events), "timeline": timeline(events)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
