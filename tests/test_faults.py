@@ -285,17 +285,40 @@ class GatedWrites:
         self.inner = inner
         self.opened = False
         self.held: list[tuple[str, Sequence[int], Sequence[int], WriteDone]] = []
+        self.hold_ends = False
+        self.unended = 0  # writes started whose end the node has not been told
+        self.ends: list[tuple[WriteDone, str | None]] = []
 
     @property
     def waiting(self) -> int:
         return len(self.held)
 
-    def open(self) -> None:
-        """Let the held writes (and every later one) go to NIXL."""
-        self.opened = True
+    def open(self, *, hold_ends: bool = False) -> None:
+        """Let the held writes (and every later one) go to NIXL.
+
+        With ``hold_ends`` each write runs on NIXL for real but its end waits at a
+        second gate (:meth:`end`): a stopped consumer does not stall a write over
+        UCX shared memory for sure (a cross-memory-attach put completes one-sided).
+        """
+        self.opened, self.hold_ends = True, hold_ends
         held, self.held = self.held, []
         for write in held:
-            self.inner.start_write(*write)
+            self.start_write(*write)
+
+    def end(self) -> None:
+        """Tell the node of the writes that ended meanwhile, and of every later end."""
+        self.hold_ends = False
+        ends, self.ends = self.ends, []
+        for done, error in ends:
+            self.unended -= 1
+            done(error)
+
+    def _ended(self, done: WriteDone, error: str | None) -> None:
+        if self.hold_ends:
+            self.ends.append((done, error))
+        else:
+            self.unended -= 1
+            done(error)
 
     @property
     def agent_metadata(self) -> bytes:
@@ -329,7 +352,10 @@ class GatedWrites:
         done: WriteDone,
     ) -> None:
         if self.opened:
-            self.inner.start_write(peer_id, local_blocks, remote_blocks, done)
+            self.unended += 1
+            self.inner.start_write(
+                peer_id, local_blocks, remote_blocks, lambda error: self._ended(done, error)
+            )
         else:
             self.held.append((peer_id, local_blocks, remote_blocks, done))
 
@@ -640,11 +666,12 @@ async def test_control_lost_while_a_write_runs_no_ack_and_no_release_until_it_en
     """The control connection dies (heartbeat timeout) while a WRITE is in flight.
 
     The consumer asks to abort the round while the producer's WRITE waits; it
-    is then stopped (SIGSTOP), so the WRITE, now posted to NIXL, stalls for
-    real and the producer's heartbeat gives up on the connection. Until the
+    is then stopped (SIGSTOP), so the producer's heartbeat gives up on the
+    connection. The WRITE runs on NIXL for real, but its end is held at the
+    gate until the consumer runs again (a stopped consumer alone does not
+    stall a shared-memory write for sure, so the race is forced). Until the
     WRITE ends the producer sends no ``abort_ack`` and releases none of the
-    round's pins; the write completes once the consumer runs again, and only
-    then is everything released.
+    round's pins; only once it ends is everything released.
     """
     keys = [bytes([i]) * 32 + bytes(4) for i in range(4)]
     hexes = [k.hex() for k in keys]
@@ -665,20 +692,21 @@ async def test_control_lost_while_a_write_runs_no_ack_and_no_release_until_it_en
 
             c.process.send_signal(signal.SIGSTOP)
             try:
-                p.gated.open()
-                await wait_until(lambda: p.data.statistics().writes_in_flight == 1)
+                p.gated.open(hold_ends=True)
                 await wait_until(lambda: (s := p.node.session(c.node_id)) is None or not s.alive)
                 await trio.sleep(1.0)  # negative check (below): nothing acked or released
                 # Control is gone, the WRITE is not: nothing is acked or released.
-                assert p.data.statistics().writes_in_flight == 1
+                assert p.gated.unended == 1
                 assert p.events(ev.AbortAckSent) == []
                 assert p.events(ev.PinReleased) == []
                 assert p.cache.pinned() == 4
                 assert not any(r.peer_id == c.node_id for r in p.node.closed_sessions())
             finally:
                 c.process.send_signal(signal.SIGCONT)
+                p.gated.end()
             await closed_with(p.node, c.node_id)
-            assert p.data.statistics().writes_in_flight == 0
+            await wait_until(lambda: p.data.statistics().writes_in_flight == 0)
+            assert p.gated.unended == 0
             ended = p.events(ev.TransferCompleted) + p.events(ev.TransferFailed)
             assert len(ended) == 1
             print(f"\n[faults] the producer's write: {ended[0]}")
