@@ -24,28 +24,31 @@ import pytest
 CI = bool(os.environ.get("CI"))
 
 SLOWEST_FIRST = (
-    "test_bench.py",
     "test_summary_attack.py",
-    "test_vllm_real.py",
+    "test_bench.py",
     "test_hosts.py",
+    "test_vllm_real.py",
+    "test_vllm_interop.py",
     "test_faults.py",
+    "test_dashboard_browser.py",
     "test_hosts_vllm.py",
     "test_nixl.py",
-    "test_vllm_interop.py",
-    "test_packaging.py",
-    "test_dashboard_browser.py",
-    "test_core_machines.py",
-    "test_demo.py",
-    "test_status.py",
-    "test_examples.py",
     "test_protocol_fuzz.py",
-    "test_logsetup.py",
+    "test_packaging.py",
+    "test_demo.py",
+    "test_sources.py",
+    "test_timeline.py",
+    "test_status.py",
     "test_metrics.py",
+    "test_curve.py",
+    "test_vllm_tier.py",
     "test_engine_bridge.py",
-    "test_sources_fuzz.py",
+    "test_examples.py",
+    "test_logsetup.py",
+    "test_core_machines.py",
 )
-"""The files that take longest, longest first (measured with ``--durations``);
-the others follow in their own order."""
+"""The files that take longest, longest first (their tests' ``--durations`` summed,
+on 2 cores); the others follow in their own order."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
