@@ -189,7 +189,7 @@ class EngineSide(EngineBridge):
         self.actors: dict[tuple[str, str], RequestActor] = {}
         self.retired: list[RequestActor] = []
         self.to_peer: list[tuple[RequestActor, wire.Message]] = []
-        self.failures: list[Exception] = []
+        self.failures: list[Any] = []
         self.missed: dict[ActorId, set[bytes]] = {}  # keys each actor heard MISS for
         self.offered: dict[ActorId, set[bytes]] = {}  # HITs heard since its last fetch
 
@@ -228,7 +228,12 @@ class EngineSide(EngineBridge):
     def admit(self, actor: RequestActor, event_input: Any) -> Any:
         return event_input
 
-    def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+    def stepped(
+        self, actor: RequestActor, event_input: Any, events: Sequence[ev.AnyEvent] | None
+    ) -> None:
+        if events is None:
+            self.failures.append(event_input)
+            return
         missed = self.missed.setdefault(actor.id, set())
         offered = self.offered.setdefault(actor.id, set())
         for event in events:
@@ -249,18 +254,6 @@ class EngineSide(EngineBridge):
                     self.to_peer.append((actor, msg))
                 elif isinstance(effect, fx.ReportLoad):
                     self.report_load(effect.job_id, success=effect.success, reason=effect.reason)
-
-    def actor_failed(self, actor: RequestActor, event_input: Any, exc: Exception) -> None:
-        self.failures.append(exc)
-
-    def actor_handled(self, actor: RequestActor, event_input: Any) -> None:
-        pass
-
-    def input_dropped(self, actor: RequestActor, event_input: Any) -> None:
-        pass
-
-    def deadline_changed(self, actor: RequestActor) -> None:
-        pass
 
 
 def bridge_off_thread() -> EngineSide:
@@ -503,7 +496,7 @@ def test_a_hit_heard_while_a_fetch_is_handed_over_is_asked_again() -> None:
     assert m.api.peek_key(PEER, "r1", KEYS[1]) is RETRY
     m.engine_step_of(req)
     assert list(req.loading) == [KEYS[0]]
-    m.node_applies()  # the fetch of key 0 (the offered check in actor_stepped), then the ask
+    m.node_applies()  # the fetch of key 0 (the offered check in stepped), then the ask
     fetches = [msg for _, msg in m.side.to_peer if isinstance(msg, wire.Fetch)]
     assert [f.keys for f in fetches] == [(KEYS[0],)]
     m.teardown()

@@ -37,27 +37,25 @@ class Host:
         self.dropped: list[ActorInput] = []
         self.armed = 0
 
-    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
+    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput | None:
+        if actor.done:
+            self.dropped.append(event_input)
+            return None
         return event_input
 
-    def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+    def stepped(
+        self, actor: RequestActor, event_input: ActorInput, events: Sequence[ev.AnyEvent] | None
+    ) -> None:
+        if events is None:
+            raise AssertionError(f"failed on {event_input}")
+        self.armed += actor.moved
+        if not events:
+            return
         self.steps.append((actor.id.kv_request_id, [e.KIND for e in events]))
         # What an embedded parent does: answer inside the step that asked.
         while self.then:
             self.runner.deliver(*self.then.pop(0))
         assert self.steps[-1][1] == [e.KIND for e in events]  # nothing ran in between
-
-    def actor_failed(self, actor: RequestActor, event_input: ActorInput, exc: Exception) -> None:
-        raise AssertionError(f"failed on {event_input}: {exc}")
-
-    def actor_handled(self, actor: RequestActor, event_input: ActorInput) -> None:
-        pass
-
-    def input_dropped(self, actor: RequestActor, event_input: ActorInput) -> None:
-        self.dropped.append(event_input)
-
-    def deadline_changed(self, actor: RequestActor) -> None:
-        self.armed += 1
 
 
 def actor(host: Host, kv: str = "req") -> RequestActor:

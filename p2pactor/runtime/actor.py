@@ -42,34 +42,29 @@ _Decide = Callable[[Any, Any, float], tuple[Any, tuple[ev.AnyEvent, ...]]]
 
 
 class ActorHost(Protocol):
-    """What an actor needs from its owner (the session): judge, record, act and time."""
+    """What an actor needs from its owner (the session): judge before a step, act after it."""
 
     @property
     def runner(self) -> Runner:
         """The node's runner, through which every input reaches the actor."""
         ...
 
-    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
+    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput | None:
         """The input the core steps for ``event_input``: itself, or a quota verdict on it.
 
         Called just before the step, so that the verdict sees the counts of
-        every earlier step. Must not block.
+        every earlier step; None: not stepped (the actor has ended, and
+        whatever the input carries is undone). Must not block.
         """
 
-    def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
-        """Log ``events`` and perform their effects. Must not block."""
+    def stepped(
+        self, actor: RequestActor, event_input: ActorInput, events: Sequence[ev.AnyEvent] | None
+    ) -> None:
+        """Log ``events``, perform their effects and arm the timer if the deadline moved.
 
-    def actor_failed(self, actor: RequestActor, event_input: ActorInput, exc: Exception) -> None:
-        """The core raised on ``event_input`` (a bug); the input was dropped."""
-
-    def actor_handled(self, actor: RequestActor, event_input: ActorInput) -> None:
-        """The core handled ``event_input`` without error."""
-
-    def input_dropped(self, actor: RequestActor, event_input: ActorInput) -> None:
-        """``event_input`` came after the actor ended; whatever it carries must be undone."""
-
-    def deadline_changed(self, actor: RequestActor) -> None:
-        """The actor's :attr:`~RequestActor.deadline` moved (the timer must know)."""
+        ``events`` None: stepping ``event_input`` or performing its effects
+        failed (a bug, logged); the input was dropped. Must not block.
+        """
 
 
 class RequestActor:
@@ -80,6 +75,7 @@ class RequestActor:
         state: Its current state; replaced, never mutated, after every step.
         deadline: When it next needs a :class:`~p2pactor.core.inputs.Tick`
             (``next_deadline(state)``), or None.
+        moved: Whether the last step moved ``deadline`` (the timer must know).
         done: Whether it reached a terminal state or was abandoned (its session
             closed without it ending): it takes no input any more.
 
@@ -94,6 +90,7 @@ class RequestActor:
         "deadline",
         "done",
         "id",
+        "moved",
         "state",
     )
 
@@ -103,6 +100,7 @@ class RequestActor:
         self.id = actor_id
         self.state: ActorState = initial_state(actor_id)
         self.deadline: float | None = None
+        self.moved = False
         self.done = False
         self._host = host
         # The role's core functions, bound once: a step does no dispatch of its own.
@@ -122,37 +120,32 @@ class RequestActor:
 
         Call it through a :class:`Runner`, never from inside another step.
         """
-        if self.done:
-            self._host.input_dropped(self, event_input)
-            return
         host = self._host
-        try:
-            self.state, events = self._decide(self.state, host.admit(self, event_input), now)
-        except Exception as exc:  # a bug in the core must not take the node down
-            self._bug(f"the core failed on {event_input!r}; input dropped", event_input, exc)
+        admitted = host.admit(self, event_input)
+        if admitted is None or self.done:
             return
-        host.actor_handled(self, event_input)
-        if not events:
-            return
-        self.done = is_terminal(self.state)
-        deadline = self._next_deadline(self.state)
-        if deadline != self.deadline:
-            self.deadline = deadline
-            host.deadline_changed(self)
+        events: tuple[ev.AnyEvent, ...] | None = None
         try:
-            host.actor_stepped(self, events)
-        except Exception as exc:  # nor may a bug in performing its effects
-            kinds = [e.KIND for e in events]
-            self._bug(f"performing the effects of {kinds} failed", event_input, exc)
-
-    def _bug(self, what: str, event_input: ActorInput, exc: Exception) -> None:
-        log.exception(
-            "%s: %s (a bug in p2pactor: please report it with this traceback)",
-            self.id,
-            what,
-            extra=request_context(self.id.peer, self.id.kv_request_id),
-        )
-        self._host.actor_failed(self, event_input, exc)
+            self.state, events = self._decide(self.state, admitted, now)
+            self.moved = False
+            if events:
+                self.done = is_terminal(self.state)
+                deadline = self._next_deadline(self.state)
+                self.moved, self.deadline = deadline != self.deadline, deadline
+            host.stepped(self, event_input, events)
+        except Exception:  # a bug in the core, or in its effects, must not take the node down
+            what = (
+                f"the core failed on {event_input!r}; input dropped"
+                if events is None
+                else f"performing the effects of {[e.KIND for e in events]} failed"
+            )
+            log.exception(
+                "%s: %s (a bug in p2pactor: please report it with this traceback)",
+                self.id,
+                what,
+                extra=request_context(self.id.peer, self.id.kv_request_id),
+            )
+            host.stepped(self, event_input, None)
 
     def expire(self) -> None:
         """Its deadline passed: hand it a tick (the node's timer calls this)."""

@@ -31,7 +31,6 @@ from p2pactor.runtime.transport import ConnectionLost, ControlConnection, Transf
 if TYPE_CHECKING:
     from p2pactor.runtime.host import NodeHost
 
-__all__ = ["ControlLink", "SessionState"]
 
 log = logging.getLogger("p2pactor.session")  # a session's lines, wherever they are written
 

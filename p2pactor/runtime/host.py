@@ -292,7 +292,7 @@ class NodeHost(ThreadSafeSources):
 
     def release_pin(self, job_id: int, *, success: bool) -> None:
         """Release a pin job through the parent service (now, or at the next serve)."""
-        self.service.release(job_id, success=success)
+        self.service.post(None, fx.ReleasePin(job_id=job_id, success=success))
         if self.directory.enabled:
             self.directory.released(job_id)
 
@@ -321,7 +321,7 @@ class NodeHost(ThreadSafeSources):
             )
             self.release_pin(job_id, success=False)
         for context in result.open_contexts:
-            self.service.post_close(context)
+            self.service.post(None, fx.ParentClose(context))
         # A session that replaced this one (the peer connected again) keeps its
         # own bound producers; only the ended ones of this peer go.
         current = self.peers.session(result.peer_id)

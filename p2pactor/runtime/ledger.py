@@ -22,8 +22,6 @@ from p2pactor.core.producer_state import RoundState
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.quotas import PeerQuotas, PeerUsage
 
-__all__ = ["QuotaLedger"]
-
 log = logging.getLogger("p2pactor.quotas")
 
 _REMEMBERED_PEERS: Final = 4096

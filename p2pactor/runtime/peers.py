@@ -29,7 +29,6 @@ from p2pactor.runtime.transport import ControlConnection, ControlTransport
 if TYPE_CHECKING:
     from p2pactor.runtime.host import NodeHost
 
-__all__ = ["CLOSED_KEPT", "PeerRegistry"]
 
 log = logging.getLogger("p2pactor.node")
 

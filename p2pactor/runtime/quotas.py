@@ -48,8 +48,6 @@ import attrs
 from p2pactor.core.events import Quota
 from p2pactor.errors import ConfigError
 
-__all__ = ["DEFAULT_QUOTAS", "PeerQuotas", "PeerUsage"]
-
 _Validator = Callable[[object, "attrs.Attribute[Any]", Any], None]
 
 

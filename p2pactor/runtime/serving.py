@@ -94,14 +94,6 @@ class ParentService:
             self._runner.deliver(*answered)
         self._arm()
 
-    def release(self, job_id: int, *, success: bool) -> None:
-        """Release pin job ``job_id`` now (embedded) or at the next serve (lent)."""
-        self.post(None, fx.ReleasePin(job_id=job_id, success=success))
-
-    def post_close(self, context: str) -> None:
-        """Close synthetic request ``context`` (its actor is gone) now or at the next serve."""
-        self.post(None, fx.ParentClose(context))
-
     def expire(self) -> None:
         """Ask the parked lookups again (embedded; the node's timer calls this)."""
         self.deadline = None

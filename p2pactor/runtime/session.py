@@ -47,7 +47,6 @@ from p2pactor.runtime.transport import ControlConnection
 if TYPE_CHECKING:
     from p2pactor.runtime.host import NodeHost
 
-__all__ = ["PeerSession", "SessionCloseResult", "SessionState"]
 
 log = logging.getLogger("p2pactor.session")
 

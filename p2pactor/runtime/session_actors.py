@@ -35,7 +35,6 @@ from p2pactor.runtime.transport import ControlConnection
 if TYPE_CHECKING:
     from p2pactor.runtime.host import NodeHost
 
-__all__ = ["SessionActors"]
 
 log = logging.getLogger("p2pactor.session")
 
@@ -44,6 +43,7 @@ TO_PRODUCER: Final = (wire.Lookup, wire.Fetch, wire.AbortFetch)
 """The peer's messages for the producer of their kv_request_id."""
 TO_CONSUMER: Final = (wire.LookupResp, wire.TransferDone, wire.AbortAck)
 """The peer's messages for the consumer of their kv_request_id."""
+_FROM_PEER: Final = (*TO_PRODUCER, *TO_CONSUMER)
 
 # How each consumer event changes the loads in flight (writes a peer may be
 # making into our pool): the data transport polls for progress only while any is.
@@ -156,15 +156,41 @@ class SessionActors(ControlLink):
 
     # --- the actors' host (ActorHost) ---------------------------------------------
 
-    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput:
-        """The quota verdict on a peer's lookup or fetch, just before its actor steps it."""
+    def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput | None:
+        """The quota verdict on a peer's lookup or fetch; None after the actor ended.
+
+        An input for an ended actor is dropped, and a pin it carries released.
+        """
+        if actor.done:
+            if isinstance(event_input, inp.ParentAnswer) and event_input.pin is not None:
+                log.error(
+                    "%s ended before its parent answer; releasing its pin",
+                    actor.id,
+                    extra=self._request_extra(actor.id.kv_request_id),
+                )
+                self._host.release_pin(event_input.pin.job_id, success=False)
+            return None
         if isinstance(event_input, wire.Lookup | wire.Fetch):
             return self._host.quotas.admit(actor, event_input)
         return event_input
 
-    def actor_stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
-        """Log an actor's events, count what they hold, and perform their effects."""
+    def stepped(
+        self, actor: RequestActor, event_input: ActorInput, events: Sequence[ev.AnyEvent] | None
+    ) -> None:
+        """Count a failed step against the session; else log, count and perform ``events``.
+
+        A peer's message handled ends the run of errors (vLLM's rule).
+        """
+        if events is None:
+            self._count_error()
+            return
         host = self._host
+        if isinstance(event_input, _FROM_PEER):
+            self._dispatch_errors = 0
+        if actor.moved:
+            host.timers.arm(actor)
+        if not events:
+            return
         producer = actor.id.role is Role.PRODUCER
         if producer:
             state = actor.state
@@ -206,31 +232,6 @@ class SessionActors(ControlLink):
                 self._violation(reason)
             case fx.Retire():
                 self._retire(actor)
-
-    def actor_failed(self, actor: RequestActor, event_input: ActorInput, exc: Exception) -> None:
-        """The core raised on an input of ``actor``: count it against the session."""
-        del actor, event_input, exc
-        self._count_error()
-
-    def actor_handled(self, actor: RequestActor, event_input: ActorInput) -> None:
-        """A peer's message was handled: the run of errors is over (vLLM's rule)."""
-        del actor
-        if isinstance(event_input, (*TO_PRODUCER, *TO_CONSUMER)):
-            self._dispatch_errors = 0
-
-    def input_dropped(self, actor: RequestActor, event_input: ActorInput) -> None:
-        """An input reached ``actor`` after it ended: release a pin it carries."""
-        if isinstance(event_input, inp.ParentAnswer) and event_input.pin is not None:
-            log.error(
-                "%s ended before its parent answer; releasing its pin",
-                actor.id,
-                extra=self._request_extra(actor.id.kv_request_id),
-            )
-            self._host.release_pin(event_input.pin.job_id, success=False)
-
-    def deadline_changed(self, actor: RequestActor) -> None:
-        """Arm the node's timer for the actor's new deadline."""
-        self._host.timers.arm(actor)
 
     def _transfer_ended(self, actor: RequestActor, transfer_id: int, error: str | None) -> None:
         ended = inp.TransferResult(transfer_id=transfer_id, ok=error is None, reason=error or "")

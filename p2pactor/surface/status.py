@@ -18,7 +18,7 @@ from p2pactor import __version__
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.dialect import EXTENSION
-from p2pactor.runtime.session import SessionState
+from p2pactor.runtime.handshake import SessionState
 from p2pactor.surface._metrics_scrape import source_state
 
 if TYPE_CHECKING:
