@@ -93,7 +93,6 @@ class ControlLink(abc.ABC):
         # Both together stay under session_outbox.
         self._early: deque[bytes] = deque()
         self._backlog: deque[bytes] = deque()
-        self._alive = True
         self._ack_sent = False
         self._acked = False
         self._established = trio.Event()  # both connects acked: READY, our messages go out
@@ -116,7 +115,7 @@ class ControlLink(abc.ABC):
     @property
     def alive(self) -> bool:
         """Whether the session can still carry requests."""
-        return self._alive
+        return not self._dead.is_set()
 
     @property
     def ready(self) -> bool:
@@ -136,7 +135,7 @@ class ControlLink(abc.ABC):
         transport, so a connection the peer opened meanwhile becomes this
         session's, not a second one.
         """
-        return self._conn is None and self._alive
+        return self._conn is None and self.alive
 
     @property
     def unsent(self) -> int:
@@ -171,7 +170,7 @@ class ControlLink(abc.ABC):
         """Connect, handshake, and let frames flow until the session dies."""
         try:
             first: wire.Connect | None = self._first
-            if not self._alive:
+            if not self.alive:
                 return  # closed before its task ran
             if self._conn is None:
                 self._conn = await self._host.control.connect(self.peer_id)
@@ -271,7 +270,7 @@ class ControlLink(abc.ABC):
             self._die(f"could not register the peer's memory: {exc}", disconnect=True)
             return
         self._peer_registered = True
-        if not self._alive:
+        if not self.alive:
             return
         assert self._conn is not None
         try:
@@ -288,7 +287,7 @@ class ControlLink(abc.ABC):
 
     def _open_gate(self) -> None:
         """Once both connects are acked the session is ready: send what waited, in order."""
-        if not (self._acked and self._ack_sent and self._alive) or self._established.is_set():
+        if not (self._acked and self._ack_sent and self.alive) or self._established.is_set():
             return
         self.state = SessionState.READY
         self._established.set()
@@ -305,7 +304,7 @@ class ControlLink(abc.ABC):
 
     def send(self, msg: wire.Message) -> None:
         """Queue a message for the peer (sent once our connect is acked). Never blocks."""
-        if not self._alive:
+        if not self.alive:
             return
         self.last_sent = trio.current_time()
         frame = wire.encode(to_dialect(msg, self.features))
@@ -339,7 +338,7 @@ class ControlLink(abc.ABC):
     async def _send_backlog(self) -> None:
         """Send the frames that found the connection's queue full, in order, as room comes."""
         assert self._conn is not None
-        while self._backlog and self._alive:
+        while self._backlog and self.alive:
             try:
                 await self._conn.send(self._backlog[0])
             except ConnectionLost as exc:
@@ -359,14 +358,13 @@ class ControlLink(abc.ABC):
 
     def _die(self, reason: str, *, disconnect: bool = False) -> None:
         """The session is dead: ``disconnect`` tells the peer so as it drains."""
-        if not self._alive:
+        if self._dead.is_set():
             return
-        self._alive = False
+        self._dead.set()
         self.death_reason = reason
         self._send_disconnect = disconnect
         self.state = SessionState.CLOSING
         log.info("session with %s ended: %s", self.peer_id, reason, extra=self._log_extra)
-        self._dead.set()
 
     async def _hang_up(self) -> None:
         """Detach and close the connection, with a ``disconnect`` if the death asked for one."""

@@ -142,7 +142,7 @@ class PeerSession(SessionActors):
 
     def frame_received(self, frame: wire.Frame) -> None:
         """Decode one frame of the peer's and step it now (on the transport's receive path)."""
-        if not self._alive:
+        if not self.alive:
             return
         self.last_activity = trio.current_time()
         try:

@@ -55,14 +55,6 @@ _LOADS: Final[dict[type[ev.Event], int]] = {
 }
 
 
-def _mark(marked: set[RequestActor], actor: RequestActor, now: bool) -> None:
-    """Keep ``actor`` in ``marked`` exactly while ``now`` holds."""
-    if now:
-        marked.add(actor)
-    else:
-        marked.discard(actor)
-
-
 class SessionActors(ControlLink):
     """The request actors on one session, and the session as their host (ActorHost)."""
 
@@ -196,8 +188,8 @@ class SessionActors(ControlLink):
             state = actor.state
             assert isinstance(state, ProducerState)
             host.quotas.observe(actor, events, state, trio.current_time())
-            _mark(self._busy, actor, bool(state.transfers or state.lookups))
-            _mark(self._writing, actor, bool(state.transfers))
+            (self._busy.add if state.transfers or state.lookups else self._busy.discard)(actor)
+            (self._writing.add if state.transfers else self._writing.discard)(actor)
         host.record(actor, events)
         loads = 0
         for event in events:
