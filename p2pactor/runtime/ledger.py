@@ -160,28 +160,24 @@ class QuotaLedger:
             # Not a counted request (a consumer's, or a test's), or the empty
             # fetch that closes one: never refused.
             return message
-        if request.refusal:
-            return inp.OverQuota(message=message, quota=Quota.OPEN_REQUESTS, reason=request.refusal)
         limit, held = self.quotas.max_rounds_per_request, request.held
-        if message.round_seq not in held and len(held) >= limit:
+        quota, cap = Quota.FETCH_ROUNDS if fetch else Quota.OPEN_LOOKUPS, 0
+        if request.refusal:
+            quota, reason = Quota.OPEN_REQUESTS, request.refusal
+        elif message.round_seq not in held and len(held) >= limit:
+            quota = Quota.ROUNDS_PER_REQUEST
             reason = (
                 f"request {message.kv_request_id!r} of {request.peer} already holds "
                 f"{len(held)} rounds here (quota {limit} per request)"
             )
-            return inp.OverQuota(message=message, quota=Quota.ROUNDS_PER_REQUEST, reason=reason)
-        quota = Quota.FETCH_ROUNDS if fetch else Quota.OPEN_LOOKUPS
-        if reason := self._refusal(request.peer, quota):
-            return inp.OverQuota(message=message, quota=quota, reason=reason)
-        cap = self.quotas.max_keys_per_lookup
-        if fetch or len(message.keys) <= cap:
-            return message
-        reason = f"a lookup of {len(message.keys)} keys; only the first {cap} are looked up"
-        return inp.OverQuota(
-            message=message,
-            quota=Quota.KEYS_PER_LOOKUP,
-            reason=f"{reason} (quota per lookup)",
-            admit=cap,
-        )
+        elif not (reason := self._refusal(request.peer, quota)):
+            cap = self.quotas.max_keys_per_lookup
+            if fetch or len(message.keys) <= cap:
+                return message
+            quota = Quota.KEYS_PER_LOOKUP
+            reason = f"a lookup of {len(message.keys)} keys; only the first {cap} are looked up"
+            reason += " (quota per lookup)"
+        return inp.OverQuota(message=message, quota=quota, reason=reason, admit=cap)
 
     def observe(
         self, handle: Hashable, events: Sequence[ev.AnyEvent], state: ProducerState, now: float

@@ -95,16 +95,20 @@ class PeerRegistry:
         if not self._config.may_dial(peer) or self.shutting_down:
             self._say_unreachable(peer, "not dialing")
             return None
-        if len(self._sessions) >= self._config.max_peers:
-            log.warning(
-                "not dialing %s: already %d peers (max_peers); raise max_peers "
-                "(VLLM_P2P_MAX_PEERS) to allow more",
-                peer,
-                len(self._sessions),
-                extra=peer_context(peer, node=self._config.node_id),
-            )
-            return None
-        return self._start(peer, None)
+        return None if self._full(peer, "not dialing") else self._start(peer, None)
+
+    def _full(self, peer: str, action: str) -> bool:
+        """Whether the node is at ``max_peers`` (said with ``action``, and the fix, if so)."""
+        if len(self._sessions) < self._config.max_peers:
+            return False
+        log.warning(
+            "%s %s: at max_peers (%d); raise max_peers (VLLM_P2P_MAX_PEERS) to allow more",
+            action,
+            peer,
+            self._config.max_peers,
+            extra=peer_context(peer, node=self._config.node_id),
+        )
+        return True
 
     def may_accept(self, peer: str) -> bool:
         """Whether a first frame from ``peer`` may be taken (and ``peer`` dialed back).
@@ -207,14 +211,7 @@ class PeerRegistry:
         elif self.shutting_down:
             log.info("refused %s: this node is shutting down", peer, extra=context)
             await conn.aclose()
-        elif len(self._sessions) >= self._config.max_peers:
-            log.warning(
-                "refused %s: at max_peers (%d); raise max_peers (VLLM_P2P_MAX_PEERS) "
-                "to accept more",
-                peer,
-                self._config.max_peers,
-                extra=context,
-            )
+        elif self._full(peer, "refused"):
             await conn.aclose()
         else:
             if existing is not None:
