@@ -11,8 +11,7 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _curve_client, _handshake_failure
-from p2pactor.adapters._zmq_options import note
-from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket
+from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket, note
 from p2pactor.core.protocol import Frame
 from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
 
@@ -99,7 +98,7 @@ class ZmqConnection:
         self._receiver: FrameReceiver | None = None  # see attach()
         self._told_lost = False
         nursery = transport._nursery
-        monitor.events.start_watching(nursery, f"zmq monitor fd {peer_id}")
+        monitor.start_watching(nursery, f"zmq monitor fd {peer_id}")
         nursery.start_soon(self._watch, name=f"zmq monitor {peer_id}")
 
     def __repr__(self) -> str:
@@ -137,7 +136,7 @@ class ZmqConnection:
                     await self._dealer.wait(zmq.POLLOUT)
                 except trio.ClosedResourceError:  # it died meanwhile
                     raise self._lost() from None
-                if self._try_send(frame):
+                if self.send_nowait(frame):
                     return  # sent: no checkpoint may follow that could lose it
         # vLLM's rule, with a grace period: control frames are small, so a queue
         # that stays full means the peer stopped reading. Failing beats stalling.
@@ -163,14 +162,6 @@ class ZmqConnection:
         """
         if self.dead_reason is not None:
             raise ConnectionLost(self.dead_reason)
-        return self._try_send(frame)
-
-    def _try_send(self, frame: bytes) -> bool:
-        """Queue ``frame`` if there is room (never blocks).
-
-        Raises:
-            ConnectionLost: libzmq refused it for another reason than room.
-        """
         try:
             self._dealer.sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -264,8 +255,6 @@ class ZmqConnection:
         and more than ``inbound_bytes`` of it (or, with no receiver attached,
         ``inbound_queue`` frames) wait.
         """
-        if self.dead_reason is not None:
-            return False
         options = self._options
         if self._frames and self._bytes + len(frame) > options.inbound_bytes:
             too_many = f"{options.inbound_bytes} bytes"

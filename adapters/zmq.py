@@ -86,15 +86,15 @@ from p2pactor.adapters._zmq_curve import (
     check_keypair,
     generate_keypair,
 )
-from p2pactor.adapters._zmq_options import (
+from p2pactor.adapters._zmq_router import ZmqControlTransport
+from p2pactor.adapters._zmq_socket import (
     ZmqOptions,
     ZmqStatistics,
     ZmqTransportError,
     log,
+    make_socket,
     note,
 )
-from p2pactor.adapters._zmq_router import ZmqControlTransport
-from p2pactor.adapters._zmq_socket import make_socket
 from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
