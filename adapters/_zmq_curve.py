@@ -32,13 +32,9 @@ ZAP_DOMAIN: bytes = b"p2pactor"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 _ZAP_VERSION = b"1.0"
 _ZAP_REQUEST_FRAMES = 8  # routing id, delimiter, version, id, domain, address, identity, mechanism
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 # What a CURVE ROUTER turns away before ZAP is asked (see _router_monitor_loop).
 ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_HANDSHAKE_FAILED = ROUTER_MONITOR_MASK | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 def _new_keys() -> tuple[str, str]:

@@ -33,6 +33,7 @@ log = logging.getLogger("p2pactor.zmq")
 # libzmq takes whole milliseconds: inf has no value there.
 _positive = checks.positive(finite=True)
 _not_negative = checks.non_negative(finite=True)
+_int = checks.positive_int
 
 
 class ZmqTransportError(P2PActorError):
@@ -104,21 +105,17 @@ class ZmqOptions:
     heartbeat_interval: float = attrs.field(default=2.0, validator=_positive)
     heartbeat_timeout: float = attrs.field(default=10.0, validator=_positive)
     heartbeat_ttl: float = attrs.field(default=10.0, validator=_positive)
-    send_hwm: int = attrs.field(default=1000, validator=checks.positive_int)
+    send_hwm: int = attrs.field(default=1000, validator=_int)
     send_timeout: float = attrs.field(default=1.0, validator=_not_negative)
     dealer_linger: float = attrs.field(default=0.5, validator=_not_negative)
     router_linger: float = attrs.field(default=0.0, validator=_not_negative)
-    max_frame_bytes: int = attrs.field(
-        default=DEFAULT_MAX_FRAME_BYTES, validator=checks.positive_int
-    )
-    inbound_queue: int = attrs.field(default=10_000, validator=checks.positive_int)
-    inbound_bytes: int = attrs.field(
-        default=2 * DEFAULT_MAX_FRAME_BYTES, validator=checks.positive_int
-    )
-    accept_backlog: int = attrs.field(default=128, validator=checks.positive_int)
+    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_FRAME_BYTES, validator=_int)
+    inbound_queue: int = attrs.field(default=10_000, validator=_int)
+    inbound_bytes: int = attrs.field(default=2 * DEFAULT_MAX_FRAME_BYTES, validator=_int)
+    accept_backlog: int = attrs.field(default=128, validator=_int)
     connect_timeout: float = attrs.field(default=10.0, validator=_positive)
     redial_delay: float = attrs.field(default=0.05, validator=_not_negative)
-    receive_batch: int = attrs.field(default=64, validator=checks.positive_int)
+    receive_batch: int = attrs.field(default=64, validator=_int)
     receive_slice_s: float = attrs.field(default=0.001, validator=_positive)
     batch_io_threads: bool = True
 
@@ -354,14 +351,13 @@ def make_socket(
     kind: int,
     address: str,
     options: ZmqOptions,
+    settings: Iterable[tuple[int, int | bytes]],
     *,
-    linger: float,
-    settings: Iterable[tuple[int, int | bytes]] = (),
-    monitor_mask: int = 0,
+    monitor_mask: int,
 ) -> tuple[zmq.Socket[bytes], _Monitor | None]:
     """A socket of ``kind`` bound (a ROUTER) or dialed to ``address``, with its monitor.
 
-    It gets the transport's heartbeat, ``linger`` and ``settings``; with a
+    It gets the transport's heartbeat, its kind's linger and ``settings``; with a
     ``monitor_mask``, a :class:`_Monitor` of those events, made before it binds or dials.
 
     Raises:
@@ -369,6 +365,7 @@ def make_socket(
     """
     sock = ctx.socket(kind)
     monitor: _Monitor | None = None
+    linger = options.router_linger if kind == zmq.ROUTER else options.dealer_linger
     try:
         for option, value in (
             (zmq.HEARTBEAT_IVL, _ms(options.heartbeat_interval)),

@@ -184,17 +184,16 @@ async def open_zmq_transport(
         gate = None if curve is None else _CurveGate(ctx, curve)  # before the ROUTER
         # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
         # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
-        settings = [(zmq.MAXMSGSIZE, options.max_frame_bytes), (zmq.ROUTER_HANDOVER, 1)]
+        settings: list[tuple[int, int | bytes]] = [
+            (zmq.MAXMSGSIZE, options.max_frame_bytes),
+            (zmq.ROUTER_HANDOVER, 1),
+            *(() if gate is None else gate.settings()),
+        ]
+        mask = 0 if gate is None else ROUTER_MONITOR_MASK
         endpoint = f"tcp://{bind_host or host}:{port or '*'}"
         try:
             router, monitor = make_socket(
-                ctx,
-                zmq.ROUTER,
-                endpoint,
-                options,
-                linger=options.router_linger,
-                settings=settings if gate is None else [*settings, *gate.settings()],
-                monitor_mask=0 if gate is None else ROUTER_MONITOR_MASK,
+                ctx, zmq.ROUTER, endpoint, options, settings, monitor_mask=mask
             )
         except zmq.ZMQError as exc:
             if gate is not None:
