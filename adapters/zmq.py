@@ -60,9 +60,9 @@ claims; the transport says so in a warning when it opens. With ``curve`` (a
 encrypted and authenticated both ways, and a frame counts only if the keyring
 binds its claimed identity to the key that sent it (``_zmq_curve``).
 
-The parts, each importing only those above it: ``_zmq_options`` (options,
-statistics, error), ``_zmq_socket`` (a socket waited on from trio, its monitor,
-and how sockets are made), ``_zmq_curve`` (CURVE keys, the ZAP handler, failed
+The parts, each importing only those above it: ``_zmq_socket`` (options,
+statistics, error; a socket waited on from trio, its monitor, and how sockets
+are made), ``_zmq_curve`` (CURVE keys, the ZAP handler, failed
 handshakes), ``_zmq_connection`` (:class:`ZmqConnection`, which dials its
 DEALER), ``_zmq_router`` (:class:`ZmqControlTransport`); this module binds the
 ROUTER and opens the transport.
