@@ -11,8 +11,7 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _curve_client, _handshake_failure
-from p2pactor.adapters._zmq_options import note
-from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket
+from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket, note
 from p2pactor.core.protocol import Frame
 from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
 
@@ -21,7 +20,7 @@ if TYPE_CHECKING:
 
 # vLLM's fatal events, plus HANDSHAKE_SUCCEEDED, which tells a refused or
 # unreachable peer from one that went away after we reached it.
-_MONITOR_MASK = (
+_MASK = (
     zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
 )
 
@@ -29,11 +28,10 @@ _MONITOR_MASK = (
 def _peer_address(peer_id: str) -> str | None:
     """``tcp://host:port`` for a peer id, or None if it is not ``host:port``."""
     host, sep, port = peer_id.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
-        return None
-    if any(c.isspace() or c in "/;" for c in host):
-        return None
-    return f"tcp://{host}:{port}"
+    valid = sep and host and port.isascii() and port.isdigit() and 0 < int(port) <= 65535
+    return (
+        None if not valid or any(c.isspace() or c in "/;" for c in host) else f"tcp://{host}:{port}"
+    )
 
 
 class ZmqConnection:
@@ -70,13 +68,7 @@ class ZmqConnection:
         # completes, so the `connect` sent right away fits.
         try:
             dealer, monitor = make_socket(
-                transport._ctx,
-                zmq.DEALER,
-                address,
-                options,
-                linger=options.dealer_linger,
-                settings=settings,
-                monitor_mask=_MONITOR_MASK,
+                transport._ctx, zmq.DEALER, address, options, settings, monitor_mask=_MASK
             )
         except zmq.ZMQError as exc:
             raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
@@ -92,14 +84,14 @@ class ZmqConnection:
         self._frames: deque[Frame] = deque()
         self._bytes = 0
         self._arrival = trio.lowlevel.ParkingLot()  # receive() waits here
-        self._in_turn = False  # the ROUTER task has it among the connections to hand frames to
         self.dead_reason: str | None = None
-        self._reached = False  # the ZeroMQ handshake with the peer completed
-        self._claimed = False  # connect() or accept() handed it out
         self._receiver: FrameReceiver | None = None  # see attach()
-        self._told_lost = False
+        # _in_turn: the ROUTER task has it among the connections to hand frames to;
+        # _reached: the ZeroMQ handshake with the peer completed;
+        # _claimed: connect() or accept() handed it out.
+        self._in_turn = self._reached = self._claimed = self._told_lost = False
         nursery = transport._nursery
-        monitor.events.start_watching(nursery, f"zmq monitor fd {peer_id}")
+        monitor.start_watching(nursery, f"zmq monitor fd {peer_id}")
         nursery.start_soon(self._watch, name=f"zmq monitor {peer_id}")
 
     def __repr__(self) -> str:
@@ -137,7 +129,7 @@ class ZmqConnection:
                     await self._dealer.wait(zmq.POLLOUT)
                 except trio.ClosedResourceError:  # it died meanwhile
                     raise self._lost() from None
-                if self._try_send(frame):
+                if self.send_nowait(frame):
                     return  # sent: no checkpoint may follow that could lose it
         # vLLM's rule, with a grace period: control frames are small, so a queue
         # that stays full means the peer stopped reading. Failing beats stalling.
@@ -163,14 +155,6 @@ class ZmqConnection:
         """
         if self.dead_reason is not None:
             raise ConnectionLost(self.dead_reason)
-        return self._try_send(frame)
-
-    def _try_send(self, frame: bytes) -> bool:
-        """Queue ``frame`` if there is room (never blocks).
-
-        Raises:
-            ConnectionLost: libzmq refused it for another reason than room.
-        """
         try:
             self._dealer.sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:
@@ -264,8 +248,6 @@ class ZmqConnection:
         and more than ``inbound_bytes`` of it (or, with no receiver attached,
         ``inbound_queue`` frames) wait.
         """
-        if self.dead_reason is not None:
-            return False
         options = self._options
         if self._frames and self._bytes + len(frame) > options.inbound_bytes:
             too_many = f"{options.inbound_bytes} bytes"

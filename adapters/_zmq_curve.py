@@ -16,9 +16,13 @@ import trio
 import zmq
 from zmq.utils import z85
 
-from p2pactor.adapters._zmq_options import ZmqTransportError, _worth_logging, note
-from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor
-from p2pactor.core.protocol import Frame
+from p2pactor.adapters._zmq_socket import (
+    ZmqTransportError,
+    _AsyncSocket,
+    _Monitor,
+    _worth_logging,
+    note,
+)
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.keys import KEYGEN_HINT, CurveKeypair, CurveSecurity, write_keypair
 from p2pactor.runtime.transport import ConnectionLost
@@ -28,13 +32,9 @@ ZAP_DOMAIN: bytes = b"p2pactor"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 _ZAP_VERSION = b"1.0"
 _ZAP_REQUEST_FRAMES = 8  # routing id, delimiter, version, id, domain, address, identity, mechanism
-_HANDSHAKE_FAILED = (
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
-)
 # What a CURVE ROUTER turns away before ZAP is asked (see _router_monitor_loop).
 ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_HANDSHAKE_FAILED = ROUTER_MONITOR_MASK | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 def _new_keys() -> tuple[str, str]:
@@ -194,7 +194,7 @@ class _CurveGate:
         assert self.monitor is not None
         self._zap.start_watching(nursery, "zmq zap fd")
         nursery.start_soon(self._zap_loop, self._zap, name="zmq zap")
-        self.monitor.events.start_watching(nursery, "zmq router monitor fd")
+        self.monitor.start_watching(nursery, "zmq router monitor fd")
         nursery.start_soon(self._router_monitor_loop, self.monitor, name="zmq router monitor")
 
     def close(self) -> None:
@@ -204,15 +204,19 @@ class _CurveGate:
             self.monitor.close()
         self._zap.close(0)
 
-    def impostor(self, identity: bytes, parts: list[Frame]) -> str | None:
-        """Pop the sender's User-Id off ``parts``; what is wrong if it is not the identity's key.
+    def impostor(self, identity: bytes, frame: zmq.Frame) -> str | None:
+        """What is wrong if ``frame``'s sender's User-Id is not the identity's key.
 
-        ``parts`` ends with the sender's User-Id, its public key, which our ZAP
+        The User-Id ZAP gave the connection the frame came on (which only a
+        zero-copy receive exposes) is the sender's public key, which our ZAP
         handler vouched for. The identity (``host:port``) is only what the
         sender claims: a frame whose identity the keyring binds to another key
         (or to none) must be dropped, before it can open a connection or a dial-back.
         """
-        user_id = bytes(parts.pop()).decode("ascii", "replace")
+        try:
+            user_id = str(frame.get("User-Id"))
+        except zmq.ZMQError:  # no ZAP handler answered for that connection
+            user_id = ""
         keyring = self.curve.keyring
         try:
             bound = keyring.key_for(identity.decode())

@@ -13,15 +13,16 @@ import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection, _peer_address
 from p2pactor.adapters._zmq_curve import _CurveGate
-from p2pactor.adapters._zmq_options import (
+from p2pactor.adapters._zmq_socket import (
+    COPY_BELOW,
     ZmqOptions,
     ZmqStatistics,
     ZmqTransportError,
+    _AsyncSocket,
+    _events,
     _worth_logging,
     note,
 )
-from p2pactor.adapters._zmq_socket import _AsyncSocket, _events
-from p2pactor.core.protocol import Frame
 from p2pactor.runtime.transport import ConnectionLost
 
 _REFAIR_EVERY = 4  # frames read between the ROUTER's looks for newly readable connections
@@ -52,7 +53,6 @@ class ZmqControlTransport:
         self.local_id = f"{host}:{self.port}"
         self._ctx = ctx
         self._router = _AsyncSocket(router)
-        self._router.authenticated = gate is not None
         self._options = options
         self._nursery: trio.Nursery  # set by _start
         self._connections: dict[str, ZmqConnection] = {}
@@ -219,7 +219,7 @@ class ZmqControlTransport:
         a peer slow to handle holds others up for one frame, never its backlog.
         """
         router = self._router
-        recv = router.recv_routed
+        recv = router.sock.recv_multipart
         route = self._route
         limit = self._options.receive_batch
         slice_s = self._options.receive_slice_s
@@ -232,15 +232,13 @@ class ZmqControlTransport:
                 read = 0
                 while read < limit and not router.closed:
                     try:
-                        identity, parts = recv(zmq.NOBLOCK)
+                        frames = recv(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
                     except zmq.ZMQError as exc:
-                        if self.closed:
-                            return
                         raise ZmqTransportError(f"the ROUTER failed: {exc}") from exc
                     read += 1
-                    route(identity, parts)
+                    route(frames)
                     if read % _REFAIR_EVERY == 0 and not router.closed:
                         # libzmq notices a connection that has just become
                         # readable only when it processes its commands, which
@@ -270,17 +268,18 @@ class ZmqControlTransport:
         except trio.ClosedResourceError:
             return
 
-    def _route(self, identity: bytes, parts: list[Frame]) -> None:
+    def _route(self, frames: list[zmq.Frame]) -> None:
         """Take one message to its connection (which waits its turn to hand it on).
 
         On a CURVE ROUTER the claimed identity must be the key's (``_CurveGate.impostor``).
         """
         self._received += 1
-        if self._gate is not None and (impostor := self._gate.impostor(identity, parts)):
+        identity = frames[0].bytes
+        if self._gate is not None and (impostor := self._gate.impostor(identity, frames[-1])):
             self._drop(impostor)
             return
-        if len(parts) != 1:
-            self._drop(f"a message of {len(parts)} frames (expected [identity, payload])")
+        if len(frames) != 2:
+            self._drop(f"a message of {len(frames) - 1} frames (expected [identity, payload])")
             return
         if len(identity) == 5 and identity[0] == 0:
             # libzmq's own name for a connection our ROUTER handed over to a
@@ -299,13 +298,12 @@ class ZmqControlTransport:
             conn = self._accept_new(peer_id)
             if conn is None:
                 return
-        if not conn._deliver(parts[0]):
+        frame = frames[1]  # large frames as views, not copies (COPY_BELOW)
+        if not conn._deliver(frame.bytes if len(frame) < COPY_BELOW else frame.buffer):
             self._dropped += 1  # its connection died of it: logged there
 
     def _accept_new(self, peer_id: str) -> ZmqConnection | None:
         """An inbound connection for a peer's first frame, or None (frame dropped)."""
-        if self.closed:
-            return None
         if _peer_address(peer_id) is None:
             self._drop(f"a frame from identity {peer_id[:64]!r}, which is not host:port")
             return None

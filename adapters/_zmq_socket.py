@@ -1,5 +1,6 @@
-"""A zmq socket waited on from trio (``shared/reference/trio-stack.md`` section 1), and made.
+"""The ZeroMQ transport's base: options, statistics, error, logger, and sockets waited on from trio.
 
+A socket is waited on as ``shared/reference/trio-stack.md`` section 1 says.
 ``zmq.FD`` is edge-triggered relative to the socket's state: it signals that
 libzmq has internal commands to process, not that a message is there, and any
 zmq call on the socket may consume the edge. ``zmq.EVENTS`` is the only truth.
@@ -13,25 +14,162 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections.abc import Iterable
 from typing import Final, cast
 
+import attrs
 import trio
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from p2pactor.adapters._zmq_options import ZmqOptions
-from p2pactor.core.protocol import Frame
+from p2pactor.core import checks
+from p2pactor.core.protocol import DEFAULT_MAX_FRAME_BYTES
+from p2pactor.errors import P2PActorError
+from p2pactor.runtime.logcontext import request_context
+
+log = logging.getLogger("p2pactor.zmq")
+
+# libzmq takes whole milliseconds: inf has no value there.
+_positive = checks.positive(finite=True)
+_not_negative = checks.non_negative(finite=True)
+_int = checks.positive_int
+
+
+class ZmqTransportError(P2PActorError):
+    """The ZeroMQ transport itself failed (it cannot bind, or its ROUTER broke)."""
+
+
+@attrs.frozen(kw_only=True)
+class ZmqOptions:
+    """Socket options and bounds of the ZeroMQ control transport.
+
+    Times are in seconds (libzmq takes milliseconds; they are rounded). The
+    defaults are vLLM 0.33.0's wherever it has one.
+
+    Attributes:
+        heartbeat_interval: ZMTP heartbeat period on every socket (vLLM: 2 s).
+        heartbeat_timeout: A connection whose peer sends nothing, not even a
+            heartbeat, for this long is dropped (vLLM: 10 s).
+        heartbeat_ttl: How long the peer should wait for our traffic before it
+            drops us, sent in our heartbeats (vLLM: 10 s).
+        send_hwm: Frames a DEALER queues for its peer (vLLM: 1000).
+        send_timeout: How long a send waits for room once ``send_hwm`` frames
+            are queued; then the connection is dead, as the peer is not
+            reading. 0 is vLLM's rule (dead at once). The default rides out a
+            burst that outruns libzmq's I/O thread for a moment (on a busy
+            2-core machine 1000 small frames take ~5 ms to send).
+        dealer_linger: How long a closed DEALER keeps trying to deliver what it
+            still queues, such as a final ``disconnect`` (vLLM: 0.5 s).
+        router_linger: The ROUTER's linger; it never sends (vLLM: 0).
+        max_frame_bytes: Largest frame the ROUTER accepts (``ZMQ_MAXMSGSIZE``).
+            libzmq drops a larger one before we read it, and with it the TCP
+            connection it came on: the *sender's* connection dies; ours to the
+            sender lives on.
+        inbound_queue: Frames queued per connection until they are received;
+            one more and the peer counts as flooding us and the connection dies.
+        inbound_bytes: Bytes of one peer's frames received and not yet
+            handled (by its session, or by ``receive`` before a session
+            attaches); past it the peer counts as flooding us and the
+            connection dies. A frame arriving when none waits always fits.
+            Twice the largest frame (32 MiB): an honest peer's backlog is its
+            frames of one burst, which the node handles as they come.
+        accept_backlog: New inbound connections waiting for :meth:`accept`;
+            frames from further new peers are dropped (and logged) meanwhile.
+        connect_timeout: A connection that has not completed the ZeroMQ
+            handshake this long after dialing is dead (unreachable peer).
+        redial_delay: After a DEALER to a peer closes, ``connect()`` waits
+            this long before it dials the same peer again. A stock vLLM ROUTER
+            does not set ``ZMQ_ROUTER_HANDOVER``: it ignores, for good, a new
+            connection that shows our identity while the old one is still
+            open there (measured: 19 in 100 immediate re-dials on 127.0.0.1,
+            none after 1 ms). An inbound connection's dial-back does not wait.
+        receive_batch: Frames the ROUTER task reads in one round, before it
+            hands them on and yields to others.
+        receive_slice_s: Seconds of handling frames after which the ROUTER
+            task yields to others, however few it read: frames that take
+            long to handle (a peer's large messages, or many with work each)
+            hold the node's other tasks up for about this long at most.
+        batch_io_threads: Run libzmq's I/O threads under ``SCHED_BATCH``
+            (Linux; elsewhere ignored). Each send wakes the I/O thread, and
+            on a busy machine the kernel then often runs it in place of the
+            trio thread, mid-send, until it and what it wakes are done:
+            measured on a loaded 2-core VM, a non-blocking send of a small
+            frame took 80-650 us of wall time for 10-20 us of CPU, and the
+            work queued behind it (the next message) waited. A batch thread
+            never preempts on wake-up: it runs on an idle core, or once the
+            trio thread parks (sends then took 10-20 us). Its fair share of
+            the CPU is unchanged.
+    """
+
+    heartbeat_interval: float = attrs.field(default=2.0, validator=_positive)
+    heartbeat_timeout: float = attrs.field(default=10.0, validator=_positive)
+    heartbeat_ttl: float = attrs.field(default=10.0, validator=_positive)
+    send_hwm: int = attrs.field(default=1000, validator=_int)
+    send_timeout: float = attrs.field(default=1.0, validator=_not_negative)
+    dealer_linger: float = attrs.field(default=0.5, validator=_not_negative)
+    router_linger: float = attrs.field(default=0.0, validator=_not_negative)
+    max_frame_bytes: int = attrs.field(default=DEFAULT_MAX_FRAME_BYTES, validator=_int)
+    inbound_queue: int = attrs.field(default=10_000, validator=_int)
+    inbound_bytes: int = attrs.field(default=2 * DEFAULT_MAX_FRAME_BYTES, validator=_int)
+    accept_backlog: int = attrs.field(default=128, validator=_int)
+    connect_timeout: float = attrs.field(default=10.0, validator=_positive)
+    redial_delay: float = attrs.field(default=0.05, validator=_not_negative)
+    receive_batch: int = attrs.field(default=64, validator=_int)
+    receive_slice_s: float = attrs.field(default=0.001, validator=_positive)
+    batch_io_threads: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ZmqStatistics:
+    """Counters of a :class:`ZmqControlTransport`, from :meth:`~ZmqControlTransport.statistics`.
+
+    Attributes:
+        connections: Live connections.
+        pending_accepts: Inbound connections waiting for ``accept()`` (some may
+            have died or been claimed by ``connect()`` since).
+        frames_received: Frames read from the ROUTER.
+        frames_dropped: Of those, frames dropped (malformed, bad identity, full
+            accept backlog, a flooding peer's frame that did not fit); oversize
+            frames never reach us and are not counted.
+        connections_opened: Connections opened so far, both directions.
+        connections_died: Connections that died or were closed so far.
+        auth_refused: Clients our CURVE ZAP handler refused (key not trusted,
+            or not a CURVE handshake); 0 without CURVE.
+    """
+
+    connections: int
+    pending_accepts: int
+    frames_received: int
+    frames_dropped: int
+    connections_opened: int
+    connections_died: int
+    auth_refused: int = 0
+
+
+def note(level: int, node: str, message: str, *args: object, peer: str | None = None) -> None:
+    """Log ``node: message`` (``%``-formatted), with ``node`` and ``peer`` as its fields.
+
+    At ``ERROR`` and above, the exception being handled goes with it.
+    """
+    line = "%s: " + message
+    extra = request_context(peer, None, node=node)
+    log.log(level, line, node, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2)
+
+
+def _worth_logging(count: int) -> bool:
+    """Whether to log the ``count``-th frame dropped or client refused.
+
+    The first 10, then 1 in 1000: a misbehaving peer must not flood the log.
+    """
+    return count <= 10 or count % 1000 == 0
+
 
 COPY_BELOW: Final = 64 * 1024
 """Frames shorter than this are copied out of libzmq as bytes. A longer one is
 handed on as a view of libzmq's own buffer: a large frame (up to
 ``max_frame_bytes``) then costs its size once, not twice, and no copy of the
 node thread's time. A view costs a small frame more than the copy (about 1 us)."""
-
-
-def _take(frame: zmq.Frame) -> Frame:
-    return frame.bytes if len(frame) < COPY_BELOW else frame.buffer
 
 
 def _ms(seconds: float) -> int:
@@ -41,6 +179,11 @@ def _ms(seconds: float) -> int:
 def _events(sock: zmq.Socket[bytes]) -> int:
     """``zmq.EVENTS``: ``POLLIN`` / ``POLLOUT``."""
     return cast("int", sock.getsockopt(zmq.EVENTS))
+
+
+# A monitor endpoint unique per socket: libzmq releases an inproc name on its
+# reaper thread after close() returned, so reusing one fails with EADDRINUSE.
+_monitor_serials = itertools.count(1)
 
 
 class _AsyncSocket:
@@ -56,9 +199,6 @@ class _AsyncSocket:
         self._wanted: dict[int, int] = {}  # flag -> tasks waiting for it
         self.closed = False
         self.watched = False  # its watcher task was started
-        # A CURVE ROUTER: each message comes with its sender's User-Id (see
-        # recv_routed).
-        self.authenticated = False
 
     def start_watching(self, nursery: trio.Nursery, name: str) -> None:
         """Start the socket's one watcher task (:meth:`watch`) in ``nursery``."""
@@ -154,27 +294,6 @@ class _AsyncSocket:
                 return batch
             await self.wait(zmq.POLLIN)
 
-    def recv_routed(self, flags: int) -> tuple[bytes, list[Frame]]:
-        """A ROUTER's message: its sender's identity, and its other frames.
-
-        Large frames are views, not copies (:data:`COPY_BELOW`). On a CURVE
-        ROUTER (``authenticated``) the User-Id ZAP gave the sender ("" if none)
-        is appended to the frames: it is a property of the connection the
-        message came on, which only a zero-copy receive exposes.
-
-        Raises:
-            zmq.Again: No message waits (with ``zmq.NOBLOCK``).
-        """
-        frames = self.sock.recv_multipart(flags, copy=False)
-        parts = [_take(frame) for frame in frames[1:]]
-        if self.authenticated:
-            try:
-                user_id = frames[-1].get("User-Id")
-            except zmq.ZMQError:  # no ZAP handler answered for that connection
-                user_id = ""
-            parts.append(str(user_id).encode())
-        return frames[0].bytes, parts
-
     def close(self, linger: float) -> None:
         """Close the socket, waking every task parked on it first. Idempotent.
 
@@ -189,8 +308,8 @@ class _AsyncSocket:
         self.sock.close(linger=_ms(linger))
 
 
-class _Monitor:
-    """A socket's monitor: the events ``mask`` selects, on a PAIR of ours (:attr:`events`).
+class _Monitor(_AsyncSocket):
+    """A socket's monitor: the events ``mask`` selects, on a PAIR of ours.
 
     libzmq's I/O thread sends monitor events *blocking*: one with no reader on
     the PAIR blocks that thread for good, and every socket of the context
@@ -199,18 +318,13 @@ class _Monitor:
     a closed DEALER that reconnects while it lingers still emits them).
     """
 
-    def __init__(
-        self,
-        ctx: zmq.Context[zmq.Socket[bytes]],
-        sock: zmq.Socket[bytes],
-        endpoint: str,
-        mask: int,
-    ) -> None:
-        self._sock = sock
-        self.events = _AsyncSocket(ctx.socket(zmq.PAIR))
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], mask: int):
+        super().__init__(ctx.socket(zmq.PAIR))
+        self._source = sock
+        endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
         try:
             sock.monitor(endpoint, mask)
-            self.events.sock.connect(endpoint)
+            self.sock.connect(endpoint)
         except zmq.ZMQError:
             self.close()
             raise
@@ -221,21 +335,15 @@ class _Monitor:
         Raises:
             trio.ClosedResourceError: The monitor closed.
         """
-        messages = map(parse_monitor_message, await self.events.receive_batch(16))
+        messages = map(parse_monitor_message, await self.receive_batch(16))
         return [(message["event"], message["value"]) for message in messages]
 
-    def close(self) -> None:
+    def close(self, linger: float = 0.0) -> None:
         """Stop the events, then close the PAIR, waking its reader. Idempotent."""
-        if self.events.closed:
-            return
-        with contextlib.suppress(zmq.ZMQError):
-            self._sock.disable_monitor()
-        self.events.close(0)
-
-
-# A monitor endpoint unique per socket: libzmq releases an inproc name on its
-# reaper thread after close() returned, so reusing one fails with EADDRINUSE.
-_monitor_serials = itertools.count(1)
+        if not self.closed:
+            with contextlib.suppress(zmq.ZMQError):
+                self._source.disable_monitor()
+        super().close(linger)
 
 
 def make_socket(
@@ -243,14 +351,13 @@ def make_socket(
     kind: int,
     address: str,
     options: ZmqOptions,
+    settings: Iterable[tuple[int, int | bytes]],
     *,
-    linger: float,
-    settings: Iterable[tuple[int, int | bytes]] = (),
-    monitor_mask: int = 0,
+    monitor_mask: int,
 ) -> tuple[zmq.Socket[bytes], _Monitor | None]:
     """A socket of ``kind`` bound (a ROUTER) or dialed to ``address``, with its monitor.
 
-    It gets the transport's heartbeat, ``linger`` and ``settings``; with a
+    It gets the transport's heartbeat, its kind's linger and ``settings``; with a
     ``monitor_mask``, a :class:`_Monitor` of those events, made before it binds or dials.
 
     Raises:
@@ -258,6 +365,7 @@ def make_socket(
     """
     sock = ctx.socket(kind)
     monitor: _Monitor | None = None
+    linger = options.router_linger if kind == zmq.ROUTER else options.dealer_linger
     try:
         for option, value in (
             (zmq.HEARTBEAT_IVL, _ms(options.heartbeat_interval)),
@@ -269,8 +377,7 @@ def make_socket(
         ):
             sock.setsockopt(option, value)
         if monitor_mask:
-            endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
-            monitor = _Monitor(ctx, sock, endpoint, monitor_mask)
+            monitor = _Monitor(ctx, sock, monitor_mask)
         if kind == zmq.ROUTER:
             sock.bind(address)
         else:

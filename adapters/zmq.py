@@ -60,9 +60,9 @@ claims; the transport says so in a warning when it opens. With ``curve`` (a
 encrypted and authenticated both ways, and a frame counts only if the keyring
 binds its claimed identity to the key that sent it (``_zmq_curve``).
 
-The parts, each importing only those above it: ``_zmq_options`` (options,
-statistics, error), ``_zmq_socket`` (a socket waited on from trio, its monitor,
-and how sockets are made), ``_zmq_curve`` (CURVE keys, the ZAP handler, failed
+The parts, each importing only those above it: ``_zmq_socket`` (options,
+statistics, error; a socket waited on from trio, its monitor, and how sockets
+are made), ``_zmq_curve`` (CURVE keys, the ZAP handler, failed
 handshakes), ``_zmq_connection`` (:class:`ZmqConnection`, which dials its
 DEALER), ``_zmq_router`` (:class:`ZmqControlTransport`); this module binds the
 ROUTER and opens the transport.
@@ -86,15 +86,15 @@ from p2pactor.adapters._zmq_curve import (
     check_keypair,
     generate_keypair,
 )
-from p2pactor.adapters._zmq_options import (
+from p2pactor.adapters._zmq_router import ZmqControlTransport
+from p2pactor.adapters._zmq_socket import (
     ZmqOptions,
     ZmqStatistics,
     ZmqTransportError,
     log,
+    make_socket,
     note,
 )
-from p2pactor.adapters._zmq_router import ZmqControlTransport
-from p2pactor.adapters._zmq_socket import make_socket
 from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
@@ -184,17 +184,16 @@ async def open_zmq_transport(
         gate = None if curve is None else _CurveGate(ctx, curve)  # before the ROUTER
         # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
         # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
-        settings = [(zmq.MAXMSGSIZE, options.max_frame_bytes), (zmq.ROUTER_HANDOVER, 1)]
+        settings: list[tuple[int, int | bytes]] = [
+            (zmq.MAXMSGSIZE, options.max_frame_bytes),
+            (zmq.ROUTER_HANDOVER, 1),
+            *(() if gate is None else gate.settings()),
+        ]
+        mask = 0 if gate is None else ROUTER_MONITOR_MASK
         endpoint = f"tcp://{bind_host or host}:{port or '*'}"
         try:
             router, monitor = make_socket(
-                ctx,
-                zmq.ROUTER,
-                endpoint,
-                options,
-                linger=options.router_linger,
-                settings=settings if gate is None else [*settings, *gate.settings()],
-                monitor_mask=0 if gate is None else ROUTER_MONITOR_MASK,
+                ctx, zmq.ROUTER, endpoint, options, settings, monitor_mask=mask
             )
         except zmq.ZMQError as exc:
             if gate is not None:

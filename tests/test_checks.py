@@ -115,7 +115,7 @@ def test_validate_reruns_them() -> None:
 
 def test_the_callers_keep_their_rules() -> None:
     from p2pactor.adapters._nixl_options import NixlOptions  # noqa: PLC0415
-    from p2pactor.adapters._zmq_options import ZmqOptions  # noqa: PLC0415
+    from p2pactor.adapters._zmq_socket import ZmqOptions  # noqa: PLC0415
     from p2pactor.core.timings import Timings  # noqa: PLC0415
     from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
     from p2pactor.runtime.log import Durability  # noqa: PLC0415
