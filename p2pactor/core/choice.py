@@ -1,9 +1,17 @@
-"""The choice of a source for a request that names none: its policy and its record.
+"""The choice of a source for a request that names none: its policy, its record, each peer's trust.
 
 :class:`ChoicePolicy` is the tier's configuration of how claims are weighed;
 :class:`Choice` (with one :class:`Claim` per peer) is what
 :meth:`~p2pactor.core.sources.SourceIndex.choose` decides, and what the
-consumer's ``Probed`` event records; :func:`choose` decides it. Pure.
+consumer's ``Probed`` event records; :func:`choose` decides it.
+
+How far a peer's claims are trusted (:class:`Trust`): every automatic lookup
+to a peer is scored once its claimed keys are answered and their fetches are
+over: a key counts as held by word (the peer answered HIT) and by deed (its
+fetch did not fail by the peer's doing). The peer's precision is a moving
+average of that; too low, or too many failed fetches in a row, and automatic
+choice skips it for a while (a quarantine, doubling each time, up to a cap).
+Pure: time is an argument.
 """
 
 from __future__ import annotations
@@ -140,8 +148,7 @@ def choose(
         if run < best[3]:
             scored.remove(best)
             if run:
-                saved = run * policy.tokens_per_key * policy.prefill_s_per_token
-                score = saved * found.precision - cost - load * found.in_flight
+                score = run * per_key * found.precision - cost - load * found.in_flight
                 scored.append((-score, -run, peer, run))
     if not scored:
         if skipped:
@@ -157,3 +164,128 @@ def choose(
     keys = min(len(wanted), best_claim.run + policy.tail_keys)
     reason = f"longest worthwhile run: {best_claim.run} of {len(wanted)} keys"
     return Choice(best_claim.peer, keys, claims, reason)
+
+
+# Quarantines counted for the back-off (it reached its cap long before).
+MAX_QUARANTINE_DOUBLINGS = 32
+
+
+@attrs.define(eq=False)
+class PeerTrust:
+    """One peer's record: precision, probes in flight, failed fetches, quarantines."""
+
+    precision: float = 1.0
+    probed: int = 0
+    in_flight: int = 0
+    # Failed in a row.
+    failed_fetches: int = 0
+    quarantines: int = 0
+    quarantined_until: float = 0.0
+
+
+class Trust:
+    """The index's side of trust: probes in flight, scores, quarantines and their ends.
+
+    A base of :class:`~p2pactor.core.sources.SourceIndex`, which keeps the records.
+
+    Attributes:
+        policy: How claims are trusted.
+    """
+
+    policy: ChoicePolicy
+    _peers: Mapping[str, PeerTrust]
+    # The quarantined peers, replaced whole (read by engine threads): a key
+    # only they claim is unclaimed, a MISS with no wait.
+    _excluded: frozenset[str]
+
+    def next_release(self) -> float | None:
+        """When the first quarantine ends (None: no peer is quarantined)."""
+        peers = self._peers
+        ends = [peers[p].quarantined_until for p in self._excluded if p in peers]
+        return min(ends, default=None)
+
+    def release(self, now: float) -> None:
+        """End the quarantines that are over at ``now``: their claims count again."""
+        if self._excluded:
+            peers = self._peers
+            self._excluded = frozenset(
+                p for p in self._excluded if p in peers and now < peers[p].quarantined_until
+            )
+
+    def precision(self, peer: str) -> float:
+        """How often ``peer``'s probed claims held (a moving average; 1.0 before any)."""
+        found = self._peers.get(peer)
+        return found.precision if found is not None else 1.0
+
+    def quarantined(self, peer: str, now: float) -> bool:
+        """Whether automatic choice skips ``peer`` at ``now``."""
+        found = self._peers.get(peer)
+        return found is not None and now < found.quarantined_until
+
+    def probe_started(self, peer: str) -> None:
+        """An automatic lookup to ``peer`` was sent."""
+        found = self._peers.get(peer)
+        if found is not None:
+            found.in_flight += 1
+
+    def probe_ended(self, peer: str, claimed: int, hits: int, now: float) -> None:
+        """An automatic lookup to ``peer`` ended: ``hits`` of the ``claimed`` keys it asked held.
+
+        :meth:`probe_answered`, then :meth:`score`.
+        """
+        self.probe_answered(peer)
+        self.score(peer, claimed, hits, now)
+
+    def probe_answered(self, peer: str) -> None:
+        """An automatic lookup to ``peer`` has its answers (or never will): no longer in flight."""
+        found = self._peers.get(peer)
+        if found is not None:
+            found.in_flight = max(0, found.in_flight - 1)
+
+    def score(self, peer: str, claimed: int, held: int, now: float) -> bool:
+        """``held`` of ``claimed`` keys ``peer`` claimed turned out held (by answer and deed).
+
+        A failed lookup (no answer) is ``held=0``; so is a HIT whose fetch the
+        peer then failed. Updates the peer's precision and quarantines it when
+        too few of its claims hold; returns whether it did. Scores that come
+        during a quarantine count for nothing: the burst that caused it is one
+        quarantine, not several.
+        """
+        found, policy = self._peers.get(peer), self.policy
+        if found is None or claimed <= 0 or now < found.quarantined_until:
+            return False
+        keep = (1.0 - policy.precision_weight) ** claimed
+        share = max(0, min(held, claimed)) / claimed
+        found.precision = found.precision * keep + share * (1.0 - keep)
+        found.probed += claimed
+        low = found.precision < policy.min_precision
+        return found.probed >= policy.min_probed_keys and low and self._quarantine(peer, now)
+
+    def fetches_ended(self, peer: str, *, delivered: int, failed: int, now: float) -> bool:
+        """Fetches of ``peer``'s hits for one request ended: ``delivered`` did, ``failed`` not.
+
+        Besides the precision (:meth:`score`): a peer whose fetches keep
+        failing is quarantined after ``max_failed_fetches`` in a row, however
+        few keys each carried. Returns whether this quarantined it.
+        """
+        found = self._peers.get(peer)
+        if found is None or now < found.quarantined_until:
+            return False
+        if delivered:
+            found.failed_fetches = 0
+        found.failed_fetches += failed
+        return found.failed_fetches >= self.policy.max_failed_fetches and self._quarantine(
+            peer, now
+        )
+
+    def _quarantine(self, peer: str, now: float) -> bool:
+        found, policy = self._peers[peer], self.policy
+        doublings = min(found.quarantines, MAX_QUARANTINE_DOUBLINGS)
+        found.quarantines += 1
+        found.quarantined_until = now + min(
+            policy.max_quarantine_s, policy.quarantine_s * 2.0**doublings
+        )
+        # After the quarantine it starts over, with the back-off remembered.
+        found.precision, found.probed, found.failed_fetches = 1.0, 0, 0
+        self._excluded = self._excluded | {peer}  # replaced whole: engine threads read it
+        return True

@@ -22,6 +22,7 @@ time too: each part a sorted run (:class:`Fill`), all merged once it is whole
 
 from __future__ import annotations
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -274,32 +275,25 @@ class Compaction:
         return True
 
 
+@attrs.define(eq=False)
 class Assembly:
     """A snapshot being put together from its parts: sorted runs, merged once it is whole."""
 
-    __slots__ = (
-        "buffered",
-        "buffered_fps",
-        "column",
-        "cut",
-        "held",
-        "parts",
-        "runs",
-        "seen",
-        "upto",
-    )
-
-    def __init__(self, upto: int, parts: int, column: FpArray) -> None:
-        self.upto = upto
-        self.parts = parts
-        self.seen: set[int] = set()
-        self.runs: list[FpArray] = []  # each sorted, each value once within it
-        self.held = 0  # fingerprints in ``runs`` (one in two runs counts twice)
-        self.column = column  # the filter's column for ``runs``, filled as they come
-        # Deltas after ``upto`` that came meanwhile: applied once it is whole.
-        self.buffered: list[tuple[int, Fingerprints, Fingerprints]] = []
-        self.buffered_fps = 0  # fingerprints in ``buffered``
-        self.cut = False  # it claimed more than it may: cut back to its capacity
+    upto: int
+    parts: int
+    # The filter's column for ``runs``, filled as they come.
+    column: FpArray
+    # Deltas after ``upto`` that came meanwhile: applied once it is whole.
+    buffered: list[tuple[int, Fingerprints, Fingerprints]] = attrs.Factory(list)
+    # Fingerprints in ``buffered``.
+    buffered_fps: int = 0
+    seen: set[int] = attrs.Factory(set)
+    # Each sorted, each value once within it.
+    runs: list[FpArray] = attrs.Factory(list)
+    # Fingerprints in ``runs`` (one in two runs counts twice).
+    held: int = 0
+    # It claimed more than it may: cut back to its capacity.
+    cut: bool = False
 
 
 class Fill:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import attrs
 import msgspec
 
 from p2pactor.core.claimfilter import ClaimFilter
@@ -52,7 +53,7 @@ class Resync(msgspec.Struct, frozen=True, gc=False):
     from_seq: int
 
 
-class _Delta:
+class Delta:
     """A delta as it came, waiting for its turn."""
 
     __slots__ = ("add", "epoch", "nbytes", "remove", "seq")
@@ -62,7 +63,7 @@ class _Delta:
         self.nbytes = 8 * (count(add) + count(remove)) + MESSAGE_BYTES
 
 
-class _Part:
+class Part:
     """A snapshot's part as it came, waiting for its turn."""
 
     __slots__ = ("epoch", "fps", "nbytes", "part", "parts", "upto")
@@ -85,11 +86,12 @@ class _Apply:
         self.struck = False
 
 
-# A summary message as it waits for its turn (made by :meth:`PeerClaims.delta` or ``.part``).
-Incoming = _Delta | _Part
-_Job = _Delta | _Part | _Apply | Fill | Complete | Compaction
+# A summary message as it waits for its turn.
+Incoming = Delta | Part
+_Job = Delta | Part | _Apply | Fill | Complete | Compaction
 
 
+@attrs.define(eq=False)
 class PeerClaims:
     """What one peer claims, and its summary messages not applied yet.
 
@@ -102,44 +104,28 @@ class PeerClaims:
             dropped as a flood.
     """
 
-    __slots__ = (
-        "_filter",
-        "assembly",
-        "capacity",
-        "claims",
-        "column",
-        "epoch",
-        "floods",
-        "gap_deltas",
-        "max_queued_bytes",
-        "peer",
-        "queue",
-        "queued_bytes",
-        "resync_asked",
-        "seq",
-        "strikes",
-        "synced",
-    )
-
-    def __init__(
-        self, peer: str, capacity: int, filter: ClaimFilter, column: int, max_queued_bytes: int
-    ) -> None:
-        self.peer = peer
-        self.capacity = capacity
-        self.column = column
-        self.max_queued_bytes = max_queued_bytes
-        self._filter = filter
-        self.epoch = b""
-        self.seq = 0
-        self.synced = False  # a whole snapshot arrived for this epoch
-        self.resync_asked = False  # a Resync is out and no snapshot came since
-        self.gap_deltas = 0  # deltas the gap has lasted since the resync was asked
-        self.claims = ClaimSet()
-        self.assembly: Assembly | None = None
-        self.queue: deque[_Job] = deque()
-        self.queued_bytes = 0  # of the messages in ``queue``
-        self.strikes = 0  # messages that claimed more than it may
-        self.floods = 0  # times its queued messages were dropped
+    peer: str
+    capacity: int
+    _filter: ClaimFilter
+    column: int
+    max_queued_bytes: int
+    epoch: bytes = b""
+    seq: int = 0
+    # A whole snapshot arrived for this epoch.
+    synced: bool = False
+    # A Resync is out and no snapshot came since.
+    resync_asked: bool = False
+    # Deltas the gap has lasted since the resync was asked.
+    gap_deltas: int = 0
+    claims: ClaimSet = attrs.Factory(ClaimSet)
+    assembly: Assembly | None = None
+    queue: deque[_Job] = attrs.Factory(deque)
+    # Bytes of the messages in ``queue``.
+    queued_bytes: int = 0
+    # Messages that claimed more than it may.
+    strikes: int = 0
+    # Times its queued messages were dropped.
+    floods: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -166,14 +152,6 @@ class PeerClaims:
         self.queued_bytes += message.nbytes
         return None
 
-    def delta(self, epoch: bytes, seq: int, add: Fingerprints, remove: Fingerprints) -> _Delta:
-        """A delta message, for :meth:`receive`."""
-        return _Delta(epoch, seq, add, remove)
-
-    def part(self, epoch: bytes, upto: int, part: int, parts: int, fps: Fingerprints) -> _Part:
-        """A snapshot part message, for :meth:`receive`."""
-        return _Part(epoch, upto, part, parts, fps)
-
     def _flooded(self) -> Resync | None:
         """Its messages come faster than they are applied: drop them, and ask again."""
         self.floods += 1
@@ -185,10 +163,12 @@ class PeerClaims:
         # What was applied of a message cut short is no summary we can vouch
         # for: the claims stay (capped, they only steer) until a snapshot.
         self.synced = False
-        if self.resync_asked:
-            return None
+        return None if self.resync_asked else self.resync()
+
+    def resync(self) -> Resync:
+        """Ask the peer for a snapshot, from where its summary stands here."""
         self.resync_asked, self.gap_deltas = True, 0
-        return Resync(self.peer, self.epoch, 0)
+        return Resync(self.peer, self.epoch, self.seq + 1 if self.synced else 0)
 
     # --- applying, a slice at a time ------------------------------------------------------
 
@@ -202,10 +182,10 @@ class PeerClaims:
         if not queue:
             return 0, None
         job = queue[0]
-        if isinstance(job, _Delta | _Part):
+        if isinstance(job, Delta | Part):
             queue.popleft()
             self.queued_bytes -= job.nbytes
-            if isinstance(job, _Delta):
+            if isinstance(job, Delta):
                 return 1, self._delta(job)
             return 1, self._part(job)
         if isinstance(job, _Apply):
@@ -236,15 +216,13 @@ class PeerClaims:
         queue.popleft()
         return used, self._install(job)
 
-    def _delta(self, msg: _Delta) -> Resync | None:
+    def _delta(self, msg: Delta) -> Resync | None:
         epoch, seq = msg.epoch, msg.seq
         if epoch != self.epoch:
             # A restarted peer: its old summary goes whole, its new one starts
             # with a snapshot (asked once, however often the epoch flips).
-            asked = self.resync_asked
             self.new_epoch(epoch)
-            self.resync_asked = True
-            return None if asked else Resync(self.peer, epoch, 0)
+            return None if self.resync_asked else self.resync()
         most = self.capacity
         if count(msg.add) > most or count(msg.remove) > most:
             self.strikes += 1  # more than it may claim: the rest is never looked at
@@ -273,10 +251,9 @@ class PeerClaims:
         self.gap_deltas += 1
         if self.resync_asked and self.gap_deltas < RESYNC_AFTER_DELTAS:
             return None
-        self.resync_asked, self.gap_deltas = True, 0
-        return Resync(self.peer, epoch, self.seq + 1 if self.synced else 0)
+        return self.resync()
 
-    def _part(self, msg: _Part) -> Resync | None:
+    def _part(self, msg: Part) -> Resync | None:
         part, parts, upto = msg.part, msg.parts, msg.upto
         if not 0 <= part < parts:
             return None
@@ -292,12 +269,9 @@ class PeerClaims:
             if self.synced and upto < self.seq:
                 return None  # a new snapshot older than what deltas already brought
             kept = [] if assembly is None else [b for b in assembly.buffered if b[0] > upto]
-            assembly = self.assembly = Assembly(upto, parts, self._filter.scratch())
-            assembly.buffered = kept
-            assembly.buffered_fps = sum(
-                min(count(add), self.capacity) + min(count(remove), self.capacity)
-                for _, add, remove in kept
-            )
+            most = self.capacity
+            size = sum(min(count(add), most) + min(count(remove), most) for _, add, remove in kept)
+            assembly = self.assembly = Assembly(upto, parts, self._filter.scratch(), kept, size)
         if part in assembly.seen:
             return None
         assembly.seen.add(part)
@@ -323,10 +297,7 @@ class PeerClaims:
             elif seq > self.seq:
                 later = True
         self.queue.extendleft(reversed(follow))  # ahead of the messages that came since
-        if later:
-            self.resync_asked = True  # a delta after it was lost
-            return Resync(self.peer, self.epoch, self.seq + 1)
-        return None
+        return self.resync() if later else None  # a delta after it was lost
 
     def _apply(self, job: _Apply, most: int) -> int:
         claims, filt = self.claims, self._filter

@@ -18,11 +18,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from p2pactor.core.choice import Choice, ChoicePolicy, choose
+import attrs
+
+from p2pactor.core.choice import Choice, ChoicePolicy, PeerTrust, Trust, choose
 from p2pactor.core.claimfilter import ClaimFilter
 from p2pactor.core.fparrays import Fingerprints, as_fps
-from p2pactor.core.peer_claims import Incoming, PeerClaims, Resync
-from p2pactor.core.peer_trust import PeerTrust, Trust
+from p2pactor.core.peer_claims import Delta, Incoming, Part, PeerClaims, Resync
 from p2pactor.core.work_budget import WorkBudget
 
 _MASK64 = (1 << 64) - 1
@@ -55,15 +56,13 @@ SLICE_FPS = 2048
 INLINE_FPS = 1024
 
 
+@attrs.define(eq=False)
 class _Peer(PeerTrust):
     """One peer's summary, work budget and trust (mutable: the index owns it alone)."""
 
-    __slots__ = ("budget", "summary")
-
-    def __init__(self, summary: PeerClaims, budget: WorkBudget) -> None:
-        super().__init__()
-        self.summary = summary
-        self.budget = budget  # how much of the node's thread its summaries may take
+    summary: PeerClaims = attrs.field(kw_only=True)
+    # How much of the node's thread its summaries may take.
+    budget: WorkBudget = attrs.field(kw_only=True)
 
 
 class SourceIndex(Trust):
@@ -198,14 +197,13 @@ class SourceIndex(Trust):
         if found is None:
             column = self._filter.open()
             summary = PeerClaims(peer, capacity, self._filter, column, self.max_queued_bytes)
-            found = self._peers[peer] = _Peer(summary, WorkBudget(self.work_fps_per_s))
+            budget = WorkBudget(self.work_fps_per_s)
+            found = self._peers[peer] = _Peer(summary=summary, budget=budget)
             self._columns[column] = peer
         else:
             found.summary.cut(capacity)
             found.in_flight = 0
-        summary = found.summary
-        summary.resync_asked, summary.gap_deltas = True, 0
-        return Resync(peer, summary.epoch, summary.seq + 1 if summary.synced else 0)
+        return found.summary.resync()
 
     def remove_peer(self, peer: str) -> None:
         """``peer`` is gone (its session ended): forget its claims."""
@@ -235,8 +233,7 @@ class SourceIndex(Trust):
         found = self._peers.get(peer)
         if found is None:
             return None  # no session: nothing to keep it for
-        summary = found.summary
-        return self._received(found, summary.delta(epoch, seq, add, remove), now)
+        return self._received(found, Delta(epoch, seq, add, remove), now)
 
     def snapshot(
         self,
@@ -260,8 +257,7 @@ class SourceIndex(Trust):
         found = self._peers.get(peer)
         if found is None:
             return None
-        summary = found.summary
-        return self._received(found, summary.part(epoch, upto_seq, part, parts, fps), now)
+        return self._received(found, Part(epoch, upto_seq, part, parts, fps), now)
 
     def _received(self, found: _Peer, message: Incoming, now: float | None) -> Resync | None:
         summary = found.summary
