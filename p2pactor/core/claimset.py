@@ -31,7 +31,6 @@ from p2pactor.core.fparrays import (
     EMPTY,
     Fingerprints,
     FpArray,
-    Merge,
     MergeRuns,
     as_fps,
     count,
@@ -51,11 +50,14 @@ def _positions(keys: FpArray, fps: FpArray) -> tuple[npt.NDArray[np.intp], _Mask
     return at, keys[at] == fps
 
 
-def _within(keys: FpArray, fps: FpArray) -> _Mask:
-    """For each of ``fps``, whether it is in ``keys``."""
-    if not len(keys):
+def _kill(keys: FpArray, live: _Mask, fps: FpArray) -> _Mask:
+    """Mark those of ``fps`` live in ``keys`` dead: for each of ``fps``, whether it was."""
+    if not (len(keys) and len(fps)):
         return np.zeros(len(fps), bool)
-    return _positions(keys, fps)[1]
+    at, found = _positions(keys, fps)
+    found &= live[at]
+    live[at[found]] = False
+    return found
 
 
 class ClaimSet:
@@ -106,16 +108,21 @@ class ClaimSet:
 
     def mask(self, fps: FpArray) -> _Mask:
         """For each of ``fps``, whether it is claimed."""
+        return self._find(fps)[2]
+
+    def _find(self, fps: FpArray) -> tuple[npt.NDArray[np.intp] | None, _Mask, _Mask]:
+        """Each of ``fps``'s place in the main array (None: empty), if it is there, if claimed."""
         keys, live = self._sorted
         if len(keys):
             at, found = _positions(keys, fps)
             held = found & live[at]
         else:
-            held = np.zeros(len(fps), bool)
+            at, found = None, np.zeros(len(fps), bool)
+            held = found.copy()
         extra = self._extra
         if len(extra):
-            held |= _within(extra, fps)
-        return held
+            held |= _positions(extra, fps)[1]
+        return at, found, held
 
     def array(self) -> FpArray:
         """Every claim, sorted (a new array)."""
@@ -135,25 +142,18 @@ class ClaimSet:
         Returns the newly claimed, and how many more were refused for want of room.
         """
         fps = unique(fps)
-        keys, live = self._sorted
-        if len(keys):
-            at, found = _positions(keys, fps)
-            fresh = ~(found & live[at])
-        else:
-            at, found = None, np.zeros(len(fps), bool)
-            fresh = np.ones(len(fps), bool)
-        extra = self._extra
-        if len(extra):
-            fresh &= ~_within(extra, fps)
+        at, found, held = self._find(fps)
+        fresh = ~held
         wanted = int(fresh.sum())
         refused = max(0, wanted - max(0, room))
         if refused:
             fresh[np.flatnonzero(fresh)[wanted - refused :]] = False
         if at is not None:
             revived = at[fresh & found]  # in the array but dead
-            live[revived] = True
+            self._sorted[1][revived] = True
             self._dead -= len(revived)
         new = fps[fresh & ~found]
+        extra = self._extra
         if len(new):
             self._extra = np.insert(extra, extra.searchsorted(new), new)
         self._count += wanted - refused
@@ -163,16 +163,10 @@ class ClaimSet:
     def remove(self, fps: FpArray) -> int:
         """Claim none of ``fps`` any more: how many were claimed."""
         fps = unique(fps)
-        keys, live = self._sorted
-        gone = 0
-        rest = fps
-        if len(keys) and len(fps):
-            at, found = _positions(keys, fps)
-            found &= live[at]
-            live[at[found]] = False
-            gone = int(found.sum())
-            self._dead += gone
-            rest = fps[~found]
+        found = _kill(*self._sorted, fps)
+        gone = int(found.sum())
+        self._dead += gone
+        rest = fps[~found]
         extra = self._extra
         if len(extra) and len(rest):
             at, found = _positions(extra, rest)
@@ -235,7 +229,7 @@ class Compaction:
 
     def __init__(self, claims: ClaimSet) -> None:
         self._claims = claims
-        self._merge: Merge | None = None  # made by the first step: the mask is O(claims)
+        self._merge: MergeRuns | None = None  # made by the first step: the mask is O(claims)
         self.removed: list[FpArray] = []
         self.work = 0
         claims._compacting = self
@@ -255,7 +249,7 @@ class Compaction:
         if merge is None:
             keys, live = claims._sorted
             kept = keys[live] if claims._dead else keys
-            merge = self._merge = Merge(kept, claims._extra)
+            merge = self._merge = MergeRuns((kept, claims._extra))
             self.work = len(keys)
             return False
         self.work = merge.step(most)
@@ -264,13 +258,7 @@ class Compaction:
         claims._compacting = None
         keys = merge.result()
         live = np.ones(len(keys), bool)
-        dead = 0
-        for fps in self.removed:
-            if len(keys):
-                at, found = _positions(keys, fps)
-                found &= live[at]
-                live[at[found]] = False
-                dead += int(found.sum())
+        dead = sum(int(_kill(keys, live, fps).sum()) for fps in self.removed)
         claims._publish(keys, live, dead)
         return True
 

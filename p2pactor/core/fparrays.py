@@ -49,41 +49,58 @@ def unique(fps: FpArray) -> FpArray:
     against 47 µs, numpy 2.4): it is not written for one sorted dtype.
     """
     ordered = np.sort(fps)
-    if len(ordered) > 1:
-        keep = np.empty(len(ordered), bool)
-        keep[0] = True
-        np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
-        ordered = ordered[keep]
-    return ordered
+    return _distinct(ordered) if len(ordered) > 1 else ordered
 
 
-class Merge:
-    """Two sorted arrays of distinct fingerprints merged into one, a slice at a time.
+def _distinct(ordered: FpArray, first: bool = True) -> FpArray:
+    """``ordered`` (sorted, not empty) with each value once; its first one only if ``first``."""
+    keep = np.empty(len(ordered), bool)
+    keep[0] = first
+    np.not_equal(ordered[1:], ordered[:-1], out=keep[1:])
+    return ordered[keep]
 
-    Each :meth:`step` takes at most ``most`` from each side (those up to the
-    smaller of the two values ``most`` ahead), so its work is bounded
-    whatever the arrays' sizes; a fingerprint on both sides is kept once.
+
+class MergeRuns:
+    """Sorted runs of distinct fingerprints merged into one, pairwise, a slice at a time.
+
+    Runs are merged two by two in the order they come, each result going to
+    the back (a tournament: every fingerprint is moved about log2(runs)
+    times). Each :meth:`step` takes at most ``most`` from each run of the pair
+    (those up to the smaller of the two values ``most`` ahead), so its work is
+    bounded whatever the runs' sizes; a fingerprint in both is kept once.
+    Args: ``runs``, each sorted and each value once within it.
     """
 
-    __slots__ = ("_a", "_b", "_ia", "_ib", "_n", "_out")
+    __slots__ = ("_a", "_b", "_ia", "_ib", "_n", "_out", "_runs")
 
-    def __init__(self, a: FpArray, b: FpArray) -> None:
-        self._a, self._b = a, b
+    def __init__(self, runs: Sequence[FpArray]) -> None:
+        self._runs: deque[FpArray] = deque(r for r in runs if len(r))
+        # The pair being merged, ``_a[:_ia]`` and ``_b[:_ib]`` into ``_out[:_n]`` (None: none).
+        self._a = self._b = EMPTY
         self._ia = self._ib = self._n = 0
-        self._out: FpArray = np.empty(len(a) + len(b), np.uint64)
+        self._out: FpArray | None = None
 
     @property
     def done(self) -> bool:
-        """Whether both sides are merged."""
-        return self._ia >= len(self._a) and self._ib >= len(self._b)
+        """Whether one run is left (or none)."""
+        return self._out is None and len(self._runs) <= 1
 
     @property
     def nbytes(self) -> int:
-        """What the merge holds: its two inputs and its output."""
-        return int(self._a.nbytes + self._b.nbytes + self._out.nbytes)
+        """What the runs and the merge under way (its two runs and its output) hold."""
+        held = sum(int(r.nbytes) for r in self._runs)
+        out = self._out
+        return held if out is None else held + int(self._a.nbytes + self._b.nbytes + out.nbytes)
 
     def step(self, most: int) -> int:
-        """Merge the next slice: how many fingerprints it took from the two sides."""
+        """Merge the next slice; how much work it was (at least 1 while not done)."""
+        out = self._out
+        if out is None:
+            if len(self._runs) <= 1:
+                return 0
+            self._a, self._b = self._runs.popleft(), self._runs.popleft()
+            out = self._out = np.empty(len(self._a) + len(self._b), np.uint64)
+            self._ia = self._ib = self._n = 0
         a, b, ia, ib = self._a, self._b, self._ia, self._ib
         most = max(1, most)
         ea, eb = min(ia + most, len(a)), min(ib + most, len(b))
@@ -97,58 +114,15 @@ class Merge:
         left, right = a[ia:ea], b[ib:eb]
         merged = np.insert(left, left.searchsorted(right), right)
         if len(merged):
-            keep = np.empty(len(merged), bool)
-            keep[0] = self._n == 0 or self._out[self._n - 1] != merged[0]
-            np.not_equal(merged[1:], merged[:-1], out=keep[1:])
-            merged = merged[keep]
-            self._out[self._n : self._n + len(merged)] = merged
+            merged = _distinct(merged, self._n == 0 or out[self._n - 1] != merged[0])
+            out[self._n : self._n + len(merged)] = merged
             self._n += len(merged)
         self._ia, self._ib = ea, eb
-        return len(left) + len(right)
-
-    def result(self) -> FpArray:
-        """The merged array (once :attr:`done`)."""
-        return self._out[: self._n]
-
-
-class MergeRuns:
-    """Sorted runs of distinct fingerprints merged into one, pairwise, a slice at a time.
-
-    Runs are merged two by two in the order they come, each result going to
-    the back (a tournament: every fingerprint is moved about log2(runs)
-    times). Args: ``runs``, each sorted and each value once within it.
-    """
-
-    __slots__ = ("_merge", "_runs")
-
-    def __init__(self, runs: Sequence[FpArray]) -> None:
-        self._runs: deque[FpArray] = deque(r for r in runs if len(r))
-        self._merge: Merge | None = None
-
-    @property
-    def done(self) -> bool:
-        """Whether one run is left (or none)."""
-        return self._merge is None and len(self._runs) <= 1
-
-    @property
-    def nbytes(self) -> int:
-        """What the runs and the merge under way hold."""
-        held = sum(int(r.nbytes) for r in self._runs)
-        merge = self._merge
-        return held if merge is None else held + merge.nbytes
-
-    def step(self, most: int) -> int:
-        """Merge the next slice; how much work it was (at least 1 while not done)."""
-        merge = self._merge
-        if merge is None:
-            if len(self._runs) <= 1:
-                return 0
-            merge = self._merge = Merge(self._runs.popleft(), self._runs.popleft())
-        used = merge.step(most)
-        if merge.done:
-            self._runs.append(merge.result())
-            self._merge = None
-        return max(1, used)
+        if ea >= len(a) and eb >= len(b):
+            self._runs.append(out[: self._n])
+            self._out = None
+            self._a = self._b = EMPTY
+        return max(1, len(left) + len(right))
 
     def result(self) -> FpArray:
         """The one merged run (once :attr:`done`)."""

@@ -220,14 +220,11 @@ class Holdings(Mirror):
         due = self._since is not None and now >= self._since + self.options.flush_s
         if not (force or due or len(pending) >= self.options.flush_keys):
             return None
-        if len(pending) <= MAX_DELTA_KEYS:
-            taken = list(pending.items())
-            pending.clear()
+        taken = list(itertools.islice(pending.items(), MAX_DELTA_KEYS))
+        for key, _ in taken:
+            del pending[key]
+        if not pending:
             self._since = None
-        else:
-            taken = list(itertools.islice(pending.items(), MAX_DELTA_KEYS))
-            for key, _ in taken:
-                del pending[key]
         add = [fingerprint(k) for k, held in taken if held]
         remove = [fingerprint(k) for k, held in taken if not held]
         self.seq += 1
@@ -319,10 +316,13 @@ class Holdings(Mirror):
         self._wanted.discard(peer)
         self._answered.pop(peer, None)
 
-    def flush_all(self, now: float) -> list[Out]:
-        """Every pending change, now (a peer may ask for it within the engine's step)."""
+    def flush_all(self, now: float, *, force: bool = True) -> list[Out]:
+        """Every pending change, now (a peer may ask for it within the engine's step).
+
+        Without ``force``, only the deltas due.
+        """
         out: list[Out] = []
-        while (delta := self.flush(now, force=True)) is not None:
+        while (delta := self.flush(now, force=force)) is not None:
             out.append((None, delta))
         return out
 
@@ -343,9 +343,7 @@ class Holdings(Mirror):
 
         Deltas are flushed with no peer too: the changes would pile up otherwise.
         """
-        out: list[Out] = []
-        while (delta := self.flush(now)) is not None:
-            out.append((None, delta))
+        out = self.flush_all(now, force=False)
         if self._next_refresh is not None and now >= self._next_refresh:
             self._next_refresh = now + self.refresh_s if peers else None
             parts = self._parts(now, out)
@@ -359,8 +357,7 @@ class Holdings(Mirror):
 
     def _parts(self, now: float, out: list[Out]) -> tuple[wire.KvsumSnapshot, ...]:
         """The snapshot as of now, after the deltas that bring everyone else up to it."""
-        while (delta := self.flush(now, force=True)) is not None:
-            out.append((None, delta))
+        out += self.flush_all(now)
         return self.snapshot(now).parts
 
     def _send(

@@ -86,11 +86,10 @@ class Mirror:
 
     def clear(self) -> None:
         """The parent dropped everything (its cache was reset)."""
-        for part in (self._ranks, self._requests, self._suspects, self._checked):
+        for part in (self._ranks, self._requests, self._suspects, self._checked, self._verified):
             part.clear()
-        for more in (self._verified, self._pins, self._pinned):
+        for more in (self._pins, self._pinned, self._heap):
             more.clear()
-        self._heap.clear()
         self._churn = 0
         self._changed_at = None
         self._since_frontier = self._churned
@@ -167,13 +166,9 @@ class Mirror:
         vLLM's LRU ranks a finished request's keys afresh, tail first.
         """
         entry = self._requests.pop(request, None)
-        if entry is None:
-            return
-        _, seen = entry
-        ranks = self._ranks
-        for key, _pos in sorted(seen.items(), key=lambda kp: -kp[1]):
-            if key in ranks:
-                self._set(key, self._fresh())
+        if entry is not None:
+            seen = entry[1]
+            self.touched(sorted(seen, key=seen.__getitem__, reverse=True))
 
     def touched(self, keys: Iterable[bytes]) -> None:
         """The engine reused ``keys``: they are the most recent now, the last one most of all."""
