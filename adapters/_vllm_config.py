@@ -16,7 +16,7 @@ import attrs
 from p2pactor.adapters._vllm_api import layout_fingerprint
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.config import NodeConfig, peer_ids, slow_step_from_ms
-from p2pactor.runtime.source_options import SourceOptions
+from p2pactor.runtime.sources import SourceOptions
 
 _CURVE_ENV = frozenset({"P2PACTOR_CURVE_SECRET_KEY", "P2PACTOR_CURVE_TRUSTED"})
 

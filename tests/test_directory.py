@@ -22,7 +22,7 @@ from p2pactor.core import protocol as wire
 from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.sources import BYTES_PER_CLAIM, fingerprint
-from p2pactor.runtime.source_options import SourceOptions
+from p2pactor.runtime.sources import SourceOptions
 from tests.cluster import Cluster, Member, block_bytes, key, open_cluster
 
 HIT, MISS = LookupResult.HIT, LookupResult.MISS

@@ -19,7 +19,7 @@ from p2pactor.core import protocol as wire
 from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.sources import fingerprint
-from p2pactor.runtime.source_options import SourceOptions
+from p2pactor.runtime.sources import SourceOptions
 from p2pactor.surface.status import node_status
 from tests.cluster import Cluster, Member, key, open_cluster
 from tests.test_directory import linked, tap, until

@@ -51,7 +51,7 @@ from p2pactor.programs.bench.summary_attack import (
     RSS_TARGET_MIB,
     parts_per_snapshot,
 )
-from p2pactor.runtime.source_options import SourceOptions
+from p2pactor.runtime.sources import SourceOptions
 from tests.ports import free_port
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")

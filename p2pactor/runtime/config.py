@@ -26,7 +26,7 @@ from p2pactor.errors import ConfigError
 from p2pactor.runtime.addresses import check_bind_host, check_host, is_loopback, peer_host
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
-from p2pactor.runtime.source_options import DEFAULT_SOURCES, SourceOptions
+from p2pactor.runtime.sources import DEFAULT_SOURCES, SourceOptions
 
 DEFAULT_HASH_SEED: Final = "vllm-none-hash"
 """The hash seed vLLM uses for sha256 block hashing when PYTHONHASHSEED is unset."""
@@ -168,7 +168,7 @@ class NodeConfig:
             starts, so their summaries are here before the first request
             that names no source. Peers that connect to us join too.
         sources: Summaries and the automatic choice of a source
-            (:class:`~p2pactor.runtime.source_options.SourceOptions`,
+            (:class:`~p2pactor.runtime.sources.SourceOptions`,
             ``docs/sources.md``).
         slow_step_s: Report every step of a task on the node's trio thread
             that holds it at least this many seconds (one message handled in

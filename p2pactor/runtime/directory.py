@@ -8,7 +8,7 @@ snapshot parts are due, sent here on the node's timer) and
 :class:`~p2pactor.core.sources.SourceIndex` (what the peers claim: a small
 message applied as it arrives, a large one by :meth:`SourceDirectory.run`, a
 slice of a few milliseconds at a time, so no peer's summary holds up anyone's
-lookups). The choice and its lookups are :mod:`p2pactor.runtime.auto_choice`'s.
+lookups). The choice and its lookups are :mod:`p2pactor.runtime.sources`'s.
 Only sessions where both sides offered the feature take part: a stock vLLM
 peer is never sent a summary message and is never chosen.
 """
@@ -29,8 +29,7 @@ from p2pactor.core.holdings import Holdings, Out
 from p2pactor.core.peer_claims import Resync
 from p2pactor.core.sources import SourceIndex
 from p2pactor.runtime.actor import RequestActor
-from p2pactor.runtime.auto_choice import AutoChoice, AutoProbe, Decision
-from p2pactor.runtime.source_options import SourceOptions
+from p2pactor.runtime.sources import AutoChoice, AutoProbe, Decision, SourceOptions
 from p2pactor.runtime.timers import Timers
 
 log = logging.getLogger("p2pactor.sources")

@@ -25,9 +25,9 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.choice import Choice
 from p2pactor.core.sources import fingerprint
 from p2pactor.runtime.actor import RequestActor
-from p2pactor.runtime.auto_choice import Decision
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import EngineBridge
+from p2pactor.runtime.sources import Decision
 
 __all__ = ["ThreadSafeSources"]
 
