@@ -2,8 +2,8 @@
 
 :class:`ChoicePolicy` is the tier's configuration of how claims are weighed;
 :class:`Choice` (with one :class:`Claim` per peer) is what
-:meth:`~p2pactor.core.sources.SourceIndex.choose` decides, and what the
-consumer's ``Probed`` event records; :func:`choose` decides it.
+:meth:`~p2pactor.core.sources.SourceIndex.choose` decides (:class:`Trust` does), and
+what the consumer's ``Probed`` event records.
 
 How far a peer's claims are trusted (:class:`Trust`): every automatic lookup
 to a peer is scored once its claimed keys are answered and their fetches are
@@ -16,7 +16,7 @@ Pure: time is an argument.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import attrs
@@ -25,6 +25,7 @@ import msgspec
 from p2pactor.core import checks
 
 if TYPE_CHECKING:
+    from p2pactor.core.claimfilter import Rows
     from p2pactor.core.fparrays import FpArray
     from p2pactor.core.sources import _Peer
 
@@ -99,73 +100,6 @@ class Choice(msgspec.Struct, frozen=True, gc=False):
     reason: str
 
 
-def choose(
-    policy: ChoicePolicy,
-    wanted: FpArray,
-    now: float,
-    *,
-    columns: Sequence[int],
-    runs: Sequence[int],
-    names: Mapping[int, str],
-    peers: Mapping[str, _Peer],
-    most: int | None,
-) -> Choice:
-    """The peer to look up for a request whose keys are ``wanted``, in order.
-
-    ``columns`` and ``runs`` are the filter's candidates (by column, ``names``
-    their peers) and their runs, each as long as its claims make it or longer
-    (a "maybe" past the run's end); the best is checked against its exact
-    claims, and cut down, until the best is one checked: the choice is exact,
-    the other claims are as the filter reads them. ``most``: how many claims
-    the choice records (the best; all with None).
-    """
-    most_probes = policy.max_probes_per_peer
-    per_key = policy.tokens_per_key * policy.prefill_s_per_token
-    cost, load = policy.round_trip_s, policy.load_s
-    scored: list[tuple[float, int, str, int]] = []  # (-score, -run, peer, run): best first
-    skipped = False
-    for column, run in zip(columns, runs, strict=True):
-        peer = names.get(column)
-        if peer is None:
-            continue
-        found = peers[peer]
-        if now < found.quarantined_until or found.in_flight >= most_probes:
-            skipped = True
-            continue
-        # This loop runs for every peer claiming the first key: the score inline.
-        score = run * per_key * found.precision - cost - load * found.in_flight
-        scored.append((-score, -run, peer, run))
-    checked: set[str] = set()
-    while scored:
-        best = min(scored)
-        peer = best[2]
-        if peer in checked:
-            break
-        checked.add(peer)
-        found = peers[peer]
-        held = found.summary.claims.mask(wanted[: best[3]])
-        run = best[3] if held.all() else int(held.argmin())
-        if run < best[3]:
-            scored.remove(best)
-            if run:
-                score = run * per_key * found.precision - cost - load * found.in_flight
-                scored.append((-score, -run, peer, run))
-    if not scored:
-        if skipped:
-            return Choice(None, 0, (), "every peer claiming the first key is quarantined or busy")
-        return Choice(None, 0, (), "no peer claims the first key")
-    scored.sort()
-    claims = tuple(
-        Claim(peer, run, peers[peer].precision, -score) for score, _, peer, run in scored[:most]
-    )
-    best_claim = claims[0]
-    if best_claim.score <= 0:
-        return Choice(None, 0, claims, "no claimed run is worth a round trip")
-    keys = min(len(wanted), best_claim.run + policy.tail_keys)
-    reason = f"longest worthwhile run: {best_claim.run} of {len(wanted)} keys"
-    return Choice(best_claim.peer, keys, claims, reason)
-
-
 # Quarantines counted for the back-off (it reached its cap long before).
 MAX_QUARANTINE_DOUBLINGS = 32
 
@@ -184,7 +118,7 @@ class PeerTrust:
 
 
 class Trust:
-    """The index's side of trust: probes in flight, scores, quarantines and their ends.
+    """The index's side of the choice: probes in flight, scores, quarantines, the choice itself.
 
     A base of :class:`~p2pactor.core.sources.SourceIndex`, which keeps the records.
 
@@ -193,7 +127,8 @@ class Trust:
     """
 
     policy: ChoicePolicy
-    _peers: Mapping[str, PeerTrust]
+    _peers: Mapping[str, _Peer]
+    _columns: Mapping[int, str]  # the filter's column -> its peer
     # The quarantined peers, replaced whole (read by engine threads): a key
     # only they claim is unclaimed, a MISS with no wait.
     _excluded: frozenset[str]
@@ -274,18 +209,78 @@ class Trust:
         if delivered:
             found.failed_fetches = 0
         found.failed_fetches += failed
-        return found.failed_fetches >= self.policy.max_failed_fetches and self._quarantine(
-            peer, now
-        )
+        failing = found.failed_fetches >= self.policy.max_failed_fetches
+        return failing and self._quarantine(peer, now)
 
     def _quarantine(self, peer: str, now: float) -> bool:
         found, policy = self._peers[peer], self.policy
         doublings = min(found.quarantines, MAX_QUARANTINE_DOUBLINGS)
         found.quarantines += 1
-        found.quarantined_until = now + min(
-            policy.max_quarantine_s, policy.quarantine_s * 2.0**doublings
-        )
+        span = min(policy.max_quarantine_s, policy.quarantine_s * 2.0**doublings)
+        found.quarantined_until = now + span
         # After the quarantine it starts over, with the back-off remembered.
         found.precision, found.probed, found.failed_fetches = 1.0, 0, 0
         self._excluded = self._excluded | {peer}  # replaced whole: engine threads read it
         return True
+
+    def _choose(
+        self, wanted: FpArray, now: float, candidates: tuple[Rows, Rows], most: int | None
+    ) -> Choice:
+        """The peer to look up for a request whose keys are ``wanted``, in order.
+
+        ``candidates`` are the filter's: the columns that may claim the first key
+        and their runs, each as long as its claims make it or longer
+        (a "maybe" past the run's end); the best is checked against its exact
+        claims, and cut down, until the best is one checked: the choice is exact,
+        the other claims are as the filter reads them. ``most``: how many claims
+        the choice records (the best; all with None).
+        """
+        policy, peers, names = self.policy, self._peers, self._columns
+        columns, runs = (c.tolist() for c in candidates)
+        most_probes = policy.max_probes_per_peer
+        per_key = policy.tokens_per_key * policy.prefill_s_per_token
+        cost, load = policy.round_trip_s, policy.load_s
+        scored: list[tuple[float, int, str, int]] = []  # (-score, -run, peer, run): best first
+        skipped = False
+        for column, run in zip(columns, runs, strict=True):
+            peer = names.get(column)
+            if peer is None:
+                continue
+            found = peers[peer]
+            if now < found.quarantined_until or found.in_flight >= most_probes:
+                skipped = True
+                continue
+            # This loop runs for every peer claiming the first key: the score inline.
+            score = run * per_key * found.precision - cost - load * found.in_flight
+            scored.append((-score, -run, peer, run))
+        checked: set[str] = set()
+        while scored:
+            best = min(scored)
+            peer = best[2]
+            if peer in checked:
+                break
+            checked.add(peer)
+            found = peers[peer]
+            held = found.summary.claims.mask(wanted[: best[3]])
+            run = best[3] if held.all() else int(held.argmin())
+            if run < best[3]:
+                scored.remove(best)
+                if run:
+                    score = run * per_key * found.precision - cost - load * found.in_flight
+                    scored.append((-score, -run, peer, run))
+        if not scored:
+            if skipped:
+                return Choice(
+                    None, 0, (), "every peer claiming the first key is quarantined or busy"
+                )
+            return Choice(None, 0, (), "no peer claims the first key")
+        scored.sort()
+        claims = tuple(
+            Claim(peer, run, peers[peer].precision, -score) for score, _, peer, run in scored[:most]
+        )
+        best_claim = claims[0]
+        if best_claim.score <= 0:
+            return Choice(None, 0, claims, "no claimed run is worth a round trip")
+        keys = min(len(wanted), best_claim.run + policy.tail_keys)
+        reason = f"longest worthwhile run: {best_claim.run} of {len(wanted)} keys"
+        return Choice(best_claim.peer, keys, claims, reason)

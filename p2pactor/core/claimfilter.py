@@ -49,7 +49,8 @@ _FIELD = 4095
 # 64 bits; three fields, up to six bits. A table look-up, not six shifts.
 _PAIRS_INT = [(1 << (x & 63)) | (1 << (x >> 6)) for x in range(_FIELD + 1)]
 _PAIRS: npt.NDArray[np.uint64] = np.array(_PAIRS_INT, dtype=np.uint64)
-_Rows = npt.NDArray[np.intp]
+# Indexes into the table: its rows, or its columns.
+Rows = npt.NDArray[np.intp]
 
 
 _FIELDS = np.array([0, 12, 24], np.uint64)
@@ -132,7 +133,7 @@ class ClaimFilter:
 
     # --- writing ----------------------------------------------------------------------
 
-    def locate(self, fps: FpArray, words: int | None = None) -> tuple[_Rows, FpArray]:
+    def locate(self, fps: FpArray, words: int | None = None) -> tuple[Rows, FpArray]:
         """Each fingerprint's row and pattern, in a table of ``words`` rows (this one's)."""
         mixed = np.multiply(fps, _MIX)
         rows = np.right_shift(mixed, _ROW_SHIFT).view(np.intp)  # < 2**24: a view is exact
@@ -215,7 +216,7 @@ class ClaimFilter:
         found: list[int] = np.flatnonzero((row & want) == want).tolist()
         return found
 
-    def runs(self, fps: FpArray) -> tuple[_Rows, _Rows]:
+    def runs(self, fps: FpArray) -> tuple[Rows, Rows]:
         """The columns that may claim ``fps[0]``, and how many of ``fps`` in a row each may."""
         table = self._table
         rows, patterns = self.locate(fps, int(table.shape[0]))

@@ -185,9 +185,7 @@ class PeerClaims:
         if isinstance(job, Delta | Part):
             queue.popleft()
             self.queued_bytes -= job.nbytes
-            if isinstance(job, Delta):
-                return 1, self._delta(job)
-            return 1, self._part(job)
+            return 1, self._delta(job) if isinstance(job, Delta) else self._part(job)
         if isinstance(job, _Apply):
             used = self._apply(job, most)
             if job.at_add >= job.n_add and job.at_remove >= job.n_remove:

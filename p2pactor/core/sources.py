@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from p2pactor.core.choice import Choice, ChoicePolicy, PeerTrust, Trust, choose
+from p2pactor.core.choice import Choice, ChoicePolicy, PeerTrust, Trust
 from p2pactor.core.claimfilter import ClaimFilter
 from p2pactor.core.fparrays import Fingerprints, as_fps
 from p2pactor.core.peer_claims import Delta, Incoming, Part, PeerClaims, Resync
@@ -325,21 +325,11 @@ class SourceIndex(Trust):
     def choose(self, fps: Sequence[int], now: float, *, most: int | None = None) -> Choice:
         """The peer to look up for a request whose keys are ``fps``, in order.
 
-        :func:`~p2pactor.core.choice.choose` says how; ``most``: how many
+        :meth:`~p2pactor.core.choice.Trust._choose` says how; ``most``: how many
         claims the choice records (the best; all by default).
         """
         if not fps:
             return Choice(None, 0, (), "no keys")
         self.release(now)
         wanted = as_fps(fps)
-        columns, runs = self._filter.runs(wanted)
-        return choose(
-            self.policy,
-            wanted,
-            now,
-            columns=columns.tolist(),
-            runs=runs.tolist(),
-            names=self._columns,
-            peers=self._peers,
-            most=most,
-        )
+        return self._choose(wanted, now, self._filter.runs(wanted), most)
