@@ -118,7 +118,7 @@ class ClaimFilter:
         """``column`` is no one's any more: empty it for the next."""
         self.clear(column)
         self._free.append(column)
-        self._shrink_if_due()
+        self._resize(shrink=True)
 
     def clear(self, column: int) -> None:
         """Empty ``column`` (its peer claims nothing now)."""
@@ -145,11 +145,7 @@ class ClaimFilter:
         if not len(fps):
             return
         self._set_load(column, self._load[column] + len(fps))  # grows the table first
-        table = self._table
-        rows, patterns = self.locate(fps)
-        rows *= table.shape[1]
-        rows += column
-        np.bitwise_or.at(table.reshape(-1), rows, patterns)
+        self.fill(self._table[:, column], fps)
         rebuild = self._rebuilds.get(column)
         if rebuild is not None:
             self.fill(rebuild.scratch, fps)  # at its own size: the table may have grown since
@@ -160,7 +156,7 @@ class ClaimFilter:
         return np.zeros(self.words, np.uint64)
 
     def fill(self, scratch: FpArray, fps: FpArray) -> None:
-        """Put ``fps`` in a column made by :meth:`scratch`."""
+        """Put ``fps`` in a column made by :meth:`scratch` (or a view of one of the table's)."""
         if len(fps):
             rows, patterns = self.locate(fps, len(scratch))
             np.bitwise_or.at(scratch, rows, patterns)
@@ -247,24 +243,21 @@ class ClaimFilter:
     def _set_load(self, column: int, load: int) -> None:
         self._total += load - self._load[column]
         self._load[column] = load
-        self._grow_if_due()
+        self._resize()
 
-    def _grow_if_due(self) -> None:
-        used = max(1, len(self._load) - len(self._free))
+    def _resize(self, *, shrink: bool = False) -> None:
+        """Double the rows while the columns hold more than they may (``shrink``: halve them).
+
+        With ``shrink``, the rows are halved while they hold under a quarter of it.
+        """
+        may = KEYS_PER_WORD * max(1, len(self._load) - len(self._free))  # keys a row may hold
         words = self.words
-        while words < MAX_WORDS and self._total > KEYS_PER_WORD * words * used:
+        while not shrink and words < MAX_WORDS and self._total > may * words:
             words *= 2
-        if words > self.words:
-            # A new table, never resized in place: a reader may hold the old one.
-            self._table = _fit(self._table, words)
-
-    def _shrink_if_due(self) -> None:
-        """Halve the rows while the columns hold under a quarter of what they may."""
-        used = max(1, len(self._load) - len(self._free))
-        words = self.words
-        while words > MIN_WORDS and 4 * self._total < KEYS_PER_WORD * (words // 2) * used:
+        while shrink and words > MIN_WORDS and 4 * self._total < may * (words // 2):
             words //= 2
-        if words < self.words:
+        if words != self.words:
+            # A new table, never resized in place: a reader may hold the old one.
             self._table = _fit(self._table, words)
             self._built = [min(b, words) for b in self._built]
 
