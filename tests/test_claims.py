@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from p2pactor.core import claimfilter
-from p2pactor.core.claimfilter import ClaimFilter
-from p2pactor.core.claimset import ClaimSet, Compaction
-from p2pactor.core.fparrays import as_fps
 from p2pactor.core.protocol_summaries import packed
 from p2pactor.core.sources import SourceIndex
+from p2pactor.core.sources import filter as claimfilter
+from p2pactor.core.sources.arrays import as_fps
+from p2pactor.core.sources.claims import ClaimSet, Compaction
+from p2pactor.core.sources.filter import ClaimFilter
 
 # Low and high fingerprints (the top bit set too), few enough to collide often.
 POOL = [*range(40), *((1 << 64) - 1 - i for i in range(20)), *(1 << 63 | i for i in range(20))]

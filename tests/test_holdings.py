@@ -12,10 +12,10 @@ import pytest
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from p2pactor.core import holdings as holdings_module
-from p2pactor.core.holdings import Holdings, SummaryOptions
 from p2pactor.core.protocol_summaries import KvsumDelta, fingerprints, packed
 from p2pactor.core.sources import SourceIndex, fingerprint
+from p2pactor.core.sources import holdings as holdings_module
+from p2pactor.core.sources.holdings import Holdings, SummaryOptions
 from p2pactor.errors import ConfigError
 
 E1, E2 = b"epoch-one-16byte", b"epoch-two-16byte"

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from p2pactor.core.choice import ChoicePolicy
-from p2pactor.core.peer_claims import Resync
 from p2pactor.core.sources import BYTES_PER_CLAIM, SLICE_FPS, SourceIndex, fingerprint
+from p2pactor.core.sources.peer import Resync
 from p2pactor.core.work_budget import WorkBudget
 from p2pactor.errors import ConfigError
 

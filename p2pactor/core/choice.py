@@ -25,9 +25,9 @@ import msgspec
 from p2pactor.core import checks
 
 if TYPE_CHECKING:
-    from p2pactor.core.claimfilter import Rows
-    from p2pactor.core.fparrays import FpArray
     from p2pactor.core.sources import _Peer
+    from p2pactor.core.sources.arrays import FpArray
+    from p2pactor.core.sources.filter import Rows
 
 
 @attrs.frozen

@@ -1,7 +1,7 @@
 """The node's directory: the summaries (``kvsum/1``) both ways, and the choice.
 
 :class:`SourceDirectory` does the I/O of the core's two halves on the node's
-thread: :class:`~p2pactor.core.holdings.Holdings` (what this node's engine
+thread: :class:`~p2pactor.core.sources.holdings.Holdings` (what this node's engine
 holds, fed by the parent, the engine's stores and our loads, corrected when
 our server answers MISS for a key we claimed; it says which deltas and
 snapshot parts are due, sent here on the node's timer) and
@@ -25,9 +25,9 @@ import attrs
 import trio
 
 from p2pactor.core import protocol as wire
-from p2pactor.core.holdings import Holdings, Out
-from p2pactor.core.peer_claims import Resync
 from p2pactor.core.sources import SourceIndex
+from p2pactor.core.sources.holdings import Holdings, Out
+from p2pactor.core.sources.peer import Resync
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.sources import AutoChoice, AutoProbe, Decision, SourceOptions
 from p2pactor.runtime.timers import Timers

@@ -4,7 +4,7 @@
 :class:`~p2pactor.runtime.config.NodeConfig`, says how this node tells peers
 what it holds and picks a source for a request that names none. The policy
 parts come from the core (:class:`~p2pactor.core.choice.ChoicePolicy`,
-:class:`~p2pactor.core.holdings.SummaryOptions`); this adds what the runtime
+:class:`~p2pactor.core.sources.holdings.SummaryOptions`); this adds what the runtime
 does with them. See ``docs/sources.md``.
 
 :class:`AutoChoice` is the part of the
@@ -36,9 +36,9 @@ from p2pactor.core import checks
 from p2pactor.core import events as ev
 from p2pactor.core.choice import Choice, ChoicePolicy
 from p2pactor.core.consumer import ConsumerState, probe_answers
-from p2pactor.core.holdings import SummaryOptions
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.sources import BYTES_PER_CLAIM, SourceIndex, fingerprint
+from p2pactor.core.sources.holdings import SummaryOptions
 from p2pactor.runtime.actor import RequestActor
 
 if TYPE_CHECKING:

@@ -109,7 +109,7 @@ class ThreadSafeSources(EngineBridge):
         """Keys to check with the cache now, if any are due (then :meth:`scrubbed`).
 
         An engine that calls it checks: from then on the node plans batches as
-        its cache turns over (:meth:`~p2pactor.core.holdings.Holdings.plan_scrub`).
+        its cache turns over (:meth:`~p2pactor.core.sources.holdings.Holdings.plan_scrub`).
         """
         directory = self.directory
         directory.checked = True

@@ -26,8 +26,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from p2pactor.core.claimfilter import ClaimFilter
-from p2pactor.core.fparrays import (
+from p2pactor.core.sources.arrays import (
     EMPTY,
     Fingerprints,
     FpArray,
@@ -36,6 +35,7 @@ from p2pactor.core.fparrays import (
     count,
     unique,
 )
+from p2pactor.core.sources.filter import ClaimFilter
 
 # Changes since the last compaction below which a set is never compacted.
 COMPACT_MIN = 1024

@@ -18,16 +18,17 @@ past them), and the end of each request (:meth:`Mirror.finished`). Keys the
 parent has pinned for a peer are passed over, as its LRU passes them over.
 
 Checks with the parent keep it honest where it cannot see (another tier's
-promotions evict too; a ranking it got wrong): :meth:`~p2pactor.core.holdings.Holdings.plan_scrub`
-offers what it would evict next, and what it dropped for room that the
-parent may still hold, as often as the tier turns over;
-:meth:`Mirror.frontier`, the very next to go, to ask right after the parent
-allocated. The answers come back as :meth:`Mirror.gone` and
-:meth:`Mirror.kept`.
+promotions evict too; a ranking it got wrong):
+:meth:`~p2pactor.core.sources.holdings.Holdings.plan_scrub` offers what it
+would evict next, and what it dropped for room that the parent may still
+hold, as often as the tier turns over; :meth:`Mirror.frontier`, the very
+next to go, to ask right after the parent allocated. The answers come back
+as :meth:`Mirror.gone` and :meth:`Mirror.kept`.
 
 Pure, like the rest of the core: ``now`` is an argument. What changes is
-reported to :meth:`Mirror._changed`, which :class:`~p2pactor.core.holdings.Holdings`
-turns into the summary it tells its peers.
+reported to :meth:`Mirror._changed`, which
+:class:`~p2pactor.core.sources.holdings.Holdings` turns into the summary it
+tells its peers.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from p2pactor.core.holdings import SummaryOptions
+    from p2pactor.core.sources.holdings import SummaryOptions
 
 _Rank = tuple[int, int]
 _MAX_REQUESTS = 4096  # requests whose keys are kept for their finish; older ones lose it

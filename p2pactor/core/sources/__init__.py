@@ -1,12 +1,23 @@
-"""Which peers claim which keys, and the choice of a source for a request that names none.
+"""The source index and the summaries: which peers claim which keys, what we tell them we hold.
+
+This package is the pure half of how a node finds a source for a request
+that names none (the runtime's half is :mod:`p2pactor.runtime.directory`,
+:mod:`p2pactor.runtime.sources` and :mod:`p2pactor.runtime.threadsafe_sources`).
+Here, :class:`SourceIndex`, what the peers claim; beside it ``peer`` (one
+peer's summary messages applied a slice at a time), ``claims`` (its claims,
+exactly), ``filter`` (every peer's claims in one Bloom filter), ``arrays``
+(fingerprints as arrays), and our own side: ``mirror`` (what our engine's
+tier holds, in its LRU's order) and ``holdings`` (the summary our peers are
+told of it). The choice itself and the trust in each peer are
+:mod:`p2pactor.core.choice`'s.
 
 Each p2pactor peer tells us the keys its engine's CPU tier holds: sequenced
 deltas of 64-bit fingerprints (:func:`fingerprint`), and snapshots in parts.
 :class:`SourceIndex` keeps each peer's claims exactly
-(:class:`~p2pactor.core.claimset.ClaimSet`) and all of them in one Bloom
-filter with a column per peer (:class:`~p2pactor.core.claimfilter.ClaimFilter`),
+(:class:`~p2pactor.core.sources.claims.ClaimSet`) and all of them in one Bloom
+filter with a column per peer (:class:`~p2pactor.core.sources.filter.ClaimFilter`),
 each peer's epoch, sequence and trust, and chooses
-(:func:`~p2pactor.core.choice.choose`) the peer worth one lookup. Sans-IO:
+(:class:`~p2pactor.core.choice.Trust`) the peer worth one lookup. Sans-IO:
 ``now`` is an argument, and what the runtime must do comes back as data (a
 :class:`Resync`, a :class:`Choice`). Claims only steer performance: a false
 one costs a lookup that answers MISS, never wrong bytes, and a peer whose
@@ -21,9 +32,9 @@ from collections.abc import Sequence
 import attrs
 
 from p2pactor.core.choice import Choice, ChoicePolicy, PeerTrust, Trust
-from p2pactor.core.claimfilter import ClaimFilter
-from p2pactor.core.fparrays import Fingerprints, as_fps
-from p2pactor.core.peer_claims import Delta, Incoming, Part, PeerClaims, Resync
+from p2pactor.core.sources.arrays import Fingerprints, as_fps
+from p2pactor.core.sources.filter import ClaimFilter
+from p2pactor.core.sources.peer import Delta, Incoming, Part, PeerClaims, Resync
 from p2pactor.core.work_budget import WorkBudget
 
 _MASK64 = (1 << 64) - 1

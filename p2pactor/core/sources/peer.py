@@ -27,9 +27,9 @@ from collections import deque
 import attrs
 import msgspec
 
-from p2pactor.core.claimfilter import ClaimFilter
-from p2pactor.core.claimset import Assembly, ClaimSet, Compaction, Complete, Fill
-from p2pactor.core.fparrays import Fingerprints, as_fps, count
+from p2pactor.core.sources.arrays import Fingerprints, as_fps, count
+from p2pactor.core.sources.claims import Assembly, ClaimSet, Compaction, Complete, Fill
+from p2pactor.core.sources.filter import ClaimFilter
 
 # Deltas kept while a snapshot is assembled; past that the snapshot is given up.
 MAX_BUFFERED_DELTAS = 256

@@ -12,7 +12,7 @@ their rows, so every peer's run comes out of a few array operations.
 A filter says "maybe": it never misses a fingerprint added to a column,
 and says yes to one never added with a small probability (measured in
 ``docs/sources.md``; the index checks every "maybe" it acts on against the
-peer's exact :class:`~p2pactor.core.claimset.ClaimSet`). A filter cannot
+peer's exact :class:`~p2pactor.core.sources.claims.ClaimSet`). A filter cannot
 forget: a removed claim stays in its column until the column is rebuilt
 from the exact claims, in slices, once the stale ones outnumber the live
 ones. The table doubles its rows (each copied twice, which keeps every
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import numpy.typing as npt
 
-from p2pactor.core.fparrays import FpArray
+from p2pactor.core.sources.arrays import FpArray
 
 # Keys a column's word holds on average before the table doubles its rows (16 to 32 bits a key).
 KEYS_PER_WORD = 3

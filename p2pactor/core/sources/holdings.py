@@ -1,6 +1,6 @@
 """What this node's engine holds, kept as the summary it tells its peers.
 
-:class:`Holdings` is a :class:`~p2pactor.core.mirror.Mirror` of the engine's
+:class:`Holdings` is a :class:`~p2pactor.core.sources.mirror.Mirror` of the engine's
 CPU tier (what it holds, in the order its LRU evicts, kept honest by checks
 with it; ``mirror.py`` says how) that turns every change into the summary
 its peers are told. A key our server answered MISS for is dropped at once;
@@ -26,8 +26,8 @@ import msgspec
 
 from p2pactor.core import checks
 from p2pactor.core import protocol as wire
-from p2pactor.core.mirror import Mirror
 from p2pactor.core.sources import fingerprint
+from p2pactor.core.sources.mirror import Mirror
 from p2pactor.errors import ConfigError
 
 SCRUB_LOST_S = 5.0  # a batch to check whose answers have not come by then is taken as lost
