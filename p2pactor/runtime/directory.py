@@ -158,8 +158,7 @@ class SourceDirectory(AutoChoice):
 
     def came(self, key: bytes) -> None:
         """The engine stored ``key`` (an embedded cache's exact account)."""
-        self.holdings.stored((key,), self._clock())
-        self._arm()
+        self.stored((key,))
 
     def went(self, key: bytes) -> None:
         """The engine evicted ``key`` (an embedded cache's exact account)."""

@@ -173,17 +173,14 @@ class ThreadSafeSources(EngineBridge):
         """
         directory = self.directory
         choice = directory.choose(keys) if directory.enabled else _OFF
-        actor = None
-        if choice.chosen is not None:
-            actor = self.consumer_for(choice.chosen, kv_request_id)
+        chosen = choice.chosen
+        actor = None if chosen is None else self.consumer_for(chosen, kv_request_id)
         if actor is not None:
             asked = tuple(keys[: choice.keys])
             directory.probe_started(actor, choice, asked)
             self.runner.deliver(actor, inp.Register(asked, flush=True, choice=choice))
         # Published after the lookup is registered: an engine that reads the
         # choice finds the request's actor asking already.
-        if actor is None:
-            directory.decided(kv_request_id, Decision(None, 0))
-        else:
-            directory.decided(kv_request_id, Decision(choice.chosen, choice.keys))
+        decision = Decision(None, 0) if actor is None else Decision(chosen, choice.keys)
+        directory.decided(kv_request_id, decision)
         return choice, actor

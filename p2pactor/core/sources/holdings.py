@@ -180,13 +180,12 @@ class Holdings(Mirror):
 
     def next_scrub(self) -> float | None:
         """When the base pace has a batch due (None: it does not, until a change)."""
-        if self._scrub_out is not None or not self.options.scrub_base_per_s or not self._ranks:
+        changed, pace = self._changed_at, self.options.scrub_base_per_s
+        if changed is None or self._scrub_out is not None or not pace or not self._ranks:
             return None
-        if self._changed_at is None:
-            return None
-        start = self._scrub_at if self._scrub_at is not None else self._changed_at
-        due = start + max(0.01, min(1.0, 1.0 / self.options.scrub_base_per_s * 16))
-        return due if due <= self._changed_at + self.options.scrub_idle_s else None
+        start = self._scrub_at if self._scrub_at is not None else changed
+        due = start + max(0.01, min(1.0, 1.0 / pace * 16))
+        return due if due <= changed + self.options.scrub_idle_s else None
 
     def _in_use(self, now: float) -> bool:
         return self._changed_at is not None and now <= self._changed_at + self.options.scrub_idle_s
