@@ -31,7 +31,7 @@ from p2pactor.core.ids import Role as Role
 from p2pactor.core.inputs import LookupResult as LookupResult
 from p2pactor.core.producer import ProducerPhase as ProducerPhase
 from p2pactor.core.producer import ProducerState as ProducerState
+from p2pactor.core.producer import evolve_producer as evolve_producer
 from p2pactor.core.producer import step_producer as step_producer
-from p2pactor.core.producer_evolve import evolve_producer as evolve_producer
 from p2pactor.core.timings import DEFAULT_TIMINGS as DEFAULT_TIMINGS
 from p2pactor.core.timings import Timings as Timings

@@ -10,8 +10,7 @@ from p2pactor.core.consumer import next_consumer_deadline
 from p2pactor.core.consumer_state import ConsumerState, consumer_phase_after, evolve_consumer
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import next_producer_deadline
-from p2pactor.core.producer_evolve import evolve_producer
+from p2pactor.core.producer import evolve_producer, next_producer_deadline
 from p2pactor.core.producer_state import PRODUCER_PHASE_AT, ProducerPhase, ProducerState
 from p2pactor.errors import ReplayError
 

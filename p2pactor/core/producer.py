@@ -25,17 +25,18 @@ The producer never touches the parent: it posts
 
 from __future__ import annotations
 
-from typing import assert_never
+from collections.abc import Callable
+from typing import Any, Final, assert_never
 
 import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
-from p2pactor.core.builder import Builder
+from p2pactor.core.builder import Builder, evolver
 from p2pactor.core.events import Violation
-from p2pactor.core.producer_evolve import evolve_producer
 from p2pactor.core.producer_lookups import (
+    LOOKUP_FOLDS,
     _drop_lookups,
     _on_lookup,
     _on_parent_answer,
@@ -44,17 +45,29 @@ from p2pactor.core.producer_lookups import (
 )
 from p2pactor.core.producer_state import (
     _B,
+    PIN_EXPIRED,
+    STATE_FOLDS,
+    PinJob,
     RoundState,
     Supply,
-    _expirable,
-    _expire_pins,
-    _release_round_jobs,
-    _release_stores,
+    _release,
 )
 from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
 from p2pactor.core.producer_state import ProducerState as ProducerState
 from p2pactor.core.producer_state import pin_expired as pin_expired
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
+
+# How each producer event changes the state: ``evolve_producer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
+PRODUCER_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], ProducerState]]] = {
+    **STATE_FOLDS,
+    **LOOKUP_FOLDS,
+}
+
+# Apply one event to a producer state; pure (ReplayError if it does not follow).
+evolve_producer: Callable[[ProducerState, ev.ProducerEvent], ProducerState] = evolver(
+    PRODUCER_FOLDS, ev.ProducerEvent
+)
 
 # Everything a producer actor reacts to.
 ProducerInput = (
@@ -333,3 +346,44 @@ def _sweep_round(b: _B, rnd: RoundState) -> None:
             _finalize(b, r, success=False, reason=reason)
     elif rnd.remaining == 0:
         _finalize(b, r, success=True, reason="")
+
+
+def _release_round_jobs(
+    b: _B, round_seq: int, reason: str, *, served: bool = False, idle_only: bool = False
+) -> None:
+    for job_id, job in sorted(b.state.jobs.items()):
+        if job.round_seq == round_seq and not (idle_only and job.readers):
+            _release(b, job_id, reason, served=served)
+
+
+def _expirable(s: ProducerState, job: PinJob) -> bool:
+    """A pin no fetch is using or about to use: it may time out."""
+    if job.readers or job.serving:
+        return False
+    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
+    return rnd is None or not rnd.fetched
+
+
+def _expire_pins(b: _B, t: Timings) -> None:
+    for job_id, job in sorted(b.state.jobs.items()):
+        if b.now >= job.expires_at and _expirable(b.state, job):
+            _release(b, job_id, f"{PIN_EXPIRED} {t.pin_timeout:g} s")
+
+
+def _release_stores(b: _B) -> None:
+    """Release each store job once its rounds settled it or the request ended."""
+    s = b.state
+    in_pool = {sup.job_id for entries in s.pool.values() for sup in entries}
+    # Once the engine stored its last block and every fetch so far was served,
+    # leftover stored blocks can serve nobody.
+    served_out = s.finishing and s.closed_through >= 0 and not s.rounds
+    for job_id, job in sorted(s.jobs.items()):
+        # A failed job's outcome is settled; a good one waits for its rounds.
+        if job.round_seq is not None or job.readers or (job.serving and not job.failed):
+            continue
+        if job_id not in in_pool:
+            _release(b, job_id, "all blocks served", served=True)
+        elif s.phase is not ProducerPhase.OPEN:
+            _release(b, job_id, s.close_reason)
+        elif served_out:
+            _release(b, job_id, "the engine finished and no fetch is waiting for these blocks")
