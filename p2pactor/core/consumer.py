@@ -144,7 +144,7 @@ def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
                 refused[key] = no and not hit
         ignored = "" if applied else "it answers no key that is waiting"
     if ignored:
-        b.emit(ev.Ignored, input=msg.TYPE, reason=ignored)
+        b.ignore(msg.TYPE, ignored)
         return
     deadline = b.now + t.lookup_progress_timeout if len(waiting) > len(applied) else None
     b.emit(
@@ -191,7 +191,7 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
 def _on_transfer_done(b: _B, msg: wire.TransferDone) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None:
-        b.emit(ev.Ignored, input=msg.TYPE, reason=f"no load in flight for round {msg.round_seq}")
+        b.ignore(msg.TYPE, f"no load in flight for round {msg.round_seq}")
         return
     # A transfer_done that crosses our abort is still the truth: the write ended.
     b.emit(ev.TransferDone, round_seq=msg.round_seq, job_id=load.job_id, success=msg.success)
@@ -203,7 +203,7 @@ def _on_abort_ack(b: _B, msg: wire.AbortAck) -> None:
     if load is None or not load.aborting or load.held:
         # An unsolicited ack must not release blocks a write may still reach.
         reason = f"no abort of round {msg.round_seq} is waiting for an ack"
-        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
+        b.ignore(msg.TYPE, reason)
         return
     b.emit(ev.AbortAcked, round_seq=msg.round_seq, job_id=load.job_id)
     _maybe_finished(b)

@@ -25,6 +25,7 @@ The producer never touches the parent: it posts
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Final, assert_never
 
@@ -120,7 +121,7 @@ def step_producer(
             tid = event_input.transfer_id
             if tid not in b.state.transfers:
                 reason = f"no transfer {tid} is in flight"
-                b.emit(ev.Ignored, input="transfer_result", reason=reason)
+                b.ignore("transfer_result", reason)
             elif event_input.ok:
                 b.emit(ev.TransferCompleted, transfer_id=tid)
             else:
@@ -177,22 +178,16 @@ def _plan(s: ProducerState, round_seq: int) -> tuple[list[tuple[bytes, int, Supp
         blocks stay unmatched.
     """
     rnd = s.rounds[round_seq]
-    taken: dict[bytes, int] = {}
+    taken: Counter[bytes] = Counter()  # pool blocks handed out so far, by key
     matched: list[tuple[bytes, int, Supply]] = []
-    unmatched = 0
     for key, remote in rnd.demand:
         sup = rnd.supply.get(key)
-        if sup is None:
-            entries = s.pool.get(key, ())
-            used = taken.get(key, 0)
-            if used < len(entries):
-                sup = entries[used]
-                taken[key] = used + 1
-        if sup is None:
-            unmatched += 1
-        else:
+        if sup is None and taken[key] < len(entries := s.pool.get(key, ())):
+            sup = entries[taken[key]]
+            taken[key] += 1
+        if sup is not None:
             matched.append((key, remote, sup))
-    return matched, unmatched
+    return matched, len(rnd.demand) - len(matched)
 
 
 def _start(b: _B, round_seq: int, matched: list[tuple[bytes, int, Supply]]) -> None:
@@ -214,7 +209,7 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         if msg.keys:
             _reject(b, msg, Violation.AFTER_CLOSE, f"fetch for round {r} after the request closed")
         else:
-            b.emit(ev.Ignored, input=msg.TYPE, reason="the request is already closed")
+            b.ignore(msg.TYPE, "the request is already closed")
         return
     if len(msg.keys) != len(msg.block_indexes):
         detail = f"{len(msg.keys)} keys but {len(msg.block_indexes)} block indexes"
@@ -284,7 +279,7 @@ def _on_abort(b: _B, msg: wire.AbortFetch) -> None:
     rnd = s.rounds.get(r)
     if rnd is not None and rnd.fetched:
         if rnd.cancelled:
-            b.emit(ev.Ignored, input=msg.TYPE, reason=f"round {r} is already aborting")
+            b.ignore(msg.TYPE, f"round {r} is already aborting")
             return
         b.emit(ev.AbortReceived, round_seq=r)
         _release_round_jobs(b, r, f"round {r} aborted", idle_only=True)

@@ -11,15 +11,14 @@ from msgspec.structs import replace
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
+from p2pactor.core.builder import drop, put
 from p2pactor.core.events import Quota, Violation
 from p2pactor.core.producer_state import (
     _B,
     ActiveLookup,
     ProducerPhase,
     ProducerState,
-    _drop,
     _pinned,
-    _put,
     _release,
     _round,
     _set_round,
@@ -44,7 +43,7 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
         _reject(b, msg, Violation.STALE_ROUND, detail)
         return
     if not msg.keys:
-        b.emit(ev.Ignored, input=msg.TYPE, reason="a lookup without keys")
+        b.ignore(msg.TYPE, "a lookup without keys")
         return
     # A quota refusal is checked after the protocol's own rules: a peer over
     # quota that also breaks the protocol is still disconnected.
@@ -87,7 +86,7 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
     lookup = b.state.lookups.get(answer.lookup_id)
     if lookup is None or not lookup.outstanding:
         reason = f"no lookup {answer.lookup_id} is waiting for the parent"
-        b.emit(ev.Ignored, input="parent_answer", reason=reason)
+        b.ignore("parent_answer", reason)
         if answer.pin is not None:
             _release(b, answer.pin.job_id, "stray parent answer")
         return
@@ -95,7 +94,7 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
         b.emit(ev.ParentExpired, lookup_id=lookup.lookup_id)
         if answer.pin is not None:  # the runtime never pins past not_after; if it did:
             reason = "an expired parent answer carried a pin"
-            b.emit(ev.Ignored, input="parent_answer", reason=reason)
+            b.ignore("parent_answer", reason)
             _release(b, answer.pin.job_id, reason)
     elif _resolve(b, lookup, answer, t):
         return
@@ -263,7 +262,7 @@ def _opened(
         s,
         e,
         replace(_round(s, e.round_seq), lookup_supplied=True),
-        lookups=_put(s.lookups, e.lookup_id, lookup),
+        lookups=put(s.lookups, e.lookup_id, lookup),
         next_lookup_id=e.lookup_id + 1,
         looked_up_through=max(s.looked_up_through, e.round_seq),
     )
@@ -272,12 +271,12 @@ def _opened(
 def _lookup(s: ProducerState, e: Any, **changes: Any) -> ProducerState:
     """``s`` after ``e``, with the changes to the lookup ``e`` names."""
     lookup = replace(s.lookups[e.lookup_id], **changes)
-    return replace(s, seq=e.seq, lookups=_put(s.lookups, e.lookup_id, lookup))
+    return replace(s, seq=e.seq, lookups=put(s.lookups, e.lookup_id, lookup))
 
 
 def _forget(s: ProducerState, e: Any) -> ProducerState:
     """``s`` after ``e``, the lookup ``e`` names over and its synthetic request closed."""
-    lookups, contexts = _drop(s.lookups, e.lookup_id), s.open_contexts - {e.lookup_id}
+    lookups, contexts = drop(s.lookups, e.lookup_id), s.open_contexts - {e.lookup_id}
     return replace(s, seq=e.seq, lookups=lookups, open_contexts=contexts)
 
 
@@ -313,7 +312,7 @@ def _lookup_ended(s: ProducerState, e: Any, **how: bool) -> ProducerState:
     """
     if s.lookups[e.lookup_id].outstanding:
         return _lookup(s, e, next_poll_at=None, **how)
-    return replace(s, seq=e.seq, lookups=_drop(s.lookups, e.lookup_id))
+    return replace(s, seq=e.seq, lookups=drop(s.lookups, e.lookup_id))
 
 
 def _pending_expired(s: ProducerState, e: ev.PendingExpired) -> ProducerState:

@@ -10,13 +10,13 @@ joins the two into :func:`~p2pactor.core.producer.evolve_producer`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Final, TypeVar
+from typing import Any, ClassVar, Final
 
 import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import ActorRecord, Builder
+from p2pactor.core.builder import ActorRecord, Builder, drop, put
 from p2pactor.core.ids import IdentityEnum, Role
 
 
@@ -191,20 +191,6 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
 _B = Builder[ProducerState, ev.ProducerEvent]
 
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-def _put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
-    return {**mapping, key: value}
-
-
-def _drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
-    out = dict(mapping)
-    out.pop(key, None)
-    return out
-
-
 def _pool_take(
     pool: Mapping[bytes, tuple[Supply, ...]], key: bytes, job_id: int
 ) -> dict[bytes, tuple[Supply, ...]]:
@@ -242,7 +228,7 @@ def _release(b: _B, job_id: int, reason: str, *, served: bool = False) -> None:
 
 def _set_round(s: ProducerState, e: ev.Event, rnd: RoundState, **changes: object) -> ProducerState:
     """``s`` after ``e``, with ``rnd`` as its round and the other ``changes``."""
-    return replace(s, seq=e.seq, rounds=_put(s.rounds, rnd.round_seq, rnd), **changes)
+    return replace(s, seq=e.seq, rounds=put(s.rounds, rnd.round_seq, rnd), **changes)
 
 
 def _transfer_ended(s: ProducerState, e: Any, failure: str | None) -> ProducerState:
@@ -253,7 +239,7 @@ def _transfer_ended(s: ProducerState, e: Any, failure: str | None) -> ProducerSt
         if job is not None:
             readers = job.readers - {e.transfer_id}
             jobs[job_id] = replace(job, readers=readers, failed=job.failed or failure is not None)
-    transfers = _drop(s.transfers, e.transfer_id)
+    transfers = drop(s.transfers, e.transfer_id)
     rnd = s.rounds.get(t.round_seq)
     if rnd is None:
         return replace(s, seq=e.seq, jobs=jobs, transfers=transfers)
@@ -279,8 +265,8 @@ def _pin_released(s: ProducerState, seq: int, job_id: int) -> ProducerState:
     elif job.round_seq in rounds:
         rnd = rounds[job.round_seq]
         supply = {k: v for k, v in rnd.supply.items() if v.job_id != job_id}
-        rounds = _put(rounds, job.round_seq, replace(rnd, supply=supply))
-    return replace(s, seq=seq, jobs=_drop(s.jobs, job_id), rounds=rounds, pool=pool)
+        rounds = put(rounds, job.round_seq, replace(rnd, supply=supply))
+    return replace(s, seq=seq, jobs=drop(s.jobs, job_id), rounds=rounds, pool=pool)
 
 
 def _round_ended(s: ProducerState, seq: int, round_seq: int, *, served: bool) -> ProducerState:
@@ -289,7 +275,7 @@ def _round_ended(s: ProducerState, seq: int, round_seq: int, *, served: bool) ->
         if round_seq in job.serving:
             serving, failed = job.serving - {round_seq}, job.failed or not served
             jobs[job_id] = replace(job, serving=serving, failed=failed)
-    return replace(s, seq=seq, rounds=_drop(s.rounds, round_seq), jobs=jobs)
+    return replace(s, seq=seq, rounds=drop(s.rounds, round_seq), jobs=jobs)
 
 
 def _pinned(
@@ -311,8 +297,8 @@ def _pinned(
     elif round_seq in rounds:
         rnd = rounds[round_seq]
         supply = {**rnd.supply, **{k: Supply(job_id, b) for k, b in zip(keys, blocks, strict=True)}}
-        rounds = _put(rounds, round_seq, replace(rnd, supply=supply))
-    return replace(s, seq=seq, jobs=_put(s.jobs, job_id, job), rounds=rounds, pool=pool)
+        rounds = put(rounds, round_seq, replace(rnd, supply=supply))
+    return replace(s, seq=seq, jobs=put(s.jobs, job_id, job), rounds=rounds, pool=pool)
 
 
 def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
@@ -348,7 +334,7 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
         readers, serving = job.readers | {e.transfer_id}, job.serving | {e.round_seq}
         jobs[job_id] = replace(job, readers=readers, serving=serving)
     rnd = replace(rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id})
-    transfers = _put(s.transfers, e.transfer_id, e)
+    transfers = put(s.transfers, e.transfer_id, e)
     n = e.transfer_id + 1
     return _set_round(s, e, rnd, jobs=jobs, pool=pool, transfers=transfers, next_transfer_id=n)
 
