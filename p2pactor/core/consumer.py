@@ -202,8 +202,7 @@ def _on_abort_ack(b: _B, msg: wire.AbortAck) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None or not load.aborting or load.held:
         # An unsolicited ack must not release blocks a write may still reach.
-        reason = f"no abort of round {msg.round_seq} is waiting for an ack"
-        b.ignore(msg.TYPE, reason)
+        b.ignore(msg.TYPE, f"no abort of round {msg.round_seq} is waiting for an ack")
         return
     b.emit(ev.AbortAcked, round_seq=msg.round_seq, job_id=load.job_id)
     _maybe_finished(b)

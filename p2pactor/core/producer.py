@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Final, assert_never
+from typing import Final, assert_never
 
 import msgspec
 
@@ -60,10 +60,7 @@ from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 
 # How each producer event changes the state: ``evolve_producer``'s table, without its checks of
 # actor and sequence (for a caller that made them: replay).
-PRODUCER_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], ProducerState]]] = {
-    **STATE_FOLDS,
-    **LOOKUP_FOLDS,
-}
+PRODUCER_FOLDS: Final = {**STATE_FOLDS, **LOOKUP_FOLDS}
 
 # Apply one event to a producer state; pure (ReplayError if it does not follow).
 evolve_producer: Callable[[ProducerState, ev.ProducerEvent], ProducerState] = evolver(
@@ -120,8 +117,7 @@ def step_producer(
         case inp.TransferResult():
             tid = event_input.transfer_id
             if tid not in b.state.transfers:
-                reason = f"no transfer {tid} is in flight"
-                b.ignore("transfer_result", reason)
+                b.ignore("transfer_result", f"no transfer {tid} is in flight")
             elif event_input.ok:
                 b.emit(ev.TransferCompleted, transfer_id=tid)
             else:

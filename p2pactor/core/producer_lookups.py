@@ -85,8 +85,7 @@ def _pin_refusal(s: ProducerState, lookup: ActiveLookup) -> str:
 def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
     lookup = b.state.lookups.get(answer.lookup_id)
     if lookup is None or not lookup.outstanding:
-        reason = f"no lookup {answer.lookup_id} is waiting for the parent"
-        b.ignore("parent_answer", reason)
+        b.ignore("parent_answer", f"no lookup {answer.lookup_id} is waiting for the parent")
         if answer.pin is not None:
             _release(b, answer.pin.job_id, "stray parent answer")
         return
