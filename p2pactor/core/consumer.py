@@ -233,11 +233,9 @@ def _finish(b: _B, t: Timings) -> None:
 
 def _send_abort(b: _B, t: Timings, round_seq: int, reason: str) -> None:
     """Ask the peer to abort the load of ``round_seq``; it fails anyway if no ack comes in time."""
-    ack_deadline = b.now + t.abort_ack_timeout
     job_id = b.state.loads[round_seq].job_id
-    b.emit(
-        ev.AbortSent, round_seq=round_seq, job_id=job_id, reason=reason, ack_deadline=ack_deadline
-    )
+    deadline = b.now + t.abort_ack_timeout
+    b.emit(ev.AbortSent, round_seq=round_seq, job_id=job_id, reason=reason, ack_deadline=deadline)
 
 
 def _open_round(s: ConsumerState) -> int | None:

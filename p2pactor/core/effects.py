@@ -133,7 +133,8 @@ def _copied(kind: type[Any], **given: Any) -> Callable[[Any], tuple[Effect, ...]
 
 def _ask(e: Any, keys: tuple[bytes, ...], not_after: float | None = None) -> tuple[Effect, ...]:
     """Ask the parent about a lookup's keys: a re-poll (``not_after``) or the first ask."""
-    first, context = not_after is None, context_name(e.actor, e.lookup_id)
+    context = context_name(e.actor, e.lookup_id)
+    first = not_after is None
     ask = ParentLookup(
         context=context, lookup_id=e.lookup_id, keys=keys, open_context=first, not_after=not_after
     )

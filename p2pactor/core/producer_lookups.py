@@ -275,8 +275,8 @@ def _lookup(s: ProducerState, e: Any, **changes: Any) -> ProducerState:
 
 def _forget(s: ProducerState, e: Any) -> ProducerState:
     """``s`` after ``e``, the lookup ``e`` names over and its synthetic request closed."""
-    lookups, contexts = drop(s.lookups, e.lookup_id), s.open_contexts - {e.lookup_id}
-    return replace(s, seq=e.seq, lookups=lookups, open_contexts=contexts)
+    contexts = s.open_contexts - {e.lookup_id}
+    return replace(s, seq=e.seq, lookups=drop(s.lookups, e.lookup_id), open_contexts=contexts)
 
 
 def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:

@@ -273,8 +273,9 @@ def _round_ended(s: ProducerState, seq: int, round_seq: int, *, served: bool) ->
     jobs = dict(s.jobs)
     for job_id, job in s.jobs.items():
         if round_seq in job.serving:
-            serving, failed = job.serving - {round_seq}, job.failed or not served
-            jobs[job_id] = replace(job, serving=serving, failed=failed)
+            jobs[job_id] = replace(
+                job, serving=job.serving - {round_seq}, failed=job.failed or not served
+            )
     return replace(s, seq=seq, rounds=drop(s.rounds, round_seq), jobs=jobs)
 
 
@@ -331,8 +332,9 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
     jobs = dict(s.jobs)
     for job_id in set(e.job_ids):
         job = jobs[job_id]
-        readers, serving = job.readers | {e.transfer_id}, job.serving | {e.round_seq}
-        jobs[job_id] = replace(job, readers=readers, serving=serving)
+        jobs[job_id] = replace(
+            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
+        )
     rnd = replace(rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id})
     transfers = put(s.transfers, e.transfer_id, e)
     n = e.transfer_id + 1
