@@ -30,6 +30,11 @@ def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None
     b.emit(ev.Rejected, input=msg.TYPE, violation=violation, detail=detail)
 
 
+def _refusal(verdict: inp.OverQuota) -> dict[str, Any]:
+    """What the event of a refusal records of the runtime's verdict: its quota and its reason."""
+    return {"quota": verdict.quota, "reason": verdict.reason}
+
+
 def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | None = None) -> None:
     s = b.state
     if s.phase is ProducerPhase.CLOSING:
@@ -49,13 +54,7 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
     # quota that also breaks the protocol is still disconnected.
     admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
     if verdict is not None and admit <= 0:
-        b.emit(
-            ev.LookupRefused,
-            round_seq=msg.round_seq,
-            keys=msg.keys,
-            quota=verdict.quota,
-            reason=verdict.reason,
-        )
+        b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, **_refusal(verdict))
         return
     budget = t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
