@@ -49,7 +49,8 @@ from p2pactor.core.protocol_base import (
     Version,
     parallel,
 )
-from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, tuned_checker, type_error
+from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, type_error
+from p2pactor.core.protocol_checks import Frame as Frame
 from p2pactor.core.protocol_limits import DEFAULT_LIMITS as DEFAULT_LIMITS
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES as DEFAULT_MAX_FRAME_BYTES
 from p2pactor.core.protocol_limits import MAX_ADDRESS as MAX_ADDRESS
@@ -67,8 +68,7 @@ from p2pactor.core.protocol_limits import MAX_ROUND_SEQ as MAX_ROUND_SEQ
 from p2pactor.core.protocol_limits import MAX_STRING_CHARS as MAX_STRING_CHARS
 from p2pactor.core.protocol_limits import MAX_SUMMARY_BYTES as MAX_SUMMARY_BYTES
 from p2pactor.core.protocol_limits import Limits as Limits
-from p2pactor.core.protocol_scan import Frame as Frame
-from p2pactor.core.protocol_scan import leading_type
+from p2pactor.core.protocol_limits import tuned_checker
 from p2pactor.core.protocol_summaries import FEATURE_SUMMARIES as FEATURE_SUMMARIES
 from p2pactor.core.protocol_summaries import KvsumDelta as KvsumDelta
 from p2pactor.core.protocol_summaries import KvsumResync as KvsumResync
@@ -357,17 +357,11 @@ def decode(frame: Frame, *, limits: Limits = DEFAULT_LIMITS) -> Message:
             f"frame is {len(frame)} bytes, more than the limit of {limits.max_frame_bytes}; "
             "it was dropped unread (raise Limits.max_frame_bytes if the peer is legitimate)"
         )
-    mtype = None
-    if len(frame) > QUOTE_BYTES:
-        # Read from the first bytes if the type leads, as every encoder here
-        # puts it; else the whole frame is checked before msgspec may quote a
-        # long unknown type in its error.
-        mtype = leading_type(frame)
-        if mtype not in MESSAGE_TYPES:
-            refused = type_error(frame, MESSAGE_TYPES)
-            if isinstance(refused, ProtocolError):
-                raise refused
-            mtype = refused
+    # A long frame's type is checked before it is decoded: msgspec would
+    # quote a long unknown type whole in its error.
+    mtype = type_error(frame, MESSAGE_TYPES, quick=True) if len(frame) > QUOTE_BYTES else None
+    if isinstance(mtype, ProtocolError):
+        raise mtype
     try:
         msg: Message = _DECODER.decode(frame)
     except msgspec.ValidationError as exc:

@@ -32,30 +32,6 @@ from p2pactor.core.protocol_limits import (
 )
 from p2pactor.errors import InvalidField
 
-__all__ = [
-    "Address",
-    "BlockIndex",
-    "BlockIndexes",
-    "BlockLen",
-    "DeadlineMs",
-    "Feature",
-    "Features",
-    "Hits",
-    "Key",
-    "Keys",
-    "MessageBase",
-    "Metadata",
-    "NumBlocks",
-    "Round",
-    "Text",
-    "Version",
-    "bounded",
-    "in_range",
-    "parallel",
-    "wire_name",
-]
-
-
 # ---------------------------------------------------------------------------
 # Field types: the bound each has on the wire, and the Limits attribute that
 # may lower it on one node (named in the Meta's ``extra``).
