@@ -33,22 +33,7 @@ from msgspec import UNSET as UNSET
 from msgspec import Meta
 from msgspec import UnsetType as UnsetType
 
-from p2pactor.core.protocol_base import (
-    Address,
-    BlockIndexes,
-    BlockLen,
-    DeadlineMs,
-    Features,
-    Hits,
-    Keys,
-    MessageBase,
-    Metadata,
-    NumBlocks,
-    Round,
-    Text,
-    Version,
-    parallel,
-)
+from p2pactor.core.protocol_base import MessageBase, bounded, parallel
 from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, type_error
 from p2pactor.core.protocol_checks import Frame as Frame
 from p2pactor.core.protocol_limits import DEFAULT_LIMITS as DEFAULT_LIMITS
@@ -77,6 +62,33 @@ from p2pactor.core.protocol_summaries import SummaryMessage as SummaryMessage
 from p2pactor.core.protocol_summaries import fingerprints as fingerprints
 from p2pactor.core.protocol_summaries import packed as packed
 from p2pactor.errors import FrameTooLarge, InvalidField, MalformedFrame, ProtocolError
+
+# Field types: the bound each has on the wire, and the Limits attribute that
+# may lower it on one node (named in the Meta's ``extra``).
+
+
+def in_range(least: int, most: int, limit: str) -> Meta:
+    """Between ``least`` and ``most``; the ``Limits`` attribute ``limit`` lowers the top."""
+    return Meta(ge=least, le=most, extra={"limit": limit})
+
+
+Text = Annotated[str, bounded(MAX_STRING_CHARS, "max_string_chars")]
+Key = Annotated[bytes, bounded(MAX_KEY_BYTES, "max_key_bytes")]
+Keys = Annotated[tuple[Key, ...], bounded(MAX_LIST_ITEMS, "max_list_items")]
+Hits = Annotated[tuple[bool, ...], bounded(MAX_LIST_ITEMS, "max_list_items")]
+BlockIndex = Annotated[int, in_range(0, MAX_BLOCK_INDEX, "max_block_index")]
+BlockIndexes = Annotated[tuple[BlockIndex, ...], bounded(MAX_LIST_ITEMS, "max_list_items")]
+Round = Annotated[int, in_range(0, MAX_ROUND_SEQ, "max_round_seq")]
+DeadlineMs = Annotated[int, in_range(0, MAX_DEADLINE_MS, "max_deadline_ms")]
+Metadata = Annotated[bytes, bounded(MAX_AGENT_METADATA_BYTES, "max_agent_metadata_bytes")]
+NumBlocks = Annotated[int, in_range(1, MAX_NUM_BLOCKS, "max_num_blocks")]
+BlockLen = Annotated[int, in_range(1, MAX_BLOCK_LEN, "max_block_len")]
+# msgpack's own integers end at 2**64 - 1: no bound to check above.
+Address = Annotated[int, Meta(ge=0)]
+Feature = Annotated[str, bounded(MAX_FEATURE_CHARS, "max_feature_chars")]
+Features = Annotated[frozenset[Feature], bounded(MAX_FEATURES, "max_features")]
+Version = Annotated[int, Meta(ge=0, le=MAX_EXTENSION_VERSION)]
+
 
 EXTENSION_KEY: Final = "p2pactor"
 """The ``connect`` key under which p2pactor peers advertise their extensions."""
