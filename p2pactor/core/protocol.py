@@ -90,10 +90,6 @@ Features = Annotated[frozenset[Feature], bounded(MAX_FEATURES, "max_features")]
 Version = Annotated[int, Meta(ge=0, le=MAX_EXTENSION_VERSION)]
 
 
-EXTENSION_KEY: Final = "p2pactor"
-"""The ``connect`` key under which p2pactor peers advertise their extensions."""
-
-
 class PeerProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     """Which process the sender is, on which kernel (inside a ``connect``'s extension).
 
@@ -163,7 +159,8 @@ class Connect(MessageBase, frozen=True, kw_only=True):
     # so a stock peer may legally leave it out.
     config_fingerprint: Text = ""
     hash_seed: Text
-    extension: ConnectExtension | UnsetType = msgspec.field(default=UNSET, name=EXTENSION_KEY)
+    # Under the key "p2pactor": the extensions p2pactor peers advertise.
+    extension: ConnectExtension | UnsetType = msgspec.field(default=UNSET, name="p2pactor")
 
     def __post_init__(self) -> None:
         # The data plane computes block addresses in 64 bits; a region that

@@ -29,7 +29,7 @@ from typing import Any, Final, TypeAlias
 
 import msgspec
 
-from p2pactor.core.protocol_limits import over_limit
+from p2pactor.core.protocol_limits import UNITS, over_limit
 from p2pactor.errors import InvalidField, MalformedFrame, ProtocolError, UnknownMessageType
 
 Frame: TypeAlias = bytes | memoryview
@@ -48,7 +48,6 @@ _PATH: Final = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 # msgspec's names of msgpack types, as this protocol's errors name them.
 _GOT: Final = {"None": "nil", "null": "nil", "array": "list", "object": "dict", "ext": "Ext"}
 _EXPECTED: Final = {"array": "list", "object": "a map"}
-_UNITS: Final = {"str": "characters", "bytes": "bytes"}
 # msgpack's headers (the format is regular): scalars by the bytes that follow
 # (nil, bools, floats, ints, fixext), and values whose length follows the
 # first byte by (kind, bytes of that length).
@@ -254,18 +253,17 @@ def type_error(
     raw = memoryview(top.type)
     long = _shape(raw) if len(raw) > QUOTE_BYTES else None
     if long is not None and long.kind == "str":  # longer than any type's name: not decoded
-        return UnknownMessageType(
-            f"unknown message type (known: {', '.join(known)})",
-            message_type=f"{long.head[:_CLIP_CHARS]}... ({long.n} bytes)",
-        )
-    mtype = _value(raw)
-    if type(mtype) is not str:
-        return MalformedFrame(f"'type' is {_kind(mtype)}, expected str")
-    if mtype not in known:
-        return UnknownMessageType(
-            f"unknown message type (known: {', '.join(known)})", message_type=_clip(mtype)
-        )
-    return mtype
+        name = f"{long.head[:_CLIP_CHARS]}... ({long.n} bytes)"
+    else:
+        mtype = _value(raw)
+        if type(mtype) is not str:
+            return MalformedFrame(f"'type' is {_kind(mtype)}, expected str")
+        if mtype in known:
+            return mtype
+        name = _clip(mtype)
+    return UnknownMessageType(
+        f"unknown message type (known: {', '.join(known)})", message_type=name
+    )
 
 
 def explain(
@@ -280,24 +278,22 @@ def explain(
     """
     if isinstance(exc.__cause__, ProtocolError):  # a message's own __post_init__ check
         return exc.__cause__
-    if mtype is None:
-        found = type_error(frame, known)
-        if isinstance(found, ProtocolError):
-            return found
-        mtype = found
+    found = mtype or type_error(frame, known)
+    if isinstance(found, ProtocolError):
+        return found
     text, _, at = str(exc).partition(" - at `$")
     steps = _PATH.findall(at.rstrip("`"))
     names = [name for name, _ in steps if name]
     missing = re.fullmatch(r"Object missing required field `(.+)`", text)
     if missing:
         return InvalidField(
-            "missing", message_type=mtype, field=".".join([*names, missing.group(1)])
+            "missing", message_type=found, field=".".join([*names, missing.group(1)])
         )
     problem = _problem(_clip(text), _find(frame, steps))
     items = [index for name, index in steps if not name]
     if items:
         problem = f"item {items[-1]} {problem}"
-    return InvalidField(problem, message_type=mtype, field=".".join(names))
+    return InvalidField(problem, message_type=found, field=".".join(names))
 
 
 def _problem(text: str, value: Any) -> str:
@@ -307,31 +303,15 @@ def _problem(text: str, value: Any) -> str:
         expected, got = found.groups()
         what = _kind(value) if resolved else _GOT.get(got, got)
         return f"is {what}, expected {_EXPECTED.get(expected, expected)}"
-    if found := re.fullmatch(r"Expected `(\w+)` of length ([<>])= (\d+)", text):
-        kind, sign, bound = found.groups()
-        unit = _UNITS.get(kind, "items")
+    if found := re.fullmatch(r"Expected `(\w+)`( of length)? ([<>])= (-?\d+)", text):
+        kind, sized, sign, bound = found.groups()
+        unit = UNITS.get(kind, "items") if sized else "value"
+        of = f" {unit}" if sized else ""  # a length's unit; a number's value has none
+        if sign == "<" and resolved:
+            return over_limit(value, int(bound), unit)
         if sign == "<":
-            return (
-                over_limit(value, int(bound), unit)
-                if resolved
-                else f"is over the limit of {bound} {unit}"
-            )
-        return (
-            f"is {len(value)} {unit}, expected at least {bound}"
-            if resolved
-            else f"expected at least {bound} {unit}"
-        )
-    if found := re.fullmatch(r"Expected `int` ([<>])= (-?\d+)", text):
-        sign, bound = found.groups()
-        if sign == ">":
-            return (
-                f"is {value}, expected at least {bound}"
-                if resolved
-                else f"expected at least {bound}"
-            )
-        return (
-            over_limit(value, int(bound), "value")
-            if resolved
-            else f"is more than the limit of {bound}"
-        )
+            return f"is {'over' if sized else 'more than'} the limit of {bound}{of}"
+        if resolved:
+            return f"is {len(value) if sized else value}{of}, expected at least {bound}"
+        return f"expected at least {bound}{of}"
     return text

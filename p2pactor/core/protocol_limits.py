@@ -151,6 +151,10 @@ DEFAULT_LIMITS: Final = Limits()
 """The bounds :func:`~p2pactor.core.protocol.decode` uses unless told otherwise."""
 
 
+UNITS: Final = {"str": "characters", "bytes": "bytes", "int": "value"}
+"""What a bound of each kind of value counts (anything else: ``items``; a number: its value)."""
+
+
 def over_limit(value: Any, most: int, unit: str) -> str:
     """How ``value`` (a number if ``unit`` is ``"value"``, else sized) is over ``most``."""
     if unit == "value":
@@ -161,8 +165,8 @@ def over_limit(value: Any, most: int, unit: str) -> str:
 
 
 def _unit(info: Any) -> str:
-    kind = type(getattr(info, "type", info)).__name__
-    return {"StrType": "characters", "BytesType": "bytes", "IntType": "value"}.get(kind, "items")
+    kind = type(getattr(info, "type", info)).__name__.removesuffix("Type").lower()
+    return UNITS.get(kind, "items")
 
 
 _Bound: TypeAlias = tuple[str, tuple[str, ...], str, str, bool]
