@@ -76,26 +76,13 @@ def _kind(value: object) -> str:
 
 
 class _Shape(msgspec.Struct, frozen=True):
-    """A long value's kind and length, read from its msgpack header, in place of it.
-
-    ``head`` is the start of a long string (to quote it, clipped).
-    """
+    """A long value's kind and length, read from its msgpack header, in place of it."""
 
     kind: str
     n: int
-    head: str = ""
 
     def __len__(self) -> int:
         return self.n
-
-
-class _Top(msgspec.Struct):
-    """A frame's ``"type"``, every other key skipped unread."""
-
-    type: msgspec.Raw = msgspec.Raw()
-
-
-_TOP: Final = msgspec.msgpack.Decoder(_Top)
 
 
 def _head(view: memoryview, at: int) -> tuple[str, int, int] | None:
@@ -127,12 +114,7 @@ def _shape(raw: memoryview) -> _Shape | None:
     head = _head(raw, 0)
     if head is None or head[0] not in ("str", "bytes", *_COLLECTIONS):
         return None
-    kind, width, n = head
-    if kind == "str":
-        return _Shape(
-            kind, n, bytes(raw[width : width + 4 * _CLIP_CHARS]).decode("utf-8", "replace")
-        )
-    return _Shape(kind, n)
+    return _Shape(head[0], head[2])
 
 
 def _value(raw: memoryview) -> Any:
@@ -241,19 +223,20 @@ def type_error(
         if type(mtype) is str and mtype in known:
             return mtype
     try:
-        top = _TOP.decode(frame)
+        raw = memoryview(_one_field("type").decode(frame).value)
     except msgspec.ValidationError as err:
         got = re.search(r"got `(\w+)`", str(err))
         kind = _GOT.get(got.group(1), got.group(1)) if got else "not a map"
         return MalformedFrame(f"top-level value is {kind}, expected a map")
     except Exception as err:
         return MalformedFrame(f"not valid msgpack: {err}")
-    if not len(top.type):
+    if not raw:
         return MalformedFrame("map has no 'type' key")
-    raw = memoryview(top.type)
-    long = _shape(raw) if len(raw) > QUOTE_BYTES else None
-    if long is not None and long.kind == "str":  # longer than any type's name: not decoded
-        name = f"{long.head[:_CLIP_CHARS]}... ({long.n} bytes)"
+    long = _head(raw, 0) if len(raw) > QUOTE_BYTES else None
+    if long is not None and long[0] == "str":  # longer than any type's name: not decoded
+        _, width, n = long
+        text = bytes(raw[width : width + 4 * _CLIP_CHARS]).decode("utf-8", "replace")
+        name = f"{text[:_CLIP_CHARS]}... ({n} bytes)"
     else:
         mtype = _value(raw)
         if type(mtype) is not str:
