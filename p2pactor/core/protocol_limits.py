@@ -1,7 +1,7 @@
 """The bounds the strict decoder of :mod:`p2pactor.core.protocol` enforces, and their checks.
 
 The constants are the defaults, which the field types of
-:mod:`p2pactor.core.protocol_base` carry and msgspec checks as it decodes;
+:mod:`p2pactor.core.protocol` carry and msgspec checks as it decodes;
 :class:`Limits` lets a node tighten them: :func:`tuned_checker` derives, from
 the same field types, the checks a decoded message then also passes (each
 bound names the ``Limits`` attribute that lowers it). The constants and
