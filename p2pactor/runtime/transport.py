@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from p2pactor.core.protocol_scan import Frame
+from p2pactor.core.protocol_checks import Frame
 from p2pactor.errors import P2PActorError
 
 __all__ = [
