@@ -32,6 +32,8 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from p2pactor import errors
+
 if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.adapters.nixl import NixlOptions as NixlOptions
     from p2pactor.adapters.nixl import open_nixl_transport as open_nixl_transport
@@ -79,7 +81,7 @@ if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.surface.logsetup import configure_logging as configure_logging
 
 # Where each lazily loaded name lives; tests/test_public.py checks that it
-# agrees with the imports above. The errors load lazily too: their module is light.
+# agrees with the imports above.
 _LAZY = {
     name: module
     for module, names in {
@@ -89,20 +91,7 @@ _LAZY = {
         "p2pactor.core.inputs": ("LookupResult",),
         "p2pactor.core.protocol": ("Limits",),
         "p2pactor.core.timings": ("Timings",),
-        "p2pactor.errors": (
-            "ConfigError",
-            "DataPlaneError",
-            "EventFormatError",
-            "FrameTooLarge",
-            "InvalidField",
-            "LogError",
-            "LogFormatError",
-            "MalformedFrame",
-            "P2PActorError",
-            "ProtocolError",
-            "ReplayError",
-            "UnknownMessageType",
-        ),
+        "p2pactor.errors": errors.__all__,
         "p2pactor.runtime.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
         "p2pactor.runtime.keys": ("CurveSecurity",),
         "p2pactor.runtime.log": ("Durability", "EventLog"),
