@@ -83,7 +83,7 @@ def serve_parent_request(
         try:
             parent.on_new_request(request.context)
         except Exception:
-            _parent_failed("refused to open", request.context, "answering MISS")
+            parent_failed(f"refused to open {request.context}; answering MISS", request.context)
             misses = tuple((key, LookupResult.MISS) for key in request.keys)
             return inp.ParentAnswer(lookup_id=request.lookup_id, results=misses)
     results: list[tuple[bytes, LookupResult]] = []
@@ -91,7 +91,7 @@ def serve_parent_request(
         try:
             result = parent.lookup(key, request.context)
         except Exception:
-            _parent_failed("lookup failed in", request.context, "answering MISS")
+            parent_failed(f"lookup failed in {request.context}; answering MISS", request.context)
             result = LookupResult.MISS
         results.append((key, result))
     hits = [k for k, r in results if r is LookupResult.HIT]
@@ -104,7 +104,8 @@ def serve_parent_request(
         try:
             pin = parent.create_store_job(hits, request.context)
         except Exception:
-            _parent_failed(f"could not pin {len(hits)} hits in", request.context, "none pinned")
+            what = f"could not pin {len(hits)} hits in {request.context}; none pinned"
+            parent_failed(what, request.context)
     return inp.ParentAnswer(
         lookup_id=request.lookup_id,
         results=tuple(results),
@@ -114,13 +115,12 @@ def serve_parent_request(
     )
 
 
-def _parent_failed(what: str, context: str, so: str) -> None:
+def parent_failed(what: str, context: str = "", *, node: str | None = None) -> None:
+    """Log the traceback of a call into the parent that raised: a bug of the engine's."""
     log.exception(
-        "parent %s %s; %s (a bug in the engine's parent: see the traceback)",
+        "the parent %s (a bug in the engine's parent: see the traceback)",
         what,
-        context,
-        so,
-        extra=parent_request_context(context),
+        extra=parent_request_context(context, node=node),
     )
 
 
@@ -241,8 +241,7 @@ class EmbeddedCache:
             CacheFull: Not enough blocks can be freed.
         """
         blocks = [self._allocate() for _ in range(count)]
-        for block in blocks:
-            self._pins[block] += 1
+        self._pins.update(blocks)
         return blocks
 
     def commit(self, key: bytes, block: int) -> None:
@@ -328,8 +327,7 @@ class EmbeddedCache:
         """
         blocks = tuple(self._index[k] for k in keys)
         job = next(self._job_ids)
-        for block in blocks:
-            self._pins[block] += 1
+        self._pins.update(blocks)
         self._jobs[job] = blocks
         return inp.Pin(job, tuple(keys), blocks)
 
