@@ -95,10 +95,8 @@ def serve_parent_request(
             result = LookupResult.MISS
         results.append((key, result))
     hits = [k for k, r in results if r is LookupResult.HIT]
-    refused: list[bytes] = []
-    if pin_budget is not None and len(hits) > pin_budget:
-        cut = max(0, pin_budget)
-        hits, refused = hits[:cut], hits[cut:]
+    cut = len(hits) if pin_budget is None else max(0, pin_budget)
+    hits, refused = hits[:cut], hits[cut:]
     pin = None
     if hits:
         try:
