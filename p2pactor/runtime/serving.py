@@ -136,13 +136,26 @@ class ParentService:
     ) -> Answered | None:
         """Serve one request: the answer a lookup gets now, if any (else it is parked)."""
         match request:
-            case fx.ParentLookup():
+            case fx.ParentLookup(keys=keys):
                 assert actor is not None
-                answer = self._lookup(parent, actor, request, now)
-                if answer is None:
-                    self._parked.append((actor, request))
-                    return None
-                return actor, answer
+                if not _wanted(actor, request):
+                    # Dropped (the peer closed the request) or answered at its
+                    # deadline: don't ask the parent, don't pin.
+                    return actor, inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
+                # The pinned-blocks quota is checked here, where pins are made, so
+                # that no path (first lookups, re-polls of keys that were pending)
+                # can take a peer over it.
+                peer = actor.id.peer
+                budget = self._quotas.pin_budget(peer)
+                refusal = self._quotas.pin_refusal(peer) if budget < len(keys) else ""
+                answer = serve_parent_request(
+                    parent, request, now, pin_budget=budget, refusal=refusal
+                )
+                if answer.pin is not None:
+                    self._quotas.pinned(peer, answer.pin.job_id, len(answer.pin.blocks))
+                if not _no_news(request, answer):
+                    return actor, answer
+                self._parked.append((actor, request))  # nothing new: asked again later
             case fx.ParentClose(context):
                 try:
                     parent.on_request_finished(context)
@@ -155,25 +168,6 @@ class ParentService:
                 except Exception:
                     parent_failed(f"failed to release job {job_id}", node=self._node_id)
         return None
-
-    def _lookup(
-        self, parent: Parent, actor: RequestActor, request: fx.ParentLookup, now: float
-    ) -> inp.ParentAnswer | None:
-        """The answer to one lookup, or None: nothing new, keep it parked."""
-        if not _wanted(actor, request):
-            # Dropped (the peer closed the request) or answered at its
-            # deadline: don't ask the parent, don't pin.
-            return inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
-        # The pinned-blocks quota is checked here, where pins are made, so
-        # that no path (first lookups, re-polls of keys that were pending)
-        # can take a peer over it.
-        peer = actor.id.peer
-        budget = self._quotas.pin_budget(peer)
-        refusal = self._quotas.pin_refusal(peer) if budget < len(request.keys) else ""
-        answer = serve_parent_request(parent, request, now, pin_budget=budget, refusal=refusal)
-        if answer.pin is not None:
-            self._quotas.pinned(peer, answer.pin.job_id, len(answer.pin.blocks))
-        return None if _no_news(request, answer) else answer
 
 
 def _wanted(actor: RequestActor, request: fx.ParentLookup) -> bool:
