@@ -59,12 +59,12 @@ if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.runtime.config import DEFAULT_HASH_SEED as DEFAULT_HASH_SEED
     from p2pactor.runtime.config import NodeConfig as NodeConfig
     from p2pactor.runtime.config import fingerprint_of as fingerprint_of
+    from p2pactor.runtime.engine import LoadResult as LoadResult
     from p2pactor.runtime.keys import CurveSecurity as CurveSecurity
     from p2pactor.runtime.log import Durability as Durability
     from p2pactor.runtime.log import EventLog as EventLog
     from p2pactor.runtime.logread import read_log as read_log
     from p2pactor.runtime.node import FetchResult as FetchResult
-    from p2pactor.runtime.node import LoadResult as LoadResult
     from p2pactor.runtime.node import Node as Node
     from p2pactor.runtime.node import open_node as open_node
     from p2pactor.runtime.parent import CacheFull as CacheFull
@@ -96,7 +96,8 @@ _LAZY = {
         "p2pactor.runtime.keys": ("CurveSecurity",),
         "p2pactor.runtime.log": ("Durability", "EventLog"),
         "p2pactor.runtime.logread": ("read_log",),
-        "p2pactor.runtime.node": ("FetchResult", "LoadResult", "Node", "open_node"),
+        "p2pactor.runtime.engine": ("LoadResult",),
+        "p2pactor.runtime.node": ("FetchResult", "Node", "open_node"),
         "p2pactor.runtime.parent": ("CacheFull", "EmbeddedCache", "Parent"),
         "p2pactor.runtime.quotas": ("PeerQuotas",),
         "p2pactor.runtime.samples": ("block_bytes", "chain_keys", "preload_keys"),

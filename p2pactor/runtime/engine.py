@@ -32,8 +32,6 @@ from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.wakeup import Wakeup
 
-__all__ = ["EngineBridge", "LoadResult", "LookupView"]
-
 RETRY = LookupResult.RETRY
 _Call = tuple[Callable[..., object], tuple[Any, ...]]
 
