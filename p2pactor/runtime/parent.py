@@ -40,11 +40,9 @@ class Parent(Protocol):
 
     def lookup(self, key: bytes, context: str) -> LookupResult:
         """Whether the cache holds ``key``: HIT, MISS, HIT_PENDING or RETRY."""
-        ...
 
     def create_store_job(self, keys: Sequence[bytes], context: str) -> inp.Pin:
         """Pin the blocks of ``keys`` (all HITs just now) as one job."""
-        ...
 
     def on_request_finished(self, context: str) -> None:
         """The synthetic request ``context`` is over."""
@@ -228,7 +226,6 @@ class EmbeddedCache:
             block = self._allocate()
             self._add(key, block)
         self._index.move_to_end(key)
-        self._pending.discard(key)
         self.memory[block * self.block_len : (block + 1) * self.block_len] = data
         return block
 
