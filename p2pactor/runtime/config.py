@@ -327,8 +327,7 @@ class NodeConfig:
         values: dict[str, Any] = {}
 
         def read(name: str, field: str, parse: Any) -> None:
-            raw = env.get(name)
-            if raw is None or raw == "":
+            if not (raw := env.get(name)):
                 return
             try:
                 values[field] = parse(raw)
