@@ -33,6 +33,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
 from p2pactor import errors
+from p2pactor.errors import *  # noqa: F403 - errors.__all__ names them
 
 if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.adapters.nixl import NixlOptions as NixlOptions
@@ -44,18 +45,6 @@ if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.core.inputs import LookupResult as LookupResult
     from p2pactor.core.protocol import Limits as Limits
     from p2pactor.core.timings import Timings as Timings
-    from p2pactor.errors import ConfigError as ConfigError
-    from p2pactor.errors import DataPlaneError as DataPlaneError
-    from p2pactor.errors import EventFormatError as EventFormatError
-    from p2pactor.errors import FrameTooLarge as FrameTooLarge
-    from p2pactor.errors import InvalidField as InvalidField
-    from p2pactor.errors import LogError as LogError
-    from p2pactor.errors import LogFormatError as LogFormatError
-    from p2pactor.errors import MalformedFrame as MalformedFrame
-    from p2pactor.errors import P2PActorError as P2PActorError
-    from p2pactor.errors import ProtocolError as ProtocolError
-    from p2pactor.errors import ReplayError as ReplayError
-    from p2pactor.errors import UnknownMessageType as UnknownMessageType
     from p2pactor.runtime.config import DEFAULT_HASH_SEED as DEFAULT_HASH_SEED
     from p2pactor.runtime.config import NodeConfig as NodeConfig
     from p2pactor.runtime.config import fingerprint_of as fingerprint_of
@@ -91,7 +80,6 @@ _LAZY = {
         "p2pactor.core.inputs": ("LookupResult",),
         "p2pactor.core.protocol": ("Limits",),
         "p2pactor.core.timings": ("Timings",),
-        "p2pactor.errors": errors.__all__,
         "p2pactor.runtime.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
         "p2pactor.runtime.keys": ("CurveSecurity",),
         "p2pactor.runtime.log": ("Durability", "EventLog"),
@@ -107,7 +95,8 @@ _LAZY = {
     }.items()
     for name in names
 }
-__all__ = list(_LAZY)  # what the table loads, and the version below
+__all__ = list(_LAZY)  # what the table loads, the errors and the version below
+__all__ += errors.__all__
 __all__ += ["__version__"]
 
 
