@@ -166,7 +166,6 @@ class EmbeddedCache:
             )
         self.memory = memory
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> block, LRU order
-        self._key_of: dict[int, bytes] = {}
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pending: set[bytes] = set()
         self._pins: Counter[int] = Counter()
@@ -254,7 +253,6 @@ class EmbeddedCache:
     def _add(self, key: bytes, block: int) -> None:
         """Index ``block`` as ``key`` (stored now: no longer pending)."""
         self._index[key] = block
-        self._key_of[block] = key
         self._pending.discard(key)
         if self._came is not None:
             self._came(key)
@@ -281,7 +279,6 @@ class EmbeddedCache:
         for key, block in self._index.items():  # least recently used first
             if self._pins[block] == 0:
                 del self._index[key]
-                del self._key_of[block]
                 if self._went is not None:
                     self._went(key)
                 return block
