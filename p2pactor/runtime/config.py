@@ -217,7 +217,6 @@ class NodeConfig:
     )
     slow_step_s: float | None = attrs.field(default=SLOW_STEP_S, validator=_slow_step)
     _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
-    _loopback: bool = attrs.field(init=False, eq=False, repr=False)
     # may_dial's answers by peer: each depends on the peer id and this
     # config alone, and the engine's thread asks for every request and key.
     _dialable: dict[str, bool] = attrs.field(init=False, eq=False, repr=False, factory=dict)
@@ -244,11 +243,7 @@ class NodeConfig:
                     f"STEM --address {self.node_id}` (several comma-separated addresses for "
                     "one key are allowed) and give its .key file to the peers"
                 )
-        # Derived values of a frozen config: set once, here. may_dial runs on
-        # the engine's thread for every request; parsing our own host there
-        # each time would be work done again and again for the same answer.
-        object.__setattr__(self, "_curve", curve)
-        object.__setattr__(self, "_loopback", is_loopback(self.host))
+        object.__setattr__(self, "_curve", curve)  # a frozen config's derived value: set once
 
     @property
     def curve(self) -> CurveSecurity | None:
@@ -293,7 +288,8 @@ class NodeConfig:
         timeout with nothing said. Loopback peers of a loopback node (one
         machine) are fine. Decided from the two ids alone, before any socket.
         """
-        if not self._loopback or is_loopback(peer_host(peer_id)):
+        # Asked only where may_dial's memory has no answer yet, and on refusals.
+        if not is_loopback(self.host) or is_loopback(peer_host(peer_id)):
             return None
         return (
             f"this node is {self.node_id}, a loopback address, and {peer_id} is on another "
