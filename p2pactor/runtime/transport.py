@@ -21,16 +21,6 @@ from typing import Protocol
 from p2pactor.core.protocol_checks import Frame
 from p2pactor.errors import P2PActorError
 
-__all__ = [
-    "ConnectionLost",
-    "ControlConnection",
-    "ControlTransport",
-    "DataTransport",
-    "FrameReceiver",
-    "TransferError",
-    "WriteDone",
-]
-
 
 class ConnectionLost(P2PActorError):
     """The control connection to a peer is gone; the reason says why."""
