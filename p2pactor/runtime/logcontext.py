@@ -28,8 +28,8 @@ def request_context(
     ``log.warning("...", peer, extra=request_context(peer, kv_request_id))``.
     A field given as None (not known where the line is logged) is left out.
     """
-    fields = {"node": node, "peer": peer, "kv_request_id": kv_request_id}
-    return {name: value for name, value in fields.items() if value is not None}
+    values = (node, peer, kv_request_id)
+    return {name: v for name, v in zip(CONTEXT_FIELDS, values, strict=True) if v is not None}
 
 
 def peer_context(peer: str, *, node: str | None = None) -> dict[str, str]:

@@ -88,11 +88,8 @@ class OperatorSurface:
 
         The dashboard's port when it is on, else the metrics-only port.
         """
-        if self.dashboard is not None:
-            return self.dashboard.url
-        if self.metrics_server is not None:
-            return self.metrics_server.url
-        return None
+        server = self.dashboard or self.metrics_server
+        return None if server is None else server.url
 
     def exposition(self) -> bytes:
         """Every metric in Prometheus' text format (``GET /metrics``)."""
@@ -212,14 +209,10 @@ async def open_operator_surface(
         OSError: A port can't be bound.
     """
     config = node.config
-    if dashboard_host is _FROM_CONFIG:
-        dashboard_host = config.dashboard_host
-    if dashboard_port is _FROM_CONFIG:
-        dashboard_port = config.dashboard_port
-    if metrics_host is _FROM_CONFIG:
-        metrics_host = config.metrics_host
-    if metrics_port is _FROM_CONFIG:
-        metrics_port = config.metrics_port
+    dashboard_host = config.dashboard_host if dashboard_host is _FROM_CONFIG else dashboard_host
+    dashboard_port = config.dashboard_port if dashboard_port is _FROM_CONFIG else dashboard_port
+    metrics_host = config.metrics_host if metrics_host is _FROM_CONFIG else metrics_host
+    metrics_port = config.metrics_port if metrics_port is _FROM_CONFIG else metrics_port
     surface = OperatorSurface(node)
     try:
         async with AsyncExitStack() as servers:

@@ -186,10 +186,6 @@ def command_logging(
     try:
         yield configure_from_args(args, default_level=default_level)
     finally:
-        for handler in [h for h in logger.handlers if h not in handlers]:
-            logger.removeHandler(handler)
-        for handler in handlers:
-            if handler not in logger.handlers:
-                logger.addHandler(handler)
-        logger.setLevel(level)
+        logger.handlers[:] = handlers  # ours gone, the ones before as they were
+        logger.setLevel(level)  # (and the level cache cleared)
         logger.propagate = propagate
