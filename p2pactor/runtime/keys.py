@@ -52,10 +52,9 @@ KEYGEN_HINT: Final = "p2pactor keygen STEM --address HOST:PORT"
 
 
 def _check_address(address: str, where: str) -> str:
-    host, sep, port = address.rpartition(":")
+    host, _, port = address.rpartition(":")  # no ":": no host
     if (
-        not sep
-        or not host
+        not host
         or not (port.isascii() and port.isdigit())
         or not 0 < int(port) <= 65535
         or any(c.isspace() or c in ",\"'#/;" for c in host)
