@@ -54,8 +54,7 @@ log = logging.getLogger("p2pactor.http")
 
 _FROM_CONFIG: Any = object()
 
-NODE_PATHS: Final = frozenset({"/metrics", "/status"})
-"""The paths :func:`answer` serves."""
+_NODE_PATHS: Final = frozenset({"/metrics", "/status"})
 
 
 class OperatorSurface:
@@ -100,37 +99,34 @@ class OperatorSurface:
         url = None if self.dashboard is None else self.dashboard.url
         return node_status(self.node, totals=self.metrics.totals(), dashboard=url)
 
-    async def _routes(self, stream: trio.SocketStream, request: HttpRequest, host: str) -> bool:
-        if request.path not in NODE_PATHS:
+    async def _routes(
+        self, stream: trio.SocketStream, request: HttpRequest, bound_host: str
+    ) -> bool:
+        """Answer a request for ``/metrics`` or ``/status``; False (nothing sent) for another path.
+
+        ``bound_host`` is the address the server is bound to: a 403 for whom the
+        module docstring's rule refuses.
+        """
+        if request.path not in _NODE_PATHS:
             return False
-        await answer(stream, request, self, host)
+        problem = forbidden(request, bound_host)  # the Host rule (and websocket origins)
+        origin = request.headers.get("origin")
+        if problem is None and origin is not None:
+            origin_host = (urlsplit(origin).hostname or "").lower()
+            host = (urlsplit(f"//{request.headers.get('host', '')}").hostname or "").lower()
+            if origin_host != host or not origin_host:
+                problem = f"a page from {origin!r} may not read this node's {request.path}"
+        head = request.method == "HEAD"
+        if problem is not None:
+            await send_response(stream, 403, problem.encode() + b"\n")
+        elif request.method not in ("GET", "HEAD"):
+            await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
+        elif request.path == "/metrics":
+            await send_response(stream, 200, self.exposition(), CONTENT_TYPE, head_only=head)
+        else:
+            body = json.dumps(self.status()).encode() + b"\n"
+            await send_response(stream, 200, body, "application/json", head_only=head)
         return True
-
-
-async def answer(
-    stream: trio.abc.SendStream, request: HttpRequest, surface: OperatorSurface, bound_host: str
-) -> None:
-    """Answer one request for a path in :data:`NODE_PATHS` on ``stream``.
-
-    A 403 for whom the module docstring's rule refuses.
-    """
-    problem = forbidden(request, bound_host)  # the Host rule (and websocket origins)
-    origin = request.headers.get("origin")
-    if problem is None and origin is not None:
-        origin_host = (urlsplit(origin).hostname or "").lower()
-        host = (urlsplit(f"//{request.headers.get('host', '')}").hostname or "").lower()
-        if origin_host != host or not origin_host:
-            problem = f"a page from {origin!r} may not read this node's {request.path}"
-    head = request.method == "HEAD"
-    if problem is not None:
-        await send_response(stream, 403, problem.encode() + b"\n")
-    elif request.method not in ("GET", "HEAD"):
-        await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
-    elif request.path == "/metrics":
-        await send_response(stream, 200, surface.exposition(), CONTENT_TYPE, head_only=head)
-    else:
-        body = json.dumps(surface.status()).encode() + b"\n"
-        await send_response(stream, 200, body, "application/json", head_only=head)
 
 
 @attrs.frozen
@@ -152,7 +148,7 @@ class MetricsServer:
 
 
 class _MetricsSite(Site):
-    """The metrics-only server's connections: :data:`NODE_PATHS`, 404 for any other page."""
+    """The metrics-only server's connections: its surface's routes, 404 for any other page."""
 
     def __init__(self, surface: OperatorSurface, bound_host: str) -> None:
         super().__init__(bound_host)
@@ -160,9 +156,9 @@ class _MetricsSite(Site):
 
     async def answer_node(self, stream: trio.SocketStream, request: HttpRequest) -> bool:
         """Answer every request: this server serves nothing of the dashboard's."""
-        if request.path in NODE_PATHS:
-            await answer(stream, request, self._surface, self.bound_host)
-        elif request.method not in ("GET", "HEAD"):
+        if await self._surface._routes(stream, request, self.bound_host):
+            return True
+        if request.method not in ("GET", "HEAD"):
             await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
         else:
             page = f"no page at {request.path}: try /metrics or /status\n"
