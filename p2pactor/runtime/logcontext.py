@@ -48,9 +48,8 @@ def parent_request_context(context: str, *, node: str | None = None) -> dict[str
     no fields rather than wrong ones.
     """
     match = _PARENT_CONTEXT.fullmatch(context)
-    if match is None:
-        return request_context(None, None, node=node)
-    return request_context(match["peer"], match["kv"], node=node)
+    peer, kv_request_id = (None, None) if match is None else match.group("peer", "kv")
+    return request_context(peer, kv_request_id, node=node)
 
 
 _session_log = logging.getLogger("p2pactor.session")

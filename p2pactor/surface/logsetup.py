@@ -86,11 +86,8 @@ class TextFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         """The line before any traceback, with the request's fields appended."""
-        text = super().formatMessage(record)
-        fields = _context(record)
-        if fields:
-            text += " " + " ".join(f"{name}={value}" for name, value in fields.items())
-        return text
+        fields = [f"{name}={value}" for name, value in _context(record).items()]
+        return " ".join([super().formatMessage(record), *fields])
 
 
 class _Handler(logging.StreamHandler[TextIO]):
