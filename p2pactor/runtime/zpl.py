@@ -79,11 +79,8 @@ def parse(text: str, path: Path) -> dict[str, dict[str, str]]:
         name = name.strip()
         if not _NAME.fullmatch(name):
             raise ConfigError(f"{path}, line {number}: {name!r} is not a ZPL name")
-        if indent == 0:
-            if eq:  # a value at the root: no certificate has one; ignore it
-                current = None
-                continue
-            current = sections.setdefault(name, {})
+        if indent == 0:  # a section; a value at the root (no certificate has one) is ignored
+            current = None if eq else sections.setdefault(name, {})
         elif indent == 4 and current is not None:
             current[name] = _parse_value(rest, path, number) if eq else ""
         elif indent % 4:
