@@ -44,7 +44,6 @@ from p2pactor.programs.bench._control_common import nixl_missing, open_bench_nod
 from p2pactor.programs.bench._hostile_peer import RawPeer
 from p2pactor.programs.bench._summary_drive import (
     HonestPeer,
-    Monitor,
     StepResult,
     Victim,
     VictimSettings,
@@ -89,10 +88,9 @@ LIAR_CLAIMS, LIAR_KEYS = 400, 10
 
 @attrs.define
 class Arena:
-    """A victim, its monitor and an honest peer, for one test."""
+    """A victim and an honest peer, for one test."""
 
     victim: Victim
-    monitor: Monitor
     honest: HonestPeer
     work: Path
 
@@ -102,7 +100,6 @@ class Arena:
             name,
             list(args),
             victim=self.victim,
-            monitor=self.monitor,
             honest=self.honest,
             work_dir=self.work,
         )
@@ -129,8 +126,8 @@ class Arena:
 def arena(tmp_path: Path) -> Iterator[Arena]:
     # No --slow-step-ms: these tests assert no timing, so they need no watch.
     settings = VictimSettings(port=free_port(), metrics_port=free_port(), slow_step_ms=None)
-    with victim_arena(settings, tmp_path) as (victim, monitor, honest):
-        yield Arena(victim, monitor, honest, tmp_path)
+    with victim_arena(settings, tmp_path) as (victim, honest):
+        yield Arena(victim, honest, tmp_path)
 
 
 def _bounded(result: StepResult) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 from p2pactor.programs.bench import _vllm_tier as shared
 from p2pactor.programs.bench._control_common import say, spread_ports
 from p2pactor.programs.bench.fleet import (
+    ARMS,
     TOKENS_PER_BLOCK,
     Turn,
     chat_turns,
@@ -46,8 +47,6 @@ from p2pactor.programs.vllmstack import (
     tier_entry,
 )
 
-ARMS = ("none", "oracle", "auto", "mixed")
-"""The arms, in the order they run."""
 BLOCK_BYTES = 4096
 """Bytes per chunk (the figures count keys and tokens; the bytes are checked)."""
 STEP_S, ADMIT, PER_ENGINE = 0.010, 4, 4

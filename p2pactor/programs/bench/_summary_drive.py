@@ -3,12 +3,12 @@
 The victim is ``p2pactor serve`` as a process (:class:`Victim`: summaries on, preloaded
 so that the honest peer, :mod:`p2pactor.programs.bench._honest`, has something to look
 up); its memory is read from ``/proc/PID/status`` (``VmRSS``; ``VmHWM``, the peak,
-started afresh before each step), and :class:`Monitor` polls its ``/status`` on a thread
-for the node thread's longest step (the slow-step watch's ``loop.recent_slow``).
-:func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._hostile`,
-``--paced``) and measures each of its steps and the whole attack, up to what the victim
-kept once it ended the session. The ``summary-attack`` section and
-``tests/test_summary_attack.py`` both drive their attacks through it.
+started afresh before each step), its ``/status`` on a thread for the node thread's
+longest step (the slow-step watch's ``loop.recent_slow``). :func:`run_attack` starts
+the hostile peer (:mod:`p2pactor.programs.bench._hostile`, ``--paced``) and measures
+each of its steps and the whole attack, up to what the victim kept once it ended the
+session. The ``summary-attack`` section and ``tests/test_summary_attack.py`` both drive
+their attacks through it.
 """
 
 from __future__ import annotations
@@ -63,7 +63,10 @@ class VictimSettings:
 
 
 class Victim(LineProcess):
-    """``p2pactor serve`` as a process; SIGTERM (then SIGKILL) on :meth:`close`."""
+    """``p2pactor serve`` as a process, its ``/status`` read on a thread; :meth:`stop` ends both.
+
+    Its RSS needs no polling: its ``VmHWM``, read before each reset, is the exact peak.
+    """
 
     def __init__(self, settings: VictimSettings, stderr: Path) -> None:
         self.settings = s = settings
@@ -76,6 +79,11 @@ class Victim(LineProcess):
             stderr=str(stderr),
         )
         self.url = f"http://127.0.0.1:{s.metrics_port}/status"
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        self._status: list[tuple[float, float]] = []  # (asked at, seconds to answer)
+        self._slow: set[tuple[float, float, str]] = set()
+        self.watching = False  # it reports its slow steps (``loop`` in /status)
+        self._watch = threading.Thread(target=self._poll, daemon=True)
 
     def wait_serving(self, timeout: float = 120.0) -> None:
         """Wait until it serves (its ``p2pactor node ... serving`` line) and ``/status`` answers."""
@@ -86,6 +94,39 @@ class Victim(LineProcess):
         ):
             pass
         self.wait_status(lambda _: True, deadline - time.monotonic(), "its /status")
+        self._watch.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(STATUS_POLL_S):
+            t0 = time.time()
+            try:
+                loop = self.status().get("loop")
+            except (OSError, ValueError):
+                continue
+            with self._lock:
+                self._status.append((t0, time.time() - t0))
+                if isinstance(loop, dict):
+                    self.watching = True
+                    for s in loop.get("recent_slow", []):
+                        self._slow.add((float(s["at"]), float(s["seconds"]), str(s["task"])))
+
+    def window(self, start: float, end: float) -> Window:
+        """What its ``/status`` said from ``start`` to ``end`` (unix seconds).
+
+        Waits (at most 10 s) for a read of ``/status`` asked after ``end``: a slow step
+        that ended in the window is listed only by the reads after it.
+        """
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and not (self._status and self._status[-1][0] >= end):
+            time.sleep(STATUS_POLL_S / 4)
+        with self._lock:
+            took = [s for t, s in self._status if start <= t <= end]
+            slow = max(((s, t) for at, s, t in self._slow if start <= at <= end), default=None)
+        return Window(
+            longest_step_s=(slow[0] if slow else 0.0) if self.watching else None,
+            longest_task=slow[1] if slow else "",
+            status_max_s=max(took, default=None),
+        )
 
     def memory_kib(self) -> tuple[int, int]:
         """Its ``(VmRSS, VmHWM)`` in KiB; ``(0, 0)`` once it is gone."""
@@ -125,7 +166,10 @@ class Victim(LineProcess):
         )
 
     def stop(self) -> None:
-        """Stop it (SIGTERM, then SIGKILL after 20 s) and reap it."""
+        """Stop reading its ``/status``; stop it (SIGTERM, then SIGKILL after 20 s), reap it."""
+        self._stop.set()
+        if self._watch.is_alive():
+            self._watch.join(timeout=30)
         if self.proc.poll() is None:
             self.proc.terminate()
         self.close(timeout=20)  # kills it if it has not exited by then
@@ -134,7 +178,7 @@ class Victim(LineProcess):
 
 @attrs.frozen(kw_only=True)
 class Window:
-    """What the monitor saw between two times (unix seconds)."""
+    """What the victim's ``/status`` said between two times (unix seconds)."""
 
     longest_step_s: float | None
     """The node thread's longest slow step that began in the window (None: no watch)."""
@@ -142,60 +186,6 @@ class Window:
     """What the longest step ran (the task the slow-step watch names; "" if none)."""
     status_max_s: float | None
     """The longest ``/status`` took to answer (None: never asked)."""
-
-
-class Monitor:
-    """Reads the victim's ``/status`` on a thread until :meth:`close`.
-
-    Its RSS needs no polling: its ``VmHWM``, read before each reset, is the exact peak.
-    """
-
-    def __init__(self, victim: Victim) -> None:
-        self._victim = victim
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._status: list[tuple[float, float]] = []  # (asked at, seconds to answer)
-        self._slow: set[tuple[float, float, str]] = set()
-        self.watching = False  # the victim reports its slow steps (``loop`` in /status)
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while not self._stop.wait(STATUS_POLL_S):
-            t0 = time.time()
-            try:
-                loop = self._victim.status().get("loop")
-            except (OSError, ValueError):
-                continue
-            with self._lock:
-                self._status.append((t0, time.time() - t0))
-                if isinstance(loop, dict):
-                    self.watching = True
-                    for s in loop.get("recent_slow", []):
-                        self._slow.add((float(s["at"]), float(s["seconds"]), str(s["task"])))
-
-    def window(self, start: float, end: float) -> Window:
-        """What was seen from ``start`` to ``end`` (unix seconds).
-
-        Waits (at most 10 s) for a read of ``/status`` asked after ``end``: a slow step
-        that ended in the window is listed only by the reads after it.
-        """
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and not (self._status and self._status[-1][0] >= end):
-            time.sleep(STATUS_POLL_S / 4)
-        with self._lock:
-            took = [s for t, s in self._status if start <= t <= end]
-            slow = max(((s, t) for at, s, t in self._slow if start <= at <= end), default=None)
-        return Window(
-            longest_step_s=(slow[0] if slow else 0.0) if self.watching else None,
-            longest_task=slow[1] if slow else "",
-            status_max_s=max(took, default=None),
-        )
-
-    def close(self) -> None:
-        """Stop polling."""
-        self._stop.set()
-        self._thread.join(timeout=30)
 
 
 class HonestPeer(LineProcess):
@@ -268,19 +258,15 @@ class StepResult:
 
 
 @contextlib.contextmanager
-def arena(settings: VictimSettings, work: Path) -> Iterator[tuple[Victim, Monitor, HonestPeer]]:
-    """A fresh victim, its monitor and an honest peer looking it up; all stopped after."""
+def arena(settings: VictimSettings, work: Path) -> Iterator[tuple[Victim, HonestPeer]]:
+    """A fresh victim and an honest peer looking it up; both stopped after."""
     victim = Victim(settings, work / f"victim-{time.time_ns()}.err")
     honest: HonestPeer | None = None
-    monitor: Monitor | None = None
     try:
         victim.wait_serving()
         honest = HonestPeer(victim, work / f"honest-{time.time_ns()}.err")
-        monitor = Monitor(victim)
-        yield victim, monitor, honest
+        yield victim, honest
     finally:
-        if monitor is not None:
-            monitor.close()
         if honest is not None:
             honest.close()  # it stops its lookups and exits once its stdin closes
             honest.kill()
@@ -297,7 +283,6 @@ def run_attack(
     args: list[str],
     *,
     victim: Victim,
-    monitor: Monitor,
     honest: HonestPeer,
     work_dir: Path,
 ) -> StepResult:
@@ -339,7 +324,7 @@ def run_attack(
                 victim.wait_status(lambda d: gone in _peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
             claimed = _settled_claims(victim, peer) if peer != "-" else None
             after, peak = victim.memory_kib()
-            window = monitor.window(t_go, time.time())  # the step's own
+            window = victim.window(t_go, time.time())  # the step's own
             segments.append(honest.window())
             steps.append(
                 StepResult(
@@ -376,7 +361,7 @@ def run_attack(
         held_kib=last.held_kib if last else base,
         claimed_keys=last.claimed_keys if last else None,
         honest=merge_honest(segments),
-        window=monitor.window(start, end),
+        window=victim.window(start, end),
         steps=tuple(steps),
         kept_kib=kept,
     )

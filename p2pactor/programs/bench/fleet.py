@@ -29,6 +29,7 @@ TITLE = "finding the source with no router: chat and RAG fleets on vLLM's own st
 """One line saying what is measured."""
 
 ARMS = ("none", "oracle", "auto", "mixed")
+"""The arms, in the order they run (:mod:`~p2pactor.programs.bench._fleet_run`)."""
 
 Run = dict[str, Any]
 Runs = dict[str, list[Run]]  # arm -> its repeats

@@ -90,7 +90,7 @@ def _repeat(
 ) -> Any:
     """One fresh victim and honest peer: the baseline and every attack."""
     settings = VictimSettings(port=free_port(), metrics_port=free_port())
-    with arena(settings, work) as (victim, monitor, honest):
+    with arena(settings, work) as (victim, honest):
         time.sleep(WARMUP_S)
         honest.window()
         windows = []
@@ -103,12 +103,10 @@ def _repeat(
         p99s = sorted(float(w["lookup_p99_s"]) for w in windows if w["lookups"])
         baseline["lookup_p99_s"] = p99s[len(p99s) // 2] if p99s else None
         results = {
-            row: run_attack(
-                name, list(args), victim=victim, monitor=monitor, honest=honest, work_dir=work
-            )
+            row: run_attack(name, list(args), victim=victim, honest=honest, work_dir=work)
             for row, name, args in attacks
         }
-        return baseline, results, monitor.watching
+        return baseline, results, victim.watching
 
 
 def run(options: BenchOptions) -> SectionResult:
