@@ -131,6 +131,11 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1e3
 
 
+def _missed(checks: Sequence[tuple[Stat | None, float, str, str]]) -> list[tuple[str, str]]:
+    """Each (median, limit, target, how a miss reads) whose median is over its limit."""
+    return [(k, f.format(s.median, t)) for s, t, k, f in checks if s and s.median > t]
+
+
 Target = tuple[float, str, str]
 """A row's own target: its limit, the target's key in :data:`TARGETS`, how a miss reads."""
 TARGETS = {
@@ -143,6 +148,13 @@ TARGETS = {
 """Issue 30's targets, each a note saying which rows missed it."""
 
 
+COLUMNS = (
+    *("RSS peak MiB", "RSS held MiB", "RSS kept MiB", "longest step ms"),
+    *("honest p50 ms", "honest p99 ms", "p99 / baseline", "/status max ms", "value"),
+)
+"""The table's columns of figures, one a repeat, in order (but ``honest failed``, a count)."""
+
+
 @attrs.define
 class _Row:
     """What one row gathers over the repeats, before it becomes a table row."""
@@ -150,66 +162,54 @@ class _Row:
     name: str
     figure: str = ""
     own: Target | None = None
-    peak: list[float | None] = attrs.field(factory=list)
-    held: list[float | None] = attrs.field(factory=list)
-    kept: list[float | None] = attrs.field(factory=list)
-    step_ms: list[float | None] = attrs.field(factory=list)
+    got: dict[str, list[float | None]] = attrs.field(factory=lambda: {c: [] for c in COLUMNS})
+    """Each column's figure, one a repeat."""
     task: str = ""
-    p50: list[float | None] = attrs.field(factory=list)
-    p99: list[float | None] = attrs.field(factory=list)
-    ratio: list[float | None] = attrs.field(factory=list)
     failed: int = 0
-    status_ms: list[float | None] = attrs.field(factory=list)
-    value: list[float | None] = attrs.field(factory=list)
     misses: list[tuple[str, str]] = attrs.field(factory=list)
     """Each target its medians missed: (its key in :data:`TARGETS`, how it was missed)."""
 
     def add(self, m: StepResult, base_p99: float | None, value: float | None) -> None:
         """Add one repeat's figures: the victim's RSS, node thread, the honest peer's, its own."""
-        self.peak.append(m.peak_growth_mib)
-        self.held.append(m.held_mib)
-        self.kept.append(m.kept_mib)
-        self.honest(m.honest, base_p99, value)
-        was = max((x for x in self.step_ms if x is not None), default=0.0)
-        self.step_ms.append(_ms(m.window.longest_step_s))
-        if m.window.longest_step_s is not None and m.window.longest_step_s * 1e3 >= was:
+        step = _ms(m.window.longest_step_s)
+        was = max((x for x in self.got["longest step ms"] if x is not None), default=0.0)
+        if step is not None and step >= was:
             self.task = m.window.longest_task
-        self.status_ms.append(_ms(m.window.status_max_s))
+        victim = (m.peak_growth_mib, m.held_mib, m.kept_mib, step)
+        for column, figure in zip(COLUMNS[:4], victim, strict=True):
+            self.got[column].append(figure)
+        self.got["/status max ms"].append(_ms(m.window.status_max_s))
+        self.honest(m.honest, base_p99, value)
 
     def honest(self, honest: dict[str, Any], base_p99: float | None, value: float | None) -> None:
         """Add one repeat's honest figures (and the row's own value)."""
         p99 = honest["lookup_p99_s"]
-        self.p50.append(_ms(honest["lookup_p50_s"]))
-        self.p99.append(_ms(p99))
-        self.ratio.append(p99 / base_p99 if p99 is not None and base_p99 else None)
+        ratio = p99 / base_p99 if p99 is not None and base_p99 else None
+        for column, figure in zip(
+            COLUMNS[4:7], (_ms(honest["lookup_p50_s"]), _ms(p99), ratio), strict=True
+        ):
+            self.got[column].append(figure)
+        self.got["value"].append(value)
         self.failed += int(honest["failed"])
-        self.value.append(value)
 
     def cells(self) -> dict[str, Cell]:
         """The table row; :attr:`misses` names every target its medians missed."""
-        peak, stall, ratio, value = map(_stat, (self.peak, self.step_ms, self.ratio, self.value))
+        stat = {column: _stat(values) for column, values in self.got.items()}
         checks = [
-            (peak, RSS_TARGET_MIB, "rss", "RSS +{:.0f} MiB > {:g}"),
-            (stall, STALL_TARGET_MS, "stall", "stall {:.0f} ms > {:g}"),
-            (ratio, P99_TARGET_X, "p99", "p99 x{:.1f} > {:g}"),
-            *([(value, *self.own)] if self.own else []),
+            (stat["RSS peak MiB"], RSS_TARGET_MIB, "rss", "RSS +{:.0f} MiB > {:g}"),
+            (stat["longest step ms"], STALL_TARGET_MS, "stall", "stall {:.0f} ms > {:g}"),
+            (stat["p99 / baseline"], P99_TARGET_X, "p99", "p99 x{:.1f} > {:g}"),
         ]
-        self.misses = [(k, f.format(s.median, t)) for s, t, k, f in checks if s and s.median > t]
-        if self.failed:
-            self.misses.append(("failed", f"{self.failed} honest lookups failed"))
+        own = [(stat["value"], *self.own)] if self.own else []
+        failed = [("failed", f"{self.failed} honest lookups failed")] if self.failed else []
+        self.misses = [*_missed(checks), *failed, *_missed(own)]
         return {
             "attack": self.name,
-            "RSS peak MiB": peak,
-            "RSS held MiB": _stat(self.held),
-            "RSS kept MiB": _stat(self.kept),
-            "longest step ms": stall,
-            "honest p50 ms": _stat(self.p50),
-            "honest p99 ms": _stat(self.p99),
-            "p99 / baseline": ratio,
+            **{column: stat[column] for column in COLUMNS[:7]},
             "honest failed": self.failed,
-            "/status max ms": _stat(self.status_ms),
+            "/status max ms": stat["/status max ms"],
             "figure": self.figure,
-            "value": value,
+            "value": stat["value"],
             "verdict": "; ".join(m for _, m in self.misses) or "ok",
         }
 
