@@ -10,6 +10,7 @@ repeated (replay streams: memory must not grow with the log); the costs the old
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -42,21 +43,19 @@ def run(options: BenchOptions) -> SectionResult:
     n = 1_000 if options.quick else 10_000
     events = 100_000 if options.quick else 1_000_000
     repeats = 1 if options.quick else max(1, min(options.repeats, 3))
+    measure = functools.partial(_run, options.work_dir)
     runs: list[dict[str, Any]] = []
     for rep in range(repeats):
         folder = os.path.join(options.work_dir, f"scale-{rep}")
         os.makedirs(folder, exist_ok=True)
-        runs.append(_run(options.work_dir, "requests", str(n), folder, timeout=600 + n / 10))
+        runs.append(measure("requests", str(n), folder, timeout=600 + n / 10))
     first = [os.path.join(options.work_dir, "scale-0", f"{x}.log") for x in "ab"]
     big = os.path.join(options.work_dir, "replay.log")
-    written = _run(options.work_dir, "write", str(events), big, *first, timeout=1200)
+    written = measure("write", str(events), big, *first, timeout=1200)
     # One replay each: a million events take minutes to replay with checks.
-    replays = {m: [_run(options.work_dir, "replay", m, big, timeout=1200)] for m in REPLAY_MODES}
-    replay_repeats = 1
+    replays = {m: [measure("replay", m, big, timeout=1200)] for m in REPLAY_MODES}
     os.remove(big)
-    costs = _run(
-        options.work_dir, "costs", str(200 if options.quick else 2000), *first, timeout=600
-    )
+    costs = measure("costs", str(200 if options.quick else 2000), *first, timeout=600)
 
     def stat(key: str, scale: float = 1.0, rs: list[dict[str, Any]] = runs) -> Stat:
         return Stat.of(float(r[key]) * scale for r in rs)
@@ -94,7 +93,7 @@ def run(options: BenchOptions) -> SectionResult:
     rows: list[dict[str, Cell]] = [{"figure": f, "value": v, "unit": u} for f, v, u in table]
     notes = [
         (
-            f"{repeats} repeat(s) of the requests and {replay_repeats} of each replay, each "
+            f"{repeats} repeat(s) of the requests and 1 of each replay, each "
             "in a fresh interpreter; 4 keys per request (3 hits, 1 miss), fetch of the hits; "
             "both nodes log to disk (Durability.interval)"
         ),
