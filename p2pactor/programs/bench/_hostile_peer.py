@@ -114,7 +114,7 @@ class RawPeer:
         deadline = time.monotonic() + HANDSHAKE_S
         while not (connected and acked and (self.snapshots_whole or not summaries)):
             if time.monotonic() > deadline or self.disconnected.is_set():
-                raise Failure(f"no handshake (and snapshot) within {HANDSHAKE_S:g} s")
+                raise Failure(f"disconnected, or no handshake and snapshot in {HANDSHAKE_S:g} s")
             msg = self.take(0.01)
             if isinstance(msg, wire.Connect):
                 connected = True
