@@ -1,12 +1,12 @@
 """The honest peer of the ``summary-attack`` section: a timed p2pactor node, run as a process.
 
-``python -m p2pactor.programs.bench._honest --port N --victim HOST:PORT --keys K --rate HZ
---preload P --hash-seed SEED --block-len L``: a node on real ZeroMQ and NIXL on 127.0.0.1
+``python -m p2pactor.programs.bench._honest --port N --victim HOST:PORT --preload P
+--hash-seed SEED --block-len L``: a node on real ZeroMQ and NIXL on 127.0.0.1
 (no parent: it only consumes) whose victim is ``p2pactor serve --preload P``
 (:func:`~p2pactor.runtime.samples.preload_keys`, their bytes
 :func:`~p2pactor.runtime.samples.block_bytes`). It prints ``READY`` and starts its loop,
-``HZ`` times a second (one that ran late makes no burst): a fresh request id,
-``Node.lookup`` of K consecutive held keys (timed from the call to its answers: the
+:data:`RATE_HZ` times a second (one that ran late makes no burst): a fresh request id,
+``Node.lookup`` of :data:`KEYS` consecutive held keys (timed from the call to its answers: the
 figure reported), ``Node.fetch`` of their blocks, every byte compared, ``Node.finish``.
 Each line on its stdin asks for what was measured since the start or the last such line
 (every lookup's latency in seconds, blocks verified, failures: a MISS, a failed fetch, a
@@ -26,6 +26,8 @@ from typing import Any
 
 from p2pactor.programs.bench._control_common import open_bench_node, say
 
+KEYS, RATE_HZ = 4, 50.0
+"""Keys a lookup; lookups a second."""
 FAILURES_KEPT = 5
 """Failures described in a window (all are counted)."""
 
@@ -63,7 +65,7 @@ async def _run(args: argparse.Namespace) -> None:
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
     from p2pactor.runtime.samples import block_bytes, preload_keys  # noqa: PLC0415
 
-    seed, block_len, victim, per = args.hash_seed, args.block_len, args.victim, args.keys
+    seed, block_len, victim, per = args.hash_seed, args.block_len, args.victim, KEYS
     keys = preload_keys(seed, args.preload)
     blocks = 4 * per
     pool = bytearray(blocks * block_len)
@@ -107,7 +109,7 @@ async def _run(args: argparse.Namespace) -> None:
         due = trio.current_time()
         while True:
             await one(node, box[0])
-            due = max(due + 1.0 / args.rate, trio.current_time())
+            due = max(due + 1.0 / RATE_HZ, trio.current_time())
             await trio.sleep_until(due)
 
     async with (
@@ -130,8 +132,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the honest peer of the hostile-peer bench")
     parser.add_argument("--port", type=int, required=True, help="our control port")
     parser.add_argument("--victim", required=True, help="the victim's host:port")
-    parser.add_argument("--keys", type=int, required=True, help="keys per lookup")
-    parser.add_argument("--rate", type=float, required=True, help="requests a second")
     parser.add_argument("--preload", type=int, required=True, help="the victim's serve --preload")
     parser.add_argument("--hash-seed", required=True, help="the victim's hash seed")
     parser.add_argument("--block-len", type=int, required=True, help="its block size")

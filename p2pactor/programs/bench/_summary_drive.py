@@ -189,10 +189,10 @@ class Window:
 
 
 class HonestPeer(LineProcess):
-    """The honest node's process (:mod:`p2pactor.programs.bench._honest`): 4 keys, 50 Hz."""
+    """The honest node's process (:mod:`p2pactor.programs.bench._honest`)."""
 
     def __init__(self, victim: Victim, stderr: Path) -> None:
-        args = (f"--port={free_port()}", *victim.settings.peer_args, "--keys=4", "--rate=50")
+        args = (f"--port={free_port()}", *victim.settings.peer_args)
         super().__init__("p2pactor.programs.bench._honest", *args, stderr=str(stderr))
         self.wait_ready()  # its lookups have begun
 

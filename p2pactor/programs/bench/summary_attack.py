@@ -23,6 +23,8 @@ import attrs
 
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.programs.bench._control_common import free_port, nixl_missing
+from p2pactor.programs.bench._honest import KEYS as HONEST_KEYS
+from p2pactor.programs.bench._honest import RATE_HZ as HONEST_HZ
 from p2pactor.programs.bench._summary_drive import (
     StepResult,
     VictimSettings,
@@ -283,8 +285,9 @@ def _tabulate(
             "the victim ended its session"
         ),
         (
-            "honest peer: a p2pactor node looking up 4 preloaded keys 50 times a second, fetching "
-            "them and checking every byte; failed = a MISS, a failed fetch or a wrong byte; the "
+            f"honest peer: a p2pactor node looking up {HONEST_KEYS} preloaded keys "
+            f"{HONEST_HZ:g} times a second, fetching them and checking every byte; failed = a "
+            "MISS, a failed fetch or a wrong byte; the "
             f"processes share this machine's {os.cpu_count()} cores: the hostile process runs at "
             "idle CPU priority (SCHED_IDLE), as a peer on another host, but for the lookup flood "
             f"({FLOOD_KEYS} held keys a lookup, vLLM's dialect, never fetched, 256 unanswered)"
