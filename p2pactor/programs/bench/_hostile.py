@@ -137,13 +137,17 @@ def _register_1m(a: Attack) -> dict[str, object]:
     return {"claimed": claims, "parts": parts, "registered_blocks": a.agent[2]}
 
 
-def _snapshot_flood(a: Attack) -> dict[str, object]:
-    """``--count`` one-part snapshots of 65,536 fingerprints."""
-    peer, epoch = a.session, _epoch()
+def _snapshots(a: Attack) -> dict[str, object]:
+    """``--count`` snapshot parts of 65,536 fingerprints (the largest summary frame).
+
+    ``snapshot-flood``: each a whole snapshot; ``max-frames``: each part 0 of 2, sent as
+    fast as the victim takes them (a send queue of 1,000).
+    """
+    peer, epoch, parts = a.session, _epoch(), 2 if a.args.attack == "max-frames" else 1
     for i in range(a.args.count):
-        peer.send(_snapshot(_fps(MAX_FPS), epoch, i))
-    peer.ping("flood")
-    return {"snapshots": a.args.count}
+        peer.send(_snapshot(_fps(MAX_FPS), epoch, i, 0, parts))
+    peer.ping("snapshots")
+    return {"frames": a.args.count, "bytes": peer.sent_bytes}
 
 
 def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
@@ -208,15 +212,6 @@ def _epoch_flip(a: Attack) -> dict[str, object]:
         peer.send(wire.KvsumDelta(epoch=_epoch(), seq=1, add=wire.packed([i + 1]), remove=b""))
     peer.ping("flip")  # every resync the deltas earned came before its answer
     return {"messages": a.args.count, "resyncs": peer.counts["kvsum_resync"] - before}
-
-
-def _max_frames(a: Attack) -> dict[str, object]:
-    """``--count`` snapshot parts of 65,536 (the largest summary frame), as fast as taken."""
-    peer, epoch = a.session, _epoch()
-    for i in range(a.args.count):
-        peer.send(_snapshot(_fps(MAX_FPS), epoch, i, 0, 2))
-    peer.ping("frames")
-    return {"frames": a.args.count, "bytes": peer.sent_bytes}
 
 
 def _max_lookups(a: Attack) -> dict[str, object]:
@@ -297,11 +292,11 @@ ATTACKS: dict[str, Callable[[Attack], None]] = {
     name: _stepped(body)
     for name, body in {
         "register-1m": _register_1m,
-        "snapshot-flood": _snapshot_flood,
+        "snapshot-flood": _snapshots,
         "deltas-mid-snapshot": _deltas_mid_snapshot,
         "resync-flood": _resync_flood,
         "epoch-flip": _epoch_flip,
-        "max-frames": _max_frames,
+        "max-frames": _snapshots,
         "max-lookups": _max_lookups,
     }.items()
 }
