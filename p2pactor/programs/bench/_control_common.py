@@ -125,6 +125,15 @@ async def open_bench_node(
         yield node
 
 
+def held(cache: Any) -> dict[str, int]:
+    """What an :class:`~p2pactor.runtime.parent.EmbeddedCache` still holds (all 0 when idle)."""
+    return {
+        "pinned": cache.pinned(),
+        "held_jobs": len(cache.held_jobs()),
+        "open": len(cache.opened),
+    }
+
+
 def say(obj: Any) -> None:
     """Report one line to the parent process at once: ``obj`` itself if a str, else its JSON."""
     sys.stdout.write((obj if isinstance(obj, str) else json.dumps(obj)) + "\n")
@@ -200,19 +209,25 @@ class LineProcess:
     (whose tail the errors quote) or is dropped.
     """
 
-    def __init__(self, module: str, *args: str, stderr: str | None = None, **env: str) -> None:
-        """Start it; ``stderr``: a file for its stderr (else dropped); ``env``: extra variables."""
+    def __init__(
+        self, module: str, *args: str, stderr: str | None = None, host: Any = None, **env: str
+    ) -> None:
+        """Start it; ``stderr``: a file for its stderr (else dropped); ``env``: extra variables.
+
+        ``host``: a :class:`~p2pactor.programs.hosts.Host` to run it on (else here).
+        """
         self.module = module
         self.stderr = stderr
+        argv, environ = module_command(module, *args), child_env(**env)
         err = open(stderr, "w") if stderr else subprocess.DEVNULL  # noqa: SIM115 - the child's
         try:
             self.proc = subprocess.Popen(  # noqa: S603 - runs our own helper module
-                module_command(module, *args),
+                host.command(argv) if host else argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,
-                env=child_env(**env),
+                env=host.env(environ) if host else environ,
             )
         finally:
             if not isinstance(err, int):

@@ -4,9 +4,9 @@ Run as ``python -m p2pactor.programs.bench._dataplane_peer NUM_BLOCKS BLOCK_LEN 
 (its node binds ADDRESS). It stores ``NUM_BLOCKS`` deterministic blocks
 (:func:`bench_keys`, :func:`block_content`) in a node on real transports (ZeroMQ,
 NIXL over a torch pool), opens a second, bare NIXL agent over the same pool for the
-raw-NIXL reference, says ``ready`` and then answers commands, one JSON line each on
-stdin, with one JSON line on stdout (prefixed :data:`PREFIX`; anything else on
-stdout, NIXL's logging say, is to be ignored):
+raw-NIXL reference, says ``READY {"node_id", "blocks"}`` and answers
+:class:`~p2pactor.programs.bench._control_common.LineProcess` commands until its
+stdin closes:
 
 * ``{"cmd": "raw_peer", "metadata": hex, "base_addr": n, "num_blocks": n}``:
   add the consumer's bare agent as the raw agent's peer;
@@ -15,8 +15,7 @@ stdout, NIXL's logging say, is to be ignored):
   the node's loop is blocked meanwhile on purpose);
 * ``{"cmd": "trace"}``: the node's write timestamps since the last ``trace``
   (``time.perf_counter``, CLOCK_MONOTONIC on Linux: comparable with the
-  consumer's), its loop's longest gap, its CPU seconds and write counters;
-* ``{"cmd": "exit"}``.
+  consumer's), its loop's longest gap, its CPU seconds and write counters.
 """
 
 from __future__ import annotations
@@ -33,12 +32,10 @@ import numpy as np
 import trio
 import trio.lowlevel
 
+from p2pactor.programs.bench._control_common import say
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import chain_keys
-
-PREFIX = "@bench "
-"""Marks the lines the benchmark reads."""
 
 HASH_SEED = "p2pactor-bench"
 """The hash seed both nodes of the benchmark advertise."""
@@ -68,11 +65,6 @@ def bench_keys(count: int, block_len: int) -> list[bytes]:
 def block_content(index: int, block_len: int) -> bytes:
     """The bytes of block ``index`` (cheap to make, different per block)."""
     return np.random.default_rng(index).bytes(block_len)
-
-
-def _say(**message: Any) -> None:
-    sys.stdout.write(PREFIX + json.dumps(message) + "\n")
-    sys.stdout.flush()
 
 
 class RawAgent:
@@ -213,7 +205,7 @@ async def _serve(num_blocks: int, block_len: int, address: str) -> None:
             open_operator_surface(node),  # as deployed: with its metrics
         ):
             blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
-            _say(event="ready", node_id=node.node_id, blocks=blocks, pid=os.getpid())
+            say("READY " + json.dumps({"node_id": node.node_id, "blocks": blocks}))
             async for command in commands:
                 match command["cmd"]:
                     case "raw_peer":
@@ -222,28 +214,27 @@ async def _serve(num_blocks: int, block_len: int, address: str) -> None:
                             command["base_addr"],
                             command["num_blocks"],
                         )
-                        _say(event="raw_peer")
+                        say({})
                     case "raw":
                         times = [
                             raw.write(command["local"], command["remote"])
                             for _ in range(command["iters"])
                         ]
                         gaps[0] = 0.0  # the raw loop blocked this loop on purpose
-                        _say(event="raw", times=times)
+                        say({"times": times})
                     case "trace":
                         stats = data.statistics()
-                        _say(
-                            event="trace",
-                            writes=trace[:],
-                            max_gap=gaps[0],
-                            inline=stats.posted_inline,
-                            cpu=time.process_time(),
-                            done=stats.writes_done,
+                        say(
+                            {
+                                "writes": trace[:],
+                                "max_gap": gaps[0],
+                                "inline": stats.posted_inline,
+                                "cpu": time.process_time(),
+                                "done": stats.writes_done,
+                            }
                         )
                         trace.clear()
                         gaps[0] = 0.0
-                    case _:
-                        break
         nursery.cancel_scope.cancel()
     raw.close()
 

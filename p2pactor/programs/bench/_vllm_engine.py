@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from p2pactor.programs.bench import _vllm_tier as shared
 from p2pactor.programs.bench._control_common import TIER_METHODS, percentile
+from p2pactor.runtime.parent import EmbeddedCache
 
 RUN_TIMEOUT_S = 300.0
 
@@ -80,7 +81,7 @@ class Meter:
             "step_p99_us": percentile(self.steps, 0.99) / 1e3 if self.steps else 0.0,
             "step_max_us": max(self.steps, default=0) / 1e3,
             "lock_wait_ms": self.lock_wait / 1e6,
-            "methods": {m: {"total_ms": ns / 1e6} for m, ns in self.total.items()},
+            "methods": {m: ns / 1e6 for m, ns in self.total.items()},
         }
 
 
@@ -121,7 +122,7 @@ class Engine:
 
     def __init__(self, tier: Any, pool: np.ndarray, args: argparse.Namespace) -> None:
         self.tier, self.pool, self.args = tier, pool, args
-        self.parent = shared.FakeParent()  # the consumer holds nothing to serve
+        self.parent = shared.CacheParent(EmbeddedCache(1, 1))  # it holds nothing to serve
         self.lock = threading.Lock()
         self.free: deque[int] = deque(range(pool.shape[0]))
         self.jobs: dict[int, Request] = {}

@@ -9,6 +9,7 @@ is a flat object of numbers and strings (statistics as
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -51,10 +52,16 @@ class Stat:
 
     def to_json(self) -> dict[str, float | int]:
         """The JSON object of these statistics."""
-        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
+        return attrs.asdict(self)
 
 
 Cell = str | int | float | Stat | None
+
+
+def ratio(ours: Iterable[float], theirs: Iterable[float]) -> Stat | None:
+    """Ours over the reference, repeat by repeat (a reference of 0 left out); None if none."""
+    xs = [a / b for a, b in zip(ours, theirs, strict=True) if b]
+    return Stat.of(xs) if xs and all(math.isfinite(x) for x in xs) else None
 
 
 @attrs.frozen(kw_only=True)
@@ -97,14 +104,10 @@ class SectionResult:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of this section."""
-        return {
-            "name": self.name,
-            "title": self.title,
-            "skipped": self.skipped,
+        return attrs.asdict(self, recurse=False) | {
             "rows": [{k: _cell_json(v) for k, v in row.items()} for row in self.rows],
             "ratios": {k: v.to_json() for k, v in self.ratios.items()},
             "notes": list(self.notes),
-            "seconds": self.seconds,
         }
 
     def table(self) -> str:
