@@ -103,9 +103,16 @@ def spread_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 @contextlib.asynccontextmanager
 async def open_bench_node(
-    port: int, pool: bytearray, block_len: int, *, name: str, parent: Any = None, **config: Any
+    port: int,
+    pool: Any,
+    block_len: int,
+    *,
+    name: str,
+    parent: Any = None,
+    host: str = "127.0.0.1",
+    **config: Any,
 ) -> AsyncIterator[Any]:
-    """A p2pactor node on 127.0.0.1:``port`` over real ZeroMQ, and NIXL over ``pool``.
+    """A p2pactor node on ``host:port`` (0: any) over real ZeroMQ, and NIXL over ``pool``.
 
     ``config``: more :class:`~p2pactor.runtime.config.NodeConfig` fields (its blocks
     are the pool's); ``name``: the NIXL agent's.
@@ -115,14 +122,15 @@ async def open_bench_node(
     from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
     from p2pactor.runtime.node import open_node  # noqa: PLC0415
 
-    blocks = len(pool) // block_len
-    cfg = NodeConfig(host="127.0.0.1", port=port, num_blocks=blocks, block_len=block_len, **config)
     async with (
-        open_zmq_transport(cfg.node_id, port=port) as control,
+        open_zmq_transport(f"{host}:{port}", port=port) as control,
         open_nixl_transport(pool, block_len, name=name) as data,
-        open_node(cfg, control=control, data=data, parent=parent) as node,
     ):
-        yield node
+        bound = int(control.local_id.rsplit(":", 1)[1])
+        blocks = len(pool) // block_len
+        cfg = NodeConfig(host=host, port=bound, num_blocks=blocks, block_len=block_len, **config)
+        async with open_node(cfg, control=control, data=data, parent=parent) as node:
+            yield node
 
 
 def held(cache: Any) -> dict[str, int]:

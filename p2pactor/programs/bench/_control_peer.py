@@ -1,8 +1,8 @@
 """One process of the ``control`` section: a producer or a consumer, ours or vLLM's.
 
-``python -m p2pactor.programs.bench._control_peer --side ours|vllm --role producer|consumer
---port N [--peer-port M]``, over real ZeroMQ (and a NIXL agent each, since both
-handshakes exchange NIXL metadata) on 127.0.0.1, speaking
+``python -m p2pactor.programs.bench._control_peer '{"side": "ours"|"vllm", "role":
+"producer"|"consumer", "port": N, "peer_port": M}'``, over real ZeroMQ (and a NIXL
+agent each, since both handshakes exchange NIXL metadata) on 127.0.0.1, speaking
 :class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol:
 
 * **producer**: holds :data:`NUM_KEYS` blocks in an
@@ -32,7 +32,6 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.programs.bench._control_common import held, open_bench_node, percentile, say
@@ -249,14 +248,9 @@ def _vllm(args: argparse.Namespace) -> None:
     tier.shutdown()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run one producer or consumer until its stdin closes."""
-    parser = argparse.ArgumentParser(description="a process of the control benchmark")
-    parser.add_argument("--side", choices=("ours", "vllm"), required=True)
-    parser.add_argument("--role", choices=("producer", "consumer"), required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--peer-port", type=int, default=0)
-    args = parser.parse_args(argv)
+def main() -> int:
+    """Run one producer or consumer (its argument: the JSON of ``side``, ``role``, ports)."""
+    args = argparse.Namespace(**json.loads(sys.argv[1]))
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     if args.side == "ours":
         import trio  # noqa: PLC0415

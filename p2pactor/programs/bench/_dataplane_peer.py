@@ -41,20 +41,10 @@ HASH_SEED = "p2pactor-bench"
 """The hash seed both nodes of the benchmark advertise."""
 
 
-def bench_config(local_id: str, num_blocks: int, block_len: int) -> NodeConfig:
-    """A bench node's config at ``local_id`` (its bound ``host:port``).
+CONFIG: dict[str, Any] = {"hash_seed": HASH_SEED, "quotas": PeerQuotas(pinned_blocks_fraction=1.0)}
+"""Both nodes' :class:`~p2pactor.runtime.config.NodeConfig` fields beyond the pool's.
 
-    A peer may pin every block: the bench fetches whole pools at once.
-    """
-    host, port = local_id.rsplit(":", 1)
-    return NodeConfig(
-        host=host,
-        port=int(port),
-        num_blocks=num_blocks,
-        block_len=block_len,
-        hash_seed=HASH_SEED,
-        quotas=PeerQuotas(pinned_blocks_fraction=1.0),
-    )
+A peer may pin every block: the bench fetches whole pools at once."""
 
 
 def bench_keys(count: int, block_len: int) -> list[bytes]:
@@ -199,42 +189,32 @@ async def _serve(num_blocks: int, block_len: int, address: str) -> None:
         _instrument(data, trace)
         nursery.start_soon(_commands, trio.lowlevel.FdStream(os.dup(0)), commands_send)
         nursery.start_soon(ticker)
-        config = bench_config(control.local_id, num_blocks, block_len)
+        host, port = control.local_id.rsplit(":", 1)
+        config = NodeConfig(
+            host=host, port=int(port), num_blocks=num_blocks, block_len=block_len, **CONFIG
+        )
         async with (
             open_node(config, control=control, data=data, parent=cache) as node,
             open_operator_surface(node),  # as deployed: with its metrics
         ):
             blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
             say("READY " + json.dumps({"node_id": node.node_id, "blocks": blocks}))
-            async for command in commands:
-                match command["cmd"]:
-                    case "raw_peer":
-                        raw.add_peer(
-                            bytes.fromhex(command["metadata"]),
-                            command["base_addr"],
-                            command["num_blocks"],
-                        )
-                        say({})
-                    case "raw":
-                        times = [
-                            raw.write(command["local"], command["remote"])
-                            for _ in range(command["iters"])
-                        ]
-                        gaps[0] = 0.0  # the raw loop blocked this loop on purpose
-                        say({"times": times})
-                    case "trace":
-                        stats = data.statistics()
-                        say(
-                            {
-                                "writes": trace[:],
-                                "max_gap": gaps[0],
-                                "inline": stats.posted_inline,
-                                "cpu": time.process_time(),
-                                "done": stats.writes_done,
-                            }
-                        )
-                        trace.clear()
-                        gaps[0] = 0.0
+            async for cmd in commands:
+                if cmd["cmd"] == "raw_peer":
+                    raw.add_peer(
+                        bytes.fromhex(cmd["metadata"]), cmd["base_addr"], cmd["num_blocks"]
+                    )
+                    say({})
+                elif cmd["cmd"] == "raw":
+                    times = [raw.write(cmd["local"], cmd["remote"]) for _ in range(cmd["iters"])]
+                    gaps[0] = 0.0  # the raw loop blocked this loop on purpose
+                    say({"times": times})
+                elif cmd["cmd"] == "trace":
+                    stats = data.statistics()
+                    reply = {"writes": trace[:], "max_gap": gaps[0], "cpu": time.process_time()}
+                    say(reply | {"inline": stats.posted_inline, "done": stats.writes_done})
+                    trace.clear()
+                    gaps[0] = 0.0
         nursery.cancel_scope.cancel()
     raw.close()
 

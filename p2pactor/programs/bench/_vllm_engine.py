@@ -86,35 +86,19 @@ class Meter:
 
 
 class Request:
-    """A request on the consumer: its context, what its keys answered, its load."""
+    """A request on the consumer: its context (naming the producer on ``port``), answers, load."""
 
     __slots__ = ("answered", "answers", "chunks", "ctx", "spec", "started")
 
-    def __init__(self, spec: shared.RequestSpec, ctx: ReqContext) -> None:
+    def __init__(self, spec: shared.RequestSpec, kind: str, tag: str, port: int) -> None:
         self.spec = spec
-        self.ctx = ctx
+        source = {"remote_host": shared.HOST, "remote_port": port}
+        source["kv_request_id"] = f"{kind}-{tag}-{spec.index}"
+        params = {"remote_kv_source": source}
+        self.ctx = ReqContext(req_id=f"req-{tag}-{spec.index}", kv_transfer_params=params)
         self.answers: list[LookupResult | None] = [None] * len(spec.keys)
         self.chunks: list[int] = []
         self.started = self.answered = 0  # engine steps
-
-
-def make_requests(
-    kind: str, tag: str, specs: Sequence[shared.RequestSpec], port: int
-) -> list[Request]:
-    """Consumer requests for ``specs``, each naming the producer on ``port``."""
-    source = {"remote_host": shared.HOST, "remote_port": port}
-    return [
-        Request(
-            spec,
-            ReqContext(
-                req_id=f"req-{tag}-{spec.index}",
-                kv_transfer_params={
-                    "remote_kv_source": {**source, "kv_request_id": f"{kind}-{tag}-{spec.index}"}
-                },
-            ),
-        )
-        for spec in specs
-    ]
 
 
 class Engine:
@@ -239,9 +223,10 @@ class Engine:
                 still.append(req)
                 continue
             req.answered = req.answered or self.step
-            hits = 0
-            while hits < len(req.answers) and req.answers[hits] is LookupResult.HIT:
-                hits += 1
+            answers = req.answers
+            hits = next(
+                (j for j, a in enumerate(answers) if a is not LookupResult.HIT), len(answers)
+            )
             if hits == 0:
                 self.done.append(req)  # nothing to load: the engine prefills it all
             elif len(self.free) < hits:

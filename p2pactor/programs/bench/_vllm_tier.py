@@ -17,15 +17,15 @@ vLLM's ``NONE_HASH`` as an engine does at start-up: import it only where vLLM is
 
 from __future__ import annotations
 
-import argparse
 import hashlib
+import json
 import os
 import random
 import struct
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -160,24 +160,21 @@ def serve(tier: Any, cache: EmbeddedCache, wait: Callable[[], object]) -> None:
     say(held(cache))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The engine section's producer: serve the workload's blocks until stdin closes."""
-    parser = argparse.ArgumentParser(description="the producer of the engine benchmark")
-    parser.add_argument("--tier", choices=TIERS, required=True)
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--requests", type=int, default=1000)
-    parser.add_argument("--keys", type=int, default=16)
-    parser.add_argument("--poll-ms", type=float, default=1.0)
-    args = parser.parse_args(argv)
-    requests = workload(args.requests, args.keys)
+def main() -> int:
+    """The engine section's producer: serve the workload's blocks until stdin closes.
+
+    Its one argument, JSON: ``tier``, ``port``, ``requests``, ``keys``, ``poll_ms``.
+    """
+    args = json.loads(sys.argv[1])
+    requests = workload(args["requests"], args["keys"])
     pool = np.zeros((max(1, sum(r.hits for r in requests)), BLOCK_BYTES), dtype=np.uint8)
     cache = EmbeddedCache(pool.shape[0], BLOCK_BYTES, memory=pool.data.cast("B"))
     for r in requests:
         for j in range(r.hits):
             cache.store(r.keys[j], STAMP.pack(r.index, j).ljust(BLOCK_BYTES, b"\0"))
-    tier = make_tier(args.tier, pool, args.port)
+    tier = make_tier(args["tier"], pool, args["port"])
     say("READY")
-    serve(tier, cache, lambda: time.sleep(args.poll_ms / 1000))
+    serve(tier, cache, lambda: time.sleep(args["poll_ms"] / 1000))
     return 0
 
 

@@ -13,6 +13,7 @@ calls an idle engine's; every thread's CPU (schedstat) of all four processes.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from typing import Any
@@ -49,8 +50,7 @@ class _Side:
         self.procs = {
             role: LineProcess(
                 "p2pactor.programs.bench._control_peer",
-                *(f"--side={side}", f"--role={role}", f"--port={port}"),
-                f"--peer-port={ports[0]}",
+                json.dumps({"side": side, "role": role, "port": port, "peer_port": ports[0]}),
                 PYTHONHASHSEED="0",
             )
             for role, port in zip(("producer", "consumer"), ports, strict=True)

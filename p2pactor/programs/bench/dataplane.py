@@ -31,13 +31,8 @@ import numpy as np
 import trio
 import trio.lowlevel
 
-from p2pactor.programs.bench._control_common import LineProcess, nixl_missing
-from p2pactor.programs.bench._dataplane_peer import (
-    RawAgent,
-    bench_config,
-    bench_keys,
-    block_content,
-)
+from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node
+from p2pactor.programs.bench._dataplane_peer import CONFIG, RawAgent, bench_keys, block_content
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "dataplane"
@@ -91,11 +86,8 @@ async def measure(
     """
     import torch  # noqa: PLC0415 - heavy; only this section needs it
 
-    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
     from p2pactor.programs.hosts import Host  # noqa: PLC0415
-    from p2pactor.runtime.node import open_node  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
 
     most = max(counts, default=1)
@@ -125,88 +117,83 @@ async def measure(
             target = {"metadata": raw_target.metadata.hex(), "base_addr": pool.data_ptr()}
             await ask({"cmd": "raw_peer", **target, "num_blocks": most})
             cache = EmbeddedCache(most, block_len, memory=pool.numpy().data)
-            async with (
-                open_zmq_transport(f"{address}:0", port=0) as control,
-                open_nixl_transport(pool, block_len, name="bench-consumer") as data,
-            ):
-                config = bench_config(control.local_id, most, block_len)
-                async with open_node(config, control=control, data=data, parent=cache) as node:
-                    dest = cache.allocate(most)
-                    if dest != list(range(most)):
-                        raise RuntimeError(f"expected blocks 0..{most - 1}, got {dest[:4]}...")
-                    ids = itertools.count()
+            async with open_bench_node(
+                0, pool, block_len, name="bench-consumer", parent=cache, host=address, **CONFIG
+            ) as node:
+                dest = cache.allocate(most)
+                if dest != list(range(most)):
+                    raise RuntimeError(f"expected blocks 0..{most - 1}, got {dest[:4]}...")
+                ids = itertools.count()
 
-                    async def ours(count: int, fetch: bool = True) -> tuple[float, float, float]:
-                        """One lookup (+ fetch): (start, looked up, fetched)."""
-                        rid = f"bench-{next(ids)}"
-                        t0 = time.perf_counter()
-                        answers = await node.lookup(peer, rid, keys[:count])
-                        t1 = time.perf_counter()
-                        if any(a is not LookupResult.HIT for a in answers):
-                            raise RuntimeError(f"lookup answered {answers[:4]}...")
-                        result = (
-                            await node.fetch(peer, rid, keys[:count], dest[:count])
-                            if fetch
-                            else None
-                        )
-                        t2 = time.perf_counter()
-                        node.finish(rid)
-                        if result is not None and not result.success:
-                            raise RuntimeError(f"fetch failed: {result.reason}")
-                        return t0, t1, t2
+                async def ours(count: int, fetch: bool = True) -> tuple[float, float, float]:
+                    """One lookup (+ fetch): (start, looked up, fetched)."""
+                    rid = f"bench-{next(ids)}"
+                    t0 = time.perf_counter()
+                    answers = await node.lookup(peer, rid, keys[:count])
+                    t1 = time.perf_counter()
+                    if any(a is not LookupResult.HIT for a in answers):
+                        raise RuntimeError(f"lookup answered {answers[:4]}...")
+                    result = (
+                        await node.fetch(peer, rid, keys[:count], dest[:count]) if fetch else None
+                    )
+                    t2 = time.perf_counter()
+                    node.finish(rid)
+                    if result is not None and not result.success:
+                        raise RuntimeError(f"fetch failed: {result.reason}")
+                    return t0, t1, t2
 
-                    async def raw(count: int, n: int) -> list[float]:
-                        done = trio.Event()
-                        async with trio.open_nursery() as nursery:
-                            nursery.start_soon(_progress_until, raw_target, done)
-                            cmd = {"cmd": "raw", "local": source[:count], "remote": dest[:count]}
-                            reply = await ask({**cmd, "iters": n})
-                            done.set()
-                        times: list[float] = reply["times"]
-                        return times
+                async def raw(count: int, n: int) -> list[float]:
+                    done = trio.Event()
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_progress_until, raw_target, done)
+                        cmd = {"cmd": "raw", "local": source[:count], "remote": dest[:count]}
+                        reply = await ask({**cmd, "iters": n})
+                        done.set()
+                    times: list[float] = reply["times"]
+                    return times
 
-                    def check(count: int, what: str) -> None:
-                        if not np.array_equal(blocks_view[:count], expected[:count]):
-                            raise RuntimeError(f"{what}: the fetched bytes differ from the source")
+                def check(count: int, what: str) -> None:
+                    if not np.array_equal(blocks_view[:count], expected[:count]):
+                        raise RuntimeError(f"{what}: the fetched bytes differ from the source")
 
-                    # Warm up both paths: sessions, NIXL connections, first-touch pages.
-                    await ours(most)
-                    await raw(most, 1)
-                    await ask({"cmd": "trace"})
-                    for count in counts:
-                        m, nbytes = figures[count], count * block_len
-                        m["phases"], m["inline"], m["writes"] = defaultdict(list), 0, 0
-                        for _ in range(repeats):
-                            blocks_view[:count] = 0
-                            m["raw"].append(_gbps(nbytes, await raw(count, iters)))
-                            check(count, "raw NIXL")
-                            blocks_view[:count] = 0
-                            last = await ask({"cmd": "trace"})
-                            cpu = time.process_time()
-                            spans = [await ours(count) for _ in range(iters)]
-                            m["cpu_consumer"].append((time.process_time() - cpu) / iters)
-                            check(count, "p2pactor")
-                            traced = await ask({"cmd": "trace"})
-                            m["stall_ms"].append(traced["max_gap"] * 1e3)
-                            m["cpu_producer"].append((traced["cpu"] - last["cpu"]) / iters)
-                            m["inline"] += traced["inline"] - last["inline"]
-                            m["writes"] += traced["done"] - last["done"]
-                            copies = []
-                            for _ in range(iters):
-                                t = time.perf_counter()
-                                np.copyto(blocks_view[:count], expected[:count])
-                                copies.append(time.perf_counter() - t)
-                            m["ours"].append(_gbps(nbytes, (c - a for a, _, c in spans)))
-                            m["fetch"].append(_gbps(nbytes, (c - b for _, b, c in spans)))
-                            m["memcpy"].append(_gbps(nbytes, copies))
-                            _phases(m["phases"], spans, traced["writes"])
-                    if lookups:
-                        for _ in range(50):
-                            await ours(1, fetch=False)
-                        for _ in range(repeats):
-                            spans = [await ours(1, fetch=False) for _ in range(lookups)]
-                            runs.append([b - a for a, b, _ in spans])
-                    cache.free(dest)
+                # Warm up both paths: sessions, NIXL connections, first-touch pages.
+                await ours(most)
+                await raw(most, 1)
+                await ask({"cmd": "trace"})
+                for count in counts:
+                    m, nbytes = figures[count], count * block_len
+                    m["phases"], m["inline"], m["writes"] = defaultdict(list), 0, 0
+                    for _ in range(repeats):
+                        blocks_view[:count] = 0
+                        m["raw"].append(_gbps(nbytes, await raw(count, iters)))
+                        check(count, "raw NIXL")
+                        blocks_view[:count] = 0
+                        last = await ask({"cmd": "trace"})
+                        cpu = time.process_time()
+                        spans = [await ours(count) for _ in range(iters)]
+                        m["cpu_consumer"].append((time.process_time() - cpu) / iters)
+                        check(count, "p2pactor")
+                        traced = await ask({"cmd": "trace"})
+                        m["stall_ms"].append(traced["max_gap"] * 1e3)
+                        m["cpu_producer"].append((traced["cpu"] - last["cpu"]) / iters)
+                        m["inline"] += traced["inline"] - last["inline"]
+                        m["writes"] += traced["done"] - last["done"]
+                        copies = []
+                        for _ in range(iters):
+                            t = time.perf_counter()
+                            np.copyto(blocks_view[:count], expected[:count])
+                            copies.append(time.perf_counter() - t)
+                        m["ours"].append(_gbps(nbytes, (c - a for a, _, c in spans)))
+                        m["fetch"].append(_gbps(nbytes, (c - b for _, b, c in spans)))
+                        m["memcpy"].append(_gbps(nbytes, copies))
+                        _phases(m["phases"], spans, traced["writes"])
+                if lookups:
+                    for _ in range(50):
+                        await ours(1, fetch=False)
+                    for _ in range(repeats):
+                        spans = [await ours(1, fetch=False) for _ in range(lookups)]
+                        runs.append([b - a for a, b, _ in spans])
+                cache.free(dest)
         await trio.to_thread.run_sync(producer.close)
     finally:
         producer.kill()

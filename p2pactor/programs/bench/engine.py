@@ -22,7 +22,6 @@ import os
 import statistics
 import sys
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.programs.bench._control_common import (
@@ -41,6 +40,9 @@ TITLE = "engine-thread cost of the vLLM adapter vs vLLM 0.33.0's P2P tier (same 
 """One line saying what is measured."""
 
 TIERS = ("ours", "vllm")
+WORKLOAD = {"keys": 16, "admit": 2, "step_ms": 10.0, "poll_ms": 1.0}
+"""The scripted engine's workload: keys per request (75% HIT), requests admitted per
+step, the forward pass and the tier-poll interval (0: no poll thread) in ms."""
 FIGURES: tuple[tuple[str, str], ...] = (
     ("engine thread in tier calls (ms)", "engine.tier_ms"),
     ("engine step p99 in tier calls (us)", "engine.step_p99_us"),
@@ -78,8 +80,8 @@ def run(options: BenchOptions) -> SectionResult:
     requests = 100 if options.quick else 1000
     repeats = 1 if options.quick else max(1, options.repeats)
     out = os.path.join(options.work_dir, "engine.json")
-    args = [f"--requests={requests}", f"--repeats={repeats}", f"--json={out}"]
-    run_module(__name__, *args, timeout=300 if options.quick else 1800 * repeats)
+    spec = WORKLOAD | {"requests": requests, "repeats": repeats, "json": out}
+    run_module(__name__, json.dumps(spec), timeout=300 if options.quick else 1800 * repeats)
     with open(out) as f:
         report = json.load(f)
 
@@ -129,7 +131,7 @@ def _run_tier(kind: str, args: argparse.Namespace, producer: LineProcess, port: 
     import numpy as np  # noqa: PLC0415
 
     from p2pactor.programs.bench import _vllm_tier as shared  # noqa: PLC0415 - vLLM
-    from p2pactor.programs.bench._vllm_engine import Engine, Meter, make_requests  # noqa: PLC0415
+    from p2pactor.programs.bench._vllm_engine import Engine, Meter, Request  # noqa: PLC0415
 
     specs = shared.workload(args.requests, args.keys)
     producer.pause(paused=False)
@@ -141,11 +143,11 @@ def _run_tier(kind: str, args: argparse.Namespace, producer: LineProcess, port: 
         engine = Engine(tier, pool, args)
         try:
             with engine.polling():
-                engine.run(make_requests(kind, "warm", specs[:8], port), Meter())
+                engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
                 engine.counts = dict.fromkeys(engine.counts, 0)
                 engine.poll_meter, meter = Meter(), Meter()
                 cpu0, prod0, times0 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
-                result = engine.run(make_requests(kind, "run", specs, port), meter)
+                result = engine.run([Request(s, kind, "run", port) for s in specs], meter)
                 cpu1, prod1, times1 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
         finally:
             tier.shutdown()
@@ -163,19 +165,15 @@ def _run_tier(kind: str, args: argparse.Namespace, producer: LineProcess, port: 
     return {**result, **figures, "counts": engine.counts}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The consumers' process: every repeat, both tiers; write every figure as JSON."""
+def main() -> int:
+    """The consumers' process: every repeat, both tiers; write every figure as JSON.
+
+    Its one argument: :data:`WORKLOAD` and ``requests``, ``repeats``, ``json`` (the
+    file to write), as JSON.
+    """
     os.environ.setdefault("PYTHONHASHSEED", "0")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    parser = argparse.ArgumentParser(description="engine-thread cost: ours vs vLLM's tier")
-    parser.add_argument("--requests", type=int, default=1000, help="requests per run (1000)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per tier (3)")
-    parser.add_argument("--json", metavar="PATH", required=True, help="write every figure here")
-    parser.add_argument("--keys", type=int, default=16, help="keys per request (16)")
-    parser.add_argument("--admit", type=int, default=2, help="new requests per step (2)")
-    parser.add_argument("--step-ms", type=float, default=10.0, help="forward pass (10 ms)")
-    parser.add_argument("--poll-ms", type=float, default=1.0, help="tier-poll thread; 0: off")
-    args = parser.parse_args(argv)
+    args = argparse.Namespace(**json.loads(sys.argv[1]))
     runs: dict[str, list[Any]] = {t: [] for t in TIERS}
     for rep in range(args.repeats):
         # A repeat's producers start together (their vLLM imports overlap, the first
@@ -185,8 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spawned = {
             kind: LineProcess(
                 "p2pactor.programs.bench._vllm_tier",
-                *(f"--tier={kind}", f"--port={port}", f"--requests={args.requests}"),
-                *(f"--keys={args.keys}", f"--poll-ms={args.poll_ms}"),
+                json.dumps({"tier": kind, "port": port, **vars(args)}),
                 PYTHONHASHSEED=os.environ["PYTHONHASHSEED"],
             )
             for kind, port in ports.items()
