@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
@@ -131,6 +132,11 @@ async def open_bench_node(
         cfg = NodeConfig(host=host, port=bound, num_blocks=blocks, block_len=block_len, **config)
         async with open_node(cfg, control=control, data=data, parent=parent) as node:
             yield node
+
+
+def offload_key(name: str) -> bytes:
+    """A vLLM OffloadKey named ``name``: a 32-byte block hash (its sha256), the group index 0."""
+    return hashlib.sha256(name.encode()).digest() + bytes(4)
 
 
 def held(cache: Any) -> dict[str, int]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import itertools
 import json
 import os
@@ -34,7 +33,13 @@ import sys
 import time
 from typing import Any
 
-from p2pactor.programs.bench._control_common import held, open_bench_node, percentile, say
+from p2pactor.programs.bench._control_common import (
+    held,
+    offload_key,
+    open_bench_node,
+    percentile,
+    say,
+)
 from p2pactor.runtime.parent import EmbeddedCache
 
 HOST = "127.0.0.1"
@@ -49,12 +54,8 @@ CONSUMER_BLOCKS = 64
 """The consumer's own pool (nothing is fetched into it)."""
 
 
-KEYS: tuple[bytes, ...] = tuple(
-    hashlib.sha256(f"p2pactor-bench-control/{i}".encode()).digest() + bytes(4)
-    for i in range(NUM_KEYS)
-)
-"""Every key the producer holds, in order: vLLM OffloadKeys (a 32-byte block hash, then
-the 4-byte group index)."""
+KEYS = tuple(offload_key(f"p2pactor-bench-control/{i}") for i in range(NUM_KEYS))
+"""Every key the producer holds, in order."""
 
 
 def key_window(n: int, count: int) -> list[bytes]:

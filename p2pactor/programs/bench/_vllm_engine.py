@@ -116,7 +116,7 @@ class Engine:
         self.poll_meter = Meter()
         self.step = 0
         self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="vllm_offload_tier_poll")
+        self.poller = threading.Thread(target=self._poll, name="vllm_offload_tier_poll")
 
     def _poll(self) -> None:
         while not self._stop.wait(self.args.poll_ms / 1000):
@@ -131,17 +131,13 @@ class Engine:
     def polling(self) -> Iterator[None]:
         """The tier-poll thread runs, as vLLM runs it for a tier that tolerates it."""
         if self.args.poll_ms > 0:
-            self._poller.start()
+            self.poller.start()
         try:
             yield
         finally:
             self._stop.set()
-            if self._poller.is_alive():
-                self._poller.join()
-
-    def poll_tid(self) -> int | None:
-        """The tier-poll thread's id, if it runs."""
-        return self._poller.native_id
+            if self.poller.is_alive():
+                self.poller.join()
 
     def _finished(self, results: Any) -> None:
         """Job results (under the lock, from either thread): check every loaded block."""

@@ -17,7 +17,6 @@ vLLM's ``NONE_HASH`` as an engine does at start-up: import it only where vLLM is
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -42,7 +41,7 @@ from vllm.v1.kv_offload.base import LookupResult, RequestOffloadingContext
 from vllm.v1.kv_offload.tiering.base import ParentManager, TransferJob
 
 from p2pactor.core.inputs import LookupResult as Answer
-from p2pactor.programs.bench._control_common import held, say
+from p2pactor.programs.bench._control_common import held, offload_key, say
 from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
 from p2pactor.runtime.parent import EmbeddedCache
 
@@ -68,19 +67,14 @@ class RequestSpec:
     hits: int
 
 
-def offload_key(request: int, key: int) -> bytes:
-    """A vLLM OffloadKey: a 32-byte block hash, then the 4-byte group index."""
-    digest = hashlib.sha256(f"p2pactor-bench/{request}/{key}".encode()).digest()
-    return digest + (0).to_bytes(4, "big")
-
-
 def workload(requests: int, keys_per_request: int) -> list[RequestSpec]:
     """The deterministic workload: each request's HIT prefix is uniform in [K/2, K] (75% hit)."""
     rng = random.Random(0)  # noqa: S311 - a reproducible workload, not a secret
     out = []
     for i in range(requests):
         hits = rng.randint(keys_per_request // 2, keys_per_request)
-        out.append(RequestSpec(i, tuple(offload_key(i, j) for j in range(keys_per_request)), hits))
+        keys = tuple(offload_key(f"p2pactor-bench/{i}/{j}") for j in range(keys_per_request))
+        out.append(RequestSpec(i, keys, hits))
     return out
 
 

@@ -133,7 +133,9 @@ def run(options: BenchOptions) -> SectionResult:
         rows.append(row)
     if medians["tput"]:
         ratios = {
-            f"{name} ours/vLLM (geomean of cells)": Stat.of([_geomean(medians[what])])
+            f"{name} ours/vLLM (geomean of cells)": Stat.of(
+                [statistics.geometric_mean(v for v in medians[what] if v > 0)]
+            )
             for what, name in (("tput", "throughput"), ("p99", "p99"))
         } | ratios
     notes = [
@@ -212,7 +214,3 @@ def _figures(who: str, rs: list[dict[str, Any]]) -> dict[str, Cell]:
             (r["cpu_s"] + r["producer_cpu_s"]) / max(1, r["lookups"]) * 1e6 for r in rs
         ),
     }
-
-
-def _geomean(values: list[float]) -> float:
-    return statistics.geometric_mean(v for v in values if v > 0)

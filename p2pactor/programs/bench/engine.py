@@ -97,7 +97,8 @@ def run(options: BenchOptions) -> SectionResult:
     rows: list[dict[str, Cell]] = []
     for label, path in FIGURES:
         a, b = Stat.of(each("ours", path)), Stat.of(each("vllm", path))
-        rows.append({"figure": label, "ours": a, "vLLM": b, "ours/vLLM": _over(a.median, b.median)})
+        over = a.median / b.median if b.median else None
+        rows.append({"figure": label, "ours": a, "vLLM": b, "ours/vLLM": over})
     ratios = {n: r for n, p in RATIOS if (r := ratio(each("ours", p), each("vllm", p)))}
     a = report["args"]
     t_ours, t_vllm = (statistics.median(each(t, "engine.tier_ms")) for t in TIERS)
@@ -117,10 +118,6 @@ def run(options: BenchOptions) -> SectionResult:
     if failed:
         notes.append(f"ours: {failed:.0f} failed loads or wrong blocks (should be 0)")
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
-
-
-def _over(a: float, b: float) -> float | None:
-    return a / b if b else None
 
 
 # --- the consumers' process ---------------------------------------------------------------
@@ -153,7 +150,10 @@ def _run_tier(kind: str, args: argparse.Namespace, producer: LineProcess, port: 
             tier.shutdown()
     finally:
         producer.close(timeout=60)
-    role = {threading.main_thread().native_id: "engine_thread", engine.poll_tid(): "poll_thread"}
+    role = {
+        threading.main_thread().native_id: "engine_thread",
+        engine.poller.native_id: "poll_thread",
+    }
     cpu_ms = dict.fromkeys(("engine_thread", "poll_thread", "tier_threads", "other_threads"), 0.0)
     for tid, (_, ns) in cpu1.items():
         group = role.get(tid) or ("other_threads" if tid in before else "tier_threads")

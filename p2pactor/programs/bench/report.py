@@ -105,7 +105,10 @@ class SectionResult:
     def to_json(self) -> dict[str, Any]:
         """The JSON object of this section."""
         return attrs.asdict(self, recurse=False) | {
-            "rows": [{k: _cell_json(v) for k, v in row.items()} for row in self.rows],
+            "rows": [
+                {k: v.to_json() if isinstance(v, Stat) else v for k, v in row.items()}
+                for row in self.rows
+            ],
             "ratios": {k: v.to_json() for k, v in self.ratios.items()},
             "notes": list(self.notes),
         }
@@ -128,10 +131,6 @@ class SectionResult:
             lines.append(f"   ratio {name}: {stat.text()}")
         lines.extend(f"   note: {n}" for n in self.notes)
         return "\n".join(lines)
-
-
-def _cell_json(value: Cell) -> Any:
-    return value.to_json() if isinstance(value, Stat) else value
 
 
 def _cell_text(value: Cell) -> str:
