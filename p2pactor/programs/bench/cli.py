@@ -64,13 +64,6 @@ def run_bench(
 
 def _main(args: argparse.Namespace) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    unknown = [s for s in args.only if s not in SECTIONS]
-    if unknown:
-        sys.stderr.write(
-            f"p2pactor bench: unknown section(s) {', '.join(unknown)}; "
-            f"choose from {', '.join(SECTIONS)}\n"
-        )
-        return 2
     with tempfile.TemporaryDirectory(prefix="p2pactor-bench-") as work:
         repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
         options = BenchOptions(quick=args.quick, repeats=repeats, work_dir=work)
@@ -117,6 +110,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--only",
         nargs="+",
         default=[],
+        choices=SECTIONS,
         metavar="SECTION",
         help=f"run only these sections ({', '.join(SECTIONS)})",
     )
