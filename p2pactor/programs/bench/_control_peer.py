@@ -38,6 +38,7 @@ from p2pactor.programs.bench._control_common import (
     offload_key,
     open_bench_node,
     percentile,
+    process_cpu_s,
     say,
 )
 from p2pactor.runtime.parent import EmbeddedCache
@@ -76,12 +77,6 @@ def ready() -> None:
     say("READY")
 
 
-def cpu_s() -> float:
-    """This process's CPU seconds so far."""
-    t = os.times()
-    return t.user + t.system
-
-
 def cache_of(role: str, memory: memoryview) -> EmbeddedCache:
     """The role's cache over ``memory``; a producer's holds every key, block ``i`` filled with i."""
     blocks = len(memory) // BLOCK_LEN
@@ -99,7 +94,7 @@ class Tally:
         self.keys, self.conc = int(cmd["keys"]), int(cmd["conc"])
         self.latencies: list[float] = []
         self.hits = self.misses = 0
-        self.cpu0, self.start = cpu_s(), time.perf_counter()
+        self.cpu0, self.start = process_cpu_s(os.getpid()), time.perf_counter()
         self.last, self.deadline = self.start, self.start + float(cmd["seconds"])
 
     def add(self, t0: float, hits: int, keys: int) -> None:
@@ -119,7 +114,7 @@ class Tally:
             "p99_s": percentile(xs, 0.99) if xs else 0.0,
             "hits": self.hits,
             "misses": self.misses,
-            "cpu_s": cpu_s() - self.cpu0,
+            "cpu_s": process_cpu_s(os.getpid()) - self.cpu0,
         }
 
 

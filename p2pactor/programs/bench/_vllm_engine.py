@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import threading
 import time
@@ -35,7 +36,12 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from p2pactor.programs.bench import _vllm_tier as shared
-from p2pactor.programs.bench._control_common import TIER_METHODS, percentile
+from p2pactor.programs.bench._control_common import (
+    TIER_METHODS,
+    free_port,
+    percentile,
+    thread_cpu_ns,
+)
 from p2pactor.runtime.parent import EmbeddedCache
 
 RUN_TIMEOUT_S = 300.0
@@ -241,3 +247,40 @@ class Engine:
                     )
                 )
         return promotions, still
+
+
+def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> dict[str, Any]:
+    """One consumer of ``kind`` against its stopped producer: warm up, measure, tear down."""
+    specs = shared.workload(args.requests, args.keys)
+    producer.pause(paused=False)
+    try:
+        me = os.getpid()
+        before = set(thread_cpu_ns(me))
+        pool = np.zeros((4096, shared.BLOCK_BYTES), dtype=np.uint8)
+        tier = shared.make_tier(kind, pool, free_port())
+        engine = Engine(tier, pool, args)
+        try:
+            with engine.polling():
+                engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
+                engine.counts = dict.fromkeys(engine.counts, 0)
+                engine.poll_meter, meter = Meter(), Meter()
+                cpu0, prod0, times0 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
+                result = engine.run([Request(s, kind, "run", port) for s in specs], meter)
+                cpu1, prod1, times1 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
+        finally:
+            tier.shutdown()
+    finally:
+        producer.close(timeout=60)
+    role = {
+        threading.main_thread().native_id: "engine_thread",
+        engine.poller.native_id: "poll_thread",
+    }
+    cpu_ms = dict.fromkeys(("engine_thread", "poll_thread", "tier_threads", "other_threads"), 0.0)
+    for tid, (_, ns) in cpu1.items():
+        group = role.get(tid) or ("other_threads" if tid in before else "tier_threads")
+        cpu_ms[group] += (ns - cpu0.get(tid, ("", 0))[1]) / 1e6
+    cpu_ms["process"] = sum(times1[:2]) * 1e3 - sum(times0[:2]) * 1e3
+    cpu_ms["producer_process"] = sum(ns - prod0.get(t, ("", 0))[1] for t, (_, ns) in prod1.items())
+    cpu_ms["producer_process"] /= 1e6
+    figures = {"engine": meter.summary(), "poll": engine.poll_meter.summary(), "cpu_ms": cpu_ms}
+    return {**result, **figures, "counts": engine.counts}

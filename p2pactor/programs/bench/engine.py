@@ -21,7 +21,6 @@ import json
 import os
 import statistics
 import sys
-import threading
 from typing import Any
 
 from p2pactor.programs.bench._control_common import (
@@ -29,7 +28,6 @@ from p2pactor.programs.bench._control_common import (
     LineProcess,
     free_port,
     run_module,
-    thread_cpu_ns,
     vllm_missing,
 )
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat, ratio
@@ -123,48 +121,6 @@ def run(options: BenchOptions) -> SectionResult:
 # --- the consumers' process ---------------------------------------------------------------
 
 
-def _run_tier(kind: str, args: argparse.Namespace, producer: LineProcess, port: int) -> Any:
-    """One consumer of ``kind`` against its producer: warm up, measure, tear down."""
-    import numpy as np  # noqa: PLC0415
-
-    from p2pactor.programs.bench import _vllm_tier as shared  # noqa: PLC0415 - vLLM
-    from p2pactor.programs.bench._vllm_engine import Engine, Meter, Request  # noqa: PLC0415
-
-    specs = shared.workload(args.requests, args.keys)
-    producer.pause(paused=False)
-    try:
-        me = os.getpid()
-        before = set(thread_cpu_ns(me))
-        pool = np.zeros((4096, shared.BLOCK_BYTES), dtype=np.uint8)
-        tier = shared.make_tier(kind, pool, free_port())
-        engine = Engine(tier, pool, args)
-        try:
-            with engine.polling():
-                engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
-                engine.counts = dict.fromkeys(engine.counts, 0)
-                engine.poll_meter, meter = Meter(), Meter()
-                cpu0, prod0, times0 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
-                result = engine.run([Request(s, kind, "run", port) for s in specs], meter)
-                cpu1, prod1, times1 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
-        finally:
-            tier.shutdown()
-    finally:
-        producer.close(timeout=60)
-    role = {
-        threading.main_thread().native_id: "engine_thread",
-        engine.poller.native_id: "poll_thread",
-    }
-    cpu_ms = dict.fromkeys(("engine_thread", "poll_thread", "tier_threads", "other_threads"), 0.0)
-    for tid, (_, ns) in cpu1.items():
-        group = role.get(tid) or ("other_threads" if tid in before else "tier_threads")
-        cpu_ms[group] += (ns - cpu0.get(tid, ("", 0))[1]) / 1e6
-    cpu_ms["process"] = sum(times1[:2]) * 1e3 - sum(times0[:2]) * 1e3
-    cpu_ms["producer_process"] = sum(ns - prod0.get(t, ("", 0))[1] for t, (_, ns) in prod1.items())
-    cpu_ms["producer_process"] /= 1e6
-    figures = {"engine": meter.summary(), "poll": engine.poll_meter.summary(), "cpu_ms": cpu_ms}
-    return {**result, **figures, "counts": engine.counts}
-
-
 def main() -> int:
     """The consumers' process: every repeat, both tiers; write every figure as JSON.
 
@@ -188,13 +144,13 @@ def main() -> int:
             )
             for kind, port in ports.items()
         }
-        importlib.import_module("p2pactor.programs.bench._vllm_engine")  # meanwhile
+        scripted = importlib.import_module("p2pactor.programs.bench._vllm_engine")  # meanwhile
         try:
             for proc in spawned.values():
                 proc.wait_ready()
                 proc.pause(paused=True)
             for kind in TIERS if rep % 2 == 0 else TIERS[::-1]:
-                run = _run_tier(kind, args, spawned[kind], ports[kind])
+                run = scripted.measure(kind, args, spawned[kind], ports[kind])
                 runs[kind].append(run)
                 e = run["engine"]
                 sys.stderr.write(f"repeat {rep + 1} {kind}: {e['tier_ms']:.1f} ms in tier calls\n")
