@@ -5,18 +5,18 @@ and ``TieringOffloadingManager`` make them of a secondary tier, each timed by a
 :class:`Meter`:
 
 1. ``has_pending_work()``, under a short lock;
-2. ``--admit`` new requests (``remote_kv_source`` naming the producer, ``--keys``
+2. ``admit`` new requests (``remote_kv_source`` naming the producer, ``keys``
    keys, a prefix of K/2..K on the producer) get ``on_new_request()``;
 3. ``schedule()``, under the step lock: ``get_finished_jobs()``, then ``lookup()`` of
    each waiting request's keys in order (past HIT and RETRY, up to the first MISS); a
    request with no RETRY left has its HIT prefix queued as one promotion; then
    ``serve_external_requests(parent)``, a ``submit_load()`` per promotion,
    ``on_schedule_end()``;
-4. the forward pass: ``--step-ms`` of sleep, lock released, while the tier-poll
-   thread (``--poll-ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
+4. the forward pass: ``step_ms`` of sleep, lock released, while the tier-poll
+   thread (``poll_ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
 5. each request whose load finished gets ``on_request_finished()``.
 
-Importing it needs vLLM.
+:func:`measure` runs one tier's engine against its producer. Importing it needs vLLM.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@
 real ``TieringOffloadingSpec`` (:func:`~p2pactor.programs.vllmstack.spec_of`);
 :func:`serve` is a producer: its tier serves peers from an
 :class:`~p2pactor.runtime.parent.EmbeddedCache` through :class:`CacheParent` until
-its stdin closes. Run as ``python -m p2pactor.programs.bench._vllm_tier --tier
-ours|vllm --port N ...`` it is the ``engine`` section's producer: every HIT key of the
+its stdin closes. Run as ``python -m p2pactor.programs.bench._vllm_tier JSON``
+(:func:`main`) it is the ``engine`` section's producer: every HIT key of the
 workload in a stamped block (nothing evicts, so both tiers' serving is measured alone),
-woken every ``--poll-ms`` as vLLM's tier-poll thread is for an idle engine.
+woken every ``poll_ms`` as vLLM's tier-poll thread is for an idle engine.
 
 Importing it sets ``NIXL_LOG_LEVEL=WARN``, ``PYTHONHASHSEED=0`` and
 ``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and seeds
