@@ -157,16 +157,6 @@ def _strided(base_addr: int, num_blocks: int, block_len: int) -> Descs:
     return np.array([[base_addr, block_len, 0, block_len, num_blocks]], dtype=np.uint64)
 
 
-def _block_descs(base_addr: int, num_blocks: int, block_len: int) -> Descs:
-    """One ``(address, length, device 0)`` row per block, for ``prep_xfer_dlist``."""
-    descs = np.zeros((num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = np.uint64(base_addr) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(
-        block_len
-    )
-    descs[:, 1] = block_len
-    return descs
-
-
 @attrs.frozen
 class Posted:
     """What posting a write gave."""
@@ -325,9 +315,11 @@ class Pool:
                     f"({nixl_error(exc)}), and a pool of more than {PER_BLOCK_LIMIT} blocks "
                     "is not prepared block by block"
                 ) from exc
-        dlist = agent.prep_xfer_dlist(
-            remote, _block_descs(base_addr, num_blocks, self.block_len), mem_type="DRAM"
-        )
+        # One (address, length, device 0) row per block.
+        descs = np.zeros((num_blocks, 3), dtype=np.uint64)
+        descs[:, 0] = base_addr + np.arange(num_blocks, dtype=np.uint64) * np.uint64(self.block_len)
+        descs[:, 1] = self.block_len
+        dlist = agent.prep_xfer_dlist(remote, descs, mem_type="DRAM")
         what = "agent %s's pool spans several registrations: its %d blocks are prepared one by one"
         note(INFO, self.name, what, remote, num_blocks)
         return dlist

@@ -139,11 +139,8 @@ class NixlDataTransport(Writes):
         outcome: tuple[str, object] | str = "cancelled"  # (remote agent, descriptors) or why not
         try:
             async with self._lock:
-                agent = self._live_agent()
-                known = self._remotes()
-                outcome = await trio.to_thread.run_sync(
-                    self._pool.add_peer, agent, agent_metadata, base_addr, num_blocks, known
-                )
+                args = (self._live_agent(), agent_metadata, base_addr, num_blocks, self._remotes())
+                outcome = await trio.to_thread.run_sync(self._pool.add_peer, *args)
                 # No checkpoint from here on: even if we were cancelled meanwhile,
                 # what the thread made is recorded (and released by remove or close).
                 if not isinstance(outcome, str):

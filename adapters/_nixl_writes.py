@@ -92,17 +92,12 @@ class Writes:
         deadline = trio.current_time() + self._options.transfer_timeout
         write = _Write(peer, local, remote, len(local) * self.block_len, deadline, done)
         peer.writes.add(write)
-        if not self._to_post and self._quick(write):
-            try:
-                self._lock.acquire_nowait()
-            except trio.WouldBlock:
-                pass  # a worker thread holds the agent: queue behind it
-            else:
-                try:
-                    self._post_inline(self._live_agent(), write)
-                finally:
-                    self._lock.release()
-                return write
+        # With the lock free no worker thread is in the agent, and none can enter
+        # before this returns: nothing here lets another trio task run. Held, the
+        # write queues behind the worker thread's call.
+        if not self._to_post and self._quick(write) and not self._lock.locked():
+            self._post_inline(self._live_agent(), write)
+            return write
         self._to_post.append(write)
         self._post_kick.set()
         return write
@@ -151,7 +146,7 @@ class Writes:
                     self._posted(write, posted)
 
     def _post_inline(self, agent: Agent, write: _Write) -> None:
-        """Post on the trio thread (lock held)."""
+        """Post on the trio thread (no worker thread in the agent: see ``_start``)."""
         self._tally.posted_inline += 1
         self._posted(write, self._pool.post(agent, write.local, write.peer.dlist, write.remote))
 

@@ -62,11 +62,6 @@ class Dest:
     kv_request_id: str | None
 
 
-def _peer_of(role: dict[str, Any]) -> str | None:
-    host, port = role.get("remote_host"), role.get("remote_port")
-    return f"{host}:{port}" if host and port else None
-
-
 def parse_source(params: dict[str, Any] | None) -> Source | None:
     """The consumer role of ``kv_transfer_params``, as vLLM reads it."""
     if not params:
@@ -74,11 +69,10 @@ def parse_source(params: dict[str, Any] | None) -> Source | None:
     for name, probe in (("remote_prefiller", False), ("remote_kv_source", True)):
         role = params.get(name)
         if isinstance(role, dict):
-            peer = _peer_of(role)
-            kv_id = role.get("kv_request_id")
-            if peer is None or not kv_id:
-                return None
-            return Source(peer, str(kv_id), probe)
+            host, port, kv_id = (
+                role.get(k) for k in ("remote_host", "remote_port", "kv_request_id")
+            )
+            return Source(f"{host}:{port}", str(kv_id), probe) if host and port and kv_id else None
     return None
 
 
@@ -147,20 +141,6 @@ def request_keys(ctx: Any) -> dict[bytes, int] | None:
 def job_ids(job: Any) -> list[int]:
     """A job's chunk ids (``TransferJob.chunk_ids``) as ints."""
     return [int(i) for i in job.chunk_ids]
-
-
-def job_result(job_id: int, *, success: bool, seconds: float | None, size: int | None) -> Any:
-    """A job's result for vLLM, with its transfer time (s) and bytes.
-
-    What vLLM 0.33 reads of them: ``TieringMetricsTracker`` adds
-    ``transfer_time`` to ``kv_offload_tiering_read_time`` (loads) or
-    ``write_time`` (stores) for a job that succeeded, and reads neither field of
-    a failed one (``tiering/metrics.py:205-240``; its byte counters count the
-    job's keys times the chunk size instead). ``transfer_bytes`` feeds only a
-    successful store's backpressure detector (``tiering/manager.py:559-576``),
-    which this tier refuses.
-    """
-    return JobResult(job_id=job_id, success=success, transfer_time=seconds, transfer_bytes=size)
 
 
 def hash_seed() -> str:

@@ -95,19 +95,14 @@ class AutoSources:
             req_context.set_state(Source(decision.peer, auto.kv_request_id, probe=True, only=asked))
             return None
         k = bytes(key)
-        if self._node.claimed(k) and not auto.past_run:
-            kept = True
-        elif not auto.keys:
-            auto.settled = True  # nobody claims the first key we are asked: prefill now
-            self.unclaimed += 1
-            return Answer.MISS
-        elif auto.past_run < self._tail:
+        if auto.past_run or not self._node.claimed(k):
+            if not auto.keys:
+                auto.settled = True  # nobody claims the first key we are asked: prefill now
+                self.unclaimed += 1
+                return Answer.MISS
+            if auto.past_run >= self._tail:
+                return Answer.MISS
             auto.past_run += 1
-            kept = True
-        else:
-            kept = False
-        if not kept:
-            return Answer.MISS
         if not auto.keys:
             self._kept.append(auto)
         auto.keys[k] = None

@@ -6,9 +6,8 @@ the default (``docs/vllm.md``'s options table).
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Collection
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -18,7 +17,17 @@ from p2pactor.errors import ConfigError
 from p2pactor.runtime.config import NodeConfig, peer_ids, slow_step_from_ms
 from p2pactor.runtime.source_options import SourceOptions
 
-_CURVE_ENV = frozenset({"P2PACTOR_CURVE_SECRET_KEY", "P2PACTOR_CURVE_TRUSTED"})
+_CURVE_ENV = {
+    "curve_secret_key": "P2PACTOR_CURVE_SECRET_KEY",
+    "curve_trusted": "P2PACTOR_CURVE_TRUSTED",
+}
+# vLLM's own P2P tier takes these (its secondary_tiers entry): accepted and ignored.
+_VLLM_ONLY = frozenset({"backends", "num_threads", "locality"})
+TIER_OPTIONS = frozenset(
+    {"host", "bind_host", "port", "unbound_store_timeout_s", "summaries", "slow_step_ms"}
+    | {"allowed_peers", "seed_peers", *_CURVE_ENV}
+)
+"""The ``secondary_tiers`` options :func:`tier_config` takes (besides vLLM's, ignored)."""
 
 
 def tier_config(
@@ -26,53 +35,43 @@ def tier_config(
     view: memoryview,
     block_len: int,
     drain_timeout: float,
-    *,
-    host: str | None = None,
-    bind_host: str | None = None,
-    port: int | str | None = None,
-    unbound_store_timeout_s: float = 60.0,
-    allowed_peers: Collection[str] | str | None = None,
-    seed_peers: Collection[str] | str | None = None,
-    summaries: bool | None = None,
-    slow_step_ms: float | None = None,
-    curve_secret_key: str | None = None,
-    curve_trusted: str | None = None,
+    options: Mapping[str, Any],
 ) -> NodeConfig:
-    """The node's config for the tier's options (the keywords), over ``os.environ``.
+    """The node's config for the tier's options (None: not given), over ``os.environ``.
 
     Raises:
         ValueError: An option or variable is unusable; the message says which.
     """
-    dp_index = int(offloading_spec.config.parallel.data_parallel_index)
-    # The CURVE keys are read once host and port are known: the key must
-    # speak for this rank's id, not for the environment's default one.
+    given = {k: v for k, v in options.items() if k not in _VLLM_ONLY and v is not None}
+    if unknown := set(given) - TIER_OPTIONS:
+        raise ValueError(f"unknown p2pactor tier options: {sorted(unknown)}")
     # The options go in before the config is made: a wildcard
     # VLLM_P2P_SIDE_CHANNEL_HOST the tier's own "host" replaces is no error.
-    chosen = {k: v for k, v in (("host", host), ("bind_host", bind_host)) if v is not None}
-    base = NodeConfig.from_env(
-        {k: v for k, v in os.environ.items() if k not in _CURVE_ENV}, **chosen
-    )
-    if curve_secret_key is None:
-        curve_secret_key = os.environ.get("P2PACTOR_CURVE_SECRET_KEY") or None
-    if curve_trusted is None:
-        curve_trusted = os.environ.get("P2PACTOR_CURVE_TRUSTED") or None
+    # The CURVE keys are read once host and port are known: the key must
+    # speak for this rank's id, not for the environment's default one.
+    chosen = {k: given.pop(k) for k in ("host", "bind_host") if k in given}
+    env = {k: v for k, v in os.environ.items() if k not in _CURVE_ENV.values()}
+    base = NodeConfig.from_env(env, **chosen)
+    slow_ms = given.get("slow_step_ms")
+    dp_index = int(offloading_spec.config.parallel.data_parallel_index)
     try:
+        fields: dict[str, Any] = {
+            k: given.get(k, os.environ.get(v) or None) for k, v in _CURVE_ENV.items()
+        }
+        fields |= {k: peer_ids(given[k]) for k in ("allowed_peers", "seed_peers") if k in given}
         return attrs.evolve(
             base,
-            port=int(port if port is not None else base.port) + dp_index,
+            **fields,
+            port=int(given.get("port", base.port)) + dp_index,
             num_blocks=int(view.shape[0]) if view.shape else 0,
             block_len=int(block_len),
             fingerprint=layout_fingerprint(offloading_spec),
-            allowed_peers=base.allowed_peers if allowed_peers is None else peer_ids(allowed_peers),
-            seed_peers=base.seed_peers if seed_peers is None else peer_ids(seed_peers),
-            sources=source_options(base.sources, offloading_spec, summaries),
-            unbound_store_timeout=float(unbound_store_timeout_s),
+            sources=source_options(base.sources, offloading_spec, given.get("summaries")),
+            unbound_store_timeout=float(given.get("unbound_store_timeout_s", 60.0)),
             drain_timeout=drain_timeout,
             slow_step_s=base.slow_step_s
-            if slow_step_ms is None
-            else slow_step_from_ms(slow_step_ms, said=f"slow_step_ms={slow_step_ms!r}"),
-            curve_secret_key=curve_secret_key,
-            curve_trusted=curve_trusted,
+            if slow_ms is None
+            else slow_step_from_ms(slow_ms, said=f"slow_step_ms={slow_ms!r}"),
         )
     except (ConfigError, TypeError) as exc:
         raise ValueError(f"bad p2pactor tier configuration: {exc}") from exc
@@ -97,11 +96,3 @@ def source_options(base: SourceOptions, spec: Any, summaries: bool | None) -> So
     if tokens <= 0:
         return base  # a spec that does not say: the policy's default
     return attrs.evolve(base, choice=attrs.evolve(base.choice, tokens_per_key=tokens))
-
-
-TIER_OPTIONS = frozenset(
-    name
-    for name, parameter in inspect.signature(tier_config).parameters.items()
-    if parameter.kind is parameter.KEYWORD_ONLY
-)
-"""The ``secondary_tiers`` options :func:`tier_config` takes."""

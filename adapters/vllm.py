@@ -30,10 +30,10 @@ check through the lent parent sized to the tier's churn, a new epoch at
 ``drain_jobs``).
 
 Its parts: ``_vllm_api.py`` (vLLM 0.33's API), ``_vllm_config.py`` (the options
-as a ``NodeConfig``), ``_vllm_parent.py`` (the lent parent, the check),
-``_vllm_auto.py`` (the automatic choice), ``_vllm_jobs.py`` (the jobs owed to
-vLLM), ``_vllm_watch.py`` (what vLLM is writing, claimed before its cascade),
-``_vllm_thread.py`` (the node's thread), ``_vllm_metrics.py`` (``/metrics``).
+as a ``NodeConfig``), ``_vllm_parent.py`` (the lent parent; through it, the check
+and the watch of what vLLM is writing), ``_vllm_auto.py`` (the automatic choice),
+``_vllm_jobs.py`` (the jobs owed to vLLM), ``_vllm_thread.py`` (the node's thread, and
+its figures in ``/metrics``).
 """
 
 from __future__ import annotations
@@ -65,12 +65,10 @@ from p2pactor.adapters._vllm_api import (
     require_tier_polling,
 )
 from p2pactor.adapters._vllm_auto import Auto, AutoSources
-from p2pactor.adapters._vllm_config import TIER_OPTIONS, tier_config
+from p2pactor.adapters._vllm_config import tier_config
 from p2pactor.adapters._vllm_jobs import JobBook
-from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
-from p2pactor.adapters._vllm_parent import LentParent, scrub
-from p2pactor.adapters._vllm_thread import NodeThread
-from p2pactor.adapters._vllm_watch import Watch
+from p2pactor.adapters._vllm_parent import LentParent, Watch, scrub
+from p2pactor.adapters._vllm_thread import NodeThread, metric_definitions
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.runtime.engine import LookupView
 from p2pactor.runtime.logcontext import request_context
@@ -123,20 +121,15 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 "Backpressure is not supported for the p2pactor tier (as for vLLM's p2p "
                 "tier): remove the 'backpressure' config from its secondary_tiers entry."
             )
-        for ignored in ("backends", "num_threads", "locality"):
-            options.pop(ignored, None)
-        if unknown := set(options) - TIER_OPTIONS:
-            raise ValueError(f"unknown p2pactor tier options: {sorted(unknown)}")
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         view = primary_kv_view
         config = tier_config(
-            offloading_spec, view, self.block_size_bytes, _SHUTDOWN_DRAIN_S, **options
+            offloading_spec, view, self.block_size_bytes, _SHUTDOWN_DRAIN_S, options
         )
         self._contexts: dict[str, ReqContext] = {}
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
         self._views: dict[tuple[str, str], LookupView] = {}  # this step's, per request
         self._runner = NodeThread(config, view, event_log)
-        self._reported: dict[str, float] = {}  # the totals get_stats last reported
         self._node: Node = self._runner.start()
         self.jobs = JobBook(self._node, config.block_len)
         self._auto = AutoSources(self._node, config.sources.choice.tail_keys)
@@ -156,18 +149,16 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Read the request's role from its kv_transfer_params, once."""
         params = req_context.kv_transfer_params
-        source = parse_source(params)
-        if source is not None and not self._node.config.may_dial(source.peer):
+        source, config = parse_source(params), self._node.config
+        if source is not None and not config.may_dial(source.peer):
             log.warning(
                 "request %s names %s, %s; not dialing it",
                 req_context.req_id,
                 source.peer,
-                self._node.config.dial_refusal(source.peer)
+                config.dial_refusal(source.peer)
                 or "which is not in allowed_peers or has no trusted CURVE key (add it to "
                 "allowed_peers, or its .key to curve_trusted)",
-                extra=request_context(
-                    source.peer, source.kv_request_id, node=self._node.config.node_id
-                ),
+                extra=request_context(source.peer, source.kv_request_id, node=config.node_id),
             )
             source = None
         if source is not None:
@@ -253,42 +244,34 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     def submit_store(self, job_metadata: Any) -> None:
         """Keep a prefill/decode request's blocks for its remote puller."""
-        dest = job_metadata.req_context.get_state(Dest)
-        job_id = int(job_metadata.job_id)
+        ctx = job_metadata.req_context
+        dest, job_id = ctx.get_state(Dest), int(job_metadata.job_id)
+        keys = [bytes(k) for k in job_metadata.keys]
         if dest is None:
             # Symmetric P2P: blocks stay in the CPU primary tier; nothing moves.
             # They are ours to claim: peers hear of them in the next delta.
             self.jobs.at_once(job_id, success=True)
-            keys = [bytes(k) for k in job_metadata.keys]
-            ctx = job_metadata.req_context
             self._node.holds(keys, request=ctx.req_id, positions=positions(ctx, keys))
         elif dest.kv_request_id is None:
             self.jobs.at_once(job_id, success=False)
         else:
-            keys = [bytes(k) for k in job_metadata.keys]
             self.jobs.track_store(job_id, dest.kv_request_id, len(keys))
-            self._node.submit_store(
-                dest.kv_request_id, job_id, keys, job_ids(job_metadata)
-            )  # woken at once: a store may come with no step to follow it
+            # Woken at once: a store may come with no step to follow it.
+            self._node.submit_store(dest.kv_request_id, job_id, keys, job_ids(job_metadata))
 
     def submit_load(self, job_metadata: Any) -> None:
         """Pull keys from the request's source peer into the given chunks."""
-        source = job_metadata.req_context.get_state(Source)
-        job_id = int(job_metadata.job_id)
+        ctx = job_metadata.req_context
+        source, job_id = ctx.get_state(Source), int(job_metadata.job_id)
         keys = [bytes(k) for k in job_metadata.keys]
         if source is None or not keys:
             self.jobs.at_once(job_id, success=source is not None)
         else:
-            ctx = job_metadata.req_context
-            self.jobs.load(job_id, source.kv_request_id, keys, ctx, positions(ctx, keys))
+            kv_id = source.kv_request_id
+            self.jobs.load(job_id, kv_id, keys, ctx, positions(ctx, keys))
             self._node.reserve(len(keys))  # vLLM evicted for these chunks: claim less
             self._node.submit_load(
-                source.peer,
-                source.kv_request_id,
-                job_id,
-                keys,
-                job_ids(job_metadata),
-                wake=False,
+                source.peer, kv_id, job_id, keys, job_ids(job_metadata), wake=False
             )
 
     # --- per step ----------------------------------------------------------------
@@ -305,7 +288,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         due, sized to what the tier stored since (``SummaryOptions.scrub_per_key``).
         """
         node = self._node
-        node.serve_parent(LentParent(self, parent))
+        node.serve_parent(LentParent(self._contexts, self.jobs, parent))
         if threading.get_ident() == self._scheduler:
             # The step's serve (in on_schedule_end): vLLM has just evicted for the
             # step's stores. Ask about the keys it evicts next, so a claim it
@@ -382,12 +365,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         Never waits: it reads the totals the node's thread last published (at
         most 0.1 s old), and returns None while they have not changed.
         """
-        totals = self._runner.totals
-        if totals is self._reported:
-            return None
-        stats = tier_stats(self._reported, totals)
-        self._reported = totals
-        return stats
+        return self._runner.stats()
 
     # --- introspection -------------------------------------------------------------
 
