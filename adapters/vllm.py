@@ -29,11 +29,11 @@ engine's CPU tier holds is told to them in turn, ranked as vLLM's LRU ranks it
 check through the lent parent sized to the tier's churn, a new epoch at
 ``drain_jobs``).
 
-Its parts: ``_vllm_api.py`` (vLLM 0.33's API), ``_vllm_config.py`` (the options
-as a ``NodeConfig``), ``_vllm_parent.py`` (the lent parent; through it, the check
-and the watch of what vLLM is writing), ``_vllm_auto.py`` (the automatic choice),
-``_vllm_jobs.py`` (the jobs owed to vLLM), ``_vllm_thread.py`` (the node's thread, and
-its figures in ``/metrics``).
+Its parts: ``_vllm_api.py`` (vLLM 0.33's API, and the options as a ``NodeConfig``),
+``_vllm_parent.py`` (the lent parent; through it, the check and the watch of what
+vLLM is writing), ``_vllm_auto.py`` (the automatic choice), ``_vllm_jobs.py`` (the
+jobs owed to vLLM), ``_vllm_thread.py`` (the node's thread, and its figures in
+``/metrics``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
 from p2pactor.adapters._vllm_api import (
+    SHUTDOWN_DRAIN_S,
     TO_VLLM,
     VLLM_HIT,
     VLLM_MISS,
@@ -63,9 +64,9 @@ from p2pactor.adapters._vllm_api import (
     positions,
     request_keys,
     require_tier_polling,
+    tier_config,
 )
 from p2pactor.adapters._vllm_auto import Auto, AutoSources
-from p2pactor.adapters._vllm_config import tier_config
 from p2pactor.adapters._vllm_jobs import JobBook
 from p2pactor.adapters._vllm_parent import LentParent, Watch, scrub
 from p2pactor.adapters._vllm_thread import NodeThread, metric_definitions
@@ -78,7 +79,6 @@ __all__ = ["P2PActorTierManager"]
 
 log = logging.getLogger("p2pactor.vllm")
 
-_SHUTDOWN_DRAIN_S = 3.0  # vLLM's own: wait this long for writes, then give up
 _DRAIN_TIMEOUT_S = 30.0
 
 
@@ -122,14 +122,11 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 "tier): remove the 'backpressure' config from its secondary_tiers entry."
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
-        view = primary_kv_view
-        config = tier_config(
-            offloading_spec, view, self.block_size_bytes, _SHUTDOWN_DRAIN_S, options
-        )
+        config = tier_config(offloading_spec, primary_kv_view, self.block_size_bytes, options)
         self._contexts: dict[str, ReqContext] = {}
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
         self._views: dict[tuple[str, str], LookupView] = {}  # this step's, per request
-        self._runner = NodeThread(config, view, event_log)
+        self._runner = NodeThread(config, primary_kv_view, event_log)
         self._node: Node = self._runner.start()
         self.jobs = JobBook(self._node, config.block_len)
         self._auto = AutoSources(self._node, config.sources.choice.tail_keys)
@@ -348,7 +345,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     def shutdown(self) -> None:
         """Close the node: sessions drain for up to 3 s, as vLLM's tier does."""
-        self._runner.stop(timeout=_SHUTDOWN_DRAIN_S + 10)
+        self._runner.stop(timeout=SHUTDOWN_DRAIN_S + 10)
         self.jobs.forget()  # no result can come from a stopped node
 
     # --- vLLM's /metrics -----------------------------------------------------------
