@@ -119,8 +119,7 @@ class NixlDataTransport(Writes):
             TransferError: The name is taken, the pool does not match ours, or
                 NIXL rejects the peer's metadata or pool.
         """
-        if self._closing:
-            raise TransferError("the NIXL transport is closed")
+        self._live_agent()  # or the transport is closed
         if block_len != self.block_len:
             raise TransferError(
                 f"{peer_id} uses {block_len}-byte blocks, this node {self.block_len}"

@@ -106,9 +106,8 @@ class Writes:
     def _checked(
         self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
     ) -> tuple[Peer, Index, Index]:
+        self._live_agent()  # or the transport is closed
         peer = self._peers.get(peer_id)
-        if self._closing or self._agent is None:
-            raise TransferError("the NIXL transport is closed")
         if peer is None or peer.removing or peer.dlist is None:
             raise TransferError(f"{peer_id} is not registered")
         if len(local_blocks) != len(remote_blocks):

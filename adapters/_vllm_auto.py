@@ -77,8 +77,8 @@ class AutoSources:
         if self._node.shares_summaries:
             req_context.set_state(Auto(self._prefix + str(req_context.req_id)))
 
-    def lookup(self, auto: Auto, key: Any, req_context: ReqContext) -> Answer | None:
-        """The answer for ``key`` while a source is chosen; None once it is (ask it as named)."""
+    def lookup(self, auto: Auto, key: Any, req_context: ReqContext) -> Answer | Source:
+        """The answer for ``key`` while a source is chosen; once it is, the source (ask it)."""
         if auto.settled:
             return Answer.MISS
         if auto.handed:
@@ -92,8 +92,9 @@ class AutoSources:
                 auto.settled = True
                 return Answer.MISS
             asked = frozenset(itertools.islice(auto.keys, decision.asked))
-            req_context.set_state(Source(decision.peer, auto.kv_request_id, probe=True, only=asked))
-            return None
+            source = Source(decision.peer, auto.kv_request_id, probe=True, only=asked)
+            req_context.set_state(source)  # from now on it is named
+            return source
         k = bytes(key)
         if auto.past_run or not self._node.claimed(k):
             if not auto.keys:

@@ -179,11 +179,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             auto = req_context.get_state(Auto)
             if auto is None:
                 return VLLM_MISS
-            answer = self._auto.lookup(auto, key, req_context)
-            if answer is not None:
-                return TO_VLLM[answer]
-            source = req_context.get_state(Source)  # chosen: from now on it is named
-            assert source is not None
+            source = self._auto.lookup(auto, key, req_context)
+            if isinstance(source, Answer):
+                return TO_VLLM[source]
         if source.kv_request_id in self.jobs.failed:
             return VLLM_MISS
         if not source.probe:
@@ -290,15 +288,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             # The step's serve (in on_schedule_end): vLLM has just evicted for the
             # step's stores. Ask about the keys it evicts next, so a claim it
             # dropped leaves the peers before the forward pass is over.
-            gone, _ = scrub(parent, node.take_frontier(), node.node_id)
-            if gone:
+            if gone := scrub(parent, node.take_frontier(), node.node_id)[0]:
                 node.scrubbed(gone, ())
             # And it has just prepared the step's stores: claim them now.
             self._watch.check(parent, self.jobs.loading())
-        batch = node.take_scrub()
-        if batch:
-            gone, kept = scrub(parent, batch, node.node_id)
-            node.scrubbed(gone, kept)
+        if batch := node.take_scrub():
+            node.scrubbed(*scrub(parent, batch, node.node_id))
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
         """The engine reused ``keys``: the most recent in our summary's order now."""
