@@ -71,18 +71,17 @@ class NixlDataTransport(Writes):
         """Release every NIXL resource (in a worker thread), then fail what was left."""
         async with self._lock:
             unfinished = list(self._inflight)
-            if self._agent is not None:
-                left = Leftovers(
-                    self._agent,
-                    handles=[w.handle for w in self._inflight],
-                    dlists=[p.dlist for p in self._peers.values() if p.dlist is not None],
-                    remotes=list(self._remotes()),
-                )
-                self._agent = None
-                for peer in self._peers.values():
-                    peer.dlist = None  # its wrapper keeps the native agent alive
-                self._peers.clear()
-                await trio.to_thread.run_sync(self._pool.release_all, left)
+            left = Leftovers(
+                self._agent,
+                handles=[w.handle for w in self._inflight],
+                dlists=[p.dlist for p in self._peers.values() if p.dlist is not None],
+                remotes=list(self._remotes()),
+            )
+            self._agent = None
+            for peer in self._peers.values():
+                peer.dlist = None  # its wrapper keeps the native agent alive
+            self._peers.clear()
+            await trio.to_thread.run_sync(self._pool.release_all, left)
         self._pool.keepalive = None  # a bytearray pool may be resized again
         # Released with the agent: its endpoints are closed, nothing more lands.
         for write in unfinished:
@@ -138,8 +137,11 @@ class NixlDataTransport(Writes):
         outcome: tuple[str, object] | str = "cancelled"  # (remote agent, descriptors) or why not
         try:
             async with self._lock:
-                args = (self._live_agent(), agent_metadata, base_addr, num_blocks, self._remotes())
-                outcome = await trio.to_thread.run_sync(self._pool.add_peer, *args)
+                agent = self._live_agent()
+                known = self._remotes()
+                outcome = await trio.to_thread.run_sync(
+                    self._pool.add_peer, agent, agent_metadata, base_addr, num_blocks, known
+                )
                 # No checkpoint from here on: even if we were cancelled meanwhile,
                 # what the thread made is recorded (and released by remove or close).
                 if not isinstance(outcome, str):

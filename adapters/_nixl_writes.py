@@ -60,7 +60,7 @@ class Writes:
         self.agent_metadata = b""  # and the window: once the agent is open
         self.late_write_window = 0.0
         self._options = options
-        self._lock = trio.Lock()  # held around every call into the agent
+        self._lock = trio.Lock()  # held around every call into the agent (but see _start)
         self._peers: dict[str, Peer] = {}
         self._inflight: list[_Write] = []  # posted, polled by the pump
         self._to_post: deque[_Write] = deque()  # waiting for the poster task

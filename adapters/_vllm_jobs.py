@@ -78,9 +78,8 @@ class JobBook:
 
         With no ``since`` (nothing is known of the job) both are None. Returns the seconds.
         """
-        seconds = size = None
-        if since is not None:
-            seconds, size = _now() - since, blocks * self._block_len if success else 0
+        seconds = None if since is None else _now() - since
+        size = None if since is None else (blocks * self._block_len if success else 0)
         self.finished.append(JobResult(job_id, success, transfer_time=seconds, transfer_bytes=size))
         return seconds or 0.0
 
@@ -105,20 +104,20 @@ class JobBook:
         until vLLM polls next). Its ``transfer_bytes`` is its blocks times the
         block size if it succeeded, else 0: a load is all or nothing (no
         ``successful_keys``), so vLLM recomputes every block of a failed one
-        and counts none of it (``tiering/metrics.py``). A load submitted before
-        a shutdown has neither.
+        and counts none of it (``tiering/metrics.py``).
         """
         for result in self._node.finished_jobs():
             entry = self.loads.pop(result.job_id, None)
-            if entry is not None:
-                kv_id, _, keys, req_id, where = entry
-                self._node.reserve(-len(keys))
-                if result.success:  # in our CPU tier now, ranked for the request: ours to claim
-                    self._node.holds(keys, request=req_id, positions=where)
-                else:
-                    self.failed.add(kv_id)  # its lookups answer MISS: prefill locally
-            since, blocks = (None, 0) if entry is None else (entry[1], len(entry[2]))
-            self._report(result.job_id, result.success, since, blocks)
+            if entry is None:  # submitted before a shutdown: nothing known of it
+                self._report(result.job_id, result.success, None, 0)
+                continue
+            kv_id, submitted, keys, req_id, where = entry
+            self._node.reserve(-len(keys))
+            if result.success:  # in our CPU tier now, ranked for the request: ours to claim
+                self._node.holds(keys, request=req_id, positions=where)
+            else:
+                self.failed.add(kv_id)  # its lookups answer MISS: prefill locally
+            self._report(result.job_id, result.success, submitted, len(keys))
 
     def track_store(self, job_id: int, kv_request_id: str | None, blocks: int) -> None:
         """A store job starts: a prefill/decode store (``kv_request_id``) or a peer's pin."""

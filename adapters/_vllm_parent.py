@@ -163,7 +163,8 @@ class Watch:
             return
         with _primary_lookups(parent, f"p2pactor-watch-{self._node.node_id}") as held:
             for req_id, followed in list(self._followed.items()):
-                start, keys = followed.next, followed.keys
+                start = followed.next
+                keys = followed.keys
                 while followed.next < len(keys) and held(keys[followed.next]):
                     followed.next += 1
                 claim = [i for i in range(start, followed.next) if keys[i] not in loading]

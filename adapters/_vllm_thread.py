@@ -218,15 +218,15 @@ class NodeThread:
         most 0.1 s old). Counters carry their increase (vLLM's frontend adds it
         to the Prometheus counter), gauges their value now.
         """
-        before, now = self._reported, self.totals
-        if now is before:
+        now = self.totals
+        if now is self._reported:
             return None
-        self._reported = now
         stats = OffloadingConnectorStats()
         for figure, value in now.items():
             series = SERIES[figure]
             if series.gauge:
                 stats.set_gauge(series.metric, value, series.labels)
-            elif (increase := value - before.get(figure, 0.0)) > 0:  # a counter never falls
+            elif (increase := value - self._reported.get(figure, 0.0)) > 0:  # counters never fall
                 stats.increase_counter(series.metric, increase, series.labels)
+        self._reported = now
         return None if stats.is_empty() else stats

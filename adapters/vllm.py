@@ -146,7 +146,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         """Read the request's role from its kv_transfer_params, once."""
         params = req_context.kv_transfer_params
-        source, config = parse_source(params), self._node.config
+        source = parse_source(params)
+        config = self._node.config
         if source is not None and not config.may_dial(source.peer):
             log.warning(
                 "request %s names %s, %s; not dialing it",
@@ -240,7 +241,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def submit_store(self, job_metadata: Any) -> None:
         """Keep a prefill/decode request's blocks for its remote puller."""
         ctx = job_metadata.req_context
-        dest, job_id = ctx.get_state(Dest), int(job_metadata.job_id)
+        dest = ctx.get_state(Dest)
+        job_id = int(job_metadata.job_id)
         keys = [bytes(k) for k in job_metadata.keys]
         if dest is None:
             # Symmetric P2P: blocks stay in the CPU primary tier; nothing moves.
@@ -257,7 +259,8 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     def submit_load(self, job_metadata: Any) -> None:
         """Pull keys from the request's source peer into the given chunks."""
         ctx = job_metadata.req_context
-        source, job_id = ctx.get_state(Source), int(job_metadata.job_id)
+        source = ctx.get_state(Source)
+        job_id = int(job_metadata.job_id)
         keys = [bytes(k) for k in job_metadata.keys]
         if source is None or not keys:
             self.jobs.at_once(job_id, success=source is not None)
