@@ -174,10 +174,8 @@ class ControlLink(abc.ABC):
                 self._conn = await self._host.control.connect(self.peer_id)
             elif first is None:
                 first = await self._first_connect()
-                if first is None:
-                    return
             if self._dead.is_set():
-                return  # closed while it dialed
+                return  # closed while it dialed, or no connect came first
             ours = connect_message(self._config, self._host.data, self._host.hash_seed)
             await self._conn.send(wire.encode(ours))
             if first is not None:

@@ -309,12 +309,10 @@ class PeerSession(SessionActors):
         self._closing = True
         # No actor outlives its session: those the drain gave up on take no
         # more input, and what they still hold is reported below.
-        live = [a.state for a in self.live_actors()]
-        loads = [
-            job.job_id for s in live if isinstance(s, ConsumerState) for job in s.loads.values()
-        ]
+        live = [s for a in self.live_actors() if isinstance(s := a.state, ConsumerState)]
+        loads = [job.job_id for s in live for job in s.loads.values()]
+        why = f"session lost: {reason}; the drain gave up on the load"
         for job_id in loads:  # the engine must hear of each
-            why = f"session lost: {reason}; the drain gave up on the load"
             self._host.report_load(job_id, success=False, reason=why)
         # Whatever the peer's requests still held here is no longer theirs:
         # the node releases their pins (counted until released) below.
