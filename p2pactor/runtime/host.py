@@ -21,7 +21,6 @@ import trio
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.fold import ActorState
 from p2pactor.core.inputs import LookupResult
@@ -48,7 +47,6 @@ __all__ = ["EventWatcher", "HandshakeWatcher", "NodeHost"]
 log = logging.getLogger("p2pactor.node")
 
 RETRY = LookupResult.RETRY
-_OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
 
 EventWatcher = Callable[[Sequence[ev.AnyEvent], ActorState], None]
 """Called with an actor's events of one step and its state after them."""
