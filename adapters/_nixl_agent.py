@@ -26,7 +26,6 @@ PER_BLOCK_LIMIT = 65_536
 """The most blocks of a peer's pool prepared one descriptor per block, only when NIXL
 refuses the pool as one strided row (it spans several registrations): at most about
 6 MiB at the peak and 4-7 ms of a worker thread (measured), whatever the peer advertises."""
-IN_PROGRESS = frozenset({"PROC", "PEND"})
 
 Index = npt.NDArray[np.int32]
 Descs = npt.NDArray[np.uint64]
@@ -157,22 +156,13 @@ def _strided(base_addr: int, num_blocks: int, block_len: int) -> Descs:
     return np.array([[base_addr, block_len, 0, block_len, num_blocks]], dtype=np.uint64)
 
 
-def _block_descs(base_addr: int, num_blocks: int, block_len: int) -> Descs:
-    """One ``(address, length, device 0)`` row per block, for ``prep_xfer_dlist``."""
-    descs = np.zeros((num_blocks, 3), dtype=np.uint64)
-    descs[:, 0] = np.uint64(base_addr) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(
-        block_len
-    )
-    descs[:, 1] = block_len
-    return descs
-
-
 @attrs.frozen
 class Posted:
-    """What posting a write gave."""
+    """What posting a write gave: its handle (None: NIXL could not prepare it) and state."""
 
-    handle: object | None  # in flight; None if it is already over
-    error: str | None = None
+    handle: object | None
+    state: str  # as transfer() returned it; "ERR" if it raised
+    why: str  # what its failure would say
     seconds: float | None = None  # how long the post took, if transfer() returned
 
 
@@ -325,9 +315,11 @@ class Pool:
                     f"({nixl_error(exc)}), and a pool of more than {PER_BLOCK_LIMIT} blocks "
                     "is not prepared block by block"
                 ) from exc
-        dlist = agent.prep_xfer_dlist(
-            remote, _block_descs(base_addr, num_blocks, self.block_len), mem_type="DRAM"
-        )
+        # One (address, length, device 0) row per block.
+        descs = np.zeros((num_blocks, 3), dtype=np.uint64)
+        descs[:, 0] = base_addr + np.arange(num_blocks, dtype=np.uint64) * np.uint64(self.block_len)
+        descs[:, 1] = self.block_len
+        dlist = agent.prep_xfer_dlist(remote, descs, mem_type="DRAM")
         what = "agent %s's pool spans several registrations: its %d blocks are prepared one by one"
         note(INFO, self.name, what, remote, num_blocks)
         return dlist
@@ -341,28 +333,18 @@ class Pool:
         """Make and post one WRITE of our blocks ``local`` into the peer's ``remote``.
 
         ``transfer()`` may copy everything before it returns (shared memory):
-        then the handle is released here and the write is over already.
+        then its state is DONE already.
         """
         start = time.perf_counter()
         try:
             handle = agent.make_prepped_xfer("WRITE", self.local_dlist, local, peer_dlist, remote)
         except Exception as exc:
-            return Posted(None, f"NIXL could not prepare the write: {nixl_error(exc)}")
-        seconds = None
+            return Posted(None, "ERR", f"NIXL could not prepare the write: {nixl_error(exc)}")
         try:
             state = agent.transfer(handle)
         except Exception as exc:
-            state, why = "ERR", nixl_error(exc)
-        else:
-            seconds = time.perf_counter() - start
-            why = f"transfer() returned {state}"
-        if state in IN_PROGRESS:
-            return Posted(handle, seconds=seconds)
-        done = state == "DONE"
-        what = "releasing a finished write" if done else "releasing a failed write"
-        if not self.attempt(what, agent.release_xfer_handle, handle) and not done:
-            return Posted(handle, seconds=seconds)  # NIXL will not let go: poll it like any other
-        return Posted(None, None if done else f"NIXL failed the write: {why}", seconds)
+            return Posted(handle, "ERR", nixl_error(exc))
+        return Posted(handle, state, f"transfer() returned {state}", time.perf_counter() - start)
 
     def progress(self, agent: Agent) -> None:
         """Let the agent make progress (quick: on the trio thread)."""

@@ -8,7 +8,6 @@ import os
 import re
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 import attrs
 
@@ -17,11 +16,7 @@ from p2pactor.core import checks
 # Polls and deadlines are computed from these: inf would never end.
 _positive = checks.positive(finite=True)
 _not_negative = checks.non_negative(finite=True)
-
-
-def _positive_or_none(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-    if value is not None:
-        _positive(instance, attribute, value)
+_positive_or_none: checks.Validator = attrs.validators.optional(_positive)
 
 
 log = logging.getLogger("p2pactor.nixl")
@@ -164,14 +159,6 @@ _UCX_TIME = re.compile(r"\s*(\d+(?:\.\d*)?)\s*(s|ms|us|ns|m)?\s*", re.IGNORECASE
 _UCX_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9, "m": 60.0}
 
 
-def _ucx_seconds(text: str) -> float | None:
-    """A UCX time value ("1000ms", "2s", "2": seconds) in seconds; None for "inf", "auto"."""
-    match = _UCX_TIME.fullmatch(text)
-    if match is None:
-        return None
-    return float(match[1]) * _UCX_UNITS[(match[2] or "s").lower()]
-
-
 def ucx_tcp_environment(options: NixlOptions) -> float:
     """Set UCX's TCP timeouts the environment leaves unset; the late-write window in effect.
 
@@ -185,8 +172,10 @@ def ucx_tcp_environment(options: NixlOptions) -> float:
         in_effect = os.environ.get("UCX_TCP_USER_TIMEOUT")
     if in_effect is None:
         return 0.0  # tcp_timeout is None, and the environment sets nothing either
-    seconds = _ucx_seconds(in_effect)
-    if seconds is None or seconds <= 0:
+    # A UCX time ("1000ms", "2s", "2": seconds); "inf" and "auto" bound nothing.
+    match = _UCX_TIME.fullmatch(in_effect)
+    seconds = 0.0 if match is None else float(match[1]) * _UCX_UNITS[(match[2] or "s").lower()]
+    if seconds <= 0:
         window = options.late_write_window
         log.warning(
             "UCX_TCP_USER_TIMEOUT=%s bounds nothing: a write a link flap cut may land in "

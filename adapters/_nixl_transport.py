@@ -71,18 +71,17 @@ class NixlDataTransport(Writes):
         """Release every NIXL resource (in a worker thread), then fail what was left."""
         async with self._lock:
             unfinished = list(self._inflight)
-            if self._agent is not None:
-                left = Leftovers(
-                    self._agent,
-                    handles=[w.handle for w in self._inflight],
-                    dlists=[p.dlist for p in self._peers.values() if p.dlist is not None],
-                    remotes=list(self._remotes()),
-                )
-                self._agent = None
-                for peer in self._peers.values():
-                    peer.dlist = None  # its wrapper keeps the native agent alive
-                self._peers.clear()
-                await trio.to_thread.run_sync(self._pool.release_all, left)
+            left = Leftovers(
+                self._agent,
+                handles=[w.handle for w in self._inflight],
+                dlists=[p.dlist for p in self._peers.values() if p.dlist is not None],
+                remotes=list(self._remotes()),
+            )
+            self._agent = None
+            for peer in self._peers.values():
+                peer.dlist = None  # its wrapper keeps the native agent alive
+            self._peers.clear()
+            await trio.to_thread.run_sync(self._pool.release_all, left)
         self._pool.keepalive = None  # a bytearray pool may be resized again
         # Released with the agent: its endpoints are closed, nothing more lands.
         for write in unfinished:
@@ -119,8 +118,7 @@ class NixlDataTransport(Writes):
             TransferError: The name is taken, the pool does not match ours, or
                 NIXL rejects the peer's metadata or pool.
         """
-        if self._closing:
-            raise TransferError("the NIXL transport is closed")
+        self._live_agent()  # or the transport is closed
         if block_len != self.block_len:
             raise TransferError(
                 f"{peer_id} uses {block_len}-byte blocks, this node {self.block_len}"

@@ -12,11 +12,12 @@ import attrs
 import numpy as np
 import trio
 
-from p2pactor.adapters._nixl_agent import IN_PROGRESS, Agent, Index, Pool, Posted, nixl_error
+from p2pactor.adapters._nixl_agent import Agent, Index, Pool, Posted, nixl_error
 from p2pactor.adapters._nixl_options import NixlOptions, Tally, log, note
 from p2pactor.runtime.transport import TransferError, WriteDone
 
 _RATE_WEIGHT = 0.25  # of the newest post in the moving average of post times
+_IN_PROGRESS = frozenset({"PROC", "PEND"})
 
 
 @attrs.define(eq=False)
@@ -59,7 +60,7 @@ class Writes:
         self.agent_metadata = b""  # and the window: once the agent is open
         self.late_write_window = 0.0
         self._options = options
-        self._lock = trio.Lock()  # held around every call into the agent
+        self._lock = trio.Lock()  # held around every call into the agent (but see _start)
         self._peers: dict[str, Peer] = {}
         self._inflight: list[_Write] = []  # posted, polled by the pump
         self._to_post: deque[_Write] = deque()  # waiting for the poster task
@@ -92,17 +93,12 @@ class Writes:
         deadline = trio.current_time() + self._options.transfer_timeout
         write = _Write(peer, local, remote, len(local) * self.block_len, deadline, done)
         peer.writes.add(write)
-        if not self._to_post and self._quick(write):
-            try:
-                self._lock.acquire_nowait()
-            except trio.WouldBlock:
-                pass  # a worker thread holds the agent: queue behind it
-            else:
-                try:
-                    self._post_inline(self._live_agent(), write)
-                finally:
-                    self._lock.release()
-                return write
+        # With the lock free no worker thread is in the agent, and none can enter
+        # before this returns: nothing here lets another trio task run. Held, the
+        # write queues behind the worker thread's call.
+        if not self._to_post and self._quick(write) and not self._lock.locked():
+            self._post_inline(self._live_agent(), write)
+            return write
         self._to_post.append(write)
         self._post_kick.set()
         return write
@@ -110,9 +106,8 @@ class Writes:
     def _checked(
         self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
     ) -> tuple[Peer, Index, Index]:
+        self._live_agent()  # or the transport is closed
         peer = self._peers.get(peer_id)
-        if self._closing or self._agent is None:
-            raise TransferError("the NIXL transport is closed")
         if peer is None or peer.removing or peer.dlist is None:
             raise TransferError(f"{peer_id} is not registered")
         if len(local_blocks) != len(remote_blocks):
@@ -148,25 +143,28 @@ class Writes:
                     posted = await trio.to_thread.run_sync(
                         self._pool.post, agent, write.local, write.peer.dlist, write.remote
                     )
-                    self._posted(write, posted)
+                    self._posted(agent, write, posted)
 
     def _post_inline(self, agent: Agent, write: _Write) -> None:
-        """Post on the trio thread (lock held)."""
+        """Post on the trio thread (no worker thread in the agent: see ``_start``)."""
         self._tally.posted_inline += 1
-        self._posted(write, self._pool.post(agent, write.local, write.peer.dlist, write.remote))
+        self._posted(
+            agent, write, self._pool.post(agent, write.local, write.peer.dlist, write.remote)
+        )
 
-    def _posted(self, write: _Write, posted: Posted) -> None:
+    def _posted(self, agent: Agent, write: _Write, posted: Posted) -> None:
         """Track a posted write (no checkpoint before this: nothing may lose the handle)."""
         if posted.seconds is not None:
             rate = posted.seconds / write.nbytes
             old = self._post_rate
             self._post_rate = rate if old is None else old + _RATE_WEIGHT * (rate - old)
-        if posted.handle is not None:
-            write.handle = posted.handle
-            self._inflight.append(write)
-            self._kick.set()
-        else:
-            self._end(write, posted.error)
+        if posted.handle is None:
+            self._end(write, posted.why)
+            return
+        write.handle = posted.handle
+        self._inflight.append(write)
+        self._kick.set()
+        self._settle(agent, write, posted.state, posted.why)
 
     # --- the pump ---------------------------------------------------------------------
 
@@ -228,22 +226,31 @@ class Writes:
                 state, why = "ERR", nixl_error(exc)
             else:
                 why = f"NIXL reported {state}"
-            if state == "DONE":
-                # The bytes are there: if NIXL keeps the handle, only the handle leaks.
-                self._pool.attempt(
-                    "releasing a finished write", agent.release_xfer_handle, write.handle
-                )
-                late = write.expired
-                self._end(write, f"{late}; it completed only afterwards" if late else None)
-                ended = True
-            elif state in IN_PROGRESS:
-                if write.expired is not None and self._release(agent, write):
-                    self._end(write, f"{write.expired}; NIXL cancelled it")
-                    ended = True
-            elif self._release(agent, write):
-                self._end(write, f"NIXL failed the write: {why}")
-                ended = True
+            ended = self._settle(agent, write, state, why) or ended
         return ended
+
+    def _settle(self, agent: Agent, write: _Write, state: str, why: str) -> bool:
+        """End a write in flight NIXL says is over, or cancel one expired (lock held).
+
+        ``state`` is NIXL's (``transfer()``'s or ``check_xfer_state``'s). Returns
+        whether the write ended.
+        """
+        if state == "DONE":
+            # The bytes are there: if NIXL keeps the handle, only the handle leaks.
+            self._pool.attempt(
+                "releasing a finished write", agent.release_xfer_handle, write.handle
+            )
+            late = write.expired
+            self._end(write, f"{late}; it completed only afterwards" if late else None)
+        elif state in _IN_PROGRESS:
+            if write.expired is None or not self._release(agent, write):
+                return False
+            self._end(write, f"{write.expired}; NIXL cancelled it")
+        elif self._release(agent, write):
+            self._end(write, f"NIXL failed the write: {why}")
+        else:
+            return False
+        return True
 
     def _release(self, agent: Agent, write: _Write) -> bool:
         """Release (cancel, if running) a write's handle. False: NIXL refused."""

@@ -77,8 +77,8 @@ class AutoSources:
         if self._node.shares_summaries:
             req_context.set_state(Auto(self._prefix + str(req_context.req_id)))
 
-    def lookup(self, auto: Auto, key: Any, req_context: ReqContext) -> Answer | None:
-        """The answer for ``key`` while a source is chosen; None once it is (ask it as named)."""
+    def lookup(self, auto: Auto, key: Any, req_context: ReqContext) -> Answer | Source:
+        """The answer for ``key`` while a source is chosen; once it is, the source (ask it)."""
         if auto.settled:
             return Answer.MISS
         if auto.handed:
@@ -92,22 +92,18 @@ class AutoSources:
                 auto.settled = True
                 return Answer.MISS
             asked = frozenset(itertools.islice(auto.keys, decision.asked))
-            req_context.set_state(Source(decision.peer, auto.kv_request_id, probe=True, only=asked))
-            return None
+            source = Source(decision.peer, auto.kv_request_id, probe=True, only=asked)
+            req_context.set_state(source)  # from now on it is named
+            return source
         k = bytes(key)
-        if self._node.claimed(k) and not auto.past_run:
-            kept = True
-        elif not auto.keys:
-            auto.settled = True  # nobody claims the first key we are asked: prefill now
-            self.unclaimed += 1
-            return Answer.MISS
-        elif auto.past_run < self._tail:
+        if auto.past_run or not self._node.claimed(k):
+            if not auto.keys:
+                auto.settled = True  # nobody claims the first key we are asked: prefill now
+                self.unclaimed += 1
+                return Answer.MISS
+            if auto.past_run >= self._tail:
+                return Answer.MISS
             auto.past_run += 1
-            kept = True
-        else:
-            kept = False
-        if not kept:
-            return Answer.MISS
         if not auto.keys:
             self._kept.append(auto)
         auto.keys[k] = None

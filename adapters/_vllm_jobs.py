@@ -5,6 +5,13 @@ the node reports it), every store job it pins (a prefill/decode store until
 its decoder fetched it, a peer's pin until the fetch of its round was served),
 and the results not yet returned by ``get_finished_jobs()``, each with the
 transfer time and bytes vLLM's tier metrics read (``docs/vllm.md``).
+
+What vLLM 0.33 reads of a result: ``TieringMetricsTracker`` adds its
+``transfer_time`` to ``kv_offload_tiering_read_time`` (loads) or ``write_time``
+(stores) for a job that succeeded, and reads neither field of a failed one
+(``tiering/metrics.py:205-240``; its byte counters count the job's keys times
+the chunk size instead). ``transfer_bytes`` feeds only a successful store's
+backpressure detector (``tiering/manager.py:559-576``), which this tier refuses.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import logging
 import time
 from typing import Any
 
-from p2pactor.adapters._vllm_api import job_result
+from p2pactor.adapters._vllm_api import JobResult
 from p2pactor.runtime.logcontext import request_context
 from p2pactor.runtime.node import Node
 
@@ -64,7 +71,17 @@ class JobBook:
 
     def at_once(self, job_id: int, *, success: bool) -> None:
         """A job that ends as it is handed over (nothing moves)."""
-        self.finished.append(job_result(job_id, success=success, seconds=0.0, size=0))
+        self.finished.append(JobResult(job_id, success, transfer_time=0.0, transfer_bytes=0))
+
+    def _report(self, job_id: int, success: bool, since: float | None, blocks: int) -> float:
+        """Owe vLLM a job's result: seconds since ``since``, its blocks' bytes if it succeeded.
+
+        With no ``since`` (nothing is known of the job) both are None. Returns the seconds.
+        """
+        seconds = None if since is None else _now() - since
+        size = None if since is None else (blocks * self._block_len if success else 0)
+        self.finished.append(JobResult(job_id, success, transfer_time=seconds, transfer_bytes=size))
+        return seconds or 0.0
 
     def load(
         self, job_id: int, kv_request_id: str, keys: list[bytes], ctx: Any, where: Any
@@ -89,32 +106,18 @@ class JobBook:
         ``successful_keys``), so vLLM recomputes every block of a failed one
         and counts none of it (``tiering/metrics.py``).
         """
-        node = self._node
-        results = node.finished_jobs()
-        if not results:
-            return
-        now = _now()
-        for result in results:
+        for result in self._node.finished_jobs():
             entry = self.loads.pop(result.job_id, None)
             if entry is None:  # submitted before a shutdown: nothing known of it
-                self.finished.append(
-                    job_result(result.job_id, success=result.success, seconds=None, size=None)
-                )
+                self._report(result.job_id, result.success, None, 0)
                 continue
             kv_id, submitted, keys, req_id, where = entry
-            node.reserve(-len(keys))
-            if result.success:
-                size = len(keys) * self._block_len
-                # In our CPU tier now, ranked for the request: ours to claim.
-                node.holds(keys, request=req_id, positions=where)
+            self._node.reserve(-len(keys))
+            if result.success:  # in our CPU tier now, ranked for the request: ours to claim
+                self._node.holds(keys, request=req_id, positions=where)
             else:
                 self.failed.add(kv_id)  # its lookups answer MISS: prefill locally
-                size = 0
-            self.finished.append(
-                job_result(
-                    result.job_id, success=result.success, seconds=now - submitted, size=size
-                )
-            )
+            self._report(result.job_id, result.success, submitted, len(keys))
 
     def track_store(self, job_id: int, kv_request_id: str | None, blocks: int) -> None:
         """A store job starts: a prefill/decode store (``kv_request_id``) or a peer's pin."""
@@ -132,16 +135,11 @@ class JobBook:
         ``transfer_bytes`` is its blocks times the block size if it succeeded
         (a prefill/decode store succeeds once every block of it was written to
         the decoder; a pin, once the fetch of its round was served, counted
-        whole as vLLM counts a job's keys), else 0.
+        whole as vLLM counts a job's keys), else 0. A job tracked no more (past
+        ``_MAX_TRACKED_STORES``) has neither.
         """
-        entry = self.stores.pop(job_id, None)
-        if entry is None:  # over _MAX_TRACKED_STORES: its figures are gone
-            self.finished.append(job_result(job_id, success=success, seconds=None, size=None))
-            return
-        kv_id, submitted, blocks = entry
-        seconds = _now() - submitted
-        size = blocks * self._block_len if success else 0
-        self.finished.append(job_result(job_id, success=success, seconds=seconds, size=size))
+        kv_id, since, blocks = self.stores.pop(job_id, (None, None, 0))
+        seconds = self._report(job_id, success, since, blocks)
         if not success and kv_id is not None:  # a pin that no fetch used is routine
             config = self._node.config
             log.warning(

@@ -1,4 +1,4 @@
-"""The tier's p2pactor node, on a trio thread of its own beside vLLM's threads."""
+"""The tier's node on a trio thread of its own, and the figures it publishes for ``/metrics``."""
 
 from __future__ import annotations
 
@@ -6,20 +6,108 @@ import contextlib
 import logging
 import threading
 import time
+from typing import Any
 
+import attrs
 import trio
 
-from p2pactor.adapters._vllm_api import hash_seed
-from p2pactor.adapters._vllm_metrics import SERIES, STATS_INTERVAL_S
+from p2pactor.adapters._vllm_api import (
+    OffloadingConnectorStats,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    hash_seed,
+)
 from p2pactor.errors import P2PActorError
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.node import Node, open_node
 from p2pactor.surface.attach import OperatorSurface, open_operator_surface
+from p2pactor.surface.metrics import LOOKUP_OUTCOMES, SERVED_LOOKUP_OUTCOMES
 
 log = logging.getLogger("p2pactor.vllm")
 
 _START_TIMEOUT_S = 60.0
+# vLLM's tiers name theirs vllm:kv_offload_<tier>_<what>; Prometheus adds _total
+# to counters.
+METRIC_PREFIX = "vllm:kv_offload_p2pactor_"
+# How often the node's thread publishes its totals for get_stats. vLLM's
+# frontend keeps what get_stats returned until a scrape, seconds apart.
+STATS_INTERVAL_S = 0.1
+
+# Metric (without the prefix) -> (is a gauge, help text, label names). The names
+# after the prefix are p2pactor's own (docs/metrics.md), summed over peers.
+METRICS: dict[str, tuple[bool, str, tuple[str, ...]]] = {
+    "lookups": (False, "Lookups this engine sent to peers.", ()),
+    "lookup_keys": (
+        False,
+        "Keys this engine asked peers about, by answer (hit, miss, timeout).",
+        ("outcome",),
+    ),
+    "served_lookups": (False, "Lookups peers sent to this engine.", ()),
+    "served_lookup_keys": (
+        False,
+        (
+            "Keys peers asked this engine about, by answer "
+            "(hit, miss, pending_resolved, pending_expired, refused)."
+        ),
+        ("outcome",),
+    ),
+    "blocks_received": (False, "KV blocks loaded from peers by fetches that succeeded.", ()),
+    "received_bytes": (False, "Bytes loaded from peers by fetches that succeeded.", ()),
+    "blocks_written": (False, "KV blocks this engine wrote into peers' memory.", ()),
+    "written_bytes": (False, "Bytes this engine wrote into peers' memory.", ()),
+    "transfers_failed": (False, "Block transfers that failed, loads and writes.", ()),
+    "quota_refusals": (False, "Requests of peers refused over a quota.", ()),
+    "handshakes": (False, "Session handshakes, by outcome (ok, failed).", ("outcome",)),
+    "sessions": (True, "Sessions with peers now, in any state.", ()),
+    "peers": (True, "Peers whose session is ready now.", ()),
+    "actors": (True, "Live p2pactor request actors now.", ()),
+    "pinned_blocks": (
+        True,
+        "Blocks of this engine pinned for peers' lookups and not yet released.",
+        (),
+    ),
+}
+# The figures of metrics.totals() a metric shows, where they are not the one of its
+# name: each with its label values. Figures no metric shows are not sent: vLLM's
+# frontend refuses a metric its tiers did not define at start.
+_FIGURES: dict[str, dict[str, tuple[str, ...]]] = {
+    "lookup_keys": {f"lookups_{o}": (o,) for o in LOOKUP_OUTCOMES},
+    "served_lookup_keys": {f"served_{o}": (o,) for o in SERVED_LOOKUP_OUTCOMES},
+    "handshakes": {f"handshakes_{o}": (o,) for o in ("ok", "failed")},
+    "received_bytes": {"bytes_received": ()},
+    "written_bytes": {"bytes_written": ()},
+    "sessions": {"sessions_alive": ()},
+    "peers": {"peers_ready": ()},
+    "pinned_blocks": {"pins_outstanding": ()},
+}
+
+
+@attrs.frozen
+class _Series:
+    """Where one figure of the node's ``metrics.totals()`` goes in vLLM's metrics."""
+
+    metric: str
+    gauge: bool
+    labels: tuple[str, ...] = ()
+
+
+SERIES: dict[str, _Series] = {
+    figure: _Series(METRIC_PREFIX + metric, gauge, labels)
+    for metric, (gauge, _, _) in METRICS.items()
+    for figure, labels in _FIGURES.get(metric, {metric: ()}).items()
+}
+"""The figures of ``metrics.totals()`` sent to vLLM, each with its series."""
+
+
+def metric_definitions() -> dict[str, Any]:
+    """The tier's metrics, as vLLM's OffloadingMetricMetadata by name."""
+    return {
+        METRIC_PREFIX + name: (OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata)(
+            documentation=doc, labelnames=labelnames
+        )
+        for name, (gauge, doc, labelnames) in METRICS.items()
+    }
 
 
 class NodeThread:
@@ -38,6 +126,7 @@ class NodeThread:
         # metrics.totals(), published by the node's thread: engine threads
         # read it without waiting, and never read the node's state themselves.
         self.totals: dict[str, float] = {}
+        self._reported: dict[str, float] = {}  # the totals stats() last reported
         self._thread = threading.Thread(target=self._main, name="p2pactor-node", daemon=True)
 
     def start(self) -> Node:
@@ -121,3 +210,23 @@ class NodeThread:
             if totals != self.totals:
                 self.totals = totals
             await trio.sleep(STATS_INTERVAL_S)
+
+    def stats(self) -> Any:
+        """What the node counted since the last call, as vLLM's stats: None if nothing.
+
+        Never waits: it reads the totals the node's thread last published (at
+        most 0.1 s old). Counters carry their increase (vLLM's frontend adds it
+        to the Prometheus counter), gauges their value now.
+        """
+        now = self.totals
+        if now is self._reported:
+            return None
+        stats = OffloadingConnectorStats()
+        for figure, value in now.items():
+            series = SERIES[figure]
+            if series.gauge:
+                stats.set_gauge(series.metric, value, series.labels)
+            elif (increase := value - self._reported.get(figure, 0.0)) > 0:  # counters never fall
+                stats.increase_counter(series.metric, increase, series.labels)
+        self._reported = now
+        return None if stats.is_empty() else stats

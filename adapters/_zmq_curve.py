@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterable
-from logging import WARNING
 from pathlib import Path
 
 import trio
@@ -20,8 +19,7 @@ from p2pactor.adapters._zmq_socket import (
     ZmqTransportError,
     _AsyncSocket,
     _Monitor,
-    _worth_logging,
-    note,
+    note_count,
 )
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.keys import KEYGEN_HINT, CurveKeypair, CurveSecurity, write_keypair
@@ -166,7 +164,6 @@ class _CurveGate:
         self.refused = 0  # clients turned away
         self.local_id = ""  # the transport's, once it is bound
         self.monitor: _Monitor | None = None  # the ROUTER's (see _router_monitor_loop)
-        self._closed = False
         zap = ctx.socket(zmq.ROUTER)
         try:
             zap.setsockopt(zmq.LINGER, 0)
@@ -199,7 +196,6 @@ class _CurveGate:
 
     def close(self) -> None:
         """Close the ROUTER's monitor, then the ZAP handler (after the ROUTER). Idempotent."""
-        self._closed = True
         if self.monitor is not None:
             self.monitor.close()
         self._zap.close(0)
@@ -244,7 +240,7 @@ class _CurveGate:
                 try:
                     batch = await zap.receive_batch(16)
                 except zmq.ZMQError as exc:
-                    if self._closed:
+                    if zap.closed:  # closed under it (close())
                         return
                     raise ZmqTransportError(f"the CURVE ZAP handler failed: {exc}") from exc
                 for request in batch:
@@ -313,5 +309,4 @@ class _CurveGate:
 
     def _refuse(self, what: str) -> None:
         self.refused += 1
-        if _worth_logging(self.refused):
-            note(WARNING, self.local_id, "refused %s (%d refused so far)", what, self.refused)
+        note_count(self.local_id, "refused", what, self.refused)

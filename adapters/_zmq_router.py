@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from logging import DEBUG, INFO, WARNING
+from logging import DEBUG, INFO
 from typing import Literal
 
 import trio
@@ -20,8 +20,8 @@ from p2pactor.adapters._zmq_socket import (
     ZmqTransportError,
     _AsyncSocket,
     _events,
-    _worth_logging,
     note,
+    note_count,
 )
 from p2pactor.runtime.transport import ConnectionLost
 
@@ -333,6 +333,4 @@ class ZmqControlTransport:
 
     def _drop(self, what: str, *, peer: str | None = None) -> None:
         self._dropped += 1
-        if _worth_logging(self._dropped):
-            count = self._dropped
-            note(WARNING, self.local_id, "dropped %s (%d dropped so far)", what, count, peer=peer)
+        note_count(self.local_id, "dropped", what, self._dropped, peer=peer)

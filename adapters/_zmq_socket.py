@@ -157,12 +157,13 @@ def note(level: int, node: str, message: str, *args: object, peer: str | None = 
     log.log(level, line, node, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2)
 
 
-def _worth_logging(count: int) -> bool:
-    """Whether to log the ``count``-th frame dropped or client refused.
+def note_count(node: str, done: str, what: str, count: int, *, peer: str | None = None) -> None:
+    """Warn that ``what`` was ``done`` (``dropped``, ``refused``), the ``count``-th so far.
 
     The first 10, then 1 in 1000: a misbehaving peer must not flood the log.
     """
-    return count <= 10 or count % 1000 == 0
+    if count <= 10 or count % 1000 == 0:
+        note(logging.WARNING, node, f"{done} %s (%d {done} so far)", what, count, peer=peer)
 
 
 COPY_BELOW: Final = 64 * 1024

@@ -62,8 +62,9 @@ How trio and NIXL meet (``shared/reference/trio-stack.md`` section 2):
   write, and any write predicted slower, goes to the one *poster* task, which
   posts writes in order from a worker thread.
 * The agent runs with ``NIXL_THREAD_SYNC_NONE``: its API is not thread-safe.
-  Every call into it, from the trio thread or a worker thread, is made while
-  holding one :class:`trio.Lock`, so the agent never sees two calls at once.
+  Every call into it is made while holding one :class:`trio.Lock`, or (a
+  quick write posted right inside ``start_write``) on the trio thread while
+  nobody holds it, so the agent never sees two calls at once.
   (NIXL's progress thread touches only the UCX worker, which NIXL then creates
   in UCX's multi-threaded mode, ``UCS_THREAD_MODE_MULTI``: NIXL's
   ``makeMtType`` in its UCX plugin picks it whenever the progress thread is

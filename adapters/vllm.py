@@ -29,11 +29,11 @@ engine's CPU tier holds is told to them in turn, ranked as vLLM's LRU ranks it
 check through the lent parent sized to the tier's churn, a new epoch at
 ``drain_jobs``).
 
-Its parts: ``_vllm_api.py`` (vLLM 0.33's API), ``_vllm_config.py`` (the options
-as a ``NodeConfig``), ``_vllm_parent.py`` (the lent parent, the check),
-``_vllm_auto.py`` (the automatic choice), ``_vllm_jobs.py`` (the jobs owed to
-vLLM), ``_vllm_watch.py`` (what vLLM is writing, claimed before its cascade),
-``_vllm_thread.py`` (the node's thread), ``_vllm_metrics.py`` (``/metrics``).
+Its parts: ``_vllm_api.py`` (vLLM 0.33's API, and the options as a ``NodeConfig``),
+``_vllm_parent.py`` (the lent parent; through it, the check and the watch of what
+vLLM is writing), ``_vllm_auto.py`` (the automatic choice), ``_vllm_jobs.py`` (the
+jobs owed to vLLM), ``_vllm_thread.py`` (the node's thread, and its figures in
+``/metrics``).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
 from p2pactor.adapters._vllm_api import (
+    SHUTDOWN_DRAIN_S,
     TO_VLLM,
     VLLM_HIT,
     VLLM_MISS,
@@ -63,14 +64,12 @@ from p2pactor.adapters._vllm_api import (
     positions,
     request_keys,
     require_tier_polling,
+    tier_config,
 )
 from p2pactor.adapters._vllm_auto import Auto, AutoSources
-from p2pactor.adapters._vllm_config import TIER_OPTIONS, tier_config
 from p2pactor.adapters._vllm_jobs import JobBook
-from p2pactor.adapters._vllm_metrics import metric_definitions, tier_stats
-from p2pactor.adapters._vllm_parent import LentParent, scrub
-from p2pactor.adapters._vllm_thread import NodeThread
-from p2pactor.adapters._vllm_watch import Watch
+from p2pactor.adapters._vllm_parent import LentParent, Watch, scrub
+from p2pactor.adapters._vllm_thread import NodeThread, metric_definitions
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.runtime.engine import LookupView
 from p2pactor.runtime.logcontext import request_context
@@ -80,7 +79,6 @@ __all__ = ["P2PActorTierManager"]
 
 log = logging.getLogger("p2pactor.vllm")
 
-_SHUTDOWN_DRAIN_S = 3.0  # vLLM's own: wait this long for writes, then give up
 _DRAIN_TIMEOUT_S = 30.0
 
 
@@ -123,20 +121,12 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
                 "Backpressure is not supported for the p2pactor tier (as for vLLM's p2p "
                 "tier): remove the 'backpressure' config from its secondary_tiers entry."
             )
-        for ignored in ("backends", "num_threads", "locality"):
-            options.pop(ignored, None)
-        if unknown := set(options) - TIER_OPTIONS:
-            raise ValueError(f"unknown p2pactor tier options: {sorted(unknown)}")
         super().__init__(offloading_spec, primary_kv_view, tier_type)
-        view = primary_kv_view
-        config = tier_config(
-            offloading_spec, view, self.block_size_bytes, _SHUTDOWN_DRAIN_S, **options
-        )
+        config = tier_config(offloading_spec, primary_kv_view, self.block_size_bytes, options)
         self._contexts: dict[str, ReqContext] = {}
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
         self._views: dict[tuple[str, str], LookupView] = {}  # this step's, per request
-        self._runner = NodeThread(config, view, event_log)
-        self._reported: dict[str, float] = {}  # the totals get_stats last reported
+        self._runner = NodeThread(config, primary_kv_view, event_log)
         self._node: Node = self._runner.start()
         self.jobs = JobBook(self._node, config.block_len)
         self._auto = AutoSources(self._node, config.sources.choice.tail_keys)
@@ -157,17 +147,16 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         """Read the request's role from its kv_transfer_params, once."""
         params = req_context.kv_transfer_params
         source = parse_source(params)
-        if source is not None and not self._node.config.may_dial(source.peer):
+        config = self._node.config
+        if source is not None and not config.may_dial(source.peer):
             log.warning(
                 "request %s names %s, %s; not dialing it",
                 req_context.req_id,
                 source.peer,
-                self._node.config.dial_refusal(source.peer)
+                config.dial_refusal(source.peer)
                 or "which is not in allowed_peers or has no trusted CURVE key (add it to "
                 "allowed_peers, or its .key to curve_trusted)",
-                extra=request_context(
-                    source.peer, source.kv_request_id, node=self._node.config.node_id
-                ),
+                extra=request_context(source.peer, source.kv_request_id, node=config.node_id),
             )
             source = None
         if source is not None:
@@ -191,11 +180,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             auto = req_context.get_state(Auto)
             if auto is None:
                 return VLLM_MISS
-            answer = self._auto.lookup(auto, key, req_context)
-            if answer is not None:
-                return TO_VLLM[answer]
-            source = req_context.get_state(Source)  # chosen: from now on it is named
-            assert source is not None
+            source = self._auto.lookup(auto, key, req_context)
+            if isinstance(source, Answer):
+                return TO_VLLM[source]
         if source.kv_request_id in self.jobs.failed:
             return VLLM_MISS
         if not source.probe:
@@ -253,42 +240,36 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     def submit_store(self, job_metadata: Any) -> None:
         """Keep a prefill/decode request's blocks for its remote puller."""
-        dest = job_metadata.req_context.get_state(Dest)
+        ctx = job_metadata.req_context
+        dest = ctx.get_state(Dest)
         job_id = int(job_metadata.job_id)
+        keys = [bytes(k) for k in job_metadata.keys]
         if dest is None:
             # Symmetric P2P: blocks stay in the CPU primary tier; nothing moves.
             # They are ours to claim: peers hear of them in the next delta.
             self.jobs.at_once(job_id, success=True)
-            keys = [bytes(k) for k in job_metadata.keys]
-            ctx = job_metadata.req_context
             self._node.holds(keys, request=ctx.req_id, positions=positions(ctx, keys))
         elif dest.kv_request_id is None:
             self.jobs.at_once(job_id, success=False)
         else:
-            keys = [bytes(k) for k in job_metadata.keys]
             self.jobs.track_store(job_id, dest.kv_request_id, len(keys))
-            self._node.submit_store(
-                dest.kv_request_id, job_id, keys, job_ids(job_metadata)
-            )  # woken at once: a store may come with no step to follow it
+            # Woken at once: a store may come with no step to follow it.
+            self._node.submit_store(dest.kv_request_id, job_id, keys, job_ids(job_metadata))
 
     def submit_load(self, job_metadata: Any) -> None:
         """Pull keys from the request's source peer into the given chunks."""
-        source = job_metadata.req_context.get_state(Source)
+        ctx = job_metadata.req_context
+        source = ctx.get_state(Source)
         job_id = int(job_metadata.job_id)
         keys = [bytes(k) for k in job_metadata.keys]
         if source is None or not keys:
             self.jobs.at_once(job_id, success=source is not None)
         else:
-            ctx = job_metadata.req_context
-            self.jobs.load(job_id, source.kv_request_id, keys, ctx, positions(ctx, keys))
+            kv_id = source.kv_request_id
+            self.jobs.load(job_id, kv_id, keys, ctx, positions(ctx, keys))
             self._node.reserve(len(keys))  # vLLM evicted for these chunks: claim less
             self._node.submit_load(
-                source.peer,
-                source.kv_request_id,
-                job_id,
-                keys,
-                job_ids(job_metadata),
-                wake=False,
+                source.peer, kv_id, job_id, keys, job_ids(job_metadata), wake=False
             )
 
     # --- per step ----------------------------------------------------------------
@@ -305,20 +286,17 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         due, sized to what the tier stored since (``SummaryOptions.scrub_per_key``).
         """
         node = self._node
-        node.serve_parent(LentParent(self, parent))
+        node.serve_parent(LentParent(self._contexts, self.jobs, parent))
         if threading.get_ident() == self._scheduler:
             # The step's serve (in on_schedule_end): vLLM has just evicted for the
             # step's stores. Ask about the keys it evicts next, so a claim it
             # dropped leaves the peers before the forward pass is over.
-            gone, _ = scrub(parent, node.take_frontier(), node.node_id)
-            if gone:
+            if gone := scrub(parent, node.take_frontier(), node.node_id)[0]:
                 node.scrubbed(gone, ())
             # And it has just prepared the step's stores: claim them now.
             self._watch.check(parent, self.jobs.loading())
-        batch = node.take_scrub()
-        if batch:
-            gone, kept = scrub(parent, batch, node.node_id)
-            node.scrubbed(gone, kept)
+        if batch := node.take_scrub():
+            node.scrubbed(*scrub(parent, batch, node.node_id))
 
     def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
         """The engine reused ``keys``: the most recent in our summary's order now."""
@@ -365,7 +343,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     def shutdown(self) -> None:
         """Close the node: sessions drain for up to 3 s, as vLLM's tier does."""
-        self._runner.stop(timeout=_SHUTDOWN_DRAIN_S + 10)
+        self._runner.stop(timeout=SHUTDOWN_DRAIN_S + 10)
         self.jobs.forget()  # no result can come from a stopped node
 
     # --- vLLM's /metrics -----------------------------------------------------------
@@ -382,12 +360,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         Never waits: it reads the totals the node's thread last published (at
         most 0.1 s old), and returns None while they have not changed.
         """
-        totals = self._runner.totals
-        if totals is self._reported:
-            return None
-        stats = tier_stats(self._reported, totals)
-        self._reported = totals
-        return stats
+        return self._runner.stats()
 
     # --- introspection -------------------------------------------------------------
 

@@ -81,7 +81,6 @@ import zmq
 from p2pactor.adapters._zmq_connection import ZmqConnection
 from p2pactor.adapters._zmq_curve import (
     ROUTER_MONITOR_MASK,
-    ZAP_DOMAIN,
     _CurveGate,
     check_keypair,
     generate_keypair,
@@ -98,7 +97,6 @@ from p2pactor.adapters._zmq_socket import (
 from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
-    "ZAP_DOMAIN",
     "ZmqConnection",
     "ZmqControlTransport",
     "ZmqOptions",

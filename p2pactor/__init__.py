@@ -32,113 +32,72 @@ import importlib
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
-from p2pactor.errors import (
-    ConfigError,
-    DataPlaneError,
-    EventFormatError,
-    FrameTooLarge,
-    InvalidField,
-    LogError,
-    LogFormatError,
-    MalformedFrame,
-    P2PActorError,
-    ProtocolError,
-    ReplayError,
-    UnknownMessageType,
-)
+from p2pactor import errors
+from p2pactor.errors import *  # noqa: F403 - errors.__all__ names them
 
 if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
-    from p2pactor.adapters.nixl import NixlOptions, open_nixl_transport
-    from p2pactor.adapters.zmq import ZmqOptions, generate_keypair, open_zmq_transport
-    from p2pactor.core.fold import fold
-    from p2pactor.core.inputs import LookupResult
-    from p2pactor.core.protocol import Limits
-    from p2pactor.core.timings import Timings
-    from p2pactor.runtime.config import DEFAULT_HASH_SEED, NodeConfig, fingerprint_of
-    from p2pactor.runtime.keys import CurveSecurity
-    from p2pactor.runtime.log import Durability, EventLog
-    from p2pactor.runtime.logread import read_log
-    from p2pactor.runtime.node import FetchResult, LoadResult, Node, open_node
-    from p2pactor.runtime.parent import CacheFull, EmbeddedCache, Parent
-    from p2pactor.runtime.quotas import PeerQuotas
-    from p2pactor.runtime.samples import block_bytes, chain_keys, preload_keys
-    from p2pactor.runtime.transport import TransferError
-    from p2pactor.surface.attach import OperatorSurface, open_operator_surface
-    from p2pactor.surface.logsetup import JsonFormatter, configure_logging
-
-__all__ = [
-    "DEFAULT_HASH_SEED",
-    "CacheFull",
-    "ConfigError",
-    "CurveSecurity",
-    "DataPlaneError",
-    "Durability",
-    "EmbeddedCache",
-    "EventFormatError",
-    "EventLog",
-    "FetchResult",
-    "FrameTooLarge",
-    "InvalidField",
-    "JsonFormatter",
-    "Limits",
-    "LoadResult",
-    "LogError",
-    "LogFormatError",
-    "LookupResult",
-    "MalformedFrame",
-    "NixlOptions",
-    "Node",
-    "NodeConfig",
-    "OperatorSurface",
-    "P2PActorError",
-    "Parent",
-    "PeerQuotas",
-    "ProtocolError",
-    "ReplayError",
-    "Timings",
-    "TransferError",
-    "UnknownMessageType",
-    "ZmqOptions",
-    "__version__",
-    "block_bytes",
-    "chain_keys",
-    "configure_logging",
-    "fingerprint_of",
-    "fold",
-    "generate_keypair",
-    "open_nixl_transport",
-    "open_node",
-    "open_operator_surface",
-    "open_zmq_transport",
-    "preload_keys",
-    "read_log",
-]
+    from p2pactor.adapters.nixl import NixlOptions as NixlOptions
+    from p2pactor.adapters.nixl import open_nixl_transport as open_nixl_transport
+    from p2pactor.adapters.zmq import ZmqOptions as ZmqOptions
+    from p2pactor.adapters.zmq import generate_keypair as generate_keypair
+    from p2pactor.adapters.zmq import open_zmq_transport as open_zmq_transport
+    from p2pactor.core.fold import fold as fold
+    from p2pactor.core.inputs import LookupResult as LookupResult
+    from p2pactor.core.protocol import Limits as Limits
+    from p2pactor.core.timings import Timings as Timings
+    from p2pactor.runtime.config import DEFAULT_HASH_SEED as DEFAULT_HASH_SEED
+    from p2pactor.runtime.config import NodeConfig as NodeConfig
+    from p2pactor.runtime.config import fingerprint_of as fingerprint_of
+    from p2pactor.runtime.engine import LoadResult as LoadResult
+    from p2pactor.runtime.keys import CurveSecurity as CurveSecurity
+    from p2pactor.runtime.log import Durability as Durability
+    from p2pactor.runtime.log import EventLog as EventLog
+    from p2pactor.runtime.logread import read_log as read_log
+    from p2pactor.runtime.node import FetchResult as FetchResult
+    from p2pactor.runtime.node import Node as Node
+    from p2pactor.runtime.node import open_node as open_node
+    from p2pactor.runtime.parent import CacheFull as CacheFull
+    from p2pactor.runtime.parent import EmbeddedCache as EmbeddedCache
+    from p2pactor.runtime.parent import Parent as Parent
+    from p2pactor.runtime.quotas import PeerQuotas as PeerQuotas
+    from p2pactor.runtime.samples import block_bytes as block_bytes
+    from p2pactor.runtime.samples import chain_keys as chain_keys
+    from p2pactor.runtime.samples import preload_keys as preload_keys
+    from p2pactor.runtime.transport import TransferError as TransferError
+    from p2pactor.surface.attach import OperatorSurface as OperatorSurface
+    from p2pactor.surface.attach import open_operator_surface as open_operator_surface
+    from p2pactor.surface.logsetup import JsonFormatter as JsonFormatter
+    from p2pactor.surface.logsetup import configure_logging as configure_logging
 
 # Where each lazily loaded name lives; tests/test_public.py checks that it
-# agrees with the imports above and with ``__all__``.
+# agrees with the imports above.
 _LAZY = {
     name: module
     for module, names in {
         "p2pactor.adapters.nixl": ("NixlOptions", "open_nixl_transport"),
         "p2pactor.adapters.zmq": ("ZmqOptions", "generate_keypair", "open_zmq_transport"),
-        "p2pactor.runtime.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
         "p2pactor.core.fold": ("fold",),
         "p2pactor.core.inputs": ("LookupResult",),
+        "p2pactor.core.protocol": ("Limits",),
         "p2pactor.core.timings": ("Timings",),
+        "p2pactor.runtime.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
         "p2pactor.runtime.keys": ("CurveSecurity",),
         "p2pactor.runtime.log": ("Durability", "EventLog"),
         "p2pactor.runtime.logread": ("read_log",),
-        "p2pactor.surface.logsetup": ("JsonFormatter", "configure_logging"),
-        "p2pactor.runtime.node": ("FetchResult", "LoadResult", "Node", "open_node"),
+        "p2pactor.runtime.engine": ("LoadResult",),
+        "p2pactor.runtime.node": ("FetchResult", "Node", "open_node"),
         "p2pactor.runtime.parent": ("CacheFull", "EmbeddedCache", "Parent"),
-        "p2pactor.core.protocol": ("Limits",),
         "p2pactor.runtime.quotas": ("PeerQuotas",),
         "p2pactor.runtime.samples": ("block_bytes", "chain_keys", "preload_keys"),
-        "p2pactor.surface.attach": ("OperatorSurface", "open_operator_surface"),
         "p2pactor.runtime.transport": ("TransferError",),
+        "p2pactor.surface.attach": ("OperatorSurface", "open_operator_surface"),
+        "p2pactor.surface.logsetup": ("JsonFormatter", "configure_logging"),
     }.items()
     for name in names
 }
+__all__ = list(_LAZY)  # what the table loads, the errors and the version below
+__all__ += errors.__all__
+__all__ += ["__version__"]
 
 
 def __getattr__(name: str) -> Any:

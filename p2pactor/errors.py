@@ -12,6 +12,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "DataPlaneError",
     "EventFormatError",
     "FrameTooLarge",
     "InvalidField",

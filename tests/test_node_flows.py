@@ -17,7 +17,7 @@ from p2pactor.core import protocol as wire
 from p2pactor.core.events import FetchSent
 from p2pactor.core.ids import Role
 from p2pactor.core.inputs import LookupResult
-from p2pactor.runtime.node import LoadResult
+from p2pactor.runtime.engine import LoadResult
 from p2pactor.testing import message_is
 from tests.cluster import block_bytes, key, open_cluster
 from tests.test_node import assert_replay_matches, assert_settled, pull

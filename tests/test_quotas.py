@@ -364,7 +364,8 @@ class TestLedger:
         ledger.forget("r3")  # idempotent
         assert ledger.usage(PEER).open_requests == 2
         assert ledger.open_request(PEER, "r4") is False
-        ledger.forget_all(["r1", "r2", "r4"])
+        for handle in ["r1", "r2", "r4"]:
+            ledger.forget(handle)
         assert ledger.usage(PEER).holds_nothing
 
     def test_open_lookups_are_counted_from_the_state_until_answered_or_dropped(self) -> None:

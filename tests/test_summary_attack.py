@@ -1,7 +1,7 @@
 """Issue 30: a hostile ``kvsum/1`` peer against a real node, one test per attack.
 
 Each test starts a fresh victim (``p2pactor serve``, summaries on as by
-default, 16,384 preloaded blocks: :mod:`p2pactor.programs.bench._summary_victim`),
+default, 16,384 preloaded blocks: :class:`p2pactor.programs.bench._summary_drive.Victim`),
 an honest peer that looks it up 50 times a second, fetches and checks every
 byte (:mod:`p2pactor.programs.bench._honest`), and the hostile peer as a
 process of its own (:mod:`p2pactor.programs.bench._hostile`), driven
@@ -42,9 +42,14 @@ from p2pactor.core import protocol as wire
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.programs.bench._control_common import nixl_missing, open_bench_node
 from p2pactor.programs.bench._hostile_peer import RawPeer
-from p2pactor.programs.bench._summary_drive import AttackResult, HonestPeer, run_attack
+from p2pactor.programs.bench._summary_drive import (
+    HonestPeer,
+    StepResult,
+    Victim,
+    VictimSettings,
+    run_attack,
+)
 from p2pactor.programs.bench._summary_drive import arena as victim_arena
-from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings
 from p2pactor.programs.bench.summary_attack import (
     EPOCH_TARGET,
     FRAME_TARGET_X,
@@ -83,20 +88,18 @@ LIAR_CLAIMS, LIAR_KEYS = 400, 10
 
 @attrs.define
 class Arena:
-    """A victim, its monitor and an honest peer, for one test."""
+    """A victim and an honest peer, for one test."""
 
     victim: Victim
-    monitor: Monitor
     honest: HonestPeer
     work: Path
 
-    def attack(self, name: str, *args: str) -> AttackResult:
+    def attack(self, name: str, *args: str) -> StepResult:
         """Run one attack as the bench does; check the honest peer was served throughout."""
         result = run_attack(
             name,
             list(args),
             victim=self.victim,
-            monitor=self.monitor,
             honest=self.honest,
             work_dir=self.work,
         )
@@ -123,17 +126,17 @@ class Arena:
 def arena(tmp_path: Path) -> Iterator[Arena]:
     # No --slow-step-ms: these tests assert no timing, so they need no watch.
     settings = VictimSettings(port=free_port(), metrics_port=free_port(), slow_step_ms=None)
-    with victim_arena(settings, tmp_path) as (victim, monitor, honest):
-        yield Arena(victim, monitor, honest, tmp_path)
+    with victim_arena(settings, tmp_path) as (victim, honest):
+        yield Arena(victim, honest, tmp_path)
 
 
-def _bounded(result: AttackResult) -> None:
+def _bounded(result: StepResult) -> None:
     most = RSS_TARGET_MIB + MARGIN_MIB
     assert result.peak_growth_mib <= most, (
-        f"{result.attack}: the victim's RSS grew by {result.peak_growth_mib:.1f} MiB "
+        f"{result.label}: the victim's RSS grew by {result.peak_growth_mib:.1f} MiB "
         f"(bound {most:g})"
     )
-    assert result.kept_mib <= most, f"{result.attack}: it kept {result.kept_mib:.1f} MiB"
+    assert result.kept_mib <= most, f"{result.label}: it kept {result.kept_mib:.1f} MiB"
 
 
 def test_a_peer_registering_a_million_blocks_and_claiming_them_costs_a_bounded_amount(
@@ -214,7 +217,7 @@ def test_a_stream_of_the_largest_lookups_costs_a_bounded_amount(arena: Arena) ->
     if result.steps[-1].hostile["cut"]:
         # Cut off as a flood (whether it is depends on how fast each side ran):
         # the victim's log says why.
-        log = arena.victim.stderr.read_text()
+        log = Path(arena.victim.stderr or "").read_text()
         assert "flooded us: more than" in log
         assert "not yet handled" in log
 

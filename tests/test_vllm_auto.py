@@ -184,7 +184,7 @@ def test_without_summaries_a_request_naming_no_source_is_a_miss() -> None:
 
 
 def test_a_key_is_worth_the_tokens_of_one_chunk_of_the_spec() -> None:
-    from p2pactor.adapters._vllm_config import source_options  # noqa: PLC0415
+    from p2pactor.adapters._vllm_api import source_options  # noqa: PLC0415
     from p2pactor.runtime.sources import SourceOptions  # noqa: PLC0415
     from tests.test_vllm_tier import offloading_spec  # noqa: PLC0415
 

@@ -62,7 +62,7 @@ with warnings.catch_warnings():
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pactor.adapters._vllm_metrics import METRICS, SERIES
+from p2pactor.adapters._vllm_thread import METRICS, SERIES
 from p2pactor.adapters.vllm import P2PActorTierManager
 
 P = "vllm:kv_offload_p2pactor_"

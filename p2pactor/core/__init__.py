@@ -15,23 +15,9 @@ Time is always an argument (``now``); deadlines are absolute times in the state.
 
 from p2pactor.core.consumer import ConsumerState as ConsumerState
 from p2pactor.core.consumer import probe_answer as probe_answer
-from p2pactor.core.consumer import probe_answers as probe_answers
 from p2pactor.core.consumer import step_consumer as step_consumer
-from p2pactor.core.consumer_state import evolve_consumer as evolve_consumer
-from p2pactor.core.effects import effects_of as effects_of
-from p2pactor.core.events import ConsumerPhase as ConsumerPhase
-from p2pactor.core.fold import ActorState as ActorState
-from p2pactor.core.fold import evolve as evolve
 from p2pactor.core.fold import fold as fold
-from p2pactor.core.fold import initial_state as initial_state
-from p2pactor.core.fold import is_terminal as is_terminal
-from p2pactor.core.fold import next_deadline as next_deadline
 from p2pactor.core.ids import ActorId as ActorId
 from p2pactor.core.ids import Role as Role
-from p2pactor.core.inputs import LookupResult as LookupResult
-from p2pactor.core.producer import ProducerPhase as ProducerPhase
 from p2pactor.core.producer import ProducerState as ProducerState
 from p2pactor.core.producer import step_producer as step_producer
-from p2pactor.core.producer_evolve import evolve_producer as evolve_producer
-from p2pactor.core.timings import DEFAULT_TIMINGS as DEFAULT_TIMINGS
-from p2pactor.core.timings import Timings as Timings

@@ -10,11 +10,11 @@ event type, made into a checked function by :func:`evolver`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Generic, Self, TypeVar, get_args
+from typing import Any, ClassVar, Generic, Self, TypeVar, cast, get_args
 
 import msgspec
 
-from p2pactor.core.events import Event
+from p2pactor.core.events import Event, Ignored
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.errors import ReplayError
 
@@ -60,6 +60,26 @@ class Builder(Generic[S, E]):
         event = kind(actor=state.actor, seq=state.seq + 1, at=self.now, **fields)
         self.state = self._evolve(state, event)
         self.events.append(event)
+
+    def ignore(self, input: str, reason: str) -> None:
+        """Record that ``input`` (a message type or input name) changed nothing, and why."""
+        self.emit(cast("type[E]", Ignored), input=input, reason=reason)  # either role's
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
+    """A copy of ``mapping`` with ``key`` set to ``value``."""
+    return {**mapping, key: value}
+
+
+def drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
+    """A copy of ``mapping`` without ``key`` (there or not)."""
+    out = dict(mapping)
+    out.pop(key, None)
+    return out
 
 
 def evolver(

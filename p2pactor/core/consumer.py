@@ -144,7 +144,7 @@ def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
                 refused[key] = no and not hit
         ignored = "" if applied else "it answers no key that is waiting"
     if ignored:
-        b.emit(ev.Ignored, input=msg.TYPE, reason=ignored)
+        b.ignore(msg.TYPE, ignored)
         return
     deadline = b.now + t.lookup_progress_timeout if len(waiting) > len(applied) else None
     b.emit(
@@ -191,7 +191,7 @@ def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
 def _on_transfer_done(b: _B, msg: wire.TransferDone) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None:
-        b.emit(ev.Ignored, input=msg.TYPE, reason=f"no load in flight for round {msg.round_seq}")
+        b.ignore(msg.TYPE, f"no load in flight for round {msg.round_seq}")
         return
     # A transfer_done that crosses our abort is still the truth: the write ended.
     b.emit(ev.TransferDone, round_seq=msg.round_seq, job_id=load.job_id, success=msg.success)
@@ -202,8 +202,7 @@ def _on_abort_ack(b: _B, msg: wire.AbortAck) -> None:
     load = b.state.loads.get(msg.round_seq)
     if load is None or not load.aborting or load.held:
         # An unsolicited ack must not release blocks a write may still reach.
-        reason = f"no abort of round {msg.round_seq} is waiting for an ack"
-        b.emit(ev.Ignored, input=msg.TYPE, reason=reason)
+        b.ignore(msg.TYPE, f"no abort of round {msg.round_seq} is waiting for an ack")
         return
     b.emit(ev.AbortAcked, round_seq=msg.round_seq, job_id=load.job_id)
     _maybe_finished(b)
@@ -234,11 +233,9 @@ def _finish(b: _B, t: Timings) -> None:
 
 def _send_abort(b: _B, t: Timings, round_seq: int, reason: str) -> None:
     """Ask the peer to abort the load of ``round_seq``; it fails anyway if no ack comes in time."""
-    ack_deadline = b.now + t.abort_ack_timeout
     job_id = b.state.loads[round_seq].job_id
-    b.emit(
-        ev.AbortSent, round_seq=round_seq, job_id=job_id, reason=reason, ack_deadline=ack_deadline
-    )
+    deadline = b.now + t.abort_ack_timeout
+    b.emit(ev.AbortSent, round_seq=round_seq, job_id=job_id, reason=reason, ack_deadline=deadline)
 
 
 def _open_round(s: ConsumerState) -> int | None:

@@ -27,10 +27,9 @@ CONSUMER_PHASE_AT: Final[Mapping[type[ev.Event], ConsumerPhase]] = {
     ev.LookupCancelled: ConsumerPhase.FETCH_SENT,
 }
 
-# Phases in the order they may be entered; evolve never moves backwards.
+# Phases in the order they may be entered; evolve never moves backwards. The running outcome only
+# gets worse, in the same order: DONE < FAILED < ABORTED.
 _ORDER: Final = {phase: rank for rank, phase in enumerate(ConsumerPhase)}
-# The running outcome only gets worse: DONE < FAILED < ABORTED.
-_SEVERITY: Final = {ConsumerPhase.DONE: 0, ConsumerPhase.FAILED: 1, ConsumerPhase.ABORTED: 2}
 
 
 class Load(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -112,7 +111,7 @@ class ConsumerState(ActorRecord, frozen=True, kw_only=True, gc=False):
 
 def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> dict[str, Any]:
     """The changes an outcome of ``outcome`` makes: none unless it is worse (it only gets worse)."""
-    if _SEVERITY[outcome] <= _SEVERITY[state.outcome]:
+    if _ORDER[outcome] <= _ORDER[state.outcome]:
         return {}
     return {"outcome": outcome, "problem": problem}
 
@@ -137,6 +136,7 @@ def _registered(
 
 
 def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
+    """``loads`` without the load of ``round_seq``, which it has (KeyError: a corrupt log)."""
     rest = dict(loads)
     del rest[round_seq]
     return rest

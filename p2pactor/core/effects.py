@@ -120,8 +120,15 @@ def _send(e: Any, message: Callable[..., wire.Message], **fields: Any) -> tuple[
     return (Send(message(kv_request_id=e.actor.kv_request_id, **fields)),)
 
 
-def _report(job_id: int, reason: str, *, success: bool = False) -> tuple[Effect, ...]:
-    return (ReportLoad(job_id=job_id, success=success, reason=reason),)
+def _copied(kind: type[Any], **given: Any) -> Callable[[Any], tuple[Effect, ...]]:
+    """The maker of one ``kind``: its fields are the event's of the same names, but for ``given``.
+
+    A wire message is sent to the actor's peer, about the actor's kv_request_id.
+    """
+    names = [n for n in kind.__struct_fields__ if n not in given and n != "kv_request_id"]
+    if "kv_request_id" in kind.__struct_fields__:
+        return lambda e: _send(e, kind, **given, **{n: getattr(e, n) for n in names})
+    return lambda e: (kind(**given, **{n: getattr(e, n) for n in names}),)
 
 
 def _ask(e: Any, keys: tuple[bytes, ...], not_after: float | None = None) -> tuple[Effect, ...]:
@@ -161,21 +168,21 @@ _MAKERS: Final[dict[type[ev.Event], Callable[[Any], tuple[Effect, ...]]]] = {
         round_seq=e.round_seq,
         deadline_ms=min(max(0, round((e.lookup_deadline - e.at) * 1000)), wire.MAX_DEADLINE_MS),
     ),
-    ev.FetchSent: lambda e: _send(
-        e, wire.Fetch, keys=e.keys, block_indexes=e.block_indexes, round_seq=e.round_seq
+    ev.FetchSent: _copied(wire.Fetch),
+    ev.LookupCancelled: _copied(wire.Fetch, keys=(), block_indexes=()),  # the terminal empty fetch
+    ev.AbortSent: _copied(wire.AbortFetch),
+    ev.TransferDone: lambda e: (
+        ReportLoad(
+            job_id=e.job_id,
+            success=e.success,
+            reason="" if e.success else "the peer reported the transfer failed",
+        ),
     ),
-    ev.LookupCancelled: lambda e: _send(
-        e, wire.Fetch, keys=(), block_indexes=(), round_seq=e.round_seq
+    ev.AbortAcked: _copied(
+        ReportLoad, success=False, reason="aborted; the peer confirmed no write can still land"
     ),
-    ev.AbortSent: lambda e: _send(e, wire.AbortFetch, round_seq=e.round_seq),
-    ev.TransferDone: lambda e: _report(
-        e.job_id, "" if e.success else "the peer reported the transfer failed", success=e.success
-    ),
-    ev.AbortAcked: lambda e: _report(
-        e.job_id, "aborted; the peer confirmed no write can still land"
-    ),
-    ev.Aborted: lambda e: _report(e.job_id, e.reason),
-    ev.FetchSkipped: lambda e: _report(e.job_id, e.reason, success=e.success),
+    ev.Aborted: _copied(ReportLoad, success=False),
+    ev.FetchSkipped: _copied(ReportLoad),
     # The terminal empty fetch, if a lookup was still open.
     ev.Finished: lambda e: (
         _RETIRE
@@ -199,20 +206,10 @@ _MAKERS: Final[dict[type[ev.Event], Callable[[Any], tuple[Effect, ...]]]] = {
     ),
     ev.LookupAnswered: _answered,
     ev.ContextClosed: lambda e: (ParentClose(context_name(e.actor, e.lookup_id)),),
-    ev.PinReleased: lambda e: (ReleasePin(job_id=e.job_id, success=e.success),),
-    ev.TransferStarted: lambda e: (
-        StartTransfer(
-            transfer_id=e.transfer_id, local_blocks=e.local_blocks, remote_blocks=e.remote_blocks
-        ),
-    ),
-    ev.TransferDoneSent: lambda e: (
-        Send(
-            wire.TransferDone(
-                kv_request_id=e.actor.kv_request_id, success=e.success, round_seq=e.round_seq
-            )
-        ),
-    ),
-    ev.AbortAckSent: lambda e: _send(e, wire.AbortAck, round_seq=e.round_seq),
+    ev.PinReleased: _copied(ReleasePin),
+    ev.TransferStarted: _copied(StartTransfer),
+    ev.TransferDoneSent: _copied(wire.TransferDone),
+    ev.AbortAckSent: _copied(wire.AbortAck),
     ev.Closed: lambda e: (
         (*(ReleasePin(job_id=j, success=False) for j in e.released), *_RETIRE)
         if e.released

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, Final, get_args
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, Final
 
 from p2pactor.core import events as ev
-from p2pactor.core.consumer import next_consumer_deadline
-from p2pactor.core.consumer_state import ConsumerState, consumer_phase_after, evolve_consumer
+from p2pactor.core.consumer_state import (
+    CONSUMER_FOLDS,
+    ConsumerState,
+    consumer_phase_after,
+    evolve_consumer,
+)
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import next_producer_deadline
-from p2pactor.core.producer_evolve import evolve_producer
+from p2pactor.core.producer import PRODUCER_FOLDS, evolve_producer
 from p2pactor.core.producer_state import PRODUCER_PHASE_AT, ProducerPhase, ProducerState
 from p2pactor.errors import ReplayError
 
@@ -21,11 +24,10 @@ ActorState = ConsumerState | ProducerState
 # A phase of either role.
 Phase = ConsumerPhase | ProducerPhase
 
-# Each role's state type: its events, its evolve and its next deadline.
-_Role = tuple[frozenset[type], Callable[[Any, Any], ActorState], Callable[[Any], float | None]]
-_ROLES: Final[dict[type, _Role]] = {
-    ConsumerState: (frozenset(get_args(ev.ConsumerEvent)), evolve_consumer, next_consumer_deadline),
-    ProducerState: (frozenset(get_args(ev.ProducerEvent)), evolve_producer, next_producer_deadline),
+# Each role's state type: its events (the kinds its fold table folds) and its evolve.
+_ROLES: Final[dict[type, tuple[Collection[type], Callable[[Any, Any], ActorState]]]] = {
+    ConsumerState: (CONSUMER_FOLDS.keys(), evolve_consumer),
+    ProducerState: (PRODUCER_FOLDS.keys(), evolve_producer),
 }
 
 
@@ -41,7 +43,7 @@ def evolve(state: ActorState, event: ev.AnyEvent) -> ActorState:
         ReplayError: The event does not belong to this actor, is of the other
             role, or breaks the sequence.
     """
-    kinds, evolve_role, _ = _ROLES[type(state)]
+    kinds, evolve_role = _ROLES[type(state)]
     try:
         if type(event) not in kinds:
             raise ReplayError(f"{event.KIND} is not a {state.ROLE.value} event ({state.actor})")
@@ -92,8 +94,3 @@ def phase_after(phase: Phase, event: ev.AnyEvent) -> Phase:
 def is_terminal(state: ActorState) -> bool:
     """Whether the actor has ended (terminal states absorb every input)."""
     return state.phase.terminal
-
-
-def next_deadline(state: ActorState) -> float | None:
-    """When the actor next needs a tick, if ever."""
-    return _ROLES[type(state)][2](state)

@@ -25,36 +25,48 @@ The producer never touches the parent: it posts
 
 from __future__ import annotations
 
-from typing import assert_never
+from collections import Counter
+from collections.abc import Callable
+from typing import Final, assert_never
 
 import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
-from p2pactor.core.builder import Builder
+from p2pactor.core.builder import Builder, evolver
 from p2pactor.core.events import Violation
-from p2pactor.core.producer_evolve import evolve_producer
 from p2pactor.core.producer_lookups import (
+    LOOKUP_FOLDS,
     _drop_lookups,
     _on_lookup,
     _on_parent_answer,
+    _refusal,
     _reject,
     _tick_lookups,
 )
 from p2pactor.core.producer_state import (
     _B,
+    PIN_EXPIRED,
+    STATE_FOLDS,
+    PinJob,
     RoundState,
     Supply,
-    _expirable,
-    _expire_pins,
-    _release_round_jobs,
-    _release_stores,
+    _release,
 )
 from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
 from p2pactor.core.producer_state import ProducerState as ProducerState
 from p2pactor.core.producer_state import pin_expired as pin_expired
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
+
+# How each producer event changes the state: ``evolve_producer``'s table, without its checks of
+# actor and sequence (for a caller that made them: replay).
+PRODUCER_FOLDS: Final = {**STATE_FOLDS, **LOOKUP_FOLDS}
+
+# Apply one event to a producer state; pure (ReplayError if it does not follow).
+evolve_producer: Callable[[ProducerState, ev.ProducerEvent], ProducerState] = evolver(
+    PRODUCER_FOLDS, ev.ProducerEvent
+)
 
 # Everything a producer actor reacts to.
 ProducerInput = (
@@ -106,8 +118,7 @@ def step_producer(
         case inp.TransferResult():
             tid = event_input.transfer_id
             if tid not in b.state.transfers:
-                reason = f"no transfer {tid} is in flight"
-                b.emit(ev.Ignored, input="transfer_result", reason=reason)
+                b.ignore("transfer_result", f"no transfer {tid} is in flight")
             elif event_input.ok:
                 b.emit(ev.TransferCompleted, transfer_id=tid)
             else:
@@ -164,22 +175,16 @@ def _plan(s: ProducerState, round_seq: int) -> tuple[list[tuple[bytes, int, Supp
         blocks stay unmatched.
     """
     rnd = s.rounds[round_seq]
-    taken: dict[bytes, int] = {}
+    taken: Counter[bytes] = Counter()  # pool blocks handed out so far, by key
     matched: list[tuple[bytes, int, Supply]] = []
-    unmatched = 0
     for key, remote in rnd.demand:
         sup = rnd.supply.get(key)
-        if sup is None:
-            entries = s.pool.get(key, ())
-            used = taken.get(key, 0)
-            if used < len(entries):
-                sup = entries[used]
-                taken[key] = used + 1
-        if sup is None:
-            unmatched += 1
-        else:
+        if sup is None and taken[key] < len(entries := s.pool.get(key, ())):
+            sup = entries[taken[key]]
+            taken[key] += 1
+        if sup is not None:
             matched.append((key, remote, sup))
-    return matched, unmatched
+    return matched, len(rnd.demand) - len(matched)
 
 
 def _start(b: _B, round_seq: int, matched: list[tuple[bytes, int, Supply]]) -> None:
@@ -201,7 +206,7 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         if msg.keys:
             _reject(b, msg, Violation.AFTER_CLOSE, f"fetch for round {r} after the request closed")
         else:
-            b.emit(ev.Ignored, input=msg.TYPE, reason="the request is already closed")
+            b.ignore(msg.TYPE, "the request is already closed")
         return
     if len(msg.keys) != len(msg.block_indexes):
         detail = f"{len(msg.keys)} keys but {len(msg.block_indexes)} block indexes"
@@ -225,7 +230,7 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
     b.emit(ev.FetchReceived, round_seq=r, keys=msg.keys, block_indexes=msg.block_indexes)
     if verdict is not None:
         # The round fails whole and at once; the sweep ends it, releasing its pins.
-        b.emit(ev.FetchRefused, round_seq=r, quota=verdict.quota, reason=verdict.reason)
+        b.emit(ev.FetchRefused, round_seq=r, **_refusal(verdict))
         return
     matched, unmatched = _plan(b.state, r)
     symmetric = b.state.rounds[r].lookup_supplied or r <= b.state.looked_up_through
@@ -271,7 +276,7 @@ def _on_abort(b: _B, msg: wire.AbortFetch) -> None:
     rnd = s.rounds.get(r)
     if rnd is not None and rnd.fetched:
         if rnd.cancelled:
-            b.emit(ev.Ignored, input=msg.TYPE, reason=f"round {r} is already aborting")
+            b.ignore(msg.TYPE, f"round {r} is already aborting")
             return
         b.emit(ev.AbortReceived, round_seq=r)
         _release_round_jobs(b, r, f"round {r} aborted", idle_only=True)
@@ -333,3 +338,44 @@ def _sweep_round(b: _B, rnd: RoundState) -> None:
             _finalize(b, r, success=False, reason=reason)
     elif rnd.remaining == 0:
         _finalize(b, r, success=True, reason="")
+
+
+def _release_round_jobs(
+    b: _B, round_seq: int, reason: str, *, served: bool = False, idle_only: bool = False
+) -> None:
+    for job_id, job in sorted(b.state.jobs.items()):
+        if job.round_seq == round_seq and not (idle_only and job.readers):
+            _release(b, job_id, reason, served=served)
+
+
+def _expirable(s: ProducerState, job: PinJob) -> bool:
+    """A pin no fetch is using or about to use: it may time out."""
+    if job.readers or job.serving:
+        return False
+    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
+    return rnd is None or not rnd.fetched
+
+
+def _expire_pins(b: _B, t: Timings) -> None:
+    for job_id, job in sorted(b.state.jobs.items()):
+        if b.now >= job.expires_at and _expirable(b.state, job):
+            _release(b, job_id, f"{PIN_EXPIRED} {t.pin_timeout:g} s")
+
+
+def _release_stores(b: _B) -> None:
+    """Release each store job once its rounds settled it or the request ended."""
+    s = b.state
+    in_pool = {sup.job_id for entries in s.pool.values() for sup in entries}
+    # Once the engine stored its last block and every fetch so far was served,
+    # leftover stored blocks can serve nobody.
+    served_out = s.finishing and s.closed_through >= 0 and not s.rounds
+    for job_id, job in sorted(s.jobs.items()):
+        # A failed job's outcome is settled; a good one waits for its rounds.
+        if job.round_seq is not None or job.readers or (job.serving and not job.failed):
+            continue
+        if job_id not in in_pool:
+            _release(b, job_id, "all blocks served", served=True)
+        elif s.phase is not ProducerPhase.OPEN:
+            _release(b, job_id, s.close_reason)
+        elif served_out:
+            _release(b, job_id, "the engine finished and no fetch is waiting for these blocks")

@@ -1,21 +1,38 @@
-"""Producer decisions about lookups: admit them, hear the parent, answer once."""
+"""A producer's lookups: admit them, hear the parent, answer once; and how their events fold."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 import msgspec
+from msgspec.structs import replace
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
+from p2pactor.core.builder import drop, put
 from p2pactor.core.events import Quota, Violation
-from p2pactor.core.producer_state import _B, ActiveLookup, ProducerPhase, ProducerState, _release
+from p2pactor.core.producer_state import (
+    _B,
+    ActiveLookup,
+    ProducerPhase,
+    ProducerState,
+    _pinned,
+    _release,
+    _round,
+    _set_round,
+)
 from p2pactor.core.timings import Timings
 
 
 def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None:
     b.emit(ev.Rejected, input=msg.TYPE, violation=violation, detail=detail)
+
+
+def _refusal(verdict: inp.OverQuota) -> dict[str, Any]:
+    """What the event of a refusal records of the runtime's verdict: its quota and its reason."""
+    return {"quota": verdict.quota, "reason": verdict.reason}
 
 
 def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | None = None) -> None:
@@ -31,19 +48,13 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
         _reject(b, msg, Violation.STALE_ROUND, detail)
         return
     if not msg.keys:
-        b.emit(ev.Ignored, input=msg.TYPE, reason="a lookup without keys")
+        b.ignore(msg.TYPE, "a lookup without keys")
         return
     # A quota refusal is checked after the protocol's own rules: a peer over
     # quota that also breaks the protocol is still disconnected.
     admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
     if verdict is not None and admit <= 0:
-        b.emit(
-            ev.LookupRefused,
-            round_seq=msg.round_seq,
-            keys=msg.keys,
-            quota=verdict.quota,
-            reason=verdict.reason,
-        )
+        b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, **_refusal(verdict))
         return
     budget = t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
@@ -73,8 +84,7 @@ def _pin_refusal(s: ProducerState, lookup: ActiveLookup) -> str:
 def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
     lookup = b.state.lookups.get(answer.lookup_id)
     if lookup is None or not lookup.outstanding:
-        reason = f"no lookup {answer.lookup_id} is waiting for the parent"
-        b.emit(ev.Ignored, input="parent_answer", reason=reason)
+        b.ignore("parent_answer", f"no lookup {answer.lookup_id} is waiting for the parent")
         if answer.pin is not None:
             _release(b, answer.pin.job_id, "stray parent answer")
         return
@@ -82,7 +92,7 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
         b.emit(ev.ParentExpired, lookup_id=lookup.lookup_id)
         if answer.pin is not None:  # the runtime never pins past not_after; if it did:
             reason = "an expired parent answer carried a pin"
-            b.emit(ev.Ignored, input="parent_answer", reason=reason)
+            b.ignore("parent_answer", reason)
             _release(b, answer.pin.job_id, reason)
     elif _resolve(b, lookup, answer, t):
         return
@@ -232,3 +242,102 @@ def _tick_lookups(b: _B) -> None:
         elif not lookup.outstanding and (poll := lookup.next_poll_at) is not None and now >= poll:
             keys, not_after = _ordered(lookup), lookup.deadline
             b.emit(ev.PendingPolled, lookup_id=lookup_id, keys=keys, not_after=not_after)
+
+
+def _opened(
+    s: ProducerState, e: ev.LookupReceived | ev.LookupLimited, admitted: int
+) -> ProducerState:
+    """Open a lookup whose first ``admitted`` keys go to the parent; the rest answer MISS."""
+    lookup = ActiveLookup(
+        lookup_id=e.lookup_id,
+        round_seq=e.round_seq,
+        keys=e.keys,
+        admitted=admitted,
+        deadline=e.deadline,
+        pending=frozenset(e.keys[:admitted]),
+    )
+    return _set_round(
+        s,
+        e,
+        replace(_round(s, e.round_seq), lookup_supplied=True),
+        lookups=put(s.lookups, e.lookup_id, lookup),
+        next_lookup_id=e.lookup_id + 1,
+        looked_up_through=max(s.looked_up_through, e.round_seq),
+    )
+
+
+def _lookup(s: ProducerState, e: Any, **changes: Any) -> ProducerState:
+    """``s`` after ``e``, with the changes to the lookup ``e`` names."""
+    lookup = replace(s.lookups[e.lookup_id], **changes)
+    return replace(s, seq=e.seq, lookups=put(s.lookups, e.lookup_id, lookup))
+
+
+def _forget(s: ProducerState, e: Any) -> ProducerState:
+    """``s`` after ``e``, the lookup ``e`` names over and its synthetic request closed."""
+    contexts = s.open_contexts - {e.lookup_id}
+    return replace(s, seq=e.seq, lookups=drop(s.lookups, e.lookup_id), open_contexts=contexts)
+
+
+def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:
+    hits, misses = dict.fromkeys(e.hits, True), dict.fromkeys(e.misses, False)
+    resolved = {**s.lookups[e.lookup_id].resolved, **hits, **misses}
+    pending = frozenset(e.pending)
+    s = _lookup(
+        s, e, resolved=resolved, pending=pending, outstanding=False, next_poll_at=e.next_poll_at
+    )
+    return replace(s, open_contexts=s.open_contexts | {e.lookup_id})
+
+
+def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
+    if not e.resolved:
+        return _lookup_ended(s, e, answered=True)  # at its deadline
+    # The parent's answer, its pin and the answer in one step: the lookup is
+    # over, its synthetic request closed with it.
+    return _forget(s if e.pinned is None else _pinned(s, e.seq, e.round_seq, e.pinned), e)
+
+
+def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
+    closing = s.lookups.get(e.lookup_id)
+    if closing is not None and (closing.dropped or closing.answered):
+        return _forget(s, e)
+    return replace(s, seq=e.seq, open_contexts=s.open_contexts - {e.lookup_id})
+
+
+def _lookup_ended(s: ProducerState, e: Any, **how: bool) -> ProducerState:
+    """The lookup ``e`` names answered or dropped: forgotten, or marked ``how`` for the parent.
+
+    A lookup the parent has not served yet is kept for its answer, whose pin must be released.
+    """
+    if s.lookups[e.lookup_id].outstanding:
+        return _lookup(s, e, next_poll_at=None, **how)
+    return replace(s, seq=e.seq, lookups=drop(s.lookups, e.lookup_id))
+
+
+def _pending_expired(s: ProducerState, e: ev.PendingExpired) -> ProducerState:
+    lookup = s.lookups[e.lookup_id]
+    resolved = {**lookup.resolved, **dict.fromkeys(e.keys, False)}
+    pending = lookup.pending - frozenset(e.keys)
+    return _lookup(s, e, resolved=resolved, pending=pending, next_poll_at=None)
+
+
+# How each lookup event changes the state: the lookups' part of ``evolve_producer``'s table.
+LOOKUP_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], ProducerState]]] = {
+    ev.LookupReceived: lambda s, e: _opened(s, e, len(e.keys)),
+    ev.LookupLimited: lambda s, e: _opened(s, e, e.admitted),
+    # No lookup opens and nothing is held (so a refused request can close at once), but the round
+    # counts as looked up: a fetch for it fails fast instead of waiting for stored blocks.
+    ev.LookupRefused: lambda s, e: replace(
+        s, seq=e.seq, looked_up_through=max(s.looked_up_through, e.round_seq)
+    ),
+    ev.KeysResolved: _keys_resolved,
+    # The KeysResolved that follows counts the keys as misses; the answer says why.
+    ev.KeysRefused: lambda s, e: _lookup(
+        s, e, refused=s.lookups[e.lookup_id].refused | frozenset(e.keys)
+    ),
+    ev.PendingPolled: lambda s, e: _lookup(s, e, outstanding=True, next_poll_at=None),
+    ev.ParentExpired: lambda s, e: _lookup(s, e, outstanding=False),
+    ev.PendingExpired: _pending_expired,
+    ev.LookupAnswered: _lookup_answered,
+    ev.LookupDropped: lambda s, e: _lookup_ended(s, e, dropped=True),
+    ev.ContextClosed: _context_closed,
+}

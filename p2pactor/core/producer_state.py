@@ -1,22 +1,23 @@
-"""What a producer request knows: its state records, rebuilt by replaying its events.
+"""What a producer request knows: its state records, and how its pins, rounds and transfers fold.
 
-Also the copy helpers of those records, and pin releases: every
-:class:`~p2pactor.core.events.PinReleased` is decided here. A pin is released
-exactly once, and only a release that ends a round its job served with no
-failure counts as a success.
+Also the copy helpers of those records, and the one way a pin is released
+(:func:`_release`): a pin is released exactly once, and only a release that
+ends a round its job served with no failure counts as a success. The lookups'
+folds are in :mod:`~p2pactor.core.producer_lookups`; :mod:`~p2pactor.core.producer`
+joins the two into :func:`~p2pactor.core.producer.evolve_producer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import ClassVar, Final, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Final
 
 import msgspec
+from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import ActorRecord, Builder
+from p2pactor.core.builder import ActorRecord, Builder, drop, put
 from p2pactor.core.ids import IdentityEnum, Role
-from p2pactor.core.timings import Timings
 
 
 class ProducerPhase(IdentityEnum):
@@ -190,20 +191,6 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
 _B = Builder[ProducerState, ev.ProducerEvent]
 
 
-K = TypeVar("K")
-V = TypeVar("V")
-
-
-def _put(mapping: Mapping[K, V], key: K, value: V) -> dict[K, V]:
-    return {**mapping, key: value}
-
-
-def _drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
-    out = dict(mapping)
-    out.pop(key, None)
-    return out
-
-
 def _pool_take(
     pool: Mapping[bytes, tuple[Supply, ...]], key: bytes, job_id: int
 ) -> dict[bytes, tuple[Supply, ...]]:
@@ -239,42 +226,161 @@ def _release(b: _B, job_id: int, reason: str, *, served: bool = False) -> None:
     b.emit(ev.PinReleased, job_id=job_id, success=success, reason=reason)
 
 
-def _release_round_jobs(
-    b: _B, round_seq: int, reason: str, *, served: bool = False, idle_only: bool = False
-) -> None:
-    for job_id, job in sorted(b.state.jobs.items()):
-        if job.round_seq == round_seq and not (idle_only and job.readers):
-            _release(b, job_id, reason, served=served)
+def _set_round(s: ProducerState, e: ev.Event, rnd: RoundState, **changes: object) -> ProducerState:
+    """``s`` after ``e``, with ``rnd`` as its round and the other ``changes``."""
+    return replace(s, seq=e.seq, rounds=put(s.rounds, rnd.round_seq, rnd), **changes)
 
 
-def _expirable(s: ProducerState, job: PinJob) -> bool:
-    """A pin no fetch is using or about to use: it may time out."""
-    if job.readers or job.serving:
-        return False
-    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
-    return rnd is None or not rnd.fetched
+def _transfer_ended(s: ProducerState, e: Any, failure: str | None) -> ProducerState:
+    t = s.transfers[e.transfer_id]
+    jobs = dict(s.jobs)
+    for job_id in set(t.job_ids):
+        job = jobs.get(job_id)
+        if job is not None:
+            readers = job.readers - {e.transfer_id}
+            jobs[job_id] = replace(job, readers=readers, failed=job.failed or failure is not None)
+    transfers = drop(s.transfers, e.transfer_id)
+    rnd = s.rounds.get(t.round_seq)
+    if rnd is None:
+        return replace(s, seq=e.seq, jobs=jobs, transfers=transfers)
+    # A failed write leaves its blocks unwritten: the round failed.
+    rnd = replace(
+        rnd,
+        inflight=rnd.inflight - {e.transfer_id},
+        remaining=rnd.remaining - (len(t.keys) if failure is None else 0),
+        failure=rnd.failure or failure or "",
+    )
+    return _set_round(s, e, rnd, jobs=jobs, transfers=transfers)
 
 
-def _expire_pins(b: _B, t: Timings) -> None:
-    for job_id, job in sorted(b.state.jobs.items()):
-        if b.now >= job.expires_at and _expirable(b.state, job):
-            _release(b, job_id, f"{PIN_EXPIRED} {t.pin_timeout:g} s")
+def _pin_released(s: ProducerState, seq: int, job_id: int) -> ProducerState:
+    job = s.jobs.get(job_id)
+    if job is None:
+        return replace(s, seq=seq)  # a stray pin released without ever being held
+    rounds, pool = s.rounds, s.pool
+    if job.round_seq is None:
+        for key in job.keys:
+            while any(sup.job_id == job_id for sup in pool.get(key, ())):
+                pool = _pool_take(pool, key, job_id)
+    elif job.round_seq in rounds:
+        rnd = rounds[job.round_seq]
+        supply = {k: v for k, v in rnd.supply.items() if v.job_id != job_id}
+        rounds = put(rounds, job.round_seq, replace(rnd, supply=supply))
+    return replace(s, seq=seq, jobs=drop(s.jobs, job_id), rounds=rounds, pool=pool)
 
 
-def _release_stores(b: _B) -> None:
-    """Release each store job once its rounds settled it or the request ended."""
-    s = b.state
-    in_pool = {sup.job_id for entries in s.pool.values() for sup in entries}
-    # Once the engine stored its last block and every fetch so far was served,
-    # leftover stored blocks can serve nobody.
-    served_out = s.finishing and s.closed_through >= 0 and not s.rounds
-    for job_id, job in sorted(s.jobs.items()):
-        # A failed job's outcome is settled; a good one waits for its rounds.
-        if job.round_seq is not None or job.readers or (job.serving and not job.failed):
-            continue
-        if job_id not in in_pool:
-            _release(b, job_id, "all blocks served", served=True)
-        elif s.phase is not ProducerPhase.OPEN:
-            _release(b, job_id, s.close_reason)
-        elif served_out:
-            _release(b, job_id, "the engine finished and no fetch is waiting for these blocks")
+def _round_ended(s: ProducerState, seq: int, round_seq: int, *, served: bool) -> ProducerState:
+    jobs = dict(s.jobs)
+    for job_id, job in s.jobs.items():
+        if round_seq in job.serving:
+            jobs[job_id] = replace(
+                job, serving=job.serving - {round_seq}, failed=job.failed or not served
+            )
+    return replace(s, seq=seq, rounds=drop(s.rounds, round_seq), jobs=jobs)
+
+
+def _pinned(
+    s: ProducerState,
+    seq: int,
+    round_seq: int | None,
+    pin: ev.Pinned | ev.KeysPinned | ev.StoreAdded,
+) -> ProducerState:
+    """Blocks pinned: the job held, its blocks a looked-up round's supply or the store's pool."""
+    job_id, keys, blocks = pin.job_id, pin.keys, pin.blocks
+    job = PinJob(
+        job_id=job_id, round_seq=round_seq, keys=keys, blocks=blocks, expires_at=pin.expires_at
+    )
+    rounds, pool = s.rounds, s.pool
+    if round_seq is None:
+        pool = dict(pool)
+        for key, block in zip(keys, blocks, strict=True):
+            pool[key] = (*pool.get(key, ()), Supply(job_id, block))
+    elif round_seq in rounds:
+        rnd = rounds[round_seq]
+        supply = {**rnd.supply, **{k: Supply(job_id, b) for k, b in zip(keys, blocks, strict=True)}}
+        rounds = put(rounds, round_seq, replace(rnd, supply=supply))
+    return replace(s, seq=seq, jobs=put(s.jobs, job_id, job), rounds=rounds, pool=pool)
+
+
+def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
+    if e.requested_round is not None:
+        s = replace(s, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
+    for job_id in e.released:
+        s = _pin_released(s, e.seq, job_id)
+    for round_seq in e.rounds_closed:
+        s = _round_ended(s, e.seq, round_seq, served=False)
+    return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.Closed])
+
+
+def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
+    demand = tuple(zip(e.keys, e.block_indexes, strict=True))
+    rnd = replace(_round(s, e.round_seq), fetched=True, demand=demand, remaining=len(e.keys))
+    return _set_round(s, e, rnd, closed_through=max(s.closed_through, e.round_seq))
+
+
+def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
+    rnd = s.rounds[e.round_seq]
+    demand = list(rnd.demand)
+    pool = s.pool
+    for key, remote, job_id in zip(e.keys, e.remote_blocks, e.job_ids, strict=True):
+        demand.remove((key, remote))
+        in_round = rnd.supply.get(key)
+        # Round supply is pinned for this round's one fetch and may be read more
+        # than once; pool blocks are handed out once each, as vLLM does.
+        if in_round is None or in_round.job_id != job_id:
+            pool = _pool_take(pool, key, job_id)
+    jobs = dict(s.jobs)
+    for job_id in set(e.job_ids):
+        job = jobs[job_id]
+        jobs[job_id] = replace(
+            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
+        )
+    rnd = replace(rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id})
+    transfers = put(s.transfers, e.transfer_id, e)
+    n = e.transfer_id + 1
+    return _set_round(s, e, rnd, jobs=jobs, pool=pool, transfers=transfers, next_transfer_id=n)
+
+
+def _fetch_refused(s: ProducerState, e: ev.FetchRefused) -> ProducerState:
+    rnd = s.rounds[e.round_seq]
+    return _set_round(s, e, replace(rnd, demand=(), failure=rnd.failure or e.reason))
+
+
+def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
+    aborted = s.rounds.get(e.round_seq)
+    if aborted is None:
+        return replace(s, seq=e.seq)
+    jobs = dict(s.jobs)
+    for tid in aborted.inflight:
+        for job_id in set(s.transfers[tid].job_ids):
+            jobs[job_id] = replace(jobs[job_id], failed=True)
+    return _set_round(s, e, replace(aborted, cancelled=True, demand=()), jobs=jobs)
+
+
+def _phase_moved(s: ProducerState, e: ev.SessionLost | ev.CloseRequested) -> ProducerState:
+    phase = PRODUCER_PHASE_AT[type(e)]
+    return replace(s, seq=e.seq, phase=phase, close_reason=e.reason)
+
+
+# How each event of the pins, rounds and transfers (and of the request itself) changes the state:
+# one part of ``evolve_producer``'s table (the lookups' part is in producer_lookups).
+STATE_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], ProducerState]]] = {
+    ev.Ignored: lambda s, e: replace(s, seq=e.seq),
+    ev.Rejected: lambda s, e: replace(s, seq=e.seq),
+    ev.SessionLost: lambda s, e: replace(_phase_moved(s, e), session_lost=True),
+    ev.CloseRequested: _phase_moved,
+    ev.Closed: _closed,
+    ev.FinishRequested: lambda s, e: replace(s, seq=e.seq, finishing=True),
+    ev.KeysPinned: lambda s, e: _pinned(s, e.seq, e.round_seq, e),
+    ev.StoreAdded: lambda s, e: _pinned(s, e.seq, None, e),
+    ev.PinReleased: lambda s, e: _pin_released(s, e.seq, e.job_id),
+    ev.FetchReceived: _fetch_received,
+    ev.FetchRefused: _fetch_refused,
+    ev.TransferStarted: _transfer_started,
+    ev.TransferCompleted: lambda s, e: _transfer_ended(s, e, None),
+    ev.TransferFailed: lambda s, e: _transfer_ended(s, e, e.reason),
+    ev.TransferDoneSent: lambda s, e: _round_ended(s, e.seq, e.round_seq, served=e.success),
+    ev.AbortReceived: _abort_received,
+    ev.AbortAckSent: lambda s, e: _round_ended(s, e.seq, e.round_seq, served=False),
+    ev.RoundClosed: lambda s, e: _round_ended(s, e.seq, e.round_seq, served=False),
+}

@@ -33,23 +33,9 @@ from msgspec import UNSET as UNSET
 from msgspec import Meta
 from msgspec import UnsetType as UnsetType
 
-from p2pactor.core.protocol_base import (
-    Address,
-    BlockIndexes,
-    BlockLen,
-    DeadlineMs,
-    Features,
-    Hits,
-    Keys,
-    MessageBase,
-    Metadata,
-    NumBlocks,
-    Round,
-    Text,
-    Version,
-    parallel,
-)
-from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, tuned_checker, type_error
+from p2pactor.core.protocol_base import MessageBase, bounded, parallel
+from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, type_error
+from p2pactor.core.protocol_checks import Frame as Frame
 from p2pactor.core.protocol_limits import DEFAULT_LIMITS as DEFAULT_LIMITS
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES as DEFAULT_MAX_FRAME_BYTES
 from p2pactor.core.protocol_limits import MAX_ADDRESS as MAX_ADDRESS
@@ -67,8 +53,7 @@ from p2pactor.core.protocol_limits import MAX_ROUND_SEQ as MAX_ROUND_SEQ
 from p2pactor.core.protocol_limits import MAX_STRING_CHARS as MAX_STRING_CHARS
 from p2pactor.core.protocol_limits import MAX_SUMMARY_BYTES as MAX_SUMMARY_BYTES
 from p2pactor.core.protocol_limits import Limits as Limits
-from p2pactor.core.protocol_scan import Frame as Frame
-from p2pactor.core.protocol_scan import leading_type
+from p2pactor.core.protocol_limits import tuned_checker
 from p2pactor.core.protocol_summaries import FEATURE_SUMMARIES as FEATURE_SUMMARIES
 from p2pactor.core.protocol_summaries import KvsumDelta as KvsumDelta
 from p2pactor.core.protocol_summaries import KvsumResync as KvsumResync
@@ -78,8 +63,31 @@ from p2pactor.core.protocol_summaries import fingerprints as fingerprints
 from p2pactor.core.protocol_summaries import packed as packed
 from p2pactor.errors import FrameTooLarge, InvalidField, MalformedFrame, ProtocolError
 
-EXTENSION_KEY: Final = "p2pactor"
-"""The ``connect`` key under which p2pactor peers advertise their extensions."""
+# Field types: the bound each has on the wire, and the Limits attribute that
+# may lower it on one node (named in the Meta's ``extra``).
+
+
+def in_range(least: int, most: int, limit: str) -> Meta:
+    """Between ``least`` and ``most``; the ``Limits`` attribute ``limit`` lowers the top."""
+    return Meta(ge=least, le=most, extra={"limit": limit})
+
+
+Text = Annotated[str, bounded(MAX_STRING_CHARS, "max_string_chars")]
+Key = Annotated[bytes, bounded(MAX_KEY_BYTES, "max_key_bytes")]
+Keys = Annotated[tuple[Key, ...], bounded(MAX_LIST_ITEMS, "max_list_items")]
+Hits = Annotated[tuple[bool, ...], bounded(MAX_LIST_ITEMS, "max_list_items")]
+BlockIndex = Annotated[int, in_range(0, MAX_BLOCK_INDEX, "max_block_index")]
+BlockIndexes = Annotated[tuple[BlockIndex, ...], bounded(MAX_LIST_ITEMS, "max_list_items")]
+Round = Annotated[int, in_range(0, MAX_ROUND_SEQ, "max_round_seq")]
+DeadlineMs = Annotated[int, in_range(0, MAX_DEADLINE_MS, "max_deadline_ms")]
+Metadata = Annotated[bytes, bounded(MAX_AGENT_METADATA_BYTES, "max_agent_metadata_bytes")]
+NumBlocks = Annotated[int, in_range(1, MAX_NUM_BLOCKS, "max_num_blocks")]
+BlockLen = Annotated[int, in_range(1, MAX_BLOCK_LEN, "max_block_len")]
+# msgpack's own integers end at 2**64 - 1: no bound to check above.
+Address = Annotated[int, Meta(ge=0)]
+Feature = Annotated[str, bounded(MAX_FEATURE_CHARS, "max_feature_chars")]
+Features = Annotated[frozenset[Feature], bounded(MAX_FEATURES, "max_features")]
+Version = Annotated[int, Meta(ge=0, le=MAX_EXTENSION_VERSION)]
 
 
 class PeerProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -151,7 +159,8 @@ class Connect(MessageBase, frozen=True, kw_only=True):
     # so a stock peer may legally leave it out.
     config_fingerprint: Text = ""
     hash_seed: Text
-    extension: ConnectExtension | UnsetType = msgspec.field(default=UNSET, name=EXTENSION_KEY)
+    # Under the key "p2pactor": the extensions p2pactor peers advertise.
+    extension: ConnectExtension | UnsetType = msgspec.field(default=UNSET, name="p2pactor")
 
     def __post_init__(self) -> None:
         # The data plane computes block addresses in 64 bits; a region that
@@ -357,17 +366,11 @@ def decode(frame: Frame, *, limits: Limits = DEFAULT_LIMITS) -> Message:
             f"frame is {len(frame)} bytes, more than the limit of {limits.max_frame_bytes}; "
             "it was dropped unread (raise Limits.max_frame_bytes if the peer is legitimate)"
         )
-    mtype = None
-    if len(frame) > QUOTE_BYTES:
-        # Read from the first bytes if the type leads, as every encoder here
-        # puts it; else the whole frame is checked before msgspec may quote a
-        # long unknown type in its error.
-        mtype = leading_type(frame)
-        if mtype not in MESSAGE_TYPES:
-            refused = type_error(frame, MESSAGE_TYPES)
-            if isinstance(refused, ProtocolError):
-                raise refused
-            mtype = refused
+    # A long frame's type is checked before it is decoded: msgspec would
+    # quote a long unknown type whole in its error.
+    mtype = type_error(frame, MESSAGE_TYPES, quick=True) if len(frame) > QUOTE_BYTES else None
+    if isinstance(mtype, ProtocolError):
+        raise mtype
     try:
         msg: Message = _DECODER.decode(frame)
     except msgspec.ValidationError as exc:

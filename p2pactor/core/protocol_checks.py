@@ -1,4 +1,4 @@
-"""What a refused frame is told, and the bounds a node tightens.
+"""What a refused frame is told.
 
 msgspec checks every bound as it decodes a frame (the field types of
 :mod:`p2pactor.core.protocol` carry them). When it refuses one,
@@ -11,12 +11,11 @@ path msgspec names is followed through the frame as zero-copy ``Raw`` views
 read from its msgpack header, and only a value of at most ``QUOTE_BYTES``
 (or a string, which costs its size) is decoded to be quoted. Decoding the
 whole frame again untyped, as this once did, cost a hostile peer's frame of
-empty maps 72 times its size.
-
-A node may tighten the bounds (:class:`~p2pactor.core.protocol_limits.Limits`):
-:func:`tuned_checker` derives, from the same field types, the checks a decoded
-message then also passes; each bound names the ``Limits`` attribute that
-lowers it.
+empty maps 72 times its size. A frame's top level can also be read from its
+headers alone: where the values before a key are strings, bytes or scalars
+(whose headers say how long they are), its value is found by jumping from
+header to header, never walking a long array or map, whatever it holds.
+That is how a frame's ``"type"`` is read before it is decoded.
 
 This module is pure: no I/O, no clock, no concurrency.
 """
@@ -25,27 +24,42 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Iterable, Mapping, Sized
-from typing import Any, Final
+from collections.abc import Mapping
+from typing import Any, Final, TypeAlias
 
 import msgspec
-import msgspec.inspect as mi
 
-from p2pactor.core.protocol_limits import Limits
-from p2pactor.core.protocol_scan import Frame, top_field
+from p2pactor.core.protocol_limits import UNITS, over_limit
 from p2pactor.errors import InvalidField, MalformedFrame, ProtocolError, UnknownMessageType
 
-__all__ = ["EXPLAIN_BYTES", "QUOTE_BYTES", "explain", "tuned_checker", "type_error"]
+Frame: TypeAlias = bytes | memoryview
+"""A frame as received: bytes, or a view of a large one the transport did not copy."""
+
+QUOTE_BYTES: Final = 4096
+"""A value (or list to index) longer than this is not decoded to word an error."""
+EXPLAIN_BYTES: Final = 65_536
+"""A refused frame longer than this is not walked to word its error (only its top level)."""
 
 # Attacker-controlled text that ends up in an error message is clipped, so a
 # hostile peer cannot flood the log with one message.
 _CLIP_CHARS: Final = 64
-_MISSING: Final = object()
+_MISSING: Final = object()  # a value that could not be had cheaply
 _PATH: Final = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 # msgspec's names of msgpack types, as this protocol's errors name them.
 _GOT: Final = {"None": "nil", "null": "nil", "array": "list", "object": "dict", "ext": "Ext"}
 _EXPECTED: Final = {"array": "list", "object": "a map"}
-_UNITS: Final = {"str": "characters", "bytes": "bytes"}
+# msgpack's headers (the format is regular): scalars by the bytes that follow
+# (nil, bools, floats, ints, fixext), and values whose length follows the
+# first byte by (kind, bytes of that length).
+_SCALARS: Final = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8}
+_SCALARS.update({0xCC + i: 1 << (i % 4) for i in range(8)})
+_SCALARS.update({0xD4 + i: 1 + (1 << i) for i in range(5)})
+_SIZED: Final = {0xC4 + i: ("bytes", 1 << i) for i in range(3)}
+_SIZED.update({0xC7 + i: ("Ext", 1 << i) for i in range(3)})
+_SIZED.update({0xD9 + i: ("str", 1 << i) for i in range(3)})
+_SIZED.update({0xDC + i: ("list", 2 << i) for i in range(2)})
+_SIZED.update({0xDE + i: ("dict", 2 << i) for i in range(2)})
+_COLLECTIONS: Final = ("list", "dict")
 
 
 def _clip(text: str) -> str:
@@ -61,78 +75,52 @@ def _kind(value: object) -> str:
     return "nil" if value is None else type(value).__name__
 
 
-def _too_long(value: Sized, most: int, unit: str) -> str:
-    if unit == "items":
-        return f"has {len(value)} items, more than the limit of {most}"
-    return f"is {len(value)} {unit}, more than the limit of {most}"
+class _Shape(msgspec.Struct, frozen=True):
+    """A long value's kind and length, read from its msgpack header, in place of it."""
 
-
-QUOTE_BYTES: Final = 4096
-"""A value (or list to index) longer than this is not decoded to word an error."""
-EXPLAIN_BYTES: Final = 65_536
-"""A refused frame longer than this is not walked to word its error (only its top level)."""
-
-
-class _Shape:
-    """A long value's kind and length, read from its msgpack header, in place of it.
-
-    ``head`` is the start of a long string (to quote it, clipped).
-    """
-
-    __slots__ = ("head", "kind", "n")
-
-    def __init__(self, kind: str, n: int, head: str = "") -> None:
-        self.kind = kind
-        self.n = n
-        self.head = head
+    kind: str
+    n: int
 
     def __len__(self) -> int:
         return self.n
 
 
-class _Top(msgspec.Struct):
-    """A frame's ``"type"``, every other key skipped unread."""
+def _head(view: memoryview, at: int) -> tuple[str, int, int] | None:
+    """The kind, header bytes and length of the value at ``at`` (items, or bytes of payload)."""
+    if at >= len(view):
+        return None
+    first = view[at]
+    if first <= 0x7F or first >= 0xE0:
+        return "int", 1, 0
+    if first <= 0x8F:
+        return "dict", 1, first & 0x0F
+    if first <= 0x9F:
+        return "list", 1, first & 0x0F
+    if first <= 0xBF:
+        return "str", 1, first & 0x1F
+    if first in _SCALARS:
+        return "scalar", 1, _SCALARS[first]
+    if first not in _SIZED:
+        return None
+    kind, width = _SIZED[first]
+    if len(view) < at + 1 + width:
+        return None
+    n = int.from_bytes(view[at + 1 : at + 1 + width], "big")
+    return kind, 1 + width + (kind == "Ext"), n  # an Ext's type byte follows its length
 
-    type: msgspec.Raw = msgspec.Raw()
 
-
-_TOP: Final = msgspec.msgpack.Decoder(_Top)
-# msgpack's headers of variable-length values: (kind, bytes of the length that follows).
-_HEADERS: Final = {
-    0xD9: ("str", 1),
-    0xDA: ("str", 2),
-    0xDB: ("str", 4),
-    0xC4: ("bytes", 1),
-    0xC5: ("bytes", 2),
-    0xC6: ("bytes", 4),
-    0xDC: ("list", 2),
-    0xDD: ("list", 4),
-    0xDE: ("dict", 2),
-    0xDF: ("dict", 4),
-}
-
-
-def _header(raw: memoryview) -> _Shape | None:
+def _shape(raw: memoryview) -> _Shape | None:
     """The kind and length of the string, bytes, array or map ``raw`` starts with, if any."""
-    first = raw[0]
-    if 0x80 <= first <= 0x8F:
-        return _Shape("dict", first & 0x0F)
-    if 0x90 <= first <= 0x9F:
-        return _Shape("list", first & 0x0F)
-    if first not in _HEADERS:
-        return None  # a fixstr or a scalar: short
-    kind, width = _HEADERS[first]
-    n = int.from_bytes(raw[1 : 1 + width], "big")
-    if kind == "str":
-        head = bytes(raw[1 + width : 1 + width + 4 * _CLIP_CHARS]).decode("utf-8", "replace")
-        return _Shape(kind, n, head)
-    return _Shape(kind, n)
+    head = _head(raw, 0)
+    if head is None or head[0] not in ("str", "bytes", *_COLLECTIONS):
+        return None
+    return _Shape(head[0], head[2])
 
 
 def _value(raw: memoryview) -> Any:
     """What ``raw`` holds: decoded if short or bytes (each costs its size), else its shape."""
-    shape = None if len(raw) <= QUOTE_BYTES else _header(raw)
-    if shape is not None and shape.kind not in ("str", "bytes"):
+    shape = None if len(raw) <= QUOTE_BYTES else _shape(raw)
+    if shape is not None and shape.kind in _COLLECTIONS:
         return shape
     try:
         return msgspec.msgpack.decode(raw)
@@ -140,6 +128,34 @@ def _value(raw: memoryview) -> Any:
         # Framed, but not a value untyped decoding makes: an extension type
         # msgpack reserves (a malformed timestamp, type -1).
         return _Shape("Ext", len(raw))
+
+
+def _top_field(
+    view: memoryview, name: str, *, first: bool = False
+) -> tuple[int, int | None] | None:
+    """Where top-level key ``name``'s value starts and ends (None: a collection's end).
+
+    Found only if nothing but strings, bytes and scalars come before it
+    (finding the end of an array or map means walking it), or with ``first``
+    only if it is the first key.
+    """
+    top = _head(view, 0)
+    if top is None or top[0] != "dict":
+        return None
+    _, at, pairs = top
+    for _ in range(min(pairs, 1) if first else pairs):
+        key = _head(view, at)
+        value = None if key is None else _head(view, at + key[1] + key[2])
+        if key is None or value is None or key[0] in _COLLECTIONS:
+            return None
+        start = at + key[1] + key[2]
+        end = None if value[0] in _COLLECTIONS else start + value[1] + value[2]
+        if key[0] == "str" and bytes(view[at + key[1] : start]) == name.encode():
+            return start, end
+        if end is None:
+            return None
+        at = end
+    return None
 
 
 @functools.lru_cache(maxsize=256)  # names from msgspec's paths: our schema's fields
@@ -157,7 +173,7 @@ def _step(raw: memoryview, name: str, index: str) -> memoryview | None:
         if name:
             got = memoryview(_one_field(name).decode(raw).value)
             return got if len(got) > 0 else None
-        shape = _header(raw)
+        shape = _shape(raw)
         # A Raw view costs about 64 bytes: index only a list whose views cost
         # no more than the list's own bytes (a list of empty maps never).
         if shape is None or (len(raw) > QUOTE_BYTES and 64 * len(shape) > len(raw)):
@@ -169,37 +185,68 @@ def _step(raw: memoryview, name: str, index: str) -> memoryview | None:
     return memoryview(items[item]) if item < len(items) else None
 
 
-def type_error(frame: Frame, known: Mapping[str, type]) -> ProtocolError | str:
+def _find(frame: Frame, steps: list[tuple[str, str]]) -> Any:
+    """The value at msgspec's path ``steps``, or ``_MISSING`` if it cannot be had cheaply.
+
+    A frame over ``EXPLAIN_BYTES`` is never walked: only a top-level field is
+    found, by its headers (:func:`_top_field`).
+    """
+    view = memoryview(frame)
+    if len(frame) > EXPLAIN_BYTES:
+        found = _top_field(view, steps[0][0]) if len(steps) == 1 and steps[0][0] else None
+        if found is None:
+            return _MISSING
+        start, end = found
+        # A string is measured from its header too (in bytes, not decoded).
+        shape = _shape(view[start:])
+        return shape if shape is not None or end is None else _value(view[start:end])
+    raw: memoryview | None = view
+    for name, index in steps:
+        raw = None if raw is None else _step(raw, name, index)
+    return _MISSING if raw is None else _value(raw)
+
+
+def type_error(
+    frame: Frame, known: Mapping[str, type], *, quick: bool = False
+) -> ProtocolError | str:
     """The frame's message type, or the error if it has none this protocol knows.
 
-    Only the ``"type"`` is read; every other key is skipped unread. A frame
-    longer than ``QUOTE_BYTES`` is checked so before it is decoded: a long
-    unknown type would otherwise be quoted whole in msgspec's own error.
+    Only the ``"type"`` is decoded, every other key skipped unread; a long
+    unknown type is not decoded at all, so no error quotes it whole. With
+    ``quick`` (a frame not decoded yet: msgspec checks the rest next), a known
+    type that leads, as every encoder here puts it, is read from the first
+    bytes and taken as is.
     """
+    found = _top_field(memoryview(frame), "type", first=True) if quick else None
+    if found is not None and found[1] is not None and found[1] - found[0] <= QUOTE_BYTES:
+        mtype = _value(memoryview(frame)[found[0] : found[1]])
+        if type(mtype) is str and mtype in known:
+            return mtype
     try:
-        top = _TOP.decode(frame)
+        raw = memoryview(_one_field("type").decode(frame).value)
     except msgspec.ValidationError as err:
         got = re.search(r"got `(\w+)`", str(err))
         kind = _GOT.get(got.group(1), got.group(1)) if got else "not a map"
         return MalformedFrame(f"top-level value is {kind}, expected a map")
     except Exception as err:
         return MalformedFrame(f"not valid msgpack: {err}")
-    if not len(top.type):
+    if not raw:
         return MalformedFrame("map has no 'type' key")
-    long = _header(memoryview(top.type)) if len(top.type) > QUOTE_BYTES else None
-    if long is not None and long.kind == "str":  # longer than any type's name: not decoded
-        return UnknownMessageType(
-            f"unknown message type (known: {', '.join(known)})",
-            message_type=f"{long.head[:_CLIP_CHARS]}... ({long.n} bytes)",
-        )
-    mtype = long if long is not None else _value(memoryview(top.type))
-    if type(mtype) is not str:
-        return MalformedFrame(f"'type' is {_kind(mtype)}, expected str")
-    if mtype not in known:
-        return UnknownMessageType(
-            f"unknown message type (known: {', '.join(known)})", message_type=_clip(mtype)
-        )
-    return mtype
+    long = _head(raw, 0) if len(raw) > QUOTE_BYTES else None
+    if long is not None and long[0] == "str":  # longer than any type's name: not decoded
+        _, width, n = long
+        text = bytes(raw[width : width + 4 * _CLIP_CHARS]).decode("utf-8", "replace")
+        name = f"{text[:_CLIP_CHARS]}... ({n} bytes)"
+    else:
+        mtype = _value(raw)
+        if type(mtype) is not str:
+            return MalformedFrame(f"'type' is {_kind(mtype)}, expected str")
+        if mtype in known:
+            return mtype
+        name = _clip(mtype)
+    return UnknownMessageType(
+        f"unknown message type (known: {', '.join(known)})", message_type=name
+    )
 
 
 def explain(
@@ -210,172 +257,44 @@ def explain(
 ) -> ProtocolError:
     """The error for a frame msgspec refused with ``exc``: what, where, and why.
 
-    ``mtype``: the frame's type, if the caller read it already. A frame over
-    ``EXPLAIN_BYTES`` is never walked to word its error: the value is read
-    from its header where :func:`~p2pactor.core.protocol_scan.top_field`
-    finds it by jumping from header to header, else msgspec's words say it.
+    ``mtype``: the frame's type, if the caller read it already.
     """
     if isinstance(exc.__cause__, ProtocolError):  # a message's own __post_init__ check
         return exc.__cause__
-    if mtype is None:
-        found = type_error(frame, known)
-        if isinstance(found, ProtocolError):
-            return found
-        mtype = found
-    if len(frame) > EXPLAIN_BYTES:
-        return _explain_long(frame, str(exc), mtype)
+    found = mtype or type_error(frame, known)
+    if isinstance(found, ProtocolError):
+        return found
     text, _, at = str(exc).partition(" - at `$")
-    names: list[str] = []
-    raw: memoryview | None = memoryview(frame)
-    item: int | None = None
-    for name, index in _PATH.findall(at.rstrip("`")):
-        if name:
-            names.append(name)
-        else:
-            item = int(index)
-        raw = None if raw is None else _step(raw, name, index)
-    missing = re.fullmatch(r"Object missing required field `(.+)`", text)
-    if missing:
-        names.append(missing.group(1))
-        return InvalidField("missing", message_type=mtype, field=".".join(names))
-    resolved = raw is not None
-    problem = _problem(text, _value(raw) if raw is not None else None, resolved)
-    if item is not None:
-        problem = f"item {item} {problem}"
-    return InvalidField(problem, message_type=mtype, field=".".join(names))
-
-
-def _explain_long(frame: Frame, verdict: str, mtype: str) -> ProtocolError:
-    """:func:`explain` for a long frame: its cost bounded by the frame's top-level keys."""
-    text, _, at = verdict.partition(" - at `$")
     steps = _PATH.findall(at.rstrip("`"))
     names = [name for name, _ in steps if name]
     missing = re.fullmatch(r"Object missing required field `(.+)`", text)
     if missing:
         return InvalidField(
-            "missing", message_type=mtype, field=".".join([*names, missing.group(1)])
+            "missing", message_type=found, field=".".join([*names, missing.group(1)])
         )
-    value: Any = None
-    resolved = False
-    if len(steps) == 1 and steps[0][0]:  # a top-level field: perhaps found by its headers
-        extent = top_field(frame, steps[0][0])
-        if extent is not None:
-            view = memoryview(frame)[extent.start : extent.end]
-            shape = _header(view)
-            if shape is not None:
-                value, resolved = shape, True
-            elif extent.end is not None:  # a scalar or short string: its own few bytes
-                value, resolved = _value(view), True
-    problem = _problem(_clip(text), value, resolved)
+    problem = _problem(_clip(text), _find(frame, steps))
     items = [index for name, index in steps if not name]
     if items:
         problem = f"item {items[-1]} {problem}"
-    return InvalidField(problem, message_type=mtype, field=".".join(names))
+    return InvalidField(problem, message_type=found, field=".".join(names))
 
 
-def _problem(text: str, value: Any, resolved: bool) -> str:
-    """What was wrong with ``value`` (if ``resolved``), from msgspec's words ``text``."""
+def _problem(text: str, value: Any) -> str:
+    """What was wrong with ``value`` (unless ``_MISSING``), from msgspec's words ``text``."""
+    resolved = value is not _MISSING
     if found := re.fullmatch(r"Expected `(.+?)`, got `(.+?)`", text):
         expected, got = found.groups()
         what = _kind(value) if resolved else _GOT.get(got, got)
         return f"is {what}, expected {_EXPECTED.get(expected, expected)}"
-    if found := re.fullmatch(r"Expected `(\w+)` of length <= (\d+)", text):
-        kind, most = found.group(1), int(found.group(2))
-        unit = _UNITS.get(kind, "items")
-        return _too_long(value, most, unit) if resolved else f"is over the limit of {most} {unit}"
-    if found := re.fullmatch(r"Expected `(\w+)` of length >= (\d+)", text):
-        kind, least = found.group(1), found.group(2)
-        unit = _UNITS.get(kind, "items")
-        return (
-            f"is {len(value)} {unit}, expected at least {least}"
-            if resolved
-            else (f"expected at least {least} {unit}")
-        )
-    if found := re.fullmatch(r"Expected `int` >= (-?\d+)", text):
-        at = f"is {value}, " if resolved else ""
-        return f"{at}expected at least {found.group(1)}"
-    if found := re.fullmatch(r"Expected `int` <= (-?\d+)", text):
-        at = f"is {value}," if resolved else "is"
-        return f"{at} more than the limit of {found.group(1)}"
+    if found := re.fullmatch(r"Expected `(\w+)`( of length)? ([<>])= (-?\d+)", text):
+        kind, sized, sign, bound = found.groups()
+        unit = UNITS.get(kind, "items") if sized else "value"
+        of = f" {unit}" if sized else ""  # a length's unit; a number's value has none
+        if sign == "<" and resolved:
+            return over_limit(value, int(bound), unit)
+        if sign == "<":
+            return f"is {'over' if sized else 'more than'} the limit of {bound}{of}"
+        if resolved:
+            return f"is {len(value) if sized else value}{of}, expected at least {bound}"
+        return f"expected at least {bound}{of}"
     return text
-
-
-# --- bounds a node tightens --------------------------------------------------------
-
-_Check = Callable[[Any, Limits], str | None]
-
-
-def _bound_check(info: Any, unit: str) -> _Check | None:
-    """The check of the Limits attribute that tightens ``info`` (an inspected type), if any."""
-    extra = getattr(info, "extra", None) or {}
-    limit = extra.get("limit")
-    if limit is None:
-        return None
-
-    def check(value: Any, limits: Limits) -> str | None:
-        most = getattr(limits, limit)
-        if unit == "value":
-            return None if value <= most else f"is {value}, more than the limit of {most}"
-        return None if len(value) <= most else _too_long(value, most, unit)
-
-    return check
-
-
-def _unit(info: Any) -> str:
-    kind = type(getattr(info, "type", info)).__name__
-    return {"StrType": "characters", "BytesType": "bytes", "IntType": "value"}.get(kind, "items")
-
-
-def _field_checks(prefix: str, struct: Any) -> Iterable[tuple[str, tuple[str, ...], _Check]]:
-    """``(label, attribute path, check)`` for each tightenable bound of ``struct``."""
-    for field in struct.fields:
-        label = prefix + field.encode_name
-        info = field.type
-        inner = getattr(info, "type", info)
-        if isinstance(inner, mi.StructType):
-            for sub, path, check in _field_checks(f"{label}.", inner):
-                yield sub, (field.name, *path), check
-            continue
-        own = _bound_check(info, _unit(info))
-        if own is not None:
-            yield label, (field.name,), own
-        item_info = getattr(inner, "item_type", None)
-        item = None if item_info is None else _bound_check(item_info, _unit(item_info))
-        if item is not None:
-            yield label, (field.name,), _each(item)
-
-
-def _each(check: _Check) -> _Check:
-    """``check`` on every item of a collection; its problem names the item."""
-
-    def check_items(values: Any, limits: Limits) -> str | None:
-        for index, value in enumerate(values):
-            problem = check(value, limits)
-            if problem is not None:
-                return f"item {index} {problem}"
-        return None
-
-    return check_items
-
-
-def tuned_checker(types: Mapping[str, type]) -> Callable[[Any, Limits], None]:
-    """A check of a decoded message against tightened :class:`Limits`, derived from its types.
-
-    Raises:
-        InvalidField: From the check, naming the message type and the field.
-    """
-    table = {cls: list(_field_checks("", mi.type_info(cls))) for cls in types.values()}
-
-    def check(msg: Any, limits: Limits) -> None:
-        for label, path, bound in table[type(msg)]:
-            value = msg
-            for name in path:
-                value = getattr(value, name)
-                if value is msgspec.UNSET:  # an extension the peer did not send
-                    break
-            else:
-                problem = bound(value, limits)
-                if problem is not None:
-                    raise InvalidField(problem, message_type=msg.TYPE, field=label)
-
-    return check

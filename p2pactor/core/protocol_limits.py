@@ -1,40 +1,26 @@
-"""The bounds the strict decoder of :mod:`p2pactor.core.protocol` enforces.
+"""The bounds the strict decoder of :mod:`p2pactor.core.protocol` enforces, and their checks.
 
-The constants are the defaults; :class:`Limits` lets a node tune them. All of
-it is re-exported by :mod:`p2pactor.core.protocol`, where it is documented to live.
+The constants are the defaults, which the field types of
+:mod:`p2pactor.core.protocol` carry and msgspec checks as it decodes;
+:class:`Limits` lets a node tighten them: :func:`tuned_checker` derives, from
+the same field types, the checks a decoded message then also passes (each
+bound names the ``Limits`` attribute that lowers it). The constants and
+:class:`Limits` are re-exported by :mod:`p2pactor.core.protocol`, where they
+are documented to live.
 
 This module is pure: no I/O, no clock, no concurrency.
 """
 
 from __future__ import annotations
 
-from typing import Final, cast
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Final, TypeAlias, cast
 
 import attrs
+import msgspec
+import msgspec.inspect as mi
 
-from p2pactor.errors import ConfigError
-
-__all__ = [
-    "DEFAULT_LIMITS",
-    "DEFAULT_MAX_FRAME_BYTES",
-    "MAX_ADDRESS",
-    "MAX_AGENT_METADATA_BYTES",
-    "MAX_BLOCK_INDEX",
-    "MAX_BLOCK_LEN",
-    "MAX_DEADLINE_MS",
-    "MAX_EPOCH_BYTES",
-    "MAX_EXTENSION_VERSION",
-    "MAX_FEATURES",
-    "MAX_FEATURE_CHARS",
-    "MAX_KEY_BYTES",
-    "MAX_LIST_ITEMS",
-    "MAX_NUM_BLOCKS",
-    "MAX_ROUND_SEQ",
-    "MAX_STRING_CHARS",
-    "MAX_SUMMARY_BYTES",
-    "Limits",
-]
-
+from p2pactor.errors import ConfigError, InvalidField
 
 MAX_LIST_ITEMS: Final = 65_536
 """Most items in one list field (``keys``, ``hits``, ``block_indexes``)."""
@@ -163,3 +149,67 @@ class Limits:
 
 DEFAULT_LIMITS: Final = Limits()
 """The bounds :func:`~p2pactor.core.protocol.decode` uses unless told otherwise."""
+
+
+UNITS: Final = {"str": "characters", "bytes": "bytes", "int": "value"}
+"""What a bound of each kind of value counts (anything else: ``items``; a number: its value)."""
+
+
+def over_limit(value: Any, most: int, unit: str) -> str:
+    """How ``value`` (a number if ``unit`` is ``"value"``, else sized) is over ``most``."""
+    if unit == "value":
+        return f"is {value}, more than the limit of {most}"
+    if unit == "items":
+        return f"has {len(value)} items, more than the limit of {most}"
+    return f"is {len(value)} {unit}, more than the limit of {most}"
+
+
+def _unit(info: Any) -> str:
+    kind = type(getattr(info, "type", info)).__name__.removesuffix("Type").lower()
+    return UNITS.get(kind, "items")
+
+
+_Bound: TypeAlias = tuple[str, tuple[str, ...], str, str, bool]
+
+
+def _bounds(prefix: str, path: tuple[str, ...], struct: Any) -> Iterator[_Bound]:
+    """``(label, attribute path, Limits attribute, unit, per item)``: each bound of ``struct``."""
+    for field in struct.fields:
+        label, info = prefix + field.encode_name, field.type
+        inner = getattr(info, "type", info)
+        if isinstance(inner, mi.StructType):
+            yield from _bounds(f"{label}.", (*path, field.name), inner)
+            continue
+        for each, bound in ((False, info), (True, getattr(inner, "item_type", None))):
+            limit = (getattr(bound, "extra", None) or {}).get("limit")
+            if limit is not None:
+                yield label, (*path, field.name), limit, _unit(bound), each
+
+
+def tuned_checker(types: Mapping[str, type]) -> Callable[[Any, Limits], None]:
+    """A check of a decoded message against tightened :class:`Limits`, derived from its types.
+
+    Raises:
+        InvalidField: From the check, naming the message type and the field.
+    """
+    table = {cls: list(_bounds("", (), mi.type_info(cls))) for cls in types.values()}
+
+    def check(msg: Any, limits: Limits) -> None:
+        for label, path, limit, unit, each in table[type(msg)]:
+            value = msg
+            for name in path:
+                value = getattr(value, name)
+                if value is msgspec.UNSET:  # an extension the peer did not send
+                    break
+            else:
+                most = getattr(limits, limit)
+                for index, item in enumerate(value) if each else [(None, value)]:
+                    if (item if unit == "value" else len(item)) > most:
+                        problem = over_limit(item, most, unit)
+                        raise InvalidField(
+                            problem if index is None else f"item {index} {problem}",
+                            message_type=msg.TYPE,
+                            field=label,
+                        )
+
+    return check

@@ -25,32 +25,31 @@ from p2pactor.errors import EventFormatError
 # The two encodings of an event.
 Format = Literal["msgpack", "json"]
 
-_MSGPACK: Final = msgspec.msgpack.Encoder()
-_JSON: Final = msgspec.json.Encoder()
+
+class _Codec:
+    """One encoding's encoder and decoders.
+
+    The decoders read this version's events, any value (to tell what a record
+    is), and each kind typed, for records the union does not take (another
+    version of a known kind, or a legacy envelope's event).
+    """
+
+    def __init__(self, lib: Any) -> None:
+        self.encoder = lib.Encoder()
+        self.events = lib.Decoder(AnyEvent)
+        self.untyped = lib.Decoder()
+        self.by_kind = {kind: lib.Decoder(cls) for kind, cls in EVENT_TYPES.items()}
+
+
+_CODECS: Final = {"msgpack": _Codec(msgspec.msgpack), "json": _Codec(msgspec.json)}
 # msgspec's decoder of this version's records (msgpack), for readers that handle its errors
 # themselves (by calling :func:`decode_event`, which says what they are).
-EVENT_DECODER: Final = msgspec.msgpack.Decoder(AnyEvent)
-
-_Decoder = msgspec.msgpack.Decoder[Any] | msgspec.json.Decoder[Any]
-_DECODERS: Final[dict[str, _Decoder]] = {
-    "msgpack": EVENT_DECODER,
-    "json": msgspec.json.Decoder(AnyEvent),
-}
-_UNTYPED: Final[dict[str, _Decoder]] = {
-    "msgpack": msgspec.msgpack.Decoder(),
-    "json": msgspec.json.Decoder(),
-}
-# One typed decoder per kind, for records the union does not take: another
-# version of a known kind, or a legacy envelope's event.
-_BY_KIND: Final[dict[str, dict[str, _Decoder]]] = {
-    "msgpack": {kind: msgspec.msgpack.Decoder(cls) for kind, cls in EVENT_TYPES.items()},
-    "json": {kind: msgspec.json.Decoder(cls) for kind, cls in EVENT_TYPES.items()},
-}
+EVENT_DECODER: Final[msgspec.msgpack.Decoder[AnyEvent]] = _CODECS["msgpack"].events
 
 
 def encode_event(event: AnyEvent, fmt: Format = "msgpack") -> bytes:
     """Encode one event: a map of its fields after its ``"kind"``."""
-    return (_MSGPACK if fmt == "msgpack" else _JSON).encode(event)
+    return cast("bytes", _CODECS[fmt].encoder.encode(event))
 
 
 def decode_event(data: bytes, fmt: Format = "msgpack") -> AnyEvent:
@@ -59,13 +58,14 @@ def decode_event(data: bytes, fmt: Format = "msgpack") -> AnyEvent:
     Raises:
         EventFormatError: The bytes are not an event this version can read.
     """
+    codec = _CODECS[fmt]
     try:
-        return cast("AnyEvent", _DECODERS[fmt].decode(data))
+        return cast("AnyEvent", codec.events.decode(data))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         first = exc
     # Not this version's form of a known kind: find out what it is.
     try:
-        record = _UNTYPED[fmt].decode(data)
+        record = codec.untyped.decode(data)
     except msgspec.DecodeError:
         raise EventFormatError(f"not an event record: {first}") from None
     tag = record.get("kind") if type(record) is dict else None
@@ -76,7 +76,7 @@ def decode_event(data: bytes, fmt: Format = "msgpack") -> AnyEvent:
     if tag == cls.TAG:
         raise EventFormatError(f"malformed {kind} event: {first}") from None
     del record["kind"]
-    return _typed(fmt, cls, (_MSGPACK if fmt == "msgpack" else _JSON).encode(record))
+    return _typed(fmt, cls, codec.encoder.encode(record))
 
 
 def decode_legacy_event(data: bytes) -> AnyEvent:
@@ -121,6 +121,6 @@ def _readable(kind: str, version: int) -> type[Event]:
 def _typed(fmt: Format, cls: type[Event], fields: bytes | msgspec.Raw) -> AnyEvent:
     try:
         # EVENT_TYPES holds exactly the members of AnyEvent.
-        return cast("AnyEvent", _BY_KIND[fmt][cls.KIND].decode(fields))
+        return cast("AnyEvent", _CODECS[fmt].by_kind[cls.KIND].decode(fields))
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise EventFormatError(f"malformed {cls.KIND} event: {exc}") from None

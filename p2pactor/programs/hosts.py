@@ -41,18 +41,6 @@ import attrs
 
 from p2pactor.errors import P2PActorError
 
-__all__ = [
-    "DEFAULT_PREFIX",
-    "DEFAULT_SUBNET",
-    "Host",
-    "HostsError",
-    "hosts_unavailable",
-    "main",
-    "make_hosts",
-    "open_hosts",
-    "remove_hosts",
-]
-
 DEFAULT_SUBNET: Final = "10.231.0"
 """The first three octets of the hosts' /24: host ``hN`` is ``10.231.0.N``."""
 
@@ -92,20 +80,8 @@ class Host:
 
     def command(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run on this host: its network, its hostname, its own ``/dev/shm``."""
-        enter = _ENTER.format(name=self.name)
-        return [
-            "ip",
-            "netns",
-            "exec",
-            self.netns,
-            "unshare",
-            "--uts",
-            "--mount",
-            "sh",
-            "-c",
-            enter,
-            *argv,
-        ]
+        unshare = ["unshare", "--uts", "--mount", "sh", "-c", _ENTER.format(name=self.name)]
+        return ["ip", "netns", "exec", self.netns, *unshare, *argv]
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment for a node on this host: UCX over TCP on its interface only."""
@@ -117,19 +93,13 @@ class Host:
         """Bring this host's interface up or down (a cable plugged or pulled)."""
         _ip("-n", self.netns, "link", "set", self.device, "up" if up else "down")
 
-    def pids(self) -> list[int]:
-        """The processes running on this host."""
-        return [int(p) for p in _ip_output("netns", "pids", self.netns).split()]
 
-
-def _run_ip(*args: str) -> subprocess.CompletedProcess[str]:
-    # iproute2 from PATH, with arguments this module builds (names, addresses).
-    return subprocess.run(  # noqa: S603
-        ["ip", *args],  # noqa: S607
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def _ip(*args: str, check: bool = True) -> str:
+    """Run ``ip ARGS`` (iproute2 from PATH, with arguments this module builds); its stdout."""
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)  # noqa: S603, S607
+    if check and done.returncode != 0:
+        raise HostsError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
+    return done.stdout
 
 
 def _nth_host(prefix: str, subnet: str, n: int) -> Host:
@@ -137,19 +107,9 @@ def _nth_host(prefix: str, subnet: str, n: int) -> Host:
     return Host(f"h{n}", f"{prefix}-h{n}", f"{subnet}.{n}")
 
 
-def _ip(*args: str) -> None:
-    done = _run_ip(*args)
-    if done.returncode != 0:
-        raise HostsError(f"`ip {' '.join(args)}` failed: {done.stderr.strip()}")
-
-
-def _ip_output(*args: str) -> str:
-    return _run_ip(*args).stdout
-
-
 def _namespaces(prefix: str) -> list[str]:
-    names = [line.split()[0] for line in _ip_output("netns", "list").splitlines() if line.strip()]
-    return [n for n in names if n.startswith(f"{prefix}-")]
+    lines = _ip("netns", "list", check=False).splitlines()  # "NAME (id: N)" a line
+    return [w[0] for w in map(str.split, lines) if w and w[0].startswith(f"{prefix}-")]
 
 
 def make_hosts(
@@ -167,9 +127,9 @@ def make_hosts(
         raise HostsError(f"cannot make hosts: {reason}")
     if not 1 <= count <= 250:
         raise HostsError(f"between 1 and 250 hosts, not {count}")
-    if _namespaces(prefix):
+    if existing := _namespaces(prefix):
         raise HostsError(
-            f"hosts with prefix {prefix!r} exist already ({', '.join(_namespaces(prefix))}); "
+            f"hosts with prefix {prefix!r} exist already ({', '.join(existing)}); "
             f"remove them first (`scripts/hosts down --prefix {prefix}`) or use another prefix"
         )
     hub = f"{prefix}-hub"
@@ -182,20 +142,8 @@ def make_hosts(
             _ip("netns", "add", host.netns)
             # The host's end is made straight inside its namespace: every host's
             # interface is eth0, which could not coexist in the hub.
-            _ip(
-                "-n",
-                hub,
-                "link",
-                "add",
-                f"v{i}",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                host.device,
-                "netns",
-                host.netns,
-            )
+            peer = ("peer", "name", host.device, "netns", host.netns)
+            _ip("-n", hub, "link", "add", f"v{i}", "type", "veth", *peer)
             _ip("-n", hub, "link", "set", f"v{i}", "master", "br0", "up")
             _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.device)
             _ip("-n", host.netns, "link", "set", host.device, "up")
@@ -216,7 +164,7 @@ def remove_hosts(prefix: str = DEFAULT_PREFIX) -> list[str]:
     """
     removed = []
     for netns in _namespaces(prefix):
-        for pid in Host("", netns, "").pids():
+        for pid in map(int, _ip("netns", "pids", netns, check=False).split()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         _ip("netns", "delete", netns)

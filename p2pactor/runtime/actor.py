@@ -44,10 +44,8 @@ _Decide = Callable[[Any, Any, float], tuple[Any, tuple[ev.AnyEvent, ...]]]
 class ActorHost(Protocol):
     """What an actor needs from its owner (the session): judge before a step, act after it."""
 
-    @property
-    def runner(self) -> Runner:
-        """The node's runner, through which every input reaches the actor."""
-        ...
+    runner: Runner
+    """The node's runner, through which every input reaches the actor."""
 
     def admit(self, actor: RequestActor, event_input: ActorInput) -> ActorInput | None:
         """The input the core steps for ``event_input``: itself, or a quota verdict on it.

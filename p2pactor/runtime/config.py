@@ -217,8 +217,9 @@ class NodeConfig:
     )
     slow_step_s: float | None = attrs.field(default=SLOW_STEP_S, validator=_slow_step)
     _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
-    _loopback: bool = attrs.field(init=False, eq=False, repr=False)
-    _dialable: dict[str, bool] = attrs.field(init=False, eq=False, repr=False)
+    # may_dial's answers by peer: each depends on the peer id and this
+    # config alone, and the engine's thread asks for every request and key.
+    _dialable: dict[str, bool] = attrs.field(init=False, eq=False, repr=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         # The key files are read once, here: a bad one fails the config at
@@ -242,14 +243,7 @@ class NodeConfig:
                     f"STEM --address {self.node_id}` (several comma-separated addresses for "
                     "one key are allowed) and give its .key file to the peers"
                 )
-        # Derived values of a frozen config: set once, here. may_dial runs on
-        # the engine's thread for every request; parsing our own host there
-        # each time would be work done again and again for the same answer.
-        object.__setattr__(self, "_curve", curve)
-        object.__setattr__(self, "_loopback", is_loopback(self.host))
-        # may_dial's answers by peer: each depends on the peer id and this
-        # config alone, and the engine's thread asks for every request and key.
-        object.__setattr__(self, "_dialable", {})
+        object.__setattr__(self, "_curve", curve)  # a frozen config's derived value: set once
 
     @property
     def curve(self) -> CurveSecurity | None:
@@ -275,18 +269,15 @@ class NodeConfig:
         """
         known = self._dialable.get(peer_id)
         if known is None:
-            known = self._judge_dial(peer_id)
+            known = (
+                (self.allowed_peers is None or peer_id in self.allowed_peers)
+                and self.dial_refusal(peer_id) is None
+                and (self._curve is None or self._curve.trusts(peer_id))
+            )
             if len(self._dialable) >= _DIAL_MEMORY:
                 self._dialable.clear()  # a bound, not a policy: answers are recomputed
             self._dialable[peer_id] = known
         return known
-
-    def _judge_dial(self, peer_id: str) -> bool:
-        if self.allowed_peers is not None and peer_id not in self.allowed_peers:
-            return False
-        if self.dial_refusal(peer_id) is not None:
-            return False
-        return self._curve is None or self._curve.trusts(peer_id)
 
     def dial_refusal(self, peer_id: str) -> str | None:
         """Why ``peer_id`` could never reach this node back, or None if it could.
@@ -297,7 +288,8 @@ class NodeConfig:
         timeout with nothing said. Loopback peers of a loopback node (one
         machine) are fine. Decided from the two ids alone, before any socket.
         """
-        if not self._loopback or is_loopback(peer_host(peer_id)):
+        # Asked only where may_dial's memory has no answer yet, and on refusals.
+        if not is_loopback(self.host) or is_loopback(peer_host(peer_id)):
             return None
         return (
             f"this node is {self.node_id}, a loopback address, and {peer_id} is on another "
@@ -331,8 +323,7 @@ class NodeConfig:
         values: dict[str, Any] = {}
 
         def read(name: str, field: str, parse: Any) -> None:
-            raw = env.get(name)
-            if raw is None or raw == "":
+            if not (raw := env.get(name)):
                 return
             try:
                 values[field] = parse(raw)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any, final
 
@@ -26,13 +26,11 @@ import attrs
 import msgspec
 
 from p2pactor.core import inputs as inp
-from p2pactor.core.consumer import ConsumerState, probe_answer, probe_answers
+from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.wakeup import Wakeup
-
-__all__ = ["EngineBridge", "LoadResult", "LookupView"]
 
 RETRY = LookupResult.RETRY
 _Call = tuple[Callable[..., object], tuple[Any, ...]]
@@ -71,15 +69,7 @@ class LookupView:
 
     def answer(self, key: bytes) -> LookupResult:
         """HIT, MISS or RETRY for ``key``, as the request stood when the view was taken."""
-        state = self._state
-        if state is None:
-            return self._absent
-        answer = probe_answer(state, key)
-        if answer is LookupResult.HIT and self._fetching:
-            # The engine has fetched this round (the hand-over is on its way):
-            # a HIT it did not fetch loses its pin with the round. Ask again.
-            return RETRY
-        return answer
+        return self.answers((key,))[0]
 
     def answers(self, keys: Sequence[bytes]) -> list[LookupResult]:
         """:meth:`answer` for every key of ``keys``, the request-wide checks made once."""
@@ -87,6 +77,8 @@ class LookupView:
             return [self._absent] * len(keys)
         answers = probe_answers(self._state, keys)
         if self._fetching:
+            # The engine has fetched this round (the hand-over is on its way):
+            # a HIT it did not fetch loses its pin with the round. Ask again.
             return [RETRY if a is LookupResult.HIT else a for a in answers]
         return answers
 
@@ -137,7 +129,7 @@ class EngineBridge:
         # peer): the fetch closes the round, and the round's other HITs lose
         # their pins with it, but until the actor takes the fetch its state
         # still answers them HIT.
-        self._fetching: dict[tuple[str, str], int] = {}
+        self._fetching: Counter[tuple[str, str]] = Counter()
         # Keys applied on the node's thread, waiting for the step's flush; and
         # actors given their keys early (another input of theirs came first),
         # whose flush is still owed.
@@ -281,8 +273,7 @@ class EngineBridge:
             self._results.append(LoadResult(job_id, success=False, reason=reason))
             return
         with self._lock:
-            where = (kv_request_id, peer)
-            self._fetching[where] = self._fetching.get(where, 0) + 1
+            self._fetching[kv_request_id, peer] += 1
         load = (peer, kv_request_id, job_id, tuple(keys), tuple(dest_blocks))
         self._post((self._load, load), wake=wake)
 
@@ -365,13 +356,11 @@ class EngineBridge:
         else:
             self._register_first(actor)
             self.submit(actor, job_id, keys, blocks)
-        with self._lock:
-            where = (kv_id, peer)
-            left = self._fetching.get(where, 1) - 1
-            if left > 0:
-                self._fetching[where] = left
+        with self._lock:  # never 0 while present: lookup_view reads it without the lock
+            if self._fetching[kv_id, peer] > 1:
+                self._fetching[kv_id, peer] -= 1
             else:
-                self._fetching.pop(where, None)
+                del self._fetching[kv_id, peer]
 
     def _finish(self, kv_id: str) -> None:
         with self._lock:

@@ -87,11 +87,9 @@ class ControlLink(abc.ABC):
         # it is then neither told to disconnect nor closed by this session.
         self._handed_over = False
         self._log_extra = peer_context(peer_id, node=host.config.node_id)
-        # Frames for the peer: until both connects are acked they wait in _early;
-        # afterwards each goes straight to the connection (send_nowait), unless
-        # its queue is full, and then they wait in _backlog for a sender task.
-        # Both together stay under session_outbox.
-        self._early: deque[bytes] = deque()
+        # Frames for the peer wait here, under session_outbox: until both
+        # connects are acked; afterwards only when the connection's queue is
+        # full (else each goes straight to it, send_nowait), for a sender task.
         self._backlog: deque[bytes] = deque()
         self._ack_sent = False
         self._acked = False
@@ -140,7 +138,7 @@ class ControlLink(abc.ABC):
     @property
     def unsent(self) -> int:
         """Frames queued for the peer and not yet sent (bounded by ``session_outbox``)."""
-        return len(self._early) + len(self._backlog)
+        return len(self._backlog)
 
     def handshake_steps(self) -> dict[str, bool]:
         """Which steps of the handshake are done, by name (for status reports). Any thread."""
@@ -176,10 +174,8 @@ class ControlLink(abc.ABC):
                 self._conn = await self._host.control.connect(self.peer_id)
             elif first is None:
                 first = await self._first_connect()
-                if first is None:
-                    return
             if self._dead.is_set():
-                return  # closed while it dialed
+                return  # closed while it dialed, or no connect came first
             ours = connect_message(self._config, self._host.data, self._host.hash_seed)
             await self._conn.send(wire.encode(ours))
             if first is not None:
@@ -281,10 +277,6 @@ class ControlLink(abc.ABC):
         self._ack_sent = True
         self._open_gate()
 
-    def _on_ack(self) -> None:
-        self._acked = True
-        self._open_gate()
-
     def _open_gate(self) -> None:
         """Once both connects are acked the session is ready: send what waited, in order."""
         if not (self._acked and self._ack_sent and self.alive) or self._established.is_set():
@@ -294,7 +286,7 @@ class ControlLink(abc.ABC):
         self._host.handshake_ended(self.peer_id, "ok")
         dialect = "p2pactor" if self.extended else "vLLM base"
         log.info("session with %s ready (%s dialect)", self.peer_id, dialect, extra=self._log_extra)
-        early, self._early = self._early, deque()
+        early, self._backlog = self._backlog, deque()
         for frame in early:
             self._put(frame)
         if self.summaries:
@@ -311,7 +303,7 @@ class ControlLink(abc.ABC):
         if self._established.is_set():
             self._put(frame)
         elif self._room():
-            self._early.append(frame)
+            self._backlog.append(frame)  # no sender task before the gate opens
 
     def _room(self) -> bool:
         if self.unsent < self._config.session_outbox:
@@ -377,7 +369,6 @@ class ControlLink(abc.ABC):
             # Close now, not after the drain: a peer that dials again must
             # open a fresh connection, not talk into this dying one.
             await conn.aclose()
-        self._early.clear()
         self._backlog.clear()
 
     async def _let_go(self) -> None:

@@ -21,7 +21,6 @@ import trio
 from p2pactor.core import effects as fx
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
-from p2pactor.core.choice import Choice
 from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.fold import ActorState
 from p2pactor.core.inputs import LookupResult
@@ -48,7 +47,6 @@ __all__ = ["EventWatcher", "HandshakeWatcher", "NodeHost"]
 log = logging.getLogger("p2pactor.node")
 
 RETRY = LookupResult.RETRY
-_OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
 
 EventWatcher = Callable[[Sequence[ev.AnyEvent], ActorState], None]
 """Called with an actor's events of one step and its state after them."""
@@ -129,16 +127,16 @@ class NodeHost(ThreadSafeSources):
             release=lambda job_id: self.release_pin(job_id, success=False),
             clock=clock,
         )
-        self.peers = PeerRegistry(self, config, control, nursery, self.session_closed)
+        self.peers = PeerRegistry(self, nursery)
         self.seeds = SeedRedial(config.seed_peers, self.dial, timers=self.timers, clock=clock)
         # Consumer actors by kv_request_id, then peer: a finish finds its own at once.
         self.consumers: dict[str, dict[str, RequestActor]] = {}
         self.answers: dict[RequestActor, list[Waiter]] = {}
         self.loads: dict[int, Waiter] = {}  # the async API's fetches, by their job
         self.job_ids = itertools.count(start=-1, step=-1)  # the async API's own jobs
-        self._actor_watchers: list[Callable[[RequestActor], None]] = []
-        self._event_watchers: list[EventWatcher] = []
-        self._handshake_watchers: list[HandshakeWatcher] = []
+        self._actor_watchers: tuple[Callable[[RequestActor], None], ...] = ()
+        self._event_watchers: tuple[EventWatcher, ...] = ()
+        self._handshake_watchers: tuple[HandshakeWatcher, ...] = ()
 
     @property
     def node_id(self) -> str:
@@ -161,9 +159,7 @@ class NodeHost(ThreadSafeSources):
 
     def consumer_for(self, peer: str, kv_request_id: str) -> RequestActor | None:
         """The consumer actor for (peer, request), created with its session if needed."""
-        mine = self.consumers.get(kv_request_id)
-        actor = None if mine is None else mine.get(peer)
-        if actor is not None:
+        if (actor := self.known_consumer(peer, kv_request_id)) is not None:
             return actor  # a finished or failed one answers MISS until the engine finishes
         session = self.peers.session_for(peer)
         if session is None:
@@ -213,18 +209,28 @@ class NodeHost(ThreadSafeSources):
 
     # --- following the node (the operator surface) -----------------------------------
 
+    def _subscribe(self, watchers: str, watcher: object) -> Callable[[], None]:
+        """Add ``watcher`` to the tuple named ``watchers``; returns the unsubscribe.
+
+        A new tuple each time, never an edit of the one a call may be going
+        through: a watcher that unsubscribes (itself or another) makes none miss
+        that call. Unsubscribing twice is harmless.
+        """
+        setattr(self, watchers, (*getattr(self, watchers), watcher))
+        return lambda: setattr(
+            self, watchers, tuple(w for w in getattr(self, watchers) if w is not watcher)
+        )
+
     def watch_actors(self, watcher: Callable[[RequestActor], None]) -> Callable[[], None]:
         """Call ``watcher`` with every actor created from now on; returns an unsubscribe."""
-        self._actor_watchers.append(watcher)
-        return lambda: self._actor_watchers.remove(watcher)
+        return self._subscribe("_actor_watchers", watcher)
 
     def watch_handshakes(self, watcher: HandshakeWatcher) -> Callable[[], None]:
         """Call ``watcher(peer, outcome)`` as each handshake ends; returns an unsubscribe.
 
         ``outcome`` is ``ok`` or why not (``timeout``, ``seed_mismatch``, ...).
         """
-        self._handshake_watchers.append(watcher)
-        return lambda: self._handshake_watchers.remove(watcher)
+        return self._subscribe("_handshake_watchers", watcher)
 
     def watch_events(self, watcher: EventWatcher) -> Callable[[], None]:
         """Call ``watcher(events, state)`` after every actor step; returns an unsubscribe.
@@ -232,16 +238,9 @@ class NodeHost(ThreadSafeSources):
         ``state`` is the actor's state after ``events``. Watchers run on the
         node's thread inside the step: they must be quick and must not block
         (the live timeline queues and returns). An exception in a watcher is
-        logged and otherwise ignored. Unsubscribing twice is harmless.
+        logged and otherwise ignored.
         """
-        self._event_watchers = [*self._event_watchers, watcher]
-
-        def unwatch() -> None:
-            # A new list, never an edit of the one a step may be going through:
-            # a watcher that unsubscribes (itself or another) makes none miss that step.
-            self._event_watchers = [w for w in self._event_watchers if w is not watcher]
-
-        return unwatch
+        return self._subscribe("_event_watchers", watcher)
 
     # --- what sessions ask (the node's thread) ---------------------------------------
 
@@ -249,12 +248,12 @@ class NodeHost(ThreadSafeSources):
         """Tell the handshake watchers how a session's handshake ended."""
         if outcome == "ok":
             self.seeds.connected(peer)
-        for watcher in list(self._handshake_watchers):
+        for watcher in self._handshake_watchers:
             watcher(peer, outcome)
 
     def actor_created(self, actor: RequestActor) -> None:
         """Tell the watchers about a new actor."""
-        for watcher in list(self._actor_watchers):
+        for watcher in self._actor_watchers:
             watcher(actor)
 
     def record(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
@@ -286,10 +285,6 @@ class NodeHost(ThreadSafeSources):
             if not waiter.ready.is_set() and RETRY not in probe_answers(state, waiter.keys):
                 waiter.ready.set()
 
-    def post_parent(self, actor: RequestActor, request: fx.ParentRequest) -> None:
-        """Have the parent service run ``request`` (now, or at the next serve)."""
-        self.service.post(actor, request)
-
     def release_pin(self, job_id: int, *, success: bool) -> None:
         """Release a pin job through the parent service (now, or at the next serve)."""
         self.service.post(None, fx.ReleasePin(job_id=job_id, success=success))
@@ -305,10 +300,6 @@ class NodeHost(ThreadSafeSources):
         else:
             waiter.result = result
             waiter.ready.set()
-
-    def producer_opened(self, actor: RequestActor) -> None:
-        """Bind a prefill/decode request's waiting stores to the actor that will serve them."""
-        self.stores.bind(actor)
 
     def session_closed(self, result: SessionCloseResult) -> None:
         """Release what a closed session left held; forget its bindings."""

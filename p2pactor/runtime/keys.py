@@ -52,10 +52,9 @@ KEYGEN_HINT: Final = "p2pactor keygen STEM --address HOST:PORT"
 
 
 def _check_address(address: str, where: str) -> str:
-    host, sep, port = address.rpartition(":")
+    host, _, port = address.rpartition(":")  # no ":": no host
     if (
-        not sep
-        or not host
+        not host
         or not (port.isascii() and port.isdigit())
         or not 0 < int(port) <= 65535
         or any(c.isspace() or c in ",\"'#/;" for c in host)
@@ -95,7 +94,13 @@ def _check_key(value: str | None, what: str, path: Path) -> str:
     return value
 
 
-def _read(path: Path, what: str) -> dict[str, dict[str, str]]:
+def _read(path: Path, *, secret: bool) -> tuple[dict[str, dict[str, str]], str]:
+    """A certificate's sections and its checked public key, refused as a secret or public file.
+
+    A secret certificate others can read is a key anyone on the host may have
+    copied; a "public" one holding a secret key must never have been shared.
+    """
+    what = f"CURVE {'secret' if secret else 'public'} key file"
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -106,7 +111,23 @@ def _read(path: Path, what: str) -> dict[str, dict[str, str]]:
         raise ConfigError(f"{path} is not a text certificate: give the file keygen wrote") from None
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    return zpl.parse(text, path)
+    sections = zpl.parse(text, path)
+    curve = sections.get("curve", {})
+    mode = stat.S_IMODE(path.stat().st_mode) if secret and os.name == "posix" else 0
+    if mode & 0o077:
+        raise ConfigError(
+            f"{path} is open to other users (mode {mode:04o}): a secret key must be "
+            f"readable by its owner only; run `chmod 600 {path}` (in Kubernetes, mount "
+            "the secret with defaultMode 0400), and make a new key pair if others may "
+            "have read it"
+        )
+    if not secret and "secret-key" in curve:
+        raise ConfigError(
+            f"{path} holds a SECRET key, which must never leave its node: put only the peer's "
+            f"public {PUBLIC_SUFFIX} file here, delete this copy, and have that peer make a "
+            f"new key pair (`{KEYGEN_HINT}`), as this one has been exposed"
+        )
+    return sections, _check_key(curve.get("public-key"), "public-key", path)
 
 
 def _addresses_of(sections: Mapping[str, Mapping[str, str]], path: Path) -> frozenset[str]:
@@ -228,34 +249,23 @@ def load_secret(path: str | os.PathLike[str]) -> CurveKeypair:
     """This node's key pair, from its secret certificate (``*.key_secret``).
 
     The file must be readable by its owner only (``chmod 600``), as SSH insists
-    for private keys: a secret others can read is a key anyone on the host may
-    have copied, and it is refused rather than trusted.
+    for private keys: a secret others can read is refused rather than trusted.
 
     Raises:
         ConfigError: The file is missing, unreadable, readable by others, not
             a secret certificate, damaged, or has no address metadata.
     """
     file = Path(path)
-    sections = _read(file, "CURVE secret key file")
-    if os.name == "posix":
-        mode = stat.S_IMODE(file.stat().st_mode)
-        if mode & 0o077:
-            raise ConfigError(
-                f"{file} is open to other users (mode {mode:04o}): a secret key must be "
-                f"readable by its owner only; run `chmod 600 {file}` (in Kubernetes, mount "
-                "the secret with defaultMode 0400), and make a new key pair if others may "
-                "have read it"
-            )
-    curve = sections.get("curve", {})
-    public = _check_key(curve.get("public-key"), "public-key", file)
-    if curve.get("secret-key") is None:
+    sections, public = _read(file, secret=True)
+    secret = sections["curve"].get("secret-key")  # the section is there: it holds public-key
+    if secret is None:
         raise ConfigError(
             f"{file} is a public certificate, not a secret one: give the node its "
             f"{SECRET_SUFFIX} file (keygen writes both)"
         )
-    secret = _check_key(curve.get("secret-key"), "secret-key", file)
     # Whether the public key belongs to the secret one takes libzmq: the zmq
     # transport checks it when it sets up CURVE (p2pactor.adapters._zmq_curve).
+    secret = _check_key(secret, "secret-key", file)
     addresses = _addresses_of(sections, file)
     return CurveKeypair(public_key=public, secret_key=secret, addresses=addresses, path=str(file))
 
@@ -267,16 +277,8 @@ def load_public(path: str | os.PathLike[str]) -> tuple[str, frozenset[str]]:
         ConfigError: The file is missing, not a certificate, damaged, has no
             address metadata, or holds a secret key (which must never be shared).
     """
-    file = Path(path)
-    sections = _read(file, "CURVE public key file")
-    curve = sections.get("curve", {})
-    if "secret-key" in curve:
-        raise ConfigError(
-            f"{file} holds a SECRET key, which must never leave its node: put only the peer's "
-            f"public {PUBLIC_SUFFIX} file here, delete this copy, and have that peer make a "
-            f"new key pair (`{KEYGEN_HINT}`), as this one has been exposed"
-        )
-    return _check_key(curve.get("public-key"), "public-key", file), _addresses_of(sections, file)
+    sections, public = _read(Path(path), secret=False)
+    return public, _addresses_of(sections, Path(path))
 
 
 # --- the keyring ------------------------------------------------------------------------

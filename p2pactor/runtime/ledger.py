@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Final
 
 import attrs
@@ -20,27 +20,19 @@ from p2pactor.core.events import Quota
 from p2pactor.core.producer import ProducerState
 from p2pactor.core.producer_state import RoundState
 from p2pactor.runtime.logcontext import request_context
-from p2pactor.runtime.quotas import PeerQuotas, PeerUsage
+from p2pactor.runtime.quotas import HELD, PeerQuotas, PeerUsage
 
 log = logging.getLogger("p2pactor.quotas")
 
 _REMEMBERED_PEERS: Final = 4096
 """Peers whose counts the ledger keeps before it forgets those holding nothing."""
 
-_HELD: Final = {
-    Quota.PINNED_BLOCKS: "blocks pinned",
-    Quota.OPEN_LOOKUPS: "lookups unanswered",
-    Quota.FETCH_ROUNDS: "fetch rounds in flight",
-    Quota.OPEN_REQUESTS: "requests open",
-}
-"""What a peer holds, counted per peer, by the quota that bounds it (for refusals)."""
-
 
 @attrs.define(eq=False)
 class _Peer:
     """One peer's counts (mutable, runtime only)."""
 
-    held: Counter[Quota] = attrs.field(factory=Counter)  # by the quotas of _HELD
+    held: Counter[Quota] = attrs.field(factory=Counter)  # by the quotas of HELD
     peak_pinned: int = 0
     refusals: Counter[Quota] = attrs.field(factory=Counter)
     last_logged: dict[Quota, float] = attrs.field(factory=dict)
@@ -90,7 +82,7 @@ class QuotaLedger:
     def __init__(self, quotas: PeerQuotas, num_blocks: int) -> None:
         self.quotas = quotas
         self.pinned_limit = quotas.pinned_blocks_limit(num_blocks)
-        self._limits = {q: getattr(quotas, f"max_{q.value}") for q in _HELD}
+        self._limits = {q: getattr(quotas, f"max_{q.value}") for q in HELD}
         self._limits[Quota.PINNED_BLOCKS] = self.pinned_limit
         self._peers: dict[str, _Peer] = {}
         self._requests: dict[Hashable, _Request] = {}
@@ -127,7 +119,7 @@ class QuotaLedger:
         held, limit = self._held(peer, quota), self._limits[quota]
         if full and held < limit:
             return ""
-        return f"{peer} already has {held} {_HELD[quota]} here (quota {limit} per peer)"
+        return f"{peer} already has {held} {HELD[quota]} here (quota {limit} per peer)"
 
     # --- requests ---------------------------------------------------------------------
 
@@ -222,11 +214,6 @@ class QuotaLedger:
             held[Quota.OPEN_LOOKUPS] -= request.lookups
             held[Quota.FETCH_ROUNDS] -= request.rounds
 
-    def forget_all(self, handles: Iterable[Hashable]) -> None:
-        """Forget every request in ``handles`` (a session ended)."""
-        for handle in handles:
-            self.forget(handle)
-
     # --- pins ---------------------------------------------------------------------------
 
     def pin_budget(self, peer: str) -> int:
@@ -258,7 +245,7 @@ class QuotaLedger:
         if p is None:
             return PeerUsage()
         return PeerUsage(
-            **{q.value: p.held[q] for q in _HELD},
+            **{q.value: p.held[q] for q in HELD},
             peak_pinned_blocks=p.peak_pinned,
             refusals={q.value: n for q, n in sorted(p.refusals.items(), key=lambda i: i[0].value)},
         )

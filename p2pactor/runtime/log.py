@@ -36,7 +36,7 @@ from p2pactor.core.events import AnyEvent
 from p2pactor.core.ids import ActorId
 from p2pactor.core.serde import encode_event
 from p2pactor.errors import ConfigError, LogError
-from p2pactor.runtime.logread import _FRAME, FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES
+from p2pactor.runtime.logread import _FRAME, FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES, LogHeader
 
 RING_KEYS = 131_072
 """Keys the in-memory ring's events may hold together (about 10 MB of vLLM keys)."""
@@ -208,10 +208,8 @@ class EventLog:
         self._stats = LogStatistics()
         self._file: io.FileIO | None = None
         # What an append may leave unwritten: nothing, a bound, or everything (ON_CLOSE).
-        kind, bound = self.durability.kind, self.durability.max_buffer_bytes
-        self._write_over = {Durability.EVERY_EVENT: 0, Durability.INTERVAL: bound}.get(
-            kind, math.inf
-        )
+        over = {Durability.EVERY_EVENT: 0, Durability.INTERVAL: self.durability.max_buffer_bytes}
+        self._write_over = over.get(self.durability.kind, math.inf)
         if path is not None:
             try:
                 # Unbuffered: a write goes straight to the OS, so "written" means written.
@@ -227,13 +225,12 @@ class EventLog:
                     "check that its directory exists and is writable"
                 ) from exc
             wall, mono = (time.time(), None) if clock_origin is None else clock_origin
-            header = {
-                "format": FORMAT_VERSION,
-                "node_id": node_id,
-                "created_wall": float(wall),
-                "created_mono": None if mono is None else float(mono),
-            }
-            self._buffer += MAGIC + _frame(msgspec.msgpack.encode(header))
+            mono = None if mono is None else float(mono)
+            header = LogHeader(
+                format=FORMAT_VERSION, node_id=node_id, created_wall=float(wall), created_mono=mono
+            )
+            # A map in the fields' order, as the reader converts it back.
+            self._buffer += MAGIC + _frame(msgspec.msgpack.encode(attrs.asdict(header)))
             try:
                 self._write_buffer(records=0)
             except LogError:

@@ -28,8 +28,8 @@ def request_context(
     ``log.warning("...", peer, extra=request_context(peer, kv_request_id))``.
     A field given as None (not known where the line is logged) is left out.
     """
-    fields = {"node": node, "peer": peer, "kv_request_id": kv_request_id}
-    return {name: value for name, value in fields.items() if value is not None}
+    values = (node, peer, kv_request_id)
+    return {name: v for name, v in zip(CONTEXT_FIELDS, values, strict=True) if v is not None}
 
 
 def peer_context(peer: str, *, node: str | None = None) -> dict[str, str]:
@@ -48,9 +48,8 @@ def parent_request_context(context: str, *, node: str | None = None) -> dict[str
     no fields rather than wrong ones.
     """
     match = _PARENT_CONTEXT.fullmatch(context)
-    if match is None:
-        return request_context(None, None, node=node)
-    return request_context(match["peer"], match["kv"], node=node)
+    peer, kv_request_id = (None, None) if match is None else match.group("peer", "kv")
+    return request_context(peer, kv_request_id, node=node)
 
 
 _session_log = logging.getLogger("p2pactor.session")

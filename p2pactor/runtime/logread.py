@@ -231,56 +231,47 @@ class LogReader:
 
         unpack, crc32, head = _FRAME.unpack_from, zlib.crc32, _FRAME.size
         while True:
-            # Records wholly in the buffer, inline. What this does not take (a
-            # record the buffer cuts, an impossible length) is looked at below.
-            end = len(buf)
-            while pos + head <= end:
-                length, crc = unpack(buf, pos)
-                stop = pos + head + length
-                if not 0 < length <= MAX_RECORD_BYTES or stop > end:
-                    break
-                payload = buf[pos + head : stop]
-                if crc32(payload) != crc:
-                    offset, pos = base + pos, stop
-                    last = not have(1)
-                    kind = ProblemKind.TORN_TAIL if last else ProblemKind.CORRUPT
-                    where = "the last record" if last else "a record with more data after it"
-                    self._stop(kind, offset, f"checksum mismatch in {where}")
-                    return
-                try:
-                    event = fast(payload)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    try:  # another version of a kind, or not an event: the full rules
-                        event = decode(payload)
-                    except EventFormatError as exc:
-                        self._stop(ProblemKind.UNREADABLE, base + pos, str(exc))
-                        return
-                pos = stop
-                self.end_offset = base + pos
-                self.events_read += 1
-                yield event
-            if not have(1):
-                return
-            offset = base + pos
-            if not have(head):
-                got = len(buf) - pos
-                reason = f"the file ends inside a record's frame ({got} of 8 bytes)"
-                self._stop(ProblemKind.TORN_TAIL, offset, reason)
+            # have() only when the buffer is short: most records are wholly in it.
+            if len(buf) - pos < head and not have(head):
+                if got := len(buf) - pos:
+                    reason = f"the file ends inside a record's frame ({got} of 8 bytes)"
+                    self._stop(ProblemKind.TORN_TAIL, base + pos, reason)
                 return
             length, crc = unpack(buf, pos)
             if not 0 < length <= MAX_RECORD_BYTES:
                 if self._rest_is_zero(file, buf[pos:]):
                     reason = "the file ends in zero bytes the writer never filled"
-                    self._stop(ProblemKind.TORN_TAIL, offset, reason)
+                    self._stop(ProblemKind.TORN_TAIL, base + pos, reason)
                 else:
-                    self._stop(ProblemKind.CORRUPT, offset, f"impossible record length {length}")
+                    reason = f"impossible record length {length}"
+                    self._stop(ProblemKind.CORRUPT, base + pos, reason)
                 return
-            if not have(head + length):
+            if len(buf) - pos < head + length and not have(head + length):
                 got = len(buf) - pos - head
                 reason = f"the file ends inside a record ({got} of {length} payload bytes)"
-                self._stop(ProblemKind.TORN_TAIL, offset, reason)
+                self._stop(ProblemKind.TORN_TAIL, base + pos, reason)
                 return
-            # The record is whole in the buffer now: the loop above takes it.
+            stop = pos + head + length
+            payload = buf[pos + head : stop]
+            if crc32(payload) != crc:
+                offset, pos = base + pos, stop
+                last = not have(1)
+                kind = ProblemKind.TORN_TAIL if last else ProblemKind.CORRUPT
+                where = "the last record" if last else "a record with more data after it"
+                self._stop(kind, offset, f"checksum mismatch in {where}")
+                return
+            try:
+                event = fast(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                try:  # another version of a kind, or not an event: the full rules
+                    event = decode(payload)
+                except EventFormatError as exc:
+                    self._stop(ProblemKind.UNREADABLE, base + pos, str(exc))
+                    return
+            pos = stop
+            self.end_offset = base + pos
+            self.events_read += 1
+            yield event
 
     @staticmethod
     def _rest_is_zero(file: io.BufferedReader, start: bytes) -> bool:

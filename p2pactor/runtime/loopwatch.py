@@ -159,13 +159,11 @@ class LoopWatch(trio.abc.Instrument):
     def _notable(self, task: trio.lowlevel.Task, seconds: float) -> None:
         """A step at least as long as the longest so far, or slow."""
         self._longest = max(self._longest, seconds)
-        if seconds >= self._slow:
-            self._record(task.name, seconds)
         self._bar = min(self._longest, self._slow)
-
-    def _record(self, task: str, seconds: float) -> None:
+        if seconds < self._slow:
+            return
         self.slow_steps += 1
-        self._recent.append(SlowStep(time.time(), seconds, task))
+        self._recent.append(SlowStep(time.time(), seconds, task.name))
         count = self.slow_steps
         # A node stalled over and over must not flood the log: the first
         # few, then one in _LOG_EVERY; /status and /metrics count them all.
@@ -176,7 +174,7 @@ class LoopWatch(trio.abc.Instrument):
                 "message, timer or engine call ran meanwhile. Look for blocking work in that "
                 "task (a parent cache, a watcher), a garbage-collector pause, or a machine "
                 "short of CPU; /status's loop lists the recent ones (docs/status.md)",
-                task,
+                task.name,
                 seconds,
                 count,
                 self._slow,
@@ -187,12 +185,12 @@ class LoopWatch(trio.abc.Instrument):
 
     def snapshot(self) -> LoopSnapshot:
         """What the watch has seen so far. Any thread (a copy; never waits)."""
-        recent = list(self._recent)  # one C call: the node's thread cannot append midway
-        recent.reverse()
+        # list() is one C call: the node's thread cannot append midway.
+        recent = tuple(reversed(list(self._recent)))
         return LoopSnapshot(
             steps=self.steps,
             slow_step_s=self.slow_step_s,
             slow_steps=self.slow_steps,
             longest_step_s=self._longest,
-            recent_slow=tuple(recent),
+            recent_slow=recent,
         )

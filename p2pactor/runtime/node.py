@@ -47,15 +47,12 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
-from p2pactor.runtime.engine import LoadResult
 from p2pactor.runtime.host import NodeHost, Waiter
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.quotas import PeerUsage
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
 from p2pactor.runtime.transport import ControlTransport, DataTransport
-
-__all__ = ["FetchResult", "LoadResult", "Located", "Node", "open_node"]
 
 
 @attrs.frozen(kw_only=True)

@@ -40,11 +40,9 @@ class Parent(Protocol):
 
     def lookup(self, key: bytes, context: str) -> LookupResult:
         """Whether the cache holds ``key``: HIT, MISS, HIT_PENDING or RETRY."""
-        ...
 
     def create_store_job(self, keys: Sequence[bytes], context: str) -> inp.Pin:
         """Pin the blocks of ``keys`` (all HITs just now) as one job."""
-        ...
 
     def on_request_finished(self, context: str) -> None:
         """The synthetic request ``context`` is over."""
@@ -83,7 +81,7 @@ def serve_parent_request(
         try:
             parent.on_new_request(request.context)
         except Exception:
-            _parent_failed("refused to open", request.context, "answering MISS")
+            parent_failed(f"refused to open {request.context}; answering MISS", request.context)
             misses = tuple((key, LookupResult.MISS) for key in request.keys)
             return inp.ParentAnswer(lookup_id=request.lookup_id, results=misses)
     results: list[tuple[bytes, LookupResult]] = []
@@ -91,20 +89,19 @@ def serve_parent_request(
         try:
             result = parent.lookup(key, request.context)
         except Exception:
-            _parent_failed("lookup failed in", request.context, "answering MISS")
+            parent_failed(f"lookup failed in {request.context}; answering MISS", request.context)
             result = LookupResult.MISS
         results.append((key, result))
     hits = [k for k, r in results if r is LookupResult.HIT]
-    refused: list[bytes] = []
-    if pin_budget is not None and len(hits) > pin_budget:
-        cut = max(0, pin_budget)
-        hits, refused = hits[:cut], hits[cut:]
+    cut = len(hits) if pin_budget is None else max(0, pin_budget)
+    hits, refused = hits[:cut], hits[cut:]
     pin = None
     if hits:
         try:
             pin = parent.create_store_job(hits, request.context)
         except Exception:
-            _parent_failed(f"could not pin {len(hits)} hits in", request.context, "none pinned")
+            what = f"could not pin {len(hits)} hits in {request.context}; none pinned"
+            parent_failed(what, request.context)
     return inp.ParentAnswer(
         lookup_id=request.lookup_id,
         results=tuple(results),
@@ -114,13 +111,12 @@ def serve_parent_request(
     )
 
 
-def _parent_failed(what: str, context: str, so: str) -> None:
+def parent_failed(what: str, context: str = "", *, node: str | None = None) -> None:
+    """Log the traceback of a call into the parent that raised: a bug of the engine's."""
     log.exception(
-        "parent %s %s; %s (a bug in the engine's parent: see the traceback)",
+        "the parent %s (a bug in the engine's parent: see the traceback)",
         what,
-        context,
-        so,
-        extra=parent_request_context(context),
+        extra=parent_request_context(context, node=node),
     )
 
 
@@ -170,7 +166,6 @@ class EmbeddedCache:
             )
         self.memory = memory
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> block, LRU order
-        self._key_of: dict[int, bytes] = {}
         self._free = list(range(num_blocks - 1, -1, -1))
         self._pending: set[bytes] = set()
         self._pins: Counter[int] = Counter()
@@ -230,7 +225,6 @@ class EmbeddedCache:
             block = self._allocate()
             self._add(key, block)
         self._index.move_to_end(key)
-        self._pending.discard(key)
         self.memory[block * self.block_len : (block + 1) * self.block_len] = data
         return block
 
@@ -241,8 +235,7 @@ class EmbeddedCache:
             CacheFull: Not enough blocks can be freed.
         """
         blocks = [self._allocate() for _ in range(count)]
-        for block in blocks:
-            self._pins[block] += 1
+        self._pins.update(blocks)
         return blocks
 
     def commit(self, key: bytes, block: int) -> None:
@@ -260,7 +253,6 @@ class EmbeddedCache:
     def _add(self, key: bytes, block: int) -> None:
         """Index ``block`` as ``key`` (stored now: no longer pending)."""
         self._index[key] = block
-        self._key_of[block] = key
         self._pending.discard(key)
         if self._came is not None:
             self._came(key)
@@ -287,7 +279,6 @@ class EmbeddedCache:
         for key, block in self._index.items():  # least recently used first
             if self._pins[block] == 0:
                 del self._index[key]
-                del self._key_of[block]
                 if self._went is not None:
                     self._went(key)
                 return block
@@ -328,8 +319,7 @@ class EmbeddedCache:
         """
         blocks = tuple(self._index[k] for k in keys)
         job = next(self._job_ids)
-        for block in blocks:
-            self._pins[block] += 1
+        self._pins.update(blocks)
         self._jobs[job] = blocks
         return inp.Pin(job, tuple(keys), blocks)
 

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 import trio
 
 from p2pactor.core import protocol as wire
-from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
-from p2pactor.runtime.transport import ControlConnection, ControlTransport
+from p2pactor.runtime.transport import ControlConnection
 
 if TYPE_CHECKING:
     from p2pactor.runtime.host import NodeHost
@@ -41,18 +39,14 @@ class PeerRegistry:
     """The sessions of one node, keyed by peer id.
 
     Args:
-        host: What sessions need of the node.
-        config: The node's configuration (``max_peers``, ``may_dial``).
-        control: The node's control transport.
+        host: What sessions need of the node: its configuration (``max_peers``,
+            ``may_dial``), its control transport, and each closed session's
+            result (:meth:`~p2pactor.runtime.host.NodeHost.session_closed`).
         nursery: Where session tasks run (the node's).
-        on_closed: Called with each closed session's result (on the node's thread).
     """
 
     _host: NodeHost
-    _config: NodeConfig
-    _control: ControlTransport
     _nursery: trio.Nursery
-    _on_closed: Callable[[SessionCloseResult], None]
     _sessions: dict[str, PeerSession] = attrs.field(factory=dict, init=False)
     _closing: set[PeerSession] = attrs.field(factory=set, init=False)
     # The most recent only: a long-lived node sees peers come and go for
@@ -92,21 +86,21 @@ class PeerRegistry:
         session = self._sessions.get(peer)
         if session is not None and session.alive:
             return session
-        if not self._config.may_dial(peer) or self.shutting_down:
+        if not self._host.config.may_dial(peer) or self.shutting_down:
             self._say_unreachable(peer, "not dialing")
             return None
         return None if self._full(peer, "not dialing") else self._start(peer, None)
 
     def _full(self, peer: str, action: str) -> bool:
         """Whether the node is at ``max_peers`` (said with ``action``, and the fix, if so)."""
-        if len(self._sessions) < self._config.max_peers:
+        if len(self._sessions) < self._host.config.max_peers:
             return False
         log.warning(
             "%s %s: at max_peers (%d); raise max_peers (VLLM_P2P_MAX_PEERS) to allow more",
             action,
             peer,
-            self._config.max_peers,
-            extra=peer_context(peer, node=self._config.node_id),
+            self._host.config.max_peers,
+            extra=self._context(peer),
         )
         return True
 
@@ -116,24 +110,21 @@ class PeerRegistry:
         The transport asks before it dials back (``accept_only``); a refusal
         for a loopback id is logged here, with both addresses and the fix.
         """
-        if self._config.may_dial(peer):
+        if self._host.config.may_dial(peer):
             return True
         self._say_unreachable(peer, "refused")
         return False
 
+    def _context(self, peer: str) -> dict[str, str]:
+        return peer_context(peer, node=self._host.node_id)
+
     def _say_unreachable(self, peer: str, action: str) -> None:
-        reason = self._config.dial_refusal(peer)
+        reason = self._host.config.dial_refusal(peer)
         if reason is None or peer in self._unreachable:
             return
         if len(self._unreachable) < CLOSED_KEPT:  # bounded: peer ids come from frames too
             self._unreachable.add(peer)
-        log.error(
-            "%s %s: %s",
-            action,
-            peer,
-            reason,
-            extra=peer_context(peer, node=self._config.node_id),
-        )
+        log.error("%s %s: %s", action, peer, reason, extra=self._context(peer))
 
     def _start(
         self, peer: str, conn: ControlConnection | None, first: wire.Connect | None = None
@@ -153,7 +144,7 @@ class PeerRegistry:
             if session.result is not None:
                 self._closed_results.append(session.result)
                 self.closed_count += 1
-                self._on_closed(session.result)
+                self._host.session_closed(session.result)
 
     def restarted(self, old: PeerSession, conn: ControlConnection, first: wire.Connect) -> None:
         """The peer opened a new session on ``old``'s connection: start one with ``first``."""
@@ -166,7 +157,7 @@ class PeerRegistry:
         """Take the peers that dial us, by the accept policy, until the transport closes."""
         while True:
             try:
-                conn = await self._control.accept()
+                conn = await self._host.control.accept()
             except trio.ClosedResourceError:
                 return  # the transport was closed under us: no more peers
             await self._admit(conn)
@@ -174,9 +165,9 @@ class PeerRegistry:
     async def _admit(self, conn: ControlConnection) -> None:
         peer = conn.peer_id
         existing = self._sessions.get(peer)
-        context = peer_context(peer, node=self._config.node_id)
+        context = self._context(peer)
         if not self.may_accept(peer):  # (which says why a loopback id is refused)
-            if self._config.dial_refusal(peer) is None:
+            if self._host.config.dial_refusal(peer) is None:
                 log.warning(
                     "refused %s: not in allowed_peers; add it to allowed_peers "
                     "(P2PACTOR_ALLOWED_PEERS) to accept it",

@@ -22,8 +22,6 @@ import trio
 
 from p2pactor.core import protocol as wire
 
-__all__ = ["ProcessWatch", "this_process", "watch"]
-
 
 @functools.cache
 def _host() -> str | None:

@@ -40,32 +40,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
-from typing import Any, Final
+from collections.abc import Mapping
+from typing import Final
 
 import attrs
 
+from p2pactor.core import checks
 from p2pactor.core.events import Quota
 from p2pactor.errors import ConfigError
-
-_Validator = Callable[[object, "attrs.Attribute[Any]", Any], None]
-
-
-def _must(ok: Callable[[Any], bool], want: str, hint: str = "") -> _Validator:
-    """A validator raising :class:`ConfigError` (``want``, the value, ``hint``) unless ``ok``."""
-
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not ok(value):
-            raise ConfigError(f"PeerQuotas.{attribute.name} must be {want}, got {value!r}{hint}")
-
-    return check
-
-
-_limit = _must(
-    lambda v: type(v) is int and v > 0,
-    "a positive integer",
-    "; set a large number to make it effectively unlimited",
-)
 
 
 @attrs.frozen(kw_only=True)
@@ -76,7 +58,8 @@ class PeerQuotas:
     peer's requests and sessions. The defaults protect a node from one greedy
     or hostile peer and never bother an honest vLLM-like one (why each is what
     it is: ``docs/quotas.md``); the module table says what a peer past one gets.
-    Each ``max_<quota>`` limits one :class:`~p2pactor.core.events.Quota`.
+    Each ``max_<quota>`` limits one :class:`~p2pactor.core.events.Quota`; a
+    large number makes it effectively unlimited.
 
     Attributes:
         max_pinned_blocks: Most blocks pinned for the peer's lookups at once;
@@ -95,27 +78,15 @@ class PeerQuotas:
     """
 
     max_pinned_blocks: int | None = attrs.field(
-        default=None,
-        validator=_must(
-            lambda v: v is None or (type(v) is int and v >= 0), "None or an integer >= 0"
-        ),
+        default=None, validator=attrs.validators.optional(checks.non_negative_int)
     )
-    pinned_blocks_fraction: float = attrs.field(
-        default=0.25,
-        validator=_must(
-            lambda v: 0 < v <= 1,
-            "in (0, 1]",
-            "; it is the share of the node's blocks one peer may keep pinned",
-        ),
-    )
-    max_open_lookups: int = attrs.field(default=1024, validator=_limit)
-    max_keys_per_lookup: int = attrs.field(default=8192, validator=_limit)
-    max_fetch_rounds: int = attrs.field(default=1024, validator=_limit)
-    max_open_requests: int = attrs.field(default=4096, validator=_limit)
-    max_rounds_per_request: int = attrs.field(default=16, validator=_limit)
-    log_interval: float = attrs.field(
-        default=10.0, validator=_must(lambda v: v >= 0, ">= 0 seconds")
-    )
+    pinned_blocks_fraction: float = attrs.field(default=0.25, validator=checks.fraction)
+    max_open_lookups: int = attrs.field(default=1024, validator=checks.positive_int)
+    max_keys_per_lookup: int = attrs.field(default=8192, validator=checks.positive_int)
+    max_fetch_rounds: int = attrs.field(default=1024, validator=checks.positive_int)
+    max_open_requests: int = attrs.field(default=4096, validator=checks.positive_int)
+    max_rounds_per_request: int = attrs.field(default=16, validator=checks.positive_int)
+    log_interval: float = attrs.field(default=10.0, validator=checks.non_negative(finite=False))
 
     def pinned_blocks_limit(self, num_blocks: int) -> int:
         """The most blocks one peer may keep pinned on a node of ``num_blocks`` blocks."""
@@ -160,6 +131,15 @@ _ENV: Final[dict[str, tuple[str, type[int] | type[float]]]] = {
     f"P2PACTOR_QUOTA_{q.value.upper()}": (f"max_{q.value}", int) for q in Quota
 } | {"P2PACTOR_QUOTA_PINNED_FRACTION": ("pinned_blocks_fraction", float)}
 
+HELD: Final = {
+    Quota.PINNED_BLOCKS: "blocks pinned",
+    Quota.OPEN_LOOKUPS: "lookups unanswered",
+    Quota.FETCH_ROUNDS: "fetch rounds in flight",
+    Quota.OPEN_REQUESTS: "requests open",
+}
+"""What a peer holds, counted per peer, by the quota that bounds it (for refusals)."""
+
+
 DEFAULT_QUOTAS: Final = PeerQuotas()
 """The quotas a node enforces unless configured otherwise."""
 
@@ -187,9 +167,7 @@ class PeerUsage:
     @property
     def holds_nothing(self) -> bool:
         """Whether the peer holds nothing on the node (its counts are all zero)."""
-        return not (
-            self.pinned_blocks or self.open_lookups or self.fetch_rounds or self.open_requests
-        )
+        return not any(getattr(self, quota.value) for quota in HELD)
 
     def to_json(self) -> str:
         """The usage as one line of JSON (``p2pactor serve`` prints it at exit)."""

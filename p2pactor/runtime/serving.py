@@ -23,7 +23,6 @@ are made, here.
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Callable
 
@@ -35,12 +34,8 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.ledger import QuotaLedger
-from p2pactor.runtime.logcontext import parent_request_context, request_context
-from p2pactor.runtime.parent import Parent, serve_parent_request
+from p2pactor.runtime.parent import Parent, parent_failed, serve_parent_request
 from p2pactor.runtime.timers import Timers
-
-log = logging.getLogger("p2pactor.node")
-
 
 # What producers ask of the parent, in order, with the actor owed the answer.
 _Item = tuple[RequestActor | None, fx.ParentRequest | fx.ReleasePin]
@@ -123,20 +118,14 @@ class ParentService:
         Returns:
             The answers, for the node to step on its own thread.
         """
-        answers: list[Answered] = []
         now = self._clock()
         asked, self._parked = self._parked, []
-        while True:
-            if asked:
-                actor, request = asked.pop()
-            else:
-                try:
-                    actor, request = self._queue.popleft()
-                except IndexError:
-                    return answers
-            answer = self._one(parent, actor, request, now)
+        answers: list[Answered] = []
+        while asked or self._queue:  # the node's thread may append to the queue meanwhile
+            answer = self._one(parent, *(asked.pop() if asked else self._queue.popleft()), now)
             if answer is not None:
                 answers.append(answer)
+        return answers
 
     def _one(
         self,
@@ -147,54 +136,38 @@ class ParentService:
     ) -> Answered | None:
         """Serve one request: the answer a lookup gets now, if any (else it is parked)."""
         match request:
-            case fx.ParentLookup():
+            case fx.ParentLookup(keys=keys):
                 assert actor is not None
-                answer = self._lookup(parent, actor, request, now)
-                if answer is None:
-                    self._parked.append((actor, request))
-                    return None
-                return actor, answer
+                if not _wanted(actor, request):
+                    # Dropped (the peer closed the request) or answered at its
+                    # deadline: don't ask the parent, don't pin.
+                    return actor, inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
+                # The pinned-blocks quota is checked here, where pins are made, so
+                # that no path (first lookups, re-polls of keys that were pending)
+                # can take a peer over it.
+                peer = actor.id.peer
+                budget = self._quotas.pin_budget(peer)
+                refusal = self._quotas.pin_refusal(peer) if budget < len(keys) else ""
+                answer = serve_parent_request(
+                    parent, request, now, pin_budget=budget, refusal=refusal
+                )
+                if answer.pin is not None:
+                    self._quotas.pinned(peer, answer.pin.job_id, len(answer.pin.blocks))
+                if not _no_news(request, answer):
+                    return actor, answer
+                self._parked.append((actor, request))  # nothing new: asked again later
             case fx.ParentClose(context):
                 try:
                     parent.on_request_finished(context)
                 except Exception:
-                    log.exception(
-                        "the parent failed to finish %s; a bug in the engine's parent "
-                        "(see the traceback)",
-                        context,
-                        extra=parent_request_context(context, node=self._node_id),
-                    )
+                    parent_failed(f"failed to finish {context}", context, node=self._node_id)
             case fx.ReleasePin(job_id=job_id, success=success):
                 self._quotas.released(job_id)
                 try:
                     parent.release_job(job_id, success=success)
                 except Exception:
-                    log.exception(
-                        "the parent failed to release job %d; a bug in the engine's "
-                        "parent (see the traceback)",
-                        job_id,
-                        extra=request_context(None, None, node=self._node_id),
-                    )
+                    parent_failed(f"failed to release job {job_id}", node=self._node_id)
         return None
-
-    def _lookup(
-        self, parent: Parent, actor: RequestActor, request: fx.ParentLookup, now: float
-    ) -> inp.ParentAnswer | None:
-        """The answer to one lookup, or None: nothing new, keep it parked."""
-        if not _wanted(actor, request):
-            # Dropped (the peer closed the request) or answered at its
-            # deadline: don't ask the parent, don't pin.
-            return inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
-        # The pinned-blocks quota is checked here, where pins are made, so
-        # that no path (first lookups, re-polls of keys that were pending)
-        # can take a peer over it.
-        peer = actor.id.peer
-        budget = self._quotas.pin_budget(peer)
-        refusal = self._quotas.pin_refusal(peer) if budget < len(request.keys) else ""
-        answer = serve_parent_request(parent, request, now, pin_budget=budget, refusal=refusal)
-        if answer.pin is not None:
-            self._quotas.pinned(peer, answer.pin.job_id, len(answer.pin.blocks))
-        return None if _no_news(request, answer) else answer
 
 
 def _wanted(actor: RequestActor, request: fx.ParentLookup) -> bool:

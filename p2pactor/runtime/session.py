@@ -184,7 +184,8 @@ class PeerSession(SessionActors):
             (self._hand_over if accepted else self._accept)(msg)
         elif isinstance(msg, wire.ConnectAck):
             self._dispatch_errors = 0
-            self._on_ack()
+            self._acked = True
+            self._open_gate()
         elif isinstance(msg, wire.Disconnect):
             self._die("the peer disconnected")
         elif accepted and self.summaries and isinstance(msg, wire.SummaryMessage):
@@ -232,7 +233,7 @@ class PeerSession(SessionActors):
             self.runner.deliver(actor, msg)
             # After its first message: stores waiting for the request (and an
             # engine's finish) follow the fetch that binds them.
-            self._host.producer_opened(actor)
+            self._host.stores.bind(actor)
 
     def _to_consumer(self, msg: wire.LookupResp | wire.TransferDone | wire.AbortAck) -> None:
         actor = self._live_actor(Role.CONSUMER, msg.kv_request_id)
@@ -308,23 +309,21 @@ class PeerSession(SessionActors):
         self._closing = True
         # No actor outlives its session: those the drain gave up on take no
         # more input, and what they still hold is reported below.
-        live = [a.state for a in self.live_actors()]
-        loads = [
-            job.job_id for s in live if isinstance(s, ConsumerState) for job in s.loads.values()
-        ]
+        live = [s for a in self.live_actors() if isinstance(s := a.state, ConsumerState)]
+        loads = [job.job_id for s in live for job in s.loads.values()]
+        why = f"session lost: {reason}; the drain gave up on the load"
         for job_id in loads:  # the engine must hear of each
-            why = f"session lost: {reason}; the drain gave up on the load"
             self._host.report_load(job_id, success=False, reason=why)
+        # Whatever the peer's requests still held here is no longer theirs:
+        # the node releases their pins (counted until released) below.
         for actor in self._actors.values():
             actor.abandon()
+            self._host.quotas.forget(actor)
         if loads:
             self._loading -= len(loads)
             self._host.data.expect_writes(-len(loads))
         self._busy.clear()
         self._writing.clear()
-        # Whatever the peer's requests still held here is no longer theirs:
-        # the node releases their pins (counted until released) below.
-        self._host.quotas.forget_all(self._actors.values())
         producers = [s for a in self._actors.values() if isinstance(s := a.state, ProducerState)]
         self.result = SessionCloseResult(
             peer_id=self.peer_id,

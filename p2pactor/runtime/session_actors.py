@@ -215,7 +215,7 @@ class SessionActors(ControlLink):
                     self.data_name, effect.local_blocks, effect.remote_blocks, ended
                 )
             case fx.ParentLookup() | fx.ParentClose():
-                host.post_parent(actor, effect)
+                host.service.post(actor, effect)  # now, or at the next serve
             case fx.ReleasePin(job_id=job_id, success=success):
                 host.release_pin(job_id, success=success)
             case fx.ReportLoad(job_id=job_id, success=success, reason=reason):

@@ -127,9 +127,7 @@ class StoreDesk:
                 self._finished.discard(kv_id)
                 self._reaped[kv_id] = now
                 reaped.extend((kv_id, store.job_id) for _, store in waiting)
-        for kv_id, when in list(self._reaped.items()):
-            if when <= now - REAPED_MEMORY_S:
-                del self._reaped[kv_id]
+        self._reaped = {k: at for k, at in self._reaped.items() if at > now - REAPED_MEMORY_S}
         for kv_id, job_id in reaped:
             log.warning(
                 "no fetch came for %s within unbound_store_timeout (%g s); releasing its "

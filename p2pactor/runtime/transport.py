@@ -18,18 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from p2pactor.core.protocol_scan import Frame
+from p2pactor.core.protocol_checks import Frame
 from p2pactor.errors import P2PActorError
-
-__all__ = [
-    "ConnectionLost",
-    "ControlConnection",
-    "ControlTransport",
-    "DataTransport",
-    "FrameReceiver",
-    "TransferError",
-    "WriteDone",
-]
 
 
 class ConnectionLost(P2PActorError):

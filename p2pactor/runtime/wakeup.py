@@ -16,8 +16,6 @@ import threading
 
 import trio
 
-__all__ = ["Wakeup"]
-
 
 class Wakeup:
     """A trio event any thread may set. Make it on the trio thread it wakes.

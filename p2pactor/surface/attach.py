@@ -13,27 +13,48 @@ never driving it, with one call that
 What is served comes from the node's configuration unless given: the
 dashboard (page, websocket feed, ``/metrics`` and ``/status`` on one port) at
 ``dashboard_host:dashboard_port``, and a metrics-only server at
-``metrics_host:metrics_port``.
+``metrics_host:metrics_port``, which answers nothing else.
+
+Who may ask for ``/metrics`` and ``/status`` (``docs/metrics.md``, "Who may scrape"):
+
+* A server bound to a loopback address answers only requests whose ``Host``
+  is a loopback name, as the dashboard does: a web page elsewhere must not
+  reach it through a DNS name rebound to 127.0.0.1.
+* Bound to any other address (an operator's explicit choice, so that
+  Prometheus can scrape from another host), any ``Host`` is accepted.
+* Either way, a request with an ``Origin`` (a browser's cross-origin fetch)
+  from a host other than the one it addresses is refused, and no CORS header
+  is ever sent: pages from other sites can't read a node's numbers.
+  Prometheus sends no ``Origin``.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
+from urllib.parse import urlsplit
 
+import attrs
 import trio
 
-from p2pactor.surface.httpserve import NODE_PATHS, MetricsServer, answer, open_metrics_server
-from p2pactor.surface.metrics import NodeMetrics
+from p2pactor.surface.metrics import CONTENT_TYPE, NodeMetrics
 from p2pactor.surface.status import node_status
 from p2pactor.surface.timeline import TimelineServer, open_timeline_server
-from p2pactor.surface.timeline.http import HttpRequest
+from p2pactor.surface.timeline.http import HttpRequest, forbidden, send_response
+from p2pactor.surface.timeline.server import _listen
+from p2pactor.surface.timeline.site import Site, authority
 
 if TYPE_CHECKING:
     from p2pactor.runtime.node import Node
 
+log = logging.getLogger("p2pactor.http")
+
 _FROM_CONFIG: Any = object()
+
+_NODE_PATHS: Final = frozenset({"/metrics", "/status"})
 
 
 class OperatorSurface:
@@ -66,11 +87,8 @@ class OperatorSurface:
 
         The dashboard's port when it is on, else the metrics-only port.
         """
-        if self.dashboard is not None:
-            return self.dashboard.url
-        if self.metrics_server is not None:
-            return self.metrics_server.url
-        return None
+        server = self.dashboard or self.metrics_server
+        return None if server is None else server.url
 
     def exposition(self) -> bytes:
         """Every metric in Prometheus' text format (``GET /metrics``)."""
@@ -81,11 +99,90 @@ class OperatorSurface:
         url = None if self.dashboard is None else self.dashboard.url
         return node_status(self.node, totals=self.metrics.totals(), dashboard=url)
 
-    async def _routes(self, stream: trio.SocketStream, request: HttpRequest, host: str) -> bool:
-        if request.path not in NODE_PATHS:
+    async def _routes(
+        self, stream: trio.SocketStream, request: HttpRequest, bound_host: str
+    ) -> bool:
+        """Answer a request for ``/metrics`` or ``/status``; False (nothing sent) for another path.
+
+        ``bound_host`` is the address the server is bound to: a 403 for whom the
+        module docstring's rule refuses.
+        """
+        if request.path not in _NODE_PATHS:
             return False
-        await answer(stream, request, self, host)
+        problem = forbidden(request, bound_host)  # the Host rule (and websocket origins)
+        origin = request.headers.get("origin")
+        if problem is None and origin is not None:
+            origin_host = (urlsplit(origin).hostname or "").lower()
+            host = (urlsplit(f"//{request.headers.get('host', '')}").hostname or "").lower()
+            if origin_host != host or not origin_host:
+                problem = f"a page from {origin!r} may not read this node's {request.path}"
+        head = request.method == "HEAD"
+        if problem is not None:
+            await send_response(stream, 403, problem.encode() + b"\n")
+        elif request.method not in ("GET", "HEAD"):
+            await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
+        elif request.path == "/metrics":
+            await send_response(stream, 200, self.exposition(), CONTENT_TYPE, head_only=head)
+        else:
+            body = json.dumps(self.status()).encode() + b"\n"
+            await send_response(stream, 200, body, "application/json", head_only=head)
         return True
+
+
+@attrs.frozen
+class MetricsServer:
+    """A running metrics-only server.
+
+    Attributes:
+        host: The address it is bound to.
+        port: The port it is bound to.
+    """
+
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        """``http://HOST:PORT/``; Prometheus scrapes its ``metrics``."""
+        return f"http://{authority(self.host, self.port)}/"
+
+
+class _MetricsSite(Site):
+    """The metrics-only server's connections: its surface's routes, 404 for any other page."""
+
+    def __init__(self, surface: OperatorSurface, bound_host: str) -> None:
+        super().__init__(bound_host)
+        self._surface = surface
+
+    async def answer_node(self, stream: trio.SocketStream, request: HttpRequest) -> bool:
+        """Answer every request: this server serves nothing of the dashboard's."""
+        if await self._surface._routes(stream, request, self.bound_host):
+            return True
+        if request.method not in ("GET", "HEAD"):
+            await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
+        else:
+            page = f"no page at {request.path}: try /metrics or /status\n"
+            await send_response(stream, 404, page.encode())
+        return True
+
+
+@asynccontextmanager
+async def _metrics_server(
+    surface: OperatorSurface, host: str, port: int
+) -> AsyncIterator[MetricsServer]:
+    """Serve ``surface``'s ``/metrics`` and ``/status`` (and nothing else) until the block exits.
+
+    Raises:
+        OSError: The address can't be bound (the port is taken, say).
+    """
+    listeners, bound = await _listen(host, port)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(trio.serve_listeners, _MetricsSite(surface, host).handle, listeners)
+        server = MetricsServer(host, bound)
+        node = surface.node_id
+        log.info("metrics of %s at %smetrics", node, server.url, extra={"node": node})
+        yield server
+        nursery.cancel_scope.cancel()
 
 
 @asynccontextmanager
@@ -108,14 +205,10 @@ async def open_operator_surface(
         OSError: A port can't be bound.
     """
     config = node.config
-    if dashboard_host is _FROM_CONFIG:
-        dashboard_host = config.dashboard_host
-    if dashboard_port is _FROM_CONFIG:
-        dashboard_port = config.dashboard_port
-    if metrics_host is _FROM_CONFIG:
-        metrics_host = config.metrics_host
-    if metrics_port is _FROM_CONFIG:
-        metrics_port = config.metrics_port
+    dashboard_host = config.dashboard_host if dashboard_host is _FROM_CONFIG else dashboard_host
+    dashboard_port = config.dashboard_port if dashboard_port is _FROM_CONFIG else dashboard_port
+    metrics_host = config.metrics_host if metrics_host is _FROM_CONFIG else metrics_host
+    metrics_port = config.metrics_port if metrics_port is _FROM_CONFIG else metrics_port
     surface = OperatorSurface(node)
     try:
         async with AsyncExitStack() as servers:
@@ -127,7 +220,7 @@ async def open_operator_surface(
                 )
             if metrics_port is not None:
                 surface.metrics_server = await servers.enter_async_context(
-                    open_metrics_server(surface, metrics_host, metrics_port)
+                    _metrics_server(surface, metrics_host, metrics_port)
                 )
             yield surface
     finally:

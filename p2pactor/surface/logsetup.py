@@ -21,23 +21,10 @@ import json
 import logging
 import os
 from collections.abc import Iterator
-from typing import Final, Literal, TextIO, cast, get_args
+from typing import Final, Literal, TextIO, get_args
 
 from p2pactor.errors import ConfigError
 from p2pactor.runtime.logcontext import CONTEXT_FIELDS
-
-__all__ = [
-    "FORMAT_ENV",
-    "LEVEL_ENV",
-    "ROOT",
-    "JsonFormatter",
-    "LogFormat",
-    "TextFormatter",
-    "add_logging_arguments",
-    "command_logging",
-    "configure_from_args",
-    "configure_logging",
-]
 
 LogFormat = Literal["text", "json"]
 """The line formats :func:`configure_logging` knows."""
@@ -99,41 +86,22 @@ class TextFormatter(logging.Formatter):
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         """The line before any traceback, with the request's fields appended."""
-        text = super().formatMessage(record)
-        fields = _context(record)
-        if fields:
-            text += " " + " ".join(f"{name}={value}" for name, value in fields.items())
-        return text
+        fields = [f"{name}={value}" for name, value in _context(record).items()]
+        return " ".join([super().formatMessage(record), *fields])
 
 
 class _Handler(logging.StreamHandler[TextIO]):
     """Our handler's own class, so a second :func:`configure_logging` finds and replaces it."""
 
 
-def _level(level: str | int | None) -> int:
-    if level is None:
-        level = os.environ.get(LEVEL_ENV) or "INFO"
-    if isinstance(level, int):
-        return level
-    name = level.strip().upper()
-    if name not in _LEVELS:
-        raise ConfigError(
-            f"log level {level!r} is not one of {', '.join(_LEVELS)}; "
-            f"fix --log-level or {LEVEL_ENV}"
-        )
-    return cast("int", getattr(logging, name))
-
-
-def _format(fmt: str | None) -> LogFormat:
-    if fmt is None:
-        fmt = os.environ.get(FORMAT_ENV) or "text"
-    name = fmt.strip().lower()
-    if name not in _FORMATS:
-        raise ConfigError(
-            f"log format {fmt!r} is not one of {', '.join(_FORMATS)}; "
-            f"fix --log-format or {FORMAT_ENV}"
-        )
-    return cast("LogFormat", name)
+def _named(given: str | None, env: str, default: str, names: tuple[str, ...], what: str) -> str:
+    """``given``, else ``env``'s value, else ``default``: one of ``names``, in any case."""
+    value = os.environ.get(env) or default if given is None else given
+    for name in names:
+        if name.lower() == value.strip().lower():
+            return name
+    flag = "--" + what.replace(" ", "-")
+    raise ConfigError(f"{what} {value!r} is not one of {', '.join(names)}; fix {flag} or {env}")
 
 
 def configure_logging(
@@ -154,8 +122,11 @@ def configure_logging(
     """
     logger = logging.getLogger(ROOT)
     handler = _Handler(stream)  # None: sys.stderr as it is now
-    handler.setFormatter(JsonFormatter() if _format(fmt) == "json" else TextFormatter())
-    logger.setLevel(_level(level))
+    json_lines = _named(fmt, FORMAT_ENV, "text", _FORMATS, "log format") == "json"
+    handler.setFormatter(JsonFormatter() if json_lines else TextFormatter())
+    logger.setLevel(
+        level if isinstance(level, int) else _named(level, LEVEL_ENV, "INFO", _LEVELS, "log level")
+    )
     for old in [h for h in logger.handlers if isinstance(h, _Handler)]:
         logger.removeHandler(old)
     logger.addHandler(handler)
@@ -212,10 +183,6 @@ def command_logging(
     try:
         yield configure_from_args(args, default_level=default_level)
     finally:
-        for handler in [h for h in logger.handlers if h not in handlers]:
-            logger.removeHandler(handler)
-        for handler in handlers:
-            if handler not in logger.handlers:
-                logger.addHandler(handler)
-        logger.setLevel(level)
+        logger.handlers[:] = handlers  # ours gone, the ones before as they were
+        logger.setLevel(level)  # (and the level cache cleared)
         logger.propagate = propagate

@@ -15,8 +15,7 @@ from p2pactor.core.consumer_state import CONSUMER_FOLDS
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.fold import ActorState, initial_state
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import ProducerPhase
-from p2pactor.core.producer_evolve import PRODUCER_FOLDS
+from p2pactor.core.producer import PRODUCER_FOLDS, ProducerPhase
 from p2pactor.surface.replay_checks import ConsumerCheck, ProducerCheck
 from p2pactor.surface.replay_results import TimelineRow
 

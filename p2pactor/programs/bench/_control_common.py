@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import json
 import math
@@ -103,9 +104,16 @@ def spread_ports(n: int, host: str = "127.0.0.1") -> list[int]:
 
 @contextlib.asynccontextmanager
 async def open_bench_node(
-    port: int, pool: bytearray, block_len: int, *, name: str, parent: Any = None, **config: Any
+    port: int,
+    pool: Any,
+    block_len: int,
+    *,
+    name: str,
+    parent: Any = None,
+    host: str = "127.0.0.1",
+    **config: Any,
 ) -> AsyncIterator[Any]:
-    """A p2pactor node on 127.0.0.1:``port`` over real ZeroMQ, and NIXL over ``pool``.
+    """A p2pactor node on ``host:port`` (0: any) over real ZeroMQ, and NIXL over ``pool``.
 
     ``config``: more :class:`~p2pactor.runtime.config.NodeConfig` fields (its blocks
     are the pool's); ``name``: the NIXL agent's.
@@ -115,14 +123,29 @@ async def open_bench_node(
     from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
     from p2pactor.runtime.node import open_node  # noqa: PLC0415
 
-    blocks = len(pool) // block_len
-    cfg = NodeConfig(host="127.0.0.1", port=port, num_blocks=blocks, block_len=block_len, **config)
     async with (
-        open_zmq_transport(cfg.node_id, port=port) as control,
+        open_zmq_transport(f"{host}:{port}", port=port) as control,
         open_nixl_transport(pool, block_len, name=name) as data,
-        open_node(cfg, control=control, data=data, parent=parent) as node,
     ):
-        yield node
+        bound = int(control.local_id.rsplit(":", 1)[1])
+        blocks = len(pool) // block_len
+        cfg = NodeConfig(host=host, port=bound, num_blocks=blocks, block_len=block_len, **config)
+        async with open_node(cfg, control=control, data=data, parent=parent) as node:
+            yield node
+
+
+def offload_key(name: str) -> bytes:
+    """A vLLM OffloadKey named ``name``: a 32-byte block hash (its sha256), the group index 0."""
+    return hashlib.sha256(name.encode()).digest() + bytes(4)
+
+
+def held(cache: Any) -> dict[str, int]:
+    """What an :class:`~p2pactor.runtime.parent.EmbeddedCache` still holds (all 0 when idle)."""
+    return {
+        "pinned": cache.pinned(),
+        "held_jobs": len(cache.held_jobs()),
+        "open": len(cache.opened),
+    }
 
 
 def say(obj: Any) -> None:
@@ -200,19 +223,25 @@ class LineProcess:
     (whose tail the errors quote) or is dropped.
     """
 
-    def __init__(self, module: str, *args: str, stderr: str | None = None, **env: str) -> None:
-        """Start it; ``stderr``: a file for its stderr (else dropped); ``env``: extra variables."""
+    def __init__(
+        self, module: str, *args: str, stderr: str | None = None, host: Any = None, **env: str
+    ) -> None:
+        """Start it; ``stderr``: a file for its stderr (else dropped); ``env``: extra variables.
+
+        ``host``: a :class:`~p2pactor.programs.hosts.Host` to run it on (else here).
+        """
         self.module = module
         self.stderr = stderr
+        argv, environ = module_command(module, *args), child_env(**env)
         err = open(stderr, "w") if stderr else subprocess.DEVNULL  # noqa: SIM115 - the child's
         try:
             self.proc = subprocess.Popen(  # noqa: S603 - runs our own helper module
-                module_command(module, *args),
+                host.command(argv) if host else argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
                 text=True,
-                env=child_env(**env),
+                env=host.env(environ) if host else environ,
             )
         finally:
             if not isinstance(err, int):

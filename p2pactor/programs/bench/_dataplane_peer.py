@@ -4,9 +4,9 @@ Run as ``python -m p2pactor.programs.bench._dataplane_peer NUM_BLOCKS BLOCK_LEN 
 (its node binds ADDRESS). It stores ``NUM_BLOCKS`` deterministic blocks
 (:func:`bench_keys`, :func:`block_content`) in a node on real transports (ZeroMQ,
 NIXL over a torch pool), opens a second, bare NIXL agent over the same pool for the
-raw-NIXL reference, says ``ready`` and then answers commands, one JSON line each on
-stdin, with one JSON line on stdout (prefixed :data:`PREFIX`; anything else on
-stdout, NIXL's logging say, is to be ignored):
+raw-NIXL reference, says ``READY {"node_id", "blocks"}`` and answers
+:class:`~p2pactor.programs.bench._control_common.LineProcess` commands until its
+stdin closes:
 
 * ``{"cmd": "raw_peer", "metadata": hex, "base_addr": n, "num_blocks": n}``:
   add the consumer's bare agent as the raw agent's peer;
@@ -15,8 +15,7 @@ stdout, NIXL's logging say, is to be ignored):
   the node's loop is blocked meanwhile on purpose);
 * ``{"cmd": "trace"}``: the node's write timestamps since the last ``trace``
   (``time.perf_counter``, CLOCK_MONOTONIC on Linux: comparable with the
-  consumer's), its loop's longest gap, its CPU seconds and write counters;
-* ``{"cmd": "exit"}``.
+  consumer's), its loop's longest gap, its CPU seconds and write counters.
 """
 
 from __future__ import annotations
@@ -33,31 +32,19 @@ import numpy as np
 import trio
 import trio.lowlevel
 
+from p2pactor.programs.bench._control_common import say
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import chain_keys
-
-PREFIX = "@bench "
-"""Marks the lines the benchmark reads."""
 
 HASH_SEED = "p2pactor-bench"
 """The hash seed both nodes of the benchmark advertise."""
 
 
-def bench_config(local_id: str, num_blocks: int, block_len: int) -> NodeConfig:
-    """A bench node's config at ``local_id`` (its bound ``host:port``).
+CONFIG: dict[str, Any] = {"hash_seed": HASH_SEED, "quotas": PeerQuotas(pinned_blocks_fraction=1.0)}
+"""Both nodes' :class:`~p2pactor.runtime.config.NodeConfig` fields beyond the pool's.
 
-    A peer may pin every block: the bench fetches whole pools at once.
-    """
-    host, port = local_id.rsplit(":", 1)
-    return NodeConfig(
-        host=host,
-        port=int(port),
-        num_blocks=num_blocks,
-        block_len=block_len,
-        hash_seed=HASH_SEED,
-        quotas=PeerQuotas(pinned_blocks_fraction=1.0),
-    )
+A peer may pin every block: the bench fetches whole pools at once."""
 
 
 def bench_keys(count: int, block_len: int) -> list[bytes]:
@@ -68,11 +55,6 @@ def bench_keys(count: int, block_len: int) -> list[bytes]:
 def block_content(index: int, block_len: int) -> bytes:
     """The bytes of block ``index`` (cheap to make, different per block)."""
     return np.random.default_rng(index).bytes(block_len)
-
-
-def _say(**message: Any) -> None:
-    sys.stdout.write(PREFIX + json.dumps(message) + "\n")
-    sys.stdout.flush()
 
 
 class RawAgent:
@@ -207,43 +189,32 @@ async def _serve(num_blocks: int, block_len: int, address: str) -> None:
         _instrument(data, trace)
         nursery.start_soon(_commands, trio.lowlevel.FdStream(os.dup(0)), commands_send)
         nursery.start_soon(ticker)
-        config = bench_config(control.local_id, num_blocks, block_len)
+        host, port = control.local_id.rsplit(":", 1)
+        config = NodeConfig(
+            host=host, port=int(port), num_blocks=num_blocks, block_len=block_len, **CONFIG
+        )
         async with (
             open_node(config, control=control, data=data, parent=cache) as node,
             open_operator_surface(node),  # as deployed: with its metrics
         ):
             blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
-            _say(event="ready", node_id=node.node_id, blocks=blocks, pid=os.getpid())
-            async for command in commands:
-                match command["cmd"]:
-                    case "raw_peer":
-                        raw.add_peer(
-                            bytes.fromhex(command["metadata"]),
-                            command["base_addr"],
-                            command["num_blocks"],
-                        )
-                        _say(event="raw_peer")
-                    case "raw":
-                        times = [
-                            raw.write(command["local"], command["remote"])
-                            for _ in range(command["iters"])
-                        ]
-                        gaps[0] = 0.0  # the raw loop blocked this loop on purpose
-                        _say(event="raw", times=times)
-                    case "trace":
-                        stats = data.statistics()
-                        _say(
-                            event="trace",
-                            writes=trace[:],
-                            max_gap=gaps[0],
-                            inline=stats.posted_inline,
-                            cpu=time.process_time(),
-                            done=stats.writes_done,
-                        )
-                        trace.clear()
-                        gaps[0] = 0.0
-                    case _:
-                        break
+            say("READY " + json.dumps({"node_id": node.node_id, "blocks": blocks}))
+            async for cmd in commands:
+                if cmd["cmd"] == "raw_peer":
+                    raw.add_peer(
+                        bytes.fromhex(cmd["metadata"]), cmd["base_addr"], cmd["num_blocks"]
+                    )
+                    say({})
+                elif cmd["cmd"] == "raw":
+                    times = [raw.write(cmd["local"], cmd["remote"]) for _ in range(cmd["iters"])]
+                    gaps[0] = 0.0  # the raw loop blocked this loop on purpose
+                    say({"times": times})
+                elif cmd["cmd"] == "trace":
+                    stats = data.statistics()
+                    reply = {"writes": trace[:], "max_gap": gaps[0], "cpu": time.process_time()}
+                    say(reply | {"inline": stats.posted_inline, "done": stats.writes_done})
+                    trace.clear()
+                    gaps[0] = 0.0
         nursery.cancel_scope.cancel()
     raw.close()
 

@@ -1,4 +1,4 @@
-"""The fleet benchmark's process (``python -m p2pactor.programs.bench._fleet_run --json OUT``).
+"""The fleet benchmark's process (``python -m p2pactor.programs.bench._fleet_run``).
 
 Chat, then RAG fleets, in one process (one import of vLLM). Each arm builds its
 fleet here: per engine, vLLM 0.33's own offloading stack
@@ -12,7 +12,8 @@ loaded is checked against its key's bytes), the engines stepped in lockstep
 (scheduler calls, a forward-pass sleep, output processing). The arms, on the same
 turns: ``none`` (no P2P tier); ``oracle`` (each request names the engine whose CPU
 tier holds its longest prefix, read at admission); ``auto`` (none named; the tiers
-exchange summaries); ``mixed`` (``auto``, every other engine on vLLM's own tier).
+exchange summaries); ``mixed`` (``auto``, every other engine on vLLM's own tier). It
+prints every run's figures as one line, ``RESULT {"runs": [...]}``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2pactor.programs.bench import _vllm_tier as shared
-from p2pactor.programs.bench._control_common import spread_ports
+from p2pactor.programs.bench._control_common import say, spread_ports
 from p2pactor.programs.bench.fleet import (
+    ARMS,
     TOKENS_PER_BLOCK,
     Turn,
     chat_turns,
@@ -45,8 +47,6 @@ from p2pactor.programs.vllmstack import (
     tier_entry,
 )
 
-ARMS = ("none", "oracle", "auto", "mixed")
-"""The arms, in the order they run."""
 BLOCK_BYTES = 4096
 """Bytes per chunk (the figures count keys and tokens; the bytes are checked)."""
 STEP_S, ADMIT, PER_ENGINE = 0.010, 4, 4
@@ -66,10 +66,10 @@ class Request:
 
     @property
     def claimed(self) -> bool | None:
-        """Auto requests: whether a peer claimed the first key the tier was asked (else None).
+        """Auto requests: whether the tier found a peer claiming the first key it was asked.
 
-        What the tier itself decided (its state on the request): a request whose
-        first key nobody claimed is a MISS at once.
+        What the tier itself decided (its state on the request): a request whose first
+        key nobody claimed is a MISS at once. None: not an auto request.
         """
         if not self.auto:
             return None
@@ -92,36 +92,26 @@ class Engine:
 
     def __post_init__(self) -> None:
         self.engine = StackEngine(self.stack, name=f"engine-{self.index}")
-
-    @property
-    def node(self) -> Any:
+        self.node: Any = self.stack.tier.node if self.kind == "ours" else None
         """The node of its p2pactor tier (None: it has none)."""
-        return self.stack.tier.node if self.kind == "ours" else None
+        self.peer_id = f"{shared.HOST}:{self.port}"
 
-    @property
-    def peer_id(self) -> str:
-        """What the others' indexes call it."""
-        return f"{shared.HOST}:{self.port}"
-
-    def jobs_left(self) -> int:
-        """Transfer jobs vLLM's manager still tracks (pins, cascades, promotions)."""
-        return len(self.stack.manager._jobs)
-
-    def open_left(self) -> int:
-        """Requests open in vLLM's manager that are not this engine's (a peer's lookups)."""
+    def left(self) -> tuple[int, int]:
+        """What vLLM's manager still tracks: jobs (pins, cascades, promotions), peers' requests."""
         mine = {r.req.req_id for r in self.requests}
-        return sum(1 for req_id in self.stack.manager._req_state if req_id not in mine)
+        m = self.stack.manager
+        return len(m._jobs), sum(1 for req_id in m._req_state if req_id not in mine)
 
     def settled(self) -> bool:
         """Every request done, nothing pinned or loading, no peer's request open.
 
-        vLLM's own tier says it has pending work for as long as it lives: for
-        it, settled is what vLLM's manager tracks.
+        vLLM's own tier says it has pending work for as long as it lives: for it,
+        settled is what vLLM's manager tracks.
         """
         if self.engine.busy:
             return False
         with self.stack.lock:
-            quiet = not self.jobs_left() and not self.open_left()
+            quiet = self.left() == (0, 0)
         return quiet and not (self.node is not None and self.stack.tier.has_pending_work())
 
     def poll(self) -> None:
@@ -299,8 +289,9 @@ def run_arm(arm: str, engines_n: int, capacity_share: float, turns: Sequence[Tur
         time.sleep(0.2)  # the tiers' figures reach vLLM's counters within 0.1 s
         for e in engines:
             e.poll()
-        figures["pins_left"] = sum(e.jobs_left() for e in engines)
-        figures["open_left"] = sum(e.open_left() for e in engines)
+        figures["pins_left"], figures["open_left"] = map(
+            sum, zip(*(e.left() for e in engines), strict=True)
+        )
         figures["lookups_sent"] = _counter(engines, "vllm:kv_offload_p2pactor_lookups")
         indexes = [e.node.sources.index for e in engines if e.node is not None]
         figures["index_claims_per_engine"] = sum(len(i) for i in indexes) / max(1, len(indexes))
@@ -314,7 +305,6 @@ def run_arm(arm: str, engines_n: int, capacity_share: float, turns: Sequence[Tur
 def main(argv: Sequence[str] | None = None) -> int:
     """Run every arm on every fleet (size, tier share); write the figures as JSON."""
     parser = argparse.ArgumentParser(description="the fleet benchmark's process")
-    parser.add_argument("--json", required=True)
     parser.add_argument("--chat-sizes", default="4,8", help="engines per chat fleet")
     parser.add_argument("--rag-sizes", default="5", help="engines per RAG fleet")
     parser.add_argument("--conversations", type=int, default=160)
@@ -338,8 +328,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for arm in args.arms.split(","):
                 figures = run_arm(arm, n, share, turns)
                 runs.append(figures | {"arm": arm, "workload": workload, "capacity_share": share})
-    with open(args.json, "w") as f:
-        json.dump({"runs": runs}, f)
+    say(f"RESULT {json.dumps({'runs': runs})}")
     return 0
 
 

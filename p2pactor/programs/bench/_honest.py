@@ -1,19 +1,16 @@
 """The honest peer of the ``summary-attack`` section: a timed p2pactor node, run as a process.
 
-``python -m p2pactor.programs.bench._honest --port N --victim HOST:PORT --keys K --rate HZ
---preload P --hash-seed SEED --block-len L``: a node on real ZeroMQ and NIXL on 127.0.0.1
+``python -m p2pactor.programs.bench._honest --port N --victim HOST:PORT --preload P
+--hash-seed SEED --block-len L``: a node on real ZeroMQ and NIXL on 127.0.0.1
 (no parent: it only consumes) whose victim is ``p2pactor serve --preload P``
 (:func:`~p2pactor.runtime.samples.preload_keys`, their bytes
-:func:`~p2pactor.runtime.samples.block_bytes`). It prints ``READY``, then answers each
-JSON command line with one JSON line:
-
-* ``{"cmd": "start"}``: start the loop, ``HZ`` times a second (one that ran late makes
-  no burst): a fresh request id, ``Node.lookup`` of K consecutive held keys (timed from
-  the call to its answers: the figure reported), ``Node.fetch`` of their blocks, every
-  byte compared, ``Node.finish``.
-* ``{"cmd": "window"}``: what was measured since ``start`` or the last window (lookups,
-  their p99 and every latency in seconds, blocks verified, failures: a MISS, a failed
-  fetch, a wrong byte, the first few described); a new window begins.
+:func:`~p2pactor.runtime.samples.block_bytes`). It prints ``READY`` and starts its loop,
+:data:`RATE_HZ` times a second (one that ran late makes no burst): a fresh request id,
+``Node.lookup`` of :data:`KEYS` consecutive held keys (timed from the call to its answers: the
+figure reported), ``Node.fetch`` of their blocks, every byte compared, ``Node.finish``.
+Each line on its stdin asks for what was measured since the start or the last such line
+(every lookup's latency in seconds, blocks verified, failures: a MISS, a failed fetch, a
+wrong byte, the first few described), one JSON line; a new window begins.
 
 It exits when its stdin closes, cancelling the request under way.
 """
@@ -21,42 +18,29 @@ It exits when its stdin closes, cancelling the request under way.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from p2pactor.programs.bench._control_common import open_bench_node, percentile, say
+from p2pactor.programs.bench._control_common import open_bench_node, say
 
+KEYS, RATE_HZ = 4, 50.0
+"""Keys a lookup; lookups a second."""
 FAILURES_KEPT = 5
-"""Failures described in an answer (all are counted)."""
+"""Failures described in a window (all are counted)."""
 
 
-class _Tally:
-    """What the loop measured in one window."""
+def _window() -> dict[str, Any]:
+    """A new window's figures, as the driver reads them."""
+    return {"latencies_s": [], "verified": 0, "failed": 0, "failures": []}
 
-    def __init__(self) -> None:
-        self.lookups: list[float] = []
-        self.verified = self.failed = 0
-        self.failures: list[str] = []
 
-    def fail(self, why: str) -> None:
-        self.failed += 1
-        if len(self.failures) < FAILURES_KEPT:
-            self.failures.append(why)
-
-    def result(self) -> dict[str, Any]:
-        xs = self.lookups
-        return {
-            "lookups": len(xs),
-            "lookup_p99_s": percentile(xs, 0.99) if xs else None,
-            "verified": self.verified,
-            "failed": self.failed,
-            "failures": self.failures,
-            "latencies_s": [round(x, 6) for x in xs],
-        }
+def _fail(window: dict[str, Any], why: str) -> None:
+    window["failed"] += 1
+    if len(window["failures"]) < FAILURES_KEPT:
+        window["failures"].append(why)
 
 
 def _why_failed(node: Any, peer: str, kv: str) -> str:
@@ -81,14 +65,14 @@ async def _run(args: argparse.Namespace) -> None:
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
     from p2pactor.runtime.samples import block_bytes, preload_keys  # noqa: PLC0415
 
-    seed, block_len, victim, per = args.hash_seed, args.block_len, args.victim, args.keys
+    seed, block_len, victim, per = args.hash_seed, args.block_len, args.victim, KEYS
     keys = preload_keys(seed, args.preload)
     blocks = 4 * per
     pool = bytearray(blocks * block_len)
     cache = EmbeddedCache(blocks, block_len, memory=memoryview(pool))
     counter = iter(range(10**12))
 
-    async def one(node: Node, tally: _Tally) -> None:
+    async def one(node: Node, tally: dict[str, Any]) -> None:
         n = next(counter)
         kv = f"honest-{n}"
         first = (n * per) % (len(keys) - per + 1)
@@ -97,35 +81,35 @@ async def _run(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         answers = await node.lookup(victim, kv, wanted)
         t1 = time.perf_counter()
-        tally.lookups.append(t1 - t0)
+        tally["latencies_s"].append(round(t1 - t0, 6))
         if any(a is not LookupResult.HIT for a in answers):
             misses = sum(1 for a in answers if a is not LookupResult.HIT)
             why = _why_failed(node, victim, kv)
-            tally.fail(f"{kv}: {misses} of {per} keys the victim holds answered MISS: {why}")
+            _fail(tally, f"{kv}: {misses} of {per} keys the victim holds answered MISS: {why}")
             node.finish(kv)
             return
         into = cache.allocate(per)
         try:
             result = await node.fetch(victim, kv, wanted, into)
             if not result.success:
-                tally.fail(f"{kv}: fetch failed: {result.reason}")
+                _fail(tally, f"{kv}: fetch failed: {result.reason}")
                 return
             for i, block in zip(indexes, into, strict=True):
                 if pool[block * block_len : (block + 1) * block_len] != block_bytes(
                     keys[i], block_len
                 ):
-                    tally.fail(f"{kv}: the block of key {i} differs from what the victim stored")
+                    _fail(tally, f"{kv}: the block of key {i} differs from what the victim stored")
                 else:
-                    tally.verified += 1
+                    tally["verified"] += 1
         finally:
             cache.free(into)
             node.finish(kv)
 
-    async def loop(node: Node, box: list[_Tally]) -> None:
+    async def loop(node: Node, box: list[dict[str, Any]]) -> None:
         due = trio.current_time()
         while True:
             await one(node, box[0])
-            due = max(due + 1.0 / args.rate, trio.current_time())
+            due = max(due + 1.0 / RATE_HZ, trio.current_time())
             await trio.sleep_until(due)
 
     async with (
@@ -134,15 +118,12 @@ async def _run(args: argparse.Namespace) -> None:
         ) as node,
         trio.open_nursery() as nursery,
     ):
+        box = [_window()]
+        nursery.start_soon(loop, node, box)
         say("READY")
-        box = [_Tally()]
-        while line := await trio.to_thread.run_sync(sys.stdin.readline):
-            if json.loads(line)["cmd"] == "start":
-                nursery.start_soon(loop, node, box)
-                say({"started": True})
-            else:  # a window: what was measured since the last; a new one begins
-                ended, box[0] = box[0], _Tally()
-                say(ended.result())
+        while await trio.to_thread.run_sync(sys.stdin.readline):  # a window ends, one begins
+            ended, box[0] = box[0], _window()
+            say(ended)
         nursery.cancel_scope.cancel()
 
 
@@ -151,8 +132,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the honest peer of the hostile-peer bench")
     parser.add_argument("--port", type=int, required=True, help="our control port")
     parser.add_argument("--victim", required=True, help="the victim's host:port")
-    parser.add_argument("--keys", type=int, required=True, help="keys per lookup")
-    parser.add_argument("--rate", type=float, required=True, help="requests a second")
     parser.add_argument("--preload", type=int, required=True, help="the victim's serve --preload")
     parser.add_argument("--hash-seed", required=True, help="the victim's hash seed")
     parser.add_argument("--block-len", type=int, required=True, help="its block size")

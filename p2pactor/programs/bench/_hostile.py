@@ -1,30 +1,13 @@
-"""The hostile peer of ``p2pactor bench`` (``summary-attack``), run as a process.
+"""The hostile peer of ``p2pactor bench``'s ``summary-attack``: raw sockets, run as a process.
 
-``python -m p2pactor.programs.bench._hostile --victim HOST:PORT --attack NAME ...``, also
-used by ``tests/test_summary_attack.py`` and ``tests/test_quotas.py``: bare pyzmq laid
-out as vLLM lays its sockets out (:class:`~p2pactor.programs.bench._hostile_peer.RawPeer`),
-with a real NIXL agent over lazily mapped memory (registered by the victim, never
-written). Its ``connect`` offers ``kvsum/1``, so the victim reads what it sends as
-summaries, except for the lookup flood, in vLLM's base dialect. The attacks:
-
-* ``lookup-flood``: per ``--phase KIND:N`` (``random`` keys; ``real``: the keys of
-  ``serve --preload``; ``rounds``: real keys, all in one request, a new round each)
-  N lookups of ``--keys`` keys, at most ``--window`` unanswered, never fetched;
-  at normal CPU priority (the flood is the victim's load; the others run at idle
-  priority, as a peer on another host, whose sending costs the victim nothing).
-* ``register-1m``: register ``--blocks`` (1,000,000) blocks and send a valid snapshot
-  claiming ``--claims`` (that many) fingerprints, in parts of 65,536 paced 10 ms apart.
-* ``snapshot-flood``: ``--count`` (every attack below sends that many) one-part snapshots
-  of 65,536 fingerprints.
-* ``deltas-mid-snapshot``: part 0 of 2, ``--count`` deltas of 65,536, then part 1.
-* ``refused-frame``: per ``--sizes`` (bytes) and ``--modes`` (``session``: after a
-  handshake; ``fresh``: a new connection's first frame), one ``kvsum_delta`` whose
-  ``add`` is an array of empty maps, which the decoder must refuse.
-* ``resync-flood``: ``--count`` ``kvsum_resync``, counting the snapshot parts earned.
-* ``epoch-flip``: ``--count`` deltas, each of a new epoch, counting the resyncs earned.
-* ``max-frames``: ``--count`` snapshot parts of 65,536 fingerprints (the largest
-  summary frame) as fast as the victim takes them (a send queue of 1,000).
-* ``max-lookups``: ``--count`` lookups of 65,536 keys (the most a frame may carry).
+``python -m p2pactor.programs.bench._hostile --victim HOST:PORT --attack NAME ...`` (also
+``tests/test_quotas.py``'s flooder): a :class:`RawPeer`, bare pyzmq laid out as vLLM
+0.33.0 lays a session out, with a real NIXL agent over lazily mapped memory (registered
+by the victim, never written). Its ``connect`` offers ``kvsum/1`` (but for the lookup
+flood, in vLLM's base dialect), so that the victim reads what it sends as summaries.
+The attacks are :data:`ATTACKS`, each said by its function's docstring; every attack but
+the lookup flood runs at idle CPU priority, as a peer on another host, whose sending
+costs the victim nothing (the flood is the victim's load).
 
 It speaks :class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol:
 ``READY peer`` once the handshake is done (and the victim's snapshot arrived); per step
@@ -56,7 +39,7 @@ import zmq
 from p2pactor.adapters.nixl import open_nixl_transport
 from p2pactor.core import protocol as wire
 from p2pactor.programs.bench._control_common import say
-from p2pactor.programs.bench._hostile_peer import Failure, RawPeer
+from p2pactor.programs.bench._hostile_peer import HANDSHAKE_S, Failure, RawPeer
 
 MAX_FPS = 65_536
 """Fingerprints in the largest summary field (``MAX_SUMMARY_BYTES`` / 8)."""
@@ -141,6 +124,10 @@ def _wait_go() -> None:
 
 
 def _register_1m(a: Attack) -> dict[str, object]:
+    """Register ``--blocks`` (1,000,000) blocks; a valid snapshot claiming ``--claims``.
+
+    In parts of 65,536 fingerprints paced 10 ms apart (``--claims`` 0: every block).
+    """
     peer, claims, epoch = a.session, a.args.claims or a.agent[2], _epoch()
     parts = -(-claims // MAX_FPS)
     for part in range(parts):
@@ -150,26 +137,37 @@ def _register_1m(a: Attack) -> dict[str, object]:
     return {"claimed": claims, "parts": parts, "registered_blocks": a.agent[2]}
 
 
-def _snapshot_flood(a: Attack) -> dict[str, object]:
-    peer, epoch = a.session, _epoch()
+def _snapshots(a: Attack) -> dict[str, object]:
+    """``--count`` snapshot parts of 65,536 fingerprints (the largest summary frame).
+
+    ``snapshot-flood``: each a whole snapshot; ``max-frames``: each part 0 of 2, sent as
+    fast as the victim takes them (a send queue of 1,000).
+    """
+    peer, epoch, parts = a.session, _epoch(), 2 if a.args.attack == "max-frames" else 1
     for i in range(a.args.count):
-        peer.send(_snapshot(_fps(MAX_FPS), epoch, i))
-    peer.ping("flood")
-    return {"snapshots": a.args.count}
+        peer.send(_snapshot(_fps(MAX_FPS), epoch, i, 0, parts))
+    peer.ping("snapshots")
+    return {"frames": a.args.count, "bytes": peer.sent_bytes}
 
 
 def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
+    """Part 0 of 2, ``--count`` deltas of 65,536, then part 1; the resyncs earned."""
     peer, epoch = a.session, _epoch()
-    before = peer.count("kvsum_resync")
+    before = peer.counts["kvsum_resync"]
     peer.send(_snapshot(_fps(MAX_FPS), epoch, 0, 0, 2))
     for seq in range(1, a.args.count + 1):
         peer.send(wire.KvsumDelta(epoch=epoch, seq=seq, add=_fps(MAX_FPS), remove=b""))
     peer.send(_snapshot(_fps(MAX_FPS), epoch, 0, 1, 2))
     peer.ping("deltas")
-    return {"deltas": a.args.count, "resyncs": peer.count("kvsum_resync") - before}
+    return {"deltas": a.args.count, "resyncs": peer.counts["kvsum_resync"] - before}
 
 
 def _refused_frames(a: Attack) -> None:
+    """A ``kvsum_delta`` the decoder must refuse (:func:`refused_frame`), a step each.
+
+    Per ``--sizes`` (bytes) and ``--modes`` (``session``: after a handshake; ``fresh``:
+    a new connection's first frame).
+    """
     for size in a.args.sizes:
         frame = refused_frame(size)
         for mode in a.args.modes:
@@ -193,36 +191,31 @@ def _refused_frames(a: Attack) -> None:
 
 
 def _resync_flood(a: Attack) -> dict[str, object]:
+    """``--count`` ``kvsum_resync``; the snapshot parts earned."""
     peer, count = a.session, a.args.count
-    parts0 = peer.count("kvsum_snapshot")
+    parts0 = peer.counts["kvsum_snapshot"]
     frame = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
     for _ in range(count):
         peer.send_raw(frame)
     peer.ping("resync")  # the victim has read every resync
     time.sleep(a.args.drain_s)  # a resync asked last is answered within a second
-    return {"resyncs": count, "parts": peer.count("kvsum_snapshot") - parts0}
+    return {"resyncs": count, "parts": peer.counts["kvsum_snapshot"] - parts0}
 
 
 def _epoch_flip(a: Attack) -> dict[str, object]:
+    """A snapshot, then ``--count`` deltas, each of a new epoch; the resyncs earned."""
     peer = a.session
     peer.send(_snapshot(_fps(16), _epoch()))  # first a whole snapshot, as an honest peer's
     peer.ping("snapshot")
-    before = peer.count("kvsum_resync")
+    before = peer.counts["kvsum_resync"]
     for i in range(a.args.count):
         peer.send(wire.KvsumDelta(epoch=_epoch(), seq=1, add=wire.packed([i + 1]), remove=b""))
     peer.ping("flip")  # every resync the deltas earned came before its answer
-    return {"messages": a.args.count, "resyncs": peer.count("kvsum_resync") - before}
-
-
-def _max_frames(a: Attack) -> dict[str, object]:
-    peer, epoch = a.session, _epoch()
-    for i in range(a.args.count):
-        peer.send(_snapshot(_fps(MAX_FPS), epoch, i, 0, 2))
-    peer.ping("frames")
-    return {"frames": a.args.count, "bytes": peer.sent_bytes}
+    return {"messages": a.args.count, "resyncs": peer.counts["kvsum_resync"] - before}
 
 
 def _max_lookups(a: Attack) -> dict[str, object]:
+    """``--count`` lookups of 65,536 keys (the most a frame may carry), never closed."""
     peer = a.session
     keys = tuple(os.urandom(32) + bytes(4) for _ in range(wire.MAX_LIST_ITEMS))
     for i in range(a.args.count):
@@ -230,7 +223,44 @@ def _max_lookups(a: Attack) -> dict[str, object]:
     return {"frames": a.args.count, "cut": not peer.ping("lookups", may_cut=True)}
 
 
+def _flood(a: Attack, kind: str, count: int, keys: Callable[[], tuple[bytes, ...]]) -> Any:
+    """``count`` lookups of ``keys()``, at most ``--window`` unanswered; the figures.
+
+    Each under a fresh request id, or (``kind`` ``rounds``) all in one request, a new
+    round each; never fetched or closed.
+    """
+    peer, window = a.session, a.args.window
+    sent = answered = hits = 0
+    start, last = time.perf_counter(), time.monotonic()
+    while answered < count:
+        while sent - answered < window and sent < count:
+            rounds = kind == "rounds"
+            kv = "flood" if rounds else f"flood-{kind}-{sent}"
+            peer.send(wire.Lookup(kv_request_id=kv, keys=keys(), round_seq=sent * rounds))
+            sent += 1
+        got = peer.take(1.0)
+        if isinstance(got, wire.Disconnect):
+            raise Failure("the victim disconnected us")
+        if isinstance(got, wire.LookupResp):
+            answered, hits, last = answered + 1, hits + sum(got.hits), time.monotonic()
+        if time.monotonic() - last > HANDSHAKE_S * 2:
+            raise Failure(f"no answer for {HANDSHAKE_S * 2:g} s ({answered}/{count})")
+    seconds = time.perf_counter() - start
+    return {
+        "phase": kind,
+        "lookups": count,
+        "answered": answered,
+        "keys_hit": hits,
+        "lookups_per_s": round(count / seconds, 1),
+    }
+
+
 def _lookup_flood(a: Attack) -> None:
+    """Per ``--phase KIND:N`` a step of N lookups of ``--keys`` keys (:func:`_flood`).
+
+    ``random`` keys; ``real``: the keys of ``serve --preload``; ``rounds``: real keys,
+    all in one request, a new round each.
+    """
     from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415 - this attack only
 
     args, rng = a.args, random.Random(0)  # noqa: S311 - reproducible junk keys, not secrets
@@ -247,8 +277,8 @@ def _lookup_flood(a: Attack) -> None:
         return tuple(real[start : start + args.keys])
 
     for kind, count in phases:
-        flood = functools.partial(a.session.flood, kind, count, functools.partial(keys, kind))
-        a.step(f"lookup-flood {kind}", functools.partial(flood, args.window))
+        flood = functools.partial(_flood, a, kind, count, functools.partial(keys, kind))
+        a.step(f"lookup-flood {kind}", flood)
 
 
 def _stepped(body: Callable[[Attack], dict[str, object]]) -> Callable[[Attack], None]:
@@ -262,11 +292,11 @@ ATTACKS: dict[str, Callable[[Attack], None]] = {
     name: _stepped(body)
     for name, body in {
         "register-1m": _register_1m,
-        "snapshot-flood": _snapshot_flood,
+        "snapshot-flood": _snapshots,
         "deltas-mid-snapshot": _deltas_mid_snapshot,
         "resync-flood": _resync_flood,
         "epoch-flip": _epoch_flip,
-        "max-frames": _max_frames,
+        "max-frames": _snapshots,
         "max-lookups": _max_lookups,
     }.items()
 }
@@ -284,19 +314,15 @@ def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int
             a.peer = a.open_session()
         say(f"READY {a.peer.peer_id if a.peer else '-'}")
         ATTACKS[args.attack](a)
-        counts = dict(a.peer.counts) if a.peer else {}
-        say(f"RESULT {json.dumps({'received': counts})}")
-        if args.paced:  # hold the session until stdin closes
-            while sys.stdin.readline():
-                pass
+        say(f"RESULT {json.dumps({'received': dict(a.peer.counts) if a.peer else {}})}")
+        while args.paced and sys.stdin.readline():  # hold the session until stdin closes
+            pass
     except Failure as exc:
         say(f"ERROR {exc}")
         return 1
     finally:
-        if a.peer is not None:
-            a.peer.close()
-        for stray in a.strays:
-            stray.close(disconnect=False)
+        for peer in [*([a.peer] if a.peer else []), *a.strays]:
+            peer.close(disconnect=peer is a.peer)
         ctx.term()
     say("LEFT")
     return 0

@@ -2,10 +2,7 @@
 
 A :class:`RawPeer` is one control session as vLLM 0.33.0 lays it out (a ROUTER bound on
 our own ``host:port``, a DEALER with that id dialing the victim); its ``connect`` may offer
-``kvsum/1``, so that the victim reads the summary messages it sends. A thread owns the
-ROUTER and reads everything the victim says as it arrives (counted by type), while the
-attack's thread owns the DEALER and sends as fast as libzmq takes it: two sockets, one
-thread each, as libzmq requires.
+``kvsum/1``, so that the victim reads the summary messages it sends.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable
 
 import zmq
 
@@ -31,12 +27,13 @@ class Failure(Exception):
 
 
 class RawPeer:
-    """One session's raw sockets: a ROUTER of our own and a DEALER to the victim.
+    """One session's raw sockets: a ROUTER bound on our own ``host:port``, a DEALER to the victim.
 
-    Every message the victim sends but summary data is queued for the attack's thread
-    (:meth:`take`); snapshot parts and deltas are only counted (a flood of them must not
-    pile up here). ``send_hwm``: the DEALER's send queue (0: unbounded, as a flooder
-    wants it; libzmq's default 1000 makes a send wait once the victim lags).
+    libzmq wants one thread a socket: a reader thread owns the ROUTER and counts every
+    message by type (``undecodable``: a frame that did not decode), queueing all but
+    summary data for the attack's thread (:meth:`take`; a flood of parts must not pile
+    up here). ``send_hwm``: the DEALER's send queue (0: unbounded, as a flooder wants it;
+    libzmq's default 1000 makes a send wait once the victim lags).
     """
 
     def __init__(
@@ -49,54 +46,35 @@ class RawPeer:
         self.dealer.setsockopt(zmq.IDENTITY, self.peer_id.encode())
         self.dealer.setsockopt(zmq.SNDHWM, send_hwm)
         self.dealer.connect(f"tcp://{victim}")
-        self.sent_bytes = 0
+        self.sent_bytes = self.snapshots_whole = 0
+        # One writer (the reader thread): reads and dict() copies need no lock.
         self.counts: collections.Counter[str] = collections.Counter()
-        """Messages received, by wire type (``undecodable`` for a frame that did not decode)."""
-        self.snapshots_whole = 0
-        """The victim's snapshots received whole (every part of one epoch and ``upto_seq``)."""
-        self.disconnected = threading.Event()
-        self._parts: dict[tuple[bytes, int, int], set[int]] = {}
+        self.disconnected, self._stop = threading.Event(), threading.Event()
         self._queue: queue.Queue[wire.Message] = queue.Queue()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read, name="inbox", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
         while not self._stop.is_set():
-            if not poller.poll(50):
-                continue
-            while True:
-                try:
-                    payload = self.router.recv_multipart(zmq.NOBLOCK)[-1]
-                except zmq.Again:
-                    break
-                except zmq.ZMQError:
-                    return  # closed under us: the attack is over
-                try:
-                    msg = wire.decode(payload)
-                except Exception:  # count it: the victim's bytes must never stop us
-                    self.count("undecodable", 1)
+            try:
+                if not self.router.poll(50):
                     continue
-                self.count(msg.TYPE, 1)
-                if isinstance(msg, wire.KvsumSnapshot):
-                    got = self._parts.setdefault((msg.epoch, msg.upto_seq, msg.parts), set())
-                    got.add(msg.part)
-                    if len(got) == msg.parts:
-                        self.snapshots_whole += 1
-                        del self._parts[msg.epoch, msg.upto_seq, msg.parts]
-                elif not isinstance(msg, wire.KvsumDelta):
-                    if isinstance(msg, wire.Disconnect):
-                        self.disconnected.set()
-                    self._queue.put(msg)
-
-    def count(self, type_name: str, more: int = 0) -> int:
-        """How many messages of ``type_name`` arrived so far (``more``: the reader's count)."""
-        with self._lock:
-            self.counts[type_name] += more
-            return self.counts[type_name]
+                payload = self.router.recv_multipart()[-1]
+            except zmq.ZMQError:
+                return  # closed under us: the attack is over
+            try:
+                msg = wire.decode(payload)
+            except Exception:  # count it: the victim's bytes must never stop us
+                self.counts["undecodable"] += 1
+                continue
+            self.counts[msg.TYPE] += 1
+            # A p2pactor sender sends a snapshot's parts in order: the last ends it.
+            if isinstance(msg, wire.KvsumSnapshot) and msg.part == msg.parts - 1:
+                self.snapshots_whole += 1
+            elif not isinstance(msg, wire.KvsumSnapshot | wire.KvsumDelta):
+                if isinstance(msg, wire.Disconnect):
+                    self.disconnected.set()
+                self._queue.put(msg)
 
     def take(self, timeout: float) -> wire.Message | None:
         """The next queued message, waiting up to ``timeout`` seconds; None if none came."""
@@ -134,21 +112,14 @@ class RawPeer:
         )
         connected = acked = False
         deadline = time.monotonic() + HANDSHAKE_S
-        while not (connected and acked):
-            if time.monotonic() > deadline:
-                raise Failure(f"no handshake with the victim within {HANDSHAKE_S:g} s")
-            msg = self.take(0.1)
+        while not (connected and acked and (self.snapshots_whole or not summaries)):
+            if time.monotonic() > deadline or self.disconnected.is_set():
+                raise Failure(f"disconnected, or no handshake and snapshot in {HANDSHAKE_S:g} s")
+            msg = self.take(0.01)
             if isinstance(msg, wire.Connect):
                 connected = True
                 self.send(wire.ConnectAck(peer_id=self.peer_id))
             acked = acked or isinstance(msg, wire.ConnectAck)
-            if isinstance(msg, wire.Disconnect):
-                raise Failure("the victim refused the handshake (it sent disconnect)")
-        deadline = time.monotonic() + HANDSHAKE_S
-        while summaries and not self.snapshots_whole:  # it sends one once the session is up
-            if self.disconnected.is_set() or time.monotonic() > deadline:
-                raise Failure(f"no snapshot of the victim's within {HANDSHAKE_S:g} s")
-            time.sleep(0.005)
 
     def ping(self, label: str, timeout: float = 120.0, *, may_cut: bool = False) -> bool:
         """Wait until the victim has stepped everything we sent before this call.
@@ -163,56 +134,21 @@ class RawPeer:
         kv = f"ping-{label}"
         ping = wire.Lookup(kv_request_id=kv, keys=(bytes(36),), round_seq=0)
         self.send(ping)
-        deadline = time.monotonic() + timeout
-        again = time.monotonic() + PING_AGAIN_S
+        deadline, again = time.monotonic() + timeout, time.monotonic() + PING_AGAIN_S
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise Failure(f"the victim did not answer a lookup within {timeout:g} s")
             if may_cut and time.monotonic() >= again:
                 self.send(ping)
                 again = time.monotonic() + PING_AGAIN_S
+            if (remaining := deadline - time.monotonic()) <= 0:
+                raise Failure(f"the victim did not answer a lookup within {timeout:g} s")
             msg = self.take(min(remaining, 0.5))
             if isinstance(msg, wire.LookupResp) and msg.kv_request_id == kv:
-                break
+                self.send(wire.Fetch(kv_request_id=kv, keys=(), block_indexes=(), round_seq=0))
+                return True
             if isinstance(msg, wire.Disconnect):
                 if may_cut:
                     return False
                 raise Failure(f"the victim disconnected us before it answered {kv}")
-        self.send(wire.Fetch(kv_request_id=kv, keys=(), block_indexes=(), round_seq=0))
-        return True
-
-    def flood(
-        self, kind: str, count: int, keys: Callable[[], tuple[bytes, ...]], window: int
-    ) -> dict[str, object]:
-        """``count`` lookups of ``keys()``, at most ``window`` unanswered; the figures.
-
-        Each under a fresh request id, or (``kind`` ``rounds``) all in one request, a
-        new round each; never fetched or closed.
-        """
-        sent = answered = hits = 0
-        start, last = time.perf_counter(), time.monotonic()
-        while answered < count:
-            while sent - answered < window and sent < count:
-                rounds = kind == "rounds"
-                kv = "flood" if rounds else f"flood-{kind}-{sent}"
-                self.send(wire.Lookup(kv_request_id=kv, keys=keys(), round_seq=sent * rounds))
-                sent += 1
-            got = self.take(1.0)
-            if isinstance(got, wire.Disconnect):
-                raise Failure("the victim disconnected us")
-            if isinstance(got, wire.LookupResp):
-                answered, hits, last = answered + 1, hits + sum(got.hits), time.monotonic()
-            if time.monotonic() - last > HANDSHAKE_S * 2:
-                raise Failure(f"no answer for {HANDSHAKE_S * 2:g} s ({answered}/{count})")
-        seconds = time.perf_counter() - start
-        return {
-            "phase": kind,
-            "lookups": count,
-            "answered": answered,
-            "keys_hit": hits,
-            "lookups_per_s": round(count / seconds, 1),
-        }
 
     def close(self, *, disconnect: bool = True) -> None:
         """Say ``disconnect`` (unless told not to) and close both sockets."""

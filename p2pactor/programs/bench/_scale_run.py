@@ -1,18 +1,19 @@
 """The ``scale`` section's measurements, each in a fresh interpreter (for its peak RSS).
 
-``python -m p2pactor.programs.bench._scale_run WHAT ...`` prints one JSON line:
+``python -m p2pactor.programs.bench._scale_run WHAT ARGS...`` prints one line, ``RESULT
+{...}`` (:data:`MEASURES`):
 
-* ``requests --requests N --dir D``: two nodes in this process over the in-memory
+* ``requests N DIR``: two nodes in this process over the in-memory
   transports of :mod:`p2pactor.testing` (the network is not what is measured; the actors
   are), each writing a real :class:`~p2pactor.runtime.log.EventLog` on disk. Node ``a``
   starts N requests at once against ``b`` (which holds every key in an embedded cache);
   each looks up :data:`KEYS_PER_REQUEST` keys, fetches the hits and finishes: seconds
   until all were done, events appended to both logs, requests failed, peak RSS, growth.
-* ``write --events M --from A B --out L``: a log of M events, the events of the logs
+* ``write M L A B``: a log of M events, the events of the logs
   ``A`` and ``B`` (a real run's actors) repeated under fresh request ids.
 * ``replay MODE LOG``: read (``read``) or replay (``replay``, ``replay --check``) ``LOG``:
   seconds, events, peak RSS growth.
-* ``costs --lives N LOG...`` (what the old ``benchmarks`` scripts measured), in-process:
+* ``costs N LOG...`` (what the old ``benchmarks`` scripts measured), in-process:
   **event cost** of the pure core, no I/O, a consumer and a producer stepped as the
   runtime steps them through N lives of each kind (a lookup answered then closed, a
   lookup then a fetch of its hits; 1 and 16 keys): the median of each input's step and
@@ -26,15 +27,15 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import itertools
+import json
 import statistics
 import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -56,14 +57,13 @@ async def _requests(n: int, folder: str) -> dict[str, Any]:
     from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415
     from p2pactor.testing import MemoryDataPlane, MemoryNetwork  # noqa: PLC0415
 
-    held = 4096
+    held, room = 4096, 10 * n + 1000
     keys = [f"scale-key-{i}".encode().ljust(36, b".") for i in range(held + 1)]
     missing = keys[held]  # never stored: every request's last key misses
-    producer_cache = EmbeddedCache(held, BLOCK_LEN)
+    caches = {"a": EmbeddedCache(n * (KEYS_PER_REQUEST - 1) + 16, BLOCK_LEN)}
+    caches["b"] = EmbeddedCache(held, BLOCK_LEN)
     for i, key in enumerate(keys[:held]):
-        producer_cache.store(key, bytes([i % 256]) * BLOCK_LEN)
-    consumer_blocks = n * (KEYS_PER_REQUEST - 1) + 16
-    consumer_cache = EmbeddedCache(consumer_blocks, BLOCK_LEN)
+        caches["b"].store(key, bytes([i % 256]) * BLOCK_LEN)
     # Nothing may be refused: the point is N requests at once from one peer.
     quotas = PeerQuotas(
         max_pinned_blocks=10**9,
@@ -71,65 +71,48 @@ async def _requests(n: int, folder: str) -> dict[str, Any]:
         max_fetch_rounds=10**7,
         max_open_requests=10**7,
     )
-    network, plane = MemoryNetwork(capacity=10 * n + 1000), MemoryDataPlane()
-
-    def config(name: str, blocks: int) -> Any:
-        return NodeConfig(
-            host=name,
-            port=5710,
-            num_blocks=blocks,
-            block_len=BLOCK_LEN,
-            quotas=quotas,
-            engine_inbox=10 * n + 1000,
-            session_outbox=10 * n + 1000,
-        )
-
+    network, plane = MemoryNetwork(capacity=room), MemoryDataPlane()
     logs = [
         EventLog(
-            f"{name}:5710",
-            path=f"{folder}/{name}.log",
+            f"{x}:5710",
+            path=f"{folder}/{x}.log",
             durability=Durability.interval(),
             keep=0,
             overwrite=True,
         )
-        for name in ("a", "b")
+        for x in "ab"
     ]
+
+    def node(name: str, log: Any) -> Any:
+        cache = caches[name]
+        config = NodeConfig(
+            host=name,
+            port=5710,
+            num_blocks=cache.num_blocks,
+            block_len=BLOCK_LEN,
+            quotas=quotas,
+            engine_inbox=room,
+            session_outbox=room,
+        )
+        control, data = network.transport(f"{name}:5710"), plane.transport(cache.memory, BLOCK_LEN)
+        return open_node(config, control=control, data=data, parent=cache, event_log=log)
+
     failed = 0
     rss0 = peak_rss_kib()
-    async with (
-        open_node(
-            config("b", held),
-            control=network.transport("b:5710"),
-            data=plane.transport(producer_cache.memory, BLOCK_LEN),
-            parent=producer_cache,
-            event_log=logs[1],
-        ),
-        open_node(
-            config("a", consumer_blocks),
-            control=network.transport("a:5710"),
-            data=plane.transport(consumer_cache.memory, BLOCK_LEN),
-            parent=consumer_cache,
-            event_log=logs[0],
-        ) as a,
-    ):
+    async with node("b", logs[1]), node("a", logs[0]) as a:
 
         async def one(i: int) -> None:
             nonlocal failed
-            kv = f"scale-{i}"
-            start = (i * 7) % (held - KEYS_PER_REQUEST)
+            kv, start, cache = f"scale-{i}", (i * 7) % (held - KEYS_PER_REQUEST), caches["a"]
             wanted = [*keys[start : start + KEYS_PER_REQUEST - 1], missing]
             answers = await a.lookup("b:5710", kv, wanted)
             hits = [k for k, x in zip(wanted, answers, strict=True) if x is LookupResult.HIT]
-            if hits:
-                blocks = consumer_cache.allocate(len(hits))
-                result = await a.fetch("b:5710", kv, hits, blocks)
-                if result.success:
-                    for key, block in zip(hits, blocks, strict=True):
-                        consumer_cache.commit(key, block)
-                else:
-                    consumer_cache.free(blocks)
-                    failed += 1
+            blocks = cache.allocate(len(hits))
+            if hits and (await a.fetch("b:5710", kv, hits, blocks)).success:
+                for key, block in zip(hits, blocks, strict=True):
+                    cache.commit(key, block)
             else:
+                cache.free(blocks)
                 failed += 1
             a.finish(kv)
 
@@ -143,11 +126,10 @@ async def _requests(n: int, folder: str) -> dict[str, Any]:
                 nursery.start_soon(one, i)
         seconds = time.perf_counter() - t0
         peak = peak_rss_kib()
-    events = sum(log.statistics().events_appended for log in logs)
     return {
         "requests": n,
         "seconds": seconds,
-        "events": events,
+        "events": sum(log.statistics().events_appended for log in logs),
         "failed": failed,
         "peak_rss_kib": peak,
         "rss_growth_kib": peak - rss0,
@@ -359,34 +341,28 @@ def timeline(events: Sequence[Any]) -> dict[str, Any]:
     return {s: trio.run(_publish, steps, s) for s in ("none", "reading", "stalled")}
 
 
+def _costs(lives: int, logs: Sequence[str]) -> dict[str, Any]:
+    events = list(_repeat(logs, COST_EVENTS))
+    return {
+        "events": event_cost(lives),
+        "durability": durability(events),
+        "timeline": timeline(events),
+    }
+
+
+MEASURES: dict[str, Callable[..., dict[str, Any]]] = {
+    "requests": lambda n, folder: trio.run(_requests, int(n), folder),
+    "write": lambda total, out, *logs: _write(logs, int(total), out),
+    "replay": _replay,
+    "costs": lambda lives, *logs: _costs(int(lives), logs),
+}
+"""Each measurement by its name, from its arguments (strings, as given)."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one measurement and print it as one JSON line."""
-    parser = argparse.ArgumentParser(description="a measurement of the scale benchmark")
-    sub = parser.add_subparsers(dest="what", required=True)
-    r = sub.add_parser("requests")
-    r.add_argument("--requests", type=int, required=True)
-    r.add_argument("--dir", required=True)
-    w = sub.add_parser("write")
-    w.add_argument("--events", type=int, required=True)
-    w.add_argument("--from", dest="sources", nargs="+", required=True)
-    w.add_argument("--out", required=True)
-    p = sub.add_parser("replay")
-    p.add_argument("mode", choices=("read", "replay", "replay --check"))
-    p.add_argument("log")
-    c = sub.add_parser("costs")
-    c.add_argument("--lives", type=int, default=2000, help="lives of each kind")
-    c.add_argument("logs", nargs="+")
-    args = parser.parse_args(argv)
-    if args.what == "requests":
-        say(trio.run(_requests, args.requests, args.dir))
-    elif args.what == "write":
-        say(_write(args.sources, args.events, args.out))
-    elif args.what == "replay":
-        say(_replay(args.mode, args.log))
-    else:
-        events = list(_repeat(args.logs, COST_EVENTS))
-        lives = event_cost(args.lives)
-        say({"events": lives, "durability": durability(events), "timeline": timeline(events)})
+    """Run one measurement; print it as one ``RESULT {...}`` line."""
+    what, *args = sys.argv[1:] if argv is None else argv
+    say(f"RESULT {json.dumps(MEASURES[what](*args))}")
     return 0
 
 

@@ -1,89 +1,245 @@
-"""The bench's one hostile-peer driver: an attack run against the victim, and measured.
+"""The bench's one hostile-peer driver: the victim, the honest peer, an attack run and measured.
 
-:func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._hostile`,
-``--paced``) and around each of its steps reads the victim's RSS and peak (its
-``VmHWM`` started afresh before the step), the honest peer's figures and what the
-:class:`~p2pactor.programs.bench._summary_victim.Monitor` saw; once the hostile peer has
-left and the victim ended its session, what the victim kept. The ``summary-attack``
-section and ``tests/test_summary_attack.py`` both drive their attacks through it.
+The victim is ``p2pactor serve`` as a process (:class:`Victim`: summaries on, preloaded
+so that the honest peer, :mod:`p2pactor.programs.bench._honest`, has something to look
+up); its memory is read from ``/proc/PID/status`` (``VmRSS``; ``VmHWM``, the peak,
+started afresh before each step), its ``/status`` on a thread for the node thread's
+longest step (the slow-step watch's ``loop.recent_slow``). :func:`run_attack` starts
+the hostile peer (:mod:`p2pactor.programs.bench._hostile`, ``--paced``) and measures
+each of its steps and the whole attack, up to what the victim kept once it ended the
+session. The ``summary-attack`` section and ``tests/test_summary_attack.py`` both drive
+their attacks through it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import threading
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import attrs
 
-from p2pactor.programs.bench._control_common import LineProcess, free_port, percentile
-from p2pactor.programs.bench._summary_victim import Monitor, Victim, VictimSettings, Window
+from p2pactor.programs.bench._control_common import ChildError, LineProcess, free_port, percentile
 
 STEP_TIMEOUT_S = 300.0
 """The longest a step may take (a flood on a loaded 2-core machine)."""
 SETTLE_CAP_S = 30.0
 """The longest the victim may take to fold a step's summaries in before it is read anyway."""
+STATUS_POLL_S = 0.1
+"""How often ``/status`` is asked: often enough that the 32 slow steps it lists do not
+overflow between two reads unless slow steps follow each other back to back."""
+
+
+@attrs.frozen(kw_only=True)
+class VictimSettings:
+    """How the victim is started (``p2pactor serve`` flags)."""
+
+    port: int
+    metrics_port: int
+    num_blocks: int = 16_384
+    block_len: int = 1024
+    preload: int = 16_384
+    hash_seed: str = "summary-attack"
+    slow_step_ms: float | None = 10.0
+    """``serve --slow-step-ms`` (the node's slow-step watch, for the longest step); None: none."""
+
+    @property
+    def node_id(self) -> str:
+        """The victim's peer id."""
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def peer_args(self) -> tuple[str, ...]:
+        """What the honest and hostile peers are told of the victim."""
+        return (
+            *(f"--victim={self.node_id}", f"--hash-seed={self.hash_seed}"),
+            *(f"--preload={self.preload}", f"--block-len={self.block_len}"),
+        )
+
+
+class Victim(LineProcess):
+    """``p2pactor serve`` as a process, its ``/status`` read on a thread; :meth:`stop` ends both.
+
+    Its RSS needs no polling: its ``VmHWM``, read before each reset, is the exact peak.
+    """
+
+    def __init__(self, settings: VictimSettings, stderr: Path) -> None:
+        self.settings = s = settings
+        watch = () if s.slow_step_ms is None else ("--slow-step-ms", f"{s.slow_step_ms:g}")
+        super().__init__(
+            "p2pactor",
+            *("serve", "--host", "127.0.0.1", "--port", str(s.port), "--hash-seed", s.hash_seed),
+            *("--num-blocks", str(s.num_blocks), "--block-len", str(s.block_len)),
+            *("--preload", str(s.preload), "--metrics-port", str(s.metrics_port), *watch),
+            stderr=str(stderr),
+        )
+        self.url = f"http://127.0.0.1:{s.metrics_port}/status"
+        self._stop, self._lock = threading.Event(), threading.Lock()
+        self._status: list[tuple[float, float]] = []  # (asked at, seconds to answer)
+        self._slow: set[tuple[float, float, str]] = set()
+        self.watching = False  # it reports its slow steps (``loop`` in /status)
+        self._watch = threading.Thread(target=self._poll, daemon=True)
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        """Wait until it serves (its ``p2pactor node ... serving`` line) and ``/status`` answers."""
+        deadline = time.monotonic() + timeout
+        while not (
+            (line := self.line(deadline - time.monotonic())).startswith("p2pactor node")
+            and "serving" in line
+        ):
+            pass
+        self.wait_status(lambda _: True, deadline - time.monotonic(), "its /status")
+        self._watch.start()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(STATUS_POLL_S):
+            t0 = time.time()
+            try:
+                loop = self.status().get("loop")
+            except (OSError, ValueError):
+                continue
+            with self._lock:
+                self._status.append((t0, time.time() - t0))
+                if isinstance(loop, dict):
+                    self.watching = True
+                    for s in loop.get("recent_slow", []):
+                        self._slow.add((float(s["at"]), float(s["seconds"]), str(s["task"])))
+
+    def window(self, start: float, end: float) -> Window:
+        """What its ``/status`` said from ``start`` to ``end`` (unix seconds).
+
+        Waits (at most 10 s) for a read of ``/status`` asked after ``end``: a slow step
+        that ended in the window is listed only by the reads after it.
+        """
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and not (self._status and self._status[-1][0] >= end):
+            time.sleep(STATUS_POLL_S / 4)
+        with self._lock:
+            took = [s for t, s in self._status if start <= t <= end]
+            slow = max(((s, t) for at, s, t in self._slow if start <= at <= end), default=None)
+        return Window(
+            longest_step_s=(slow[0] if slow else 0.0) if self.watching else None,
+            longest_task=slow[1] if slow else "",
+            status_max_s=max(took, default=None),
+        )
+
+    def memory_kib(self) -> tuple[int, int]:
+        """Its ``(VmRSS, VmHWM)`` in KiB; ``(0, 0)`` once it is gone."""
+        got = {"VmRSS:": 0, "VmHWM:": 0}
+        with contextlib.suppress(OSError), open(f"/proc/{self.pid}/status") as status:
+            for fields in map(str.split, status):
+                if fields and fields[0] in got:
+                    got[fields[0]] = int(fields[1])
+        return got["VmRSS:"], got["VmHWM:"]
+
+    def reset_peak(self) -> None:
+        """Start ``VmHWM`` afresh from the RSS now (Linux: ``5`` to ``clear_refs``)."""
+        with open(f"/proc/{self.pid}/clear_refs", "w") as f:
+            f.write("5")
+
+    def status(self) -> dict[str, Any]:
+        """Its ``/status`` document."""
+        with urllib.request.urlopen(self.url, timeout=30) as answer:  # noqa: S310 - loopback
+            document: dict[str, Any] = json.load(answer)
+        return document
+
+    def wait_status(
+        self, condition: Callable[[dict[str, Any]], bool], timeout: float, what: str
+    ) -> None:
+        """Poll ``/status`` until ``condition`` holds of it; raise naming ``what`` if not."""
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None:
+            with contextlib.suppress(OSError):  # not serving yet, or too busy: ask again
+                if condition(self.status()):
+                    return
+            if time.monotonic() > deadline:
+                raise ChildError(f"the victim did not show {what} within {timeout:g} s")
+            time.sleep(0.05)
+        raise ChildError(
+            f"p2pactor serve exited with {self.proc.returncode} while it was "
+            f"watched for {what} (its stderr ends: {self.why()})"
+        )
+
+    def stop(self) -> None:
+        """Stop reading its ``/status``; stop it (SIGTERM, then SIGKILL after 20 s), reap it."""
+        self._stop.set()
+        if self._watch.is_alive():
+            self._watch.join(timeout=30)
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.close(timeout=20)  # kills it if it has not exited by then
+        self.kill()
+
+
+@attrs.frozen(kw_only=True)
+class Window:
+    """What the victim's ``/status`` said between two times (unix seconds)."""
+
+    longest_step_s: float | None
+    """The node thread's longest slow step that began in the window (None: no watch)."""
+    longest_task: str
+    """What the longest step ran (the task the slow-step watch names; "" if none)."""
+    status_max_s: float | None
+    """The longest ``/status`` took to answer (None: never asked)."""
 
 
 class HonestPeer(LineProcess):
-    """The honest node's process (:mod:`p2pactor.programs.bench._honest`): 4 keys, 50 Hz."""
+    """The honest node's process (:mod:`p2pactor.programs.bench._honest`)."""
 
-    def __init__(self, port: int, victim: Victim, stderr: Path) -> None:
-        s = victim.settings
-        super().__init__(
-            "p2pactor.programs.bench._honest",
-            *(f"--port={port}", f"--victim={s.node_id}", "--keys=4", "--rate=50"),
-            *(f"--hash-seed={s.hash_seed}", f"--block-len={s.block_len}", f"--preload={s.preload}"),
-            stderr=str(stderr),
-        )
-
-    def start(self) -> None:
-        """Wait until it is up, then start its lookups."""
-        self.wait_ready()
-        self.ask({"cmd": "start"})
+    def __init__(self, victim: Victim, stderr: Path) -> None:
+        args = (f"--port={free_port()}", *victim.settings.peer_args)
+        super().__init__("p2pactor.programs.bench._honest", *args, stderr=str(stderr))
+        self.wait_ready()  # its lookups have begun
 
     def window(self) -> dict[str, Any]:
-        """Its figures since the last window; a new one begins."""
-        return self.ask({"cmd": "window"})
+        """Its figures since the last window (:func:`merge_honest`'s keys); a new one begins."""
+        return merge_honest([self.ask({})])
+
+
+def merge_honest(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The honest peer's windows as one: lookups, p50/p99/max (s), verified, failures."""
+    xs = [float(x) for w in windows for x in w["latencies_s"]]
+    return {
+        "lookups": len(xs),
+        "lookup_p50_s": percentile(xs, 0.5) if xs else None,
+        "lookup_p99_s": percentile(xs, 0.99) if xs else None,
+        "lookup_max_s": max(xs, default=None),
+        "verified": sum(int(w["verified"]) for w in windows),
+        "failed": sum(int(w["failed"]) for w in windows),
+        "failures": [f for w in windows for f in w["failures"]][:5],
+        "latencies_s": xs,
+    }
 
 
 @attrs.frozen(kw_only=True)
 class StepResult:
-    """One step of an attack, as the victim lived it (RSS and peak in KiB)."""
+    """A step of an attack, or the whole attack (its name its label), as the victim lived it.
+
+    RSS in KiB: before the step; its peak (``VmHWM``, started afresh just before it);
+    held once it was over (and what it sent folded in).
+    """
 
     label: str
     hostile: dict[str, Any]
-    """What the hostile peer said of the step (its ``DONE`` line)."""
+    """What the hostile peer said of the step (its ``DONE`` line; an attack's: its last)."""
     rss_before_kib: int
     peak_kib: int
-    """The victim's ``VmHWM`` after the step (started afresh just before it)."""
-    rss_after_kib: int
-    """The victim's RSS once the step was over (and what it sent folded in)."""
-    claimed_keys: int | None
+    held_kib: int
+    claimed_keys: int | None = None
     """The keys the victim's ``/status`` says the hostile peer claims after the step (None:
     the step had no session of its own)."""
     honest: dict[str, Any]
     """The honest peer's figures during the step (:func:`merge_honest`'s keys)."""
     window: Window
-
-
-@attrs.frozen(kw_only=True)
-class AttackResult:
-    """One attack: its steps, what the victim kept, the honest peer's figures (KiB)."""
-
-    attack: str
-    steps: tuple[StepResult, ...]
-    rss_before_kib: int
-    """The victim's RSS before the hostile peer connected."""
-    peak_kib: int
-    """The victim's largest RSS from the hostile peer's connect until its session ended."""
-    kept_kib: int
-    """The victim's RSS once the hostile session had ended."""
-    honest: dict[str, Any]
-    """The honest peer's figures over the same time (:func:`merge_honest`'s keys)."""
-    window: Window
+    steps: tuple[StepResult, ...] = ()
+    """An attack's steps (none: this is a step)."""
+    kept_kib: int | None = None
+    """An attack's: the victim's RSS once the hostile session had ended."""
 
     @property
     def peak_growth_mib(self) -> float:
@@ -92,34 +248,34 @@ class AttackResult:
 
     @property
     def held_mib(self) -> float:
-        """The victim's RSS after the last step, the session still open, over before, in MiB."""
-        return (self.steps[-1].rss_after_kib - self.rss_before_kib) / 1024 if self.steps else 0.0
+        """The victim's RSS after the (last) step, the session still open, over before, in MiB."""
+        return (self.held_kib - self.rss_before_kib) / 1024
 
     @property
-    def kept_mib(self) -> float:
-        """The RSS the victim still had after the session ended, over before, in MiB."""
-        return (self.kept_kib - self.rss_before_kib) / 1024
+    def kept_mib(self) -> float | None:
+        """The RSS the victim still had once the session ended, over before (None: a step)."""
+        return None if self.kept_kib is None else (self.kept_kib - self.rss_before_kib) / 1024
 
 
 @contextlib.contextmanager
-def arena(settings: VictimSettings, work: Path) -> Iterator[tuple[Victim, Monitor, HonestPeer]]:
-    """A fresh victim, its monitor and an honest peer looking it up; all stopped after."""
+def arena(settings: VictimSettings, work: Path) -> Iterator[tuple[Victim, HonestPeer]]:
+    """A fresh victim and an honest peer looking it up; both stopped after."""
     victim = Victim(settings, work / f"victim-{time.time_ns()}.err")
     honest: HonestPeer | None = None
-    monitor: Monitor | None = None
     try:
-        victim.wait_ready()
-        honest = HonestPeer(free_port(), victim, work / f"honest-{time.time_ns()}.err")
-        honest.start()
-        monitor = Monitor(victim)
-        yield victim, monitor, honest
+        victim.wait_serving()
+        honest = HonestPeer(victim, work / f"honest-{time.time_ns()}.err")
+        yield victim, honest
     finally:
-        if monitor is not None:
-            monitor.close()
         if honest is not None:
             honest.close()  # it stops its lookups and exits once its stdin closes
             honest.kill()
-        victim.close()
+        victim.stop()
+
+
+def _peers(document: dict[str, Any], *, closed: bool = False) -> list[str]:
+    recent = document.get("closed_sessions", {}).get("recent", [])
+    return [str(p.get("peer")) for p in (recent if closed else document.get("peers", []))]
 
 
 def run_attack(
@@ -127,16 +283,16 @@ def run_attack(
     args: list[str],
     *,
     victim: Victim,
-    monitor: Monitor,
     honest: HonestPeer,
     work_dir: Path,
-) -> AttackResult:
+) -> StepResult:
     """Run ``attack`` (with the hostile peer's extra ``args``) against ``victim``; measure it."""
-    s = victim.settings
     hostile = LineProcess(
         "p2pactor.programs.bench._hostile",
-        *(f"--victim={s.node_id}", f"--attack={attack}", "--paced", f"--preload={s.preload}"),
-        *(f"--hash-seed={s.hash_seed}", f"--block-len={s.block_len}", *args),
+        *victim.settings.peer_args,
+        f"--attack={attack}",
+        "--paced",
+        *args,
         stderr=str(work_dir / f"hostile-{attack}-{time.time_ns()}.err"),
     )
 
@@ -145,15 +301,6 @@ def run_attack(
 
     steps: list[StepResult] = []
     segments: list[dict[str, Any]] = []  # the honest peer's windows, the attack's whole life
-
-    def honest_window() -> dict[str, Any]:
-        segments.append(honest.window())
-        return merge_honest(segments[-1:])
-
-    def peers(document: dict[str, Any], *, closed: bool = False) -> list[str]:
-        recent = document.get("closed_sessions", {}).get("recent", [])
-        return [str(p.get("peer")) for p in (recent if closed else document.get("peers", []))]
-
     try:
         said("LOADED", timeout=120)
         # Its process is up: from here on what the victim does is the attack's.
@@ -168,52 +315,55 @@ def run_attack(
             rss, hwm = victim.memory_kib()
             peaks.append(hwm)
             victim.reset_peak()
-            honest_window()
+            segments.append(honest.window())
             t_go = time.time()
             hostile.send("go")
             _, done = said("DONE")
             if done.get("mode") == "fresh":  # the victim read it and refused it
                 gone = str(done["peer"])
-                victim.wait_status(lambda d: gone in peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
+                victim.wait_status(lambda d: gone in _peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
             claimed = _settled_claims(victim, peer) if peer != "-" else None
             after, peak = victim.memory_kib()
-            window = monitor.window(t_go, time.time())  # the step's own
+            window = victim.window(t_go, time.time())  # the step's own
+            segments.append(honest.window())
             steps.append(
                 StepResult(
                     label=str(done["label"]),
                     hostile=done,
                     rss_before_kib=rss,
                     peak_kib=peak,
-                    rss_after_kib=after,
+                    held_kib=after,
                     claimed_keys=claimed,
-                    honest=honest_window(),
+                    honest=segments[-1],
                     window=window,
                 )
             )
         peaks.append(victim.memory_kib()[1])
         victim.reset_peak()
         assert hostile.proc.stdin is not None
-        with contextlib.suppress(BrokenPipeError):
-            hostile.proc.stdin.close()  # it says disconnect, then LEFT, and exits
+        hostile.proc.stdin.close()  # it says disconnect, then LEFT, and exits
         said("LEFT", timeout=60)
         hostile.proc.wait(timeout=60)
         if peer != "-":
-            victim.wait_status(lambda d: peer not in peers(d), 60, f"the end of {peer}")
+            victim.wait_status(lambda d: peer not in _peers(d), 60, f"the end of {peer}")
         time.sleep(0.3)  # what leaving sets off (the session's end) runs its course
         kept, peak_end = victim.memory_kib()
         end = time.time()
-        honest_window()
+        segments.append(honest.window())
     finally:
         hostile.kill()
-    whole = monitor.window(start, end)
-    return AttackResult(
-        attack=attack,
-        steps=tuple(steps),
+    last = steps[-1] if steps else None
+    return StepResult(
+        label=attack,
+        hostile=last.hostile if last else {},
         rss_before_kib=base,
         peak_kib=max([*peaks, peak_end, *(st.peak_kib for st in steps)]),
-        kept_kib=kept,
+        held_kib=last.held_kib if last else base,
+        claimed_keys=last.claimed_keys if last else None,
         honest=merge_honest(segments),
-        window=whole,
+        window=victim.window(start, end),
+        steps=tuple(steps),
+        kept_kib=kept,
     )
 
 
@@ -231,18 +381,3 @@ def _settled_claims(victim: Victim, peer: str) -> int | None:
         if entry.get("peer") == peer:
             return int(entry.get("claimed_keys", 0))
     return None
-
-
-def merge_honest(windows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The honest peer's windows as one: lookups, p50/p99/max (s), verified, failures."""
-    xs = [float(x) for w in windows for x in w.get("latencies_s", [])]
-    return {
-        "lookups": len(xs),
-        "lookup_p50_s": percentile(xs, 0.5) if xs else None,
-        "lookup_p99_s": percentile(xs, 0.99) if xs else None,
-        "lookup_max_s": max(xs, default=None),
-        "verified": sum(int(w.get("verified", 0)) for w in windows),
-        "failed": sum(int(w.get("failed", 0)) for w in windows),
-        "failures": [f for w in windows for f in w.get("failures", [])][:5],
-        "latencies_s": xs,
-    }

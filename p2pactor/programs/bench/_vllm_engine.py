@@ -5,24 +5,25 @@ and ``TieringOffloadingManager`` make them of a secondary tier, each timed by a
 :class:`Meter`:
 
 1. ``has_pending_work()``, under a short lock;
-2. ``--admit`` new requests (``remote_kv_source`` naming the producer, ``--keys``
+2. ``admit`` new requests (``remote_kv_source`` naming the producer, ``keys``
    keys, a prefix of K/2..K on the producer) get ``on_new_request()``;
 3. ``schedule()``, under the step lock: ``get_finished_jobs()``, then ``lookup()`` of
    each waiting request's keys in order (past HIT and RETRY, up to the first MISS); a
    request with no RETRY left has its HIT prefix queued as one promotion; then
    ``serve_external_requests(parent)``, a ``submit_load()`` per promotion,
    ``on_schedule_end()``;
-4. the forward pass: ``--step-ms`` of sleep, lock released, while the tier-poll
-   thread (``--poll-ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
+4. the forward pass: ``step_ms`` of sleep, lock released, while the tier-poll
+   thread (``poll_ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
 5. each request whose load finished gets ``on_request_finished()``.
 
-Importing it needs vLLM.
+:func:`measure` runs one tier's engine against its producer. Importing it needs vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import threading
 import time
@@ -35,7 +36,13 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from p2pactor.programs.bench import _vllm_tier as shared
-from p2pactor.programs.bench._control_common import TIER_METHODS, percentile
+from p2pactor.programs.bench._control_common import (
+    TIER_METHODS,
+    free_port,
+    percentile,
+    thread_cpu_ns,
+)
+from p2pactor.runtime.parent import EmbeddedCache
 
 RUN_TIMEOUT_S = 300.0
 
@@ -80,40 +87,24 @@ class Meter:
             "step_p99_us": percentile(self.steps, 0.99) / 1e3 if self.steps else 0.0,
             "step_max_us": max(self.steps, default=0) / 1e3,
             "lock_wait_ms": self.lock_wait / 1e6,
-            "methods": {m: {"total_ms": ns / 1e6} for m, ns in self.total.items()},
+            "methods": {m: ns / 1e6 for m, ns in self.total.items()},
         }
 
 
 class Request:
-    """A request on the consumer: its context, what its keys answered, its load."""
+    """A request on the consumer: its context (naming the producer on ``port``), answers, load."""
 
     __slots__ = ("answered", "answers", "chunks", "ctx", "spec", "started")
 
-    def __init__(self, spec: shared.RequestSpec, ctx: ReqContext) -> None:
+    def __init__(self, spec: shared.RequestSpec, kind: str, tag: str, port: int) -> None:
         self.spec = spec
-        self.ctx = ctx
+        source = {"remote_host": shared.HOST, "remote_port": port}
+        source["kv_request_id"] = f"{kind}-{tag}-{spec.index}"
+        params = {"remote_kv_source": source}
+        self.ctx = ReqContext(req_id=f"req-{tag}-{spec.index}", kv_transfer_params=params)
         self.answers: list[LookupResult | None] = [None] * len(spec.keys)
         self.chunks: list[int] = []
         self.started = self.answered = 0  # engine steps
-
-
-def make_requests(
-    kind: str, tag: str, specs: Sequence[shared.RequestSpec], port: int
-) -> list[Request]:
-    """Consumer requests for ``specs``, each naming the producer on ``port``."""
-    source = {"remote_host": shared.HOST, "remote_port": port}
-    return [
-        Request(
-            spec,
-            ReqContext(
-                req_id=f"req-{tag}-{spec.index}",
-                kv_transfer_params={
-                    "remote_kv_source": {**source, "kv_request_id": f"{kind}-{tag}-{spec.index}"}
-                },
-            ),
-        )
-        for spec in specs
-    ]
 
 
 class Engine:
@@ -121,7 +112,7 @@ class Engine:
 
     def __init__(self, tier: Any, pool: np.ndarray, args: argparse.Namespace) -> None:
         self.tier, self.pool, self.args = tier, pool, args
-        self.parent = shared.FakeParent()  # the consumer holds nothing to serve
+        self.parent = shared.CacheParent(EmbeddedCache(1, 1))  # it holds nothing to serve
         self.lock = threading.Lock()
         self.free: deque[int] = deque(range(pool.shape[0]))
         self.jobs: dict[int, Request] = {}
@@ -131,7 +122,7 @@ class Engine:
         self.poll_meter = Meter()
         self.step = 0
         self._stop = threading.Event()
-        self._poller = threading.Thread(target=self._poll, name="vllm_offload_tier_poll")
+        self.poller = threading.Thread(target=self._poll, name="vllm_offload_tier_poll")
 
     def _poll(self) -> None:
         while not self._stop.wait(self.args.poll_ms / 1000):
@@ -146,17 +137,13 @@ class Engine:
     def polling(self) -> Iterator[None]:
         """The tier-poll thread runs, as vLLM runs it for a tier that tolerates it."""
         if self.args.poll_ms > 0:
-            self._poller.start()
+            self.poller.start()
         try:
             yield
         finally:
             self._stop.set()
-            if self._poller.is_alive():
-                self._poller.join()
-
-    def poll_tid(self) -> int | None:
-        """The tier-poll thread's id, if it runs."""
-        return self._poller.native_id
+            if self.poller.is_alive():
+                self.poller.join()
 
     def _finished(self, results: Any) -> None:
         """Job results (under the lock, from either thread): check every loaded block."""
@@ -238,9 +225,10 @@ class Engine:
                 still.append(req)
                 continue
             req.answered = req.answered or self.step
-            hits = 0
-            while hits < len(req.answers) and req.answers[hits] is LookupResult.HIT:
-                hits += 1
+            answers = req.answers
+            hits = next(
+                (j for j, a in enumerate(answers) if a is not LookupResult.HIT), len(answers)
+            )
             if hits == 0:
                 self.done.append(req)  # nothing to load: the engine prefills it all
             elif len(self.free) < hits:
@@ -259,3 +247,40 @@ class Engine:
                     )
                 )
         return promotions, still
+
+
+def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> dict[str, Any]:
+    """One consumer of ``kind`` against its stopped producer: warm up, measure, tear down."""
+    specs = shared.workload(args.requests, args.keys)
+    producer.pause(paused=False)
+    try:
+        me = os.getpid()
+        before = set(thread_cpu_ns(me))
+        pool = np.zeros((4096, shared.BLOCK_BYTES), dtype=np.uint8)
+        tier = shared.make_tier(kind, pool, free_port())
+        engine = Engine(tier, pool, args)
+        try:
+            with engine.polling():
+                engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
+                engine.counts = dict.fromkeys(engine.counts, 0)
+                engine.poll_meter, meter = Meter(), Meter()
+                cpu0, prod0, times0 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
+                result = engine.run([Request(s, kind, "run", port) for s in specs], meter)
+                cpu1, prod1, times1 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
+        finally:
+            tier.shutdown()
+    finally:
+        producer.close(timeout=60)
+    role = {
+        threading.main_thread().native_id: "engine_thread",
+        engine.poller.native_id: "poll_thread",
+    }
+    cpu_ms = dict.fromkeys(("engine_thread", "poll_thread", "tier_threads", "other_threads"), 0.0)
+    for tid, (_, ns) in cpu1.items():
+        group = role.get(tid) or ("other_threads" if tid in before else "tier_threads")
+        cpu_ms[group] += (ns - cpu0.get(tid, ("", 0))[1]) / 1e6
+    cpu_ms["process"] = sum(times1[:2]) * 1e3 - sum(times0[:2]) * 1e3
+    cpu_ms["producer_process"] = sum(ns - prod0.get(t, ("", 0))[1] for t, (_, ns) in prod1.items())
+    cpu_ms["producer_process"] /= 1e6
+    figures = {"engine": meter.summary(), "poll": engine.poll_meter.summary(), "cpu_ms": cpu_ms}
+    return {**result, **figures, "counts": engine.counts}

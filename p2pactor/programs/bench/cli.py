@@ -11,7 +11,7 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from p2pactor.programs.bench.report import BenchOptions, BenchReport, SectionResult, machine
 
@@ -34,19 +34,6 @@ SECTIONS: tuple[str, ...] = (
 (a ``-`` in the name is a ``_`` in the module's)."""
 
 
-class _Section(Protocol):
-    NAME: str
-    TITLE: str
-
-    def run(self, options: BenchOptions) -> SectionResult: ...
-
-
-def _load(name: str) -> _Section:
-    module: Any = importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
-    section: _Section = module
-    return section
-
-
 def run_bench(
     options: BenchOptions, only: Sequence[str] = (), *, out: Any = sys.stdout
 ) -> BenchReport:
@@ -59,7 +46,7 @@ def run_bench(
     for name in SECTIONS:
         if only and name not in only:
             continue
-        section = _load(name)
+        section: Any = importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
         t0 = time.perf_counter()
         try:
             result = section.run(options)
@@ -77,27 +64,19 @@ def run_bench(
 
 def _main(args: argparse.Namespace) -> int:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    unknown = [s for s in args.only if s not in SECTIONS]
-    if unknown:
-        sys.stderr.write(
-            f"p2pactor bench: unknown section(s) {', '.join(unknown)}; "
-            f"choose from {', '.join(SECTIONS)}\n"
-        )
-        return 2
     with tempfile.TemporaryDirectory(prefix="p2pactor-bench-") as work:
         repeats = args.repeats if args.repeats is not None else (1 if args.quick else 5)
         options = BenchOptions(quick=args.quick, repeats=repeats, work_dir=work)
         # With --json -, stdout holds the JSON document alone: the tables go to stderr.
         to_stdout = args.json == "-"
         report = run_bench(options, args.only, out=sys.stderr if to_stdout else sys.stdout)
+    text = json.dumps(report.to_json(), indent=2) + "\n"
     if to_stdout:
-        json.dump(report.to_json(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        sys.stdout.write(text)
         sys.stdout.flush()
     elif args.json:
         with open(args.json, "w") as f:
-            json.dump(report.to_json(), f, indent=2)
-            f.write("\n")
+            f.write(text)
         sys.stderr.write(f"wrote {args.json}\n")
     failed = [s.name for s in report.sections if s.skipped and s.skipped.startswith("failed")]
     if failed:
@@ -131,6 +110,7 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "--only",
         nargs="+",
         default=[],
+        choices=SECTIONS,
         metavar="SECTION",
         help=f"run only these sections ({', '.join(SECTIONS)})",
     )

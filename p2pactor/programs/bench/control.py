@@ -2,11 +2,9 @@
 
 Per side a producer holding 4,096 blocks and a consumer running C concurrent lookup loops
 of K keys (every key a hit), processes of :mod:`p2pactor.programs.bench._control_peer`
-(whose docstring says what each side runs: two p2pactor nodes, or vLLM's
-``P2PSecondaryTierManager`` on both ends at its fastest, not held back by engine steps).
-All four processes start together and stay up; every repeat runs every cell on both
-sides in turn (alternating which goes first, the other side stopped), for a fixed time
-each: lookups/s, latency p50 and p99 (from the lookup call to every answer), CPU per
+(whose docstring says what each side runs). All four processes start together and stay
+up; every repeat runs every cell on both sides in turn (alternating which goes first,
+the other side stopped), for a fixed time each: lookups/s, latency p50 and p99, CPU per
 lookup of both processes, medians over repeats with [min..max]; the ratios ours/vLLM per
 repeat. Then idle CPU: per repeat (at most 3) a window of 10 s (``--quick``: 1 s) in which
 nothing calls our nodes and vLLM's tiers are called every 1 ms as vLLM's tier-poll thread
@@ -15,9 +13,9 @@ calls an idle engine's; every thread's CPU (schedstat) of all four processes.
 
 from __future__ import annotations
 
-import math
+import json
+import statistics
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.programs.bench._control_common import (
@@ -27,54 +25,37 @@ from p2pactor.programs.bench._control_common import (
     thread_cpu_ns,
     vllm_missing,
 )
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat, ratio
 
 NAME = "control"
 """The section's name."""
 TITLE = "lookup throughput and latency over ZeroMQ vs vLLM 0.33.0's P2P sessions"
 """One line saying what is measured."""
 
-KEYS_FULL = (1, 16, 256)
-"""Keys per lookup in a full run."""
-CONC_FULL = (1, 8, 64)
-"""Concurrent lookups in a full run."""
-QUICK_CELLS = ((16, 1), (16, 8))
+CELLS = [(k, c) for k in (1, 16, 256) for c in (1, 8, 64)]
+"""(keys per lookup, concurrent lookups) of a full run."""
+QUICK_CELLS = [(16, 1), (16, 8)]
 """(keys, concurrent) cells of a quick run."""
-HELPER = "p2pactor.programs.bench._control_peer"
-"""The module each producer and consumer process runs."""
 IDLE_S, QUICK_IDLE_S = 10.0, 1.0
 """The idle window (seconds), full and ``--quick``."""
 IDLE_TARGET_CORES = 0.02
 """The target for an idle node of ours (a note, never asserted)."""
 
 
-def _cells(quick: bool) -> list[tuple[int, int]]:
-    if quick:
-        return list(QUICK_CELLS)
-    return [(k, c) for k in KEYS_FULL for c in CONC_FULL]
-
-
-def _helper(*args: str) -> LineProcess:
-    return LineProcess(HELPER, *args, PYTHONHASHSEED="0")
-
-
 class _Side:
     """One side's producer and consumer."""
 
     def __init__(self, side: str) -> None:
-        self.side = side
-        producer_port, consumer_port = free_port(), free_port()
-        self.producer = _helper(f"--side={side}", "--role=producer", f"--port={producer_port}")
-        self.consumer = _helper(
-            f"--side={side}",
-            "--role=consumer",
-            f"--port={consumer_port}",
-            f"--peer-port={producer_port}",
-        )
-
-    def ready(self) -> None:
-        self.producer.wait_ready()
-        self.consumer.wait_ready()
+        ports = free_port(), free_port()
+        self.procs = {
+            role: LineProcess(
+                "p2pactor.programs.bench._control_peer",
+                json.dumps({"side": side, "role": role, "port": port, "peer_port": ports[0]}),
+                PYTHONHASHSEED="0",
+            )
+            for role, port in zip(("producer", "consumer"), ports, strict=True)
+        }
+        self.producer, self.consumer = self.procs["producer"], self.procs["consumer"]
 
     def cell(self, keys: int, conc: int, seconds: float) -> dict[str, Any]:
         p0 = process_cpu_s(self.producer.pid)
@@ -90,27 +71,17 @@ class _Side:
         processes took half the CPU from our side's run. Cells are seconds
         long, well inside both sides' 10 s heartbeat timeout.
         """
-        for proc in (self.consumer, self.producer):
+        for proc in self.procs.values():
             proc.pause(paused=paused)
         if not paused:
             time.sleep(0.05)  # let them catch up with their sockets before measuring
-
-    def close(self) -> dict[str, Any]:
-        self.pause(paused=False)
-        self.consumer.close()
-        return self.producer.close()
-
-    def kill(self) -> None:
-        self.pause(paused=False)
-        self.consumer.kill()
-        self.producer.kill()
 
 
 def run(options: BenchOptions) -> SectionResult:
     """Measure every cell on both sides, side by side, and tabulate."""
     missing = vllm_missing()
     sides = ["ours"] if missing else ["ours", "vllm"]
-    cells = _cells(options.quick)
+    cells = QUICK_CELLS if options.quick else CELLS
     seconds = 0.5 if options.quick else 2.0
     repeats = max(1, options.repeats)
     procs = {s: _Side(s) for s in sides}  # all start at once: their imports overlap
@@ -119,14 +90,14 @@ def run(options: BenchOptions) -> SectionResult:
     try:
         t0 = time.perf_counter()
         for p in procs.values():
-            p.ready()
+            p.producer.wait_ready()
+            p.consumer.wait_ready()
         startup = time.perf_counter() - t0
         for p in procs.values():  # the handshake, and the first lookups' one-off costs
             p.cell(16, 1, 0.3)
         for rep in range(repeats):
-            order = sides if rep % 2 == 0 else list(reversed(sides))
             for keys, conc in cells:
-                for side in order:
+                for side in sides if rep % 2 == 0 else sides[::-1]:
                     for other, p in procs.items():
                         p.pause(paused=other != side)
                     r = procs[side].cell(keys, conc, seconds)
@@ -135,105 +106,38 @@ def run(options: BenchOptions) -> SectionResult:
             p.pause(paused=False)
         idle = _idle(procs, QUICK_IDLE_S if options.quick else IDLE_S, min(repeats, 3))
         for side, p in procs.items():
-            leftovers[side] = p.close()
+            p.consumer.close()
+            leftovers[side] = p.producer.close()
     finally:
         for p in procs.values():
-            p.kill()
-    return _tabulate(
-        sides=sides,
-        cells=cells,
-        results=results,
-        leftovers=leftovers,
-        missing=missing,
-        seconds=seconds,
-        repeats=repeats,
-        startup=startup,
-        idle=idle,
-    )
-
-
-def _cpu_ns(pid: int, before: dict[int, tuple[str, int]] | None = None) -> int:
-    """CPU ns of every live thread of ``pid``, less what each had in ``before``."""
-    was = before or {}
-    return sum(ns - was.get(tid, ("", 0))[1] for tid, (_, ns) in thread_cpu_ns(pid).items())
-
-
-def _idle(procs: dict[str, _Side], window: float, repeats: int) -> dict[str, list[float]]:
-    """Cores each process (``ours producer``...) spent per idle window, all side by side."""
-    every = {f"{s} {r}": getattr(p, r) for s, p in procs.items() for r in ("producer", "consumer")}
-    cores: dict[str, list[float]] = {}
-    for _ in range(repeats):
-        before = {name: thread_cpu_ns(p.pid) for name, p in every.items()}
-        w0 = time.perf_counter()
-        for p in procs.values():
-            p.consumer.send({"idle": window})
-        for p in procs.values():
-            p.consumer.answer()
-        wall = time.perf_counter() - w0
-        for name, p in every.items():
-            cores.setdefault(name, []).append(_cpu_ns(p.pid, before[name]) / 1e9 / wall)
-    return cores
-
-
-def _rate(r: dict[str, Any]) -> float:
-    return float(r["lookups"]) / float(r["elapsed_s"]) if r["elapsed_s"] > 0 else 0.0
-
-
-def _cpu_us(r: dict[str, Any]) -> float:
-    return (float(r["cpu_s"]) + float(r["producer_cpu_s"])) / max(1, int(r["lookups"])) * 1e6
-
-
-def _figures(who: str, rs: list[dict[str, Any]]) -> dict[str, Cell]:
-    return {
-        f"{who} lookups/s": Stat.of(_rate(r) for r in rs),
-        f"{who} p50 ms": Stat.of(r["p50_s"] * 1e3 for r in rs),
-        f"{who} p99 ms": Stat.of(r["p99_s"] * 1e3 for r in rs),
-        f"{who} CPU us/lookup": Stat.of(_cpu_us(r) for r in rs),
-    }
-
-
-def _tabulate(
-    *,
-    sides: Sequence[str],
-    cells: Sequence[tuple[int, int]],
-    results: dict[tuple[str, int, int], list[dict[str, Any]]],
-    leftovers: dict[str, dict[str, Any]],
-    missing: str | None,
-    seconds: float,
-    repeats: int,
-    startup: float,
-    idle: dict[str, list[float]],
-) -> SectionResult:
+            for proc in p.procs.values():
+                proc.kill()
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
     medians: dict[str, list[float]] = {"tput": [], "p99": []}
     missed = []
     for keys, conc in cells:
-        ours = results[("ours", keys, conc)]
+        ours = results["ours", keys, conc]
         row: dict[str, Cell] = {"keys": keys, "concurrent": conc, **_figures("ours", ours)}
         if "vllm" in sides:
-            theirs = results[("vllm", keys, conc)]
+            theirs = results["vllm", keys, conc]
             row |= _figures("vLLM", theirs)
-            pairs = list(zip(ours, theirs, strict=True))
-            for what, per in (
-                ("tput", [_rate(a) / _rate(b) for a, b in pairs if _rate(b)]),
-                ("p99", [a["p99_s"] / b["p99_s"] for a, b in pairs if b["p99_s"]]),
-            ):
-                if per:
-                    name = "throughput" if what == "tput" else what
-                    ratios[f"{name} ours/vLLM {keys} keys x {conc}"] = Stat.of(per)
-                    row[f"{what} ours/vLLM"] = Stat.of(per).median
-                    medians[what].append(Stat.of(per).median)
-            t, p = row.get("tput ours/vLLM"), row.get("p99 ours/vLLM")
-            if isinstance(t, float) and isinstance(p, float) and (t < 1.0 or p > 1.0):
-                missed.append(f"{keys}x{conc}: tput x{t:.2f}, p99 x{p:.2f}")
+            for what, name, of in (("tput", "throughput", _rate), ("p99", "p99", _p99)):
+                if per := ratio(map(of, ours), map(of, theirs)):
+                    ratios[f"{name} ours/vLLM {keys} keys x {conc}"] = per
+                    row[f"{what} ours/vLLM"] = per.median
+                    medians[what].append(per.median)
+            t, q = row.get("tput ours/vLLM"), row.get("p99 ours/vLLM")
+            if isinstance(t, float) and isinstance(q, float) and (t < 1.0 or q > 1.0):
+                missed.append(f"{keys}x{conc}: tput x{t:.2f}, p99 x{q:.2f}")
         rows.append(row)
     if medians["tput"]:
         ratios = {
-            "throughput ours/vLLM (geomean of cells)": Stat.of([_geomean(medians["tput"])]),
-            "p99 ours/vLLM (geomean of cells)": Stat.of([_geomean(medians["p99"])]),
-            **ratios,
-        }
+            f"{name} ours/vLLM (geomean of cells)": Stat.of(
+                [statistics.geometric_mean(v for v in medians[what] if v > 0)]
+            )
+            for what, name in (("tput", "throughput"), ("p99", "p99"))
+        } | ratios
     notes = [
         (
             f"{repeats} repeat(s) of {seconds:g} s per cell and side; every key a hit; "
@@ -246,14 +150,9 @@ def _tabulate(
             "EmbeddedCache class"
         ),
     ]
-    for role in ("producer", "consumer"):
-        per = [
-            a / b
-            for a, b in zip(idle[f"ours {role}"], idle.get(f"vllm {role}", ()), strict=False)
-            if b
-        ]
-        if per:
-            ratios[f"idle cores ours/vLLM, {role}"] = Stat.of(per)
+    for role in ("producer", "consumer") if "vllm" in sides else ():
+        if per := ratio(idle[f"ours {role}"], idle[f"vllm {role}"]):
+            ratios[f"idle cores ours/vLLM, {role}"] = per
     worst = max(Stat.of(idle[f"ours {r}"]).median for r in ("producer", "consumer"))
     notes.append(
         "idle CPU ms per s (1000 = one core; every thread's schedstat): "
@@ -264,10 +163,9 @@ def _tabulate(
     )
     if missing:
         notes.append(f"vLLM side skipped: {missing}")
-    misses = sum(
-        int(r["misses"]) for (side, _, _), rs in results.items() if side == "ours" for r in rs
-    )
-    if misses:
+    if misses := sum(
+        r["misses"] for (side, *_), rs in results.items() if side == "ours" for r in rs
+    ):
         notes.append(f"ours answered {misses} MISS for keys the producer holds (should be 0)")
     for side, counters in leftovers.items():
         if held := {k: n for k, n in counters.items() if n}:
@@ -280,6 +178,39 @@ def _tabulate(
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
 
 
-def _geomean(values: Sequence[float]) -> float:
-    good = [v for v in values if v > 0 and math.isfinite(v)]
-    return math.exp(sum(math.log(v) for v in good) / len(good)) if good else math.nan
+def _idle(procs: dict[str, _Side], window: float, repeats: int) -> dict[str, list[float]]:
+    """Cores each process (``ours producer``...) spent per idle window, all side by side."""
+    every = {f"{s} {r}": proc for s, side in procs.items() for r, proc in side.procs.items()}
+    cores: dict[str, list[float]] = {}
+    for _ in range(repeats):
+        before = {name: thread_cpu_ns(proc.pid) for name, proc in every.items()}
+        w0 = time.perf_counter()
+        for p in procs.values():
+            p.consumer.send({"idle": window})
+        for p in procs.values():
+            p.consumer.answer()
+        wall = time.perf_counter() - w0
+        for name, proc in every.items():
+            was, now = before[name], thread_cpu_ns(proc.pid)
+            ns = sum(n - was.get(tid, ("", 0))[1] for tid, (_, n) in now.items())
+            cores.setdefault(name, []).append(ns / 1e9 / wall)
+    return cores
+
+
+def _rate(r: dict[str, Any]) -> float:
+    return float(r["lookups"]) / float(r["elapsed_s"]) if r["elapsed_s"] > 0 else 0.0
+
+
+def _p99(r: dict[str, Any]) -> float:
+    return float(r["p99_s"])
+
+
+def _figures(who: str, rs: list[dict[str, Any]]) -> dict[str, Cell]:
+    return {
+        f"{who} lookups/s": Stat.of(_rate(r) for r in rs),
+        f"{who} p50 ms": Stat.of(r["p50_s"] * 1e3 for r in rs),
+        f"{who} p99 ms": Stat.of(r["p99_s"] * 1e3 for r in rs),
+        f"{who} CPU us/lookup": Stat.of(
+            (r["cpu_s"] + r["producer_cpu_s"]) / max(1, r["lookups"]) * 1e6 for r in rs
+        ),
+    }

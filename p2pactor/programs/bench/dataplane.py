@@ -21,26 +21,18 @@ import functools
 import itertools
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import trio
 import trio.lowlevel
 
-from p2pactor.programs.bench._control_common import child_env, module_command, nixl_missing
-from p2pactor.programs.bench._dataplane_peer import (
-    PREFIX,
-    RawAgent,
-    bench_config,
-    bench_keys,
-    block_content,
-)
+from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node
+from p2pactor.programs.bench._dataplane_peer import CONFIG, RawAgent, bench_keys, block_content
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "dataplane"
@@ -58,32 +50,6 @@ _PHASES = ("lookup", "to write", "post hop", "transfer()", "completion", "transf
 _FIGURES = ("ours", "fetch", "raw", "memcpy", "stall_ms", "cpu_producer", "cpu_consumer")
 
 
-class _Lines:
-    """Reads the producer's ``@bench`` JSON lines, ignoring everything else."""
-
-    def __init__(self, process: trio.Process) -> None:
-        assert process.stdout is not None
-        assert process.stdin is not None
-        self._out, self._in, self._buffer = process.stdout, process.stdin, b""
-
-    async def ask(self, command: dict[str, Any] | None, event: str) -> dict[str, Any]:
-        if command is not None:
-            await self._in.send_all(json.dumps(command).encode() + b"\n")
-        while True:
-            while b"\n" in self._buffer:
-                raw, self._buffer = self._buffer.split(b"\n", 1)
-                line = raw.decode(errors="replace")
-                if line.startswith(PREFIX):
-                    message: dict[str, Any] = json.loads(line[len(PREFIX) :])
-                    if message.get("event") != event:
-                        raise RuntimeError(f"the producer said {message}, expected {event}")
-                    return message
-            chunk = await self._out.receive_some()
-            if not chunk:
-                raise RuntimeError("the producer process exited (see its stderr in the work dir)")
-            self._buffer += chunk
-
-
 async def _progress_until(raw: RawAgent, done: trio.Event) -> None:
     """Drive the raw writes' target's progress, without pause, while they run.
 
@@ -96,8 +62,8 @@ async def _progress_until(raw: RawAgent, done: trio.Event) -> None:
         await trio.lowlevel.checkpoint()
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
+def _gbps(nbytes: int, seconds: Iterable[float]) -> float:
+    return nbytes / statistics.median(seconds) / 1e9
 
 
 async def measure(
@@ -120,11 +86,8 @@ async def measure(
     """
     import torch  # noqa: PLC0415 - heavy; only this section needs it
 
-    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
     from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
     from p2pactor.programs.hosts import Host  # noqa: PLC0415
-    from p2pactor.runtime.node import open_node  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
 
     most = max(counts, default=1)
@@ -133,127 +96,107 @@ async def measure(
     pool = torch.zeros(most * block_len, dtype=torch.uint8)
     blocks_view = pool.numpy().reshape(most, block_len)
     on = None if host is None else Host(**host)
-    argv = module_command(
+    producer = LineProcess(
         "p2pactor.programs.bench._dataplane_peer",
-        str(most),
-        str(block_len),
-        on.address if on else address,
+        *(str(most), str(block_len), on.address if on else address),
+        stderr=f"{work_dir}/dataplane-producer-{block_len}-{address}.stderr",
+        host=on,
     )
-    stderr_path = Path(work_dir) / f"dataplane-producer-{block_len}-{address}.stderr"
-    with stderr_path.open("wb") as stderr:
-        process = await trio.lowlevel.open_process(
-            on.command(argv) if on else argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            env=on.env(child_env()) if on else child_env(),
-        )
+
+    async def ask(cmd: dict[str, Any]) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(producer.ask, cmd, 120.0)
+
     raw_target = RawAgent(pool.data_ptr(), most, block_len)
     figures: dict[int, dict[str, Any]] = {c: {k: [] for k in _FIGURES} for c in counts}
     runs: list[list[float]] = []
     try:
         with trio.fail_after(120 + 30 * len(counts) * repeats):
-            lines = _Lines(process)
-            ready = await lines.ask(None, "ready")
+            ready = await trio.to_thread.run_sync(producer.wait_ready, 120.0)
             peer: str = ready["node_id"]
             source: list[int] = ready["blocks"]
             target = {"metadata": raw_target.metadata.hex(), "base_addr": pool.data_ptr()}
-            await lines.ask({"cmd": "raw_peer", **target, "num_blocks": most}, "raw_peer")
+            await ask({"cmd": "raw_peer", **target, "num_blocks": most})
             cache = EmbeddedCache(most, block_len, memory=pool.numpy().data)
-            async with (
-                open_zmq_transport(f"{address}:0", port=0) as control,
-                open_nixl_transport(pool, block_len, name="bench-consumer") as data,
-            ):
-                config = bench_config(control.local_id, most, block_len)
-                async with open_node(config, control=control, data=data, parent=cache) as node:
-                    dest = cache.allocate(most)
-                    if dest != list(range(most)):
-                        raise RuntimeError(f"expected blocks 0..{most - 1}, got {dest[:4]}...")
-                    ids = itertools.count()
+            async with open_bench_node(
+                0, pool, block_len, name="bench-consumer", parent=cache, host=address, **CONFIG
+            ) as node:
+                dest = cache.allocate(most)
+                if dest != list(range(most)):
+                    raise RuntimeError(f"expected blocks 0..{most - 1}, got {dest[:4]}...")
+                ids = itertools.count()
 
-                    async def ours(count: int, fetch: bool = True) -> tuple[float, float, float]:
-                        """One lookup (+ fetch): (start, looked up, fetched)."""
-                        rid = f"bench-{next(ids)}"
-                        t0 = time.perf_counter()
-                        answers = await node.lookup(peer, rid, keys[:count])
-                        t1 = time.perf_counter()
-                        if any(a is not LookupResult.HIT for a in answers):
-                            raise RuntimeError(f"lookup answered {answers[:4]}...")
-                        result = (
-                            await node.fetch(peer, rid, keys[:count], dest[:count])
-                            if fetch
-                            else None
-                        )
-                        t2 = time.perf_counter()
-                        node.finish(rid)
-                        if result is not None and not result.success:
-                            raise RuntimeError(f"fetch failed: {result.reason}")
-                        return t0, t1, t2
+                async def ours(count: int, fetch: bool = True) -> tuple[float, float, float]:
+                    """One lookup (+ fetch): (start, looked up, fetched)."""
+                    rid = f"bench-{next(ids)}"
+                    t0 = time.perf_counter()
+                    answers = await node.lookup(peer, rid, keys[:count])
+                    t1 = time.perf_counter()
+                    if any(a is not LookupResult.HIT for a in answers):
+                        raise RuntimeError(f"lookup answered {answers[:4]}...")
+                    result = (
+                        await node.fetch(peer, rid, keys[:count], dest[:count]) if fetch else None
+                    )
+                    t2 = time.perf_counter()
+                    node.finish(rid)
+                    if result is not None and not result.success:
+                        raise RuntimeError(f"fetch failed: {result.reason}")
+                    return t0, t1, t2
 
-                    async def raw(count: int, n: int) -> float:
-                        done = trio.Event()
-                        async with trio.open_nursery() as nursery:
-                            nursery.start_soon(_progress_until, raw_target, done)
-                            cmd = {"cmd": "raw", "local": source[:count], "remote": dest[:count]}
-                            reply = await lines.ask({**cmd, "iters": n}, "raw")
-                            done.set()
-                        return float(statistics.median(reply["times"]))
+                async def raw(count: int, n: int) -> list[float]:
+                    done = trio.Event()
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_progress_until, raw_target, done)
+                        cmd = {"cmd": "raw", "local": source[:count], "remote": dest[:count]}
+                        reply = await ask({**cmd, "iters": n})
+                        done.set()
+                    times: list[float] = reply["times"]
+                    return times
 
-                    def check(count: int, what: str) -> None:
-                        if not np.array_equal(blocks_view[:count], expected[:count]):
-                            raise RuntimeError(f"{what}: the fetched bytes differ from the source")
+                def check(count: int, what: str) -> None:
+                    if not np.array_equal(blocks_view[:count], expected[:count]):
+                        raise RuntimeError(f"{what}: the fetched bytes differ from the source")
 
-                    # Warm up both paths: sessions, NIXL connections, first-touch pages.
-                    await ours(most)
-                    await raw(most, 1)
-                    last = await lines.ask({"cmd": "trace"}, "trace")
-                    for count in counts:
-                        m, nbytes = figures[count], count * block_len
-                        m["phases"], m["inline"], m["writes"] = defaultdict(list), 0, 0
-                        for _ in range(repeats):
-                            blocks_view[:count] = 0
-                            m["raw"].append(_gbps(nbytes, await raw(count, iters)))
-                            check(count, "raw NIXL")
-                            blocks_view[:count] = 0
-                            last = await lines.ask({"cmd": "trace"}, "trace")
-                            cpu = time.process_time()
-                            spans = [await ours(count) for _ in range(iters)]
-                            m["cpu_consumer"].append((time.process_time() - cpu) / iters)
-                            check(count, "p2pactor")
-                            traced = await lines.ask({"cmd": "trace"}, "trace")
-                            m["stall_ms"].append(traced["max_gap"] * 1e3)
-                            m["cpu_producer"].append((traced["cpu"] - last["cpu"]) / iters)
-                            m["inline"] += traced["inline"] - last["inline"]
-                            m["writes"] += traced["done"] - last["done"]
-                            copies = []
-                            for _ in range(iters):
-                                t = time.perf_counter()
-                                np.copyto(blocks_view[:count], expected[:count])
-                                copies.append(time.perf_counter() - t)
-                            m["ours"].append(
-                                _gbps(nbytes, statistics.median(c - a for a, _, c in spans))
-                            )
-                            m["fetch"].append(
-                                _gbps(nbytes, statistics.median(c - b for _, b, c in spans))
-                            )
-                            m["memcpy"].append(_gbps(nbytes, statistics.median(copies)))
-                            _phases(m["phases"], spans, traced["writes"])
-                    if lookups:
-                        for _ in range(50):
-                            await ours(1, fetch=False)
-                        for _ in range(repeats):
-                            spans = [await ours(1, fetch=False) for _ in range(lookups)]
-                            runs.append([b - a for a, b, _ in spans])
-                    cache.free(dest)
-            assert process.stdin is not None
-            await process.stdin.send_all(b'{"cmd": "exit"}\n')
-            with trio.move_on_after(30):
-                await process.wait()
+                # Warm up both paths: sessions, NIXL connections, first-touch pages.
+                await ours(most)
+                await raw(most, 1)
+                await ask({"cmd": "trace"})
+                for count in counts:
+                    m, nbytes = figures[count], count * block_len
+                    m["phases"], m["inline"], m["writes"] = defaultdict(list), 0, 0
+                    for _ in range(repeats):
+                        blocks_view[:count] = 0
+                        m["raw"].append(_gbps(nbytes, await raw(count, iters)))
+                        check(count, "raw NIXL")
+                        blocks_view[:count] = 0
+                        last = await ask({"cmd": "trace"})
+                        cpu = time.process_time()
+                        spans = [await ours(count) for _ in range(iters)]
+                        m["cpu_consumer"].append((time.process_time() - cpu) / iters)
+                        check(count, "p2pactor")
+                        traced = await ask({"cmd": "trace"})
+                        m["stall_ms"].append(traced["max_gap"] * 1e3)
+                        m["cpu_producer"].append((traced["cpu"] - last["cpu"]) / iters)
+                        m["inline"] += traced["inline"] - last["inline"]
+                        m["writes"] += traced["done"] - last["done"]
+                        copies = []
+                        for _ in range(iters):
+                            t = time.perf_counter()
+                            np.copyto(blocks_view[:count], expected[:count])
+                            copies.append(time.perf_counter() - t)
+                        m["ours"].append(_gbps(nbytes, (c - a for a, _, c in spans)))
+                        m["fetch"].append(_gbps(nbytes, (c - b for _, b, c in spans)))
+                        m["memcpy"].append(_gbps(nbytes, copies))
+                        _phases(m["phases"], spans, traced["writes"])
+                if lookups:
+                    for _ in range(50):
+                        await ours(1, fetch=False)
+                    for _ in range(repeats):
+                        spans = [await ours(1, fetch=False) for _ in range(lookups)]
+                        runs.append([b - a for a, b, _ in spans])
+                cache.free(dest)
+        await trio.to_thread.run_sync(producer.close)
     finally:
-        if process.returncode is None:
-            process.kill()
-            with trio.CancelScope(shield=True):
-                await process.wait()
+        producer.kill()
         raw_target.close()
     return {"measured": {str(c): m for c, m in figures.items()}, "lookups": runs}
 

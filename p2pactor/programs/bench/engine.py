@@ -4,17 +4,13 @@ vLLM calls a secondary tier synchronously from its scheduler thread, under the
 offloading manager's lock: whatever the tier does there delays the step. A scripted
 engine (:mod:`~p2pactor.programs.bench._vllm_engine`, whose docstring lists its calls)
 drives p2pactor's ``P2PActorTierManager`` and vLLM's ``P2PSecondaryTierManager``
-through the same scheduler calls, each against a producer tier of its own class in
-another process (:mod:`~p2pactor.programs.bench._vllm_tier`), over real ZeroMQ and NIXL
-on 127.0.0.1, 4 KiB blocks: 1,000 requests of 16 keys, 2 admitted per 10 ms step, a
-1 ms tier-poll thread (quick: 100 requests). A scripted engine, not vLLM's stack, so
-that each tier's own calls are timed alone (a whole engine is ``engine-real``'s). The
-consumers run in one subprocess (``python -m p2pactor.programs.bench.engine``: vLLM's
-import is heavy, NIXL's state per process); each repeat runs both tiers, alternating
-which goes first, fresh producers each. Measured: ``perf_counter_ns`` around every tier
-call on the engine and tier-poll threads, the lock waits, every thread's CPU
-(schedstat) by role, the producer's CPU. Per tier, the median over repeats with
-[min..max]; ours/vLLM per repeat.
+alike, each against a producer tier of its own class in another process
+(:mod:`~p2pactor.programs.bench._vllm_tier`), over real ZeroMQ and NIXL on 127.0.0.1,
+4 KiB blocks: each tier's own calls timed alone (a whole engine is ``engine-real``'s).
+The consumers run in one subprocess (``python -m p2pactor.programs.bench.engine``:
+vLLM's import is heavy, NIXL's state per process); each repeat runs both tiers,
+alternating which goes first, fresh producers each. Per tier, the median over repeats
+with [min..max]; ours/vLLM per repeat.
 """
 
 from __future__ import annotations
@@ -22,12 +18,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import statistics
 import sys
-import threading
-from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.programs.bench._control_common import (
@@ -35,10 +28,9 @@ from p2pactor.programs.bench._control_common import (
     LineProcess,
     free_port,
     run_module,
-    thread_cpu_ns,
     vllm_missing,
 )
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat, ratio
 
 NAME = "engine"
 """The section's name."""
@@ -46,11 +38,14 @@ TITLE = "engine-thread cost of the vLLM adapter vs vLLM 0.33.0's P2P tier (same 
 """One line saying what is measured."""
 
 TIERS = ("ours", "vllm")
+WORKLOAD = {"keys": 16, "admit": 2, "step_ms": 10.0, "poll_ms": 1.0}
+"""The scripted engine's workload: keys per request (75% HIT), requests admitted per
+step, the forward pass and the tier-poll interval (0: no poll thread) in ms."""
 FIGURES: tuple[tuple[str, str], ...] = (
     ("engine thread in tier calls (ms)", "engine.tier_ms"),
     ("engine step p99 in tier calls (us)", "engine.step_p99_us"),
     ("engine step max in tier calls (us)", "engine.step_max_us"),
-    *((f"  {m} on the engine thread (ms)", f"engine.methods.{m}.total_ms") for m in TIER_METHODS),
+    *((f"  {m} on the engine thread (ms)", f"engine.methods.{m}") for m in TIER_METHODS),
     ("  waiting for the engine's lock (ms)", "engine.lock_wait_ms"),
     ("poll thread in tier calls (ms)", "poll.tier_ms"),
     ("CPU: engine thread (ms)", "cpu_ms.engine_thread"),
@@ -75,13 +70,6 @@ RATIOS: tuple[tuple[str, str], ...] = (
 """Headline ratios: ours over vLLM, one per repeat (both tiers run in each repeat)."""
 
 
-def _get(run: dict[str, Any], path: str) -> float:
-    value: Any = run
-    for part in path.split("."):
-        value = value[part]
-    return float(value)
-
-
 def run(options: BenchOptions) -> SectionResult:
     """Run the engine benchmark in a subprocess and tabulate its figures."""
     missing = vllm_missing()
@@ -90,25 +78,28 @@ def run(options: BenchOptions) -> SectionResult:
     requests = 100 if options.quick else 1000
     repeats = 1 if options.quick else max(1, options.repeats)
     out = os.path.join(options.work_dir, "engine.json")
-    args = [f"--requests={requests}", f"--repeats={repeats}", f"--json={out}"]
-    run_module(__name__, *args, timeout=300 if options.quick else 1800 * repeats)
+    spec = WORKLOAD | {"requests": requests, "repeats": repeats, "json": out}
+    run_module(__name__, json.dumps(spec), timeout=300 if options.quick else 1800 * repeats)
     with open(out) as f:
         report = json.load(f)
-    ours, theirs = (report["runs"][t] for t in TIERS)
+
+    def each(tier: str, path: str) -> list[float]:
+        values = []
+        for figures in report["runs"][tier]:
+            value = figures
+            for part in path.split("."):
+                value = value[part]
+            values.append(float(value))
+        return values
+
     rows: list[dict[str, Cell]] = []
     for label, path in FIGURES:
-        a = Stat.of(_get(r, path) for r in ours)
-        b = Stat.of(_get(r, path) for r in theirs)
-        rows.append({"figure": label, "ours": a, "vLLM": b, "ours/vLLM": _over(a.median, b.median)})
-    ratios: dict[str, Stat] = {}
-    for name, path in RATIOS:
-        both = zip(ours, theirs, strict=True)
-        pairs = [_get(a, path) / _get(b, path) for a, b in both if _get(b, path) > 0]
-        if pairs and all(math.isfinite(x) for x in pairs):
-            ratios[name] = Stat.of(pairs)
+        a, b = Stat.of(each("ours", path)), Stat.of(each("vllm", path))
+        over = a.median / b.median if b.median else None
+        rows.append({"figure": label, "ours": a, "vLLM": b, "ours/vLLM": over})
+    ratios = {n: r for n, p in RATIOS if (r := ratio(each("ours", p), each("vllm", p)))}
     a = report["args"]
-    t_ours = statistics.median(_get(r, "engine.tier_ms") for r in ours)
-    t_vllm = statistics.median(_get(r, "engine.tier_ms") for r in theirs)
+    t_ours, t_vllm = (statistics.median(each(t, "engine.tier_ms")) for t in TIERS)
     notes = [
         (
             f"{requests} requests x {a['keys']} keys (75% HIT), {a['admit']} admitted per "
@@ -121,110 +112,50 @@ def run(options: BenchOptions) -> SectionResult:
         if t_vllm
         else "vLLM spent no time in tier calls",
     ]
-    failed = sum(_get(r, "counts.loads_failed") + _get(r, "counts.bad_blocks") for r in ours)
+    failed = sum(each("ours", "counts.loads_failed") + each("ours", "counts.bad_blocks"))
     if failed:
         notes.append(f"ours: {failed:.0f} failed loads or wrong blocks (should be 0)")
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
 
 
-def _over(a: float, b: float) -> float | None:
-    return a / b if b else None
-
-
 # --- the consumers' process ---------------------------------------------------------------
 
 
-def _producer(kind: str, args: argparse.Namespace) -> tuple[LineProcess, int]:
-    """Start a producer of ``kind`` (:mod:`~p2pactor.programs.bench._vllm_tier`); its port."""
-    port = free_port()
-    proc = LineProcess(
-        "p2pactor.programs.bench._vllm_tier",
-        f"--tier={kind}",
-        f"--port={port}",
-        f"--requests={args.requests}",
-        f"--keys={args.keys}",
-        f"--poll-ms={args.poll_ms}",
-        NIXL_LOG_LEVEL="WARN",
-        PYTHONHASHSEED=os.environ["PYTHONHASHSEED"],
-    )
-    return proc, port
+def main() -> int:
+    """The consumers' process: every repeat, both tiers; write every figure as JSON.
 
-
-def _run_tier(kind: str, args: argparse.Namespace, producer: LineProcess, port: int) -> Any:
-    """One consumer of ``kind`` against its producer: warm up, measure, tear down."""
-    from p2pactor.programs.bench import _vllm_tier as shared  # noqa: PLC0415 - vLLM
-    from p2pactor.programs.bench._vllm_engine import Engine, Meter, make_requests  # noqa: PLC0415
-
-    specs = shared.workload(args.requests, args.keys)
-    producer.pause(paused=False)
-    try:
-        me = os.getpid()
-        before = set(thread_cpu_ns(me))
-        pool = shared.make_pool(4096, shared.BLOCK_BYTES)
-        tier = shared.make_tier(kind, pool, free_port())
-        engine = Engine(tier, pool, args)
-        try:
-            with engine.polling():
-                engine.run(make_requests(kind, "warm", specs[:8], port), Meter())
-                engine.counts = dict.fromkeys(engine.counts, 0)
-                engine.poll_meter = Meter()
-                cpu0, prod0, times0 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
-                meter = Meter()
-                result = engine.run(make_requests(kind, "run", specs, port), meter)
-                cpu1, prod1, times1 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
-        finally:
-            tier.shutdown()
-    finally:
-        producer.close(timeout=60)
-    role = {threading.main_thread().native_id: "engine_thread", engine.poll_tid(): "poll_thread"}
-    cpu_ms = dict.fromkeys(("engine_thread", "poll_thread", "tier_threads", "other_threads"), 0.0)
-    for tid, (_, ns) in cpu1.items():
-        group = role.get(tid) or ("other_threads" if tid in before else "tier_threads")
-        cpu_ms[group] += (ns - cpu0.get(tid, ("", 0))[1]) / 1e6
-    cpu_ms["process"] = sum(times1[:2]) * 1e3 - sum(times0[:2]) * 1e3
-    cpu_ms["producer_process"] = sum(ns - prod0.get(t, ("", 0))[1] for t, (_, ns) in prod1.items())
-    cpu_ms["producer_process"] /= 1e6
-    poll = engine.poll_meter.summary()
-    return {
-        **result,
-        "engine": meter.summary(),
-        "poll": poll,
-        "cpu_ms": cpu_ms,
-        "counts": engine.counts,
-    }
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The consumers' process: every repeat, both tiers; write every figure as JSON."""
+    Its one argument: :data:`WORKLOAD` and ``requests``, ``repeats``, ``json`` (the
+    file to write), as JSON.
+    """
     os.environ.setdefault("PYTHONHASHSEED", "0")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    parser = argparse.ArgumentParser(description="engine-thread cost: ours vs vLLM's tier")
-    parser.add_argument("--requests", type=int, default=1000, help="requests per run (1000)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per tier (3)")
-    parser.add_argument("--json", metavar="PATH", required=True, help="write every figure here")
-    parser.add_argument("--keys", type=int, default=16, help="keys per request (16)")
-    parser.add_argument("--admit", type=int, default=2, help="new requests per step (2)")
-    parser.add_argument("--step-ms", type=float, default=10.0, help="forward pass (10 ms)")
-    parser.add_argument("--poll-ms", type=float, default=1.0, help="tier-poll thread; 0: off")
-    args = parser.parse_args(argv)
+    args = argparse.Namespace(**json.loads(sys.argv[1]))
     runs: dict[str, list[Any]] = {t: [] for t in TIERS}
     for rep in range(args.repeats):
         # A repeat's producers start together (their vLLM imports overlap, the first
         # repeat's with this process's), then stay stopped (SIGSTOP) until their turn:
         # vLLM's NIXL progress thread spins, and must not run beside the measured one.
-        spawned = {kind: _producer(kind, args) for kind in TIERS}
-        importlib.import_module("p2pactor.programs.bench._vllm_engine")  # meanwhile
+        ports = {kind: free_port() for kind in TIERS}
+        spawned = {
+            kind: LineProcess(
+                "p2pactor.programs.bench._vllm_tier",
+                json.dumps({"tier": kind, "port": port, **vars(args)}),
+                PYTHONHASHSEED=os.environ["PYTHONHASHSEED"],
+            )
+            for kind, port in ports.items()
+        }
+        scripted = importlib.import_module("p2pactor.programs.bench._vllm_engine")  # meanwhile
         try:
-            for proc, _ in spawned.values():
+            for proc in spawned.values():
                 proc.wait_ready()
                 proc.pause(paused=True)
             for kind in TIERS if rep % 2 == 0 else TIERS[::-1]:
-                run = _run_tier(kind, args, *spawned[kind])
+                run = scripted.measure(kind, args, spawned[kind], ports[kind])
                 runs[kind].append(run)
                 e = run["engine"]
                 sys.stderr.write(f"repeat {rep + 1} {kind}: {e['tier_ms']:.1f} ms in tier calls\n")
         finally:
-            for proc, _ in spawned.values():
+            for proc in spawned.values():
                 proc.kill()
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "runs": runs}, f)

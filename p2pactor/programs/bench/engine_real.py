@@ -26,20 +26,16 @@ NAME = "engine-real"
 TITLE = "real vLLM engines: B's prefill of what A computed, through p2pactor, vLLM's tier, none"
 """One line saying what is measured."""
 
-ARMS = ("ours", "stock", "none")
+ARMS = {"ours": "p2pactor", "stock": "vLLM's p2p tier", "none": "no P2P"}
+"""Each arm's tier (``ours``, ``stock``: :func:`~p2pactor.programs.vllmreal.client.tier_entry`'s
+kinds; ``none``: no P2P) and row name."""
 
 
-def _prompt_sets(sets: int, per_set: int, prefix: int, own: int) -> list[list[list[int]]]:
-    rng = random.Random(11)  # noqa: S311 - a reproducible workload
-    return [
-        [[rng.randrange(3, 1024) for _ in range(prefix + own)] for _ in range(per_set)]
-        for _ in range(sets)
-    ]
-
-
-def _named(port: int, tag: str, n: int) -> list[dict[str, Any] | None]:
-    source = {"remote_host": "127.0.0.1", "remote_port": port}
-    return [{"remote_kv_source": {"kv_request_id": f"{tag}-{i}", **source}} for i in range(n)]
+def _times(runs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    return {
+        "generate_s": [r["seconds"] for r in runs],
+        "ttft_s": [statistics.median(r["ttft"]) for r in runs],
+    }
 
 
 def _arm(
@@ -52,44 +48,46 @@ def _arm(
         tier_entry,
     )
 
-    def options(name: str, port: int) -> EngineOptions:
-        return EngineOptions(
+    def engine(name: str, port: int) -> EngineProcess:
+        options = EngineOptions(
             model=model,
-            engine_id=f"p2pactor-bench-{name}-{os.getpid()}",
+            engine_id=f"p2pactor-bench-{name}-{arm}-{os.getpid()}",
             tier=tier_entry(arm, port),
             cpu_bytes=cpu_bytes,
         )
+        return EngineProcess(options, work / f"{name}-{arm}.log")
 
     a = None
     a_port, b_port = spread_ports(2)
+    source = {"remote_host": "127.0.0.1", "remote_port": a_port}
     outputs: list[list[list[int]]] = []
+    left: list[Any] = []
     try:
         if arm != "none":
-            a = EngineProcess(options(f"a-{arm}", a_port), work / f"a-{arm}.log")
+            a = engine("a", a_port)
             outputs = [a.generate(s, max_tokens=8)["tokens"] for s in sets]
-        with EngineProcess(options(f"b-{arm}", b_port), work / f"b-{arm}.log") as b:
+        with engine("b", b_port) as b:
             runs, warm = [], []
             for i, prompts in enumerate(sets):
-                kv = None if arm == "none" else _named(a_port, f"{arm}-{i}", len(prompts))
-                runs.append(b.generate(prompts, kv, max_tokens=8))
+                kv: list[dict[str, Any] | None] = [
+                    {"remote_kv_source": {"kv_request_id": f"{arm}-{i}-{j}", **source}}
+                    for j in range(len(prompts))
+                ]
+                runs.append(b.generate(prompts, None if arm == "none" else kv, max_tokens=8))
                 if arm == "none":
                     # Again: every block is in B's own KV cache now, no tier
                     # is asked. What no P2P tier can beat: the floor.
                     warm.append(b.generate(prompts, max_tokens=8))
-            left = b.stop()
+            left += b.stop()
     finally:
         if a is not None:
-            left_a = a.stop()
-    return {
-        "warm": {
-            "generate_s": [r["seconds"] for r in warm],
-            "ttft_s": [statistics.median(r["ttft"]) for r in warm],
-        },
-        "generate_s": [r["seconds"] for r in runs],
-        "ttft_s": [statistics.median(r["ttft"]) for r in runs],
-        "tokens": [r["tokens"] for r in runs],
+            left += a.stop()
+    tokens = [r["tokens"] for r in runs]
+    return _times(runs) | {
+        "warm": _times(warm),
+        "tokens": tokens,
         "reference": outputs,
-        "left": left + (left_a if a is not None else []),
+        "left": left,
     }
 
 
@@ -110,42 +108,38 @@ def run(options: BenchOptions) -> SectionResult:
     work = Path(options.work_dir) / "engine-real"
     work.mkdir(parents=True, exist_ok=True)
     model = str(make_model(work / "model", shape))
-    prompt_sets = _prompt_sets(sets, per_set, prefix, own)
+    rng = random.Random(11)  # noqa: S311 - a reproducible workload
+    prompt_sets = [
+        [[rng.randrange(3, 1024) for _ in range(prefix + own)] for _ in range(per_set)]
+        for _ in range(sets)
+    ]
     chunk = 2 * shape.layers * shape.hidden * 4 * 32  # K and V, float32, a 32-token block
     # Every set stays in A's tier, and one peer may pin a quarter of it
     # (PeerQuotas' default): a tier under four of B's batches would refuse some.
     batch = per_set * ((prefix + own) // 32)
     cpu_bytes = (max(sets, 4) * batch + 64) * chunk
-    arms = ("ours",) if options.quick else ARMS  # --quick: the one that must work
+    arms = ["ours"] if options.quick else list(ARMS)  # --quick: the one that must work
     results = {arm: _arm(arm, model, prompt_sets, work, cpu_bytes) for arm in arms}
     reference = results["ours"]["reference"]
-    names = {"ours": "p2pactor", "stock": "vLLM's p2p tier", "none": "no P2P"}
-    rows: list[dict[str, Cell]] = []
-    for arm, r in results.items():
-        rows.append(
-            {
-                "arm": names[arm],
-                "B generate (s)": Stat.of(r["generate_s"]),
-                "B time to first token (ms)": Stat.of(r["ttft_s"]).scaled(1000),
-                "B's tokens are A's": str(r["tokens"] == reference),
-                "left in /dev/shm": len(r["left"]),
-            }
-        )
-    if "none" not in results:
+    floor = results["none"]["warm"] if "none" in results else None
+
+    def row(name: str, r: dict[str, Any], same: str | None, left: int | None) -> dict[str, Cell]:
+        return {
+            "arm": name,
+            "B generate (s)": Stat.of(r["generate_s"]),
+            "B time to first token (ms)": Stat.of(r["ttft_s"]).scaled(1000),
+            "B's tokens are A's": same,
+            "left in /dev/shm": left,
+        }
+
+    rows = [
+        row(ARMS[a], r, str(r["tokens"] == reference), len(r["left"])) for a, r in results.items()
+    ]
+    if floor is None:
         notes = [f"--quick: the p2pactor arm alone, {sets} set(s) of {per_set} prompts"]
         return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
-    floor = results["none"]["warm"]
-    rows.append(
-        {
-            "arm": "floor: B's own KV cache",
-            "B generate (s)": Stat.of(floor["generate_s"]),
-            "B time to first token (ms)": Stat.of(floor["ttft_s"]).scaled(1000),
-            "B's tokens are A's": None,
-            "left in /dev/shm": None,
-        }
-    )
 
-    def ratio(key: str, a: str, b: str) -> Stat:
+    def over(key: str, a: str, b: str) -> Stat:
         return Stat.of(x / y for x, y in zip(results[a][key], results[b][key], strict=True))
 
     def above(key: str) -> Stat:
@@ -153,12 +147,13 @@ def run(options: BenchOptions) -> SectionResult:
         triples = zip(results["ours"][key], results["stock"][key], floor[key], strict=True)
         return Stat.of((o - f) / max(s - f, 1e-6) for o, s, f in triples)
 
+    rows.append(row("floor: B's own KV cache", floor, None, None))
     ratios = {
-        "generate time, p2pactor / vLLM's tier": ratio("generate_s", "ours", "stock"),
-        "generate time, p2pactor / no P2P": ratio("generate_s", "ours", "none"),
-        "generate time, vLLM's tier / no P2P": ratio("generate_s", "stock", "none"),
-        "time to first token, p2pactor / vLLM's tier": ratio("ttft_s", "ours", "stock"),
-        "time to first token, p2pactor / no P2P": ratio("ttft_s", "ours", "none"),
+        "generate time, p2pactor / vLLM's tier": over("generate_s", "ours", "stock"),
+        "generate time, p2pactor / no P2P": over("generate_s", "ours", "none"),
+        "generate time, vLLM's tier / no P2P": over("generate_s", "stock", "none"),
+        "time to first token, p2pactor / vLLM's tier": over("ttft_s", "ours", "stock"),
+        "time to first token, p2pactor / no P2P": over("ttft_s", "ours", "none"),
         "generate time above the floor, p2pactor / vLLM's tier": above("generate_s"),
         "time to first token above the floor, p2pactor / vLLM's tier": above("ttft_s"),
     }

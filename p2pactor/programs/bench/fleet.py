@@ -1,44 +1,26 @@
 """Finding the source without a router: fleets of engines on vLLM's own stack, by arm.
 
-Every engine is vLLM 0.33's own offloading stack (:mod:`~p2pactor.programs.vllmstack`:
-``TieringOffloadingManager`` from ``get_manager()``, its CPU tier with vLLM's LRU and
-its tier-poll thread, p2pactor's tier or vLLM's own from the tier entry, stepped as
-vLLM's connector scheduler steps it, over real ZeroMQ and NIXL), in one process
-(:mod:`~p2pactor.programs.bench._fleet_run`). The arms: no P2P, an oracle naming the
-engine whose CPU tier vLLM says holds the longest prefix, automatic choice (nobody
-named), and a mixed fleet (automatic choice, every other engine stock vLLM). Per
-fleet, the median over repeats with [min..max]. The workloads (every request lands
-on an engine drawn uniformly at random: no router):
-
-* **chat** on 4 and 8 engines, each CPU tier a quarter of the working set
-  (:func:`chat_turns`): 32 system prompts of 16-64 blocks, of Zipf popularity (s = 1),
-  start the conversations; each has 2-5 turns, and every turn's prompt is the system
-  prompt, the whole history (every earlier user message of 2-6 blocks and reply of
-  2-8) and a new user message, so a follow-up's prefix is the previous turn's prompt
-  and reply. A user takes 10-40 engine steps to write a follow-up (0.1-0.4 s: users
-  take longer, which only leaves the summaries more time).
-* **RAG** on 5 engines, tiers a quarter and a tenth of it (:func:`rag_turns`): a
-  shared system prompt of 4 blocks, a retrieved document of 16-64 and a question of
-  1-4; the 64 documents are of Zipf popularity (s = 0.8) and come into use over the
-  run (document d a d-th of the way into its first 80%), and a fifth of the requests
-  retrieve a document nobody else ever asks for (a prefix nobody holds). Replies are
-  2-6 blocks.
-
-Token ids are synthetic (seeded), every segment a whole number of 16-token blocks;
-the keys are vLLM's: ``hash_block_tokens`` with sha256 chained from ``NONE_HASH`` (the
-caller has seeded it, as an engine does at start-up), then ``make_offload_key(hash, 0)``.
+The fleets run in one process, each engine vLLM 0.33's own offloading stack
+(:mod:`~p2pactor.programs.bench._fleet_run`, whose docstring says how they are built and
+stepped, and the arms: no P2P, an oracle, automatic choice, a mixed fleet). Per fleet,
+the median over repeats with [min..max]. The workloads (every request lands on an engine
+drawn uniformly at random: no router): chat on 4 and 8 engines, each CPU tier a quarter
+of the working set (:func:`chat_turns`); RAG on 5 engines, tiers a quarter and a tenth
+of it (:func:`rag_turns`). Token ids are synthetic (seeded), every segment a whole number
+of 16-token blocks; the keys are vLLM's: ``hash_block_tokens`` with sha256 chained from
+``NONE_HASH`` (the caller has seeded it, as an engine does at start-up), then
+``make_offload_key(hash, 0)``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from p2pactor.programs.bench._control_common import run_module, vllm_missing
+from p2pactor.programs.bench._control_common import LineProcess, vllm_missing
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "fleet"
@@ -47,6 +29,7 @@ TITLE = "finding the source with no router: chat and RAG fleets on vLLM's own st
 """One line saying what is measured."""
 
 ARMS = ("none", "oracle", "auto", "mixed")
+"""The arms, in the order they run (:mod:`~p2pactor.programs.bench._fleet_run`)."""
 
 Run = dict[str, Any]
 Runs = dict[str, list[Run]]  # arm -> its repeats
@@ -134,23 +117,24 @@ def _tabulate(fleet: str, runs: Runs) -> tuple[list[dict[str, Cell]], dict[str, 
     hung = sum(r["hung"] for r in every)
     left = sum(r["pins_left"] + r["open_left"] for r in every)
     wrong = sum(r["wrong_blocks"] for r in every)
-    notes = [
+    verdicts = [
         (
-            f"{fleet}: auto saves {saved.median:.1%} of the oracle's tokens ({p2p.median:.1%} of "
-            f"what it loads from peers); target 90%: {_verdict(p2p.median >= 0.9)} on the tokens "
-            f"loaded, {_verdict(saved.median >= 0.9)} on all"
+            f"auto saves {saved.median:.1%} of the oracle's tokens ({p2p.median:.1%} of what it "
+            f"loads from peers); target 90%: {_verdict(p2p.median >= 0.9)} on the tokens loaded, "
+            f"{_verdict(saved.median >= 0.9)} on all"
         ),
-        f"{fleet}: false claims {false:.2%} of probed keys; target 2%: {_verdict(false <= 0.02)}",
+        f"false claims {false:.2%} of probed keys; target 2%: {_verdict(false <= 0.02)}",
         (
-            f"{fleet}: requests nobody claims wait at most {unclaimed} extra steps (every arm); "
-            f"target 0: {_verdict(unclaimed == 0)}"
+            f"requests nobody claims wait at most {unclaimed} extra steps (every arm); target 0: "
+            f"{_verdict(unclaimed == 0)}"
         ),
-        f"{fleet}: {hung} hung requests in every arm together; target 0: {_verdict(hung == 0)}",
+        f"{hung} hung requests in every arm together; target 0: {_verdict(hung == 0)}",
         (
-            f"{fleet}: {left} pins or peer requests left, {wrong} blocks with wrong bytes "
-            f"(target 0: {_verdict(left == 0 and wrong == 0)})"
+            f"{left} pins or peer requests left, {wrong} blocks with wrong bytes (target 0: "
+            f"{_verdict(left == 0 and wrong == 0)})"
         ),
     ]
+    notes = [f"{fleet}: {v}" for v in verdicts]
     return rows, ratios, notes
 
 
@@ -162,22 +146,21 @@ def run(options: BenchOptions) -> SectionResult:
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
     conversations = 20 if options.quick else 160
     requests = 60 if options.quick else 480
-    out = os.path.join(options.work_dir, "fleet.json")
     # --quick: one fleet per workload, the arms the ratios need.
     smoke = ["--chat-sizes=4", "--capacities=0.25", "--arms=oracle,auto"] if options.quick else []
-    run_module(
+    child = LineProcess(
         "p2pactor.programs.bench._fleet_run",
-        f"--json={out}",
-        f"--repeats={repeats}",
-        f"--conversations={conversations}",
-        f"--requests={requests}",
+        *(f"--repeats={repeats}", f"--conversations={conversations}", f"--requests={requests}"),
         *smoke,
-        timeout=300 if options.quick else 1800 * repeats,
+        stderr=os.path.join(options.work_dir, "fleet.err"),
     )
-    with open(out) as f:
-        fleets: dict[str, Runs] = {}
-        for r in json.load(f)["runs"]:
-            fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
+    try:
+        _, found = child.expect("RESULT", timeout=300 if options.quick else 1800 * repeats)
+    finally:
+        child.kill()
+    fleets: dict[str, Runs] = {}
+    for r in found["runs"]:
+        fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
     notes = [
@@ -211,17 +194,10 @@ TOKENS_PER_BLOCK = 16
 
 @dataclass(frozen=True)
 class Turn:
-    """One request: a turn of a conversation, on the engine it landed on.
+    """One request: a turn of a conversation (a RAG request is its own), on its engine.
 
-    Attributes:
-        index: Its place in arrival order.
-        conversation: The conversation it belongs to (a RAG request is its own).
-        turn: Which turn (0 is the first).
-        engine: The engine it landed on.
-        keys: Its prompt's keys, in order.
-        reply: The keys of the reply it generates (the next turn's history).
-        think_steps: Engine steps the user takes, after the previous turn
-            ended, to write this one (none for a first turn).
+    In arrival order (``index``): its prompt's keys, its reply's (the next turn's
+    history), the engine steps the user takes to write it (none for a first turn).
     """
 
     index: int
@@ -265,7 +241,15 @@ def _tokens(rng: random.Random, blocks: int) -> list[int]:
 
 
 def chat_turns(engines: int, conversations: int, seed: int) -> list[Turn]:
-    """Every request of a chat run, in arrival order (a conversation's turns in turn order)."""
+    """Every request of a chat run, in arrival order (a conversation's turns in turn order).
+
+    32 system prompts of 16-64 blocks, of Zipf popularity (s = 1), start the
+    conversations; each has 2-5 turns, and every turn's prompt is the system prompt, the
+    whole history (every earlier user message of 2-6 blocks and reply of 2-8) and a new
+    user message, so a follow-up's prefix is the previous turn's prompt and reply. A
+    user takes 10-40 engine steps to write a follow-up (0.1-0.4 s: users take longer,
+    which only leaves the summaries more time).
+    """
     rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
     systems = [_tokens(rng, rng.randint(16, 64)) for _ in range(32)]
     weights = [1 / (rank + 1) for rank in range(32)]
@@ -289,7 +273,13 @@ def chat_turns(engines: int, conversations: int, seed: int) -> list[Turn]:
 
 
 def rag_turns(engines: int, requests: int, seed: int) -> list[Turn]:
-    """Every request of a RAG run, in arrival order (each its own one-turn conversation)."""
+    """Every request of a RAG run, in arrival order (each its own one-turn conversation).
+
+    A shared system prompt of 4 blocks, a retrieved document of 16-64 and a question of
+    1-4; the 64 documents are of Zipf popularity (s = 0.8) and come into use over the
+    run, and a fifth of the requests retrieve a document nobody else ever asks for (a
+    prefix nobody holds). Replies are 2-6 blocks.
+    """
     rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
     system = _tokens(rng, 4)
     docs = [_tokens(rng, rng.randint(16, 64)) for _ in range(64)]

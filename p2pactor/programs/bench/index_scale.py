@@ -78,53 +78,47 @@ def _one(peers: int, keys: int, deltas: int, seed: int) -> dict[str, float]:
     gc.collect()
     gc.freeze()
     try:
-        return _measure(held, rng, peers, keys, deltas)
+        # Memory in one pass (tracemalloc slows every allocation), times in another.
+        tracemalloc.start()
+        measured = SourceIndex()
+        _feed(measured, held, keys)
+        memory = tracemalloc.get_traced_memory()[0]  # while it lives
+        tracemalloc.stop()
+        del measured
+        gc.collect()
+        index = SourceIndex()
+        longest = _feed(index, held, keys)
+        claims = sum(index.claims_of(f"peer-{p}") for p in range(peers))
+        spent = 0.0
+        changed = 0
+        for seq in range(1, deltas + 1):
+            for p, fps in enumerate(held):
+                add = [rng.getrandbits(64) for _ in range(DELTA // 2)]
+                remove = [fps.pop() for _ in range(DELTA // 2)]
+                fps.extend(add)
+                fields = packed(add), packed(remove)
+                t0 = time.perf_counter()
+                index.delta(f"peer-{p}", EPOCH, seq, *fields)
+                while index.pending:
+                    index.work()
+                spent += time.perf_counter() - t0
+                changed += len(add) + len(remove)
+        run = held[0][:96]
+        wanted = run + [rng.getrandbits(64) for _ in range(32)]
+        took = []
+        for _ in range(CHOICES):
+            t0 = time.perf_counter()
+            index.choose(wanted, 0.0)
+            took.append(time.perf_counter() - t0)
+        return {
+            "bytes": memory / claims,
+            "change_us": spent / changed * 1e6,
+            "choice_us": statistics.median(took) * 1e6,
+            "longest_ms": longest * 1e3,
+            "claims": claims,
+        }
     finally:
         gc.unfreeze()
-
-
-def _measure(
-    held: list[list[int]], rng: random.Random, peers: int, keys: int, deltas: int
-) -> dict[str, float]:
-    # Memory in one pass (tracemalloc slows every allocation), times in another.
-    tracemalloc.start()
-    measured = SourceIndex()
-    _feed(measured, held, keys)
-    memory = tracemalloc.get_traced_memory()[0]
-    tracemalloc.stop()
-    del measured
-    gc.collect()
-    index = SourceIndex()
-    longest = _feed(index, held, keys)
-    claims = sum(index.claims_of(f"peer-{p}") for p in range(peers))
-    spent = 0.0
-    changed = 0
-    for seq in range(1, deltas + 1):
-        for p, fps in enumerate(held):
-            add = [rng.getrandbits(64) for _ in range(DELTA // 2)]
-            remove = [fps.pop() for _ in range(DELTA // 2)]
-            fps.extend(add)
-            fields = packed(add), packed(remove)
-            t0 = time.perf_counter()
-            index.delta(f"peer-{p}", EPOCH, seq, *fields)
-            while index.pending:
-                index.work()
-            spent += time.perf_counter() - t0
-            changed += len(add) + len(remove)
-    run = held[0][:96]
-    wanted = run + [rng.getrandbits(64) for _ in range(32)]
-    took = []
-    for _ in range(CHOICES):
-        t0 = time.perf_counter()
-        index.choose(wanted, 0.0)
-        took.append(time.perf_counter() - t0)
-    return {
-        "bytes": memory / claims,
-        "change_us": spent / changed * 1e6,
-        "choice_us": statistics.median(took) * 1e6,
-        "longest_ms": longest * 1e3,
-        "claims": claims,
-    }
 
 
 def run(options: BenchOptions) -> SectionResult:

@@ -9,6 +9,7 @@ is a flat object of numbers and strings (statistics as
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -51,10 +52,16 @@ class Stat:
 
     def to_json(self) -> dict[str, float | int]:
         """The JSON object of these statistics."""
-        return {"median": self.median, "min": self.min, "max": self.max, "n": self.n}
+        return attrs.asdict(self)
 
 
 Cell = str | int | float | Stat | None
+
+
+def ratio(ours: Iterable[float], theirs: Iterable[float]) -> Stat | None:
+    """Ours over the reference, repeat by repeat (a reference of 0 left out); None if none."""
+    xs = [a / b for a, b in zip(ours, theirs, strict=True) if b]
+    return Stat.of(xs) if xs and all(math.isfinite(x) for x in xs) else None
 
 
 @attrs.frozen(kw_only=True)
@@ -97,14 +104,13 @@ class SectionResult:
 
     def to_json(self) -> dict[str, Any]:
         """The JSON object of this section."""
-        return {
-            "name": self.name,
-            "title": self.title,
-            "skipped": self.skipped,
-            "rows": [{k: _cell_json(v) for k, v in row.items()} for row in self.rows],
+        return attrs.asdict(self, recurse=False) | {
+            "rows": [
+                {k: v.to_json() if isinstance(v, Stat) else v for k, v in row.items()}
+                for row in self.rows
+            ],
             "ratios": {k: v.to_json() for k, v in self.ratios.items()},
             "notes": list(self.notes),
-            "seconds": self.seconds,
         }
 
     def table(self) -> str:
@@ -125,10 +131,6 @@ class SectionResult:
             lines.append(f"   ratio {name}: {stat.text()}")
         lines.extend(f"   note: {n}" for n in self.notes)
         return "\n".join(lines)
-
-
-def _cell_json(value: Cell) -> Any:
-    return value.to_json() if isinstance(value, Stat) else value
 
 
 def _cell_text(value: Cell) -> str:

@@ -10,11 +10,11 @@ repeated (replay streams: memory must not grow with the log); the costs the old
 
 from __future__ import annotations
 
-import json
+import functools
 import os
 from typing import Any
 
-from p2pactor.programs.bench._control_common import run_module
+from p2pactor.programs.bench._control_common import LineProcess
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "scale"
@@ -28,14 +28,14 @@ REPLAY_MODES = ("read", "replay", "replay --check")
 """Reading the log only; replaying it; replaying it with invariant checks."""
 
 
-def _run(*args: str, timeout: float) -> dict[str, Any]:
-    """Run one measurement; its JSON line."""
-    out = run_module(HELPER, *args, timeout=timeout).stdout
-    for line in reversed(out.splitlines()):
-        if line.startswith("{"):
-            result: dict[str, Any] = json.loads(line)
-            return result
-    raise RuntimeError(f"{HELPER} printed no result:\n{out[-2000:]}")
+def _run(work: str, what: str, *args: str, timeout: float) -> dict[str, Any]:
+    """Run one measurement in a fresh interpreter; its ``RESULT``."""
+    child = LineProcess(HELPER, what, *args, stderr=os.path.join(work, f"scale-{what}.err"))
+    try:
+        result: dict[str, Any] = child.expect("RESULT", timeout=timeout)[1]
+        return result
+    finally:
+        child.kill()
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -43,19 +43,19 @@ def run(options: BenchOptions) -> SectionResult:
     n = 1_000 if options.quick else 10_000
     events = 100_000 if options.quick else 1_000_000
     repeats = 1 if options.quick else max(1, min(options.repeats, 3))
+    measure = functools.partial(_run, options.work_dir)
     runs: list[dict[str, Any]] = []
     for rep in range(repeats):
         folder = os.path.join(options.work_dir, f"scale-{rep}")
         os.makedirs(folder, exist_ok=True)
-        runs.append(_run("requests", f"--requests={n}", f"--dir={folder}", timeout=600 + n / 10))
+        runs.append(measure("requests", str(n), folder, timeout=600 + n / 10))
     first = [os.path.join(options.work_dir, "scale-0", f"{x}.log") for x in "ab"]
     big = os.path.join(options.work_dir, "replay.log")
-    written = _run("write", f"--events={events}", "--from", *first, f"--out={big}", timeout=1200)
+    written = measure("write", str(events), big, *first, timeout=1200)
     # One replay each: a million events take minutes to replay with checks.
-    replays = {m: [_run("replay", m, big, timeout=1200)] for m in REPLAY_MODES}
-    replay_repeats = 1
+    replays = {m: [measure("replay", m, big, timeout=1200)] for m in REPLAY_MODES}
     os.remove(big)
-    costs = _run("costs", f"--lives={200 if options.quick else 2000}", *first, timeout=600)
+    costs = measure("costs", str(200 if options.quick else 2000), *first, timeout=600)
 
     def stat(key: str, scale: float = 1.0, rs: list[dict[str, Any]] = runs) -> Stat:
         return Stat.of(float(r[key]) * scale for r in rs)
@@ -93,7 +93,7 @@ def run(options: BenchOptions) -> SectionResult:
     rows: list[dict[str, Cell]] = [{"figure": f, "value": v, "unit": u} for f, v, u in table]
     notes = [
         (
-            f"{repeats} repeat(s) of the requests and {replay_repeats} of each replay, each "
+            f"{repeats} repeat(s) of the requests and 1 of each replay, each "
             "in a fresh interpreter; 4 keys per request (3 hits, 1 miss), fetch of the hits; "
             "both nodes log to disk (Durability.interval)"
         ),

@@ -1,6 +1,6 @@
 """Summary attack: hostile peers against ``p2pactor serve``, and an honest peer's lookups meanwhile.
 
-Per repeat a fresh victim (:class:`~p2pactor.programs.bench._summary_victim.Victim`,
+Per repeat a fresh victim (:class:`~p2pactor.programs.bench._summary_drive.Victim`,
 summaries on, 16,384 preloaded blocks of 1 KiB, ``--slow-step-ms 10``), an honest
 p2pactor node looking it up 50 times a second, fetching and checking every byte
 (:mod:`~p2pactor.programs.bench._honest`), the honest peer alone (the baseline), then
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,15 @@ import attrs
 
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.programs.bench._control_common import free_port, nixl_missing
-from p2pactor.programs.bench._summary_drive import AttackResult, arena, merge_honest, run_attack
-from p2pactor.programs.bench._summary_victim import VictimSettings, Window
+from p2pactor.programs.bench._honest import KEYS as HONEST_KEYS
+from p2pactor.programs.bench._honest import RATE_HZ as HONEST_HZ
+from p2pactor.programs.bench._summary_drive import (
+    StepResult,
+    VictimSettings,
+    arena,
+    merge_honest,
+    run_attack,
+)
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "summary-attack"
@@ -85,7 +92,7 @@ def _repeat(
 ) -> Any:
     """One fresh victim and honest peer: the baseline and every attack."""
     settings = VictimSettings(port=free_port(), metrics_port=free_port())
-    with arena(settings, work) as (victim, monitor, honest):
+    with arena(settings, work) as (victim, honest):
         time.sleep(WARMUP_S)
         honest.window()
         windows = []
@@ -98,12 +105,10 @@ def _repeat(
         p99s = sorted(float(w["lookup_p99_s"]) for w in windows if w["lookups"])
         baseline["lookup_p99_s"] = p99s[len(p99s) // 2] if p99s else None
         results = {
-            row: run_attack(
-                name, list(args), victim=victim, monitor=monitor, honest=honest, work_dir=work
-            )
+            row: run_attack(name, list(args), victim=victim, honest=honest, work_dir=work)
             for row, name, args in attacks
         }
-        return baseline, results, monitor.watching
+        return baseline, results, victim.watching
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -128,90 +133,108 @@ def _ms(value: float | None) -> float | None:
     return None if value is None else value * 1e3
 
 
+def _missed(checks: Sequence[tuple[Stat | None, float, str, str]]) -> list[tuple[str, str]]:
+    """Each (median, limit, target, how a miss reads) whose median is over its limit."""
+    return [(k, f.format(s.median, t)) for s, t, k, f in checks if s and s.median > t]
+
+
+Target = tuple[float, str, str]
+"""A row's own target: its limit, the target's key in :data:`TARGETS`, how a miss reads."""
+TARGETS = {
+    "rss": f"victim RSS growth <= {RSS_TARGET_MIB:g} MiB per hostile peer",
+    "stall": f"no node-thread step over {STALL_TARGET_MS:g} ms",
+    "p99": f"honest lookup p99 <= {P99_TARGET_X:g}x the baseline's",
+    "frame": f"a refused frame costs <= {FRAME_TARGET_X:g}x its size",
+    "resync": f"resync answers bounded, an epoch flipper <= {EPOCH_TARGET} resyncs",
+}
+"""Issue 30's targets, each a note saying which rows missed it."""
+
+
+COLUMNS = (
+    *("RSS peak MiB", "RSS held MiB", "RSS kept MiB", "longest step ms"),
+    *("honest p50 ms", "honest p99 ms", "p99 / baseline", "/status max ms", "value"),
+)
+"""The table's columns of figures, one a repeat, in order (but ``honest failed``, a count)."""
+
+
 @attrs.define
 class _Row:
     """What one row gathers over the repeats, before it becomes a table row."""
 
     name: str
     figure: str = ""
-    own: Callable[[float], str | None] | None = None
-    """The row's own target, a check of its median figure (None: it has none)."""
-    peak: list[float | None] = attrs.field(factory=list)
-    held: list[float | None] = attrs.field(factory=list)
-    kept: list[float | None] = attrs.field(factory=list)
-    step_ms: list[float | None] = attrs.field(factory=list)
+    own: Target | None = None
+    got: dict[str, list[float | None]] = attrs.field(factory=lambda: {c: [] for c in COLUMNS})
+    """Each column's figure, one a repeat."""
     task: str = ""
-    p50: list[float | None] = attrs.field(factory=list)
-    p99: list[float | None] = attrs.field(factory=list)
-    ratio: list[float | None] = attrs.field(factory=list)
     failed: int = 0
-    status_ms: list[float | None] = attrs.field(factory=list)
-    value: list[float | None] = attrs.field(factory=list)
-    misses: list[str] = attrs.field(factory=list)
+    misses: list[tuple[str, str]] = attrs.field(factory=list)
+    """Each target its medians missed: (its key in :data:`TARGETS`, how it was missed)."""
 
-    def watch(self, window: Window | None, honest: dict[str, Any], base_p99: float | None) -> None:
-        """Add one repeat's node-thread, honest and ``/status`` figures."""
-        if window is not None:
-            was = max((x for x in self.step_ms if x is not None), default=0.0)
-            self.step_ms.append(_ms(window.longest_step_s))
-            if window.longest_step_s is not None and window.longest_step_s * 1e3 >= was:
-                self.task = window.longest_task
-            self.status_ms.append(_ms(window.status_max_s))
-        p99 = honest.get("lookup_p99_s")
-        self.p50.append(_ms(honest.get("lookup_p50_s")))
-        self.p99.append(_ms(p99))
-        self.ratio.append(p99 / base_p99 if p99 is not None and base_p99 else None)
-        self.failed += int(honest.get("failed", 0))
+    def add(self, m: StepResult, base_p99: float | None, value: float | None) -> None:
+        """Add one repeat's figures: the victim's RSS, node thread, the honest peer's, its own."""
+        step = _ms(m.window.longest_step_s)
+        was = max((x for x in self.got["longest step ms"] if x is not None), default=0.0)
+        if step is not None and step >= was:
+            self.task = m.window.longest_task
+        victim = (m.peak_growth_mib, m.held_mib, m.kept_mib, step)
+        for column, figure in zip(COLUMNS[:4], victim, strict=True):
+            self.got[column].append(figure)
+        self.got["/status max ms"].append(_ms(m.window.status_max_s))
+        self.honest(m.honest, base_p99, value)
+
+    def honest(self, honest: dict[str, Any], base_p99: float | None, value: float | None) -> None:
+        """Add one repeat's honest figures (and the row's own value)."""
+        p99 = honest["lookup_p99_s"]
+        ratio = p99 / base_p99 if p99 is not None and base_p99 else None
+        for column, figure in zip(
+            COLUMNS[4:7], (_ms(honest["lookup_p50_s"]), _ms(p99), ratio), strict=True
+        ):
+            self.got[column].append(figure)
+        self.got["value"].append(value)
+        self.failed += int(honest["failed"])
 
     def cells(self) -> dict[str, Cell]:
         """The table row; :attr:`misses` names every target its medians missed."""
-        peak, stall, ratio, value = map(_stat, (self.peak, self.step_ms, self.ratio, self.value))
+        stat = {column: _stat(values) for column, values in self.got.items()}
         checks = [
-            (peak, RSS_TARGET_MIB, "RSS +{:.0f} MiB > {:g}"),
-            (stall, STALL_TARGET_MS, "stall {:.0f} ms > {:g}"),
-            (ratio, P99_TARGET_X, "p99 x{:.1f} > {:g}"),
+            (stat["RSS peak MiB"], RSS_TARGET_MIB, "rss", "RSS +{:.0f} MiB > {:g}"),
+            (stat["longest step ms"], STALL_TARGET_MS, "stall", "stall {:.0f} ms > {:g}"),
+            (stat["p99 / baseline"], P99_TARGET_X, "p99", "p99 x{:.1f} > {:g}"),
         ]
-        self.misses = [f.format(s.median, t) for s, t, f in checks if s and s.median > t]
-        if self.failed:
-            self.misses.append(f"{self.failed} honest lookups failed")
-        if self.own is not None and value is not None and (miss := self.own(value.median)):
-            self.misses.append(miss)
+        own = [(stat["value"], *self.own)] if self.own else []
+        failed = [("failed", f"{self.failed} honest lookups failed")] if self.failed else []
+        self.misses = [*_missed(checks), *failed, *_missed(own)]
         return {
             "attack": self.name,
-            "RSS peak MiB": peak,
-            "RSS held MiB": _stat(self.held),
-            "RSS kept MiB": _stat(self.kept),
-            "longest step ms": stall,
-            "honest p50 ms": _stat(self.p50),
-            "honest p99 ms": _stat(self.p99),
-            "p99 / baseline": ratio,
+            **{column: stat[column] for column in COLUMNS[:7]},
             "honest failed": self.failed,
-            "/status max ms": _stat(self.status_ms),
+            "/status max ms": stat["/status max ms"],
             "figure": self.figure,
-            "value": value,
-            "verdict": "; ".join(self.misses) or "ok",
+            "value": stat["value"],
+            "verdict": "; ".join(m for _, m in self.misses) or "ok",
         }
 
 
-def _figure(attack: str, result: AttackResult, settings: VictimSettings) -> tuple[Any, ...]:
+def _figure(attack: str, result: StepResult, settings: VictimSettings) -> tuple[Any, ...]:
     """The attack's own figure: what it names, its value in one repeat, its own target."""
-    done = result.steps[-1].hostile if result.steps else {}
+    done = result.hostile
     seconds = float(done.get("end", 0)) - float(done.get("start", 0))
     per_s = 1 / seconds if seconds else 0.0
     most = 2 * parts_per_snapshot(settings)  # one snapshot a second per peer, however asked
     figures: dict[str, tuple[Any, ...]] = {
-        "register-1m": ("claims the victim kept", result.steps[-1].claimed_keys, None),
+        "register-1m": ("claims the victim kept", result.claimed_keys, None),
         "snapshot-flood": ("s until the victim read them", seconds, None),
         "deltas-mid-snapshot": ("resyncs the hostile peer got", done.get("resyncs"), None),
         "epoch-flip": (
             "resyncs the hostile peer got",
             done.get("resyncs"),
-            lambda v: f"{v:.0f} resyncs > {EPOCH_TARGET}" if v > EPOCH_TARGET else None,
+            (EPOCH_TARGET, "resync", "{:.0f} resyncs > {:g}"),
         ),
         "resync-flood": (
             "snapshot parts/s it got",
             float(done.get("parts", 0)) * per_s or None,
-            lambda v: f"{v:.1f} parts/s > {most}" if v > most else None,
+            (most, "resync", "{:.1f} parts/s > {:g}"),
         ),
         # Cut off as a flood (its frames waited past inbound_bytes), or all answered.
         "max-lookups": ("cut off (1) or all answered (0)", float(bool(done.get("cut"))), None),
@@ -226,45 +249,30 @@ def _figure(attack: str, result: AttackResult, settings: VictimSettings) -> tupl
     return figures.get(attack, ("", None, None))
 
 
-def _frame_target(value: float) -> str | None:
-    return f"x{value:.2f} > {FRAME_TARGET_X:g}" if value > FRAME_TARGET_X else None
-
-
 def _tabulate(
     attacks: Sequence[tuple[str, str, tuple[str, ...]]],
-    runs: Sequence[tuple[dict[str, Any], dict[str, AttackResult], bool]],
+    runs: Sequence[tuple[dict[str, Any], dict[str, StepResult], bool]],
     settings: VictimSettings,
     baseline_s: float,
 ) -> SectionResult:
     base = _Row("none: the honest peer alone (baseline)", figure="honest lookups")
     rows: dict[str, _Row] = {}
+    frame: Target = (FRAME_TARGET_X, "frame", "x{:.2f} > {:g}")
     for baseline, results, _ in runs:
-        base.watch(None, baseline, None)
-        base.value.append(float(baseline.get("lookups", 0)))
+        base_p99 = baseline["lookup_p99_s"]
+        base.honest(baseline, None, float(baseline["lookups"]))
         for row_name, attack, _ in attacks:
             result = results[row_name]
-            base_p99 = baseline.get("lookup_p99_s")
-            if attack == "refused-frame":
-                for step in result.steps:
-                    mode, size = str(step.hostile["mode"]), int(step.hostile["bytes"])
-                    where = "in a session" if mode == "session" else "first on a new connection"
-                    label = f"refused frame {where}, {size / MIB:g} MiB"
-                    row = rows.setdefault(
-                        label, _Row(label, "RSS peak / frame size", _frame_target)
-                    )
-                    row.peak.append((step.peak_kib - step.rss_before_kib) / 1024)
-                    row.held.append((step.rss_after_kib - step.rss_before_kib) / 1024)
-                    row.kept.append(None)
-                    row.watch(step.window, step.honest, base_p99)
-                    row.value.append((step.peak_kib - step.rss_before_kib) * 1024 / size)
-                continue
-            figure, value, own = _figure(attack, result, settings)
-            row = rows.setdefault(row_name, _Row(row_name, figure, own))
-            row.peak.append(result.peak_growth_mib)
-            row.held.append(result.held_mib)
-            row.kept.append(result.kept_mib)
-            row.watch(result.window, result.honest, base_p99)
-            row.value.append(None if value is None else float(value))
+            if attack != "refused-frame":
+                figure, value, own = _figure(attack, result, settings)
+                row = rows.setdefault(row_name, _Row(row_name, figure, own))
+                row.add(result, base_p99, None if value is None else float(value))
+            for step in result.steps if attack == "refused-frame" else ():
+                mode, size = str(step.hostile["mode"]), int(step.hostile["bytes"])
+                where = "in a session" if mode == "session" else "first on a new connection"
+                label = f"refused frame {where}, {size / MIB:g} MiB"
+                row = rows.setdefault(label, _Row(label, "RSS peak / frame size", frame))
+                row.add(step, base_p99, step.peak_growth_mib * MIB / size)
     table = [base.cells(), *(row.cells() for row in rows.values())]
     s = settings
     notes = [
@@ -277,8 +285,9 @@ def _tabulate(
             "the victim ended its session"
         ),
         (
-            "honest peer: a p2pactor node looking up 4 preloaded keys 50 times a second, fetching "
-            "them and checking every byte; failed = a MISS, a failed fetch or a wrong byte; the "
+            f"honest peer: a p2pactor node looking up {HONEST_KEYS} preloaded keys "
+            f"{HONEST_HZ:g} times a second, fetching them and checking every byte; failed = a "
+            "MISS, a failed fetch or a wrong byte; the "
             f"processes share this machine's {os.cpu_count()} cores: the hostile process runs at "
             "idle CPU priority (SCHED_IDLE), as a peer on another host, but for the lookup flood "
             f"({FLOOD_KEYS} held keys a lookup, vLLM's dialect, never fetched, 256 unanswered)"
@@ -295,31 +304,15 @@ def _tabulate(
         + ("" if all(w for _, _, w in runs) else "; /status had no loop object in some repeats"),
     ]
     every = list(rows.values())
-    for what, counts in (
-        (f"victim RSS growth <= {RSS_TARGET_MIB:g} MiB per hostile peer", ("RSS +",)),
-        (f"no node-thread step over {STALL_TARGET_MS:g} ms", ("stall ",)),
-        (f"honest lookup p99 <= {P99_TARGET_X:g}x the baseline's", ("p99 x",)),
-        (f"a refused frame costs <= {FRAME_TARGET_X:g}x its size", ("x",)),
-        (
-            f"resync answers bounded, an epoch flipper <= {EPOCH_TARGET} resyncs",
-            (" resyncs >", " parts/s >"),
-        ),
-    ):
-        missed = [
-            f"{r.name} ({m})"
-            for r in every
-            for m in r.misses
-            if any(m.startswith(c) if c[0] != " " else c in m for c in counts)
-        ]
-        notes.append(
-            f"target {what}: " + ("met" if not missed else "MISSED by " + "; ".join(missed))
-        )
+    for key, what in TARGETS.items():
+        missed = [f"{r.name} ({m})" for r in every for k, m in r.misses if k == key]
+        notes.append(f"target {what}: " + ("MISSED by " + "; ".join(missed) if missed else "met"))
     failed = base.failed + sum(r.failed for r in every)
     notes.append(
         "target honest service never stops: "
         + ("met (no honest lookup failed)" if not failed else f"MISSED ({failed} failed)")
     )
-    stalls = [f"{r.name}: {r.task}" for r in every if r.task and "stall" in "".join(r.misses)]
+    stalls = [f"{r.name}: {r.task}" for r in every if r.task and "stall" in dict(r.misses)]
     if stalls:
         notes.append("the longest steps over the target ran in: " + "; ".join(stalls))
     return SectionResult(name=NAME, title=TITLE, rows=table, notes=notes)

@@ -95,7 +95,7 @@ def _published(tier: Any) -> bool:
     """
     import trio  # noqa: PLC0415
 
-    from p2pactor.adapters._vllm_metrics import SERIES  # noqa: PLC0415
+    from p2pactor.adapters._vllm_thread import SERIES  # noqa: PLC0415
 
     runner = tier._runner
     surface = runner.surface
@@ -127,7 +127,7 @@ def _has_seed_summaries(tier: Any) -> bool:
 
 def _reported(tier: Any) -> bool:
     """Whether ``get_stats`` has handed over the figures last published."""
-    return bool(tier._reported is tier._runner.totals)
+    return bool(tier._runner._reported is tier._runner.totals)
 
 
 def _metrics(llm: Any) -> dict[str, float]:

@@ -100,7 +100,7 @@ class Site:
 
     async def _route(self, stream: trio.SocketStream, request: HttpRequest) -> None:
         if await self.answer_node(stream, request):
-            return  # /metrics and /status have their own Host/Origin rule (httpserve)
+            return  # /metrics and /status have their own Host/Origin rule (attach)
         problem = forbidden(request, self.bound_host)
         if problem is not None:
             await send_response(stream, 403, problem.encode() + b"\n")
