@@ -207,9 +207,14 @@ def tier_config(
     Raises:
         ValueError: An option or variable is unusable; the message says which.
     """
-    given = {k: v for k, v in options.items() if k not in _VLLM_ONLY and v is not None}
-    if unknown := set(given) - TIER_OPTIONS:
+    if unknown := set(options) - TIER_OPTIONS - _VLLM_ONLY:
         raise ValueError(f"unknown p2pactor tier options: {sorted(unknown)}")
+    # None is "not given", except for the one option whose default is not None.
+    given = {
+        k: v
+        for k, v in options.items()
+        if k not in _VLLM_ONLY and (v is not None or k == "unbound_store_timeout_s")
+    }
     # The options go in before the config is made: a wildcard
     # VLLM_P2P_SIDE_CHANNEL_HOST the tier's own "host" replaces is no error.
     # The CURVE keys are read once host and port are known: the key must

@@ -1445,7 +1445,9 @@ def test_backpressure_is_refused() -> None:
     "kwargs",
     [
         {"no_such_option": 1},
+        {"no_such_option": None},
         {"unbound_store_timeout_s": 0},
+        {"unbound_store_timeout_s": None},
         {"unbound_store_timeout_s": -1.0},
         {"slow_step_ms": -1},
         {"slow_step_ms": "often"},

@@ -34,6 +34,11 @@ SECTIONS: tuple[str, ...] = (
 (a ``-`` in the name is a ``_`` in the module's)."""
 
 
+def _load(name: str) -> Any:
+    """A section's module (the tests put a fake section in its place)."""
+    return importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
+
+
 def run_bench(
     options: BenchOptions, only: Sequence[str] = (), *, out: Any = sys.stdout
 ) -> BenchReport:
@@ -46,7 +51,7 @@ def run_bench(
     for name in SECTIONS:
         if only and name not in only:
             continue
-        section: Any = importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
+        section = _load(name)
         t0 = time.perf_counter()
         try:
             result = section.run(options)
