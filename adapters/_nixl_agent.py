@@ -6,7 +6,7 @@ import ctypes
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from logging import DEBUG, INFO, WARNING
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
@@ -275,27 +275,41 @@ class Pool:
         del agent
 
     def add_peer(
-        self, agent: Agent, metadata: bytes, base_addr: int, num_blocks: int, known: frozenset[str]
-    ) -> tuple[str, object] | str:
-        """Load a peer's agent, prepare its descriptors: (agent name, list), or why not.
+        self,
+        agent: Agent,
+        metadata: bytes,
+        pools: Sequence[tuple[int, int]],
+        known: frozenset[str],
+        stale: tuple[str, Sequence[object]] | None = None,
+    ) -> tuple[str, list[object]] | str:
+        """Load a peer's agent, prepare each of its ``pools``: (agent name, lists), or why not.
 
-        The list is one strided row whatever the peer advertises (:func:`_strided`).
+        ``pools`` are ``(base_addr, num_blocks)``, each one strided row however
+        many blocks it has (:func:`_strided`). ``stale``: an agent and its lists,
+        released first, so that it is loaded afresh, with a new connection.
         """
+        if stale is not None:
+            for dlist in stale[1]:
+                self.remove_peer(agent, dlist, None)
+            self.remove_peer(agent, None, stale[0])
         try:
             name = agent.add_remote_agent(metadata)
         except Exception as exc:
             return f"its agent metadata was rejected ({nixl_error(exc)})"
         remote = name.decode() if isinstance(name, bytes) else name
-        dlist: object | None = None
+        prepared: list[object] = []
         try:
-            dlist = self._peer_dlist(agent, remote, base_addr, num_blocks)
+            for base_addr, num_blocks in pools:
+                prepared.append(self._peer_dlist(agent, remote, base_addr, num_blocks))
             if self.options.connect_eagerly:
                 agent.make_connection(remote)
         except Exception as exc:
+            for dlist in prepared:
+                self.remove_peer(agent, dlist, None)
             # Another name may use this agent: only a first registration is undone.
-            self.remove_peer(agent, dlist, None if remote in known else remote)
+            self.remove_peer(agent, None, None if remote in known else remote)
             return str(exc) if isinstance(exc, DataPlaneError) else nixl_error(exc)
-        return remote, dlist
+        return remote, prepared
 
     def _peer_dlist(self, agent: Agent, remote: str, base_addr: int, num_blocks: int) -> object:
         """Prepare a peer's pool as one strided row; block by block if NIXL refuses that.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from logging import DEBUG
+from logging import DEBUG, WARNING
 from types import ModuleType
 
 import attrs
@@ -130,22 +130,24 @@ class NixlDataTransport(Writes):
             )
         if peer_id in self._peers:
             raise TransferError(f"{peer_id} is already registered; remove it first")
-        peer = Peer(peer_id, num_blocks)
+        peer = Peer(peer_id, num_blocks, base_addr)
         self._peers[peer_id] = peer
         self._wireup_until = trio.current_time() + self._options.wireup_grace
         self._kick.set()
-        outcome: tuple[str, object] | str = "cancelled"  # (remote agent, descriptors) or why not
+        outcome: tuple[str, list[object]] | str = "cancelled"  # (remote agent, lists) or why not
         try:
             async with self._lock:
                 agent = self._live_agent()
                 known = self._remotes()
                 outcome = await trio.to_thread.run_sync(
-                    self._pool.add_peer, agent, agent_metadata, base_addr, num_blocks, known
+                    self._pool.add_peer, agent, agent_metadata, [(base_addr, num_blocks)], known
                 )
                 # No checkpoint from here on: even if we were cancelled meanwhile,
                 # what the thread made is recorded (and released by remove or close).
                 if not isinstance(outcome, str):
-                    peer.remote, peer.dlist = outcome
+                    peer.remote, (peer.dlist,) = outcome
+            if peer.remote in known:
+                outcome = await self._reload(peer.remote, agent_metadata) or outcome
         finally:
             peer.ready.set()
             if isinstance(outcome, str) and self._peers.get(peer_id) is peer:
@@ -154,6 +156,42 @@ class NixlDataTransport(Writes):
         if isinstance(outcome, str):
             raise TransferError(f"cannot register {peer_id}'s pool with NIXL: {outcome}")
         note(DEBUG, self.agent_name, "%s registered (agent %s)", peer_id, peer.remote, peer=peer_id)
+
+    async def _reload(self, remote: str, metadata: bytes) -> str | None:
+        """Load an agent afresh for a new name, once its other names' writes are over.
+
+        Those names are most likely the peer's earlier sessions: the peer may
+        have dropped its end of their connection (a new session after a cut
+        link), and NIXL learns that only when a write fails on it. Once none
+        of their writes is in flight (waited for within the late-write
+        window), the agent is released and loaded again, with a new
+        connection, and every name's list prepared again. Returns why that
+        failed, if it did: then no name of the agent can be written to.
+        """
+
+        def names() -> list[Peer]:
+            return [p for p in self._peers.values() if p.remote == remote]
+
+        with trio.move_on_after(self.late_write_window):
+            await self._wait_until(lambda: not any(p.writes for p in names()))
+        async with self._lock:
+            agent, peers = self._live_agent(), names()
+            if any(w.handle is not None for p in peers for w in p.writes):
+                return None  # still in flight: the connection stays as it is
+            pools = [(p.base_addr, p.num_blocks) for p in peers]
+            stale = (remote, [p.dlist for p in peers])
+            reloaded = await trio.to_thread.run_sync(
+                self._pool.add_peer, agent, metadata, pools, frozenset(), stale
+            )
+            for p in peers:  # their lists were released either way
+                p.remote = p.dlist = None
+            if isinstance(reloaded, str):
+                what = "reloading agent %s failed (%s): %s can no longer be written to"
+                note(WARNING, self.agent_name, what, remote, reloaded, [p.peer_id for p in peers])
+                return reloaded
+            for p, dlist in zip(peers, reloaded[1], strict=True):
+                p.remote, p.dlist = reloaded[0], dlist
+        return None
 
     async def remove_peer(self, peer_id: str) -> None:
         """Forget a peer once its writes have ended, then release its NIXL state.
@@ -169,16 +207,15 @@ class NixlDataTransport(Writes):
         peer.removing = True
         await peer.ready.wait()
         await self._wait_until(lambda: not peer.writes)
-        if self._peers.get(peer_id) is not peer:
-            return  # removed meanwhile by another call
-        del self._peers[peer_id]
-        if peer.remote is None:
-            return
         with trio.CancelScope(shield=True):  # half a removal would leak the agent
+            # Under the lock, so that a reload (_reload) prepares its list again or sees it gone.
             async with self._lock:
+                if self._peers.get(peer_id) is not peer:
+                    return  # removed meanwhile by another call
+                del self._peers[peer_id]
                 agent = self._agent
                 last = None if peer.remote in self._remotes() else peer.remote
-                if agent is not None:
+                if agent is not None and peer.remote is not None:
                     await trio.to_thread.run_sync(self._pool.remove_peer, agent, peer.dlist, last)
         note(DEBUG, self.agent_name, "%s removed", peer_id, peer=peer_id)
 

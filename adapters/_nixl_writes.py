@@ -26,6 +26,7 @@ class Peer:
 
     peer_id: str
     num_blocks: int
+    base_addr: int  # of its pool: to prepare its list again (see NixlDataTransport._reload)
     remote: str | None = None  # NIXL's name for the peer's agent, once added
     dlist: object | None = None  # the peer's prepared descriptor list (one strided row)
     ready: trio.Event = attrs.field(factory=trio.Event)  # the add finished, either way

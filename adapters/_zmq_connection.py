@@ -11,7 +11,7 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _curve_client, _handshake_failure
-from p2pactor.adapters._zmq_socket import _AsyncSocket, make_socket, note
+from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor, make_socket, note
 from p2pactor.core.protocol import Frame
 from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
 
@@ -53,11 +53,31 @@ class ZmqConnection:
             ConnectionLost: ``peer_id`` is not ``host:port``, (CURVE) has no
                 trusted key, or libzmq refused.
         """
+        self._transport = transport
+        self._options = transport._options
+        self.peer_id = peer_id
+        self.inbound = inbound
+        # Frames read and not handed on yet: to the attached receiver, in turn
+        # with other connections' (the ROUTER task reads ahead of what it hands
+        # over, so the peer's backlog is here, counted in bytes, not in libzmq,
+        # counted in frames), or else to receive().
+        self._frames: deque[Frame] = deque()
+        self._bytes = 0
+        self._arrival = trio.lowlevel.ParkingLot()  # receive() waits here
+        self.dead_reason: str | None = None
+        self._receiver: FrameReceiver | None = None  # see attach()
+        # _in_turn: the ROUTER task has it among the connections to hand frames to;
+        # _reached: the ZeroMQ handshake with the peer completed;
+        # _claimed: connect() or accept() handed it out.
+        self._in_turn = self._reached = self._claimed = self._told_lost = False
+        self._dial()
+
+    def _dial(self) -> None:
+        """A DEALER to the peer (identity ``local_id``), its monitor, and their tasks."""
+        peer_id, transport, options = self.peer_id, self._transport, self._options
         address = _peer_address(peer_id)
         if address is None:
             raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
-        self._transport = transport
-        self._options = options = transport._options
         settings: list[tuple[int, int | bytes]] = [
             (zmq.IDENTITY, transport.local_id.encode()),
             (zmq.SNDHWM, options.send_hwm),
@@ -73,26 +93,29 @@ class ZmqConnection:
         except zmq.ZMQError as exc:
             raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
         assert monitor is not None
-        self.peer_id = peer_id
         self._dealer = _AsyncSocket(dealer)
         self._monitor = monitor
-        self.inbound = inbound
-        # Frames read and not handed on yet: to the attached receiver, in turn
-        # with other connections' (the ROUTER task reads ahead of what it hands
-        # over, so the peer's backlog is here, counted in bytes, not in libzmq,
-        # counted in frames), or else to receive().
-        self._frames: deque[Frame] = deque()
-        self._bytes = 0
-        self._arrival = trio.lowlevel.ParkingLot()  # receive() waits here
-        self.dead_reason: str | None = None
-        self._receiver: FrameReceiver | None = None  # see attach()
-        # _in_turn: the ROUTER task has it among the connections to hand frames to;
-        # _reached: the ZeroMQ handshake with the peer completed;
-        # _claimed: connect() or accept() handed it out.
-        self._in_turn = self._reached = self._claimed = self._told_lost = False
-        nursery = transport._nursery
-        monitor.start_watching(nursery, f"zmq monitor fd {peer_id}")
-        nursery.start_soon(self._watch, name=f"zmq monitor {peer_id}")
+        self._reached = False
+        monitor.start_watching(transport._nursery, f"zmq monitor fd {peer_id}")
+        transport._nursery.start_soon(self._watch, monitor, name=f"zmq monitor {peer_id}")
+
+    def renew(self) -> None:
+        """The peer started over: dial it again, dropping what was queued for it.
+
+        Its new session came in on a new TCP connection, but ours to it may be
+        one the peer closed while a cut link kept the news from us: the first
+        frames of the new session would go down it and be lost when the reset
+        arrives. So the DEALER is made anew (the peer's ROUTER takes the new
+        one in its place). If libzmq refuses it, the connection dies of that.
+        """
+        if self.dead_reason is not None:
+            return
+        self._monitor.close()  # ends the old monitor's task
+        self._dealer.close(0)
+        try:
+            self._dial()
+        except ConnectionLost as exc:
+            self._die(exc.reason)
 
     def __repr__(self) -> str:
         way = "inbound" if self.inbound else "outbound"
@@ -273,7 +296,7 @@ class ZmqConnection:
         self._hand(receiver, self._pop())
         return bool(self._frames)
 
-    async def _watch(self) -> None:
+    async def _watch(self, monitor: _Monitor) -> None:
         """Turn the DEALER's monitor events (and a missed dial deadline) into death."""
         opts = self._options
         deadline = trio.current_time() + opts.connect_timeout
@@ -282,7 +305,9 @@ class ZmqConnection:
             while self.alive:
                 events: list[tuple[int, int]] = []
                 with trio.move_on_at(math.inf if self._reached else deadline):
-                    events = await self._monitor.receive()
+                    events = await monitor.receive()
+                if monitor is not self._monitor:
+                    return  # renew() replaced the DEALER: these were the old one's
                 if not events and not self._reached:
                     self._die(
                         f"could not reach {self.peer_id} within {opts.connect_timeout:g} s "

@@ -149,6 +149,9 @@ class MemoryConnection:
         if self.dead_reason is not None:
             self._tell_lost()
 
+    def renew(self) -> None:
+        """Nothing to do: the network in memory has no way to the peer that could go stale."""
+
     async def receive(self) -> bytes:
         """The peer's next frame (while no receiver is attached)."""
         try:

@@ -227,6 +227,7 @@ async def test_a_cut_link_fails_the_load_and_the_restored_link_serves(tmp_path: 
             assert trio.current_time() - started < Timings().load_timeout, cut
             assert cut["intact"] is True, "bytes landed in blocks the engine had reused"
             h2.link(up=True)
+            back = trio.current_time()
             with trio.fail_after(90):
                 while True:  # the consumer dials again once the link is back
                     got = await consumer.reply(
@@ -238,6 +239,9 @@ async def test_a_cut_link_fails_the_load_and_the_restored_link_serves(tmp_path: 
                     await trio.sleep(0.2)
                 again = await fetch_all(consumer, producer.node_id, "r3", keys_of(4))
             assert (again["success"], again["verified"]) == (True, True), again
+            # Promptly: not after a 30 s lookup timeout (the producer's first answers
+            # to the new session once went down a TCP connection the cut had killed).
+            assert trio.current_time() - back < 10, "the restored link stalled"
             assert producer.alive()  # served again without a restart
             assert_no_pins_left(await stop(producer))
 

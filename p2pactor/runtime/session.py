@@ -207,6 +207,8 @@ class PeerSession(SessionActors):
         self._handed_over = True
         self._conn.attach(None)  # frames wait for the new session
         self._die("the peer started a new session on this connection")
+        if msg.extension:  # a p2pactor peer: it can take our way to it afresh (see renew)
+            self._conn.renew()
         self._on_restart(self, self._conn, msg)
 
     def _to_producer(self, msg: wire.Lookup | wire.Fetch | wire.AbortFetch) -> None:

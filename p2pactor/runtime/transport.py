@@ -81,6 +81,16 @@ class ControlConnection(Protocol):
         this returns; so is the death of a connection that already died.
         """
 
+    def renew(self) -> None:
+        """The peer started a new session on this connection: reach it afresh.
+
+        What was queued for the peer and not yet sent is dropped. A transport
+        whose way to the peer can go stale unnoticed (a TCP connection the
+        peer closed behind a cut link) opens it anew; if it cannot, the
+        connection dies. Only for a p2pactor peer: a stock vLLM one may ignore
+        the new way while the old one is still open at its end.
+        """
+
     async def receive(self) -> Frame:
         """Wait for the peer's next frame, while no receiver is attached.
 
