@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -133,7 +133,7 @@ class LineReader:
 class Serve:
     """A ``p2pactor serve`` process and what the test needs to talk to it."""
 
-    process: trio.Process
+    process: trio.Process | subprocess.Popen[bytes]
     node_id: str
     stderr_path: Path
 
@@ -154,6 +154,22 @@ class Serve:
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
+
+
+def serve_argv(
+    address: str,
+    port: int,
+    preload: int = 8,
+    block_len: int = BLOCK_LEN,
+    num_blocks: int = NUM_BLOCKS,
+    hash_seed: str = SEED,
+    fingerprint: str | None = None,
+) -> list[str]:
+    """The command line of ``p2pactor serve`` on ``address:port``."""
+    argv = [sys.executable, "-m", "p2pactor", "serve", "--host", address]
+    argv += ["--port", str(port), "--num-blocks", str(num_blocks), "--block-len", str(block_len)]
+    argv += ["--hash-seed", hash_seed, "--preload", str(preload)]
+    return argv if fingerprint is None else [*argv, "--fingerprint", fingerprint]
 
 
 @asynccontextmanager
@@ -180,11 +196,7 @@ async def serve_process(
     """
     port = (free_port() if on is None else 5710) if port is None else port
     address = "127.0.0.1" if on is None else on.address
-    argv = [sys.executable, "-m", "p2pactor", "serve", "--host", address]
-    argv += ["--port", str(port), "--num-blocks", str(num_blocks), "--block-len", str(block_len)]
-    argv += ["--hash-seed", hash_seed, "--preload", str(preload)]
-    if fingerprint is not None:
-        argv += ["--fingerprint", fingerprint]
+    argv = serve_argv(address, port, preload, block_len, num_blocks, hash_seed, fingerprint)
     if log is not None:
         argv += ["--log", str(log)]
     argv += extra
@@ -796,6 +808,41 @@ async def test_a_peer_restarted_under_the_same_address_gets_a_fresh_session(
     assert_log_checks(c, tmp_path / "consumer.p2plog")
 
 
+REFUSING_FINGERPRINT = "fedcba9876543210"
+
+
+@pytest.fixture(scope="module")
+def refusing(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """One ``p2pactor serve`` that every mismatched peer below dials, SIGKILLed after.
+
+    It refuses each at the handshake and keeps nothing of it (each is a new node
+    on a new port), so the cases share one start-up; each reads its own lines of
+    the log.
+    """
+    port = free_port()
+    stderr_path = tmp_path_factory.mktemp("refusing") / "serve.stderr"
+    argv = serve_argv("127.0.0.1", port, fingerprint=REFUSING_FINGERPRINT)
+    with stderr_path.open("ab") as stderr:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=stderr, env=child_env())
+    too_long = threading.Timer(60, process.kill)  # not serving by then: its stdout ends
+    too_long.start()
+    try:
+        assert process.stdout is not None
+        line = b""
+        while not line.startswith(b"p2pactor node"):
+            line = process.stdout.readline()
+            assert line, f"p2pactor serve exited before it served: {stderr_path.read_text()}"
+        too_long.cancel()
+        assert b"serving" in line, line
+        yield Serve(process, f"127.0.0.1:{port}", stderr_path)
+    finally:
+        too_long.cancel()
+        process.kill()
+        process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
 @pytest.mark.parametrize(
     ("ours", "theirs", "words"),
     [
@@ -818,7 +865,7 @@ async def test_a_peer_restarted_under_the_same_address_gets_a_fresh_session(
     ids=["hash_seed", "block_size", "fingerprint"],
 )
 async def test_a_mismatched_peer_is_refused_at_the_handshake_on_both_sides(
-    tmp_path: Path, ours: dict[str, Any], theirs: str, words: str
+    refusing: Serve, ours: dict[str, Any], theirs: str, words: str
 ) -> None:
     """Seed, block size or fingerprint differ: both nodes refuse, and say what to align.
 
@@ -827,24 +874,25 @@ async def test_a_mismatched_peer_is_refused_at_the_handshake_on_both_sides(
     Neither side registers the other's memory; no block is looked up.
     """
     with trio.fail_after(120):
-        async with serve_process(tmp_path, "serve", fingerprint="fedcba9876543210") as s:
-            config = {"fingerprint": "fedcba9876543210", **ours}
-            async with local_node("mismatched", **config) as c:
-                assert await c.node.lookup(s.node_id, "r", keys_of(2)) == [MISS, MISS]
-                reason = await closed_with(c.node, s.node_id)
-                assert reason.startswith("incompatible peer: "), reason
-                assert theirs in reason, reason
-                assert words in reason, reason
-                assert c.data.statistics().peers == 0
-                assert c.events(ev.LookupResp) == []
+        config = {"fingerprint": REFUSING_FINGERPRINT, **ours}
+        async with local_node("mismatched", **config) as c:
+            assert await c.node.lookup(refusing.node_id, "r", keys_of(2)) == [MISS, MISS]
+            reason = await closed_with(c.node, refusing.node_id)
+            assert reason.startswith("incompatible peer: "), reason
+            assert theirs in reason, reason
+            assert words in reason, reason
+            assert c.data.statistics().peers == 0
+            assert c.events(ev.LookupResp) == []
 
-                def refused() -> bool:
-                    return f"rejected {c.node.node_id}: {theirs}" in s.stderr()
+            def refused() -> bool:
+                return f"rejected {c.node.node_id}: {theirs}" in refusing.stderr()
 
-                await wait_until(refused)
-                line = next(x for x in s.stderr().splitlines() if "rejected" in x)
-                assert words in line, line
-                assert s.alive()
+            await wait_until(refused)
+            line = next(
+                x for x in refusing.stderr().splitlines() if f"rejected {c.node.node_id}:" in x
+            )
+            assert words in line, line
+            assert refusing.alive()
 
 
 class Fuzzer:

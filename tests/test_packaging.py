@@ -218,10 +218,13 @@ def test_the_built_wheel_installs_in_a_fresh_venv_and_runs_the_demo(tmp_path: Pa
 
     # A fresh venv gets the wheel alone; the dependencies come from this venv
     # through a .pth line, which goes on sys.path after the venv's own site-packages.
+    # Our pip installs into it (--python): a copy of pip of its own (ensurepip)
+    # would cost seconds and is no part of what is checked.
     venv = tmp_path / "venv"
-    _run(tmp_path, env, sys.executable, "-m", "venv", venv)
+    _run(tmp_path, env, sys.executable, "-m", "venv", "--without-pip", venv)
     python = venv / "bin" / "python"
-    _run(tmp_path, env, python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel)
+    install = ["install", "-q", "--no-deps", "--no-index", wheel]
+    _run(tmp_path, env, sys.executable, "-m", "pip", "--python", python, *install)
     site = _run(
         tmp_path, env, python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"
     )
