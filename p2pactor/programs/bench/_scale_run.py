@@ -19,10 +19,7 @@
   lookup then a fetch of its hits; 1 and 16 keys): the median of each input's step and
   the mean per life and role; **log append** under each durability policy, the logs'
   events 3 at a time from a trio task that goes back to its loop between appends:
-  p50/p99 and the longest trip through the loop (where the flusher writes); **timeline
-  publish**, the events (each with its actor's state after it) fed to
-  :meth:`~p2pactor.surface.timeline.Feed.watch` with no subscriber, 10 that read as the
-  websocket writer does and 10 that never read: events/s and the longest ``watch``.
+  p50/p99 and the longest trip through the loop (where the flusher writes).
 """
 
 from __future__ import annotations
@@ -193,7 +190,7 @@ def _replay(mode: str, path: str) -> dict[str, Any]:
 
 PEER = "10.0.0.2:5710"
 COST_EVENTS = 60_000
-"""Events (from the logs, repeated) per durability policy and per timeline run."""
+"""Events (from the logs, repeated) per durability policy."""
 
 
 def _life(kv: str, nkeys: int, *, fetch: bool, job: int, out: list[Any]) -> None:
@@ -299,54 +296,11 @@ def durability(events: Sequence[Any]) -> dict[str, Any]:
     return out
 
 
-async def _publish(steps: Sequence[Any], subscribers: str) -> dict[str, float]:
-    from p2pactor.surface.timeline import Feed, FeedFilters, FeedLimits  # noqa: PLC0415
-
-    total = sum(len(events) for events, _ in steps)
-    limits = FeedLimits(queue=total + 1000) if subscribers == "reading" else FeedLimits()
-    feed = Feed("a:5710", block_len=4096, limits=limits)
-
-    async def drain(sub: Any) -> None:  # as the server's websocket writer does
-        while (batch := await sub.next_batch()) is not None:
-            if len(batch) < limits.queue // 2:
-                await trio.sleep(limits.batch_interval_s)
-
-    worst = 0.0
-    async with trio.open_nursery() as nursery:
-        subs = [feed.subscribe(FeedFilters()) for _ in range(0 if subscribers == "none" else 10)]
-        if subscribers == "reading":
-            for sub in subs:
-                nursery.start_soon(drain, sub)
-        await trio.lowlevel.checkpoint()
-        start = time.perf_counter()
-        for events, state in steps:
-            t0 = time.perf_counter()
-            feed.watch(events, state)
-            worst = max(worst, time.perf_counter() - t0)
-            await trio.lowlevel.checkpoint()  # the node's loop runs the writers
-        for sub in subs:
-            feed.unsubscribe(sub)  # readers finish what is queued, then stop
-    return {"events_per_s": total / (time.perf_counter() - start), "worst_ms": worst * 1e3}
-
-
-def timeline(events: Sequence[Any]) -> dict[str, Any]:
-    """Publishing through a feed with none, 10 reading and 10 stalled subscribers."""
-    from p2pactor.core.fold import evolve, initial_state  # noqa: PLC0415
-
-    states: dict[Any, Any] = {}
-    steps = []
-    for e in events:
-        states[e.actor] = evolve(states.get(e.actor) or initial_state(e.actor), e)
-        steps.append(((e,), states[e.actor]))
-    return {s: trio.run(_publish, steps, s) for s in ("none", "reading", "stalled")}
-
-
 def _costs(lives: int, logs: Sequence[str]) -> dict[str, Any]:
     events = list(_repeat(logs, COST_EVENTS))
     return {
         "events": event_cost(lives),
         "durability": durability(events),
-        "timeline": timeline(events),
     }
 
 

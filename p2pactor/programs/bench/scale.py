@@ -63,7 +63,7 @@ def run(options: BenchOptions) -> SectionResult:
     def per_s(rs: list[dict[str, Any]], what: str = "events") -> Stat:
         return Stat.of(float(r[what]) / r["seconds"] for r in rs)
 
-    w, ev, logs, feed = written, costs["events"], costs["durability"], costs["timeline"]
+    w, ev, logs = written, costs["events"], costs["durability"]
     table: list[tuple[str, Cell, str]] = [
         ("concurrent requests", n, "requests"),
         ("time until all done", stat("seconds"), "s"),
@@ -86,10 +86,6 @@ def run(options: BenchOptions) -> SectionResult:
     for policy, f in logs.items():
         table += [(f"log append {policy}: {k}", f[k], "us") for k in ("p50", "p99")]
         table += [(f"log append {policy}: loop trip max", f["stall"], "us")]
-    for subs, f in feed.items():
-        what = "no subscriber" if subs == "none" else f"10 {subs} subscribers"
-        table += [(f"timeline, {what}: publish", f["events_per_s"], "events/s")]
-        table += [(f"timeline, {what}: longest watch", f["worst_ms"], "ms")]
     rows: list[dict[str, Cell]] = [{"figure": f, "value": v, "unit": u} for f, v, u in table]
     notes = [
         (
@@ -102,8 +98,7 @@ def run(options: BenchOptions) -> SectionResult:
             "event cost: the pure core stepped through lives of 1 and 16 keys (lookup then "
             "close, lookup then fetch), median per input; log append: that run's events 3 at "
             "a time from a trio task, 'loop trip' = the longest return to it (the flusher's "
-            "writes); timeline: the same events through Feed.watch, one per step "
-            "(all in-process, p2pactor.programs.bench._scale_run costs)"
+            "writes) (both in-process, p2pactor.programs.bench._scale_run costs)"
         ),
     ]
     failed = sum(int(r["failed"]) for r in runs)
