@@ -25,6 +25,7 @@ from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.programs.bench._control_common import free_port, nixl_missing
 from p2pactor.programs.bench._honest import KEYS as HONEST_KEYS
 from p2pactor.programs.bench._honest import RATE_HZ as HONEST_HZ
+from p2pactor.programs.bench._hostile import FLOOD_KEYS
 from p2pactor.programs.bench._summary_drive import (
     StepResult,
     VictimSettings,
@@ -43,8 +44,6 @@ TITLE = (
 """One line saying what is measured."""
 
 MIB = 1 << 20
-FLOOD_KEYS = 16
-"""Keys a hostile lookup of the lookup flood (held keys, never fetched, 256 unanswered)."""
 FULL: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("refused frames", "refused-frame", (f"--sizes={MIB},{4 * MIB},{DEFAULT_MAX_FRAME_BYTES}",)),
     ("register 1,000,000 blocks, claim all", "register-1m", ()),
@@ -57,7 +56,7 @@ FULL: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("30,000 messages, a new epoch each", "epoch-flip", ("--count=30000",)),
     ("2,000 snapshot parts of 65,536 fps", "max-frames", ("--count=2000",)),
     ("100 lookups of 65,536 keys", "max-lookups", ("--count=100",)),
-    ("lookup flood: 30,000 of 16 held keys", "lookup-flood", ("--phase=real:30000",)),
+    ("lookup flood: 30,000 of 16 held keys", "lookup-flood", ("--count=30000",)),
 )
 """The full run's attacks (row, ``--attack``, its arguments), in order (the refused
 frames first, while the victim's heap has the least free memory to hide a frame in)."""
@@ -65,7 +64,7 @@ QUICK = (
     ("refused frames", "refused-frame", (f"--sizes={MIB}",)),
     ("30 snapshots of 65,536 fps", "snapshot-flood", ("--count=30",)),
     ("10 lookups of 65,536 keys", "max-lookups", ("--count=10",)),
-    ("lookup flood: 3,000 of 16 held keys", "lookup-flood", ("--phase=real:3000",)),
+    ("lookup flood: 3,000 of 16 held keys", "lookup-flood", ("--count=3000",)),
 )
 """``--quick``'s attacks, a smoke run (``tests/test_summary_attack.py`` runs every attack)."""
 BASELINE_S, QUICK_BASELINE_S, BASELINE_WINDOW_S = 10.0, 2.0, 2.0
