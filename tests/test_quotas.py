@@ -11,7 +11,7 @@
   its session dies; every pin is released; another peer is never affected;
   replay equals live.
 * **Real transports**: a victim node on ZeroMQ + NIXL, a hostile raw peer in
-  its own process (``p2pactor.programs.bench._hostile``) flooding lookups, and an
+  its own process (``tests/flood_peer.py``) flooding lookups, and an
   honest p2pactor node whose fetches still verify byte for byte.
 """
 
@@ -23,6 +23,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
 import pytest
@@ -842,8 +843,8 @@ class TestNodes:
 
 # --- real transports: a hostile raw peer floods, an honest node fetches --------------------
 
-FLOOD_PEER = "p2pactor.programs.bench._hostile"
-"""The hostile raw peer, a module of the bench (``python -m``)."""
+FLOOD_PEER = "tests.flood_peer"
+"""The hostile raw peer, the bench's sockets flooding lookups (``python -m``)."""
 REAL_BLOCK_LEN = 4096
 REAL_BLOCKS = 64
 REAL_QUOTA = 8
@@ -887,7 +888,6 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
                         sys.executable,
                         "-m",
                         FLOOD_PEER,
-                        "--attack=lookup-flood",
                         f"--victim={victim.node_id}",
                         f"--hash-seed={seed}",
                         f"--block-len={REAL_BLOCK_LEN}",
@@ -900,6 +900,7 @@ async def test_a_flooding_peer_never_pins_more_than_its_quota_over_zmq_and_nixl(
                     ],
                     stdout=subprocess.PIPE,
                     env={**os.environ, "NIXL_LOG_LEVEL": "WARN"},
+                    cwd=Path(__file__).parent.parent,  # where ``tests`` imports from
                 )
                 lines: list[str] = []
                 fetched = 0

@@ -7,8 +7,8 @@ and, given a path, writes every event to a file in the format of
 back. Observers follow the node's steps, not the log (``Node.watch_events``).
 
 How soon a record reaches the file is the :class:`Durability` policy, a trade of
-append latency against how much a crash can lose; the log append rows of
-``p2pactor bench --only scale`` measure it.
+append latency against how much a crash can lose (``docs/log-format.md``,
+"Durability", gives measured costs).
 
 The writer is synchronous and is called only from the node's trio thread. Only
 :meth:`EventLog.flush_periodically` needs trio; the rest of the module runs
@@ -64,7 +64,7 @@ class Durability:
     survives the process being killed (it is in the kernel's page cache) but
     not the machine losing power. With it, every write waits for the device:
     milliseconds per write on an SSD, which under EVERY_EVENT means per append
-    (the log append rows of ``p2pactor bench --only scale``).
+    (``docs/log-format.md``, "Durability").
 
     Attributes:
         kind: When records are written.

@@ -18,7 +18,6 @@ prints every run's figures as one line, ``RESULT {"runs": [...]}``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -30,10 +29,10 @@ from typing import Any
 from p2pactor.programs.bench import _vllm_tier as shared
 from p2pactor.programs.bench._control_common import say, spread_ports
 from p2pactor.programs.bench.fleet import (
-    ARMS,
     TOKENS_PER_BLOCK,
     Turn,
     chat_turns,
+    plan,
     rag_turns,
     working_set,
 )
@@ -303,29 +302,19 @@ def run_arm(arm: str, engines_n: int, capacity_share: float, turns: Sequence[Tur
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run every arm on every fleet (size, tier share); write the figures as JSON."""
-    parser = argparse.ArgumentParser(description="the fleet benchmark's process")
-    parser.add_argument("--chat-sizes", default="4,8", help="engines per chat fleet")
-    parser.add_argument("--rag-sizes", default="5", help="engines per RAG fleet")
-    parser.add_argument("--conversations", type=int, default=160)
-    parser.add_argument("--requests", type=int, default=480)
-    parser.add_argument("--capacities", default="0.25,0.1", help="rag: CPU tier shares")
-    parser.add_argument("--arms", default=",".join(ARMS))
-    parser.add_argument("--repeats", type=int, default=1)
-    args = parser.parse_args(argv)
+    """``REPEATS [--quick]``: every arm on every fleet of :func:`plan`; print the figures."""
+    repeats, *quick = sys.argv[1:] if argv is None else argv
+    conversations, requests, fleets, arms = plan(quick == ["--quick"])
     runs: list[dict[str, Any]] = []
-    for repeat in range(args.repeats):
+    for repeat in range(int(repeats)):
         # The same turns in every arm of a repeat; another workload per repeat.
-        fleets = [
-            ("chat", int(n), 0.25, chat_turns(int(n), args.conversations, repeat))
-            for n in args.chat_sizes.split(",")
-        ] + [
-            ("rag", int(n), float(share), rag_turns(int(n), args.requests, repeat))
-            for n in args.rag_sizes.split(",")
-            for share in args.capacities.split(",")
-        ]
-        for workload, n, share, turns in fleets:
-            for arm in args.arms.split(","):
+        for workload, n, share in fleets:
+            turns = (
+                chat_turns(n, conversations, repeat)
+                if workload == "chat"
+                else rag_turns(n, requests, repeat)
+            )
+            for arm in arms:
                 figures = run_arm(arm, n, share, turns)
                 runs.append(figures | {"arm": arm, "workload": workload, "capacity_share": share})
     say(f"RESULT {json.dumps({'runs': runs})}")

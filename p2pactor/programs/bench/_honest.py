@@ -130,13 +130,11 @@ async def _run(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the honest peer until its stdin closes."""
     parser = argparse.ArgumentParser(description="the honest peer of the hostile-peer bench")
-    parser.add_argument("--port", type=int, required=True, help="our control port")
-    parser.add_argument("--victim", required=True, help="the victim's host:port")
-    parser.add_argument("--preload", type=int, required=True, help="the victim's serve --preload")
-    parser.add_argument("--hash-seed", required=True, help="the victim's hash seed")
-    parser.add_argument("--block-len", type=int, required=True, help="its block size")
+    for flag in ("--port", "--preload", "--block-len"):  # our port; the victim's preload, size
+        parser.add_argument(flag, type=int, required=True)
+    for flag in ("--victim", "--hash-seed"):  # the victim's host:port and hash seed
+        parser.add_argument(flag, required=True)
     args = parser.parse_args(argv)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     import trio  # noqa: PLC0415
 
     trio.run(_run, args)

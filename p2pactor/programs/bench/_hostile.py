@@ -1,7 +1,7 @@
 """The hostile peer of ``p2pactor bench``'s ``summary-attack``: raw sockets, run as a process.
 
-``python -m p2pactor.programs.bench._hostile --victim HOST:PORT --attack NAME ...`` (also
-``tests/test_quotas.py``'s flooder): a :class:`RawPeer`, bare pyzmq laid out as vLLM
+``python -m p2pactor.programs.bench._hostile --victim HOST:PORT --attack NAME ...``: a
+:class:`RawPeer`, bare pyzmq laid out as vLLM
 0.33.0 lays a session out, with a real NIXL agent over lazily mapped memory (registered
 by the victim, never written). Its ``connect`` offers ``kvsum/1`` (but for the lookup
 flood, in vLLM's base dialect), so that the victim reads what it sends as summaries.
@@ -10,24 +10,24 @@ the lookup flood runs at idle CPU priority, as a peer on another host, whose sen
 costs the victim nothing (the flood is the victim's load).
 
 It speaks :class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol:
-``READY peer`` once the handshake is done (and the victim's snapshot arrived); per step
-``STEP {label}`` (with ``--paced`` it waits for a stdin line first, so that the driver
-can read the victim; ``--paced`` also prints ``LOADED`` before it connects and holds the
-session until stdin closes), ``DONE {...}`` (the step's unix-time window and figures);
-``RESULT {...}`` (messages received, by type); ``LEFT`` as it exits 0; ``ERROR ...``, 1.
+``LOADED``, then (once a stdin line came: the driver has read the victim) ``READY peer``
+once the handshake is done (and the victim's snapshot arrived); per step ``STEP {label}``,
+then (a stdin line later) ``DONE {...}`` (the step's unix-time window and figures);
+``RESULT {...}`` (messages received, by type); then it holds the session until stdin
+closes; ``LEFT`` as it exits 0; ``ERROR ...``, 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import contextlib
 import json
 import mmap
 import os
 import random
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -44,6 +44,8 @@ from p2pactor.programs.bench._hostile_peer import HANDSHAKE_S, Failure, RawPeer
 MAX_FPS = 65_536
 """Fingerprints in the largest summary field (``MAX_SUMMARY_BYTES`` / 8)."""
 HOST = "127.0.0.1"
+FLOOD_KEYS = 16
+"""Keys a lookup of the lookup flood (held keys, never fetched, 256 unanswered)."""
 DEFAULT_BLOCKS = {"register-1m": 1_000_000} | dict.fromkeys(
     ("snapshot-flood", "deltas-mid-snapshot", "max-frames"), 131_072
 )
@@ -109,10 +111,9 @@ class Attack:
         return self.peer
 
     def step(self, label: str, body: Callable[[], dict[str, object]]) -> None:
-        """Announce a step, wait for the driver if paced, run it and report its window."""
+        """Announce a step, wait for the driver's go, run it and report its window."""
         say(f"STEP {label}")
-        if self.args.paced:
-            _wait_go()
+        _wait_go()
         start = time.time()
         result = body()
         say(f"DONE {json.dumps({'label': label, 'start': start, 'end': time.time(), **result})}")
@@ -223,20 +224,18 @@ def _max_lookups(a: Attack) -> dict[str, object]:
     return {"frames": a.args.count, "cut": not peer.ping("lookups", may_cut=True)}
 
 
-def _flood(a: Attack, kind: str, count: int, keys: Callable[[], tuple[bytes, ...]]) -> Any:
-    """``count`` lookups of ``keys()``, at most ``--window`` unanswered; the figures.
+def flood(
+    peer: RawPeer, count: int, lookup: Callable[[int], wire.Lookup], window: int = 256
+) -> dict[str, object]:
+    """Send ``lookup(i)`` for i below ``count``, at most ``window`` unanswered; the figures.
 
-    Each under a fresh request id, or (``kind`` ``rounds``) all in one request, a new
-    round each; never fetched or closed.
+    Never fetched or closed (``tests/flood_peer.py`` floods through it too).
     """
-    peer, window = a.session, a.args.window
     sent = answered = hits = 0
     start, last = time.perf_counter(), time.monotonic()
     while answered < count:
         while sent - answered < window and sent < count:
-            rounds = kind == "rounds"
-            kv = "flood" if rounds else f"flood-{kind}-{sent}"
-            peer.send(wire.Lookup(kv_request_id=kv, keys=keys(), round_seq=sent * rounds))
+            peer.send(lookup(sent))
             sent += 1
         got = peer.take(1.0)
         if isinstance(got, wire.Disconnect):
@@ -247,7 +246,6 @@ def _flood(a: Attack, kind: str, count: int, keys: Callable[[], tuple[bytes, ...
             raise Failure(f"no answer for {HANDSHAKE_S * 2:g} s ({answered}/{count})")
     seconds = time.perf_counter() - start
     return {
-        "phase": kind,
         "lookups": count,
         "answered": answered,
         "keys_hit": hits,
@@ -255,42 +253,28 @@ def _flood(a: Attack, kind: str, count: int, keys: Callable[[], tuple[bytes, ...
     }
 
 
-def _lookup_flood(a: Attack) -> None:
-    """Per ``--phase KIND:N`` a step of N lookups of ``--keys`` keys (:func:`_flood`).
-
-    ``random`` keys; ``real``: the keys of ``serve --preload``; ``rounds``: real keys,
-    all in one request, a new round each.
-    """
+def _lookup_flood(a: Attack) -> dict[str, object]:
+    """``--count`` lookups of :data:`FLOOD_KEYS` preloaded keys, each its own request."""
     from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415 - this attack only
 
-    args, rng = a.args, random.Random(0)  # noqa: S311 - reproducible junk keys, not secrets
-    real = preload_keys(args.hash_seed, args.preload) if args.preload else []
-    phases = [(kind, int(n)) for kind, _, n in (p.partition(":") for p in args.phase)]
-    for kind, _ in phases:
-        if kind not in ("random", "real", "rounds") or (kind != "random" and not real):
-            raise Failure(f"bad --phase {kind}: random:N, real:N or rounds:N (with --preload)")
+    real, rng = preload_keys(a.args.hash_seed, a.args.preload), random.Random(0)  # noqa: S311
 
-    def keys(kind: str) -> tuple[bytes, ...]:
-        if kind == "random":
-            return tuple(rng.randbytes(32) + bytes(4) for _ in range(args.keys))
-        start = rng.randrange(max(1, len(real) - args.keys + 1))
-        return tuple(real[start : start + args.keys])
+    def lookup(i: int) -> wire.Lookup:
+        start = rng.randrange(max(1, len(real) - FLOOD_KEYS + 1))  # reproducible, not secret
+        keys = tuple(real[start : start + FLOOD_KEYS])
+        return wire.Lookup(kv_request_id=f"flood-{i}", keys=keys, round_seq=0)
 
-    for kind, count in phases:
-        flood = functools.partial(_flood, a, kind, count, functools.partial(keys, kind))
-        a.step(f"lookup-flood {kind}", flood)
+    return flood(a.session, a.args.count, lookup)
 
 
 def _stepped(body: Callable[[Attack], dict[str, object]]) -> Callable[[Attack], None]:
     return lambda a: a.step(a.args.attack, lambda: body(a))
 
 
-ATTACKS: dict[str, Callable[[Attack], None]] = {
-    "lookup-flood": _lookup_flood,
-    "refused-frame": _refused_frames,
-} | {
+ATTACKS: dict[str, Callable[[Attack], None]] = {"refused-frame": _refused_frames} | {
     name: _stepped(body)
     for name, body in {
+        "lookup-flood": _lookup_flood,
         "register-1m": _register_1m,
         "snapshot-flood": _snapshots,
         "deltas-mid-snapshot": _deltas_mid_snapshot,
@@ -307,15 +291,14 @@ def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     a = Attack(args, ctx, agent)
     try:
-        if args.paced:  # the driver reads the victim before we connect
-            say("LOADED")
-            _wait_go()
+        say("LOADED")  # the driver reads the victim before we connect
+        _wait_go()
         if args.attack != "refused-frame":
             a.peer = a.open_session()
         say(f"READY {a.peer.peer_id if a.peer else '-'}")
         ATTACKS[args.attack](a)
         say(f"RESULT {json.dumps({'received': dict(a.peer.counts) if a.peer else {}})}")
-        while args.paced and sys.stdin.readline():  # hold the session until stdin closes
+        while sys.stdin.readline():  # hold the session until stdin closes
             pass
     except Failure as exc:
         say(f"ERROR {exc}")
@@ -328,16 +311,22 @@ def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int
     return 0
 
 
-async def _run(args: argparse.Namespace) -> int:
-    blocks = args.blocks or DEFAULT_BLOCKS.get(args.attack, 64)
+@contextlib.asynccontextmanager
+async def nixl_agent(blocks: int, block_len: int) -> AsyncIterator[tuple[bytes, int, int, int]]:
+    """A NIXL agent over ``blocks`` lazily mapped blocks: its metadata, base, blocks, size."""
     # Lazily mapped (MAP_NORESERVE, 0x4000 on Linux), never touched: never resident.
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
-    pool = memoryview(mmap.mmap(-1, blocks * args.block_len, flags=flags))
+    pool = memoryview(mmap.mmap(-1, blocks * block_len, flags=flags))
     # One agent name per process: a victim may still know the last attacker's agent.
     name = f"summary-hostile-{os.getpid()}"
-    async with open_nixl_transport(pool, args.block_len, name=name) as data:
+    async with open_nixl_transport(pool, block_len, name=name) as data:
+        yield data.agent_metadata, data.base_addr, blocks, block_len
+
+
+async def _run(args: argparse.Namespace) -> int:
+    blocks = args.blocks or DEFAULT_BLOCKS.get(args.attack, 64)
+    async with nixl_agent(blocks, args.block_len) as agent:
         # The attack blocks on its sockets: a worker thread, not the trio loop.
-        agent = (data.agent_metadata, data.base_addr, blocks, args.block_len)
         status: int = await trio.to_thread.run_sync(_attack, args, agent)
         return status
 
@@ -358,11 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--modes", type=lambda t: t.split(","), default=["session", "fresh"])
     p.add_argument("--drain-s", type=float, default=1.5, help="resync-flood: wait after")
-    p.add_argument("--phase", action="append", default=[], help="lookup-flood: KIND:N")
-    p.add_argument("--keys", type=int, default=16, help="lookup-flood: keys per lookup")
-    p.add_argument("--window", type=int, default=256, help="lookup-flood: most unanswered")
     p.add_argument("--preload", type=int, default=0, help="lookup-flood: serve's --preload")
-    p.add_argument("--paced", action="store_true", help="wait for a stdin line per step")
     args = p.parse_args(argv)
     if args.attack != "lookup-flood" and hasattr(os, "SCHED_IDLE"):
         # On 2 cores a peer sending flat out would take a core from the victim and

@@ -13,16 +13,11 @@
   ``A`` and ``B`` (a real run's actors) repeated under fresh request ids.
 * ``replay MODE LOG``: read (``read``) or replay (``replay``, ``replay --check``) ``LOG``:
   seconds, events, peak RSS growth.
-* ``costs N LOG...`` (what the old ``benchmarks`` scripts measured), in-process:
-  **event cost** of the pure core, no I/O, a consumer and a producer stepped as the
+* ``costs N`` (what the old ``event_cost.py`` measured), in-process: the **event cost**
+  of the pure core, no I/O, a consumer and a producer stepped as the
   runtime steps them through N lives of each kind (a lookup answered then closed, a
   lookup then a fetch of its hits; 1 and 16 keys): the median of each input's step and
-  the mean per life and role; **log append** under each durability policy, the logs'
-  events 3 at a time from a trio task that goes back to its loop between appends:
-  p50/p99 and the longest trip through the loop (where the flusher writes); **timeline
-  publish**, the events (each with its actor's state after it) fed to
-  :meth:`~p2pactor.surface.timeline.Feed.watch` with no subscriber, 10 that read as the
-  websocket writer does and 10 that never read: events/s and the longest ``watch``.
+  the mean per life and role.
 """
 
 from __future__ import annotations
@@ -32,7 +27,6 @@ import itertools
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -192,8 +186,6 @@ def _replay(mode: str, path: str) -> dict[str, Any]:
 
 
 PEER = "10.0.0.2:5710"
-COST_EVENTS = 60_000
-"""Events (from the logs, repeated) per durability policy and per timeline run."""
 
 
 def _life(kv: str, nkeys: int, *, fetch: bool, job: int, out: list[Any]) -> None:
@@ -262,99 +254,11 @@ def event_cost(lives: int) -> dict[str, Any]:
     }
 
 
-async def _append_all(log: Any, batches: Sequence[Any]) -> tuple[list[int], int]:
-    latencies, stall = [], 0
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(log.flush_periodically)
-        for batch in batches:
-            t0 = time.perf_counter_ns()
-            log.append(batch)
-            t1 = time.perf_counter_ns()
-            await trio.lowlevel.checkpoint()  # the flusher gets its turn here
-            latencies.append(t1 - t0)
-            stall = max(stall, time.perf_counter_ns() - t1)
-        log.close()
-    return latencies, stall
-
-
-def durability(events: Sequence[Any]) -> dict[str, Any]:
-    """Append p50/p99 (us) and the longest loop trip (us) per policy."""
-    from p2pactor.runtime.log import Durability, EventLog  # noqa: PLC0415
-
-    batches = [events[i : i + 3] for i in range(0, len(events), 3)]
-    policies = {
-        "ON_CLOSE": (Durability.on_close(), batches),
-        "INTERVAL 50 ms": (Durability.interval(0.05), batches),
-        "EVERY_EVENT": (Durability.every_event(), batches),
-        "INTERVAL 50 ms + fsync": (Durability.interval(0.05, fsync=True), batches[:2000]),
-        "EVERY_EVENT + fsync": (Durability.every_event(fsync=True), batches[:2000]),
-    }
-    out: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, (policy, work)) in enumerate(policies.items()):
-            log = EventLog("bench", path=f"{tmp}/{i}.log", durability=policy, keep=0)
-            lat, stall = trio.run(_append_all, log, work)
-            cuts = statistics.quantiles(lat, n=100)
-            out[name] = {"p50": cuts[49] / 1e3, "p99": cuts[98] / 1e3, "stall": stall / 1e3}
-    return out
-
-
-async def _publish(steps: Sequence[Any], subscribers: str) -> dict[str, float]:
-    from p2pactor.surface.timeline import Feed, FeedFilters, FeedLimits  # noqa: PLC0415
-
-    total = sum(len(events) for events, _ in steps)
-    limits = FeedLimits(queue=total + 1000) if subscribers == "reading" else FeedLimits()
-    feed = Feed("a:5710", block_len=4096, limits=limits)
-
-    async def drain(sub: Any) -> None:  # as the server's websocket writer does
-        while (batch := await sub.next_batch()) is not None:
-            if len(batch) < limits.queue // 2:
-                await trio.sleep(limits.batch_interval_s)
-
-    worst = 0.0
-    async with trio.open_nursery() as nursery:
-        subs = [feed.subscribe(FeedFilters()) for _ in range(0 if subscribers == "none" else 10)]
-        if subscribers == "reading":
-            for sub in subs:
-                nursery.start_soon(drain, sub)
-        await trio.lowlevel.checkpoint()
-        start = time.perf_counter()
-        for events, state in steps:
-            t0 = time.perf_counter()
-            feed.watch(events, state)
-            worst = max(worst, time.perf_counter() - t0)
-            await trio.lowlevel.checkpoint()  # the node's loop runs the writers
-        for sub in subs:
-            feed.unsubscribe(sub)  # readers finish what is queued, then stop
-    return {"events_per_s": total / (time.perf_counter() - start), "worst_ms": worst * 1e3}
-
-
-def timeline(events: Sequence[Any]) -> dict[str, Any]:
-    """Publishing through a feed with none, 10 reading and 10 stalled subscribers."""
-    from p2pactor.core.fold import evolve, initial_state  # noqa: PLC0415
-
-    states: dict[Any, Any] = {}
-    steps = []
-    for e in events:
-        states[e.actor] = evolve(states.get(e.actor) or initial_state(e.actor), e)
-        steps.append(((e,), states[e.actor]))
-    return {s: trio.run(_publish, steps, s) for s in ("none", "reading", "stalled")}
-
-
-def _costs(lives: int, logs: Sequence[str]) -> dict[str, Any]:
-    events = list(_repeat(logs, COST_EVENTS))
-    return {
-        "events": event_cost(lives),
-        "durability": durability(events),
-        "timeline": timeline(events),
-    }
-
-
 MEASURES: dict[str, Callable[..., dict[str, Any]]] = {
     "requests": lambda n, folder: trio.run(_requests, int(n), folder),
     "write": lambda total, out, *logs: _write(logs, int(total), out),
     "replay": _replay,
-    "costs": lambda lives, *logs: _costs(int(lives), logs),
+    "costs": lambda lives: event_cost(int(lives)),
 }
 """Each measurement by its name, from its arguments (strings, as given)."""
 

@@ -5,7 +5,7 @@ so that the honest peer, :mod:`p2pactor.programs.bench._honest`, has something t
 up); its memory is read from ``/proc/PID/status`` (``VmRSS``; ``VmHWM``, the peak,
 started afresh before each step), its ``/status`` on a thread for the node thread's
 longest step (the slow-step watch's ``loop.recent_slow``). :func:`run_attack` starts
-the hostile peer (:mod:`p2pactor.programs.bench._hostile`, ``--paced``) and measures
+the hostile peer (:mod:`p2pactor.programs.bench._hostile`) and measures
 each of its steps and the whole attack, up to what the victim kept once it ended the
 session. The ``summary-attack`` section and ``tests/test_summary_attack.py`` both drive
 their attacks through it.
@@ -291,7 +291,6 @@ def run_attack(
         "p2pactor.programs.bench._hostile",
         *victim.settings.peer_args,
         f"--attack={attack}",
-        "--paced",
         *args,
         stderr=str(work_dir / f"hostile-{attack}-{time.time_ns()}.err"),
     )

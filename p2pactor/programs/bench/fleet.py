@@ -81,6 +81,16 @@ FIGURES: tuple[tuple[str, Figure], ...] = (
 """(row label, the figure of one run), in table order; a column per arm."""
 
 
+def plan(quick: bool) -> tuple[int, int, list[tuple[str, int, float]], tuple[str, ...]]:
+    """Chat conversations, RAG requests, the fleets (workload, engines, CPU tier share), arms.
+
+    ``--quick``: one fleet per workload, the arms the ratios need.
+    """
+    if quick:
+        return 20, 60, [("chat", 4, 0.25), ("rag", 5, 0.25)], ("oracle", "auto")
+    return 160, 480, [("chat", 4, 0.25), ("chat", 8, 0.25), ("rag", 5, 0.25), ("rag", 5, 0.1)], ARMS
+
+
 def fleet_of(run: Run) -> str:
     """The fleet a run belongs to, as its rows name it."""
     if run["workload"] == "rag":
@@ -144,14 +154,10 @@ def run(options: BenchOptions) -> SectionResult:
     if missing is not None:
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
-    conversations = 20 if options.quick else 160
-    requests = 60 if options.quick else 480
-    # --quick: one fleet per workload, the arms the ratios need.
-    smoke = ["--chat-sizes=4", "--capacities=0.25", "--arms=oracle,auto"] if options.quick else []
+    conversations, requests, _, _ = plan(options.quick)
     child = LineProcess(
         "p2pactor.programs.bench._fleet_run",
-        *(f"--repeats={repeats}", f"--conversations={conversations}", f"--requests={requests}"),
-        *smoke,
+        *(str(repeats), *(["--quick"] if options.quick else [])),
         stderr=os.path.join(options.work_dir, "fleet.err"),
     )
     try:

@@ -4,8 +4,8 @@ Each measurement runs in a fresh interpreter, so that its peak RSS is its own
 (:mod:`p2pactor.programs.bench._scale_run`, whose docstring says each): 10,000 requests
 at once (quick: 1,000) between two nodes over the in-memory transports, both logging to
 disk; the replay of a log of 1,000,000 events (quick: 100,000), the first run's events
-repeated (replay streams: memory must not grow with the log); the costs the old
-``benchmarks`` scripts measured, on the first run's events.
+repeated (replay streams: memory must not grow with the log); the pure core's cost
+per input, as the old ``benchmarks/event_cost.py`` measured it.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ def run(options: BenchOptions) -> SectionResult:
         runs.append(measure("requests", str(n), folder, timeout=600 + n / 10))
     first = [os.path.join(options.work_dir, "scale-0", f"{x}.log") for x in "ab"]
     big = os.path.join(options.work_dir, "replay.log")
-    written = measure("write", str(events), big, *first, timeout=1200)
+    w = measure("write", str(events), big, *first, timeout=1200)
     # One replay each: a million events take minutes to replay with checks.
     replays = {m: [measure("replay", m, big, timeout=1200)] for m in REPLAY_MODES}
     os.remove(big)
-    costs = measure("costs", str(200 if options.quick else 2000), *first, timeout=600)
+    ev = measure("costs", str(200 if options.quick else 2000), timeout=600)
 
     def stat(key: str, scale: float = 1.0, rs: list[dict[str, Any]] = runs) -> Stat:
         return Stat.of(float(r[key]) * scale for r in rs)
@@ -63,7 +63,6 @@ def run(options: BenchOptions) -> SectionResult:
     def per_s(rs: list[dict[str, Any]], what: str = "events") -> Stat:
         return Stat.of(float(r[what]) / r["seconds"] for r in rs)
 
-    w, ev, logs, feed = written, costs["events"], costs["durability"], costs["timeline"]
     table: list[tuple[str, Cell, str]] = [
         ("concurrent requests", n, "requests"),
         ("time until all done", stat("seconds"), "s"),
@@ -83,13 +82,6 @@ def run(options: BenchOptions) -> SectionResult:
         table += [(f"{mode}: peak RSS growth", stat("growth_kib", 1 / 1024, rs), "MiB")]
     table += [(f"event cost: {k}", v, "us") for k, v in ev["inputs"].items()]
     table += [(f"event cost: {k} per life", v, "us") for k, v in ev["lives"].items()]
-    for policy, f in logs.items():
-        table += [(f"log append {policy}: {k}", f[k], "us") for k in ("p50", "p99")]
-        table += [(f"log append {policy}: loop trip max", f["stall"], "us")]
-    for subs, f in feed.items():
-        what = "no subscriber" if subs == "none" else f"10 {subs} subscribers"
-        table += [(f"timeline, {what}: publish", f["events_per_s"], "events/s")]
-        table += [(f"timeline, {what}: longest watch", f["worst_ms"], "ms")]
     rows: list[dict[str, Cell]] = [{"figure": f, "value": v, "unit": u} for f, v, u in table]
     notes = [
         (
@@ -100,10 +92,8 @@ def run(options: BenchOptions) -> SectionResult:
         "the replay log repeats the first run's events (both nodes) under fresh request ids",
         (
             "event cost: the pure core stepped through lives of 1 and 16 keys (lookup then "
-            "close, lookup then fetch), median per input; log append: that run's events 3 at "
-            "a time from a trio task, 'loop trip' = the longest return to it (the flusher's "
-            "writes); timeline: the same events through Feed.watch, one per step "
-            "(all in-process, p2pactor.programs.bench._scale_run costs)"
+            "close, lookup then fetch), median per input (in-process, "
+            "p2pactor.programs.bench._scale_run costs)"
         ),
     ]
     failed = sum(int(r["failed"]) for r in runs)
