@@ -34,8 +34,6 @@ class Stat:
     def of(cls, values: Iterable[float]) -> Stat:
         """The statistics of ``values`` (at least one)."""
         xs = sorted(values)
-        if not xs:
-            raise ValueError("Stat.of needs at least one value")
         return cls(median=statistics.median(xs), min=xs[0], max=xs[-1], n=len(xs))
 
     def scaled(self, factor: float) -> Stat:
@@ -145,25 +143,14 @@ def _cell_text(value: Cell) -> str:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = -1.0
+    with open("/proc/cpuinfo") as f:
+        models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     return {
-        "cpu": cpu,
+        "cpu": models[0] if models else platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "load_1min_at_start": load,
+        "load_1min_at_start": os.getloadavg()[0],
     }
 
 
