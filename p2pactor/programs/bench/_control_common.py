@@ -22,11 +22,9 @@ from typing import Any
 
 def vllm_missing() -> str | None:
     """Why vLLM cannot be used here (a note), or None when it is importable."""
-    try:
-        found = importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        found = False
-    return None if found else "vLLM is not importable here (pip install vllm==0.33.0)"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not importable here (pip install vllm==0.33.0)"
+    return None
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -136,14 +134,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def peak_rss_kib() -> int:
     """This process's peak resident memory in KiB (VmHWM), 0 where /proc has none."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    with open("/proc/self/status") as status:
+        return next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -161,11 +153,7 @@ def thread_cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
     takes its time with it: for processes whose threads live on (idle ones).
     """
     out: dict[int, tuple[str, int]] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 ns = int(f.read().split()[0])

@@ -13,6 +13,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
+import attrs
+
 from p2pactor.programs.bench.report import BenchOptions, BenchReport, SectionResult, machine
 
 if TYPE_CHECKING:
@@ -38,8 +40,6 @@ def run_bench(
     options: BenchOptions, only: Sequence[str] = (), *, out: Any = sys.stdout
 ) -> BenchReport:
     """Run the sections (all, or ``only``) and return the report; print each table."""
-    import attrs  # noqa: PLC0415 - keeps the CLI's import light
-
     results: list[SectionResult] = []
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     where = machine()  # before the sections: its load average is the one they started at

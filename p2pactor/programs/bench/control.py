@@ -45,26 +45,24 @@ IDLE_TARGET_CORES = 0.02
 """The target for an idle node of ours (a note, never asserted)."""
 
 
-class _Side:
-    """One side's producer and consumer."""
+def _side(side: str) -> dict[str, LineProcess]:
+    """One side's producer and consumer, by role, started."""
+    ports = free_port(), free_port()
+    return {
+        role: LineProcess(
+            "p2pactor.programs.bench._control_peer",
+            json.dumps({"side": side, "role": role, "port": port, "peer_port": ports[0]}),
+            PYTHONHASHSEED="0",
+        )
+        for role, port in zip(("producer", "consumer"), ports, strict=True)
+    }
 
-    def __init__(self, side: str) -> None:
-        ports = free_port(), free_port()
-        self.procs = {
-            role: LineProcess(
-                "p2pactor.programs.bench._control_peer",
-                json.dumps({"side": side, "role": role, "port": port, "peer_port": ports[0]}),
-                PYTHONHASHSEED="0",
-            )
-            for role, port in zip(("producer", "consumer"), ports, strict=True)
-        }
-        self.producer, self.consumer = self.procs["producer"], self.procs["consumer"]
 
-    def cell(self, keys: int, conc: int, seconds: float) -> dict[str, Any]:
-        p0 = process_cpu_s(self.producer.pid)
-        result = self.consumer.ask({"keys": keys, "conc": conc, "seconds": seconds})
-        result["producer_cpu_s"] = process_cpu_s(self.producer.pid) - p0
-        return result
+def _cell(side: dict[str, LineProcess], keys: int, conc: int, seconds: float) -> dict[str, Any]:
+    """One cell's lookups on ``side``: the consumer's answer, with the producer's CPU."""
+    p0 = process_cpu_s(side["producer"].pid)
+    result = side["consumer"].ask({"keys": keys, "conc": conc, "seconds": seconds})
+    return result | {"producer_cpu_s": process_cpu_s(side["producer"].pid) - p0}
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -74,29 +72,28 @@ def run(options: BenchOptions) -> SectionResult:
     cells = QUICK_CELLS if options.quick else CELLS
     seconds = 0.5 if options.quick else 2.0
     repeats = max(1, options.repeats)
-    procs = {s: _Side(s) for s in sides}  # all start at once: their imports overlap
-    every = {side: list(p.procs.values()) for side, p in procs.items()}
+    procs = {s: _side(s) for s in sides}  # all start at once: their imports overlap
+    every = {side: list(p.values()) for side, p in procs.items()}
     results: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     leftovers: dict[str, dict[str, Any]] = {}
     try:
         t0 = time.perf_counter()
-        for p in procs.values():
-            p.producer.wait_ready()
-            p.consumer.wait_ready()
+        for proc in itertools.chain(*every.values()):
+            proc.wait_ready()
         startup = time.perf_counter() - t0
         for p in procs.values():  # the handshake, and the first lookups' one-off costs
-            p.cell(16, 1, 0.3)
+            _cell(p, 16, 1, 0.3)
         for rep in range(repeats):
             for keys, conc in cells:
                 for side in take_turns(rep, every):
-                    r = procs[side].cell(keys, conc, seconds)
+                    r = _cell(procs[side], keys, conc, seconds)
                     results.setdefault((side, keys, conc), []).append(r)
         for proc in itertools.chain(*every.values()):
             proc.pause(paused=False)
         idle = _idle(procs, QUICK_IDLE_S if options.quick else IDLE_S, min(repeats, 3))
         for side, p in procs.items():
-            p.consumer.close()
-            leftovers[side] = p.producer.close()
+            p["consumer"].close()
+            leftovers[side] = p["producer"].close()
     finally:
         for proc in itertools.chain(*every.values()):
             proc.kill()
@@ -163,17 +160,19 @@ def run(options: BenchOptions) -> SectionResult:
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
 
 
-def _idle(procs: dict[str, _Side], window: float, repeats: int) -> dict[str, list[float]]:
+def _idle(
+    procs: dict[str, dict[str, LineProcess]], window: float, repeats: int
+) -> dict[str, list[float]]:
     """Cores each process (``ours producer``...) spent per idle window, all side by side."""
-    every = {f"{s} {r}": proc for s, side in procs.items() for r, proc in side.procs.items()}
+    every = {f"{s} {r}": proc for s, side in procs.items() for r, proc in side.items()}
     cores: dict[str, list[float]] = {}
     for _ in range(repeats):
         before = {name: thread_cpu_ns(proc.pid) for name, proc in every.items()}
         w0 = time.perf_counter()
         for p in procs.values():
-            p.consumer.send({"idle": window})
+            p["consumer"].send({"idle": window})
         for p in procs.values():
-            p.consumer.answer()
+            p["consumer"].answer()
         wall = time.perf_counter() - w0
         for name, proc in every.items():
             was, now = before[name], thread_cpu_ns(proc.pid)

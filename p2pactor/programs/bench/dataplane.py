@@ -204,17 +204,15 @@ def tabulate(
     missed: list[str] = []
     for count, block_len in sizes:
         m, name = measured[count, block_len], label(count, block_len)
-        ours_raw = Stat.of(a / b for a, b in zip(m["ours"], m["raw"], strict=True))
-        fetch_raw = Stat.of(a / b for a, b in zip(m["fetch"], m["raw"], strict=True))
         row: dict[str, Cell] = {"batch": name, "MiB": count * block_len / MIB}
         row |= {"ours GB/s": Stat.of(m["ours"]), "fetch only GB/s": Stat.of(m["fetch"])}
         row["raw NIXL GB/s"] = Stat.of(m["raw"])
         if not across:
-            ours_memcpy = Stat.of(a / b for a, b in zip(m["ours"], m["memcpy"], strict=True))
-            row |= {"memcpy GB/s": Stat.of(m["memcpy"]), "ours/raw": ours_raw}
-            row["ours/memcpy"] = ratios[f"ours/memcpy {name}"] = ours_memcpy
-        row["ours/raw"] = ratios[f"ours/raw{across} {name}"] = ours_raw
-        row["fetch/raw"] = ratios[f"fetch only/raw{across} {name}"] = fetch_raw
+            row["memcpy GB/s"] = Stat.of(m["memcpy"])
+        row["ours/raw"] = ratios[f"ours/raw{across} {name}"] = ours_raw = _per(m, "ours", "raw")
+        if not across:
+            row["ours/memcpy"] = ratios[f"ours/memcpy {name}"] = _per(m, "ours", "memcpy")
+        row["fetch/raw"] = ratios[f"fetch only/raw{across} {name}"] = _per(m, "fetch", "raw")
         rows.append(row)
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
@@ -222,6 +220,10 @@ def tabulate(
         least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
         notes.append(f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met")
     return rows, ratios, notes
+
+
+def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
+    return Stat.of(a / b for a, b in zip(m[ours], m[reference], strict=True))
 
 
 def by_block_len(sizes: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
