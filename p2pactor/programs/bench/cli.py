@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from p2pactor.programs.bench.report import BenchOptions, BenchReport, SectionResult, machine
+from p2pactor.programs.bench.report import REPORT_VERSION, BenchOptions, SectionResult, machine
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -36,17 +36,21 @@ SECTIONS: tuple[str, ...] = (
 (a ``-`` in the name is a ``_`` in the module's)."""
 
 
+def _load(name: str) -> Any:
+    return importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
+
+
 def run_bench(
     options: BenchOptions, only: Sequence[str] = (), *, out: Any = sys.stdout
-) -> BenchReport:
-    """Run the sections (all, or ``only``) and return the report; print each table."""
+) -> dict[str, Any]:
+    """Run the sections (all, or ``only``), print each table; the JSON document of the run."""
     results: list[SectionResult] = []
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     where = machine()  # before the sections: its load average is the one they started at
     for name in SECTIONS:
         if only and name not in only:
             continue
-        section: Any = importlib.import_module(f"p2pactor.programs.bench.{name.replace('-', '_')}")
+        section = _load(name)
         t0 = time.perf_counter()
         try:
             result = section.run(options)
@@ -59,7 +63,13 @@ def run_bench(
         results.append(result)
         out.write(result.table() + "\n\n")
         out.flush()
-    return BenchReport(quick=options.quick, started=started, machine=where, sections=results)
+    return {
+        "version": REPORT_VERSION,
+        "quick": options.quick,
+        "started": started,
+        "machine": where,
+        "sections": [s.to_json() for s in results],
+    }
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -70,7 +80,7 @@ def _main(args: argparse.Namespace) -> int:
         # With --json -, stdout holds the JSON document alone: the tables go to stderr.
         to_stdout = args.json == "-"
         report = run_bench(options, args.only, out=sys.stderr if to_stdout else sys.stdout)
-    text = json.dumps(report.to_json(), indent=2) + "\n"
+    text = json.dumps(report, indent=2) + "\n"
     if to_stdout:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -78,7 +88,7 @@ def _main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text)
         sys.stderr.write(f"wrote {args.json}\n")
-    failed = [s.name for s in report.sections if s.skipped and s.skipped.startswith("failed")]
+    failed = [s["name"] for s in report["sections"] if (s["skipped"] or "").startswith("failed")]
     if failed:
         sys.stderr.write(f"p2pactor bench: section(s) failed: {', '.join(failed)}\n")
         return 1

@@ -1,6 +1,7 @@
 """What a benchmark section reports: statistics over repeats, rows, ratios, notes.
 
-The JSON written by ``p2pactor bench --json`` is :meth:`BenchReport.to_json`:
+The JSON written by ``p2pactor bench --json`` is
+:func:`~p2pactor.programs.bench.cli.run_bench`'s:
 ``{"version", "machine", "quick", "started", "sections": [...]}``, each section
 ``{"name", "title", "skipped", "rows", "ratios", "notes", "seconds"}``; a row
 is a flat object of numbers and strings (statistics as
@@ -152,23 +153,3 @@ def machine() -> dict[str, Any]:
         "platform": platform.platform(),
         "load_1min_at_start": os.getloadavg()[0],
     }
-
-
-@attrs.frozen(kw_only=True)
-class BenchReport:
-    """A whole ``p2pactor bench`` run."""
-
-    quick: bool
-    started: str
-    machine: Mapping[str, Any]
-    sections: Sequence[SectionResult]
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON document ``--json`` writes."""
-        return {
-            "version": REPORT_VERSION,
-            "quick": self.quick,
-            "started": self.started,
-            "machine": dict(self.machine),
-            "sections": [s.to_json() for s in self.sections],
-        }
