@@ -22,12 +22,11 @@ and ``TieringOffloadingManager`` make them of a secondary tier, each timed by a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,25 +88,16 @@ class Engine:
         self.done: list[Request] = []
         self.bad = 0  # loads failed, blocks with wrong bytes
         self.poll_meter = Meter()
-        self._stop = threading.Event()
+        self.stop = threading.Event()
+        # The tier-poll thread, as vLLM runs it for a tier that tolerates it.
         self.poller = threading.Thread(target=self._poll, name="vllm_offload_tier_poll")
 
     def _poll(self) -> None:
-        while not self._stop.wait(self.args.poll_ms / 1000):
+        while not self.stop.wait(self.args.poll_ms / 1000):
             meter = self.poll_meter  # replaced after the warm-up
             with self.lock:
                 self._finished(meter.call(self.tier.get_finished_jobs))
                 meter.call(self.tier.serve_external_requests, self.parent)
-
-    @contextlib.contextmanager
-    def polling(self) -> Iterator[None]:
-        """The tier-poll thread runs, as vLLM runs it for a tier that tolerates it."""
-        self.poller.start()
-        try:
-            yield
-        finally:
-            self._stop.set()
-            self.poller.join()
 
     def _finished(self, results: Any) -> None:
         """Job results (under the lock, from either thread): check every loaded block."""
@@ -208,14 +198,16 @@ def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> di
         pool = np.zeros((4096, shared.BLOCK_BYTES), dtype=np.uint8)
         tier = shared.make_tier(kind, pool, free_port())
         engine = Engine(tier, pool, args)
+        engine.poller.start()
         try:
-            with engine.polling():
-                engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
-                engine.bad, engine.poll_meter, meter = 0, Meter(), Meter()
-                cpu0, prod0 = sum(os.times()[:2]), process_cpu_s(producer.pid)
-                engine.run([Request(s, kind, "run", port) for s in specs], meter)
-                cpu1, prod1 = sum(os.times()[:2]), process_cpu_s(producer.pid)
+            engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
+            engine.bad, engine.poll_meter, meter = 0, Meter(), Meter()
+            cpu0, prod0 = sum(os.times()[:2]), process_cpu_s(producer.pid)
+            engine.run([Request(s, kind, "run", port) for s in specs], meter)
+            cpu1, prod1 = sum(os.times()[:2]), process_cpu_s(producer.pid)
         finally:
+            engine.stop.set()
+            engine.poller.join()
             tier.shutdown()
     finally:
         producer.close(timeout=60)

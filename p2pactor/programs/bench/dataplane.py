@@ -200,7 +200,6 @@ def tabulate(
     """The rows, ratios and notes of ``measured`` (``across``: ``" across hosts"``, no memcpy)."""
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
-    notes: list[str] = []
     missed: list[str] = []
     for count, block_len in sizes:
         m, name = measured[count, block_len], label(count, block_len)
@@ -216,6 +215,7 @@ def tabulate(
         rows.append(row)
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
+    notes: list[str] = []
     if any(count * block_len >= target_bytes for count, block_len in sizes):
         least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
         notes.append(f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met")

@@ -82,10 +82,9 @@ def _arm(
     finally:
         if a is not None:
             left += a.stop()
-    tokens = [r["tokens"] for r in runs]
     return _times(runs) | {
         "warm": _times(warm),
-        "tokens": tokens,
+        "tokens": [r["tokens"] for r in runs],
         "reference": outputs,
         "left": left,
     }
