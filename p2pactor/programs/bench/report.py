@@ -90,7 +90,6 @@ class SectionResult:
         ratios: Headline ratios (ours over reference), by a readable name.
         notes: Sentences printed under the table (targets met or missed, skips).
         skipped: Why the whole section did not run (e.g. vLLM not installed), or None.
-        seconds: How long the section took.
     """
 
     name: str
@@ -99,10 +98,9 @@ class SectionResult:
     ratios: Mapping[str, Stat] = attrs.field(factory=dict)
     notes: Sequence[str] = ()
     skipped: str | None = None
-    seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object of this section."""
+        """The JSON object of this section (``p2pactor bench`` adds ``seconds``, its time)."""
         return attrs.asdict(self, recurse=False) | {
             "rows": [
                 {k: v.to_json() if isinstance(v, Stat) else v for k, v in row.items()}
