@@ -872,8 +872,7 @@ async def test_regression_guard_large_writes_are_posted_off_the_trio_thread(
     the transport posts such writes from a worker thread
     (``inline_post_budget``: only writes predicted to post within 2 ms go
     inline). The test records the thread of every ``transfer()`` call, so it
-    judges where the post ran, not how long the loop waited (``p2pactor bench
-    --only dataplane`` measures the producer loop's longest stall).
+    judges where the post ran, not how long the loop waited.
     """
     num_blocks, block_len, writes = 64, 2 * 1024 * 1024, 4
     pool_a, pool_b = bytearray(num_blocks * block_len), bytearray(num_blocks * block_len)

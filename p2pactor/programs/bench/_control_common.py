@@ -16,29 +16,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
-
-TIER_METHODS = (
-    "has_pending_work",
-    "on_new_request",
-    "get_finished_jobs",
-    "lookup",
-    "serve_external_requests",
-    "submit_load",
-    "on_schedule_end",
-    "on_request_finished",
-)
-"""The tier methods the engine section times on the engine's thread, in report order."""
 
 
 def vllm_missing() -> str | None:
     """Why vLLM cannot be used here (a note), or None when it is importable."""
-    try:
-        found = importlib.util.find_spec("vllm") is not None
-    except (ImportError, ValueError):
-        found = False
-    return None if found else "vLLM is not importable here (pip install vllm==0.33.0)"
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not importable here (pip install vllm==0.33.0)"
+    return None
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -49,22 +35,6 @@ def child_env(**extra: str) -> dict[str, str]:
 def module_command(module: str, *args: str) -> list[str]:
     """The command line running ``python -m module args`` with this interpreter."""
     return [sys.executable, "-m", module, *args]
-
-
-def run_module(module: str, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m module args`` to the end; raise with its output's tail if it fails."""
-    done = subprocess.run(  # noqa: S603 - runs our own helper module
-        module_command(module, *args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=child_env(),
-        check=False,
-    )
-    if done.returncode != 0:
-        tail = (done.stdout[-1500:] + "\n" + done.stderr[-3000:]).strip()
-        raise RuntimeError(f"{module} exited with {done.returncode}:\n{tail}")
-    return done
 
 
 def nixl_missing() -> str:
@@ -164,25 +134,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def peak_rss_kib() -> int:
     """This process's peak resident memory in KiB (VmHWM), 0 where /proc has none."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    with open("/proc/self/status") as status:
+        return next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
 
 
 def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) of process ``pid`` so far; 0 if unreadable."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            # The command name may hold spaces: the fields start after its ")".
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, IndexError, ValueError):
-        return 0.0
+    """CPU seconds (user + system, every thread) of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        # The command name may hold spaces: the fields start after its ")".
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def thread_cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
@@ -192,11 +153,7 @@ def thread_cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
     takes its time with it: for processes whose threads live on (idle ones).
     """
     out: dict[int, tuple[str, int]] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 ns = int(f.read().split()[0])
@@ -348,3 +305,18 @@ class LineProcess:
             if pipe is not None:
                 with contextlib.suppress(BrokenPipeError):
                     pipe.close()
+
+
+def take_turns(rep: int, sides: Mapping[str, Sequence[LineProcess]]) -> Iterator[str]:
+    """Each side's name in turn (reversed every other ``rep``), its processes alone running.
+
+    The other sides' processes are stopped (SIGSTOP) meanwhile: vLLM's NIXL agent runs
+    a progress thread that spins, and on two cores two idle vLLM processes took half the
+    CPU from our side's run. A turn lasts seconds, well inside the 10 s heartbeat timeout.
+    """
+    for side in list(sides) if rep % 2 == 0 else list(sides)[::-1]:
+        for other, procs in sides.items():
+            for proc in procs:
+                proc.pause(paused=other != side)
+        time.sleep(0.05)  # let them catch up with their sockets before measuring
+        yield side

@@ -12,28 +12,22 @@ stdin closes:
   add the consumer's bare agent as the raw agent's peer;
 * ``{"cmd": "raw", "local": [...], "remote": [...], "iters": n}``: ``n`` raw
   WRITEs, each timed alone (post, then poll until DONE, no trio in between:
-  the node's loop is blocked meanwhile on purpose);
-* ``{"cmd": "trace"}``: the node's write timestamps since the last ``trace``
-  (``time.perf_counter``, CLOCK_MONOTONIC on Linux: comparable with the
-  consumer's), its loop's longest gap, its CPU seconds and write counters.
+  the node's loop is blocked meanwhile on purpose).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import trio
-import trio.lowlevel
 
-from p2pactor.programs.bench._control_common import say
-from p2pactor.runtime.config import NodeConfig
+from p2pactor.programs.bench._control_common import open_bench_node, say
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import chain_keys
 
@@ -116,49 +110,9 @@ def _descs(base: int, num_blocks: int, block_len: int) -> Any:
     return rows
 
 
-def _instrument(data: Any, trace: list[tuple[float, ...]]) -> None:
-    """Record each write's (started, posted in thread, transfer() returned, done).
-
-    Wrappers shadow the methods, for this process only: the transport's code
-    is what runs, the timestamps are added around it. Every post, inline or
-    from the poster's thread, goes through the pool's ``post``; the pool is
-    slotted, so its class is patched (this process has one pool).
-    """
-    pool_type = type(data._pool)
-    post_sync: Callable[..., Any] = pool_type.post
-    start_write: Callable[..., None] = data.start_write
-    posts: list[tuple[float, float]] = []
-
-    def timed_post(pool: Any, *args: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return post_sync(pool, *args)
-        finally:
-            posts.append((start, time.perf_counter()))
-
-    def timed_start(peer: str, local: Any, remote: Any, done: Callable[[str | None], None]) -> None:
-        called = time.perf_counter()
-        posts.clear()
-
-        def timed_done(error: str | None) -> None:
-            finished = time.perf_counter()
-            post = posts[-1] if posts else (called, called)
-            trace.append((called, post[0], post[1], finished))
-            done(error)
-
-        start_write(peer, local, remote, timed_done)
-
-    setattr(pool_type, "post", timed_post)  # noqa: B010 - shadowing a method on purpose
-    setattr(data, "start_write", timed_start)  # noqa: B010
-
-
 async def _serve(num_blocks: int, block_len: int, address: str) -> None:
     import torch  # noqa: PLC0415 - only the benchmark's processes need torch
 
-    from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
-    from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
-    from p2pactor.programs.demo.node import _commands  # noqa: PLC0415
-    from p2pactor.runtime.node import open_node  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
     from p2pactor.surface.attach import open_operator_surface  # noqa: PLC0415
 
@@ -167,55 +121,23 @@ async def _serve(num_blocks: int, block_len: int, address: str) -> None:
     for i, key in enumerate(bench_keys(num_blocks, block_len)):
         cache.store(key, block_content(i, block_len))
     raw = RawAgent(pool.data_ptr(), num_blocks, block_len)
-    trace: list[tuple[float, ...]] = []
-    gaps = [0.0]  # the loop's longest gap since the last trace
-    commands_send, commands = trio.open_memory_channel[dict[str, Any]](16)
-
-    async def ticker() -> None:
-        # A 1 ms sleeper: its longest gap is how long the loop stalled (plus
-        # about 1 ms of sleep), e.g. on a write posted inline.
-        last = time.perf_counter()
-        while True:
-            await trio.sleep(0.001)
-            now = time.perf_counter()
-            gaps[0] = max(gaps[0], now - last)
-            last = now
-
     async with (
-        open_zmq_transport(f"{address}:0", port=0) as control,
-        open_nixl_transport(pool, block_len, name="bench-producer") as data,
-        trio.open_nursery() as nursery,
+        open_bench_node(
+            0, pool, block_len, name="bench-producer", parent=cache, host=address, **CONFIG
+        ) as node,
+        open_operator_surface(node),  # as deployed: with its metrics
     ):
-        _instrument(data, trace)
-        nursery.start_soon(_commands, trio.lowlevel.FdStream(os.dup(0)), commands_send)
-        nursery.start_soon(ticker)
-        host, port = control.local_id.rsplit(":", 1)
-        config = NodeConfig(
-            host=host, port=int(port), num_blocks=num_blocks, block_len=block_len, **CONFIG
-        )
-        async with (
-            open_node(config, control=control, data=data, parent=cache) as node,
-            open_operator_surface(node),  # as deployed: with its metrics
-        ):
-            blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
-            say("READY " + json.dumps({"node_id": node.node_id, "blocks": blocks}))
-            async for cmd in commands:
-                if cmd["cmd"] == "raw_peer":
-                    raw.add_peer(
-                        bytes.fromhex(cmd["metadata"]), cmd["base_addr"], cmd["num_blocks"]
-                    )
-                    say({})
-                elif cmd["cmd"] == "raw":
-                    times = [raw.write(cmd["local"], cmd["remote"]) for _ in range(cmd["iters"])]
-                    gaps[0] = 0.0  # the raw loop blocked this loop on purpose
-                    say({"times": times})
-                elif cmd["cmd"] == "trace":
-                    stats = data.statistics()
-                    reply = {"writes": trace[:], "max_gap": gaps[0], "cpu": time.process_time()}
-                    say(reply | {"inline": stats.posted_inline, "done": stats.writes_done})
-                    trace.clear()
-                    gaps[0] = 0.0
-        nursery.cancel_scope.cancel()
+        blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
+        say("READY " + json.dumps({"node_id": node.node_id, "blocks": blocks}))
+        while line := await trio.to_thread.run_sync(sys.stdin.readline):
+            cmd = json.loads(line)
+            if cmd["cmd"] == "raw_peer":
+                raw.add_peer(bytes.fromhex(cmd["metadata"]), cmd["base_addr"], cmd["num_blocks"])
+                say({})
+            else:
+                say(
+                    {"times": [raw.write(cmd["local"], cmd["remote"]) for _ in range(cmd["iters"])]}
+                )
     raw.close()
 
 

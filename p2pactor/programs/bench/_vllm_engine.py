@@ -4,10 +4,10 @@
 and ``TieringOffloadingManager`` make them of a secondary tier, each timed by a
 :class:`Meter`:
 
-1. ``has_pending_work()``, under a short lock;
+1. ``has_pending_work()``, under the lock;
 2. ``admit`` new requests (``remote_kv_source`` naming the producer, ``keys``
    keys, a prefix of K/2..K on the producer) get ``on_new_request()``;
-3. ``schedule()``, under the step lock: ``get_finished_jobs()``, then ``lookup()`` of
+3. ``schedule()``, under the lock: ``get_finished_jobs()``, then ``lookup()`` of
    each waiting request's keys in order (past HIT and RETRY, up to the first MISS); a
    request with no RETRY left has its HIT prefix queued as one promotion; then
    ``serve_external_requests(parent)``, a ``submit_load()`` per promotion,
@@ -22,13 +22,11 @@ and ``TieringOffloadingManager`` make them of a secondary tier, each timed by a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,65 +34,36 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.tiering.base import TransferJob
 
 from p2pactor.programs.bench import _vllm_tier as shared
-from p2pactor.programs.bench._control_common import (
-    TIER_METHODS,
-    free_port,
-    percentile,
-    thread_cpu_ns,
-)
+from p2pactor.programs.bench._control_common import free_port, percentile, process_cpu_s
 from p2pactor.runtime.parent import EmbeddedCache
-
-RUN_TIMEOUT_S = 300.0
 
 
 class Meter:
-    """Wall time of the tier calls one thread makes, by method and per step, and its lock waits."""
+    """Wall time of the tier calls one thread makes, in all and per step."""
 
     def __init__(self) -> None:
-        self.total = dict.fromkeys(TIER_METHODS, 0)  # ns
+        self.ns = 0
         self.steps: list[int] = []  # ns in tier calls, per step
-        self._step = 0
-        self.lock_wait = 0
+        self._step_start = 0
 
-    def call(self, method: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call ``fn(*args)``, timing it as ``method``."""
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call ``fn(*args)``, timing it."""
         t0 = time.perf_counter_ns()
         try:
             return fn(*args)
         finally:
-            dt = time.perf_counter_ns() - t0
-            self.total[method] += dt
-            self._step += dt
-
-    @contextlib.contextmanager
-    def locked(self, lock: threading.Lock) -> Iterator[None]:
-        """Hold ``lock``, timing the wait for it."""
-        t0 = time.perf_counter_ns()
-        with lock:
-            self.lock_wait += time.perf_counter_ns() - t0
-            yield
+            self.ns += time.perf_counter_ns() - t0
 
     def end_step(self) -> None:
         """Close the current step."""
-        self.steps.append(self._step)
-        self._step = 0
-
-    def summary(self) -> dict[str, Any]:
-        """Totals (ms) and the per-step distribution (us)."""
-        return {
-            "steps": len(self.steps),
-            "tier_ms": sum(self.total.values()) / 1e6,
-            "step_p99_us": percentile(self.steps, 0.99) / 1e3 if self.steps else 0.0,
-            "step_max_us": max(self.steps, default=0) / 1e3,
-            "lock_wait_ms": self.lock_wait / 1e6,
-            "methods": {m: ns / 1e6 for m, ns in self.total.items()},
-        }
+        self.steps.append(self.ns - self._step_start)
+        self._step_start = self.ns
 
 
 class Request:
     """A request on the consumer: its context (naming the producer on ``port``), answers, load."""
 
-    __slots__ = ("answered", "answers", "chunks", "ctx", "spec", "started")
+    __slots__ = ("answers", "chunks", "ctx", "spec")
 
     def __init__(self, spec: shared.RequestSpec, kind: str, tag: str, port: int) -> None:
         self.spec = spec
@@ -104,7 +73,6 @@ class Request:
         self.ctx = ReqContext(req_id=f"req-{tag}-{spec.index}", kv_transfer_params=params)
         self.answers: list[LookupResult | None] = [None] * len(spec.keys)
         self.chunks: list[int] = []
-        self.started = self.answered = 0  # engine steps
 
 
 class Engine:
@@ -118,90 +86,60 @@ class Engine:
         self.jobs: dict[int, Request] = {}
         self.next_job = 1
         self.done: list[Request] = []
-        self.counts = {"loads_ok": 0, "loads_failed": 0, "keys_loaded": 0, "bad_blocks": 0}
+        self.bad = 0  # loads failed, blocks with wrong bytes
         self.poll_meter = Meter()
-        self.step = 0
-        self._stop = threading.Event()
+        self.stop = threading.Event()
+        # The tier-poll thread, as vLLM runs it for a tier that tolerates it.
         self.poller = threading.Thread(target=self._poll, name="vllm_offload_tier_poll")
 
     def _poll(self) -> None:
-        while not self._stop.wait(self.args.poll_ms / 1000):
+        while not self.stop.wait(self.args.poll_ms / 1000):
             meter = self.poll_meter  # replaced after the warm-up
             with self.lock:
-                self._finished(meter.call("get_finished_jobs", self.tier.get_finished_jobs))
-                meter.call(
-                    "serve_external_requests", self.tier.serve_external_requests, self.parent
-                )
-
-    @contextlib.contextmanager
-    def polling(self) -> Iterator[None]:
-        """The tier-poll thread runs, as vLLM runs it for a tier that tolerates it."""
-        if self.args.poll_ms > 0:
-            self.poller.start()
-        try:
-            yield
-        finally:
-            self._stop.set()
-            if self.poller.is_alive():
-                self.poller.join()
+                self._finished(meter.call(self.tier.get_finished_jobs))
+                meter.call(self.tier.serve_external_requests, self.parent)
 
     def _finished(self, results: Any) -> None:
         """Job results (under the lock, from either thread): check every loaded block."""
         for result in results:
-            req = self.jobs.pop(int(result.job_id), None)
-            if req is None:
-                continue
-            if result.success:
-                self.counts["loads_ok"] += 1
-                self.counts["keys_loaded"] += len(req.chunks)
-                for j, chunk in enumerate(req.chunks):
-                    stamp = shared.STAMP.pack(req.spec.index, j)
-                    if self.pool[chunk, : shared.STAMP.size].tobytes() != stamp:
-                        self.counts["bad_blocks"] += 1
-            else:
-                self.counts["loads_failed"] += 1
+            req = self.jobs.pop(int(result.job_id))
+            if not result.success:
+                self.bad += 1
+            for j, chunk in enumerate(req.chunks if result.success else ()):
+                stamp = shared.STAMP.pack(req.spec.index, j)
+                self.bad += self.pool[chunk, : shared.STAMP.size].tobytes() != stamp
             self.done.append(req)
 
-    def run(self, requests: Sequence[Request], meter: Meter) -> dict[str, Any]:
-        """Drive ``requests`` until all have finished; the wall time and steps to an answer."""
+    def run(self, requests: Sequence[Request], meter: Meter) -> None:
+        """Drive ``requests`` until all have finished."""
         tier, args, lock = self.tier, self.args, self.lock
         upcoming, waiting, finished = deque(requests), list[Request](), 0
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        t0 = time.perf_counter_ns()
         while finished < len(requests):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{finished}/{len(requests)} requests in {RUN_TIMEOUT_S:g} s")
-            with meter.locked(lock):  # 1. the engine's liveness check
-                meter.call("has_pending_work", tier.has_pending_work)
+            with lock:  # 1. the engine's liveness check
+                meter.call(tier.has_pending_work)
             new = [upcoming.popleft() for _ in range(min(args.admit, len(upcoming)))]
             for req in new:  # 2. add_request
-                with meter.locked(lock):
-                    meter.call("on_new_request", tier.on_new_request, req.ctx)
-                req.started = self.step
+                with lock:
+                    meter.call(tier.on_new_request, req.ctx)
             waiting.extend(new)
-            with meter.locked(lock):  # 3. schedule()
-                self._finished(meter.call("get_finished_jobs", tier.get_finished_jobs))
+            with lock:  # 3. schedule()
+                self._finished(meter.call(tier.get_finished_jobs))
                 promotions, waiting = self._lookups(waiting, meter)
-                meter.call("serve_external_requests", tier.serve_external_requests, self.parent)
+                meter.call(tier.serve_external_requests, self.parent)
                 for job in promotions:
-                    meter.call("submit_load", tier.submit_load, job)
+                    meter.call(tier.submit_load, job)
                 end = ScheduleEndContext(
                     new_req_ids=[r.ctx.req_id for r in new], preempted_req_ids=()
                 )
-                meter.call("on_schedule_end", tier.on_schedule_end, end)
+                meter.call(tier.on_schedule_end, end)
             time.sleep(args.step_ms / 1000)  # 4. the forward pass
-            with meter.locked(lock):  # 5. output processing
+            with lock:  # 5. output processing
                 done, self.done = self.done, []
                 for req in done:
-                    meter.call("on_request_finished", tier.on_request_finished, req.ctx)
+                    meter.call(tier.on_request_finished, req.ctx)
                     self.free.extend(req.chunks)
                     finished += 1
             meter.end_step()
-            self.step += 1
-        return {
-            "wall_s": (time.perf_counter_ns() - t0) / 1e9,
-            "steps_to_answer_mean": statistics.fmean(r.answered - r.started for r in requests),
-        }
 
     def _lookups(
         self, waiting: list[Request], meter: Meter
@@ -214,7 +152,7 @@ class Engine:
             for j, key in enumerate(req.spec.keys):
                 if req.answers[j] is LookupResult.HIT:
                     continue
-                answer = meter.call("lookup", self.tier.lookup, key, req.ctx)
+                answer = meter.call(self.tier.lookup, key, req.ctx)
                 if answer is LookupResult.HIT_PENDING:
                     answer = LookupResult.HIT
                 req.answers[j] = answer
@@ -224,7 +162,6 @@ class Engine:
             if retry:
                 still.append(req)
                 continue
-            req.answered = req.answered or self.step
             answers = req.answers
             hits = next(
                 (j for j, a in enumerate(answers) if a is not LookupResult.HIT), len(answers)
@@ -249,38 +186,36 @@ class Engine:
         return promotions, still
 
 
-def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> dict[str, Any]:
-    """One consumer of ``kind`` against its stopped producer: warm up, measure, tear down."""
+def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> dict[str, float]:
+    """One consumer of ``kind`` against its producer (on ``port``): warm up, measure, tear down.
+
+    The figures: milliseconds of the engine and poll threads in tier calls, the engine
+    steps' p99 in tier calls (us), CPU ms of this process and the producer's, and
+    ``bad``: failed loads and blocks with wrong bytes.
+    """
     specs = shared.workload(args.requests, args.keys)
-    producer.pause(paused=False)
     try:
-        me = os.getpid()
-        before = set(thread_cpu_ns(me))
         pool = np.zeros((4096, shared.BLOCK_BYTES), dtype=np.uint8)
         tier = shared.make_tier(kind, pool, free_port())
         engine = Engine(tier, pool, args)
+        engine.poller.start()
         try:
-            with engine.polling():
-                engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
-                engine.counts = dict.fromkeys(engine.counts, 0)
-                engine.poll_meter, meter = Meter(), Meter()
-                cpu0, prod0, times0 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
-                result = engine.run([Request(s, kind, "run", port) for s in specs], meter)
-                cpu1, prod1, times1 = thread_cpu_ns(me), thread_cpu_ns(producer.pid), os.times()
+            engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
+            engine.bad, engine.poll_meter, meter = 0, Meter(), Meter()
+            cpu0, prod0 = sum(os.times()[:2]), process_cpu_s(producer.pid)
+            engine.run([Request(s, kind, "run", port) for s in specs], meter)
+            cpu1, prod1 = sum(os.times()[:2]), process_cpu_s(producer.pid)
         finally:
+            engine.stop.set()
+            engine.poller.join()
             tier.shutdown()
     finally:
         producer.close(timeout=60)
-    role = {
-        threading.main_thread().native_id: "engine_thread",
-        engine.poller.native_id: "poll_thread",
+    return {
+        "engine_ms": meter.ns / 1e6,
+        "step_p99_us": percentile(meter.steps, 0.99) / 1e3,
+        "poll_ms": engine.poll_meter.ns / 1e6,
+        "process_cpu_ms": (cpu1 - cpu0) * 1e3,
+        "producer_cpu_ms": (prod1 - prod0) * 1e3,
+        "bad": engine.bad,
     }
-    cpu_ms = dict.fromkeys(("engine_thread", "poll_thread", "tier_threads", "other_threads"), 0.0)
-    for tid, (_, ns) in cpu1.items():
-        group = role.get(tid) or ("other_threads" if tid in before else "tier_threads")
-        cpu_ms[group] += (ns - cpu0.get(tid, ("", 0))[1]) / 1e6
-    cpu_ms["process"] = sum(times1[:2]) * 1e3 - sum(times0[:2]) * 1e3
-    cpu_ms["producer_process"] = sum(ns - prod0.get(t, ("", 0))[1] for t, (_, ns) in prod1.items())
-    cpu_ms["producer_process"] /= 1e6
-    figures = {"engine": meter.summary(), "poll": engine.poll_meter.summary(), "cpu_ms": cpu_ms}
-    return {**result, **figures, "counts": engine.counts}

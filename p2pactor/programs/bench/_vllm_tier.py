@@ -50,8 +50,6 @@ init_none_hash(sha256)
 
 HOST = "127.0.0.1"
 """Every benchmark process binds here."""
-TIERS = ("ours", "vllm")
-"""``ours``: p2pactor's vLLM adapter; ``vllm``: vLLM 0.33's own P2P tier."""
 STAMP = struct.Struct("<II")
 """(request, key) at the head of every producer block, checked after each load."""
 BLOCK_BYTES = 4096
@@ -120,9 +118,10 @@ class CacheParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any t
 
 
 def make_tier(kind: str, pool: Any, port: int) -> Any:
-    """One tier of ``kind`` over ``pool`` (a row per chunk), bound to ``HOST:port``."""
-    if kind not in TIERS:
-        raise ValueError(f"unknown tier {kind!r}; pick one of {TIERS}")
+    """One tier of ``kind`` over ``pool`` (a row per chunk), bound to ``HOST:port``.
+
+    ``ours``: p2pactor's vLLM adapter; ``vllm``: vLLM 0.33's own P2P tier.
+    """
     entry = tier_entry("ours" if kind == "ours" else "stock", HOST, port)
     options = StackOptions(
         tiers=[entry],

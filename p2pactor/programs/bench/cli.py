@@ -13,7 +13,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any
 
-from p2pactor.programs.bench.report import BenchOptions, BenchReport, SectionResult, machine
+from p2pactor.programs.bench.report import REPORT_VERSION, BenchOptions, SectionResult, machine
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -41,11 +41,9 @@ def _load(name: str) -> Any:
 
 def run_bench(
     options: BenchOptions, only: Sequence[str] = (), *, out: Any = sys.stdout
-) -> BenchReport:
-    """Run the sections (all, or ``only``) and return the report; print each table."""
-    import attrs  # noqa: PLC0415 - keeps the CLI's import light
-
-    results: list[SectionResult] = []
+) -> dict[str, Any]:
+    """Run the sections (all, or ``only``), print each table; the JSON document of the run."""
+    results: list[dict[str, Any]] = []
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     where = machine()  # before the sections: its load average is the one they started at
     for name in SECTIONS:
@@ -60,11 +58,16 @@ def run_bench(
             result = SectionResult(
                 name=name, title=section.TITLE, skipped=f"failed: {type(exc).__name__}: {exc}"
             )
-        result = attrs.evolve(result, seconds=round(time.perf_counter() - t0, 2))
-        results.append(result)
+        results.append(result.to_json() | {"seconds": round(time.perf_counter() - t0, 2)})
         out.write(result.table() + "\n\n")
         out.flush()
-    return BenchReport(quick=options.quick, started=started, machine=where, sections=results)
+    return {
+        "version": REPORT_VERSION,
+        "quick": options.quick,
+        "started": started,
+        "machine": where,
+        "sections": results,
+    }
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -75,7 +78,7 @@ def _main(args: argparse.Namespace) -> int:
         # With --json -, stdout holds the JSON document alone: the tables go to stderr.
         to_stdout = args.json == "-"
         report = run_bench(options, args.only, out=sys.stderr if to_stdout else sys.stdout)
-    text = json.dumps(report.to_json(), indent=2) + "\n"
+    text = json.dumps(report, indent=2) + "\n"
     if to_stdout:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -83,7 +86,7 @@ def _main(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             f.write(text)
         sys.stderr.write(f"wrote {args.json}\n")
-    failed = [s.name for s in report.sections if s.skipped and s.skipped.startswith("failed")]
+    failed = [s["name"] for s in report["sections"] if (s["skipped"] or "").startswith("failed")]
     if failed:
         sys.stderr.write(f"p2pactor bench: section(s) failed: {', '.join(failed)}\n")
         return 1

@@ -5,14 +5,16 @@ of K keys (every key a hit), processes of :mod:`p2pactor.programs.bench._control
 (whose docstring says what each side runs). All four processes start together and stay
 up; every repeat runs every cell on both sides in turn (alternating which goes first,
 the other side stopped), for a fixed time each: lookups/s, latency p50 and p99, CPU per
-lookup of both processes, medians over repeats with [min..max]; the ratios ours/vLLM per
-repeat. Then idle CPU: per repeat (at most 3) a window of 10 s (``--quick``: 1 s) in which
-nothing calls our nodes and vLLM's tiers are called every 1 ms as vLLM's tier-poll thread
-calls an idle engine's; every thread's CPU (schedstat) of all four processes.
+lookup of both processes, medians over repeats with [min..max]; ours/vLLM per cell (the
+median over repeats) and over the cells (their geometric mean, per repeat). Then idle
+CPU: per repeat (at most 3) a window of 10 s (``--quick``: 1 s) in which nothing calls
+our nodes and vLLM's tiers are called every 1 ms as vLLM's tier-poll thread calls an
+idle engine's; every thread's CPU (schedstat) of all four processes.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -22,6 +24,7 @@ from p2pactor.programs.bench._control_common import (
     LineProcess,
     free_port,
     process_cpu_s,
+    take_turns,
     thread_cpu_ns,
     vllm_missing,
 )
@@ -42,39 +45,24 @@ IDLE_TARGET_CORES = 0.02
 """The target for an idle node of ours (a note, never asserted)."""
 
 
-class _Side:
-    """One side's producer and consumer."""
+def _side(side: str) -> dict[str, LineProcess]:
+    """One side's producer and consumer, by role, started."""
+    ports = free_port(), free_port()
+    return {
+        role: LineProcess(
+            "p2pactor.programs.bench._control_peer",
+            json.dumps({"side": side, "role": role, "port": port, "peer_port": ports[0]}),
+            PYTHONHASHSEED="0",
+        )
+        for role, port in zip(("producer", "consumer"), ports, strict=True)
+    }
 
-    def __init__(self, side: str) -> None:
-        ports = free_port(), free_port()
-        self.procs = {
-            role: LineProcess(
-                "p2pactor.programs.bench._control_peer",
-                json.dumps({"side": side, "role": role, "port": port, "peer_port": ports[0]}),
-                PYTHONHASHSEED="0",
-            )
-            for role, port in zip(("producer", "consumer"), ports, strict=True)
-        }
-        self.producer, self.consumer = self.procs["producer"], self.procs["consumer"]
 
-    def cell(self, keys: int, conc: int, seconds: float) -> dict[str, Any]:
-        p0 = process_cpu_s(self.producer.pid)
-        result = self.consumer.ask({"keys": keys, "conc": conc, "seconds": seconds})
-        result["producer_cpu_s"] = process_cpu_s(self.producer.pid) - p0
-        return result
-
-    def pause(self, *, paused: bool) -> None:
-        """Stop (SIGSTOP) or continue (SIGCONT) both processes.
-
-        An idle side must not run beside the measured one: vLLM's NIXL agent
-        runs a progress thread that spins, and on two cores two idle vLLM
-        processes took half the CPU from our side's run. Cells are seconds
-        long, well inside both sides' 10 s heartbeat timeout.
-        """
-        for proc in self.procs.values():
-            proc.pause(paused=paused)
-        if not paused:
-            time.sleep(0.05)  # let them catch up with their sockets before measuring
+def _cell(side: dict[str, LineProcess], keys: int, conc: int, seconds: float) -> dict[str, Any]:
+    """One cell's lookups on ``side``: the consumer's answer, with the producer's CPU."""
+    p0 = process_cpu_s(side["producer"].pid)
+    result = side["consumer"].ask({"keys": keys, "conc": conc, "seconds": seconds})
+    return result | {"producer_cpu_s": process_cpu_s(side["producer"].pid) - p0}
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -84,60 +72,54 @@ def run(options: BenchOptions) -> SectionResult:
     cells = QUICK_CELLS if options.quick else CELLS
     seconds = 0.5 if options.quick else 2.0
     repeats = max(1, options.repeats)
-    procs = {s: _Side(s) for s in sides}  # all start at once: their imports overlap
+    procs = {s: _side(s) for s in sides}  # all start at once: their imports overlap
+    every = {side: list(p.values()) for side, p in procs.items()}
     results: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     leftovers: dict[str, dict[str, Any]] = {}
     try:
         t0 = time.perf_counter()
-        for p in procs.values():
-            p.producer.wait_ready()
-            p.consumer.wait_ready()
+        for proc in itertools.chain(*every.values()):
+            proc.wait_ready()
         startup = time.perf_counter() - t0
         for p in procs.values():  # the handshake, and the first lookups' one-off costs
-            p.cell(16, 1, 0.3)
+            _cell(p, 16, 1, 0.3)
         for rep in range(repeats):
             for keys, conc in cells:
-                for side in sides if rep % 2 == 0 else sides[::-1]:
-                    for other, p in procs.items():
-                        p.pause(paused=other != side)
-                    r = procs[side].cell(keys, conc, seconds)
+                for side in take_turns(rep, every):
+                    r = _cell(procs[side], keys, conc, seconds)
                     results.setdefault((side, keys, conc), []).append(r)
-        for p in procs.values():
-            p.pause(paused=False)
+        for proc in itertools.chain(*every.values()):
+            proc.pause(paused=False)
         idle = _idle(procs, QUICK_IDLE_S if options.quick else IDLE_S, min(repeats, 3))
         for side, p in procs.items():
-            p.consumer.close()
-            leftovers[side] = p.producer.close()
+            p["consumer"].close()
+            leftovers[side] = p["producer"].close()
     finally:
-        for p in procs.values():
-            for proc in p.procs.values():
-                proc.kill()
+        for proc in itertools.chain(*every.values()):
+            proc.kill()
     rows: list[dict[str, Cell]] = []
-    ratios: dict[str, Stat] = {}
-    medians: dict[str, list[float]] = {"tput": [], "p99": []}
     missed = []
+    per_cell: dict[str, list[list[float]]] = {"throughput": [], "p99": []}  # by cell, repeat
     for keys, conc in cells:
         ours = results["ours", keys, conc]
         row: dict[str, Cell] = {"keys": keys, "concurrent": conc, **_figures("ours", ours)}
         if "vllm" in sides:
             theirs = results["vllm", keys, conc]
-            row |= _figures("vLLM", theirs)
-            for what, name, of in (("tput", "throughput", _rate), ("p99", "p99", _p99)):
-                if per := ratio(map(of, ours), map(of, theirs)):
-                    ratios[f"{name} ours/vLLM {keys} keys x {conc}"] = per
-                    row[f"{what} ours/vLLM"] = per.median
-                    medians[what].append(per.median)
-            t, q = row.get("tput ours/vLLM"), row.get("p99 ours/vLLM")
-            if isinstance(t, float) and isinstance(q, float) and (t < 1.0 or q > 1.0):
+            pairs = list(zip(ours, theirs, strict=True))
+            per_cell["throughput"].append([_rate(a) / _rate(b) for a, b in pairs])
+            per_cell["p99"].append([a["p99_s"] / b["p99_s"] for a, b in pairs])
+            t, q = (statistics.median(per[-1]) for per in per_cell.values())
+            row |= _figures("vLLM", theirs) | {"tput ours/vLLM": t, "p99 ours/vLLM": q}
+            if t < 1.0 or q > 1.0:
                 missed.append(f"{keys}x{conc}: tput x{t:.2f}, p99 x{q:.2f}")
         rows.append(row)
-    if medians["tput"]:
-        ratios = {
-            f"{name} ours/vLLM (geomean of cells)": Stat.of(
-                [statistics.geometric_mean(v for v in medians[what] if v > 0)]
-            )
-            for what, name in (("tput", "throughput"), ("p99", "p99"))
-        } | ratios
+    ratios = {  # per repeat, over the cells
+        f"{name} ours/vLLM (geomean of cells)": Stat.of(
+            map(statistics.geometric_mean, zip(*per, strict=True))
+        )
+        for name, per in per_cell.items()
+        if per
+    }
     notes = [
         (
             f"{repeats} repeat(s) of {seconds:g} s per cell and side; every key a hit; "
@@ -170,7 +152,7 @@ def run(options: BenchOptions) -> SectionResult:
     for side, counters in leftovers.items():
         if held := {k: n for k, n in counters.items() if n}:
             notes.append(f"{side} producer still held after the run: {held}")
-    if medians["tput"]:
+    if "vllm" in sides:
         notes.append(
             "targets (throughput >= vLLM, p99 <= vLLM): "
             + ("met in every cell" if not missed else "missed in " + "; ".join(missed))
@@ -178,17 +160,19 @@ def run(options: BenchOptions) -> SectionResult:
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
 
 
-def _idle(procs: dict[str, _Side], window: float, repeats: int) -> dict[str, list[float]]:
+def _idle(
+    procs: dict[str, dict[str, LineProcess]], window: float, repeats: int
+) -> dict[str, list[float]]:
     """Cores each process (``ours producer``...) spent per idle window, all side by side."""
-    every = {f"{s} {r}": proc for s, side in procs.items() for r, proc in side.procs.items()}
+    every = {f"{s} {r}": proc for s, side in procs.items() for r, proc in side.items()}
     cores: dict[str, list[float]] = {}
     for _ in range(repeats):
         before = {name: thread_cpu_ns(proc.pid) for name, proc in every.items()}
         w0 = time.perf_counter()
         for p in procs.values():
-            p.consumer.send({"idle": window})
+            p["consumer"].send({"idle": window})
         for p in procs.values():
-            p.consumer.answer()
+            p["consumer"].answer()
         wall = time.perf_counter() - w0
         for name, proc in every.items():
             was, now = before[name], thread_cpu_ns(proc.pid)
@@ -198,11 +182,7 @@ def _idle(procs: dict[str, _Side], window: float, repeats: int) -> dict[str, lis
 
 
 def _rate(r: dict[str, Any]) -> float:
-    return float(r["lookups"]) / float(r["elapsed_s"]) if r["elapsed_s"] > 0 else 0.0
-
-
-def _p99(r: dict[str, Any]) -> float:
-    return float(r["p99_s"])
+    return float(r["lookups"]) / float(r["elapsed_s"])
 
 
 def _figures(who: str, rs: list[dict[str, Any]]) -> dict[str, Cell]:
@@ -211,6 +191,6 @@ def _figures(who: str, rs: list[dict[str, Any]]) -> dict[str, Cell]:
         f"{who} p50 ms": Stat.of(r["p50_s"] * 1e3 for r in rs),
         f"{who} p99 ms": Stat.of(r["p99_s"] * 1e3 for r in rs),
         f"{who} CPU us/lookup": Stat.of(
-            (r["cpu_s"] + r["producer_cpu_s"]) / max(1, r["lookups"]) * 1e6 for r in rs
+            (r["cpu_s"] + r["producer_cpu_s"]) / r["lookups"] * 1e6 for r in rs
         ),
     }

@@ -7,8 +7,7 @@ NIXL over torch pools. Per repeat, back to back: **ours** (``Node.lookup`` then
 same WRITE between the same blocks of the same processes from a bare agent, posted and
 polled to DONE with no trio, no actor, no message: the machine's limit) and **memcpy**
 (numpy, the same bytes, here). GB/s per operation, the median of a few per repeat;
-ratios per repeat. Per-phase timestamps (``perf_counter``, comparable across the two
-processes) say where ours spends its time.
+ratios per repeat.
 
 :func:`measure` is the ``hosts`` section's too, there run on a namespaced host
 (``python -m p2pactor.programs.bench.dataplane SPEC`` prints its figures as one
@@ -46,9 +45,6 @@ SIZES: tuple[tuple[int, int], ...] = ((64, 64 * KIB), (64, 256 * KIB), (64, MIB)
 TARGET = 0.9
 """ours / raw NIXL wanted for batches of 64 x 256 KiB and up."""
 
-_PHASES = ("lookup", "to write", "post hop", "transfer()", "completion", "transfer_done")
-_FIGURES = ("ours", "fetch", "raw", "memcpy", "stall_ms", "cpu_producer", "cpu_consumer")
-
 
 async def _progress_until(raw: RawAgent, done: trio.Event) -> None:
     """Drive the raw writes' target's progress, without pause, while they run.
@@ -81,7 +77,7 @@ async def measure(
 
     The producer runs here on loopback, or on ``host`` (a
     :class:`~p2pactor.programs.hosts.Host`'s fields); we are at ``address``. The
-    figures: per count, per repeat (and per fetch for the phases); per repeat,
+    figures: per count, per repeat, GB/s of each; per repeat,
     ``lookups`` single-key lookups' seconds (after 50 to warm up).
     """
     import torch  # noqa: PLC0415 - heavy; only this section needs it
@@ -90,7 +86,7 @@ async def measure(
     from p2pactor.programs.hosts import Host  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
 
-    most = max(counts, default=1)
+    most = max(counts, default=1)  # none: the lookups alone (hosts' loopback reference)
     keys = bench_keys(most, block_len)
     expected = np.stack([np.frombuffer(block_content(i, block_len), np.uint8) for i in range(most)])
     pool = torch.zeros(most * block_len, dtype=torch.uint8)
@@ -107,7 +103,9 @@ async def measure(
         return await trio.to_thread.run_sync(producer.ask, cmd, 120.0)
 
     raw_target = RawAgent(pool.data_ptr(), most, block_len)
-    figures: dict[int, dict[str, Any]] = {c: {k: [] for k in _FIGURES} for c in counts}
+    figures: dict[int, dict[str, Any]] = {
+        c: {k: [] for k in ("ours", "fetch", "raw", "memcpy")} for c in counts
+    }
     runs: list[list[float]] = []
     try:
         with trio.fail_after(120 + 30 * len(counts) * repeats):
@@ -120,9 +118,7 @@ async def measure(
             async with open_bench_node(
                 0, pool, block_len, name="bench-consumer", parent=cache, host=address, **CONFIG
             ) as node:
-                dest = cache.allocate(most)
-                if dest != list(range(most)):
-                    raise RuntimeError(f"expected blocks 0..{most - 1}, got {dest[:4]}...")
+                dest = cache.allocate(most)  # blocks 0..most-1: the pool's view checks them
                 ids = itertools.count()
 
                 async def ours(count: int, fetch: bool = True) -> tuple[float, float, float]:
@@ -159,25 +155,15 @@ async def measure(
                 # Warm up both paths: sessions, NIXL connections, first-touch pages.
                 await ours(most)
                 await raw(most, 1)
-                await ask({"cmd": "trace"})
                 for count in counts:
                     m, nbytes = figures[count], count * block_len
-                    m["phases"], m["inline"], m["writes"] = defaultdict(list), 0, 0
                     for _ in range(repeats):
                         blocks_view[:count] = 0
                         m["raw"].append(_gbps(nbytes, await raw(count, iters)))
                         check(count, "raw NIXL")
                         blocks_view[:count] = 0
-                        last = await ask({"cmd": "trace"})
-                        cpu = time.process_time()
                         spans = [await ours(count) for _ in range(iters)]
-                        m["cpu_consumer"].append((time.process_time() - cpu) / iters)
                         check(count, "p2pactor")
-                        traced = await ask({"cmd": "trace"})
-                        m["stall_ms"].append(traced["max_gap"] * 1e3)
-                        m["cpu_producer"].append((traced["cpu"] - last["cpu"]) / iters)
-                        m["inline"] += traced["inline"] - last["inline"]
-                        m["writes"] += traced["done"] - last["done"]
                         copies = []
                         for _ in range(iters):
                             t = time.perf_counter()
@@ -186,36 +172,17 @@ async def measure(
                         m["ours"].append(_gbps(nbytes, (c - a for a, _, c in spans)))
                         m["fetch"].append(_gbps(nbytes, (c - b for _, b, c in spans)))
                         m["memcpy"].append(_gbps(nbytes, copies))
-                        _phases(m["phases"], spans, traced["writes"])
                 if lookups:
                     for _ in range(50):
                         await ours(1, fetch=False)
                     for _ in range(repeats):
                         spans = [await ours(1, fetch=False) for _ in range(lookups)]
                         runs.append([b - a for a, b, _ in spans])
-                cache.free(dest)
         await trio.to_thread.run_sync(producer.close)
     finally:
         producer.kill()
         raw_target.close()
     return {"measured": {str(c): m for c, m in figures.items()}, "lookups": runs}
-
-
-def _phases(
-    phases: dict[str, list[float]],
-    spans: Sequence[tuple[float, float, float]],
-    trace: Sequence[Sequence[float]],
-) -> None:
-    """Add each fetch's per-phase seconds, matched with the producer's write trace."""
-    if len(trace) != len(spans):
-        return  # a write per fetch is expected; anything else is not attributable
-    for (t0, t1, t2), (called, posted, returned, done) in zip(spans, trace, strict=True):
-        for phase, s in zip(
-            _PHASES,
-            (t1 - t0, called - t1, posted - called, returned - posted, done - returned, t2 - done),
-            strict=True,
-        ):
-            phases[phase].append(s)
 
 
 def label(count: int, block_len: int) -> str:
@@ -233,39 +200,30 @@ def tabulate(
     """The rows, ratios and notes of ``measured`` (``across``: ``" across hosts"``, no memcpy)."""
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
-    notes: list[str] = []
     missed: list[str] = []
     for count, block_len in sizes:
         m, name = measured[count, block_len], label(count, block_len)
-        ours_raw = Stat.of(a / b for a, b in zip(m["ours"], m["raw"], strict=True))
-        fetch_raw = Stat.of(a / b for a, b in zip(m["fetch"], m["raw"], strict=True))
         row: dict[str, Cell] = {"batch": name, "MiB": count * block_len / MIB}
         row |= {"ours GB/s": Stat.of(m["ours"]), "fetch only GB/s": Stat.of(m["fetch"])}
         row["raw NIXL GB/s"] = Stat.of(m["raw"])
         if not across:
-            ours_memcpy = Stat.of(a / b for a, b in zip(m["ours"], m["memcpy"], strict=True))
-            row |= {"memcpy GB/s": Stat.of(m["memcpy"]), "ours/raw": ours_raw}
-            row["ours/memcpy"] = ratios[f"ours/memcpy {name}"] = ours_memcpy
-        row["ours/raw"] = ratios[f"ours/raw{across} {name}"] = ours_raw
-        row["fetch/raw"] = ratios[f"fetch only/raw{across} {name}"] = fetch_raw
-        row["producer stall ms"] = Stat.of(m["stall_ms"])
+            row["memcpy GB/s"] = Stat.of(m["memcpy"])
+        row["ours/raw"] = ratios[f"ours/raw{across} {name}"] = ours_raw = _per(m, "ours", "raw")
+        if not across:
+            row["ours/memcpy"] = ratios[f"ours/memcpy {name}"] = _per(m, "ours", "memcpy")
+        row["fetch/raw"] = ratios[f"fetch only/raw{across} {name}"] = _per(m, "fetch", "raw")
         rows.append(row)
-        if any(m["phases"].values()):
-            parts = ", ".join(
-                f"{p} {statistics.median(v) * 1e3:.2f}" for p, v in m["phases"].items()
-            )
-            notes.append(
-                f"{name} where ours spends its time (median ms): {parts}; "
-                f"{m['inline']} of {m['writes']} producer writes posted inline; CPU per fetch "
-                f"(ms, every thread): producer {statistics.median(m['cpu_producer']) * 1e3:.2f}, "
-                f"consumer {statistics.median(m['cpu_consumer']) * 1e3:.2f}"
-            )
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
+    notes: list[str] = []
     if any(count * block_len >= target_bytes for count, block_len in sizes):
         least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
         notes.append(f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met")
     return rows, ratios, notes
+
+
+def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
+    return Stat.of(a / b for a, b in zip(m[ours], m[reference], strict=True))
 
 
 def by_block_len(sizes: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
@@ -292,8 +250,7 @@ def run(options: BenchOptions) -> SectionResult:
     notes.insert(
         0,
         f"ours = lookup + fetch through the Node API, fetch only = fetch to transfer_done; "
-        f"{options.repeats} repeats of {ops} operations each (by block size); producer stall "
-        "= its trio loop's longest gap (a 1 ms sleeper's) per repeat",
+        f"{options.repeats} repeats of {ops} operations each (by block size)",
     )
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
 

@@ -82,10 +82,9 @@ def _arm(
     finally:
         if a is not None:
             left += a.stop()
-    tokens = [r["tokens"] for r in runs]
     return _times(runs) | {
         "warm": _times(warm),
-        "tokens": tokens,
+        "tokens": [r["tokens"] for r in runs],
         "reference": outputs,
         "left": left,
     }
@@ -148,18 +147,13 @@ def run(options: BenchOptions) -> SectionResult:
         return Stat.of((o - f) / max(s - f, 1e-6) for o, s, f in triples)
 
     rows.append(row("floor: B's own KV cache", floor, None, None))
-    ratios = {
-        "generate time, p2pactor / vLLM's tier": over("generate_s", "ours", "stock"),
-        "generate time, p2pactor / no P2P": over("generate_s", "ours", "none"),
-        "generate time, vLLM's tier / no P2P": over("generate_s", "stock", "none"),
-        "time to first token, p2pactor / vLLM's tier": over("ttft_s", "ours", "stock"),
-        "time to first token, p2pactor / no P2P": over("ttft_s", "ours", "none"),
-        "generate time above the floor, p2pactor / vLLM's tier": above("generate_s"),
-        "time to first token above the floor, p2pactor / vLLM's tier": above("ttft_s"),
-    }
-    best = Stat.of(
-        f / s for f, s in zip(floor["generate_s"], results["stock"]["generate_s"], strict=True)
-    ).median
+    ratios: dict[str, Stat] = {}
+    for key, what in (("generate_s", "generate time"), ("ttft_s", "time to first token")):
+        ratios[f"{what}, p2pactor / vLLM's tier"] = over(key, "ours", "stock")
+        ratios[f"{what}, p2pactor / no P2P"] = over(key, "ours", "none")
+        ratios[f"{what} above the floor, p2pactor / vLLM's tier"] = above(key)
+    pairs = zip(floor["generate_s"], results["stock"]["generate_s"], strict=True)
+    best = statistics.median(f / s for f, s in pairs)
     ours_stock = ratios["generate time, p2pactor / vLLM's tier"].median
     notes = [
         (

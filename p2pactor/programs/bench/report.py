@@ -1,6 +1,7 @@
 """What a benchmark section reports: statistics over repeats, rows, ratios, notes.
 
-The JSON written by ``p2pactor bench --json`` is :meth:`BenchReport.to_json`:
+The JSON written by ``p2pactor bench --json`` is
+:func:`~p2pactor.programs.bench.cli.run_bench`'s:
 ``{"version", "machine", "quick", "started", "sections": [...]}``, each section
 ``{"name", "title", "skipped", "rows", "ratios", "notes", "seconds"}``; a row
 is a flat object of numbers and strings (statistics as
@@ -34,8 +35,6 @@ class Stat:
     def of(cls, values: Iterable[float]) -> Stat:
         """The statistics of ``values`` (at least one)."""
         xs = sorted(values)
-        if not xs:
-            raise ValueError("Stat.of needs at least one value")
         return cls(median=statistics.median(xs), min=xs[0], max=xs[-1], n=len(xs))
 
     def scaled(self, factor: float) -> Stat:
@@ -91,7 +90,6 @@ class SectionResult:
         ratios: Headline ratios (ours over reference), by a readable name.
         notes: Sentences printed under the table (targets met or missed, skips).
         skipped: Why the whole section did not run (e.g. vLLM not installed), or None.
-        seconds: How long the section took.
     """
 
     name: str
@@ -100,10 +98,9 @@ class SectionResult:
     ratios: Mapping[str, Stat] = attrs.field(factory=dict)
     notes: Sequence[str] = ()
     skipped: str | None = None
-    seconds: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        """The JSON object of this section."""
+        """The JSON object of this section (``p2pactor bench`` adds ``seconds``, its time)."""
         return attrs.asdict(self, recurse=False) | {
             "rows": [
                 {k: v.to_json() if isinstance(v, Stat) else v for k, v in row.items()}
@@ -145,43 +142,12 @@ def _cell_text(value: Cell) -> str:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        load = -1.0
+    with open("/proc/cpuinfo") as f:
+        models = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
     return {
-        "cpu": cpu,
+        "cpu": models[0] if models else platform.machine(),
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "load_1min_at_start": load,
+        "load_1min_at_start": os.getloadavg()[0],
     }
-
-
-@attrs.frozen(kw_only=True)
-class BenchReport:
-    """A whole ``p2pactor bench`` run."""
-
-    quick: bool
-    started: str
-    machine: Mapping[str, Any]
-    sections: Sequence[SectionResult]
-
-    def to_json(self) -> dict[str, Any]:
-        """The JSON document ``--json`` writes."""
-        return {
-            "version": REPORT_VERSION,
-            "quick": self.quick,
-            "started": self.started,
-            "machine": dict(self.machine),
-            "sections": [s.to_json() for s in self.sections],
-        }
