@@ -94,6 +94,7 @@ from p2pactor.adapters._zmq_socket import (
     make_socket,
     note,
 )
+from p2pactor.runtime.addresses import node_id_port, peer_host
 from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
@@ -168,8 +169,8 @@ async def open_zmq_transport(
     if curve is not None:
         check_keypair(curve.keypair)  # before anything is bound
     options = options or ZmqOptions()
-    host, sep, id_port = local_id.rpartition(":")
-    if not sep or not host or not (id_port.isascii() and id_port.isdigit()) or int(id_port) != port:
+    host = peer_host(local_id)
+    if node_id_port(local_id) != port:
         raise ValueError(f"local_id must be 'host:{port}', got {local_id!r}")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     if options.batch_io_threads and hasattr(os, "SCHED_BATCH"):

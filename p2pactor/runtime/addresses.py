@@ -47,6 +47,21 @@ def is_loopback(host: str) -> bool:
         return False  # any other name: it may resolve anywhere
 
 
+def node_id_port(address: str) -> int | None:
+    """The port of a node id (``host:port``), or None if ``address`` is not one.
+
+    The host is not empty and holds no space nor any of ``,"'#/;`` (separators
+    of address lists, key files and ZeroMQ endpoints); the port is digits, at
+    most 65535. Port 0 is for callers to refuse: only a node yet to bind has it.
+    """
+    host, _, port = address.rpartition(":")  # no ":": no host
+    if not host or not (port.isascii() and port.isdigit()):
+        return None
+    if int(port) > 65535 or any(c.isspace() or c in ",\"'#/;" for c in host):
+        return None
+    return int(port)
+
+
 def peer_host(peer_id: str) -> str:
     """The host half of a node id (``host:port``)."""
     return peer_id.rpartition(":")[0]

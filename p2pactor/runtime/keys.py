@@ -33,6 +33,7 @@ import attrs
 
 from p2pactor.errors import ConfigError
 from p2pactor.runtime import zpl
+from p2pactor.runtime.addresses import node_id_port
 
 PUBLIC_SUFFIX: Final = ".key"
 """File name suffix of a public certificate (what peers trust)."""
@@ -52,13 +53,7 @@ KEYGEN_HINT: Final = "p2pactor keygen STEM --address HOST:PORT"
 
 
 def _check_address(address: str, where: str) -> str:
-    host, _, port = address.rpartition(":")  # no ":": no host
-    if (
-        not host
-        or not (port.isascii() and port.isdigit())
-        or not 0 < int(port) <= 65535
-        or any(c.isspace() or c in ",\"'#/;" for c in host)
-    ):
+    if not node_id_port(address):
         raise ConfigError(
             f"{where}: {address!r} is not a node id: give host:port with a port from 1 to "
             "65535, the host exactly as the node is configured (its --host)"
