@@ -3,8 +3,9 @@
 Runtime and adapters pass these dicts as ``extra=``; the formatters of
 :mod:`p2pactor.surface.logsetup` print them (as JSON fields in the JSON format).
 They live here, below the operator surface, so the runtime never imports it.
-Also the rate-limited WARNING a session writes when a peer never fetched what
-its lookups pinned (:class:`ExpiryWarnings`).
+Also the lines an adapter begins with who says them (:class:`Notes`), and the
+rate-limited WARNING a session writes when a peer never fetched what its
+lookups pinned (:class:`ExpiryWarnings`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,32 @@ def parent_request_context(context: str, *, node: str | None = None) -> dict[str
     match = _PARENT_CONTEXT.fullmatch(context)
     peer, kv_request_id = (None, None) if match is None else match.group("peer", "kv")
     return request_context(peer, kv_request_id, node=node)
+
+
+class Notes:
+    """Lines to one logger that begin with who says them: ``{prefix}{who}: message``.
+
+    ``who`` is the ``node`` field too when ``who_is_node`` (a node's id, not a
+    NIXL agent's name). At ``ERROR`` and above, the exception being handled
+    goes with the line.
+    """
+
+    __slots__ = ("_log", "_prefix", "_who_is_node")
+
+    def __init__(self, log: logging.Logger, prefix: str = "", *, who_is_node: bool) -> None:
+        self._log = log
+        self._prefix = prefix + "%s: "
+        self._who_is_node = who_is_node
+
+    def __call__(
+        self, level: int, who: str, message: str, *args: object, peer: str | None = None
+    ) -> None:
+        """Log ``message`` (``%``-formatted with ``args``) as ``who``'s, about ``peer`` if given."""
+        extra = request_context(peer, None, node=who if self._who_is_node else None)
+        line = self._prefix + message
+        self._log.log(
+            level, line, who, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2
+        )
 
 
 _session_log = logging.getLogger("p2pactor.session")
