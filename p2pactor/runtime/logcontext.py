@@ -85,25 +85,46 @@ _session_log = logging.getLogger("p2pactor.session")
 INTERVAL_S = 10.0
 
 
-class ExpiryWarnings:
+class Throttle:
+    """One line at most per ``interval`` seconds; those held back in between are counted.
+
+    So that a peer's flood of the same misdeed cannot flood the log.
+    """
+
+    __slots__ = ("_held", "_interval", "_said_at")
+
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._said_at = -math.inf
+        self._held = 0
+
+    def due(self, now: float) -> int | None:
+        """How many lines were held back since the last said, if one is due ``now``; else None.
+
+        None counts the line held back.
+        """
+        if now < self._said_at + self._interval:
+            self._held += 1
+            return None
+        held, self._held = self._held, 0
+        self._said_at = now
+        return held
+
+
+class ExpiryWarnings(Throttle):
     """Says at WARNING, at most once per :data:`INTERVAL_S`, that pins of a peer's expired."""
 
-    __slots__ = ("_logged_at", "_node_id", "_peer_id", "_unlogged")
+    __slots__ = ("_node_id", "_peer_id")
 
     def __init__(self, peer_id: str, node_id: str) -> None:
+        super().__init__(INTERVAL_S)
         self._peer_id = peer_id
         self._node_id = node_id
-        self._logged_at = -math.inf
-        self._unlogged = 0
 
     def pin_expired(self, kv_request_id: str, event: ev.PinReleased) -> None:
         """Say that the peer never fetched the blocks ``event`` released (or only count it)."""
-        now = event.at
-        if now < self._logged_at + INTERVAL_S:
-            self._unlogged += 1
+        if (more := self.due(event.at)) is None:
             return
-        more, self._unlogged = self._unlogged, 0
-        self._logged_at = now
         _session_log.warning(
             "%s never fetched the blocks its lookup for %s pinned: released pin %d (%s)%s; "
             "a peer that looks up and does not fetch holds blocks for nothing (check that it "
