@@ -16,6 +16,7 @@ import re
 from typing import Final
 
 from p2pactor.core import events as ev
+from p2pactor.core.ids import ActorId
 
 # Record attributes the formatters add when a log call set them through ``extra=``.
 CONTEXT_FIELDS: Final = ("node", "peer", "kv_request_id")
@@ -31,6 +32,11 @@ def request_context(
     """
     values = (node, peer, kv_request_id)
     return {name: v for name, v in zip(CONTEXT_FIELDS, values, strict=True) if v is not None}
+
+
+def actor_context(actor: ActorId, *, node: str | None = None) -> dict[str, str]:
+    """The ``extra=`` of a line about one request actor: its peer and kv_request_id."""
+    return request_context(actor.peer, actor.kv_request_id, node=node)
 
 
 def peer_context(peer: str, *, node: str | None = None) -> dict[str, str]:

@@ -29,7 +29,7 @@ from p2pactor.core.producer import ProducerState, pin_expired
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
 from p2pactor.runtime.dialect import FEATURE_SESSION_ROUNDS
 from p2pactor.runtime.handshake import ControlLink, SessionState
-from p2pactor.runtime.logcontext import ExpiryWarnings, request_context
+from p2pactor.runtime.logcontext import ExpiryWarnings, actor_context, request_context
 from p2pactor.runtime.transport import ControlConnection
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class SessionActors(ControlLink):
                 log.error(
                     "%s ended before its parent answer; releasing its pin",
                     actor.id,
-                    extra=self._request_extra(actor.id.kv_request_id),
+                    extra=actor_context(actor.id, node=self._config.node_id),
                 )
                 self._host.release_pin(event_input.pin.job_id, success=False)
             return None
