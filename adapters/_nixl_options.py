@@ -8,12 +8,13 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from functools import partial
 from typing import Final
 
 import attrs
 
 from p2pactor.core import checks
-from p2pactor.runtime.logcontext import Notes
+from p2pactor.runtime import logcontext
 
 # Polls and deadlines are computed from these: inf would never end.
 _positive = checks.positive(finite=True)
@@ -24,7 +25,7 @@ _positive_or_none: checks.Validator = attrs.validators.optional(_positive)
 log = logging.getLogger("p2pactor.nixl")
 
 
-note: Final = Notes(log, "NIXL agent ", who_is_node=False)
+note: Final = partial(logcontext.note, log, prefix="NIXL agent ", who_is_node=False)
 """Log ``NIXL agent <agent>: message`` (``%``-formatted), with ``peer`` as its field."""
 
 

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Iterable
+from functools import partial
 from typing import Final, cast
 
 import attrs
@@ -26,7 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 from p2pactor.core import checks
 from p2pactor.core.protocol import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.errors import P2PActorError
-from p2pactor.runtime.logcontext import Notes
+from p2pactor.runtime import logcontext
 
 log = logging.getLogger("p2pactor.zmq")
 
@@ -147,7 +148,7 @@ class ZmqStatistics:
     auth_refused: int = 0
 
 
-note: Final = Notes(log, who_is_node=True)
+note: Final = partial(logcontext.note, log, who_is_node=True)
 """Log ``node: message`` (``%``-formatted), with ``node`` and ``peer`` as its fields."""
 
 

@@ -3,7 +3,7 @@
 Runtime and adapters pass these dicts as ``extra=``; the formatters of
 :mod:`p2pactor.surface.logsetup` print them (as JSON fields in the JSON format).
 They live here, below the operator surface, so the runtime never imports it.
-Also the lines an adapter begins with who says them (:class:`Notes`), and the
+Also the lines an adapter begins with who says them (:func:`note`), and the
 rate-limited WARNING a session writes when a peer never fetched what its
 lookups pinned (:class:`ExpiryWarnings`).
 """
@@ -59,30 +59,26 @@ def parent_request_context(context: str, *, node: str | None = None) -> dict[str
     return request_context(peer, kv_request_id, node=node)
 
 
-class Notes:
-    """Lines to one logger that begin with who says them: ``{prefix}{who}: message``.
+def note(
+    log: logging.Logger,
+    level: int,
+    who: str,
+    message: str,
+    *args: object,
+    peer: str | None = None,
+    prefix: str = "",
+    who_is_node: bool,
+) -> None:
+    """Log ``{prefix}{who}: message`` (``%``-formatted), with ``peer`` as its field.
 
     ``who`` is the ``node`` field too when ``who_is_node`` (a node's id, not a
     NIXL agent's name). At ``ERROR`` and above, the exception being handled
-    goes with the line.
+    goes with the line. An adapter binds ``log``, ``prefix`` and ``who_is_node``
+    (``functools.partial``).
     """
-
-    __slots__ = ("_log", "_prefix", "_who_is_node")
-
-    def __init__(self, log: logging.Logger, prefix: str = "", *, who_is_node: bool) -> None:
-        self._log = log
-        self._prefix = prefix + "%s: "
-        self._who_is_node = who_is_node
-
-    def __call__(
-        self, level: int, who: str, message: str, *args: object, peer: str | None = None
-    ) -> None:
-        """Log ``message`` (``%``-formatted with ``args``) as ``who``'s, about ``peer`` if given."""
-        extra = request_context(peer, None, node=who if self._who_is_node else None)
-        line = self._prefix + message
-        self._log.log(
-            level, line, who, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2
-        )
+    extra = request_context(peer, None, node=who if who_is_node else None)
+    line = prefix + "%s: " + message
+    log.log(level, line, who, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2)
 
 
 _session_log = logging.getLogger("p2pactor.session")
