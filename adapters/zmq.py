@@ -126,7 +126,7 @@ def _log_security(transport: ZmqControlTransport, bind_host: str | None) -> None
         note(
             logging.INFO, node, what, port, curve.keypair.public_key, len(keyring), keyring.where()
         )
-    if bind_host and bind_host != node.rpartition(":")[0]:
+    if bind_host and bind_host != peer_host(node):
         # Which address is which, said once: a wrong one shows only as peers that never answer.
         what = "control ROUTER bound on %s:%d; peers dial %s"
         note(logging.INFO, node, what, bind_host, port, node)
