@@ -16,7 +16,8 @@ import attrs
 
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.config import NodeConfig, fingerprint_of, peer_ids, slow_step_from_ms
+from p2pactor.runtime.addresses import peer_ids
+from p2pactor.runtime.config import NodeConfig, fingerprint_of, slow_step_from_ms
 from p2pactor.runtime.sources import SourceOptions
 
 try:

@@ -10,6 +10,7 @@ accepts) a peer on another host (:func:`dial_refusal`).
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 
 import attrs
 
@@ -60,6 +61,16 @@ def node_id_port(address: str) -> int | None:
     if int(port) > 65535 or any(c.isspace() or c in ",\"'#/;" for c in host):
         return None
     return int(port)
+
+
+def peer_ids(value: str | Iterable[str]) -> frozenset[str]:
+    """Peer ids (``host:port``) from a collection, or from one comma-separated string.
+
+    The string is what a flag, a variable or a tier option gives (``"a:1, b:2"``).
+    Each id is stripped; blank ones are dropped. Not checked (:func:`node_id_port`).
+    """
+    items = value.split(",") if isinstance(value, str) else value
+    return frozenset(stripped for p in items if (stripped := p.strip()))
 
 
 def peer_host(peer_id: str) -> str:

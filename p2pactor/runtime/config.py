@@ -23,7 +23,7 @@ from p2pactor.core import checks
 from p2pactor.core.protocol import DEFAULT_LIMITS, Limits
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.addresses import check_bind_host, check_host, is_loopback, peer_host
+from p2pactor.runtime.addresses import check_bind_host, check_host, is_loopback, peer_host, peer_ids
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
 from p2pactor.runtime.sources import DEFAULT_SOURCES, SourceOptions
@@ -77,16 +77,6 @@ def _peer_set(value: Iterable[str]) -> frozenset[str]:
         raise ConfigError(
             "allowed_peers and seed_peers take a collection of 'host:port' strings, not one string"
         )
-    return frozenset(value)
-
-
-def peer_ids(value: str | Iterable[str]) -> frozenset[str]:
-    """Peer ids (``host:port``) from a collection, or from one comma-separated string.
-
-    The string is what a flag, a variable or a tier option gives (``"a:1, b:2"``).
-    """
-    if isinstance(value, str):
-        return frozenset(p.strip() for p in value.split(",") if p.strip())
     return frozenset(value)
 
 
