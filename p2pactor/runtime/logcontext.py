@@ -4,8 +4,7 @@ Runtime and adapters pass these dicts as ``extra=``; the formatters of
 :mod:`p2pactor.surface.logsetup` print them (as JSON fields in the JSON format).
 They live here, below the operator surface, so the runtime never imports it.
 Also the lines an adapter begins with who says them (:func:`note`), and the
-rate-limited WARNING a session writes when a peer never fetched what its
-lookups pinned (:class:`ExpiryWarnings`).
+limit on how often a line that a peer can repeat at will is said (:class:`Throttle`).
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import math
 import re
 from typing import Final
 
-from p2pactor.core import events as ev
 from p2pactor.core.ids import ActorId
 
 # Record attributes the formatters add when a log call set them through ``extra=``.
@@ -81,12 +79,6 @@ def note(
     log.log(level, line, who, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2)
 
 
-_session_log = logging.getLogger("p2pactor.session")
-
-# At most one line per session this often: a peer that never fetches expires many pins.
-INTERVAL_S = 10.0
-
-
 class Throttle:
     """One line at most per ``interval`` seconds; those held back in between are counted.
 
@@ -111,30 +103,3 @@ class Throttle:
         held, self._held = self._held, 0
         self._said_at = now
         return held
-
-
-class ExpiryWarnings(Throttle):
-    """Says at WARNING, at most once per :data:`INTERVAL_S`, that pins of a peer's expired."""
-
-    __slots__ = ("_node_id", "_peer_id")
-
-    def __init__(self, peer_id: str, node_id: str) -> None:
-        super().__init__(INTERVAL_S)
-        self._peer_id = peer_id
-        self._node_id = node_id
-
-    def pin_expired(self, kv_request_id: str, event: ev.PinReleased) -> None:
-        """Say that the peer never fetched the blocks ``event`` released (or only count it)."""
-        if (more := self.due(event.at)) is None:
-            return
-        _session_log.warning(
-            "%s never fetched the blocks its lookup for %s pinned: released pin %d (%s)%s; "
-            "a peer that looks up and does not fetch holds blocks for nothing (check that it "
-            "runs p2pactor or vLLM's tier, and that its fetches reach this node)",
-            self._peer_id,
-            kv_request_id,
-            event.job_id,
-            event.reason,
-            f"; {more} more such releases since the last line" if more else "",
-            extra=request_context(self._peer_id, kv_request_id, node=self._node_id),
-        )
