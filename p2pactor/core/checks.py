@@ -107,10 +107,9 @@ def env_values(
     """
     values: dict[str, Any] = {}
     for name, (field, parse) in table.items():
-        if not (raw := env.get(name)):
-            continue
-        try:
-            values[field] = parse(raw)
-        except ValueError:
-            raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
+        if raw := env.get(name):
+            try:
+                values[field] = parse(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
     return values

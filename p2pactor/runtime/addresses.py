@@ -56,11 +56,8 @@ def node_id_port(address: str) -> int | None:
     most 65535. Port 0 is for callers to refuse: only a node yet to bind has it.
     """
     host, _, port = address.rpartition(":")  # no ":": no host
-    if not host or not (port.isascii() and port.isdigit()):
-        return None
-    if int(port) > 65535 or any(c.isspace() or c in ",\"'#/;" for c in host):
-        return None
-    return int(port)
+    valid = host and port.isascii() and port.isdigit() and int(port) <= 65535
+    return int(port) if valid and not any(c.isspace() or c in ",\"'#/;" for c in host) else None
 
 
 def peer_ids(value: str | Iterable[str]) -> frozenset[str]:
