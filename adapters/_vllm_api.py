@@ -216,8 +216,7 @@ def tier_config(
     # The CURVE keys are read once host and port are known: the key must
     # speak for this rank's id, not for the environment's default one.
     chosen = {k: given.pop(k) for k in ("host", "bind_host") if k in given}
-    env = {k: v for k, v in os.environ.items() if k not in _CURVE_ENV.values()}
-    base = NodeConfig.from_env(env, **chosen)
+    base = NodeConfig.from_env(**chosen, **dict.fromkeys(_CURVE_ENV))
     slow_ms = given.get("slow_step_ms")
     dp_index = int(offloading_spec.config.parallel.data_parallel_index)
     try:
