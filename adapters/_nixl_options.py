@@ -8,10 +8,13 @@ import os
 import re
 import threading
 from collections.abc import Iterator
+from functools import partial
+from typing import Final
 
 import attrs
 
 from p2pactor.core import checks
+from p2pactor.runtime import logcontext
 
 # Polls and deadlines are computed from these: inf would never end.
 _positive = checks.positive(finite=True)
@@ -22,10 +25,8 @@ _positive_or_none: checks.Validator = attrs.validators.optional(_positive)
 log = logging.getLogger("p2pactor.nixl")
 
 
-def note(level: int, agent: str, message: str, *args: object, peer: str | None = None) -> None:
-    """Log ``NIXL agent <agent>: message`` (``%``-formatted), with ``peer`` as its field."""
-    line = "NIXL agent %s: " + message
-    log.log(level, line, agent, *args, extra={} if peer is None else {"peer": peer}, stacklevel=2)
+note: Final = partial(logcontext.note, log, prefix="NIXL agent ", who_is_node=False)
+"""Log ``NIXL agent <agent>: message`` (``%``-formatted), with ``peer`` as its field."""
 
 
 # Held while os.environ is read and set (ucx_tcp_environment).

@@ -16,7 +16,8 @@ import attrs
 
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.config import NodeConfig, fingerprint_of, peer_ids, slow_step_from_ms
+from p2pactor.runtime.addresses import peer_ids
+from p2pactor.runtime.config import NodeConfig, fingerprint_of, slow_step_from_ms
 from p2pactor.runtime.sources import SourceOptions
 
 try:
@@ -220,8 +221,7 @@ def tier_config(
     # The CURVE keys are read once host and port are known: the key must
     # speak for this rank's id, not for the environment's default one.
     chosen = {k: given.pop(k) for k in ("host", "bind_host") if k in given}
-    env = {k: v for k, v in os.environ.items() if k not in _CURVE_ENV.values()}
-    base = NodeConfig.from_env(env, **chosen)
+    base = NodeConfig.from_env(**chosen, **dict.fromkeys(_CURVE_ENV))
     slow_ms = given.get("slow_step_ms")
     dp_index = int(offloading_spec.config.parallel.data_parallel_index)
     try:

@@ -13,6 +13,7 @@ import zmq
 from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _curve_client, _handshake_failure
 from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor, make_socket, note
 from p2pactor.core.protocol import Frame
+from p2pactor.runtime.addresses import node_id_port
 from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
 
 if TYPE_CHECKING:
@@ -23,15 +24,6 @@ if TYPE_CHECKING:
 _MASK = (
     zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
 )
-
-
-def _peer_address(peer_id: str) -> str | None:
-    """``tcp://host:port`` for a peer id, or None if it is not ``host:port``."""
-    host, sep, port = peer_id.rpartition(":")
-    valid = sep and host and port.isascii() and port.isdigit() and 0 < int(port) <= 65535
-    return (
-        None if not valid or any(c.isspace() or c in "/;" for c in host) else f"tcp://{host}:{port}"
-    )
 
 
 class ZmqConnection:
@@ -75,9 +67,9 @@ class ZmqConnection:
     def _dial(self) -> None:
         """A DEALER to the peer (identity ``local_id``), its monitor, and their tasks."""
         peer_id, transport, options = self.peer_id, self._transport, self._options
-        address = _peer_address(peer_id)
-        if address is None:
+        if not node_id_port(peer_id):
             raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
+        address = f"tcp://{peer_id}"
         settings: list[tuple[int, int | bytes]] = [
             (zmq.IDENTITY, transport.local_id.encode()),
             (zmq.SNDHWM, options.send_hwm),

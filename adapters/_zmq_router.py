@@ -11,7 +11,7 @@ from typing import Literal
 import trio
 import zmq
 
-from p2pactor.adapters._zmq_connection import ZmqConnection, _peer_address
+from p2pactor.adapters._zmq_connection import ZmqConnection
 from p2pactor.adapters._zmq_curve import _CurveGate
 from p2pactor.adapters._zmq_socket import (
     COPY_BELOW,
@@ -23,6 +23,7 @@ from p2pactor.adapters._zmq_socket import (
     note,
     note_count,
 )
+from p2pactor.runtime.addresses import node_id_port
 from p2pactor.runtime.transport import ConnectionLost
 
 _REFAIR_EVERY = 4  # frames read between the ROUTER's looks for newly readable connections
@@ -304,7 +305,7 @@ class ZmqControlTransport:
 
     def _accept_new(self, peer_id: str) -> ZmqConnection | None:
         """An inbound connection for a peer's first frame, or None (frame dropped)."""
-        if _peer_address(peer_id) is None:
+        if not node_id_port(peer_id):
             self._drop(f"a frame from identity {peer_id[:64]!r}, which is not host:port")
             return None
         if self._allowed is not None and not self._allowed(peer_id):

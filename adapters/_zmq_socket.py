@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Iterable
+from functools import partial
 from typing import Final, cast
 
 import attrs
@@ -26,7 +27,7 @@ from zmq.utils.monitor import parse_monitor_message
 from p2pactor.core import checks
 from p2pactor.core.protocol import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.errors import P2PActorError
-from p2pactor.runtime.logcontext import request_context
+from p2pactor.runtime import logcontext
 
 log = logging.getLogger("p2pactor.zmq")
 
@@ -147,14 +148,8 @@ class ZmqStatistics:
     auth_refused: int = 0
 
 
-def note(level: int, node: str, message: str, *args: object, peer: str | None = None) -> None:
-    """Log ``node: message`` (``%``-formatted), with ``node`` and ``peer`` as its fields.
-
-    At ``ERROR`` and above, the exception being handled goes with it.
-    """
-    line = "%s: " + message
-    extra = request_context(peer, None, node=node)
-    log.log(level, line, node, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2)
+note: Final = partial(logcontext.note, log, who_is_node=True)
+"""Log ``node: message`` (``%``-formatted), with ``node`` and ``peer`` as its fields."""
 
 
 def note_count(node: str, done: str, what: str, count: int, *, peer: str | None = None) -> None:

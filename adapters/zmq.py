@@ -94,6 +94,7 @@ from p2pactor.adapters._zmq_socket import (
     make_socket,
     note,
 )
+from p2pactor.runtime.addresses import node_id_port, peer_host
 from p2pactor.runtime.keys import CurveSecurity
 
 __all__ = [
@@ -125,7 +126,7 @@ def _log_security(transport: ZmqControlTransport, bind_host: str | None) -> None
         note(
             logging.INFO, node, what, port, curve.keypair.public_key, len(keyring), keyring.where()
         )
-    if bind_host and bind_host != node.rpartition(":")[0]:
+    if bind_host and bind_host != peer_host(node):
         # Which address is which, said once: a wrong one shows only as peers that never answer.
         what = "control ROUTER bound on %s:%d; peers dial %s"
         note(logging.INFO, node, what, bind_host, port, node)
@@ -168,8 +169,8 @@ async def open_zmq_transport(
     if curve is not None:
         check_keypair(curve.keypair)  # before anything is bound
     options = options or ZmqOptions()
-    host, sep, id_port = local_id.rpartition(":")
-    if not sep or not host or not (id_port.isascii() and id_port.isdigit()) or int(id_port) != port:
+    host = peer_host(local_id)
+    if node_id_port(local_id) != port:
         raise ValueError(f"local_id must be 'host:{port}', got {local_id!r}")
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     if options.batch_io_threads and hasattr(os, "SCHED_BATCH"):

@@ -1,4 +1,4 @@
-"""The attrs validators the option and config classes share.
+"""The attrs validators and the environment reader the option and config classes share.
 
 Each raises :class:`~p2pactor.errors.ConfigError` naming the class and the field
 (``NodeConfig.port must be ...``), so the message tells an operator which
@@ -17,7 +17,7 @@ setting to fix. Unlike ``attrs.validators.gt``/``ge`` (plain ``ValueError``, and
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeGuard
 
 import attrs
@@ -92,3 +92,24 @@ def instance_of(kind: type) -> Validator:
             _refuse(instance, attribute, value, f"a {kind.__name__}")
 
     return check
+
+
+def env_values(
+    env: Mapping[str, str], table: Mapping[str, tuple[str, Callable[[str], Any]]]
+) -> dict[str, Any]:
+    """The fields the variables of ``env`` set, parsed, as ``table`` says (name: field, parser).
+
+    An unset or empty variable sets nothing, so the field keeps its default.
+
+    Raises:
+        ConfigError: A parser refused a value (a ValueError); the message names
+            the variable.
+    """
+    values: dict[str, Any] = {}
+    for name, (field, parse) in table.items():
+        if raw := env.get(name):
+            try:
+                values[field] = parse(raw)
+            except ValueError:
+                raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
+    return values

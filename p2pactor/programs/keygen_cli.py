@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"{_PROG}: {exc}\n")
         return 2
+    host, _, port = addresses[0].rpartition(":")
     out = sys.stdout
     out.write(
         f"Wrote a CURVE key pair for {', '.join(addresses)}:\n"
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         f"  1. On every peer, copy {public_path.name} into its trusted directory "
         "(its --curve-trusted DIR) and restart it.\n"
         "  2. Put the peers' .key files into this node's trusted directory, then start it:\n"
-        f"       p2pactor serve --host {_host_of(addresses[0])} --port {_port_of(addresses[0])} "
+        f"       p2pactor serve --host {shlex.quote(host)} --port {port} "
         f"--curve-secret-key {shlex.quote(os.fspath(secret_path))} --curve-trusted DIR\n"
         "     (or set P2PACTOR_CURVE_SECRET_KEY and P2PACTOR_CURVE_TRUSTED; in vLLM, the tier "
         "options curve_secret_key and curve_trusted).\n"
@@ -114,11 +115,3 @@ def _stem(text: str) -> Path:
             "(the secret key should live in a folder only this node's user can read)"
         )
     return stem
-
-
-def _host_of(address: str) -> str:
-    return shlex.quote(address.rpartition(":")[0])
-
-
-def _port_of(address: str) -> str:
-    return address.rpartition(":")[2]

@@ -26,7 +26,8 @@ import attrs
 import trio
 
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.config import NodeConfig, peer_ids, slow_step_from_ms
+from p2pactor.runtime.addresses import peer_ids
+from p2pactor.runtime.config import NodeConfig, slow_step_from_ms
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.samples import block_bytes, preload_keys

@@ -30,7 +30,7 @@ from p2pactor.core.fold import ActorState, initial_state, is_terminal
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerInput, next_producer_deadline, step_producer
 from p2pactor.core.timings import Timings
-from p2pactor.runtime.logcontext import request_context
+from p2pactor.runtime.logcontext import actor_context
 
 log = logging.getLogger("p2pactor.actor")
 
@@ -141,7 +141,7 @@ class RequestActor:
                 "%s: %s (a bug in p2pactor: please report it with this traceback)",
                 self.id,
                 what,
-                extra=request_context(self.id.peer, self.id.kv_request_id),
+                extra=actor_context(self.id),
             )
             host.stepped(self, event_input, None)
 

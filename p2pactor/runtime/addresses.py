@@ -10,6 +10,7 @@ accepts) a peer on another host (:func:`dial_refusal`).
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Iterable
 
 import attrs
 
@@ -45,6 +46,28 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False  # any other name: it may resolve anywhere
+
+
+def node_id_port(address: str) -> int | None:
+    """The port of a node id (``host:port``), or None if ``address`` is not one.
+
+    The host is not empty and holds no space nor any of ``,"'#/;`` (separators
+    of address lists, key files and ZeroMQ endpoints); the port is digits, at
+    most 65535. Port 0 is for callers to refuse: only a node yet to bind has it.
+    """
+    host, _, port = address.rpartition(":")  # no ":": no host
+    valid = host and port.isascii() and port.isdigit() and int(port) <= 65535
+    return int(port) if valid and not any(c.isspace() or c in ",\"'#/;" for c in host) else None
+
+
+def peer_ids(value: str | Iterable[str]) -> frozenset[str]:
+    """Peer ids (``host:port``) from a collection, or from one comma-separated string.
+
+    The string is what a flag, a variable or a tier option gives (``"a:1, b:2"``).
+    Each id is stripped; blank ones are dropped. Not checked (:func:`node_id_port`).
+    """
+    items = value.split(",") if isinstance(value, str) else value
+    return frozenset(stripped for p in items if (stripped := p.strip()))
 
 
 def peer_host(peer_id: str) -> str:

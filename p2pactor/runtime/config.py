@@ -14,7 +14,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Final
 
 import attrs
@@ -23,7 +23,7 @@ from p2pactor.core import checks
 from p2pactor.core.protocol import DEFAULT_LIMITS, Limits
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.addresses import check_bind_host, check_host, is_loopback, peer_host
+from p2pactor.runtime.addresses import check_bind_host, check_host, is_loopback, peer_host, peer_ids
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
 from p2pactor.runtime.sources import DEFAULT_SOURCES, SourceOptions
@@ -77,16 +77,6 @@ def _peer_set(value: Iterable[str]) -> frozenset[str]:
         raise ConfigError(
             "allowed_peers and seed_peers take a collection of 'host:port' strings, not one string"
         )
-    return frozenset(value)
-
-
-def peer_ids(value: str | Iterable[str]) -> frozenset[str]:
-    """Peer ids (``host:port``) from a collection, or from one comma-separated string.
-
-    The string is what a flag, a variable or a tier option gives (``"a:1, b:2"``).
-    """
-    if isinstance(value, str):
-        return frozenset(p.strip() for p in value.split(",") if p.strip())
     return frozenset(value)
 
 
@@ -320,49 +310,47 @@ class NodeConfig:
                 names it.
         """
         env = os.environ if env is None else env
-        values: dict[str, Any] = {}
-
-        def read(name: str, field: str, parse: Any) -> None:
-            if not (raw := env.get(name)):
-                return
-            try:
-                values[field] = parse(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
-
-        def share(raw: str) -> SourceOptions:
-            if raw not in ("0", "1"):
-                raise ConfigError(f"P2PACTOR_SUMMARIES={raw!r}: set it to 1 (on) or 0 (off)")
-            return attrs.evolve(DEFAULT_SOURCES, share=raw == "1")
-
-        def slow_step(raw: str) -> float | None:
-            return slow_step_from_ms(raw, said=f"P2PACTOR_SLOW_STEP_MS={raw!r}")
-
-        read("VLLM_P2P_SIDE_CHANNEL_HOST", "host", str)
-        read("P2PACTOR_BIND_HOST", "bind_host", str)
-        read("VLLM_P2P_SIDE_CHANNEL_PORT", "port", int)
-        read("VLLM_P2P_MAX_PEERS", "max_peers", int)
-        read("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "handshake_timeout", float)
-        read("VLLM_P2P_IDLE_TIMEOUT_S", "idle_timeout", float)
-        read("PYTHONHASHSEED", "hash_seed", str)
-        read("P2PACTOR_NUM_BLOCKS", "num_blocks", int)
-        read("P2PACTOR_BLOCK_LEN", "block_len", int)
-        read("P2PACTOR_FINGERPRINT", "fingerprint", str)
-        read("P2PACTOR_DASHBOARD_PORT", "dashboard_port", int)
-        read("P2PACTOR_DASHBOARD_HOST", "dashboard_host", str)
-        read("P2PACTOR_METRICS_PORT", "metrics_port", int)
-        read("P2PACTOR_METRICS_HOST", "metrics_host", str)
-        read("P2PACTOR_CURVE_SECRET_KEY", "curve_secret_key", str)
-        read("P2PACTOR_CURVE_TRUSTED", "curve_trusted", str)
-        read("P2PACTOR_ALLOWED_PEERS", "allowed_peers", peer_ids)
-        read("P2PACTOR_SEED_PEERS", "seed_peers", peer_ids)
-        read("P2PACTOR_SUMMARIES", "sources", share)
-        read("P2PACTOR_SLOW_STEP_MS", "slow_step_s", slow_step)
+        values = checks.env_values(env, _ENV)
         quotas = PeerQuotas.from_env(env)  # P2PACTOR_QUOTA_*: see docs/quotas.md
         if quotas is not None:
             values["quotas"] = quotas
         values.update(overrides)
         return cls(**values)
+
+
+def _share(raw: str) -> SourceOptions:
+    if raw not in ("0", "1"):
+        raise ConfigError(f"P2PACTOR_SUMMARIES={raw!r}: set it to 1 (on) or 0 (off)")
+    return attrs.evolve(DEFAULT_SOURCES, share=raw == "1")
+
+
+def _slow_step_ms(raw: str) -> float | None:
+    return slow_step_from_ms(raw, said=f"P2PACTOR_SLOW_STEP_MS={raw!r}")
+
+
+# What NodeConfig.from_env reads: a variable's name, the field it sets, its parser.
+_ENV: Final[dict[str, tuple[str, Callable[[str], Any]]]] = {
+    "VLLM_P2P_SIDE_CHANNEL_HOST": ("host", str),
+    "P2PACTOR_BIND_HOST": ("bind_host", str),
+    "VLLM_P2P_SIDE_CHANNEL_PORT": ("port", int),
+    "VLLM_P2P_MAX_PEERS": ("max_peers", int),
+    "VLLM_P2P_HANDSHAKE_TIMEOUT_S": ("handshake_timeout", float),
+    "VLLM_P2P_IDLE_TIMEOUT_S": ("idle_timeout", float),
+    "PYTHONHASHSEED": ("hash_seed", str),
+    "P2PACTOR_NUM_BLOCKS": ("num_blocks", int),
+    "P2PACTOR_BLOCK_LEN": ("block_len", int),
+    "P2PACTOR_FINGERPRINT": ("fingerprint", str),
+    "P2PACTOR_DASHBOARD_PORT": ("dashboard_port", int),
+    "P2PACTOR_DASHBOARD_HOST": ("dashboard_host", str),
+    "P2PACTOR_METRICS_PORT": ("metrics_port", int),
+    "P2PACTOR_METRICS_HOST": ("metrics_host", str),
+    "P2PACTOR_CURVE_SECRET_KEY": ("curve_secret_key", str),
+    "P2PACTOR_CURVE_TRUSTED": ("curve_trusted", str),
+    "P2PACTOR_ALLOWED_PEERS": ("allowed_peers", peer_ids),
+    "P2PACTOR_SEED_PEERS": ("seed_peers", peer_ids),
+    "P2PACTOR_SUMMARIES": ("sources", _share),
+    "P2PACTOR_SLOW_STEP_MS": ("slow_step_s", _slow_step_ms),
+}
 
 
 def slow_step_from_ms(ms: object, *, said: str) -> float | None:

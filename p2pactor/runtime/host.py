@@ -30,7 +30,7 @@ from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import LoadResult
 from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.log import EventLog
-from p2pactor.runtime.logcontext import peer_context, request_context
+from p2pactor.runtime.logcontext import actor_context, peer_context
 from p2pactor.runtime.loopwatch import LoopWatch
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.peers import PeerRegistry
@@ -267,9 +267,7 @@ class NodeHost(ThreadSafeSources):
                     "an event watcher failed on %s; it keeps its subscription (fix the "
                     "watcher: see the traceback)",
                     actor.id,
-                    extra=request_context(
-                        actor.id.peer, actor.id.kv_request_id, node=self.config.node_id
-                    ),
+                    extra=actor_context(actor.id, node=self.config.node_id),
                 )
         if actor in self.answers:
             self.check_answers(actor)

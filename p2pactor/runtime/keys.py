@@ -33,6 +33,7 @@ import attrs
 
 from p2pactor.errors import ConfigError
 from p2pactor.runtime import zpl
+from p2pactor.runtime.addresses import node_id_port, peer_ids
 
 PUBLIC_SUFFIX: Final = ".key"
 """File name suffix of a public certificate (what peers trust)."""
@@ -51,21 +52,6 @@ KEYGEN_HINT: Final = "p2pactor keygen STEM --address HOST:PORT"
 # --- addresses ------------------------------------------------------------------
 
 
-def _check_address(address: str, where: str) -> str:
-    host, _, port = address.rpartition(":")  # no ":": no host
-    if (
-        not host
-        or not (port.isascii() and port.isdigit())
-        or not 0 < int(port) <= 65535
-        or any(c.isspace() or c in ",\"'#/;" for c in host)
-    ):
-        raise ConfigError(
-            f"{where}: {address!r} is not a node id: give host:port with a port from 1 to "
-            "65535, the host exactly as the node is configured (its --host)"
-        )
-    return address
-
-
 def parse_addresses(value: str | Iterable[str], where: str = "address") -> frozenset[str]:
     """The node ids in ``value``: one ``host:port``, a comma-separated list, or a collection.
 
@@ -73,10 +59,14 @@ def parse_addresses(value: str | Iterable[str], where: str = "address") -> froze
         ConfigError: One is not ``host:port`` (``where`` names the source), or
             there are none.
     """
-    items = value.split(",") if isinstance(value, str) else list(value)
-    addresses = frozenset(_check_address(a.strip(), where) for a in items if a.strip())
+    addresses = peer_ids(value)
     if not addresses:
         raise ConfigError(f"{where}: no address given: give the node's host:port")
+    if bad := sorted(a for a in addresses if not node_id_port(a)):
+        raise ConfigError(
+            f"{where}: {bad[0]!r} is not a node id: give host:port with a port from 1 to "
+            "65535, the host exactly as the node is configured (its --host)"
+        )
     return addresses
 
 

@@ -19,7 +19,7 @@ from p2pactor.core import protocol as wire
 from p2pactor.core.events import Quota
 from p2pactor.core.producer import ProducerState
 from p2pactor.core.producer_state import RoundState
-from p2pactor.runtime.logcontext import request_context
+from p2pactor.runtime.logcontext import Throttle, request_context
 from p2pactor.runtime.quotas import HELD, PeerQuotas, PeerUsage
 
 log = logging.getLogger("p2pactor.quotas")
@@ -35,8 +35,7 @@ class _Peer:
     held: Counter[Quota] = attrs.field(factory=Counter)  # by the quotas of HELD
     peak_pinned: int = 0
     refusals: Counter[Quota] = attrs.field(factory=Counter)
-    last_logged: dict[Quota, float] = attrs.field(factory=dict)
-    unlogged: Counter[Quota] = attrs.field(factory=Counter)
+    said: dict[Quota, Throttle] = attrs.field(factory=dict)  # its refusals' log lines
 
 
 @attrs.define(eq=False)
@@ -259,11 +258,11 @@ class QuotaLedger:
     ) -> None:
         p = self._peer(peer)
         p.refusals[quota] += 1
-        last = p.last_logged.get(quota)
-        if last is not None and now - last < self.quotas.log_interval:
-            p.unlogged[quota] += 1
+        throttle = p.said.get(quota)
+        if throttle is None:
+            throttle = p.said[quota] = Throttle(self.quotas.log_interval)
+        if (more := throttle.due(now)) is None:
             return
-        more = p.unlogged.pop(quota, 0)
         tail = f" ({more} more refusals of this kind since the last message)" if more else ""
         log.warning(
             "refused %s over its %s quota: %s%s; if this peer may use more, raise "
@@ -275,4 +274,3 @@ class QuotaLedger:
             quota.value.upper(),
             extra=request_context(peer, kv_request_id),
         )
-        p.last_logged[quota] = now

@@ -3,8 +3,8 @@
 Runtime and adapters pass these dicts as ``extra=``; the formatters of
 :mod:`p2pactor.surface.logsetup` print them (as JSON fields in the JSON format).
 They live here, below the operator surface, so the runtime never imports it.
-Also the rate-limited WARNING a session writes when a peer never fetched what
-its lookups pinned (:class:`ExpiryWarnings`).
+Also the lines an adapter begins with who says them (:func:`note`), and the
+limit on how often a line that a peer can repeat at will is said (:class:`Throttle`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import re
 from typing import Final
 
-from p2pactor.core import events as ev
+from p2pactor.core.ids import ActorId
 
 # Record attributes the formatters add when a log call set them through ``extra=``.
 CONTEXT_FIELDS: Final = ("node", "peer", "kv_request_id")
@@ -30,6 +30,11 @@ def request_context(
     """
     values = (node, peer, kv_request_id)
     return {name: v for name, v in zip(CONTEXT_FIELDS, values, strict=True) if v is not None}
+
+
+def actor_context(actor: ActorId, *, node: str | None = None) -> dict[str, str]:
+    """The ``extra=`` of a line about one request actor: its peer and kv_request_id."""
+    return request_context(actor.peer, actor.kv_request_id, node=node)
 
 
 def peer_context(peer: str, *, node: str | None = None) -> dict[str, str]:
@@ -52,39 +57,49 @@ def parent_request_context(context: str, *, node: str | None = None) -> dict[str
     return request_context(peer, kv_request_id, node=node)
 
 
-_session_log = logging.getLogger("p2pactor.session")
+def note(
+    log: logging.Logger,
+    level: int,
+    who: str,
+    message: str,
+    *args: object,
+    peer: str | None = None,
+    prefix: str = "",
+    who_is_node: bool,
+) -> None:
+    """Log ``{prefix}{who}: message`` (``%``-formatted), with ``peer`` as its field.
 
-# At most one line per session this often: a peer that never fetches expires many pins.
-INTERVAL_S = 10.0
+    ``who`` is the ``node`` field too when ``who_is_node`` (a node's id, not a
+    NIXL agent's name). At ``ERROR`` and above, the exception being handled
+    goes with the line. An adapter binds ``log``, ``prefix`` and ``who_is_node``
+    (``functools.partial``).
+    """
+    extra = request_context(peer, None, node=who if who_is_node else None)
+    line = prefix + "%s: " + message
+    log.log(level, line, who, *args, extra=extra, exc_info=level >= logging.ERROR, stacklevel=2)
 
 
-class ExpiryWarnings:
-    """Says at WARNING, at most once per :data:`INTERVAL_S`, that pins of a peer's expired."""
+class Throttle:
+    """One line at most per ``interval`` seconds; those held back in between are counted.
 
-    __slots__ = ("_logged_at", "_node_id", "_peer_id", "_unlogged")
+    So that a peer's flood of the same misdeed cannot flood the log.
+    """
 
-    def __init__(self, peer_id: str, node_id: str) -> None:
-        self._peer_id = peer_id
-        self._node_id = node_id
-        self._logged_at = -math.inf
-        self._unlogged = 0
+    __slots__ = ("_held", "_interval", "_said_at")
 
-    def pin_expired(self, kv_request_id: str, event: ev.PinReleased) -> None:
-        """Say that the peer never fetched the blocks ``event`` released (or only count it)."""
-        now = event.at
-        if now < self._logged_at + INTERVAL_S:
-            self._unlogged += 1
-            return
-        more, self._unlogged = self._unlogged, 0
-        self._logged_at = now
-        _session_log.warning(
-            "%s never fetched the blocks its lookup for %s pinned: released pin %d (%s)%s; "
-            "a peer that looks up and does not fetch holds blocks for nothing (check that it "
-            "runs p2pactor or vLLM's tier, and that its fetches reach this node)",
-            self._peer_id,
-            kv_request_id,
-            event.job_id,
-            event.reason,
-            f"; {more} more such releases since the last line" if more else "",
-            extra=request_context(self._peer_id, kv_request_id, node=self._node_id),
-        )
+    def __init__(self, interval: float) -> None:
+        self._interval = interval
+        self._said_at = -math.inf
+        self._held = 0
+
+    def due(self, now: float) -> int | None:
+        """How many lines were held back since the last said, if one is due ``now``; else None.
+
+        None counts the line held back.
+        """
+        if now < self._said_at + self._interval:
+            self._held += 1
+            return None
+        held, self._held = self._held, 0
+        self._said_at = now
+        return held

@@ -110,18 +110,11 @@ class PeerQuotas:
                 names it.
         """
         env = os.environ if env is None else env
-        values: dict[str, int | float] = {}
-        for name, (field, parse) in _ENV.items():
-            if not (raw := env.get(name)):
-                continue
-            try:
-                values[field] = parse(raw)
-            except ValueError:
-                raise ConfigError(f"{name}={raw!r} is not a valid {parse.__name__}") from None
+        values = checks.env_values(env, _ENV)
         if not values:
             return None
         try:
-            return cls(**values)  # type: ignore[arg-type]
+            return cls(**values)
         except ConfigError as exc:
             names = ", ".join(n for n, (f, _) in _ENV.items() if f in values)
             raise ConfigError(f"{exc} (from {names})") from None

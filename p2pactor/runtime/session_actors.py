@@ -29,7 +29,7 @@ from p2pactor.core.producer import ProducerState, pin_expired
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
 from p2pactor.runtime.dialect import FEATURE_SESSION_ROUNDS
 from p2pactor.runtime.handshake import ControlLink, SessionState
-from p2pactor.runtime.logcontext import ExpiryWarnings, request_context
+from p2pactor.runtime.logcontext import Throttle, actor_context, request_context
 from p2pactor.runtime.transport import ControlConnection
 
 if TYPE_CHECKING:
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("p2pactor.session")
 
 _RETIRED_MEMORY = 4096
+# At most one line per session this often: a peer that never fetches expires many pins.
+_EXPIRY_LOG_INTERVAL_S: Final = 10.0
 TO_PRODUCER: Final = (wire.Lookup, wire.Fetch, wire.AbortFetch)
 """The peer's messages for the producer of their kv_request_id."""
 TO_CONSUMER: Final = (wire.LookupResp, wire.TransferDone, wire.AbortAck)
@@ -76,7 +78,7 @@ class SessionActors(ControlLink):
         self._loading = 0
         self._busy: set[RequestActor] = set()
         self._writing: set[RequestActor] = set()
-        self._expiries = ExpiryWarnings(peer_id, host.config.node_id)
+        self._expiries = Throttle(_EXPIRY_LOG_INTERVAL_S)
         # Recently ended ids, so that a reused kv_request_id gets a new
         # incarnation; bounded, and replay copes when an old one is forgotten.
         self._retired: OrderedDict[tuple[Role, str], int] = OrderedDict()
@@ -158,7 +160,7 @@ class SessionActors(ControlLink):
                 log.error(
                     "%s ended before its parent answer; releasing its pin",
                     actor.id,
-                    extra=self._request_extra(actor.id.kv_request_id),
+                    extra=actor_context(actor.id, node=self._config.node_id),
                 )
                 self._host.release_pin(event_input.pin.job_id, success=False)
             return None
@@ -196,7 +198,7 @@ class SessionActors(ControlLink):
             if not producer:
                 loads += _LOADS.get(type(event), 0)
             elif type(event) is ev.PinReleased and pin_expired(event):
-                self._expiries.pin_expired(actor.id.kv_request_id, event)
+                self._pin_expired(actor.id.kv_request_id, event)
             for effect in fx.effects_of(event):
                 self._perform(actor, effect)
         if loads:
@@ -238,6 +240,22 @@ class SessionActors(ControlLink):
                 f"{self._dispatch_errors} handler errors in a row (see the log above)",
                 disconnect=True,
             )
+
+    def _pin_expired(self, kv_request_id: str, event: ev.PinReleased) -> None:
+        """Say that the peer never fetched the blocks ``event`` released (or only count it)."""
+        if (more := self._expiries.due(event.at)) is None:
+            return
+        log.warning(
+            "%s never fetched the blocks its lookup for %s pinned: released pin %d (%s)%s; "
+            "a peer that looks up and does not fetch holds blocks for nothing (check that it "
+            "runs p2pactor or vLLM's tier, and that its fetches reach this node)",
+            self.peer_id,
+            kv_request_id,
+            event.job_id,
+            event.reason,
+            f"; {more} more such releases since the last line" if more else "",
+            extra=self._request_extra(kv_request_id),
+        )
 
     def _request_extra(self, kv_request_id: str | None) -> dict[str, str]:
         """The ``extra=`` of a line about one request of this session's."""
