@@ -304,7 +304,7 @@ def status_on(host: Host, port: int) -> dict[str, Any]:
     return status
 
 
-BLOCKS = 192  # of 1 MiB: long enough over veth TCP to pull the cable while it runs
+BLOCKS = 256  # of 1 MiB: long enough over veth TCP to pull the cable while it runs
 
 
 @asynccontextmanager
