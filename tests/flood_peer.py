@@ -6,7 +6,8 @@ through :func:`~p2pactor.programs.bench._hostile.flood`: per ``--phase KIND:N`` 
 lookups of ``--keys`` keys, at most ``--window`` unanswered, never fetched or closed.
 ``random`` keys; ``real``: the keys of ``serve --preload``; ``rounds``: real keys, all in
 one request, a new round each. It prints ``READY peer``, a ``DONE {...}`` per phase and
-exits 0 (``ERROR why``, 1).
+exits 0 (``ERROR why``, 1). These modes were the bench hostile peer's, which only this
+test used (issue 36 moved them here; the bench keeps its paced lookup flood).
 """
 
 from __future__ import annotations
