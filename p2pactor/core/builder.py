@@ -16,6 +16,7 @@ import msgspec
 
 from p2pactor.core.events import Event, Ignored
 from p2pactor.core.ids import ActorId, Role
+from p2pactor.core.timings import Timings
 from p2pactor.errors import ReplayError
 
 
@@ -46,11 +47,12 @@ E = TypeVar("E", bound=Event)
 
 
 class Builder(Generic[S, E]):
-    """Accumulates the events of one decision over an evolving state."""
+    """Accumulates the events of one decision over an evolving state, at ``now``, under ``t``."""
 
-    def __init__(self, state: S, now: float, evolve: Callable[[S, E], S]) -> None:
+    def __init__(self, state: S, now: float, t: Timings, evolve: Callable[[S, E], S]) -> None:
         self.state = state
         self.now = now
+        self.t = t
         self.events: list[E] = []
         self._evolve = evolve
 
@@ -82,18 +84,25 @@ def drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
     return out
 
 
+def covers(table: Mapping[type, object], union: object) -> None:
+    """Check that ``table`` has an entry for each type of ``union`` and nothing else.
+
+    mypy cannot see a table's coverage as it sees a match's (``assert_never``).
+    """
+    unmatched = set(table) ^ set(get_args(union))
+    assert not unmatched, unmatched
+
+
 def evolver(
     table: Mapping[type[Event], Callable[[S, Any], S]], events: object
 ) -> Callable[[S, Any], S]:
     """A role's ``evolve``: apply one event through ``table``; pure, one state copy an event.
 
     ``table`` must hold an arm for each type of the union ``events`` and nothing
-    else (mypy cannot see a table's coverage as it sees a match's). The function
-    made raises ReplayError when the event belongs to another actor or does not
-    follow the last one applied.
+    else (:func:`covers`). The function made raises ReplayError when the event
+    belongs to another actor or does not follow the last one applied.
     """
-    unmatched = set(table) ^ set(get_args(events))
-    assert not unmatched, unmatched
+    covers(table, events)
 
     def evolve(state: S, event: Any) -> S:
         # Identity first: a live step's events carry its state's own ActorId.

@@ -21,13 +21,13 @@ re-exported here, and its fold). Everything here is pure: time is the ``now`` ar
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Final, assert_never
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
-from p2pactor.core.builder import Builder
+from p2pactor.core.builder import Builder, covers
 from p2pactor.core.consumer_state import ConsumerState as ConsumerState
 from p2pactor.core.consumer_state import evolve_consumer
 from p2pactor.core.events import ConsumerPhase
@@ -48,8 +48,14 @@ ConsumerInput = (
 )
 
 
-# The builder every consumer decision emits its events through.
-_B = Builder[ConsumerState, ev.ConsumerEvent]
+class _B(Builder[ConsumerState, ev.ConsumerEvent]):
+    """The builder every consumer decision emits its events through.
+
+    Attributes:
+        rnd: The round a lookup or fetch of this step belongs to.
+    """
+
+    rnd: int
 
 
 def step_consumer(
@@ -73,40 +79,13 @@ def step_consumer(
     """
     if state.phase.terminal:
         return state, ()
-    b: _B = Builder(state, now, evolve_consumer)
-    rnd = first_round if state.round_seq is None else state.round_seq
-    match event_input:
-        case inp.Register():
-            _ask(b, timings, rnd, event_input)
-        case inp.Flush():
-            _ask(b, timings, rnd, _FLUSH)
-        case inp.SubmitLoad():
-            _submit_load(b, event_input, timings, rnd)
-        case inp.Finish():
-            _finish(b, timings)
-        case inp.Tick():
-            _tick(b, timings)
-        case inp.SessionEnded():
-            _session_ended(b, event_input)
-        case inp.WritesSettled():
-            # The loads held for a late write fail now: none can land any more.
-            _abort(b, [r for r, load in b.state.loads.items() if load.held], event_input.reason)
-        case wire.LookupResp():
-            _on_lookup_resp(b, event_input, timings)
-        case wire.TransferDone():
-            _on_transfer_done(b, event_input)
-        case wire.AbortAck():
-            _on_abort_ack(b, event_input)
-        case _:
-            assert_never(event_input)
+    b = _B(state, now, timings, evolve_consumer)
+    b.rnd = first_round if state.round_seq is None else state.round_seq
+    _ON[type(event_input)](b, event_input)
     return b.state, tuple(b.events)
 
 
-# A flush is a registration of no new key that goes out at once.
-_FLUSH: Final = inp.Register((), flush=True)
-
-
-def _ask(b: _B, t: Timings, rnd: int, register: inp.Register) -> None:
+def _ask(b: _B, register: inp.Register) -> None:
     """Register keys; with ``flush``, put every key registered and unsent on the wire."""
     s = b.state
     if not s.asking:
@@ -116,16 +95,18 @@ def _ask(b: _B, t: Timings, rnd: int, register: inp.Register) -> None:
         if new:
             b.emit(ev.Registered, keys=new)
         return
-    asked = s.unsent + new
-    if not asked:
-        return
-    # The progress deadline is armed by the first lookup and only moved by
-    # answers, so a request that keeps asking can't keep itself alive forever.
-    deadline = b.now + t.lookup_progress_timeout if s.lookup_deadline is None else s.lookup_deadline
-    b.emit(ev.Probed, round_seq=rnd, keys=asked, lookup_deadline=deadline, source=register.choice)
+    if asked := s.unsent + new:
+        # The progress deadline is armed by the first lookup and only moved by
+        # answers, so a request that keeps asking can't keep itself alive forever.
+        deadline = s.lookup_deadline
+        if deadline is None:
+            deadline = b.now + b.t.lookup_progress_timeout
+        b.emit(
+            ev.Probed, round_seq=b.rnd, keys=asked, lookup_deadline=deadline, source=register.choice
+        )
 
 
-def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
+def _on_lookup_resp(b: _B, msg: wire.LookupResp) -> None:
     s = b.state
     waiting = set(s.waiting_keys())
     applied: dict[bytes, bool] = {}
@@ -134,8 +115,6 @@ def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
         ignored = "the request no longer looks up"
     elif msg.round_seq is not wire.UNSET and msg.round_seq != s.round_seq:
         ignored = f"answer for round {msg.round_seq}, the request is in round {s.round_seq}"
-    elif len(msg.keys) != len(msg.hits):
-        ignored = f"{len(msg.keys)} keys but {len(msg.hits)} hits"
     else:
         said = msg.refused if msg.refused is not wire.UNSET else (False,) * len(msg.keys)
         for key, hit, no in zip(msg.keys, msg.hits, said, strict=True):
@@ -146,46 +125,46 @@ def _on_lookup_resp(b: _B, msg: wire.LookupResp, t: Timings) -> None:
     if ignored:
         b.ignore(msg.TYPE, ignored)
         return
-    deadline = b.now + t.lookup_progress_timeout if len(waiting) > len(applied) else None
     b.emit(
         ev.LookupResp,
         round_seq=None if msg.round_seq is wire.UNSET else msg.round_seq,
         keys=tuple(applied),
         hits=tuple(applied.values()),
-        lookup_deadline=deadline,
+        lookup_deadline=b.now + b.t.lookup_progress_timeout
+        if len(waiting) > len(applied)
+        else None,
         refused=tuple(refused.values()) if any(refused.values()) else (),
     )
 
 
-def _submit_load(b: _B, load: inp.SubmitLoad, t: Timings, rnd: int) -> None:
-    s = b.state
-
-    def skip(reason: str, *, success: bool = False) -> None:
-        b.emit(ev.FetchSkipped, job_id=load.job_id, success=success, reason=reason)
-
+def _submit_load(b: _B, load: inp.SubmitLoad) -> None:
+    s, rnd = b.state, b.rnd
+    reason, success = "", False
     if s.finishing:
-        skip("the request already finished")
+        reason = "the request already finished"
     elif s.session_lost:
-        skip("the session to the peer is gone; look the keys up again")
+        reason = "the session to the peer is gone; look the keys up again"
     elif len(load.keys) != len(load.block_indexes):
-        skip(
+        reason = (
             f"{len(load.keys)} keys but {len(load.block_indexes)} block indexes; "
             "pass one destination block per key"
         )
     elif not load.keys:
-        skip("nothing to load", success=True)
+        reason, success = "nothing to load", True
     elif load.next_round is not None and load.next_round <= rnd:
-        skip(f"next_round {load.next_round} must be above round {rnd}")
-    else:
-        b.emit(
-            ev.FetchSent,
-            round_seq=rnd,
-            job_id=load.job_id,
-            keys=load.keys,
-            block_indexes=load.block_indexes,
-            load_deadline=b.now + t.load_timeout,
-            next_round=rnd + 1 if load.next_round is None else load.next_round,
-        )
+        reason = f"next_round {load.next_round} must be above round {rnd}"
+    if reason:
+        b.emit(ev.FetchSkipped, job_id=load.job_id, success=success, reason=reason)
+        return
+    b.emit(
+        ev.FetchSent,
+        round_seq=rnd,
+        job_id=load.job_id,
+        keys=load.keys,
+        block_indexes=load.block_indexes,
+        load_deadline=b.now + b.t.load_timeout,
+        next_round=rnd + 1 if load.next_round is None else load.next_round,
+    )
 
 
 def _on_transfer_done(b: _B, msg: wire.TransferDone) -> None:
@@ -208,52 +187,48 @@ def _on_abort_ack(b: _B, msg: wire.AbortAck) -> None:
     _maybe_finished(b)
 
 
-def _finish(b: _B, t: Timings) -> None:
+def _finish(b: _B, _: inp.Finish) -> None:
     s = b.state
     if s.finishing:
         return
     if not s.loads:
         # Nothing in flight: the request ends now, in one event.
+        reason = s.problem or "finished"
+        cancelled = _open_round(s)
         b.emit(
-            ev.Finished,
-            phase=s.outcome,
-            reason=s.problem or "finished",
-            requested=True,
-            cancelled_round=_open_round(s),
+            ev.Finished, phase=s.outcome, reason=reason, requested=True, cancelled_round=cancelled
         )
         return
     b.emit(ev.FinishRequested)
     for round_seq, load in sorted(b.state.loads.items()):
         if not load.aborting:
-            _send_abort(b, t, round_seq, "the request finished while its load was in flight")
+            _send_abort(b, round_seq, "the request finished while its load was in flight")
     if (cancelled := _open_round(b.state)) is not None:
         b.emit(ev.LookupCancelled, round_seq=cancelled)
     _maybe_finished(b)
 
 
-def _send_abort(b: _B, t: Timings, round_seq: int, reason: str) -> None:
+def _send_abort(b: _B, round_seq: int, reason: str) -> None:
     """Ask the peer to abort the load of ``round_seq``; it fails anyway if no ack comes in time."""
     job_id = b.state.loads[round_seq].job_id
-    deadline = b.now + t.abort_ack_timeout
+    deadline = b.now + b.t.abort_ack_timeout
     b.emit(ev.AbortSent, round_seq=round_seq, job_id=job_id, reason=reason, ack_deadline=deadline)
 
 
 def _open_round(s: ConsumerState) -> int | None:
     """The round of a lookup still open that the peer can be told to drop, if any."""
-    if s.lookup_open and not s.session_lost:
-        return s.round_seq
-    return None
+    return s.round_seq if s.lookup_open and not s.session_lost else None
 
 
-def _tick(b: _B, t: Timings) -> None:
-    now = b.now
+def _tick(b: _B, _: inp.Tick) -> None:
+    now, t = b.now, b.t
     for round_seq, load in sorted(b.state.loads.items()):
         if load.ack_deadline is not None:
             if now >= load.ack_deadline:
                 reason = load.held or f"no abort_ack within {t.abort_ack_timeout:g} s"
                 b.emit(ev.Aborted, round_seq=round_seq, job_id=load.job_id, reason=reason)
         elif now >= load.deadline:
-            _send_abort(b, t, round_seq, f"no transfer_done within {t.load_timeout:g} s")
+            _send_abort(b, round_seq, f"no transfer_done within {t.load_timeout:g} s")
     deadline = b.state.lookup_deadline
     if deadline is not None and now >= deadline:
         b.emit(ev.LookupTimedOut, keys=b.state.waiting_keys())
@@ -291,6 +266,25 @@ def _maybe_finished(b: _B) -> None:
     s = b.state
     if (s.finishing or s.session_lost) and not s.loads:
         b.emit(ev.Finished, phase=s.outcome, reason=s.problem or "finished")
+
+
+# What each input does: a table, not a match (a match tries its arms in turn).
+_ON: Final[Mapping[type, Callable[[_B, Any], None]]] = {
+    inp.Register: _ask,
+    inp.Flush: lambda b, _: _ask(b, inp.Register((), flush=True)),  # no new key, sent at once
+    inp.SubmitLoad: _submit_load,
+    inp.Finish: _finish,
+    inp.Tick: _tick,
+    inp.SessionEnded: _session_ended,
+    # The loads held for a late write fail now: none can land any more.
+    inp.WritesSettled: lambda b, m: _abort(
+        b, [r for r, load in b.state.loads.items() if load.held], m.reason
+    ),
+    wire.LookupResp: _on_lookup_resp,
+    wire.TransferDone: _on_transfer_done,
+    wire.AbortAck: _on_abort_ack,
+}
+covers(_ON, ConsumerInput)
 
 
 def next_consumer_deadline(state: ConsumerState) -> float | None:

@@ -26,15 +26,15 @@ The producer never touches the parent: it posts
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
-from typing import Final, assert_never
+from collections.abc import Callable, Mapping
+from typing import Any, Final
 
 import msgspec
 
 from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
-from p2pactor.core.builder import Builder, evolver
+from p2pactor.core.builder import Builder, covers, evolver
 from p2pactor.core.events import Violation
 from p2pactor.core.producer_lookups import (
     LOOKUP_FOLDS,
@@ -98,47 +98,39 @@ def step_producer(
     """
     if state.phase is ProducerPhase.CLOSED:
         return state, ()
-    b: _B = Builder(state, now, evolve_producer)
-    match event_input:
-        case wire.Lookup():
-            _on_lookup(b, event_input, timings)
-        case wire.Fetch():
-            _on_fetch(b, event_input)
-        case inp.OverQuota():
-            if isinstance(event_input.message, wire.Lookup):
-                _on_lookup(b, event_input.message, timings, event_input)
-            else:
-                _on_fetch(b, event_input.message, event_input)
-        case wire.AbortFetch():
-            _on_abort(b, event_input)
-        case inp.ParentAnswer():
-            _on_parent_answer(b, event_input, timings)
-        case inp.AddStore():
-            _on_store(b, event_input, timings)
-        case inp.TransferResult():
-            tid = event_input.transfer_id
-            if tid not in b.state.transfers:
-                b.ignore("transfer_result", f"no transfer {tid} is in flight")
-            elif event_input.ok:
-                b.emit(ev.TransferCompleted, transfer_id=tid)
-            else:
-                reason = event_input.reason or "the transfer failed"
-                b.emit(ev.TransferFailed, transfer_id=tid, reason=reason)
-        case inp.Finish():
-            if not b.state.finishing:
-                b.emit(ev.FinishRequested)
-                _drop_lookups(b, "the engine finished the request")
-        case inp.Tick():
-            _tick_lookups(b)
-            _expire_pins(b, timings)
-        case inp.SessionEnded():
-            if not b.state.session_lost:
-                b.emit(ev.SessionLost, reason=event_input.reason)
-                _drop_lookups(b, f"session lost: {event_input.reason}")
-        case _:
-            assert_never(event_input)
+    b: _B = Builder(state, now, timings, evolve_producer)
+    _ON[type(event_input)](b, event_input)
     _sweep(b)
     return b.state, tuple(b.events)
+
+
+def _on_transfer_result(b: _B, result: inp.TransferResult) -> None:
+    tid = result.transfer_id
+    if tid not in b.state.transfers:
+        b.ignore("transfer_result", f"no transfer {tid} is in flight")
+    elif result.ok:
+        b.emit(ev.TransferCompleted, transfer_id=tid)
+    else:
+        b.emit(ev.TransferFailed, transfer_id=tid, reason=result.reason or "the transfer failed")
+
+
+def _on_finish(b: _B, _: inp.Finish) -> None:
+    if not b.state.finishing:
+        b.emit(ev.FinishRequested)
+        _drop_lookups(b, "the engine finished the request")
+
+
+def _on_session_ended(b: _B, ended: inp.SessionEnded) -> None:
+    if not b.state.session_lost:
+        b.emit(ev.SessionLost, reason=ended.reason)
+        _drop_lookups(b, f"session lost: {ended.reason}")
+
+
+def _tick(b: _B, _: inp.Tick) -> None:
+    _tick_lookups(b)
+    for job_id, job in sorted(b.state.jobs.items()):
+        if b.now >= job.expires_at and _expirable(b.state, job):
+            _release(b, job_id, f"{PIN_EXPIRED} {b.t.pin_timeout:g} s")
 
 
 def _sweep(b: _B) -> None:
@@ -207,10 +199,6 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
             _reject(b, msg, Violation.AFTER_CLOSE, f"fetch for round {r} after the request closed")
         else:
             b.ignore(msg.TYPE, "the request is already closed")
-        return
-    if len(msg.keys) != len(msg.block_indexes):
-        detail = f"{len(msg.keys)} keys but {len(msg.block_indexes)} block indexes"
-        _reject(b, msg, Violation.MALFORMED, detail)
         return
     if not msg.keys:
         reason = "the consumer finished the request (empty fetch)"
@@ -292,8 +280,8 @@ def _on_abort(b: _B, msg: wire.AbortFetch) -> None:
         _reject(b, msg, Violation.UNKNOWN_ROUND, f"abort for round {r}, which was never fetched")
 
 
-def _on_store(b: _B, store: inp.AddStore, t: Timings) -> None:
-    b.emit(ev.StoreAdded, **msgspec.structs.asdict(store), expires_at=b.now + t.pin_timeout)
+def _on_store(b: _B, store: inp.AddStore) -> None:
+    b.emit(ev.StoreAdded, **msgspec.structs.asdict(store), expires_at=b.now + b.t.pin_timeout)
     if b.state.phase is not ProducerPhase.OPEN:
         return  # the sweep releases it
     for r, rnd in sorted(b.state.rounds.items()):
@@ -356,12 +344,6 @@ def _expirable(s: ProducerState, job: PinJob) -> bool:
     return rnd is None or not rnd.fetched
 
 
-def _expire_pins(b: _B, t: Timings) -> None:
-    for job_id, job in sorted(b.state.jobs.items()):
-        if b.now >= job.expires_at and _expirable(b.state, job):
-            _release(b, job_id, f"{PIN_EXPIRED} {t.pin_timeout:g} s")
-
-
 def _release_stores(b: _B) -> None:
     """Release each store job once its rounds settled it or the request ended."""
     s = b.state
@@ -379,3 +361,22 @@ def _release_stores(b: _B) -> None:
             _release(b, job_id, s.close_reason)
         elif served_out:
             _release(b, job_id, "the engine finished and no fetch is waiting for these blocks")
+
+
+# What each input does: a table, not a match (a match tries its arms in turn).
+_ON: Final[Mapping[type, Callable[[_B, Any], None]]] = {
+    wire.Lookup: _on_lookup,
+    wire.Fetch: _on_fetch,
+    # The verdict on a lookup or fetch over a quota: the message, refused.
+    inp.OverQuota: lambda b, v: (_on_lookup if isinstance(v.message, wire.Lookup) else _on_fetch)(
+        b, v.message, v
+    ),
+    wire.AbortFetch: _on_abort,
+    inp.ParentAnswer: _on_parent_answer,
+    inp.AddStore: _on_store,
+    inp.TransferResult: _on_transfer_result,
+    inp.Finish: _on_finish,
+    inp.Tick: _tick,
+    inp.SessionEnded: _on_session_ended,
+}
+covers(_ON, ProducerInput)

@@ -23,7 +23,6 @@ from p2pactor.core.producer_state import (
     _round,
     _set_round,
 )
-from p2pactor.core.timings import Timings
 
 
 def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None:
@@ -35,7 +34,7 @@ def _refusal(verdict: inp.OverQuota) -> dict[str, Any]:
     return {"quota": verdict.quota, "reason": verdict.reason}
 
 
-def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | None = None) -> None:
+def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) -> None:
     s = b.state
     if s.phase is ProducerPhase.CLOSING:
         _reject(b, msg, Violation.AFTER_CLOSE, "lookup after the request was closed")
@@ -56,7 +55,7 @@ def _on_lookup(b: _B, msg: wire.Lookup, t: Timings, verdict: inp.OverQuota | Non
     if verdict is not None and admit <= 0:
         b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, **_refusal(verdict))
         return
-    budget = t.pending_timeout
+    budget = b.t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
         budget = min(budget, msg.deadline_ms / 1000)
     whole = verdict is None or admit >= len(msg.keys)
@@ -81,7 +80,7 @@ def _pin_refusal(s: ProducerState, lookup: ActiveLookup) -> str:
     return ""
 
 
-def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
+def _on_parent_answer(b: _B, answer: inp.ParentAnswer) -> None:
     lookup = b.state.lookups.get(answer.lookup_id)
     if lookup is None or not lookup.outstanding:
         b.ignore("parent_answer", f"no lookup {answer.lookup_id} is waiting for the parent")
@@ -94,7 +93,7 @@ def _on_parent_answer(b: _B, answer: inp.ParentAnswer, t: Timings) -> None:
             reason = "an expired parent answer carried a pin"
             b.ignore("parent_answer", reason)
             _release(b, answer.pin.job_id, reason)
-    elif _resolve(b, lookup, answer, t):
+    elif _resolve(b, lookup, answer):
         return
     lookup = b.state.lookups[answer.lookup_id]
     if lookup.waiting and b.now >= lookup.deadline:
@@ -108,7 +107,7 @@ def _ordered(lookup: ActiveLookup) -> tuple[bytes, ...]:
     return tuple(k for k in dict.fromkeys(lookup.keys[: lookup.admitted]) if k in pending)
 
 
-def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) -> bool:
+def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer) -> bool:
     """Record the parent's answer; whether it answered the lookup whole, in one event.
 
     The common case: every key of the lookup is a HIT the parent pinned or a
@@ -129,7 +128,7 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
     held = None
     if pin is not None:
         held = ev.Pinned(
-            job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=b.now + t.pin_timeout
+            job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=b.now + b.t.pin_timeout
         )
     refusal = "" if pin is None else _pin_refusal(b.state, lookup)
     # Not whole: a quota's refusal, a close, a deadline, keys settled before or still pending.
@@ -150,7 +149,7 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer, t: Timings) 
     pending = tuple(k for k in order if k not in resolved)
     next_poll = None
     if pending and b.now < lookup.deadline:
-        next_poll = min(b.now + t.pending_poll_interval, lookup.deadline)
+        next_poll = min(b.now + b.t.pending_poll_interval, lookup.deadline)
     b.emit(
         ev.KeysResolved,
         lookup_id=lookup.lookup_id,
