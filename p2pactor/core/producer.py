@@ -41,7 +41,6 @@ from p2pactor.core.producer_lookups import (
     _drop_lookups,
     _on_lookup,
     _on_parent_answer,
-    _refusal,
     _reject,
     _tick_lookups,
 )
@@ -218,7 +217,7 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
     b.emit(ev.FetchReceived, round_seq=r, keys=msg.keys, block_indexes=msg.block_indexes)
     if verdict is not None:
         # The round fails whole and at once; the sweep ends it, releasing its pins.
-        b.emit(ev.FetchRefused, round_seq=r, **_refusal(verdict))
+        b.emit(ev.FetchRefused, round_seq=r, quota=verdict.quota, reason=verdict.reason)
         return
     matched, unmatched = _plan(b.state, r)
     symmetric = b.state.rounds[r].lookup_supplied or r <= b.state.looked_up_through

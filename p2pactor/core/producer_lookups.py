@@ -29,11 +29,6 @@ def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None
     b.emit(ev.Rejected, input=msg.TYPE, violation=violation, detail=detail)
 
 
-def _refusal(verdict: inp.OverQuota) -> dict[str, Any]:
-    """What the event of a refusal records of the runtime's verdict: its quota and its reason."""
-    return {"quota": verdict.quota, "reason": verdict.reason}
-
-
 def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) -> None:
     s = b.state
     if s.phase is ProducerPhase.CLOSING:
@@ -53,7 +48,14 @@ def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) ->
     # quota that also breaks the protocol is still disconnected.
     admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
     if verdict is not None and admit <= 0:
-        b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, **_refusal(verdict))
+        reason = verdict.reason
+        b.emit(
+            ev.LookupRefused,
+            round_seq=msg.round_seq,
+            keys=msg.keys,
+            quota=verdict.quota,
+            reason=reason,
+        )
         return
     budget = b.t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
@@ -125,31 +127,25 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer) -> bool:
             resolved[key] = key in pinned  # a hit the parent could not pin may be evicted
         elif result is inp.LookupResult.MISS:
             resolved[key] = False
-    held = None
+    held, refusal = None, ""
     if pin is not None:
-        held = ev.Pinned(
-            job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=b.now + b.t.pin_timeout
-        )
-    refusal = "" if pin is None else _pin_refusal(b.state, lookup)
+        expires_at = b.now + b.t.pin_timeout
+        held = ev.Pinned(job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=expires_at)
+        refusal = _pin_refusal(b.state, lookup)
     # Not whole: a quota's refusal, a close, a deadline, keys settled before or still pending.
     settled = lookup.dropped or lookup.answered or lookup.resolved or lookup.refused
     if len(resolved) == len(lookup.pending) and not (answer.refused or refusal or settled):
         _answer(b, lookup, resolved, whole=True, pinned=held)
         return True
     order = _ordered(lookup)
-    if answer.refused:
-        refused = set(answer.refused) - pinned
-        keys = tuple(k for k in order if k in refused)
-        if keys:
-            reason = answer.refusal or "the peer is over its pinned-blocks quota"
-            quota = Quota.PINNED_BLOCKS
-            b.emit(
-                ev.KeysRefused, lookup_id=lookup.lookup_id, keys=keys, quota=quota, reason=reason
-            )
+    refused = set(answer.refused) - pinned
+    if refused and (keys := tuple(k for k in order if k in refused)):
+        reason = answer.refusal or "the peer is over its pinned-blocks quota"
+        quota = Quota.PINNED_BLOCKS
+        b.emit(ev.KeysRefused, lookup_id=lookup.lookup_id, keys=keys, quota=quota, reason=reason)
     pending = tuple(k for k in order if k not in resolved)
-    next_poll = None
-    if pending and b.now < lookup.deadline:
-        next_poll = min(b.now + b.t.pending_poll_interval, lookup.deadline)
+    poll = pending and b.now < lookup.deadline
+    next_poll = min(b.now + b.t.pending_poll_interval, lookup.deadline) if poll else None
     b.emit(
         ev.KeysResolved,
         lookup_id=lookup.lookup_id,
@@ -198,13 +194,9 @@ def _answer(
     """
     keys, admitted, refused = lookup.keys, lookup.admitted, lookup.refused
     answers = lookup.resolved if answers is None else answers
-    if admitted >= len(keys):
-        flags = tuple([k in refused for k in keys]) if refused else ()
-        hits = tuple([answers[k] for k in keys])
-    else:
-        head, beyond = keys[:admitted], len(keys) - admitted
-        hits = tuple([answers[k] for k in head]) + (False,) * beyond
-        flags = tuple([k in refused for k in head]) + (True,) * beyond
+    head, beyond = keys[:admitted], len(keys) - admitted
+    hits = tuple([answers[k] for k in head]) + (False,) * beyond
+    flags = tuple([k in refused for k in head]) + (True,) * beyond if refused or beyond else ()
     b.emit(
         ev.LookupAnswered,
         lookup_id=lookup.lookup_id,
@@ -280,10 +272,8 @@ def _forget(s: ProducerState, e: Any) -> ProducerState:
 def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:
     hits, misses = dict.fromkeys(e.hits, True), dict.fromkeys(e.misses, False)
     resolved = {**s.lookups[e.lookup_id].resolved, **hits, **misses}
-    pending = frozenset(e.pending)
-    s = _lookup(
-        s, e, resolved=resolved, pending=pending, outstanding=False, next_poll_at=e.next_poll_at
-    )
+    pending, poll = frozenset(e.pending), e.next_poll_at
+    s = _lookup(s, e, resolved=resolved, pending=pending, outstanding=False, next_poll_at=poll)
     return replace(s, open_contexts=s.open_contexts | {e.lookup_id})
 
 
