@@ -11,8 +11,9 @@ data the action needs, so :func:`p2pactor.core.effects.effects_of` can derive th
 action from the event alone.
 
 Here: what both roles' events build on (:class:`Event`, the :data:`EVENT_TYPES`
-registry every subclass joins as it is defined, the enums their fields name), the
-events either role may record and the quota refusals; each role's own events are in
+registry every subclass joins as it is defined, the enums their fields name, the
+private bases that give the events about one round, load, lookup or write their
+first field), the events either role may record and the quota refusals; each role's own events are in
 :mod:`~p2pactor.core.events.consumer` and :mod:`~p2pactor.core.events.producer`,
 and are imported from here.
 """
@@ -145,11 +146,41 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="kind
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         kind = cls.__name__
+        if kind.startswith("_"):
+            return  # a base that gives its events their first fields: never written
         if kind in EVENT_TYPES:
             raise TypeError(f"two event types are named {kind}")
         cls.KIND = kind
         cls.TAG = f"{kind}@{cls.VERSION}"
         EVENT_TYPES[kind] = cls
+
+
+# --- the first fields of events about one round, load, lookup or transfer ----------
+# Each event's fields are written in order, its base's first: these say them once.
+
+
+class _OfRound(Event, frozen=True, kw_only=True):
+    """An event about one round of a request: ``round_seq`` comes first."""
+
+    round_seq: int
+
+
+class _OfLoad(_OfRound, frozen=True, kw_only=True):
+    """An event about one of a consumer's loads: its round, then the engine's load job."""
+
+    job_id: int
+
+
+class _OfLookup(Event, frozen=True, kw_only=True):
+    """An event about one of a producer's lookups: ``lookup_id`` comes first."""
+
+    lookup_id: int
+
+
+class _OfTransfer(Event, frozen=True, kw_only=True):
+    """An event about one of a producer's writes: ``transfer_id`` comes first."""
+
+    transfer_id: int
 
 
 # --- shared by both roles ---------------------------------------------------------
@@ -209,7 +240,7 @@ class FinishRequested(Event, frozen=True, kw_only=True):
 # --- refusals: the peer is over a quota ----------------------------------------
 
 
-class LookupRefused(Event, frozen=True, kw_only=True):
+class LookupRefused(_OfRound, frozen=True, kw_only=True):
     """A whole lookup was refused because the peer is over a quota.
 
     It is answered at once, every key MISS; the parent is not asked and nothing
@@ -222,13 +253,12 @@ class LookupRefused(Event, frozen=True, kw_only=True):
         reason: The specifics, with the numbers, for the log.
     """
 
-    round_seq: int
     keys: Keys
     quota: Quota
     reason: str
 
 
-class LookupLimited(Event, frozen=True, kw_only=True):
+class LookupLimited(_OfLookup, frozen=True, kw_only=True):
     """A lookup had more keys than the peer's quota allows: only a prefix is looked up.
 
     Like :class:`LookupReceived`, but only the first ``admitted`` keys (in wire
@@ -244,7 +274,6 @@ class LookupLimited(Event, frozen=True, kw_only=True):
         reason: The specifics, with the numbers, for the log.
     """
 
-    lookup_id: int
     round_seq: int
     keys: Keys
     admitted: int
@@ -252,7 +281,7 @@ class LookupLimited(Event, frozen=True, kw_only=True):
     reason: str
 
 
-class KeysRefused(Event, frozen=True, kw_only=True):
+class KeysRefused(_OfLookup, frozen=True, kw_only=True):
     """Hits of a lookup were not pinned because the peer is over a quota.
 
     The keys are answered MISS (the :class:`KeysResolved` that follows lists
@@ -265,13 +294,12 @@ class KeysRefused(Event, frozen=True, kw_only=True):
         reason: The specifics, with the numbers, for the log.
     """
 
-    lookup_id: int
     keys: Keys
     quota: Quota
     reason: str
 
 
-class FetchRefused(Event, frozen=True, kw_only=True):
+class FetchRefused(_OfRound, frozen=True, kw_only=True):
     """A fetch was refused because the peer is over a quota; its round fails.
 
     Follows the fetch's :class:`FetchReceived`. The round then ends with a
@@ -284,7 +312,6 @@ class FetchRefused(Event, frozen=True, kw_only=True):
         reason: The specifics, with the numbers, for the log.
     """
 
-    round_seq: int
     quota: Quota
     reason: str
 

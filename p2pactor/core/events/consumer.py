@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 from p2pactor.core.choice import Choice
-from p2pactor.core.events import ConsumerPhase, Event, Ints, Keys
+from p2pactor.core.events import ConsumerPhase, Event, Ints, Keys, _OfLoad, _OfRound
 
 
-class Opened(Event, frozen=True, kw_only=True):
+class Opened(_OfRound, frozen=True, kw_only=True):
     """A consumer request began (read from older logs; no longer written).
 
     Since :class:`Probed` 2 the request's first lookup or fetch carries its
@@ -20,8 +20,6 @@ class Opened(Event, frozen=True, kw_only=True):
     Attributes:
         round_seq: Its first round (0 in vLLM's dialect).
     """
-
-    round_seq: int
 
 
 class Registered(Event, frozen=True, kw_only=True):
@@ -34,7 +32,7 @@ class Registered(Event, frozen=True, kw_only=True):
     keys: Keys
 
 
-class Probed(Event, frozen=True, kw_only=True, omit_defaults=True):
+class Probed(_OfRound, frozen=True, kw_only=True, omit_defaults=True):
     """A lookup went out; the keys it asks are registered with it.
 
     Version 2: the keys need no :class:`Registered` before (an engine's
@@ -53,7 +51,6 @@ class Probed(Event, frozen=True, kw_only=True, omit_defaults=True):
 
     VERSION: ClassVar[int] = 2  # 2: registers its keys, sets the first round
 
-    round_seq: int
     keys: Keys
     lookup_deadline: float
     source: Choice | None = None
@@ -91,7 +88,7 @@ class LookupTimedOut(Event, frozen=True, kw_only=True):
     keys: Keys
 
 
-class FetchSent(Event, frozen=True, kw_only=True):
+class FetchSent(_OfLoad, frozen=True, kw_only=True):
     """A fetch went out: a load of ``keys`` into our ``block_indexes``.
 
     Attributes:
@@ -103,8 +100,6 @@ class FetchSent(Event, frozen=True, kw_only=True):
         next_round: The round that lookups and fetches use from now on.
     """
 
-    round_seq: int
-    job_id: int
     keys: Keys
     block_indexes: Ints
     load_deadline: float
@@ -125,17 +120,15 @@ class FetchSkipped(Event, frozen=True, kw_only=True):
     reason: str
 
 
-class LookupCancelled(Event, frozen=True, kw_only=True):
+class LookupCancelled(_OfRound, frozen=True, kw_only=True):
     """The terminal empty fetch went out: the peer may drop the request.
 
     Attributes:
         round_seq: The current round, stamped on the empty fetch.
     """
 
-    round_seq: int
 
-
-class TransferDone(Event, frozen=True, kw_only=True):
+class TransferDone(_OfLoad, frozen=True, kw_only=True):
     """The peer reported a load finished.
 
     Attributes:
@@ -144,12 +137,10 @@ class TransferDone(Event, frozen=True, kw_only=True):
         success: Whether every block arrived.
     """
 
-    round_seq: int
-    job_id: int
     success: bool
 
 
-class AbortSent(Event, frozen=True, kw_only=True):
+class AbortSent(_OfLoad, frozen=True, kw_only=True):
     """We asked the peer to abort a load.
 
     Attributes:
@@ -159,13 +150,11 @@ class AbortSent(Event, frozen=True, kw_only=True):
         ack_deadline: When the load fails even without the peer's ack.
     """
 
-    round_seq: int
-    job_id: int
     reason: str
     ack_deadline: float
 
 
-class AbortAcked(Event, frozen=True, kw_only=True):
+class AbortAcked(_OfLoad, frozen=True, kw_only=True):
     """The peer confirmed no write into the load's blocks can still run.
 
     Attributes:
@@ -173,11 +162,8 @@ class AbortAcked(Event, frozen=True, kw_only=True):
         job_id: The engine's load job, now failed.
     """
 
-    round_seq: int
-    job_id: int
 
-
-class Aborted(Event, frozen=True, kw_only=True):
+class Aborted(_OfLoad, frozen=True, kw_only=True):
     """A load failed without the peer's word (no ack in time, session lost).
 
     Attributes:
@@ -186,8 +172,6 @@ class Aborted(Event, frozen=True, kw_only=True):
         reason: Why.
     """
 
-    round_seq: int
-    job_id: int
     reason: str
 
 

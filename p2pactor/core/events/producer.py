@@ -9,10 +9,10 @@ from typing import ClassVar
 
 import msgspec
 
-from p2pactor.core.events import Event, Ints, Keys
+from p2pactor.core.events import Event, Ints, Keys, _OfLookup, _OfRound, _OfTransfer
 
 
-class LookupReceived(Event, frozen=True, kw_only=True):
+class LookupReceived(_OfLookup, frozen=True, kw_only=True):
     """A peer asked which of ``keys`` we hold.
 
     Attributes:
@@ -22,13 +22,12 @@ class LookupReceived(Event, frozen=True, kw_only=True):
         deadline: When keys still pending are answered MISS.
     """
 
-    lookup_id: int
     round_seq: int
     keys: Keys
     deadline: float
 
 
-class KeysResolved(Event, frozen=True, kw_only=True):
+class KeysResolved(_OfLookup, frozen=True, kw_only=True):
     """The parent answered about some of a lookup's keys.
 
     Opens the lookup's synthetic parent request if it was not open yet.
@@ -41,14 +40,13 @@ class KeysResolved(Event, frozen=True, kw_only=True):
         next_poll_at: When to ask again about ``pending``.
     """
 
-    lookup_id: int
     hits: Keys
     misses: Keys
     pending: Keys
     next_poll_at: float | None
 
 
-class KeysPinned(Event, frozen=True, kw_only=True):
+class KeysPinned(_OfLookup, frozen=True, kw_only=True):
     """The parent pinned blocks for a lookup's hits, as one job.
 
     Attributes:
@@ -60,7 +58,6 @@ class KeysPinned(Event, frozen=True, kw_only=True):
         expires_at: When the pin is released if no fetch uses it.
     """
 
-    lookup_id: int
     round_seq: int
     job_id: int
     keys: Keys
@@ -68,7 +65,7 @@ class KeysPinned(Event, frozen=True, kw_only=True):
     expires_at: float
 
 
-class PendingPolled(Event, frozen=True, kw_only=True):
+class PendingPolled(_OfLookup, frozen=True, kw_only=True):
     """We asked the parent again about a lookup's pending keys.
 
     Attributes:
@@ -77,22 +74,19 @@ class PendingPolled(Event, frozen=True, kw_only=True):
         not_after: The parent must not look them up past this time.
     """
 
-    lookup_id: int
     keys: Keys
     not_after: float
 
 
-class ParentExpired(Event, frozen=True, kw_only=True):
+class ParentExpired(_OfLookup, frozen=True, kw_only=True):
     """A re-poll reached the parent only after its ``not_after``: nothing was asked.
 
     Attributes:
         lookup_id: Which lookup.
     """
 
-    lookup_id: int
 
-
-class PendingExpired(Event, frozen=True, kw_only=True):
+class PendingExpired(_OfLookup, frozen=True, kw_only=True):
     """Pending keys ran out of time; they count as TIMEOUT and answer MISS.
 
     Attributes:
@@ -100,7 +94,6 @@ class PendingExpired(Event, frozen=True, kw_only=True):
         keys: The keys that timed out.
     """
 
-    lookup_id: int
     keys: Keys
 
 
@@ -120,7 +113,7 @@ class Pinned(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     expires_at: float
 
 
-class LookupAnswered(Event, frozen=True, kw_only=True, omit_defaults=True):
+class LookupAnswered(_OfLookup, frozen=True, kw_only=True, omit_defaults=True):
     """The one answer to a lookup went out.
 
     Version 2: when the parent's first answer settles every key of the
@@ -147,7 +140,6 @@ class LookupAnswered(Event, frozen=True, kw_only=True, omit_defaults=True):
 
     VERSION: ClassVar[int] = 2  # 2: resolved, pinned (refused: written only when set)
 
-    lookup_id: int
     round_seq: int
     keys: Keys
     hits: tuple[bool, ...]
@@ -156,7 +148,7 @@ class LookupAnswered(Event, frozen=True, kw_only=True, omit_defaults=True):
     refused: tuple[bool, ...] = ()
 
 
-class LookupDropped(Event, frozen=True, kw_only=True):
+class LookupDropped(_OfLookup, frozen=True, kw_only=True):
     """A lookup will not be answered: the request closed first.
 
     Attributes:
@@ -164,18 +156,15 @@ class LookupDropped(Event, frozen=True, kw_only=True):
         reason: Why.
     """
 
-    lookup_id: int
     reason: str
 
 
-class ContextClosed(Event, frozen=True, kw_only=True):
+class ContextClosed(_OfLookup, frozen=True, kw_only=True):
     """A lookup's synthetic parent request is owed its close.
 
     Attributes:
         lookup_id: Which lookup.
     """
-
-    lookup_id: int
 
 
 class StoreAdded(Event, frozen=True, kw_only=True):
@@ -194,7 +183,7 @@ class StoreAdded(Event, frozen=True, kw_only=True):
     expires_at: float
 
 
-class FetchReceived(Event, frozen=True, kw_only=True):
+class FetchReceived(_OfRound, frozen=True, kw_only=True):
     """The peer asked us to write ``keys`` into its ``block_indexes``.
 
     Attributes:
@@ -203,12 +192,11 @@ class FetchReceived(Event, frozen=True, kw_only=True):
         block_indexes: Where to, in the peer's pool, parallel to ``keys``.
     """
 
-    round_seq: int
     keys: Keys
     block_indexes: Ints
 
 
-class TransferStarted(Event, frozen=True, kw_only=True):
+class TransferStarted(_OfTransfer, frozen=True, kw_only=True):
     """One WRITE of matched blocks into the peer's pool was started.
 
     Attributes:
@@ -220,7 +208,6 @@ class TransferStarted(Event, frozen=True, kw_only=True):
         job_ids: The pin job holding each source block, parallel to ``keys``.
     """
 
-    transfer_id: int
     round_seq: int
     keys: Keys
     local_blocks: Ints
@@ -228,17 +215,15 @@ class TransferStarted(Event, frozen=True, kw_only=True):
     job_ids: Ints
 
 
-class TransferCompleted(Event, frozen=True, kw_only=True):
+class TransferCompleted(_OfTransfer, frozen=True, kw_only=True):
     """A WRITE finished; every byte is in the peer's blocks.
 
     Attributes:
         transfer_id: Which transfer.
     """
 
-    transfer_id: int
 
-
-class TransferFailed(Event, frozen=True, kw_only=True):
+class TransferFailed(_OfTransfer, frozen=True, kw_only=True):
     """A WRITE failed, and no part of it is still running.
 
     Attributes:
@@ -246,11 +231,10 @@ class TransferFailed(Event, frozen=True, kw_only=True):
         reason: Why.
     """
 
-    transfer_id: int
     reason: str
 
 
-class TransferDoneSent(Event, frozen=True, kw_only=True):
+class TransferDoneSent(_OfRound, frozen=True, kw_only=True):
     """A round ended and the peer was told how.
 
     Attributes:
@@ -259,32 +243,27 @@ class TransferDoneSent(Event, frozen=True, kw_only=True):
         reason: Why it failed, or "" on success.
     """
 
-    round_seq: int
     success: bool
     reason: str
 
 
-class AbortReceived(Event, frozen=True, kw_only=True):
+class AbortReceived(_OfRound, frozen=True, kw_only=True):
     """The peer asked us to abort a round.
 
     Attributes:
         round_seq: The round.
     """
 
-    round_seq: int
 
-
-class AbortAckSent(Event, frozen=True, kw_only=True):
+class AbortAckSent(_OfRound, frozen=True, kw_only=True):
     """We confirmed an abort: no write into the peer for that round can run.
 
     Attributes:
         round_seq: The round.
     """
 
-    round_seq: int
 
-
-class RoundClosed(Event, frozen=True, kw_only=True):
+class RoundClosed(_OfRound, frozen=True, kw_only=True):
     """A round ended with nothing to tell the peer.
 
     Attributes:
@@ -292,7 +271,6 @@ class RoundClosed(Event, frozen=True, kw_only=True):
         reason: Why.
     """
 
-    round_seq: int
     reason: str
 
 
@@ -310,7 +288,7 @@ class PinReleased(Event, frozen=True, kw_only=True):
     reason: str
 
 
-class CloseRequested(Event, frozen=True, kw_only=True):
+class CloseRequested(_OfRound, frozen=True, kw_only=True):
     """The peer closed the whole request (the terminal empty fetch).
 
     Attributes:
@@ -318,7 +296,6 @@ class CloseRequested(Event, frozen=True, kw_only=True):
         reason: Why, in words.
     """
 
-    round_seq: int
     reason: str
 
 
