@@ -13,9 +13,9 @@ action from the event alone.
 Here: what both roles' events build on (:class:`Event`, the :data:`EVENT_TYPES`
 registry every subclass joins as it is defined, the enums their fields name, the
 private bases that give the events about one round, load, lookup or write their
-first field), the events either role may record and the quota refusals; each role's own events are in
-:mod:`~p2pactor.core.events.consumer` and :mod:`~p2pactor.core.events.producer`,
-and are imported from here.
+first field), the events either role may record and the quota refusals; each
+role's own events are in :mod:`~p2pactor.core.events.consumer` and
+:mod:`~p2pactor.core.events.producer`, and are imported from here.
 """
 
 # ruff: noqa: E402, F403, F405
