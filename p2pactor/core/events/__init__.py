@@ -67,8 +67,8 @@ class Violation(IdentityEnum):
         STALE_ROUND: A lookup or fetch for a round older than one already closed.
         UNKNOWN_ROUND: An abort for a round that was never fetched.
         AFTER_CLOSE: A lookup or fetch after the consumer closed the request.
-        MALFORMED: Parallel lists of different lengths (the codec rejects
-            these on the wire).
+        MALFORMED: Parallel lists of different lengths (read from older logs:
+            the codec rejects these, so the core never sees one).
     """
 
     DUPLICATE_FETCH = "duplicate_fetch"
