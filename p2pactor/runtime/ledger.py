@@ -55,8 +55,8 @@ _CHANGES: Final = frozenset(
 )
 """The events that open or end a lookup or round: only they change what a state holds."""
 
-_COUNTED: Final = _CHANGES | {ev.LookupRefused, ev.KeysRefused, ev.FetchRefused, ev.Closed}
-"""The events :meth:`QuotaLedger.observe` acts on; a step with none of them is skipped."""
+_REFUSED: Final = (ev.LookupRefused, ev.KeysRefused, ev.FetchRefused, ev.LookupLimited)
+"""The events of a refusal, which :meth:`QuotaLedger.observe` counts and logs."""
 
 
 class QuotaLedger:
@@ -81,7 +81,7 @@ class QuotaLedger:
     def __init__(self, quotas: PeerQuotas, num_blocks: int) -> None:
         self.quotas = quotas
         self.pinned_limit = quotas.pinned_blocks_limit(num_blocks)
-        self._limits = {q: getattr(quotas, f"max_{q.value}") for q in HELD}
+        self._limits = {q: getattr(quotas, f"max_{q.value}") for q in Quota}
         self._limits[Quota.PINNED_BLOCKS] = self.pinned_limit
         self._peers: dict[str, _Peer] = {}
         self._requests: dict[Hashable, _Request] = {}
@@ -91,23 +91,18 @@ class QuotaLedger:
         p = self._peers.get(peer)
         if p is None:
             if len(self._peers) >= _REMEMBERED_PEERS:
-                self._forget_idle_peers()
+                # Without CURVE a peer is whoever claims a ``host:port``: one that
+                # comes back under ever new ids must not grow the ledger without
+                # bound. Those holding nothing go (their refusal totals too).
+                holding = {r.peer for r in self._requests.values()}
+                holding.update(peer for peer, _ in self._pins.values())
+                for idle in self._peers.keys() - holding:
+                    del self._peers[idle]
             p = self._peers[peer] = _Peer()
         return p
 
-    def _forget_idle_peers(self) -> None:
-        """Drop the counts of peers that hold nothing (their refusal totals go too).
-
-        Without CURVE a peer is whoever claims a ``host:port``: one that comes
-        back under ever new ids must not grow the ledger without bound.
-        """
-        holding = {r.peer for r in self._requests.values()}
-        holding.update(peer for peer, _ in self._pins.values())
-        for peer in [peer for peer in self._peers if peer not in holding]:
-            del self._peers[peer]
-
     def _held(self, peer: str, quota: Quota) -> int:
-        p = self._peers.get(peer)
+        p = self._peers.get(peer)  # (a stranger is not remembered for being asked about)
         return p.held[quota] if p is not None else 0
 
     def _refusal(self, peer: str, quota: Quota, *, full: bool = True) -> str:
@@ -151,7 +146,7 @@ class QuotaLedger:
             # Not a counted request (a consumer's, or a test's), or the empty
             # fetch that closes one: never refused.
             return message
-        limit, held = self.quotas.max_rounds_per_request, request.held
+        limit, held = self._limits[Quota.ROUNDS_PER_REQUEST], request.held
         quota, cap = Quota.FETCH_ROUNDS if fetch else Quota.OPEN_LOOKUPS, 0
         if request.refusal:
             quota, reason = Quota.OPEN_REQUESTS, request.refusal
@@ -162,7 +157,7 @@ class QuotaLedger:
                 f"{len(held)} rounds here (quota {limit} per request)"
             )
         elif not (reason := self._refusal(request.peer, quota)):
-            cap = self.quotas.max_keys_per_lookup
+            cap = self._limits[Quota.KEYS_PER_LOOKUP]
             if fetch or len(message.keys) <= cap:
                 return message
             quota = Quota.KEYS_PER_LOOKUP
@@ -182,20 +177,14 @@ class QuotaLedger:
         request = self._requests.get(handle)
         if request is None:
             return
-        changed = False
         for event in events:
-            kind = type(event)
-            if kind not in _COUNTED:
-                continue  # most events change no count: skip the match
-            changed = changed or kind in _CHANGES
-            match event:
-                case ev.LookupRefused() | ev.KeysRefused() | ev.FetchRefused() | ev.LookupLimited():
-                    quota = getattr(event, "quota", Quota.KEYS_PER_LOOKUP)  # limited: keys
-                    self._refused(request.peer, event.actor.kv_request_id, quota, event.reason, now)
-                case ev.Closed():
-                    self.forget(handle)
-                    return
-        if not changed:
+            if isinstance(event, _REFUSED):
+                quota = getattr(event, "quota", Quota.KEYS_PER_LOOKUP)  # limited: keys
+                self._refused(request.peer, event.actor.kv_request_id, quota, event.reason, now)
+            elif type(event) is ev.Closed:
+                self.forget(handle)
+                return
+        if _CHANGES.isdisjoint(map(type, events)):
             return
         lookups = sum(not (lookup.answered or lookup.dropped) for lookup in state.lookups.values())
         rounds = sum(rnd.fetched for rnd in state.rounds.values())
@@ -246,7 +235,7 @@ class QuotaLedger:
         return PeerUsage(
             **{q.value: p.held[q] for q in HELD},
             peak_pinned_blocks=p.peak_pinned,
-            refusals={q.value: n for q, n in sorted(p.refusals.items(), key=lambda i: i[0].value)},
+            refusals=dict(sorted((q.value, n) for q, n in p.refusals.items())),
         )
 
     def usages(self) -> dict[str, PeerUsage]:
@@ -258,10 +247,7 @@ class QuotaLedger:
     ) -> None:
         p = self._peer(peer)
         p.refusals[quota] += 1
-        throttle = p.said.get(quota)
-        if throttle is None:
-            throttle = p.said[quota] = Throttle(self.quotas.log_interval)
-        if (more := throttle.due(now)) is None:
+        if (more := p.said.setdefault(quota, Throttle(self.quotas.log_interval)).due(now)) is None:
             return
         tail = f" ({more} more refusals of this kind since the last message)" if more else ""
         log.warning(
