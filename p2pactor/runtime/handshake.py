@@ -91,7 +91,6 @@ class ControlLink(abc.ABC):
         # connects are acked; afterwards only when the connection's queue is
         # full (else each goes straight to it, send_nowait), for a sender task.
         self._backlog: deque[bytes] = deque()
-        self._ack_sent = False
         self._acked = False
         self._established = trio.Event()  # both connects acked: READY, our messages go out
         self._peer_accepted = False
@@ -99,7 +98,7 @@ class ControlLink(abc.ABC):
         self._peer_num_blocks = 0
         self._dead = trio.Event()
         self._send_disconnect = False
-        self._nursery: trio.Nursery | None = None
+        self._nursery: trio.Nursery  # the session's task's, from its start
 
     @property
     def data_name(self) -> str:
@@ -180,7 +179,6 @@ class ControlLink(abc.ABC):
             await self._conn.send(wire.encode(ours))
             if first is not None:
                 self._accept(first)
-            assert self._nursery is not None
             self._nursery.start_soon(self._watch_handshake)
             # From here on the transport steps each frame as it arrives.
             self._conn.attach(self)
@@ -253,7 +251,6 @@ class ControlLink(abc.ABC):
         self.features = agreed(self._config, self.peer_extension)
         if self.summaries:
             self._host.directory.peer_accepted(self, msg.num_blocks)
-        assert self._nursery is not None
         self._nursery.start_soon(self._register_peer, msg)
 
     async def _register_peer(self, msg: wire.Connect) -> None:
@@ -265,7 +262,6 @@ class ControlLink(abc.ABC):
         except TransferError as exc:
             self._die(f"could not register the peer's memory: {exc}", disconnect=True)
             return
-        self._peer_registered = True
         if not self.alive:
             return
         assert self._conn is not None
@@ -274,12 +270,12 @@ class ControlLink(abc.ABC):
         except ConnectionLost as exc:
             self._die(exc.reason)
             return
-        self._ack_sent = True
+        self._peer_registered = True  # (and told so: our connect_ack is out)
         self._open_gate()
 
     def _open_gate(self) -> None:
         """Once both connects are acked the session is ready: send what waited, in order."""
-        if not (self._acked and self._ack_sent and self.alive) or self._established.is_set():
+        if not (self.ready and self.alive) or self._established.is_set():
             return
         self.state = SessionState.READY
         self._established.set()
@@ -287,7 +283,6 @@ class ControlLink(abc.ABC):
         dialect = "p2pactor" if self.extended else "vLLM base"
         log.info("session with %s ready (%s dialect)", self.peer_id, dialect, extra=self._log_extra)
         if self._backlog:  # what waited for the gate goes first, in order
-            assert self._nursery is not None
             self._nursery.start_soon(self._send_backlog)
         if self.summaries:
             self._host.directory.peer_ready(self)
@@ -316,7 +311,7 @@ class ControlLink(abc.ABC):
             return
         # Before the gate opens, or behind frames that found the connection's queue full.
         self._backlog.append(frame)
-        if open_ and len(self._backlog) == 1 and self._nursery is not None:
+        if open_ and len(self._backlog) == 1:
             self._nursery.start_soon(self._send_backlog)
 
     async def _send_backlog(self) -> None:

@@ -249,7 +249,6 @@ class PeerSession(SessionActors):
                 await trio.lowlevel.checkpoint()
         gone = self.peer_process
         if grace and self._failed_loads and gone is not None:
-            assert self._nursery is not None
             self._nursery.start_soon(self._settle_when_gone, gone, reason)
         if self._actors:
             # Held loads end on their own deadline: the drain outlasts it.
