@@ -91,6 +91,7 @@ class ControlLink(abc.ABC):
         # connects are acked; afterwards only when the connection's queue is
         # full (else each goes straight to it, send_nowait), for a sender task.
         self._backlog: deque[bytes] = deque()
+        self._ack_sent = False
         self._acked = False
         self._established = trio.Event()  # both connects acked: READY, our messages go out
         self._peer_accepted = False
@@ -262,6 +263,7 @@ class ControlLink(abc.ABC):
         except TransferError as exc:
             self._die(f"could not register the peer's memory: {exc}", disconnect=True)
             return
+        self._peer_registered = True
         if not self.alive:
             return
         assert self._conn is not None
@@ -270,12 +272,12 @@ class ControlLink(abc.ABC):
         except ConnectionLost as exc:
             self._die(exc.reason)
             return
-        self._peer_registered = True  # (and told so: our connect_ack is out)
+        self._ack_sent = True
         self._open_gate()
 
     def _open_gate(self) -> None:
         """Once both connects are acked the session is ready: send what waited, in order."""
-        if not (self.ready and self.alive) or self._established.is_set():
+        if not (self._acked and self._ack_sent and self.alive) or self._established.is_set():
             return
         self.state = SessionState.READY
         self._established.set()
