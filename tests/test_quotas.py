@@ -4,7 +4,7 @@
   :class:`~p2pactor.core.inputs.OverQuota` verdict or a parent answer with
   refused hits: what is sent, pinned, released and recorded (the harness checks
   after every step that replaying the log gives the live state).
-* **Ledger**: :class:`~p2pactor.runtime.ledger.QuotaLedger` counts, verdicts, pins,
+* **Ledger**: :class:`~p2pactor.runtime.quotas.QuotaLedger` counts, verdicts, pins,
   isolation between peers, the rate-limited log.
 * **Nodes** on the in-memory transports: a scripted peer goes over each quota;
   its counts return to zero after normal completion, after refusals and after
@@ -39,10 +39,9 @@ from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerInput, ProducerPhase, ProducerState
 from p2pactor.errors import ConfigError, DataPlaneError
 from p2pactor.runtime.config import NodeConfig
-from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
-from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas, PeerUsage
+from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas, PeerUsage, QuotaLedger
 from p2pactor.runtime.samples import block_bytes as real_block
 from p2pactor.runtime.samples import preload_keys
 from p2pactor.surface.replay import Replayer
@@ -517,7 +516,7 @@ class TestLedger:
         }
 
     def test_idle_peers_are_forgotten_past_a_bound(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr("p2pactor.runtime.ledger._REMEMBERED_PEERS", 3)
+        monkeypatch.setattr("p2pactor.runtime.quotas._REMEMBERED_PEERS", 3)
         ledger = QuotaLedger(DEFAULT_QUOTAS, 100)
         ledger.open_request("holds-a-request:1", "r")
         ledger.pinned("holds-a-pin:1", 1, 2)

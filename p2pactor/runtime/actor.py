@@ -165,26 +165,24 @@ class Runner:
     Args:
         clock: The time each step is given (trio's clock on a node; tests
             that step actors with no trio run pass their own).
+
+    Attributes:
+        running: Whether a step is under way (an input delivered now waits for it).
     """
 
-    __slots__ = ("_clock", "_queue", "_running")
+    __slots__ = ("_clock", "_queue", "running")
 
     def __init__(self, clock: Callable[[], float] = trio.current_time) -> None:
         self._clock = clock
         self._queue: deque[tuple[RequestActor, ActorInput]] = deque()
-        self._running = False
-
-    @property
-    def running(self) -> bool:
-        """Whether a step is under way (an input delivered now waits for it)."""
-        return self._running
+        self.running = False
 
     def deliver(self, actor: RequestActor, event_input: ActorInput) -> None:
         """Step ``event_input`` on ``actor`` now, or right after the steps under way."""
         self._queue.append((actor, event_input))
-        if self._running:
+        if self.running:
             return
-        self._running = True
+        self.running = True
         queue = self._queue
         clock = self._clock
         try:
@@ -192,4 +190,4 @@ class Runner:
                 target, item = queue.popleft()
                 target.step(item, clock())
         finally:
-            self._running = False
+            self.running = False

@@ -99,7 +99,7 @@ class ControlLink(abc.ABC):
         self._peer_num_blocks = 0
         self._dead = trio.Event()
         self._send_disconnect = False
-        self._nursery: trio.Nursery | None = None
+        self._nursery: trio.Nursery  # the session's task's, from its start
 
     @property
     def data_name(self) -> str:
@@ -180,7 +180,6 @@ class ControlLink(abc.ABC):
             await self._conn.send(wire.encode(ours))
             if first is not None:
                 self._accept(first)
-            assert self._nursery is not None
             self._nursery.start_soon(self._watch_handshake)
             # From here on the transport steps each frame as it arrives.
             self._conn.attach(self)
@@ -253,7 +252,6 @@ class ControlLink(abc.ABC):
         self.features = agreed(self._config, self.peer_extension)
         if self.summaries:
             self._host.directory.peer_accepted(self, msg.num_blocks)
-        assert self._nursery is not None
         self._nursery.start_soon(self._register_peer, msg)
 
     async def _register_peer(self, msg: wire.Connect) -> None:
@@ -286,9 +284,8 @@ class ControlLink(abc.ABC):
         self._host.handshake_ended(self.peer_id, "ok")
         dialect = "p2pactor" if self.extended else "vLLM base"
         log.info("session with %s ready (%s dialect)", self.peer_id, dialect, extra=self._log_extra)
-        early, self._backlog = self._backlog, deque()
-        for frame in early:
-            self._put(frame)
+        if self._backlog:  # what waited for the gate goes first, in order
+            self._nursery.start_soon(self._send_backlog)
         if self.summaries:
             self._host.directory.peer_ready(self)
 
@@ -300,20 +297,8 @@ class ControlLink(abc.ABC):
             return
         self.last_sent = trio.current_time()
         frame = wire.encode(to_dialect(msg, self.features))
-        if self._established.is_set():
-            self._put(frame)
-        elif self._room():
-            self._backlog.append(frame)  # no sender task before the gate opens
-
-    def _room(self) -> bool:
-        if self.unsent < self._config.session_outbox:
-            return True
-        self._die(f"the peer is not reading: {self._config.session_outbox} messages queued for it")
-        return False
-
-    def _put(self, frame: bytes) -> None:
-        """Hand ``frame`` to the connection now, or behind the frames waiting for room."""
-        if not self._backlog:
+        open_ = self._established.is_set()
+        if open_ and not self._backlog:
             assert self._conn is not None
             try:
                 if self._conn.send_nowait(frame):
@@ -321,10 +306,14 @@ class ControlLink(abc.ABC):
             except ConnectionLost as exc:
                 self._die(exc.reason)
                 return
-        if not self._room():
+        if self.unsent >= self._config.session_outbox:
+            self._die(
+                f"the peer is not reading: {self._config.session_outbox} messages queued for it"
+            )
             return
+        # Before the gate opens, or behind frames that found the connection's queue full.
         self._backlog.append(frame)
-        if len(self._backlog) == 1 and self._nursery is not None:
+        if open_ and len(self._backlog) == 1:
             self._nursery.start_soon(self._send_backlog)
 
     async def _send_backlog(self) -> None:

@@ -28,12 +28,12 @@ from p2pactor.runtime.actor import RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import LoadResult
-from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.logcontext import actor_context, peer_context
 from p2pactor.runtime.loopwatch import LoopWatch
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.peers import PeerRegistry
+from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.seeds import SeedRedial
 from p2pactor.runtime.serving import ParentService
 from p2pactor.runtime.session import SessionCloseResult

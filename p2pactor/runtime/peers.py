@@ -86,8 +86,7 @@ class PeerRegistry:
         session = self._sessions.get(peer)
         if session is not None and session.alive:
             return session
-        if not self._host.config.may_dial(peer) or self.shutting_down:
-            self._say_unreachable(peer, "not dialing")
+        if self.shutting_down or not self.may_accept(peer, "not dialing"):
             return None
         return None if self._full(peer, "not dialing") else self._start(peer, None)
 
@@ -100,36 +99,32 @@ class PeerRegistry:
             action,
             peer,
             self._host.config.max_peers,
-            extra=self._context(peer),
+            extra=peer_context(peer, node=self._host.node_id),
         )
         return True
 
-    def may_accept(self, peer: str) -> bool:
+    def may_accept(self, peer: str, action: str = "refused") -> bool:
         """Whether a first frame from ``peer`` may be taken (and ``peer`` dialed back).
 
         The transport asks before it dials back (``accept_only``); a refusal
-        for a loopback id is logged here, with both addresses and the fix.
+        for a loopback id is logged here (once per peer, with ``action``), with
+        both addresses and the fix.
         """
         if self._host.config.may_dial(peer):
             return True
-        self._say_unreachable(peer, "refused")
-        return False
-
-    def _context(self, peer: str) -> dict[str, str]:
-        return peer_context(peer, node=self._host.node_id)
-
-    def _say_unreachable(self, peer: str, action: str) -> None:
         reason = self._host.config.dial_refusal(peer)
-        if reason is None or peer in self._unreachable:
-            return
-        if len(self._unreachable) < CLOSED_KEPT:  # bounded: peer ids come from frames too
-            self._unreachable.add(peer)
-        log.error("%s %s: %s", action, peer, reason, extra=self._context(peer))
+        if reason is not None and peer not in self._unreachable:
+            if len(self._unreachable) < CLOSED_KEPT:  # bounded: peer ids come from frames too
+                self._unreachable.add(peer)
+            log.error(
+                "%s %s: %s", action, peer, reason, extra=peer_context(peer, node=self._host.node_id)
+            )
+        return False
 
     def _start(
         self, peer: str, conn: ControlConnection | None, first: wire.Connect | None = None
     ) -> PeerSession:
-        session = PeerSession(self._host, peer, conn, first=first, on_restart=self.restarted)
+        session = PeerSession(self._host, peer, conn, first)
         self._sessions[peer] = session
         self._nursery.start_soon(self._run, session, name=f"session {peer}")
         return session
@@ -165,7 +160,7 @@ class PeerRegistry:
     async def _admit(self, conn: ControlConnection) -> None:
         peer = conn.peer_id
         existing = self._sessions.get(peer)
-        context = self._context(peer)
+        context = peer_context(peer, node=self._host.node_id)
         if not self.may_accept(peer):  # (which says why a loopback id is refused)
             if self._host.config.dial_refusal(peer) is None:
                 log.warning(
@@ -175,7 +170,8 @@ class PeerRegistry:
                     extra=context,
                 )
             await conn.aclose()
-        elif existing is not None and existing.dialing:
+            return
+        if existing is not None and existing.dialing:
             # Both nodes dialed each other at once, and the peer's frame came
             # before this node's session ran its connect(): that connect()
             # takes this very connection from the transport's table. Closing
@@ -186,7 +182,8 @@ class PeerRegistry:
                 peer,
                 extra=context,
             )
-        elif existing is not None and existing.alive:
+            return
+        if existing is not None and existing.alive:
             # A transport opens an inbound connection only for a peer it has
             # no live connection with: the session's own connection is gone
             # (the peer restarted or dropped it) and the session is about to
@@ -197,17 +194,14 @@ class PeerRegistry:
                 extra=context,
             )
             existing.close("the peer connected again: this session's connection is gone")
+        elif self.shutting_down or self._full(peer, "refused"):
+            if self.shutting_down:
+                log.info("refused %s: this node is shutting down", peer, extra=context)
+            await conn.aclose()
+            return
+        if existing is not None:
             self._closing.add(existing)
-            self._start(peer, conn)
-        elif self.shutting_down:
-            log.info("refused %s: this node is shutting down", peer, extra=context)
-            await conn.aclose()
-        elif self._full(peer, "refused"):
-            await conn.aclose()
-        else:
-            if existing is not None:
-                self._closing.add(existing)
-            self._start(peer, conn)
+        self._start(peer, conn)
 
     async def close_all(self, reason: str) -> None:
         """Close every session (draining each) and wait until all have closed."""

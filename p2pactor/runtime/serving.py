@@ -33,8 +33,8 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.actor import RequestActor, Runner
-from p2pactor.runtime.ledger import QuotaLedger
 from p2pactor.runtime.parent import Parent, parent_failed, serve_parent_request
+from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.timers import Timers
 
 # What producers ask of the parent, in order, with the actor owed the answer.

@@ -25,8 +25,6 @@ arrive, on the transport's receive path, not in a task of its own. Its life:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -42,11 +40,6 @@ from p2pactor.errors import ProtocolError, UnknownMessageType
 from p2pactor.runtime.handshake import SessionState
 from p2pactor.runtime.process import ProcessWatch
 from p2pactor.runtime.session_actors import TO_CONSUMER, TO_PRODUCER, SessionActors
-from p2pactor.runtime.transport import ControlConnection
-
-if TYPE_CHECKING:
-    from p2pactor.runtime.host import NodeHost
-
 
 log = logging.getLogger("p2pactor.session")
 
@@ -83,25 +76,6 @@ class PeerSession(SessionActors):
     Implements :class:`~p2pactor.runtime.transport.FrameReceiver` (for its connection)
     and :class:`~p2pactor.runtime.actor.ActorHost` (for its actors).
     """
-
-    def __init__(
-        self,
-        host: NodeHost,
-        peer_id: str,
-        conn: ControlConnection | None = None,
-        *,
-        first: wire.Connect | None = None,
-        on_restart: Callable[[PeerSession, ControlConnection, wire.Connect], None],
-    ) -> None:
-        super().__init__(host, peer_id, conn, first)
-        # Whoever made the session starts its successor when the peer starts a
-        # new one on this connection (the node's registry).
-        self._on_restart = on_restart
-        self.result: SessionCloseResult | None = None
-        self._node_closing = False
-        self._closed = trio.Event()
-        self._failed_loads: tuple[int, ...] = ()
-        self._failed_requests: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return f"<PeerSession {self.peer_id} #{self.serial} {self.state.value}>"
@@ -209,7 +183,7 @@ class PeerSession(SessionActors):
         self._die("the peer started a new session on this connection")
         if msg.extension:  # a p2pactor peer: it can take our way to it afresh (see renew)
             self._conn.renew()
-        self._on_restart(self, self._conn, msg)
+        self._host.peers.restarted(self, self._conn, msg)
 
     def _to_producer(self, msg: wire.Lookup | wire.Fetch | wire.AbortFetch) -> None:
         kv_id = msg.kv_request_id
@@ -275,9 +249,8 @@ class PeerSession(SessionActors):
                 await trio.lowlevel.checkpoint()
         gone = self.peer_process
         if grace and self._failed_loads and gone is not None:
-            assert self._nursery is not None
             self._nursery.start_soon(self._settle_when_gone, gone, reason)
-        if self._live:
+        if self._actors:
             # Held loads end on their own deadline: the drain outlasts it.
             held = grace + 1.0 if self._failed_loads and grace > 0 else 0.0
             with trio.move_on_after(max(self._config.drain_timeout, held)):

@@ -34,6 +34,7 @@ from p2pactor.runtime.transport import ControlConnection
 
 if TYPE_CHECKING:
     from p2pactor.runtime.host import NodeHost
+    from p2pactor.runtime.session import SessionCloseResult
 
 
 log = logging.getLogger("p2pactor.session")
@@ -69,9 +70,9 @@ class SessionActors(ControlLink):
     ) -> None:
         super().__init__(host, peer_id, conn, first)
         self.runner: Runner = host.runner  # the actors' host hands their inputs to it
-        # The latest actor of each (role, kv_request_id); the drain waits for _live == 0.
+        # The latest actor of each (role, kv_request_id), until it retires: the
+        # drain waits for none to be left.
         self._actors: dict[tuple[Role, str], RequestActor] = {}
-        self._live = 0
         # What has_pending_work reads from engine threads, kept as each step
         # changes it: loads in flight (a peer may be writing into our pool), and
         # the producers that are looking up or writing (and, of those, writing).
@@ -82,8 +83,14 @@ class SessionActors(ControlLink):
         # Recently ended ids, so that a reused kv_request_id gets a new
         # incarnation; bounded, and replay copes when an old one is forgotten.
         self._retired: OrderedDict[tuple[Role, str], int] = OrderedDict()
+        # The close (PeerSession's): what it left owed, once closed.
+        self.result: SessionCloseResult | None = None
+        self._node_closing = False
         self._closing = False
         self._quiet = trio.Event()  # closing, and every actor has ended
+        self._closed = trio.Event()
+        self._failed_loads: tuple[int, ...] = ()
+        self._failed_requests: tuple[str, ...] = ()
         self._dispatch_errors = 0
         self._round_counter = itertools.count(1)
 
@@ -133,7 +140,6 @@ class SessionActors(ControlLink):
         actor_id = ActorId(role, self.peer_id, kv_request_id, incarnation)
         actor = RequestActor(actor_id, self, self._config.timings, first_round=first_round)
         self._actors[key] = actor
-        self._live += 1
         self._host.actor_created(actor)
         return actor
 
@@ -144,8 +150,7 @@ class SessionActors(ControlLink):
         self._retired[key] = actor.id.incarnation
         if len(self._retired) > _RETIRED_MEMORY:
             self._retired.popitem(last=False)
-        self._live -= 1
-        if self._closing and not self._live:
+        if self._closing and not self._actors:
             self._quiet.set()
 
     # --- the actors' host (ActorHost) ---------------------------------------------
