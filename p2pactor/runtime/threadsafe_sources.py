@@ -27,11 +27,11 @@ from p2pactor.core.sources import fingerprint
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import EngineBridge
-from p2pactor.runtime.sources import Decision
 
 __all__ = ["ThreadSafeSources"]
 
 _OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
+_NOBODY = Choice(None, 0, (), "the chosen peer may not be dialed")
 
 
 class ThreadSafeSources(EngineBridge):
@@ -69,8 +69,9 @@ class ThreadSafeSources(EngineBridge):
     def reused(self, keys: Sequence[bytes], request: str, positions: Sequence[int | None]) -> None:
         """The engine's ``request`` reused ``keys`` its cache held (at ``positions`` in it)."""
         if keys:
-            where = tuple(positions)
-            accessed = partial(self.directory.holdings.accessed, tuple(keys), request, where)
+            accessed = partial(
+                self.directory.holdings.accessed, tuple(keys), request, tuple(positions)
+            )
             self._change(lambda _: accessed(), wake=False)
 
     def ended(self, request: str, *, wake: bool = False) -> None:
@@ -113,10 +114,8 @@ class ThreadSafeSources(EngineBridge):
         """
         directory = self.directory
         directory.checked = True
-        try:
-            return directory.scrubs.popleft()
-        except IndexError:
-            return None
+        batch, directory.scrub = directory.scrub, []
+        return batch or None
 
     def take_frontier(self) -> list[bytes]:
         """The held keys the cache evicts next, to check once it has allocated for its step.
@@ -125,8 +124,7 @@ class ThreadSafeSources(EngineBridge):
         ``on_schedule_end``), then :meth:`scrubbed` the gone ones (and no kept:
         those were only next in line).
         """
-        directory = self.directory
-        batch, directory.frontier = directory.frontier, []
+        batch, self.directory.frontier = self.directory.frontier, []
         return batch
 
     def scrubbed(self, gone: Sequence[bytes], kept: Sequence[bytes]) -> None:
@@ -160,9 +158,12 @@ class ThreadSafeSources(EngineBridge):
         """
         self._post((self.choose, (kv_request_id, tuple(keys))), wake=wake)
 
-    def decision(self, kv_request_id: str) -> Decision | None:
-        """The choice made for ``kv_request_id`` (:meth:`locate_soon`); None until it is."""
-        return self.directory.decision(kv_request_id)
+    def decision(self, kv_request_id: str) -> Choice | None:
+        """The choice made for ``kv_request_id`` (:meth:`locate_soon`); None until it is.
+
+        Its ``chosen`` peer is asked about its first ``keys`` keys; None: nobody is.
+        """
+        return self.directory.decisions.get(kv_request_id)
 
     def choose(
         self, kv_request_id: str, keys: Sequence[bytes]
@@ -181,6 +182,5 @@ class ThreadSafeSources(EngineBridge):
             self.runner.deliver(actor, inp.Register(asked, flush=True, choice=choice))
         # Published after the lookup is registered: an engine that reads the
         # choice finds the request's actor asking already.
-        decision = Decision(None, 0) if actor is None else Decision(chosen, choice.keys)
-        directory.decided(kv_request_id, decision)
+        directory.decided(kv_request_id, _NOBODY if actor is None else choice)
         return choice, actor
