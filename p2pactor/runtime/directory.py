@@ -37,7 +37,6 @@ from p2pactor.runtime.timers import Timers
 log = logging.getLogger("p2pactor.sources")
 
 _EPOCH_BYTES = 16
-_MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
 
 
 class SourceDirectory:
@@ -52,8 +51,8 @@ class SourceDirectory:
     Attributes:
         auto: The lookups the choice started, followed, by their request's actor.
         decisions: The choices published, by ``kv_request_id`` (read by engine
-            threads: one dict lookup, or a pop, atomic); one of nobody when
-            the chosen peer may not be dialed.
+            threads: one dict lookup, or a pop, atomic; the engine's finish
+            pops its own); one of nobody when the chosen peer may not be dialed.
         scrub: Held keys to check with the engine's parent (the engine takes them).
         checked: Whether the engine checks held keys with its parent (it took a batch once).
         frontier: The held keys the parent evicts next (checked after it allocates).
@@ -149,12 +148,13 @@ class SourceDirectory:
         self._plan_scrub(now)
         self.arm()
 
-    def drained(self) -> None:
-        """The engine dropped everything it held: a new epoch, told to every peer at once."""
+    def drained(self, now: float) -> None:
+        """The engine dropped everything it held: a new epoch, told to every peer at once.
+
+        A change for :meth:`told` (``Node.drained``).
+        """
         self.scrub = []
-        self.told(
-            lambda now: self._send(self.holdings.drain(os.urandom(_EPOCH_BYTES), now, self._peers))
-        )
+        self._send(self.holdings.drain(os.urandom(_EPOCH_BYTES), now, self._peers))
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -331,17 +331,6 @@ class SourceDirectory:
         else:
             counts.unclaimed += 1
         return choice
-
-    def decided(self, kv_request_id: str, choice: Choice) -> None:
-        """Publish the choice for an engine's request (its thread reads :attr:`decisions`)."""
-        decisions = self.decisions
-        if len(decisions) >= _MAX_DECISIONS:
-            del decisions[next(iter(decisions))]
-        decisions[kv_request_id] = choice
-
-    def finished(self, kv_request_id: str) -> None:
-        """The engine is done with ``kv_request_id``: forget its choice."""
-        self.decisions.pop(kv_request_id, None)
 
     def probe_started(self, actor: RequestActor, choice: Choice, keys: Sequence[bytes]) -> None:
         """A lookup of ``keys`` went to ``choice.chosen`` through ``actor``; follow it."""

@@ -190,8 +190,7 @@ class NodeHost(ThreadSafeSources):
         for actor in self.consumers.pop(kv_request_id, {}).values():
             self.runner.deliver(actor, inp.Finish())
         self.stores.finish(kv_request_id)
-        if self.directory.decisions:
-            self.directory.finished(kv_request_id)
+        self.directory.decisions.pop(kv_request_id, None)
 
     def dial(self, peer: str) -> None:
         """Open the session with ``peer`` now."""

@@ -80,16 +80,13 @@ class EmbeddedCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_len = block_len
+        size = num_blocks * block_len
         if memory is None:
-            memory = bytearray(num_blocks * block_len)
+            memory = bytearray(size)
         elif isinstance(memory, memoryview):
             memory = memory.cast("B")
-        if len(memory) != num_blocks * block_len or (
-            isinstance(memory, memoryview) and memory.readonly
-        ):
-            raise ValueError(
-                f"memory must be a writable buffer of exactly {num_blocks * block_len} bytes"
-            )
+        if len(memory) != size or memoryview(memory).readonly:
+            raise ValueError(f"memory must be a writable buffer of exactly {size} bytes")
         self.memory = memory
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> block, LRU order
         self._free = list(range(num_blocks - 1, -1, -1))

@@ -32,6 +32,7 @@ __all__ = ["ThreadSafeSources"]
 
 _OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
 _NOBODY = Choice(None, 0, (), "the chosen peer may not be dialed")
+_MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
 
 
 class ThreadSafeSources(EngineBridge):
@@ -103,8 +104,7 @@ class ThreadSafeSources(EngineBridge):
 
     def drained(self) -> None:
         """The engine's cache dropped everything: peers hear of a new epoch."""
-        if self.directory.enabled:
-            self._tell((self.directory.drained, ()), wake=True)
+        self._change(self.directory.drained, wake=True)
 
     def take_scrub(self) -> list[bytes] | None:
         """Keys to check with the cache now, if any are due (then :meth:`scrubbed`).
@@ -182,5 +182,8 @@ class ThreadSafeSources(EngineBridge):
             self.runner.deliver(actor, inp.Register(asked, flush=True, choice=choice))
         # Published after the lookup is registered: an engine that reads the
         # choice finds the request's actor asking already.
-        directory.decided(kv_request_id, _NOBODY if actor is None else choice)
+        decisions = directory.decisions
+        if len(decisions) >= _MAX_DECISIONS:
+            del decisions[next(iter(decisions))]
+        decisions[kv_request_id] = _NOBODY if actor is None else choice
         return choice, actor
