@@ -70,9 +70,8 @@ class ThreadSafeSources(EngineBridge):
     def reused(self, keys: Sequence[bytes], request: str, positions: Sequence[int | None]) -> None:
         """The engine's ``request`` reused ``keys`` its cache held (at ``positions`` in it)."""
         if keys:
-            accessed = partial(
-                self.directory.holdings.accessed, tuple(keys), request, tuple(positions)
-            )
+            where = tuple(positions)
+            accessed = partial(self.directory.holdings.accessed, tuple(keys), request, where)
             self._change(lambda _: accessed(), wake=False)
 
     def ended(self, request: str, *, wake: bool = False) -> None:
