@@ -88,11 +88,11 @@ class AutoSources:
             if decision is None:
                 auto.undecided_at = self._steps
                 return Answer.RETRY
-            if decision.peer is None:
+            if decision.chosen is None:
                 auto.settled = True
                 return Answer.MISS
-            asked = frozenset(itertools.islice(auto.keys, decision.asked))
-            source = Source(decision.peer, auto.kv_request_id, probe=True, only=asked)
+            asked = frozenset(itertools.islice(auto.keys, decision.keys))
+            source = Source(decision.chosen, auto.kv_request_id, probe=True, only=asked)
             req_context.set_state(source)  # from now on it is named
             return source
         k = bytes(key)

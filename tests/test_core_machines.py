@@ -257,7 +257,7 @@ class BudgetedCache(FakeCache):
     """A FakeCache that pins at most ``budget`` blocks at once, as a node under a quota.
 
     Hits past the budget (in key order, so a prefix is pinned) are handed back
-    as ``refused``, the way :func:`p2pactor.runtime.parent.serve_parent_request` does.
+    as ``refused``, the way :func:`p2pactor.runtime.serving.serve_parent_request` does.
     """
 
     budget: int | None = None

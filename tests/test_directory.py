@@ -212,7 +212,7 @@ async def test_a_peer_whose_claims_keep_missing_is_quarantined_but_still_named(
         a, b = cluster["a"], cluster["b"]
         await linked(a, b)
         lies = [key(1000 + i) for i in range(200)]
-        a.node.sources.stored(lies)  # claims keys its cache never held
+        a.node.holds(lies)  # claims keys its cache never held
         await until(lambda: b.node.sources.index.claims_of(a.id) == 200)
         now = trio.current_time
         asked = 0

@@ -255,7 +255,7 @@ def fx_lookup_type() -> type:
 def serve_with_budget(h: ProducerHarness, request: object, budget: int) -> inp.ParentAnswer:
     """Serve a parent lookup against the harness's cache as the node does under a quota."""
     from p2pactor.core.effects import ParentLookup  # noqa: PLC0415
-    from p2pactor.runtime.parent import serve_parent_request  # noqa: PLC0415
+    from p2pactor.runtime.serving import serve_parent_request  # noqa: PLC0415
 
     assert isinstance(request, ParentLookup)
 

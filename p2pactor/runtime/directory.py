@@ -1,4 +1,4 @@
-"""The node's directory: the summaries (``kvsum/1``) both ways, and the choice.
+"""The node's source index on its thread: the summaries (``kvsum/1``) both ways, and the choice.
 
 :class:`SourceDirectory` does the I/O of the core's two halves on the node's
 thread: :class:`~p2pactor.core.sources.holdings.Holdings` (what this node's engine
@@ -8,7 +8,8 @@ snapshot parts are due, sent here on the node's timer) and
 :class:`~p2pactor.core.sources.SourceIndex` (what the peers claim: a small
 message applied as it arrives, a large one by :meth:`SourceDirectory.run`, a
 slice of a few milliseconds at a time, so no peer's summary holds up anyone's
-lookups). The choice and its lookups are :mod:`p2pactor.runtime.sources`'s.
+lookups). It chooses a source for a request that names none and follows
+the lookups it starts (:class:`~p2pactor.runtime.sources.AutoProbe`).
 Only sessions where both sides offered the feature take part: a stock vLLM
 peer is never sent a summary message and is never chosen.
 """
@@ -17,19 +18,20 @@ from __future__ import annotations
 
 import logging
 import os
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
 
-import attrs
 import trio
 
+from p2pactor.core import events as ev
 from p2pactor.core import protocol as wire
-from p2pactor.core.sources import SourceIndex
+from p2pactor.core.choice import Choice
+from p2pactor.core.consumer import ConsumerState, probe_answers
+from p2pactor.core.inputs import LookupResult, ParentAnswer
+from p2pactor.core.sources import SourceIndex, fingerprint
 from p2pactor.core.sources.holdings import Holdings, Out
 from p2pactor.core.sources.peer import Resync
 from p2pactor.runtime.actor import RequestActor
-from p2pactor.runtime.sources import AutoChoice, AutoProbe, Decision, SourceOptions
+from p2pactor.runtime.sources import AutoProbe, DirectoryCounts, SourceOptions, SummaryPeer
 from p2pactor.runtime.timers import Timers
 
 log = logging.getLogger("p2pactor.sources")
@@ -37,52 +39,7 @@ log = logging.getLogger("p2pactor.sources")
 _EPOCH_BYTES = 16
 
 
-@attrs.define
-class DirectoryCounts:
-    """What the directory did, for metrics and the demo's table (totals since start).
-
-    Attributes:
-        chosen: Requests sent to a peer by automatic choice.
-        unclaimed: Requests no live peer claimed: a MISS at once.
-        not_worth: Requests a peer claimed, but not enough to be worth a round trip.
-        probed_keys: Claimed keys asked of chosen peers.
-        false_claims: Of those, the keys the peer answered MISS for (or never
-            answered), refusals aside.
-        refused_claims: Of those, the keys the peer refused over a quota.
-        undelivered_claims: Of those, the keys answered HIT and then not delivered.
-        bytes_sent: Summary bytes sent (fingerprints, 8 per key), to all peers.
-        summary_floods: Times a peer's summary messages came faster than they
-            were applied, and were dropped.
-    """
-
-    chosen: int = 0
-    unclaimed: int = 0
-    not_worth: int = 0
-    probed_keys: int = 0
-    false_claims: int = 0
-    refused_claims: int = 0
-    undelivered_claims: int = 0
-    deltas_sent: int = 0
-    parts_sent: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    resyncs_sent: int = 0
-    summary_floods: int = 0
-
-
-class SummaryPeer(Protocol):
-    """A session summaries go over (a :class:`~p2pactor.runtime.session.PeerSession`)."""
-
-    @property
-    def peer_id(self) -> str:
-        """The peer's id."""
-        ...
-
-    def send(self, msg: wire.Message) -> None:
-        """Queue ``msg`` for the peer; never blocks."""
-
-
-class SourceDirectory(AutoChoice):
+class SourceDirectory:
     """The summaries both ways, and the choice of a source. Made by the node's host.
 
     Args:
@@ -92,9 +49,14 @@ class SourceDirectory(AutoChoice):
         clock: The node's clock.
 
     Attributes:
-        scrubs: Batches of held keys to check with the engine's parent (the engine takes them).
+        auto: The lookups the choice started, followed, by their request's actor.
+        decisions: The choices published, by ``kv_request_id`` (read by engine
+            threads: one dict lookup, or a pop, atomic; the engine's finish
+            pops its own); one of nobody when the chosen peer may not be dialed.
+        scrub: Held keys to check with the engine's parent (the engine takes them).
         checked: Whether the engine checks held keys with its parent (it took a batch once).
         frontier: The held keys the parent evicts next (checked after it allocates).
+        deadline: When :meth:`expire` runs next (the node's timer reads it).
     """
 
     def __init__(
@@ -121,16 +83,14 @@ class SourceDirectory(AutoChoice):
         )
         self.counts = DirectoryCounts()
         self.auto: dict[RequestActor, AutoProbe] = {}
+        self.decisions: dict[str, Choice] = {}
         self._timers = timers
         self._clock = clock
         self._peers: dict[str, SummaryPeer] = {}
-        self._cut_back: set[str] = set()  # peers told (in the log) they are kept to the budget
-        self._flooded: set[str] = set()  # peers told (in the log) their summaries came too fast
-        self._floods: dict[str, int] = {}  # each peer's floods counted so far
+        self._warned: set[tuple[str, str]] = set()  # (peer, what) told once in the log
         self._work_wanted = trio.Event()  # set when summary messages wait for :meth:`run`
-        self._armed: float | None = None
-        self.decisions: dict[str, Decision] = {}
-        self.scrubs: deque[list[bytes]] = deque()
+        self.deadline: float | None = None
+        self.scrub: list[bytes] = []
         self.checked = False
         self.frontier: list[bytes] = []
 
@@ -139,47 +99,35 @@ class SourceDirectory(AutoChoice):
         """Whether summaries are exchanged at all (``SourceOptions.share``)."""
         return self.options.share
 
-    @property
-    def peers(self) -> tuple[str, ...]:
-        """The peers summaries are exchanged with now."""
-        return tuple(self._peers)
-
     # --- what this node holds ---------------------------------------------------------
-
-    def stored(
-        self,
-        keys: Iterable[bytes],
-        request: str | None = None,
-        positions: Sequence[int | None] | None = None,
-    ) -> None:
-        """This node's engine now holds ``keys`` (a store, or a load of ours)."""
-        self.holdings.stored(keys, self._clock(), request=request, positions=positions)
-        self._arm()
 
     def came(self, key: bytes) -> None:
         """The engine stored ``key`` (an embedded cache's exact account)."""
-        self.stored((key,))
+        self.holdings.stored((key,), self._clock())
+        self.arm()
 
     def went(self, key: bytes) -> None:
         """The engine evicted ``key`` (an embedded cache's exact account)."""
         self.holdings.gone((key,), self._clock())
-        self._arm()
-
-    def pinned(self, job: int, keys: Sequence[bytes]) -> None:
-        """Our server pinned ``keys`` for a peer (parent job ``job``)."""
-        self.holdings.pinned(job, keys)
+        self.arm()
 
     def released(self, job: int) -> None:
         """A pin of our server's was released."""
         self.holdings.released(job, self._clock())
 
-    def answered_miss(self, keys: Iterable[bytes]) -> None:
-        """Our server answered MISS for ``keys``: any of them we claimed, we don't hold."""
+    def answered(self, answer: ParentAnswer) -> None:
+        """Our server's parent answered a peer's lookup: what it pinned, what it lacks.
+
+        The parent evicts around pinned keys until they are released; a key we
+        claimed that it answered MISS for, we don't hold.
+        """
         held = self.holdings
-        claimed = [k for k in keys if k in held]
+        if answer.pin is not None:
+            held.pinned(answer.pin.job_id, answer.pin.keys)
+        claimed = [k for k, result in answer.results if result is LookupResult.MISS and k in held]
         if claimed:
             held.gone(claimed, self._clock())
-            self._arm()
+            self.arm()
 
     def told(
         self, change: Callable[[float], object], flush: bool = False, scrub: bool = False
@@ -198,14 +146,15 @@ class SourceDirectory(AutoChoice):
         if self.checked and not scrub:
             self.frontier = self.holdings.frontier()
         self._plan_scrub(now)
-        self._arm()
+        self.arm()
 
-    def drained(self) -> None:
-        """The engine dropped everything it held: a new epoch, told to every peer at once."""
-        self.scrubs.clear()
-        self.told(
-            lambda now: self._send(self.holdings.drain(os.urandom(_EPOCH_BYTES), now, self._peers))
-        )
+    def drained(self, now: float) -> None:
+        """The engine dropped everything it held: a new epoch, told to every peer at once.
+
+        A change for :meth:`told` (``Node.drained``).
+        """
+        self.scrub = []
+        self._send(self.holdings.drain(os.urandom(_EPOCH_BYTES), now, self._peers))
 
     # --- sessions ---------------------------------------------------------------------
 
@@ -216,8 +165,7 @@ class SourceDirectory(AutoChoice):
         side of the handshake is done).
         """
         peer, most = session.peer_id, self.options.max_claims_per_peer
-        if capacity > most and peer not in self._cut_back:
-            self._cut_back.add(peer)
+        if capacity > most and self._first(peer, "cut back"):
             log.warning(
                 "%s registered %d blocks; this node keeps at most %d of its claims "
                 "(SourceOptions.peer_budget_bytes, %d bytes): raise it if the peer is "
@@ -234,7 +182,7 @@ class SourceDirectory(AutoChoice):
         """``session`` is ready both ways: send the peer our snapshot."""
         if self._peers.get(session.peer_id) is session:
             self._send(self.holdings.started(session.peer_id, self._clock()))
-            self._arm()
+            self.arm()
 
     def peer_closed(self, peer: str, current: SummaryPeer | None) -> None:
         """A session of ``peer`` closed; ``current`` is its session now, if it has one."""
@@ -244,21 +192,18 @@ class SourceDirectory(AutoChoice):
             self.holdings.forget(peer)
         if current is None:
             self.index.remove_peer(peer)
-            self._floods.pop(peer, None)  # its count starts over with its next session
 
     def received(self, session: SummaryPeer, msg: wire.SummaryMessage) -> None:
         """Take one of ``session``'s summary messages: applied now if small, else by :meth:`run`."""
-        peer = session.peer_id
+        peer, index, now = session.peer_id, self.index, self._clock()
         if self._peers.get(peer) is not session:
             return  # an ended session's last frames
-        index = self.index
+        floods = index.floods(peer)
         resync = None
         match msg:
             case wire.KvsumDelta():
                 self.counts.bytes_received += len(msg.add) + len(msg.remove)
-                resync = index.delta(
-                    peer, msg.epoch, msg.seq, msg.add, msg.remove, now=self._clock()
-                )
+                resync = index.delta(peer, msg.epoch, msg.seq, msg.add, msg.remove, now=now)
             case wire.KvsumSnapshot():
                 self.counts.bytes_received += len(msg.fps)
                 resync = index.snapshot(
@@ -268,16 +213,23 @@ class SourceDirectory(AutoChoice):
                     part=msg.part,
                     parts=msg.parts,
                     fps=msg.fps,
-                    now=self._clock(),
+                    now=now,
                 )
             case wire.KvsumResync():
-                self._send(self.holdings.asked(peer, self._clock()))
-                self._arm()
+                self._send(self.holdings.asked(peer, now))
+                self.arm()
         if resync is not None:
             self._resync(resync)
-        floods = index.floods(peer)
-        if floods != self._floods.get(peer, 0):
-            self._flood(peer, floods)
+        floods = index.floods(peer) - floods
+        self.counts.summary_floods += floods
+        if floods and self._first(peer, "flooded"):
+            log.warning(
+                "%s sends summary messages faster than this node applies them (more than %d "
+                "bytes waiting): they were dropped and its summary asked again "
+                "(SourceOptions.peer_budget_bytes bounds what may wait)",
+                peer,
+                self.options.max_queued_bytes_per_peer,
+            )
         if index.pending:
             self._work_wanted.set()
 
@@ -313,26 +265,13 @@ class SourceDirectory(AutoChoice):
             self.counts.resyncs_sent += 1
             session.send(wire.KvsumResync(epoch=resync.epoch, from_seq=resync.from_seq))
 
-    def _flood(self, peer: str, floods: int) -> None:
-        """``peer``'s messages came faster than they were applied (again): count it, say once."""
-        self.counts.summary_floods += floods - self._floods.get(peer, 0)
-        self._floods[peer] = floods
-        if peer not in self._flooded:
-            self._flooded.add(peer)
-            log.warning(
-                "%s sends summary messages faster than this node applies them (more than %d "
-                "bytes waiting): they were dropped and its summary asked again "
-                "(SourceOptions.peer_budget_bytes bounds what may wait)",
-                peer,
-                self.options.max_queued_bytes_per_peer,
-            )
+    def _first(self, peer: str, what: str) -> bool:
+        """Whether ``peer`` is told of ``what`` for the first time (the log says it once)."""
+        first = (peer, what) not in self._warned
+        self._warned.add((peer, what))
+        return first
 
     # --- the timer: flushes and paced snapshot parts ---------------------------------
-
-    @property
-    def deadline(self) -> float | None:
-        """When :meth:`expire` runs next (the node's timer reads it)."""
-        return self._armed
 
     def expire(self) -> None:
         """Flush what is due, start a refresh when due, send the parts due (from the timer).
@@ -340,29 +279,28 @@ class SourceDirectory(AutoChoice):
         It may run early (what was due moved later): then nothing is due yet,
         and it is armed again for when something is.
         """
-        self._armed = None
+        self.deadline = None
         now = self._clock()
         self.index.release(now)
         self._send(self.holdings.due(now, self._peers))
         self._plan_scrub(now)
-        self._arm()
+        self.arm()
 
     def _plan_scrub(self, now: float) -> None:
         """A batch of held keys for the engine to check, if one is due and none is out."""
-        if self.checked and not self.scrubs:
-            batch = self.holdings.plan_scrub(now)
-            if batch:
-                self.scrubs.append(batch)
+        if self.checked and not self.scrub:
+            self.scrub = self.holdings.plan_scrub(now)
 
-    def _arm(self) -> None:
+    def arm(self) -> None:
+        """Arm the timer for what is due first: a flush, a part, a check, a quarantine's end."""
         times = (
             self.holdings.next_due(),
             self.holdings.next_scrub() if self.checked else None,
             self.index.next_release(),
         )
         when = min((t for t in times if t is not None), default=None)
-        if when is not None and (self._armed is None or when < self._armed):
-            self._armed = when
+        if when is not None and (self.deadline is None or when < self.deadline):
+            self.deadline = when
             self._timers.arm(self)
 
     def _send(self, out: list[Out]) -> None:
@@ -378,3 +316,67 @@ class SourceDirectory(AutoChoice):
                 session.send(msg)
                 counts.parts_sent += 1
                 counts.bytes_sent += len(msg.fps)
+
+    # --- the choice, and the lookups it starts ---------------------------------------
+
+    def choose(self, keys: Sequence[bytes]) -> Choice:
+        """The peer to look up for a request's ``keys`` (in order), and why."""
+        most = self.options.recorded_claims
+        choice = self.index.choose([fingerprint(k) for k in keys], self._clock(), most=most)
+        counts = self.counts
+        if choice.chosen is not None:
+            counts.chosen += 1
+        elif choice.claims:
+            counts.not_worth += 1
+        else:
+            counts.unclaimed += 1
+        return choice
+
+    def probe_started(self, actor: RequestActor, choice: Choice, keys: Sequence[bytes]) -> None:
+        """A lookup of ``keys`` went to ``choice.chosen`` through ``actor``; follow it."""
+        assert choice.chosen is not None
+        if actor in self.auto:
+            return  # the request asked again: its first probe is the one measured
+        claimed = tuple(keys[: choice.claims[0].run if choice.claims else len(keys)])
+        self.auto[actor] = AutoProbe(choice.chosen, claimed)
+        self.index.probe_started(choice.chosen)
+        self.counts.probed_keys += len(claimed)
+
+    def stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
+        """``actor`` (of :attr:`auto`) stepped: score its answers, then its fetches' outcome.
+
+        A few failed fetches in a row quarantine the peer whatever its
+        precision (``ChoicePolicy.max_failed_fetches``).
+        """
+        probe, counts, index = self.auto[actor], self.counts, self.index
+        probe.follow(events)
+        if not probe.answered:
+            state = actor.state
+            assert isinstance(state, ConsumerState)
+            answers = probe_answers(state, probe.claimed)
+            if LookupResult.RETRY in answers and not actor.done:
+                return
+            missed = probe.answer(answers, state.refused)
+            counts.false_claims += len(missed)
+            counts.refused_claims += len(probe.claimed) - probe.counted
+            index.missed(probe.peer, missed)
+            index.probe_answered(probe.peer)
+        if probe.held > 0 and not (probe.ended or actor.done):
+            return  # its hits are scored once their fetches are over
+        del self.auto[actor]
+        counts.undelivered_claims += min(probe.held, probe.failed)
+        now = self._clock()
+        quarantined = index.score(probe.peer, probe.counted, probe.held_by_deed, now)
+        if probe.delivered or probe.failed_jobs:
+            quarantined |= index.fetches_ended(
+                probe.peer, delivered=probe.delivered, failed=probe.failed_jobs, now=now
+            )
+        if quarantined:
+            log.warning(
+                "%s's summary claims keys it does not deliver (%d of %d probed held); not "
+                "choosing it automatically for a while (it stays usable as a named source)",
+                probe.peer,
+                probe.held_by_deed,
+                probe.counted,
+            )
+            self.arm()  # its claims count again when the quarantine ends

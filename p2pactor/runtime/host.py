@@ -190,8 +190,7 @@ class NodeHost(ThreadSafeSources):
         for actor in self.consumers.pop(kv_request_id, {}).values():
             self.runner.deliver(actor, inp.Finish())
         self.stores.finish(kv_request_id)
-        if self.directory.decisions:
-            self.directory.finished(kv_request_id)
+        self.directory.decisions.pop(kv_request_id, None)
 
     def dial(self, peer: str) -> None:
         """Open the session with ``peer`` now."""
@@ -200,11 +199,7 @@ class NodeHost(ThreadSafeSources):
     def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
         """Step a lent parent's answer; a key it says we lack leaves our summary at once."""
         if self.directory.enabled:
-            misses = [key for key, result in answer.results if result is LookupResult.MISS]
-            if misses:
-                self.directory.answered_miss(misses)
-            if answer.pin is not None:  # the parent evicts around them until released
-                self.directory.pinned(answer.pin.job_id, answer.pin.keys)
+            self.directory.answered(answer)
         self.runner.deliver(actor, answer)
 
     # --- following the node (the operator surface) -----------------------------------

@@ -12,18 +12,13 @@ pinning, HIT_PENDING and eviction) used by the demo and the tests.
 from __future__ import annotations
 
 import itertools
-import logging
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from p2pactor.core import effects as fx
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import P2PActorError
-from p2pactor.runtime.logcontext import parent_request_context
-
-log = logging.getLogger("p2pactor.parent")
 
 
 class Parent(Protocol):
@@ -49,75 +44,6 @@ class Parent(Protocol):
 
     def release_job(self, job_id: int, *, success: bool) -> None:
         """Unpin the blocks of ``job_id``; ``success`` says whether they served a fetch."""
-
-
-def serve_parent_request(
-    parent: Parent,
-    request: fx.ParentLookup,
-    now: float,
-    *,
-    pin_budget: int | None = None,
-    refusal: str = "",
-) -> inp.ParentAnswer:
-    """Serve one lookup request against ``parent`` while it is lent.
-
-    Looks every key up and pins all hits with one job, in one go, so nothing can
-    be evicted in between. A request past its ``not_after`` is not served at
-    all. Errors from the parent turn the affected keys into misses rather than
-    escaping: the engine's cache must not be able to crash the node.
-
-    Args:
-        parent: The lent cache.
-        request: What to look up.
-        now: The time, checked against ``request.not_after``.
-        pin_budget: Most blocks to pin (the peer's pinned-blocks quota left);
-            hits past it, in the request's key order so a prefix is kept, are
-            returned in ``refused`` and not pinned. None: no limit.
-        refusal: The reason to give for ``refused`` keys.
-    """
-    if request.not_after is not None and now >= request.not_after:
-        return inp.ParentAnswer(lookup_id=request.lookup_id, expired=True)
-    if request.open_context:
-        try:
-            parent.on_new_request(request.context)
-        except Exception:
-            parent_failed(f"refused to open {request.context}; answering MISS", request.context)
-            misses = tuple((key, LookupResult.MISS) for key in request.keys)
-            return inp.ParentAnswer(lookup_id=request.lookup_id, results=misses)
-    results: list[tuple[bytes, LookupResult]] = []
-    for key in request.keys:
-        try:
-            result = parent.lookup(key, request.context)
-        except Exception:
-            parent_failed(f"lookup failed in {request.context}; answering MISS", request.context)
-            result = LookupResult.MISS
-        results.append((key, result))
-    hits = [k for k, r in results if r is LookupResult.HIT]
-    cut = len(hits) if pin_budget is None else max(0, pin_budget)
-    hits, refused = hits[:cut], hits[cut:]
-    pin = None
-    if hits:
-        try:
-            pin = parent.create_store_job(hits, request.context)
-        except Exception:
-            what = f"could not pin {len(hits)} hits in {request.context}; none pinned"
-            parent_failed(what, request.context)
-    return inp.ParentAnswer(
-        lookup_id=request.lookup_id,
-        results=tuple(results),
-        pin=pin,
-        refused=tuple(refused),
-        refusal=refusal if refused else "",
-    )
-
-
-def parent_failed(what: str, context: str = "", *, node: str | None = None) -> None:
-    """Log the traceback of a call into the parent that raised: a bug of the engine's."""
-    log.exception(
-        "the parent %s (a bug in the engine's parent: see the traceback)",
-        what,
-        extra=parent_request_context(context, node=node),
-    )
 
 
 class ParentMisuse(P2PActorError):
@@ -154,16 +80,13 @@ class EmbeddedCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.block_len = block_len
+        size = num_blocks * block_len
         if memory is None:
-            memory = bytearray(num_blocks * block_len)
+            memory = bytearray(size)
         elif isinstance(memory, memoryview):
             memory = memory.cast("B")
-        if len(memory) != num_blocks * block_len or (
-            isinstance(memory, memoryview) and memory.readonly
-        ):
-            raise ValueError(
-                f"memory must be a writable buffer of exactly {num_blocks * block_len} bytes"
-            )
+        if len(memory) != size or memoryview(memory).readonly:
+            raise ValueError(f"memory must be a writable buffer of exactly {size} bytes")
         self.memory = memory
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> block, LRU order
         self._free = list(range(num_blocks - 1, -1, -1))

@@ -23,8 +23,10 @@ are made, here.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import attrs
 
@@ -33,15 +35,94 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.actor import RequestActor, Runner
-from p2pactor.runtime.parent import Parent, parent_failed, serve_parent_request
 from p2pactor.runtime.quotas import QuotaLedger
+from p2pactor.runtime.logcontext import parent_request_context
+from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.timers import Timers
+
+log = logging.getLogger("p2pactor.parent")
 
 # What producers ask of the parent, in order, with the actor owed the answer.
 _Item = tuple[RequestActor | None, fx.ParentRequest | fx.ReleasePin]
 
 # A parent answer and the actor it is for.
 Answered = tuple[RequestActor, inp.ParentAnswer]
+
+
+def serve_parent_request(
+    parent: Parent,
+    request: fx.ParentLookup,
+    now: float,
+    *,
+    pin_budget: int | None = None,
+    refusal: str = "",
+) -> inp.ParentAnswer:
+    """Serve one lookup request against ``parent`` while it is lent.
+
+    Looks every key up and pins all hits with one job, in one go, so nothing can
+    be evicted in between. A request past its ``not_after`` is not served at
+    all. Errors from the parent turn the affected keys into misses rather than
+    escaping: the engine's cache must not be able to crash the node.
+
+    Args:
+        parent: The lent cache.
+        request: What to look up.
+        now: The time, checked against ``request.not_after``.
+        pin_budget: Most blocks to pin (the peer's pinned-blocks quota left);
+            hits past it, in the request's key order so a prefix is kept, are
+            returned in ``refused`` and not pinned. None: no limit.
+        refusal: The reason to give for ``refused`` keys.
+    """
+    context, lookup_id = request.context, request.lookup_id
+    if request.not_after is not None and now >= request.not_after:
+        return inp.ParentAnswer(lookup_id=lookup_id, expired=True)
+    if request.open_context:
+        try:
+            parent.on_new_request(context)
+        except Exception:
+            _failed(f"refused to open {context}; answering MISS", context)
+            misses = tuple((key, LookupResult.MISS) for key in request.keys)
+            return inp.ParentAnswer(lookup_id=lookup_id, results=misses)
+    results: list[tuple[bytes, LookupResult]] = []
+    for key in request.keys:
+        try:
+            result = parent.lookup(key, context)
+        except Exception:
+            _failed(f"lookup failed in {context}; answering MISS", context)
+            result = LookupResult.MISS
+        results.append((key, result))
+    hits = [k for k, r in results if r is LookupResult.HIT]
+    cut = len(hits) if pin_budget is None else max(0, pin_budget)
+    hits, refused = hits[:cut], hits[cut:]
+    pin = None
+    if hits:
+        with _guarded(f"could not pin {len(hits)} hits in {context}; none pinned", context):
+            pin = parent.create_store_job(hits, context)
+    return inp.ParentAnswer(
+        lookup_id=lookup_id,
+        results=tuple(results),
+        pin=pin,
+        refused=tuple(refused),
+        refusal=refusal if refused else "",
+    )
+
+
+def _failed(what: str, context: str = "", *, node: str | None = None) -> None:
+    """Log the traceback of a call into the parent that raised: a bug of the engine's."""
+    log.exception(
+        "the parent %s (a bug in the engine's parent: see the traceback)",
+        what,
+        extra=parent_request_context(context, node=node),
+    )
+
+
+@contextlib.contextmanager
+def _guarded(what: str, context: str = "", *, node: str | None = None) -> Iterator[None]:
+    """Run a call into the parent; if it raises, log it (:func:`_failed`) and go on."""
+    try:
+        yield
+    except Exception:
+        _failed(what, context, node=node)
 
 
 @attrs.define(eq=False, kw_only=True)
@@ -84,7 +165,7 @@ class ParentService:
             self._queue.append((actor, request))
             return
         # Embedded: nothing ever waits in the queue, so this one goes first.
-        answered = self._one(self._embedded, actor, request, self._clock())
+        answered = self._one(self._embedded, (actor, request), self._clock())
         if answered is not None:
             self._runner.deliver(*answered)
         self._arm()
@@ -105,7 +186,7 @@ class ParentService:
         for _, answer in self.serve(parent):
             if answer.pin is not None:
                 release = fx.ReleasePin(job_id=answer.pin.job_id, success=False)
-                self._one(parent, None, release, self._clock())
+                self._one(parent, (None, release), self._clock())
 
     def _arm(self) -> None:
         if self._parked and self.deadline is None:
@@ -122,19 +203,14 @@ class ParentService:
         asked, self._parked = self._parked, []
         answers: list[Answered] = []
         while asked or self._queue:  # the node's thread may append to the queue meanwhile
-            answer = self._one(parent, *(asked.pop() if asked else self._queue.popleft()), now)
+            answer = self._one(parent, asked.pop() if asked else self._queue.popleft(), now)
             if answer is not None:
                 answers.append(answer)
         return answers
 
-    def _one(
-        self,
-        parent: Parent,
-        actor: RequestActor | None,
-        request: fx.ParentRequest | fx.ReleasePin,
-        now: float,
-    ) -> Answered | None:
+    def _one(self, parent: Parent, item: _Item, now: float) -> Answered | None:
         """Serve one request: the answer a lookup gets now, if any (else it is parked)."""
+        actor, request = item
         match request:
             case fx.ParentLookup(keys=keys):
                 assert actor is not None
@@ -155,18 +231,14 @@ class ParentService:
                     self._quotas.pinned(peer, answer.pin.job_id, len(answer.pin.blocks))
                 if not _no_news(request, answer):
                     return actor, answer
-                self._parked.append((actor, request))  # nothing new: asked again later
+                self._parked.append(item)  # nothing new: asked again later
             case fx.ParentClose(context):
-                try:
+                with _guarded(f"failed to finish {context}", context, node=self._node_id):
                     parent.on_request_finished(context)
-                except Exception:
-                    parent_failed(f"failed to finish {context}", context, node=self._node_id)
             case fx.ReleasePin(job_id=job_id, success=success):
                 self._quotas.released(job_id)
-                try:
+                with _guarded(f"failed to release job {job_id}", node=self._node_id):
                     parent.release_job(job_id, success=success)
-                except Exception:
-                    parent_failed(f"failed to release job {job_id}", node=self._node_id)
         return None
 
 

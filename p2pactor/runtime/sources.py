@@ -1,4 +1,4 @@
-"""How a node finds sources by itself: its options, the choice on its thread, the lookups followed.
+"""How a node finds sources by itself: its options, what it counts, the lookups it follows.
 
 :class:`SourceOptions`, the ``sources`` field of
 :class:`~p2pactor.runtime.config.NodeConfig`, says how this node tells peers
@@ -7,46 +7,33 @@ parts come from the core (:class:`~p2pactor.core.choice.ChoicePolicy`,
 :class:`~p2pactor.core.sources.holdings.SummaryOptions`); this adds what the runtime
 does with them. See ``docs/sources.md``.
 
-:class:`AutoChoice` is the part of the
-:class:`~p2pactor.runtime.directory.SourceDirectory` that picks the peer worth
-a lookup for a request that names none, publishes the choice to the engine's
-thread, and follows the lookups it starts (:class:`AutoProbe`). A chosen
-peer is scored on what its claims were worth
-(:meth:`~p2pactor.core.sources.SourceIndex.score`): a claimed key it answered
-MISS for is false at once; a key it answered HIT for counts as held only once
-the request is over and no fetch of it failed by the peer's deed (the peer
-reported the transfer failed, it never reported it, or its session went
-down). A peer that answers HIT to everything and then fails every fetch is
-as false as one that answers MISS; and a few failed fetches in a row
-quarantine it whatever its precision (``ChoicePolicy.max_failed_fetches``). A load the
-engine gave up first (it finished the request while the load was in flight)
-says nothing of the peer.
+:class:`DirectoryCounts` is what the
+:class:`~p2pactor.runtime.directory.SourceDirectory` did, :class:`SummaryPeer`
+a session it sends summaries on, :class:`AutoProbe` a lookup it started,
+followed until it says what the peer's claims were worth: a claimed key it
+answered MISS for is false at once; a key it answered HIT for counts as held
+only once the request is over and no fetch of it failed by the peer's deed
+(the peer reported the transfer failed, it never reported it, or its session
+went down). A load the engine gave up first (it finished the request while
+the load was in flight) says nothing of the peer.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Final
+from collections.abc import Iterable, Sequence
+from typing import Final, Protocol
 
 import attrs
 import msgspec
 
 from p2pactor.core import checks
 from p2pactor.core import events as ev
-from p2pactor.core.choice import Choice, ChoicePolicy
-from p2pactor.core.consumer import ConsumerState, probe_answers
+from p2pactor.core import protocol as wire
+from p2pactor.core.choice import ChoicePolicy
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.sources import BYTES_PER_CLAIM, SourceIndex, fingerprint
+from p2pactor.core.sources import BYTES_PER_CLAIM, fingerprint
 from p2pactor.core.sources.holdings import SummaryOptions
-from p2pactor.runtime.actor import RequestActor
 
-if TYPE_CHECKING:
-    from p2pactor.runtime.directory import DirectoryCounts
-
-log = logging.getLogger("p2pactor.sources")
-
-_MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
 # A positive finite rate, or None (no limit).
 _rate: checks.Validator = attrs.validators.optional(checks.positive(finite=True))
 
@@ -126,16 +113,49 @@ class SourceOptions:
 DEFAULT_SOURCES: Final = SourceOptions()
 
 
-class Decision(msgspec.Struct, frozen=True, gc=False):
-    """The choice made for an engine's request that names no source.
+@attrs.define
+class DirectoryCounts:
+    """What the directory did, for metrics and the demo's table (totals since start).
 
     Attributes:
-        peer: The peer asked, or None: nobody (every key is a MISS).
-        asked: How many of the request's keys (its first ones) were asked.
+        chosen: Requests sent to a peer by automatic choice.
+        unclaimed: Requests no live peer claimed: a MISS at once.
+        not_worth: Requests a peer claimed, but not enough to be worth a round trip.
+        probed_keys: Claimed keys asked of chosen peers.
+        false_claims: Of those, the keys the peer answered MISS for (or never
+            answered), refusals aside.
+        refused_claims: Of those, the keys the peer refused over a quota.
+        undelivered_claims: Of those, the keys answered HIT and then not delivered.
+        bytes_sent: Summary bytes sent (fingerprints, 8 per key), to all peers.
+        summary_floods: Times a peer's summary messages came faster than they
+            were applied, and were dropped.
     """
 
-    peer: str | None
-    asked: int
+    chosen: int = 0
+    unclaimed: int = 0
+    not_worth: int = 0
+    probed_keys: int = 0
+    false_claims: int = 0
+    refused_claims: int = 0
+    undelivered_claims: int = 0
+    deltas_sent: int = 0
+    parts_sent: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    resyncs_sent: int = 0
+    summary_floods: int = 0
+
+
+class SummaryPeer(Protocol):
+    """A session summaries go over (a :class:`~p2pactor.runtime.session.PeerSession`)."""
+
+    @property
+    def peer_id(self) -> str:
+        """The peer's id."""
+        ...
+
+    def send(self, msg: wire.Message) -> None:
+        """Queue ``msg`` for the peer; never blocks."""
 
 
 class AutoProbe(msgspec.Struct, gc=False):
@@ -186,8 +206,7 @@ class AutoProbe(msgspec.Struct, gc=False):
                 case ev.FetchSent(job_id=job, keys=keys):
                     fetched[job] = len(keys)
                 case ev.TransferDone(job_id=job, success=True):
-                    self.delivered += job in fetched
-                    fetched.pop(job, None)
+                    self.delivered += fetched.pop(job, None) is not None
                 case (
                     ev.TransferDone(job_id=job) | ev.Aborted(job_id=job) | ev.AbortAcked(job_id=job)
                 ):
@@ -198,104 +217,8 @@ class AutoProbe(msgspec.Struct, gc=False):
                     fetched.clear()  # the engine gave up its loads: not the peer's doing
                 case ev.Finished():
                     self.ended = True
-                case _:
-                    pass
 
     @property
     def held_by_deed(self) -> int:
         """The claimed keys that turned out held: answered HIT, and no fetch of them failed."""
         return max(0, self.held - self.failed)
-
-
-class AutoChoice:
-    """The choice for requests that name no source, and the lookups it starts followed.
-
-    Attributes:
-        auto: The lookups followed, by their request's actor.
-        decisions: The choices published, by ``kv_request_id`` (read by engine
-            threads: one dict lookup, or a pop, atomic).
-    """
-
-    options: SourceOptions
-    index: SourceIndex
-    counts: DirectoryCounts
-    auto: dict[RequestActor, AutoProbe]
-    decisions: dict[str, Decision]
-    _clock: Callable[[], float]
-
-    def _arm(self) -> None:
-        raise NotImplementedError
-
-    def choose(self, keys: Sequence[bytes]) -> Choice:
-        """The peer to look up for a request's ``keys`` (in order), and why."""
-        most = self.options.recorded_claims
-        choice = self.index.choose([fingerprint(k) for k in keys], self._clock(), most=most)
-        counts = self.counts
-        if choice.chosen is not None:
-            counts.chosen += 1
-        elif choice.claims:
-            counts.not_worth += 1
-        else:
-            counts.unclaimed += 1
-        return choice
-
-    def decided(self, kv_request_id: str, decision: Decision) -> None:
-        """Publish the choice for an engine's request (its thread reads :meth:`decision`)."""
-        decisions = self.decisions
-        if len(decisions) >= _MAX_DECISIONS:
-            del decisions[next(iter(decisions))]
-        decisions[kv_request_id] = decision
-
-    def decision(self, kv_request_id: str) -> Decision | None:
-        """The choice made for ``kv_request_id``, None while it is being made. Any thread."""
-        return self.decisions.get(kv_request_id)
-
-    def finished(self, kv_request_id: str) -> None:
-        """The engine is done with ``kv_request_id``: forget its choice."""
-        self.decisions.pop(kv_request_id, None)
-
-    def probe_started(self, actor: RequestActor, choice: Choice, keys: Sequence[bytes]) -> None:
-        """A lookup of ``keys`` went to ``choice.chosen`` through ``actor``; follow it."""
-        assert choice.chosen is not None
-        run = choice.claims[0].run if choice.claims else len(keys)
-        claimed = tuple(keys[:run])
-        if actor in self.auto:
-            return  # the request asked again: its first probe is the one measured
-        self.auto[actor] = AutoProbe(choice.chosen, claimed)
-        self.index.probe_started(choice.chosen)
-        self.counts.probed_keys += len(claimed)
-
-    def stepped(self, actor: RequestActor, events: Sequence[ev.AnyEvent]) -> None:
-        """``actor`` (of :attr:`auto`) stepped: score its answers, then its fetches' outcome."""
-        probe, counts, index = self.auto[actor], self.counts, self.index
-        probe.follow(events)
-        if not probe.answered:
-            state = actor.state
-            assert isinstance(state, ConsumerState)
-            answers = probe_answers(state, probe.claimed)
-            if LookupResult.RETRY in answers and not actor.done:
-                return
-            missed = probe.answer(answers, state.refused)
-            counts.false_claims += len(missed)
-            counts.refused_claims += len(probe.claimed) - probe.counted
-            index.missed(probe.peer, missed)
-            index.probe_answered(probe.peer)
-        if probe.held > 0 and not (probe.ended or actor.done):
-            return  # its hits are scored once their fetches are over
-        del self.auto[actor]
-        counts.undelivered_claims += min(probe.held, probe.failed)
-        now = self._clock()
-        quarantined = index.score(probe.peer, probe.counted, probe.held_by_deed, now)
-        if probe.delivered or probe.failed_jobs:
-            quarantined |= index.fetches_ended(
-                probe.peer, delivered=probe.delivered, failed=probe.failed_jobs, now=now
-            )
-        if quarantined:
-            log.warning(
-                "%s's summary claims keys it does not deliver (%d of %d probed held); not "
-                "choosing it automatically for a while (it stays usable as a named source)",
-                probe.peer,
-                probe.held_by_deed,
-                probe.counted,
-            )
-            self._arm()  # its claims count again when the quarantine ends

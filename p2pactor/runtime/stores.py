@@ -120,27 +120,26 @@ class StoreDesk:
         """Release the stores no fetch came for within ``unbound_store_timeout``."""
         self.deadline = None
         now = self._clock()
-        reaped: list[tuple[str, int]] = []
-        for kv_id, waiting in list(self._waiting.items()):
-            if waiting and waiting[0][0] <= now - self.unbound_timeout:
-                del self._waiting[kv_id]
-                self._finished.discard(kv_id)
-                self._reaped[kv_id] = now
-                reaped.extend((kv_id, store.job_id) for _, store in waiting)
         self._reaped = {k: at for k, at in self._reaped.items() if at > now - REAPED_MEMORY_S}
-        for kv_id, job_id in reaped:
-            log.warning(
-                "no fetch came for %s within unbound_store_timeout (%g s); releasing its "
-                "stored blocks (check that the decode side runs and reaches this node)",
-                kv_id,
-                self.unbound_timeout,
-                extra=request_context(None, kv_id, node=self._node_id),
-            )
-            self._release(job_id)
+        for kv_id, waiting in list(self._waiting.items()):
+            if waiting[0][0] > now - self.unbound_timeout:
+                continue
+            del self._waiting[kv_id]
+            self._finished.discard(kv_id)
+            self._reaped[kv_id] = now
+            for _, store in waiting:
+                log.warning(
+                    "no fetch came for %s within unbound_store_timeout (%g s); releasing its "
+                    "stored blocks (check that the decode side runs and reaches this node)",
+                    kv_id,
+                    self.unbound_timeout,
+                    extra=request_context(None, kv_id, node=self._node_id),
+                )
+                self._release(store.job_id)
         self._arm()
 
     def _arm(self) -> None:
-        times = [w[0][0] + self.unbound_timeout for w in self._waiting.values() if w]
+        times = [w[0][0] + self.unbound_timeout for w in self._waiting.values()]
         times.extend(at + REAPED_MEMORY_S for at in self._reaped.values())
         deadline = min(times, default=None)
         if deadline is not None and (self.deadline is None or deadline < self.deadline):

@@ -27,11 +27,12 @@ from p2pactor.core.sources import fingerprint
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import EngineBridge
-from p2pactor.runtime.sources import Decision
 
 __all__ = ["ThreadSafeSources"]
 
 _OFF = Choice(None, 0, (), "summaries are off (SourceOptions.share)")
+_NOBODY = Choice(None, 0, (), "the chosen peer may not be dialed")
+_MAX_DECISIONS = 1 << 16  # a bound, not a policy: every request's finish forgets its own
 
 
 class ThreadSafeSources(EngineBridge):
@@ -102,8 +103,7 @@ class ThreadSafeSources(EngineBridge):
 
     def drained(self) -> None:
         """The engine's cache dropped everything: peers hear of a new epoch."""
-        if self.directory.enabled:
-            self._tell((self.directory.drained, ()), wake=True)
+        self._change(self.directory.drained, wake=True)
 
     def take_scrub(self) -> list[bytes] | None:
         """Keys to check with the cache now, if any are due (then :meth:`scrubbed`).
@@ -113,10 +113,8 @@ class ThreadSafeSources(EngineBridge):
         """
         directory = self.directory
         directory.checked = True
-        try:
-            return directory.scrubs.popleft()
-        except IndexError:
-            return None
+        batch, directory.scrub = directory.scrub, []
+        return batch or None
 
     def take_frontier(self) -> list[bytes]:
         """The held keys the cache evicts next, to check once it has allocated for its step.
@@ -125,8 +123,7 @@ class ThreadSafeSources(EngineBridge):
         ``on_schedule_end``), then :meth:`scrubbed` the gone ones (and no kept:
         those were only next in line).
         """
-        directory = self.directory
-        batch, directory.frontier = directory.frontier, []
+        batch, self.directory.frontier = self.directory.frontier, []
         return batch
 
     def scrubbed(self, gone: Sequence[bytes], kept: Sequence[bytes]) -> None:
@@ -160,9 +157,12 @@ class ThreadSafeSources(EngineBridge):
         """
         self._post((self.choose, (kv_request_id, tuple(keys))), wake=wake)
 
-    def decision(self, kv_request_id: str) -> Decision | None:
-        """The choice made for ``kv_request_id`` (:meth:`locate_soon`); None until it is."""
-        return self.directory.decision(kv_request_id)
+    def decision(self, kv_request_id: str) -> Choice | None:
+        """The choice made for ``kv_request_id`` (:meth:`locate_soon`); None until it is.
+
+        Its ``chosen`` peer is asked about its first ``keys`` keys; None: nobody is.
+        """
+        return self.directory.decisions.get(kv_request_id)
 
     def choose(
         self, kv_request_id: str, keys: Sequence[bytes]
@@ -181,6 +181,8 @@ class ThreadSafeSources(EngineBridge):
             self.runner.deliver(actor, inp.Register(asked, flush=True, choice=choice))
         # Published after the lookup is registered: an engine that reads the
         # choice finds the request's actor asking already.
-        decision = Decision(None, 0) if actor is None else Decision(chosen, choice.keys)
-        directory.decided(kv_request_id, decision)
+        decisions = directory.decisions
+        if len(decisions) >= _MAX_DECISIONS:
+            del decisions[next(iter(decisions))]
+        decisions[kv_request_id] = _NOBODY if actor is None else choice
         return choice, actor

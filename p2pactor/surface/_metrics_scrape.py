@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from p2pactor.core.ids import Role
-from p2pactor.runtime.directory import DirectoryCounts
+from p2pactor.runtime.sources import DirectoryCounts
 from p2pactor.surface._metrics_counts import _Histogram, _Peer
 
 if TYPE_CHECKING:
