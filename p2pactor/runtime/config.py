@@ -23,7 +23,7 @@ from p2pactor.core import checks
 from p2pactor.core.protocol import DEFAULT_LIMITS, Limits
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.addresses import check_bind_host, check_host, is_loopback, peer_host, peer_ids
+from p2pactor.runtime.addresses import is_loopback, is_wildcard, peer_host, peer_ids
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
 from p2pactor.runtime.sources import DEFAULT_SOURCES, SourceOptions
@@ -66,6 +66,24 @@ SLOW_STEP_S: Final = 0.05
 
 # 0 would report every step: off is None (serve --slow-step-ms 0).
 _slow_step: checks.Validator = attrs.validators.optional(checks.positive(finite=True))
+
+
+def _check_host(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if is_wildcard(value):
+        # Peers would dial back to "0.0.0.0:port": nowhere. Binding every
+        # interface is bind_host's job; host is the address peers reach.
+        raise ConfigError(
+            f"NodeConfig.host={value!r} is a wildcard address: peers dial a node back at "
+            "its host, and cannot dial that. Set bind_host=0.0.0.0 (P2PACTOR_BIND_HOST, "
+            "--bind-host) to listen on every interface, and host=<an address peers reach> "
+            "(VLLM_P2P_SIDE_CHANNEL_HOST, --host): this machine's IP or DNS name"
+        )
+
+
+_bind_host = checks.rule(
+    "an address to bind (e.g. 0.0.0.0) or None (bind host)",
+    lambda v: v is None or (isinstance(v, str) and v.strip()),
+)
 
 
 def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
@@ -169,8 +187,8 @@ class NodeConfig:
             :mod:`p2pactor.runtime.loopwatch` and ``docs/status.md``.
     """
 
-    host: str = attrs.field(default="localhost", validator=check_host)
-    bind_host: str | None = attrs.field(default=None, validator=check_bind_host)
+    host: str = attrs.field(default="localhost", validator=[checks.instance_of(str), _check_host])
+    bind_host: str | None = attrs.field(default=None, validator=_bind_host)
     port: int = attrs.field(default=5710, validator=checks.port)
     num_blocks: int = attrs.field(default=1024, validator=checks.positive_int)
     block_len: int = attrs.field(default=4096, validator=checks.positive_int)

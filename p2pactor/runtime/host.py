@@ -46,8 +46,6 @@ __all__ = ["EventWatcher", "HandshakeWatcher", "NodeHost"]
 
 log = logging.getLogger("p2pactor.node")
 
-RETRY = LookupResult.RETRY
-
 EventWatcher = Callable[[Sequence[ev.AnyEvent], ActorState], None]
 """Called with an actor's events of one step and its state after them."""
 
@@ -81,13 +79,13 @@ class NodeHost(ThreadSafeSources):
     def __init__(
         self,
         config: NodeConfig,
+        nursery: trio.Nursery,
         *,
         control: ControlTransport,
         data: DataTransport,
         parent: Parent | None,
-        event_log: EventLog,
-        nursery: trio.Nursery,
-        hash_seed: Callable[[], str] | None = None,
+        event_log: EventLog | None,
+        hash_seed: Callable[[], str] | None,
     ) -> None:
         super().__init__(
             name=config.node_id,
@@ -99,7 +97,7 @@ class NodeHost(ThreadSafeSources):
         self._hash_seed: str | None = None if hash_seed is not None else config.hash_seed
         self.control = control
         self.data = data
-        self.event_log = event_log
+        self.event_log = event_log or EventLog(config.node_id)  # by default in memory only
         self.clock = trio.lowlevel.current_clock()
         self.started_at = self.clock.current_time()  # for uptime (status reports)
         self.loop_watch = LoopWatch(config.slow_step_s, node_id=config.node_id)
@@ -280,7 +278,9 @@ class NodeHost(ThreadSafeSources):
         state = actor.state
         assert isinstance(state, ConsumerState)
         for waiter in self.answers.get(actor, ()):
-            if not waiter.ready.is_set() and RETRY not in probe_answers(state, waiter.keys):
+            if not waiter.ready.is_set() and LookupResult.RETRY not in probe_answers(
+                state, waiter.keys
+            ):
                 waiter.ready.set()
 
     def release_pin(self, job_id: int, *, success: bool) -> None:

@@ -22,7 +22,6 @@ import io
 import math
 import os
 import time
-import zlib
 from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
@@ -36,7 +35,7 @@ from p2pactor.core.events import AnyEvent
 from p2pactor.core.ids import ActorId
 from p2pactor.core.serde import encode_event
 from p2pactor.errors import ConfigError, LogError
-from p2pactor.runtime.logread import _FRAME, FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES, LogHeader
+from p2pactor.runtime.logread import FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES, LogHeader, frame
 
 RING_KEYS = 131_072
 """Keys the in-memory ring's events may hold together (about 10 MB of vLLM keys)."""
@@ -138,10 +137,6 @@ class LogStatistics:
     append_seconds: float = 0.0
 
 
-def _frame(payload: bytes) -> bytes:
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-
-
 class EventLog:
     """The ordered record of every event of one node's actors.
 
@@ -230,7 +225,7 @@ class EventLog:
                 format=FORMAT_VERSION, node_id=node_id, created_wall=float(wall), created_mono=mono
             )
             # A map in the fields' order, as the reader converts it back.
-            self._buffer += MAGIC + _frame(msgspec.msgpack.encode(attrs.asdict(header)))
+            self._buffer += MAGIC + frame(msgspec.msgpack.encode(attrs.asdict(header)))
             try:
                 self._write_buffer(records=0)
             except LogError:
@@ -266,7 +261,7 @@ class EventLog:
                         f"{len(payload)} bytes, over the log's {MAX_RECORD_BYTES}-byte "
                         "record limit; lower the session's max_frame_bytes"
                     )
-                records.append(_frame(payload))
+                records.append(frame(payload))
             batch = b"".join(records)
             self._buffer += batch
             stats.bytes_appended += len(batch)

@@ -301,15 +301,14 @@ async def open_node(
         hash_seed: Where to read the hash seed from, on first need, instead of
             ``config.hash_seed``.
     """
-    event_log = event_log or EventLog(config.node_id)
     async with trio.open_nursery() as nursery:
         node = Node(
             config,
+            nursery,
             control=control,
             data=data,
             parent=parent,
             event_log=event_log,
-            nursery=nursery,
             hash_seed=hash_seed,
         )
         directory = node.directory
@@ -326,7 +325,7 @@ async def open_node(
         nursery.start_soon(node.timers.run, name="timers")
         if directory.enabled:
             nursery.start_soon(directory.run, name="summaries")
-        nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
+        nursery.start_soon(node.event_log.flush_periodically)  # returns at once if not needed
         for peer in sorted(config.seed_peers):
             node.dial(peer)  # summaries are here before the first request naming no source
         # Added to the run already going, whoever started it (a program's

@@ -77,11 +77,6 @@ class OperatorSurface:
         return f"<OperatorSurface {self.node.node_id} {self.http_url or '(not served)'}>"
 
     @property
-    def node_id(self) -> str:
-        """The node's id."""
-        return self.node.node_id
-
-    @property
     def http_url(self) -> str | None:
         """``http://HOST:PORT/`` answering ``/metrics`` and ``/status``, or None when not served.
 
@@ -89,10 +84,6 @@ class OperatorSurface:
         """
         server = self.dashboard or self.metrics_server
         return None if server is None else server.url
-
-    def exposition(self) -> bytes:
-        """Every metric in Prometheus' text format (``GET /metrics``)."""
-        return self.metrics.exposition()
 
     def status(self) -> dict[str, Any]:
         """The node's status document (``GET /status``, ``docs/status.md``)."""
@@ -119,10 +110,12 @@ class OperatorSurface:
         head = request.method == "HEAD"
         if problem is not None:
             await send_response(stream, 403, problem.encode() + b"\n")
-        elif request.method not in ("GET", "HEAD"):
-            await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
+        elif not await _only_get(stream, request):
+            return True
         elif request.path == "/metrics":
-            await send_response(stream, 200, self.exposition(), CONTENT_TYPE, head_only=head)
+            await send_response(
+                stream, 200, self.metrics.exposition(), CONTENT_TYPE, head_only=head
+            )
         else:
             body = json.dumps(self.status()).encode() + b"\n"
             await send_response(stream, 200, body, "application/json", head_only=head)
@@ -156,14 +149,19 @@ class _MetricsSite(Site):
 
     async def answer_node(self, stream: trio.SocketStream, request: HttpRequest) -> bool:
         """Answer every request: this server serves nothing of the dashboard's."""
-        if await self._surface._routes(stream, request, self.bound_host):
-            return True
-        if request.method not in ("GET", "HEAD"):
-            await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
-        else:
+        routed = await self._surface._routes(stream, request, self.bound_host)
+        if not routed and await _only_get(stream, request):
             page = f"no page at {request.path}: try /metrics or /status\n"
             await send_response(stream, 404, page.encode())
         return True
+
+
+async def _only_get(stream: trio.SocketStream, request: HttpRequest) -> bool:
+    """Whether ``request`` is a GET or HEAD; a 405 answers any other method."""
+    if request.method in ("GET", "HEAD"):
+        return True
+    await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
+    return False
 
 
 @asynccontextmanager
@@ -179,7 +177,7 @@ async def _metrics_server(
     async with trio.open_nursery() as nursery:
         await nursery.start(trio.serve_listeners, _MetricsSite(surface, host).handle, listeners)
         server = MetricsServer(host, bound)
-        node = surface.node_id
+        node = surface.node.node_id
         log.info("metrics of %s at %smetrics", node, server.url, extra={"node": node})
         yield server
         nursery.cancel_scope.cancel()
