@@ -10,21 +10,6 @@ them is usually an operator looking at a log line, not the author of the code.
 
 from __future__ import annotations
 
-__all__ = [
-    "ConfigError",
-    "DataPlaneError",
-    "EventFormatError",
-    "FrameTooLarge",
-    "InvalidField",
-    "LogError",
-    "LogFormatError",
-    "MalformedFrame",
-    "P2PActorError",
-    "ProtocolError",
-    "ReplayError",
-    "UnknownMessageType",
-]
-
 
 class P2PActorError(Exception):
     """Base class of every error p2pactor raises deliberately."""
@@ -125,3 +110,7 @@ class DataPlaneError(P2PActorError):
     NIXL is not installed, its agent cannot be created, or the block pool
     cannot be registered with it. The message names what to install or fix.
     """
+
+
+# Every error class above, in the order they are defined; and nothing else.
+__all__ = [name for name, value in list(globals().items()) if isinstance(value, type)]

@@ -19,18 +19,20 @@ def _bare_host(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a name
+
+
 def is_wildcard(host: str) -> bool:
     """Whether ``host`` is a bind-anything address (``0.0.0.0``, ``::``, ``*``, empty).
 
     Such an address can be bound but never dialed: a node must not be known by one.
     """
     host = _bare_host(host)
-    if host in ("", "*"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False  # a name
+    return host in ("", "*") or bool((ip := _address(host)) and ip.is_unspecified)
 
 
 def is_loopback(host: str) -> bool:
@@ -38,10 +40,7 @@ def is_loopback(host: str) -> bool:
     host = _bare_host(host).lower().rstrip(".")
     if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always loopback
         return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # any other name: it may resolve anywhere
+    return bool((ip := _address(host)) and ip.is_loopback)  # another name may resolve anywhere
 
 
 def node_id_port(address: str) -> int | None:

@@ -11,6 +11,7 @@ a request). :class:`~p2pactor.runtime.node.Node`, the public API, is a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -94,7 +95,6 @@ class NodeHost(ThreadSafeSources):
         )
         self.config = config
         self._hash_seed_source = hash_seed
-        self._hash_seed: str | None = None if hash_seed is not None else config.hash_seed
         self.control = control
         self.data = data
         self.event_log = event_log or EventLog(config.node_id)  # by default in memory only
@@ -141,17 +141,15 @@ class NodeHost(ThreadSafeSources):
         """``host:port``: this node's id on the wire."""
         return self.config.node_id
 
-    @property
+    @functools.cached_property
     def hash_seed(self) -> str:
         """The hash seed this node advertises and requires of peers.
 
         Resolved on first use when the node was given a source for it: vLLM
         knows its seed only once the engine has started, after the tier exists.
         """
-        if self._hash_seed is None:
-            assert self._hash_seed_source is not None
-            self._hash_seed = self._hash_seed_source()
-        return self._hash_seed
+        source = self._hash_seed_source
+        return self.config.hash_seed if source is None else source()
 
     # --- the engine's requests (the node's thread) -----------------------------------
 

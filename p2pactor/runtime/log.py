@@ -196,9 +196,8 @@ class EventLog:
         self.durability = Durability() if durability is None else durability
         self.path = None if path is None else os.fspath(path)
         self.closed = False
-        self._ring: deque[AnyEvent] = deque(maxlen=keep)
-        self._ring_keys: deque[int] = deque()  # each ringed event's keys, in step with it
-        self._ring_key_total = 0
+        self._ring: deque[tuple[AnyEvent, int]] = deque(maxlen=keep)  # events, and their keys
+        self._ring_keys = 0  # the keys of every event in the ring
         self._buffer = bytearray()
         self._stats = LogStatistics()
         self._file: io.FileIO | None = None
@@ -356,28 +355,22 @@ class EventLog:
         thousand of a hostile peer's largest lookups would keep gigabytes
         after their requests ended (issue 30).
         """
-        ring, weights = self._ring, self._ring_keys
-        maxlen = ring.maxlen
-        if maxlen == 0:
+        ring = self._ring
+        if ring.maxlen == 0:
             return
         for event in events:
             keys = getattr(event, "keys", None)
             weight = len(keys) if isinstance(keys, tuple) else 0
-            if maxlen is not None and len(ring) == maxlen:
-                self._ring_key_total -= weights.popleft()  # the deque drops its oldest
-            ring.append(event)
-            weights.append(weight)
-            self._ring_key_total += weight
-        if maxlen is not None:
-            while self._ring_key_total > RING_KEYS and len(ring) > 1:
-                ring.popleft()
-                self._ring_key_total -= weights.popleft()
+            if len(ring) == ring.maxlen:
+                self._ring_keys -= ring[0][1]  # the deque drops its oldest
+            ring.append((event, weight))
+            self._ring_keys += weight
+        while ring.maxlen is not None and self._ring_keys > RING_KEYS and len(ring) > 1:
+            self._ring_keys -= ring.popleft()[1]
 
     def recent(self, actor: ActorId | None = None) -> list[AnyEvent]:
         """The events still in the in-memory ring, oldest first, of ``actor`` or all."""
-        if actor is None:
-            return list(self._ring)
-        return [event for event in self._ring if event.actor == actor]
+        return [event for event, _ in self._ring if actor is None or event.actor == actor]
 
     def statistics(self) -> LogStatistics:
         """The log's counters now (a copy: the log goes on counting in its own)."""
