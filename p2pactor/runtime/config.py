@@ -185,6 +185,8 @@ class NodeConfig:
             ``/metrics`` and logged (rate-limited). None turns the watch off
             (serve ``--slow-step-ms 0``). See
             :mod:`p2pactor.runtime.loopwatch` and ``docs/status.md``.
+        curve: Not an argument: the CURVE keys loaded from ``curve_secret_key``
+            and ``curve_trusted``, or None.
     """
 
     host: str = attrs.field(default="localhost", validator=[checks.instance_of(str), _check_host])
@@ -224,7 +226,7 @@ class NodeConfig:
         default=DEFAULT_SOURCES, validator=checks.instance_of(SourceOptions)
     )
     slow_step_s: float | None = attrs.field(default=SLOW_STEP_S, validator=_slow_step)
-    _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
+    curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
     # may_dial's answers by peer: each depends on the peer id and this
     # config alone, and the engine's thread asks for every request and key.
     _dialable: dict[str, bool] = attrs.field(init=False, eq=False, repr=False, factory=dict)
@@ -251,12 +253,7 @@ class NodeConfig:
                     f"STEM --address {self.node_id}` (several comma-separated addresses for "
                     "one key are allowed) and give its .key file to the peers"
                 )
-        object.__setattr__(self, "_curve", curve)  # a frozen config's derived value: set once
-
-    @property
-    def curve(self) -> CurveSecurity | None:
-        """The CURVE keys loaded from ``curve_secret_key`` and ``curve_trusted``, or None."""
-        return self._curve
+        object.__setattr__(self, "curve", curve)  # a frozen config's derived value: set once
 
     @property
     def node_id(self) -> str:
@@ -280,7 +277,7 @@ class NodeConfig:
             known = (
                 (self.allowed_peers is None or peer_id in self.allowed_peers)
                 and self.dial_refusal(peer_id) is None
-                and (self._curve is None or self._curve.trusts(peer_id))
+                and (self.curve is None or self.curve.trusts(peer_id))
             )
             if len(self._dialable) >= _DIAL_MEMORY:
                 self._dialable.clear()  # a bound, not a policy: answers are recomputed

@@ -61,7 +61,7 @@ class SlowStep:
     task: str
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen
 class LoopSnapshot:
     """What a :class:`LoopWatch` has seen so far.
 
@@ -187,10 +187,4 @@ class LoopWatch(trio.abc.Instrument):
         """What the watch has seen so far. Any thread (a copy; never waits)."""
         # list() is one C call: the node's thread cannot append midway.
         recent = tuple(reversed(list(self._recent)))
-        return LoopSnapshot(
-            steps=self.steps,
-            slow_step_s=self.slow_step_s,
-            slow_steps=self.slow_steps,
-            longest_step_s=self._longest,
-            recent_slow=recent,
-        )
+        return LoopSnapshot(self.steps, self.slow_step_s, self.slow_steps, self._longest, recent)

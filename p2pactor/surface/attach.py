@@ -37,7 +37,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
-import attrs
 import trio
 
 from p2pactor.surface.metrics import CONTENT_TYPE, NodeMetrics
@@ -74,7 +73,12 @@ class OperatorSurface:
         self.metrics_server: MetricsServer | None = None
 
     def __repr__(self) -> str:
-        return f"<OperatorSurface {self.node.node_id} {self.http_url or '(not served)'}>"
+        return f"<OperatorSurface {self.node_id} {self.http_url or '(not served)'}>"
+
+    @property
+    def node_id(self) -> str:
+        """The node's id."""
+        return self.node.node_id
 
     @property
     def http_url(self) -> str | None:
@@ -84,6 +88,10 @@ class OperatorSurface:
         """
         server = self.dashboard or self.metrics_server
         return None if server is None else server.url
+
+    def exposition(self) -> bytes:
+        """Every metric in Prometheus' text format (``GET /metrics``)."""
+        return self.metrics.exposition()
 
     def status(self) -> dict[str, Any]:
         """The node's status document (``GET /status``, ``docs/status.md``)."""
@@ -113,39 +121,30 @@ class OperatorSurface:
         elif not await _only_get(stream, request):
             return True
         elif request.path == "/metrics":
-            await send_response(
-                stream, 200, self.metrics.exposition(), CONTENT_TYPE, head_only=head
-            )
+            await send_response(stream, 200, self.exposition(), CONTENT_TYPE, head_only=head)
         else:
             body = json.dumps(self.status()).encode() + b"\n"
             await send_response(stream, 200, body, "application/json", head_only=head)
         return True
 
 
-@attrs.frozen
-class MetricsServer:
-    """A running metrics-only server.
+class MetricsServer(Site):
+    """A running metrics-only server: its surface's routes, 404 for any other page.
 
     Attributes:
-        host: The address it is bound to.
+        bound_host: The address it is bound to.
         port: The port it is bound to.
     """
 
-    host: str
-    port: int
+    def __init__(self, surface: OperatorSurface, bound_host: str, port: int) -> None:
+        super().__init__(bound_host)
+        self._surface = surface
+        self.port = port
 
     @property
     def url(self) -> str:
         """``http://HOST:PORT/``; Prometheus scrapes its ``metrics``."""
-        return f"http://{authority(self.host, self.port)}/"
-
-
-class _MetricsSite(Site):
-    """The metrics-only server's connections: its surface's routes, 404 for any other page."""
-
-    def __init__(self, surface: OperatorSurface, bound_host: str) -> None:
-        super().__init__(bound_host)
-        self._surface = surface
+        return f"http://{authority(self.bound_host, self.port)}/"
 
     async def answer_node(self, stream: trio.SocketStream, request: HttpRequest) -> bool:
         """Answer every request: this server serves nothing of the dashboard's."""
@@ -174,10 +173,10 @@ async def _metrics_server(
         OSError: The address can't be bound (the port is taken, say).
     """
     listeners, bound = await _listen(host, port)
+    server = MetricsServer(surface, host, bound)
     async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, _MetricsSite(surface, host).handle, listeners)
-        server = MetricsServer(host, bound)
-        node = surface.node.node_id
+        await nursery.start(trio.serve_listeners, server.handle, listeners)
+        node = surface.node_id
         log.info("metrics of %s at %smetrics", node, server.url, extra={"node": node})
         yield server
         nursery.cancel_scope.cancel()
