@@ -88,12 +88,7 @@ class NodeHost(ThreadSafeSources):
         event_log: EventLog | None,
         hash_seed: Callable[[], str] | None,
     ) -> None:
-        super().__init__(
-            name=config.node_id,
-            inbox_limit=config.engine_inbox,
-            poll_interval=config.engine_poll_interval,
-        )
-        self.config = config
+        super().__init__(config)
         self._hash_seed_source = hash_seed
         self.control = control
         self.data = data
