@@ -42,13 +42,10 @@ class ProtocolError(P2PActorError, ValueError):
         self.problem = problem
         self.message_type = message_type
         self.field = field
-        where = []
-        if message_type is not None:
-            where.append(f"{message_type!r} message")
+        where = [] if message_type is None else [f"{message_type!r} message"]
         if field is not None:
             where.append(f"field {field!r}")
-        prefix = ", ".join(where)
-        super().__init__(f"{prefix}: {problem}" if prefix else problem)
+        super().__init__(f"{', '.join(where)}: {problem}" if where else problem)
 
 
 class FrameTooLarge(ProtocolError):

@@ -47,6 +47,8 @@ __all__ = ["EventWatcher", "HandshakeWatcher", "NodeHost"]
 
 log = logging.getLogger("p2pactor.node")
 
+RETRY = LookupResult.RETRY
+
 EventWatcher = Callable[[Sequence[ev.AnyEvent], ActorState], None]
 """Called with an actor's events of one step and its state after them."""
 
@@ -271,9 +273,7 @@ class NodeHost(ThreadSafeSources):
         state = actor.state
         assert isinstance(state, ConsumerState)
         for waiter in self.answers.get(actor, ()):
-            if not waiter.ready.is_set() and LookupResult.RETRY not in probe_answers(
-                state, waiter.keys
-            ):
+            if not waiter.ready.is_set() and RETRY not in probe_answers(state, waiter.keys):
                 waiter.ready.set()
 
     def release_pin(self, job_id: int, *, success: bool) -> None:

@@ -1,7 +1,8 @@
-"""Reading an event log back: the file format's constants, and a streaming reader.
+"""The event log's file format: its constants and framing, and a streaming reader.
 
 The format (specified in ``docs/log-format.md``): a magic number, a header
-record, then one self-delimiting, checksummed record per event.
+record, then one self-delimiting, checksummed record per event, each framed
+by :func:`frame` and read back by one reader, the header's as the events'.
 :func:`read_log` checks the header at once and streams the events later,
 stopping cleanly at a torn tail or a damaged record instead of misreading it.
 :mod:`p2pactor.runtime.log` writes such files.
