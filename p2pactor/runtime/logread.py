@@ -145,42 +145,6 @@ def _next_record(file: BinaryIO, limit: int) -> bytes | tuple[ProblemKind, str] 
     return ProblemKind.TORN_TAIL, "checksum mismatch in the last record"
 
 
-def _read_header(path: str, file: BinaryIO) -> LogHeader:
-    """Check the magic and decode the header record that follows it."""
-    magic = file.read(len(MAGIC))
-    if magic[:6] != _MAGIC_NAME:
-        raise LogFormatError(
-            f"{path} is not a p2pactor event log (it does not start with {_MAGIC_NAME!r}); "
-            "pass a file written by p2pactor's EventLog"
-        )
-    if magic != MAGIC:
-        major = int.from_bytes(magic[6:8], "big") if len(magic) == 8 else None
-        raise LogFormatError(
-            f"{path} is a p2pactor event log in major format {major}, and this p2pactor "
-            "reads major format 1; replay it with the p2pactor version that wrote it"
-        )
-    damaged = f"{path}: the log header is damaged; the file can't be replayed"
-    payload = _next_record(file, _MAX_HEADER_BYTES)
-    if not isinstance(payload, bytes):
-        raise LogFormatError(f"{damaged} ({'no header' if payload is None else payload[1]})")
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
-        raise LogFormatError(f"{damaged} (the header is not msgpack)") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("format"), int):
-        raise LogFormatError(f"{damaged} (the header has no format number)")
-    if raw["format"] not in _READS:
-        raise LogFormatError(
-            f"{path} was written in log format {raw['format']}, and this p2pactor reads "
-            f"formats {', '.join(map(str, _READS))}; replay it with the p2pactor version "
-            "that wrote it"
-        )
-    try:
-        return msgspec.convert(raw, LogHeader)
-    except msgspec.ValidationError as exc:
-        raise LogFormatError(f"{damaged} ({exc})") from None
-
-
 class LogReader:
     """A log file opened for reading: its header, then its events, streamed.
 
@@ -263,7 +227,38 @@ def read_log(path: str | os.PathLike[str]) -> LogReader:
             damaged, or it was written in a format this p2pactor can't read.
         OSError: The file can't be opened (FileNotFoundError if it is missing).
     """
-    name = os.fspath(path)
-    with open(name, "rb") as file:
-        header = _read_header(name, file)
-        return LogReader(name, header, file.tell())
+    path = os.fspath(path)
+    with open(path, "rb") as file:
+        magic = file.read(len(MAGIC))
+        if magic[:6] != _MAGIC_NAME:
+            raise LogFormatError(
+                f"{path} is not a p2pactor event log (it does not start with {_MAGIC_NAME!r}); "
+                "pass a file written by p2pactor's EventLog"
+            )
+        if magic != MAGIC:
+            major = int.from_bytes(magic[6:8], "big") if len(magic) == 8 else None
+            raise LogFormatError(
+                f"{path} is a p2pactor event log in major format {major}, and this p2pactor "
+                "reads major format 1; replay it with the p2pactor version that wrote it"
+            )
+        damaged = f"{path}: the log header is damaged; the file can't be replayed"
+        payload = _next_record(file, _MAX_HEADER_BYTES)
+        if not isinstance(payload, bytes):
+            raise LogFormatError(f"{damaged} ({'no header' if payload is None else payload[1]})")
+        try:
+            raw = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError:
+            raise LogFormatError(f"{damaged} (the header is not msgpack)") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("format"), int):
+            raise LogFormatError(f"{damaged} (the header has no format number)")
+        if raw["format"] not in _READS:
+            raise LogFormatError(
+                f"{path} was written in log format {raw['format']}, and this p2pactor reads "
+                f"formats {', '.join(map(str, _READS))}; replay it with the p2pactor version "
+                "that wrote it"
+            )
+        try:
+            header = msgspec.convert(raw, LogHeader)
+        except msgspec.ValidationError as exc:
+            raise LogFormatError(f"{damaged} ({exc})") from None
+        return LogReader(path, header, file.tell())
