@@ -153,11 +153,8 @@ class LoopWatch(trio.abc.Instrument):
         """The step of ``task`` ended (the hook trio calls)."""
         seconds = self._clock() - self._started
         self.steps += 1
-        if seconds >= self._bar:
-            self._notable(task, seconds)
-
-    def _notable(self, task: trio.lowlevel.Task, seconds: float) -> None:
-        """A step at least as long as the longest so far, or slow."""
+        if seconds < self._bar:
+            return  # neither the longest so far nor slow: the common step
         self._longest = max(self._longest, seconds)
         self._bar = min(self._longest, self._slow)
         if seconds < self._slow:
