@@ -10,21 +10,6 @@ them is usually an operator looking at a log line, not the author of the code.
 
 from __future__ import annotations
 
-__all__ = [
-    "ConfigError",
-    "DataPlaneError",
-    "EventFormatError",
-    "FrameTooLarge",
-    "InvalidField",
-    "LogError",
-    "LogFormatError",
-    "MalformedFrame",
-    "P2PActorError",
-    "ProtocolError",
-    "ReplayError",
-    "UnknownMessageType",
-]
-
 
 class P2PActorError(Exception):
     """Base class of every error p2pactor raises deliberately."""
@@ -57,13 +42,10 @@ class ProtocolError(P2PActorError, ValueError):
         self.problem = problem
         self.message_type = message_type
         self.field = field
-        where = []
-        if message_type is not None:
-            where.append(f"{message_type!r} message")
+        where = [] if message_type is None else [f"{message_type!r} message"]
         if field is not None:
             where.append(f"field {field!r}")
-        prefix = ", ".join(where)
-        super().__init__(f"{prefix}: {problem}" if prefix else problem)
+        super().__init__(f"{', '.join(where)}: {problem}" if where else problem)
 
 
 class FrameTooLarge(ProtocolError):
@@ -125,3 +107,7 @@ class DataPlaneError(P2PActorError):
     NIXL is not installed, its agent cannot be created, or the block pool
     cannot be registered with it. The message names what to install or fix.
     """
+
+
+# Every error class above, in the order they are defined; and nothing else.
+__all__ = [name for name, value in list(globals().items()) if isinstance(value, type)]

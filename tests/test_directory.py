@@ -197,7 +197,7 @@ async def test_a_summary_nobody_agreed_to_is_a_protocol_violation(
         await linked(a, b)
         delta = wire.KvsumDelta(epoch=b"e", seq=1, add=wire.packed([1]), remove=b"")
         cluster.network.post(a.id, b.id, wire.encode(delta))
-        await until(lambda: b.node.closed_session_count == 1)
+        await until(lambda: b.node.peers.closed_count == 1)
         reason = b.node.closed_sessions()[0].reason
         assert "kvsum_delta" in reason
         assert "not agreed" in reason

@@ -182,8 +182,16 @@ class EngineSide(EngineBridge):
     """The bridge over real actors and a scripted peer's inbox: what the adapter calls."""
 
     def __init__(self) -> None:
-        super().__init__(name="machine", inbox_limit=10_000, poll_interval=0.001)
-        self.config = NodeConfig(host="127.0.0.1", port=5710, num_blocks=16, block_len=64)
+        super().__init__(
+            NodeConfig(
+                host="127.0.0.1",
+                port=5710,
+                num_blocks=16,
+                block_len=64,
+                engine_inbox=10_000,
+                engine_poll_interval=0.001,
+            )
+        )
         self.now = 0.0
         self.runner = Runner(lambda: self.now)
         self.actors: dict[tuple[str, str], RequestActor] = {}

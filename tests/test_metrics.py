@@ -167,7 +167,7 @@ async def test_each_node_has_its_own_registry(autojump_clock: trio.abc.Clock) ->
 async def test_a_seed_mismatch_is_counted(autojump_clock: trio.abc.Clock) -> None:
     async with open_cluster("a", "b") as cluster:
         a, b = cluster["a"], cluster["b"]
-        object.__setattr__(b.node, "_hash_seed", "another seed")
+        b.node.hash_seed = "another seed"  # a cached property: set, it stays
         answers = await b.node.lookup(a.id, "r", [key(0)])
         assert answers != [HIT]
         await trio.sleep(1.0)

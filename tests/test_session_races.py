@@ -185,13 +185,13 @@ async def test_a_node_keeps_the_last_closed_sessions_and_counts_them_all(
         for closed in range(1, 4):
             await peer.dial()
             await peer.send(wire.Disconnect())  # a stray disconnect: the session ends
-            while node.closed_session_count < closed:  # noqa: ASYNC110 - no event to wait on
+            while node.peers.closed_count < closed:  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.01)
             assert peer.conn is not None
             await peer.conn.aclose()
             while node.sessions():  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.01)
-        assert node.closed_session_count == 3
+        assert node.peers.closed_count == 3
         assert len(node.closed_sessions()) == 2
         assert all("disconnect" in r.reason for r in node.closed_sessions())
 

@@ -28,16 +28,11 @@ from p2pactor.errors import ConfigError
 Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
 
 
-def _refuse(instance: object, attribute: attrs.Attribute[Any], value: object, what: str) -> None:
-    owner = "" if instance is None else f"{type(instance).__name__}."
-    raise ConfigError(f"{owner}{attribute.name} must be {what}, got {value!r}")
-
-
 def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _rule(what: str, test: Callable[[Any], object]) -> Validator:
+def rule(what: str, test: Callable[[Any], object]) -> Validator:
     """A validator refusing, as not ``what``, each value ``test`` fails or cannot judge."""
 
     def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
@@ -48,7 +43,8 @@ def _rule(what: str, test: Callable[[Any], object]) -> Validator:
         except (TypeError, ValueError):
             passes = False
         if not passes:
-            _refuse(instance, attribute, value, what)
+            owner = "" if instance is None else f"{type(instance).__name__}."
+            raise ConfigError(f"{owner}{attribute.name} must be {what}, got {value!r}")
 
     return check
 
@@ -57,7 +53,7 @@ def _number(what: str, test: Callable[[Any], object], *, finite: bool) -> Valida
     def number(v: Any) -> bool:
         return not isinstance(v, bool) and bool(test(v)) and (not finite or math.isfinite(v))
 
-    return _rule(f"a finite {what}" if finite else f"a {what}", number)
+    return rule(f"a finite {what}" if finite else f"a {what}", number)
 
 
 def positive(*, finite: bool) -> Validator:
@@ -73,25 +69,20 @@ def non_negative(*, finite: bool) -> Validator:
 # A share: a number above 0 and at most 1 (not bool).
 fraction = _number("number above 0 and at most 1", lambda v: 0 < v <= 1, finite=False)
 # An int above 0 (not bool, not float).
-positive_int = _rule("a positive integer", lambda v: _is_int(v) and v > 0)
+positive_int = rule("a positive integer", lambda v: _is_int(v) and v > 0)
 # An int >= 0 (not bool, not float).
-non_negative_int = _rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
+non_negative_int = rule("an integer >= 0", lambda v: _is_int(v) and v >= 0)
 # A TCP port: an int from 0 (any free port) to 65535.
-port = _rule("a TCP port (0-65535)", lambda v: _is_int(v) and 0 <= v <= 65535)
+port = rule("a TCP port (0-65535)", lambda v: _is_int(v) and 0 <= v <= 65535)
 # A TCP port, or None for "off".
-optional_port = _rule(
+optional_port = rule(
     "a TCP port (0-65535) or None (off)", lambda v: v is None or (_is_int(v) and 0 <= v <= 65535)
 )
 
 
 def instance_of(kind: type) -> Validator:
     """An instance of ``kind`` (a bool where a bool is asked for, an options object)."""
-
-    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if not isinstance(value, kind):
-            _refuse(instance, attribute, value, f"a {kind.__name__}")
-
-    return check
+    return rule(f"a {kind.__name__}", lambda v: isinstance(v, kind))
 
 
 def env_values(

@@ -31,7 +31,6 @@ from p2pactor.runtime.config import NodeConfig, slow_step_from_ms
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.runtime.samples import block_bytes, preload_keys
-from p2pactor.surface.logsetup import configure_from_args
 
 __all__ = ["config_from_args", "register", "serve"]
 
@@ -252,6 +251,5 @@ def _run(args: argparse.Namespace) -> int:
         sys.stderr.write("p2pactor serve: --preload cannot exceed --num-blocks\n")
         return 2
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    configure_from_args(args)  # stderr only: stdout carries the lines above for programs
     trio.run(functools.partial(serve, config, preload=args.preload, log_path=args.log))
     return 0

@@ -12,15 +12,18 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Iterable
 
-import attrs
-
-from p2pactor.errors import ConfigError
-
 
 def _bare_host(host: str) -> str:
     # An IPv6 literal may come bracketed, as in a URL or a ZeroMQ endpoint.
     host = host.strip()
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return None  # a name
 
 
 def is_wildcard(host: str) -> bool:
@@ -29,12 +32,7 @@ def is_wildcard(host: str) -> bool:
     Such an address can be bound but never dialed: a node must not be known by one.
     """
     host = _bare_host(host)
-    if host in ("", "*"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return False  # a name
+    return host in ("", "*") or bool((ip := _address(host)) and ip.is_unspecified)
 
 
 def is_loopback(host: str) -> bool:
@@ -42,10 +40,7 @@ def is_loopback(host: str) -> bool:
     host = _bare_host(host).lower().rstrip(".")
     if host == "localhost" or host.endswith(".localhost"):  # RFC 6761: always loopback
         return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # any other name: it may resolve anywhere
+    return bool((ip := _address(host)) and ip.is_loopback)  # another name may resolve anywhere
 
 
 def node_id_port(address: str) -> int | None:
@@ -73,29 +68,3 @@ def peer_ids(value: str | Iterable[str]) -> frozenset[str]:
 def peer_host(peer_id: str) -> str:
     """The host half of a node id (``host:port``)."""
     return peer_id.rpartition(":")[0]
-
-
-def check_host(instance: object, attribute: attrs.Attribute[str], value: object) -> None:
-    """Validate ``NodeConfig.host``: a string, and an address peers can dial (no wildcard)."""
-    if not isinstance(value, str):
-        raise ConfigError(f"NodeConfig.host must be a string, got {value!r}")
-    if is_wildcard(value):
-        # Peers would dial back to "0.0.0.0:port": nowhere. Binding every
-        # interface is bind_host's job; host is the address peers reach.
-        raise ConfigError(
-            f"NodeConfig.host={value!r} is a wildcard address: peers dial a node back at "
-            "its host, and cannot dial that. Set bind_host=0.0.0.0 (P2PACTOR_BIND_HOST, "
-            "--bind-host) to listen on every interface, and host=<an address peers reach> "
-            "(VLLM_P2P_SIDE_CHANNEL_HOST, --host): this machine's IP or DNS name"
-        )
-
-
-def check_bind_host(
-    instance: object, attribute: attrs.Attribute[str | None], value: object
-) -> None:
-    """Validate ``NodeConfig.bind_host``: an address to bind, or None."""
-    if value is not None and not (isinstance(value, str) and value.strip()):
-        raise ConfigError(
-            f"NodeConfig.bind_host must be an address to bind (e.g. 0.0.0.0) or None "
-            f"(bind host), got {value!r}"
-        )

@@ -23,7 +23,7 @@ from p2pactor.core import checks
 from p2pactor.core.protocol import DEFAULT_LIMITS, Limits
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
 from p2pactor.errors import ConfigError
-from p2pactor.runtime.addresses import check_bind_host, check_host, is_loopback, peer_host, peer_ids
+from p2pactor.runtime.addresses import is_loopback, is_wildcard, peer_host, peer_ids
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.quotas import DEFAULT_QUOTAS, PeerQuotas
 from p2pactor.runtime.sources import DEFAULT_SOURCES, SourceOptions
@@ -66,6 +66,24 @@ SLOW_STEP_S: Final = 0.05
 
 # 0 would report every step: off is None (serve --slow-step-ms 0).
 _slow_step: checks.Validator = attrs.validators.optional(checks.positive(finite=True))
+
+
+def _check_host(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if is_wildcard(value):
+        # Peers would dial back to "0.0.0.0:port": nowhere. Binding every
+        # interface is bind_host's job; host is the address peers reach.
+        raise ConfigError(
+            f"NodeConfig.host={value!r} is a wildcard address: peers dial a node back at "
+            "its host, and cannot dial that. Set bind_host=0.0.0.0 (P2PACTOR_BIND_HOST, "
+            "--bind-host) to listen on every interface, and host=<an address peers reach> "
+            "(VLLM_P2P_SIDE_CHANNEL_HOST, --host): this machine's IP or DNS name"
+        )
+
+
+_bind_host = checks.rule(
+    "an address to bind (e.g. 0.0.0.0) or None (bind host)",
+    lambda v: v is None or (isinstance(v, str) and v.strip()),
+)
 
 
 def _optional_path(value: str | os.PathLike[str] | None) -> str | None:
@@ -167,10 +185,12 @@ class NodeConfig:
             ``/metrics`` and logged (rate-limited). None turns the watch off
             (serve ``--slow-step-ms 0``). See
             :mod:`p2pactor.runtime.loopwatch` and ``docs/status.md``.
+        curve: Not an argument: the CURVE keys loaded from ``curve_secret_key``
+            and ``curve_trusted``, or None.
     """
 
-    host: str = attrs.field(default="localhost", validator=check_host)
-    bind_host: str | None = attrs.field(default=None, validator=check_bind_host)
+    host: str = attrs.field(default="localhost", validator=[checks.instance_of(str), _check_host])
+    bind_host: str | None = attrs.field(default=None, validator=_bind_host)
     port: int = attrs.field(default=5710, validator=checks.port)
     num_blocks: int = attrs.field(default=1024, validator=checks.positive_int)
     block_len: int = attrs.field(default=4096, validator=checks.positive_int)
@@ -206,7 +226,7 @@ class NodeConfig:
         default=DEFAULT_SOURCES, validator=checks.instance_of(SourceOptions)
     )
     slow_step_s: float | None = attrs.field(default=SLOW_STEP_S, validator=_slow_step)
-    _curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
+    curve: CurveSecurity | None = attrs.field(init=False, eq=False, repr=False)
     # may_dial's answers by peer: each depends on the peer id and this
     # config alone, and the engine's thread asks for every request and key.
     _dialable: dict[str, bool] = attrs.field(init=False, eq=False, repr=False, factory=dict)
@@ -233,12 +253,7 @@ class NodeConfig:
                     f"STEM --address {self.node_id}` (several comma-separated addresses for "
                     "one key are allowed) and give its .key file to the peers"
                 )
-        object.__setattr__(self, "_curve", curve)  # a frozen config's derived value: set once
-
-    @property
-    def curve(self) -> CurveSecurity | None:
-        """The CURVE keys loaded from ``curve_secret_key`` and ``curve_trusted``, or None."""
-        return self._curve
+        object.__setattr__(self, "curve", curve)  # a frozen config's derived value: set once
 
     @property
     def node_id(self) -> str:
@@ -262,7 +277,7 @@ class NodeConfig:
             known = (
                 (self.allowed_peers is None or peer_id in self.allowed_peers)
                 and self.dial_refusal(peer_id) is None
-                and (self._curve is None or self._curve.trusts(peer_id))
+                and (self.curve is None or self.curve.trusts(peer_id))
             )
             if len(self._dialable) >= _DIAL_MEMORY:
                 self._dialable.clear()  # a bound, not a policy: answers are recomputed

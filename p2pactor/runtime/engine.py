@@ -94,12 +94,12 @@ class EngineBridge:
     runs :meth:`run`, which applies what was handed over.
 
     Args:
-        name: For the waker thread's name.
-        inbox_limit: Engine calls queued before the node counts as overloaded.
-        poll_interval: How soon calls made without waking are picked up.
+        config: The node's configuration (its ``engine_inbox``: engine calls
+            queued before the node counts as overloaded; its
+            ``engine_poll_interval``: how soon calls made without waking are
+            picked up).
     """
 
-    config: NodeConfig
     runner: Runner
     # What the node's host provides (:class:`~p2pactor.runtime.host.NodeHost`).
     known_consumer: Callable[[str, str], RequestActor | None]
@@ -108,9 +108,8 @@ class EngineBridge:
     finish_request: Callable[[str], None]
     report_load: Callable[..., None]
 
-    def __init__(self, *, name: str, inbox_limit: int, poll_interval: float) -> None:
-        self._inbox_limit = inbox_limit
-        self._poll_interval = poll_interval
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
         self._inbox: deque[_Call] = deque()
         self._lock = threading.Lock()
         self._registered = False
@@ -140,7 +139,7 @@ class EngineBridge:
         # and applied (the node's thread): each counter has one writer at a time.
         self._told_posted = 0
         self._told_applied = 0
-        self._wakeup = Wakeup(name)
+        self._wakeup = Wakeup(config.node_id)
 
     @property
     def engine_backlog(self) -> int:
@@ -224,7 +223,7 @@ class EngineBridge:
         with self._lock:
             posted = self._posted.setdefault(kv_request_id, {}).setdefault(peer, set())
             new = tuple(k for k in dict.fromkeys(keys) if k not in known and k not in posted)
-            if not new or len(self._inbox) >= self._inbox_limit:
+            if not new or len(self._inbox) >= self.config.engine_inbox:
                 return
             posted.update(new)
             self._registered = True
@@ -268,7 +267,7 @@ class EngineBridge:
         node is overloaded); with ``wake=False`` the node's thread picks it up
         at the next :meth:`flush` or :meth:`kick`.
         """
-        if len(self._inbox) >= self._inbox_limit:
+        if len(self._inbox) >= self.config.engine_inbox:
             reason = f"the node is overloaded ({len(self._inbox)} engine calls queued)"
             self._results.append(LoadResult(job_id, success=False, reason=reason))
             return
@@ -315,7 +314,7 @@ class EngineBridge:
         """Apply handed-over calls as they come, forever."""
         while True:
             # Calls that came without a wake-up are picked up within the interval.
-            await self._wakeup.wait(self._poll_interval if self._inbox else math.inf)
+            await self._wakeup.wait(self.config.engine_poll_interval if self._inbox else math.inf)
             self._apply()
 
     def _apply(self) -> None:

@@ -11,6 +11,7 @@ a request). :class:`~p2pactor.runtime.node.Node`, the public API, is a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -81,25 +82,19 @@ class NodeHost(ThreadSafeSources):
     def __init__(
         self,
         config: NodeConfig,
+        nursery: trio.Nursery,
         *,
         control: ControlTransport,
         data: DataTransport,
         parent: Parent | None,
-        event_log: EventLog,
-        nursery: trio.Nursery,
-        hash_seed: Callable[[], str] | None = None,
+        event_log: EventLog | None,
+        hash_seed: Callable[[], str] | None,
     ) -> None:
-        super().__init__(
-            name=config.node_id,
-            inbox_limit=config.engine_inbox,
-            poll_interval=config.engine_poll_interval,
-        )
-        self.config = config
+        super().__init__(config)
         self._hash_seed_source = hash_seed
-        self._hash_seed: str | None = None if hash_seed is not None else config.hash_seed
         self.control = control
         self.data = data
-        self.event_log = event_log
+        self.event_log = event_log or EventLog(config.node_id)  # by default in memory only
         self.clock = trio.lowlevel.current_clock()
         self.started_at = self.clock.current_time()  # for uptime (status reports)
         self.loop_watch = LoopWatch(config.slow_step_s, node_id=config.node_id)
@@ -143,17 +138,15 @@ class NodeHost(ThreadSafeSources):
         """``host:port``: this node's id on the wire."""
         return self.config.node_id
 
-    @property
+    @functools.cached_property
     def hash_seed(self) -> str:
         """The hash seed this node advertises and requires of peers.
 
         Resolved on first use when the node was given a source for it: vLLM
         knows its seed only once the engine has started, after the tier exists.
         """
-        if self._hash_seed is None:
-            assert self._hash_seed_source is not None
-            self._hash_seed = self._hash_seed_source()
-        return self._hash_seed
+        source = self._hash_seed_source
+        return self.config.hash_seed if source is None else source()
 
     # --- the engine's requests (the node's thread) -----------------------------------
 

@@ -22,7 +22,6 @@ import io
 import math
 import os
 import time
-import zlib
 from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
@@ -36,7 +35,7 @@ from p2pactor.core.events import AnyEvent
 from p2pactor.core.ids import ActorId
 from p2pactor.core.serde import encode_event
 from p2pactor.errors import ConfigError, LogError
-from p2pactor.runtime.logread import _FRAME, FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES, LogHeader
+from p2pactor.runtime.logread import FORMAT_VERSION, MAGIC, MAX_RECORD_BYTES, LogHeader, frame
 
 RING_KEYS = 131_072
 """Keys the in-memory ring's events may hold together (about 10 MB of vLLM keys)."""
@@ -138,10 +137,6 @@ class LogStatistics:
     append_seconds: float = 0.0
 
 
-def _frame(payload: bytes) -> bytes:
-    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-
-
 class EventLog:
     """The ordered record of every event of one node's actors.
 
@@ -201,9 +196,8 @@ class EventLog:
         self.durability = Durability() if durability is None else durability
         self.path = None if path is None else os.fspath(path)
         self.closed = False
-        self._ring: deque[AnyEvent] = deque(maxlen=keep)
-        self._ring_keys: deque[int] = deque()  # each ringed event's keys, in step with it
-        self._ring_key_total = 0
+        self._ring: deque[tuple[AnyEvent, int]] = deque(maxlen=keep)  # events, and their keys
+        self._ring_keys = 0  # the keys of every event in the ring
         self._buffer = bytearray()
         self._stats = LogStatistics()
         self._file: io.FileIO | None = None
@@ -230,7 +224,7 @@ class EventLog:
                 format=FORMAT_VERSION, node_id=node_id, created_wall=float(wall), created_mono=mono
             )
             # A map in the fields' order, as the reader converts it back.
-            self._buffer += MAGIC + _frame(msgspec.msgpack.encode(attrs.asdict(header)))
+            self._buffer += MAGIC + frame(msgspec.msgpack.encode(attrs.asdict(header)))
             try:
                 self._write_buffer(records=0)
             except LogError:
@@ -266,7 +260,7 @@ class EventLog:
                         f"{len(payload)} bytes, over the log's {MAX_RECORD_BYTES}-byte "
                         "record limit; lower the session's max_frame_bytes"
                     )
-                records.append(_frame(payload))
+                records.append(frame(payload))
             batch = b"".join(records)
             self._buffer += batch
             stats.bytes_appended += len(batch)
@@ -361,28 +355,22 @@ class EventLog:
         thousand of a hostile peer's largest lookups would keep gigabytes
         after their requests ended (issue 30).
         """
-        ring, weights = self._ring, self._ring_keys
-        maxlen = ring.maxlen
-        if maxlen == 0:
+        ring = self._ring
+        if ring.maxlen == 0:
             return
         for event in events:
             keys = getattr(event, "keys", None)
             weight = len(keys) if isinstance(keys, tuple) else 0
-            if maxlen is not None and len(ring) == maxlen:
-                self._ring_key_total -= weights.popleft()  # the deque drops its oldest
-            ring.append(event)
-            weights.append(weight)
-            self._ring_key_total += weight
-        if maxlen is not None:
-            while self._ring_key_total > RING_KEYS and len(ring) > 1:
-                ring.popleft()
-                self._ring_key_total -= weights.popleft()
+            if len(ring) == ring.maxlen:
+                self._ring_keys -= ring[0][1]  # the deque drops its oldest
+            ring.append((event, weight))
+            self._ring_keys += weight
+        while ring.maxlen is not None and self._ring_keys > RING_KEYS and len(ring) > 1:
+            self._ring_keys -= ring.popleft()[1]
 
     def recent(self, actor: ActorId | None = None) -> list[AnyEvent]:
         """The events still in the in-memory ring, oldest first, of ``actor`` or all."""
-        if actor is None:
-            return list(self._ring)
-        return [event for event in self._ring if event.actor == actor]
+        return [event for event, _ in self._ring if actor is None or event.actor == actor]
 
     def statistics(self) -> LogStatistics:
         """The log's counters now (a copy: the log goes on counting in its own)."""

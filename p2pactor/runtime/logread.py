@@ -1,7 +1,8 @@
-"""Reading an event log back: the file format's constants, and a streaming reader.
+"""The event log's file format: its constants and framing, and a streaming reader.
 
 The format (specified in ``docs/log-format.md``): a magic number, a header
-record, then one self-delimiting, checksummed record per event.
+record, then one self-delimiting, checksummed record per event, each framed
+by :func:`frame` and read back by one reader, the header's as the events'.
 :func:`read_log` checks the header at once and streams the events later,
 stopping cleanly at a torn tail or a damaged record instead of misreading it.
 :mod:`p2pactor.runtime.log` writes such files.
@@ -10,13 +11,12 @@ stopping cleanly at a torn tail or a damaged record instead of misreading it.
 from __future__ import annotations
 
 import enum
-import io
 import logging
 import os
 import struct
 import zlib
 from collections.abc import Iterator
-from typing import Final
+from typing import BinaryIO, Final
 
 import attrs
 import msgspec
@@ -44,7 +44,7 @@ length can't make the reader allocate gigabytes.
 """
 
 _MAX_HEADER_BYTES: Final = 64 * 1024
-_FRAME: Final = struct.Struct(">II")  # a record's payload length and CRC-32 (the writer's too)
+_FRAME: Final = struct.Struct(">II")  # a record's payload length and CRC-32
 _READ_CHUNK: Final = 1024 * 1024
 _MAGIC_NAME: Final = MAGIC[:6]
 
@@ -111,43 +111,38 @@ class LogProblem:
         return f"{what} at byte {self.offset}: {self.reason}"
 
 
-def _parse_header(path: str, data: bytes) -> tuple[LogHeader, int]:
-    """Check the magic and decode the header record; returns it and where data starts."""
-    if data[:6] != _MAGIC_NAME:
-        raise LogFormatError(
-            f"{path} is not a p2pactor event log (it does not start with {_MAGIC_NAME!r}); "
-            "pass a file written by p2pactor's EventLog"
-        )
-    if data[:8] != MAGIC:
-        major = int.from_bytes(data[6:8], "big") if len(data) >= 8 else None
-        raise LogFormatError(
-            f"{path} is a p2pactor event log in major format {major}, and this p2pactor "
-            "reads major format 1; replay it with the p2pactor version that wrote it"
-        )
-    damaged = f"{path}: the log header is damaged; the file can't be replayed"
-    if len(data) < 8 + _FRAME.size:
-        raise LogFormatError(f"{damaged} (it ends before the header record)")
-    length, crc = _FRAME.unpack_from(data, 8)
-    start = 8 + _FRAME.size
-    payload = data[start : start + length]
-    if length > _MAX_HEADER_BYTES or len(payload) != length or zlib.crc32(payload) != crc:
-        raise LogFormatError(f"{damaged} (bad header record)")
-    try:
-        raw = msgspec.msgpack.decode(payload)
-    except msgspec.DecodeError:
-        raise LogFormatError(f"{damaged} (the header is not msgpack)") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("format"), int):
-        raise LogFormatError(f"{damaged} (the header has no format number)")
-    if raw["format"] not in _READS:
-        raise LogFormatError(
-            f"{path} was written in log format {raw['format']}, and this p2pactor reads "
-            f"formats {', '.join(map(str, _READS))}; replay it with the p2pactor version "
-            "that wrote it"
-        )
-    try:
-        return msgspec.convert(raw, LogHeader), start + length
-    except msgspec.ValidationError as exc:
-        raise LogFormatError(f"{damaged} ({exc})") from None
+def frame(payload: bytes) -> bytes:
+    """``payload`` as a record: its length and CRC-32, then the payload itself."""
+    return _FRAME.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def _next_record(file: BinaryIO, limit: int) -> bytes | tuple[ProblemKind, str] | None:
+    """The payload of the record at ``file``'s position; or why it is not to be trusted.
+
+    None: the file ends cleanly there.
+    """
+    head = file.read(_FRAME.size)
+    if not head:
+        return None
+    if len(head) < _FRAME.size:
+        reason = f"the file ends inside a record's frame ({len(head)} of 8 bytes)"
+        return ProblemKind.TORN_TAIL, reason
+    length, crc = _FRAME.unpack(head)
+    if not 0 < length <= limit:
+        # Filesystems may extend a file with zeros that a crash never overwrote.
+        rest = iter(lambda: file.read(_READ_CHUNK), b"")
+        if not head.strip(b"\0") and not any(chunk.strip(b"\0") for chunk in rest):
+            return ProblemKind.TORN_TAIL, "the file ends in zero bytes the writer never filled"
+        return ProblemKind.CORRUPT, f"impossible record length {length}"
+    payload = file.read(length)
+    if len(payload) < length:
+        reason = f"the file ends inside a record ({len(payload)} of {length} payload bytes)"
+        return ProblemKind.TORN_TAIL, reason
+    if zlib.crc32(payload) == crc:
+        return payload
+    if file.read(1):
+        return ProblemKind.CORRUPT, "checksum mismatch in a record with more data after it"
+    return ProblemKind.TORN_TAIL, "checksum mismatch in the last record"
 
 
 class LogReader:
@@ -198,93 +193,30 @@ class LogReader:
 
     def __iter__(self) -> Iterator[AnyEvent]:
         self._reset()
-        with open(self.path, "rb") as file:
-            file.seek(self._data_offset)
-            yield from self._records(file)
-        self.complete = True
-        if self.problem is not None:
-            logger.warning(
-                "%s: %s; stopped after %d events", self.path, self.problem, self.events_read
-            )
-
-    def _records(self, file: io.BufferedReader) -> Iterator[AnyEvent]:
         decode = _READS[self.header.format]
         # This version's records: msgspec's decoder of the union, called bare.
         fast = EVENT_DECODER.decode if decode is decode_event else decode
-        buf = b""
-        pos = 0  # where the next record starts in buf
-        base = self._data_offset  # the file offset of buf[0]
-        eof = False
-
-        def have(count: int) -> bool:
-            """Make ``count`` bytes from ``pos`` available; False if the file is shorter."""
-            nonlocal buf, pos, base, eof
-            while len(buf) - pos < count and not eof:
-                more = file.read(max(_READ_CHUNK, count - (len(buf) - pos)))
-                if not more:
-                    eof = True
-                    break
-                base += pos
-                buf = buf[pos:] + more
-                pos = 0
-            return len(buf) - pos >= count
-
-        unpack, crc32, head = _FRAME.unpack_from, zlib.crc32, _FRAME.size
-        while True:
-            # have() only when the buffer is short: most records are wholly in it.
-            if len(buf) - pos < head and not have(head):
-                if got := len(buf) - pos:
-                    reason = f"the file ends inside a record's frame ({got} of 8 bytes)"
-                    self._stop(ProblemKind.TORN_TAIL, base + pos, reason)
-                return
-            length, crc = unpack(buf, pos)
-            if not 0 < length <= MAX_RECORD_BYTES:
-                if self._rest_is_zero(file, buf[pos:]):
-                    reason = "the file ends in zero bytes the writer never filled"
-                    self._stop(ProblemKind.TORN_TAIL, base + pos, reason)
-                else:
-                    reason = f"impossible record length {length}"
-                    self._stop(ProblemKind.CORRUPT, base + pos, reason)
-                return
-            if len(buf) - pos < head + length and not have(head + length):
-                got = len(buf) - pos - head
-                reason = f"the file ends inside a record ({got} of {length} payload bytes)"
-                self._stop(ProblemKind.TORN_TAIL, base + pos, reason)
-                return
-            stop = pos + head + length
-            payload = buf[pos + head : stop]
-            if crc32(payload) != crc:
-                offset, pos = base + pos, stop
-                last = not have(1)
-                kind = ProblemKind.TORN_TAIL if last else ProblemKind.CORRUPT
-                where = "the last record" if last else "a record with more data after it"
-                self._stop(kind, offset, f"checksum mismatch in {where}")
-                return
-            try:
-                event = fast(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                try:  # another version of a kind, or not an event: the full rules
-                    event = decode(payload)
-                except EventFormatError as exc:
-                    self._stop(ProblemKind.UNREADABLE, base + pos, str(exc))
-                    return
-            pos = stop
-            self.end_offset = base + pos
-            self.events_read += 1
-            yield event
-
-    @staticmethod
-    def _rest_is_zero(file: io.BufferedReader, start: bytes) -> bool:
-        # Filesystems may extend a file with zeros that a crash never overwrote.
-        if start.strip(b"\0"):
-            return False
-        while chunk := file.read(_READ_CHUNK):
-            if chunk.strip(b"\0"):
-                return False
-        return True
-
-    def _stop(self, kind: ProblemKind, offset: int, reason: str) -> None:
-        self.problem = LogProblem(kind=kind, offset=offset, reason=reason)
+        with open(self.path, "rb", buffering=_READ_CHUNK) as file:
+            file.seek(self._data_offset)
+            while isinstance(payload := _next_record(file, MAX_RECORD_BYTES), bytes):
+                try:
+                    event = fast(payload)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    try:  # another version of a kind, or not an event: the full rules
+                        event = decode(payload)
+                    except EventFormatError as exc:
+                        payload = (ProblemKind.UNREADABLE, str(exc))
+                        break
+                self.end_offset += _FRAME.size + len(payload)
+                self.events_read += 1
+                yield event
+        self.complete = True
+        if payload is not None:
+            # Records follow each other: the one that stopped us starts where the last ended.
+            self.problem = LogProblem(kind=payload[0], offset=self.end_offset, reason=payload[1])
+            logger.warning(
+                "%s: %s; stopped after %d events", self.path, self.problem, self.events_read
+            )
 
 
 def read_log(path: str | os.PathLike[str]) -> LogReader:
@@ -295,8 +227,38 @@ def read_log(path: str | os.PathLike[str]) -> LogReader:
             damaged, or it was written in a format this p2pactor can't read.
         OSError: The file can't be opened (FileNotFoundError if it is missing).
     """
-    name = os.fspath(path)
-    with open(name, "rb") as file:
-        head = file.read(8 + _FRAME.size + _MAX_HEADER_BYTES)
-    header, data_offset = _parse_header(name, head)
-    return LogReader(name, header, data_offset)
+    path = os.fspath(path)
+    with open(path, "rb") as file:
+        magic = file.read(len(MAGIC))
+        if magic[:6] != _MAGIC_NAME:
+            raise LogFormatError(
+                f"{path} is not a p2pactor event log (it does not start with {_MAGIC_NAME!r}); "
+                "pass a file written by p2pactor's EventLog"
+            )
+        if magic != MAGIC:
+            major = int.from_bytes(magic[6:8], "big") if len(magic) == 8 else None
+            raise LogFormatError(
+                f"{path} is a p2pactor event log in major format {major}, and this p2pactor "
+                "reads major format 1; replay it with the p2pactor version that wrote it"
+            )
+        damaged = f"{path}: the log header is damaged; the file can't be replayed"
+        payload = _next_record(file, _MAX_HEADER_BYTES)
+        if not isinstance(payload, bytes):
+            raise LogFormatError(f"{damaged} ({'no header' if payload is None else payload[1]})")
+        try:
+            raw = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError:
+            raise LogFormatError(f"{damaged} (the header is not msgpack)") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("format"), int):
+            raise LogFormatError(f"{damaged} (the header has no format number)")
+        if raw["format"] not in _READS:
+            raise LogFormatError(
+                f"{path} was written in log format {raw['format']}, and this p2pactor reads "
+                f"formats {', '.join(map(str, _READS))}; replay it with the p2pactor version "
+                "that wrote it"
+            )
+        try:
+            header = msgspec.convert(raw, LogHeader)
+        except msgspec.ValidationError as exc:
+            raise LogFormatError(f"{damaged} ({exc})") from None
+        return LogReader(path, header, file.tell())

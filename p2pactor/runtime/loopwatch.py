@@ -61,7 +61,7 @@ class SlowStep:
     task: str
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen
 class LoopSnapshot:
     """What a :class:`LoopWatch` has seen so far.
 
@@ -153,11 +153,8 @@ class LoopWatch(trio.abc.Instrument):
         """The step of ``task`` ended (the hook trio calls)."""
         seconds = self._clock() - self._started
         self.steps += 1
-        if seconds >= self._bar:
-            self._notable(task, seconds)
-
-    def _notable(self, task: trio.lowlevel.Task, seconds: float) -> None:
-        """A step at least as long as the longest so far, or slow."""
+        if seconds < self._bar:
+            return  # neither the longest so far nor slow: the common step
         self._longest = max(self._longest, seconds)
         self._bar = min(self._longest, self._slow)
         if seconds < self._slow:
@@ -187,10 +184,4 @@ class LoopWatch(trio.abc.Instrument):
         """What the watch has seen so far. Any thread (a copy; never waits)."""
         # list() is one C call: the node's thread cannot append midway.
         recent = tuple(reversed(list(self._recent)))
-        return LoopSnapshot(
-            steps=self.steps,
-            slow_step_s=self.slow_step_s,
-            slow_steps=self.slow_steps,
-            longest_step_s=self._longest,
-            recent_slow=recent,
-        )
+        return LoopSnapshot(self.steps, self.slow_step_s, self.slow_steps, self._longest, recent)

@@ -124,10 +124,6 @@ class Node(NodeHost):
         """Live sessions, one per peer."""
         return self.peers.sessions()
 
-    def replaced_sessions(self) -> list[PeerSession]:
-        """Sessions a reconnecting peer replaced, still draining (not in :meth:`sessions`)."""
-        return self.peers.replaced_sessions()
-
     def session(self, peer: str) -> PeerSession | None:
         """The live session with ``peer``, if any."""
         return self.peers.session(peer)
@@ -135,11 +131,6 @@ class Node(NodeHost):
     def closed_sessions(self) -> list[SessionCloseResult]:
         """What the sessions that closed left behind, oldest first (the last 1,024)."""
         return self.peers.closed_sessions()
-
-    @property
-    def closed_session_count(self) -> int:
-        """How many sessions have closed since the node started."""
-        return self.peers.closed_count
 
     def has_transfers_in_flight(self) -> bool:
         """Whether a load of ours or a write of ours is still running. Thread-safe."""
@@ -198,11 +189,10 @@ class Node(NodeHost):
             self.check_answers(actor)  # answered already (known keys, a failed lookup)
             await waiter.ready.wait()
         finally:
-            waiting = self.answers.get(actor)
-            if waiting is not None and waiter in waiting:
-                waiting.remove(waiter)
-                if not waiting:
-                    del self.answers[actor]
+            waiting = self.answers[actor]  # only here are waiters added and removed
+            waiting.remove(waiter)
+            if not waiting:
+                del self.answers[actor]
         return probe_answers(actor.state, keys)  # type: ignore[arg-type]
 
     async def fetch(
@@ -301,15 +291,14 @@ async def open_node(
         hash_seed: Where to read the hash seed from, on first need, instead of
             ``config.hash_seed``.
     """
-    event_log = event_log or EventLog(config.node_id)
     async with trio.open_nursery() as nursery:
         node = Node(
             config,
+            nursery,
             control=control,
             data=data,
             parent=parent,
             event_log=event_log,
-            nursery=nursery,
             hash_seed=hash_seed,
         )
         directory = node.directory
@@ -326,7 +315,7 @@ async def open_node(
         nursery.start_soon(node.timers.run, name="timers")
         if directory.enabled:
             nursery.start_soon(directory.run, name="summaries")
-        nursery.start_soon(event_log.flush_periodically)  # returns at once if not needed
+        nursery.start_soon(node.event_log.flush_periodically)  # returns at once if not needed
         for peer in sorted(config.seed_peers):
             node.dial(peer)  # summaries are here before the first request naming no source
         # Added to the run already going, whoever started it (a program's

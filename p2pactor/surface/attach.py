@@ -37,7 +37,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import TYPE_CHECKING, Any, Final
 from urllib.parse import urlsplit
 
-import attrs
 import trio
 
 from p2pactor.surface.metrics import CONTENT_TYPE, NodeMetrics
@@ -74,7 +73,7 @@ class OperatorSurface:
         self.metrics_server: MetricsServer | None = None
 
     def __repr__(self) -> str:
-        return f"<OperatorSurface {self.node.node_id} {self.http_url or '(not served)'}>"
+        return f"<OperatorSurface {self.node_id} {self.http_url or '(not served)'}>"
 
     @property
     def node_id(self) -> str:
@@ -119,8 +118,8 @@ class OperatorSurface:
         head = request.method == "HEAD"
         if problem is not None:
             await send_response(stream, 403, problem.encode() + b"\n")
-        elif request.method not in ("GET", "HEAD"):
-            await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
+        elif not await _only_get(stream, request):
+            return True
         elif request.path == "/metrics":
             await send_response(stream, 200, self.exposition(), CONTENT_TYPE, head_only=head)
         else:
@@ -129,41 +128,39 @@ class OperatorSurface:
         return True
 
 
-@attrs.frozen
-class MetricsServer:
-    """A running metrics-only server.
+class MetricsServer(Site):
+    """A running metrics-only server: its surface's routes, 404 for any other page.
 
     Attributes:
-        host: The address it is bound to.
+        bound_host: The address it is bound to.
         port: The port it is bound to.
     """
 
-    host: str
-    port: int
+    def __init__(self, surface: OperatorSurface, bound_host: str, port: int) -> None:
+        super().__init__(bound_host)
+        self._surface = surface
+        self.port = port
 
     @property
     def url(self) -> str:
         """``http://HOST:PORT/``; Prometheus scrapes its ``metrics``."""
-        return f"http://{authority(self.host, self.port)}/"
-
-
-class _MetricsSite(Site):
-    """The metrics-only server's connections: its surface's routes, 404 for any other page."""
-
-    def __init__(self, surface: OperatorSurface, bound_host: str) -> None:
-        super().__init__(bound_host)
-        self._surface = surface
+        return f"http://{authority(self.bound_host, self.port)}/"
 
     async def answer_node(self, stream: trio.SocketStream, request: HttpRequest) -> bool:
         """Answer every request: this server serves nothing of the dashboard's."""
-        if await self._surface._routes(stream, request, self.bound_host):
-            return True
-        if request.method not in ("GET", "HEAD"):
-            await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
-        else:
+        routed = await self._surface._routes(stream, request, self.bound_host)
+        if not routed and await _only_get(stream, request):
             page = f"no page at {request.path}: try /metrics or /status\n"
             await send_response(stream, 404, page.encode())
         return True
+
+
+async def _only_get(stream: trio.SocketStream, request: HttpRequest) -> bool:
+    """Whether ``request`` is a GET or HEAD; a 405 answers any other method."""
+    if request.method in ("GET", "HEAD"):
+        return True
+    await send_response(stream, 405, b"only GET\n", headers=[("Allow", "GET, HEAD")])
+    return False
 
 
 @asynccontextmanager
@@ -176,9 +173,9 @@ async def _metrics_server(
         OSError: The address can't be bound (the port is taken, say).
     """
     listeners, bound = await _listen(host, port)
+    server = MetricsServer(surface, host, bound)
     async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, _MetricsSite(surface, host).handle, listeners)
-        server = MetricsServer(host, bound)
+        await nursery.start(trio.serve_listeners, server.handle, listeners)
         node = surface.node_id
         log.info("metrics of %s at %smetrics", node, server.url, extra={"node": node})
         yield server

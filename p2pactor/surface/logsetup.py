@@ -159,21 +159,14 @@ def add_logging_arguments(
     )
 
 
-def configure_from_args(args: argparse.Namespace, *, default_level: str = "INFO") -> logging.Logger:
-    """:func:`configure_logging` with ``--log-format`` / ``--log-level`` when given.
-
-    The level is ``--log-level``, else ``P2PACTOR_LOG_LEVEL``, else ``default_level``.
-    """
-    level = getattr(args, "log_level", None) or os.environ.get(LEVEL_ENV) or default_level
-    return configure_logging(level=level, fmt=getattr(args, "log_format", None))
-
-
 @contextlib.contextmanager
 def command_logging(
     args: argparse.Namespace, *, default_level: str = "INFO"
 ) -> Iterator[logging.Logger]:
-    """:func:`configure_from_args` for one command, then the ``p2pactor`` logger as it was.
+    """:func:`configure_logging` for one command, then the ``p2pactor`` logger as it was.
 
+    The level is ``--log-level``, else ``P2PACTOR_LOG_LEVEL``, else ``default_level``;
+    the format ``--log-format``, else ``P2PACTOR_LOG_FORMAT``, else text.
     The command line runs each command inside it, so that calling
     :func:`p2pactor.programs.cli.main` in a process that has its own logging (a test
     run, an application) changes that process's logging only while it runs.
@@ -181,7 +174,8 @@ def command_logging(
     logger = logging.getLogger(ROOT)
     level, propagate, handlers = logger.level, logger.propagate, list(logger.handlers)
     try:
-        yield configure_from_args(args, default_level=default_level)
+        given = getattr(args, "log_level", None) or os.environ.get(LEVEL_ENV) or default_level
+        yield configure_logging(level=given, fmt=getattr(args, "log_format", None))
     finally:
         logger.handlers[:] = handlers  # ours gone, the ones before as they were
         logger.setLevel(level)  # (and the level cache cleared)

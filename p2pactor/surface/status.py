@@ -66,7 +66,7 @@ def node_status(
     usages = node.quota_usage()
     sessions = node.sessions()
     limits = _quota_limits(node)
-    peers = [_peer(s, now, usages, limits) for s in [*sessions, *node.replaced_sessions()]]
+    peers = [_peer(s, now, usages, limits) for s in [*sessions, *node.peers.replaced_sessions()]]
     requests = {"consumer": 0, "producer": 0}
     transfers = {"loads": 0, "writes": 0}
     pins = {"jobs": 0, "blocks": 0}
@@ -100,7 +100,7 @@ def node_status(
         "limits": _limits(node, len(sessions), sum(pinned_by_peer.values())),
         "quotas": limits,
         "quota_usage": {peer: _usage(u) for peer, u in usages.items()},
-        "closed_sessions": _closed(node.closed_sessions(), node.closed_session_count),
+        "closed_sessions": _closed(node.closed_sessions(), node.peers.closed_count),
         "sources": _source_status(node),
         "loop": _loop_status(node.loop_watch.snapshot()),
         # the same cumulative figures /metrics exposes, so the two agree
