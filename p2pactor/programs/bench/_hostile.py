@@ -177,7 +177,7 @@ def _refused_frames(a: Attack) -> None:
                 if mode == "session":
                     peer = a.open_session()
                     try:
-                        peer.send_raw(frame)
+                        peer.send(frame)
                         if not peer.disconnected.wait(120):
                             raise Failure("the victim neither refused the frame nor ended us")
                     finally:
@@ -185,7 +185,7 @@ def _refused_frames(a: Attack) -> None:
                 else:  # no connect, the frame first; our ROUTER stays up for the dial-back
                     peer = RawPeer(a.ctx, HOST, a.args.victim)
                     a.strays.append(peer)
-                    peer.send_raw(frame)
+                    peer.send(frame)
                 return {"mode": mode, "bytes": len(frame), "peer": peer.peer_id}
 
             a.step(f"refused-frame {mode} {len(frame)}", body)
@@ -197,7 +197,7 @@ def _resync_flood(a: Attack) -> dict[str, object]:
     parts0 = peer.counts["kvsum_snapshot"]
     frame = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
     for _ in range(count):
-        peer.send_raw(frame)
+        peer.send(frame)
     peer.ping("resync")  # the victim has read every resync
     time.sleep(a.args.drain_s)  # a resync asked last is answered within a second
     return {"resyncs": count, "parts": peer.counts["kvsum_snapshot"] - parts0}

@@ -30,7 +30,7 @@ import numpy as np
 import trio
 import trio.lowlevel
 
-from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node
+from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node, say
 from p2pactor.programs.bench._dataplane_peer import CONFIG, RawAgent, bench_keys, block_content
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
@@ -208,10 +208,9 @@ def tabulate(
         row["raw NIXL GB/s"] = Stat.of(m["raw"])
         if not across:
             row["memcpy GB/s"] = Stat.of(m["memcpy"])
-        row["ours/raw"] = ratios[f"ours/raw{across} {name}"] = ours_raw = _per(m, "ours", "raw")
-        if not across:
-            row["ours/memcpy"] = ratios[f"ours/memcpy {name}"] = _per(m, "ours", "memcpy")
-        row["fetch/raw"] = ratios[f"fetch only/raw{across} {name}"] = _per(m, "fetch", "raw")
+            ratios[f"ours/memcpy {name}"] = _per(m, "ours", "memcpy")
+        ratios[f"ours/raw{across} {name}"] = ours_raw = _per(m, "ours", "raw")
+        ratios[f"fetch only/raw{across} {name}"] = _per(m, "fetch", "raw")
         rows.append(row)
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
@@ -257,8 +256,7 @@ def run(options: BenchOptions) -> SectionResult:
 
 def main() -> None:
     """``python -m p2pactor.programs.bench.dataplane SPEC``: :func:`measure`'s keywords, as JSON."""
-    found = trio.run(functools.partial(measure, **json.loads(sys.argv[1])))
-    sys.stdout.write("RESULT " + json.dumps(found) + "\n")
+    say("RESULT " + json.dumps(trio.run(functools.partial(measure, **json.loads(sys.argv[1])))))
 
 
 if __name__ == "__main__":

@@ -23,17 +23,11 @@ section is skipped with a note.
 from __future__ import annotations
 
 import json
-import subprocess
 from typing import Any
 
 import attrs
 
-from p2pactor.programs.bench._control_common import (
-    child_env,
-    module_command,
-    nixl_missing,
-    percentile,
-)
+from p2pactor.programs.bench._control_common import child_result, nixl_missing, percentile
 from p2pactor.programs.bench.dataplane import KIB, MIB, by_block_len, tabulate
 from p2pactor.programs.bench.report import BenchOptions, SectionResult, Stat
 from p2pactor.programs.hosts import Host, hosts_unavailable, open_hosts
@@ -51,30 +45,15 @@ SKIP = "no namespaced hosts"
 """How the section's skip note starts (``tests/test_bench.py`` allows it)."""
 
 
-def _on(host: Host | None, spec: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _on(host: Host | None, spec: dict[str, Any], timeout: float) -> Any:
     """:func:`~p2pactor.programs.bench.dataplane.measure` of ``spec``, in a process on ``host``.
 
     ``None``: on this machine's loopback, a fresh process too (a like reference).
     """
-    argv = module_command("p2pactor.programs.bench.dataplane", json.dumps(spec))
     where = "loopback" if host is None else host.name
     stderr = f"{spec['work_dir']}/hosts-consumer-{spec['block_len']}-{where}.stderr"
-    with open(stderr, "wb") as err:
-        done = subprocess.run(  # noqa: S603 - our own interpreter and module
-            argv if host is None else host.command(argv),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            env=child_env() if host is None else host.env(child_env()),
-            timeout=timeout,
-            check=False,
-        )
-    for line in done.stdout.decode(errors="replace").splitlines():
-        if line.startswith("RESULT "):
-            found: dict[str, Any] = json.loads(line.removeprefix("RESULT "))
-            return found
-    with open(stderr, errors="replace") as f:
-        tail = f.read()[-2000:]
-    raise RuntimeError(f"the consumer on {where} exited {done.returncode}: {tail}")
+    module = "p2pactor.programs.bench.dataplane"
+    return child_result(module, json.dumps(spec), stderr=stderr, host=host, timeout=timeout)
 
 
 def run(options: BenchOptions) -> SectionResult:
