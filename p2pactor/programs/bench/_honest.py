@@ -1,8 +1,8 @@
 """The honest peer of the ``summary-attack`` section: a timed p2pactor node, run as a process.
 
-``python -m p2pactor.programs.bench._honest --port N --victim HOST:PORT --preload P
---hash-seed SEED --block-len L``: a node on real ZeroMQ and NIXL on 127.0.0.1
-(no parent: it only consumes) whose victim is ``p2pactor serve --preload P``
+``python -m p2pactor.programs.bench._honest JSON`` (``port``, and ``victim``, ``preload``,
+``hash_seed``, ``block_len``: ``host:port`` and flags of the victim): a node on real ZeroMQ
+and NIXL on 127.0.0.1 (no parent: it only consumes) whose victim is ``p2pactor serve``
 (:func:`~p2pactor.runtime.samples.preload_keys`, their bytes
 :func:`~p2pactor.runtime.samples.block_bytes`). It prints ``READY`` and starts its loop,
 :data:`RATE_HZ` times a second (one that ran late makes no burst): a fresh request id,
@@ -18,10 +18,10 @@ It exits when its stdin closes, cancelling the request under way.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from p2pactor.programs.bench._control_common import open_bench_node, say
@@ -127,17 +127,11 @@ async def _run(args: argparse.Namespace) -> None:
         nursery.cancel_scope.cancel()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the honest peer until its stdin closes."""
-    parser = argparse.ArgumentParser(description="the honest peer of the hostile-peer bench")
-    for flag in ("--port", "--preload", "--block-len"):  # our port; the victim's preload, size
-        parser.add_argument(flag, type=int, required=True)
-    for flag in ("--victim", "--hash-seed"):  # the victim's host:port and hash seed
-        parser.add_argument(flag, required=True)
-    args = parser.parse_args(argv)
+def main() -> int:
+    """Run the honest peer (its one argument: the JSON of its options) until stdin closes."""
     import trio  # noqa: PLC0415
 
-    trio.run(_run, args)
+    trio.run(_run, argparse.Namespace(**json.loads(sys.argv[1])))
     return 0
 
 

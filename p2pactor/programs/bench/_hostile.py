@@ -1,7 +1,8 @@
 """The hostile peer of ``p2pactor bench``'s ``summary-attack``: raw sockets, run as a process.
 
-``python -m p2pactor.programs.bench._hostile --victim HOST:PORT --attack NAME ...``: a
-:class:`RawPeer`, bare pyzmq laid out as vLLM
+``python -m p2pactor.programs.bench._hostile JSON`` (``victim``, ``hash_seed``,
+``block_len``, ``attack`` and any of :data:`OPTIONS`): a :class:`RawPeer`, bare pyzmq laid
+out as vLLM
 0.33.0 lays a session out, with a real NIXL agent over lazily mapped memory (registered
 by the victim, never written). Its ``connect`` offers ``kvsum/1`` (but for the lookup
 flood, in vLLM's base dialect), so that the victim reads what it sends as summaries.
@@ -27,7 +28,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -53,6 +54,16 @@ DEFAULT_BLOCKS = {"register-1m": 1_000_000} | dict.fromkeys(
 131,072 holds two of the largest parts and the deltas buffered meanwhile."""
 PART_INTERVAL_S = 0.01
 """Seconds between two parts of the register attack's snapshot (a p2pactor sender's pacing)."""
+OPTIONS: dict[str, object] = {
+    "blocks": 0,  # blocks to register (0: DEFAULT_BLOCKS)
+    "claims": 0,  # register-1m: keys claimed (0: every block)
+    "count": 0,  # messages the attack sends
+    "sizes": [1 << 20, 4 << 20],  # refused-frame: frame sizes in bytes
+    "modes": ["session", "fresh"],  # refused-frame
+    "drain_s": 1.5,  # resync-flood: the wait after
+    "preload": 0,  # lookup-flood: serve's --preload
+}
+"""The attacks' options, and their defaults."""
 
 
 def _epoch() -> bytes:
@@ -331,24 +342,9 @@ async def _run(args: argparse.Namespace) -> int:
         return status
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the arguments, attack, and return the exit status."""
-    assert __doc__ is not None
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--victim", required=True, help="the node's host:port")
-    p.add_argument("--attack", required=True, choices=sorted(ATTACKS))
-    p.add_argument("--hash-seed", required=True, help="the victim's hash seed")
-    p.add_argument("--block-len", type=int, required=True, help="the victim's block size")
-    p.add_argument("--blocks", type=int, default=0, help="blocks to register (0: per attack)")
-    p.add_argument("--claims", type=int, default=0, help="register-1m: keys claimed")
-    p.add_argument("--count", type=int, default=0, help="messages the attack sends")
-    p.add_argument(
-        "--sizes", type=lambda t: [int(s) for s in t.split(",")], default=[1 << 20, 4 << 20]
-    )
-    p.add_argument("--modes", type=lambda t: t.split(","), default=["session", "fresh"])
-    p.add_argument("--drain-s", type=float, default=1.5, help="resync-flood: wait after")
-    p.add_argument("--preload", type=int, default=0, help="lookup-flood: serve's --preload")
-    args = p.parse_args(argv)
+def main() -> int:
+    """Attack as its one argument (JSON) says; the exit status."""
+    args = argparse.Namespace(**OPTIONS | json.loads(sys.argv[1]))
     if args.attack != "lookup-flood" and hasattr(os, "SCHED_IDLE"):
         # On 2 cores a peer sending flat out would take a core from the victim and
         # the honest peer, which one on another host never does.

@@ -23,6 +23,7 @@ from typing import Any
 
 from p2pactor.programs.bench._control_common import (
     LineProcess,
+    child_result,
     free_port,
     say,
     take_turns,
@@ -58,24 +59,15 @@ def run(options: BenchOptions) -> SectionResult:
     requests = 100 if options.quick else 1000
     repeats = 1 if options.quick else max(1, options.repeats)
     spec = WORKLOAD | {"requests": requests, "repeats": repeats}
-    consumers = LineProcess(__name__, json.dumps(spec), stderr=f"{options.work_dir}/engine.stderr")
-    try:
-        runs = consumers.expect("RESULT", timeout=300 if options.quick else 1800 * repeats)[1]
-    finally:
-        consumers.kill()
+    stderr, timeout = f"{options.work_dir}/engine.stderr", 300 if options.quick else 1800 * repeats
+    runs = child_result(__name__, json.dumps(spec), stderr=stderr, timeout=timeout)
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
     for label, unit, key in FIGURES:
         ours, theirs = ([r[key] for r in runs[tier]] for tier in TIERS)
-        per = ratio(ours, theirs)
-        if per:
+        if per := ratio(ours, theirs):
             ratios[f"{label} ours/vLLM"] = per
-        row: dict[str, Cell] = {
-            "figure": f"{label} ({unit})",
-            "ours": Stat.of(ours),
-            "vLLM": Stat.of(theirs),
-        }
-        rows.append(row | {"ours/vLLM": per.median if per else None})
+        rows.append({"figure": f"{label} ({unit})", "ours": Stat.of(ours), "vLLM": Stat.of(theirs)})
     w = WORKLOAD
     note = (
         f"{requests} requests x {w['keys']} keys (75% HIT), {w['admit']} admitted per "
