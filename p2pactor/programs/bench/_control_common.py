@@ -136,22 +136,16 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
-    """Each live thread of process ``pid``: its name and CPU nanoseconds so far (schedstat).
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """Each live thread of process ``pid``: its CPU nanoseconds so far (schedstat), by id.
 
     Finer than :func:`process_cpu_s` (clock ticks), but a thread that exits
     takes its time with it: for processes whose threads live on (idle ones).
     """
-    out: dict[int, tuple[str, int]] = {}
+    out: dict[int, int] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except (OSError, IndexError, ValueError):
-            continue  # it just exited
-        out[int(tid)] = (name, ns)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            out[int(tid)] = int(f.read().split()[0])  # unless it just exited
     return out
 
 

@@ -131,7 +131,7 @@ def run(options: BenchOptions) -> SectionResult:
     worst = max(Stat.of(idle[f"ours {r}"]).median for r in ("producer", "consumer"))
     notes.append(
         "idle CPU ms per s (1000 = one core; every thread's schedstat): "
-        + ", ".join(f"{name} {Stat.of(v).scaled(1e3).text()}" for name, v in idle.items())
+        + ", ".join(f"{name} {Stat.of(x * 1e3 for x in v).text()}" for name, v in idle.items())
         + f"; target ours <= {IDLE_TARGET_CORES:g} core per idle node: "
         + ("met" if worst <= IDLE_TARGET_CORES else "missed")
         + f" (highest median {worst:.4f} core)"
@@ -169,7 +169,7 @@ def _idle(
         wall = time.perf_counter() - w0
         for name, proc in every.items():
             was, now = before[name], thread_cpu_ns(proc.pid)
-            ns = sum(n - was.get(tid, ("", 0))[1] for tid, (_, n) in now.items())
+            ns = sum(n - was.get(tid, 0) for tid, n in now.items())
             cores.setdefault(name, []).append(ns / 1e9 / wall)
     return cores
 

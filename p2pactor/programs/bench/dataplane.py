@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -255,16 +255,33 @@ def label(count: int, block_len: int) -> str:
     return f"{count} x {size}"
 
 
-def tabulate(
+def measure_sizes(
     sizes: Sequence[tuple[int, int]],
-    measured: dict[tuple[int, int], dict[str, Any]],
-    target_bytes: int,
+    iters: int | None,
+    measure_group: Callable[[int, list[int], int], dict[str, Any]],
+    options: BenchOptions,
+    *,
     across: str = "",
 ) -> tuple[list[dict[str, Cell]], dict[str, Stat], list[str]]:
-    """The rows, ratios and notes of ``measured`` (``across``: ``" across hosts"``, no memcpy)."""
+    """``sizes`` measured: the section's rows, ratios and notes.
+
+    ``measure_group(block_len, counts, iters)`` measures the counts of one block size
+    against one producer process (:func:`measure`'s figures); ``iters``: operations each
+    (None: by block size, fewer with ``--quick``); ``across``: ``" across hosts"`` (no
+    memcpy there), in the ratios' names and the notes.
+    """
+    groups: dict[int, list[int]] = defaultdict(list)
+    for count, block_len in sizes:
+        groups[block_len].append(count)
+    ops = {b: iters or (15 if not options.quick else 3 if b >= MIB else 8) for b in groups}
+    measured: dict[tuple[int, int], dict[str, Any]] = {}
+    for block_len, counts in groups.items():
+        found = measure_group(block_len, counts, ops[block_len])
+        measured.update({(c, block_len): found[str(c)] for c in counts})
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
     missed: list[str] = []
+    target_bytes = 64 * (MIB if across else 256 * KIB)
     for count, block_len in sizes:
         m, name = measured[count, block_len], label(count, block_len)
         row: dict[str, Cell] = {"batch": name, "MiB": count * block_len / MIB}
@@ -278,7 +295,15 @@ def tabulate(
         rows.append(row)
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
-    notes: list[str] = []
+    where = "h1 -> h2 over UCX_TLS=tcp,self on eth0 (a veth pair and a bridge); " if across else ""
+    each = "/".join(map(str, ops.values()))
+    notes = [
+        (
+            f"{where}ours = lookup + fetch through the Node API, fetch only = fetch to "
+            "transfer_done, raw NIXL = the same WRITE from bare agents in the same two "
+            f"processes; {options.repeats} repeats of {each} operations each"
+        )
+    ]
     if any(count * block_len >= target_bytes for count, block_len in sizes):
         least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
         notes.append(f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met")
@@ -289,32 +314,17 @@ def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
     return Stat.of(a / b for a, b in zip(m[ours], m[reference], strict=True))
 
 
-def by_block_len(sizes: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
-    """The counts of ``sizes``, by block size: one producer process each."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for count, block_len in sizes:
-        groups[block_len].append(count)
-    return groups
-
-
 def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (fewer operations with ``--quick``)."""
-    missing = nixl_missing()
-    if missing:
+    if missing := nixl_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
-    measured: dict[tuple[int, int], dict[str, Any]] = {}
-    iters = {b: 15 if not options.quick else 3 if b >= MIB else 8 for b in by_block_len(SIZES)}
-    for block_len, counts in by_block_len(SIZES).items():
-        spec = (block_len, counts, options.repeats, iters[block_len], options.work_dir)
-        found = trio.run(measure, *spec)
-        measured.update({(c, block_len): found[str(c)] for c in counts})
-    rows, ratios, notes = tabulate(SIZES, measured, 64 * 256 * KIB)
-    ops = "/".join(map(str, iters.values()))
-    notes.insert(
-        0,
-        f"ours = lookup + fetch through the Node API, fetch only = fetch to transfer_done; "
-        f"{options.repeats} repeats of {ops} operations each (by block size)",
-    )
+
+    def group(block_len: int, counts: list[int], iters: int) -> dict[str, Any]:
+        spec = (block_len, counts, options.repeats, iters, options.work_dir)
+        found: dict[str, Any] = trio.run(measure, *spec)
+        return found
+
+    rows, ratios, notes = measure_sizes(SIZES, None, group, options)
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
 
 

@@ -2,10 +2,10 @@
 
 vLLM calls a secondary tier synchronously from its scheduler thread, under the
 offloading manager's lock: whatever the tier does there delays the step. A scripted
-engine (:mod:`~p2pactor.programs.bench._vllm_engine`, whose docstring lists its calls)
+engine (:mod:`~p2pactor.programs.bench._vllm_tier`, whose docstring lists its calls)
 drives p2pactor's ``P2PActorTierManager`` and vLLM's ``P2PSecondaryTierManager``
 alike, each against a producer tier of its own class in another process
-(:mod:`~p2pactor.programs.bench._vllm_tier`), over real ZeroMQ and NIXL on 127.0.0.1,
+(the same module's), over real ZeroMQ and NIXL on 127.0.0.1,
 4 KiB blocks: each tier's own calls timed alone (a whole engine is ``engine-real``'s).
 The consumers run in one subprocess (``python -m p2pactor.programs.bench.engine``:
 vLLM's import is heavy, NIXL's state per process); each repeat runs both tiers in
@@ -53,8 +53,7 @@ too, one per repeat (both tiers run in each repeat)."""
 
 def run(options: BenchOptions) -> SectionResult:
     """Run the engine benchmark in a subprocess and tabulate its figures."""
-    missing = vllm_missing()
-    if missing is not None:
+    if missing := vllm_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     requests = 100 if options.quick else 1000
     repeats = 1 if options.quick else max(1, options.repeats)
@@ -101,7 +100,7 @@ def main() -> int:
             )
             for kind, port in ports.items()
         }
-        scripted = importlib.import_module("p2pactor.programs.bench._vllm_engine")  # meanwhile
+        scripted = importlib.import_module("p2pactor.programs.bench._vllm_tier")  # meanwhile
         try:
             for proc in spawned.values():
                 proc.wait_ready()

@@ -127,8 +127,7 @@ def _tabulate(fleet: str, runs: Runs) -> tuple[list[dict[str, Cell]], dict[str, 
 
 def run(options: BenchOptions) -> SectionResult:
     """Run the fleet benchmark (chat, then RAG) in a subprocess and tabulate its figures."""
-    missing = vllm_missing()
-    if missing is not None:
+    if missing := vllm_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
     conversations, requests, _, _ = plan(options.quick)

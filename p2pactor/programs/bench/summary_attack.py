@@ -111,8 +111,7 @@ def _repeat(work: Path, attacks: Attacks, baseline_s: float) -> Any:
 
 def run(options: BenchOptions) -> SectionResult:
     """Run every attack against a fresh victim per repeat, and tabulate."""
-    missing = nixl_missing()
-    if missing:
+    if missing := nixl_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     attacks = QUICK if options.quick else FULL
