@@ -184,14 +184,12 @@ class HonestPeer(LineProcess):
 
 
 def merge_honest(windows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The honest peer's windows as one: lookups, p50/p99/max (s), verified, failures."""
+    """The honest peer's windows as one: lookups, p50/p99 (s), failures."""
     xs = [float(x) for w in windows for x in w["latencies_s"]]
     return {
         "lookups": len(xs),
         "lookup_p50_s": percentile(xs, 0.5) if xs else None,
         "lookup_p99_s": percentile(xs, 0.99) if xs else None,
-        "lookup_max_s": max(xs, default=None),
-        "verified": sum(int(w["verified"]) for w in windows),
         "failed": sum(int(w["failed"]) for w in windows),
         "failures": [f for w in windows for f in w["failures"]][:5],
         "latencies_s": xs,
