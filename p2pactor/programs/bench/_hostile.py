@@ -136,9 +136,9 @@ def _wait_go() -> None:
 
 
 def _register_1m(a: Attack) -> dict[str, object]:
-    """Register ``--blocks`` (1,000,000) blocks; a valid snapshot claiming ``--claims``.
+    """Register ``blocks`` (1,000,000) blocks; a valid snapshot claiming ``claims``.
 
-    In parts of 65,536 fingerprints paced 10 ms apart (``--claims`` 0: every block).
+    In parts of 65,536 fingerprints paced 10 ms apart (``claims`` 0: every block).
     """
     peer, claims, epoch = a.session, a.args.claims or a.agent[2], _epoch()
     parts = -(-claims // MAX_FPS)
@@ -150,7 +150,7 @@ def _register_1m(a: Attack) -> dict[str, object]:
 
 
 def _snapshots(a: Attack) -> dict[str, object]:
-    """``--count`` snapshot parts of 65,536 fingerprints (the largest summary frame).
+    """``count`` snapshot parts of 65,536 fingerprints (the largest summary frame).
 
     ``snapshot-flood``: each a whole snapshot; ``max-frames``: each part 0 of 2, sent as
     fast as the victim takes them (a send queue of 1,000).
@@ -163,7 +163,7 @@ def _snapshots(a: Attack) -> dict[str, object]:
 
 
 def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
-    """Part 0 of 2, ``--count`` deltas of 65,536, then part 1; the resyncs earned."""
+    """Part 0 of 2, ``count`` deltas of 65,536, then part 1; the resyncs earned."""
     peer, epoch = a.session, _epoch()
     before = peer.counts["kvsum_resync"]
     peer.send(_snapshot(_fps(MAX_FPS), epoch, 0, 0, 2))
@@ -177,7 +177,7 @@ def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
 def _refused_frames(a: Attack) -> None:
     """A ``kvsum_delta`` the decoder must refuse (:func:`refused_frame`), a step each.
 
-    Per ``--sizes`` (bytes) and ``--modes`` (``session``: after a handshake; ``fresh``:
+    Per ``sizes`` (bytes) and ``modes`` (``session``: after a handshake; ``fresh``:
     a new connection's first frame).
     """
     for size in a.args.sizes:
@@ -203,7 +203,7 @@ def _refused_frames(a: Attack) -> None:
 
 
 def _resync_flood(a: Attack) -> dict[str, object]:
-    """``--count`` ``kvsum_resync``; the snapshot parts earned."""
+    """``count`` ``kvsum_resync``; the snapshot parts earned."""
     peer, count = a.session, a.args.count
     parts0 = peer.counts["kvsum_snapshot"]
     frame = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
@@ -215,7 +215,7 @@ def _resync_flood(a: Attack) -> dict[str, object]:
 
 
 def _epoch_flip(a: Attack) -> dict[str, object]:
-    """A snapshot, then ``--count`` deltas, each of a new epoch; the resyncs earned."""
+    """A snapshot, then ``count`` deltas, each of a new epoch; the resyncs earned."""
     peer = a.session
     peer.send(_snapshot(_fps(16), _epoch()))  # first a whole snapshot, as an honest peer's
     peer.ping("snapshot")
@@ -227,7 +227,7 @@ def _epoch_flip(a: Attack) -> dict[str, object]:
 
 
 def _max_lookups(a: Attack) -> dict[str, object]:
-    """``--count`` lookups of 65,536 keys (the most a frame may carry), never closed."""
+    """``count`` lookups of 65,536 keys (the most a frame may carry), never closed."""
     peer = a.session
     keys = tuple(os.urandom(32) + bytes(4) for _ in range(wire.MAX_LIST_ITEMS))
     for i in range(a.args.count):
@@ -265,7 +265,7 @@ def flood(
 
 
 def _lookup_flood(a: Attack) -> dict[str, object]:
-    """``--count`` lookups of :data:`FLOOD_KEYS` preloaded keys, each its own request."""
+    """``count`` lookups of :data:`FLOOD_KEYS` preloaded keys, each its own request."""
     from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415 - this attack only
 
     real, rng = preload_keys(a.args.hash_seed, a.args.preload), random.Random(0)  # noqa: S311
@@ -295,7 +295,7 @@ ATTACKS: dict[str, Callable[[Attack], None]] = {"refused-frame": _refused_frames
         "max-lookups": _max_lookups,
     }.items()
 }
-"""Each attack by its ``--attack`` name."""
+"""Each attack by its ``attack`` name."""
 
 
 def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int:
