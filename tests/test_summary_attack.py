@@ -94,11 +94,11 @@ class Arena:
     honest: HonestPeer
     work: Path
 
-    def attack(self, name: str, *args: str) -> StepResult:
+    def attack(self, name: str, **options: object) -> StepResult:
         """Run one attack as the bench does; check the honest peer was served throughout."""
         result = run_attack(
             name,
-            list(args),
+            options,
             victim=self.victim,
             honest=self.honest,
             work_dir=self.work,
@@ -151,11 +151,11 @@ def test_a_peer_registering_a_million_blocks_and_claiming_them_costs_a_bounded_a
 
 
 def test_a_peer_registering_four_million_blocks_costs_a_bounded_amount(arena: Arena) -> None:
-    _bounded(arena.attack("register-1m", "--blocks=4000000", "--claims=1"))
+    _bounded(arena.attack("register-1m", blocks=4_000_000, claims=1))
 
 
 def test_a_flood_of_snapshots_costs_a_bounded_amount(arena: Arena) -> None:
-    result = arena.attack("snapshot-flood", "--count=300")
+    result = arena.attack("snapshot-flood", count=300)
     _bounded(result)
     claimed = result.steps[-1].claimed_keys
     assert claimed is not None
@@ -164,7 +164,7 @@ def test_a_flood_of_snapshots_costs_a_bounded_amount(arena: Arena) -> None:
 
 def test_deltas_while_a_snapshot_is_assembled_cost_a_bounded_amount(arena: Arena) -> None:
     deltas = 255
-    result = arena.attack("deltas-mid-snapshot", f"--count={deltas}")
+    result = arena.attack("deltas-mid-snapshot", count=deltas)
     _bounded(result)
     # The assembly is given up and asked again, then the gap asks again every
     # RESYNC_AFTER_DELTAS deltas: a handful, never one a delta.
@@ -175,9 +175,7 @@ def test_deltas_while_a_snapshot_is_assembled_cost_a_bounded_amount(arena: Arena
 @pytest.mark.parametrize("mode", ["session", "fresh"])
 def test_a_refused_frame_costs_at_most_twice_its_size(arena: Arena, mode: str) -> None:
     sizes = [MIB, 4 * MIB, DEFAULT_MAX_FRAME_BYTES]  # the last: the largest a node reads
-    result = arena.attack(
-        "refused-frame", f"--sizes={','.join(map(str, sizes))}", f"--modes={mode}"
-    )
+    result = arena.attack("refused-frame", sizes=sizes, modes=[mode])
     assert [int(s.hostile["bytes"]) for s in result.steps] == sizes
     for step in result.steps:
         grown = (step.peak_kib - step.rss_before_kib) * 1024
@@ -189,7 +187,7 @@ def test_a_refused_frame_costs_at_most_twice_its_size(arena: Arena, mode: str) -
 
 
 def test_a_resync_flood_earns_at_most_one_snapshot_a_second(arena: Arena) -> None:
-    result = arena.attack("resync-flood", "--count=100000", "--drain-s=1.5")
+    result = arena.attack("resync-flood", count=100_000, drain_s=1.5)
     _bounded(result)
     done = result.steps[-1].hostile
     seconds = float(done["end"]) - float(done["start"])
@@ -200,19 +198,19 @@ def test_a_resync_flood_earns_at_most_one_snapshot_a_second(arena: Arena) -> Non
 
 
 def test_a_new_epoch_on_every_message_earns_one_resync(arena: Arena) -> None:
-    result = arena.attack("epoch-flip", "--count=3000")
+    result = arena.attack("epoch-flip", count=3000)
     assert 1 <= int(result.steps[-1].hostile["resyncs"]) <= EPOCH_TARGET
 
 
 def test_a_stream_of_the_largest_summary_frames_costs_a_bounded_amount(arena: Arena) -> None:
-    _bounded(arena.attack("max-frames", "--count=1000"))
+    _bounded(arena.attack("max-frames", count=1000))
 
 
 def test_a_stream_of_the_largest_lookups_costs_a_bounded_amount(arena: Arena) -> None:
     # 30 lookups of 65,536 keys, 72 MiB: what waits to be handled is bounded in
     # bytes (the peer is cut off past it), and a lookup past its keys quota
     # costs what the quota admits, not what the peer sent.
-    result = arena.attack("max-lookups", "--count=30")
+    result = arena.attack("max-lookups", count=30)
     _bounded(result)
     if result.steps[-1].hostile["cut"]:
         # Cut off as a flood (whether it is depends on how fast each side ran):

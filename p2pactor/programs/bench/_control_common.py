@@ -27,16 +27,6 @@ def vllm_missing() -> str | None:
     return None
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    """This environment for a helper process, with NIXL quiet and ``extra`` set."""
-    return {"NIXL_LOG_LEVEL": "WARN"} | dict(os.environ) | extra
-
-
-def module_command(module: str, *args: str) -> list[str]:
-    """The command line running ``python -m module args`` with this interpreter."""
-    return [sys.executable, "-m", module, *args]
-
-
 def nixl_missing() -> str:
     """Why NIXL cannot be used here ('' when it can): the data sections need it."""
     from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415 - loads NIXL
@@ -146,22 +136,16 @@ def process_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def thread_cpu_ns(pid: int) -> dict[int, tuple[str, int]]:
-    """Each live thread of process ``pid``: its name and CPU nanoseconds so far (schedstat).
+def thread_cpu_ns(pid: int) -> dict[int, int]:
+    """Each live thread of process ``pid``: its CPU nanoseconds so far (schedstat), by id.
 
     Finer than :func:`process_cpu_s` (clock ticks), but a thread that exits
     takes its time with it: for processes whose threads live on (idle ones).
     """
-    out: dict[int, tuple[str, int]] = {}
+    out: dict[int, int] = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                ns = int(f.read().split()[0])
-            with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                name = f.read().strip()
-        except (OSError, IndexError, ValueError):
-            continue  # it just exited
-        out[int(tid)] = (name, ns)
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+            out[int(tid)] = int(f.read().split()[0])  # unless it just exited
     return out
 
 
@@ -189,7 +173,8 @@ class LineProcess:
         """
         self.module = module
         self.stderr = stderr
-        argv, environ = module_command(module, *args), child_env(**env)
+        argv = [sys.executable, "-m", module, *args]
+        environ = {"NIXL_LOG_LEVEL": "WARN"} | dict(os.environ) | env
         err = open(stderr, "w") if stderr else subprocess.DEVNULL  # noqa: SIM115 - the child's
         try:
             self.proc = subprocess.Popen(  # noqa: S603 - runs our own helper module
@@ -305,6 +290,18 @@ class LineProcess:
             if pipe is not None:
                 with contextlib.suppress(BrokenPipeError):
                     pipe.close()
+
+
+def child_result(module: str, *args: str, timeout: float, **options: Any) -> Any:
+    """The JSON of the ``RESULT {json}`` line a fresh ``python -m module args`` says.
+
+    ``options``: :class:`LineProcess`'s (``stderr``, ``host``, variables); it is killed after.
+    """
+    child = LineProcess(module, *args, **options)
+    try:
+        return child.expect("RESULT", timeout=timeout)[1]
+    finally:
+        child.kill()
 
 
 def take_turns(rep: int, sides: Mapping[str, Sequence[LineProcess]]) -> Iterator[str]:

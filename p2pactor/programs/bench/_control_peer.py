@@ -38,7 +38,6 @@ from p2pactor.programs.bench._control_common import (
     offload_key,
     open_bench_node,
     percentile,
-    process_cpu_s,
     say,
 )
 from p2pactor.runtime.parent import EmbeddedCache
@@ -94,7 +93,7 @@ class Tally:
         self.keys, self.conc = int(cmd["keys"]), int(cmd["conc"])
         self.latencies: list[float] = []
         self.misses = 0
-        self.cpu0, self.start = process_cpu_s(os.getpid()), time.perf_counter()
+        self.start = time.perf_counter()
         self.last, self.deadline = self.start, self.start + float(cmd["seconds"])
 
     def add(self, t0: float, misses: int) -> None:
@@ -104,7 +103,7 @@ class Tally:
         self.misses += misses
 
     def result(self) -> dict[str, Any]:
-        """The cell's answer: lookups, elapsed s, latency p50/p99 s, misses, CPU s."""
+        """The cell's answer: lookups, elapsed s, latency p50/p99 s, misses."""
         xs = self.latencies
         return {
             "lookups": len(xs),
@@ -112,7 +111,6 @@ class Tally:
             "p50_s": percentile(xs, 0.5),
             "p99_s": percentile(xs, 0.99),
             "misses": self.misses,
-            "cpu_s": process_cpu_s(os.getpid()) - self.cpu0,
         }
 
 

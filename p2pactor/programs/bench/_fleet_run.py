@@ -257,20 +257,22 @@ def _figures(engines: Sequence[Engine], seconds: float) -> dict[str, Any]:
             waits["named"].append(wait)
     counts = [e.node.sources.counts for e in engines if e.node is not None]
     pairs = max(1, len(counts) * (len(counts) - 1))
+    probed = sum(c.probed_keys for c in counts)
     return {
         "engines": len(engines),
         "requests": len(requests),
         "loaded_tokens": sum(r.req.promoted for r in requests) * TOKENS_PER_BLOCK,
         "saved_tokens": saved * TOKENS_PER_BLOCK,
         "hit_rate": saved / keys if keys else 0.0,
-        "wait_steps_mean": {k: (sum(v) / len(v) if v else 0.0) for k, v in waits.items()},
-        "wait_steps_max": {k: max(v, default=0) for k, v in waits.items()},
+        **{f"wait_{k}_mean": (sum(v) / len(v) if v else 0.0) for k, v in waits.items()},
+        **{f"wait_{k}_max": max(v, default=0) for k, v in waits.items()},
         # A request that waited over HUNG_STEPS for its lookups to decide hung
         # (vLLM's scheduler retries it every step; nobody gives up for it).
         "hung": sum(1 for r in requests if r.req.aborted),
         "named": sum(1 for r in requests if r.req.ctx.kv_transfer_params is not None),
-        "probed_keys": sum(c.probed_keys for c in counts),
+        "probed_keys": probed,
         "false_claims": sum(c.false_claims for c in counts),
+        "false_claim_rate": sum(c.false_claims for c in counts) / probed if probed else 0.0,
         "summary_bytes_per_s_per_peer": sum(c.bytes_sent for c in counts) / seconds / pairs,
         "loads_failed": _counter(engines, "vllm:kv_offload_tiering_promotion_job_failures"),
         "wrong_blocks": sum(r.req.wrong for r in requests),
@@ -291,7 +293,8 @@ def run_arm(arm: str, engines_n: int, capacity_share: float, turns: Sequence[Tur
         figures["pins_left"], figures["open_left"] = map(
             sum, zip(*(e.left() for e in engines), strict=True)
         )
-        figures["lookups_sent"] = _counter(engines, "vllm:kv_offload_p2pactor_lookups")
+        lookups = _counter(engines, "vllm:kv_offload_p2pactor_lookups")
+        figures["lookups_per_named"] = lookups / figures["named"] if figures["named"] else 0.0
         indexes = [e.node.sources.index for e in engines if e.node is not None]
         figures["index_claims_per_engine"] = sum(len(i) for i in indexes) / max(1, len(indexes))
         figures["index_bytes_per_engine"] = sum(map(_index_bytes, indexes)) / max(1, len(indexes))

@@ -1,7 +1,8 @@
 """The hostile peer of ``p2pactor bench``'s ``summary-attack``: raw sockets, run as a process.
 
-``python -m p2pactor.programs.bench._hostile --victim HOST:PORT --attack NAME ...``: a
-:class:`RawPeer`, bare pyzmq laid out as vLLM
+``python -m p2pactor.programs.bench._hostile JSON`` (``victim``, ``hash_seed``,
+``block_len``, ``attack`` and any of :data:`OPTIONS`): a :class:`RawPeer`, bare pyzmq laid
+out as vLLM
 0.33.0 lays a session out, with a real NIXL agent over lazily mapped memory (registered
 by the victim, never written). Its ``connect`` offers ``kvsum/1`` (but for the lookup
 flood, in vLLM's base dialect), so that the victim reads what it sends as summaries.
@@ -27,7 +28,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -53,6 +54,16 @@ DEFAULT_BLOCKS = {"register-1m": 1_000_000} | dict.fromkeys(
 131,072 holds two of the largest parts and the deltas buffered meanwhile."""
 PART_INTERVAL_S = 0.01
 """Seconds between two parts of the register attack's snapshot (a p2pactor sender's pacing)."""
+OPTIONS: dict[str, object] = {
+    "blocks": 0,  # blocks to register (0: DEFAULT_BLOCKS)
+    "claims": 0,  # register-1m: keys claimed (0: every block)
+    "count": 0,  # messages the attack sends
+    "sizes": [1 << 20, 4 << 20],  # refused-frame: frame sizes in bytes
+    "modes": ["session", "fresh"],  # refused-frame
+    "drain_s": 1.5,  # resync-flood: the wait after
+    "preload": 0,  # lookup-flood: serve's --preload
+}
+"""The attacks' options, and their defaults."""
 
 
 def _epoch() -> bytes:
@@ -125,9 +136,9 @@ def _wait_go() -> None:
 
 
 def _register_1m(a: Attack) -> dict[str, object]:
-    """Register ``--blocks`` (1,000,000) blocks; a valid snapshot claiming ``--claims``.
+    """Register ``blocks`` (1,000,000) blocks; a valid snapshot claiming ``claims``.
 
-    In parts of 65,536 fingerprints paced 10 ms apart (``--claims`` 0: every block).
+    In parts of 65,536 fingerprints paced 10 ms apart (``claims`` 0: every block).
     """
     peer, claims, epoch = a.session, a.args.claims or a.agent[2], _epoch()
     parts = -(-claims // MAX_FPS)
@@ -139,7 +150,7 @@ def _register_1m(a: Attack) -> dict[str, object]:
 
 
 def _snapshots(a: Attack) -> dict[str, object]:
-    """``--count`` snapshot parts of 65,536 fingerprints (the largest summary frame).
+    """``count`` snapshot parts of 65,536 fingerprints (the largest summary frame).
 
     ``snapshot-flood``: each a whole snapshot; ``max-frames``: each part 0 of 2, sent as
     fast as the victim takes them (a send queue of 1,000).
@@ -152,7 +163,7 @@ def _snapshots(a: Attack) -> dict[str, object]:
 
 
 def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
-    """Part 0 of 2, ``--count`` deltas of 65,536, then part 1; the resyncs earned."""
+    """Part 0 of 2, ``count`` deltas of 65,536, then part 1; the resyncs earned."""
     peer, epoch = a.session, _epoch()
     before = peer.counts["kvsum_resync"]
     peer.send(_snapshot(_fps(MAX_FPS), epoch, 0, 0, 2))
@@ -166,7 +177,7 @@ def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
 def _refused_frames(a: Attack) -> None:
     """A ``kvsum_delta`` the decoder must refuse (:func:`refused_frame`), a step each.
 
-    Per ``--sizes`` (bytes) and ``--modes`` (``session``: after a handshake; ``fresh``:
+    Per ``sizes`` (bytes) and ``modes`` (``session``: after a handshake; ``fresh``:
     a new connection's first frame).
     """
     for size in a.args.sizes:
@@ -177,7 +188,7 @@ def _refused_frames(a: Attack) -> None:
                 if mode == "session":
                     peer = a.open_session()
                     try:
-                        peer.send_raw(frame)
+                        peer.send(frame)
                         if not peer.disconnected.wait(120):
                             raise Failure("the victim neither refused the frame nor ended us")
                     finally:
@@ -185,26 +196,26 @@ def _refused_frames(a: Attack) -> None:
                 else:  # no connect, the frame first; our ROUTER stays up for the dial-back
                     peer = RawPeer(a.ctx, HOST, a.args.victim)
                     a.strays.append(peer)
-                    peer.send_raw(frame)
+                    peer.send(frame)
                 return {"mode": mode, "bytes": len(frame), "peer": peer.peer_id}
 
             a.step(f"refused-frame {mode} {len(frame)}", body)
 
 
 def _resync_flood(a: Attack) -> dict[str, object]:
-    """``--count`` ``kvsum_resync``; the snapshot parts earned."""
+    """``count`` ``kvsum_resync``; the snapshot parts earned."""
     peer, count = a.session, a.args.count
     parts0 = peer.counts["kvsum_snapshot"]
     frame = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
     for _ in range(count):
-        peer.send_raw(frame)
+        peer.send(frame)
     peer.ping("resync")  # the victim has read every resync
     time.sleep(a.args.drain_s)  # a resync asked last is answered within a second
     return {"resyncs": count, "parts": peer.counts["kvsum_snapshot"] - parts0}
 
 
 def _epoch_flip(a: Attack) -> dict[str, object]:
-    """A snapshot, then ``--count`` deltas, each of a new epoch; the resyncs earned."""
+    """A snapshot, then ``count`` deltas, each of a new epoch; the resyncs earned."""
     peer = a.session
     peer.send(_snapshot(_fps(16), _epoch()))  # first a whole snapshot, as an honest peer's
     peer.ping("snapshot")
@@ -216,7 +227,7 @@ def _epoch_flip(a: Attack) -> dict[str, object]:
 
 
 def _max_lookups(a: Attack) -> dict[str, object]:
-    """``--count`` lookups of 65,536 keys (the most a frame may carry), never closed."""
+    """``count`` lookups of 65,536 keys (the most a frame may carry), never closed."""
     peer = a.session
     keys = tuple(os.urandom(32) + bytes(4) for _ in range(wire.MAX_LIST_ITEMS))
     for i in range(a.args.count):
@@ -254,7 +265,7 @@ def flood(
 
 
 def _lookup_flood(a: Attack) -> dict[str, object]:
-    """``--count`` lookups of :data:`FLOOD_KEYS` preloaded keys, each its own request."""
+    """``count`` lookups of :data:`FLOOD_KEYS` preloaded keys, each its own request."""
     from p2pactor.runtime.samples import preload_keys  # noqa: PLC0415 - this attack only
 
     real, rng = preload_keys(a.args.hash_seed, a.args.preload), random.Random(0)  # noqa: S311
@@ -284,7 +295,7 @@ ATTACKS: dict[str, Callable[[Attack], None]] = {"refused-frame": _refused_frames
         "max-lookups": _max_lookups,
     }.items()
 }
-"""Each attack by its ``--attack`` name."""
+"""Each attack by its ``attack`` name."""
 
 
 def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int:
@@ -331,24 +342,9 @@ async def _run(args: argparse.Namespace) -> int:
         return status
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse the arguments, attack, and return the exit status."""
-    assert __doc__ is not None
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--victim", required=True, help="the node's host:port")
-    p.add_argument("--attack", required=True, choices=sorted(ATTACKS))
-    p.add_argument("--hash-seed", required=True, help="the victim's hash seed")
-    p.add_argument("--block-len", type=int, required=True, help="the victim's block size")
-    p.add_argument("--blocks", type=int, default=0, help="blocks to register (0: per attack)")
-    p.add_argument("--claims", type=int, default=0, help="register-1m: keys claimed")
-    p.add_argument("--count", type=int, default=0, help="messages the attack sends")
-    p.add_argument(
-        "--sizes", type=lambda t: [int(s) for s in t.split(",")], default=[1 << 20, 4 << 20]
-    )
-    p.add_argument("--modes", type=lambda t: t.split(","), default=["session", "fresh"])
-    p.add_argument("--drain-s", type=float, default=1.5, help="resync-flood: wait after")
-    p.add_argument("--preload", type=int, default=0, help="lookup-flood: serve's --preload")
-    args = p.parse_args(argv)
+def main() -> int:
+    """Attack as its one argument (JSON) says; the exit status."""
+    args = argparse.Namespace(**OPTIONS | json.loads(sys.argv[1]))
     if args.attack != "lookup-flood" and hasattr(os, "SCHED_IDLE"):
         # On 2 cores a peer sending flat out would take a core from the victim and
         # the honest peer, which one on another host never does.

@@ -83,12 +83,9 @@ class RawPeer:
         except queue.Empty:
             return None
 
-    def send(self, msg: wire.Message) -> None:
-        """Send one message to the victim."""
-        self.send_raw(wire.encode(msg))
-
-    def send_raw(self, frame: bytes) -> None:
-        """Send one frame as it is (blocks while the DEALER's queue is full)."""
+    def send(self, msg: wire.Message | bytes) -> None:
+        """Send one message (or a frame as it is; blocks while the DEALER's queue is full)."""
+        frame = msg if isinstance(msg, bytes) else wire.encode(msg)
         self.dealer.send(frame)
         self.sent_bytes += len(frame)
 

@@ -54,12 +54,10 @@ class VictimSettings:
         return f"127.0.0.1:{self.port}"
 
     @property
-    def peer_args(self) -> tuple[str, ...]:
-        """What the honest and hostile peers are told of the victim."""
-        return (
-            *(f"--victim={self.node_id}", f"--hash-seed={self.hash_seed}"),
-            *(f"--preload={self.preload}", f"--block-len={self.block_len}"),
-        )
+    def peer_spec(self) -> dict[str, Any]:
+        """What the honest and hostile peers are told of the victim (in their JSON argument)."""
+        spec = {"victim": self.node_id, "hash_seed": self.hash_seed}
+        return spec | {"preload": self.preload, "block_len": self.block_len}
 
 
 class Victim(LineProcess):
@@ -80,7 +78,7 @@ class Victim(LineProcess):
         )
         self.url = f"http://127.0.0.1:{s.metrics_port}/status"
         self._stop, self._lock = threading.Event(), threading.Lock()
-        self._status: list[tuple[float, float]] = []  # (asked at, seconds to answer)
+        self._asked = 0.0  # when the last /status read that answered was asked (unix s)
         self._slow: set[tuple[float, float, str]] = set()
         self.watching = False  # it reports its slow steps (``loop`` in /status)
         self._watch = threading.Thread(target=self._poll, daemon=True)
@@ -104,29 +102,25 @@ class Victim(LineProcess):
             except (OSError, ValueError):
                 continue
             with self._lock:
-                self._status.append((t0, time.time() - t0))
+                self._asked = t0
                 if isinstance(loop, dict):
                     self.watching = True
                     for s in loop.get("recent_slow", []):
                         self._slow.add((float(s["at"]), float(s["seconds"]), str(s["task"])))
 
-    def window(self, start: float, end: float) -> Window:
-        """What its ``/status`` said from ``start`` to ``end`` (unix seconds).
+    def window(self, start: float, end: float) -> tuple[float | None, str]:
+        """Its node thread's longest slow step begun from ``start`` to ``end`` (unix s), its task.
 
-        Waits (at most 10 s) for a read of ``/status`` asked after ``end``: a slow step
-        that ended in the window is listed only by the reads after it.
+        As its ``/status`` said: None if it has no watch, "" if no step was slow. Waits (at
+        most 10 s) for a read of ``/status`` asked after ``end``: a slow step that ended in
+        the window is listed only by the reads after it.
         """
         deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and not (self._status and self._status[-1][0] >= end):
+        while time.monotonic() < deadline and self._asked < end:
             time.sleep(STATUS_POLL_S / 4)
         with self._lock:
-            took = [s for t, s in self._status if start <= t <= end]
             slow = max(((s, t) for at, s, t in self._slow if start <= at <= end), default=None)
-        return Window(
-            longest_step_s=(slow[0] if slow else 0.0) if self.watching else None,
-            longest_task=slow[1] if slow else "",
-            status_max_s=max(took, default=None),
-        )
+        return ((slow[0] if slow else 0.0) if self.watching else None), slow[1] if slow else ""
 
     def memory_kib(self) -> tuple[int, int]:
         """Its ``(VmRSS, VmHWM)`` in KiB; ``(0, 0)`` once it is gone."""
@@ -176,24 +170,12 @@ class Victim(LineProcess):
         self.kill()
 
 
-@attrs.frozen(kw_only=True)
-class Window:
-    """What the victim's ``/status`` said between two times (unix seconds)."""
-
-    longest_step_s: float | None
-    """The node thread's longest slow step that began in the window (None: no watch)."""
-    longest_task: str
-    """What the longest step ran (the task the slow-step watch names; "" if none)."""
-    status_max_s: float | None
-    """The longest ``/status`` took to answer (None: never asked)."""
-
-
 class HonestPeer(LineProcess):
     """The honest node's process (:mod:`p2pactor.programs.bench._honest`)."""
 
     def __init__(self, victim: Victim, stderr: Path) -> None:
-        args = (f"--port={free_port()}", *victim.settings.peer_args)
-        super().__init__("p2pactor.programs.bench._honest", *args, stderr=str(stderr))
+        spec = json.dumps({"port": free_port(), **victim.settings.peer_spec})
+        super().__init__("p2pactor.programs.bench._honest", spec, stderr=str(stderr))
         self.wait_ready()  # its lookups have begun
 
     def window(self) -> dict[str, Any]:
@@ -202,14 +184,12 @@ class HonestPeer(LineProcess):
 
 
 def merge_honest(windows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The honest peer's windows as one: lookups, p50/p99/max (s), verified, failures."""
+    """The honest peer's windows as one: lookups, p50/p99 (s), failures."""
     xs = [float(x) for w in windows for x in w["latencies_s"]]
     return {
         "lookups": len(xs),
         "lookup_p50_s": percentile(xs, 0.5) if xs else None,
         "lookup_p99_s": percentile(xs, 0.99) if xs else None,
-        "lookup_max_s": max(xs, default=None),
-        "verified": sum(int(w["verified"]) for w in windows),
         "failed": sum(int(w["failed"]) for w in windows),
         "failures": [f for w in windows for f in w["failures"]][:5],
         "latencies_s": xs,
@@ -235,7 +215,10 @@ class StepResult:
     the step had no session of its own)."""
     honest: dict[str, Any]
     """The honest peer's figures during the step (:func:`merge_honest`'s keys)."""
-    window: Window
+    longest_step_s: float | None
+    """The node thread's longest slow step that began in it (None: no watch)."""
+    longest_task: str
+    """What the longest step ran (the task the slow-step watch names; "" if none)."""
     steps: tuple[StepResult, ...] = ()
     """An attack's steps (none: this is a step)."""
     kept_kib: int | None = None
@@ -279,19 +262,12 @@ def _peers(document: dict[str, Any], *, closed: bool = False) -> list[str]:
 
 
 def run_attack(
-    attack: str,
-    args: list[str],
-    *,
-    victim: Victim,
-    honest: HonestPeer,
-    work_dir: Path,
+    attack: str, options: dict[str, Any], *, victim: Victim, honest: HonestPeer, work_dir: Path
 ) -> StepResult:
-    """Run ``attack`` (with the hostile peer's extra ``args``) against ``victim``; measure it."""
+    """Run ``attack`` (with the hostile peer's ``options``) against ``victim``; measure it."""
     hostile = LineProcess(
         "p2pactor.programs.bench._hostile",
-        *victim.settings.peer_args,
-        f"--attack={attack}",
-        *args,
+        json.dumps({**victim.settings.peer_spec, "attack": attack, **options}),
         stderr=str(work_dir / f"hostile-{attack}-{time.time_ns()}.err"),
     )
 
@@ -323,7 +299,7 @@ def run_attack(
                 victim.wait_status(lambda d: gone in _peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
             claimed = _settled_claims(victim, peer) if peer != "-" else None
             after, peak = victim.memory_kib()
-            window = victim.window(t_go, time.time())  # the step's own
+            longest, task = victim.window(t_go, time.time())  # the step's own
             segments.append(honest.window())
             steps.append(
                 StepResult(
@@ -334,7 +310,8 @@ def run_attack(
                     held_kib=after,
                     claimed_keys=claimed,
                     honest=segments[-1],
-                    window=window,
+                    longest_step_s=longest,
+                    longest_task=task,
                 )
             )
         peaks.append(victim.memory_kib()[1])
@@ -352,6 +329,7 @@ def run_attack(
     finally:
         hostile.kill()
     last = steps[-1] if steps else None
+    longest, task = victim.window(start, end)
     return StepResult(
         label=attack,
         hostile=last.hostile if last else {},
@@ -360,7 +338,8 @@ def run_attack(
         held_kib=last.held_kib if last else base,
         claimed_keys=last.claimed_keys if last else None,
         honest=merge_honest(segments),
-        window=victim.window(start, end),
+        longest_step_s=longest,
+        longest_task=task,
         steps=tuple(steps),
         kept_kib=kept,
     )

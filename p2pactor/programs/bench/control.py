@@ -4,8 +4,8 @@ Per side a producer holding 4,096 blocks and a consumer running C concurrent loo
 of K keys (every key a hit), processes of :mod:`p2pactor.programs.bench._control_peer`
 (whose docstring says what each side runs). All four processes start together and stay
 up; every repeat runs every cell on both sides in turn (alternating which goes first,
-the other side stopped), for a fixed time each: lookups/s, latency p50 and p99, CPU per
-lookup of both processes, medians over repeats with [min..max]; ours/vLLM per cell (the
+the other side stopped), for a fixed time each: lookups/s, latency p50 and p99, medians
+over repeats with [min..max]; ours/vLLM per cell (the
 median over repeats) and over the cells (their geometric mean, per repeat). Then idle
 CPU: per repeat (at most 3) a window of 10 s (``--quick``: 1 s) in which nothing calls
 our nodes and vLLM's tiers are called every 1 ms as vLLM's tier-poll thread calls an
@@ -23,7 +23,6 @@ from typing import Any
 from p2pactor.programs.bench._control_common import (
     LineProcess,
     free_port,
-    process_cpu_s,
     take_turns,
     thread_cpu_ns,
     vllm_missing,
@@ -58,13 +57,6 @@ def _side(side: str) -> dict[str, LineProcess]:
     }
 
 
-def _cell(side: dict[str, LineProcess], keys: int, conc: int, seconds: float) -> dict[str, Any]:
-    """One cell's lookups on ``side``: the consumer's answer, with the producer's CPU."""
-    p0 = process_cpu_s(side["producer"].pid)
-    result = side["consumer"].ask({"keys": keys, "conc": conc, "seconds": seconds})
-    return result | {"producer_cpu_s": process_cpu_s(side["producer"].pid) - p0}
-
-
 def run(options: BenchOptions) -> SectionResult:
     """Measure every cell on both sides, side by side, and tabulate."""
     missing = vllm_missing()
@@ -82,11 +74,12 @@ def run(options: BenchOptions) -> SectionResult:
             proc.wait_ready()
         startup = time.perf_counter() - t0
         for p in procs.values():  # the handshake, and the first lookups' one-off costs
-            _cell(p, 16, 1, 0.3)
+            p["consumer"].ask({"keys": 16, "conc": 1, "seconds": 0.3})
         for rep in range(repeats):
             for keys, conc in cells:
                 for side in take_turns(rep, every):
-                    r = _cell(procs[side], keys, conc, seconds)
+                    cell = {"keys": keys, "conc": conc, "seconds": seconds}
+                    r = procs[side]["consumer"].ask(cell)
                     results.setdefault((side, keys, conc), []).append(r)
         for proc in itertools.chain(*every.values()):
             proc.pause(paused=False)
@@ -138,7 +131,7 @@ def run(options: BenchOptions) -> SectionResult:
     worst = max(Stat.of(idle[f"ours {r}"]).median for r in ("producer", "consumer"))
     notes.append(
         "idle CPU ms per s (1000 = one core; every thread's schedstat): "
-        + ", ".join(f"{name} {Stat.of(v).scaled(1e3).text()}" for name, v in idle.items())
+        + ", ".join(f"{name} {Stat.of(x * 1e3 for x in v).text()}" for name, v in idle.items())
         + f"; target ours <= {IDLE_TARGET_CORES:g} core per idle node: "
         + ("met" if worst <= IDLE_TARGET_CORES else "missed")
         + f" (highest median {worst:.4f} core)"
@@ -176,7 +169,7 @@ def _idle(
         wall = time.perf_counter() - w0
         for name, proc in every.items():
             was, now = before[name], thread_cpu_ns(proc.pid)
-            ns = sum(n - was.get(tid, ("", 0))[1] for tid, (_, n) in now.items())
+            ns = sum(n - was.get(tid, 0) for tid, n in now.items())
             cores.setdefault(name, []).append(ns / 1e9 / wall)
     return cores
 
@@ -190,7 +183,4 @@ def _figures(who: str, rs: list[dict[str, Any]]) -> dict[str, Cell]:
         f"{who} lookups/s": Stat.of(_rate(r) for r in rs),
         f"{who} p50 ms": Stat.of(r["p50_s"] * 1e3 for r in rs),
         f"{who} p99 ms": Stat.of(r["p99_s"] * 1e3 for r in rs),
-        f"{who} CPU us/lookup": Stat.of(
-            (r["cpu_s"] + r["producer_cpu_s"]) / r["lookups"] * 1e6 for r in rs
-        ),
     }

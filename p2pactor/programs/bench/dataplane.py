@@ -1,17 +1,16 @@
 """``p2pactor bench`` section ``dataplane``: a fetch end to end against the physical limit.
 
 Per batch of B blocks of S bytes: a consumer node here, a producer node in another
-process (:mod:`p2pactor.programs.bench._dataplane_peer`), on ZeroMQ over loopback and
-NIXL over torch pools. Per repeat, back to back: **ours** (``Node.lookup`` then
-``Node.fetch`` of the B keys, as an engine would; bytes checked), **raw NIXL** (the
-same WRITE between the same blocks of the same processes from a bare agent, posted and
-polled to DONE with no trio, no actor, no message: the machine's limit) and **memcpy**
-(numpy, the same bytes, here). GB/s per operation, the median of a few per repeat;
-ratios per repeat.
+process (:func:`serve`), on ZeroMQ over loopback and NIXL over torch pools. Per repeat,
+back to back: **ours** (``Node.lookup`` then ``Node.fetch`` of the B keys, as an engine
+would; bytes checked), **raw NIXL** (the same WRITE between the same blocks of the same
+processes from a bare agent, posted and polled to DONE with no trio, no actor, no
+message: the machine's limit) and **memcpy** (numpy, the same bytes, here). GB/s per
+operation, the median of a few per repeat; ratios per repeat.
 
 :func:`measure` is the ``hosts`` section's too, there run on a namespaced host
-(``python -m p2pactor.programs.bench.dataplane SPEC`` prints its figures as one
-``RESULT {json}`` line), with a loop of single-key lookups after the fetches.
+(``python -m p2pactor.programs.bench.dataplane SPEC`` says its figures as one
+``RESULT {json}`` line).
 """
 
 from __future__ import annotations
@@ -22,17 +21,19 @@ import json
 import statistics
 import sys
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import trio
 import trio.lowlevel
 
-from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node
-from p2pactor.programs.bench._dataplane_peer import CONFIG, RawAgent, bench_keys, block_content
+from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node, say
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.runtime.quotas import PeerQuotas
+from p2pactor.runtime.samples import chain_keys
 
 NAME = "dataplane"
 """The section's name."""
@@ -44,6 +45,81 @@ SIZES: tuple[tuple[int, int], ...] = ((64, 64 * KIB), (64, 256 * KIB), (64, MIB)
 """(blocks, bytes per block) of a run, ``--quick``'s too (fewer operations)."""
 TARGET = 0.9
 """ours / raw NIXL wanted for batches of 64 x 256 KiB and up."""
+HASH_SEED = "p2pactor-bench"
+"""The hash seed both nodes of the benchmark advertise."""
+CONFIG: dict[str, Any] = {"hash_seed": HASH_SEED, "quotas": PeerQuotas(pinned_blocks_fraction=1.0)}
+"""Both nodes' :class:`~p2pactor.runtime.config.NodeConfig` fields beyond the pool's.
+
+A peer may pin every block: the bench fetches whole pools at once."""
+
+
+def bench_keys(count: int, block_len: int) -> list[bytes]:
+    """The keys of the ``count`` blocks the producer holds (one prompt's chain)."""
+    return chain_keys(HASH_SEED, [f"bench {block_len} block {i}" for i in range(count)])
+
+
+def block_content(index: int, block_len: int) -> bytes:
+    """The bytes of block ``index`` (cheap to make, different per block)."""
+    return np.random.default_rng(index).bytes(block_len)
+
+
+class RawAgent:
+    """A bare NIXL agent over a pool: the raw-NIXL reference (no trio), on either side."""
+
+    def __init__(self, pool_addr: int, num_blocks: int, block_len: int) -> None:
+        """Register the pool and its per-block descriptors."""
+        from p2pactor.adapters.nixl import import_nixl  # noqa: PLC0415
+
+        api = import_nixl()
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        self.agent: Any = api.nixl_agent(f"bench-raw-{uuid.uuid4()}", config)
+        self.block_len = block_len
+        nbytes = num_blocks * block_len
+        self.registration = self.agent.register_memory([(pool_addr, nbytes, 0, "")], "DRAM")
+        self.metadata: bytes = bytes(self.agent.get_agent_metadata())
+        self.local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _descs(pool_addr, num_blocks, block_len), "DRAM"
+        )
+        self.remote: Any = None
+
+    def add_peer(self, metadata: bytes, base_addr: int, num_blocks: int) -> None:
+        """Register the consumer's bare agent and its per-block descriptors."""
+        name = self.agent.add_remote_agent(metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        self.remote = self.agent.prep_xfer_dlist(
+            name, _descs(base_addr, num_blocks, self.block_len), "DRAM"
+        )
+        self.agent.make_connection(name)
+
+    def write(self, local: Sequence[int], remote: Sequence[int]) -> float:
+        """One WRITE, posted and polled to DONE in a tight loop; its seconds."""
+        agent = self.agent
+        li = np.asarray(local, dtype=np.int32)
+        ri = np.asarray(remote, dtype=np.int32)
+        start = time.perf_counter()
+        handle = agent.make_prepped_xfer("WRITE", self.local, li, self.remote, ri)
+        state = agent.transfer(handle)
+        while state in ("PROC", "PEND"):
+            state = agent.check_xfer_state(handle)
+        elapsed = time.perf_counter() - start
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL write ended {state}")
+        return elapsed
+
+    def close(self) -> None:
+        """Release the descriptors and the pool."""
+        for dlist in (self.local, self.remote):
+            if dlist is not None:
+                self.agent.release_dlist_handle(dlist)
+        self.agent.deregister_memory(self.registration)
+
+
+def _descs(base: int, num_blocks: int, block_len: int) -> Any:
+    rows = np.zeros((num_blocks, 3), dtype=np.uint64)
+    rows[:, 0] = np.uint64(base) + np.arange(num_blocks, dtype=np.uint64) * np.uint64(block_len)
+    rows[:, 1] = block_len
+    return rows
 
 
 async def _progress_until(raw: RawAgent, done: trio.Event) -> None:
@@ -71,14 +147,11 @@ async def measure(
     *,
     address: str = "127.0.0.1",
     host: dict[str, str] | None = None,
-    lookups: int = 0,
 ) -> dict[str, Any]:
-    """Every batch of ``block_len`` blocks against one producer process, then ``lookups``.
+    """Every batch of ``block_len`` blocks against one producer process: by count, GB/s of each.
 
     The producer runs here on loopback, or on ``host`` (a
-    :class:`~p2pactor.programs.hosts.Host`'s fields); we are at ``address``. The
-    figures: per count, per repeat, GB/s of each; per repeat,
-    ``lookups`` single-key lookups' seconds (after 50 to warm up).
+    :class:`~p2pactor.programs.hosts.Host`'s fields); we are at ``address``.
     """
     import torch  # noqa: PLC0415 - heavy; only this section needs it
 
@@ -86,15 +159,15 @@ async def measure(
     from p2pactor.programs.hosts import Host  # noqa: PLC0415
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
 
-    most = max(counts, default=1)  # none: the lookups alone (hosts' loopback reference)
+    most = max(counts)
     keys = bench_keys(most, block_len)
     expected = np.stack([np.frombuffer(block_content(i, block_len), np.uint8) for i in range(most)])
     pool = torch.zeros(most * block_len, dtype=torch.uint8)
     blocks_view = pool.numpy().reshape(most, block_len)
     on = None if host is None else Host(**host)
     producer = LineProcess(
-        "p2pactor.programs.bench._dataplane_peer",
-        *(str(most), str(block_len), on.address if on else address),
+        "p2pactor.programs.bench.dataplane",
+        *("producer", str(most), str(block_len), on.address if on else address),
         stderr=f"{work_dir}/dataplane-producer-{block_len}-{address}.stderr",
         host=on,
     )
@@ -106,7 +179,6 @@ async def measure(
     figures: dict[int, dict[str, Any]] = {
         c: {k: [] for k in ("ours", "fetch", "raw", "memcpy")} for c in counts
     }
-    runs: list[list[float]] = []
     try:
         with trio.fail_after(120 + 30 * len(counts) * repeats):
             ready = await trio.to_thread.run_sync(producer.wait_ready, 120.0)
@@ -121,20 +193,18 @@ async def measure(
                 dest = cache.allocate(most)  # blocks 0..most-1: the pool's view checks them
                 ids = itertools.count()
 
-                async def ours(count: int, fetch: bool = True) -> tuple[float, float, float]:
-                    """One lookup (+ fetch): (start, looked up, fetched)."""
+                async def ours(count: int) -> tuple[float, float, float]:
+                    """One lookup and fetch: (start, looked up, fetched)."""
                     rid = f"bench-{next(ids)}"
                     t0 = time.perf_counter()
                     answers = await node.lookup(peer, rid, keys[:count])
                     t1 = time.perf_counter()
                     if any(a is not LookupResult.HIT for a in answers):
                         raise RuntimeError(f"lookup answered {answers[:4]}...")
-                    result = (
-                        await node.fetch(peer, rid, keys[:count], dest[:count]) if fetch else None
-                    )
+                    result = await node.fetch(peer, rid, keys[:count], dest[:count])
                     t2 = time.perf_counter()
                     node.finish(rid)
-                    if result is not None and not result.success:
+                    if not result.success:
                         raise RuntimeError(f"fetch failed: {result.reason}")
                     return t0, t1, t2
 
@@ -172,17 +242,11 @@ async def measure(
                         m["ours"].append(_gbps(nbytes, (c - a for a, _, c in spans)))
                         m["fetch"].append(_gbps(nbytes, (c - b for _, b, c in spans)))
                         m["memcpy"].append(_gbps(nbytes, copies))
-                if lookups:
-                    for _ in range(50):
-                        await ours(1, fetch=False)
-                    for _ in range(repeats):
-                        spans = [await ours(1, fetch=False) for _ in range(lookups)]
-                        runs.append([b - a for a, b, _ in spans])
         await trio.to_thread.run_sync(producer.close)
     finally:
         producer.kill()
         raw_target.close()
-    return {"measured": {str(c): m for c, m in figures.items()}, "lookups": runs}
+    return {str(c): m for c, m in figures.items()}
 
 
 def label(count: int, block_len: int) -> str:
@@ -191,31 +255,55 @@ def label(count: int, block_len: int) -> str:
     return f"{count} x {size}"
 
 
-def tabulate(
+def measure_sizes(
     sizes: Sequence[tuple[int, int]],
-    measured: dict[tuple[int, int], dict[str, Any]],
-    target_bytes: int,
+    iters: int | None,
+    measure_group: Callable[[int, list[int], int], dict[str, Any]],
+    options: BenchOptions,
+    *,
     across: str = "",
 ) -> tuple[list[dict[str, Cell]], dict[str, Stat], list[str]]:
-    """The rows, ratios and notes of ``measured`` (``across``: ``" across hosts"``, no memcpy)."""
+    """``sizes`` measured: the section's rows, ratios and notes.
+
+    ``measure_group(block_len, counts, iters)`` measures the counts of one block size
+    against one producer process (:func:`measure`'s figures); ``iters``: operations each
+    (None: by block size, fewer with ``--quick``); ``across``: ``" across hosts"`` (no
+    memcpy there), in the ratios' names and the notes.
+    """
+    groups: dict[int, list[int]] = defaultdict(list)
+    for count, block_len in sizes:
+        groups[block_len].append(count)
+    ops = {b: iters or (15 if not options.quick else 3 if b >= MIB else 8) for b in groups}
+    measured: dict[tuple[int, int], dict[str, Any]] = {}
+    for block_len, counts in groups.items():
+        found = measure_group(block_len, counts, ops[block_len])
+        measured.update({(c, block_len): found[str(c)] for c in counts})
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
     missed: list[str] = []
+    target_bytes = 64 * (MIB if across else 256 * KIB)
     for count, block_len in sizes:
         m, name = measured[count, block_len], label(count, block_len)
         row: dict[str, Cell] = {"batch": name, "MiB": count * block_len / MIB}
         row |= {"ours GB/s": Stat.of(m["ours"]), "fetch only GB/s": Stat.of(m["fetch"])}
         row["raw NIXL GB/s"] = Stat.of(m["raw"])
+        ratios[f"ours/raw{across} {name}"] = ours_raw = _per(m, "ours", "raw")
         if not across:
             row["memcpy GB/s"] = Stat.of(m["memcpy"])
-        row["ours/raw"] = ratios[f"ours/raw{across} {name}"] = ours_raw = _per(m, "ours", "raw")
-        if not across:
-            row["ours/memcpy"] = ratios[f"ours/memcpy {name}"] = _per(m, "ours", "memcpy")
-        row["fetch/raw"] = ratios[f"fetch only/raw{across} {name}"] = _per(m, "fetch", "raw")
+            ratios[f"ours/memcpy {name}"] = _per(m, "ours", "memcpy")
+        ratios[f"fetch only/raw{across} {name}"] = _per(m, "fetch", "raw")
         rows.append(row)
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
-    notes: list[str] = []
+    where = "h1 -> h2 over UCX_TLS=tcp,self on eth0 (a veth pair and a bridge); " if across else ""
+    each = "/".join(map(str, ops.values()))
+    notes = [
+        (
+            f"{where}ours = lookup + fetch through the Node API, fetch only = fetch to "
+            "transfer_done, raw NIXL = the same WRITE from bare agents in the same two "
+            f"processes; {options.repeats} repeats of {each} operations each"
+        )
+    ]
     if any(count * block_len >= target_bytes for count, block_len in sizes):
         least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
         notes.append(f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met")
@@ -226,39 +314,69 @@ def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
     return Stat.of(a / b for a, b in zip(m[ours], m[reference], strict=True))
 
 
-def by_block_len(sizes: Sequence[tuple[int, int]]) -> dict[int, list[int]]:
-    """The counts of ``sizes``, by block size: one producer process each."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for count, block_len in sizes:
-        groups[block_len].append(count)
-    return groups
-
-
 def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (fewer operations with ``--quick``)."""
-    missing = nixl_missing()
-    if missing:
+    if missing := nixl_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
-    measured: dict[tuple[int, int], dict[str, Any]] = {}
-    iters = {b: 15 if not options.quick else 3 if b >= MIB else 8 for b in by_block_len(SIZES)}
-    for block_len, counts in by_block_len(SIZES).items():
-        spec = (block_len, counts, options.repeats, iters[block_len], options.work_dir)
-        found = trio.run(measure, *spec)["measured"]
-        measured.update({(c, block_len): found[str(c)] for c in counts})
-    rows, ratios, notes = tabulate(SIZES, measured, 64 * 256 * KIB)
-    ops = "/".join(map(str, iters.values()))
-    notes.insert(
-        0,
-        f"ours = lookup + fetch through the Node API, fetch only = fetch to transfer_done; "
-        f"{options.repeats} repeats of {ops} operations each (by block size)",
-    )
+
+    def group(block_len: int, counts: list[int], iters: int) -> dict[str, Any]:
+        spec = (block_len, counts, options.repeats, iters, options.work_dir)
+        found: dict[str, Any] = trio.run(measure, *spec)
+        return found
+
+    rows, ratios, notes = measure_sizes(SIZES, None, group, options)
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
 
 
+async def serve(num_blocks: int, block_len: int, address: str) -> None:
+    """The producer process (``python -m ...dataplane producer NUM_BLOCKS BLOCK_LEN ADDRESS``).
+
+    It stores ``NUM_BLOCKS`` deterministic blocks (:func:`bench_keys`,
+    :func:`block_content`) in a node bound to ADDRESS, opens a second, bare NIXL agent
+    over the same pool for the raw-NIXL reference, says ``READY {"node_id", "blocks"}``
+    and answers :class:`~p2pactor.programs.bench._control_common.LineProcess` commands
+    until its stdin closes: ``{"cmd": "raw_peer", "metadata": hex, "base_addr": n,
+    "num_blocks": n}`` adds the consumer's bare agent as the raw agent's peer; ``{"cmd":
+    "raw", "local": [...], "remote": [...], "iters": n}``: ``n`` raw WRITEs, each timed
+    alone (post, then poll until DONE, no trio in between: the node's loop is blocked
+    meanwhile on purpose).
+    """
+    import torch  # noqa: PLC0415 - only the benchmark's processes need torch
+
+    from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.surface.attach import open_operator_surface  # noqa: PLC0415
+
+    pool = torch.zeros(num_blocks * block_len, dtype=torch.uint8)
+    cache = EmbeddedCache(num_blocks, block_len, memory=pool.numpy().data)
+    for i, key in enumerate(bench_keys(num_blocks, block_len)):
+        cache.store(key, block_content(i, block_len))
+    raw = RawAgent(pool.data_ptr(), num_blocks, block_len)
+    async with (
+        open_bench_node(
+            0, pool, block_len, name="bench-producer", parent=cache, host=address, **CONFIG
+        ) as node,
+        open_operator_surface(node),  # as deployed: with its metrics
+    ):
+        blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
+        say("READY " + json.dumps({"node_id": node.node_id, "blocks": blocks}))
+        while line := await trio.to_thread.run_sync(sys.stdin.readline):
+            cmd = json.loads(line)
+            if cmd["cmd"] == "raw_peer":
+                raw.add_peer(bytes.fromhex(cmd["metadata"]), cmd["base_addr"], cmd["num_blocks"])
+                say({})
+            else:
+                say(
+                    {"times": [raw.write(cmd["local"], cmd["remote"]) for _ in range(cmd["iters"])]}
+                )
+    raw.close()
+
+
 def main() -> None:
-    """``python -m p2pactor.programs.bench.dataplane SPEC``: :func:`measure`'s keywords, as JSON."""
-    found = trio.run(functools.partial(measure, **json.loads(sys.argv[1])))
-    sys.stdout.write("RESULT " + json.dumps(found) + "\n")
+    """``SPEC``, :func:`measure`'s keywords as JSON; ``producer N L ADDRESS``: :func:`serve`."""
+    if sys.argv[1] == "producer":
+        trio.run(serve, int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    else:
+        say("RESULT " + json.dumps(trio.run(functools.partial(measure, **json.loads(sys.argv[1])))))
 
 
 if __name__ == "__main__":

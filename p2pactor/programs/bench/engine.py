@@ -2,10 +2,10 @@
 
 vLLM calls a secondary tier synchronously from its scheduler thread, under the
 offloading manager's lock: whatever the tier does there delays the step. A scripted
-engine (:mod:`~p2pactor.programs.bench._vllm_engine`, whose docstring lists its calls)
+engine (:mod:`~p2pactor.programs.bench._vllm_tier`, whose docstring lists its calls)
 drives p2pactor's ``P2PActorTierManager`` and vLLM's ``P2PSecondaryTierManager``
 alike, each against a producer tier of its own class in another process
-(:mod:`~p2pactor.programs.bench._vllm_tier`), over real ZeroMQ and NIXL on 127.0.0.1,
+(the same module's), over real ZeroMQ and NIXL on 127.0.0.1,
 4 KiB blocks: each tier's own calls timed alone (a whole engine is ``engine-real``'s).
 The consumers run in one subprocess (``python -m p2pactor.programs.bench.engine``:
 vLLM's import is heavy, NIXL's state per process); each repeat runs both tiers in
@@ -23,6 +23,7 @@ from typing import Any
 
 from p2pactor.programs.bench._control_common import (
     LineProcess,
+    child_result,
     free_port,
     say,
     take_turns,
@@ -52,30 +53,20 @@ too, one per repeat (both tiers run in each repeat)."""
 
 def run(options: BenchOptions) -> SectionResult:
     """Run the engine benchmark in a subprocess and tabulate its figures."""
-    missing = vllm_missing()
-    if missing is not None:
+    if missing := vllm_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     requests = 100 if options.quick else 1000
     repeats = 1 if options.quick else max(1, options.repeats)
     spec = WORKLOAD | {"requests": requests, "repeats": repeats}
-    consumers = LineProcess(__name__, json.dumps(spec), stderr=f"{options.work_dir}/engine.stderr")
-    try:
-        runs = consumers.expect("RESULT", timeout=300 if options.quick else 1800 * repeats)[1]
-    finally:
-        consumers.kill()
+    stderr, timeout = f"{options.work_dir}/engine.stderr", 300 if options.quick else 1800 * repeats
+    runs = child_result(__name__, json.dumps(spec), stderr=stderr, timeout=timeout)
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
     for label, unit, key in FIGURES:
         ours, theirs = ([r[key] for r in runs[tier]] for tier in TIERS)
-        per = ratio(ours, theirs)
-        if per:
+        if per := ratio(ours, theirs):
             ratios[f"{label} ours/vLLM"] = per
-        row: dict[str, Cell] = {
-            "figure": f"{label} ({unit})",
-            "ours": Stat.of(ours),
-            "vLLM": Stat.of(theirs),
-        }
-        rows.append(row | {"ours/vLLM": per.median if per else None})
+        rows.append({"figure": f"{label} ({unit})", "ours": Stat.of(ours), "vLLM": Stat.of(theirs)})
     w = WORKLOAD
     note = (
         f"{requests} requests x {w['keys']} keys (75% HIT), {w['admit']} admitted per "
@@ -109,7 +100,7 @@ def main() -> int:
             )
             for kind, port in ports.items()
         }
-        scripted = importlib.import_module("p2pactor.programs.bench._vllm_engine")  # meanwhile
+        scripted = importlib.import_module("p2pactor.programs.bench._vllm_tier")  # meanwhile
         try:
             for proc in spawned.values():
                 proc.wait_ready()

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from p2pactor.programs.bench._control_common import LineProcess, vllm_missing
+from p2pactor.programs.bench._control_common import child_result, vllm_missing
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "fleet"
@@ -33,52 +33,28 @@ ARMS = ("none", "oracle", "auto", "mixed")
 
 Run = dict[str, Any]
 Runs = dict[str, list[Run]]  # arm -> its repeats
-Figure = Callable[[Run, Runs, int], float]
 
-
-def _by(key: str, scale: float = 1.0) -> Figure:
-    return lambda run, runs, i: scale * float(run[key])
-
-
-def _share(key: str) -> Figure:
-    """``run[key]`` as a percentage of the oracle arm's, in the same repeat."""
-
-    def get(run: Run, runs: Runs, i: int) -> float:
-        base = float(runs["oracle"][i][key])
-        return 100.0 * float(run[key]) / base if base else 0.0
-
-    return get
-
-
-def _per(key: str, total: str, scale: float) -> Figure:
-    return lambda run, runs, i: scale * run[key] / run[total] if run[total] else 0.0
-
-
-def _wait(kind: str, stat: str) -> Figure:
-    return lambda run, runs, i: float(run[f"wait_steps_{stat}"][kind])
-
-
-FIGURES: tuple[tuple[str, Figure], ...] = (
-    ("prefix hit rate (% of prompt tokens)", _by("hit_rate", 100.0)),
-    ("prefill tokens saved (k)", _by("saved_tokens", 1e-3)),
-    ("  of them loaded from peers (k)", _by("loaded_tokens", 1e-3)),
-    ("tokens saved, % of the oracle's", _share("saved_tokens")),
-    ("tokens loaded from peers, % of the oracle's", _share("loaded_tokens")),
-    ("wait, claimed requests (steps, mean)", _wait("claimed", "mean")),
-    ("wait, named requests (steps, mean)", _wait("named", "mean")),
-    ("wait, unclaimed requests (steps, max)", _wait("unclaimed", "max")),
-    ("hung requests (no answer in 5 s)", _by("hung")),
-    ("lookups per named request", _per("lookups_sent", "named", 1.0)),
-    ("false claims (% of probed keys)", _per("false_claims", "probed_keys", 100.0)),
-    ("summary bytes/s per peer pair", _by("summary_bytes_per_s_per_peer")),
-    ("index entries per engine", _by("index_claims_per_engine")),
-    ("index memory per engine (KiB)", _by("index_bytes_per_engine", 1 / 1024)),
-    ("pins left", _by("pins_left")),
-    ("blocks with wrong bytes", _by("wrong_blocks")),
-    ("loads failed", _by("loads_failed")),
-    ("run time (s)", _by("seconds")),
+FIGURES: tuple[tuple[str, str, float], ...] = (
+    ("prefix hit rate (% of prompt tokens)", "hit_rate", 100.0),
+    ("prefill tokens saved (k)", "saved_tokens", 1e-3),
+    ("  of them loaded from peers (k)", "loaded_tokens", 1e-3),
+    ("tokens saved, % of the oracle's", "saved_share", 100.0),
+    ("tokens loaded from peers, % of the oracle's", "loaded_share", 100.0),
+    ("wait, claimed requests (steps, mean)", "wait_claimed_mean", 1.0),
+    ("wait, named requests (steps, mean)", "wait_named_mean", 1.0),
+    ("wait, unclaimed requests (steps, max)", "wait_unclaimed_max", 1.0),
+    ("hung requests (no answer in 5 s)", "hung", 1.0),
+    ("lookups per named request", "lookups_per_named", 1.0),
+    ("false claims (% of probed keys)", "false_claim_rate", 100.0),
+    ("summary bytes/s per peer pair", "summary_bytes_per_s_per_peer", 1.0),
+    ("index entries per engine", "index_claims_per_engine", 1.0),
+    ("index memory per engine (KiB)", "index_bytes_per_engine", 1 / 1024),
+    ("pins left", "pins_left", 1.0),
+    ("blocks with wrong bytes", "wrong_blocks", 1.0),
+    ("loads failed", "loads_failed", 1.0),
+    ("run time (s)", "seconds", 1.0),
 )
-"""(row label, the figure of one run), in table order; a column per arm."""
+"""(row label, key of one run's figures, scale), in table order; a column per arm."""
 
 
 def plan(quick: bool) -> tuple[int, int, list[tuple[str, int, float]], tuple[str, ...]]:
@@ -103,19 +79,20 @@ def _verdict(ok: bool) -> str:
 
 
 def _tabulate(fleet: str, runs: Runs) -> tuple[list[dict[str, Cell]], dict[str, Stat], list[str]]:
+    for repeats in runs.values():  # each repeat against the oracle's (the same turns in both)
+        for run, oracle in zip(repeats, runs["oracle"], strict=True):
+            for key in ("saved", "loaded"):
+                base = oracle[f"{key}_tokens"]
+                run[f"{key}_share"] = run[f"{key}_tokens"] / base if base else 0.0
     rows: list[dict[str, Cell]] = []
-    for label, get in FIGURES:
+    for label, key, scale in FIGURES:
         row: dict[str, Cell] = {"figure": f"{fleet}: {label}"}
         for arm in ARMS:
-            values = [get(run, runs, i) for i, run in enumerate(runs.get(arm, []))]
+            values = [scale * float(run[key]) for run in runs.get(arm, [])]
             row[arm] = Stat.of(values) if values else None
         rows.append(row)
     auto = runs["auto"]
-    # Each repeat's own ratio (the same turns in both arms), then their median.
-    p2p, saved = (
-        Stat.of(_share(key)(r, runs, i) / 100.0 for i, r in enumerate(auto))
-        for key in ("loaded_tokens", "saved_tokens")
-    )
+    p2p, saved = (Stat.of(r[f"{key}_share"] for r in auto) for key in ("loaded", "saved"))
     ratios = {
         f"{fleet}: auto/oracle tokens loaded from peers": p2p,
         f"{fleet}: auto/oracle tokens saved": saved,
@@ -123,7 +100,7 @@ def _tabulate(fleet: str, runs: Runs) -> tuple[list[dict[str, Cell]], dict[str, 
     probed = sum(r["probed_keys"] for r in auto)
     false = sum(r["false_claims"] for r in auto) / probed if probed else 0.0
     every = [r for arm in ARMS for r in runs.get(arm, [])]
-    unclaimed = max(r["wait_steps_max"]["unclaimed"] for r in every)
+    unclaimed = max(r["wait_unclaimed_max"] for r in every)
     hung = sum(r["hung"] for r in every)
     left = sum(r["pins_left"] + r["open_left"] for r in every)
     wrong = sum(r["wrong_blocks"] for r in every)
@@ -150,20 +127,16 @@ def _tabulate(fleet: str, runs: Runs) -> tuple[list[dict[str, Cell]], dict[str, 
 
 def run(options: BenchOptions) -> SectionResult:
     """Run the fleet benchmark (chat, then RAG) in a subprocess and tabulate its figures."""
-    missing = vllm_missing()
-    if missing is not None:
+    if missing := vllm_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
     conversations, requests, _, _ = plan(options.quick)
-    child = LineProcess(
+    found = child_result(
         "p2pactor.programs.bench._fleet_run",
         *(str(repeats), *(["--quick"] if options.quick else [])),
         stderr=os.path.join(options.work_dir, "fleet.err"),
+        timeout=300 if options.quick else 1800 * repeats,
     )
-    try:
-        _, found = child.expect("RESULT", timeout=300 if options.quick else 1800 * repeats)
-    finally:
-        child.kill()
     fleets: dict[str, Runs] = {}
     for r in found["runs"]:
         fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)

@@ -37,21 +37,11 @@ class Stat:
         xs = sorted(values)
         return cls(median=statistics.median(xs), min=xs[0], max=xs[-1], n=len(xs))
 
-    def scaled(self, factor: float) -> Stat:
-        """The same statistics multiplied by ``factor`` (e.g. seconds to ms)."""
-        return Stat(
-            median=self.median * factor, min=self.min * factor, max=self.max * factor, n=self.n
-        )
-
     def text(self, digits: int = 2) -> str:
         """``median [min..max]``, for tables."""
         if self.n == 1:
             return f"{self.median:.{digits}f}"
         return f"{self.median:.{digits}f} [{self.min:.{digits}f}..{self.max:.{digits}f}]"
-
-    def to_json(self) -> dict[str, float | int]:
-        """The JSON object of these statistics."""
-        return attrs.asdict(self)
 
 
 Cell = str | int | float | Stat | None
@@ -103,10 +93,10 @@ class SectionResult:
         """The JSON object of this section (``p2pactor bench`` adds ``seconds``, its time)."""
         return attrs.asdict(self, recurse=False) | {
             "rows": [
-                {k: v.to_json() if isinstance(v, Stat) else v for k, v in row.items()}
+                {k: attrs.asdict(v) if isinstance(v, Stat) else v for k, v in row.items()}
                 for row in self.rows
             ],
-            "ratios": {k: v.to_json() for k, v in self.ratios.items()},
+            "ratios": {k: attrs.asdict(v) for k, v in self.ratios.items()},
             "notes": list(self.notes),
         }
 

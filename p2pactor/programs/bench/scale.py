@@ -1,20 +1,35 @@
-"""Actor scale: 10,000 concurrent requests on one node; replay speed; in-process costs.
+"""Actor scale: 10,000 concurrent requests on one node; replay speed.
 
-Each measurement runs in a fresh interpreter, so that its peak RSS is its own
-(:mod:`p2pactor.programs.bench._scale_run`, whose docstring says each): 10,000 requests
-at once (quick: 1,000) between two nodes over the in-memory transports, both logging to
-disk; the replay of a log of 1,000,000 events (quick: 100,000), the first run's events
-repeated (replay streams: memory must not grow with the log); the pure core's cost
-per input, as the old ``benchmarks/event_cost.py`` measured it.
+Each measurement runs in a fresh interpreter, so that its peak RSS is its own: ``python -m
+p2pactor.programs.bench.scale WHAT ARGS...`` prints one ``RESULT {...}`` line
+(:data:`MEASURES`):
+
+* ``requests N DIR``: two nodes in this process over the in-memory
+  transports of :mod:`p2pactor.testing` (the network is not what is measured; the actors
+  are), each writing a real :class:`~p2pactor.runtime.log.EventLog` on disk. Node ``a``
+  starts N requests at once (quick: 1,000) against ``b`` (which holds every key in an
+  embedded cache); each looks up :data:`KEYS_PER_REQUEST` keys, fetches the hits and
+  finishes: seconds until all were done, events appended to both logs, requests failed,
+  peak RSS, growth.
+* ``write M L A B``: a log of M events (1,000,000; quick: 100,000), the events of the logs
+  ``A`` and ``B`` (a real run's actors) repeated under fresh request ids.
+* ``replay MODE LOG``: read (``read``) or replay (``replay``, ``replay --check``) ``LOG``:
+  seconds, events, peak RSS growth (replay streams: memory must not grow with the log).
 """
 
 from __future__ import annotations
 
-import functools
+import itertools
+import json
 import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from p2pactor.programs.bench._control_common import LineProcess
+import trio
+
+from p2pactor.programs.bench._control_common import child_result, peak_rss_kib, say
 from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "scale"
@@ -22,20 +37,8 @@ NAME = "scale"
 TITLE = "N concurrent requests on one node (in-memory network, logs on disk); replay speed"
 """One line saying what is measured."""
 
-HELPER = "p2pactor.programs.bench._scale_run"
-"""The module each measurement runs in (a fresh interpreter)."""
 REPLAY_MODES = ("read", "replay", "replay --check")
 """Reading the log only; replaying it; replaying it with invariant checks."""
-
-
-def _run(work: str, what: str, *args: str, timeout: float) -> dict[str, Any]:
-    """Run one measurement in a fresh interpreter; its ``RESULT``."""
-    child = LineProcess(HELPER, what, *args, stderr=os.path.join(work, f"scale-{what}.err"))
-    try:
-        result: dict[str, Any] = child.expect("RESULT", timeout=timeout)[1]
-        return result
-    finally:
-        child.kill()
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -43,19 +46,24 @@ def run(options: BenchOptions) -> SectionResult:
     n = 1_000 if options.quick else 10_000
     events = 100_000 if options.quick else 1_000_000
     repeats = 1 if options.quick else max(1, min(options.repeats, 3))
-    measure = functools.partial(_run, options.work_dir)
+    work = options.work_dir
+
+    def measure(what: str, *args: str, timeout: float) -> dict[str, Any]:
+        err = os.path.join(work, f"scale-{what}.err")
+        found: dict[str, Any] = child_result(__name__, what, *args, stderr=err, timeout=timeout)
+        return found
+
     runs: list[dict[str, Any]] = []
     for rep in range(repeats):
-        folder = os.path.join(options.work_dir, f"scale-{rep}")
+        folder = os.path.join(work, f"scale-{rep}")
         os.makedirs(folder, exist_ok=True)
         runs.append(measure("requests", str(n), folder, timeout=600 + n / 10))
-    first = [os.path.join(options.work_dir, "scale-0", f"{x}.log") for x in "ab"]
-    big = os.path.join(options.work_dir, "replay.log")
+    first = [os.path.join(work, "scale-0", f"{x}.log") for x in "ab"]
+    big = os.path.join(work, "replay.log")
     w = measure("write", str(events), big, *first, timeout=1200)
     # One replay each: a million events take minutes to replay with checks.
     replays = {m: [measure("replay", m, big, timeout=1200)] for m in REPLAY_MODES}
     os.remove(big)
-    ev = measure("costs", str(200 if options.quick else 2000), timeout=600)
 
     def stat(key: str, scale: float = 1.0, rs: list[dict[str, Any]] = runs) -> Stat:
         return Stat.of(float(r[key]) * scale for r in rs)
@@ -80,8 +88,6 @@ def run(options: BenchOptions) -> SectionResult:
     for mode, rs in replays.items():
         table += [(f"{mode}: speed", per_s(rs), "events/s")]
         table += [(f"{mode}: peak RSS growth", stat("growth_kib", 1 / 1024, rs), "MiB")]
-    table += [(f"event cost: {k}", v, "us") for k, v in ev["inputs"].items()]
-    table += [(f"event cost: {k} per life", v, "us") for k, v in ev["lives"].items()]
     rows: list[dict[str, Cell]] = [{"figure": f, "value": v, "unit": u} for f, v, u in table]
     notes = [
         (
@@ -90,11 +96,6 @@ def run(options: BenchOptions) -> SectionResult:
             "both nodes log to disk (Durability.interval)"
         ),
         "the replay log repeats the first run's events (both nodes) under fresh request ids",
-        (
-            "event cost: the pure core stepped through lives of 1 and 16 keys (lookup then "
-            "close, lookup then fetch), median per input (in-process, "
-            "p2pactor.programs.bench._scale_run costs)"
-        ),
     ]
     failed = sum(int(r["failed"]) for r in runs)
     if failed:
@@ -103,3 +104,171 @@ def run(options: BenchOptions) -> SectionResult:
     if violations:
         notes.append(f"replay --check found {violations} violation(s) in the repeated log")
     return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
+
+
+KEYS_PER_REQUEST = 4
+"""Keys per request: the producer holds all but the last (3 hits, 1 miss)."""
+BLOCK_LEN = 256
+"""Bytes per block: small, the copy is not what is measured."""
+
+
+async def _requests(n: int, folder: str) -> dict[str, Any]:
+    from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
+    from p2pactor.runtime.config import NodeConfig  # noqa: PLC0415
+    from p2pactor.runtime.log import Durability, EventLog  # noqa: PLC0415
+    from p2pactor.runtime.node import open_node  # noqa: PLC0415
+    from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415
+    from p2pactor.testing import MemoryDataPlane, MemoryNetwork  # noqa: PLC0415
+
+    held, room = 4096, 10 * n + 1000
+    keys = [f"scale-key-{i}".encode().ljust(36, b".") for i in range(held + 1)]
+    missing = keys[held]  # never stored: every request's last key misses
+    caches = {"a": EmbeddedCache(n * (KEYS_PER_REQUEST - 1) + 16, BLOCK_LEN)}
+    caches["b"] = EmbeddedCache(held, BLOCK_LEN)
+    for i, key in enumerate(keys[:held]):
+        caches["b"].store(key, bytes([i % 256]) * BLOCK_LEN)
+    # Nothing may be refused: the point is N requests at once from one peer.
+    quotas = PeerQuotas(
+        max_pinned_blocks=10**9,
+        max_open_lookups=10**7,
+        max_fetch_rounds=10**7,
+        max_open_requests=10**7,
+    )
+    network, plane = MemoryNetwork(capacity=room), MemoryDataPlane()
+    logs = [
+        EventLog(
+            f"{x}:5710",
+            path=f"{folder}/{x}.log",
+            durability=Durability.interval(),
+            keep=0,
+            overwrite=True,
+        )
+        for x in "ab"
+    ]
+
+    def node(name: str, log: Any) -> Any:
+        cache = caches[name]
+        config = NodeConfig(
+            host=name,
+            port=5710,
+            num_blocks=cache.num_blocks,
+            block_len=BLOCK_LEN,
+            quotas=quotas,
+            engine_inbox=room,
+            session_outbox=room,
+        )
+        control, data = network.transport(f"{name}:5710"), plane.transport(cache.memory, BLOCK_LEN)
+        return open_node(config, control=control, data=data, parent=cache, event_log=log)
+
+    failed = 0
+    rss0 = peak_rss_kib()
+    async with node("b", logs[1]), node("a", logs[0]) as a:
+
+        async def one(i: int) -> None:
+            nonlocal failed
+            kv, start, cache = f"scale-{i}", (i * 7) % (held - KEYS_PER_REQUEST), caches["a"]
+            wanted = [*keys[start : start + KEYS_PER_REQUEST - 1], missing]
+            answers = await a.lookup("b:5710", kv, wanted)
+            hits = [k for k, x in zip(wanted, answers, strict=True) if x is LookupResult.HIT]
+            blocks = cache.allocate(len(hits))
+            if hits and (await a.fetch("b:5710", kv, hits, blocks)).success:
+                for key, block in zip(hits, blocks, strict=True):
+                    cache.commit(key, block)
+            else:
+                cache.free(blocks)
+                failed += 1
+            a.finish(kv)
+
+        # The handshake first: the N requests measure the actors, not a pile-up
+        # of frames queued behind a session that is not up yet.
+        await a.lookup("b:5710", "scale-warmup", keys[:1])
+        a.finish("scale-warmup")
+        t0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(one, i)
+        seconds = time.perf_counter() - t0
+        peak = peak_rss_kib()
+    return {
+        "requests": n,
+        "seconds": seconds,
+        "events": sum(log.statistics().events_appended for log in logs),
+        "failed": failed,
+        "peak_rss_kib": peak,
+        "rss_growth_kib": peak - rss0,
+    }
+
+
+def _repeat(paths: Sequence[str], total: int) -> Iterator[Any]:
+    """``total`` events: the logs' events, again and again under fresh request ids."""
+    from msgspec.structs import replace  # noqa: PLC0415
+
+    from p2pactor.runtime.logread import read_log  # noqa: PLC0415
+
+    pattern = [e for path in paths for e in read_log(path)]
+    for n in range(total if pattern else 0):
+        e = pattern[n % len(pattern)]
+        kv = f"{e.actor.kv_request_id}/{n // len(pattern)}"
+        yield replace(e, actor=replace(e.actor, kv_request_id=kv))
+
+
+def _write(paths: Sequence[str], total: int, out: str) -> dict[str, Any]:
+    from p2pactor.runtime.log import Durability, EventLog  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    with EventLog(
+        "replay:5710", path=out, durability=Durability.interval(), keep=0, overwrite=True
+    ) as log:
+        events = _repeat(paths, total)
+        while batch := list(itertools.islice(events, 64)):
+            log.append(batch)
+        stats = log.statistics()
+    return {
+        "events": stats.events_appended,
+        "bytes": stats.bytes_written,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _replay(mode: str, path: str) -> dict[str, Any]:
+    from p2pactor.runtime.logread import read_log  # noqa: PLC0415
+    from p2pactor.surface.replay import replay_logs  # noqa: PLC0415
+
+    before = peak_rss_kib()
+    t0 = time.perf_counter()
+    violations = 0
+    if mode == "read":
+        events = sum(1 for _ in read_log(path))
+    else:
+        run = replay_logs([path], check=mode.endswith("--check"), timelines=0)
+        for _ in run:
+            pass
+        events = run.summary().events
+        violations = len(run.violations)
+    return {
+        "mode": mode,
+        "seconds": time.perf_counter() - t0,
+        "events": events,
+        "violations": violations,
+        "growth_kib": peak_rss_kib() - before,
+    }
+
+
+MEASURES: dict[str, Callable[..., dict[str, Any]]] = {
+    "requests": lambda n, folder: trio.run(_requests, int(n), folder),
+    "write": lambda total, out, *logs: _write(logs, int(total), out),
+    "replay": _replay,
+}
+"""Each measurement by its name, from its arguments (strings, as given)."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one measurement; print it as one ``RESULT {...}`` line."""
+    what, *args = sys.argv[1:] if argv is None else argv
+    say(f"RESULT {json.dumps(MEASURES[what](*args))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,27 +44,28 @@ TITLE = (
 """One line saying what is measured."""
 
 MIB = 1 << 20
-FULL: tuple[tuple[str, str, tuple[str, ...]], ...] = (
-    ("refused frames", "refused-frame", (f"--sizes={MIB},{4 * MIB},{DEFAULT_MAX_FRAME_BYTES}",)),
-    ("register 1,000,000 blocks, claim all", "register-1m", ()),
-    ("register 4,000,000 blocks, claim 1", "register-1m", ("--blocks=4000000", "--claims=1")),
-    ("300 snapshots of 65,536 fps", "snapshot-flood", ("--count=300",)),
-    ("part 0/2, 255 deltas of 65,536, part 1", "deltas-mid-snapshot", ("--count=255",)),
-    ("100,000 resyncs", "resync-flood", ("--count=100000",)),
+Attacks = tuple[tuple[str, str, dict[str, Any]], ...]
+FULL: Attacks = (
+    ("refused frames", "refused-frame", {"sizes": [MIB, 4 * MIB, DEFAULT_MAX_FRAME_BYTES]}),
+    ("register 1,000,000 blocks, claim all", "register-1m", {}),
+    ("register 4,000,000 blocks, claim 1", "register-1m", {"blocks": 4_000_000, "claims": 1}),
+    ("300 snapshots of 65,536 fps", "snapshot-flood", {"count": 300}),
+    ("part 0/2, 255 deltas of 65,536, part 1", "deltas-mid-snapshot", {"count": 255}),
+    ("100,000 resyncs", "resync-flood", {"count": 100_000}),
     # 30,000, not issue 30's 3,000: those take 0.5 s, about 25 honest lookups, so that
     # the row's p99 was its slowest lookup, the one at the hostile peer's connect.
-    ("30,000 messages, a new epoch each", "epoch-flip", ("--count=30000",)),
-    ("2,000 snapshot parts of 65,536 fps", "max-frames", ("--count=2000",)),
-    ("100 lookups of 65,536 keys", "max-lookups", ("--count=100",)),
-    ("lookup flood: 30,000 of 16 held keys", "lookup-flood", ("--count=30000",)),
+    ("30,000 messages, a new epoch each", "epoch-flip", {"count": 30_000}),
+    ("2,000 snapshot parts of 65,536 fps", "max-frames", {"count": 2000}),
+    ("100 lookups of 65,536 keys", "max-lookups", {"count": 100}),
+    ("lookup flood: 30,000 of 16 held keys", "lookup-flood", {"count": 30_000}),
 )
-"""The full run's attacks (row, ``--attack``, its arguments), in order (the refused
-frames first, while the victim's heap has the least free memory to hide a frame in)."""
-QUICK = (
-    ("refused frames", "refused-frame", (f"--sizes={MIB}",)),
-    ("30 snapshots of 65,536 fps", "snapshot-flood", ("--count=30",)),
-    ("10 lookups of 65,536 keys", "max-lookups", ("--count=10",)),
-    ("lookup flood: 3,000 of 16 held keys", "lookup-flood", ("--count=3000",)),
+"""The full run's attacks (row, the hostile peer's ``attack``, its options), in order (the
+refused frames first, while the victim's heap has the least free memory to hide a frame in)."""
+QUICK: Attacks = (
+    ("refused frames", "refused-frame", {"sizes": [MIB]}),
+    ("30 snapshots of 65,536 fps", "snapshot-flood", {"count": 30}),
+    ("10 lookups of 65,536 keys", "max-lookups", {"count": 10}),
+    ("lookup flood: 3,000 of 16 held keys", "lookup-flood", {"count": 3000}),
 )
 """``--quick``'s attacks, a smoke run (``tests/test_summary_attack.py`` runs every attack)."""
 BASELINE_S, QUICK_BASELINE_S, BASELINE_WINDOW_S = 10.0, 2.0, 2.0
@@ -86,9 +87,7 @@ def parts_per_snapshot(settings: VictimSettings) -> int:
     return max(1, -(-settings.preload // PART_KEYS))
 
 
-def _repeat(
-    work: Path, attacks: Sequence[tuple[str, str, tuple[str, ...]]], baseline_s: float
-) -> Any:
+def _repeat(work: Path, attacks: Attacks, baseline_s: float) -> Any:
     """One fresh victim and honest peer: the baseline and every attack."""
     settings = VictimSettings(port=free_port(), metrics_port=free_port())
     with arena(settings, work) as (victim, honest):
@@ -104,16 +103,15 @@ def _repeat(
         p99s = sorted(float(w["lookup_p99_s"]) for w in windows if w["lookups"])
         baseline["lookup_p99_s"] = p99s[len(p99s) // 2] if p99s else None
         results = {
-            row: run_attack(name, list(args), victim=victim, honest=honest, work_dir=work)
-            for row, name, args in attacks
+            row: run_attack(name, options, victim=victim, honest=honest, work_dir=work)
+            for row, name, options in attacks
         }
         return baseline, results
 
 
 def run(options: BenchOptions) -> SectionResult:
     """Run every attack against a fresh victim per repeat, and tabulate."""
-    missing = nixl_missing()
-    if missing:
+    if missing := nixl_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     attacks = QUICK if options.quick else FULL
@@ -152,7 +150,7 @@ TARGETS = {
 
 COLUMNS = (
     *("RSS peak MiB", "RSS held MiB", "RSS kept MiB", "longest step ms"),
-    *("honest p50 ms", "honest p99 ms", "p99 / baseline", "/status max ms", "value"),
+    *("honest p50 ms", "honest p99 ms", "p99 / baseline", "value"),
 )
 """The table's columns of figures, one a repeat, in order (but ``honest failed``, a count)."""
 
@@ -173,14 +171,13 @@ class _Row:
 
     def add(self, m: StepResult, base_p99: float | None, value: float | None) -> None:
         """Add one repeat's figures: the victim's RSS, node thread, the honest peer's, its own."""
-        step = _ms(m.window.longest_step_s)
+        step = _ms(m.longest_step_s)
         was = max((x for x in self.got["longest step ms"] if x is not None), default=0.0)
         if step is not None and step >= was:
-            self.task = m.window.longest_task
+            self.task = m.longest_task
         victim = (m.peak_growth_mib, m.held_mib, m.kept_mib, step)
         for column, figure in zip(COLUMNS[:4], victim, strict=True):
             self.got[column].append(figure)
-        self.got["/status max ms"].append(_ms(m.window.status_max_s))
         self.honest(m.honest, base_p99, value)
 
     def honest(self, honest: dict[str, Any], base_p99: float | None, value: float | None) -> None:
@@ -209,7 +206,6 @@ class _Row:
             "attack": self.name,
             **{column: stat[column] for column in COLUMNS[:7]},
             "honest failed": self.failed,
-            "/status max ms": stat["/status max ms"],
             "figure": self.figure,
             "value": stat["value"],
             "verdict": "; ".join(m for _, m in self.misses) or "ok",
@@ -250,7 +246,7 @@ def _figure(attack: str, result: StepResult, settings: VictimSettings) -> tuple[
 
 
 def _tabulate(
-    attacks: Sequence[tuple[str, str, tuple[str, ...]]],
+    attacks: Attacks,
     runs: Sequence[tuple[dict[str, Any], dict[str, StepResult]]],
     settings: VictimSettings,
     baseline_s: float,
