@@ -35,9 +35,9 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
 from p2pactor.runtime.actor import RequestActor, Runner
-from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.logcontext import parent_request_context
 from p2pactor.runtime.parent import Parent
+from p2pactor.runtime.quotas import QuotaLedger
 from p2pactor.runtime.timers import Timers
 
 log = logging.getLogger("p2pactor.parent")
