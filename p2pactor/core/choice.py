@@ -25,9 +25,9 @@ import msgspec
 from p2pactor.core import checks
 
 if TYPE_CHECKING:
-    from p2pactor.core.sources import _Peer
     from p2pactor.core.sources.arrays import FpArray
     from p2pactor.core.sources.filter import Rows
+    from p2pactor.core.sources.peer import PeerClaims
 
 
 @attrs.frozen
@@ -127,7 +127,7 @@ class Trust:
     """
 
     policy: ChoicePolicy
-    _peers: Mapping[str, _Peer]
+    _peers: Mapping[str, PeerClaims]
     _columns: Mapping[int, str]  # the filter's column -> its peer
     # The quarantined peers, replaced whole (read by engine threads): a key
     # only they claim is unclaimed, a MISS with no wait.
@@ -236,48 +236,36 @@ class Trust:
         the choice records (the best; all with None).
         """
         policy, peers, names = self.policy, self._peers, self._columns
-        columns, runs = (c.tolist() for c in candidates)
-        most_probes = policy.max_probes_per_peer
         per_key = policy.tokens_per_key * policy.prefill_s_per_token
         cost, load = policy.round_trip_s, policy.load_s
         scored: list[tuple[float, int, str, int]] = []  # (-score, -run, peer, run): best first
         skipped = False
-        for column, run in zip(columns, runs, strict=True):
+        for column, run in zip(*(c.tolist() for c in candidates), strict=True):
             peer = names.get(column)
             if peer is None:
                 continue
             found = peers[peer]
-            if now < found.quarantined_until or found.in_flight >= most_probes:
+            if now < found.quarantined_until or found.in_flight >= policy.max_probes_per_peer:
                 skipped = True
-                continue
-            # This loop runs for every peer claiming the first key: the score inline.
-            score = run * per_key * found.precision - cost - load * found.in_flight
-            scored.append((-score, -run, peer, run))
+            else:  # for every peer claiming the first key: the score inline
+                score = run * per_key * found.precision - cost - load * found.in_flight
+                scored.append((-score, -run, peer, run))
         checked: set[str] = set()
-        while scored:
-            best = min(scored)
-            peer = best[2]
-            if peer in checked:
-                break
+        while scored and (best := min(scored))[2] not in checked:
+            peer, run = best[2:]
             checked.add(peer)
             found = peers[peer]
-            held = found.summary.claims.mask(wanted[: best[3]])
-            run = best[3] if held.all() else int(held.argmin())
-            if run < best[3]:
+            held = found.claims.mask(wanted[:run])
+            if not held.all():
                 scored.remove(best)
-                if run:
+                if run := int(held.argmin()):
                     score = run * per_key * found.precision - cost - load * found.in_flight
                     scored.append((-score, -run, peer, run))
         if not scored:
-            if skipped:
-                return Choice(
-                    None, 0, (), "every peer claiming the first key is quarantined or busy"
-                )
-            return Choice(None, 0, (), "no peer claims the first key")
+            quarantined = "every peer claiming the first key is quarantined or busy"
+            return Choice(None, 0, (), quarantined if skipped else "no peer claims the first key")
         scored.sort()
-        claims = tuple(
-            Claim(peer, run, peers[peer].precision, -score) for score, _, peer, run in scored[:most]
-        )
+        claims = tuple(Claim(p, run, peers[p].precision, -s) for s, _, p, run in scored[:most])
         best_claim = claims[0]
         if best_claim.score <= 0:
             return Choice(None, 0, claims, "no claimed run is worth a round trip")

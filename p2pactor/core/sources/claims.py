@@ -26,15 +26,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from p2pactor.core.sources.arrays import (
-    EMPTY,
-    Fingerprints,
-    FpArray,
-    MergeRuns,
-    as_fps,
-    count,
-    unique,
-)
+from p2pactor.core.sources.arrays import EMPTY, FpArray, MergeRuns, Raw, as_fps, unique
 from p2pactor.core.sources.filter import ClaimFilter
 
 # Changes since the last compaction below which a set is never compacted.
@@ -77,11 +69,6 @@ class ClaimSet:
         self._dead = 0  # entries of ``keys`` no longer claimed
         self._count = len(keys)
         self._compacting: Compaction | None = None
-
-    @classmethod
-    def of(cls, fps: Fingerprints) -> ClaimSet:
-        """The claims ``fps`` (in any order, repeats allowed)."""
-        return cls(unique(as_fps(fps)))
 
     def __len__(self) -> int:
         """How many fingerprints are claimed."""
@@ -193,10 +180,6 @@ class ClaimSet:
         due = max(COMPACT_MIN, len(self._sorted[0]) >> 4)
         return len(self._extra) > due or self._dead > 4 * due
 
-    def compaction(self) -> Compaction:
-        """A compaction (the recent adds merged into the array), run by its steps."""
-        return Compaction(self)
-
     @property
     def compacting(self) -> bool:
         """Whether a compaction is under way (removals meanwhile are kept for it)."""
@@ -272,7 +255,7 @@ class Assembly:
     # The filter's column for ``runs``, filled as they come.
     column: FpArray
     # Deltas after ``upto`` that came meanwhile: applied once it is whole.
-    buffered: list[tuple[int, Fingerprints, Fingerprints]] = attrs.Factory(list)
+    buffered: list[tuple[int, Raw, Raw]] = attrs.Factory(list)
     # Fingerprints in ``buffered``.
     buffered_fps: int = 0
     seen: set[int] = attrs.Factory(set)
@@ -285,12 +268,12 @@ class Assembly:
 
 
 class Fill:
-    """A part's fingerprints going into its assembly a slice at a time."""
+    """A part's fingerprints going into its assembly a slice at a time (``fps``: those left)."""
 
-    __slots__ = ("assembly", "at", "fps", "n")
+    __slots__ = ("assembly", "fps")
 
-    def __init__(self, assembly: Assembly, fps: Fingerprints) -> None:
-        self.assembly, self.fps, self.n, self.at = assembly, fps, count(fps), 0
+    def __init__(self, assembly: Assembly, fps: Raw) -> None:
+        self.assembly, self.fps = assembly, fps
 
     def step(self, most: int, capacity: int, filt: ClaimFilter) -> tuple[int, bool]:
         """The next ``most`` at most; the work done, and whether the peer is struck now.
@@ -299,19 +282,17 @@ class Fill:
         budget for it) keeps what fits, struck once a snapshot; what does not
         fit is never even converted.
         """
-        assembly = self.assembly
-        left = self.n - self.at
-        take = min(most, left, max(0, capacity - assembly.held))
+        assembly, fps = self.assembly, self.fps
+        take = min(most, len(fps), max(0, capacity - assembly.held))
         if take:
-            run = unique(as_fps(self.fps, take, self.at))
+            run = unique(as_fps(fps, take))
             assembly.runs.append(run)
             assembly.held += len(run)
             filt.fill(assembly.column, run)
-            self.at += take
-        struck = False
-        if take < min(most, left):
+        struck = take < min(most, len(fps))
+        self.fps = fps[:0] if struck else fps[take:]
+        if struck:
             struck, assembly.cut = not assembly.cut, True
-            self.at = self.n
         return max(1, take), struck
 
 

@@ -27,9 +27,11 @@ from collections import deque
 import attrs
 import msgspec
 
-from p2pactor.core.sources.arrays import Fingerprints, as_fps, count
+from p2pactor.core.choice import PeerTrust
+from p2pactor.core.sources.arrays import Raw, as_fps
 from p2pactor.core.sources.claims import Assembly, ClaimSet, Compaction, Complete, Fill
 from p2pactor.core.sources.filter import ClaimFilter
+from p2pactor.core.work_budget import WorkBudget
 
 # Deltas kept while a snapshot is assembled; past that the snapshot is given up.
 MAX_BUFFERED_DELTAS = 256
@@ -58,9 +60,9 @@ class Delta:
 
     __slots__ = ("add", "epoch", "nbytes", "remove", "seq")
 
-    def __init__(self, epoch: bytes, seq: int, add: Fingerprints, remove: Fingerprints) -> None:
+    def __init__(self, epoch: bytes, seq: int, add: Raw, remove: Raw) -> None:
         self.epoch, self.seq, self.add, self.remove = epoch, seq, add, remove
-        self.nbytes = 8 * (count(add) + count(remove)) + MESSAGE_BYTES
+        self.nbytes = int(add.nbytes + remove.nbytes) + MESSAGE_BYTES
 
 
 class Part:
@@ -68,22 +70,18 @@ class Part:
 
     __slots__ = ("epoch", "fps", "nbytes", "part", "parts", "upto")
 
-    def __init__(self, epoch: bytes, upto: int, part: int, parts: int, fps: Fingerprints) -> None:
+    def __init__(self, epoch: bytes, upto: int, part: int, parts: int, fps: Raw) -> None:
         self.epoch, self.upto, self.part, self.parts, self.fps = epoch, upto, part, parts, fps
-        self.nbytes = 8 * count(fps) + MESSAGE_BYTES
+        self.nbytes = int(fps.nbytes) + MESSAGE_BYTES
 
 
+@attrs.define(eq=False)
 class _Apply:
-    """A delta's removes, then its adds, going into the claims a slice at a time."""
+    """A delta's removes, then its adds, going into the claims a slice at a time (those left)."""
 
-    __slots__ = ("add", "at_add", "at_remove", "n_add", "n_remove", "remove", "struck")
-
-    def __init__(self, add: Fingerprints, remove: Fingerprints, most: int) -> None:
-        self.add, self.remove = add, remove
-        # More than the peer may claim is never looked at.
-        self.n_add, self.n_remove = min(count(add), most), min(count(remove), most)
-        self.at_add = self.at_remove = 0
-        self.struck = False
+    add: Raw
+    remove: Raw
+    struck: bool = False
 
 
 # A summary message as it waits for its turn.
@@ -91,9 +89,9 @@ Incoming = Delta | Part
 _Job = Delta | Part | _Apply | Fill | Complete | Compaction
 
 
-@attrs.define(eq=False)
-class PeerClaims:
-    """What one peer claims, and its summary messages not applied yet.
+@attrs.define(eq=False, kw_only=True)
+class PeerClaims(PeerTrust):
+    """What one peer claims, its summary messages not applied yet, its work budget and trust.
 
     Args:
         peer: The peer's id (named in the resyncs it is asked).
@@ -102,6 +100,7 @@ class PeerClaims:
         column: This peer's column.
         max_queued_bytes: What its queued messages may hold; past it they are
             dropped as a flood.
+        budget: How much of the node's thread its summaries may take.
     """
 
     peer: str
@@ -109,6 +108,7 @@ class PeerClaims:
     _filter: ClaimFilter
     column: int
     max_queued_bytes: int
+    budget: WorkBudget
     epoch: bytes = b""
     seq: int = 0
     # A whole snapshot arrived for this epoch.
@@ -146,14 +146,11 @@ class PeerClaims:
 
     def receive(self, message: Incoming) -> Resync | None:
         """Queue ``message``; a Resync to send if it overflowed the queue (a flood)."""
-        if self.queued_bytes + message.nbytes > self.max_queued_bytes and self.queue:
-            return self._flooded()
-        self.queue.append(message)
-        self.queued_bytes += message.nbytes
-        return None
-
-    def _flooded(self) -> Resync | None:
-        """Its messages come faster than they are applied: drop them, and ask again."""
+        if self.queued_bytes + message.nbytes <= self.max_queued_bytes or not self.queue:
+            self.queue.append(message)
+            self.queued_bytes += message.nbytes
+            return None
+        # Its messages come faster than they are applied: drop them, and ask again.
         self.floods += 1
         self.strikes += 1
         self.claims.cancel_compaction()  # it was queued: its steps are dropped with the rest
@@ -188,15 +185,15 @@ class PeerClaims:
             return 1, self._delta(job) if isinstance(job, Delta) else self._part(job)
         if isinstance(job, _Apply):
             used = self._apply(job, most)
-            if job.at_add >= job.n_add and job.at_remove >= job.n_remove:
+            if not (len(job.add) or len(job.remove)):
                 queue.popleft()
             if self.claims.compact_due:
-                queue.appendleft(self.claims.compaction())  # before the rest of the queue
+                queue.appendleft(Compaction(self.claims))  # before the rest of the queue
             return used, None
         if isinstance(job, Fill):
             used, struck = job.step(most, self.capacity, self._filter)
             self.strikes += struck
-            if job.at >= job.n:
+            if not len(job.fps):
                 queue.popleft()
                 assembly = job.assembly
                 if len(assembly.seen) == assembly.parts and assembly is self.assembly:
@@ -215,19 +212,18 @@ class PeerClaims:
         return used, self._install(job)
 
     def _delta(self, msg: Delta) -> Resync | None:
-        epoch, seq = msg.epoch, msg.seq
+        epoch, seq, most = msg.epoch, msg.seq, self.capacity
         if epoch != self.epoch:
             # A restarted peer: its old summary goes whole, its new one starts
             # with a snapshot (asked once, however often the epoch flips).
             self.new_epoch(epoch)
             return None if self.resync_asked else self.resync()
-        most = self.capacity
-        if count(msg.add) > most or count(msg.remove) > most:
-            self.strikes += 1  # more than it may claim: the rest is never looked at
+        # More than it may claim: struck, and the rest is never looked at.
+        self.strikes += max(len(msg.add), len(msg.remove)) > most
         assembly = self.assembly
         if assembly is not None and seq > assembly.upto:
-            size = assembly.buffered_fps + min(count(msg.add), most) + min(count(msg.remove), most)
-            limit = self.capacity // BUFFERED_SHARE + BUFFERED_SLACK
+            size = assembly.buffered_fps + _size(msg.add, msg.remove, most)
+            limit = most // BUFFERED_SHARE + BUFFERED_SLACK
             if len(assembly.buffered) >= MAX_BUFFERED_DELTAS or size > limit:
                 # It is not coming whole, or the deltas meanwhile weigh more
                 # than their share of the claims the peer may make (applying
@@ -243,7 +239,7 @@ class PeerClaims:
             return None  # already folded in (a snapshot covered it)
         if seq == self.seq + 1 and self.synced:
             self.seq = seq
-            self.queue.appendleft(_Apply(msg.add, msg.remove, most))
+            self.queue.appendleft(_Apply(msg.add[:most], msg.remove[:most]))
             return None
         # A gap (or no snapshot yet): ask once, and again if it lasts.
         self.gap_deltas += 1
@@ -267,8 +263,7 @@ class PeerClaims:
             if self.synced and upto < self.seq:
                 return None  # a new snapshot older than what deltas already brought
             kept = [] if assembly is None else [b for b in assembly.buffered if b[0] > upto]
-            most = self.capacity
-            size = sum(min(count(add), most) + min(count(remove), most) for _, add, remove in kept)
+            size = sum(_size(add, remove, self.capacity) for _, add, remove in kept)
             assembly = self.assembly = Assembly(upto, parts, self._filter.scratch(), kept, size)
         if part in assembly.seen:
             return None
@@ -278,10 +273,10 @@ class PeerClaims:
 
     def _install(self, job: Complete) -> Resync | None:
         """The merged snapshot becomes the claims; the deltas buffered meanwhile follow it."""
-        assembly = job.assembly
+        assembly, most = job.assembly, self.capacity
         if self.assembly is assembly:
             self.assembly = None
-        held = job.merge.result()[: self.capacity]
+        held = job.merge.result()[:most]
         self.claims = ClaimSet(held)
         self._filter.install(self.column, assembly.column, len(held))
         self.seq, self.synced = assembly.upto, True
@@ -291,7 +286,7 @@ class PeerClaims:
         for seq, add, remove in sorted(assembly.buffered, key=lambda b: b[0]):
             if seq == self.seq + 1:
                 self.seq = seq
-                follow.append(_Apply(add, remove, self.capacity))
+                follow.append(_Apply(add[:most], remove[:most]))
             elif seq > self.seq:
                 later = True
         self.queue.extendleft(reversed(follow))  # ahead of the messages that came since
@@ -299,18 +294,14 @@ class PeerClaims:
 
     def _apply(self, job: _Apply, most: int) -> int:
         claims, filt = self.claims, self._filter
-        used = 0
-        if job.at_remove < job.n_remove:
-            take = min(most, job.n_remove - job.at_remove)
-            claims.remove(as_fps(job.remove, take, job.at_remove))
-            job.at_remove += take
-            used += take
-        if used < most and job.at_add < job.n_add:
-            take = min(most - used, job.n_add - job.at_add)
-            new, refused = claims.add(
-                as_fps(job.add, take, job.at_add), self.capacity - len(claims)
-            )
-            job.at_add += take
+        used = min(most, len(job.remove))
+        if used:
+            claims.remove(as_fps(job.remove, used))
+            job.remove = job.remove[used:]
+        take = min(most - used, len(job.add))
+        if take:
+            new, refused = claims.add(as_fps(job.add, take), self.capacity - len(claims))
+            job.add = job.add[take:]
             used += take
             if refused and not job.struck:
                 # More than it registered blocks for: keep what fits (work in
@@ -346,9 +337,12 @@ class PeerClaims:
             self.claims.truncate(capacity)
             self.strikes += 1
 
-    def missed(self, fps: Fingerprints) -> None:
+    def missed(self, fps: Raw) -> None:
         """It answered MISS for ``fps``: it no longer holds them."""
-        most = self.capacity
-        if count(fps) > most:
-            self.strikes += 1
-        self.claims.remove(as_fps(fps, most))
+        self.strikes += len(fps) > self.capacity
+        self.claims.remove(as_fps(fps, self.capacity))
+
+
+def _size(add: Raw, remove: Raw, most: int) -> int:
+    """Fingerprints of a delta looked at, for a peer that may claim ``most``."""
+    return min(len(add), most) + min(len(remove), most)
