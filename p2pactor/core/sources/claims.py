@@ -59,7 +59,7 @@ class ClaimSet:
         keys: The claims to start with, sorted and each once (:func:`unique`).
     """
 
-    __slots__ = ("_compacting", "_count", "_dead", "_extra", "_sorted")
+    __slots__ = ("_compacting", "_dead", "_extra", "_sorted")
 
     def __init__(self, keys: FpArray | None = None) -> None:
         keys = EMPTY if keys is None else keys
@@ -67,12 +67,11 @@ class ClaimSet:
         # Claimed since the last compaction and not in ``keys``: sorted, each once.
         self._extra: FpArray = EMPTY
         self._dead = 0  # entries of ``keys`` no longer claimed
-        self._count = len(keys)
         self._compacting: Compaction | None = None
 
     def __len__(self) -> int:
         """How many fingerprints are claimed."""
-        return self._count
+        return len(self._sorted[0]) - self._dead + len(self._extra)
 
     @property
     def nbytes(self) -> int:
@@ -143,7 +142,6 @@ class ClaimSet:
         extra = self._extra
         if len(new):
             self._extra = np.insert(extra, extra.searchsorted(new), new)
-        self._count += wanted - refused
         self._compacting = None  # a compaction under way would miss them: it starts over
         return fps[fresh], refused
 
@@ -160,7 +158,6 @@ class ClaimSet:
             if found.any():
                 self._extra = np.delete(extra, at[found])
                 gone += int(found.sum())
-        self._count -= gone
         compacting = self._compacting
         if gone and compacting is not None:
             compacting.removed.append(fps)  # its result must lose them too
@@ -168,11 +165,10 @@ class ClaimSet:
 
     def truncate(self, most: int) -> None:
         """Keep ``most`` claims (the lowest fingerprints): the peer may claim no more."""
-        if self._count > most:
+        if len(self) > most:
             self._compacting = None
             kept = self.array()[: max(0, most)]
             self._publish(kept, np.ones(len(kept), bool), 0)
-            self._count = len(kept)
 
     @property
     def compact_due(self) -> bool:
