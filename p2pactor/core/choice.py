@@ -104,7 +104,7 @@ class Choice(msgspec.Struct, frozen=True, gc=False):
 MAX_QUARANTINE_DOUBLINGS = 32
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, kw_only=True)
 class PeerTrust:
     """One peer's record: precision, probes in flight, failed fetches, quarantines."""
 
@@ -132,6 +132,7 @@ class Trust:
     # The quarantined peers, replaced whole (read by engine threads): a key
     # only they claim is unclaimed, a MISS with no wait.
     _excluded: frozenset[str]
+    _nobody: PeerClaims  # what is read of a peer with no record here
 
     def next_release(self) -> float | None:
         """When the first quarantine ends (None: no peer is quarantined)."""
@@ -149,13 +150,11 @@ class Trust:
 
     def precision(self, peer: str) -> float:
         """How often ``peer``'s probed claims held (a moving average; 1.0 before any)."""
-        found = self._peers.get(peer)
-        return found.precision if found is not None else 1.0
+        return self._peers.get(peer, self._nobody).precision
 
     def quarantined(self, peer: str, now: float) -> bool:
         """Whether automatic choice skips ``peer`` at ``now``."""
-        found = self._peers.get(peer)
-        return found is not None and now < found.quarantined_until
+        return now < self._peers.get(peer, self._nobody).quarantined_until
 
     def probe_started(self, peer: str) -> None:
         """An automatic lookup to ``peer`` was sent."""

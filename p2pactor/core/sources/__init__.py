@@ -102,19 +102,11 @@ class SourceIndex(Trust):
         self._columns: dict[int, str] = {}  # the filter's column -> its peer
         self._busy: deque[str] = deque()  # peers with work queued, in turn
         self._excluded: frozenset[str] = frozenset()  # see Trust
-        # What the accessors read for a peer with no summary here.
-        self._nobody = self._record("", 0, -1)
+        self._nobody = self._record("", 0, -1)  # see Trust
 
     def _record(self, peer: str, capacity: int, column: int) -> PeerClaims:
         budget = WorkBudget(self.work_fps_per_s)
-        return PeerClaims(
-            peer=peer,
-            capacity=capacity,
-            filter=self._filter,
-            column=column,
-            max_queued_bytes=self.max_queued_bytes,
-            budget=budget,
-        )
+        return PeerClaims(peer, capacity, self._filter, column, self.max_queued_bytes, budget)
 
     # --- what the index holds ---------------------------------------------------------
 

@@ -15,19 +15,14 @@ changes it: an array is never resized in place (a change makes a new one),
 a reader takes the main array and its mask as one tuple, and a compaction
 publishes the new main array before it empties the small one.
 
-A snapshot that comes in parts is assembled (:class:`Assembly`) a slice at a
-time too: each part a sorted run (:class:`Fill`), all merged once it is whole
-(:class:`Complete`), then installed as the peer's claims.
 """
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
-from p2pactor.core.sources.arrays import EMPTY, FpArray, MergeRuns, Raw, as_fps, unique
-from p2pactor.core.sources.filter import ClaimFilter
+from p2pactor.core.sources.arrays import EMPTY, FpArray, MergeRuns, unique
 
 # Changes since the last compaction below which a set is never compacted.
 COMPACT_MIN = 1024
@@ -240,64 +235,3 @@ class Compaction:
         dead = sum(int(_kill(keys, live, fps).sum()) for fps in self.removed)
         claims._publish(keys, live, dead)
         return True
-
-
-@attrs.define(eq=False)
-class Assembly:
-    """A snapshot being put together from its parts: sorted runs, merged once it is whole."""
-
-    upto: int
-    parts: int
-    # The filter's column for ``runs``, filled as they come.
-    column: FpArray
-    # Deltas after ``upto`` that came meanwhile: applied once it is whole.
-    buffered: list[tuple[int, Raw, Raw]] = attrs.Factory(list)
-    # Fingerprints in ``buffered``.
-    buffered_fps: int = 0
-    seen: set[int] = attrs.Factory(set)
-    # Each sorted, each value once within it.
-    runs: list[FpArray] = attrs.Factory(list)
-    # Fingerprints in ``runs`` (one in two runs counts twice).
-    held: int = 0
-    # It claimed more than it may: cut back to its capacity.
-    cut: bool = False
-
-
-class Fill:
-    """A part's fingerprints going into its assembly a slice at a time (``fps``: those left)."""
-
-    __slots__ = ("assembly", "fps")
-
-    def __init__(self, assembly: Assembly, fps: Raw) -> None:
-        self.assembly, self.fps = assembly, fps
-
-    def step(self, most: int, capacity: int, filt: ClaimFilter) -> tuple[int, bool]:
-        """The next ``most`` at most; the work done, and whether the peer is struck now.
-
-        A peer claiming more than it may (what it registered, or this node's
-        budget for it) keeps what fits, struck once a snapshot; what does not
-        fit is never even converted.
-        """
-        assembly, fps = self.assembly, self.fps
-        take = min(most, len(fps), max(0, capacity - assembly.held))
-        if take:
-            run = unique(as_fps(fps, take))
-            assembly.runs.append(run)
-            assembly.held += len(run)
-            filt.fill(assembly.column, run)
-        struck = take < min(most, len(fps))
-        self.fps = fps[:0] if struck else fps[take:]
-        if struck:
-            struck, assembly.cut = not assembly.cut, True
-        return max(1, take), struck
-
-
-class Complete:
-    """A whole snapshot's runs merged into one, then installed as the claims."""
-
-    __slots__ = ("assembly", "merge")
-
-    def __init__(self, assembly: Assembly) -> None:
-        self.assembly = assembly
-        self.merge = MergeRuns(assembly.runs)
-        assembly.runs = []  # the merge holds them now

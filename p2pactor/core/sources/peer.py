@@ -14,7 +14,10 @@ sender's own rule.
 What a message means is decided when it reaches the head of the queue,
 exactly as if it were applied on arrival: its epoch (a new one drops the old
 summary whole), its sequence number (in order, a gap, or already covered),
-whether a snapshot is being assembled. Then its fingerprints go in slices.
+whether a snapshot is being assembled. Then its fingerprints go in slices:
+a delta's (removes, then adds), or a snapshot's parts, each a sorted run
+(:class:`Assembly`), all merged once it is whole and installed as the claims.
+Each such job is a generator, one slice a ``send``.
 
 Sans-IO: no clock, no I/O. Every fingerprint a peer may claim is capped by
 its capacity (what it registered, within the node's budget for it).
@@ -23,13 +26,14 @@ its capacity (what it registered, within the node's budget for it).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Generator
 
 import attrs
 import msgspec
 
 from p2pactor.core.choice import PeerTrust
-from p2pactor.core.sources.arrays import Raw, as_fps
-from p2pactor.core.sources.claims import Assembly, ClaimSet, Compaction, Complete, Fill
+from p2pactor.core.sources.arrays import FpArray, MergeRuns, Raw, as_fps, unique
+from p2pactor.core.sources.claims import ClaimSet, Compaction
 from p2pactor.core.sources.filter import ClaimFilter
 from p2pactor.core.work_budget import WorkBudget
 
@@ -76,20 +80,36 @@ class Part:
 
 
 @attrs.define(eq=False)
-class _Apply:
-    """A delta's removes, then its adds, going into the claims a slice at a time (those left)."""
+class Assembly:
+    """A snapshot being put together from its parts: sorted runs, merged once it is whole."""
 
-    add: Raw
-    remove: Raw
-    struck: bool = False
+    upto: int
+    parts: int
+    # The filter's column for ``runs``, filled as they come.
+    column: FpArray
+    # Deltas after ``upto`` that came meanwhile: applied once it is whole.
+    buffered: list[tuple[int, Raw, Raw]] = attrs.Factory(list)
+    # Fingerprints in ``buffered``.
+    buffered_fps: int = 0
+    seen: set[int] = attrs.Factory(set)
+    # Each sorted, each value once within it.
+    runs: list[FpArray] = attrs.Factory(list)
+    # Fingerprints in ``runs`` (one in two runs counts twice).
+    held: int = 0
+    # It claimed more than it may: cut back to its capacity.
+    cut: bool = False
+    # Its runs being merged, once it is whole.
+    merge: MergeRuns | None = None
 
 
 # A summary message as it waits for its turn.
 Incoming = Delta | Part
-_Job = Delta | Part | _Apply | Fill | Complete | Compaction
+# Work under way: each ``send(most)`` does a slice and yields the work done and a
+# Resync to send; it takes itself off the queue before its last slice.
+_Job = Generator[tuple[int, Resync | None], int, None]
 
 
-@attrs.define(eq=False, kw_only=True)
+@attrs.define(eq=False)
 class PeerClaims(PeerTrust):
     """What one peer claims, its summary messages not applied yet, its work budget and trust.
 
@@ -119,7 +139,7 @@ class PeerClaims(PeerTrust):
     gap_deltas: int = 0
     claims: ClaimSet = attrs.Factory(ClaimSet)
     assembly: Assembly | None = None
-    queue: deque[_Job] = attrs.Factory(deque)
+    queue: deque[Incoming | Compaction | _Job] = attrs.Factory(deque)
     # Bytes of the messages in ``queue``.
     queued_bytes: int = 0
     # Messages that claimed more than it may.
@@ -135,11 +155,8 @@ class PeerClaims(PeerTrust):
         if assembly is not None:
             total += sum(int(r.nbytes) for r in assembly.runs) + int(assembly.column.nbytes)
             total += 8 * assembly.buffered_fps
-        head = self.queue[0] if self.queue else None
-        if isinstance(head, Complete):
-            total += head.merge.nbytes  # the runs it merges and its output
-            if head.assembly is not assembly:
-                total += int(head.assembly.column.nbytes)
+            if assembly.merge is not None:
+                total += assembly.merge.nbytes  # the runs it merges and its output
         return total
 
     # --- messages in ----------------------------------------------------------------------
@@ -183,33 +200,18 @@ class PeerClaims(PeerTrust):
             queue.popleft()
             self.queued_bytes -= job.nbytes
             return 1, self._delta(job) if isinstance(job, Delta) else self._part(job)
-        if isinstance(job, _Apply):
-            used = self._apply(job, most)
-            if not (len(job.add) or len(job.remove)):
-                queue.popleft()
-            if self.claims.compact_due:
-                queue.appendleft(Compaction(self.claims))  # before the rest of the queue
-            return used, None
-        if isinstance(job, Fill):
-            used, struck = job.step(most, self.capacity, self._filter)
-            self.strikes += struck
-            if not len(job.fps):
-                queue.popleft()
-                assembly = job.assembly
-                if len(assembly.seen) == assembly.parts and assembly is self.assembly:
-                    queue.appendleft(Complete(assembly))
-            return used, None
         # Merging costs about an eighth of applying, a fingerprint: a slice
         # merges that many more, and counts for as much work.
         if isinstance(job, Compaction):
             if job.step(most * MERGE_RATIO):
                 queue.popleft()
             return max(1, job.work // MERGE_RATIO), None
-        used = max(1, job.merge.step(most * MERGE_RATIO) // MERGE_RATIO)
-        if not job.merge.done:
-            return used, None
-        queue.popleft()
-        return used, self._install(job)
+        return job.send(most)
+
+    def _push(self, job: _Job) -> None:
+        """``job`` goes first; it starts at its first ``yield``."""
+        next(job)
+        self.queue.appendleft(job)
 
     def _delta(self, msg: Delta) -> Resync | None:
         epoch, seq, most = msg.epoch, msg.seq, self.capacity
@@ -239,7 +241,7 @@ class PeerClaims(PeerTrust):
             return None  # already folded in (a snapshot covered it)
         if seq == self.seq + 1 and self.synced:
             self.seq = seq
-            self.queue.appendleft(_Apply(msg.add[:most], msg.remove[:most]))
+            self._push(self._apply(msg.add[:most], msg.remove[:most]))
             return None
         # A gap (or no snapshot yet): ask once, and again if it lasts.
         self.gap_deltas += 1
@@ -268,50 +270,97 @@ class PeerClaims(PeerTrust):
         if part in assembly.seen:
             return None
         assembly.seen.add(part)
-        self.queue.appendleft(Fill(assembly, msg.fps))
+        self._push(self._fill(assembly, msg.fps))
         return None
 
-    def _install(self, job: Complete) -> Resync | None:
+    def _fill(self, assembly: Assembly, fps: Raw) -> _Job:
+        """A part's fingerprints going into its assembly a slice at a time.
+
+        A peer claiming more than it may (what it registered, or this node's
+        budget for it) keeps what fits, struck once a snapshot; what does not
+        fit is never even converted.
+        """
+        most = yield 0, None
+        while True:
+            take = min(most, len(fps), max(0, self.capacity - assembly.held))
+            if take:
+                run = unique(as_fps(fps, take))
+                assembly.runs.append(run)
+                assembly.held += len(run)
+                self._filter.fill(assembly.column, run)
+            if take < min(most, len(fps)):
+                self.strikes += not assembly.cut
+                assembly.cut, fps = True, fps[:0]
+            fps = fps[take:]
+            if not len(fps):
+                self.queue.popleft()
+                if len(assembly.seen) == assembly.parts and assembly is self.assembly:
+                    self._push(self._complete(assembly))
+            most = yield max(1, take), None
+
+    def _complete(self, assembly: Assembly) -> _Job:
+        """A whole snapshot's runs merged into one (merging counts as in :meth:`step`)."""
+        merge = assembly.merge = MergeRuns(assembly.runs)
+        assembly.runs = []  # the merge holds them now
+        most = yield 0, None
+        while True:
+            used = max(1, merge.step(most * MERGE_RATIO) // MERGE_RATIO)
+            if merge.done:
+                break
+            most = yield used, None
+        self.queue.popleft()
+        yield used, self._install(assembly, merge.result())
+
+    def _install(self, assembly: Assembly, merged: FpArray) -> Resync | None:
         """The merged snapshot becomes the claims; the deltas buffered meanwhile follow it."""
-        assembly, most = job.assembly, self.capacity
+        most = self.capacity
         if self.assembly is assembly:
             self.assembly = None
-        held = job.merge.result()[:most]
+        held = merged[:most]
         self.claims = ClaimSet(held)
         self._filter.install(self.column, assembly.column, len(held))
         self.seq, self.synced = assembly.upto, True
         self.resync_asked, self.gap_deltas = False, 0
-        follow: list[_Apply] = []
+        follow: list[_Job] = []
         later = False
         for seq, add, remove in sorted(assembly.buffered, key=lambda b: b[0]):
             if seq == self.seq + 1:
                 self.seq = seq
-                follow.append(_Apply(add[:most], remove[:most]))
+                follow.append(self._apply(add[:most], remove[:most]))
             elif seq > self.seq:
                 later = True
-        self.queue.extendleft(reversed(follow))  # ahead of the messages that came since
+        for job in reversed(follow):  # ahead of the messages that came since
+            self._push(job)
         return self.resync() if later else None  # a delta after it was lost
 
-    def _apply(self, job: _Apply, most: int) -> int:
-        claims, filt = self.claims, self._filter
-        used = min(most, len(job.remove))
-        if used:
-            claims.remove(as_fps(job.remove, used))
-            job.remove = job.remove[used:]
-        take = min(most - used, len(job.add))
-        if take:
-            new, refused = claims.add(as_fps(job.add, take), self.capacity - len(claims))
-            job.add = job.add[take:]
-            used += take
-            if refused and not job.struck:
-                # More than it registered blocks for: keep what fits (work in
-                # proportion to the message, never to the whole summary).
-                self.strikes += 1
-                job.struck = True
-            filt.add(self.column, new)
-        if filt.due(self.column, len(claims)):
-            filt.rebuild(self.column, claims.superset, max(1, most))
-        return max(1, used)
+    def _apply(self, add: Raw, remove: Raw) -> _Job:
+        """A delta's removes, then its adds, going into the claims a slice at a time."""
+        struck = False
+        most = yield 0, None
+        while True:
+            claims, filt = self.claims, self._filter
+            used = min(most, len(remove))
+            if used:
+                claims.remove(as_fps(remove, used))
+                remove = remove[used:]
+            take = min(most - used, len(add))
+            if take:
+                new, refused = claims.add(as_fps(add, take), self.capacity - len(claims))
+                add = add[take:]
+                used += take
+                if refused and not struck:
+                    # More than it registered blocks for: keep what fits (work in
+                    # proportion to the message, never to the whole summary).
+                    self.strikes += 1
+                    struck = True
+                filt.add(self.column, new)
+            if filt.due(self.column, len(claims)):
+                filt.rebuild(self.column, claims.superset, max(1, most))
+            if not (len(add) or len(remove)):
+                self.queue.popleft()
+            if claims.compact_due:
+                self.queue.appendleft(Compaction(claims))  # before the rest of the queue
+            most = yield max(1, used), None
 
     # --- from outside -------------------------------------------------------------------
 
