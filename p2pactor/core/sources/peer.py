@@ -88,9 +88,7 @@ class Assembly:
     # The filter's column for ``runs``, filled as they come.
     column: FpArray
     # Deltas after ``upto`` that came meanwhile: applied once it is whole.
-    buffered: list[tuple[int, Raw, Raw]] = attrs.Factory(list)
-    # Fingerprints in ``buffered``.
-    buffered_fps: int = 0
+    buffered: list[Delta] = attrs.Factory(list)
     seen: set[int] = attrs.Factory(set)
     # Each sorted, each value once within it.
     runs: list[FpArray] = attrs.Factory(list)
@@ -154,7 +152,7 @@ class PeerClaims(PeerTrust):
         assembly = self.assembly
         if assembly is not None:
             total += sum(int(r.nbytes) for r in assembly.runs) + int(assembly.column.nbytes)
-            total += 8 * assembly.buffered_fps
+            total += 8 * _looked_at(assembly.buffered, self.capacity)
             if assembly.merge is not None:
                 total += assembly.merge.nbytes  # the runs it merges and its output
         return total
@@ -224,7 +222,7 @@ class PeerClaims(PeerTrust):
         self.strikes += max(len(msg.add), len(msg.remove)) > most
         assembly = self.assembly
         if assembly is not None and seq > assembly.upto:
-            size = assembly.buffered_fps + _size(msg.add, msg.remove, most)
+            size = _looked_at([*assembly.buffered, msg], most)
             limit = most // BUFFERED_SHARE + BUFFERED_SLACK
             if len(assembly.buffered) >= MAX_BUFFERED_DELTAS or size > limit:
                 # It is not coming whole, or the deltas meanwhile weigh more
@@ -235,8 +233,7 @@ class PeerClaims(PeerTrust):
                 self.assembly = None
                 self.resync_asked = False
             else:
-                assembly.buffered.append((seq, msg.add, msg.remove))
-                assembly.buffered_fps = size
+                assembly.buffered.append(msg)
         if seq <= self.seq:
             return None  # already folded in (a snapshot covered it)
         if seq == self.seq + 1 and self.synced:
@@ -264,9 +261,8 @@ class PeerClaims(PeerTrust):
         if assembly is None or upto > assembly.upto or parts != assembly.parts:
             if self.synced and upto < self.seq:
                 return None  # a new snapshot older than what deltas already brought
-            kept = [] if assembly is None else [b for b in assembly.buffered if b[0] > upto]
-            size = sum(_size(add, remove, self.capacity) for _, add, remove in kept)
-            assembly = self.assembly = Assembly(upto, parts, self._filter.scratch(), kept, size)
+            kept = [] if assembly is None else [d for d in assembly.buffered if d.seq > upto]
+            assembly = self.assembly = Assembly(upto, parts, self._filter.scratch(), kept)
         if part in assembly.seen:
             return None
         assembly.seen.add(part)
@@ -323,11 +319,11 @@ class PeerClaims(PeerTrust):
         self.resync_asked, self.gap_deltas = False, 0
         follow: list[_Job] = []
         later = False
-        for seq, add, remove in sorted(assembly.buffered, key=lambda b: b[0]):
-            if seq == self.seq + 1:
-                self.seq = seq
-                follow.append(self._apply(add[:most], remove[:most]))
-            elif seq > self.seq:
+        for delta in sorted(assembly.buffered, key=lambda d: d.seq):
+            if delta.seq == self.seq + 1:
+                self.seq = delta.seq
+                follow.append(self._apply(delta.add[:most], delta.remove[:most]))
+            elif delta.seq > self.seq:
                 later = True
         for job in reversed(follow):  # ahead of the messages that came since
             self._push(job)
@@ -392,6 +388,6 @@ class PeerClaims(PeerTrust):
         self.claims.remove(as_fps(fps, self.capacity))
 
 
-def _size(add: Raw, remove: Raw, most: int) -> int:
-    """Fingerprints of a delta looked at, for a peer that may claim ``most``."""
-    return min(len(add), most) + min(len(remove), most)
+def _looked_at(deltas: list[Delta], most: int) -> int:
+    """Fingerprints of ``deltas`` looked at, for a peer that may claim ``most``."""
+    return sum(min(len(d.add), most) + min(len(d.remove), most) for d in deltas)
