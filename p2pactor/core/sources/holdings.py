@@ -166,7 +166,9 @@ class Holdings(Mirror):
         out, options = self._scrub_out, self.options
         if out is not None and now < out + SCRUB_LOST_S:
             return []
-        if self._scrub_at is not None and self._in_use(now):
+        changed = self._changed_at
+        in_use = changed is not None and now <= changed + options.scrub_idle_s
+        if self._scrub_at is not None and in_use:
             self._scrub_owed += options.scrub_base_per_s * min(1.0, max(0.0, now - self._scrub_at))
         self._scrub_at = now
         self._scrub_owed += options.scrub_per_key * self._churn
@@ -186,9 +188,6 @@ class Holdings(Mirror):
         start = self._scrub_at if self._scrub_at is not None else changed
         due = start + max(0.01, min(1.0, 1.0 / pace * 16))
         return due if due <= changed + self.options.scrub_idle_s else None
-
-    def _in_use(self, now: float) -> bool:
-        return self._changed_at is not None and now <= self._changed_at + self.options.scrub_idle_s
 
     def scrubbed(self, gone: Iterable[bytes], kept: Iterable[bytes], now: float) -> None:
         """The answers to the batch :meth:`plan_scrub` gave: the next may be planned."""
