@@ -201,12 +201,10 @@ class Mirror:
     def _fresh_in(self, marks: dict[bytes, int], key: bytes) -> bool:
         """Whether ``key``'s mark in ``marks`` still holds (it expires with the churn)."""
         stamp = marks.get(key)
-        if stamp is None:
-            return False
-        if self._churned - stamp >= max(16, self.capacity // 4):
+        if stamp is not None and self._churned - stamp >= max(16, self.capacity // 4):
             del marks[key]
-            return False
-        return True
+            stamp = None
+        return stamp is not None
 
     def pinned(self, job: int, keys: Sequence[bytes]) -> None:
         """The parent pinned ``keys`` for a peer's fetch (job ``job``): it evicts others first."""
@@ -215,9 +213,8 @@ class Mirror:
 
     def released(self, job: int, now: float) -> None:
         """The pin ``job`` was released: its keys may be evicted again."""
-        keys = self._pins.pop(job, ())
         pinned = self._pinned
-        for key in keys:
+        for key in self._pins.pop(job, ()):
             pinned[key] -= 1
             if pinned[key] <= 0:
                 del pinned[key]
