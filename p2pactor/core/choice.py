@@ -16,17 +16,17 @@ Pure: time is an argument.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 import msgspec
+import numpy as np
 
 from p2pactor.core import checks
 
 if TYPE_CHECKING:
-    from p2pactor.core.sources.arrays import FpArray
-    from p2pactor.core.sources.filter import Rows
+    from p2pactor.core.sources.filter import ClaimFilter
     from p2pactor.core.sources.peer import PeerClaims
 
 
@@ -128,6 +128,7 @@ class Trust:
 
     policy: ChoicePolicy
     _peers: Mapping[str, PeerClaims]
+    _filter: ClaimFilter
     _columns: Mapping[int, str]  # the filter's column -> its peer
     # The quarantined peers, replaced whole (read by engine threads): a key
     # only they claim is unclaimed, a MISS with no wait.
@@ -222,24 +223,26 @@ class Trust:
         self._excluded = self._excluded | {peer}  # replaced whole: engine threads read it
         return True
 
-    def _choose(
-        self, wanted: FpArray, now: float, candidates: tuple[Rows, Rows], most: int | None
-    ) -> Choice:
-        """The peer to look up for a request whose keys are ``wanted``, in order.
+    def choose(self, fps: Sequence[int], now: float, *, most: int | None = None) -> Choice:
+        """The peer to look up for a request whose keys are ``fps``, in order.
 
-        ``candidates`` are the filter's: the columns that may claim the first key
-        and their runs, each as long as its claims make it or longer
-        (a "maybe" past the run's end); the best is checked against its exact
-        claims, and cut down, until the best is one checked: the choice is exact,
-        the other claims are as the filter reads them. ``most``: how many claims
-        the choice records (the best; all with None).
+        The filter names the columns that may claim the first key and their
+        runs, each as long as its claims make it or longer (a "maybe" past
+        the run's end); the best is checked against its exact claims, and cut
+        down, until the best is one checked: the choice is exact, the other
+        claims are as the filter reads them. ``most``: how many claims the
+        choice records (the best; all by default).
         """
+        if not len(fps):
+            return Choice(None, 0, (), "no keys")
+        self.release(now)
+        wanted = np.asarray(fps, np.uint64)
         policy, peers, names = self.policy, self._peers, self._columns
         per_key = policy.tokens_per_key * policy.prefill_s_per_token
         cost, load = policy.round_trip_s, policy.load_s
         scored: list[tuple[float, int, str, int]] = []  # (-score, -run, peer, run): best first
         skipped = False
-        for column, run in zip(*(c.tolist() for c in candidates), strict=True):
+        for column, run in zip(*(c.tolist() for c in self._filter.runs(wanted)), strict=True):
             peer = names.get(column)
             if peer is None:
                 continue

@@ -27,10 +27,10 @@ claims keep missing is quarantined for automatic choice only.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator
 
-from p2pactor.core.choice import Choice, ChoicePolicy, Trust
-from p2pactor.core.sources.arrays import Fingerprints, as_fps, raw
+from p2pactor.core.choice import ChoicePolicy, Trust
+from p2pactor.core.sources.arrays import Fingerprints, raw
 from p2pactor.core.sources.filter import ClaimFilter
 from p2pactor.core.sources.peer import Delta, Incoming, Part, PeerClaims, Resync
 from p2pactor.core.work_budget import WorkBudget
@@ -135,7 +135,7 @@ class SourceIndex(Trust):
 
     def claimed_by(self, fp: int) -> frozenset[str]:
         """The peers that claim ``fp``."""
-        return frozenset(self._holders(fp, frozenset(), first=False))
+        return frozenset(self._holders(fp, frozenset()))
 
     def claimed(self, fp: int) -> bool:
         """Whether any peer not quarantined claims ``fp``. Safe from another thread.
@@ -145,23 +145,17 @@ class SourceIndex(Trust):
         (the node's choice then decides).
         """
         try:
-            return bool(self._holders(fp, self._excluded, first=True))
+            return next(self._holders(fp, self._excluded), None) is not None
         except (RuntimeError, IndexError, KeyError):  # changed under us
             return True
 
-    def _holders(self, fp: int, excluded: frozenset[str], *, first: bool) -> list[str]:
-        found = []
+    def _holders(self, fp: int, excluded: frozenset[str]) -> Iterator[str]:
         peers, columns = self._peers, self._columns
         for column in self._filter.holders(fp):
             peer = columns.get(column)
-            if peer is None or peer in excluded:
-                continue
-            record = peers.get(peer)
+            record = None if peer is None or peer in excluded else peers.get(peer)
             if record is not None and fp in record.claims:
-                found.append(peer)
-                if first:
-                    break
-        return found
+                yield record.peer
 
     def claims_of(self, peer: str) -> int:
         """How many fingerprints ``peer`` claims."""
@@ -309,17 +303,3 @@ class SourceIndex(Trust):
         found = self._peers.get(peer)
         if found is not None:
             found.missed(raw(fps))
-
-    # --- choosing a source ------------------------------------------------------------
-
-    def choose(self, fps: Sequence[int], now: float, *, most: int | None = None) -> Choice:
-        """The peer to look up for a request whose keys are ``fps``, in order.
-
-        :meth:`~p2pactor.core.choice.Trust._choose` says how; ``most``: how many
-        claims the choice records (the best; all by default).
-        """
-        if not fps:
-            return Choice(None, 0, (), "no keys")
-        self.release(now)
-        wanted = as_fps(fps)
-        return self._choose(wanted, now, self._filter.runs(wanted), most)
