@@ -109,7 +109,10 @@ class ClaimFilter:
 
     def clear(self, column: int) -> None:
         """Empty ``column`` (its peer claims nothing now)."""
-        self.install(column, self.scratch(), 0)
+        self._rebuilds.pop(column, None)
+        self._table[:, column] = 0
+        self._set_load(column, 0)
+        self._built[column] = self.words
 
     def load(self, column: int) -> int:
         """Keys added to ``column`` since it was last built (live and stale)."""
