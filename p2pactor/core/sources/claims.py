@@ -208,17 +208,12 @@ class Compaction:
         self.work = 0
         claims._compacting = self
 
-    @property
-    def cancelled(self) -> bool:
-        """Whether its set changed in a way it cannot follow."""
-        return self._claims._compacting is not self
-
     def step(self, most: int) -> bool:
         """Merge the next ``most`` or so; whether it is over (done, or cancelled)."""
         claims = self._claims
         self.work = 0
-        if self.cancelled:
-            return True
+        if claims._compacting is not self:
+            return True  # its set changed in a way it cannot follow
         merge = self._merge
         if merge is None:
             keys, live = claims._sorted
