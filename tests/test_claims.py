@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from p2pactor.core.protocol_summaries import packed
 from p2pactor.core.sources import SourceIndex
 from p2pactor.core.sources import filter as claimfilter
-from p2pactor.core.sources.arrays import as_fps
+from p2pactor.core.sources.arrays import as_fps, unique
 from p2pactor.core.sources.claims import ClaimSet, Compaction
 from p2pactor.core.sources.filter import ClaimFilter
 
@@ -62,7 +62,7 @@ class ClaimSetMachine(RuleBasedStateMachine):
     @rule()
     def start_a_compaction(self) -> None:
         if self.compaction is None:
-            self.compaction = self.claims.compaction()
+            self.compaction = Compaction(self.claims)
 
     @rule(most=st.integers(1, 8))
     def compact_a_slice(self, most: int) -> None:
@@ -76,7 +76,7 @@ class ClaimSetMachine(RuleBasedStateMachine):
 
     @rule(fps=st.lists(st.sampled_from(POOL), max_size=40))
     def replace(self, fps: list[int]) -> None:
-        self.claims = ClaimSet.of(packed(fps))
+        self.claims = ClaimSet(unique(as_fps(packed(fps))))
         self.model = set(fps)
         self.compaction = None
 

@@ -618,7 +618,7 @@ def test_a_flood_drops_the_compaction_it_cut_short_with_the_rest() -> None:
     while index.pending:
         index.work()
     index.delta("b", E1, 1, add=range(1, 3000), remove=[])
-    claims = index._peers["b"].summary.claims
+    claims = index._peers["b"].claims
     for _ in range(3000):  # a fingerprint at a time, to the one that makes it due
         if claims.compacting:
             break

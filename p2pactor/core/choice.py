@@ -16,18 +16,18 @@ Pure: time is an argument.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 import msgspec
+import numpy as np
 
 from p2pactor.core import checks
 
 if TYPE_CHECKING:
-    from p2pactor.core.sources import _Peer
-    from p2pactor.core.sources.arrays import FpArray
-    from p2pactor.core.sources.filter import Rows
+    from p2pactor.core.sources.filter import ClaimFilter
+    from p2pactor.core.sources.peer import PeerClaims
 
 
 @attrs.frozen
@@ -104,7 +104,7 @@ class Choice(msgspec.Struct, frozen=True, gc=False):
 MAX_QUARANTINE_DOUBLINGS = 32
 
 
-@attrs.define(eq=False)
+@attrs.define(eq=False, kw_only=True)
 class PeerTrust:
     """One peer's record: precision, probes in flight, failed fetches, quarantines."""
 
@@ -127,11 +127,13 @@ class Trust:
     """
 
     policy: ChoicePolicy
-    _peers: Mapping[str, _Peer]
+    _peers: Mapping[str, PeerClaims]
+    _filter: ClaimFilter
     _columns: Mapping[int, str]  # the filter's column -> its peer
     # The quarantined peers, replaced whole (read by engine threads): a key
     # only they claim is unclaimed, a MISS with no wait.
     _excluded: frozenset[str]
+    _nobody: PeerClaims  # what is read of a peer with no record here
 
     def next_release(self) -> float | None:
         """When the first quarantine ends (None: no peer is quarantined)."""
@@ -149,13 +151,11 @@ class Trust:
 
     def precision(self, peer: str) -> float:
         """How often ``peer``'s probed claims held (a moving average; 1.0 before any)."""
-        found = self._peers.get(peer)
-        return found.precision if found is not None else 1.0
+        return self._peers.get(peer, self._nobody).precision
 
     def quarantined(self, peer: str, now: float) -> bool:
         """Whether automatic choice skips ``peer`` at ``now``."""
-        found = self._peers.get(peer)
-        return found is not None and now < found.quarantined_until
+        return now < self._peers.get(peer, self._nobody).quarantined_until
 
     def probe_started(self, peer: str) -> None:
         """An automatic lookup to ``peer`` was sent."""
@@ -223,61 +223,51 @@ class Trust:
         self._excluded = self._excluded | {peer}  # replaced whole: engine threads read it
         return True
 
-    def _choose(
-        self, wanted: FpArray, now: float, candidates: tuple[Rows, Rows], most: int | None
-    ) -> Choice:
-        """The peer to look up for a request whose keys are ``wanted``, in order.
+    def choose(self, fps: Sequence[int], now: float, *, most: int | None = None) -> Choice:
+        """The peer to look up for a request whose keys are ``fps``, in order.
 
-        ``candidates`` are the filter's: the columns that may claim the first key
-        and their runs, each as long as its claims make it or longer
-        (a "maybe" past the run's end); the best is checked against its exact
-        claims, and cut down, until the best is one checked: the choice is exact,
-        the other claims are as the filter reads them. ``most``: how many claims
-        the choice records (the best; all with None).
+        The filter names the columns that may claim the first key and their
+        runs, each as long as its claims make it or longer (a "maybe" past
+        the run's end); the best is checked against its exact claims, and cut
+        down, until the best is one checked: the choice is exact, the other
+        claims are as the filter reads them. ``most``: how many claims the
+        choice records (the best; all by default).
         """
+        if not len(fps):
+            return Choice(None, 0, (), "no keys")
+        self.release(now)
+        wanted = np.asarray(fps, np.uint64)
         policy, peers, names = self.policy, self._peers, self._columns
-        columns, runs = (c.tolist() for c in candidates)
-        most_probes = policy.max_probes_per_peer
         per_key = policy.tokens_per_key * policy.prefill_s_per_token
         cost, load = policy.round_trip_s, policy.load_s
         scored: list[tuple[float, int, str, int]] = []  # (-score, -run, peer, run): best first
         skipped = False
-        for column, run in zip(columns, runs, strict=True):
+        for column, run in zip(*(c.tolist() for c in self._filter.runs(wanted)), strict=True):
             peer = names.get(column)
             if peer is None:
                 continue
             found = peers[peer]
-            if now < found.quarantined_until or found.in_flight >= most_probes:
+            if now < found.quarantined_until or found.in_flight >= policy.max_probes_per_peer:
                 skipped = True
-                continue
-            # This loop runs for every peer claiming the first key: the score inline.
-            score = run * per_key * found.precision - cost - load * found.in_flight
-            scored.append((-score, -run, peer, run))
+            else:  # for every peer claiming the first key: the score inline
+                score = run * per_key * found.precision - cost - load * found.in_flight
+                scored.append((-score, -run, peer, run))
         checked: set[str] = set()
-        while scored:
-            best = min(scored)
-            peer = best[2]
-            if peer in checked:
-                break
+        while scored and (best := min(scored))[2] not in checked:
+            peer, run = best[2:]
             checked.add(peer)
             found = peers[peer]
-            held = found.summary.claims.mask(wanted[: best[3]])
-            run = best[3] if held.all() else int(held.argmin())
-            if run < best[3]:
+            held = found.claims.mask(wanted[:run])
+            if not held.all():
                 scored.remove(best)
-                if run:
+                if run := int(held.argmin()):
                     score = run * per_key * found.precision - cost - load * found.in_flight
                     scored.append((-score, -run, peer, run))
         if not scored:
-            if skipped:
-                return Choice(
-                    None, 0, (), "every peer claiming the first key is quarantined or busy"
-                )
-            return Choice(None, 0, (), "no peer claims the first key")
+            quarantined = "every peer claiming the first key is quarantined or busy"
+            return Choice(None, 0, (), quarantined if skipped else "no peer claims the first key")
         scored.sort()
-        claims = tuple(
-            Claim(peer, run, peers[peer].precision, -score) for score, _, peer, run in scored[:most]
-        )
+        claims = tuple(Claim(p, run, peers[p].precision, -s) for s, _, p, run in scored[:most])
         best_claim = claims[0]
         if best_claim.score <= 0:
             return Choice(None, 0, claims, "no claimed run is worth a round trip")

@@ -52,13 +52,14 @@ def fingerprints(blob: bytes) -> tuple[int, ...]:
     return struct.unpack(f">{len(blob) // _FP_BYTES}Q", blob)
 
 
-def _whole(msg: MessageBase, name: str, blob: bytes) -> None:
-    if len(blob) % _FP_BYTES:
-        raise InvalidField(
-            f"is {len(blob)} bytes, not a whole number of 8-byte fingerprints",
-            message_type=msg.TYPE,
-            field=name,
-        )
+def _whole(msg: MessageBase, *names: str) -> None:
+    for name in names:
+        if (size := len(getattr(msg, name))) % _FP_BYTES:
+            raise InvalidField(
+                f"is {size} bytes, not a whole number of 8-byte fingerprints",
+                message_type=msg.TYPE,
+                field=name,
+            )
 
 
 class KvsumDelta(MessageBase, frozen=True, kw_only=True):
@@ -77,8 +78,7 @@ class KvsumDelta(MessageBase, frozen=True, kw_only=True):
     remove: _Packed
 
     def __post_init__(self) -> None:
-        _whole(self, "add", self.add)
-        _whole(self, "remove", self.remove)
+        _whole(self, "add", "remove")
 
 
 class KvsumSnapshot(MessageBase, frozen=True, kw_only=True):
@@ -105,7 +105,7 @@ class KvsumSnapshot(MessageBase, frozen=True, kw_only=True):
                 message_type=self.TYPE,
                 field="part",
             )
-        _whole(self, "fps", self.fps)
+        _whole(self, "fps")
 
 
 class KvsumResync(MessageBase, frozen=True, kw_only=True):

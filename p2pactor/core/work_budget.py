@@ -15,6 +15,8 @@ Pure: time is an argument.
 
 from __future__ import annotations
 
+import math
+
 # Seconds of the rate a peer may spend at once, after a quiet spell.
 BURST_S = 0.1
 
@@ -30,35 +32,23 @@ class WorkBudget:
     __slots__ = ("_at", "_most", "_rate", "_tokens")
 
     def __init__(self, rate: float | None, now: float = 0.0) -> None:
-        self._rate = rate
-        self._most = 0.0 if rate is None else max(1.0, rate * BURST_S)
-        self._tokens = self._most
+        self._rate = math.inf if rate is None else rate
+        self._most = self._tokens = max(1.0, self._rate * BURST_S)
         self._at = now
-
-    def _refill(self, now: float) -> None:
-        rate = self._rate
-        if rate is not None and now > self._at:
-            self._tokens = min(self._most, self._tokens + rate * (now - self._at))
-            self._at = now
 
     def ready(self, now: float | None) -> bool:
         """Whether the peer may have work done at ``now`` (always, with no rate or no time)."""
-        if self._rate is None or now is None:
-            return True
-        self._refill(now)
-        return self._tokens > 0
+        return now is None or self.ready_at(now) <= now
 
     def spend(self, fingerprints: int, now: float | None) -> None:
         """``fingerprints`` of work were done for the peer at ``now``."""
-        if self._rate is not None and now is not None:
-            self._refill(now)
+        if now is not None:
+            self.ready_at(now)
             self._tokens -= fingerprints
 
     def ready_at(self, now: float) -> float:
         """When the peer may next have work done (``now`` if it may already)."""
-        if self._rate is None:
-            return now
-        self._refill(now)
-        if self._tokens > 0:
-            return now
-        return now + (1.0 - self._tokens) / self._rate
+        if now > self._at:  # refilled first
+            self._tokens = min(self._most, self._tokens + self._rate * (now - self._at))
+            self._at = now
+        return now if self._tokens > 0 else now + (1.0 - self._tokens) / self._rate

@@ -27,12 +27,10 @@ claims keep missing is quarantined for automatic choice only.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator
 
-import attrs
-
-from p2pactor.core.choice import Choice, ChoicePolicy, PeerTrust, Trust
-from p2pactor.core.sources.arrays import Fingerprints, as_fps
+from p2pactor.core.choice import ChoicePolicy, Trust
+from p2pactor.core.sources.arrays import Fingerprints, raw
 from p2pactor.core.sources.filter import ClaimFilter
 from p2pactor.core.sources.peer import Delta, Incoming, Part, PeerClaims, Resync
 from p2pactor.core.work_budget import WorkBudget
@@ -67,15 +65,6 @@ SLICE_FPS = 2048
 INLINE_FPS = 1024
 
 
-@attrs.define(eq=False)
-class _Peer(PeerTrust):
-    """One peer's summary, work budget and trust (mutable: the index owns it alone)."""
-
-    summary: PeerClaims = attrs.field(kw_only=True)
-    # How much of the node's thread its summaries may take.
-    budget: WorkBudget = attrs.field(kw_only=True)
-
-
 class SourceIndex(Trust):
     """Every peer's claims, and the choice of a source per request.
 
@@ -108,11 +97,16 @@ class SourceIndex(Trust):
         self.max_queued_bytes = max_queued_bytes
         self.inline_fps = inline_fps
         self.work_fps_per_s = work_fps_per_s
-        self._peers: dict[str, _Peer] = {}
+        self._peers: dict[str, PeerClaims] = {}
         self._filter = ClaimFilter()
         self._columns: dict[int, str] = {}  # the filter's column -> its peer
         self._busy: deque[str] = deque()  # peers with work queued, in turn
         self._excluded: frozenset[str] = frozenset()  # see Trust
+        self._nobody = self._record("", 0, -1)  # see Trust
+
+    def _record(self, peer: str, capacity: int, column: int) -> PeerClaims:
+        budget = WorkBudget(self.work_fps_per_s)
+        return PeerClaims(peer, capacity, self._filter, column, self.max_queued_bytes, budget)
 
     # --- what the index holds ---------------------------------------------------------
 
@@ -123,13 +117,12 @@ class SourceIndex(Trust):
 
     def __len__(self) -> int:
         """Claims held: (peer, fingerprint) pairs, a fingerprint two peers claim twice."""
-        return sum(len(p.summary.claims) for p in list(self._peers.values()))
+        return sum(len(p.claims) for p in list(self._peers.values()))
 
     @property
     def nbytes(self) -> int:
         """What the index holds in memory: claims, filter, snapshots and messages waiting."""
-        peers = list(self._peers.values())
-        return self._filter.nbytes + sum(p.summary.nbytes for p in peers)
+        return self._filter.nbytes + sum(p.nbytes for p in list(self._peers.values()))
 
     @property
     def column_bytes(self) -> int:
@@ -138,12 +131,11 @@ class SourceIndex(Trust):
 
     def peer_bytes(self, peer: str) -> int:
         """What ``peer``'s summary makes this node hold (its share of the filter aside)."""
-        found = self._peers.get(peer)
-        return found.summary.nbytes if found is not None else 0
+        return self._peers.get(peer, self._nobody).nbytes
 
     def claimed_by(self, fp: int) -> frozenset[str]:
         """The peers that claim ``fp``."""
-        return frozenset(self._holders(fp, frozenset(), first=False))
+        return frozenset(self._holders(fp, frozenset()))
 
     def claimed(self, fp: int) -> bool:
         """Whether any peer not quarantined claims ``fp``. Safe from another thread.
@@ -153,46 +145,34 @@ class SourceIndex(Trust):
         (the node's choice then decides).
         """
         try:
-            return bool(self._holders(fp, self._excluded, first=True))
+            return next(self._holders(fp, self._excluded), None) is not None
         except (RuntimeError, IndexError, KeyError):  # changed under us
             return True
 
-    def _holders(self, fp: int, excluded: frozenset[str], *, first: bool) -> list[str]:
-        found = []
+    def _holders(self, fp: int, excluded: frozenset[str]) -> Iterator[str]:
         peers, columns = self._peers, self._columns
         for column in self._filter.holders(fp):
             peer = columns.get(column)
-            if peer is None or peer in excluded:
-                continue
-            record = peers.get(peer)
-            if record is not None and fp in record.summary.claims:
-                found.append(peer)
-                if first:
-                    break
-        return found
+            record = None if peer is None or peer in excluded else peers.get(peer)
+            if record is not None and fp in record.claims:
+                yield record.peer
 
     def claims_of(self, peer: str) -> int:
         """How many fingerprints ``peer`` claims."""
-        found = self._peers.get(peer)
-        return len(found.summary.claims) if found is not None else 0
+        return len(self._peers.get(peer, self._nobody).claims)
 
     def position(self, peer: str) -> tuple[bytes, int, bool] | None:
         """``peer``'s epoch, last sequence and whether a whole snapshot arrived."""
         found = self._peers.get(peer)
-        if found is None:
-            return None
-        summary = found.summary
-        return (summary.epoch, summary.seq, summary.synced)
+        return None if found is None else (found.epoch, found.seq, found.synced)
 
     def strikes(self, peer: str) -> int:
         """Messages of ``peer`` that claimed more than it may, or came as a flood."""
-        found = self._peers.get(peer)
-        return found.summary.strikes if found is not None else 0
+        return self._peers.get(peer, self._nobody).strikes
 
     def floods(self, peer: str) -> int:
         """Times ``peer``'s messages came faster than they were applied, and were dropped."""
-        found = self._peers.get(peer)
-        return found.summary.floods if found is not None else 0
+        return self._peers.get(peer, self._nobody).floods
 
     # --- membership -----------------------------------------------------------------
 
@@ -207,21 +187,19 @@ class SourceIndex(Trust):
         found = self._peers.get(peer)
         if found is None:
             column = self._filter.open()
-            summary = PeerClaims(peer, capacity, self._filter, column, self.max_queued_bytes)
-            budget = WorkBudget(self.work_fps_per_s)
-            found = self._peers[peer] = _Peer(summary=summary, budget=budget)
+            found = self._peers[peer] = self._record(peer, capacity, column)
             self._columns[column] = peer
         else:
-            found.summary.cut(capacity)
+            found.cut(capacity)
             found.in_flight = 0
-        return found.summary.resync()
+        return found.resync()
 
     def remove_peer(self, peer: str) -> None:
         """``peer`` is gone (its session ended): forget its claims."""
         found = self._peers.pop(peer, None)
         if found is not None:
-            del self._columns[found.summary.column]
-            self._filter.close(found.summary.column)
+            del self._columns[found.column]
+            self._filter.close(found.column)
             self._excluded = self._excluded - {peer}
 
     # --- summaries --------------------------------------------------------------------
@@ -241,10 +219,7 @@ class SourceIndex(Trust):
         Applied at once if it is small and nothing of the peer's waits (and,
         at ``now``, its work budget allows); otherwise by :meth:`work`.
         """
-        found = self._peers.get(peer)
-        if found is None:
-            return None  # no session: nothing to keep it for
-        return self._received(found, Delta(epoch, seq, add, remove), now)
+        return self._received(peer, Delta(epoch, seq, raw(add), raw(remove)), now)
 
     def snapshot(
         self,
@@ -265,19 +240,18 @@ class SourceIndex(Trust):
         dropped; a newer snapshot replaces the one being assembled. Returns a
         Resync if applying it showed a gap (or it came as a flood).
         """
+        return self._received(peer, Part(epoch, upto_seq, part, parts, raw(fps)), now)
+
+    def _received(self, peer: str, message: Incoming, now: float | None) -> Resync | None:
         found = self._peers.get(peer)
         if found is None:
-            return None
-        return self._received(found, Part(epoch, upto_seq, part, parts, fps), now)
-
-    def _received(self, found: _Peer, message: Incoming, now: float | None) -> Resync | None:
-        summary = found.summary
-        first = not summary.pending
-        resync = summary.receive(message)
+            return None  # no session: nothing to keep it for
+        first = not found.pending
+        resync = found.receive(message)
         if first and found.budget.ready(now):
             resync = self._run(found, self.inline_fps, now) or resync
-        if summary.pending and summary.peer not in self._busy:
-            self._busy.append(summary.peer)
+        if found.pending and peer not in self._busy:
+            self._busy.append(peer)
         return resync
 
     @property
@@ -302,24 +276,23 @@ class SourceIndex(Trust):
         for _ in range(len(busy)):
             peer = busy.popleft()
             found = self._peers.get(peer)
-            if found is None or not found.summary.pending:
+            if found is None or not found.pending:
                 continue
             if not found.budget.ready(now):
                 busy.append(peer)
                 continue
             resync = self._run(found, most, now)
-            if found.summary.pending:
+            if found.pending:
                 busy.append(peer)
             return [] if resync is None else [resync]
         return []
 
-    def _run(self, found: _Peer, most: int, now: float | None) -> Resync | None:
+    def _run(self, found: PeerClaims, most: int, now: float | None) -> Resync | None:
         """Up to ``most`` of a peer's waiting work; the last resync it asked."""
-        summary = found.summary
         resync = None
         used = 0
-        while used < most and summary.pending:
-            done, asked = summary.step(most - used)
+        while used < most and found.pending:
+            done, asked = found.step(most - used)
             used += done
             resync = asked or resync
         found.budget.spend(used, now)
@@ -329,18 +302,4 @@ class SourceIndex(Trust):
         """``peer`` answered MISS for keys it claimed: it no longer holds them."""
         found = self._peers.get(peer)
         if found is not None:
-            found.summary.missed(fps)
-
-    # --- choosing a source ------------------------------------------------------------
-
-    def choose(self, fps: Sequence[int], now: float, *, most: int | None = None) -> Choice:
-        """The peer to look up for a request whose keys are ``fps``, in order.
-
-        :meth:`~p2pactor.core.choice.Trust._choose` says how; ``most``: how many
-        claims the choice records (the best; all by default).
-        """
-        if not fps:
-            return Choice(None, 0, (), "no keys")
-        self.release(now)
-        wanted = as_fps(fps)
-        return self._choose(wanted, now, self._filter.runs(wanted), most)
+            found.missed(raw(fps))

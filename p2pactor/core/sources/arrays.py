@@ -13,33 +13,32 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 # Fingerprints as the index computes with them.
 FpArray = npt.NDArray[np.uint64]
-# Fingerprints as they come: a summary's packed field (8 bytes each, big-endian) or ints.
-Fingerprints = bytes | bytearray | memoryview | Sequence[int] | FpArray
+# Fingerprints as they wait: a packed field's view (8 bytes each, big-endian), or an array.
+Raw = npt.NDArray[Any]
+# Fingerprints as they come: a summary's packed field or ints.
+Fingerprints = bytes | bytearray | memoryview | Sequence[int] | Raw
 
 EMPTY: FpArray = np.zeros(0, np.uint64)
 EMPTY.flags.writeable = False
 
 
-def count(fps: Fingerprints) -> int:
-    """How many fingerprints ``fps`` holds (a packed field: its bytes over 8)."""
-    return len(fps) // 8 if isinstance(fps, bytes | bytearray | memoryview) else len(fps)
-
-
-def as_fps(fps: Fingerprints, most: int | None = None, start: int = 0) -> FpArray:
-    """``fps[start:start + most]`` as an array (the rest is never converted)."""
-    stop = None if most is None else start + max(0, most)
+def raw(fps: Fingerprints) -> Raw:
+    """``fps`` as an array: a packed field's is a view of it, converted a slice at a time."""
     if isinstance(fps, bytes | bytearray | memoryview):
-        packed = np.frombuffer(fps, dtype=">u8")
-        return packed[start:stop].astype(np.uint64)
-    if isinstance(fps, np.ndarray):
-        return fps[start:stop].astype(np.uint64, copy=False)
-    return np.array(fps[start:stop], dtype=np.uint64).reshape(-1)
+        return np.frombuffer(fps, ">u8")
+    return fps if isinstance(fps, np.ndarray) else np.array(fps, np.uint64).reshape(-1)
+
+
+def as_fps(fps: Fingerprints, most: int | None = None) -> FpArray:
+    """The first ``most`` of ``fps`` (all by default) as ``uint64``; the rest is never converted."""
+    return raw(fps)[:most].astype(np.uint64, copy=False)
 
 
 def unique(fps: FpArray) -> FpArray:

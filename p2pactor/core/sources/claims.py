@@ -15,27 +15,14 @@ changes it: an array is never resized in place (a change makes a new one),
 a reader takes the main array and its mask as one tuple, and a compaction
 publishes the new main array before it empties the small one.
 
-A snapshot that comes in parts is assembled (:class:`Assembly`) a slice at a
-time too: each part a sorted run (:class:`Fill`), all merged once it is whole
-(:class:`Complete`), then installed as the peer's claims.
 """
 
 from __future__ import annotations
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
-from p2pactor.core.sources.arrays import (
-    EMPTY,
-    Fingerprints,
-    FpArray,
-    MergeRuns,
-    as_fps,
-    count,
-    unique,
-)
-from p2pactor.core.sources.filter import ClaimFilter
+from p2pactor.core.sources.arrays import EMPTY, FpArray, MergeRuns, unique
 
 # Changes since the last compaction below which a set is never compacted.
 COMPACT_MIN = 1024
@@ -67,7 +54,7 @@ class ClaimSet:
         keys: The claims to start with, sorted and each once (:func:`unique`).
     """
 
-    __slots__ = ("_compacting", "_count", "_dead", "_extra", "_sorted")
+    __slots__ = ("_compacting", "_dead", "_extra", "_sorted")
 
     def __init__(self, keys: FpArray | None = None) -> None:
         keys = EMPTY if keys is None else keys
@@ -75,17 +62,11 @@ class ClaimSet:
         # Claimed since the last compaction and not in ``keys``: sorted, each once.
         self._extra: FpArray = EMPTY
         self._dead = 0  # entries of ``keys`` no longer claimed
-        self._count = len(keys)
         self._compacting: Compaction | None = None
-
-    @classmethod
-    def of(cls, fps: Fingerprints) -> ClaimSet:
-        """The claims ``fps`` (in any order, repeats allowed)."""
-        return cls(unique(as_fps(fps)))
 
     def __len__(self) -> int:
         """How many fingerprints are claimed."""
-        return self._count
+        return len(self._sorted[0]) - self._dead + len(self._extra)
 
     @property
     def nbytes(self) -> int:
@@ -156,7 +137,6 @@ class ClaimSet:
         extra = self._extra
         if len(new):
             self._extra = np.insert(extra, extra.searchsorted(new), new)
-        self._count += wanted - refused
         self._compacting = None  # a compaction under way would miss them: it starts over
         return fps[fresh], refused
 
@@ -173,7 +153,6 @@ class ClaimSet:
             if found.any():
                 self._extra = np.delete(extra, at[found])
                 gone += int(found.sum())
-        self._count -= gone
         compacting = self._compacting
         if gone and compacting is not None:
             compacting.removed.append(fps)  # its result must lose them too
@@ -181,21 +160,16 @@ class ClaimSet:
 
     def truncate(self, most: int) -> None:
         """Keep ``most`` claims (the lowest fingerprints): the peer may claim no more."""
-        if self._count > most:
+        if len(self) > most:
             self._compacting = None
             kept = self.array()[: max(0, most)]
             self._publish(kept, np.ones(len(kept), bool), 0)
-            self._count = len(kept)
 
     @property
     def compact_due(self) -> bool:
         """Whether the changes since the last compaction are enough to compact."""
         due = max(COMPACT_MIN, len(self._sorted[0]) >> 4)
         return len(self._extra) > due or self._dead > 4 * due
-
-    def compaction(self) -> Compaction:
-        """A compaction (the recent adds merged into the array), run by its steps."""
-        return Compaction(self)
 
     @property
     def compacting(self) -> bool:
@@ -234,17 +208,12 @@ class Compaction:
         self.work = 0
         claims._compacting = self
 
-    @property
-    def cancelled(self) -> bool:
-        """Whether its set changed in a way it cannot follow."""
-        return self._claims._compacting is not self
-
     def step(self, most: int) -> bool:
         """Merge the next ``most`` or so; whether it is over (done, or cancelled)."""
         claims = self._claims
         self.work = 0
-        if self.cancelled:
-            return True
+        if claims._compacting is not self:
+            return True  # its set changed in a way it cannot follow
         merge = self._merge
         if merge is None:
             keys, live = claims._sorted
@@ -261,66 +230,3 @@ class Compaction:
         dead = sum(int(_kill(keys, live, fps).sum()) for fps in self.removed)
         claims._publish(keys, live, dead)
         return True
-
-
-@attrs.define(eq=False)
-class Assembly:
-    """A snapshot being put together from its parts: sorted runs, merged once it is whole."""
-
-    upto: int
-    parts: int
-    # The filter's column for ``runs``, filled as they come.
-    column: FpArray
-    # Deltas after ``upto`` that came meanwhile: applied once it is whole.
-    buffered: list[tuple[int, Fingerprints, Fingerprints]] = attrs.Factory(list)
-    # Fingerprints in ``buffered``.
-    buffered_fps: int = 0
-    seen: set[int] = attrs.Factory(set)
-    # Each sorted, each value once within it.
-    runs: list[FpArray] = attrs.Factory(list)
-    # Fingerprints in ``runs`` (one in two runs counts twice).
-    held: int = 0
-    # It claimed more than it may: cut back to its capacity.
-    cut: bool = False
-
-
-class Fill:
-    """A part's fingerprints going into its assembly a slice at a time."""
-
-    __slots__ = ("assembly", "at", "fps", "n")
-
-    def __init__(self, assembly: Assembly, fps: Fingerprints) -> None:
-        self.assembly, self.fps, self.n, self.at = assembly, fps, count(fps), 0
-
-    def step(self, most: int, capacity: int, filt: ClaimFilter) -> tuple[int, bool]:
-        """The next ``most`` at most; the work done, and whether the peer is struck now.
-
-        A peer claiming more than it may (what it registered, or this node's
-        budget for it) keeps what fits, struck once a snapshot; what does not
-        fit is never even converted.
-        """
-        assembly = self.assembly
-        left = self.n - self.at
-        take = min(most, left, max(0, capacity - assembly.held))
-        if take:
-            run = unique(as_fps(self.fps, take, self.at))
-            assembly.runs.append(run)
-            assembly.held += len(run)
-            filt.fill(assembly.column, run)
-            self.at += take
-        struck = False
-        if take < min(most, left):
-            struck, assembly.cut = not assembly.cut, True
-            self.at = self.n
-        return max(1, take), struck
-
-
-class Complete:
-    """A whole snapshot's runs merged into one, then installed as the claims."""
-
-    __slots__ = ("assembly", "merge")
-
-    def __init__(self, assembly: Assembly) -> None:
-        self.assembly = assembly
-        self.merge = MergeRuns(assembly.runs)
-        assembly.runs = []  # the merge holds them now

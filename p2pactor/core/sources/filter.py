@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -41,53 +42,36 @@ _FIRST_STAGE = 8  # keys every candidate's run is checked over before the rest
 STALE_SLACK = 4096
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # odd: multiplying by it is a bijection on 64 bits
-_MIX_INT = int(_MIX)
-_MASK64 = (1 << 64) - 1
 _ROW_SHIFT = np.uint64(40)  # rows from the top 24 bits, patterns from the low 36
 _FIELD = 4095
 # Each 12-bit field of a fingerprint's mixed bits sets two of a pattern's
 # 64 bits; three fields, up to six bits. A table look-up, not six shifts.
-_PAIRS_INT = [(1 << (x & 63)) | (1 << (x >> 6)) for x in range(_FIELD + 1)]
-_PAIRS: npt.NDArray[np.uint64] = np.array(_PAIRS_INT, dtype=np.uint64)
+_PAIRS = np.array([(1 << (x & 63)) | (1 << (x >> 6)) for x in range(_FIELD + 1)], np.uint64)
+_FIELDS = np.array([0, 12, 24], np.uint64)
+_PAIRS_INT: list[int] = _PAIRS.tolist()
+_MIX_INT, _MASK64 = int(_MIX), (1 << 64) - 1
 # Indexes into the table: its rows, or its columns.
 Rows = npt.NDArray[np.intp]
 
 
-_FIELDS = np.array([0, 12, 24], np.uint64)
-
-
-def _patterns(mixed: FpArray) -> FpArray:
-    low = np.right_shift(mixed, np.uint64(32))
-    low ^= mixed
-    fields = np.right_shift(low[:, None], _FIELDS)
-    fields &= np.uint64(_FIELD)
-    pairs = _PAIRS.take(fields.view(np.int64))
-    out = pairs[:, 0] | pairs[:, 1]
-    out |= pairs[:, 2]
-    return out
-
-
+@attrs.define
 class _Rebuild:
     """A column being rebuilt from a peer's claims, a slice at a time."""
 
-    __slots__ = ("added", "at", "scratch", "todo")
-
-    def __init__(self, todo: FpArray, words: int) -> None:
-        self.todo = todo
-        self.at = 0
-        self.added = 0  # keys added to the column meanwhile (also put in ``scratch``)
-        self.scratch: FpArray = np.zeros(words, np.uint64)
+    todo: FpArray
+    scratch: FpArray
+    at: int = 0
+    added: int = 0  # keys added to the column meanwhile (also put in ``scratch``)
 
 
 class ClaimFilter:
     """One Bloom-filter column per peer, every column in one table."""
 
-    __slots__ = ("_built", "_free", "_load", "_rebuilds", "_table", "_total")
+    __slots__ = ("_built", "_free", "_load", "_rebuilds", "_table")
 
     def __init__(self) -> None:
         self._table: FpArray = np.zeros((MIN_WORDS, MIN_COLUMNS), np.uint64)
         self._load = [0] * MIN_COLUMNS  # keys added to each column since it was (re)built
-        self._total = 0  # the sum of ``_load``
         self._built = [MIN_WORDS] * MIN_COLUMNS  # the rows it was built at
         self._free = list(range(MIN_COLUMNS - 1, -1, -1))
         self._rebuilds: dict[int, _Rebuild] = {}
@@ -107,11 +91,14 @@ class ClaimFilter:
 
     def open(self) -> int:
         """A new, empty column."""
-        if not self._free:
-            self._widen()
+        if not self._free:  # twice the columns
+            columns = len(self._load)
+            self._table = np.hstack((self._table, np.zeros_like(self._table)))
+            self._load += [0] * columns
+            self._built += [self.words] * columns
+            self._free = list(range(2 * columns - 1, columns - 1, -1))
         column = self._free.pop()
-        self._set_load(column, 0)
-        self._built[column] = self.words
+        self.clear(column)
         return column
 
     def close(self, column: int) -> None:
@@ -138,7 +125,14 @@ class ClaimFilter:
         mixed = np.multiply(fps, _MIX)
         rows = np.right_shift(mixed, _ROW_SHIFT).view(np.intp)  # < 2**24: a view is exact
         rows &= (words or self.words) - 1
-        return rows, _patterns(mixed)
+        low = np.right_shift(mixed, np.uint64(32))
+        low ^= mixed
+        fields = np.right_shift(low[:, None], _FIELDS)
+        fields &= np.uint64(_FIELD)
+        pairs = _PAIRS.take(fields.view(np.int64))
+        patterns = pairs[:, 0] | pairs[:, 1]
+        patterns |= pairs[:, 2]
+        return rows, patterns
 
     def add(self, column: int, fps: FpArray) -> None:
         """``column``'s peer claims ``fps`` now."""
@@ -188,7 +182,7 @@ class ClaimFilter:
         """
         rebuild = self._rebuilds.get(column)
         if rebuild is None:
-            rebuild = self._rebuilds[column] = _Rebuild(claims(), self.words)
+            rebuild = self._rebuilds[column] = _Rebuild(claims(), self.scratch())
         part = rebuild.todo[rebuild.at : rebuild.at + max(1, most)]
         self.fill(rebuild.scratch, part)
         rebuild.at += len(part)
@@ -199,16 +193,14 @@ class ClaimFilter:
 
     def holders(self, fp: int) -> list[int]:
         """The columns that may claim ``fp``. Safe from another thread."""
-        table = self._table
+        # Python ints, not arrays: a third of the time for one key (engine threads ask it).
+        table, pairs = self._table, _PAIRS_INT
         mixed = (fp * _MIX_INT) & _MASK64
         low = mixed ^ (mixed >> 32)
-        pattern = (
-            _PAIRS_INT[low & _FIELD]
-            | _PAIRS_INT[(low >> 12) & _FIELD]
-            | _PAIRS_INT[(low >> 24) & _FIELD]
+        want = np.uint64(
+            pairs[low & _FIELD] | pairs[(low >> 12) & _FIELD] | pairs[(low >> 24) & _FIELD]
         )
         row = table[(mixed >> 40) & (table.shape[0] - 1)]
-        want = np.uint64(pattern)
         found: list[int] = np.flatnonzero((row & want) == want).tolist()
         return found
 
@@ -241,7 +233,6 @@ class ClaimFilter:
     # --- growing ----------------------------------------------------------------------
 
     def _set_load(self, column: int, load: int) -> None:
-        self._total += load - self._load[column]
         self._load[column] = load
         self._resize()
 
@@ -251,25 +242,15 @@ class ClaimFilter:
         With ``shrink``, the rows are halved while they hold under a quarter of it.
         """
         may = KEYS_PER_WORD * max(1, len(self._load) - len(self._free))  # keys a row may hold
-        words = self.words
-        while not shrink and words < MAX_WORDS and self._total > may * words:
+        words, total = self.words, sum(self._load)
+        while not shrink and words < MAX_WORDS and total > may * words:
             words *= 2
-        while shrink and words > MIN_WORDS and 4 * self._total < may * (words // 2):
+        while shrink and words > MIN_WORDS and 4 * total < may * (words // 2):
             words //= 2
         if words != self.words:
             # A new table, never resized in place: a reader may hold the old one.
             self._table = _fit(self._table, words)
             self._built = [min(b, words) for b in self._built]
-
-    def _widen(self) -> None:
-        old = self._table
-        columns = old.shape[1]
-        table = np.zeros((old.shape[0], 2 * columns), np.uint64)
-        table[:, :columns] = old
-        self._table = table
-        self._load += [0] * columns
-        self._built += [self.words] * columns
-        self._free = list(range(2 * columns - 1, columns - 1, -1))
 
 
 def _fit(rows: FpArray, words: int) -> FpArray:

@@ -129,11 +129,11 @@ class Holdings(Mirror):
         self.built = 0
         # Keys changed since the last flush: True came to be held, False stopped.
         self._pending: dict[bytes, bool] = {}
-        self._since: float | None = None  # when the first unflushed change came
+        self._since = 0.0  # when the first unflushed change came (while there is one)
         self._cached: tuple[bytes, int, tuple[wire.KvsumSnapshot, ...]] | None = None
         self._queues: dict[str, deque[wire.KvsumSnapshot]] = {}  # parts still to send
         self._answered: dict[str, float] = {}  # when each peer's last resync was answered
-        self._wanted: set[str] = set()  # resyncs that wait for their interval's end
+        self._wanted: dict[str, float] = {}  # resyncs that wait: when their interval ends
         self._next_part: float | None = None
         self._next_refresh: float | None = None
         self._scrub_owed = 0.0  # keys due for a check, not yet in a batch
@@ -148,7 +148,7 @@ class Holdings(Mirror):
         """
         self.clear()
         self._pending.clear()
-        self._since = self._scrub_out = self._scrub_at = None
+        self._scrub_out = self._scrub_at = None
         self._scrub_owed = 0.0
         self.epoch, self.seq = epoch, 0
         return self.snapshot(now)
@@ -166,7 +166,9 @@ class Holdings(Mirror):
         out, options = self._scrub_out, self.options
         if out is not None and now < out + SCRUB_LOST_S:
             return []
-        if self._scrub_at is not None and self._in_use(now):
+        changed = self._changed_at
+        in_use = changed is not None and now <= changed + options.scrub_idle_s
+        if self._scrub_at is not None and in_use:
             self._scrub_owed += options.scrub_base_per_s * min(1.0, max(0.0, now - self._scrub_at))
         self._scrub_at = now
         self._scrub_owed += options.scrub_per_key * self._churn
@@ -187,9 +189,6 @@ class Holdings(Mirror):
         due = start + max(0.01, min(1.0, 1.0 / pace * 16))
         return due if due <= changed + self.options.scrub_idle_s else None
 
-    def _in_use(self, now: float) -> bool:
-        return self._changed_at is not None and now <= self._changed_at + self.options.scrub_idle_s
-
     def scrubbed(self, gone: Iterable[bytes], kept: Iterable[bytes], now: float) -> None:
         """The answers to the batch :meth:`plan_scrub` gave: the next may be planned."""
         self._scrub_out = None
@@ -200,7 +199,7 @@ class Holdings(Mirror):
 
     def next_flush(self) -> float | None:
         """When :meth:`flush` has something to send (None: nothing changed)."""
-        if not self._pending or self._since is None:
+        if not self._pending:
             return None
         if len(self._pending) >= self.options.flush_keys:
             return self._since
@@ -213,17 +212,12 @@ class Holdings(Mirror):
         message may); the rest stay pending, due at once.
         """
         pending = self._pending
-        if not pending:
-            self._since = None  # every change there was cancelled out
-            return None
-        due = self._since is not None and now >= self._since + self.options.flush_s
-        if not (force or due or len(pending) >= self.options.flush_keys):
+        due = now >= self._since + self.options.flush_s or len(pending) >= self.options.flush_keys
+        if not pending or not (force or due):
             return None
         taken = list(itertools.islice(pending.items(), MAX_DELTA_KEYS))
         for key, _ in taken:
             del pending[key]
-        if not pending:
-            self._since = None
         add = [fingerprint(k) for k, held in taken if held]
         remove = [fingerprint(k) for k, held in taken if not held]
         self.seq += 1
@@ -260,15 +254,10 @@ class Holdings(Mirror):
 
     def _changed(self, key: bytes, now: float, *, held: bool) -> None:
         pending = self._pending
-        if key in pending:
-            # Back to what the peers were last told: nothing to say about it.
-            del pending[key]
+        if pending.pop(key, None) is None:  # else back to what the peers were last told
             if not pending:
-                self._since = None  # the window starts again with the next change
-        else:
+                self._since = now  # the window starts with this change
             pending[key] = held
-            if self._since is None:
-                self._since = now
 
     # --- to whom, and when ------------------------------------------------------------
     # Every method below returns the messages to send now, each with its peer
@@ -287,9 +276,9 @@ class Holdings(Mirror):
         """``peer`` asked for a snapshot: now, at its interval's end, or by the one under way."""
         if peer in self._queues:
             return []  # the one being sent answers it
-        last = self._answered.get(peer)
-        if last is not None and now < last + self.resync_interval_s:
-            self._wanted.add(peer)
+        ends = self._answered.get(peer, now) + self.resync_interval_s
+        if peer in self._answered and now < ends:
+            self._wanted[peer] = ends
             return []
         self._answered[peer] = now
         return self._start(peer, now)
@@ -312,7 +301,7 @@ class Holdings(Mirror):
     def forget(self, peer: str) -> None:
         """``peer``'s session is gone: nothing more to send it."""
         self._queues.pop(peer, None)
-        self._wanted.discard(peer)
+        self._wanted.pop(peer, None)
         self._answered.pop(peer, None)
 
     def flush_all(self, now: float, *, force: bool = True) -> list[Out]:
@@ -331,11 +320,8 @@ class Holdings(Mirror):
         return min((t for t in times if t is not None), default=None)
 
     def _parts_due(self) -> float | None:
-        interval = self.resync_interval_s
-        times = [self._answered[p] + interval for p in self._wanted]  # wanted: answered before
-        if self._next_part is not None:
-            times.append(self._next_part)
-        return min(times, default=None)
+        times = [*self._wanted.values(), self._next_part]
+        return min((t for t in times if t is not None), default=None)
 
     def due(self, now: float, peers: Collection[str]) -> list[Out]:
         """The deltas due, a refresh when due, the resyncs whose interval ended, the parts due.
@@ -366,10 +352,9 @@ class Holdings(Mirror):
 
         With ``only``: one part to ``only``, nothing else.
         """
-        if only is None and self._wanted:
-            interval = self.resync_interval_s
-            for peer in [p for p in self._wanted if now >= self._answered[p] + interval]:
-                self._wanted.discard(peer)
+        if only is None:
+            for peer in [p for p, ends in self._wanted.items() if now >= ends]:
+                del self._wanted[peer]
                 if peer in peers and peer not in self._queues:
                     self._answered[peer] = now
                     self._queues[peer] = deque(self._parts(now, out))

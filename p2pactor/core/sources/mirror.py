@@ -89,8 +89,7 @@ class Mirror:
         """The parent dropped everything (its cache was reset)."""
         for part in (self._ranks, self._requests, self._suspects, self._checked, self._verified):
             part.clear()
-        for more in (self._pins, self._pinned, self._heap):
-            more.clear()
+        self._pins, self._pinned, self._heap = {}, Counter(), []
         self._churn = 0
         self._changed_at = None
         self._since_frontier = self._churned
@@ -123,24 +122,12 @@ class Mirror:
         the request, tail below head, until :meth:`finished`. Without them,
         each key is the most recent, the last one most of all.
         """
-        ranks = self._ranks
         if request is None:
             for key in keys:
                 self._rank_afresh(key, now)
         else:
-            rank_of, seen = self._request(request)
-            for i, key in enumerate(keys):
-                position = None if positions is None else positions[i]
-                if position is None:
-                    self._rank_afresh(key, now)
-                    continue
-                seen[key] = position
-                rank = (rank_of, -position)
-                old = ranks.get(key)
-                if old is None:
-                    self._add(key, rank, now)
-                elif rank > old:  # vLLM's on_request_access: it only moves up
-                    self._set(key, rank)
+            keys = list(keys)
+            self._under(request, keys, positions or [None] * len(keys), now)
         self._fit(now)
 
     def accessed(
@@ -151,14 +138,28 @@ class Mirror:
         What vLLM's LRU does for a chunk a request loads from the CPU tier.
         Keys not held are passed over (the parent did not have them either).
         """
+        self._under(request, keys, positions, None)
+
+    def _under(
+        self, request: str, keys: Sequence[bytes], at: Sequence[int | None], now: float | None
+    ) -> None:
+        """Rank ``keys`` under ``request`` at their positions ``at``; with ``now``, a store.
+
+        A store holds the keys not held yet, and ranks afresh one with no
+        position; otherwise (reused) both are passed over.
+        """
         ranks = self._ranks
         rank_of, seen = self._request(request)
-        for key, position in zip(keys, positions, strict=True):
-            if position is None or key not in ranks:
+        for key, position in zip(keys, at, strict=True):
+            if position is None or (now is None and key not in ranks):
+                if now is not None:
+                    self._rank_afresh(key, now)
                 continue
             seen[key] = position
-            rank = (rank_of, -position)
-            if rank > ranks[key]:
+            rank, old = (rank_of, -position), ranks.get(key)
+            if old is None and now is not None:
+                self._add(key, rank, now)
+            elif old is not None and rank > old:  # vLLM's on_request_access: it only moves up
                 self._set(key, rank)
 
     def finished(self, request: str) -> None:
@@ -200,12 +201,10 @@ class Mirror:
     def _fresh_in(self, marks: dict[bytes, int], key: bytes) -> bool:
         """Whether ``key``'s mark in ``marks`` still holds (it expires with the churn)."""
         stamp = marks.get(key)
-        if stamp is None:
-            return False
-        if self._churned - stamp >= max(16, self.capacity // 4):
+        if stamp is not None and self._churned - stamp >= max(16, self.capacity // 4):
             del marks[key]
-            return False
-        return True
+            stamp = None
+        return stamp is not None
 
     def pinned(self, job: int, keys: Sequence[bytes]) -> None:
         """The parent pinned ``keys`` for a peer's fetch (job ``job``): it evicts others first."""
@@ -214,9 +213,8 @@ class Mirror:
 
     def released(self, job: int, now: float) -> None:
         """The pin ``job`` was released: its keys may be evicted again."""
-        keys = self._pins.pop(job, ())
         pinned = self._pinned
-        for key in keys:
+        for key in self._pins.pop(job, ()):
             pinned[key] -= 1
             if pinned[key] <= 0:
                 del pinned[key]
@@ -239,14 +237,9 @@ class Mirror:
 
     def gone(self, keys: Iterable[bytes], now: float) -> None:
         """The parent no longer holds ``keys`` (a MISS we answered, a failed check)."""
-        ranks, suspects = self._ranks, self._suspects
         for key in keys:
-            suspects.pop(key, None)
-            self._checked.pop(key, None)
-            self._verified.pop(key, None)
-            if key in ranks:
-                del ranks[key]
-                self._changed(key, now, held=False)
+            self._suspects.pop(key, None)
+            self._drop(key, now)
         self._compact()
 
     def scrub(self, most: int) -> list[bytes]:
@@ -335,8 +328,7 @@ class Mirror:
 
     def _set(self, key: bytes, rank: _Rank) -> None:
         self._ranks[key] = rank
-        self._checked.pop(key, None)  # it moved: what it ranks is known again
-        self._verified.pop(key, None)
+        self._unmark(key)  # it moved: what it ranks is known again
         heapq.heappush(self._heap, (rank, key))
         self._compact()
 
@@ -372,11 +364,17 @@ class Mirror:
             else:
                 heapq.heappush(heap, entry)
 
-    def _evict(self, key: bytes, rank: _Rank, now: float) -> None:
-        del self._ranks[key]
+    def _unmark(self, key: bytes) -> None:
         self._checked.pop(key, None)
         self._verified.pop(key, None)
-        self._changed(key, now, held=False)
+
+    def _drop(self, key: bytes, now: float) -> None:
+        self._unmark(key)
+        if self._ranks.pop(key, None) is not None:
+            self._changed(key, now, held=False)
+
+    def _evict(self, key: bytes, rank: _Rank, now: float) -> None:
+        self._drop(key, now)
         suspects = self._suspects
         suspects[key] = rank
         if len(suspects) > _SUSPECTS:

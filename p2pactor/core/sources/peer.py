@@ -14,7 +14,10 @@ sender's own rule.
 What a message means is decided when it reaches the head of the queue,
 exactly as if it were applied on arrival: its epoch (a new one drops the old
 summary whole), its sequence number (in order, a gap, or already covered),
-whether a snapshot is being assembled. Then its fingerprints go in slices.
+whether a snapshot is being assembled. Then its fingerprints go in slices:
+a delta's (removes, then adds), or a snapshot's parts, each a sorted run
+(:class:`Assembly`), all merged once it is whole and installed as the claims.
+Each such job is a generator, one slice a ``send``.
 
 Sans-IO: no clock, no I/O. Every fingerprint a peer may claim is capped by
 its capacity (what it registered, within the node's budget for it).
@@ -23,13 +26,16 @@ its capacity (what it registered, within the node's budget for it).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Generator
 
 import attrs
 import msgspec
 
-from p2pactor.core.sources.arrays import Fingerprints, as_fps, count
-from p2pactor.core.sources.claims import Assembly, ClaimSet, Compaction, Complete, Fill
+from p2pactor.core.choice import PeerTrust
+from p2pactor.core.sources.arrays import FpArray, MergeRuns, Raw, as_fps, unique
+from p2pactor.core.sources.claims import ClaimSet, Compaction
 from p2pactor.core.sources.filter import ClaimFilter
+from p2pactor.core.work_budget import WorkBudget
 
 # Deltas kept while a snapshot is assembled; past that the snapshot is given up.
 MAX_BUFFERED_DELTAS = 256
@@ -58,9 +64,9 @@ class Delta:
 
     __slots__ = ("add", "epoch", "nbytes", "remove", "seq")
 
-    def __init__(self, epoch: bytes, seq: int, add: Fingerprints, remove: Fingerprints) -> None:
+    def __init__(self, epoch: bytes, seq: int, add: Raw, remove: Raw) -> None:
         self.epoch, self.seq, self.add, self.remove = epoch, seq, add, remove
-        self.nbytes = 8 * (count(add) + count(remove)) + MESSAGE_BYTES
+        self.nbytes = int(add.nbytes + remove.nbytes) + MESSAGE_BYTES
 
 
 class Part:
@@ -68,32 +74,42 @@ class Part:
 
     __slots__ = ("epoch", "fps", "nbytes", "part", "parts", "upto")
 
-    def __init__(self, epoch: bytes, upto: int, part: int, parts: int, fps: Fingerprints) -> None:
+    def __init__(self, epoch: bytes, upto: int, part: int, parts: int, fps: Raw) -> None:
         self.epoch, self.upto, self.part, self.parts, self.fps = epoch, upto, part, parts, fps
-        self.nbytes = 8 * count(fps) + MESSAGE_BYTES
+        self.nbytes = int(fps.nbytes) + MESSAGE_BYTES
 
 
-class _Apply:
-    """A delta's removes, then its adds, going into the claims a slice at a time."""
+@attrs.define(eq=False)
+class Assembly:
+    """A snapshot being put together from its parts: sorted runs, merged once it is whole."""
 
-    __slots__ = ("add", "at_add", "at_remove", "n_add", "n_remove", "remove", "struck")
-
-    def __init__(self, add: Fingerprints, remove: Fingerprints, most: int) -> None:
-        self.add, self.remove = add, remove
-        # More than the peer may claim is never looked at.
-        self.n_add, self.n_remove = min(count(add), most), min(count(remove), most)
-        self.at_add = self.at_remove = 0
-        self.struck = False
+    upto: int
+    parts: int
+    # The filter's column for ``runs``, filled as they come.
+    column: FpArray
+    # Deltas after ``upto`` that came meanwhile: applied once it is whole.
+    buffered: list[Delta] = attrs.Factory(list)
+    seen: set[int] = attrs.Factory(set)
+    # Each sorted, each value once within it.
+    runs: list[FpArray] = attrs.Factory(list)
+    # Fingerprints in ``runs`` (one in two runs counts twice).
+    held: int = 0
+    # It claimed more than it may: cut back to its capacity.
+    cut: bool = False
+    # Its runs being merged, once it is whole.
+    merge: MergeRuns | None = None
 
 
 # A summary message as it waits for its turn.
 Incoming = Delta | Part
-_Job = Delta | Part | _Apply | Fill | Complete | Compaction
+# Work under way: each ``send(most)`` does a slice and yields the work done and a
+# Resync to send; it takes itself off the queue before its last slice.
+_Job = Generator[tuple[int, Resync | None], int, None]
 
 
 @attrs.define(eq=False)
-class PeerClaims:
-    """What one peer claims, and its summary messages not applied yet.
+class PeerClaims(PeerTrust):
+    """What one peer claims, its summary messages not applied yet, its work budget and trust.
 
     Args:
         peer: The peer's id (named in the resyncs it is asked).
@@ -102,6 +118,7 @@ class PeerClaims:
         column: This peer's column.
         max_queued_bytes: What its queued messages may hold; past it they are
             dropped as a flood.
+        budget: How much of the node's thread its summaries may take.
     """
 
     peer: str
@@ -109,6 +126,7 @@ class PeerClaims:
     _filter: ClaimFilter
     column: int
     max_queued_bytes: int
+    budget: WorkBudget
     epoch: bytes = b""
     seq: int = 0
     # A whole snapshot arrived for this epoch.
@@ -119,7 +137,7 @@ class PeerClaims:
     gap_deltas: int = 0
     claims: ClaimSet = attrs.Factory(ClaimSet)
     assembly: Assembly | None = None
-    queue: deque[_Job] = attrs.Factory(deque)
+    queue: deque[Incoming | Compaction | _Job] = attrs.Factory(deque)
     # Bytes of the messages in ``queue``.
     queued_bytes: int = 0
     # Messages that claimed more than it may.
@@ -134,26 +152,20 @@ class PeerClaims:
         assembly = self.assembly
         if assembly is not None:
             total += sum(int(r.nbytes) for r in assembly.runs) + int(assembly.column.nbytes)
-            total += 8 * assembly.buffered_fps
-        head = self.queue[0] if self.queue else None
-        if isinstance(head, Complete):
-            total += head.merge.nbytes  # the runs it merges and its output
-            if head.assembly is not assembly:
-                total += int(head.assembly.column.nbytes)
+            total += 8 * _looked_at(assembly.buffered, self.capacity)
+            if assembly.merge is not None:
+                total += assembly.merge.nbytes  # the runs it merges and its output
         return total
 
     # --- messages in ----------------------------------------------------------------------
 
     def receive(self, message: Incoming) -> Resync | None:
         """Queue ``message``; a Resync to send if it overflowed the queue (a flood)."""
-        if self.queued_bytes + message.nbytes > self.max_queued_bytes and self.queue:
-            return self._flooded()
-        self.queue.append(message)
-        self.queued_bytes += message.nbytes
-        return None
-
-    def _flooded(self) -> Resync | None:
-        """Its messages come faster than they are applied: drop them, and ask again."""
+        if self.queued_bytes + message.nbytes <= self.max_queued_bytes or not self.queue:
+            self.queue.append(message)
+            self.queued_bytes += message.nbytes
+            return None
+        # Its messages come faster than they are applied: drop them, and ask again.
         self.floods += 1
         self.strikes += 1
         self.claims.cancel_compaction()  # it was queued: its steps are dropped with the rest
@@ -186,48 +198,32 @@ class PeerClaims:
             queue.popleft()
             self.queued_bytes -= job.nbytes
             return 1, self._delta(job) if isinstance(job, Delta) else self._part(job)
-        if isinstance(job, _Apply):
-            used = self._apply(job, most)
-            if job.at_add >= job.n_add and job.at_remove >= job.n_remove:
-                queue.popleft()
-            if self.claims.compact_due:
-                queue.appendleft(self.claims.compaction())  # before the rest of the queue
-            return used, None
-        if isinstance(job, Fill):
-            used, struck = job.step(most, self.capacity, self._filter)
-            self.strikes += struck
-            if job.at >= job.n:
-                queue.popleft()
-                assembly = job.assembly
-                if len(assembly.seen) == assembly.parts and assembly is self.assembly:
-                    queue.appendleft(Complete(assembly))
-            return used, None
         # Merging costs about an eighth of applying, a fingerprint: a slice
         # merges that many more, and counts for as much work.
         if isinstance(job, Compaction):
             if job.step(most * MERGE_RATIO):
                 queue.popleft()
             return max(1, job.work // MERGE_RATIO), None
-        used = max(1, job.merge.step(most * MERGE_RATIO) // MERGE_RATIO)
-        if not job.merge.done:
-            return used, None
-        queue.popleft()
-        return used, self._install(job)
+        return job.send(most)
+
+    def _push(self, job: _Job) -> None:
+        """``job`` goes first; it starts at its first ``yield``."""
+        next(job)
+        self.queue.appendleft(job)
 
     def _delta(self, msg: Delta) -> Resync | None:
-        epoch, seq = msg.epoch, msg.seq
+        epoch, seq, most = msg.epoch, msg.seq, self.capacity
         if epoch != self.epoch:
             # A restarted peer: its old summary goes whole, its new one starts
             # with a snapshot (asked once, however often the epoch flips).
             self.new_epoch(epoch)
             return None if self.resync_asked else self.resync()
-        most = self.capacity
-        if count(msg.add) > most or count(msg.remove) > most:
-            self.strikes += 1  # more than it may claim: the rest is never looked at
+        # More than it may claim: struck, and the rest is never looked at.
+        self.strikes += max(len(msg.add), len(msg.remove)) > most
         assembly = self.assembly
         if assembly is not None and seq > assembly.upto:
-            size = assembly.buffered_fps + min(count(msg.add), most) + min(count(msg.remove), most)
-            limit = self.capacity // BUFFERED_SHARE + BUFFERED_SLACK
+            size = _looked_at([*assembly.buffered, msg], most)
+            limit = most // BUFFERED_SHARE + BUFFERED_SLACK
             if len(assembly.buffered) >= MAX_BUFFERED_DELTAS or size > limit:
                 # It is not coming whole, or the deltas meanwhile weigh more
                 # than their share of the claims the peer may make (applying
@@ -237,13 +233,12 @@ class PeerClaims:
                 self.assembly = None
                 self.resync_asked = False
             else:
-                assembly.buffered.append((seq, msg.add, msg.remove))
-                assembly.buffered_fps = size
+                assembly.buffered.append(msg)
         if seq <= self.seq:
             return None  # already folded in (a snapshot covered it)
         if seq == self.seq + 1 and self.synced:
             self.seq = seq
-            self.queue.appendleft(_Apply(msg.add, msg.remove, most))
+            self._push(self._apply(msg.add[:most], msg.remove[:most]))
             return None
         # A gap (or no snapshot yet): ask once, and again if it lasts.
         self.gap_deltas += 1
@@ -266,61 +261,102 @@ class PeerClaims:
         if assembly is None or upto > assembly.upto or parts != assembly.parts:
             if self.synced and upto < self.seq:
                 return None  # a new snapshot older than what deltas already brought
-            kept = [] if assembly is None else [b for b in assembly.buffered if b[0] > upto]
-            most = self.capacity
-            size = sum(min(count(add), most) + min(count(remove), most) for _, add, remove in kept)
-            assembly = self.assembly = Assembly(upto, parts, self._filter.scratch(), kept, size)
+            kept = [] if assembly is None else [d for d in assembly.buffered if d.seq > upto]
+            assembly = self.assembly = Assembly(upto, parts, self._filter.scratch(), kept)
         if part in assembly.seen:
             return None
         assembly.seen.add(part)
-        self.queue.appendleft(Fill(assembly, msg.fps))
+        self._push(self._fill(assembly, msg.fps))
         return None
 
-    def _install(self, job: Complete) -> Resync | None:
+    def _fill(self, assembly: Assembly, fps: Raw) -> _Job:
+        """A part's fingerprints going into its assembly a slice at a time.
+
+        A peer claiming more than it may (what it registered, or this node's
+        budget for it) keeps what fits, struck once a snapshot; what does not
+        fit is never even converted.
+        """
+        most = yield 0, None
+        while True:
+            take = min(most, len(fps), max(0, self.capacity - assembly.held))
+            if take:
+                run = unique(as_fps(fps, take))
+                assembly.runs.append(run)
+                assembly.held += len(run)
+                self._filter.fill(assembly.column, run)
+            if take < min(most, len(fps)):
+                self.strikes += not assembly.cut
+                assembly.cut, fps = True, fps[:0]
+            fps = fps[take:]
+            if not len(fps):
+                self.queue.popleft()
+                if len(assembly.seen) == assembly.parts and assembly is self.assembly:
+                    self._push(self._complete(assembly))
+            most = yield max(1, take), None
+
+    def _complete(self, assembly: Assembly) -> _Job:
+        """A whole snapshot's runs merged into one (merging counts as in :meth:`step`)."""
+        merge = assembly.merge = MergeRuns(assembly.runs)
+        assembly.runs = []  # the merge holds them now
+        most = yield 0, None
+        while True:
+            used = max(1, merge.step(most * MERGE_RATIO) // MERGE_RATIO)
+            if merge.done:
+                break
+            most = yield used, None
+        self.queue.popleft()
+        yield used, self._install(assembly, merge.result())
+
+    def _install(self, assembly: Assembly, merged: FpArray) -> Resync | None:
         """The merged snapshot becomes the claims; the deltas buffered meanwhile follow it."""
-        assembly = job.assembly
+        most = self.capacity
         if self.assembly is assembly:
             self.assembly = None
-        held = job.merge.result()[: self.capacity]
+        held = merged[:most]
         self.claims = ClaimSet(held)
         self._filter.install(self.column, assembly.column, len(held))
         self.seq, self.synced = assembly.upto, True
         self.resync_asked, self.gap_deltas = False, 0
-        follow: list[_Apply] = []
+        follow: list[_Job] = []
         later = False
-        for seq, add, remove in sorted(assembly.buffered, key=lambda b: b[0]):
-            if seq == self.seq + 1:
-                self.seq = seq
-                follow.append(_Apply(add, remove, self.capacity))
-            elif seq > self.seq:
+        for delta in sorted(assembly.buffered, key=lambda d: d.seq):
+            if delta.seq == self.seq + 1:
+                self.seq = delta.seq
+                follow.append(self._apply(delta.add[:most], delta.remove[:most]))
+            elif delta.seq > self.seq:
                 later = True
-        self.queue.extendleft(reversed(follow))  # ahead of the messages that came since
+        for job in reversed(follow):  # ahead of the messages that came since
+            self._push(job)
         return self.resync() if later else None  # a delta after it was lost
 
-    def _apply(self, job: _Apply, most: int) -> int:
-        claims, filt = self.claims, self._filter
-        used = 0
-        if job.at_remove < job.n_remove:
-            take = min(most, job.n_remove - job.at_remove)
-            claims.remove(as_fps(job.remove, take, job.at_remove))
-            job.at_remove += take
-            used += take
-        if used < most and job.at_add < job.n_add:
-            take = min(most - used, job.n_add - job.at_add)
-            new, refused = claims.add(
-                as_fps(job.add, take, job.at_add), self.capacity - len(claims)
-            )
-            job.at_add += take
-            used += take
-            if refused and not job.struck:
-                # More than it registered blocks for: keep what fits (work in
-                # proportion to the message, never to the whole summary).
-                self.strikes += 1
-                job.struck = True
-            filt.add(self.column, new)
-        if filt.due(self.column, len(claims)):
-            filt.rebuild(self.column, claims.superset, max(1, most))
-        return max(1, used)
+    def _apply(self, add: Raw, remove: Raw) -> _Job:
+        """A delta's removes, then its adds, going into the claims a slice at a time."""
+        struck = False
+        most = yield 0, None
+        while True:
+            claims, filt = self.claims, self._filter
+            used = min(most, len(remove))
+            if used:
+                claims.remove(as_fps(remove, used))
+                remove = remove[used:]
+            take = min(most - used, len(add))
+            if take:
+                new, refused = claims.add(as_fps(add, take), self.capacity - len(claims))
+                add = add[take:]
+                used += take
+                if refused and not struck:
+                    # More than it registered blocks for: keep what fits (work in
+                    # proportion to the message, never to the whole summary).
+                    self.strikes += 1
+                    struck = True
+                filt.add(self.column, new)
+            if filt.due(self.column, len(claims)):
+                filt.rebuild(self.column, claims.superset, max(1, most))
+            if not (len(add) or len(remove)):
+                self.queue.popleft()
+            if claims.compact_due:
+                self.queue.appendleft(Compaction(claims))  # before the rest of the queue
+            most = yield max(1, used), None
 
     # --- from outside -------------------------------------------------------------------
 
@@ -346,9 +382,12 @@ class PeerClaims:
             self.claims.truncate(capacity)
             self.strikes += 1
 
-    def missed(self, fps: Fingerprints) -> None:
+    def missed(self, fps: Raw) -> None:
         """It answered MISS for ``fps``: it no longer holds them."""
-        most = self.capacity
-        if count(fps) > most:
-            self.strikes += 1
-        self.claims.remove(as_fps(fps, most))
+        self.strikes += len(fps) > self.capacity
+        self.claims.remove(as_fps(fps, self.capacity))
+
+
+def _looked_at(deltas: list[Delta], most: int) -> int:
+    """Fingerprints of ``deltas`` looked at, for a peer that may claim ``most``."""
+    return sum(min(len(d.add), most) + min(len(d.remove), most) for d in deltas)
