@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import trio
 import zmq
 
-from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _curve_client, _handshake_failure
+from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, curve_client, handshake_failure
 from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor, make_socket, note
 from p2pactor.core.protocol import Frame
 from p2pactor.runtime.addresses import node_id_port
@@ -69,26 +69,18 @@ class ZmqConnection:
         peer_id, transport, options = self.peer_id, self._transport, self._options
         if not node_id_port(peer_id):
             raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
-        address = f"tcp://{peer_id}"
-        settings: list[tuple[int, int | bytes]] = [
-            (zmq.IDENTITY, transport.local_id.encode()),
-            (zmq.SNDHWM, options.send_hwm),
-        ]
-        if transport._curve is not None:
-            settings += _curve_client(transport._curve, peer_id)
+        settings = curve_client(transport._curve, peer_id)
+        settings += [(zmq.IDENTITY, transport.local_id.encode()), (zmq.SNDHWM, options.send_hwm)]
         # ZMQ_IMMEDIATE stays 0 (vLLM): frames queue before the connection
         # completes, so the `connect` sent right away fits.
         try:
-            dealer, monitor = make_socket(
-                transport._ctx, zmq.DEALER, address, options, settings, monitor_mask=_MASK
-            )
+            address, ctx = f"tcp://{peer_id}", transport._ctx
+            dealer, monitor = make_socket(ctx, zmq.DEALER, address, options, settings, mask=_MASK)
         except zmq.ZMQError as exc:
             raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
         assert monitor is not None
-        self._dealer = _AsyncSocket(dealer)
-        self._monitor = monitor
-        self._reached = False
-        monitor.start_watching(transport._nursery, f"zmq monitor fd {peer_id}")
+        self._dealer = _AsyncSocket(dealer, zmq.POLLOUT)
+        self._monitor, self._reached = monitor, False
         transport._nursery.start_soon(self._watch, monitor, name=f"zmq monitor {peer_id}")
 
     def renew(self) -> None:
@@ -135,13 +127,13 @@ class ZmqConnection:
         if self.send_nowait(frame):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        options = self._options
+        options, dealer = self._options, self._dealer
         with trio.move_on_after(options.send_timeout):
-            if not self._dealer.watched:  # the first full queue: start watching it
-                self._dealer.start_watching(self._transport._nursery, f"zmq dealer fd {self}")
+            if not dealer.watched:  # the first full queue: start watching it
+                dealer.start_watching(self._transport._nursery, f"zmq dealer fd {self}")
             while True:
                 try:
-                    await self._dealer.wait(zmq.POLLOUT)
+                    await dealer.wait()
                 except trio.ClosedResourceError:  # it died meanwhile
                     raise self._lost() from None
                 if self.send_nowait(frame):
@@ -309,8 +301,8 @@ class ZmqConnection:
                     return
                 for event, value in events:
                     note(DEBUG, node, "monitor of %r: %r %r", self, event, value, peer=peer)
-                    reason = self._death_reason(event, value)
-                    if reason is not None:
+                    self._reached |= event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                    if reason := self._death_reason(event, value):
                         self._die(reason)
                         return
         except trio.ClosedResourceError:
@@ -319,9 +311,6 @@ class ZmqConnection:
     def _death_reason(self, event: int, value: int) -> str | None:
         """What a monitor event (and its value) means: a reason to die, or None."""
         peer = self.peer_id
-        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-            self._reached = True
-            return None
         if event == zmq.EVENT_DISCONNECTED:
             # libzmq reports a heartbeat timeout as a plain disconnect.
             return (
@@ -333,7 +322,7 @@ class ZmqConnection:
                 return f"{peer} went away: the connection closed"
             return f"cannot connect to {peer}: refused (nothing listens there?)"
         if event & _HANDSHAKE_FAILED:
-            return _handshake_failure(peer, event, value, self._transport._curve)
+            return handshake_failure(peer, event, value, self._transport._curve)
         return None
 
     def _die(self, reason: str, *, linger: float = 0.0) -> ConnectionLost:

@@ -79,19 +79,13 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
-from p2pactor.adapters._zmq_curve import (
-    ROUTER_MONITOR_MASK,
-    _CurveGate,
-    check_keypair,
-    generate_keypair,
-)
+from p2pactor.adapters._zmq_curve import check_keypair, generate_keypair
 from p2pactor.adapters._zmq_router import ZmqControlTransport
 from p2pactor.adapters._zmq_socket import (
     ZmqOptions,
     ZmqStatistics,
     ZmqTransportError,
     log,
-    make_socket,
     note,
 )
 from p2pactor.runtime.addresses import node_id_port, peer_host
@@ -180,27 +174,8 @@ async def open_zmq_transport(
         except (zmq.ZMQError, AttributeError) as exc:  # a libzmq without it
             log.debug("cannot run the ZeroMQ I/O threads as SCHED_BATCH: %s", exc)
     try:
-        gate = None if curve is None else _CurveGate(ctx, curve)  # before the ROUTER
-        # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
-        # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
-        settings: list[tuple[int, int | bytes]] = [
-            (zmq.MAXMSGSIZE, options.max_frame_bytes),
-            (zmq.ROUTER_HANDOVER, 1),
-            *(() if gate is None else gate.settings()),
-        ]
-        mask = 0 if gate is None else ROUTER_MONITOR_MASK
         endpoint = f"tcp://{bind_host or host}:{port or '*'}"
-        try:
-            router, monitor = make_socket(
-                ctx, zmq.ROUTER, endpoint, options, settings, monitor_mask=mask
-            )
-        except zmq.ZMQError as exc:
-            if gate is not None:
-                gate.close()
-            raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
-        if gate is not None:
-            gate.monitor = monitor
-        transport = ZmqControlTransport(ctx, router, host, options, gate)
+        transport = ZmqControlTransport(ctx, endpoint, host, options, curve)
         try:
             async with trio.open_nursery() as nursery:
                 transport._start(nursery)
