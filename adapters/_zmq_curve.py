@@ -26,10 +26,10 @@ ZAP_DOMAIN: bytes = b"p2pactor"
 """The ZAP domain of a CURVE ROUTER: our handler answers for it only."""
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 _ZAP_VERSION = b"1.0"
-_ZAP_REQUEST_FRAMES = 8  # routing id, delimiter, version, id, domain, address, identity, mechanism
-# What a CURVE ROUTER turns away before ZAP is asked (see report_refusals).
-ROUTER_MONITOR_MASK = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-_HANDSHAKE_FAILED = ROUTER_MONITOR_MASK | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+# What a CURVE ROUTER turns away before ZAP is asked (see _report_refusals).
+_ROUTER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+Refuse = Callable[[str], None]
+"""Where the CURVE parts report a client turned away (the transport counts and logs it)."""
 
 
 def _new_keys() -> tuple[str, str]:
@@ -102,71 +102,20 @@ def curve_client(curve: CurveSecurity | None, peer_id: str) -> list[tuple[int, i
     ]
 
 
-def handshake_failure(peer: str, event: int, value: int, curve: CurveSecurity | None) -> str:
-    """Why a handshake failed (a ``_HANDSHAKE_FAILED`` event), in words that say what to change."""
-    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            return (
-                f"the ZeroMQ handshake with {peer} failed: protocol error "
-                "(not a compatible ZeroMQ peer?)"
-            )
-        if curve is not None:
-            return (
-                f"{peer} does not use CURVE (a stock vLLM peer, or a p2pactor node without "
-                "curve keys): this node has CURVE keys and talks only to peers that have "
-                f"them too; give {peer} a key pair (docs/security.md) or stop trusting it"
-            )
-        return (
-            f"{peer} requires CURVE (authenticated, encrypted) connections and this node "
-            "has no keys: configure curve_secret_key and curve_trusted (docs/security.md)"
-        )
-    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        if curve is None:
-            return (
-                f"the ZeroMQ handshake with {peer} failed: authentication "
-                "(security settings differ?)"
-            )
-        ours = curve.keypair.public_path() or "this node's public .key file"
-        return (
-            f"{peer} refused this node's CURVE key (ZAP status {value}): it does not "
-            f"trust us; give its operator {ours} to put in its trusted directory, and "
-            f"restart {peer}"
-        )
-    if curve is None:  # NO_DETAIL: a CURVE peer often closes before our side has read why
-        return (
-            f"the ZeroMQ handshake with {peer} broke off: the peer went away, does not "
-            "speak ZeroMQ, or requires CURVE keys, which this node does not have "
-            "(docs/security.md)"
-        )
-    return (
-        f"the CURVE handshake with {peer} broke off: {peer} went away, or its key is "
-        f"not the one trusted for it in {curve.keyring.where()} (did it make a new "
-        "key pair? then get its current .key file)"
-    )
+def curve_server(
+    ctx: zmq.Context[zmq.Socket[bytes]], curve: CurveSecurity | None
+) -> tuple[_AsyncSocket | None, list[tuple[int, int | bytes]], int]:
+    """What a ROUTER needs to admit only the CURVE clients we trust: ZAP, options, monitor mask.
 
-
-def bind_zap(ctx: zmq.Context[zmq.Socket[bytes]]) -> _AsyncSocket:
-    """The socket libzmq sends its ZAP requests to: bind it before a CURVE ROUTER, close it after.
-
-    libzmq lets every client in when no ZAP handler answers.
+    The ZAP handler's socket is bound here, before the ROUTER (close it after
+    the ROUTER: libzmq lets every client in when no ZAP handler answers).
+    None of it without CURVE.
 
     Raises:
-        ZmqTransportError: It cannot be bound.
+        ZmqTransportError: The ZAP handler cannot be bound.
     """
-    zap = ctx.socket(zmq.ROUTER)
-    try:
-        zap.setsockopt(zmq.LINGER, 0)
-        zap.bind(_ZAP_ENDPOINT)
-    except zmq.ZMQError as exc:
-        zap.close(linger=0)
-        raise ZmqTransportError(f"cannot bind the CURVE ZAP handler: {exc}") from exc
-    return _AsyncSocket(zap)
-
-
-def curve_server(curve: CurveSecurity | None) -> list[tuple[int, int | bytes]]:
-    """The options of a ROUTER that admits the CURVE clients our ZAP handler trusts (none: [])."""
     if curve is None:
-        return []
+        return None, [], 0
     settings: list[tuple[int, int | bytes]] = [
         (zmq.CURVE_SERVER, 1),
         (zmq.CURVE_SECRETKEY, curve.keypair.secret_key.encode("ascii")),
@@ -176,7 +125,22 @@ def curve_server(curve: CurveSecurity | None) -> list[tuple[int, int | bytes]]:
         # A client is refused when no handler is bound, so a missing handler
         # can only mean "refuse". (Before 4.3 the handler's lifetime covers us.)
         settings.append((zmq.ZAP_ENFORCE_DOMAIN, 1))
-    return settings
+    zap = ctx.socket(zmq.ROUTER)
+    try:
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.bind(_ZAP_ENDPOINT)
+    except zmq.ZMQError as exc:
+        zap.close(linger=0)
+        raise ZmqTransportError(f"cannot bind the CURVE ZAP handler: {exc}") from exc
+    return _AsyncSocket(zap), settings, _ROUTER_EVENTS
+
+
+def serve_curve(
+    nursery: trio.Nursery, zap: _AsyncSocket, monitor: _Monitor, keyring: Keyring, refuse: Refuse
+) -> None:
+    """Answer ZAP with ``keyring``, and report the clients the ROUTER's ``monitor`` saw refused."""
+    nursery.start_soon(_answer_zap, zap, keyring, refuse, name="zmq zap")
+    nursery.start_soon(_report_refusals, monitor, refuse, name="zmq router monitor")
 
 
 def impostor(keyring: Keyring, identity: bytes, frame: zmq.Frame) -> str | None:
@@ -202,7 +166,7 @@ def impostor(keyring: Keyring, identity: bytes, frame: zmq.Frame) -> str | None:
     )
 
 
-async def answer_zap(zap: _AsyncSocket, keyring: Keyring, refuse: Callable[[str], None]) -> None:
+async def _answer_zap(zap: _AsyncSocket, keyring: Keyring, refuse: Refuse) -> None:
     """Answer libzmq's ZAP requests: admit the CURVE clients whose key we trust.
 
     Raises:
@@ -219,25 +183,18 @@ async def answer_zap(zap: _AsyncSocket, keyring: Keyring, refuse: Callable[[str]
                     return
                 raise ZmqTransportError(f"the CURVE ZAP handler failed: {exc}") from exc
             for request in batch:
-                if len(request) < _ZAP_REQUEST_FRAMES:
-                    continue  # libzmq never sends this; there is no request id to answer
                 # Room is never short on inproc for one small reply; if
                 # libzmq refuses it, that handshake simply does not finish.
                 with contextlib.suppress(zmq.ZMQError):
                     zap.sock.send_multipart(_zap_answer(request, keyring, refuse), zmq.NOBLOCK)
-                zap.after_operation()
     except trio.ClosedResourceError:
         return
 
 
-def _zap_answer(
-    request: list[bytes], keyring: Keyring, refuse: Callable[[str], None]
-) -> list[bytes]:
-    """The reply to one ZAP request (RFC 27)."""
-    routing_id, _, version, request_id, domain, address, _, mechanism, *credentials = request
+def _zap_answer(request: list[bytes], keyring: Keyring, refuse: Refuse) -> list[bytes]:
+    """The reply to one ZAP request (RFC 27, version 1.0: libzmq's, the endpoint's only client)."""
+    routing_id, _, _, request_id, domain, address, _, mechanism, *credentials = request
     head = [routing_id, b"", _ZAP_VERSION, request_id]
-    if version != _ZAP_VERSION:
-        return [*head, b"500", b"unsupported ZAP version", b"", b""]
     if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
         why = f"it used the {mechanism.decode('ascii', 'replace')} mechanism, not CURVE"
     else:
@@ -252,7 +209,7 @@ def _zap_answer(
     return [*head, b"400", b"key not trusted", b"", b""]
 
 
-async def report_refusals(monitor: _Monitor, refuse: Callable[[str], None]) -> None:
+async def _report_refusals(monitor: _Monitor, refuse: Refuse) -> None:
     """Report the clients a CURVE ROUTER turned away before ZAP was asked (its monitor's events).
 
     A client without CURVE (a stock vLLM peer, a p2pactor node without

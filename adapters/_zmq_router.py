@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -13,14 +14,7 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
-from p2pactor.adapters._zmq_curve import (
-    ROUTER_MONITOR_MASK,
-    answer_zap,
-    bind_zap,
-    curve_server,
-    impostor,
-    report_refusals,
-)
+from p2pactor.adapters._zmq_curve import curve_server, impostor, serve_curve
 from p2pactor.adapters._zmq_socket import (
     COPY_BELOW,
     ZmqOptions,
@@ -63,16 +57,11 @@ class ZmqControlTransport:
         Raises:
             ZmqTransportError: Either cannot be bound.
         """
-        self._zap = None if curve is None else bind_zap(ctx)
+        self._zap, settings, mask = curve_server(ctx, curve)
         # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
         # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
-        settings: list[tuple[int, int | bytes]] = [
-            (zmq.MAXMSGSIZE, options.max_frame_bytes),
-            (zmq.ROUTER_HANDOVER, 1),
-        ]
-        mask = 0 if curve is None else ROUTER_MONITOR_MASK
+        settings += [(zmq.MAXMSGSIZE, options.max_frame_bytes), (zmq.ROUTER_HANDOVER, 1)]
         try:
-            settings += curve_server(curve)
             router, self._monitor = make_socket(
                 ctx, zmq.ROUTER, endpoint, options, settings, mask=mask
             )
@@ -133,19 +122,17 @@ class ZmqControlTransport:
                 trusted for it (with CURVE), or the transport is closed.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            if self.closed:
-                raise ConnectionLost("the control transport is closed")
-            conn = self._connections.get(peer_id)
-            if conn is not None:  # the table holds live connections only
-                break
-            last = self._last_close.get(peer_id)
-            if last is None or trio.current_time() >= last + self._options.redial_delay:
+        # The table holds live connections only.
+        while not self.closed and (conn := self._connections.get(peer_id)) is None:
+            redial = self._last_close.get(peer_id, -math.inf) + self._options.redial_delay
+            if trio.current_time() >= redial:
                 conn = self._open(peer_id, inbound=False)
                 break
             # See ZmqOptions.redial_delay; then look again, as the peer may
             # have opened an inbound connection meanwhile.
-            await trio.sleep_until(last + self._options.redial_delay)
+            await trio.sleep_until(redial)
+        if self.closed or conn is None:
+            raise ConnectionLost("the control transport is closed")
         conn._claimed = True
         await trio.lowlevel.cancel_shielded_checkpoint()
         return conn
@@ -192,8 +179,7 @@ class ZmqControlTransport:
         self._nursery = nursery
         zap, monitor, curve = self._zap, self._monitor, self._curve
         if zap is not None and monitor is not None and curve is not None:
-            nursery.start_soon(answer_zap, zap, curve.keyring, self._refuse, name="zmq zap")
-            nursery.start_soon(report_refusals, monitor, self._refuse, name="zmq monitor")
+            serve_curve(nursery, zap, monitor, curve.keyring, self._refuse)
         nursery.start_soon(self._receive_loop, name="zmq router")
 
     def _close(self) -> None:

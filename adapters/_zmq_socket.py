@@ -180,7 +180,8 @@ def _events(sock: zmq.Socket[bytes]) -> int:
 
 
 # A monitor endpoint unique per socket: libzmq releases an inproc name on its
-# reaper thread after close() returned, so reusing one fails with EADDRINUSE.
+# reaper thread after close() returned, so reusing one (pyzmq's default names
+# it after the socket's fd) fails with EADDRINUSE.
 _monitor_serials = itertools.count(1)
 
 
@@ -314,16 +315,10 @@ class _Monitor(_AsyncSocket):
     a closed DEALER that reconnects while it lingers still emits them).
     """
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], mask: int):
-        super().__init__(ctx.socket(zmq.PAIR))
-        self._source = sock
+    def __init__(self, sock: zmq.Socket[bytes], mask: int) -> None:
         endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
-        try:
-            sock.monitor(endpoint, mask)
-            self.sock.connect(endpoint)
-        except zmq.ZMQError:
-            self.close()
-            raise
+        super().__init__(sock.get_monitor_socket(mask, endpoint))
+        self._source = sock
 
     async def receive(self) -> list[tuple[int, int]]:
         """The next events, 1 to 16 of them, as ``(event, value)``; a checkpoint.
@@ -373,7 +368,7 @@ def make_socket(
         ):
             sock.setsockopt(option, value)
         if mask:
-            monitor = _Monitor(ctx, sock, mask)
+            monitor = _Monitor(sock, mask)
         if kind == zmq.ROUTER:
             sock.bind(address)
         else:
