@@ -1,4 +1,4 @@
-"""One peer's control connection over ZeroMQ: our DEALER to it, its frames from our ROUTER."""
+"""One peer's ZeroMQ control connection: our DEALER to it, its frames from our ROUTER, its death."""
 
 from __future__ import annotations
 

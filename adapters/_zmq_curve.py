@@ -1,4 +1,4 @@
-"""CURVE on the control transport: key pairs, socket keys, the ZAP handler, failed handshakes.
+"""CURVE on the control transport: key pairs, socket keys, the ZAP handler, refused clients.
 
 What the transport counts and logs as refused goes to the ``refuse`` it passes.
 

@@ -4,10 +4,12 @@ A socket is waited on as ``shared/reference/trio-stack.md`` section 1 says.
 ``zmq.FD`` is edge-triggered relative to the socket's state: it signals that
 libzmq has internal commands to process, not that a message is there, and any
 zmq call on the socket may consume the edge. ``zmq.EVENTS`` is the only truth.
-So every operation first tries ``NOBLOCK``, and a task that must wait parks on
-a :class:`trio.Event`, never on the fd: exactly one *watcher* task per
-waited-on socket parks on the fd, drains it by reading ``EVENTS`` and wakes the
-waiters.
+So every operation first tries ``NOBLOCK``, and only then waits. A socket
+with one user (the ROUTER, a monitor, the ZAP handler) is waited on by that
+task alone, on the fd, right after it read ``EVENTS``. Where several tasks
+wait (senders on a full DEALER) they park on a :class:`trio.Event`, never on
+the fd: one *watcher* task parks on the fd, drains it by reading ``EVENTS``
+and wakes them.
 """
 
 from __future__ import annotations
@@ -369,10 +371,7 @@ def make_socket(
             sock.setsockopt(option, value)
         if mask:
             monitor = _Monitor(sock, mask)
-        if kind == zmq.ROUTER:
-            sock.bind(address)
-        else:
-            sock.connect(address)
+        (sock.bind if kind == zmq.ROUTER else sock.connect)(address)
     except zmq.ZMQError:
         if monitor is not None:
             monitor.close()

@@ -62,10 +62,10 @@ binds its claimed identity to the key that sent it (``_zmq_curve``).
 
 The parts, each importing only those above it: ``_zmq_socket`` (options,
 statistics, error; a socket waited on from trio, its monitor, and how sockets
-are made), ``_zmq_curve`` (CURVE keys, the ZAP handler, failed
-handshakes), ``_zmq_connection`` (:class:`ZmqConnection`, which dials its
-DEALER), ``_zmq_router`` (:class:`ZmqControlTransport`); this module binds the
-ROUTER and opens the transport.
+are made), ``_zmq_curve`` (CURVE keys, socket options, the ZAP handler, the
+ROUTER's refusals), ``_zmq_connection`` (:class:`ZmqConnection`, which dials its
+DEALER and says why it died), ``_zmq_router`` (:class:`ZmqControlTransport`,
+which binds the ROUTER); this module opens the transport.
 """
 
 from __future__ import annotations
@@ -105,21 +105,17 @@ __all__ = [
 def _log_security(transport: ZmqControlTransport, bind_host: str | None) -> None:
     node, port, curve = transport.local_id, transport.port, transport._curve
     if curve is None:
-        note(
-            logging.WARNING,
-            node,
+        warning = (
             "the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE keys "
             "configured): any host that reaches it can connect, read the hash seed and block "
             "keys, and look up and fetch blocks. Configure curve_secret_key and curve_trusted "
-            "(docs/security.md) unless every peer is a stock vLLM node on a network you trust",
-            port,
+            "(docs/security.md) unless every peer is a stock vLLM node on a network you trust"
         )
+        note(logging.WARNING, node, warning, port)
     else:
-        keyring = curve.keyring
+        ring = curve.keyring
         what = "control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)"
-        note(
-            logging.INFO, node, what, port, curve.keypair.public_key, len(keyring), keyring.where()
-        )
+        note(logging.INFO, node, what, port, curve.keypair.public_key, len(ring), ring.where())
     if bind_host and bind_host != peer_host(node):
         # Which address is which, said once: a wrong one shows only as peers that never answer.
         what = "control ROUTER bound on %s:%d; peers dial %s"
@@ -183,7 +179,6 @@ async def open_zmq_transport(
                 try:
                     yield transport
                 finally:
-                    transport._close()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # Our tasks never fail on their own: a lone exception is the body's;
@@ -192,7 +187,7 @@ async def open_zmq_transport(
                 raise group.exceptions[0] from None
             raise
         finally:
-            transport._close()  # if the nursery never ran the body
+            transport._close()
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(ctx.term)
