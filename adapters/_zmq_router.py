@@ -69,9 +69,7 @@ class ZmqControlTransport:
             if self._zap is not None:
                 self._zap.close(0)
             raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
-        bound = router.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(bound, bytes)
-        self.port = int(bound.decode().rpartition(":")[2])
+        self.port = int(router.get_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
         self.local_id = f"{host}:{self.port}"
         self._ctx = ctx
         self._router = _AsyncSocket(router)
