@@ -274,12 +274,12 @@ class ZmqConnection:
         return False
 
     def _hand_next(self) -> bool:
-        """Hand the oldest frame read for the receiver to it; whether more wait."""
-        receiver = self._receiver
-        if receiver is None or not self._frames:  # attach(None): they wait for receive()
-            return False
-        self._hand(receiver, self._pop())
-        return bool(self._frames)
+        """Hand the oldest frame read for the receiver to it; whether it keeps its turn."""
+        if (receiver := self._receiver) is not None and self._frames:
+            self._hand(receiver, self._pop())
+        # Without a receiver (attach(None)) they wait for receive().
+        self._in_turn = self._receiver is not None and bool(self._frames)
+        return self._in_turn
 
     async def _watch(self, monitor: _Monitor) -> None:
         """Turn the DEALER's monitor events (and a missed dial deadline) into death."""

@@ -32,11 +32,6 @@ Refuse = Callable[[str], None]
 """Where the CURVE parts report a client turned away (the transport counts and logs it)."""
 
 
-def _new_keys() -> tuple[str, str]:
-    public, secret = zmq.curve_keypair()
-    return public.decode("ascii"), secret.decode("ascii")
-
-
 def generate_keypair(
     path_stem: str | os.PathLike[str],
     address: str | Iterable[str],
@@ -58,7 +53,8 @@ def generate_keypair(
         ConfigError: A file exists (and not ``force``), an address is not
             ``host:port``, or the files cannot be written.
     """
-    return write_keypair(path_stem, address, _new_keys, force=force)
+    public, secret = zmq.curve_keypair()
+    return write_keypair(path_stem, address, public.decode(), secret.decode(), force=force)
 
 
 def check_keypair(keypair: CurveKeypair) -> None:
@@ -174,21 +170,17 @@ async def _answer_zap(zap: _AsyncSocket, keyring: Keyring, refuse: Refuse) -> No
             admitted any more, so the transport fails rather than hang
             every handshake.
     """
-    try:
+    with contextlib.suppress(trio.ClosedResourceError):  # the transport closed it
         while True:
             try:
                 batch = await zap.receive_batch(16)
             except zmq.ZMQError as exc:
-                if zap.closed:  # closed under it
-                    return
                 raise ZmqTransportError(f"the CURVE ZAP handler failed: {exc}") from exc
             for request in batch:
                 # Room is never short on inproc for one small reply; if
                 # libzmq refuses it, that handshake simply does not finish.
                 with contextlib.suppress(zmq.ZMQError):
                     zap.sock.send_multipart(_zap_answer(request, keyring, refuse), zmq.NOBLOCK)
-    except trio.ClosedResourceError:
-        return
 
 
 def _zap_answer(request: list[bytes], keyring: Keyring, refuse: Refuse) -> list[bytes]:
@@ -216,7 +208,8 @@ async def _report_refusals(monitor: _Monitor, refuse: Refuse) -> None:
     keys, a scanner) fails the ZMTP handshake on the mechanism; libzmq
     reports it on the ROUTER only, with our own endpoint, not the client's.
     """
-    try:
+    # Until the transport closes the monitor (or its ROUTER).
+    with contextlib.suppress(trio.ClosedResourceError, zmq.ZMQError):
         while True:
             for event, value in await monitor.receive():
                 if event != zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
@@ -233,5 +226,3 @@ async def _report_refusals(monitor: _Monitor, refuse: Refuse) -> None:
                 else:
                     why = f"it broke the ZeroMQ protocol (error {value:#x})"
                 refuse(f"a client: {why}")
-    except (trio.ClosedResourceError, zmq.ZMQError):
-        return  # the transport closed the monitor (or its ROUTER)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import deque
@@ -238,7 +239,7 @@ class ZmqControlTransport:
         slice_s = self._options.receive_slice_s
         clock = time.perf_counter
         turns = self._turns
-        try:
+        with contextlib.suppress(trio.ClosedResourceError):  # the ROUTER closed
             while True:
                 await trio.lowlevel.checkpoint_if_cancelled()
                 ends = clock() + slice_s
@@ -264,8 +265,6 @@ class ZmqControlTransport:
                     conn = turns.popleft()
                     if conn._hand_next():
                         turns.append(conn)
-                    else:
-                        conn._in_turn = False
                 if router.closed:
                     return
                 if not turns and read < limit and not _events(router.sock) & zmq.POLLIN:
@@ -278,8 +277,6 @@ class ZmqControlTransport:
                 else:
                     # More is waiting: let the node's other tasks run first.
                     await trio.lowlevel.cancel_shielded_checkpoint()
-        except trio.ClosedResourceError:
-            return
 
     def _route(self, frames: list[zmq.Frame]) -> None:
         """Take one message to its connection (which waits its turn to hand it on).

@@ -29,7 +29,7 @@ import datetime
 import os
 import re
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Final
@@ -214,15 +214,15 @@ def load_public(path: str | os.PathLike[str]) -> tuple[str, frozenset[str]]:
 def write_keypair(
     path_stem: str | os.PathLike[str],
     address: str | Iterable[str],
-    make: Callable[[], tuple[str, str]],
+    public: str,
+    secret: str,
     *,
     force: bool = False,
 ) -> tuple[Path, Path]:
-    """Write a new key pair, from ``make()``, to ``<stem>.key`` and ``<stem>.key_secret``.
+    """Write a new key pair (Z85 keys) to ``<stem>.key`` and ``<stem>.key_secret``.
 
     The key pair comes from libzmq, which only the zmq adapter imports: call
-    :func:`p2pactor.adapters.zmq.generate_keypair`, which passes ``make`` (a
-    new ``(public, secret)`` pair of Z85 keys, called once the files may be written).
+    :func:`p2pactor.adapters.zmq.generate_keypair`, which makes it.
 
     Raises:
         ConfigError: A file exists (and not ``force``), an address is not
@@ -235,7 +235,6 @@ def write_keypair(
             f"{' and '.join(existing)} already exist: pick another name, or pass --force "
             "to replace the key pair (peers that trust the old key must get the new .key)"
         )
-    public, secret = make()
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     # ZPL has no escapes: a value holds any character but its quotes. Ours hold
     # neither '"' nor a newline: Z85 keys, and checked addresses.
