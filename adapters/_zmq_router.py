@@ -7,7 +7,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from logging import DEBUG, INFO
+from logging import DEBUG, INFO, WARNING
 from typing import Literal
 
 import attrs
@@ -27,7 +27,7 @@ from p2pactor.adapters._zmq_socket import (
     note,
     note_count,
 )
-from p2pactor.runtime.addresses import node_id_port
+from p2pactor.runtime.addresses import node_id_port, peer_host
 from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.transport import ConnectionLost
 
@@ -173,12 +173,27 @@ class ZmqControlTransport:
 
     # --- internals --------------------------------------------------------------
 
-    def _start(self, nursery: trio.Nursery) -> None:
-        """Start the transport's tasks in ``nursery``."""
+    def _start(self, nursery: trio.Nursery, bind_host: str | None) -> None:
+        """Start the transport's tasks in ``nursery``; say how it is secured, and bound."""
         self._nursery = nursery
+        node, port = self.local_id, self.port
         zap, monitor, curve = self._zap, self._monitor, self._curve
         if zap is not None and monitor is not None and curve is not None:
             serve_curve(nursery, zap, monitor, curve.keyring, self._refuse)
+            ring = curve.keyring
+            what = "control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)"
+            note(INFO, node, what, port, curve.keypair.public_key, len(ring), ring.where())
+        else:
+            warning = (
+                "the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE keys "
+                "configured): any host that reaches it can connect, read the hash seed and block "
+                "keys, and look up and fetch blocks. Configure curve_secret_key and curve_trusted "
+                "(docs/security.md) unless every peer is a stock vLLM node on a network you trust"
+            )
+            note(WARNING, node, warning, port)
+        if bind_host and bind_host != peer_host(node):
+            # Which address is which, said once: a wrong one shows only as peers that never answer.
+            note(INFO, node, "control ROUTER bound on %s:%d; peers dial %s", bind_host, port, node)
         nursery.start_soon(self._receive_loop, name="zmq router")
 
     def _close(self) -> None:

@@ -71,7 +71,6 @@ which binds the ROUTER); this module opens the transport.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import AsyncIterator
 
@@ -86,7 +85,6 @@ from p2pactor.adapters._zmq_socket import (
     ZmqStatistics,
     ZmqTransportError,
     log,
-    note,
 )
 from p2pactor.runtime.addresses import node_id_port, peer_host
 from p2pactor.runtime.keys import CurveSecurity
@@ -100,26 +98,6 @@ __all__ = [
     "generate_keypair",
     "open_zmq_transport",
 ]
-
-
-def _log_security(transport: ZmqControlTransport, bind_host: str | None) -> None:
-    node, port, curve = transport.local_id, transport.port, transport._curve
-    if curve is None:
-        warning = (
-            "the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE keys "
-            "configured): any host that reaches it can connect, read the hash seed and block "
-            "keys, and look up and fetch blocks. Configure curve_secret_key and curve_trusted "
-            "(docs/security.md) unless every peer is a stock vLLM node on a network you trust"
-        )
-        note(logging.WARNING, node, warning, port)
-    else:
-        ring = curve.keyring
-        what = "control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)"
-        note(logging.INFO, node, what, port, curve.keypair.public_key, len(ring), ring.where())
-    if bind_host and bind_host != peer_host(node):
-        # Which address is which, said once: a wrong one shows only as peers that never answer.
-        what = "control ROUTER bound on %s:%d; peers dial %s"
-        note(logging.INFO, node, what, bind_host, port, node)
 
 
 @contextlib.asynccontextmanager
@@ -174,8 +152,7 @@ async def open_zmq_transport(
         transport = ZmqControlTransport(ctx, endpoint, host, options, curve)
         try:
             async with trio.open_nursery() as nursery:
-                transport._start(nursery)
-                _log_security(transport, bind_host)
+                transport._start(nursery, bind_host)
                 try:
                     yield transport
                 finally:
