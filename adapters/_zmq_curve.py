@@ -26,7 +26,7 @@ ZAP_DOMAIN: bytes = b"p2pactor"
 """The ZAP domain of a CURVE ROUTER: our handler answers for it only."""
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
 _ZAP_VERSION = b"1.0"
-# What a CURVE ROUTER turns away before ZAP is asked (see _report_refusals).
+# What a CURVE ROUTER turns away before ZAP is asked (see report_refusals).
 _ROUTER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 Refuse = Callable[[str], None]
 """Where the CURVE parts report a client turned away (the transport counts and logs it)."""
@@ -131,14 +131,6 @@ def curve_server(
     return _AsyncSocket(zap), settings, _ROUTER_EVENTS
 
 
-def serve_curve(
-    nursery: trio.Nursery, zap: _AsyncSocket, monitor: _Monitor, keyring: Keyring, refuse: Refuse
-) -> None:
-    """Answer ZAP with ``keyring``, and report the clients the ROUTER's ``monitor`` saw refused."""
-    nursery.start_soon(_answer_zap, zap, keyring, refuse, name="zmq zap")
-    nursery.start_soon(_report_refusals, monitor, refuse, name="zmq router monitor")
-
-
 def impostor(keyring: Keyring, identity: bytes, frame: zmq.Frame) -> str | None:
     """What is wrong if ``frame``'s sender's User-Id is not the identity's key.
 
@@ -162,7 +154,7 @@ def impostor(keyring: Keyring, identity: bytes, frame: zmq.Frame) -> str | None:
     )
 
 
-async def _answer_zap(zap: _AsyncSocket, keyring: Keyring, refuse: Refuse) -> None:
+async def answer_zap(zap: _AsyncSocket, keyring: Keyring, refuse: Refuse) -> None:
     """Answer libzmq's ZAP requests: admit the CURVE clients whose key we trust.
 
     Raises:
@@ -201,7 +193,7 @@ def _zap_answer(request: list[bytes], keyring: Keyring, refuse: Refuse) -> list[
     return [*head, b"400", b"key not trusted", b"", b""]
 
 
-async def _report_refusals(monitor: _Monitor, refuse: Refuse) -> None:
+async def report_refusals(monitor: _Monitor, refuse: Refuse) -> None:
     """Report the clients a CURVE ROUTER turned away before ZAP was asked (its monitor's events).
 
     A client without CURVE (a stock vLLM peer, a p2pactor node without

@@ -15,7 +15,7 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
-from p2pactor.adapters._zmq_curve import curve_server, impostor, serve_curve
+from p2pactor.adapters._zmq_curve import answer_zap, curve_server, impostor, report_refusals
 from p2pactor.adapters._zmq_socket import (
     COPY_BELOW,
     ZmqOptions,
@@ -179,8 +179,9 @@ class ZmqControlTransport:
         node, port = self.local_id, self.port
         zap, monitor, curve = self._zap, self._monitor, self._curve
         if zap is not None and monitor is not None and curve is not None:
-            serve_curve(nursery, zap, monitor, curve.keyring, self._refuse)
             ring = curve.keyring
+            nursery.start_soon(answer_zap, zap, ring, self._refuse, name="zmq zap")
+            nursery.start_soon(report_refusals, monitor, self._refuse, name="zmq router monitor")
             what = "control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)"
             note(INFO, node, what, port, curve.keypair.public_key, len(ring), ring.where())
         else:
