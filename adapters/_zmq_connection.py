@@ -1,7 +1,8 @@
-"""One peer's control connection over ZeroMQ: our DEALER to it, its frames from our ROUTER."""
+"""One peer's ZeroMQ control connection: our DEALER to it, its frames from our ROUTER, its death."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import deque
 from logging import DEBUG, ERROR
@@ -10,20 +11,20 @@ from typing import TYPE_CHECKING
 import trio
 import zmq
 
-from p2pactor.adapters._zmq_curve import _HANDSHAKE_FAILED, _curve_client, _handshake_failure
+from p2pactor.adapters._zmq_curve import curve_client
 from p2pactor.adapters._zmq_socket import _AsyncSocket, _Monitor, make_socket, note
 from p2pactor.core.protocol import Frame
 from p2pactor.runtime.addresses import node_id_port
 from p2pactor.runtime.transport import ConnectionLost, FrameReceiver
 
-if TYPE_CHECKING:
-    from p2pactor.adapters._zmq_router import ZmqControlTransport
-
 # vLLM's fatal events, plus HANDSHAKE_SUCCEEDED, which tells a refused or
 # unreachable peer from one that went away after we reached it.
-_MASK = (
-    zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
-)
+_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_HANDSHAKE_SUCCEEDED
+_EVENTS |= zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+_EVENTS |= zmq.EVENT_HANDSHAKE_FAILED_AUTH
+
+if TYPE_CHECKING:
+    from p2pactor.adapters._zmq_router import ZmqControlTransport
 
 
 class ZmqConnection:
@@ -69,26 +70,18 @@ class ZmqConnection:
         peer_id, transport, options = self.peer_id, self._transport, self._options
         if not node_id_port(peer_id):
             raise ConnectionLost(f"cannot dial {peer_id!r}: a peer id is host:port")
-        address = f"tcp://{peer_id}"
-        settings: list[tuple[int, int | bytes]] = [
-            (zmq.IDENTITY, transport.local_id.encode()),
-            (zmq.SNDHWM, options.send_hwm),
-        ]
-        if transport._curve is not None:
-            settings += _curve_client(transport._curve, peer_id)
+        settings = curve_client(transport._curve, peer_id)
+        settings += [(zmq.IDENTITY, transport.local_id.encode()), (zmq.SNDHWM, options.send_hwm)]
         # ZMQ_IMMEDIATE stays 0 (vLLM): frames queue before the connection
         # completes, so the `connect` sent right away fits.
         try:
-            dealer, monitor = make_socket(
-                transport._ctx, zmq.DEALER, address, options, settings, monitor_mask=_MASK
-            )
+            address, ctx = f"tcp://{peer_id}", transport._ctx
+            dealer, monitor = make_socket(ctx, zmq.DEALER, address, options, settings, mask=_EVENTS)
         except zmq.ZMQError as exc:
             raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
         assert monitor is not None
-        self._dealer = _AsyncSocket(dealer)
-        self._monitor = monitor
-        self._reached = False
-        monitor.start_watching(transport._nursery, f"zmq monitor fd {peer_id}")
+        self._dealer = _AsyncSocket(dealer, zmq.POLLOUT)
+        self._monitor, self._reached = monitor, False
         transport._nursery.start_soon(self._watch, monitor, name=f"zmq monitor {peer_id}")
 
     def renew(self) -> None:
@@ -135,13 +128,13 @@ class ZmqConnection:
         if self.send_nowait(frame):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        options = self._options
+        options, dealer = self._options, self._dealer
         with trio.move_on_after(options.send_timeout):
-            if not self._dealer.watched:  # the first full queue: start watching it
-                self._dealer.start_watching(self._transport._nursery, f"zmq dealer fd {self}")
+            if not dealer.watched:  # the first full queue: start watching it
+                dealer.start_watching(self._transport._nursery, f"zmq dealer fd {self}")
             while True:
                 try:
-                    await self._dealer.wait(zmq.POLLOUT)
+                    await dealer.wait()
                 except trio.ClosedResourceError:  # it died meanwhile
                     raise self._lost() from None
                 if self.send_nowait(frame):
@@ -281,60 +274,93 @@ class ZmqConnection:
         return False
 
     def _hand_next(self) -> bool:
-        """Hand the oldest frame read for the receiver to it; whether more wait."""
-        receiver = self._receiver
-        if receiver is None or not self._frames:  # attach(None): they wait for receive()
-            return False
-        self._hand(receiver, self._pop())
-        return bool(self._frames)
+        """Hand the oldest frame read for the receiver to it; whether it keeps its turn."""
+        if (receiver := self._receiver) is not None and self._frames:
+            self._hand(receiver, self._pop())
+        # Without a receiver (attach(None)) they wait for receive().
+        self._in_turn = self._receiver is not None and bool(self._frames)
+        return self._in_turn
 
     async def _watch(self, monitor: _Monitor) -> None:
         """Turn the DEALER's monitor events (and a missed dial deadline) into death."""
-        opts = self._options
-        deadline = trio.current_time() + opts.connect_timeout
+        deadline = trio.current_time() + self._options.connect_timeout
         peer, node = self.peer_id, self._transport.local_id
-        try:
+        with contextlib.suppress(trio.ClosedResourceError):  # the connection closed its monitor
             while self.alive:
-                events: list[tuple[int, int]] = []
+                events = [(0, 0)]  # nothing by the deadline: never reached (_death_reason)
                 with trio.move_on_at(math.inf if self._reached else deadline):
                     events = await monitor.receive()
                 if monitor is not self._monitor:
                     return  # renew() replaced the DEALER: these were the old one's
-                if not events and not self._reached:
-                    self._die(
-                        f"could not reach {self.peer_id} within {opts.connect_timeout:g} s "
-                        "(no ZeroMQ handshake: host unreachable, name unresolvable, or "
-                        "no ZeroMQ peer at that address)"
-                    )
-                    return
                 for event, value in events:
                     note(DEBUG, node, "monitor of %r: %r %r", self, event, value, peer=peer)
-                    reason = self._death_reason(event, value)
-                    if reason is not None:
-                        self._die(reason)
+                    if why := self._death_reason(event, value):
+                        self._die(why)
                         return
-        except trio.ClosedResourceError:
-            return  # the connection closed its monitor
 
     def _death_reason(self, event: int, value: int) -> str | None:
-        """What a monitor event (and its value) means: a reason to die, or None."""
-        peer = self.peer_id
+        """Why a monitor event (0: none by the dial deadline) kills us, saying what to change.
+
+        None for the one that does not (a handshake that succeeded).
+        """
+        peer, curve, opts = self.peer_id, self._transport._curve, self._options
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._reached = True
             return None
+        if event == 0:
+            return (
+                f"could not reach {peer} within {opts.connect_timeout:g} s (no ZeroMQ handshake: "
+                "host unreachable, name unresolvable, or no ZeroMQ peer at that address)"
+            )
         if event == zmq.EVENT_DISCONNECTED:
             # libzmq reports a heartbeat timeout as a plain disconnect.
             return (
                 f"{peer} went away: the connection dropped (the peer closed it or "
-                f"died, or sent nothing for {self._options.heartbeat_timeout:g} s)"
+                f"died, or sent nothing for {opts.heartbeat_timeout:g} s)"
             )
         if event == zmq.EVENT_CLOSED:
             if self._reached:
                 return f"{peer} went away: the connection closed"
             return f"cannot connect to {peer}: refused (nothing listens there?)"
-        if event & _HANDSHAKE_FAILED:
-            return _handshake_failure(peer, event, value, self._transport._curve)
-        return None
+        if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            if value != zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+                return (
+                    f"the ZeroMQ handshake with {peer} failed: protocol error "
+                    "(not a compatible ZeroMQ peer?)"
+                )
+            if curve is not None:
+                return (
+                    f"{peer} does not use CURVE (a stock vLLM peer, or a p2pactor node without "
+                    "curve keys): this node has CURVE keys and talks only to peers that have "
+                    f"them too; give {peer} a key pair (docs/security.md) or stop trusting it"
+                )
+            return (
+                f"{peer} requires CURVE (authenticated, encrypted) connections and this node "
+                "has no keys: configure curve_secret_key and curve_trusted (docs/security.md)"
+            )
+        if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if curve is None:
+                return (
+                    f"the ZeroMQ handshake with {peer} failed: authentication "
+                    "(security settings differ?)"
+                )
+            ours = curve.keypair.public_path() or "this node's public .key file"
+            return (
+                f"{peer} refused this node's CURVE key (ZAP status {value}): it does not "
+                f"trust us; give its operator {ours} to put in its trusted directory, and "
+                f"restart {peer}"
+            )
+        if curve is None:  # NO_DETAIL: a CURVE peer often closes before our side has read why
+            return (
+                f"the ZeroMQ handshake with {peer} broke off: the peer went away, does not "
+                "speak ZeroMQ, or requires CURVE keys, which this node does not have "
+                "(docs/security.md)"
+            )
+        return (
+            f"the CURVE handshake with {peer} broke off: {peer} went away, or its key is "
+            f"not the one trusted for it in {curve.keyring.where()} (did it make a new "
+            "key pair? then get its current .key file)"
+        )
 
     def _die(self, reason: str, *, linger: float = 0.0) -> ConnectionLost:
         """Make the connection dead and release its sockets; why, to raise. Idempotent.

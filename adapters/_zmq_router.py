@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 from collections import deque
 from collections.abc import Callable
-from logging import DEBUG, INFO
+from logging import DEBUG, INFO, WARNING
 from typing import Literal
 
+import attrs
 import trio
 import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
-from p2pactor.adapters._zmq_curve import _CurveGate
+from p2pactor.adapters._zmq_curve import answer_zap, curve_server, impostor, report_refusals
 from p2pactor.adapters._zmq_socket import (
     COPY_BELOW,
     ZmqOptions,
@@ -20,10 +23,12 @@ from p2pactor.adapters._zmq_socket import (
     ZmqTransportError,
     _AsyncSocket,
     _events,
+    make_socket,
     note,
     note_count,
 )
-from p2pactor.runtime.addresses import node_id_port
+from p2pactor.runtime.addresses import node_id_port, peer_host
+from p2pactor.runtime.keys import CurveSecurity
 from p2pactor.runtime.transport import ConnectionLost
 
 _REFAIR_EVERY = 4  # frames read between the ROUTER's looks for newly readable connections
@@ -43,18 +48,34 @@ class ZmqControlTransport:
     def __init__(
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
-        router: zmq.Socket[bytes],
+        endpoint: str,
         host: str,
         options: ZmqOptions,
-        gate: _CurveGate | None,
+        curve: CurveSecurity | None,
     ) -> None:
-        bound = router.getsockopt(zmq.LAST_ENDPOINT)
-        assert isinstance(bound, bytes)
-        self.port = int(bound.decode().rpartition(":")[2])
+        """Bind the ROUTER on ``endpoint`` (with CURVE, its ZAP handler first).
+
+        Raises:
+            ZmqTransportError: Either cannot be bound.
+        """
+        self._zap, settings, mask = curve_server(ctx, curve)
+        # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
+        # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
+        settings += [(zmq.MAXMSGSIZE, options.max_frame_bytes), (zmq.ROUTER_HANDOVER, 1)]
+        try:
+            router, self._monitor = make_socket(
+                ctx, zmq.ROUTER, endpoint, options, settings, mask=mask
+            )
+        except zmq.ZMQError as exc:
+            if self._zap is not None:
+                self._zap.close(0)
+            raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
+        self.port = int(router.get_string(zmq.LAST_ENDPOINT).rpartition(":")[2])
         self.local_id = f"{host}:{self.port}"
         self._ctx = ctx
         self._router = _AsyncSocket(router)
         self._options = options
+        self._curve = curve
         self._nursery: trio.Nursery  # set by _start
         self._connections: dict[str, ZmqConnection] = {}
         self._accept_in, self._accept_out = trio.open_memory_channel[ZmqConnection](
@@ -62,11 +83,7 @@ class ZmqControlTransport:
         )
         self._last_close: dict[str, float] = {}
         self.closed = False
-        self._received = self._dropped = self._opened = self._died = 0
-        self._gate = gate
-        self._curve = None if gate is None else gate.curve
-        if gate is not None:
-            gate.local_id = self.local_id
+        self._counts = ZmqStatistics()
         self._allowed: Callable[[str], bool] | None = None
         # Connections with frames read and not yet handed on, in turn (see _receive_loop).
         self._turns: deque[ZmqConnection] = deque()
@@ -88,14 +105,9 @@ class ZmqControlTransport:
 
     def statistics(self) -> ZmqStatistics:
         """Counters, for tests and monitoring."""
-        return ZmqStatistics(
-            connections=len(self._connections),
-            pending_accepts=self._accept_in.statistics().current_buffer_used,
-            frames_received=self._received,
-            frames_dropped=self._dropped,
-            connections_opened=self._opened,
-            connections_died=self._died,
-            auth_refused=0 if self._gate is None else self._gate.refused,
+        pending = self._accept_in.statistics().current_buffer_used
+        return attrs.evolve(
+            self._counts, connections=len(self._connections), pending_accepts=pending
         )
 
     async def connect(self, peer_id: str) -> ZmqConnection:
@@ -109,19 +121,17 @@ class ZmqControlTransport:
                 trusted for it (with CURVE), or the transport is closed.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            if self.closed:
-                raise ConnectionLost("the control transport is closed")
-            conn = self._connections.get(peer_id)
-            if conn is not None:  # the table holds live connections only
-                break
-            last = self._last_close.get(peer_id)
-            if last is None or trio.current_time() >= last + self._options.redial_delay:
+        # The table holds live connections only.
+        while not self.closed and (conn := self._connections.get(peer_id)) is None:
+            redial = self._last_close.get(peer_id, -math.inf) + self._options.redial_delay
+            if trio.current_time() >= redial:
                 conn = self._open(peer_id, inbound=False)
                 break
             # See ZmqOptions.redial_delay; then look again, as the peer may
             # have opened an inbound connection meanwhile.
-            await trio.sleep_until(last + self._options.redial_delay)
+            await trio.sleep_until(redial)
+        if self.closed or conn is None:
+            raise ConnectionLost("the control transport is closed")
         conn._claimed = True
         await trio.lowlevel.cancel_shielded_checkpoint()
         return conn
@@ -163,11 +173,28 @@ class ZmqControlTransport:
 
     # --- internals --------------------------------------------------------------
 
-    def _start(self, nursery: trio.Nursery) -> None:
-        """Start the transport's tasks in ``nursery``."""
+    def _start(self, nursery: trio.Nursery, bind_host: str | None) -> None:
+        """Start the transport's tasks in ``nursery``; say how it is secured, and bound."""
         self._nursery = nursery
-        if self._gate is not None:
-            self._gate.start(nursery)
+        node, port = self.local_id, self.port
+        zap, monitor, curve = self._zap, self._monitor, self._curve
+        if zap is not None and monitor is not None and curve is not None:
+            ring = curve.keyring
+            nursery.start_soon(answer_zap, zap, ring, self._refuse, name="zmq zap")
+            nursery.start_soon(report_refusals, monitor, self._refuse, name="zmq router monitor")
+            what = "control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)"
+            note(INFO, node, what, port, curve.keypair.public_key, len(ring), ring.where())
+        else:
+            warning = (
+                "the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE keys "
+                "configured): any host that reaches it can connect, read the hash seed and block "
+                "keys, and look up and fetch blocks. Configure curve_secret_key and curve_trusted "
+                "(docs/security.md) unless every peer is a stock vLLM node on a network you trust"
+            )
+            note(WARNING, node, warning, port)
+        if bind_host and bind_host != peer_host(node):
+            # Which address is which, said once: a wrong one shows only as peers that never answer.
+            note(INFO, node, "control ROUTER bound on %s:%d; peers dial %s", bind_host, port, node)
         nursery.start_soon(self._receive_loop, name="zmq router")
 
     def _close(self) -> None:
@@ -178,9 +205,11 @@ class ZmqControlTransport:
         for conn in list(self._connections.values()):
             conn._die("the control transport closed", linger=self._options.dealer_linger)
         self._accept_in.close()
+        if self._monitor is not None:
+            self._monitor.close()
         self._router.close(self._options.router_linger)
-        if self._gate is not None:
-            self._gate.close()
+        if self._zap is not None:  # after the ROUTER: a CURVE client is admitted by none
+            self._zap.close(0)
 
     def _open(self, peer_id: str, *, inbound: bool) -> ZmqConnection:
         """A new connection to ``peer_id``, in the table.
@@ -190,14 +219,14 @@ class ZmqControlTransport:
         """
         conn = ZmqConnection(self, peer_id, inbound=inbound)
         self._connections[peer_id] = conn
-        self._opened += 1
+        self._counts.connections_opened += 1
         way = "inbound" if inbound else "outbound"
         note(INFO, self.local_id, "%s connection to %s opened", way, peer_id, peer=peer_id)
         return conn
 
     def _retire(self, conn: ZmqConnection) -> None:
         """Take a dead connection out of the table (called by the connection)."""
-        self._died += 1
+        self._counts.connections_died += 1
         if self._connections.get(conn.peer_id) is conn:
             del self._connections[conn.peer_id]
         now = trio.current_time()
@@ -226,7 +255,7 @@ class ZmqControlTransport:
         slice_s = self._options.receive_slice_s
         clock = time.perf_counter
         turns = self._turns
-        try:
+        with contextlib.suppress(trio.ClosedResourceError):  # the ROUTER closed
             while True:
                 await trio.lowlevel.checkpoint_if_cancelled()
                 ends = clock() + slice_s
@@ -252,8 +281,6 @@ class ZmqControlTransport:
                     conn = turns.popleft()
                     if conn._hand_next():
                         turns.append(conn)
-                    else:
-                        conn._in_turn = False
                 if router.closed:
                     return
                 if not turns and read < limit and not _events(router.sock) & zmq.POLLIN:
@@ -266,18 +293,16 @@ class ZmqControlTransport:
                 else:
                     # More is waiting: let the node's other tasks run first.
                     await trio.lowlevel.cancel_shielded_checkpoint()
-        except trio.ClosedResourceError:
-            return
 
     def _route(self, frames: list[zmq.Frame]) -> None:
         """Take one message to its connection (which waits its turn to hand it on).
 
-        On a CURVE ROUTER the claimed identity must be the key's (``_CurveGate.impostor``).
+        On a CURVE ROUTER the claimed identity must be the key's (``_zmq_curve.impostor``).
         """
-        self._received += 1
+        self._counts.frames_received += 1
         identity = frames[0].bytes
-        if self._gate is not None and (impostor := self._gate.impostor(identity, frames[-1])):
-            self._drop(impostor)
+        if self._curve and (wrong := impostor(self._curve.keyring, identity, frames[-1])):
+            self._drop(wrong)
             return
         if len(frames) != 2:
             self._drop(f"a message of {len(frames) - 1} frames (expected [identity, payload])")
@@ -286,27 +311,21 @@ class ZmqControlTransport:
             # libzmq's own name for a connection our ROUTER handed over to a
             # newer one of the same peer (ROUTER_HANDOVER): its last frames
             # belong to a connection both sides have given up. Not news.
-            self._dropped += 1
+            self._counts.frames_dropped += 1
             note(DEBUG, self.local_id, "dropped a frame from a replaced connection")
             return
-        try:
-            peer_id = identity.decode()
-        except UnicodeDecodeError:
-            self._drop(f"a frame from identity {identity[:64]!r}, which is not host:port")
+        conn = self._connections.get(identity.decode("utf-8", "replace"))
+        if conn is None and (conn := self._accept_new(identity)) is None:
             return
-        conn = self._connections.get(peer_id)
-        if conn is None:
-            conn = self._accept_new(peer_id)
-            if conn is None:
-                return
         frame = frames[1]  # large frames as views, not copies (COPY_BELOW)
         if not conn._deliver(frame.bytes if len(frame) < COPY_BELOW else frame.buffer):
-            self._dropped += 1  # its connection died of it: logged there
+            self._counts.frames_dropped += 1  # its connection died of it: logged there
 
-    def _accept_new(self, peer_id: str) -> ZmqConnection | None:
+    def _accept_new(self, identity: bytes) -> ZmqConnection | None:
         """An inbound connection for a peer's first frame, or None (frame dropped)."""
-        if not node_id_port(peer_id):
-            self._drop(f"a frame from identity {peer_id[:64]!r}, which is not host:port")
+        peer_id = identity.decode("utf-8", "replace")
+        if "\ufffd" in peer_id or not node_id_port(peer_id):  # not UTF-8, or not host:port
+            self._drop(f"a frame from identity {identity[:64]!r}, which is not host:port")
             return None
         if self._allowed is not None and not self._allowed(peer_id):
             # Checked before _open, which dials back: the frame's identity is
@@ -333,5 +352,9 @@ class ZmqControlTransport:
         return conn
 
     def _drop(self, what: str, *, peer: str | None = None) -> None:
-        self._dropped += 1
-        note_count(self.local_id, "dropped", what, self._dropped, peer=peer)
+        self._counts.frames_dropped += 1
+        note_count(self.local_id, "dropped", what, self._counts.frames_dropped, peer=peer)
+
+    def _refuse(self, what: str) -> None:
+        self._counts.auth_refused += 1
+        note_count(self.local_id, "refused", what, self._counts.auth_refused)

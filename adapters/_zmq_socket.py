@@ -4,10 +4,12 @@ A socket is waited on as ``shared/reference/trio-stack.md`` section 1 says.
 ``zmq.FD`` is edge-triggered relative to the socket's state: it signals that
 libzmq has internal commands to process, not that a message is there, and any
 zmq call on the socket may consume the edge. ``zmq.EVENTS`` is the only truth.
-So every operation first tries ``NOBLOCK``, and a task that must wait parks on
-a :class:`trio.Event`, never on the fd: exactly one *watcher* task per
-waited-on socket parks on the fd, drains it by reading ``EVENTS`` and wakes the
-waiters.
+So every operation first tries ``NOBLOCK``, and only then waits. A socket
+with one user (the ROUTER, a monitor, the ZAP handler) is waited on by that
+task alone, on the fd, right after it read ``EVENTS``. Where several tasks
+wait (senders on a full DEALER) they park on a :class:`trio.Event`, never on
+the fd: one *watcher* task parks on the fd, drains it by reading ``EVENTS``
+and wakes them.
 """
 
 from __future__ import annotations
@@ -121,9 +123,11 @@ class ZmqOptions:
     batch_io_threads: bool = True
 
 
-@attrs.frozen(kw_only=True)
+@attrs.define(kw_only=True)
 class ZmqStatistics:
     """Counters of a :class:`ZmqControlTransport`, from :meth:`~ZmqControlTransport.statistics`.
+
+    The transport counts in its own; it hands out copies.
 
     Attributes:
         connections: Live connections.
@@ -139,12 +143,12 @@ class ZmqStatistics:
             or not a CURVE handshake); 0 without CURVE.
     """
 
-    connections: int
-    pending_accepts: int
-    frames_received: int
-    frames_dropped: int
-    connections_opened: int
-    connections_died: int
+    connections: int = 0
+    pending_accepts: int = 0
+    frames_received: int = 0
+    frames_dropped: int = 0
+    connections_opened: int = 0
+    connections_died: int = 0
     auth_refused: int = 0
 
 
@@ -178,21 +182,24 @@ def _events(sock: zmq.Socket[bytes]) -> int:
 
 
 # A monitor endpoint unique per socket: libzmq releases an inproc name on its
-# reaper thread after close() returned, so reusing one fails with EADDRINUSE.
+# reaper thread after close() returned, so reusing one (pyzmq's default names
+# it after the socket's fd) fails with EADDRINUSE.
 _monitor_serials = itertools.count(1)
 
 
 class _AsyncSocket:
-    """A zmq socket any number of tasks wait on (none is ever woken by cancellation).
+    """A zmq socket waited on from trio, for ``flag`` (``POLLIN`` or ``POLLOUT``).
 
-    Its watcher, if it needs one, starts with :meth:`start_watching`.
+    With a watcher (:meth:`start_watching`) any number of tasks wait at once,
+    none ever woken by cancellation; without one, its one user parks on the fd itself.
     """
 
-    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+    def __init__(self, sock: zmq.Socket[bytes], flag: int = zmq.POLLIN) -> None:
         self.sock = sock
         self._fd: int = sock.FD
+        self._flag = flag
         self._changed = trio.Event()
-        self._wanted: dict[int, int] = {}  # flag -> tasks waiting for it
+        self._waiting = 0  # tasks parked on _changed
         self.closed = False
         self.watched = False  # its watcher task was started
 
@@ -229,17 +236,16 @@ class _AsyncSocket:
         The call may have consumed the fd edge their watcher was parked on, so
         the watcher may never see it: look at EVENTS ourselves.
         """
-        if not self._wanted:
-            return  # nobody waits: the hot path pays nothing
-        self._wake_for(_events(self.sock))
+        if self._waiting:  # nobody waits: the hot path pays nothing
+            self._wake_for(_events(self.sock))
 
     def _wake_for(self, events: int) -> None:
-        if any(events & flag for flag in self._wanted):
+        if self._waiting and events & self._flag:
             self._changed.set()
             self._changed = trio.Event()
 
-    async def wait(self, flag: int) -> None:
-        """Wait until ``zmq.EVENTS`` has ``flag``.
+    async def wait(self) -> None:
+        """Wait until ``zmq.EVENTS`` has the socket's flag.
 
         Raises:
             trio.ClosedResourceError: The socket closed.
@@ -248,20 +254,20 @@ class _AsyncSocket:
             if self.closed:
                 raise trio.ClosedResourceError("the socket is closed")
             # Re-read EVENTS right before parking: a message queued before we
-            # came gives no new edge.
+            # came gives no new edge. Reading it may consume an edge others parked for.
             events = _events(self.sock)
-            # Reading it may have consumed an edge that others parked for.
             self._wake_for(events)
-            if events & flag:
+            if events & self._flag:
                 return
+            if not self.watched:  # its one user: EVENTS was just read, no edge lost
+                await trio.lowlevel.wait_readable(self._fd)
+                continue
             changed = self._changed
-            self._wanted[flag] = self._wanted.get(flag, 0) + 1
+            self._waiting += 1
             try:
                 await changed.wait()
             finally:
-                self._wanted[flag] -= 1
-                if not self._wanted[flag]:
-                    del self._wanted[flag]
+                self._waiting -= 1
 
     async def receive_batch(self, limit: int) -> list[list[bytes]]:
         """Receive between 1 and ``limit`` multipart messages; a checkpoint.
@@ -278,17 +284,15 @@ class _AsyncSocket:
             if self.closed:
                 raise trio.ClosedResourceError("the socket is closed")
             batch: list[list[bytes]] = []
-            while len(batch) < limit:
-                try:
+            with contextlib.suppress(zmq.Again):
+                while len(batch) < limit:
                     batch.append(self.sock.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
             if batch:
                 self.after_operation()
                 # From here on we own the messages: no cancellation may lose them.
                 await trio.lowlevel.cancel_shielded_checkpoint()
                 return batch
-            await self.wait(zmq.POLLIN)
+            await self.wait()
 
     def close(self, linger: float) -> None:
         """Close the socket, waking every task parked on it first. Idempotent.
@@ -296,12 +300,11 @@ class _AsyncSocket:
         ``notify_closing`` wakes a task parked on the fd, which would otherwise
         sleep on an fd number the OS may reuse.
         """
-        if self.closed:
-            return
-        self.closed = True
-        trio.lowlevel.notify_closing(self._fd)
-        self._changed.set()
-        self.sock.close(linger=_ms(linger))
+        if not self.closed:
+            self.closed = True
+            trio.lowlevel.notify_closing(self._fd)
+            self._changed.set()
+            self.sock.close(linger=_ms(linger))
 
 
 class _Monitor(_AsyncSocket):
@@ -314,16 +317,10 @@ class _Monitor(_AsyncSocket):
     a closed DEALER that reconnects while it lingers still emits them).
     """
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], mask: int):
-        super().__init__(ctx.socket(zmq.PAIR))
-        self._source = sock
+    def __init__(self, sock: zmq.Socket[bytes], mask: int) -> None:
         endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
-        try:
-            sock.monitor(endpoint, mask)
-            self.sock.connect(endpoint)
-        except zmq.ZMQError:
-            self.close()
-            raise
+        super().__init__(sock.get_monitor_socket(mask, endpoint))
+        self._source = sock
 
     async def receive(self) -> list[tuple[int, int]]:
         """The next events, 1 to 16 of them, as ``(event, value)``; a checkpoint.
@@ -349,12 +346,12 @@ def make_socket(
     options: ZmqOptions,
     settings: Iterable[tuple[int, int | bytes]],
     *,
-    monitor_mask: int,
+    mask: int,
 ) -> tuple[zmq.Socket[bytes], _Monitor | None]:
     """A socket of ``kind`` bound (a ROUTER) or dialed to ``address``, with its monitor.
 
     It gets the transport's heartbeat, its kind's linger and ``settings``; with a
-    ``monitor_mask``, a :class:`_Monitor` of those events, made before it binds or dials.
+    ``mask``, a :class:`_Monitor` of those events, made before it binds or dials.
 
     Raises:
         zmq.ZMQError: libzmq refused; nothing is left open.
@@ -372,12 +369,9 @@ def make_socket(
             *settings,
         ):
             sock.setsockopt(option, value)
-        if monitor_mask:
-            monitor = _Monitor(ctx, sock, monitor_mask)
-        if kind == zmq.ROUTER:
-            sock.bind(address)
-        else:
-            sock.connect(address)
+        if mask:
+            monitor = _Monitor(sock, mask)
+        (sock.bind if kind == zmq.ROUTER else sock.connect)(address)
     except zmq.ZMQError:
         if monitor is not None:
             monitor.close()

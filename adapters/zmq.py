@@ -62,16 +62,15 @@ binds its claimed identity to the key that sent it (``_zmq_curve``).
 
 The parts, each importing only those above it: ``_zmq_socket`` (options,
 statistics, error; a socket waited on from trio, its monitor, and how sockets
-are made), ``_zmq_curve`` (CURVE keys, the ZAP handler, failed
-handshakes), ``_zmq_connection`` (:class:`ZmqConnection`, which dials its
-DEALER), ``_zmq_router`` (:class:`ZmqControlTransport`); this module binds the
-ROUTER and opens the transport.
+are made), ``_zmq_curve`` (CURVE keys, socket options, the ZAP handler, the
+ROUTER's refusals), ``_zmq_connection`` (:class:`ZmqConnection`, which dials its
+DEALER and says why it died), ``_zmq_router`` (:class:`ZmqControlTransport`,
+which binds the ROUTER); this module opens the transport.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import AsyncIterator
 
@@ -79,20 +78,13 @@ import trio
 import zmq
 
 from p2pactor.adapters._zmq_connection import ZmqConnection
-from p2pactor.adapters._zmq_curve import (
-    ROUTER_MONITOR_MASK,
-    _CurveGate,
-    check_keypair,
-    generate_keypair,
-)
+from p2pactor.adapters._zmq_curve import check_keypair, generate_keypair
 from p2pactor.adapters._zmq_router import ZmqControlTransport
 from p2pactor.adapters._zmq_socket import (
     ZmqOptions,
     ZmqStatistics,
     ZmqTransportError,
     log,
-    make_socket,
-    note,
 )
 from p2pactor.runtime.addresses import node_id_port, peer_host
 from p2pactor.runtime.keys import CurveSecurity
@@ -106,30 +98,6 @@ __all__ = [
     "generate_keypair",
     "open_zmq_transport",
 ]
-
-
-def _log_security(transport: ZmqControlTransport, bind_host: str | None) -> None:
-    node, port, curve = transport.local_id, transport.port, transport._curve
-    if curve is None:
-        note(
-            logging.WARNING,
-            node,
-            "the control channel on port %d is UNAUTHENTICATED and UNENCRYPTED (no CURVE keys "
-            "configured): any host that reaches it can connect, read the hash seed and block "
-            "keys, and look up and fetch blocks. Configure curve_secret_key and curve_trusted "
-            "(docs/security.md) unless every peer is a stock vLLM node on a network you trust",
-            port,
-        )
-    else:
-        keyring = curve.keyring
-        what = "control ROUTER bound on port %d, CURVE on (key %s, %d trusted peer ids from %s)"
-        note(
-            logging.INFO, node, what, port, curve.keypair.public_key, len(keyring), keyring.where()
-        )
-    if bind_host and bind_host != peer_host(node):
-        # Which address is which, said once: a wrong one shows only as peers that never answer.
-        what = "control ROUTER bound on %s:%d; peers dial %s"
-        note(logging.INFO, node, what, bind_host, port, node)
 
 
 @contextlib.asynccontextmanager
@@ -180,35 +148,14 @@ async def open_zmq_transport(
         except (zmq.ZMQError, AttributeError) as exc:  # a libzmq without it
             log.debug("cannot run the ZeroMQ I/O threads as SCHED_BATCH: %s", exc)
     try:
-        gate = None if curve is None else _CurveGate(ctx, curve)  # before the ROUTER
-        # A peer that reconnects takes its identity over (see ZmqOptions.redial_delay);
-        # libzmq drops a frame over max_frame_bytes (the decoder's bound stays a backstop).
-        settings: list[tuple[int, int | bytes]] = [
-            (zmq.MAXMSGSIZE, options.max_frame_bytes),
-            (zmq.ROUTER_HANDOVER, 1),
-            *(() if gate is None else gate.settings()),
-        ]
-        mask = 0 if gate is None else ROUTER_MONITOR_MASK
         endpoint = f"tcp://{bind_host or host}:{port or '*'}"
-        try:
-            router, monitor = make_socket(
-                ctx, zmq.ROUTER, endpoint, options, settings, monitor_mask=mask
-            )
-        except zmq.ZMQError as exc:
-            if gate is not None:
-                gate.close()
-            raise ZmqTransportError(f"cannot bind the control ROUTER on {endpoint}: {exc}") from exc
-        if gate is not None:
-            gate.monitor = monitor
-        transport = ZmqControlTransport(ctx, router, host, options, gate)
+        transport = ZmqControlTransport(ctx, endpoint, host, options, curve)
         try:
             async with trio.open_nursery() as nursery:
-                transport._start(nursery)
-                _log_security(transport, bind_host)
+                transport._start(nursery, bind_host)
                 try:
                     yield transport
                 finally:
-                    transport._close()
                     nursery.cancel_scope.cancel()
         except BaseExceptionGroup as group:
             # Our tasks never fail on their own: a lone exception is the body's;
@@ -217,7 +164,7 @@ async def open_zmq_transport(
                 raise group.exceptions[0] from None
             raise
         finally:
-            transport._close()  # if the nursery never ran the body
+            transport._close()
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(ctx.term)

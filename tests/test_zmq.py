@@ -229,7 +229,7 @@ async def test_socket_edge_trap_waiters_and_cancellation() -> None:
             await trio.sleep(0.05)
             sock = _AsyncSocket(router)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(sock.watch)
+                sock.start_watching(nursery, "watcher")
                 got: list[list[bytes]] = []
                 while len(got) < 3:
                     got += await sock.receive_batch(10)

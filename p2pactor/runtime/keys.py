@@ -15,16 +15,21 @@ several nodes, say the data-parallel ranks of one engine) whose connections
 this key may authenticate. A peer claiming an address bound to another key is
 refused, so a trusted peer cannot pose as another.
 
-Plain file handling; every problem is a :class:`~p2pactor.errors.ConfigError`
-that says what to do.
+Of ZPL only what certificates use is read: sections at the root, ``name =
+value`` one level down (4 spaces), comments and blank lines. Plain file
+handling, no pyzmq (making a key and checking a pair take libzmq:
+``p2pactor.adapters._zmq_curve``); every problem is a
+:class:`~p2pactor.errors.ConfigError` that says what to do.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import re
 import stat
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Final
@@ -32,7 +37,6 @@ from typing import Final
 import attrs
 
 from p2pactor.errors import ConfigError
-from p2pactor.runtime import zpl
 from p2pactor.runtime.addresses import node_id_port, peer_ids
 
 PUBLIC_SUFFIX: Final = ".key"
@@ -41,15 +45,16 @@ PUBLIC_SUFFIX: Final = ".key"
 SECRET_SUFFIX: Final = ".key_secret"  # noqa: S105 - a file suffix, not a secret
 """File name suffix of a secret certificate (what a node keeps)."""
 
-_Z85_ALPHABET: Final = frozenset(
-    "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#"
-)
-_Z85_KEY_LENGTH: Final = 40  # a 32-byte CURVE key in Z85
 KEYGEN_HINT: Final = "p2pactor keygen STEM --address HOST:PORT"
 """How to make a key pair, for messages that say what to do."""
 
-
-# --- addresses ------------------------------------------------------------------
+_Z85_KEY: Final = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")  # 32 bytes in Z85
+# A ZPL line a certificate uses: 4 spaces a level, a name, maybe "= value"
+# (quoted: "#" inside is text, Z85 uses it; or bare), maybe a comment.
+_ZPL_LINE: Final = re.compile(
+    r"(?P<indent> *)(?P<name>[A-Za-z0-9$\-_@.&+/]+)\s*(?:(?P<eq>=)\s*"
+    r"(?:\"(?P<dq>[^\"]*)\"|'(?P<sq>[^']*)'|(?P<bare>[^#\"'\s][^#]*?)?)\s*)?(?:#.*)?"
+)
 
 
 def parse_addresses(value: str | Iterable[str], where: str = "address") -> frozenset[str]:
@@ -70,67 +75,39 @@ def parse_addresses(value: str | Iterable[str], where: str = "address") -> froze
     return addresses
 
 
+def _parse_zpl(text: str, path: Path) -> dict[str, dict[str, str]]:
+    """The two levels of a certificate: ``{section: {name: value}}``; deeper ones are ignored."""
+    sections: dict[str, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip() or line.lstrip(" ").startswith("#"):
+            continue
+        match = _ZPL_LINE.fullmatch(line.rstrip())
+        if match is None or len(match["indent"]) % 4:
+            raise ConfigError(
+                f"{path}, line {number}: not ZPL as a certificate has it (a name, maybe "
+                '= "value", indented by 4 spaces a level)'
+            )
+        depth, name = len(match["indent"]) // 4, match["name"]
+        if depth == 0:  # a section; a value at the root (no certificate has one) is ignored
+            current = None if match["eq"] else sections.setdefault(name, {})
+        elif depth == 1 and current is not None:
+            current[name] = "".join(filter(None, match.group("dq", "sq", "bare")))
+    return sections
+
+
 def _check_key(value: str | None, what: str, path: Path) -> str:
     if value is None:
         raise ConfigError(
             f"{path} has no {what}: it is not a ZeroMQ CURVE certificate; "
             f"make a key pair with `{KEYGEN_HINT}`"
         )
-    if len(value) != _Z85_KEY_LENGTH or not set(value) <= _Z85_ALPHABET:
+    if not _Z85_KEY.fullmatch(value):
         raise ConfigError(
             f"{path}: its {what} is not a 40-character Z85 CURVE key (the file is damaged); "
             f"make a new key pair with `{KEYGEN_HINT}`"
         )
     return value
-
-
-def _read(path: Path, *, secret: bool) -> tuple[dict[str, dict[str, str]], str]:
-    """A certificate's sections and its checked public key, refused as a secret or public file.
-
-    A secret certificate others can read is a key anyone on the host may have
-    copied; a "public" one holding a secret key must never have been shared.
-    """
-    what = f"CURVE {'secret' if secret else 'public'} key file"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{what} {path} does not exist: make one with `{KEYGEN_HINT}`") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{what} {path} is a directory, not a certificate file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path} is not a text certificate: give the file keygen wrote") from None
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
-    sections = zpl.parse(text, path)
-    curve = sections.get("curve", {})
-    mode = stat.S_IMODE(path.stat().st_mode) if secret and os.name == "posix" else 0
-    if mode & 0o077:
-        raise ConfigError(
-            f"{path} is open to other users (mode {mode:04o}): a secret key must be "
-            f"readable by its owner only; run `chmod 600 {path}` (in Kubernetes, mount "
-            "the secret with defaultMode 0400), and make a new key pair if others may "
-            "have read it"
-        )
-    if not secret and "secret-key" in curve:
-        raise ConfigError(
-            f"{path} holds a SECRET key, which must never leave its node: put only the peer's "
-            f"public {PUBLIC_SUFFIX} file here, delete this copy, and have that peer make a "
-            f"new key pair (`{KEYGEN_HINT}`), as this one has been exposed"
-        )
-    return sections, _check_key(curve.get("public-key"), "public-key", path)
-
-
-def _addresses_of(sections: Mapping[str, Mapping[str, str]], path: Path) -> frozenset[str]:
-    raw = sections.get("metadata", {}).get("address")
-    if not raw:
-        raise ConfigError(
-            f"{path} has no address metadata (the host:port the key speaks for), so it "
-            f"cannot bind a peer's identity: regenerate it with `{KEYGEN_HINT}`"
-        )
-    return parse_addresses(raw, where=f"{path}, metadata address")
-
-
-# --- key pairs ------------------------------------------------------------------------
 
 
 @attrs.frozen(kw_only=True)
@@ -156,54 +133,131 @@ class CurveKeypair:
         return self.path[: -len(SECRET_SUFFIX)] + PUBLIC_SUFFIX
 
 
+def _load(path: str | os.PathLike[str], *, secret: bool) -> CurveKeypair:
+    """A certificate, refused as a secret or a public file (a public one's secret_key is "").
+
+    A secret certificate others can read is a key anyone on the host may have
+    copied; a "public" one holding a secret key must never have been shared.
+    """
+    file = Path(path)
+    what = f"CURVE {'secret' if secret else 'public'} key file"
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {file} does not exist: make one with `{KEYGEN_HINT}`") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{what} {file} is a directory, not a certificate file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{file} is not a text certificate: give the file keygen wrote") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {file}: {exc.strerror or exc}") from None
+    sections = _parse_zpl(text, file)
+    curve = sections.get("curve", {})
+    mode = stat.S_IMODE(file.stat().st_mode) if secret and os.name == "posix" else 0
+    if mode & 0o077:
+        raise ConfigError(
+            f"{file} is open to other users (mode {mode:04o}): a secret key must be "
+            f"readable by its owner only; run `chmod 600 {file}` (in Kubernetes, mount "
+            "the secret with defaultMode 0400), and make a new key pair if others may "
+            "have read it"
+        )
+    if not secret and "secret-key" in curve:
+        raise ConfigError(
+            f"{file} holds a SECRET key, which must never leave its node: put only the peer's "
+            f"public {PUBLIC_SUFFIX} file here, delete this copy, and have that peer make a "
+            f"new key pair (`{KEYGEN_HINT}`), as this one has been exposed"
+        )
+    public = _check_key(curve.get("public-key"), "public-key", file)
+    if secret and "secret-key" not in curve:
+        raise ConfigError(
+            f"{file} is a public certificate, not a secret one: give the node its "
+            f"{SECRET_SUFFIX} file (keygen writes both)"
+        )
+    # Whether the public key belongs to the secret one takes libzmq: the zmq
+    # transport checks it when it sets up CURVE.
+    secret_key = _check_key(curve["secret-key"], "secret-key", file) if secret else ""
+    if not (address := sections.get("metadata", {}).get("address")):
+        raise ConfigError(
+            f"{file} has no address metadata (the host:port the key speaks for), so it "
+            f"cannot bind a peer's identity: regenerate it with `{KEYGEN_HINT}`"
+        )
+    addresses = parse_addresses(address, where=f"{file}, metadata address")
+    return CurveKeypair(
+        public_key=public, secret_key=secret_key, addresses=addresses, path=str(file)
+    )
+
+
+def load_secret(path: str | os.PathLike[str]) -> CurveKeypair:
+    """This node's key pair, from its secret certificate (``*.key_secret``).
+
+    The file must be readable by its owner only (``chmod 600``), as SSH insists
+    for private keys: a secret others can read is refused rather than trusted.
+
+    Raises:
+        ConfigError: The file is missing, unreadable, readable by others, not
+            a secret certificate, damaged, or has no address metadata.
+    """
+    return _load(path, secret=True)
+
+
+def load_public(path: str | os.PathLike[str]) -> tuple[str, frozenset[str]]:
+    """The public key and the addresses it speaks for, from a ``*.key`` certificate.
+
+    Raises:
+        ConfigError: The file is missing, not a certificate, damaged, has no
+            address metadata, or holds a secret key (which must never be shared).
+    """
+    pair = _load(path, secret=False)
+    return pair.public_key, pair.addresses
+
+
 def write_keypair(
     path_stem: str | os.PathLike[str],
     address: str | Iterable[str],
-    make: Callable[[], tuple[str, str]],
+    public: str,
+    secret: str,
     *,
     force: bool = False,
 ) -> tuple[Path, Path]:
-    """Write a new key pair, from ``make()``, to ``<stem>.key`` and ``<stem>.key_secret``.
+    """Write a new key pair (Z85 keys) to ``<stem>.key`` and ``<stem>.key_secret``.
 
     The key pair comes from libzmq, which only the zmq adapter imports: call
-    :func:`p2pactor.adapters.zmq.generate_keypair`, which passes ``make``.
-
-    Args:
-        path_stem: The files' path without suffix (``/etc/p2pactor/runtime/node-a``).
-        address: The node id(s) the key speaks for: ``host:port``, several
-            comma-separated (or a collection) when one key serves several nodes.
-        make: A new ``(public, secret)`` pair of Z85 keys; called once the
-            files may be written.
-        force: Replace existing files; otherwise refuse to touch them.
-
-    Returns the public and the secret file's paths.
+    :func:`p2pactor.adapters.zmq.generate_keypair`, which makes it.
 
     Raises:
         ConfigError: A file exists (and not ``force``), an address is not
             ``host:port``, or the files cannot be written.
     """
     addresses = parse_addresses(address, where="--address")
-    stem = os.fspath(path_stem)
-    public_path = Path(stem + PUBLIC_SUFFIX)
-    secret_path = Path(stem + SECRET_SUFFIX)
-    if not force:
-        existing = [str(p) for p in (public_path, secret_path) if p.exists() or p.is_symlink()]
-        if existing:
-            raise ConfigError(
-                f"{' and '.join(existing)} already exist: pick another name, or pass --force "
-                "to replace the key pair (peers that trust the old key must get the new .key)"
-            )
-    public, secret = make()
-    metadata = {"address": ",".join(sorted(addresses))}
-    curve = {"public-key": public}
-    public_text = zpl.render("public", {"metadata": metadata, "curve": curve})
-    secret_text = zpl.render(
-        "secret", {"metadata": metadata, "curve": {**curve, "secret-key": secret}}
-    )
+    paths = Path(os.fspath(path_stem) + PUBLIC_SUFFIX), Path(os.fspath(path_stem) + SECRET_SUFFIX)
+    if not force and (existing := [str(p) for p in paths if p.exists() or p.is_symlink()]):
+        raise ConfigError(
+            f"{' and '.join(existing)} already exist: pick another name, or pass --force "
+            "to replace the key pair (peers that trust the old key must get the new .key)"
+        )
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    # ZPL has no escapes: a value holds any character but its quotes. Ours hold
+    # neither '"' nor a newline: Z85 keys, and checked addresses.
+    body = ["metadata", f'    address = "{",".join(sorted(addresses))}"', "curve"]
+    body.append(f'    public-key = "{public}"')
+    secret_head = [
+        "ZeroMQ CURVE **Secret** Certificate",
+        "DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
+    ]
+    public_head = [
+        "ZeroMQ CURVE Public Certificate",
+        "Give it to the peers that should trust this node: they put it in",
+        "their trusted directory (curve_trusted).",
+    ]
     # The secret first: a public certificate without its secret is useless.
-    _write_new(secret_path, secret_text, 0o600, replace=force)
-    _write_new(public_path, public_text, 0o644, replace=force)
-    return public_path, secret_path
+    for path, head, lines, mode in (
+        (paths[1], secret_head, [*body, f'    secret-key = "{secret}"'], 0o600),
+        (paths[0], public_head, body, 0o644),
+    ):
+        header = [f"#   ****  Generated on {now} by p2pactor keygen  ****"]
+        text = "\n".join([*header, *(f"#   {h}" for h in head), "", *lines]) + "\n"
+        _write_new(path, text, mode, replace=force)
+    return paths
 
 
 def _write_new(path: Path, text: str, mode: int, *, replace: bool) -> None:
@@ -222,10 +276,7 @@ def _write_new(path: Path, text: str, mode: int, *, replace: bool) -> None:
         finally:
             os.close(fd)
         os.chmod(temp, mode)  # the umask may have narrowed it: public files are world-readable
-        if replace:
-            os.replace(temp, path)
-        else:
-            os.link(temp, path)
+        (os.replace if replace else os.link)(temp, path)
     except FileExistsError:
         raise ConfigError(f"{path} already exists: pass --force to replace it") from None
     except OSError as exc:
@@ -233,45 +284,6 @@ def _write_new(path: Path, text: str, mode: int, *, replace: bool) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             temp.unlink()
-
-
-def load_secret(path: str | os.PathLike[str]) -> CurveKeypair:
-    """This node's key pair, from its secret certificate (``*.key_secret``).
-
-    The file must be readable by its owner only (``chmod 600``), as SSH insists
-    for private keys: a secret others can read is refused rather than trusted.
-
-    Raises:
-        ConfigError: The file is missing, unreadable, readable by others, not
-            a secret certificate, damaged, or has no address metadata.
-    """
-    file = Path(path)
-    sections, public = _read(file, secret=True)
-    secret = sections["curve"].get("secret-key")  # the section is there: it holds public-key
-    if secret is None:
-        raise ConfigError(
-            f"{file} is a public certificate, not a secret one: give the node its "
-            f"{SECRET_SUFFIX} file (keygen writes both)"
-        )
-    # Whether the public key belongs to the secret one takes libzmq: the zmq
-    # transport checks it when it sets up CURVE (p2pactor.adapters._zmq_curve).
-    secret = _check_key(secret, "secret-key", file)
-    addresses = _addresses_of(sections, file)
-    return CurveKeypair(public_key=public, secret_key=secret, addresses=addresses, path=str(file))
-
-
-def load_public(path: str | os.PathLike[str]) -> tuple[str, frozenset[str]]:
-    """The public key and the addresses it speaks for, from a ``*.key`` certificate.
-
-    Raises:
-        ConfigError: The file is missing, not a certificate, damaged, has no
-            address metadata, or holds a secret key (which must never be shared).
-    """
-    sections, public = _read(Path(path), secret=False)
-    return public, _addresses_of(sections, Path(path))
-
-
-# --- the keyring ------------------------------------------------------------------------
 
 
 def _frozen_map(value: Mapping[str, str]) -> Mapping[str, str]:
@@ -333,8 +345,7 @@ def load_keyring(directory: str | os.PathLike[str]) -> Keyring:
             f"the CURVE trusted directory {folder} does not exist or is not a directory: "
             f"create it and copy the {PUBLIC_SUFFIX} file of every peer to trust into it"
         )
-    keys: dict[str, str] = {}
-    sources: dict[str, Path] = {}
+    keys: dict[str, tuple[str, Path]] = {}  # address -> its key, and the file that says so
     files = sorted(p for p in folder.glob("*" + PUBLIC_SUFFIX) if p.is_file())
     if not files:
         raise ConfigError(
@@ -345,14 +356,12 @@ def load_keyring(directory: str | os.PathLike[str]) -> Keyring:
     for file in files:
         key, addresses = load_public(file)
         for address in sorted(addresses):
-            if address in keys and keys[address] != key:
+            if keys.setdefault(address, (key, file))[0] != key:
                 raise ConfigError(
-                    f"{sources[address]} and {file} bind {address} to different keys: one "
+                    f"{keys[address][1]} and {file} bind {address} to different keys: one "
                     "of them is stale; remove it (a node id must have exactly one key)"
                 )
-            keys[address] = key
-            sources[address] = file
-    return Keyring(keys=keys, directory=str(folder))
+    return Keyring(keys={a: key for a, (key, _) in keys.items()}, directory=str(folder))
 
 
 @attrs.frozen(kw_only=True)
