@@ -39,9 +39,7 @@ class NixlDataTransport(Writes):
     @asynccontextmanager
     async def _running(self, api: ModuleType) -> AsyncIterator[None]:
         """Open the agent, run the pump and the poster, and release everything on exit."""
-        pool = self._pool
-        self._agent = await trio.to_thread.run_sync(pool.open, api)
-        self.agent_metadata, self.late_write_window = pool.metadata, pool.late_write_window
+        self._agent = await trio.to_thread.run_sync(self._open, api)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._pump)
@@ -81,8 +79,8 @@ class NixlDataTransport(Writes):
             for peer in self._peers.values():
                 peer.dlist = None  # its wrapper keeps the native agent alive
             self._peers.clear()
-            await trio.to_thread.run_sync(self._pool.release_all, left)
-        self._pool.keepalive = None  # a bytearray pool may be resized again
+            await trio.to_thread.run_sync(self._release_all, left)
+        self._keepalive = None  # a bytearray pool may be resized again
         # Released with the agent: its endpoints are closed, nothing more lands.
         for write in unfinished:
             self._end(write, "the NIXL transport closed while it was in flight")
@@ -96,7 +94,7 @@ class NixlDataTransport(Writes):
             remote_agents=len(self._remotes()),
             writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
             zombies=sum(w.zombie for w in self._inflight),
-            progress_thread=self._pool.threaded,
+            progress_thread=self._threaded,
             **attrs.asdict(self._tally),
         )
 
@@ -140,7 +138,7 @@ class NixlDataTransport(Writes):
                 agent = self._live_agent()
                 known = self._remotes()
                 outcome = await trio.to_thread.run_sync(
-                    self._pool.add_peer, agent, agent_metadata, [(base_addr, num_blocks)], known
+                    self._add_peer, agent, agent_metadata, [(base_addr, num_blocks)], known
                 )
                 # No checkpoint from here on: even if we were cancelled meanwhile,
                 # what the thread made is recorded (and released by remove or close).
@@ -181,7 +179,7 @@ class NixlDataTransport(Writes):
             pools = [(p.base_addr, p.num_blocks) for p in peers]
             stale = (remote, [p.dlist for p in peers])
             reloaded = await trio.to_thread.run_sync(
-                self._pool.add_peer, agent, metadata, pools, frozenset(), stale
+                self._add_peer, agent, metadata, pools, frozenset(), stale
             )
             for p in peers:  # their lists were released either way
                 p.remote = p.dlist = None
@@ -216,7 +214,7 @@ class NixlDataTransport(Writes):
                 agent = self._agent
                 last = None if peer.remote in self._remotes() else peer.remote
                 if agent is not None and peer.remote is not None:
-                    await trio.to_thread.run_sync(self._pool.remove_peer, agent, peer.dlist, last)
+                    await trio.to_thread.run_sync(self._remove_peer, agent, peer.dlist, last)
         note(DEBUG, self.agent_name, "%s removed", peer_id, peer=peer_id)
 
     def _remotes(self) -> frozenset[str]:

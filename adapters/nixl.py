@@ -114,7 +114,6 @@ from contextlib import asynccontextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from p2pactor.adapters._nixl_agent import block_pool
 from p2pactor.adapters._nixl_options import NixlOptions, NixlStatistics
 from p2pactor.adapters._nixl_transport import NixlDataTransport
 from p2pactor.errors import DataPlaneError
@@ -191,6 +190,6 @@ async def open_nixl_transport(
     options = options or NixlOptions()
     api = import_nixl()
     agent_name = f"{name}-{uuid.uuid4()}" if name else str(uuid.uuid4())
-    transport = NixlDataTransport(block_pool(pool, block_len, agent_name, options), options)
+    transport = NixlDataTransport(pool, block_len, agent_name, options)
     async with transport._running(api):
         yield transport
