@@ -89,13 +89,12 @@ class NixlDataTransport(Writes):
 
     def statistics(self) -> NixlStatistics:
         """Counters, for tests and monitoring."""
-        return NixlStatistics(
+        return attrs.evolve(
+            self._tally,
             peers=len(self._peers),
             remote_agents=len(self._remotes()),
             writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
             zombies=sum(w.zombie for w in self._inflight),
-            progress_thread=self._threaded,
-            **attrs.asdict(self._tally),
         )
 
     async def add_peer(

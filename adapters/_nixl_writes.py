@@ -7,18 +7,15 @@ import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 from logging import WARNING
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 import numpy as np
 import trio
 
 from p2pactor.adapters._nixl_agent import Agent, Index, Pool, Posted, nixl_error
-from p2pactor.adapters._nixl_options import NixlOptions, Tally, log, note
+from p2pactor.adapters._nixl_options import NixlStatistics, log, note
 from p2pactor.runtime.transport import TransferError, WriteDone
-
-if TYPE_CHECKING:
-    import torch
 
 _RATE_WEIGHT = 0.25  # of the newest post in the moving average of post times
 _IN_PROGRESS = frozenset({"PROC", "PEND"})
@@ -57,14 +54,8 @@ class _Write:
 class Writes(Pool):
     """A NIXL transport's writes: the part of ``NixlDataTransport`` that moves bytes."""
 
-    def __init__(
-        self,
-        pool: torch.Tensor | bytearray | memoryview,
-        block_len: int,
-        name: str,
-        options: NixlOptions,
-    ) -> None:
-        super().__init__(pool, block_len, name, options)
+    def __init__(self, *pool: Any) -> None:  # Pool's arguments
+        super().__init__(*pool)
         self._lock = trio.Lock()  # held around every call into the agent (but see _start)
         self._peers: dict[str, Peer] = {}
         self._inflight: list[_Write] = []  # posted, polled by the pump
@@ -75,7 +66,7 @@ class Writes(Pool):
         self._wireup_until = -math.inf  # progress for peers' connection setup until then
         self._changed = trio.Event()  # some write ended or a peer was settled
         self._closing = False
-        self._tally = Tally()
+        self._tally = NixlStatistics(progress_thread=self._threaded)  # what it counts
         self._post_rate: float | None = None  # seconds per byte of posts, moving average
 
     # --- posting ----------------------------------------------------------------------
