@@ -251,18 +251,12 @@ class NixlDataTransport(Writes):
                 write failed: the peer is unknown, an index is out of range,
                 NIXL failed the write, or it missed its deadline.
         """
-        over = trio.Event()
         outcome: list[str | None] = []
-
-        def done(error: str | None) -> None:
-            outcome.append(error)
-            over.set()
-
-        write = self._start(peer_id, local_blocks, remote_blocks, done)
+        write = self._start(peer_id, local_blocks, remote_blocks, outcome.append)
         try:
-            await over.wait()
+            await self._wait_until(lambda: bool(outcome))
         except BaseException:
-            if write is not None and not write.over:
+            if write is not None and write in write.peer.writes:
                 write.expired = write.expired or "the writing task was cancelled"
                 self._kick.set()
             raise

@@ -44,11 +44,10 @@ class _Write:
     remote: Index
     nbytes: int
     deadline: float  # on trio's clock: cancelled through NIXL if still running then
-    done: WriteDone  # told the outcome exactly once, by _end
+    done: WriteDone  # told the outcome exactly once, by _end (it is over once not in peer.writes)
     handle: object | None = None  # NIXL's transfer handle while it is in flight
     expired: str | None = None  # why it stopped being waited for, once it did
     zombie: bool = False
-    over: bool = False
 
 
 class Writes(Pool):
@@ -250,13 +249,12 @@ class Writes(Pool):
 
     def _end(self, write: _Write, error: str | None, *, failed: bool = True) -> None:
         """Record that ``write`` is over (no part of it can still run) and say so."""
-        if write.over:
-            return
-        write.over = True
+        if write not in write.peer.writes:
+            return  # over already
+        write.peer.writes.remove(write)
         write.handle = None
         if write in self._inflight:
             self._inflight.remove(write)
-        write.peer.writes.discard(write)
         if error is None:
             self._tally.writes_done += 1
             self._tally.bytes_written += write.nbytes

@@ -32,14 +32,7 @@ import itertools
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
-from p2pactor.adapters._vllm_api import (
-    PRIMARY_ONLY,
-    ParentManager,
-    ReqContext,
-    VllmLookup,
-    from_vllm,
-    job_ids,
-)
+from p2pactor.adapters import _vllm_api as api
 from p2pactor.adapters._vllm_jobs import JobBook
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult as Answer
@@ -58,23 +51,23 @@ class LentParent:
     """
 
     def __init__(
-        self, contexts: dict[str, ReqContext], jobs: JobBook, parent: ParentManager
+        self, contexts: dict[str, api.ReqContext], jobs: JobBook, parent: api.ParentManager
     ) -> None:
         self._contexts = contexts
         self._jobs = jobs
         self._parent = parent
 
     def on_new_request(self, context: str) -> None:
-        ctx = self._contexts[context] = ReqContext(req_id=context, kv_transfer_params=None)
+        ctx = self._contexts[context] = api.ReqContext(req_id=context, kv_transfer_params=None)
         self._parent.on_new_request(ctx)
 
     def lookup(self, key: bytes, context: str) -> Answer:
-        return from_vllm(self._parent.lookup(key, self._contexts[context]))
+        return api.from_vllm(self._parent.lookup(key, self._contexts[context]))
 
     def create_store_job(self, keys: Sequence[bytes], context: str) -> inp.Pin:
         job = self._parent.create_store_job(list(keys), self._contexts[context])
         self._jobs.track_store(int(job.job_id), None, len(job.keys))
-        return inp.Pin(int(job.job_id), tuple(job.keys), tuple(job_ids(job)))
+        return inp.Pin(int(job.job_id), tuple(job.keys), tuple(api.job_ids(job)))
 
     def on_request_finished(self, context: str) -> None:
         self._parent.on_request_finished(self._contexts.pop(context))
@@ -85,25 +78,25 @@ class LentParent:
 
 
 @contextmanager
-def _primary_lookups(parent: ParentManager, name: str) -> Iterator[Callable[[bytes], bool]]:
+def _primary_lookups(parent: api.ParentManager, name: str) -> Iterator[Callable[[bytes], bool]]:
     """Whether the CPU tier alone holds a key, asked in one synthetic request.
 
     With the primary-only filter nothing is promoted, and the CPU tier's lookup
     does not touch its LRU order. HIT_PENDING (vLLM is writing the key: its
     store, or a promotion) counts as held: it is, by the time a peer asks.
     """
-    ctx = ReqContext(
-        req_id=f"{name}-{next(_ids)}", kv_transfer_params=None, load_tier_filter=PRIMARY_ONLY
+    ctx = api.ReqContext(
+        req_id=f"{name}-{next(_ids)}", kv_transfer_params=None, load_tier_filter=api.PRIMARY_ONLY
     )
     parent.on_new_request(ctx)
     try:
-        yield lambda key: parent.lookup(key, ctx) is not VllmLookup.MISS
+        yield lambda key: parent.lookup(key, ctx) is not api.VllmLookup.MISS
     finally:
         parent.on_request_finished(ctx)
 
 
 def scrub(
-    parent: ParentManager, keys: Sequence[bytes], node_id: str
+    parent: api.ParentManager, keys: Sequence[bytes], node_id: str
 ) -> tuple[list[bytes], list[bytes]]:
     """Which of ``keys`` the CPU tier no longer holds, and which it does, asked of it alone."""
     if not keys:
@@ -151,7 +144,7 @@ class Watch:
         """The request ended: its cascade, if any, has come (vLLM finishes it after)."""
         self._followed.pop(req_id, None)
 
-    def check(self, parent: ParentManager, loading: Collection[bytes] = ()) -> None:
+    def check(self, parent: api.ParentManager, loading: Collection[bytes] = ()) -> None:
         """Claim what the CPU tier now holds or writes of every followed request (lent parent).
 
         One CPU-tier lookup per followed request, and one more per key passed.

@@ -11,12 +11,7 @@ from typing import Any, NamedTuple
 
 import trio
 
-from p2pactor.adapters._vllm_api import (
-    OffloadingConnectorStats,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
-    hash_seed,
-)
+from p2pactor.adapters import _vllm_api as api
 from p2pactor.errors import P2PActorError
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.log import EventLog
@@ -96,10 +91,9 @@ SERIES: dict[str, Series] = {
 
 def metric_definitions() -> dict[str, Any]:
     """The tier's metrics, as vLLM's OffloadingMetricMetadata by name."""
+    kinds = (api.OffloadingCounterMetadata, api.OffloadingGaugeMetadata)
     return {
-        METRIC_PREFIX + name: (OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata)(
-            documentation=doc, labelnames=labelnames
-        )
+        METRIC_PREFIX + name: kinds[gauge](documentation=doc, labelnames=labelnames)
         for name, (gauge, doc, labelnames) in METRICS.items()
     }
 
@@ -171,7 +165,7 @@ class NodeThread:
             ) as control,
             open_nixl_transport(pool, config.block_len) as data,
             open_node(
-                config, control=control, data=data, event_log=event_log, hash_seed=hash_seed
+                config, control=control, data=data, event_log=event_log, hash_seed=api.hash_seed
             ) as node,
             open_operator_surface(node) as surface,
         ):
@@ -207,7 +201,7 @@ class NodeThread:
         now = self.totals
         if now is self._reported:
             return None
-        stats = OffloadingConnectorStats()
+        stats = api.OffloadingConnectorStats()
         for figure, value in now.items():
             series = SERIES[figure]
             if series.gauge:
