@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from logging import DEBUG, WARNING
-from types import ModuleType
 
 import attrs
 import trio
@@ -35,24 +33,6 @@ class NixlDataTransport(Writes):
     """
 
     # --- setup and teardown ------------------------------------------------------------
-
-    @asynccontextmanager
-    async def _running(self, api: ModuleType) -> AsyncIterator[None]:
-        """Open the agent, run the pump and the poster, and release everything on exit."""
-        self._agent = await trio.to_thread.run_sync(self._open, api)
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump)
-                nursery.start_soon(self._poster)
-                try:
-                    yield
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._drain()
-                    nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._close()
 
     async def _drain(self) -> None:
         """Stop taking work and let the writes in flight end, for ``close_timeout``."""

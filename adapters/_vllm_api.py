@@ -73,10 +73,8 @@ class Dest:
 
 def parse_source(params: dict[str, Any] | None) -> Source | None:
     """The consumer role of ``kv_transfer_params``, as vLLM reads it."""
-    if not params:
-        return None
     for name, probe in (("remote_prefiller", False), ("remote_kv_source", True)):
-        role = params.get(name)
+        role = (params or {}).get(name)
         if isinstance(role, dict):
             host, port, kv_id = (
                 role.get(k) for k in ("remote_host", "remote_port", "kv_request_id")
@@ -87,10 +85,9 @@ def parse_source(params: dict[str, Any] | None) -> Source | None:
 
 def parse_dest(params: dict[str, Any] | None) -> Dest | None:
     """The producer (remote_decoder) role of ``kv_transfer_params``."""
-    if not params or not isinstance(params.get("remote_decoder"), dict):
-        return None
-    kv_id = params["remote_decoder"].get("kv_request_id")
-    return Dest(str(kv_id) if kv_id else None)
+    role = (params or {}).get("remote_decoder")
+    kv_id = role.get("kv_request_id") if isinstance(role, dict) else None
+    return Dest(str(kv_id) if kv_id else None) if isinstance(role, dict) else None
 
 
 # Our answers as vLLM's LookupResult, and back.
@@ -257,12 +254,11 @@ def source_options(base: SourceOptions, spec: Any, summaries: bool | None) -> So
     """
     if summaries is not None:
         base = attrs.evolve(base, share=bool(summaries))
-    config = getattr(spec, "config", None)
-    groups = getattr(config, "groups", ())
-    per_chunk = getattr(spec, "blocks_per_chunk", None) or getattr(
-        getattr(config, "cache", None), "blocks_per_chunk", 0
-    )
-    tokens = max((int(g.tokens_per_block) for g in groups), default=0) * int(per_chunk or 0)
+    try:
+        per_block = max(int(g.tokens_per_block) for g in spec.config.groups)
+        tokens = per_block * int(spec.blocks_per_chunk)
+    except (AttributeError, TypeError, ValueError):  # a spec that does not say
+        tokens = 0
     if tokens <= 0:
         return base  # a spec that does not say: the policy's default
     return attrs.evolve(base, choice=attrs.evolve(base.choice, tokens_per_key=tokens))

@@ -109,15 +109,6 @@ def scrub(
     return gone, kept
 
 
-class _Followed:
-    __slots__ = ("keys", "next", "positions")
-
-    def __init__(self, keys: list[bytes], positions: list[int]) -> None:
-        self.keys = keys
-        self.positions = positions
-        self.next = 0  # the first key not claimed yet
-
-
 class Watch:
     """The requests whose keys are claimed as vLLM writes them.
 
@@ -127,7 +118,8 @@ class Watch:
 
     def __init__(self, node: Node) -> None:
         self._node = node
-        self._followed: dict[str, _Followed] = {}
+        # Each followed request's (position, key) not claimed yet, the next one last.
+        self._followed: dict[str, list[tuple[int, bytes]]] = {}
 
     def __len__(self) -> int:
         return len(self._followed)
@@ -136,9 +128,8 @@ class Watch:
         """Follow ``req_id``'s keys from end-token position ``first`` on (the first it asked)."""
         if not self._node.shares_summaries or len(self._followed) >= _MOST_FOLLOWED:
             return
-        ahead = sorted((p, k) for k, p in record.items() if p >= first)
-        if ahead:
-            self._followed[req_id] = _Followed([k for _, k in ahead], [p for p, _ in ahead])
+        if ahead := sorted(((p, k) for k, p in record.items() if p >= first), reverse=True):
+            self._followed[req_id] = ahead
 
     def finished(self, req_id: str) -> None:
         """The request ended: its cascade, if any, has come (vLLM finishes it after)."""
@@ -155,18 +146,15 @@ class Watch:
         if not self._followed:
             return
         with _primary_lookups(parent, f"p2pactor-watch-{self._node.node_id}") as held:
-            for req_id, followed in list(self._followed.items()):
-                start = followed.next
-                keys = followed.keys
-                while followed.next < len(keys) and held(keys[followed.next]):
-                    followed.next += 1
-                claim = [i for i in range(start, followed.next) if keys[i] not in loading]
+            for req_id, ahead in list(self._followed.items()):
+                claim: list[tuple[int, bytes]] = []
+                while ahead and held(ahead[-1][1]):
+                    if (passed := ahead.pop())[1] not in loading:
+                        claim.append(passed)
                 if claim:
+                    keys = [k for _, k in claim]
                     self._node.holds(
-                        [keys[i] for i in claim],
-                        request=req_id,
-                        positions=[followed.positions[i] for i in claim],
-                        now=True,
+                        keys, request=req_id, positions=[p for p, _ in claim], now=True
                     )
-                if followed.next == len(keys):
+                if not ahead:
                     del self._followed[req_id]

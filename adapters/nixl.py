@@ -114,6 +114,8 @@ from contextlib import asynccontextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import trio
+
 from p2pactor.adapters._nixl_options import NixlOptions, NixlStatistics
 from p2pactor.adapters._nixl_transport import NixlDataTransport
 from p2pactor.errors import DataPlaneError
@@ -191,5 +193,17 @@ async def open_nixl_transport(
     api = import_nixl()
     agent_name = f"{name}-{uuid.uuid4()}" if name else str(uuid.uuid4())
     transport = NixlDataTransport(pool, block_len, agent_name, options)
-    async with transport._running(api):
-        yield transport
+    transport._agent = await trio.to_thread.run_sync(transport._open, api)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(transport._pump)
+            nursery.start_soon(transport._poster)
+            try:
+                yield transport
+            finally:
+                with trio.CancelScope(shield=True):
+                    await transport._drain()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await transport._close()

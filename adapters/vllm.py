@@ -188,9 +188,8 @@ class P2PActorTierManager(api.SecondaryTierManager):  # type: ignore[misc]  # vL
         summary.
         """
         ctx.set_state(_Seen())
-        record = api.request_keys(ctx)
-        where = None if record is None else record.get(bytes(key))
-        if record is None or where is None:
+        record = api.request_keys(ctx) or {}
+        if (where := record.get(bytes(key))) is None:
             return
         held = [k for k, p in record.items() if p < where]
         if held:
