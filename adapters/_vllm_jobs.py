@@ -91,12 +91,11 @@ class JobBook:
 
     def take(self) -> list[Any]:
         """The results since the last call (vLLM's ``get_finished_jobs()``)."""
-        self.collect()
-        finished, self.finished = self.finished, []
+        finished, self.finished = self.collect(), []
         return finished
 
-    def collect(self) -> None:
-        """Move the node's load results into the list of finished jobs.
+    def collect(self) -> list[Any]:
+        """Move the node's load results into the list of finished jobs; return that list.
 
         A load's ``transfer_time`` is the seconds from its ``submit_load`` to
         this call, the first to see its result (so it includes the wait for
@@ -118,6 +117,7 @@ class JobBook:
             else:
                 self.failed.add(kv_id)  # its lookups answer MISS: prefill locally
             self._report(result.job_id, result.success, submitted, len(keys))
+        return self.finished
 
     def track_store(self, job_id: int, kv_request_id: str | None, blocks: int) -> None:
         """A store job starts: a prefill/decode store (``kv_request_id``) or a peer's pin."""
