@@ -11,7 +11,7 @@ import trio
 from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Leftovers
 from p2pactor.adapters._nixl_options import NixlStatistics, note
 from p2pactor.adapters._nixl_writes import Peer, Writes
-from p2pactor.runtime.transport import TransferError, WriteDone
+from p2pactor.runtime.transport import TransferError
 
 
 class NixlDataTransport(Writes):
@@ -200,23 +200,6 @@ class NixlDataTransport(Writes):
         """The remote agents loaded: one for any number of peer names."""
         return frozenset(p.remote for p in self._peers.values() if p.remote is not None)
 
-    def start_write(
-        self,
-        peer_id: str,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        done: WriteDone,
-    ) -> None:
-        """Start one NIXL WRITE of our ``local_blocks`` into the peer's ``remote_blocks``.
-
-        Never blocks. ``done`` is told the outcome exactly once, on the trio
-        thread (possibly before this returns): None once NIXL reports every
-        byte written; otherwise why not, once NIXL reports the write over or
-        has released (cancelled) it. The peer and the indexes are checked
-        before NIXL is asked anything.
-        """
-        self._start(peer_id, local_blocks, remote_blocks, done)
-
     async def write(
         self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
     ) -> None:
@@ -232,11 +215,12 @@ class NixlDataTransport(Writes):
                 NIXL failed the write, or it missed its deadline.
         """
         outcome: list[str | None] = []
-        write = self._start(peer_id, local_blocks, remote_blocks, outcome.append)
+        done = outcome.append
+        self.start_write(peer_id, local_blocks, remote_blocks, done)
         try:
             await self._wait_until(lambda: bool(outcome))
         except BaseException:
-            if write is not None and write in write.peer.writes:
+            for write in [w for p in self._peers.values() for w in p.writes if w.done is done]:
                 write.expired = write.expired or "the writing task was cancelled"
                 self._kick.set()
             raise

@@ -55,7 +55,7 @@ class Writes(Pool):
 
     def __init__(self, *pool: Any) -> None:  # Pool's arguments
         super().__init__(*pool)
-        self._lock = trio.Lock()  # held around every call into the agent (but see _start)
+        self._lock = trio.Lock()  # held around every call into the agent (but see start_write)
         self._peers: dict[str, Peer] = {}
         self._inflight: list[_Write] = []  # posted, polled by the pump
         self._to_post: deque[_Write] = deque()  # waiting for the poster task
@@ -70,21 +70,29 @@ class Writes(Pool):
 
     # --- posting ----------------------------------------------------------------------
 
-    def _start(
+    def start_write(
         self,
         peer_id: str,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
         done: WriteDone,
-    ) -> _Write | None:
+    ) -> None:
+        """Start one NIXL WRITE of our ``local_blocks`` into the peer's ``remote_blocks``.
+
+        Never blocks. ``done`` is told the outcome exactly once, on the trio
+        thread (possibly before this returns): None once NIXL reports every
+        byte written; otherwise why not, once NIXL reports the write over or
+        has released (cancelled) it. The peer and the indexes are checked
+        before NIXL is asked anything.
+        """
         try:
             peer, local, remote = self._checked(peer_id, local_blocks, remote_blocks)
         except TransferError as exc:
             _tell(done, str(exc))
-            return None
+            return
         if not len(local):
             _tell(done, None)
-            return None
+            return
         deadline = trio.current_time() + self._options.transfer_timeout
         write = _Write(peer, local, remote, len(local) * self.block_len, deadline, done)
         peer.writes.add(write)
@@ -93,10 +101,9 @@ class Writes(Pool):
         # write queues behind the worker thread's call.
         if not self._to_post and self._quick(write) and not self._lock.locked():
             self._post_inline(self._live_agent(), write)
-            return write
+            return
         self._to_post.append(write)
         self._post_kick.set()
-        return write
 
     def _checked(
         self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
@@ -138,7 +145,7 @@ class Writes(Pool):
                     self._posted(agent, write, await trio.to_thread.run_sync(self._post, *args))
 
     def _post_inline(self, agent: Agent, write: _Write) -> None:
-        """Post on the trio thread (no worker thread in the agent: see ``_start``)."""
+        """Post on the trio thread (no worker thread in the agent: see ``start_write``)."""
         self._tally.posted_inline += 1
         self._posted(agent, write, self._post(agent, write.local, write.peer.dlist, write.remote))
 
