@@ -118,7 +118,7 @@ def _strided(base_addr: int, num_blocks: int, block_len: int) -> npt.NDArray[np.
 
 @attrs.define(eq=False)
 class Leftovers:
-    """NIXL resources taken from a closing transport, for :meth:`Pool.release_all`."""
+    """NIXL resources taken from a closing transport, for :meth:`Pool._release_all`."""
 
     agent: Agent | None
     handles: list[object] = attrs.field(factory=list)
@@ -160,22 +160,15 @@ class Pool:
         self._threaded = options.progress_thread_wakeup is not None
         self.late_write_window = 0.0  # from the UCX TCP timeout in effect, once open
 
-    def _attempt(self, what: str, call: Callable[[Any], object], arg: object | None) -> bool:
-        """Make one NIXL call (none if ``arg`` is None); log a failure (and go on).
-
-        Returns whether it worked.
-        """
-        if arg is None:
-            return True
-        try:
-            call(arg)
-        except Exception as exc:
-            why = nixl_error(exc)
-            note(
-                WARNING, self.agent_name, "%s failed: %s (NIXL_LOG_LEVEL=INFO shows why)", what, why
-            )
-            return False
-        return True
+    def _attempt(self, what: str, call: Callable[[Any], object], arg: object | None) -> None:
+        """Make one NIXL call (none if ``arg`` is None); log a failure (and go on)."""
+        if arg is not None:
+            try:
+                call(arg)
+            except Exception as exc:
+                why = nixl_error(exc)
+                line = "%s failed: %s (NIXL_LOG_LEVEL=INFO shows why)"
+                note(WARNING, self.agent_name, line, what, why)
 
     def _open(self, api: ModuleType) -> Agent:
         """Make the agent, register the pool and prepare its descriptors."""

@@ -99,9 +99,9 @@ NIXL itself is imported lazily, when a transport is opened, from the first of
 ``nixl._api`` (the ``nixl`` meta package, which picks the build matching
 torch's CUDA), ``nixl_cu13._api`` and ``nixl_cu12._api`` that imports.
 
-The code: options and counters in ``_nixl_options``, the pool and the calls into
-the agent in ``_nixl_agent``, peers and the transport's life in
-``_nixl_transport``, writes (poster, pump) in ``_nixl_writes``.
+The code: options and counters in ``_nixl_options``; the transport is one
+class in three layers: the pool and the calls into the agent (``_nixl_agent``),
+writes (poster, pump; ``_nixl_writes``), peers and closing (``_nixl_transport``).
 """
 
 from __future__ import annotations
