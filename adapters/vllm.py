@@ -30,10 +30,9 @@ check through the lent parent sized to the tier's churn, a new epoch at
 ``drain_jobs``).
 
 Its parts: ``_vllm_api.py`` (vLLM 0.33's API, and the options as a ``NodeConfig``),
-``_vllm_parent.py`` (the lent parent; through it, the check and the watch of what
-vLLM is writing), ``_vllm_auto.py`` (the automatic choice), ``_vllm_jobs.py`` (the
-jobs owed to vLLM), ``_vllm_thread.py`` (the node's thread, and its figures in
-``/metrics``).
+``_vllm_parent.py`` (the jobs owed to vLLM, and the lent parent; through it, the
+check and the watch of what vLLM is writing), ``_vllm_auto.py`` (the automatic
+choice), ``_vllm_thread.py`` (the node's thread, and its figures in ``/metrics``).
 """
 
 from __future__ import annotations
@@ -46,8 +45,7 @@ from typing import Any, ClassVar
 
 from p2pactor.adapters import _vllm_api as api
 from p2pactor.adapters._vllm_auto import Auto, AutoSources
-from p2pactor.adapters._vllm_jobs import JobBook
-from p2pactor.adapters._vllm_parent import LentParent, Watch, scrub
+from p2pactor.adapters._vllm_parent import JobBook, LentParent, Watch, scrub
 from p2pactor.adapters._vllm_thread import NodeThread, metric_definitions
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.runtime.engine import LookupView
