@@ -104,8 +104,7 @@ def positions(ctx: Any, keys: Sequence[bytes]) -> list[int | None]:
 
     vLLM's LRU ranks a request's chunks by it.
     """
-    get = ctx.get_offload_key_position
-    return [get(k) for k in keys]
+    return [ctx.get_offload_key_position(k) for k in keys]
 
 
 def require_tier_polling() -> None:
