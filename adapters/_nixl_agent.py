@@ -11,7 +11,6 @@ from logging import INFO, WARNING
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -116,16 +115,6 @@ def _strided(base_addr: int, num_blocks: int, block_len: int) -> npt.NDArray[np.
     return np.array([[base_addr, block_len, 0, block_len, num_blocks]], dtype=np.uint64)
 
 
-@attrs.define(eq=False)
-class Leftovers:
-    """NIXL resources taken from a closing transport, for :meth:`Pool._release_all`."""
-
-    agent: Agent | None
-    handles: list[object] = attrs.field(factory=list)
-    dlists: list[object] = attrs.field(factory=list)
-    remotes: list[str] = attrs.field(factory=list)
-
-
 class Pool:
     """The block pool registered with one NIXL agent, and the calls that may block on it.
 
@@ -200,36 +189,23 @@ class Pool:
             # Taken after registering: the metadata carries the registered region.
             self.agent_metadata = agent.get_agent_metadata()
         except Exception as exc:
-            self._release_all(Leftovers(agent))
+            self._release_pool(agent)
             raise DataPlaneError(
                 f"cannot register the {nbytes}-byte block pool with NIXL: {nixl_error(exc)}"
             ) from exc
         return agent
 
-    def _release_all(self, left: Leftovers) -> None:
-        """Release ``left``, then the pool's own registration, in dependency order.
+    def _release_pool(self, agent: Agent) -> None:
+        """Release the pool's descriptors, then its registration.
 
         Each release is attempted on its own: one that fails does not keep the
-        others (in particular the memory registration) alive.
+        other (the memory registration above all) alive.
         """
-        agent = left.agent
-        if agent is None:
-            return
-        for handle in left.handles:
-            self._attempt("releasing a write in flight", agent.release_xfer_handle, handle)
-        for dlist in left.dlists:
-            self._remove_peer(agent, dlist, None)
-        for remote in left.remotes:  # after the lists prepared for them
-            self._remove_peer(agent, None, remote)
         self._attempt(
             "releasing the pool's descriptors", agent.release_dlist_handle, self._local_dlist
         )
         self._attempt("deregistering the pool", agent.deregister_memory, self._registration)
         self._local_dlist = self._registration = None
-        # The agent (and its UCX context) goes with its last reference, here, in
-        # this thread: tearing UCX down can take a while.
-        left.agent = None
-        del agent
 
     def _add_peer(
         self,

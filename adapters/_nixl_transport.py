@@ -8,7 +8,7 @@ from logging import DEBUG, WARNING
 import attrs
 import trio
 
-from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Leftovers
+from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Agent
 from p2pactor.adapters._nixl_options import NixlStatistics, note
 from p2pactor.adapters._nixl_writes import Peer, Writes
 from p2pactor.runtime.transport import TransferError
@@ -49,21 +49,31 @@ class NixlDataTransport(Writes):
         """Release every NIXL resource (in a worker thread), then fail what was left."""
         async with self._lock:
             unfinished = list(self._inflight)
-            left = Leftovers(
-                self._agent,
-                handles=[w.handle for w in self._inflight],
-                dlists=[p.dlist for p in self._peers.values() if p.dlist is not None],
-                remotes=list(self._remotes()),
-            )
-            self._agent = None
-            for peer in self._peers.values():
-                peer.dlist = None  # its wrapper keeps the native agent alive
-            self._peers.clear()
-            await trio.to_thread.run_sync(self._release_all, left)
+            await trio.to_thread.run_sync(self._release_all)
         self._keepalive = None  # a bytearray pool may be resized again
         # Released with the agent: its endpoints are closed, nothing more lands.
         for write in unfinished:
             self._end(write, "the NIXL transport closed while it was in flight")
+
+    def _release_all(self) -> None:
+        """Release every write, peer list and remote agent, then the pool (in a worker thread).
+
+        In dependency order, with the lock held; each release is attempted on its own.
+        """
+        agent: Agent = self._agent  # open: _close follows a successful open only
+        self._agent = None
+        for write in self._inflight:
+            self._attempt("releasing a write in flight", agent.release_xfer_handle, write.handle)
+        for peer in self._peers.values():
+            self._remove_peer(agent, peer.dlist, None)
+            peer.dlist = None  # its wrapper keeps the native agent alive
+        for remote in self._remotes():  # after the lists prepared for them
+            self._remove_peer(agent, None, remote)
+        self._peers.clear()
+        self._release_pool(agent)
+        # The agent (and its UCX context) goes with its last reference, here, in
+        # this thread: tearing UCX down can take a while.
+        del agent
 
     # --- the DataTransport interface --------------------------------------------------
 
