@@ -1,4 +1,4 @@
-"""The block pool as its NIXL agent sees it, and the calls into the agent (typed) that may block."""
+"""The block pool as its NIXL agent sees it, and the calls into the agent that may block."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from logging import DEBUG, INFO, WARNING
+from logging import INFO, WARNING
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -27,38 +26,12 @@ PER_BLOCK_LIMIT = 65_536
 refuses the pool as one strided row (it spans several registrations): at most about
 6 MiB at the peak and 4-7 ms of a worker thread (measured), whatever the peer advertises."""
 
+Agent = Any  # NIXL's nixl_agent (it has no type stubs); its handles are opaque
 Index = npt.NDArray[np.int32]
-Descs = npt.NDArray[np.uint64]
-
-
-class Agent(Protocol):
-    """The part of ``nixl_agent`` the transport uses, typed (handles are opaque)."""
-
-    def get_agent_metadata(self) -> bytes: ...
-    def register_memory(
-        self, reg_list: list[tuple[int, int, int, str]], mem_type: str
-    ) -> object: ...
-    def deregister_memory(self, dereg_list: object) -> None: ...
-    def prep_xfer_dlist(self, agent_name: str, xfer_list: Descs, mem_type: str) -> object: ...
-    def release_dlist_handle(self, handle: object) -> None: ...
-    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
-    def remove_remote_agent(self, agent: str) -> None: ...
-    def make_connection(self, remote_agent: str) -> None: ...
-    def make_prepped_xfer(
-        self,
-        operation: str,
-        local_xfer_side: object,
-        local_indices: Index,
-        remote_xfer_side: object,
-        remote_indices: Index,
-    ) -> object: ...
-    def transfer(self, handle: object) -> str: ...
-    def check_xfer_state(self, handle: object) -> str: ...
-    def release_xfer_handle(self, handle: object) -> None: ...
-    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
-
-
-_T = TypeVar("_T")
+Posted = tuple[object | None, str, str, float | None]
+"""What posting a write gave: its handle (None: NIXL could not prepare it), its state
+(as ``transfer()`` returned it; "ERR" if it raised), what its failure would say, and
+how long the post took (None unless ``transfer()`` returned)."""
 
 
 def nixl_error(exc: Exception) -> str:
@@ -81,7 +54,7 @@ def _new_agent(api: ModuleType, name: str, config: object, wakeup: float | None)
     unaffected; the lock keeps two constructions from swapping at once.
     """
     if wakeup is None:
-        return cast(Agent, api.nixl_agent(name, config))
+        return api.nixl_agent(name, config)
     delay_us = max(1, round(wakeup * 1e6))
     binding: Any = getattr(api, "nixlBind")  # noqa: B009 (not in NIXL's stubs)
 
@@ -96,18 +69,13 @@ def _new_agent(api: ModuleType, name: str, config: object, wakeup: float | None)
     with _NEW_AGENT_LOCK:
         setattr(api, "nixlBind", _WithDelay())  # noqa: B010
         try:
-            return cast(Agent, api.nixl_agent(name, config))
+            return api.nixl_agent(name, config)
         finally:
             setattr(api, "nixlBind", binding)  # noqa: B010
 
 
-def block_pool(
-    pool: torch.Tensor | bytearray | memoryview, block_len: int, name: str, options: NixlOptions
-) -> Pool:
-    """Check that ``pool`` is a whole number of host-memory blocks, and take its address."""
-    if type(block_len) is not int or block_len <= 0:
-        raise ConfigError(f"block_len must be a positive int, got {block_len!r}")
-    keepalive: object
+def _address(pool: torch.Tensor | bytearray | memoryview) -> tuple[int, int, object]:
+    """A host-memory pool's address, bytes, and what owns the memory."""
     torch_mod = sys.modules.get("torch")  # a tensor exists only if torch is imported
     if torch_mod is not None and isinstance(pool, torch_mod.Tensor):
         tensor = cast("torch.Tensor", pool)
@@ -117,33 +85,24 @@ def block_pool(
             )
         if not tensor.is_contiguous():
             raise ConfigError("the block pool tensor must be contiguous")
-        addr, nbytes, keepalive = tensor.data_ptr(), tensor.numel() * tensor.element_size(), tensor
-    else:
-        try:
-            view = memoryview(cast("bytearray | memoryview", pool))
-        except TypeError:
-            raise ConfigError(
-                "the block pool must be a CPU torch tensor or a writable buffer "
-                f"(bytearray, memoryview), not {type(pool).__name__}"
-            ) from None
-        if view.readonly or not view.c_contiguous:
-            raise ConfigError("the block pool buffer must be writable and contiguous")
-        view = view.cast("B")
-        # from_buffer exports the buffer: a bytearray cannot be resized (and so
-        # moved) while NIXL has its address registered.
-        array = (ctypes.c_char * view.nbytes).from_buffer(view)
-        addr, nbytes, keepalive = ctypes.addressof(array), view.nbytes, array
-    if nbytes == 0 or nbytes % block_len:
+        return tensor.data_ptr(), tensor.numel() * tensor.element_size(), tensor
+    try:
+        view = memoryview(cast("bytearray | memoryview", pool))
+    except TypeError:
         raise ConfigError(
-            f"the block pool ({nbytes} bytes) must be a whole, non-zero number of "
-            f"{block_len}-byte blocks"
-        )
-    if nbytes // block_len > MAX_BLOCKS:
-        raise ConfigError(f"the block pool has more than {MAX_BLOCKS} blocks")
-    return Pool(name, addr, nbytes, keepalive, block_len, options)
+            "the block pool must be a CPU torch tensor or a writable buffer "
+            f"(bytearray, memoryview), not {type(pool).__name__}"
+        ) from None
+    if view.readonly or not view.c_contiguous:
+        raise ConfigError("the block pool buffer must be writable and contiguous")
+    view = view.cast("B")
+    # from_buffer exports the buffer: a bytearray cannot be resized (and so
+    # moved) while NIXL has its address registered.
+    array = (ctypes.c_char * view.nbytes).from_buffer(view)
+    return ctypes.addressof(array), view.nbytes, array
 
 
-def _strided(base_addr: int, num_blocks: int, block_len: int) -> Descs:
+def _strided(base_addr: int, num_blocks: int, block_len: int) -> npt.NDArray[np.uint64]:
     """The pool as one strided row, ``(address, length, device 0, stride, count)``.
 
     NIXL (1.5 on, which p2pactor requires) prepares an Nx5 array as a
@@ -156,125 +115,99 @@ def _strided(base_addr: int, num_blocks: int, block_len: int) -> Descs:
     return np.array([[base_addr, block_len, 0, block_len, num_blocks]], dtype=np.uint64)
 
 
-@attrs.frozen
-class Posted:
-    """What posting a write gave: its handle (None: NIXL could not prepare it) and state."""
-
-    handle: object | None
-    state: str  # as transfer() returned it; "ERR" if it raised
-    why: str  # what its failure would say
-    seconds: float | None = None  # how long the post took, if transfer() returned
-
-
-@attrs.define(eq=False)
-class Leftovers:
-    """NIXL resources taken from a closing transport, for :meth:`Pool.release_all`."""
-
-    agent: Agent | None
-    handles: list[object] = attrs.field(factory=list)
-    dlists: list[object] = attrs.field(factory=list)
-    remotes: list[str] = attrs.field(factory=list)
-
-
-@attrs.define(eq=False)
 class Pool:
-    """The block pool registered with one NIXL agent, and the calls that may block on it."""
+    """The block pool registered with one NIXL agent, and the calls that may block on it.
 
-    name: str  # the agent's NIXL name
-    addr: int
-    nbytes: int
-    keepalive: object  # what owns the memory: kept while NIXL has its address
-    block_len: int
-    options: NixlOptions
-    registration: object | None = None
-    local_dlist: object | None = None  # the pool's prepared (strided) descriptor list
-    metadata: bytes = b""
-    threaded: bool = False  # NIXL's progress thread runs: the pump need not drive progress
-    late_write_window: float = 0.0  # from the UCX TCP timeout in effect (ucx_tcp_environment)
+    The base of :class:`~p2pactor.adapters.nixl.NixlDataTransport`: the calls
+    here run in a worker thread (or are quick), under the transport's lock.
+    """
 
-    @property
-    def num_blocks(self) -> int:
-        """Blocks in the pool."""
-        return self.nbytes // self.block_len
+    def __init__(
+        self,
+        pool: torch.Tensor | bytearray | memoryview,
+        block_len: int,
+        name: str,
+        options: NixlOptions,
+    ) -> None:
+        if type(block_len) is not int or block_len <= 0:
+            raise ConfigError(f"block_len must be a positive int, got {block_len!r}")
+        self.base_addr, nbytes, self._keepalive = _address(pool)
+        if nbytes == 0 or nbytes % block_len:
+            raise ConfigError(
+                f"the block pool ({nbytes} bytes) must be a whole, non-zero number of "
+                f"{block_len}-byte blocks"
+            )
+        if nbytes // block_len > MAX_BLOCKS:
+            raise ConfigError(f"the block pool has more than {MAX_BLOCKS} blocks")
+        self.agent_name, self.num_blocks, self.block_len = name, nbytes // block_len, block_len
+        self._options = options
+        self._agent: Agent | None = None  # set once open; None again once closed
+        self._registration: object | None = None
+        self._local_dlist: object | None = None  # the pool's prepared (strided) list
+        self.agent_metadata = b""  # once the agent is open
+        # NIXL's progress thread runs: the pump need not drive progress.
+        self._threaded = options.progress_thread_wakeup is not None
+        self.late_write_window = 0.0  # from the UCX TCP timeout in effect, once open
 
-    def attempt(self, what: str, call: Callable[[_T], object], arg: _T | None) -> bool:
-        """Make one NIXL call (none if ``arg`` is None); log a failure (and go on).
+    def _attempt(self, what: str, call: Callable[[Any], object], arg: object | None) -> None:
+        """Make one NIXL call (none if ``arg`` is None); log a failure (and go on)."""
+        if arg is not None:
+            try:
+                call(arg)
+            except Exception as exc:
+                why = nixl_error(exc)
+                line = "%s failed: %s (NIXL_LOG_LEVEL=INFO shows why)"
+                note(WARNING, self.agent_name, line, what, why)
 
-        Returns whether it worked.
-        """
-        if arg is None:
-            return True
-        try:
-            call(arg)
-        except Exception as exc:
-            why = nixl_error(exc)
-            note(WARNING, self.name, "%s failed: %s (NIXL_LOG_LEVEL=INFO shows why)", what, why)
-            return False
-        return True
-
-    def open(self, api: ModuleType) -> Agent:
+    def _open(self, api: ModuleType) -> Agent:
         """Make the agent, register the pool and prepare its descriptors."""
-        options = self.options
-        wakeup = options.progress_thread_wakeup
-        self.threaded = wakeup is not None
+        options = self._options
         try:
             config = api.nixl_agent_config(
-                enable_prog_thread=self.threaded,
+                enable_prog_thread=self._threaded,
                 backends=list(options.backends),
                 num_threads=options.num_threads,
             )
             self.late_write_window = ucx_tcp_environment(options)
-            agent = _new_agent(api, self.name, config, wakeup if self.threaded else None)
+            agent = _new_agent(api, self.agent_name, config, options.progress_thread_wakeup)
         except Exception as exc:
             raise DataPlaneError(
                 f"cannot create the NIXL agent ({nixl_error(exc)}); check that the NIXL "
                 f"wheel has the {'/'.join(options.backends)} backend plugin(s)"
             ) from exc
+        nbytes = self.num_blocks * self.block_len
         try:
-            self.registration = agent.register_memory(
-                [(self.addr, self.nbytes, 0, "")], mem_type="DRAM"
+            self._registration = agent.register_memory(
+                [(self.base_addr, nbytes, 0, "")], mem_type="DRAM"
             )
             # One registration, so one strided row covers it (see _strided).
-            self.local_dlist = agent.prep_xfer_dlist(
+            self._local_dlist = agent.prep_xfer_dlist(
                 "NIXL_INIT_AGENT",
-                _strided(self.addr, self.num_blocks, self.block_len),
+                _strided(self.base_addr, self.num_blocks, self.block_len),
                 mem_type="DRAM",
             )
             # Taken after registering: the metadata carries the registered region.
-            self.metadata = agent.get_agent_metadata()
+            self.agent_metadata = agent.get_agent_metadata()
         except Exception as exc:
-            self.release_all(Leftovers(agent))
+            self._release_pool(agent)
             raise DataPlaneError(
-                f"cannot register the {self.nbytes}-byte block pool with NIXL: {nixl_error(exc)}"
+                f"cannot register the {nbytes}-byte block pool with NIXL: {nixl_error(exc)}"
             ) from exc
         return agent
 
-    def release_all(self, left: Leftovers) -> None:
-        """Release ``left``, then the pool's own registration, in dependency order.
+    def _release_pool(self, agent: Agent) -> None:
+        """Release the pool's descriptors, then its registration.
 
         Each release is attempted on its own: one that fails does not keep the
-        others (in particular the memory registration) alive.
+        other (the memory registration above all) alive.
         """
-        agent = left.agent
-        if agent is None:
-            return
-        for handle in left.handles:
-            self.attempt("releasing a write in flight", agent.release_xfer_handle, handle)
-        for dlist in left.dlists:
-            self.remove_peer(agent, dlist, None)
-        for remote in left.remotes:  # after the lists prepared for them
-            self.remove_peer(agent, None, remote)
-        self.attempt(
-            "releasing the pool's descriptors", agent.release_dlist_handle, self.local_dlist
+        self._attempt(
+            "releasing the pool's descriptors", agent.release_dlist_handle, self._local_dlist
         )
-        self.attempt("deregistering the pool", agent.deregister_memory, self.registration)
-        self.local_dlist = self.registration = None
-        # The agent (and its UCX context) goes with its last reference, here, in
-        # this thread: tearing UCX down can take a while.
-        left.agent = None
-        del agent
+        self._attempt("deregistering the pool", agent.deregister_memory, self._registration)
+        self._local_dlist = self._registration = None
 
-    def add_peer(
+    def _add_peer(
         self,
         agent: Agent,
         metadata: bytes,
@@ -290,8 +223,8 @@ class Pool:
         """
         if stale is not None:
             for dlist in stale[1]:
-                self.remove_peer(agent, dlist, None)
-            self.remove_peer(agent, None, stale[0])
+                self._remove_peer(agent, dlist, None)
+            self._remove_peer(agent, None, stale[0])
         try:
             name = agent.add_remote_agent(metadata)
         except Exception as exc:
@@ -301,13 +234,13 @@ class Pool:
         try:
             for base_addr, num_blocks in pools:
                 prepared.append(self._peer_dlist(agent, remote, base_addr, num_blocks))
-            if self.options.connect_eagerly:
+            if self._options.connect_eagerly:
                 agent.make_connection(remote)
         except Exception as exc:
             for dlist in prepared:
-                self.remove_peer(agent, dlist, None)
+                self._remove_peer(agent, dlist, None)
             # Another name may use this agent: only a first registration is undone.
-            self.remove_peer(agent, None, None if remote in known else remote)
+            self._remove_peer(agent, None, None if remote in known else remote)
             return str(exc) if isinstance(exc, DataPlaneError) else nixl_error(exc)
         return remote, prepared
 
@@ -335,15 +268,15 @@ class Pool:
         descs[:, 1] = self.block_len
         dlist = agent.prep_xfer_dlist(remote, descs, mem_type="DRAM")
         what = "agent %s's pool spans several registrations: its %d blocks are prepared one by one"
-        note(INFO, self.name, what, remote, num_blocks)
+        note(INFO, self.agent_name, what, remote, num_blocks)
         return dlist
 
-    def remove_peer(self, agent: Agent, dlist: object | None, remote: str | None) -> None:
+    def _remove_peer(self, agent: Agent, dlist: object | None, remote: str | None) -> None:
         """Release a peer's descriptors and, unless ``remote`` is None, its agent."""
-        self.attempt("releasing a peer's descriptors", agent.release_dlist_handle, dlist)
-        self.attempt(f"removing remote agent {remote}", agent.remove_remote_agent, remote)
+        self._attempt("releasing a peer's descriptors", agent.release_dlist_handle, dlist)
+        self._attempt(f"removing remote agent {remote}", agent.remove_remote_agent, remote)
 
-    def post(self, agent: Agent, local: Index, peer_dlist: object, remote: Index) -> Posted:
+    def _post(self, agent: Agent, local: Index, peer_dlist: object, remote: Index) -> Posted:
         """Make and post one WRITE of our blocks ``local`` into the peer's ``remote``.
 
         ``transfer()`` may copy everything before it returns (shared memory):
@@ -351,22 +284,11 @@ class Pool:
         """
         start = time.perf_counter()
         try:
-            handle = agent.make_prepped_xfer("WRITE", self.local_dlist, local, peer_dlist, remote)
+            handle = agent.make_prepped_xfer("WRITE", self._local_dlist, local, peer_dlist, remote)
         except Exception as exc:
-            return Posted(None, "ERR", f"NIXL could not prepare the write: {nixl_error(exc)}")
+            return None, "ERR", f"NIXL could not prepare the write: {nixl_error(exc)}", None
         try:
             state = agent.transfer(handle)
         except Exception as exc:
-            return Posted(handle, "ERR", nixl_error(exc))
-        return Posted(handle, state, f"transfer() returned {state}", time.perf_counter() - start)
-
-    def progress(self, agent: Agent) -> None:
-        """Let the agent make progress (quick: on the trio thread)."""
-        try:
-            notifs = agent.get_new_notifs()
-        except Exception as exc:
-            note(WARNING, self.name, "get_new_notifs failed: %s", exc)
-            return
-        if notifs:
-            # We attach no notifications and vLLM's tier sends none: drop them.
-            note(DEBUG, self.name, "ignoring notifications from %s", list(notifs))
+            return handle, "ERR", nixl_error(exc), None
+        return handle, state, f"transfer() returned {state}", time.perf_counter() - start

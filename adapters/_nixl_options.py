@@ -33,11 +33,6 @@ note: Final = partial(logcontext.note, log, prefix="NIXL agent ", who_is_node=Fa
 _ENVIRON_LOCK = threading.Lock()
 
 
-def _late_write_window(tcp_timeout: float | None) -> float:
-    """:attr:`NixlOptions.late_write_window` for a TCP timeout (None: no bound, 0)."""
-    return 0.0 if tcp_timeout is None else 4 * tcp_timeout + 1.0
-
-
 @attrs.frozen(kw_only=True)
 class NixlOptions:
     """How a :class:`~p2pactor.adapters.nixl.NixlDataTransport` drives its NIXL agent.
@@ -134,7 +129,7 @@ class NixlOptions:
         longer on its link is bounded only by the producer's transfer_timeout.
         0 when ``tcp_timeout`` is None: nothing bounds it.
         """
-        return _late_write_window(self.tcp_timeout)
+        return 0.0 if self.tcp_timeout is None else 4 * self.tcp_timeout + 1.0
 
     def ucx_environment(self) -> dict[str, str]:
         """The UCX variables ``tcp_timeout`` sets (where the environment does not)."""
@@ -186,24 +181,12 @@ def ucx_tcp_environment(options: NixlOptions) -> float:
             window,
         )
         return window
-    return _late_write_window(seconds)
+    return attrs.evolve(options, tcp_timeout=seconds).late_write_window
 
 
 @attrs.define(kw_only=True)
-class Tally:
-    """The part of :class:`NixlStatistics` a transport keeps up to date as it runs."""
-
-    writes_done: int = 0
-    writes_failed: int = 0
-    bytes_written: int = 0
-    posted_inline: int = 0
-    progress_polls: int = 0
-    idle: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class NixlStatistics(Tally):
-    """Counters of a NIXL transport, from its ``statistics()``.
+class NixlStatistics:
+    """Counters of a NIXL transport: a copy, from its ``statistics()``.
 
     Attributes:
         peers: Peer names registered (or being registered).
@@ -222,8 +205,14 @@ class NixlStatistics(Tally):
             NIXL's progress thread on: nothing of its own in flight).
     """
 
-    peers: int
-    remote_agents: int
-    writes_in_flight: int
-    zombies: int
-    progress_thread: bool
+    peers: int = 0
+    remote_agents: int = 0
+    writes_in_flight: int = 0
+    zombies: int = 0
+    progress_thread: bool = False
+    writes_done: int = 0
+    writes_failed: int = 0
+    bytes_written: int = 0
+    posted_inline: int = 0
+    progress_polls: int = 0
+    idle: bool = False

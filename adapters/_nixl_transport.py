@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from logging import DEBUG, WARNING
-from types import ModuleType
 
 import attrs
 import trio
 
-from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Leftovers
+from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Agent
 from p2pactor.adapters._nixl_options import NixlStatistics, note
 from p2pactor.adapters._nixl_writes import Peer, Writes
-from p2pactor.runtime.transport import TransferError, WriteDone
+from p2pactor.runtime.transport import TransferError
 
 
 class NixlDataTransport(Writes):
@@ -36,26 +34,6 @@ class NixlDataTransport(Writes):
 
     # --- setup and teardown ------------------------------------------------------------
 
-    @asynccontextmanager
-    async def _running(self, api: ModuleType) -> AsyncIterator[None]:
-        """Open the agent, run the pump and the poster, and release everything on exit."""
-        pool = self._pool
-        self._agent = await trio.to_thread.run_sync(pool.open, api)
-        self.agent_metadata, self.late_write_window = pool.metadata, pool.late_write_window
-        try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._pump)
-                nursery.start_soon(self._poster)
-                try:
-                    yield
-                finally:
-                    with trio.CancelScope(shield=True):
-                        await self._drain()
-                    nursery.cancel_scope.cancel()
-        finally:
-            with trio.CancelScope(shield=True):
-                await self._close()
-
     async def _drain(self) -> None:
         """Stop taking work and let the writes in flight end, for ``close_timeout``."""
         self._closing = True
@@ -71,33 +49,42 @@ class NixlDataTransport(Writes):
         """Release every NIXL resource (in a worker thread), then fail what was left."""
         async with self._lock:
             unfinished = list(self._inflight)
-            left = Leftovers(
-                self._agent,
-                handles=[w.handle for w in self._inflight],
-                dlists=[p.dlist for p in self._peers.values() if p.dlist is not None],
-                remotes=list(self._remotes()),
-            )
-            self._agent = None
-            for peer in self._peers.values():
-                peer.dlist = None  # its wrapper keeps the native agent alive
-            self._peers.clear()
-            await trio.to_thread.run_sync(self._pool.release_all, left)
-        self._pool.keepalive = None  # a bytearray pool may be resized again
+            await trio.to_thread.run_sync(self._release_all)
+        self._keepalive = None  # a bytearray pool may be resized again
         # Released with the agent: its endpoints are closed, nothing more lands.
         for write in unfinished:
             self._end(write, "the NIXL transport closed while it was in flight")
+
+    def _release_all(self) -> None:
+        """Release every write, peer list and remote agent, then the pool (in a worker thread).
+
+        In dependency order, with the lock held; each release is attempted on its own.
+        """
+        agent: Agent = self._agent  # open: _close follows a successful open only
+        self._agent = None
+        for write in self._inflight:
+            self._attempt("releasing a write in flight", agent.release_xfer_handle, write.handle)
+        for peer in self._peers.values():
+            self._remove_peer(agent, peer.dlist, None)
+            peer.dlist = None  # its wrapper keeps the native agent alive
+        for remote in self._remotes():  # after the lists prepared for them
+            self._remove_peer(agent, None, remote)
+        self._peers.clear()
+        self._release_pool(agent)
+        # The agent (and its UCX context) goes with its last reference, here, in
+        # this thread: tearing UCX down can take a while.
+        del agent
 
     # --- the DataTransport interface --------------------------------------------------
 
     def statistics(self) -> NixlStatistics:
         """Counters, for tests and monitoring."""
-        return NixlStatistics(
+        return attrs.evolve(
+            self._tally,
             peers=len(self._peers),
             remote_agents=len(self._remotes()),
             writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
             zombies=sum(w.zombie for w in self._inflight),
-            progress_thread=self._pool.threaded,
-            **attrs.asdict(self._tally),
         )
 
     async def add_peer(
@@ -140,7 +127,7 @@ class NixlDataTransport(Writes):
                 agent = self._live_agent()
                 known = self._remotes()
                 outcome = await trio.to_thread.run_sync(
-                    self._pool.add_peer, agent, agent_metadata, [(base_addr, num_blocks)], known
+                    self._add_peer, agent, agent_metadata, [(base_addr, num_blocks)], known
                 )
                 # No checkpoint from here on: even if we were cancelled meanwhile,
                 # what the thread made is recorded (and released by remove or close).
@@ -181,7 +168,7 @@ class NixlDataTransport(Writes):
             pools = [(p.base_addr, p.num_blocks) for p in peers]
             stale = (remote, [p.dlist for p in peers])
             reloaded = await trio.to_thread.run_sync(
-                self._pool.add_peer, agent, metadata, pools, frozenset(), stale
+                self._add_peer, agent, metadata, pools, frozenset(), stale
             )
             for p in peers:  # their lists were released either way
                 p.remote = p.dlist = None
@@ -216,29 +203,12 @@ class NixlDataTransport(Writes):
                 agent = self._agent
                 last = None if peer.remote in self._remotes() else peer.remote
                 if agent is not None and peer.remote is not None:
-                    await trio.to_thread.run_sync(self._pool.remove_peer, agent, peer.dlist, last)
+                    await trio.to_thread.run_sync(self._remove_peer, agent, peer.dlist, last)
         note(DEBUG, self.agent_name, "%s removed", peer_id, peer=peer_id)
 
     def _remotes(self) -> frozenset[str]:
         """The remote agents loaded: one for any number of peer names."""
         return frozenset(p.remote for p in self._peers.values() if p.remote is not None)
-
-    def start_write(
-        self,
-        peer_id: str,
-        local_blocks: Sequence[int],
-        remote_blocks: Sequence[int],
-        done: WriteDone,
-    ) -> None:
-        """Start one NIXL WRITE of our ``local_blocks`` into the peer's ``remote_blocks``.
-
-        Never blocks. ``done`` is told the outcome exactly once, on the trio
-        thread (possibly before this returns): None once NIXL reports every
-        byte written; otherwise why not, once NIXL reports the write over or
-        has released (cancelled) it. The peer and the indexes are checked
-        before NIXL is asked anything.
-        """
-        self._start(peer_id, local_blocks, remote_blocks, done)
 
     async def write(
         self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
@@ -254,18 +224,13 @@ class NixlDataTransport(Writes):
                 write failed: the peer is unknown, an index is out of range,
                 NIXL failed the write, or it missed its deadline.
         """
-        over = trio.Event()
         outcome: list[str | None] = []
-
-        def done(error: str | None) -> None:
-            outcome.append(error)
-            over.set()
-
-        write = self._start(peer_id, local_blocks, remote_blocks, done)
+        done = outcome.append
+        self.start_write(peer_id, local_blocks, remote_blocks, done)
         try:
-            await over.wait()
+            await self._wait_until(lambda: bool(outcome))
         except BaseException:
-            if write is not None and not write.over:
+            for write in [w for p in self._peers.values() for w in p.writes if w.done is done]:
                 write.expired = write.expired or "the writing task was cancelled"
                 self._kick.set()
             raise

@@ -7,13 +7,14 @@ import operator
 from collections import deque
 from collections.abc import Callable, Sequence
 from logging import WARNING
+from typing import Any
 
 import attrs
 import numpy as np
 import trio
 
 from p2pactor.adapters._nixl_agent import Agent, Index, Pool, Posted, nixl_error
-from p2pactor.adapters._nixl_options import NixlOptions, Tally, log, note
+from p2pactor.adapters._nixl_options import NixlStatistics, log, note
 from p2pactor.runtime.transport import TransferError, WriteDone
 
 _RATE_WEIGHT = 0.25  # of the newest post in the moving average of post times
@@ -43,25 +44,18 @@ class _Write:
     remote: Index
     nbytes: int
     deadline: float  # on trio's clock: cancelled through NIXL if still running then
-    done: WriteDone  # told the outcome exactly once, by _end
+    done: WriteDone  # told the outcome exactly once, by _end (it is over once not in peer.writes)
     handle: object | None = None  # NIXL's transfer handle while it is in flight
     expired: str | None = None  # why it stopped being waited for, once it did
     zombie: bool = False
-    over: bool = False
 
 
-class Writes:
-    """A NIXL transport's state and writes: the half of ``NixlDataTransport`` that moves bytes."""
+class Writes(Pool):
+    """A NIXL transport's writes: the part of ``NixlDataTransport`` that moves bytes."""
 
-    def __init__(self, pool: Pool, options: NixlOptions) -> None:
-        self._agent: Agent | None = None  # set once open; None again once closed
-        self._pool = pool
-        self.agent_name, self.base_addr = pool.name, pool.addr
-        self.num_blocks, self.block_len = pool.num_blocks, pool.block_len
-        self.agent_metadata = b""  # and the window: once the agent is open
-        self.late_write_window = 0.0
-        self._options = options
-        self._lock = trio.Lock()  # held around every call into the agent (but see _start)
+    def __init__(self, *pool: Any) -> None:  # Pool's arguments
+        super().__init__(*pool)
+        self._lock = trio.Lock()  # held around every call into the agent (but see start_write)
         self._peers: dict[str, Peer] = {}
         self._inflight: list[_Write] = []  # posted, polled by the pump
         self._to_post: deque[_Write] = deque()  # waiting for the poster task
@@ -71,26 +65,34 @@ class Writes:
         self._wireup_until = -math.inf  # progress for peers' connection setup until then
         self._changed = trio.Event()  # some write ended or a peer was settled
         self._closing = False
-        self._tally = Tally()
+        self._tally = NixlStatistics(progress_thread=self._threaded)  # what it counts
         self._post_rate: float | None = None  # seconds per byte of posts, moving average
 
     # --- posting ----------------------------------------------------------------------
 
-    def _start(
+    def start_write(
         self,
         peer_id: str,
         local_blocks: Sequence[int],
         remote_blocks: Sequence[int],
         done: WriteDone,
-    ) -> _Write | None:
+    ) -> None:
+        """Start one NIXL WRITE of our ``local_blocks`` into the peer's ``remote_blocks``.
+
+        Never blocks. ``done`` is told the outcome exactly once, on the trio
+        thread (possibly before this returns): None once NIXL reports every
+        byte written; otherwise why not, once NIXL reports the write over or
+        has released (cancelled) it. The peer and the indexes are checked
+        before NIXL is asked anything.
+        """
         try:
             peer, local, remote = self._checked(peer_id, local_blocks, remote_blocks)
         except TransferError as exc:
             _tell(done, str(exc))
-            return None
+            return
         if not len(local):
             _tell(done, None)
-            return None
+            return
         deadline = trio.current_time() + self._options.transfer_timeout
         write = _Write(peer, local, remote, len(local) * self.block_len, deadline, done)
         peer.writes.add(write)
@@ -99,10 +101,9 @@ class Writes:
         # write queues behind the worker thread's call.
         if not self._to_post and self._quick(write) and not self._lock.locked():
             self._post_inline(self._live_agent(), write)
-            return write
+            return
         self._to_post.append(write)
         self._post_kick.set()
-        return write
 
     def _checked(
         self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
@@ -116,8 +117,7 @@ class Writes:
                 f"{len(local_blocks)} local blocks but {len(remote_blocks)} remote blocks"
             )
         local = _indexes(local_blocks, self.num_blocks, "local")
-        remote = _indexes(remote_blocks, peer.num_blocks, f"{peer_id}'s")
-        return peer, local, remote
+        return peer, local, _indexes(remote_blocks, peer.num_blocks, f"{peer_id}'s")
 
     def _quick(self, write: _Write) -> bool:
         """Whether ``inline_post_budget`` lets the write be posted on the trio thread."""
@@ -141,81 +141,71 @@ class Writes:
                 elif self._quick(write):
                     self._post_inline(agent, write)
                 else:
-                    posted = await trio.to_thread.run_sync(
-                        self._pool.post, agent, write.local, write.peer.dlist, write.remote
-                    )
-                    self._posted(agent, write, posted)
+                    args = (agent, write.local, write.peer.dlist, write.remote)
+                    self._posted(agent, write, await trio.to_thread.run_sync(self._post, *args))
 
     def _post_inline(self, agent: Agent, write: _Write) -> None:
-        """Post on the trio thread (no worker thread in the agent: see ``_start``)."""
+        """Post on the trio thread (no worker thread in the agent: see ``start_write``)."""
         self._tally.posted_inline += 1
-        self._posted(
-            agent, write, self._pool.post(agent, write.local, write.peer.dlist, write.remote)
-        )
+        self._posted(agent, write, self._post(agent, write.local, write.peer.dlist, write.remote))
 
     def _posted(self, agent: Agent, write: _Write, posted: Posted) -> None:
         """Track a posted write (no checkpoint before this: nothing may lose the handle)."""
-        if posted.seconds is not None:
-            rate = posted.seconds / write.nbytes
+        handle, state, why, seconds = posted
+        if seconds is not None:
+            rate = seconds / write.nbytes
             old = self._post_rate
             self._post_rate = rate if old is None else old + _RATE_WEIGHT * (rate - old)
-        if posted.handle is None:
-            self._end(write, posted.why)
+        if handle is None:
+            self._end(write, why)
             return
-        write.handle = posted.handle
+        write.handle = handle
         self._inflight.append(write)
         self._kick.set()
-        self._settle(agent, write, posted.state, posted.why)
+        self._settle(agent, write, state, why)
 
     # --- the pump ---------------------------------------------------------------------
 
     async def _pump(self) -> None:
-        """Poll writes in flight, and drive the agent's progress while a peer's may run."""
+        """Poll writes in flight, and drive the agent's progress while a peer's may run.
+
+        A peer's write into our pool may run with nobody else progressing it
+        while one is expected or a connection is being set up, unless NIXL's
+        progress thread runs (it wakes as the peer's bytes arrive).
+        """
         intervals = self._options.poll_intervals()
         while True:
-            busy = bool(self._inflight)
-            if not busy and not self._peer_writes_need_us():
-                self._tally.idle = True
-                await self._kick.wait()
-                self._tally.idle = False
-                self._kick = trio.Event()
-                intervals = self._options.poll_intervals()
-                continue
-            async with self._lock:
-                progressed = self._poll_round() if busy else self._drive_progress()
-            if progressed:
-                intervals = self._options.poll_intervals()
-                continue
-            kick = self._kick
-            interval = next(intervals) if busy else self._options.idle_poll_interval
+            kick, busy = self._kick, bool(self._inflight)
+            peers = self._expected > 0 or trio.current_time() < self._wireup_until
+            interval = math.inf  # nothing to do: sleep until kicked
+            if busy or (peers and not self._threaded):
+                async with self._lock:
+                    if self._poll_round():
+                        intervals = self._options.poll_intervals()
+                        continue
+                interval = next(intervals) if busy else self._options.idle_poll_interval
+            self._tally.idle = interval == math.inf
             if interval == 0:
                 await trio.lowlevel.checkpoint()
             else:
                 with trio.move_on_after(interval):
                     await kick.wait()
+            self._tally.idle = False
             if kick.is_set():
                 self._kick = trio.Event()
                 intervals = self._options.poll_intervals()
 
-    def _peer_writes_need_us(self) -> bool:
-        """Whether a peer's write into our pool may run with nobody else progressing it."""
-        if self._pool.threaded:
-            return False  # NIXL's progress thread wakes as the peer's bytes arrive
-        return self._expected > 0 or trio.current_time() < self._wireup_until
-
-    def _drive_progress(self) -> bool:
-        """Let the agent make progress (lock held). Returns False: nothing of ours changed."""
-        if self._agent is not None:
-            self._tally.progress_polls += 1
-            self._pool.progress(self._agent)
-        return False
-
     def _poll_round(self) -> bool:
-        """Check every write in flight once (lock held). Returns whether one ended."""
+        """Drive the agent's progress, check every write in flight once (lock held).
+
+        Returns whether a write ended. Notifications are dropped: we attach
+        none, and vLLM's tier sends none.
+        """
         agent = self._agent
         if agent is None:
             return False
-        self._drive_progress()
+        self._tally.progress_polls += 1
+        self._attempt("get_new_notifs", lambda a: a.get_new_notifs(), agent)
         ended = False
         now = trio.current_time()
         for write in list(self._inflight):
@@ -238,9 +228,7 @@ class Writes:
         """
         if state == "DONE":
             # The bytes are there: if NIXL keeps the handle, only the handle leaks.
-            self._pool.attempt(
-                "releasing a finished write", agent.release_xfer_handle, write.handle
-            )
+            self._attempt("releasing a finished write", agent.release_xfer_handle, write.handle)
             late = write.expired
             self._end(write, f"{late}; it completed only afterwards" if late else None)
         elif state in _IN_PROGRESS:
@@ -268,13 +256,12 @@ class Writes:
 
     def _end(self, write: _Write, error: str | None, *, failed: bool = True) -> None:
         """Record that ``write`` is over (no part of it can still run) and say so."""
-        if write.over:
-            return
-        write.over = True
+        if write not in write.peer.writes:
+            return  # over already
+        write.peer.writes.remove(write)
         write.handle = None
         if write in self._inflight:
             self._inflight.remove(write)
-        write.peer.writes.discard(write)
         if error is None:
             self._tally.writes_done += 1
             self._tally.bytes_written += write.nbytes

@@ -8,7 +8,6 @@ environment variable, else the default (``docs/vllm.md``'s options table).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -73,10 +72,8 @@ class Dest:
 
 def parse_source(params: dict[str, Any] | None) -> Source | None:
     """The consumer role of ``kv_transfer_params``, as vLLM reads it."""
-    if not params:
-        return None
     for name, probe in (("remote_prefiller", False), ("remote_kv_source", True)):
-        role = params.get(name)
+        role = (params or {}).get(name)
         if isinstance(role, dict):
             host, port, kv_id = (
                 role.get(k) for k in ("remote_host", "remote_port", "kv_request_id")
@@ -87,10 +84,9 @@ def parse_source(params: dict[str, Any] | None) -> Source | None:
 
 def parse_dest(params: dict[str, Any] | None) -> Dest | None:
     """The producer (remote_decoder) role of ``kv_transfer_params``."""
-    if not params or not isinstance(params.get("remote_decoder"), dict):
-        return None
-    kv_id = params["remote_decoder"].get("kv_request_id")
-    return Dest(str(kv_id) if kv_id else None)
+    role = (params or {}).get("remote_decoder")
+    kv_id = role.get("kv_request_id") if isinstance(role, dict) else None
+    return Dest(str(kv_id) if kv_id else None) if isinstance(role, dict) else None
 
 
 # Our answers as vLLM's LookupResult, and back.
@@ -108,8 +104,7 @@ def positions(ctx: Any, keys: Sequence[bytes]) -> list[int | None]:
 
     vLLM's LRU ranks a request's chunks by it.
     """
-    get = ctx.get_offload_key_position
-    return [get(k) for k in keys]
+    return [ctx.get_offload_key_position(k) for k in keys]
 
 
 def require_tier_polling() -> None:
@@ -182,17 +177,13 @@ def layout_fingerprint(offloading_spec: Any) -> str:
     return fingerprint_of(fields)
 
 
-_CURVE_ENV = {
-    "curve_secret_key": "P2PACTOR_CURVE_SECRET_KEY",
-    "curve_trusted": "P2PACTOR_CURVE_TRUSTED",
-}
 SHUTDOWN_DRAIN_S = 3.0
 """How long a node's sessions drain at shutdown (vLLM's own: it waits this long for writes)."""
 # vLLM's own P2P tier takes these (its secondary_tiers entry): accepted and ignored.
 _VLLM_ONLY = frozenset({"backends", "num_threads", "locality"})
 TIER_OPTIONS = frozenset(
     {"host", "bind_host", "port", "unbound_store_timeout_s", "summaries", "slow_step_ms"}
-    | {"allowed_peers", "seed_peers", *_CURVE_ENV}
+    | {"allowed_peers", "seed_peers", "curve_secret_key", "curve_trusted"}
 )
 """The ``secondary_tiers`` options :func:`tier_config` takes (besides vLLM's, ignored)."""
 
@@ -214,30 +205,28 @@ def tier_config(
     given = {
         k: v
         for k, v in options.items()
-        if k not in _VLLM_ONLY and (v is not None or k == "unbound_store_timeout_s")
+        if k in TIER_OPTIONS and (v is not None or k == "unbound_store_timeout_s")
     }
-    # The options go in before the config is made: a wildcard
-    # VLLM_P2P_SIDE_CHANNEL_HOST the tier's own "host" replaces is no error.
-    # The CURVE keys are read once host and port are known: the key must
-    # speak for this rank's id, not for the environment's default one.
-    chosen = {k: given.pop(k) for k in ("host", "bind_host") if k in given}
-    base = NodeConfig.from_env(**chosen, **dict.fromkeys(_CURVE_ENV))
-    slow_ms = given.get("slow_step_ms")
+    # The options go in as the config is made: a wildcard VLLM_P2P_SIDE_CHANNEL_HOST
+    # the tier's own "host" replaces is no error. It is made again once the port is
+    # known, with the CURVE keys: the key must speak for this rank's id, not for the
+    # environment's default one.
+    hosts = {k: given.pop(k) for k in ("host", "bind_host") if k in given}
+    base = NodeConfig.from_env(**hosts, curve_secret_key=None, curve_trusted=None)
+    slow_ms, port = given.pop("slow_step_ms", None), given.pop("port", base.port)
+    summaries, unbound = given.pop("summaries", None), given.pop("unbound_store_timeout_s", 60.0)
     dp_index = int(offloading_spec.config.parallel.data_parallel_index)
     try:
-        fields: dict[str, Any] = {
-            k: given.get(k, os.environ.get(v) or None) for k, v in _CURVE_ENV.items()
-        }
-        fields |= {k: peer_ids(given[k]) for k in ("allowed_peers", "seed_peers") if k in given}
-        return attrs.evolve(
-            base,
-            **fields,
-            port=int(given.get("port", base.port)) + dp_index,
+        given |= {k: peer_ids(given[k]) for k in ("allowed_peers", "seed_peers") if k in given}
+        return NodeConfig.from_env(
+            **hosts,
+            **given,
+            port=int(port) + dp_index,
             num_blocks=int(view.shape[0]) if view.shape else 0,
             block_len=int(block_len),
             fingerprint=layout_fingerprint(offloading_spec),
-            sources=source_options(base.sources, offloading_spec, given.get("summaries")),
-            unbound_store_timeout=float(given.get("unbound_store_timeout_s", 60.0)),
+            sources=source_options(base.sources, offloading_spec, summaries),
+            unbound_store_timeout=float(unbound),
             drain_timeout=SHUTDOWN_DRAIN_S,
             slow_step_s=base.slow_step_s
             if slow_ms is None
@@ -257,12 +246,11 @@ def source_options(base: SourceOptions, spec: Any, summaries: bool | None) -> So
     """
     if summaries is not None:
         base = attrs.evolve(base, share=bool(summaries))
-    config = getattr(spec, "config", None)
-    groups = getattr(config, "groups", ())
-    per_chunk = getattr(spec, "blocks_per_chunk", None) or getattr(
-        getattr(config, "cache", None), "blocks_per_chunk", 0
-    )
-    tokens = max((int(g.tokens_per_block) for g in groups), default=0) * int(per_chunk or 0)
+    try:
+        per_block = max(int(g.tokens_per_block) for g in spec.config.groups)
+        tokens = per_block * int(spec.blocks_per_chunk)
+    except (AttributeError, TypeError, ValueError):  # a spec that does not say
+        tokens = 0
     if tokens <= 0:
         return base  # a spec that does not say: the policy's default
     return attrs.evolve(base, choice=attrs.evolve(base.choice, tokens_per_key=tokens))

@@ -6,17 +6,12 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, NamedTuple
 
-import attrs
 import trio
 
-from p2pactor.adapters._vllm_api import (
-    OffloadingConnectorStats,
-    OffloadingCounterMetadata,
-    OffloadingGaugeMetadata,
-    hash_seed,
-)
+from p2pactor.adapters import _vllm_api as api
 from p2pactor.errors import P2PActorError
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.log import EventLog
@@ -34,43 +29,33 @@ METRIC_PREFIX = "vllm:kv_offload_p2pactor_"
 # frontend keeps what get_stats returned until a scrape, seconds apart.
 STATS_INTERVAL_S = 0.1
 
-# Metric (without the prefix) -> (is a gauge, help text, label names). The names
-# after the prefix are p2pactor's own (docs/metrics.md), summed over peers.
-METRICS: dict[str, tuple[bool, str, tuple[str, ...]]] = {
-    "lookups": (False, "Lookups this engine sent to peers.", ()),
-    "lookup_keys": (
-        False,
-        "Keys this engine asked peers about, by answer (hit, miss, timeout).",
-        ("outcome",),
-    ),
-    "served_lookups": (False, "Lookups peers sent to this engine.", ()),
+# Metric (without the prefix) -> help text. The names after the prefix are p2pactor's
+# own (docs/metrics.md), summed over peers.
+_COUNTERS = {
+    "lookups": "Lookups this engine sent to peers.",
+    "lookup_keys": "Keys this engine asked peers about, by answer (hit, miss, timeout).",
+    "served_lookups": "Lookups peers sent to this engine.",
     "served_lookup_keys": (
-        False,
-        (
-            "Keys peers asked this engine about, by answer "
-            "(hit, miss, pending_resolved, pending_expired, refused)."
-        ),
-        ("outcome",),
+        "Keys peers asked this engine about, by answer "
+        "(hit, miss, pending_resolved, pending_expired, refused)."
     ),
-    "blocks_received": (False, "KV blocks loaded from peers by fetches that succeeded.", ()),
-    "received_bytes": (False, "Bytes loaded from peers by fetches that succeeded.", ()),
-    "blocks_written": (False, "KV blocks this engine wrote into peers' memory.", ()),
-    "written_bytes": (False, "Bytes this engine wrote into peers' memory.", ()),
-    "transfers_failed": (False, "Block transfers that failed, loads and writes.", ()),
-    "quota_refusals": (False, "Requests of peers refused over a quota.", ()),
-    "handshakes": (False, "Session handshakes, by outcome (ok, failed).", ("outcome",)),
-    "sessions": (True, "Sessions with peers now, in any state.", ()),
-    "peers": (True, "Peers whose session is ready now.", ()),
-    "actors": (True, "Live p2pactor request actors now.", ()),
-    "pinned_blocks": (
-        True,
-        "Blocks of this engine pinned for peers' lookups and not yet released.",
-        (),
-    ),
+    "blocks_received": "KV blocks loaded from peers by fetches that succeeded.",
+    "received_bytes": "Bytes loaded from peers by fetches that succeeded.",
+    "blocks_written": "KV blocks this engine wrote into peers' memory.",
+    "written_bytes": "Bytes this engine wrote into peers' memory.",
+    "transfers_failed": "Block transfers that failed, loads and writes.",
+    "quota_refusals": "Requests of peers refused over a quota.",
+    "handshakes": "Session handshakes, by outcome (ok, failed).",
+}
+_GAUGES = {
+    "sessions": "Sessions with peers now, in any state.",
+    "peers": "Peers whose session is ready now.",
+    "actors": "Live p2pactor request actors now.",
+    "pinned_blocks": "Blocks of this engine pinned for peers' lookups and not yet released.",
 }
 # The figures of metrics.totals() a metric shows, where they are not the one of its
-# name: each with its label values. Figures no metric shows are not sent: vLLM's
-# frontend refuses a metric its tiers did not define at start.
+# name: each with its label values (its outcome). Figures no metric shows are not
+# sent: vLLM's frontend refuses a metric its tiers did not define at start.
 _FIGURES: dict[str, dict[str, tuple[str, ...]]] = {
     "lookup_keys": {f"lookups_{o}": (o,) for o in LOOKUP_OUTCOMES},
     "served_lookup_keys": {f"served_{o}": (o,) for o in SERVED_LOOKUP_OUTCOMES},
@@ -81,10 +66,14 @@ _FIGURES: dict[str, dict[str, tuple[str, ...]]] = {
     "peers": {"peers_ready": ()},
     "pinned_blocks": {"pins_outstanding": ()},
 }
+METRICS: dict[str, tuple[bool, str, tuple[str, ...]]] = {
+    name: (name in _GAUGES, doc, ("outcome",) if any(_FIGURES.get(name, {}).values()) else ())
+    for name, doc in (_COUNTERS | _GAUGES).items()
+}
+"""Metric (without the prefix) -> (is a gauge, help text, label names)."""
 
 
-@attrs.frozen
-class _Series:
+class Series(NamedTuple):
     """Where one figure of the node's ``metrics.totals()`` goes in vLLM's metrics."""
 
     metric: str
@@ -92,8 +81,8 @@ class _Series:
     labels: tuple[str, ...] = ()
 
 
-SERIES: dict[str, _Series] = {
-    figure: _Series(METRIC_PREFIX + metric, gauge, labels)
+SERIES: dict[str, Series] = {
+    figure: Series(METRIC_PREFIX + metric, gauge, labels)
     for metric, (gauge, _, _) in METRICS.items()
     for figure, labels in _FIGURES.get(metric, {metric: ()}).items()
 }
@@ -102,10 +91,9 @@ SERIES: dict[str, _Series] = {
 
 def metric_definitions() -> dict[str, Any]:
     """The tier's metrics, as vLLM's OffloadingMetricMetadata by name."""
+    kinds = (api.OffloadingCounterMetadata, api.OffloadingGaugeMetadata)
     return {
-        METRIC_PREFIX + name: (OffloadingGaugeMetadata if gauge else OffloadingCounterMetadata)(
-            documentation=doc, labelnames=labelnames
-        )
+        METRIC_PREFIX + name: kinds[gauge](documentation=doc, labelnames=labelnames)
         for name, (gauge, doc, labelnames) in METRICS.items()
     }
 
@@ -114,34 +102,30 @@ class NodeThread:
     """A p2pactor node on its own trio thread, started and stopped from vLLM's."""
 
     def __init__(self, config: NodeConfig, pool: memoryview, log_path: str | None) -> None:
-        self.config = config
-        self._pool = pool
-        self._log_path = log_path
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._stop: trio.Event | None = None
+        self._started: Future[Node] = Future()
+        self._stop = trio.Event()
         self._token: trio.lowlevel.TrioToken | None = None
-        self.node: Node | None = None
         self.surface: OperatorSurface | None = None
         # metrics.totals(), published by the node's thread: engine threads
         # read it without waiting, and never read the node's state themselves.
         self.totals: dict[str, float] = {}
         self._reported: dict[str, float] = {}  # the totals stats() last reported
-        self._thread = threading.Thread(target=self._main, name="p2pactor-node", daemon=True)
+        self._thread = threading.Thread(
+            target=self._main, args=(config, pool, log_path), name="p2pactor-node", daemon=True
+        )
 
     def start(self) -> Node:
         self._thread.start()
-        if not self._ready.wait(_START_TIMEOUT_S):
-            raise P2PActorError(f"the p2pactor node did not start within {_START_TIMEOUT_S:g} s")
-        if self._error is not None:
-            raise P2PActorError(
-                f"the p2pactor node failed to start: {self._error}"
-            ) from self._error
-        assert self.node is not None
-        return self.node
+        try:
+            return self._started.result(_START_TIMEOUT_S)
+        except BaseException as exc:
+            if not self._started.done():
+                what = f"did not start within {_START_TIMEOUT_S:g} s"
+                raise P2PActorError(f"the p2pactor node {what}") from None
+            raise P2PActorError(f"the p2pactor node failed to start: {exc}") from exc
 
     def stop(self, timeout: float) -> None:
-        if self._token is not None and self._stop is not None:
+        if self._token is not None:
             with contextlib.suppress(trio.RunFinishedError):  # already stopped
                 self._token.run_sync_soon(self._stop.set)
         self._thread.join(timeout)
@@ -152,28 +136,25 @@ class NodeThread:
                 timeout,
             )
 
-    def _main(self) -> None:
+    def _main(self, config: NodeConfig, pool: memoryview, log_path: str | None) -> None:
         try:
-            trio.run(self._run)
+            trio.run(self._run, config, pool, log_path)
         except BaseException as exc:
-            self._error = exc
             log.exception(
                 "the p2pactor node stopped with an error; the tier serves no more loads "
                 "(restart the engine once the cause in this traceback is fixed)"
             )
-        finally:
-            self._ready.set()
+            if not self._started.done():
+                self._started.set_exception(exc)
 
-    async def _run(self) -> None:
+    async def _run(self, config: NodeConfig, pool: memoryview, log_path: str | None) -> None:
         from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415
         from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
 
-        config = self.config
-        self._stop = trio.Event()
         self._token = trio.lowlevel.current_trio_token()
         event_log = EventLog(
             config.node_id,
-            path=self._log_path,
+            path=log_path,
             clock_origin=(time.time(), trio.current_time()),
             keep=10_000,
             overwrite=True,
@@ -182,15 +163,14 @@ class NodeThread:
             open_zmq_transport(
                 config.node_id, bind_host=config.bind_host, port=config.port, curve=config.curve
             ) as control,
-            open_nixl_transport(self._pool, config.block_len) as data,
+            open_nixl_transport(pool, config.block_len) as data,
             open_node(
-                config, control=control, data=data, event_log=event_log, hash_seed=hash_seed
+                config, control=control, data=data, event_log=event_log, hash_seed=api.hash_seed
             ) as node,
             open_operator_surface(node) as surface,
         ):
-            self.node = node
             self.surface = surface
-            self._ready.set()
+            self._started.set_result(node)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._publish_totals, surface)
                 await self._stop.wait()
@@ -221,7 +201,7 @@ class NodeThread:
         now = self.totals
         if now is self._reported:
             return None
-        stats = OffloadingConnectorStats()
+        stats = api.OffloadingConnectorStats()
         for figure, value in now.items():
             series = SERIES[figure]
             if series.gauge:

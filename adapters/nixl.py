@@ -99,9 +99,9 @@ NIXL itself is imported lazily, when a transport is opened, from the first of
 ``nixl._api`` (the ``nixl`` meta package, which picks the build matching
 torch's CUDA), ``nixl_cu13._api`` and ``nixl_cu12._api`` that imports.
 
-The code: options and counters in ``_nixl_options``, the pool and the calls into
-the agent in ``_nixl_agent``, peers and the transport's life in
-``_nixl_transport``, writes (poster, pump) in ``_nixl_writes``.
+The code: options and counters in ``_nixl_options``; the transport is one
+class in three layers: the pool and the calls into the agent (``_nixl_agent``),
+writes (poster, pump; ``_nixl_writes``), peers and closing (``_nixl_transport``).
 """
 
 from __future__ import annotations
@@ -114,7 +114,8 @@ from contextlib import asynccontextmanager
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from p2pactor.adapters._nixl_agent import block_pool
+import trio
+
 from p2pactor.adapters._nixl_options import NixlOptions, NixlStatistics
 from p2pactor.adapters._nixl_transport import NixlDataTransport
 from p2pactor.errors import DataPlaneError
@@ -191,6 +192,18 @@ async def open_nixl_transport(
     options = options or NixlOptions()
     api = import_nixl()
     agent_name = f"{name}-{uuid.uuid4()}" if name else str(uuid.uuid4())
-    transport = NixlDataTransport(block_pool(pool, block_len, agent_name, options), options)
-    async with transport._running(api):
-        yield transport
+    transport = NixlDataTransport(pool, block_len, agent_name, options)
+    transport._agent = await trio.to_thread.run_sync(transport._open, api)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(transport._pump)
+            nursery.start_soon(transport._poster)
+            try:
+                yield transport
+            finally:
+                with trio.CancelScope(shield=True):
+                    await transport._drain()
+                nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await transport._close()

@@ -30,10 +30,9 @@ check through the lent parent sized to the tier's churn, a new epoch at
 ``drain_jobs``).
 
 Its parts: ``_vllm_api.py`` (vLLM 0.33's API, and the options as a ``NodeConfig``),
-``_vllm_parent.py`` (the lent parent; through it, the check and the watch of what
-vLLM is writing), ``_vllm_auto.py`` (the automatic choice), ``_vllm_jobs.py`` (the
-jobs owed to vLLM), ``_vllm_thread.py`` (the node's thread, and its figures in
-``/metrics``).
+``_vllm_parent.py`` (the jobs owed to vLLM, and the lent parent; through it, the
+check and the watch of what vLLM is writing), ``_vllm_auto.py`` (the automatic
+choice), ``_vllm_thread.py`` (the node's thread, and its figures in ``/metrics``).
 """
 
 from __future__ import annotations
@@ -44,31 +43,9 @@ import time
 from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
-from p2pactor.adapters._vllm_api import (
-    SHUTDOWN_DRAIN_S,
-    TO_VLLM,
-    VLLM_HIT,
-    VLLM_MISS,
-    CacheHitSource,
-    Dest,
-    JobResult,
-    OffloadPolicy,
-    ParentManager,
-    ReqContext,
-    RequestOffloadingContext,
-    SecondaryTierManager,
-    Source,
-    job_ids,
-    parse_dest,
-    parse_source,
-    positions,
-    request_keys,
-    require_tier_polling,
-    tier_config,
-)
+from p2pactor.adapters import _vllm_api as api
 from p2pactor.adapters._vllm_auto import Auto, AutoSources
-from p2pactor.adapters._vllm_jobs import JobBook
-from p2pactor.adapters._vllm_parent import LentParent, Watch, scrub
+from p2pactor.adapters._vllm_parent import JobBook, LentParent, Watch, scrub
 from p2pactor.adapters._vllm_thread import NodeThread, metric_definitions
 from p2pactor.core.inputs import LookupResult as Answer
 from p2pactor.runtime.engine import LookupView
@@ -86,7 +63,7 @@ class _Seen:
     """A request's first lookup here was seen (its ``ReqContext`` state)."""
 
 
-class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM is Any to mypy
+class P2PActorTierManager(api.SecondaryTierManager):  # type: ignore[misc]  # vLLM is Any to mypy
     """A vLLM secondary tier backed by a p2pactor node.
 
     vLLM's factory passes ``offloading_spec`` (the model and cache layout give
@@ -102,7 +79,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
     ``locality``) are accepted and ignored, anything else is an error.
     """
 
-    cache_hit_source: ClassVar[Any] = CacheHitSource.P2P
+    cache_hit_source: ClassVar[Any] = api.CacheHitSource.P2P
     tolerates_off_thread_polling: ClassVar[bool] = True
 
     def __init__(
@@ -115,15 +92,15 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         event_log: str | None = None,
         **options: Any,
     ) -> None:
-        require_tier_polling()
+        api.require_tier_polling()
         if backpressure_detector is not None:
             raise ValueError(
                 "Backpressure is not supported for the p2pactor tier (as for vLLM's p2p "
                 "tier): remove the 'backpressure' config from its secondary_tiers entry."
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
-        config = tier_config(offloading_spec, primary_kv_view, self.block_size_bytes, options)
-        self._contexts: dict[str, ReqContext] = {}
+        config = api.tier_config(offloading_spec, primary_kv_view, self.block_size_bytes, options)
+        self._contexts: dict[str, api.ReqContext] = {}
         self._asks: dict[tuple[str, str], dict[bytes, None]] = {}
         self._views: dict[tuple[str, str], LookupView] = {}  # this step's, per request
         self._runner = NodeThread(config, primary_kv_view, event_log)
@@ -143,10 +120,10 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     # --- per request -------------------------------------------------------------
 
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+    def on_new_request(self, req_context: api.ReqContext) -> api.RequestOffloadingContext:
         """Read the request's role from its kv_transfer_params, once."""
         params = req_context.kv_transfer_params
-        source = parse_source(params)
+        source = api.parse_source(params)
         config = self._node.config
         if source is not None and not config.may_dial(source.peer):
             log.warning(
@@ -162,34 +139,34 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         if source is not None:
             req_context.set_state(source)
             self._node.prepare(source.peer, wake=False)  # handshake before its lookups
-        dest = parse_dest(params)
+        dest = api.parse_dest(params)
         if dest is not None:
             req_context.set_state(dest)
             if dest.kv_request_id is not None:
-                return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
+                return api.RequestOffloadingContext(policy=api.OffloadPolicy.REQUEST_LEVEL)
         elif source is None:
             self._auto.begin(req_context)  # no source named: the summaries may know one
-        return RequestOffloadingContext()
+        return api.RequestOffloadingContext()
 
-    def lookup(self, key: Any, req_context: ReqContext) -> Any:
+    def lookup(self, key: Any, req_context: api.ReqContext) -> Any:
         """HIT, MISS or RETRY (while the peer is being asked) for one key."""
         if req_context.get_state(_Seen) is None:
             self._reused_before(key, req_context)
-        source = req_context.get_state(Source)
+        source = req_context.get_state(api.Source)
         if source is None:
             auto = req_context.get_state(Auto)
             if auto is None:
-                return VLLM_MISS
+                return api.VLLM_MISS
             source = self._auto.lookup(auto, key, req_context)
             if isinstance(source, Answer):
-                return TO_VLLM[source]
+                return api.TO_VLLM[source]
         if source.kv_request_id in self.jobs.failed:
-            return VLLM_MISS
+            return api.VLLM_MISS
         if not source.probe:
-            return VLLM_HIT  # prefill/decode: the prefiller holds everything
+            return api.VLLM_HIT  # prefill/decode: the prefiller holds everything
         k = bytes(key)
         if source.only is not None and k not in source.only:
-            return VLLM_MISS  # chosen by us for its claimed keys: nobody claimed this one
+            return api.VLLM_MISS  # chosen by us for its claimed keys: nobody claimed this one
         where = (source.peer, source.kv_request_id)
         view = self._views.get(where)
         if view is None:  # one snapshot per scan: see lookup_view
@@ -199,9 +176,9 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
             # Asked at the step's end, all keys of the request in one go: vLLM
             # calls this once per key per step while the answer is out.
             self._asks.setdefault(where, {})[k] = None
-        return TO_VLLM[answer]
+        return api.TO_VLLM[answer]
 
-    def _reused_before(self, key: Any, ctx: ReqContext) -> None:
+    def _reused_before(self, key: Any, ctx: api.ReqContext) -> None:
         """The request's first lookup here: the keys before ``key`` are the CPU tier's hits.
 
         vLLM asks a tier only past them, and loads them from the CPU tier now:
@@ -209,76 +186,73 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         summary.
         """
         ctx.set_state(_Seen())
-        record = request_keys(ctx)
-        where = None if record is None else record.get(bytes(key))
-        if record is None or where is None:
+        record = api.request_keys(ctx) or {}
+        if (where := record.get(bytes(key))) is None:
             return
         held = [k for k, p in record.items() if p < where]
         if held:
             self._node.reused(held, ctx.req_id, [record[k] for k in held])
-        if ctx.get_state(Dest) is None:  # a remote decoder's blocks are not ours to claim
+        if ctx.get_state(api.Dest) is None:  # a remote decoder's blocks are not ours to claim
             self._watch.follow(ctx.req_id, record, where)
 
-    def on_request_finished(self, req_context: ReqContext) -> None:
+    def on_request_finished(self, req_context: api.ReqContext) -> None:
         """The engine is done with the request (either role)."""
-        source = req_context.get_state(Source)
-        dest = req_context.get_state(Dest)
+        source = req_context.get_state(api.Source)
+        dest = req_context.get_state(api.Dest)
         auto = req_context.get_state(Auto)
         if auto is not None and source is None:
             self._auto.finished(auto)
         self._watch.finished(req_context.req_id)
-        record = request_keys(req_context)
+        record = api.request_keys(req_context)
         if record:  # what it reused of the CPU tier, if not seen at its lookups
             self._node.reused(list(record), req_context.req_id, list(record.values()))
         self._node.ended(req_context.req_id)  # vLLM's LRU ranks its chunks afresh now
-        done = source.kv_request_id if source is not None else None
-        if done is not None:
-            self.jobs.failed.discard(done)
-            self._node.finish(done, wake=False)
-        if dest is not None and dest.kv_request_id is not None and dest.kv_request_id != done:
-            self._node.finish(dest.kv_request_id, wake=False)
+        for kv_id in dict.fromkeys(r.kv_request_id for r in (source, dest) if r is not None):
+            if kv_id is not None:  # a load's failure is forgotten with it
+                self.jobs.failed.discard(kv_id)
+                self._node.finish(kv_id, wake=False)
 
     def submit_store(self, job_metadata: Any) -> None:
         """Keep a prefill/decode request's blocks for its remote puller."""
         ctx = job_metadata.req_context
-        dest = ctx.get_state(Dest)
+        dest = ctx.get_state(api.Dest)
         job_id = int(job_metadata.job_id)
         keys = [bytes(k) for k in job_metadata.keys]
         if dest is None:
             # Symmetric P2P: blocks stay in the CPU primary tier; nothing moves.
             # They are ours to claim: peers hear of them in the next delta.
             self.jobs.at_once(job_id, success=True)
-            self._node.holds(keys, request=ctx.req_id, positions=positions(ctx, keys))
+            self._node.holds(keys, request=ctx.req_id, positions=api.positions(ctx, keys))
         elif dest.kv_request_id is None:
             self.jobs.at_once(job_id, success=False)
         else:
             self.jobs.track_store(job_id, dest.kv_request_id, len(keys))
             # Woken at once: a store may come with no step to follow it.
-            self._node.submit_store(dest.kv_request_id, job_id, keys, job_ids(job_metadata))
+            self._node.submit_store(dest.kv_request_id, job_id, keys, api.job_ids(job_metadata))
 
     def submit_load(self, job_metadata: Any) -> None:
         """Pull keys from the request's source peer into the given chunks."""
         ctx = job_metadata.req_context
-        source = ctx.get_state(Source)
+        source = ctx.get_state(api.Source)
         job_id = int(job_metadata.job_id)
         keys = [bytes(k) for k in job_metadata.keys]
         if source is None or not keys:
             self.jobs.at_once(job_id, success=source is not None)
         else:
             kv_id = source.kv_request_id
-            self.jobs.load(job_id, kv_id, keys, ctx, positions(ctx, keys))
+            self.jobs.load(job_id, kv_id, keys, ctx, api.positions(ctx, keys))
             self._node.reserve(len(keys))  # vLLM evicted for these chunks: claim less
             self._node.submit_load(
-                source.peer, kv_id, job_id, keys, job_ids(job_metadata), wake=False
+                source.peer, kv_id, job_id, keys, api.job_ids(job_metadata), wake=False
             )
 
     # --- per step ----------------------------------------------------------------
 
-    def get_finished_jobs(self) -> Iterable[JobResult]:
+    def get_finished_jobs(self) -> Iterable[api.JobResult]:
         """Loads and stores that finished since the last call, each exactly once."""
         return self.jobs.take()
 
-    def serve_external_requests(self, parent: ParentManager) -> None:
+    def serve_external_requests(self, parent: api.ParentManager) -> None:
         """Let peers' lookups, pins and releases run against the lent parent.
 
         And check the keys our summary would lose next against the CPU tier
@@ -298,7 +272,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
         if batch := node.take_scrub():
             node.scrubbed(*scrub(parent, batch, node.node_id))
 
-    def touch(self, keys: Collection[Any], req_context: ReqContext) -> None:
+    def touch(self, keys: Collection[Any], req_context: api.ReqContext) -> None:
         """The engine reused ``keys``: the most recent in our summary's order now."""
         del req_context
         self._node.touch([bytes(k) for k in keys])
@@ -343,7 +317,7 @@ class P2PActorTierManager(SecondaryTierManager):  # type: ignore[misc]  # vLLM i
 
     def shutdown(self) -> None:
         """Close the node: sessions drain for up to 3 s, as vLLM's tier does."""
-        self._runner.stop(timeout=SHUTDOWN_DRAIN_S + 10)
+        self._runner.stop(timeout=api.SHUTDOWN_DRAIN_S + 10)
         self.jobs.forget()  # no result can come from a stopped node
 
     # --- vLLM's /metrics -----------------------------------------------------------

@@ -91,7 +91,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 import p2pactor.adapters._vllm_api as vllm_api
-import p2pactor.adapters._vllm_jobs as vllm_jobs
+import p2pactor.adapters._vllm_parent as vllm_jobs
 import p2pactor.adapters.vllm as adapter
 from p2pactor.adapters.nixl import import_nixl
 from p2pactor.adapters.vllm import P2PActorTierManager
