@@ -10,7 +10,8 @@ import attrs
 import pytest
 
 from p2pactor.core import inputs as inp
-from p2pactor.runtime.actor import Runner
+from p2pactor.runtime.actor import Ground, Runner
+from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.stores import REAPED_MEMORY_S, StoreDesk
 from p2pactor.runtime.timers import Timers
 
@@ -43,14 +44,10 @@ class Desk:
     desk: StoreDesk = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.desk = StoreDesk(
-            node_id="n",
-            unbound_timeout=TIMEOUT,
-            runner=Runner(clock=lambda: self.now),
-            timers=self.timers,
-            release=self.released.append,
-            clock=lambda: self.now,
-        )
+        config = NodeConfig(unbound_store_timeout=TIMEOUT)
+        runner = Runner(clock=lambda: self.now)
+        ground = Ground(config, runner, self.timers, lambda: self.now)
+        self.desk = StoreDesk(ground, self.released.append)
 
     def store(self, kv_id: str, job: int, now: float) -> None:
         self.now = now

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
+import attrs
 import trio
 
 from p2pactor.core import events as ev
@@ -30,7 +31,9 @@ from p2pactor.core.fold import ActorState, initial_state, is_terminal
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerInput, next_producer_deadline, step_producer
 from p2pactor.core.timings import Timings
+from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logcontext import actor_context
+from p2pactor.runtime.timers import Timers
 
 log = logging.getLogger("p2pactor.actor")
 
@@ -191,3 +194,17 @@ class Runner:
                 target.step(item, clock())
         finally:
             self.running = False
+
+
+@attrs.frozen
+class Ground:
+    """What every part of a node stands on: its configuration, runner, timer and clock.
+
+    Given once to each part its host makes (the parent service, the store
+    desk, the directory), which read their own options from ``config``.
+    """
+
+    config: NodeConfig
+    runner: Runner
+    timers: Timers
+    clock: Callable[[], float]

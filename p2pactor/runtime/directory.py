@@ -30,9 +30,8 @@ from p2pactor.core.inputs import LookupResult, ParentAnswer
 from p2pactor.core.sources import SourceIndex, fingerprint
 from p2pactor.core.sources.holdings import Holdings, Out
 from p2pactor.core.sources.peer import Resync
-from p2pactor.runtime.actor import RequestActor
-from p2pactor.runtime.sources import AutoProbe, DirectoryCounts, SourceOptions, SummaryPeer
-from p2pactor.runtime.timers import Timers
+from p2pactor.runtime.actor import Ground, RequestActor
+from p2pactor.runtime.sources import AutoProbe, DirectoryCounts, SummaryPeer
 
 log = logging.getLogger("p2pactor.sources")
 
@@ -43,10 +42,9 @@ class SourceDirectory:
     """The summaries both ways, and the choice of a source. Made by the node's host.
 
     Args:
-        options: The node's source options.
-        capacity: The most keys this node's engine holds (its blocks).
-        timers: The node's timer (flushes and paced parts are armed on it).
-        clock: The node's clock.
+        ground: The node's (its ``sources`` options; its ``num_blocks``, the
+            most keys its engine holds; flushes and paced parts are armed on
+            its timer).
 
     Attributes:
         auto: The lookups the choice started, followed, by their request's actor.
@@ -59,17 +57,10 @@ class SourceDirectory:
         deadline: When :meth:`expire` runs next (the node's timer reads it).
     """
 
-    def __init__(
-        self,
-        options: SourceOptions,
-        *,
-        capacity: int,
-        timers: Timers,
-        clock: Callable[[], float],
-    ) -> None:
-        self.options = options
+    def __init__(self, ground: Ground) -> None:
+        self.options = options = ground.config.sources
         self.holdings = Holdings(
-            capacity,
+            ground.config.num_blocks,
             epoch=os.urandom(_EPOCH_BYTES),
             options=options.summary,
             part_interval_s=options.part_interval_s,
@@ -84,8 +75,8 @@ class SourceDirectory:
         self.counts = DirectoryCounts()
         self.auto: dict[RequestActor, AutoProbe] = {}
         self.decisions: dict[str, Choice] = {}
-        self._timers = timers
-        self._clock = clock
+        self._timers = ground.timers
+        self._clock = ground.clock
         self._peers: dict[str, SummaryPeer] = {}
         self._warned: set[tuple[str, str]] = set()  # (peer, what) told once in the log
         self._work_wanted = trio.Event()  # set when summary messages wait for :meth:`run`

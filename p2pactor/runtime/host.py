@@ -25,7 +25,7 @@ from p2pactor.core import inputs as inp
 from p2pactor.core.consumer import ConsumerState, probe_answers
 from p2pactor.core.fold import ActorState
 from p2pactor.core.inputs import LookupResult
-from p2pactor.runtime.actor import RequestActor, Runner
+from p2pactor.runtime.actor import Ground, RequestActor, Runner
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.engine import LoadResult
@@ -102,26 +102,10 @@ class NodeHost(ThreadSafeSources):
         self.timers = Timers()
         self.quotas = QuotaLedger(config.quotas, config.num_blocks)
         clock = self.clock.current_time
-        self.directory = SourceDirectory(
-            config.sources, capacity=config.num_blocks, timers=self.timers, clock=clock
-        )
-        self.service = ParentService(
-            node_id=config.node_id,
-            quotas=self.quotas,
-            runner=self.runner,
-            timers=self.timers,
-            poll_interval=config.timings.pending_poll_interval,
-            clock=clock,
-            embedded=parent,
-        )
-        self.stores = StoreDesk(
-            node_id=config.node_id,
-            unbound_timeout=config.unbound_store_timeout,
-            runner=self.runner,
-            timers=self.timers,
-            release=lambda job_id: self.release_pin(job_id, success=False),
-            clock=clock,
-        )
+        ground = Ground(config, self.runner, self.timers, clock)
+        self.directory = SourceDirectory(ground)
+        self.service = ParentService(ground, self.quotas, parent)
+        self.stores = StoreDesk(ground, lambda job_id: self.release_pin(job_id, success=False))
         self.peers = PeerRegistry(self, nursery)
         self.seeds = SeedRedial(config.seed_peers, self.dial, timers=self.timers, clock=clock)
         # Consumer actors by kv_request_id, then peer: a finish finds its own at once.

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import attrs
 
@@ -34,11 +34,10 @@ from p2pactor.core import effects as fx
 from p2pactor.core import inputs as inp
 from p2pactor.core.inputs import LookupResult
 from p2pactor.core.producer import ProducerState
-from p2pactor.runtime.actor import RequestActor, Runner
+from p2pactor.runtime.actor import Ground, RequestActor
 from p2pactor.runtime.logcontext import parent_request_context
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.quotas import QuotaLedger
-from p2pactor.runtime.timers import Timers
 
 log = logging.getLogger("p2pactor.parent")
 
@@ -125,26 +124,19 @@ def _guarded(what: str, context: str = "", *, node: str | None = None) -> Iterat
         _failed(what, context, node=node)
 
 
-@attrs.define(eq=False, kw_only=True)
+@attrs.define(eq=False)
 class ParentService:
     """Runs parent requests against an embedded parent at once, or a lent one in batches.
 
     Args:
-        node_id: For log lines.
+        ground: The node's (its ``timings.pending_poll_interval``: how often
+            parked lookups are asked again, embedded).
         quotas: The node's quota counts (pins are counted here).
-        runner: Where answers of an embedded parent are stepped.
-        timers: Where the re-poll of parked lookups is armed (embedded).
-        poll_interval: How often parked lookups are asked again (embedded).
-        clock: The node's clock (trio's), readable from any thread.
         embedded: The in-process parent, or None when the engine lends one.
     """
 
-    _node_id: str
+    _ground: Ground
     _quotas: QuotaLedger
-    _runner: Runner
-    _timers: Timers
-    _poll_interval: float
-    _clock: Callable[[], float]
     _embedded: Parent | None
     _queue: deque[_Item] = attrs.field(factory=deque, init=False)  # lent: until the next serve
     _parked: list[_Item] = attrs.field(factory=list, init=False)
@@ -165,9 +157,9 @@ class ParentService:
             self._queue.append((actor, request))
             return
         # Embedded: nothing ever waits in the queue, so this one goes first.
-        answered = self._one(self._embedded, (actor, request), self._clock())
+        answered = self._one(self._embedded, (actor, request), self._ground.clock())
         if answered is not None:
-            self._runner.deliver(*answered)
+            self._ground.runner.deliver(*answered)
         self._arm()
 
     def expire(self) -> None:
@@ -175,7 +167,7 @@ class ParentService:
         self.deadline = None
         if self._embedded is not None:
             for answered in self.serve(self._embedded):
-                self._runner.deliver(*answered)
+                self._ground.runner.deliver(*answered)
             self._arm()
 
     def drain(self) -> None:
@@ -186,12 +178,13 @@ class ParentService:
         for _, answer in self.serve(parent):
             if answer.pin is not None:
                 release = fx.ReleasePin(job_id=answer.pin.job_id, success=False)
-                self._one(parent, (None, release), self._clock())
+                self._one(parent, (None, release), self._ground.clock())
 
     def _arm(self) -> None:
         if self._parked and self.deadline is None:
-            self.deadline = self._clock() + self._poll_interval
-            self._timers.arm(self)
+            ground = self._ground
+            self.deadline = ground.clock() + ground.config.timings.pending_poll_interval
+            ground.timers.arm(self)
 
     def serve(self, parent: Parent) -> list[Answered]:
         """Run the parked, then the queued requests against ``parent`` (lent: any thread).
@@ -199,7 +192,7 @@ class ParentService:
         Returns:
             The answers, for the node to step on its own thread.
         """
-        now = self._clock()
+        now = self._ground.clock()
         asked, self._parked = self._parked, []
         answers: list[Answered] = []
         while asked or self._queue:  # the node's thread may append to the queue meanwhile
@@ -211,6 +204,7 @@ class ParentService:
     def _one(self, parent: Parent, item: _Item, now: float) -> Answered | None:
         """Serve one request: the answer a lookup gets now, if any (else it is parked)."""
         actor, request = item
+        node = self._ground.config.node_id
         match request:
             case fx.ParentLookup(keys=keys):
                 assert actor is not None
@@ -233,11 +227,11 @@ class ParentService:
                     return actor, answer
                 self._parked.append(item)  # nothing new: asked again later
             case fx.ParentClose(context):
-                with _guarded(f"failed to finish {context}", context, node=self._node_id):
+                with _guarded(f"failed to finish {context}", context, node=node):
                     parent.on_request_finished(context)
             case fx.ReleasePin(job_id=job_id, success=success):
                 self._quotas.released(job_id)
-                with _guarded(f"failed to release job {job_id}", node=self._node_id):
+                with _guarded(f"failed to release job {job_id}", node=node):
                     parent.release_job(job_id, success=success)
         return None
 

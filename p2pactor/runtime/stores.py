@@ -18,9 +18,8 @@ from collections.abc import Callable
 import attrs
 
 from p2pactor.core import inputs as inp
-from p2pactor.runtime.actor import RequestActor, Runner
+from p2pactor.runtime.actor import Ground, RequestActor
 from p2pactor.runtime.logcontext import request_context
-from p2pactor.runtime.timers import Timers
 
 log = logging.getLogger("p2pactor.node")
 
@@ -28,7 +27,7 @@ log = logging.getLogger("p2pactor.node")
 REAPED_MEMORY_S = 60.0
 
 
-@attrs.define(eq=False, kw_only=True)
+@attrs.define(eq=False)
 class StoreDesk:
     """Stores of prefill/decode requests, bound to their producers or waiting for a fetch.
 
@@ -36,20 +35,12 @@ class StoreDesk:
     for the next fetch instead.
 
     Args:
-        node_id: For log lines.
-        unbound_timeout: ``unbound_store_timeout``: how long a store waits.
-        runner: Where stores and finishes reach producers.
-        timers: Where the reaping of waiting stores is armed.
+        ground: The node's (its ``unbound_store_timeout``: how long a store waits).
         release: Releases a pin job (``success=False``) through the parent.
-        clock: The node's clock.
     """
 
-    _node_id: str
-    unbound_timeout: float
-    _runner: Runner
-    _timers: Timers
+    _ground: Ground
     _release: Callable[[int], None]
-    _clock: Callable[[], float]
     deadline: float | None = attrs.field(default=None, init=False)  # the reaper's, on the timer
     _bound: dict[str, RequestActor] = attrs.field(factory=dict, init=False)
     _waiting: dict[str, list[tuple[float, inp.AddStore]]] = attrs.field(factory=dict, init=False)
@@ -65,19 +56,19 @@ class StoreDesk:
         """Give stored blocks to the request's producer, or keep them until its fetch."""
         bound = self._live(kv_request_id)
         if bound is not None:
-            self._runner.deliver(bound, store)
+            self._ground.runner.deliver(bound, store)
         elif kv_request_id in self._reaped:
             log.warning(
                 "%s: refused a store that came after its blocks were released (no fetch "
                 "within unbound_store_timeout, %g s); raise it if fetches come this late",
                 kv_request_id,
-                self.unbound_timeout,
-                extra=request_context(None, kv_request_id, node=self._node_id),
+                self._ground.config.unbound_store_timeout,
+                extra=request_context(None, kv_request_id, node=self._ground.config.node_id),
             )
             self._release(store.job_id)
         else:
             self._bound.pop(kv_request_id, None)
-            self._waiting.setdefault(kv_request_id, []).append((self._clock(), store))
+            self._waiting.setdefault(kv_request_id, []).append((self._ground.clock(), store))
             self._arm()
 
     def bind(self, actor: RequestActor) -> None:
@@ -99,15 +90,15 @@ class StoreDesk:
         finished = kv_id in self._finished or kv_id in self._reaped
         self._finished.discard(kv_id)
         for _, store in waiting:
-            self._runner.deliver(actor, store)
+            self._ground.runner.deliver(actor, store)
         if finished:
-            self._runner.deliver(actor, inp.Finish())
+            self._ground.runner.deliver(actor, inp.Finish())
 
     def finish(self, kv_request_id: str) -> None:
         """The engine stores no more for ``kv_request_id``: finish its producer, if bound."""
         bound = self._live(kv_request_id)
         if bound is not None:
-            self._runner.deliver(bound, inp.Finish())
+            self._ground.runner.deliver(bound, inp.Finish())
         elif kv_request_id in self._waiting:
             self._finished.add(kv_request_id)
 
@@ -119,10 +110,10 @@ class StoreDesk:
     def expire(self) -> None:
         """Release the stores no fetch came for within ``unbound_store_timeout``."""
         self.deadline = None
-        now = self._clock()
+        now, timeout = self._ground.clock(), self._ground.config.unbound_store_timeout
         self._reaped = {k: at for k, at in self._reaped.items() if at > now - REAPED_MEMORY_S}
         for kv_id, waiting in list(self._waiting.items()):
-            if waiting[0][0] > now - self.unbound_timeout:
+            if waiting[0][0] > now - timeout:
                 continue
             del self._waiting[kv_id]
             self._finished.discard(kv_id)
@@ -132,16 +123,17 @@ class StoreDesk:
                     "no fetch came for %s within unbound_store_timeout (%g s); releasing its "
                     "stored blocks (check that the decode side runs and reaches this node)",
                     kv_id,
-                    self.unbound_timeout,
-                    extra=request_context(None, kv_id, node=self._node_id),
+                    timeout,
+                    extra=request_context(None, kv_id, node=self._ground.config.node_id),
                 )
                 self._release(store.job_id)
         self._arm()
 
     def _arm(self) -> None:
-        times = [w[0][0] + self.unbound_timeout for w in self._waiting.values()]
+        timeout = self._ground.config.unbound_store_timeout
+        times = [w[0][0] + timeout for w in self._waiting.values()]
         times.extend(at + REAPED_MEMORY_S for at in self._reaped.values())
         deadline = min(times, default=None)
         if deadline is not None and (self.deadline is None or deadline < self.deadline):
             self.deadline = deadline
-            self._timers.arm(self)
+            self._ground.timers.arm(self)
