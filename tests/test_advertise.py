@@ -110,8 +110,8 @@ async def test_a_node_bound_on_every_interface_is_reached_by_its_advertised_id()
             answers = await a.lookup(zb.local_id, "req-1", [key(1), key(2)])
             assert answers == [LookupResult.HIT, LookupResult.MISS]
             # b knows a by a's id and dialed it back there; a knows b by b's.
-            session_a = a.session(zb.local_id)
-            session_b = b.session(za.local_id)
+            session_a = a.peers.session(zb.local_id)
+            session_b = b.peers.session(za.local_id)
             assert session_a is not None
             assert session_a.extended
             assert session_b is not None
@@ -199,7 +199,7 @@ async def test_a_loopback_node_refuses_to_dial_another_host_before_any_socket(
             assert not result.success
             assert result.reason is not None
             assert "VLLM_P2P_SIDE_CHANNEL_HOST" in result.reason
-            assert node.session(ELSEWHERE) is None
+            assert node.peers.session(ELSEWHERE) is None
             stats = control.statistics()
             assert (stats.connections, stats.connections_opened) == (0, 0)  # never dialed
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
@@ -235,7 +235,7 @@ async def test_a_loopback_node_drops_another_hosts_frame_without_dialing_it_back
                 stats = control.statistics()
                 assert stats.frames_dropped == 1
                 assert (stats.connections, stats.connections_opened) == (0, 0)  # no dial-back
-                assert node.session(ELSEWHERE) is None
+                assert node.peers.session(ELSEWHERE) is None
     finally:
         logging.getLogger("p2pactor").removeHandler(waiter)
         dealer.close()

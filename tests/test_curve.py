@@ -525,7 +525,7 @@ async def eavesdrop(keys: Keys | None) -> tuple[bytearray, list[bytes]]:
             answers = await a.lookup(b_id, "req-1", held)
             assert answers == [LookupResult.HIT] * len(held)
             a.finish("req-1")
-            session = a.session(b_id)
+            session = a.peers.session(b_id)
             assert session is not None
             assert session.extended
     return record, held
@@ -658,7 +658,7 @@ async def test_request_parameters_never_make_a_curve_node_dial_an_untrusted_addr
             with pytest.raises(BlockingIOError):
                 victim.accept()  # nobody knocked
             assert control.statistics().connections_opened == 0
-            assert node.session(target) is None
+            assert node.peers.session(target) is None
             # The transport refuses too, should anything ask it directly.
             with pytest.raises(Exception, match="no trusted CURVE key"):
                 await control.connect(target)
@@ -885,7 +885,7 @@ async def test_a_curve_serve_process_serves_a_trusted_node_over_nixl(server: Ser
     with trio.fail_after(TIMEOUT):
         async with client("trusted-1", server) as (node, cache, control):
             await fetch_and_verify(node, cache, server.node_id, "kv-trusted-1")
-            session = node.session(server.node_id)
+            session = node.peers.session(server.node_id)
             assert session is not None
             assert session.extended
             assert control.security == "curve"
@@ -905,7 +905,7 @@ async def test_a_curve_serve_process_turns_away_strangers_and_keeps_serving(
         ):
             answers = await node.lookup(server.node_id, "kv-stranger", preload_keys(SEED, 8))
             assert answers == [LookupResult.MISS] * 8  # its session never formed
-            await until(lambda: node.session(server.node_id) is None)  # it closed for good
+            await until(lambda: node.peers.session(server.node_id) is None)  # it closed for good
             stats = control.statistics()
             assert stats.frames_received == 0  # the server never said a word to it
             assert stats.connections == 0

@@ -51,8 +51,8 @@ def tap(cluster: Cluster) -> list[tuple[float, str, str, wire.Message]]:
 async def linked(a: Member, b: Member) -> None:
     """Open the session between ``a`` and ``b`` and wait until both ends are ready."""
     b.node.prepare(a.id)
-    await until(lambda: (s := b.node.session(a.id)) is not None and s.ready)
-    await until(lambda: (s := a.node.session(b.id)) is not None and s.ready)
+    await until(lambda: (s := b.node.peers.session(a.id)) is not None and s.ready)
+    await until(lambda: (s := a.node.peers.session(b.id)) is not None and s.ready)
 
 
 async def pull(me: Member, kv: str, keys: list[bytes]) -> tuple[str | None, list[bytes]]:
@@ -85,8 +85,8 @@ async def test_a_request_naming_no_source_is_served_by_the_peer_that_holds_it(
         c.store(key(0), key(1))  # c claims a shorter run of the same prefix
         await linked(a, b)
         await linked(c, b)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 6)
-        await until(lambda: b.node.sources.index.claims_of(c.id) == 2)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 6)
+        await until(lambda: b.node.directory.index.claims_of(c.id) == 2)
         peer, hits = await pull(b, "req-1", [key(i) for i in range(8)])
         assert peer == a.id
         assert hits == [key(i) for i in range(6)]
@@ -101,8 +101,8 @@ async def test_a_request_naming_no_source_is_served_by_the_peer_that_holds_it(
     assert source.chosen == a.id
     assert [(claim.peer, claim.run) for claim in source.claims] == [(a.id, 6), (c.id, 2)]
     assert probed[0].keys == tuple(key(i) for i in range(8))  # its run and 2 keys past it
-    assert b.node.sources.counts.chosen == 1
-    assert b.node.sources.counts.false_claims == 0
+    assert b.node.directory.counts.chosen == 1
+    assert b.node.directory.counts.false_claims == 0
 
 
 async def test_a_key_nobody_claims_is_a_miss_at_once_and_nothing_is_sent(
@@ -112,7 +112,7 @@ async def test_a_key_nobody_claims_is_a_miss_at_once_and_nothing_is_sent(
         a, b = cluster["a"], cluster["b"]
         a.store(key(1))
         await linked(a, b)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 1)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 1)
         seen = tap(cluster)
         actors = len(b.actors)
         start = trio.current_time()
@@ -124,7 +124,7 @@ async def test_a_key_nobody_claims_is_a_miss_at_once_and_nothing_is_sent(
         await trio.sleep(1)
         assert len(b.actors) == actors
         assert not [m for _, src, _, m in seen if src == b.id and m.TYPE == "lookup"]
-        assert b.node.sources.counts.unclaimed == 1
+        assert b.node.directory.counts.unclaimed == 1
 
 
 async def test_what_a_node_evicts_leaves_its_peers_claims(
@@ -134,7 +134,7 @@ async def test_what_a_node_evicts_leaves_its_peers_claims(
         a, b = cluster["a"], cluster["b"]
         await linked(a, b)
         a.store(*[key(i) for i in range(4)])
-        index = b.node.sources.index
+        index = b.node.directory.index
         await until(lambda: index.claims_of(a.id) == 4)
         assert index.claimed_by(fingerprint(key(0))) == {a.id}
         a.store(key(4), key(5))  # evicts key(0) and key(1), the least recently used
@@ -151,8 +151,8 @@ async def test_a_snapshot_goes_in_parts_paced_apart(autojump_clock: trio.abc.Clo
         a.store(*[key(i) for i in range(10)])
         seen = tap(cluster)
         await linked(a, b)
-        await until(lambda: b.node.sources.index.position(a.id) is not None)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 10)
+        await until(lambda: b.node.directory.index.position(a.id) is not None)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 10)
     parts = [(t, m) for t, src, _, m in seen if src == a.id and isinstance(m, wire.KvsumSnapshot)]
     assert [m.part for _, m in parts] == [0, 1, 2]
     assert all(m.parts == 3 for _, m in parts)
@@ -172,9 +172,9 @@ async def test_summaries_flow_only_where_both_sides_offered_them(
         c.store(key(1))
         await linked(a, b)
         await linked(c, b)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 1)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 1)
         a.store(key(2))  # a delta, to b only
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 2)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 2)
         await trio.sleep(1)
     connects = {src: m for _, src, _, m in seen if isinstance(m, wire.Connect)}
     offered = {
@@ -185,7 +185,7 @@ async def test_summaries_flow_only_where_both_sides_offered_them(
     assert offered == {a.id: True, b.id: True, c.id: False}
     summaries = {(src, dst) for _, src, dst, m in seen if m.TYPE in SUMMARY_TYPES}
     assert summaries == {(a.id, b.id), (b.id, a.id)}
-    assert c.id not in b.node.sources.index.peers
+    assert c.id not in b.node.directory.index.peers
 
 
 async def test_a_summary_nobody_agreed_to_is_a_protocol_violation(
@@ -198,7 +198,7 @@ async def test_a_summary_nobody_agreed_to_is_a_protocol_violation(
         delta = wire.KvsumDelta(epoch=b"e", seq=1, add=wire.packed([1]), remove=b"")
         cluster.network.post(a.id, b.id, wire.encode(delta))
         await until(lambda: b.node.peers.closed_count == 1)
-        reason = b.node.closed_sessions()[0].reason
+        reason = b.node.peers.closed_sessions()[0].reason
         assert "kvsum_delta" in reason
         assert "not agreed" in reason
 
@@ -213,20 +213,20 @@ async def test_a_peer_whose_claims_keep_missing_is_quarantined_but_still_named(
         await linked(a, b)
         lies = [key(1000 + i) for i in range(200)]
         a.node.holds(lies)  # claims keys its cache never held
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 200)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 200)
         now = trio.current_time
         asked = 0
-        while not b.node.sources.index.quarantined(a.id, now()):
+        while not b.node.directory.index.quarantined(a.id, now()):
             peer, hits = await pull(b, f"req-{asked}", lies[asked * 10 : asked * 10 + 10])
             assert peer == a.id
             assert hits == []
             asked += 1
             assert asked < 20, "never quarantined"
         assert asked * 10 >= policy.min_probed_keys
-        counts = b.node.sources.counts
+        counts = b.node.directory.counts
         assert counts.false_claims == counts.probed_keys == asked * 10
         # Its claims on what it was asked are gone; the rest is quarantined.
-        assert b.node.sources.index.claims_of(a.id) == 200 - asked * 10
+        assert b.node.directory.index.claims_of(a.id) == 200 - asked * 10
         located = await b.node.locate("after", lies[-10:])
         assert located.peer is None
         assert "quarantined" in located.choice.reason
@@ -253,11 +253,11 @@ async def test_a_peer_that_answers_hit_and_fails_every_fetch_is_quarantined(
         await linked(a, b)
         held = [key(1000 + i) for i in range(200)]
         a.store(*held)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 200)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 200)
         cluster.plane.fail_writes(10_000, reason="a liar's write", peer=b.id)
         now = trio.current_time
         misrouted = 0
-        while not b.node.sources.index.quarantined(a.id, now()):
+        while not b.node.directory.index.quarantined(a.id, now()):
             kv, keys = f"req-{misrouted}", held[misrouted * 10 : misrouted * 10 + 10]
             located = await b.node.locate(kv, keys)
             assert located.peer == a.id
@@ -267,7 +267,7 @@ async def test_a_peer_that_answers_hit_and_fails_every_fetch_is_quarantined(
             b.node.finish(kv)
             misrouted += 1
             assert misrouted <= 10, "never quarantined"
-        counts = b.node.sources.counts
+        counts = b.node.directory.counts
         assert counts.false_claims == 0  # its every answer was HIT
         assert counts.undelivered_claims == counts.probed_keys == misrouted * 10
         located = await b.node.locate("after", held[-10:])
@@ -286,7 +286,7 @@ async def test_a_load_the_engine_gives_up_first_says_nothing_of_the_peer(
         await linked(a, b)
         held = [key(2000 + i) for i in range(40)]
         a.store(*held)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 40)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 40)
         cluster.plane.hold_writes()
         for i in range(4):
             kv, keys = f"given-up-{i}", held[i * 10 : i * 10 + 10]
@@ -297,10 +297,10 @@ async def test_a_load_the_engine_gives_up_first_says_nothing_of_the_peer(
                 await trio.sleep(0.01)
                 b.node.finish(kv)  # while the write is in flight
         cluster.plane.release_writes()
-        await until(lambda: not b.node.sources.auto)
-        counts = b.node.sources.counts
+        await until(lambda: not b.node.directory.auto)
+        counts = b.node.directory.counts
         assert counts.undelivered_claims == 0
-        assert b.node.sources.index.precision(a.id) == 1.0
+        assert b.node.directory.index.precision(a.id) == 1.0
         await trio.sleep(1)
         assert_settled(cluster)
 
@@ -316,9 +316,9 @@ async def test_resyncs_are_answered_once_an_interval_from_one_shared_snapshot(
         a.store(*[key(i) for i in range(100)])
         await linked(a, b)
         await linked(a, c)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 100)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 100)
         seen = tap(cluster)
-        built = a.node.sources.holdings.built
+        built = a.node.directory.holdings.built
         resync = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
         for _ in range(300):  # 3 s, 100 a second, from b and from c
             cluster.network.post(b.id, a.id, resync)
@@ -329,8 +329,8 @@ async def test_resyncs_are_answered_once_an_interval_from_one_shared_snapshot(
             sent = [m for _, src, dst, m in seen if (src, dst) == (a.id, peer.id)]
             snapshots = [m for m in sent if isinstance(m, wire.KvsumSnapshot)]
             assert 3 <= len(snapshots) <= 4  # one a second (one part each: 100 keys)
-            assert peer.node.sources.index.claims_of(a.id) == 100
-        assert a.node.sources.holdings.built == built  # nothing changed: the same snapshot
+            assert peer.node.directory.index.claims_of(a.id) == 100
+        assert a.node.directory.holdings.built == built  # nothing changed: the same snapshot
 
 
 async def test_a_peer_is_kept_to_this_nodes_budget_whatever_it_registered(
@@ -343,8 +343,8 @@ async def test_a_peer_is_kept_to_this_nodes_budget_whatever_it_registered(
         a, b = cluster["a"], cluster["b"]
         a.store(*[key(i) for i in range(120)])
         await linked(a, b)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == most)
-        index = b.node.sources.index
+        await until(lambda: b.node.directory.index.claims_of(a.id) == most)
+        index = b.node.directory.index
         assert index.claims_of(a.id) == most
         assert index.strikes(a.id) >= 1
         said = [r.getMessage() for r in caplog.records if "peer_budget_bytes" in r.getMessage()]
@@ -361,7 +361,7 @@ async def test_a_choice_is_recorded_in_the_request_log_and_replays(
         a, b = cluster["a"], cluster["b"]
         a.store(key(1), key(2))
         await linked(a, b)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 2)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 2)
         await pull(b, "req", [key(1), key(2)])
         await trio.sleep(1)
     # open_cluster checked that b's log replays to its live states; the
@@ -380,7 +380,7 @@ async def test_a_periodic_snapshot_repairs_a_copy_that_drifted_with_no_gap_to_sh
         a, b = cluster["a"], cluster["b"]
         b.store(key(1), key(2))
         await linked(a, b)
-        index = a.node.sources.index
+        index = a.node.directory.index
         await until(lambda: index.claims_of(b.id) == 2)
         seen = tap(cluster)
         # a dropped a claim b still holds (as after a lookup that missed in a
@@ -407,15 +407,15 @@ async def test_a_quota_refusal_is_no_false_claim_and_leaves_the_claims(
         keys = [key(i) for i in range(6)]
         a.store(*keys)
         await linked(a, b)
-        await until(lambda: b.node.sources.index.claims_of(a.id) == 6)
+        await until(lambda: b.node.directory.index.claims_of(a.id) == 6)
         seen = tap(cluster)
         peer, hits = await pull(b, "req", keys)
         assert (peer, hits) == (a.id, keys[:2])
         (resp,) = [m for _, src, _, m in seen if src == a.id and isinstance(m, wire.LookupResp)]
         assert resp.refused == (False, False, True, True, True, True)
-        counts = b.node.sources.counts
+        counts = b.node.directory.counts
         assert (counts.false_claims, counts.refused_claims) == (0, 4)
-        index = b.node.sources.index
+        index = b.node.directory.index
         assert index.claims_of(a.id) == 6
         assert index.precision(a.id) == 1.0
         await trio.sleep(1)
@@ -433,7 +433,7 @@ async def test_summaries_that_come_faster_than_they_are_applied_are_dropped_and_
         seen = tap(cluster)
         b.store(key(0))
         await linked(b, a)
-        index = a.node.sources.index
+        index = a.node.directory.index
         await until(lambda: index.claims_of(b.id) == 1)
         position = index.position(b.id)
         assert position is not None
@@ -458,7 +458,7 @@ async def test_summaries_that_come_faster_than_they_are_applied_are_dropped_and_
         await until(lambda: resyncs() > asked)
         await until(lambda: not index.pending and index.claims_of(b.id) == 1)
         assert index.claimed_by(fingerprint(key(0))) == {b.id}
-        assert a.node.sources.counts.summary_floods == index.floods(b.id)
+        assert a.node.directory.counts.summary_floods == index.floods(b.id)
         said = [r.getMessage() for r in caplog.records if "faster than this node" in r.getMessage()]
         assert len(said) == 1
         assert said[0].startswith(b.id)

@@ -455,7 +455,7 @@ async def closed_with(node: Node, peer: str, limit: float = 60.0) -> str:
     """Wait until a session with ``peer`` has closed; its reason (stray disconnects aside)."""
 
     def closed() -> list[SessionCloseResult]:
-        return [r for r in node.closed_sessions() if r.peer_id == peer and not _stray(r)]
+        return [r for r in node.peers.closed_sessions() if r.peer_id == peer and not _stray(r)]
 
     await wait_until(closed, limit)
     return closed()[0].reason
@@ -502,7 +502,7 @@ async def test_a_producer_killed_mid_transfer_fails_the_load_and_spares_everythi
                 # Both sessions up, the pool registered with both producers.
                 assert await node.lookup(p1.node_id, "r1", keys) == [HIT] * 4
                 assert await node.lookup(p2.node_id, "r2", keys) == [HIT] * 4
-                second = node.session(p2.node_id)
+                second = node.peers.session(p2.node_id)
                 assert second is not None
 
                 pool.process.send_signal(signal.SIGSTOP)
@@ -546,7 +546,7 @@ async def test_a_producer_killed_mid_transfer_fails_the_load_and_spares_everythi
                 assert await pool.ask(where, "SUM") == [want]
                 await trio.sleep(1.0)  # negative check: nothing late overwrites them
                 assert await pool.ask(where, "SUM") == [want]
-                assert node.session(p2.node_id) is second, "the kill disturbed p2's session"
+                assert node.peers.session(p2.node_id) is second, "the kill disturbed p2's session"
                 assert second.alive
                 node.finish("r1")
                 node.finish("r2")
@@ -653,13 +653,13 @@ async def test_a_consumer_killed_with_lookups_and_fetches_open_leaves_nothing_he
 
             c.process.kill()
             await c.process.wait()
-            await wait_until(lambda: (s := p.node.session(c.node_id)) is None or not s.alive)
+            await wait_until(lambda: (s := p.node.peers.session(c.node_id)) is None or not s.alive)
             # The write may still read its 4 blocks: they stay pinned; the rest is let go.
             await wait_until(lambda: p.cache.pinned() <= 4 and not p.cache.opened)
             await trio.sleep(0.5)  # negative check: the write's 4 stay pinned
             assert p.cache.pinned() == 4
             assert p.cache.opened == set()
-            assert not any(r.peer_id == c.node_id for r in p.node.closed_sessions())
+            assert not any(r.peer_id == c.node_id for r in p.node.peers.closed_sessions())
 
             p.gated.open()  # the WRITE goes to NIXL, into a dead agent
             reason = await closed_with(p.node, c.node_id)
@@ -705,14 +705,16 @@ async def test_control_lost_while_a_write_runs_no_ack_and_no_release_until_it_en
             c.process.send_signal(signal.SIGSTOP)
             try:
                 p.gated.open(hold_ends=True)
-                await wait_until(lambda: (s := p.node.session(c.node_id)) is None or not s.alive)
+                await wait_until(
+                    lambda: (s := p.node.peers.session(c.node_id)) is None or not s.alive
+                )
                 await trio.sleep(1.0)  # negative check (below): nothing acked or released
                 # Control is gone, the WRITE is not: nothing is acked or released.
                 assert p.gated.unended == 1
                 assert p.events(ev.AbortAckSent) == []
                 assert p.events(ev.PinReleased) == []
                 assert p.cache.pinned() == 4
-                assert not any(r.peer_id == c.node_id for r in p.node.closed_sessions())
+                assert not any(r.peer_id == c.node_id for r in p.node.peers.closed_sessions())
             finally:
                 c.process.send_signal(signal.SIGCONT)
                 p.gated.end()
@@ -761,7 +763,7 @@ async def test_a_peer_restarted_under_the_same_address_gets_a_fresh_session(
                 assert result.success, result.reason
                 c.cache.free(blocks)
                 assert await c.node.lookup(old.node_id, "r", keys[2:]) == [HIT] * 2  # cached
-                first = c.node.session(old.node_id)
+                first = c.node.peers.session(old.node_id)
                 assert first is not None
                 old.kill()
                 assert "went away" in await closed_with(c.node, old.node_id)
@@ -777,7 +779,7 @@ async def test_a_peer_restarted_under_the_same_address_gets_a_fresh_session(
                 # The same id again: the new process's answers. Keys 2 and 3 were HITs
                 # (and pinned) on the old process; the new one holds only keys 0 and 1.
                 assert await c.node.lookup(new.node_id, "r", keys) == [HIT, HIT, MISS, MISS]
-                second = c.node.session(new.node_id)
+                second = c.node.peers.session(new.node_id)
                 assert second is not None
                 assert second is not first
                 assert second.serial > first.serial
@@ -1011,7 +1013,7 @@ async def test_malformed_frames_fuzzed_into_a_live_node_hurt_only_their_own_sess
         ):
             assert await h.node.lookup(s.node_id, "warm-up", keys) == [HIT] * 4
             h.node.finish("warm-up")
-            honest = h.node.session(s.node_id)
+            honest = h.node.peers.session(s.node_id)
             assert honest is not None
             fuzzer = Fuzzer(s.node_id, x.agent_metadata, x.base_addr)
             stop = threading.Event()
@@ -1056,9 +1058,9 @@ async def test_malformed_frames_fuzzed_into_a_live_node_hurt_only_their_own_sess
                 fuzzer.close()
             assert failures == []
             assert rounds > 0
-            assert h.node.session(s.node_id) is honest
+            assert h.node.peers.session(s.node_id) is honest
             assert honest.alive
-            assert not any(r.peer_id == s.node_id for r in h.node.closed_sessions())
+            assert not any(r.peer_id == s.node_id for r in h.node.peers.closed_sessions())
             assert s.alive()
             log = s.stderr()
             assert "Traceback" not in log, log[-3000:]
@@ -1206,7 +1208,7 @@ async def _command(node: Node, cache: EmbeddedCache, block_len: int, cmd: dict[s
             def ready() -> bool:
                 return any(
                     s.peer_id == cmd["peer"] and s.state is SessionState.READY
-                    for s in node.sessions()
+                    for s in node.peers.sessions()
                 )
 
             while ready():  # noqa: ASYNC110 -- the node's own state

@@ -36,7 +36,7 @@ def forge_claims(
     cluster: Cluster, to: Member, sender: Member, keys: list[bytes], *, skip: int = 0
 ) -> None:
     """Post ``to`` the next delta of ``sender``'s summary (``skip`` past it), claiming ``keys``."""
-    position = to.node.sources.index.position(sender.id)
+    position = to.node.directory.index.position(sender.id)
     assert position is not None
     epoch, seq, _ = position
     delta = wire.KvsumDelta(
@@ -67,7 +67,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         c.store(key(0), key(1))
         await linked(b, a)
         await linked(c, a)
-        index = a.node.sources.index
+        index = a.node.directory.index
         await until(lambda: index.claims_of(b.id) == 5 and index.claims_of(c.id) == 2)
 
         def snapshots_from_b() -> int:
@@ -103,7 +103,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         assert located.peer == b.id
         assert located.answers == (MISS, MISS)
         a.node.finish("r-false")
-        await until(lambda: not a.node.sources.auto and index.claims_of(b.id) == 5)
+        await until(lambda: not a.node.directory.auto and index.claims_of(b.id) == 5)
         # a has told b and c of the 5 blocks it fetched
         await until(lambda: sum(fingerprint_bytes(m) for _, src, _, m in seen if src == a.id) == 80)
 
@@ -206,7 +206,7 @@ async def test_a_peer_whose_claims_keep_missing_shows_quarantined(
         a, b = cluster["a"], cluster["b"]
         b.store(key(0))
         await linked(b, a)
-        index = a.node.sources.index
+        index = a.node.directory.index
         await until(lambda: index.claims_of(b.id) == 1)
         forge_claims(cluster, a, b, [key(20), key(21)])
         await until(lambda: index.claims_of(b.id) == 3)

@@ -154,7 +154,7 @@ async def test_block_size_mismatch_fails_loudly(autojump_clock: trio.abc.Clock) 
             answers = await cluster["a"].node.lookup(odd.node_id, "req", [key(1)])
             assert answers == [MISS]
             await trio.sleep(1)  # let the dead session finish closing
-            results = cluster["a"].node.closed_sessions()
+            results = cluster["a"].node.peers.closed_sessions()
             rejected = [r for r in results if "block size differs" in r.reason]
             assert len(rejected) == 1
             assert "128-byte blocks" in rejected[0].reason

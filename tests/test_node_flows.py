@@ -87,7 +87,7 @@ class TestTimers:
             resp = await peer.expect(wire.LookupResp)
             assert isinstance(resp, wire.LookupResp)
             assert resp.hits == (True,)
-            assert node.session(PEER) is not None
+            assert node.peers.session(PEER) is not None
 
     async def test_pins_nobody_fetches_are_released_after_30s(
         self, autojump_clock: trio.abc.Clock
@@ -179,7 +179,7 @@ class TestDeadPeers:
                 network.kill(PEER)
                 await closed_reason(node)
             await trio.sleep(40)
-            assert len(node.closed_sessions()) == 10
+            assert len(node.peers.closed_sessions()) == 10
             assert cache.held_jobs() == set()
             assert cache.opened == set()
 

@@ -804,7 +804,7 @@ class TestNodes:
             assert (usage.pinned_blocks, usage.open_lookups, usage.fetch_rounds) == (3, 1, 1)
             assert usage.open_requests == 3
             peer.transport.network.kill(peer.peer_id)
-            await settle(node.closed_sessions)
+            await settle(node.peers.closed_sessions)
             plane.release_writes()
             await settle(lambda: node.peer_usage(peer.peer_id).holds_nothing)
             await settle(lambda: cache.held_jobs() == set())
@@ -836,7 +836,7 @@ class TestNodes:
                 await peer.send(wire.Lookup(kv_request_id=f"r{i}", keys=(key(1),), round_seq=0))
             for _ in range(50):
                 await peer.expect(wire.LookupResp)
-            assert node.session(peer.peer_id) is not None
+            assert node.peers.session(peer.peer_id) is not None
             assert node.peer_usage(peer.peer_id).refusals == {"open_requests": 49}
 
 

@@ -129,9 +129,9 @@ async def node_and_peer(**config: object) -> AsyncIterator[tuple[Node, EmbeddedC
 
 async def closed_reason(node: Node) -> str:
     with trio.fail_after(60):
-        while not node.closed_sessions():  # noqa: ASYNC110 - no event to wait on
+        while not node.peers.closed_sessions():  # noqa: ASYNC110 - no event to wait on
             await trio.sleep(0.01)
-    return node.closed_sessions()[-1].reason
+    return node.peers.closed_sessions()[-1].reason
 
 
 class TestHandshake:
@@ -227,13 +227,13 @@ class TestHandshake:
         async with node_and_peer() as (node, cache, peer):
             cache.store(key(1), block_bytes(key(1)))
             await peer.handshake_as_client()
-            (old,) = node.sessions()
+            (old,) = node.peers.sessions()
             await peer.send(peer.connect_msg())
             assert isinstance(await peer.expect(wire.Connect), wire.Connect)  # not a disconnect
             await peer.expect(wire.ConnectAck)
             await peer.send(wire.ConnectAck(peer_id=peer.peer_id))
             assert "started a new session" in await closed_reason(node)
-            (new,) = node.sessions()
+            (new,) = node.peers.sessions()
             assert new is not old
             await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
             resp = await peer.expect(wire.LookupResp)
@@ -276,7 +276,7 @@ class TestHandshake:
             resp = await peer.expect(wire.LookupResp)
             assert isinstance(resp, wire.LookupResp)
             assert resp.hits == (True,)
-            assert node.session(PEER) is not None
+            assert node.peers.session(PEER) is not None
 
 
 class TestErrorPolicy:
@@ -296,7 +296,7 @@ class TestErrorPolicy:
             await peer.send_raw(msgspec.msgpack.encode({"type": "teleport", "x": 1}))
             await peer.send(wire.Lookup(kv_request_id="r", keys=(key(1),), round_seq=0))
             await peer.expect(wire.LookupResp)
-            assert node.session(PEER) is not None
+            assert node.peers.session(PEER) is not None
 
     async def test_a_first_message_that_is_a_request_gets_a_disconnect(
         self, autojump_clock: trio.abc.Clock
@@ -366,7 +366,7 @@ class TestErrorPolicy:
             await peer.expect(wire.Disconnect)
             await trio.sleep(5)
             # the session is dead but still draining: the write may still land
-            assert node.closed_sessions() == []
+            assert node.peers.closed_sessions() == []
             assert cache.pinned() == 1
             plane.release_writes()
             assert "duplicate_fetch" in await closed_reason(node)
@@ -401,7 +401,7 @@ class TestDispatchErrors:
             for n in range(4):
                 await boom(10 + n)
             await trio.sleep(1)
-            assert node.session(PEER) is not None, "4 in a row after a reset is survivable"
+            assert node.peers.session(PEER) is not None, "4 in a row after a reset is survivable"
             await boom(20)
             await peer.expect(wire.Disconnect)
             assert "5 handler errors in a row" in await closed_reason(node)

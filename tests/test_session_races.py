@@ -53,7 +53,7 @@ async def test_a_peer_dialing_us_while_our_session_is_about_to_dial_it_is_that_s
             while a.id not in transport.connections:  # type: ignore[attr-defined]  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.001)
             await trio.testing.wait_all_tasks_blocked()  # b's node has seen the connection
-            session = b.node.session(a.id)
+            session = b.node.peers.session(a.id)
             dialing_when_a_came.append(session is not None and session.dialing)
             return await dial(peer)
 
@@ -67,7 +67,7 @@ async def test_a_peer_dialing_us_while_our_session_is_about_to_dial_it_is_that_s
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(ask, "b", a.id, key(1))
                 await trio.testing.wait_all_tasks_blocked()
-                session = b.node.session(a.id)
+                session = b.node.peers.session(a.id)
                 assert session is not None, "b's session was not created"
                 assert session.dialing, "b's session is not waiting to dial"
                 nursery.start_soon(ask, "a", b.id, key(2))
@@ -75,8 +75,8 @@ async def test_a_peer_dialing_us_while_our_session_is_about_to_dial_it_is_that_s
         assert any("while we dial it" in r.getMessage() for r in caplog.records), caplog.text
         assert answers == {"a": [HIT], "b": [HIT]}
         for member, peer in ((a, b), (b, a)):
-            assert member.node.closed_sessions() == []
-            (session,) = member.node.sessions()
+            assert member.node.peers.closed_sessions() == []
+            (session,) = member.node.peers.sessions()
             assert session.peer_id == peer.id
             assert session.ready
 
@@ -96,7 +96,7 @@ def hold_dials_until_both_sessions_exist(a: Member, b: Member, first: str) -> li
 
         async def held_dial(peer: str, member: Member = member, dial: Any = dial) -> Any:
             held.append(member.name)
-            if a.node.session(b.id) is not None and b.node.session(a.id) is not None:
+            if a.node.peers.session(b.id) is not None and b.node.peers.session(a.id) is not None:
                 both.set()
             await both.wait()
             if member.name == first:
@@ -140,8 +140,8 @@ async def test_nodes_dialing_each_other_at_once_share_one_session() -> None:
             assert sorted(held) == ["a", "b"], attempt  # one dial each, both held
             assert answers == {"a": [HIT], "b": [HIT]}, attempt
             for member, peer in ((a, b), (b, a)):
-                assert member.node.closed_sessions() == [], attempt
-                (session,) = member.node.sessions()
+                assert member.node.peers.closed_sessions() == [], attempt
+                (session,) = member.node.peers.sessions()
                 assert session.peer_id == peer.id
                 assert session.ready
 
@@ -152,11 +152,11 @@ async def test_a_peer_still_talking_in_a_session_that_died_here_is_told_to_disco
         b.store(key(2), key(3), key(4))
         with trio.fail_after(10):
             assert await a.node.lookup(b.id, "r1", [key(2)]) == [HIT]
-            (first,) = a.node.sessions()
+            (first,) = a.node.peers.sessions()
             # b's side of the connection dies and b's session ends; a has not
             # noticed and sends its next lookup on the old session.
             b.node.control.connections[a.id].kill("dropped on b's side only")  # type: ignore[attr-defined]
-            while b.node.sessions():  # noqa: ASYNC110 - no event to wait on
+            while b.node.peers.sessions():  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.01)
             # Answered because b's new inbound session says disconnect, not by
             # the 30 s lookup deadline (which fail_after(10) would not wait for).
@@ -166,7 +166,7 @@ async def test_a_peer_still_talking_in_a_session_that_died_here_is_told_to_disco
             assert [e.reason for e in r2 if e.KIND == "SessionLost"] == ["the peer disconnected"]  # type: ignore[attr-defined]
             assert not first.alive
             assert await a.node.lookup(b.id, "r3", [key(4)]) == [HIT]
-            (second,) = a.node.sessions()
+            (second,) = a.node.peers.sessions()
             assert second is not first
             assert second.ready
 
@@ -189,11 +189,11 @@ async def test_a_node_keeps_the_last_closed_sessions_and_counts_them_all(
                 await trio.sleep(0.01)
             assert peer.conn is not None
             await peer.conn.aclose()
-            while node.sessions():  # noqa: ASYNC110 - no event to wait on
+            while node.peers.sessions():  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.01)
         assert node.peers.closed_count == 3
-        assert len(node.closed_sessions()) == 2
-        assert all("disconnect" in r.reason for r in node.closed_sessions())
+        assert len(node.peers.closed_sessions()) == 2
+        assert all("disconnect" in r.reason for r in node.peers.closed_sessions())
 
 
 async def test_a_peer_whose_side_of_the_session_died_starts_afresh_without_losing_a_request() -> (
@@ -208,16 +208,16 @@ async def test_a_peer_whose_side_of_the_session_died_starts_afresh_without_losin
         b.store(key(2), key(3))
         with trio.fail_after(10):
             assert await a.node.lookup(b.id, "r1", [key(2)]) == [HIT]
-            (old_b,) = b.node.sessions()
+            (old_b,) = b.node.peers.sessions()
             a.node.control.connections[b.id].kill("dropped on a's side only")  # type: ignore[attr-defined]
-            while a.node.sessions():  # noqa: ASYNC110 - no event to wait on
+            while a.node.peers.sessions():  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.01)
             assert old_b.alive  # b saw nothing
             assert await a.node.lookup(b.id, "r2", [key(3)]) == [HIT]
-            (new_b,) = b.node.sessions()
+            (new_b,) = b.node.peers.sessions()
             assert new_b is not old_b
             assert new_b.ready
             assert not old_b.alive
-            assert [r.reason for r in b.node.closed_sessions()] == [
+            assert [r.reason for r in b.node.peers.closed_sessions()] == [
                 "the peer started a new session on this connection"
             ]

@@ -135,7 +135,7 @@ async def test_a_closed_session_leaves_the_peers_and_is_listed_with_its_reason(
     async with open_cluster("a", "b") as cluster:
         a = cluster["a"]
         await a.node.lookup(node_id("b"), "req-1", [key(1)])
-        session = a.node.session(node_id("b"))
+        session = a.node.peers.session(node_id("b"))
         assert session is not None
         session.close("the test closed it")
         await session.wait_closed()
@@ -182,7 +182,7 @@ async def test_a_stalled_handshake_shows_connecting_and_the_missing_step(
             "our_connect_acked": False,
             "peer_memory_registered": False,
         }
-        session = a.node.session(node_id("b"))
+        session = a.node.peers.session(node_id("b"))
         assert isinstance(session, PeerSession)
         session.close("the test is over")
 

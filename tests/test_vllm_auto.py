@@ -72,7 +72,7 @@ def prefix_lookup(h: Harness, engine: Engine, ctx: ReqContext, keys: list[bytes]
 
 
 def claims(engine: Engine, peer: Engine) -> int:
-    return engine.tier.node.sources.index.claims_of(peer.peer_id)
+    return engine.tier.node.directory.index.claims_of(peer.peer_id)
 
 
 def test_a_request_naming_no_source_loads_its_prefix_from_the_peer_that_holds_it(
@@ -109,7 +109,7 @@ def test_a_request_naming_no_source_loads_its_prefix_from_the_peer_that_holds_it
     # What c loaded is c's to claim now: d hears of it. The chunks the load
     # took while in flight are back in c's room.
     h.steps_until(lambda: claims(d, c) == 4, "d sees c's loaded keys")
-    held = c.tier.node.sources.holdings
+    held = c.tier.node.directory.holdings
     assert held.room == held.capacity
     assert all(k in held for k in keys)
 
@@ -143,7 +143,7 @@ def test_a_key_the_check_finds_evicted_leaves_the_peers_claims(
     h.steps_until(lambda: claims(c, d) == 3, "c has d's summary")
     del d.parent.stored[keys[1]]  # vLLM evicted it: no tier is told
     h.steps_until(lambda: claims(c, d) == 2, "d's check found it gone, and c heard")
-    index = c.tier.node.sources.index
+    index = c.tier.node.directory.index
     from p2pactor.core.sources import fingerprint  # noqa: PLC0415 -- one use
 
     assert index.claimed_by(fingerprint(keys[1])) == frozenset()

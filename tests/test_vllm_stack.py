@@ -154,7 +154,7 @@ def test_a_peer_outside_allowed_peers_is_no_source() -> None:
         run_until([a, b], done(req), "b's request done")
         assert req.loaded == 0
         assert a.producer_events("LookupReceived", "denied-1") == []
-        assert a.peer_id not in {s.peer_id for s in b.tier.node.sessions()}
+        assert a.peer_id not in {s.peer_id for s in b.tier.node.peers.sessions()}
         settle([a, b])
 
 
@@ -174,7 +174,7 @@ def test_a_request_naming_no_source_loads_from_the_peer_whose_summary_has_it() -
     ):
         keys = new_keys(4)
         d.computed(keys)
-        index = c.tier.node.sources.index
+        index = c.tier.node.directory.index
         run_until([c, d, e], lambda: index.claims_of(d.peer_id) >= 4, "d's summary reached c")
         req = ask(c, keys, None)
         run_until([c, d, e], done(req), "c's request done")
@@ -214,7 +214,7 @@ def test_a_request_whose_first_key_nobody_claims_prefills_in_the_same_step() -> 
     ):
         held = new_keys(2)
         d.computed(held)
-        index = c.tier.node.sources.index
+        index = c.tier.node.directory.index
         run_until([c, d], lambda: index.claims_of(d.peer_id) == 2, "d's summary reached c")
         req = ask(c, [*new_keys(2), *held], None)
         c.engine.step()
@@ -231,7 +231,7 @@ def test_what_vllms_lru_evicts_leaves_the_peers_claims() -> None:
         open_nodes(("d", {"num_chunks": 16})) as (d,),
         open_nodes(("c", {"seed_peers": d.peer_id})) as (c,),
     ):
-        index = c.tier.node.sources.index
+        index = c.tier.node.directory.index
         first, then = new_keys(12), new_keys(12)
         d.computed(first)
         run_until([c, d], lambda: index.claims_of(d.peer_id) == 12, "d's summary reached c")
@@ -259,7 +259,7 @@ def test_what_an_engine_writes_is_claimed_before_vllm_cascades_it() -> None:
         open_nodes(("d", {})) as (d,),
         open_nodes(("c", {"seed_peers": d.peer_id})) as (c,),
     ):
-        index = c.tier.node.sources.index
+        index = c.tier.node.directory.index
 
         def summary_in() -> bool:
             position = index.position(d.peer_id)
@@ -374,7 +374,7 @@ def test_a_choice_landing_mid_scan_fetches_the_whole_run_in_one_round() -> None:
         open_nodes(("d", {})) as (d,),
         open_nodes(("c", {"seed_peers": d.peer_id})) as (c,),
     ):
-        index = c.tier.node.sources.index
+        index = c.tier.node.directory.index
         landed = 0
         for attempt in range(8):  # until the choice is out at a scan's start
             keys = new_keys(4)

@@ -343,7 +343,7 @@ class Engine:
         return chunks
 
     def sessions(self) -> set[str]:
-        return {s.peer_id for s in self.tier.node.sessions()}
+        return {s.peer_id for s in self.tier.node.peers.sessions()}
 
     def events(self, kind: str, kv_id: str) -> list[Any]:
         return [
@@ -684,7 +684,7 @@ def test_remote_prefiller_wins_over_remote_kv_source(h: Harness, a: Engine, b: E
         h.step()
         time.sleep(0.001)
     assert f"{HOST}:{nowhere}" not in a.sessions()
-    assert a.tier.node.session(f"{HOST}:{nowhere}") is None
+    assert a.tier.node.peers.session(f"{HOST}:{nowhere}") is None
     assert b.parent.calls == []
     h.finish(a, ctx)
     h.check()
@@ -759,7 +759,7 @@ def test_peers_with_different_hash_seeds_refuse_each_other(
     assert h.lookup_all(odd, ctx, keys) == [MISS] * 3
     job = h.load(odd, ctx, keys, odd.chunks(3))
     assert h.result(odd, job).success is False
-    reasons = [r.reason for r in odd.tier.node.closed_sessions() if r.peer_id == b.peer_id]
+    reasons = [r.reason for r in odd.tier.node.peers.closed_sessions() if r.peer_id == b.peer_id]
     # (b's disconnect may arrive after odd's session ended, as a second, stray
     # connection that odd closes too.)
     assert any("hash seed differs" in r for r in reasons), reasons
@@ -850,7 +850,7 @@ def test_store_before_the_fetch_is_parked_then_served(h: Harness, a: Engine, b: 
         time.sleep(0.001)
     assert store_job not in b.parent.results  # parked
     assert b.sessions() == sessions_before
-    assert b.tier.node.session(f"{HOST}:{nowhere}") is None
+    assert b.tier.node.peers.session(f"{HOST}:{nowhere}") is None
     h.finish(b, pctx)  # the prefill is done; the blocks wait for the decoder
 
     ctx, _ = h.open(a, source("remote_prefiller", kv_id, b))
@@ -1000,9 +1000,9 @@ def test_a_peer_outside_allowed_peers_is_no_source_and_never_dialed(
     for _ in range(10):
         h.step()
         time.sleep(0.001)
-    assert a.tier.node.session(guarded.peer_id) is None
-    assert guarded.tier.node.session(a.peer_id) is None
-    assert a.peer_id not in {r.peer_id for r in guarded.tier.node.closed_sessions()}
+    assert a.tier.node.peers.session(guarded.peer_id) is None
+    assert guarded.tier.node.peers.session(a.peer_id) is None
+    assert a.peer_id not in {r.peer_id for r in guarded.tier.node.peers.closed_sessions()}
     assert a.parent.calls == []
     assert not guarded.memory.any()
     # The allowed peer is used as usual.
@@ -1260,7 +1260,7 @@ def test_a_producer_that_goes_away_fails_the_inflight_load(h: Harness, a: Engine
     assert h.result(a, load_job).success is False
     assert a.tier.lookup(keys[0], ctx) is MISS
     h.steps_until(lambda: prefiller.peer_id not in a.sessions(), "a's session with it closed")
-    assert prefiller.peer_id in {r.peer_id for r in a.tier.node.closed_sessions()}
+    assert prefiller.peer_id in {r.peer_id for r in a.tier.node.peers.closed_sessions()}
     h.finish(a, ctx)
     assert a.tier.lookup(keys[0], ctx) is HIT
     h.check()

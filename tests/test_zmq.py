@@ -924,7 +924,7 @@ async def test_two_nodes_share_blocks_over_zmq() -> None:
                 cache_a.commit(block_key(i), block)
                 assert cache_a.read(block_key(i)) == block_data(i)
             a.finish("req-1")
-            session = a.session(zb.local_id)
+            session = a.peers.session(zb.local_id)
             assert session is not None
             assert session.extended  # p2pactor <-> p2pactor over real ZeroMQ
 
@@ -941,17 +941,17 @@ async def test_a_session_that_died_on_one_side_only_restarts_over_zmq() -> None:
     with trio.fail_after(30):
         async with zmq_nodes(cache_a, cache_b) as (za, zb, a, b):
             assert await a.lookup(zb.local_id, "r1", [block_key(0)]) == [LookupResult.HIT]
-            (old_b,) = b.sessions()
+            (old_b,) = b.peers.sessions()
             (conn,) = za.connections()
             await conn.aclose()  # a's side only: b's DEALER to a stays connected
-            while a.sessions():  # noqa: ASYNC110 - no event to wait on
+            while a.peers.sessions():  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.01)
             assert old_b.alive
             assert await a.lookup(zb.local_id, "r2", [block_key(1)]) == [LookupResult.HIT]
-            (new_b,) = b.sessions()
+            (new_b,) = b.peers.sessions()
             assert new_b is not old_b
             assert new_b.ready
-            reasons = [r.reason for r in b.closed_sessions()]
+            reasons = [r.reason for r in b.peers.closed_sessions()]
             assert reasons == ["the peer started a new session on this connection"]
 
 

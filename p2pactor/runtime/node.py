@@ -46,12 +46,10 @@ from p2pactor.core.consumer import probe_answers
 from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.config import NodeConfig
-from p2pactor.runtime.directory import SourceDirectory
 from p2pactor.runtime.host import NodeHost, Waiter
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.parent import Parent
 from p2pactor.runtime.quotas import PeerUsage
-from p2pactor.runtime.session import PeerSession, SessionCloseResult
 from p2pactor.runtime.transport import ControlTransport, DataTransport
 
 
@@ -98,11 +96,6 @@ class Node(NodeHost):
 
     # --- state (read on the node's thread unless said) -----------------------------
 
-    @property
-    def sources(self) -> SourceDirectory:
-        """What this node tells peers it holds, what they claim, and the choices made."""
-        return self.directory
-
     def peer_usage(self, peer: str) -> PeerUsage:
         """What ``peer`` holds on this node now, and what its quotas refused. Any thread."""
         return self.quotas.usage(peer)
@@ -119,18 +112,6 @@ class Node(NodeHost):
     def uptime(self) -> float:
         """Seconds since the node started. Any thread."""
         return self.clock.current_time() - self.started_at
-
-    def sessions(self) -> list[PeerSession]:
-        """Live sessions, one per peer."""
-        return self.peers.sessions()
-
-    def session(self, peer: str) -> PeerSession | None:
-        """The live session with ``peer``, if any."""
-        return self.peers.session(peer)
-
-    def closed_sessions(self) -> list[SessionCloseResult]:
-        """What the sessions that closed left behind, oldest first (the last 1,024)."""
-        return self.peers.closed_sessions()
 
     def has_transfers_in_flight(self) -> bool:
         """Whether a load of ours or a write of ours is still running. Thread-safe."""

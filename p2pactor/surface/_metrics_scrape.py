@@ -36,7 +36,7 @@ def _gauges(node: Node) -> _Gauges:
     sessions: dict[str, int] = {}
     actors = dict.fromkeys((Role.CONSUMER.value, Role.PRODUCER.value), 0)
     ready = 0
-    for session in node.sessions():
+    for session in node.peers.sessions():
         state = session.state.value
         sessions[state] = sessions.get(state, 0) + 1
         ready += session.ready and session.alive
@@ -66,7 +66,7 @@ class _Sources(NamedTuple):
 
 def source_state(node: Node) -> _Sources:
     """The source directory's counts and state now (for ``/metrics`` and ``/status``)."""
-    directory = node.sources
+    directory = node.directory
     index = directory.index
     now = node.now()
     peers = []

@@ -249,7 +249,7 @@ class NodeMetrics:
         Totals stay whole (and every counter monotonic); only the idle peers'
         own series end.
         """
-        live = {session.peer_id for session in self._node.sessions()}
+        live = {session.peer_id for session in self._node.peers.sessions()}
         other = self._peers.get(_OTHER_PEERS) or _Peer()
         for name in [p for p in self._peers if p not in live and p != _OTHER_PEERS]:
             other.absorb(self._peers.pop(name))

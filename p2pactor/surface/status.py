@@ -64,7 +64,7 @@ def node_status(
     now = node.now()
     uptime = node.uptime
     usages = node.quota_usage()
-    sessions = node.sessions()
+    sessions = node.peers.sessions()
     limits = _quota_limits(node)
     peers = [_peer(s, now, usages, limits) for s in [*sessions, *node.peers.replaced_sessions()]]
     requests = {"consumer": 0, "producer": 0}
@@ -100,7 +100,7 @@ def node_status(
         "limits": _limits(node, len(sessions), sum(pinned_by_peer.values())),
         "quotas": limits,
         "quota_usage": {peer: _usage(u) for peer, u in usages.items()},
-        "closed_sessions": _closed(node.closed_sessions(), node.peers.closed_count),
+        "closed_sessions": _closed(node.peers.closed_sessions(), node.peers.closed_count),
         "sources": _source_status(node),
         "loop": _loop_status(node.loop_watch.snapshot()),
         # the same cumulative figures /metrics exposes, so the two agree
@@ -172,7 +172,7 @@ def _limit(name: str, used: int, limit: int, what: str) -> dict[str, Any]:
 def _limits(node: Node, sessions: int, pinned: int) -> list[dict[str, Any]]:
     """The node-wide limits, with how much of each is used now."""
     config = node.config
-    peers = node.sessions()
+    peers = node.peers.sessions()
     fullest = max(peers, key=lambda s: s.unsent, default=None)
     return [
         _limit("max_peers", sessions, config.max_peers, "sessions, inbound and outbound"),

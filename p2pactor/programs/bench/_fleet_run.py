@@ -161,7 +161,7 @@ def _synced(engines: Sequence[Engine]) -> bool:
     """Every p2pactor engine has every other's summary."""
     ours = [e for e in engines if e.node is not None and e.node.shares_summaries]
     for e in ours:
-        index = e.node.sources.index
+        index = e.node.directory.index
         for p in ours:
             position = index.position(p.peer_id) if p is not e else (0, 0, True)
             if position is None or not position[2]:
@@ -255,7 +255,7 @@ def _figures(engines: Sequence[Engine], seconds: float) -> dict[str, Any]:
             waits["claimed" if r.claimed else "unclaimed"].append(wait)
         elif r.req.ctx.kv_transfer_params is not None:
             waits["named"].append(wait)
-    counts = [e.node.sources.counts for e in engines if e.node is not None]
+    counts = [e.node.directory.counts for e in engines if e.node is not None]
     pairs = max(1, len(counts) * (len(counts) - 1))
     probed = sum(c.probed_keys for c in counts)
     return {
@@ -295,7 +295,7 @@ def run_arm(arm: str, engines_n: int, capacity_share: float, turns: Sequence[Tur
         )
         lookups = _counter(engines, "vllm:kv_offload_p2pactor_lookups")
         figures["lookups_per_named"] = lookups / figures["named"] if figures["named"] else 0.0
-        indexes = [e.node.sources.index for e in engines if e.node is not None]
+        indexes = [e.node.directory.index for e in engines if e.node is not None]
         figures["index_claims_per_engine"] = sum(len(i) for i in indexes) / max(1, len(indexes))
         figures["index_bytes_per_engine"] = sum(map(_index_bytes, indexes)) / max(1, len(indexes))
         return figures

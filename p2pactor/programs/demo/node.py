@@ -124,10 +124,10 @@ async def _open_sessions(node: Node, peers: list[str], *, summaries: bool) -> bo
         node.prepare(peer)
 
     def ready(peer: str) -> bool:
-        session = node.session(peer)
+        session = node.peers.session(peer)
         if session is None or not session.ready:
             return False
-        position = node.sources.index.position(peer)
+        position = node.directory.index.position(peer)
         return not summaries or (position is not None and position[2])
 
     # No event says "every session ready and synced"; a 5 ms poll for the

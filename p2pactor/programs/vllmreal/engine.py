@@ -118,7 +118,7 @@ def _has_seed_summaries(tier: Any) -> bool:
     seeds = node.config.seed_peers
 
     def synced() -> bool:
-        index = node.sources.index
+        index = node.directory.index
         positions = [index.position(peer) for peer in seeds]
         return not index.pending and all(p is not None and p[2] for p in positions)
 

@@ -30,7 +30,7 @@ from p2pactor.core.fold import ActorState, Phase, initial_phase, phase_after
 from p2pactor.core.ids import ActorId
 from p2pactor.runtime.config import NodeConfig
 from p2pactor.runtime.logread import LogReader, read_log
-from p2pactor.runtime.session import PeerSession
+from p2pactor.runtime.peers import PeerRegistry
 from p2pactor.surface.replay import open_logs
 from p2pactor.surface.status import control_security
 from p2pactor.surface.timeline.feed import Feed, FeedFilters, FeedLimits, FeedStats, Subscriber
@@ -78,8 +78,9 @@ class FeedSource(Protocol):
         """Call ``watcher`` after every actor step; returns an unsubscribe."""
         ...
 
-    def sessions(self) -> list[PeerSession]:
-        """The node's live sessions."""
+    @property
+    def peers(self) -> PeerRegistry:
+        """The node's sessions."""
         ...
 
 
@@ -218,7 +219,7 @@ class _LiveSite(Site):
         feed = self._feed
         while True:
             await trio.sleep(feed.limits.status_interval_s)
-            feed.broadcast(peers_message(feed.node, self._node.sessions()))
+            feed.broadcast(peers_message(feed.node, self._node.peers.sessions()))
             feed.broadcast(feed.counters.message(feed.node))
 
     async def watch_laggards(self) -> None:
