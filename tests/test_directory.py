@@ -85,8 +85,8 @@ async def test_a_request_naming_no_source_is_served_by_the_peer_that_holds_it(
         c.store(key(0), key(1))  # c claims a shorter run of the same prefix
         await linked(a, b)
         await linked(c, b)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 6)
-        await until(lambda: b.node.directory.index.claims_of(c.id) == 2)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 6)
+        await until(lambda: len(b.node.directory.index.peer(c.id).claims) == 2)
         peer, hits = await pull(b, "req-1", [key(i) for i in range(8)])
         assert peer == a.id
         assert hits == [key(i) for i in range(6)]
@@ -112,7 +112,7 @@ async def test_a_key_nobody_claims_is_a_miss_at_once_and_nothing_is_sent(
         a, b = cluster["a"], cluster["b"]
         a.store(key(1))
         await linked(a, b)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 1)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 1)
         seen = tap(cluster)
         actors = len(b.actors)
         start = trio.current_time()
@@ -135,13 +135,13 @@ async def test_what_a_node_evicts_leaves_its_peers_claims(
         await linked(a, b)
         a.store(*[key(i) for i in range(4)])
         index = b.node.directory.index
-        await until(lambda: index.claims_of(a.id) == 4)
+        await until(lambda: len(index.peer(a.id).claims) == 4)
         assert index.claimed_by(fingerprint(key(0))) == {a.id}
         a.store(key(4), key(5))  # evicts key(0) and key(1), the least recently used
         await until(lambda: index.claimed_by(fingerprint(key(5))) == {a.id})
         assert index.claimed_by(fingerprint(key(0))) == frozenset()
         assert index.claimed_by(fingerprint(key(1))) == frozenset()
-        assert index.claims_of(a.id) == 4
+        assert len(index.peer(a.id).claims) == 4
 
 
 async def test_a_snapshot_goes_in_parts_paced_apart(autojump_clock: trio.abc.Clock) -> None:
@@ -152,7 +152,7 @@ async def test_a_snapshot_goes_in_parts_paced_apart(autojump_clock: trio.abc.Clo
         seen = tap(cluster)
         await linked(a, b)
         await until(lambda: b.node.directory.index.position(a.id) is not None)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 10)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 10)
     parts = [(t, m) for t, src, _, m in seen if src == a.id and isinstance(m, wire.KvsumSnapshot)]
     assert [m.part for _, m in parts] == [0, 1, 2]
     assert all(m.parts == 3 for _, m in parts)
@@ -172,9 +172,9 @@ async def test_summaries_flow_only_where_both_sides_offered_them(
         c.store(key(1))
         await linked(a, b)
         await linked(c, b)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 1)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 1)
         a.store(key(2))  # a delta, to b only
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 2)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 2)
         await trio.sleep(1)
     connects = {src: m for _, src, _, m in seen if isinstance(m, wire.Connect)}
     offered = {
@@ -213,7 +213,7 @@ async def test_a_peer_whose_claims_keep_missing_is_quarantined_but_still_named(
         await linked(a, b)
         lies = [key(1000 + i) for i in range(200)]
         a.node.holds(lies)  # claims keys its cache never held
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 200)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 200)
         now = trio.current_time
         asked = 0
         while not b.node.directory.index.quarantined(a.id, now()):
@@ -226,7 +226,7 @@ async def test_a_peer_whose_claims_keep_missing_is_quarantined_but_still_named(
         counts = b.node.directory.counts
         assert counts.false_claims == counts.probed_keys == asked * 10
         # Its claims on what it was asked are gone; the rest is quarantined.
-        assert b.node.directory.index.claims_of(a.id) == 200 - asked * 10
+        assert len(b.node.directory.index.peer(a.id).claims) == 200 - asked * 10
         located = await b.node.locate("after", lies[-10:])
         assert located.peer is None
         assert "quarantined" in located.choice.reason
@@ -253,7 +253,7 @@ async def test_a_peer_that_answers_hit_and_fails_every_fetch_is_quarantined(
         await linked(a, b)
         held = [key(1000 + i) for i in range(200)]
         a.store(*held)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 200)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 200)
         cluster.plane.fail_writes(10_000, reason="a liar's write", peer=b.id)
         now = trio.current_time
         misrouted = 0
@@ -286,7 +286,7 @@ async def test_a_load_the_engine_gives_up_first_says_nothing_of_the_peer(
         await linked(a, b)
         held = [key(2000 + i) for i in range(40)]
         a.store(*held)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 40)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 40)
         cluster.plane.hold_writes()
         for i in range(4):
             kv, keys = f"given-up-{i}", held[i * 10 : i * 10 + 10]
@@ -316,7 +316,7 @@ async def test_resyncs_are_answered_once_an_interval_from_one_shared_snapshot(
         a.store(*[key(i) for i in range(100)])
         await linked(a, b)
         await linked(a, c)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 100)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 100)
         seen = tap(cluster)
         built = a.node.directory.holdings.built
         resync = wire.encode(wire.KvsumResync(epoch=b"", from_seq=0))
@@ -329,7 +329,7 @@ async def test_resyncs_are_answered_once_an_interval_from_one_shared_snapshot(
             sent = [m for _, src, dst, m in seen if (src, dst) == (a.id, peer.id)]
             snapshots = [m for m in sent if isinstance(m, wire.KvsumSnapshot)]
             assert 3 <= len(snapshots) <= 4  # one a second (one part each: 100 keys)
-            assert peer.node.directory.index.claims_of(a.id) == 100
+            assert len(peer.node.directory.index.peer(a.id).claims) == 100
         assert a.node.directory.holdings.built == built  # nothing changed: the same snapshot
 
 
@@ -343,10 +343,10 @@ async def test_a_peer_is_kept_to_this_nodes_budget_whatever_it_registered(
         a, b = cluster["a"], cluster["b"]
         a.store(*[key(i) for i in range(120)])
         await linked(a, b)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == most)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == most)
         index = b.node.directory.index
-        assert index.claims_of(a.id) == most
-        assert index.strikes(a.id) >= 1
+        assert len(index.peer(a.id).claims) == most
+        assert index.peer(a.id).strikes >= 1
         said = [r.getMessage() for r in caplog.records if "peer_budget_bytes" in r.getMessage()]
         told = [m for m in said if m.startswith(a.id)]  # b of a (a says the same of b)
         assert len(told) == 1
@@ -361,7 +361,7 @@ async def test_a_choice_is_recorded_in_the_request_log_and_replays(
         a, b = cluster["a"], cluster["b"]
         a.store(key(1), key(2))
         await linked(a, b)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 2)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 2)
         await pull(b, "req", [key(1), key(2)])
         await trio.sleep(1)
     # open_cluster checked that b's log replays to its live states; the
@@ -381,13 +381,13 @@ async def test_a_periodic_snapshot_repairs_a_copy_that_drifted_with_no_gap_to_sh
         b.store(key(1), key(2))
         await linked(a, b)
         index = a.node.directory.index
-        await until(lambda: index.claims_of(b.id) == 2)
+        await until(lambda: len(index.peer(b.id).claims) == 2)
         seen = tap(cluster)
         # a dropped a claim b still holds (as after a lookup that missed in a
         # race): no delta of b's will ever bring it back.
         index.missed(b.id, [fingerprint(key(1))])
-        assert index.claims_of(b.id) == 1
-        await until(lambda: index.claims_of(b.id) == 2, within=6.0)
+        assert len(index.peer(b.id).claims) == 1
+        await until(lambda: len(index.peer(b.id).claims) == 2, within=6.0)
     refreshes = [m for _, src, _, m in seen if src == b.id and isinstance(m, wire.KvsumSnapshot)]
     assert refreshes, "b sent no snapshot after the first"
 
@@ -407,7 +407,7 @@ async def test_a_quota_refusal_is_no_false_claim_and_leaves_the_claims(
         keys = [key(i) for i in range(6)]
         a.store(*keys)
         await linked(a, b)
-        await until(lambda: b.node.directory.index.claims_of(a.id) == 6)
+        await until(lambda: len(b.node.directory.index.peer(a.id).claims) == 6)
         seen = tap(cluster)
         peer, hits = await pull(b, "req", keys)
         assert (peer, hits) == (a.id, keys[:2])
@@ -416,7 +416,7 @@ async def test_a_quota_refusal_is_no_false_claim_and_leaves_the_claims(
         counts = b.node.directory.counts
         assert (counts.false_claims, counts.refused_claims) == (0, 4)
         index = b.node.directory.index
-        assert index.claims_of(a.id) == 6
+        assert len(index.peer(a.id).claims) == 6
         assert index.precision(a.id) == 1.0
         await trio.sleep(1)
         assert_settled(cluster)
@@ -434,7 +434,7 @@ async def test_summaries_that_come_faster_than_they_are_applied_are_dropped_and_
         b.store(key(0))
         await linked(b, a)
         index = a.node.directory.index
-        await until(lambda: index.claims_of(b.id) == 1)
+        await until(lambda: len(index.peer(b.id).claims) == 1)
         position = index.position(b.id)
         assert position is not None
         epoch, seq, _ = position
@@ -452,13 +452,13 @@ async def test_summaries_that_come_faster_than_they_are_applied_are_dropped_and_
         for i in range(1, 11):
             delta = wire.KvsumDelta(epoch=epoch, seq=seq + i, add=big, remove=b"")
             cluster.network.post(b.id, a.id, wire.encode(delta))
-        await until(lambda: index.floods(b.id) >= 1)
-        assert index.peer_bytes(b.id) <= options.peer_budget_bytes
+        await until(lambda: index.peer(b.id).floods >= 1)
+        assert index.peer(b.id).nbytes <= options.peer_budget_bytes
         # b is asked for its snapshot, and its true one (1 key) replaces the rest.
         await until(lambda: resyncs() > asked)
-        await until(lambda: not index.pending and index.claims_of(b.id) == 1)
+        await until(lambda: not index.pending and len(index.peer(b.id).claims) == 1)
         assert index.claimed_by(fingerprint(key(0))) == {b.id}
-        assert a.node.directory.counts.summary_floods == index.floods(b.id)
+        assert a.node.directory.counts.summary_floods == index.peer(b.id).floods
         said = [r.getMessage() for r in caplog.records if "faster than this node" in r.getMessage()]
         assert len(said) == 1
         assert said[0].startswith(b.id)

@@ -338,7 +338,7 @@ class SummaryMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_index_claims_at_most_what_it_may(self) -> None:
-        assert self.index.claims_of("node") == len(self._claimed())
+        assert len(self.index.peer("node").claims) == len(self._claimed())
         assert len(self.node) <= self.node.room <= 8
         if self.clean and self.node.next_flush() is None:
             assert self._claimed() == self._held()  # nothing unflushed: exact

@@ -68,7 +68,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         await linked(b, a)
         await linked(c, a)
         index = a.node.directory.index
-        await until(lambda: index.claims_of(b.id) == 5 and index.claims_of(c.id) == 2)
+        await until(lambda: len(index.peer(b.id).claims) == 5 and len(index.peer(c.id).claims) == 2)
 
         def snapshots_from_b() -> int:
             return sum(
@@ -82,7 +82,7 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         assert before is not None
         forge_claims(cluster, a, b, [key(30)], skip=3)
         await until(lambda: snapshots_from_b() == 2)
-        assert index.claims_of(b.id) == 5
+        assert len(index.peer(b.id).claims) == 5
 
         # chosen: b claims the longest run (5 of 7 keys), and holds it
         peer, hits = await locate_and_pull(a, "r-chosen", [key(i) for i in range(7)])
@@ -97,13 +97,13 @@ async def test_the_directory_counts_equal_what_it_chose_and_what_crossed_the_wir
         assert len(located.choice.claims) == 2
         # a false claim: "b" says it holds two keys it never had, and b answers MISS
         forge_claims(cluster, a, b, [key(20), key(21)])
-        await until(lambda: index.claims_of(b.id) == 7)
+        await until(lambda: len(index.peer(b.id).claims) == 7)
         assert len(index) == 7 + 2  # claims: b's 7 and c's 2, the keys they share twice
         located = await a.node.locate("r-false", [key(20), key(21)])
         assert located.peer == b.id
         assert located.answers == (MISS, MISS)
         a.node.finish("r-false")
-        await until(lambda: not a.node.directory.auto and index.claims_of(b.id) == 5)
+        await until(lambda: not a.node.directory.auto and len(index.peer(b.id).claims) == 5)
         # a has told b and c of the 5 blocks it fetched
         await until(lambda: sum(fingerprint_bytes(m) for _, src, _, m in seen if src == a.id) == 80)
 
@@ -207,9 +207,9 @@ async def test_a_peer_whose_claims_keep_missing_shows_quarantined(
         b.store(key(0))
         await linked(b, a)
         index = a.node.directory.index
-        await until(lambda: index.claims_of(b.id) == 1)
+        await until(lambda: len(index.peer(b.id).claims) == 1)
         forge_claims(cluster, a, b, [key(20), key(21)])
-        await until(lambda: index.claims_of(b.id) == 3)
+        await until(lambda: len(index.peer(b.id).claims) == 3)
         located = await a.node.locate("r", [key(20), key(21)])
         assert located.answers == (MISS, MISS)
         a.node.finish("r")

@@ -78,14 +78,14 @@ async def test_a_cut_session_with_a_seed_heals_and_its_summary_comes_back(
         a, b = cluster["a"], cluster["b"]
         b.store(key(1), key(2))
         index = a.node.directory.index
-        await until(lambda: index.claims_of(b.id) == 2)
+        await until(lambda: len(index.peer(b.id).claims) == 2)
         session = a.node.peers.session(b.id)
         assert session is not None
         cut = trio.current_time()
         session.close("test: the link was cut")
         await until(
-            lambda: a.node.peers.session(b.id) is not session and index.claims_of(b.id) == 0
+            lambda: a.node.peers.session(b.id) is not session and len(index.peer(b.id).claims) == 0
         )
         await until(lambda: (s := a.node.peers.session(b.id)) is not None and s.ready, within=30)
         assert trio.current_time() - cut >= 1.0  # the first back-off, not a tight loop
-        await until(lambda: index.claims_of(b.id) == 2)
+        await until(lambda: len(index.peer(b.id).claims) == 2)

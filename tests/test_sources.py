@@ -52,9 +52,9 @@ def test_a_new_peer_is_asked_for_a_snapshot_and_its_claims_count_once_whole() ->
     index = SourceIndex()
     assert index.add_peer("b", capacity=100) == Resync("b", b"", 0)
     index.snapshot("b", E1, 5, part=1, parts=2, fps=[3, 4])
-    assert index.claims_of("b") == 0  # half a snapshot claims nothing yet
+    assert len(index.peer("b").claims) == 0  # half a snapshot claims nothing yet
     index.snapshot("b", E1, 5, part=0, parts=2, fps=[1, 2])
-    assert index.claims_of("b") == 4
+    assert len(index.peer("b").claims) == 4
     assert index.position("b") == (E1, 5, True)
     assert index.claimed_by(3) == {"b"}
 
@@ -93,26 +93,26 @@ def test_a_peer_claims_no_more_keys_than_it_registered_blocks() -> None:
     index = SourceIndex()
     index.add_peer("liar", capacity=3)
     assert synced(index, "liar", list(range(10))) is None
-    assert index.claims_of("liar") == 3  # a snapshot over its capacity is cut back to it
-    assert index.strikes("liar") == 1
+    assert len(index.peer("liar").claims) == 3  # a snapshot over its capacity is cut back to it
+    assert index.peer("liar").strikes == 1
     assert all(index.claimed_by(fp) == {"liar"} for fp in range(10) if index.claimed(fp))
     synced(index, "liar", [1, 2])
     assert index.delta("liar", E1, 1, add=[50, 51, 52], remove=[]) is None
-    assert index.claims_of("liar") == 3  # what fits of the delta
-    assert index.strikes("liar") == 2
+    assert len(index.peer("liar").claims) == 3  # what fits of the delta
+    assert index.peer("liar").strikes == 2
 
 
 def test_what_a_peer_sends_stays_within_what_it_registered() -> None:
     index = SourceIndex()
     index.add_peer("b", capacity=4)
     index.snapshot("b", E1, 0, part=0, parts=2**62, fps=[1])  # could never complete
-    assert index.strikes("b") == 1
+    assert index.peer("b").strikes == 1
     index.snapshot("b", E1, 0, part=0, parts=2, fps=[1])
     resyncs = [index.delta("b", E1, seq, add=[seq], remove=[]) for seq in range(1, 400)]
     # Past MAX_BUFFERED_DELTAS the half snapshot is given up, and asked for again.
     assert Resync("b", E1, 0) in resyncs
     index.snapshot("b", E1, 0, part=1, parts=2, fps=[2])
-    assert index.claims_of("b") == 0  # its first part was given up: not whole
+    assert len(index.peer("b").claims) == 0  # its first part was given up: not whole
 
 
 def test_of_two_snapshots_in_flight_the_newer_is_assembled_and_older_parts_are_dropped() -> None:
@@ -136,7 +136,7 @@ def test_a_snapshot_completes_though_deltas_overtake_it_while_its_parts_arrive()
     synced(index, "b", [1])
     index.delta("b", E1, 1, add=[2, 3], remove=[])  # one more than fits: truncated
     index.delta("b", E1, 2, add=[], remove=[1])
-    assert index.claims_of("b") == 1  # only a snapshot can repair it
+    assert len(index.peer("b").claims) == 1  # only a snapshot can repair it
     # The snapshot as of 2, and delta 3 between its parts (applied at once).
     index.snapshot("b", E1, 2, part=0, parts=2, fps=[2])
     assert index.delta("b", E1, 3, add=[], remove=[]) is None
@@ -186,7 +186,7 @@ def test_a_new_epoch_on_every_message_asks_one_resync() -> None:
         asked.append(index.delta("b", b"d%015d" % i, 1, add=[2], remove=[]))
         asked.append(index.snapshot("b", b"s%015d" % i, 0, part=0, parts=2, fps=[3]))
     assert sum(r is not None for r in asked) == 1
-    assert index.claims_of("b") == 0  # each new epoch dropped the old summary whole
+    assert len(index.peer("b").claims) == 0  # each new epoch dropped the old summary whole
     # Once a snapshot arrives whole, the next new epoch asks again.
     assert index.snapshot("b", b"whole-epoch-16by", 0, part=0, parts=1, fps=[4]) is None
     assert index.delta("b", b"later-epoch-16by", 1, add=[], remove=[]) is not None
@@ -510,10 +510,10 @@ class SourceMachine(RuleBasedStateMachine):
     def the_index_agrees_with_itself(self) -> None:
         # The inverted index and the per-peer claims say the same.
         pairs = sum(len(self.index.claimed_by(fp)) for fp in range(41))
-        assert pairs == sum(self.index.claims_of(peer) for peer in PEERS)
+        assert pairs == sum(len(self.index.peer(peer).claims) for peer in PEERS)
         assert len(self.index) == pairs
         for peer in PEERS:
-            assert self.index.claims_of(peer) <= CAPACITY
+            assert len(self.index.peer(peer).claims) <= CAPACITY
 
     @invariant()
     def a_repaired_summary_is_what_the_sender_holds(self) -> None:
@@ -523,7 +523,7 @@ class SourceMachine(RuleBasedStateMachine):
             position = self.index.position(peer)
             assert position is not None
             claimed = {fp for fp in range(41) if peer in self.index.claimed_by(fp)}
-            assert len(claimed) == self.index.claims_of(peer)
+            assert len(claimed) == len(self.index.peer(peer).claims)
             if sender.clean:
                 assert position == (sender.epoch, sender.seq, True)
                 assert claimed == sender.held
@@ -595,8 +595,8 @@ def test_a_snapshot_over_the_budget_keeps_what_fits_in_bounded_memory() -> None:
         held, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert index.claims_of("b") == most
-    assert index.strikes("b") == 1
+    assert len(index.peer("b").claims) == most
+    assert index.peer("b").strikes == 1
     assert held <= budget
     assert peak <= budget
     # Deltas buffered during a snapshot weigh no more than the claims it may make.
@@ -606,7 +606,7 @@ def test_a_snapshot_over_the_budget_keeps_what_fits_in_bounded_memory() -> None:
         while index.pending:
             index.work()
     assert index.position("b") == (E1, 0, True)  # the half snapshot was given up
-    assert index.strikes("b") == 2
+    assert index.peer("b").strikes == 2
 
 
 def test_a_flood_drops_the_compaction_it_cut_short_with_the_rest() -> None:
@@ -623,14 +623,14 @@ def test_a_flood_drops_the_compaction_it_cut_short_with_the_rest() -> None:
         if claims.compacting:
             break
         index.work(1)
-    held = index.claims_of("b")
+    held = len(index.peer("b").claims)
     assert 1024 < held < 2999  # the rest of the delta waits behind the compaction
     for seq in range(2, 40):  # 8 KiB each, none applied: a flood
         index.delta("b", E1, seq, add=range(seq * 1000, seq * 1000 + 1000), remove=[])
-    assert index.floods("b") >= 1
+    assert index.peer("b").floods >= 1
     assert not claims.compacting
     index.missed("b", list(range(1, 100)))
-    assert index.claims_of("b") == held - 99
+    assert len(index.peer("b").claims) == held - 99
 
 
 def test_a_work_budget_refills_at_its_rate_and_bursts_a_tenth_of_a_second() -> None:
@@ -660,7 +660,7 @@ def test_a_peer_past_its_work_budget_waits_and_the_others_go_on() -> None:
     index.delta("hog", E1, 1, add=range(1, 20_001), remove=[], now=0.0)
     for _ in range(10):
         index.work(now=0.0)
-    assert index.claims_of("hog") <= 1_000 + SLICE_FPS  # its burst, and a slice past it
+    assert len(index.peer("hog").claims) <= 1_000 + SLICE_FPS  # its burst, and a slice past it
     index.delta("other", E1, 1, add=[10**9], remove=[], now=0.0)
     ready = index.ready_at(0.0)
     assert ready is not None
@@ -676,7 +676,7 @@ def test_a_peer_past_its_work_budget_waits_and_the_others_go_on() -> None:
         assert ready is not None
         now = max(now, ready)
         index.work(now=now)
-    assert index.claims_of("hog") == 20_000
+    assert len(index.peer("hog").claims) == 20_000
     # 20,000 applied at 10,000 a second, less its first burst, and the
     # compactions they made (merging counts for an eighth of applying).
     assert (20_000 - 1_000) / 10_000 <= now < 5.0

@@ -62,9 +62,9 @@ class HostileSummaries(RuleBasedStateMachine):
         self.synced = False  # the honest peer's last snapshot was sent whole since any loss
 
     def _feed(self, peer: str, msg: wire.Message | None) -> None:
-        floods = self.index.floods("honest")
+        floods = self.index.peer("honest").floods
         self._apply(peer, msg)
-        if self.index.floods("honest") != floods:
+        if self.index.peer("honest").floods != floods:
             self.synced = False  # its own messages came faster than the work: some were lost
 
     def _apply(self, peer: str, msg: wire.Message | None) -> None:
@@ -149,7 +149,7 @@ class HostileSummaries(RuleBasedStateMachine):
     @rule(parts=st.integers(1, 3))
     def honest_snapshot(self, parts: int) -> None:
         held = sorted(self.held)
-        floods = self.index.floods("honest")
+        floods = self.index.peer("honest").floods
         for part in range(parts):
             msg = through_the_codec(
                 "kvsum_snapshot",
@@ -162,7 +162,7 @@ class HostileSummaries(RuleBasedStateMachine):
             assert msg is not None
             self._feed("honest", msg)
         # Whole unless a flood dropped some of its parts (then a later one must repair it).
-        self.synced = self.index.floods("honest") == floods
+        self.synced = self.index.peer("honest").floods == floods
 
     # --- the node's task ------------------------------------------------------------------
 
@@ -182,11 +182,11 @@ class HostileSummaries(RuleBasedStateMachine):
     @invariant()
     def the_node_keeps_to_its_budget_for_each_peer(self) -> None:
         for peer in ("hostile", "honest"):
-            assert self.index.claims_of(peer) <= CAPACITY
+            assert len(self.index.peer(peer).claims) <= CAPACITY
             # Claims, assembly, buffered deltas (the per-claim bound), what waits,
             # and the assembly's column of the filter (one column, as its own).
             most = CAPACITY * BYTES_PER_CLAIM + QUEUE_BYTES + self.index.column_bytes
-            assert self.index.peer_bytes(peer) <= most
+            assert self.index.peer(peer).nbytes <= most
 
     @invariant()
     def the_honest_summary_is_exactly_what_the_honest_peer_holds(self) -> None:
@@ -214,5 +214,5 @@ def test_a_snapshot_of_more_parts_than_the_peer_may_claim_never_assembles(parts:
     index.snapshot("b", b"e", 0, part=0, parts=parts, fps=wire.packed([5]))
     while index.pending:
         index.work()
-    assert index.claims_of("b") == (1 if parts == 1 else 0)
-    assert index.strikes("b") == (1 if parts > 2 else 0)
+    assert len(index.peer("b").claims) == (1 if parts == 1 else 0)
+    assert index.peer("b").strikes == (1 if parts > 2 else 0)

@@ -284,8 +284,8 @@ async def test_the_peer_a_node_chose_reaches_the_feed_with_its_claims() -> None:
         c.store(key(0), key(1))  # a shorter run of the same prefix
         await linked(b, a)
         await linked(c, a)
-        await until(lambda: a.node.directory.index.claims_of(b.id) == 5)
-        await until(lambda: a.node.directory.index.claims_of(c.id) == 2)
+        await until(lambda: len(a.node.directory.index.peer(b.id).claims) == 5)
+        await until(lambda: len(a.node.directory.index.peer(c.id).claims) == 2)
         peer, hits = await locate_and_pull(a, "auto-req", [key(i) for i in range(7)])
         assert (peer, len(hits)) == (b.id, 5)
         assert await pull("a", cluster, "c", "named-req", [key(0)]) == 1  # names its peer

@@ -72,7 +72,7 @@ def prefix_lookup(h: Harness, engine: Engine, ctx: ReqContext, keys: list[bytes]
 
 
 def claims(engine: Engine, peer: Engine) -> int:
-    return engine.tier.node.directory.index.claims_of(peer.peer_id)
+    return len(engine.tier.node.directory.index.peer(peer.peer_id).claims)
 
 
 def test_a_request_naming_no_source_loads_its_prefix_from_the_peer_that_holds_it(

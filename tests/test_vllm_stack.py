@@ -175,7 +175,9 @@ def test_a_request_naming_no_source_loads_from_the_peer_whose_summary_has_it() -
         keys = new_keys(4)
         d.computed(keys)
         index = c.tier.node.directory.index
-        run_until([c, d, e], lambda: index.claims_of(d.peer_id) >= 4, "d's summary reached c")
+        run_until(
+            [c, d, e], lambda: len(index.peer(d.peer_id).claims) >= 4, "d's summary reached c"
+        )
         req = ask(c, keys, None)
         run_until([c, d, e], done(req), "c's request done")
         assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
@@ -215,7 +217,7 @@ def test_a_request_whose_first_key_nobody_claims_prefills_in_the_same_step() -> 
         held = new_keys(2)
         d.computed(held)
         index = c.tier.node.directory.index
-        run_until([c, d], lambda: index.claims_of(d.peer_id) == 2, "d's summary reached c")
+        run_until([c, d], lambda: len(index.peer(d.peer_id).claims) == 2, "d's summary reached c")
         req = ask(c, [*new_keys(2), *held], None)
         c.engine.step()
         assert req.decided == req.admitted  # decided in its first schedule: no wait
@@ -234,7 +236,7 @@ def test_what_vllms_lru_evicts_leaves_the_peers_claims() -> None:
         index = c.tier.node.directory.index
         first, then = new_keys(12), new_keys(12)
         d.computed(first)
-        run_until([c, d], lambda: index.claims_of(d.peer_id) == 12, "d's summary reached c")
+        run_until([c, d], lambda: len(index.peer(d.peer_id).claims) == 12, "d's summary reached c")
         d.computed(then)
         with d.stack.lock:
             evicted = [k for k in first if d.stack.primary.lookup(k, None).name == "MISS"]
@@ -250,7 +252,7 @@ def test_what_vllms_lru_evicts_leaves_the_peers_claims() -> None:
         with d.stack.lock:
             kept = [k for k in [*first, *then] if d.stack.primary.lookup(k, None).name == "HIT"]
         assert all(d.peer_id in index.claimed_by(fingerprint(k)) for k in kept)
-        assert index.claims_of(d.peer_id) <= 16
+        assert len(index.peer(d.peer_id).claims) <= 16
         settle([c, d])
 
 
@@ -272,7 +274,7 @@ def test_what_an_engine_writes_is_claimed_before_vllm_cascades_it() -> None:
             d.engine.step()
         # vLLM cascades the stores to its tiers at the end of d's next step; d
         # takes none, and c hears of them all the same.
-        run_until([], lambda: index.claims_of(d.peer_id) == 4, "c heard of d's keys")
+        run_until([], lambda: len(index.peer(d.peer_id).claims) == 4, "c heard of d's keys")
         assert len(d.tier._watch) == 0  # followed to its last key
         settle([c, d])
 
@@ -380,7 +382,7 @@ def test_a_choice_landing_mid_scan_fetches_the_whole_run_in_one_round() -> None:
             keys = new_keys(4)
             d.computed(keys)
             held = 4 * (attempt + 1)
-            run_until([c, d], lambda: index.claims_of(d.peer_id) >= held, "d's claims at c")  # noqa: B023
+            run_until([c, d], lambda: len(index.peer(d.peer_id).claims) >= held, "d's claims at c")  # noqa: B023
             req_id = c.new_id()
             kv_id = f"auto:{c.tier.node.node_id}:{req_id}"
             with _MidScan(c, d, kv_id, keys) as mid:

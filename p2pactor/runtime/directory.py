@@ -189,7 +189,7 @@ class SourceDirectory:
         peer, index, now = session.peer_id, self.index, self._clock()
         if self._peers.get(peer) is not session:
             return  # an ended session's last frames
-        floods = index.floods(peer)
+        floods = index.peer(peer).floods
         resync = None
         match msg:
             case wire.KvsumDelta():
@@ -211,7 +211,7 @@ class SourceDirectory:
                 self.arm()
         if resync is not None:
             self._resync(resync)
-        floods = index.floods(peer) - floods
+        floods = index.peer(peer).floods - floods
         self.counts.summary_floods += floods
         if floods and self._first(peer, "flooded"):
             log.warning(

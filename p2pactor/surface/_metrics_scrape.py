@@ -75,7 +75,7 @@ def source_state(node: Node) -> _Sources:
         peers.append(
             _SourcePeer(
                 peer,
-                index.claims_of(peer),
+                len(index.peer(peer).claims),
                 index.precision(peer),
                 index.quarantined(peer, now),
                 position is not None and position[2],

@@ -129,9 +129,12 @@ class SourceIndex(Trust):
         """What one peer's column of the filter holds (and a snapshot being assembled's)."""
         return 8 * self._filter.words
 
-    def peer_bytes(self, peer: str) -> int:
-        """What ``peer``'s summary makes this node hold (its share of the filter aside)."""
-        return self._peers.get(peer, self._nobody).nbytes
+    def peer(self, peer: str) -> PeerClaims:
+        """What is held of ``peer``: its ``claims``, ``strikes``, ``floods``, ``nbytes``...
+
+        A peer with no summary here reads as one that claims nothing.
+        """
+        return self._peers.get(peer, self._nobody)
 
     def claimed_by(self, fp: int) -> frozenset[str]:
         """The peers that claim ``fp``."""
@@ -157,22 +160,10 @@ class SourceIndex(Trust):
             if record is not None and fp in record.claims:
                 yield record.peer
 
-    def claims_of(self, peer: str) -> int:
-        """How many fingerprints ``peer`` claims."""
-        return len(self._peers.get(peer, self._nobody).claims)
-
     def position(self, peer: str) -> tuple[bytes, int, bool] | None:
         """``peer``'s epoch, last sequence and whether a whole snapshot arrived."""
         found = self._peers.get(peer)
         return None if found is None else (found.epoch, found.seq, found.synced)
-
-    def strikes(self, peer: str) -> int:
-        """Messages of ``peer`` that claimed more than it may, or came as a flood."""
-        return self._peers.get(peer, self._nobody).strikes
-
-    def floods(self, peer: str) -> int:
-        """Times ``peer``'s messages came faster than they were applied, and were dropped."""
-        return self._peers.get(peer, self._nobody).floods
 
     # --- membership -----------------------------------------------------------------
 

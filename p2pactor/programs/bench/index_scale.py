@@ -88,7 +88,7 @@ def _one(peers: int, keys: int, deltas: int, seed: int) -> dict[str, float]:
         gc.collect()
         index = SourceIndex()
         longest = _feed(index, held, keys)
-        claims = sum(index.claims_of(f"peer-{p}") for p in range(peers))
+        claims = sum(len(index.peer(f"peer-{p}").claims) for p in range(peers))
         spent = 0.0
         changed = 0
         for seq in range(1, deltas + 1):
