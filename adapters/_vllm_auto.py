@@ -74,7 +74,7 @@ class AutoSources:
 
     def begin(self, req_context: ReqContext) -> None:
         """A request naming no source: find one, if this node shares summaries."""
-        if self._node.shares_summaries:
+        if self._node.config.sources.share:
             req_context.set_state(Auto(self._prefix + str(req_context.req_id)))
 
     def lookup(self, auto: Auto, key: Any, req_context: ReqContext) -> Answer | Source:

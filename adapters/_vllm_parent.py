@@ -280,7 +280,7 @@ class Watch:
 
     def follow(self, req_id: str, record: Mapping[bytes, int], first: int) -> None:
         """Follow ``req_id``'s keys from end-token position ``first`` on (the first it asked)."""
-        if not self._node.shares_summaries or len(self._followed) >= _MOST_FOLLOWED:
+        if not self._node.config.sources.share or len(self._followed) >= _MOST_FOLLOWED:
             return
         if ahead := sorted(((p, k) for k, p in record.items() if p >= first), reverse=True):
             self._followed[req_id] = ahead

@@ -203,6 +203,24 @@ async def test_a_summary_nobody_agreed_to_is_a_protocol_violation(
         assert "not agreed" in reason
 
 
+async def test_keys_an_engine_says_it_lacks_leave_its_peers_claims(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with open_cluster("a", "b", num_blocks=16) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        await linked(a, b)
+        held = [key(100 + i) for i in range(6)]
+        a.node.holds(held)  # an engine that lends its cache says what it holds
+        index = b.node.directory.index
+        await until(lambda: len(index.peer(a.id).claims) == 6)
+        a.node.lacks(held[:2], wake=True)  # a check with its cache found these gone
+        await until(lambda: len(index.peer(a.id).claims) == 4)
+        assert index.claimed_by(fingerprint(held[0])) == frozenset()
+        assert index.claimed_by(fingerprint(held[1])) == frozenset()
+        assert index.claimed_by(fingerprint(held[2])) == {a.id}
+        assert len(a.node.directory.holdings) == 4
+
+
 async def test_a_peer_whose_claims_keep_missing_is_quarantined_but_still_named(
     autojump_clock: trio.abc.Clock,
 ) -> None:

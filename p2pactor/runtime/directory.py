@@ -85,11 +85,6 @@ class SourceDirectory:
         self.checked = False
         self.frontier: list[bytes] = []
 
-    @property
-    def enabled(self) -> bool:
-        """Whether summaries are exchanged at all (``SourceOptions.share``)."""
-        return self.options.share
-
     # --- what this node holds ---------------------------------------------------------
 
     def came(self, key: bytes) -> None:

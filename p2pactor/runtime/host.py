@@ -175,7 +175,7 @@ class NodeHost(ThreadSafeSources):
 
     def parent_answered(self, actor: RequestActor, answer: inp.ParentAnswer) -> None:
         """Step a lent parent's answer; a key it says we lack leaves our summary at once."""
-        if self.directory.enabled:
+        if self.config.sources.share:
             self.directory.answered(answer)
         self.runner.deliver(actor, answer)
 
@@ -258,7 +258,7 @@ class NodeHost(ThreadSafeSources):
     def release_pin(self, job_id: int, *, success: bool) -> None:
         """Release a pin job through the parent service (now, or at the next serve)."""
         self.service.post(None, fx.ReleasePin(job_id=job_id, success=success))
-        if self.directory.enabled:
+        if self.config.sources.share:
             self.directory.released(job_id)
 
     def report_load(self, job_id: int, *, success: bool, reason: str) -> None:

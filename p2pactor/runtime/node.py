@@ -287,14 +287,14 @@ async def open_node(
         # it dials back to the address their frames claim (config.may_dial,
         # and a log line for a peer a loopback-known node cannot serve).
         watch_keys = getattr(parent, "watch_keys", None)
-        if watch_keys is not None and directory.enabled:
+        if watch_keys is not None and config.sources.share:
             # An embedded cache says exactly what it holds: the summary is exact.
             watch_keys(directory.came, directory.went)
         control.accept_only(node.peers.may_accept)
         nursery.start_soon(node.peers.accept, name="accept")
         nursery.start_soon(node.run, name="engine bridge")
         nursery.start_soon(node.timers.run, name="timers")
-        if directory.enabled:
+        if config.sources.share:
             nursery.start_soon(directory.run, name="summaries")
         nursery.start_soon(node.event_log.flush_periodically)  # returns at once if not needed
         for peer in sorted(config.seed_peers):

@@ -40,11 +40,6 @@ class ThreadSafeSources(EngineBridge):
 
     directory: SourceDirectory
 
-    @property
-    def shares_summaries(self) -> bool:
-        """Whether this node exchanges summaries (``SourceOptions.share``). Any thread."""
-        return self.directory.enabled
-
     def holds(
         self,
         keys: Sequence[bytes],
@@ -140,13 +135,12 @@ class ThreadSafeSources(EngineBridge):
         scrub: bool = False,
     ) -> None:
         """Hand a change of the holdings over (``SourceDirectory.told``), if summaries are on."""
-        if self.directory.enabled:
+        if self.config.sources.share:
             self._tell((self.directory.told, (change, flush, scrub)), wake=wake)
 
     def claimed(self, key: bytes) -> bool:
         """Whether any peer's summary claims ``key`` now (one dict lookup)."""
-        directory = self.directory
-        return directory.enabled and directory.index.claimed(fingerprint(key))
+        return self.config.sources.share and self.directory.index.claimed(fingerprint(key))
 
     def locate_soon(self, kv_request_id: str, keys: Sequence[bytes], *, wake: bool = False) -> None:
         """Choose a source for ``kv_request_id`` (it names none) and ask it about ``keys``.
@@ -172,7 +166,7 @@ class ThreadSafeSources(EngineBridge):
         Returns the choice and the consumer actor asked (None: nobody was).
         """
         directory = self.directory
-        choice = directory.choose(keys) if directory.enabled else _OFF
+        choice = directory.choose(keys) if self.config.sources.share else _OFF
         chosen = choice.chosen
         actor = None if chosen is None else self.consumer_for(chosen, kv_request_id)
         if actor is not None:

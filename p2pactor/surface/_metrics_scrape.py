@@ -82,13 +82,13 @@ def source_state(node: Node) -> _Sources:
             )
         )
     return _Sources(
-        directory.enabled,
+        directory.options.share,
         directory.counts,
         len(index),
         index.nbytes,
         index.pending,
         # Not sharing, the node tells its peers nothing, whatever it may hold.
-        len(directory.holdings) if directory.enabled else 0,
+        len(directory.holdings) if directory.options.share else 0,
         peers,
     )
 

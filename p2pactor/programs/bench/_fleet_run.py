@@ -159,7 +159,7 @@ def _wait(engines: Sequence[Engine], done: Callable[[], bool], what: str) -> Non
 
 def _synced(engines: Sequence[Engine]) -> bool:
     """Every p2pactor engine has every other's summary."""
-    ours = [e for e in engines if e.node is not None and e.node.shares_summaries]
+    ours = [e for e in engines if e.node is not None and e.node.config.sources.share]
     for e in ours:
         index = e.node.directory.index
         for p in ours:
@@ -206,7 +206,7 @@ def _drive(arm: str, engines: Sequence[Engine], turns: Sequence[Turn]) -> float:
                 continue
             e = engines[turn.engine]
             params = _params(arm, e, engines, turn)
-            auto = params is None and e.node is not None and e.node.shares_summaries
+            auto = params is None and e.node is not None and e.node.config.sources.share
             req = e.engine.add(f"{arm}-req-{turn.index}", turn.keys, turn.reply, params)
             e.requests.append(Request(turn, req, auto))
             pending.remove(turn)
