@@ -236,7 +236,7 @@ class ConsumerMachine(RuleBasedStateMachine):
             answer = probe_answer(self.h.state, k)
             if self.h.state.phase.terminal or self.h.state.lookup_failed:
                 assert answer is inp.LookupResult.MISS
-        # The batch form (what Node.lookup and peek_lookup use) says the same.
+        # The batch form (what Node.lookup and LookupView.answers use) says the same.
         assert probe_answers(self.h.state, KEYS) == [probe_answer(self.h.state, k) for k in KEYS]
 
     def teardown(self) -> None:

@@ -3,7 +3,7 @@
 vLLM's scheduler asks its tier about a request's keys every step, in order,
 past a RETRY, up to the first MISS (``_maximal_prefix_lookup``), and asks the
 first missed key again once the hit run is loaded. These tests make those
-calls through the thread-safe half of a node (``peek_key``/``ask``/``flush``,
+calls through the thread-safe half of a node (``lookup_view``/``ask``/``flush``,
 what the vLLM adapter calls) and check that every key is answered HIT or
 MISS, never RETRY for ever:
 
@@ -59,7 +59,7 @@ def lookups_received(member: Any, kv_request_id: str) -> int:
 
 def scan(node: Any, peer: str, kv: str, keys: Sequence[bytes]) -> list[LookupResult]:
     """One engine scan, as the vLLM adapter makes it: peek each key, ask the RETRYs."""
-    answers = [node.peek_key(peer, kv, k) for k in keys]
+    answers = [node.lookup_view(peer, kv).answer(k) for k in keys]
     node.ask(peer, kv, [k for k, a in zip(keys, answers, strict=True) if a is RETRY])
     node.flush()
     return answers
@@ -320,7 +320,7 @@ class BridgeMachine(RuleBasedStateMachine):
             if k in req.loading or k in req.promote:
                 hits, deferred = hits + 1, True  # HIT_PENDING
                 continue
-            answer = MISS if req.failed else self.api.peek_key(req.peer, req.kv, k)
+            answer = MISS if req.failed else self.api.lookup_view(req.peer, req.kv).answer(k)
             if answer is RETRY:
                 asks.append(k)
                 deferred = True
@@ -439,7 +439,7 @@ class BridgeMachine(RuleBasedStateMachine):
             if result is not None and not req.promote:
                 return result
             self.bridge._apply()
-        answers = [self.api.peek_key(req.peer, req.kv, k) for k in req.keys]
+        answers = [self.api.lookup_view(req.peer, req.kv).answer(k) for k in req.keys]
         raise AssertionError(f"{req.kv} never decided: {answers}")
 
     def teardown(self) -> None:
@@ -501,7 +501,7 @@ def test_a_hit_heard_while_a_fetch_is_handed_over_is_asked_again() -> None:
     m.engine_step_of(req)  # key 0 HIT: its load is handed over
     assert list(req.loading) == [KEYS[0]]
     m.peer_handles(*m.side.to_peer.pop(0), stamped=True, success=True)
-    assert m.api.peek_key(PEER, "r1", KEYS[1]) is RETRY
+    assert m.api.lookup_view(PEER, "r1").answer(KEYS[1]) is RETRY
     m.engine_step_of(req)
     assert list(req.loading) == [KEYS[0]]
     m.node_applies()  # the fetch of key 0 (the offered check in stepped), then the ask

@@ -775,7 +775,9 @@ async def test_a_peer_restarted_under_the_same_address_gets_a_fresh_session(
                 # of the old process's HITs is served from the cache.
                 assert await c.node.lookup(new.node_id, "r", keys) == [MISS] * 4
                 c.node.finish("r")
-                await wait_until(lambda: c.node.peek_lookup(new.node_id, "r", keys) == [RETRY] * 4)
+                await wait_until(
+                    lambda: c.node.lookup_view(new.node_id, "r").answers(keys) == [RETRY] * 4
+                )
                 # The same id again: the new process's answers. Keys 2 and 3 were HITs
                 # (and pinned) on the old process; the new one holds only keys 0 and 1.
                 assert await c.node.lookup(new.node_id, "r", keys) == [HIT, HIT, MISS, MISS]

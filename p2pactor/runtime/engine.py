@@ -166,33 +166,20 @@ class EngineBridge:
         Returns HIT or MISS for keys already answered and RETRY for keys still
         being asked (newly registered keys go out at the next :meth:`flush`).
         """
-        answers = self.peek_lookup(peer, kv_request_id, keys)
+        answers = self.lookup_view(peer, kv_request_id).answers(keys)
         self.ask(peer, kv_request_id, [k for k, a in zip(keys, answers, strict=True) if a is RETRY])
         return answers
 
-    def peek_lookup(
-        self, peer: str, kv_request_id: str, keys: Sequence[bytes]
-    ) -> list[LookupResult]:
-        """What is known about ``keys`` now, without asking anything.
+    def lookup_view(self, peer: str, kv_request_id: str) -> LookupView:
+        """What is known about the request's keys now, as one snapshot, asking nothing.
 
         HIT or MISS for keys answered; RETRY for keys being asked or never
         asked (see :meth:`ask`); MISS for everything when ``peer`` may not be
         dialed, no session with it could be opened, or the request's lookup
-        failed.
-        """
-        return self.lookup_view(peer, kv_request_id).answers(keys)
-
-    def peek_key(self, peer: str, kv_request_id: str, key: bytes) -> LookupResult:
-        """:meth:`peek_lookup` of one key, without the lists (vLLM asks key by key)."""
-        return self.lookup_view(peer, kv_request_id).answer(key)
-
-    def lookup_view(self, peer: str, kv_request_id: str) -> LookupView:
-        """What is known about the request's keys now, as one snapshot.
-
-        Its answers are those of :meth:`peek_key` at this moment, whatever the
-        node's thread does meanwhile. An engine that asks key by key and acts
-        on each answer (vLLM promotes a HIT as soon as it hears it, and scans
-        on past a RETRY) asks one view per scan: an answer landing mid-scan
+        failed: at this moment, whatever the node's thread does meanwhile.
+        An engine that asks key by key and acts on each answer (vLLM
+        promotes a HIT as soon as it hears it, and scans on past a RETRY)
+        asks one view per scan: an answer landing mid-scan
         would otherwise make it fetch the run's tail without its head, and
         the head (unpinned with the round) would need a round of its own.
         """

@@ -146,7 +146,7 @@ class ThreadSafeSources(EngineBridge):
         """Choose a source for ``kv_request_id`` (it names none) and ask it about ``keys``.
 
         The choice appears in :meth:`decision`; from then on the request is
-        that peer's, as if named (``peek_key``, ``submit_load``, ``finish``).
+        that peer's, as if named (``lookup_view``, ``submit_load``, ``finish``).
         The engine waits on it: it counts in :meth:`has_pending_work`.
         """
         self._post((self.choose, (kv_request_id, tuple(keys))), wake=wake)
