@@ -31,7 +31,6 @@ from msgspec import UNSET as UNSET
 from msgspec import Meta
 from msgspec import UnsetType as UnsetType
 
-from p2pactor.core.protocol_base import MessageBase, bounded, parallel
 from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, type_error
 from p2pactor.core.protocol_checks import Frame as Frame
 from p2pactor.core.protocol_limits import DEFAULT_LIMITS as DEFAULT_LIMITS
@@ -51,7 +50,7 @@ from p2pactor.core.protocol_limits import MAX_ROUND_SEQ as MAX_ROUND_SEQ
 from p2pactor.core.protocol_limits import MAX_STRING_CHARS as MAX_STRING_CHARS
 from p2pactor.core.protocol_limits import MAX_SUMMARY_BYTES as MAX_SUMMARY_BYTES
 from p2pactor.core.protocol_limits import Limits as Limits
-from p2pactor.core.protocol_limits import tuned_checker
+from p2pactor.core.protocol_limits import MessageBase, bounded, parallel, tuned_checker
 from p2pactor.core.protocol_summaries import FEATURE_SUMMARIES as FEATURE_SUMMARIES
 from p2pactor.core.protocol_summaries import KvsumDelta as KvsumDelta
 from p2pactor.core.protocol_summaries import KvsumResync as KvsumResync
