@@ -127,8 +127,8 @@ def _on_session_ended(b: _B, ended: inp.SessionEnded) -> None:
 
 def _tick(b: _B, _: inp.Tick) -> None:
     _tick_lookups(b)
-    for job_id, job in sorted(b.state.jobs.items()):
-        if b.now >= job.expires_at and _expirable(b.state, job):
+    for job_id, job in _expirable(b.state):
+        if b.now >= job.expires_at:
             _release(b, job_id, f"{PIN_EXPIRED} {b.t.pin_timeout:g} s")
 
 
@@ -154,7 +154,7 @@ def next_producer_deadline(state: ProducerState) -> float | None:
         times.append(lookup.deadline)
         if lookup.next_poll_at is not None and not lookup.outstanding:
             times.append(lookup.next_poll_at)
-    times.extend(job.expires_at for job in state.jobs.values() if _expirable(state, job))
+    times.extend(job.expires_at for _, job in _expirable(state))
     return min(times, default=None)
 
 
@@ -245,8 +245,8 @@ def _close_at_once(b: _B, round_seq: int, reason: str) -> bool:
     rounds = s.rounds
     if any(rnd.fetched for rnd in rounds.values()):
         return False
-    if any(job.round_seq not in rounds or job.readers for job in s.jobs.values()):
-        return False  # a store's job (no round), or one some write still reads
+    if any(job.round_seq not in rounds for job in s.jobs.values()):
+        return False  # a store's job (no round)
     closed = tuple(sorted(rounds))
     released = tuple(
         job_id for r in closed for job_id, job in sorted(s.jobs.items()) if job.round_seq == r
@@ -302,7 +302,7 @@ def _finalize(b: _B, round_seq: int, *, success: bool, reason: str) -> None:
 def _sweep_round(b: _B, rnd: RoundState) -> None:
     s = b.state
     r = rnd.round_seq
-    if rnd.inflight:
+    if r in s.writing():
         return  # a write may still land in the peer's blocks: wait for it
     if rnd.cancelled:
         _release_round_jobs(b, r, f"round {r} aborted")
@@ -330,29 +330,34 @@ def _sweep_round(b: _B, rnd: RoundState) -> None:
 def _release_round_jobs(
     b: _B, round_seq: int, reason: str, *, served: bool = False, idle_only: bool = False
 ) -> None:
+    busy = b.state.reading() if idle_only else set()
     for job_id, job in sorted(b.state.jobs.items()):
-        if job.round_seq == round_seq and not (idle_only and job.readers):
+        if job.round_seq == round_seq and job_id not in busy:
             _release(b, job_id, reason, served=served)
 
 
-def _expirable(s: ProducerState, job: PinJob) -> bool:
-    """A pin no fetch is using or about to use: it may time out."""
-    if job.readers or job.serving:
-        return False
-    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
-    return rnd is None or not rnd.fetched
+def _expirable(s: ProducerState) -> list[tuple[int, PinJob]]:
+    """The pins no fetch is using or about to use, by job id: they may time out."""
+    busy = s.reading()
+    fetched = {r for r, rnd in s.rounds.items() if rnd.fetched}
+    return [
+        (job_id, job)
+        for job_id, job in sorted(s.jobs.items())
+        if not (job_id in busy or job.serving or job.round_seq in fetched)
+    ]
 
 
 def _release_stores(b: _B) -> None:
     """Release each store job once its rounds settled it or the request ended."""
     s = b.state
     in_pool = {sup.job_id for entries in s.pool.values() for sup in entries}
+    busy = s.reading()
     # Once the engine stored its last block and every fetch so far was served,
     # leftover stored blocks can serve nobody.
     served_out = s.finishing and s.closed_through >= 0 and not s.rounds
     for job_id, job in sorted(s.jobs.items()):
         # A failed job's outcome is settled; a good one waits for its rounds.
-        if job.round_seq is not None or job.readers or (job.serving and not job.failed):
+        if job.round_seq is not None or job_id in busy or (job.serving and not job.failed):
             continue
         if job_id not in in_pool:
             _release(b, job_id, "all blocks served", served=True)

@@ -104,7 +104,6 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         supply: Blocks its lookups pinned, by key.
         demand: ``(key, peer block)`` pairs of the fetch not matched yet.
         remaining: Blocks of the fetch not yet written.
-        inflight: Transfers of this round still running.
         failure: Why the round failed ("" while it has not).
         cancelled: The peer aborted it.
     """
@@ -115,7 +114,6 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     fetched: bool = False
     demand: tuple[tuple[bytes, int], ...] = ()
     remaining: int = 0
-    inflight: frozenset[int] = frozenset()
     failure: str = ""
     cancelled: bool = False
 
@@ -128,7 +126,6 @@ class PinJob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             (it supplies any round).
         blocks: Our block index for each key.
         expires_at: When it is released if no fetch uses it.
-        readers: Transfers reading its blocks right now.
         serving: Rounds not yet ended that its blocks were written for; a store job settles with
             those rounds, as vLLM settles every job of a round when the round ends.
         failed: A round it served failed or was aborted.
@@ -139,7 +136,6 @@ class PinJob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     keys: tuple[bytes, ...]
     blocks: tuple[int, ...]
     expires_at: float
-    readers: frozenset[int] = frozenset()
     serving: frozenset[int] = frozenset()
     failed: bool = False
 
@@ -185,6 +181,14 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         return not (
             self.lookups or self.rounds or self.jobs or self.transfers or self.open_contexts
         )
+
+    def reading(self) -> set[int]:
+        """The pin jobs whose blocks a transfer in flight reads."""
+        return {job_id for t in self.transfers.values() for job_id in t.job_ids}
+
+    def writing(self) -> set[int]:
+        """The rounds that a transfer in flight writes for."""
+        return {t.round_seq for t in self.transfers.values()}
 
 
 # The builder every producer decision emits its events through.
@@ -234,22 +238,18 @@ def _set_round(s: ProducerState, e: ev.Event, rnd: RoundState, **changes: object
 def _transfer_ended(s: ProducerState, e: Any, failure: str | None) -> ProducerState:
     t = s.transfers[e.transfer_id]
     jobs = dict(s.jobs)
-    for job_id in set(t.job_ids):
-        job = jobs.get(job_id)
-        if job is not None:
-            readers = job.readers - {e.transfer_id}
-            jobs[job_id] = replace(job, readers=readers, failed=job.failed or failure is not None)
+    if failure is not None:
+        for job_id in set(t.job_ids) & jobs.keys():
+            jobs[job_id] = replace(jobs[job_id], failed=True)
     transfers = drop(s.transfers, e.transfer_id)
     rnd = s.rounds.get(t.round_seq)
     if rnd is None:
         return replace(s, seq=e.seq, jobs=jobs, transfers=transfers)
     # A failed write leaves its blocks unwritten: the round failed.
-    rnd = replace(
-        rnd,
-        inflight=rnd.inflight - {e.transfer_id},
-        remaining=rnd.remaining - (len(t.keys) if failure is None else 0),
-        failure=rnd.failure or failure or "",
-    )
+    if failure is None:
+        rnd = replace(rnd, remaining=rnd.remaining - len(t.keys))
+    else:
+        rnd = replace(rnd, failure=rnd.failure or failure)
     return _set_round(s, e, rnd, jobs=jobs, transfers=transfers)
 
 
@@ -331,11 +331,8 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
             pool = _pool_take(pool, key, job_id)
     jobs = dict(s.jobs)
     for job_id in set(e.job_ids):
-        job = jobs[job_id]
-        jobs[job_id] = replace(
-            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
-        )
-    rnd = replace(rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id})
+        jobs[job_id] = replace(jobs[job_id], serving=jobs[job_id].serving | {e.round_seq})
+    rnd = replace(rnd, demand=tuple(demand))
     transfers = put(s.transfers, e.transfer_id, e)
     n = e.transfer_id + 1
     return _set_round(s, e, rnd, jobs=jobs, pool=pool, transfers=transfers, next_transfer_id=n)
@@ -351,9 +348,9 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
     if aborted is None:
         return replace(s, seq=e.seq)
     jobs = dict(s.jobs)
-    for tid in aborted.inflight:
-        for job_id in set(s.transfers[tid].job_ids):
-            jobs[job_id] = replace(jobs[job_id], failed=True)
+    writes = [t for t in s.transfers.values() if t.round_seq == e.round_seq]
+    for job_id in {job_id for t in writes for job_id in t.job_ids}:
+        jobs[job_id] = replace(jobs[job_id], failed=True)
     return _set_round(s, e, replace(aborted, cancelled=True, demand=()), jobs=jobs)
 
 
