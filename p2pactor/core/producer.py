@@ -35,6 +35,7 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder, covers, evolver
+from p2pactor.core.events import ProducerPhase as ProducerPhase
 from p2pactor.core.events import Violation
 from p2pactor.core.producer_lookups import (
     LOOKUP_FOLDS,
@@ -53,7 +54,6 @@ from p2pactor.core.producer_state import (
     Supply,
     _release,
 )
-from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
 from p2pactor.core.producer_state import ProducerState as ProducerState
 from p2pactor.core.producer_state import pin_expired as pin_expired
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings

@@ -12,11 +12,10 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import drop, put
-from p2pactor.core.events import Quota, Violation
+from p2pactor.core.events import ProducerPhase, Quota, Violation
 from p2pactor.core.producer_state import (
     _B,
     ActiveLookup,
-    ProducerPhase,
     ProducerState,
     _pinned,
     _release,

@@ -16,35 +16,9 @@ import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import ActorRecord, Builder, drop, put
-from p2pactor.core.ids import IdentityEnum, Role
-
-
-class ProducerPhase(IdentityEnum):
-    """Where a producer request is in its life. Phases only move forward.
-
-    Attributes:
-        OPEN: Serving lookups and fetches.
-        CLOSING: Closed by the peer or by the session's end; draining what is in flight.
-        CLOSED: Holds nothing any more. Terminal.
-    """
-
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-    @property
-    def terminal(self) -> bool:
-        """Whether the request has ended."""
-        return self is ProducerPhase.CLOSED
-
-
-# The phase each event moves a producer to; any other event leaves it as it is.
-PRODUCER_PHASE_AT: Final[Mapping[type[ev.Event], ProducerPhase]] = {
-    ev.SessionLost: ProducerPhase.CLOSING,
-    ev.CloseRequested: ProducerPhase.CLOSING,
-    ev.Closed: ProducerPhase.CLOSED,
-}
+from p2pactor.core.builder import ActorRecord, Builder, drop, phase_after, put
+from p2pactor.core.events import ProducerPhase
+from p2pactor.core.ids import Role
 
 
 class Supply(msgspec.Struct, frozen=True, gc=False):
@@ -304,12 +278,12 @@ def _pinned(
 
 def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
     if e.requested_round is not None:
-        s = replace(s, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
+        s = replace(s, close_reason=e.reason)
     for job_id in e.released:
         s = _pin_released(s, e.seq, job_id)
     for round_seq in e.rounds_closed:
         s = _round_ended(s, e.seq, round_seq, served=False)
-    return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.Closed])
+    return replace(s, seq=e.seq, phase=phase_after(s.phase, e))
 
 
 def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
@@ -355,8 +329,7 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
 
 
 def _phase_moved(s: ProducerState, e: ev.SessionLost | ev.CloseRequested) -> ProducerState:
-    phase = PRODUCER_PHASE_AT[type(e)]
-    return replace(s, seq=e.seq, phase=phase, close_reason=e.reason)
+    return replace(s, seq=e.seq, phase=phase_after(s.phase, e), close_reason=e.reason)
 
 
 # How each event of the pins, rounds and transfers (and of the request itself) changes the state:
