@@ -91,6 +91,10 @@ class ConsumerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         return tuple(k for k, v in self.probes.items() if v is None and k not in unsent)
 
 
+# What a request that asks no more keys forgets (each key answers MISS from then on).
+_NOT_ASKING: Final[dict[str, Any]] = {"probes": {}, "unsent": (), "lookup_deadline": None}
+
+
 def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> dict[str, Any]:
     """The changes an outcome of ``outcome`` makes: none unless it is worse (it only gets worse)."""
     if PHASE_RANK[outcome] <= PHASE_RANK[state.outcome]:
@@ -115,8 +119,7 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
 
 
 def _registered_keys(s: ConsumerState, e: ev.Registered) -> ConsumerState:
-    probes = {**s.probes, **dict.fromkeys(e.keys)}
-    return replace(s, seq=e.seq, probes=probes, unsent=s.unsent + e.keys)
+    return replace(s, seq=e.seq, probes=_registered(s.probes, e.keys), unsent=s.unsent + e.keys)
 
 
 def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
@@ -147,10 +150,8 @@ def _finished(s: ConsumerState, e: ev.Finished) -> ConsumerState:
         phase=phase_after(s.phase, e),
         finishing=s.finishing or e.requested,
         outcome=e.phase,
-        probes={},
-        unsent=(),
         lookup_open=False,
-        lookup_deadline=None,
+        **_NOT_ASKING,
     )
 
 
@@ -177,9 +178,7 @@ def _transfer_done(s: ConsumerState, e: ev.TransferDone) -> ConsumerState:
 
 def _lookup_timed_out(s: ConsumerState, e: ev.LookupTimedOut) -> ConsumerState:
     worse = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
-    return replace(
-        s, seq=e.seq, probes={}, unsent=(), lookup_deadline=None, lookup_failed=True, **worse
-    )
+    return replace(s, seq=e.seq, lookup_failed=True, **_NOT_ASKING, **worse)
 
 
 def _fetch_skipped(s: ConsumerState, e: ev.FetchSkipped) -> ConsumerState:
@@ -215,9 +214,7 @@ CONSUMER_FOLDS: Final[dict[type[ev.Event], Callable[[ConsumerState, Any], Consum
     ev.Registered: _registered_keys,
     ev.Probed: _probed,
     ev.LookupResp: _lookup_resp,
-    ev.FinishRequested: lambda s, e: replace(
-        s, seq=e.seq, finishing=True, probes={}, unsent=(), lookup_deadline=None
-    ),
+    ev.FinishRequested: lambda s, e: replace(s, seq=e.seq, finishing=True, **_NOT_ASKING),
     ev.LookupCancelled: lambda s, e: replace(
         s, seq=e.seq, phase=phase_after(s.phase, e), lookup_open=False
     ),

@@ -248,9 +248,7 @@ def _close_at_once(b: _B, round_seq: int, reason: str) -> bool:
     if any(job.round_seq not in rounds for job in s.jobs.values()):
         return False  # a store's job (no round)
     closed = tuple(sorted(rounds))
-    released = tuple(
-        job_id for r in closed for job_id, job in sorted(s.jobs.items()) if job.round_seq == r
-    )
+    released = tuple(sorted(s.jobs, key=lambda job_id: (s.jobs[job_id].round_seq, job_id)))
     b.emit(
         ev.Closed, reason=reason, requested_round=round_seq, released=released, rounds_closed=closed
     )

@@ -47,14 +47,8 @@ def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) ->
     # quota that also breaks the protocol is still disconnected.
     admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
     if verdict is not None and admit <= 0:
-        reason = verdict.reason
-        b.emit(
-            ev.LookupRefused,
-            round_seq=msg.round_seq,
-            keys=msg.keys,
-            quota=verdict.quota,
-            reason=reason,
-        )
+        quota, reason = verdict.quota, verdict.reason
+        b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, quota=quota, reason=reason)
         return
     budget = b.t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
