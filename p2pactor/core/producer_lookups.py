@@ -114,16 +114,15 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer) -> bool:
     pin = answer.pin
     pinned = frozenset(pin.keys) if pin is not None else frozenset()
     resolved: dict[bytes, bool] = {}
-    for key in lookup.pending:  # HIT_PENDING, RETRY, or not answered: still pending
+    for key in lookup.pending:
         result = results.get(key)
-        if result is inp.LookupResult.HIT:
-            resolved[key] = key in pinned  # a hit the parent could not pin may be evicted
-        elif result is inp.LookupResult.MISS:
-            resolved[key] = False
+        if result is inp.LookupResult.HIT or result is inp.LookupResult.MISS:
+            # A hit the parent could not pin may be evicted: a MISS. HIT_PENDING,
+            # RETRY, or not answered: still pending.
+            resolved[key] = result is inp.LookupResult.HIT and key in pinned
     held, refusal = None, ""
     if pin is not None:
-        expires_at = b.now + b.t.pin_timeout
-        held = ev.Pinned(job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=expires_at)
+        held = ev.Pinned(**msgspec.structs.asdict(pin), expires_at=b.now + b.t.pin_timeout)
         refusal = _pin_refusal(b.state, lookup)
     # Not whole: a quota's refusal, a close, a deadline, keys settled before or still pending.
     settled = lookup.dropped or lookup.answered or lookup.resolved or lookup.refused
