@@ -518,7 +518,7 @@ class ProducerMachine(RuleBasedStateMachine):
     def inflight_bookkeeping_agrees(self) -> None:
         # vLLM's "inflight per request" invariant, in our terms: every transfer
         # started and not ended, counted from the log, is in flight, counted by
-        # its round and by the jobs it reads (held), and nothing else is.
+        # its round and by the jobs it reads (held, serving it), and nothing else is.
         started: dict[int, ev.TransferStarted] = {}
         for e in self.h.log:
             if isinstance(e, ev.TransferStarted):
@@ -531,7 +531,8 @@ class ProducerMachine(RuleBasedStateMachine):
         assert s.reading() == {j for t in started.values() for j in t.job_ids}
         for t in started.values():
             assert t.round_seq in s.rounds
-            assert all(j in s.jobs for j in t.job_ids)
+            # A job a write reads serves its round (so it never expires under the write).
+            assert all(t.round_seq in s.jobs[j].serving for j in t.job_ids)
 
     @invariant()
     def one_answer_per_lookup(self) -> None:

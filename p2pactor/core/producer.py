@@ -127,8 +127,8 @@ def _on_session_ended(b: _B, ended: inp.SessionEnded) -> None:
 
 def _tick(b: _B, _: inp.Tick) -> None:
     _tick_lookups(b)
-    for job_id, job in _expirable(b.state):
-        if b.now >= job.expires_at:
+    for job_id, job in sorted(b.state.jobs.items()):
+        if b.now >= job.expires_at and _expirable(b.state, job):
             _release(b, job_id, f"{PIN_EXPIRED} {b.t.pin_timeout:g} s")
 
 
@@ -136,8 +136,10 @@ def _sweep(b: _B) -> None:
     """Settle whatever the step made settle-able, then close if nothing is held."""
     if b.state.phase is ProducerPhase.CLOSED:
         return  # the step closed the request whole
+    writing = b.state.writing()  # a sweep starts no write and sees none end
     for _, rnd in sorted(b.state.rounds.items()):
-        _sweep_round(b, rnd)
+        if rnd.round_seq not in writing:  # else a write may still land in the peer's blocks
+            _sweep_round(b, rnd)
     _release_stores(b)
     if b.state.idle:
         b.emit(ev.Closed, reason=b.state.close_reason or "nothing left to serve")
@@ -154,7 +156,7 @@ def next_producer_deadline(state: ProducerState) -> float | None:
         times.append(lookup.deadline)
         if lookup.next_poll_at is not None and not lookup.outstanding:
             times.append(lookup.next_poll_at)
-    times.extend(job.expires_at for _, job in _expirable(state))
+    times.extend(job.expires_at for job in state.jobs.values() if _expirable(state, job))
     return min(times, default=None)
 
 
@@ -300,8 +302,6 @@ def _finalize(b: _B, round_seq: int, *, success: bool, reason: str) -> None:
 def _sweep_round(b: _B, rnd: RoundState) -> None:
     s = b.state
     r = rnd.round_seq
-    if r in s.writing():
-        return  # a write may still land in the peer's blocks: wait for it
     if rnd.cancelled:
         _release_round_jobs(b, r, f"round {r} aborted")
         if s.session_lost:
@@ -334,15 +334,16 @@ def _release_round_jobs(
             _release(b, job_id, reason, served=served)
 
 
-def _expirable(s: ProducerState) -> list[tuple[int, PinJob]]:
-    """The pins no fetch is using or about to use, by job id: they may time out."""
-    busy = s.reading()
-    fetched = {r for r, rnd in s.rounds.items() if rnd.fetched}
-    return [
-        (job_id, job)
-        for job_id, job in sorted(s.jobs.items())
-        if not (job_id in busy or job.serving or job.round_seq in fetched)
-    ]
+def _expirable(s: ProducerState, job: PinJob) -> bool:
+    """A pin no fetch is using or about to use: it may time out.
+
+    A job that a write reads serves the write's round until the round ends,
+    which is after the write: ``serving`` covers the job's readers too.
+    """
+    if job.serving:
+        return False
+    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
+    return rnd is None or not rnd.fetched
 
 
 def _release_stores(b: _B) -> None:

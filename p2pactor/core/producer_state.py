@@ -21,6 +21,18 @@ from p2pactor.core.events import ProducerPhase
 from p2pactor.core.ids import Role
 
 
+class Transfer(msgspec.Struct, frozen=True, gc=False):
+    """A write in flight: the round it serves, how many blocks it writes, the pin jobs it reads.
+
+    Which round and which jobs a write holds up is known from these alone: a
+    round or a job keeps no set of its own writes.
+    """
+
+    round_seq: int
+    blocks: int
+    jobs: frozenset[int]
+
+
 class Supply(msgspec.Struct, frozen=True, gc=False):
     """A pinned block ready to be sent: which job pins it, and where it is."""
 
@@ -123,7 +135,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         rounds: Rounds in progress, by round number.
         jobs: Pin jobs held, by job id.
         pool: Stored blocks of a prefill/decode request not sent yet, by key.
-        transfers: Transfers in flight, by id: each as its start recorded it.
+        transfers: Transfers in flight, by id.
         open_contexts: Lookups whose synthetic parent request is open.
         closed_through: The highest round closed by a fetch (-1: none).
         looked_up_through: The highest round that had a lookup (-1: none).
@@ -141,7 +153,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     rounds: Mapping[int, RoundState] = msgspec.field(default_factory=dict)
     jobs: Mapping[int, PinJob] = msgspec.field(default_factory=dict)
     pool: Mapping[bytes, tuple[Supply, ...]] = msgspec.field(default_factory=dict)
-    transfers: Mapping[int, ev.TransferStarted] = msgspec.field(default_factory=dict)
+    transfers: Mapping[int, Transfer] = msgspec.field(default_factory=dict)
     open_contexts: frozenset[int] = frozenset()
     closed_through: int = -1
     looked_up_through: int = -1
@@ -158,11 +170,11 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
 
     def reading(self) -> set[int]:
         """The pin jobs whose blocks a transfer in flight reads."""
-        return {job_id for t in self.transfers.values() for job_id in t.job_ids}
+        return set().union(*(t.jobs for t in self.transfers.values())) if self.transfers else set()
 
     def writing(self) -> set[int]:
         """The rounds that a transfer in flight writes for."""
-        return {t.round_seq for t in self.transfers.values()}
+        return {t.round_seq for t in self.transfers.values()} if self.transfers else set()
 
 
 # The builder every producer decision emits its events through.
@@ -213,7 +225,7 @@ def _transfer_ended(s: ProducerState, e: Any, failure: str | None) -> ProducerSt
     t = s.transfers[e.transfer_id]
     jobs = dict(s.jobs)
     if failure is not None:
-        for job_id in set(t.job_ids) & jobs.keys():
+        for job_id in t.jobs & jobs.keys():
             jobs[job_id] = replace(jobs[job_id], failed=True)
     transfers = drop(s.transfers, e.transfer_id)
     rnd = s.rounds.get(t.round_seq)
@@ -221,7 +233,7 @@ def _transfer_ended(s: ProducerState, e: Any, failure: str | None) -> ProducerSt
         return replace(s, seq=e.seq, jobs=jobs, transfers=transfers)
     # A failed write leaves its blocks unwritten: the round failed.
     if failure is None:
-        rnd = replace(rnd, remaining=rnd.remaining - len(t.keys))
+        rnd = replace(rnd, remaining=rnd.remaining - t.blocks)
     else:
         rnd = replace(rnd, failure=rnd.failure or failure)
     return _set_round(s, e, rnd, jobs=jobs, transfers=transfers)
@@ -303,11 +315,12 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
         # than once; pool blocks are handed out once each, as vLLM does.
         if in_round is None or in_round.job_id != job_id:
             pool = _pool_take(pool, key, job_id)
+    t = Transfer(e.round_seq, len(e.keys), frozenset(e.job_ids))
     jobs = dict(s.jobs)
-    for job_id in set(e.job_ids):
+    for job_id in t.jobs:
         jobs[job_id] = replace(jobs[job_id], serving=jobs[job_id].serving | {e.round_seq})
     rnd = replace(rnd, demand=tuple(demand))
-    transfers = put(s.transfers, e.transfer_id, e)
+    transfers = put(s.transfers, e.transfer_id, t)
     n = e.transfer_id + 1
     return _set_round(s, e, rnd, jobs=jobs, pool=pool, transfers=transfers, next_transfer_id=n)
 
@@ -322,8 +335,9 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
     if aborted is None:
         return replace(s, seq=e.seq)
     jobs = dict(s.jobs)
-    writes = [t for t in s.transfers.values() if t.round_seq == e.round_seq]
-    for job_id in {job_id for t in writes for job_id in t.job_ids}:
+    for job_id in set().union(
+        *(t.jobs for t in s.transfers.values() if t.round_seq == e.round_seq)
+    ):
         jobs[job_id] = replace(jobs[job_id], failed=True)
     return _set_round(s, e, replace(aborted, cancelled=True, demand=()), jobs=jobs)
 
