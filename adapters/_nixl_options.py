@@ -83,8 +83,7 @@ class NixlOptions:
             this often (NIXL's guard against a missed event; it rounds up to
             whole milliseconds). It progresses the agent without the GIL the
             moment a peer's bytes arrive, which over TCP sets how fast a
-            peer's write lands (measured across hosts, 64 x 1 MiB: 0.61 of
-            raw NIXL with the pump's 1 ms progress, 0.78 with the thread). A
+            peer's write lands (``docs/design.md``, "The NIXL transport"). A
             short wakeup costs CPU: at 1 ms the producer's thread spun on the
             UCX worker's lock behind each long ``transfer()`` (CPU per
             256 x 1 MiB fetch 80 -> 135 ms, the loop stalled 25 ms); at

@@ -8,6 +8,7 @@ environment variable, else the default (``docs/vllm.md``'s options table).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -215,6 +216,15 @@ def tier_config(
     base = NodeConfig.from_env(**hosts, curve_secret_key=None, curve_trusted=None)
     slow_ms, port = given.pop("slow_step_ms", None), given.pop("port", base.port)
     summaries, unbound = given.pop("summaries", None), given.pop("unbound_store_timeout_s", 60.0)
+    try:
+        unbound_s = float(unbound)
+    except (TypeError, ValueError):
+        unbound_s = math.nan
+    if not unbound_s > 0:  # vLLM's p2p tier's words, then ours
+        raise ValueError(
+            f"unbound_store_timeout_s must be a positive number, got {unbound!r} (the seconds "
+            "the p2pactor tier keeps a prefill's blocks for their decoder's fetch; 60 if not given)"
+        )
     dp_index = int(offloading_spec.config.parallel.data_parallel_index)
     try:
         given |= {k: peer_ids(given[k]) for k in ("allowed_peers", "seed_peers") if k in given}
@@ -226,7 +236,7 @@ def tier_config(
             block_len=int(block_len),
             fingerprint=layout_fingerprint(offloading_spec),
             sources=source_options(base.sources, offloading_spec, summaries),
-            unbound_store_timeout=float(unbound),
+            unbound_store_timeout=unbound_s,
             drain_timeout=SHUTDOWN_DRAIN_S,
             slow_step_s=base.slow_step_s
             if slow_ms is None

@@ -1,107 +1,19 @@
 """The data transport over NIXL, on trio, wire-compatible with vLLM 0.33.0's P2P tier.
 
 A producer WRITEs its pinned blocks straight into the consumer's blocks, one
-prepared NIXL transfer per fetch, exactly as vLLM's ``NixlTransport`` does, so a
-p2pactor node and a stock vLLM node move bytes into each other's pools:
-
-* the node's whole block pool is **one DRAM registration**, and its descriptor
-  list is prepared **once**;
-* a peer's pool (advertised in ``connect``: agent metadata, base address, block
-  count and size) gets one ``add_remote_agent`` and one remote descriptor list,
-  prepared once per peer;
-* each list is **one strided row** (address, block length, device, stride,
-  count: NIXL 1.5's Nx5 descriptor array), which NIXL indexes block by block as
-  it would a list of one row per block (vLLM's), at a cost that does not grow
-  with the block count: a peer advertising 4,000,000 blocks cost 274 MiB and a
-  0.1 s GIL hold with per-block lists (issue 30). A peer whose pool NIXL will
-  not take as one row (it spans several registrations) gets a per-block list, up
-  to 65,536 blocks;
-* a write is ``make_prepped_xfer("WRITE", local list, local indexes, remote list,
-  remote indexes)`` plus ``transfer()``, with no notification attached (the
-  consumer learns of completion from ``TransferDone`` on the control channel).
-
-Use it as an async context manager::
+prepared NIXL transfer per fetch, exactly as vLLM's ``NixlTransport`` does;
+how trio and NIXL meet (the pump, NIXL's progress thread, the poster, writes
+that cannot be recalled): ``docs/design.md``, "The NIXL transport". Use it as
+an async context manager::
 
     pool = torch.zeros(num_blocks, block_len, dtype=torch.uint8)
     async with open_nixl_transport(pool, block_len) as data:
         async with open_node(config, control=..., data=data, parent=...) as node:
             ...
 
-How trio and NIXL meet (``shared/reference/trio-stack.md`` section 2):
-
-* NIXL has no completion fd and no callback: completion is learned only by
-  polling. One **pump** task per agent polls every write in flight
-  (``check_xfer_state``, about 1 µs each) and reports each write's end to the
-  callback its :meth:`~NixlDataTransport.start_write` was given (no task per
-  write). It backs off when nothing changes (see
-  :meth:`NixlOptions.poll_intervals`), is kicked by an event when new work
-  arrives, and with nothing in flight it sleeps until there is.
-* A *target's* progress matters too: a WRITE into an agent that nobody
-  progresses can stay in flight forever (measured: a 1 MiB WRITE stalled until
-  the target polled; on TCP, every write, and connection setup too). By default
-  **NIXL's own progress thread** does it: a C++ thread that sleeps in
-  ``poll()`` on the UCX worker's event fd, so it runs, without the GIL, the
-  moment a peer's bytes arrive. Over TCP that sets how fast a peer's write
-  lands: 0.78 of raw NIXL across hosts at 64 x 1 MiB, against 0.61 when the
-  pump drove progress every 1 ms. NIXL's Python wrapper hard-codes the
-  thread's periodic wakeup to 0, a ``poll()`` that never sleeps (measured 2.0
-  cores for two idle agents); the transport sets
-  :attr:`NixlOptions.progress_thread_wakeup` (100 ms) on the binding instead.
-  With the thread off (``progress_thread_wakeup=None``) the pump drives the
-  agent's progress (``get_new_notifs``) while a peer's write into our pool may
-  be running (:meth:`~NixlDataTransport.expect_writes`, and ``wireup_grace``
-  after a peer is added).
-* ``transfer()`` may do the whole copy **inside the call** on shared memory
-  (measured 20-40 ms for 64 MiB), and peer registration loads the peer's
-  metadata and may connect. Both run in a worker thread
-  (``trio.to_thread.run_sync``) so the event loop never stalls on them; polls
-  run on the trio thread. The hop to the worker thread and back costs about
-  0.25-0.4 ms, though, so a write predicted quick (``inline_post_budget``) is
-  posted on the trio thread, right inside ``start_write``; small writes (and
-  every write on RDMA, where ``transfer()`` only queues) skip the hop. The first
-  write, and any write predicted slower, goes to the one *poster* task, which
-  posts writes in order from a worker thread.
-* The agent runs with ``NIXL_THREAD_SYNC_NONE``: its API is not thread-safe.
-  Every call into it is made while holding one :class:`trio.Lock`, or (a
-  quick write posted right inside ``start_write``) on the trio thread while
-  nobody holds it, so the agent never sees two calls at once.
-  (NIXL's progress thread touches only the UCX worker, which NIXL then creates
-  in UCX's multi-threaded mode, ``UCS_THREAD_MODE_MULTI``: NIXL's
-  ``makeMtType`` in its UCX plugin picks it whenever the progress thread is
-  on; and the notification list, behind NIXL's own mutex.)
-* **A peer's write cannot be recalled**, so the data path bounds how long one
-  may still land once its peer went silent (``late_write_window``, which a
-  consumer holds a lost load's blocks for). Before it makes its agent the
-  transport sets ``UCX_TCP_USER_TIMEOUT`` and UCX's TCP keepalive in the
-  *process* environment, where UCX reads them, unless they are set already
-  (:attr:`NixlOptions.tcp_timeout`); the window follows the value in effect.
-* Every write has a deadline (``transfer_timeout``). A write that misses it is
-  cancelled through NIXL (``release_xfer_handle``); if NIXL refuses because the
-  transfer is still running, the handle stays tracked as a *zombie* and the
-  pump keeps polling it. A write's callback hears of a failure only once the
-  transfer is over or NIXL has released it, never while NIXL still reports it
-  running: a failure lets the consumer reuse its blocks. (NIXL's release is
-  its only cancel. Its UCX backend accepts it for a running transfer and
-  cancels the UCX requests, which cannot recall an RDMA put already handed to
-  the NIC; vLLM saw bytes land after such a release, #59790. Only a write stuck
-  for the whole ``transfer_timeout`` takes this path.)
-
-Peers are named per session (``host:port#serial``), so the same remote agent may
-be registered under two names while an old session drains. NIXL keeps one
-registration per remote agent (adding it again is accepted; removing it once
-removes it, and invalidates every descriptor list prepared for it), so the
-transport counts references: each name has its own descriptor list, and the
-remote agent is removed with its last name. A peer is removed only once its
-writes have ended: NIXL's state check on a transfer whose remote agent was
-removed frees the transfer underneath its handle.
-
-NIXL itself is imported lazily, when a transport is opened, from the first of
-``nixl._api`` (the ``nixl`` meta package, which picks the build matching
-torch's CUDA), ``nixl_cu13._api`` and ``nixl_cu12._api`` that imports.
-
-The code: options and counters in ``_nixl_options``; the transport is one
-class in three layers: the pool and the calls into the agent (``_nixl_agent``),
-writes (poster, pump; ``_nixl_writes``), peers and closing (``_nixl_transport``).
+The transport is one class in three layers: the pool and the calls into the
+agent (``_nixl_agent``), writes (poster, pump; ``_nixl_writes``), and its
+peers and life (here); options and counters in ``_nixl_options``.
 """
 
 from __future__ import annotations
@@ -109,16 +21,20 @@ from __future__ import annotations
 import functools
 import importlib
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from logging import DEBUG, WARNING
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
-from p2pactor.adapters._nixl_options import NixlOptions, NixlStatistics
-from p2pactor.adapters._nixl_transport import NixlDataTransport
+from p2pactor.adapters._nixl_agent import MAX_BLOCKS, Agent
+from p2pactor.adapters._nixl_options import NixlOptions, NixlStatistics, note
+from p2pactor.adapters._nixl_writes import Peer, Writes
 from p2pactor.errors import DataPlaneError
+from p2pactor.runtime.transport import TransferError
 
 if TYPE_CHECKING:
     import torch
@@ -133,6 +49,241 @@ __all__ = [
 
 #: Where NIXL's Python API lives, in the order tried (see the module docstring).
 NIXL_API_MODULES = ("nixl._api", "nixl_cu13._api", "nixl_cu12._api")
+
+
+class NixlDataTransport(Writes):
+    """A :class:`~p2pactor.runtime.transport.DataTransport` over one NIXL agent.
+
+    Made by :func:`~p2pactor.adapters.nixl.open_nixl_transport`, which owns its
+    pump task and releases every NIXL resource when its block exits.
+
+    Attributes:
+        agent_name: This agent's NIXL name (unique: it ends with a uuid).
+        agent_metadata: The agent's NIXL metadata, for peers' ``add_remote_agent``.
+        base_addr: Address of block 0 of the pool.
+        num_blocks: Blocks in the pool.
+        block_len: Bytes per block.
+        late_write_window: How long a silent peer's write may still land
+            (:attr:`NixlOptions.late_write_window`), from the
+            ``UCX_TCP_USER_TIMEOUT`` in effect in the process when the agent
+            was made: the operator's, or the one ``tcp_timeout`` set.
+    """
+
+    # --- setup and teardown ------------------------------------------------------------
+
+    async def _drain(self) -> None:
+        """Stop taking work and let the writes in flight end, for ``close_timeout``."""
+        self._closing = True
+        while self._to_post:
+            self._end(self._to_post.popleft(), "the NIXL transport is closed", failed=False)
+        for write in self._inflight:
+            write.expired = write.expired or "the NIXL transport is closing"
+        self._kick.set()
+        with trio.move_on_after(self._options.close_timeout):
+            await self._wait_until(lambda: not self._inflight)
+
+    async def _close(self) -> None:
+        """Release every NIXL resource (in a worker thread), then fail what was left."""
+        async with self._lock:
+            unfinished = list(self._inflight)
+            await trio.to_thread.run_sync(self._release_all)
+        self._keepalive = None  # a bytearray pool may be resized again
+        # Released with the agent: its endpoints are closed, nothing more lands.
+        for write in unfinished:
+            self._end(write, "the NIXL transport closed while it was in flight")
+
+    def _release_all(self) -> None:
+        """Release every write, peer list and remote agent, then the pool (in a worker thread).
+
+        In dependency order, with the lock held; each release is attempted on its own.
+        """
+        agent: Agent = self._agent  # open: _close follows a successful open only
+        self._agent = None
+        for write in self._inflight:
+            self._attempt("releasing a write in flight", agent.release_xfer_handle, write.handle)
+        for peer in self._peers.values():
+            self._remove_peer(agent, peer.dlist, None)
+            peer.dlist = None  # its wrapper keeps the native agent alive
+        for remote in self._remotes():  # after the lists prepared for them
+            self._remove_peer(agent, None, remote)
+        self._peers.clear()
+        self._release_pool(agent)
+        # The agent (and its UCX context) goes with its last reference, here, in
+        # this thread: tearing UCX down can take a while.
+        del agent
+
+    # --- the DataTransport interface --------------------------------------------------
+
+    def statistics(self) -> NixlStatistics:
+        """Counters, for tests and monitoring."""
+        return attrs.evolve(
+            self._tally,
+            peers=len(self._peers),
+            remote_agents=len(self._remotes()),
+            writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
+            zombies=sum(w.zombie for w in self._inflight),
+        )
+
+    async def add_peer(
+        self,
+        peer_id: str,
+        agent_metadata: bytes,
+        base_addr: int,
+        num_blocks: int,
+        block_len: int,
+    ) -> None:
+        """Register a peer's pool: its agent, and its blocks as one strided descriptor.
+
+        What this costs does not grow with ``num_blocks``, which the peer
+        chooses (issue 30); the NIXL work runs in a worker thread all the same
+        (loading the agent's metadata, connecting).
+
+        Raises:
+            TransferError: The name is taken, the pool does not match ours, or
+                NIXL rejects the peer's metadata or pool.
+        """
+        self._live_agent()  # or the transport is closed
+        if block_len != self.block_len:
+            raise TransferError(
+                f"{peer_id} uses {block_len}-byte blocks, this node {self.block_len}"
+            )
+        end = base_addr + num_blocks * block_len  # NIXL takes addresses as uint64
+        if not 0 < num_blocks <= MAX_BLOCKS or base_addr <= 0 or end > 2**64:
+            raise TransferError(
+                f"{peer_id} advertised an impossible pool ({num_blocks} blocks at {base_addr:#x})"
+            )
+        if peer_id in self._peers:
+            raise TransferError(f"{peer_id} is already registered; remove it first")
+        peer = Peer(peer_id, num_blocks, base_addr)
+        self._peers[peer_id] = peer
+        self._wireup_until = trio.current_time() + self._options.wireup_grace
+        self._kick.set()
+        outcome: tuple[str, list[object]] | str = "cancelled"  # (remote agent, lists) or why not
+        try:
+            async with self._lock:
+                agent = self._live_agent()
+                known = self._remotes()
+                outcome = await trio.to_thread.run_sync(
+                    self._add_peer, agent, agent_metadata, [(base_addr, num_blocks)], known
+                )
+                # No checkpoint from here on: even if we were cancelled meanwhile,
+                # what the thread made is recorded (and released by remove or close).
+                if not isinstance(outcome, str):
+                    peer.remote, (peer.dlist,) = outcome
+            if peer.remote in known:
+                outcome = await self._reload(peer.remote, agent_metadata) or outcome
+        finally:
+            peer.ready.set()
+            if isinstance(outcome, str) and self._peers.get(peer_id) is peer:
+                del self._peers[peer_id]
+            self._signal()
+        if isinstance(outcome, str):
+            raise TransferError(f"cannot register {peer_id}'s pool with NIXL: {outcome}")
+        note(DEBUG, self.agent_name, "%s registered (agent %s)", peer_id, peer.remote, peer=peer_id)
+
+    async def _reload(self, remote: str, metadata: bytes) -> str | None:
+        """Load an agent afresh for a new name, once its other names' writes are over.
+
+        Those names are most likely the peer's earlier sessions: the peer may
+        have dropped its end of their connection (a new session after a cut
+        link), and NIXL learns that only when a write fails on it. Once none
+        of their writes is in flight (waited for within the late-write
+        window), the agent is released and loaded again, with a new
+        connection, and every name's list prepared again. Returns why that
+        failed, if it did: then no name of the agent can be written to.
+        """
+
+        def names() -> list[Peer]:
+            return [p for p in self._peers.values() if p.remote == remote]
+
+        with trio.move_on_after(self.late_write_window):
+            await self._wait_until(lambda: not any(p.writes for p in names()))
+        async with self._lock:
+            agent, peers = self._live_agent(), names()
+            if any(w.handle is not None for p in peers for w in p.writes):
+                return None  # still in flight: the connection stays as it is
+            pools = [(p.base_addr, p.num_blocks) for p in peers]
+            stale = (remote, [p.dlist for p in peers])
+            reloaded = await trio.to_thread.run_sync(
+                self._add_peer, agent, metadata, pools, frozenset(), stale
+            )
+            for p in peers:  # their lists were released either way
+                p.remote = p.dlist = None
+            if isinstance(reloaded, str):
+                what = "reloading agent %s failed (%s): %s can no longer be written to"
+                note(WARNING, self.agent_name, what, remote, reloaded, [p.peer_id for p in peers])
+                return reloaded
+            for p, dlist in zip(peers, reloaded[1], strict=True):
+                p.remote, p.dlist = reloaded[0], dlist
+        return None
+
+    async def remove_peer(self, peer_id: str) -> None:
+        """Forget a peer once its writes have ended, then release its NIXL state.
+
+        Writes to it fail from now on; those already running are waited for
+        (a zombie write keeps the peer until NIXL lets it go). The remote agent
+        is removed with the last peer name that uses it.
+        """
+        peer = self._peers.get(peer_id)
+        if peer is None:
+            await trio.lowlevel.checkpoint()
+            return
+        peer.removing = True
+        await peer.ready.wait()
+        await self._wait_until(lambda: not peer.writes)
+        with trio.CancelScope(shield=True):  # half a removal would leak the agent
+            # Under the lock, so that a reload (_reload) prepares its list again or sees it gone.
+            async with self._lock:
+                if self._peers.get(peer_id) is not peer:
+                    return  # removed meanwhile by another call
+                del self._peers[peer_id]
+                agent = self._agent
+                last = None if peer.remote in self._remotes() else peer.remote
+                if agent is not None and peer.remote is not None:
+                    await trio.to_thread.run_sync(self._remove_peer, agent, peer.dlist, last)
+        note(DEBUG, self.agent_name, "%s removed", peer_id, peer=peer_id)
+
+    def _remotes(self) -> frozenset[str]:
+        """The remote agents loaded: one for any number of peer names."""
+        return frozenset(p.remote for p in self._peers.values() if p.remote is not None)
+
+    async def write(
+        self, peer_id: str, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    ) -> None:
+        """Write our ``local_blocks`` into the peer's ``remote_blocks`` and wait for the end.
+
+        :meth:`start_write` for a caller that waits. If the calling task is
+        cancelled meanwhile, the write is cancelled through NIXL (or polled
+        until it ends); :meth:`remove_peer` and closing wait for it either way.
+
+        Raises:
+            TransferError: Why :meth:`start_write` would have told ``done`` the
+                write failed: the peer is unknown, an index is out of range,
+                NIXL failed the write, or it missed its deadline.
+        """
+        outcome: list[str | None] = []
+        done = outcome.append
+        self.start_write(peer_id, local_blocks, remote_blocks, done)
+        try:
+            await self._wait_until(lambda: bool(outcome))
+        except BaseException:
+            for write in [w for p in self._peers.values() for w in p.writes if w.done is done]:
+                write.expired = write.expired or "the writing task was cancelled"
+                self._kick.set()
+            raise
+        if outcome[0] is not None:
+            raise TransferError(outcome[0])
+
+    def expect_writes(self, delta: int) -> None:
+        """``delta`` more (or fewer) peer writes into our pool may be running now.
+
+        With NIXL's progress thread off (``progress_thread_wakeup=None``), the
+        pump drives the agent's progress every ``idle_poll_interval`` while any
+        may; with the thread on (the default) the thread does, and this only counts.
+        """
+        self._expected = max(0, self._expected + delta)
+        if delta > 0:
+            self._kick.set()
 
 
 @functools.cache

@@ -93,10 +93,14 @@ class P2PActorTierManager(api.SecondaryTierManager):  # type: ignore[misc]  # vL
         **options: Any,
     ) -> None:
         api.require_tier_polling()
-        if backpressure_detector is not None:
+        if backpressure_detector is not None:  # vLLM's p2p tier's words, then ours
             raise ValueError(
-                "Backpressure is not supported for the p2pactor tier (as for vLLM's p2p "
-                "tier): remove the 'backpressure' config from its secondary_tiers entry."
+                "Backpressure is not supported for the P2P secondary tier. The generic "
+                "store-latency detector cannot fail fast in PD mode and rendezvous time makes "
+                "store latency an unreliable pressure signal. Remove the 'backpressure' config "
+                "from the p2p tier. (p2pactor's tier refuses it for the same reasons: remove "
+                "'backpressure' from its secondary_tiers entry, and from "
+                "kv_connector_extra_config, which vLLM hands to every tier.)"
             )
         super().__init__(offloading_spec, primary_kv_view, tier_type)
         config = api.tier_config(offloading_spec, primary_kv_view, self.block_size_bytes, options)
@@ -111,6 +115,19 @@ class P2PActorTierManager(api.SecondaryTierManager):  # type: ignore[misc]  # vL
         # vLLM's scheduler thread (it builds the tier and steps it); its
         # tier-poll thread is another.
         self._scheduler = threading.get_ident()
+        # With vLLM's tier-poll thread off, tiers are served only at engine steps,
+        # and an idle engine takes none unless a tier asks: ask, as vLLM's p2p tier
+        # always does.
+        poll_s = getattr(offloading_spec, "tier_poll_interval_s", 1.0)
+        self._always_stepping = poll_s <= 0
+        if self._always_stepping:
+            log.warning(
+                "vLLM's tier-poll thread is off (tier_poll_interval_s=%g): the p2pactor tier "
+                "keeps the engine stepping, idle or not, to serve its peers, as vLLM's p2p "
+                "tier does; set tier_poll_interval_s to 0.001 (vLLM's default) to serve them "
+                "from that thread and let an idle engine rest",
+                poll_s,
+            )
         log.info(
             "p2pactor tier %s ready (%d blocks of %d bytes)",
             config.node_id,
@@ -288,8 +305,8 @@ class P2PActorTierManager(api.SecondaryTierManager):  # type: ignore[misc]  # vL
         self._node.flush()
 
     def has_pending_work(self) -> bool:
-        """Whether the engine must keep stepping for this tier."""
-        return self._node.has_pending_work()
+        """Whether the engine must keep stepping for this tier (always, with no poll thread)."""
+        return self._always_stepping or self._node.has_pending_work()
 
     def drain_jobs(self) -> None:
         """Wait (bounded) until every load submitted has finished and no write runs.

@@ -18,8 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from p2pactor.core.protocol_summaries import packed
 from p2pactor.core.sources import SourceIndex
 from p2pactor.core.sources import filter as claimfilter
-from p2pactor.core.sources.arrays import as_fps, unique
-from p2pactor.core.sources.claims import ClaimSet, Compaction
+from p2pactor.core.sources.claims import ClaimSet, Compaction, as_fps, unique
 from p2pactor.core.sources.filter import ClaimFilter
 
 # Low and high fingerprints (the top bit set too), few enough to collide often.

@@ -517,16 +517,22 @@ class ProducerMachine(RuleBasedStateMachine):
     @invariant()
     def inflight_bookkeeping_agrees(self) -> None:
         # vLLM's "inflight per request" invariant, in our terms: every transfer
-        # is counted by its round and by the jobs it reads, and nothing else is.
+        # started and not ended, counted from the log, is in flight, counted by
+        # its round and by the jobs it reads (held, serving it), and nothing else is.
+        started: dict[int, ev.TransferStarted] = {}
+        for e in self.h.log:
+            if isinstance(e, ev.TransferStarted):
+                started[e.transfer_id] = e
+            elif isinstance(e, ev.TransferCompleted | ev.TransferFailed):
+                del started[e.transfer_id]
         s = self.h.state
-        by_round = {tid for rnd in s.rounds.values() for tid in rnd.inflight}
-        assert by_round == set(s.transfers)
-        assert set(s.transfers) == set(self.h.transfers)
-        for job in s.jobs.values():
-            assert job.readers <= set(s.transfers)
-        for tid, t in s.transfers.items():
-            assert tid in s.rounds[t.round_seq].inflight
-            assert all(tid in s.jobs[j].readers for j in t.job_ids)
+        assert set(s.transfers) == set(started) == set(self.h.transfers)
+        assert s.writing() == {t.round_seq for t in started.values()}
+        assert s.reading() == {j for t in started.values() for j in t.job_ids}
+        for t in started.values():
+            assert t.round_seq in s.rounds
+            # A job a write reads serves its round (so it never expires under the write).
+            assert all(t.round_seq in s.jobs[j].serving for j in t.job_ids)
 
     @invariant()
     def one_answer_per_lookup(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import trio
 
-from p2pactor.runtime.seeds import SeedRedial
+from p2pactor.runtime.peers import SeedRedial
 from p2pactor.runtime.timers import Timed
 from tests.cluster import key, node_id, open_cluster
 from tests.test_directory import until

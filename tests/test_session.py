@@ -244,7 +244,7 @@ class TestHandshake:
     async def test_a_quota_refusal_is_said_only_to_a_peer_that_offered_to_hear_it(
         self, autojump_clock: trio.abc.Clock, offers: bool
     ) -> None:
-        from p2pactor.runtime.dialect import EXTENSION  # noqa: PLC0415 -- one use
+        from p2pactor.core.protocol import EXTENSION  # noqa: PLC0415 -- one use
         from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415
 
         async with node_and_peer(quotas=PeerQuotas(max_pinned_blocks=1)) as (_, cache, peer):

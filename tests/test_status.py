@@ -28,10 +28,9 @@ import pytest
 import trio
 
 from p2pactor.core.inputs import LookupResult
-from p2pactor.core.protocol import Connect, ConnectAck
+from p2pactor.core.protocol import EXTENSION, Connect, ConnectAck
 from p2pactor.programs.cli import main
 from p2pactor.programs.status_cli import format_status
-from p2pactor.runtime.dialect import EXTENSION
 from p2pactor.runtime.node import Node
 from p2pactor.runtime.session import PeerSession
 from p2pactor.surface.status import SCHEMA

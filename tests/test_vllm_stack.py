@@ -28,10 +28,22 @@ pytest.importorskip(
     "vllm.v1.kv_offload.tiering.manager", reason="vLLM 0.33 (tiered KV offloading) is not installed"
 )
 
+import numpy as np
 from vllm.v1.kv_offload.base import make_offload_key
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
+from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
 from p2pactor.programs.vllmstack.engine import Phase, StackRequest
-from tests.vllm_stack import StackNode, node_threads, open_nodes, run_until, settle
+from tests.ports import free_port
+from tests.vllm_stack import (
+    CHUNK_BYTES,
+    HOST,
+    StackNode,
+    node_threads,
+    open_nodes,
+    run_until,
+    settle,
+)
 
 _keys = itertools.count()
 
@@ -197,6 +209,52 @@ def test_a_mixed_pair_on_vllms_stack(producer: str) -> None:
         run_until([p, c], done(req), "the request done")
         assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
         settle([p, c])
+
+
+@pytest.mark.parametrize("kind", ["ours", "stock"])
+def test_an_idle_engine_with_no_tier_poll_thread_serves_its_peers(kind: str) -> None:
+    """VLLM's ``tier_poll_interval_s: 0``: the tier keeps its idle engine stepping to serve."""
+    with open_nodes(("p", {"kind": kind, "tier_poll_interval_s": 0}), ("c", {})) as (p, c):
+        assert p.stack.manager._tier_poll_thread is None  # vLLM started none
+        keys = new_keys(4)
+        p.computed(keys)
+        assert p.engine.wants_step()  # idle, and still stepping, for its peers
+        req = ask(c, keys, c.named(p, f"unpolled-{kind}"))
+        run_until([p, c], done(req), "c's request done")
+        assert (req.loaded, req.promoted, req.wrong) == (4, 4, 0)
+        settle([p, c])
+
+
+def refusal(kind: str, entry: dict[str, Any]) -> str:
+    """VLLM's config path building tier ``kind`` from ``entry``: the message it refuses with."""
+    spec = spec_of(StackOptions(tiers=[tier_entry(kind, HOST, free_port(), **entry)]))
+    view = memoryview(np.zeros((4, CHUNK_BYTES), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"unbound_store_timeout_s|backpressure") as err:
+        SecondaryTierFactory.create_secondary_tier(spec.secondary_tier_configs[0], view, spec)
+    return str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("entry", "by_the_tier"),
+    [
+        ({"backpressure": {"backpressure_cls": "EMABackpressureDetector"}}, True),
+        ({"backpressure": {}}, False),  # vLLM's factory refuses it, before any tier
+        ({"unbound_store_timeout_s": 0}, True),
+        ({"unbound_store_timeout_s": -1.0}, True),
+        ({"unbound_store_timeout_s": None}, True),
+        ({"unbound_store_timeout_s": "soon"}, True),
+    ],
+)
+def test_what_vllms_p2p_tier_refuses_ours_refuses_in_its_words_then_ours(
+    entry: dict[str, Any], by_the_tier: bool
+) -> None:
+    threads = node_threads()
+    stock, ours = refusal("stock", entry), refusal("ours", entry)
+    assert ours.startswith(stock), (stock, ours)  # vLLM's exact words, read from its tier
+    if by_the_tier:
+        assert "p2pactor" not in stock
+        assert "p2pactor" in ours[len(stock) :]  # then our advice
+    assert node_threads() == threads  # no node was started
 
 
 def test_shutdown_stops_the_node_thread_and_frees_the_port() -> None:

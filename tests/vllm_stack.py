@@ -209,7 +209,7 @@ class StackNode:
         if not self.quiet():
             return False
         with self.stack.lock:
-            if self.kind == "ours" and self.tier.has_pending_work():
+            if self.kind == "ours" and self.tier.node.has_pending_work():
                 return False
             return not self.parent.open_requests() and not self.pinned()
 

@@ -1,20 +1,22 @@
-"""The machinery both roles share: the Builder of one decision and the fold tables.
+"""The machinery both roles share: the Builder of one decision, the fold tables, the phase rule.
 
 ``decide`` functions emit events one at a time on a :class:`Builder`; each is
 applied at once, so the next decision in the same step sees its effect. This
 guarantees that what a decision returns is exactly what replaying its events
 through ``evolve`` gives. Each role's ``evolve`` is a table of fold arms, one per
-event type, made into a checked function by :func:`evolver`.
+event type, made into a checked function by :func:`evolver`. Both apply the one
+phase rule, :func:`phase_after`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Generic, Self, TypeVar, cast, get_args
+from typing import Any, ClassVar, Final, Generic, Self, TypeVar, cast, get_args
 
 import msgspec
 
-from p2pactor.core.events import Event, Ignored
+from p2pactor.core import events as ev
+from p2pactor.core.events import ConsumerPhase, Event, Ignored, Phase, ProducerPhase
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.timings import Timings
 from p2pactor.errors import ReplayError
@@ -40,6 +42,39 @@ class ActorRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         if actor.role is not cls.ROLE:
             raise ValueError(f"{actor} is not a {cls.ROLE.value}")
         return cls(actor=actor)
+
+
+# The phase each event moves an actor to, if that is further on in the actor's role (a consumer's
+# SessionLost leaves it as it is). ``Finished`` moves a consumer to the terminal phase it names.
+PHASE_AT: Final[Mapping[type[Event], Phase]] = {
+    ev.Probed: ConsumerPhase.PROBING,
+    ev.FetchSent: ConsumerPhase.FETCH_SENT,
+    ev.LookupCancelled: ConsumerPhase.FETCH_SENT,
+    ev.SessionLost: ProducerPhase.CLOSING,
+    ev.CloseRequested: ProducerPhase.CLOSING,
+    ev.Closed: ProducerPhase.CLOSED,
+}
+
+# Each role's phases in the order they may be entered. A consumer's running outcome only gets
+# worse, in the same order: DONE < FAILED < ABORTED.
+PHASE_RANK: Final = {
+    p: rank for role in (ConsumerPhase, ProducerPhase) for rank, p in enumerate(role)
+}
+
+
+def phase_after(phase: Phase, event: Event) -> Phase:
+    """The phase an actor is in after ``event``, given its phase before it; pure, forward only.
+
+    The phase part of ``evolve``, alone: the feed needs each event's phase
+    while a watcher sees only the state after a whole step, and replay serving
+    needs it without rebuilding states.
+    """
+    if isinstance(event, ev.Finished):
+        return event.phase
+    target = PHASE_AT.get(type(event))
+    if target is None or type(target) is not type(phase) or PHASE_RANK[target] <= PHASE_RANK[phase]:
+        return phase
+    return target
 
 
 S = TypeVar("S", bound=ActorRecord)

@@ -1,10 +1,4 @@
-"""The consumer's state and its fold: :class:`ConsumerState` and :func:`evolve_consumer`.
-
-The phase rule lives here once, as a table: :data:`CONSUMER_PHASE_AT` says
-which event moves a consumer to which phase, and :func:`consumer_phase_after`
-applies it (forward only; ``Finished`` sets its own terminal phase). Both
-:func:`evolve_consumer` and the timeline feed use it.
-"""
+"""The consumer's state and its fold: :class:`ConsumerState` and :func:`evolve_consumer`."""
 
 from __future__ import annotations
 
@@ -15,21 +9,9 @@ import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import ActorRecord, evolver
+from p2pactor.core.builder import PHASE_RANK, ActorRecord, evolver, phase_after
 from p2pactor.core.events import ConsumerPhase
 from p2pactor.core.ids import Role
-
-# The non-terminal phase each event moves a consumer to (if it is further on). ``Finished`` moves it
-# to the terminal phase the event names; any other event leaves the phase as it is.
-CONSUMER_PHASE_AT: Final[Mapping[type[ev.Event], ConsumerPhase]] = {
-    ev.Probed: ConsumerPhase.PROBING,
-    ev.FetchSent: ConsumerPhase.FETCH_SENT,
-    ev.LookupCancelled: ConsumerPhase.FETCH_SENT,
-}
-
-# Phases in the order they may be entered; evolve never moves backwards. The running outcome only
-# gets worse, in the same order: DONE < FAILED < ABORTED.
-_ORDER: Final = {phase: rank for rank, phase in enumerate(ConsumerPhase)}
 
 
 class Load(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -109,21 +91,15 @@ class ConsumerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         return tuple(k for k, v in self.probes.items() if v is None and k not in unsent)
 
 
+# What a request that asks no more keys forgets (each key answers MISS from then on).
+_NOT_ASKING: Final[dict[str, Any]] = {"probes": {}, "unsent": (), "lookup_deadline": None}
+
+
 def _worse(state: ConsumerState, outcome: ConsumerPhase, problem: str) -> dict[str, Any]:
     """The changes an outcome of ``outcome`` makes: none unless it is worse (it only gets worse)."""
-    if _ORDER[outcome] <= _ORDER[state.outcome]:
+    if PHASE_RANK[outcome] <= PHASE_RANK[state.outcome]:
         return {}
     return {"outcome": outcome, "problem": problem}
-
-
-def consumer_phase_after(phase: ConsumerPhase, event: ev.AnyEvent) -> ConsumerPhase:
-    """The phase a consumer is in after ``event``, given its phase before it; pure."""
-    if isinstance(event, ev.Finished):
-        return event.phase
-    target = CONSUMER_PHASE_AT.get(type(event))
-    if target is None or _ORDER[target] <= _ORDER[phase]:
-        return phase
-    return target
 
 
 def _registered(
@@ -143,15 +119,14 @@ def _without(loads: Mapping[int, Load], round_seq: int) -> dict[int, Load]:
 
 
 def _registered_keys(s: ConsumerState, e: ev.Registered) -> ConsumerState:
-    probes = {**s.probes, **dict.fromkeys(e.keys)}
-    return replace(s, seq=e.seq, probes=probes, unsent=s.unsent + e.keys)
+    return replace(s, seq=e.seq, probes=_registered(s.probes, e.keys), unsent=s.unsent + e.keys)
 
 
 def _probed(s: ConsumerState, e: ev.Probed) -> ConsumerState:
     return replace(
         s,
         seq=e.seq,
-        phase=consumer_phase_after(s.phase, e),
+        phase=phase_after(s.phase, e),
         round_seq=e.round_seq,
         probes=_registered(s.probes, e.keys),
         unsent=(),
@@ -172,13 +147,11 @@ def _finished(s: ConsumerState, e: ev.Finished) -> ConsumerState:
     return replace(
         s,
         seq=e.seq,
-        phase=consumer_phase_after(s.phase, e),
+        phase=phase_after(s.phase, e),
         finishing=s.finishing or e.requested,
         outcome=e.phase,
-        probes={},
-        unsent=(),
         lookup_open=False,
-        lookup_deadline=None,
+        **_NOT_ASKING,
     )
 
 
@@ -187,7 +160,7 @@ def _fetch_sent(s: ConsumerState, e: ev.FetchSent) -> ConsumerState:
     return replace(
         s,
         seq=e.seq,
-        phase=consumer_phase_after(s.phase, e),
+        phase=phase_after(s.phase, e),
         round_seq=e.next_round,
         probes={k: False for k, hit in s.probes.items() if hit is False},
         unsent=(),
@@ -205,9 +178,7 @@ def _transfer_done(s: ConsumerState, e: ev.TransferDone) -> ConsumerState:
 
 def _lookup_timed_out(s: ConsumerState, e: ev.LookupTimedOut) -> ConsumerState:
     worse = _worse(s, ConsumerPhase.FAILED, "the peer answered no lookup key in time")
-    return replace(
-        s, seq=e.seq, probes={}, unsent=(), lookup_deadline=None, lookup_failed=True, **worse
-    )
+    return replace(s, seq=e.seq, lookup_failed=True, **_NOT_ASKING, **worse)
 
 
 def _fetch_skipped(s: ConsumerState, e: ev.FetchSkipped) -> ConsumerState:
@@ -243,11 +214,9 @@ CONSUMER_FOLDS: Final[dict[type[ev.Event], Callable[[ConsumerState, Any], Consum
     ev.Registered: _registered_keys,
     ev.Probed: _probed,
     ev.LookupResp: _lookup_resp,
-    ev.FinishRequested: lambda s, e: replace(
-        s, seq=e.seq, finishing=True, probes={}, unsent=(), lookup_deadline=None
-    ),
+    ev.FinishRequested: lambda s, e: replace(s, seq=e.seq, finishing=True, **_NOT_ASKING),
     ev.LookupCancelled: lambda s, e: replace(
-        s, seq=e.seq, phase=consumer_phase_after(s.phase, e), lookup_open=False
+        s, seq=e.seq, phase=phase_after(s.phase, e), lookup_open=False
     ),
     ev.Finished: _finished,
     ev.FetchSent: _fetch_sent,

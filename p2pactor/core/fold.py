@@ -6,23 +6,15 @@ from collections.abc import Callable, Collection, Iterable
 from typing import Any, Final
 
 from p2pactor.core import events as ev
-from p2pactor.core.consumer_state import (
-    CONSUMER_FOLDS,
-    ConsumerState,
-    consumer_phase_after,
-    evolve_consumer,
-)
-from p2pactor.core.events import ConsumerPhase
+from p2pactor.core.builder import phase_after as phase_after
+from p2pactor.core.consumer_state import CONSUMER_FOLDS, ConsumerState, evolve_consumer
+from p2pactor.core.events import Phase as Phase
 from p2pactor.core.ids import ActorId, Role
-from p2pactor.core.producer import PRODUCER_FOLDS, evolve_producer
-from p2pactor.core.producer_state import PRODUCER_PHASE_AT, ProducerPhase, ProducerState
+from p2pactor.core.producer import PRODUCER_FOLDS, ProducerState, evolve_producer
 from p2pactor.errors import ReplayError
 
 # The state of an actor of either role.
 ActorState = ConsumerState | ProducerState
-
-# A phase of either role.
-Phase = ConsumerPhase | ProducerPhase
 
 # Each role's state type: its events (the kinds its fold table folds) and its evolve.
 _ROLES: Final[dict[type, tuple[Collection[type], Callable[[Any, Any], ActorState]]]] = {
@@ -75,20 +67,6 @@ def fold(events: Iterable[ev.AnyEvent], state: ActorState | None = None) -> Acto
 def initial_phase(actor: ActorId) -> Phase:
     """The phase of ``actor`` before its first event."""
     return initial_state(actor).phase
-
-
-def phase_after(phase: Phase, event: ev.AnyEvent) -> Phase:
-    """The phase an actor is in after ``event``, given its phase before it; pure.
-
-    The phase part of ``evolve``, alone, from the role's table
-    (:data:`~p2pactor.core.consumer_state.CONSUMER_PHASE_AT`,
-    :data:`PRODUCER_PHASE_AT`). The feed needs each event's phase while a
-    watcher sees only the state after a whole step, and replay serving needs
-    it without rebuilding states.
-    """
-    if isinstance(phase, ConsumerPhase):
-        return consumer_phase_after(phase, event)
-    return PRODUCER_PHASE_AT.get(type(event), phase)
 
 
 def is_terminal(state: ActorState) -> bool:

@@ -35,6 +35,7 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import Builder, covers, evolver
+from p2pactor.core.events import ProducerPhase as ProducerPhase
 from p2pactor.core.events import Violation
 from p2pactor.core.producer_lookups import (
     LOOKUP_FOLDS,
@@ -53,7 +54,6 @@ from p2pactor.core.producer_state import (
     Supply,
     _release,
 )
-from p2pactor.core.producer_state import ProducerPhase as ProducerPhase
 from p2pactor.core.producer_state import ProducerState as ProducerState
 from p2pactor.core.producer_state import pin_expired as pin_expired
 from p2pactor.core.timings import DEFAULT_TIMINGS, Timings
@@ -136,8 +136,10 @@ def _sweep(b: _B) -> None:
     """Settle whatever the step made settle-able, then close if nothing is held."""
     if b.state.phase is ProducerPhase.CLOSED:
         return  # the step closed the request whole
+    writing = b.state.writing()  # a sweep starts no write and sees none end
     for _, rnd in sorted(b.state.rounds.items()):
-        _sweep_round(b, rnd)
+        if rnd.round_seq not in writing:  # else a write may still land in the peer's blocks
+            _sweep_round(b, rnd)
     _release_stores(b)
     if b.state.idle:
         b.emit(ev.Closed, reason=b.state.close_reason or "nothing left to serve")
@@ -245,12 +247,10 @@ def _close_at_once(b: _B, round_seq: int, reason: str) -> bool:
     rounds = s.rounds
     if any(rnd.fetched for rnd in rounds.values()):
         return False
-    if any(job.round_seq not in rounds or job.readers for job in s.jobs.values()):
-        return False  # a store's job (no round), or one some write still reads
+    if any(job.round_seq not in rounds for job in s.jobs.values()):
+        return False  # a store's job (no round)
     closed = tuple(sorted(rounds))
-    released = tuple(
-        job_id for r in closed for job_id, job in sorted(s.jobs.items()) if job.round_seq == r
-    )
+    released = tuple(sorted(s.jobs, key=lambda job_id: (s.jobs[job_id].round_seq, job_id)))
     b.emit(
         ev.Closed, reason=reason, requested_round=round_seq, released=released, rounds_closed=closed
     )
@@ -302,8 +302,6 @@ def _finalize(b: _B, round_seq: int, *, success: bool, reason: str) -> None:
 def _sweep_round(b: _B, rnd: RoundState) -> None:
     s = b.state
     r = rnd.round_seq
-    if rnd.inflight:
-        return  # a write may still land in the peer's blocks: wait for it
     if rnd.cancelled:
         _release_round_jobs(b, r, f"round {r} aborted")
         if s.session_lost:
@@ -330,14 +328,19 @@ def _sweep_round(b: _B, rnd: RoundState) -> None:
 def _release_round_jobs(
     b: _B, round_seq: int, reason: str, *, served: bool = False, idle_only: bool = False
 ) -> None:
+    busy = b.state.reading() if idle_only else set()
     for job_id, job in sorted(b.state.jobs.items()):
-        if job.round_seq == round_seq and not (idle_only and job.readers):
+        if job.round_seq == round_seq and job_id not in busy:
             _release(b, job_id, reason, served=served)
 
 
 def _expirable(s: ProducerState, job: PinJob) -> bool:
-    """A pin no fetch is using or about to use: it may time out."""
-    if job.readers or job.serving:
+    """A pin no fetch is using or about to use: it may time out.
+
+    A job that a write reads serves the write's round until the round ends,
+    which is after the write: ``serving`` covers the job's readers too.
+    """
+    if job.serving:
         return False
     rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
     return rnd is None or not rnd.fetched
@@ -347,12 +350,13 @@ def _release_stores(b: _B) -> None:
     """Release each store job once its rounds settled it or the request ended."""
     s = b.state
     in_pool = {sup.job_id for entries in s.pool.values() for sup in entries}
+    busy = s.reading()
     # Once the engine stored its last block and every fetch so far was served,
     # leftover stored blocks can serve nobody.
     served_out = s.finishing and s.closed_through >= 0 and not s.rounds
     for job_id, job in sorted(s.jobs.items()):
         # A failed job's outcome is settled; a good one waits for its rounds.
-        if job.round_seq is not None or job.readers or (job.serving and not job.failed):
+        if job.round_seq is not None or job_id in busy or (job.serving and not job.failed):
             continue
         if job_id not in in_pool:
             _release(b, job_id, "all blocks served", served=True)

@@ -12,11 +12,10 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.builder import drop, put
-from p2pactor.core.events import Quota, Violation
+from p2pactor.core.events import ProducerPhase, Quota, Violation
 from p2pactor.core.producer_state import (
     _B,
     ActiveLookup,
-    ProducerPhase,
     ProducerState,
     _pinned,
     _release,
@@ -48,14 +47,8 @@ def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) ->
     # quota that also breaks the protocol is still disconnected.
     admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
     if verdict is not None and admit <= 0:
-        reason = verdict.reason
-        b.emit(
-            ev.LookupRefused,
-            round_seq=msg.round_seq,
-            keys=msg.keys,
-            quota=verdict.quota,
-            reason=reason,
-        )
+        quota, reason = verdict.quota, verdict.reason
+        b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, quota=quota, reason=reason)
         return
     budget = b.t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
@@ -121,16 +114,15 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer) -> bool:
     pin = answer.pin
     pinned = frozenset(pin.keys) if pin is not None else frozenset()
     resolved: dict[bytes, bool] = {}
-    for key in lookup.pending:  # HIT_PENDING, RETRY, or not answered: still pending
+    for key in lookup.pending:
         result = results.get(key)
-        if result is inp.LookupResult.HIT:
-            resolved[key] = key in pinned  # a hit the parent could not pin may be evicted
-        elif result is inp.LookupResult.MISS:
-            resolved[key] = False
+        if result is inp.LookupResult.HIT or result is inp.LookupResult.MISS:
+            # A hit the parent could not pin may be evicted: a MISS. HIT_PENDING,
+            # RETRY, or not answered: still pending.
+            resolved[key] = result is inp.LookupResult.HIT and key in pinned
     held, refusal = None, ""
     if pin is not None:
-        expires_at = b.now + b.t.pin_timeout
-        held = ev.Pinned(job_id=pin.job_id, keys=pin.keys, blocks=pin.blocks, expires_at=expires_at)
+        held = ev.Pinned(**msgspec.structs.asdict(pin), expires_at=b.now + b.t.pin_timeout)
         refusal = _pin_refusal(b.state, lookup)
     # Not whole: a quota's refusal, a close, a deadline, keys settled before or still pending.
     settled = lookup.dropped or lookup.answered or lookup.resolved or lookup.refused

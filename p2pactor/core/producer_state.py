@@ -16,35 +16,21 @@ import msgspec
 from msgspec.structs import replace
 
 from p2pactor.core import events as ev
-from p2pactor.core.builder import ActorRecord, Builder, drop, put
-from p2pactor.core.ids import IdentityEnum, Role
+from p2pactor.core.builder import ActorRecord, Builder, drop, phase_after, put
+from p2pactor.core.events import ProducerPhase
+from p2pactor.core.ids import Role
 
 
-class ProducerPhase(IdentityEnum):
-    """Where a producer request is in its life. Phases only move forward.
+class Transfer(msgspec.Struct, frozen=True, gc=False):
+    """A write in flight: the round it serves, how many blocks it writes, the pin jobs it reads.
 
-    Attributes:
-        OPEN: Serving lookups and fetches.
-        CLOSING: Closed by the peer or by the session's end; draining what is in flight.
-        CLOSED: Holds nothing any more. Terminal.
+    Which round and which jobs a write holds up is known from these alone: a
+    round or a job keeps no set of its own writes.
     """
 
-    OPEN = "open"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-    @property
-    def terminal(self) -> bool:
-        """Whether the request has ended."""
-        return self is ProducerPhase.CLOSED
-
-
-# The phase each event moves a producer to; any other event leaves it as it is.
-PRODUCER_PHASE_AT: Final[Mapping[type[ev.Event], ProducerPhase]] = {
-    ev.SessionLost: ProducerPhase.CLOSING,
-    ev.CloseRequested: ProducerPhase.CLOSING,
-    ev.Closed: ProducerPhase.CLOSED,
-}
+    round_seq: int
+    blocks: int
+    jobs: frozenset[int]
 
 
 class Supply(msgspec.Struct, frozen=True, gc=False):
@@ -104,7 +90,6 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         supply: Blocks its lookups pinned, by key.
         demand: ``(key, peer block)`` pairs of the fetch not matched yet.
         remaining: Blocks of the fetch not yet written.
-        inflight: Transfers of this round still running.
         failure: Why the round failed ("" while it has not).
         cancelled: The peer aborted it.
     """
@@ -115,7 +100,6 @@ class RoundState(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     fetched: bool = False
     demand: tuple[tuple[bytes, int], ...] = ()
     remaining: int = 0
-    inflight: frozenset[int] = frozenset()
     failure: str = ""
     cancelled: bool = False
 
@@ -128,7 +112,6 @@ class PinJob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             (it supplies any round).
         blocks: Our block index for each key.
         expires_at: When it is released if no fetch uses it.
-        readers: Transfers reading its blocks right now.
         serving: Rounds not yet ended that its blocks were written for; a store job settles with
             those rounds, as vLLM settles every job of a round when the round ends.
         failed: A round it served failed or was aborted.
@@ -139,7 +122,6 @@ class PinJob(msgspec.Struct, frozen=True, kw_only=True, gc=False):
     keys: tuple[bytes, ...]
     blocks: tuple[int, ...]
     expires_at: float
-    readers: frozenset[int] = frozenset()
     serving: frozenset[int] = frozenset()
     failed: bool = False
 
@@ -153,7 +135,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         rounds: Rounds in progress, by round number.
         jobs: Pin jobs held, by job id.
         pool: Stored blocks of a prefill/decode request not sent yet, by key.
-        transfers: Transfers in flight, by id: each as its start recorded it.
+        transfers: Transfers in flight, by id.
         open_contexts: Lookups whose synthetic parent request is open.
         closed_through: The highest round closed by a fetch (-1: none).
         looked_up_through: The highest round that had a lookup (-1: none).
@@ -171,7 +153,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     rounds: Mapping[int, RoundState] = msgspec.field(default_factory=dict)
     jobs: Mapping[int, PinJob] = msgspec.field(default_factory=dict)
     pool: Mapping[bytes, tuple[Supply, ...]] = msgspec.field(default_factory=dict)
-    transfers: Mapping[int, ev.TransferStarted] = msgspec.field(default_factory=dict)
+    transfers: Mapping[int, Transfer] = msgspec.field(default_factory=dict)
     open_contexts: frozenset[int] = frozenset()
     closed_through: int = -1
     looked_up_through: int = -1
@@ -185,6 +167,14 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         return not (
             self.lookups or self.rounds or self.jobs or self.transfers or self.open_contexts
         )
+
+    def reading(self) -> set[int]:
+        """The pin jobs whose blocks a transfer in flight reads."""
+        return set().union(*(t.jobs for t in self.transfers.values())) if self.transfers else set()
+
+    def writing(self) -> set[int]:
+        """The rounds that a transfer in flight writes for."""
+        return {t.round_seq for t in self.transfers.values()} if self.transfers else set()
 
 
 # The builder every producer decision emits its events through.
@@ -234,22 +224,18 @@ def _set_round(s: ProducerState, e: ev.Event, rnd: RoundState, **changes: object
 def _transfer_ended(s: ProducerState, e: Any, failure: str | None) -> ProducerState:
     t = s.transfers[e.transfer_id]
     jobs = dict(s.jobs)
-    for job_id in set(t.job_ids):
-        job = jobs.get(job_id)
-        if job is not None:
-            readers = job.readers - {e.transfer_id}
-            jobs[job_id] = replace(job, readers=readers, failed=job.failed or failure is not None)
+    if failure is not None:
+        for job_id in t.jobs & jobs.keys():
+            jobs[job_id] = replace(jobs[job_id], failed=True)
     transfers = drop(s.transfers, e.transfer_id)
     rnd = s.rounds.get(t.round_seq)
     if rnd is None:
         return replace(s, seq=e.seq, jobs=jobs, transfers=transfers)
     # A failed write leaves its blocks unwritten: the round failed.
-    rnd = replace(
-        rnd,
-        inflight=rnd.inflight - {e.transfer_id},
-        remaining=rnd.remaining - (len(t.keys) if failure is None else 0),
-        failure=rnd.failure or failure or "",
-    )
+    if failure is None:
+        rnd = replace(rnd, remaining=rnd.remaining - t.blocks)
+    else:
+        rnd = replace(rnd, failure=rnd.failure or failure)
     return _set_round(s, e, rnd, jobs=jobs, transfers=transfers)
 
 
@@ -304,12 +290,12 @@ def _pinned(
 
 def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
     if e.requested_round is not None:
-        s = replace(s, phase=PRODUCER_PHASE_AT[ev.CloseRequested], close_reason=e.reason)
+        s = replace(s, close_reason=e.reason)
     for job_id in e.released:
         s = _pin_released(s, e.seq, job_id)
     for round_seq in e.rounds_closed:
         s = _round_ended(s, e.seq, round_seq, served=False)
-    return replace(s, seq=e.seq, phase=PRODUCER_PHASE_AT[ev.Closed])
+    return replace(s, seq=e.seq, phase=phase_after(s.phase, e))
 
 
 def _fetch_received(s: ProducerState, e: ev.FetchReceived) -> ProducerState:
@@ -329,14 +315,12 @@ def _transfer_started(s: ProducerState, e: ev.TransferStarted) -> ProducerState:
         # than once; pool blocks are handed out once each, as vLLM does.
         if in_round is None or in_round.job_id != job_id:
             pool = _pool_take(pool, key, job_id)
+    t = Transfer(e.round_seq, len(e.keys), frozenset(e.job_ids))
     jobs = dict(s.jobs)
-    for job_id in set(e.job_ids):
-        job = jobs[job_id]
-        jobs[job_id] = replace(
-            job, readers=job.readers | {e.transfer_id}, serving=job.serving | {e.round_seq}
-        )
-    rnd = replace(rnd, demand=tuple(demand), inflight=rnd.inflight | {e.transfer_id})
-    transfers = put(s.transfers, e.transfer_id, e)
+    for job_id in t.jobs:
+        jobs[job_id] = replace(jobs[job_id], serving=jobs[job_id].serving | {e.round_seq})
+    rnd = replace(rnd, demand=tuple(demand))
+    transfers = put(s.transfers, e.transfer_id, t)
     n = e.transfer_id + 1
     return _set_round(s, e, rnd, jobs=jobs, pool=pool, transfers=transfers, next_transfer_id=n)
 
@@ -351,15 +335,15 @@ def _abort_received(s: ProducerState, e: ev.AbortReceived) -> ProducerState:
     if aborted is None:
         return replace(s, seq=e.seq)
     jobs = dict(s.jobs)
-    for tid in aborted.inflight:
-        for job_id in set(s.transfers[tid].job_ids):
-            jobs[job_id] = replace(jobs[job_id], failed=True)
+    for job_id in set().union(
+        *(t.jobs for t in s.transfers.values() if t.round_seq == e.round_seq)
+    ):
+        jobs[job_id] = replace(jobs[job_id], failed=True)
     return _set_round(s, e, replace(aborted, cancelled=True, demand=()), jobs=jobs)
 
 
 def _phase_moved(s: ProducerState, e: ev.SessionLost | ev.CloseRequested) -> ProducerState:
-    phase = PRODUCER_PHASE_AT[type(e)]
-    return replace(s, seq=e.seq, phase=phase, close_reason=e.reason)
+    return replace(s, seq=e.seq, phase=phase_after(s.phase, e), close_reason=e.reason)
 
 
 # How each event of the pins, rounds and transfers (and of the request itself) changes the state:

@@ -1,13 +1,13 @@
 """The wire codec: p2pactor messages to and from msgpack frames.
 
 The base dialect is byte-for-byte what vLLM 0.33.0's built-in P2P tier speaks
-(see ``PROTOCOL.md``): one msgpack map per frame, ``"type"`` first, then the
+(``docs/protocol.md``): one msgpack map per frame, ``"type"`` first, then the
 fields in the order vLLM writes them, keys as msgpack bin. Extensions are
 optional fields that only p2pactor peers send; when a message carries none
 (they are :data:`~msgspec.UNSET`), its bytes are exactly the base dialect, so a
-stock vLLM peer never notices. Extension messages
-(:mod:`p2pactor.core.protocol_summaries`) go only to peers that offered them
-in their ``connect``.
+stock vLLM peer never notices. Each extension is a feature a ``connect``
+offers (``FEATURE_*``, :data:`EXTENSION`); its fields and messages
+(:mod:`p2pactor.core.protocol_summaries`) go only to peers that offered it.
 
 Each message is a frozen :class:`msgspec.Struct` whose field types carry their
 bounds (:class:`msgspec.Meta`), so msgspec's own decoder checks them in C as it
@@ -17,9 +17,7 @@ nothing else) and bounds on every list, string and number.
 memory region that must fit 64 bits). Whatever the input, :func:`decode` raises
 only :class:`~p2pactor.errors.ProtocolError` subclasses that name the message
 type and the field (:mod:`p2pactor.core.protocol_checks` words them), because
-a peer's bytes must never crash the node that reads them.
-
-This module is pure: no I/O, no clock, no concurrency.
+a peer's bytes must never crash the node that reads them. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from msgspec import UNSET as UNSET
 from msgspec import Meta
 from msgspec import UnsetType as UnsetType
 
-from p2pactor.core.protocol_base import MessageBase, bounded, parallel
 from p2pactor.core.protocol_checks import QUOTE_BYTES, explain, type_error
 from p2pactor.core.protocol_checks import Frame as Frame
 from p2pactor.core.protocol_limits import DEFAULT_LIMITS as DEFAULT_LIMITS
@@ -53,7 +50,7 @@ from p2pactor.core.protocol_limits import MAX_ROUND_SEQ as MAX_ROUND_SEQ
 from p2pactor.core.protocol_limits import MAX_STRING_CHARS as MAX_STRING_CHARS
 from p2pactor.core.protocol_limits import MAX_SUMMARY_BYTES as MAX_SUMMARY_BYTES
 from p2pactor.core.protocol_limits import Limits as Limits
-from p2pactor.core.protocol_limits import tuned_checker
+from p2pactor.core.protocol_limits import MessageBase, bounded, parallel, tuned_checker
 from p2pactor.core.protocol_summaries import FEATURE_SUMMARIES as FEATURE_SUMMARIES
 from p2pactor.core.protocol_summaries import KvsumDelta as KvsumDelta
 from p2pactor.core.protocol_summaries import KvsumResync as KvsumResync
@@ -88,6 +85,15 @@ Address = Annotated[int, Meta(ge=0)]
 Feature = Annotated[str, bounded(MAX_FEATURE_CHARS, "max_feature_chars")]
 Features = Annotated[frozenset[Feature], bounded(MAX_FEATURES, "max_features")]
 Version = Annotated[int, Meta(ge=0, le=MAX_EXTENSION_VERSION)]
+
+FEATURE_RESP_ROUND = "lookup_resp_round"
+"""A ``lookup_resp`` carries the ``round_seq`` of the lookup it answers."""
+FEATURE_SESSION_ROUNDS = "session_rounds"
+"""Rounds come from one counter per session, which never repeats (no ABA on a reused id)."""
+FEATURE_DEADLINE = "lookup_deadline"
+"""A ``lookup`` carries its ``deadline_ms``."""
+FEATURE_REFUSED = "lookup_refused"
+"""A ``lookup_resp`` says which of its MISSes are a quota's refusals (``refused``)."""
 
 
 class PeerProcess(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -130,6 +136,15 @@ class ConnectExtension(msgspec.Struct, frozen=True, kw_only=True, gc=False):
             raise TypeError(
                 f"features must be a frozenset of str, not {type(self.features).__name__}"
             )
+
+
+EXTENSION: Final = ConnectExtension(
+    version=1,
+    features=frozenset(
+        {FEATURE_RESP_ROUND, FEATURE_SESSION_ROUNDS, FEATURE_DEADLINE, FEATURE_REFUSED}
+    ),
+)
+"""What a p2pactor node offers in its ``connect`` (and summaries, when it shares them)."""
 
 
 class Connect(MessageBase, frozen=True, kw_only=True):

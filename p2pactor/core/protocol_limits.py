@@ -1,24 +1,26 @@
-"""The bounds the strict decoder of :mod:`p2pactor.core.protocol` enforces, and their checks.
+"""What every wire message is made of: the tagged base class, and the bounds a node tightens.
 
-The constants are the defaults, which the field types of
-:mod:`p2pactor.core.protocol` carry and msgspec checks as it decodes;
-:class:`Limits` lets a node tighten them: :func:`tuned_checker` derives, from
-the same field types, the checks a decoded message then also passes (each
-bound names the ``Limits`` attribute that lowers it). The constants and
-:class:`Limits` are re-exported by :mod:`p2pactor.core.protocol`, where they
-are documented to live.
-
-This module is pure: no I/O, no clock, no concurrency.
+:mod:`p2pactor.core.protocol` (vLLM's base dialect and the connect extension)
+and :mod:`p2pactor.core.protocol_summaries` (the summary extension) build
+their messages on :class:`MessageBase`. The constants are the default bounds,
+which their field types carry (:func:`bounded`) and msgspec checks as it
+decodes; :class:`Limits` lets a node tighten them: :func:`tuned_checker`
+derives, from the same field types, the checks a decoded message then also
+passes (each bound names the ``Limits`` attribute that lowers it). The
+constants and :class:`Limits` are re-exported by :mod:`p2pactor.core.protocol`,
+where they are documented to live. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Final, TypeAlias, cast
+from typing import Any, ClassVar, Final, TypeAlias, cast
 
 import attrs
 import msgspec
 import msgspec.inspect as mi
+from msgspec import Meta
 
 from p2pactor.errors import ConfigError, InvalidField
 
@@ -77,6 +79,39 @@ refused, so the frame bound is what one frame of a hostile peer may cost
 (a DRAM pool's is about 500 bytes) and a full lookup of 65,536 vLLM keys
 (2.4 MiB). Raise ``Limits.max_frame_bytes`` and ``ZmqOptions.max_frame_bytes``
 for a peer whose metadata is larger."""
+
+
+def bounded(most: int, limit: str) -> Meta:
+    """At most ``most`` items, bytes or characters; the ``Limits`` attribute ``limit`` lowers it."""
+    return Meta(max_length=most, extra={"limit": limit})
+
+
+def wire_name(class_name: str) -> str:
+    """A message class's wire ``"type"``: its name in snake case (``lookup_resp``)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", class_name).lower()
+
+
+class MessageBase(
+    msgspec.Struct, frozen=True, kw_only=True, gc=False, tag_field="type", tag=wire_name
+):
+    """Base of every message: frozen, tagged on the wire by ``"type"``."""
+
+    TYPE: ClassVar[str]
+    """The wire ``"type"`` (the class's tag)."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.TYPE = wire_name(cls.__name__)
+
+
+def parallel(msg: MessageBase, name: str, items: tuple[Any, ...], keys: tuple[bytes, ...]) -> None:
+    """Refuse ``msg`` unless its field ``name`` has one item per key."""
+    if len(items) != len(keys):
+        raise InvalidField(
+            f"has {len(items)} items but 'keys' has {len(keys)}; they must be parallel",
+            message_type=msg.TYPE,
+            field=name,
+        )
 
 
 @attrs.frozen(kw_only=True)

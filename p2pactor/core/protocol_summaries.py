@@ -25,8 +25,13 @@ from typing import Annotated, Final
 
 from msgspec import Meta
 
-from p2pactor.core.protocol_base import MessageBase, bounded
-from p2pactor.core.protocol_limits import MAX_EPOCH_BYTES, MAX_NUM_BLOCKS, MAX_SUMMARY_BYTES
+from p2pactor.core.protocol_limits import (
+    MAX_EPOCH_BYTES,
+    MAX_NUM_BLOCKS,
+    MAX_SUMMARY_BYTES,
+    MessageBase,
+    bounded,
+)
 from p2pactor.errors import InvalidField
 
 # The feature a ``connect`` offers when its sender sends and reads summaries.

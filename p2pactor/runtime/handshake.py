@@ -1,12 +1,9 @@
-"""The handshake with a peer, and the control connection it opens (``docs/protocol.md``).
+"""The handshake with a peer, the dialect it agrees, and the control connection it opens.
 
-Each side sends ``connect`` at once; checks the peer's (block size,
-fingerprint, hash seed: a mismatch fails loudly with what to align), registers
-the peer's memory off the receive path, and only then sends ``connect_ack``.
-Our own messages wait until our ``connect`` is acked and our ``connect_ack``
-has gone out. Not ready within the handshake timeout: dead. What each side
-offers and requires, and what a peer of each dialect may hear:
-:mod:`p2pactor.runtime.dialect`.
+Each side sends ``connect`` at once, checks the peer's, registers its memory
+off the receive path, and only then sends ``connect_ack``; our own messages
+wait until both connects are acked (``docs/protocol.md``, "Handshake"). What
+our ``connect`` offers, and what a peer of each dialect may hear: "Extensions".
 """
 
 from __future__ import annotations
@@ -20,12 +17,12 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 import trio
+from msgspec.structs import replace
 
 from p2pactor.core import protocol as wire
 from p2pactor.errors import ProtocolError
-from p2pactor.runtime.dialect import agreed, connect_message, incompatibility, to_dialect
 from p2pactor.runtime.logcontext import peer_context
-from p2pactor.runtime.process import ProcessWatch, watch
+from p2pactor.runtime.process import ProcessWatch, this_process, watch
 from p2pactor.runtime.transport import ConnectionLost, ControlConnection, TransferError
 
 if TYPE_CHECKING:
@@ -33,6 +30,18 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("p2pactor.session")  # a session's lines, wherever they are written
+
+
+def _to_dialect(msg: wire.Message, features: frozenset[str]) -> wire.Message:
+    """``msg`` without the extension fields a peer speaking only ``features`` does not speak."""
+    if isinstance(msg, wire.Lookup) and wire.FEATURE_DEADLINE not in features:
+        return replace(msg, deadline_ms=wire.UNSET)
+    if isinstance(msg, wire.LookupResp):
+        if wire.FEATURE_RESP_ROUND not in features:
+            msg = replace(msg, round_seq=wire.UNSET)
+        if wire.FEATURE_REFUSED not in features and msg.refused is not wire.UNSET:
+            msg = replace(msg, refused=wire.UNSET)
+    return msg
 
 
 class SessionState(enum.Enum):
@@ -51,9 +60,7 @@ class SessionState(enum.Enum):
 class ControlLink(abc.ABC):
     """The control connection to one peer: its handshake, and our messages queued for it.
 
-    The base of :class:`~p2pactor.runtime.session.PeerSession`, which routes what the
-    peer says (:meth:`frame_received`); it dies (:meth:`_die`) when the
-    connection, the handshake or the peer fails.
+    The base of :class:`~p2pactor.runtime.session.PeerSession`, which routes what the peer says.
     """
 
     _serials = itertools.count(1)
@@ -75,21 +82,18 @@ class ControlLink(abc.ABC):
         # The peer's process, where only this kernel lies between us (runtime/process.py).
         self.peer_process: ProcessWatch | None = None
         self.last_activity = 0.0
-        # trio clock, as last_activity (the session's start or its last frame
-        # received): when send() last queued a message; None before the first.
+        # When send() last queued a message (trio clock, as last_activity); None: never.
         self.last_sent: float | None = None
         self._host = host
         self._config = host.config
         self._conn = conn
         # The peer's connect, already read by the session this one replaces.
         self._first = first
-        # Set when a new session of the peer's took this session's connection:
-        # it is then neither told to disconnect nor closed by this session.
+        # A new session of the peer's took the connection: this one must not close it.
         self._handed_over = False
         self._log_extra = peer_context(peer_id, node=host.config.node_id)
-        # Frames for the peer wait here, under session_outbox: until both
-        # connects are acked; afterwards only when the connection's queue is
-        # full (else each goes straight to it, send_nowait), for a sender task.
+        # Frames for the peer wait here, under session_outbox: until both connects
+        # are acked, then only while the connection's queue is full.
         self._backlog: deque[bytes] = deque()
         self._ack_sent = False
         self._acked = False
@@ -103,11 +107,7 @@ class ControlLink(abc.ABC):
 
     @property
     def data_name(self) -> str:
-        """This session's name for the peer on the data transport.
-
-        Unique per session, so a reconnecting peer's new registration never
-        collides with an old session's writes still draining.
-        """
+        """The peer's name on the data transport, per session (never an old session's)."""
         return f"{self.peer_id}#{self.serial}"
 
     @property
@@ -127,12 +127,7 @@ class ControlLink(abc.ABC):
 
     @property
     def dialing(self) -> bool:
-        """Whether the session has no connection yet (it is about to dial the peer).
-
-        Its ``control.connect()`` takes the peer's live connection from the
-        transport, so a connection the peer opened meanwhile becomes this
-        session's, not a second one.
-        """
+        """Whether it has no connection yet: it will dial, or take the one the peer opened."""
         return self._conn is None and self.alive
 
     @property
@@ -176,8 +171,7 @@ class ControlLink(abc.ABC):
                 first = await self._first_connect()
             if self._dead.is_set():
                 return  # closed while it dialed, or no connect came first
-            ours = connect_message(self._config, self._host.data, self._host.hash_seed)
-            await self._conn.send(wire.encode(ours))
+            await self._conn.send(wire.encode(self._connect_message()))
             if first is not None:
                 self._accept(first)
             self._nursery.start_soon(self._watch_handshake)
@@ -188,13 +182,7 @@ class ControlLink(abc.ABC):
             self._die(exc.reason)
 
     async def _first_connect(self) -> wire.Connect | None:
-        """Read an inbound peer's first message, which must be its ``connect``.
-
-        Anything else gets no ``connect``: answering a stray frame would open
-        a session the peer never asked for, and two nodes could bounce such
-        sessions forever. A request gets a ``disconnect`` instead (its session
-        died on this side only; it dials afresh rather than wait out deadlines).
-        """
+        """Read an inbound peer's first message, which must be its ``connect`` (else: dead)."""
         assert self._conn is not None
         with trio.move_on_after(self._config.handshake_timeout):
             frame = await self._conn.receive()
@@ -235,9 +223,55 @@ class ControlLink(abc.ABC):
             f"check that {self.peer_id} runs p2pactor or vLLM's P2P tier at exactly that address"
         )
 
+    def _offered(self) -> frozenset[str]:
+        summaries = {wire.FEATURE_SUMMARIES} if self._config.sources.share else set()
+        return wire.EXTENSION.features | summaries
+
+    def _connect_message(self) -> wire.Connect:
+        """This node's ``connect``: its memory, its configuration, and what it speaks."""
+        config, data = self._config, self._host.data
+        return wire.Connect(
+            peer_id=config.node_id,
+            agent_metadata=data.agent_metadata,
+            base_addr=data.base_addr,
+            num_blocks=data.num_blocks,
+            block_len=data.block_len,
+            config_fingerprint=config.fingerprint,
+            hash_seed=self._host.hash_seed,
+            extension=replace(wire.EXTENSION, features=self._offered(), process=this_process())
+            if config.round_extension
+            else wire.UNSET,
+        )
+
+    def _incompatibility(self, msg: wire.Connect) -> tuple[str, str]:
+        """``(outcome, problem)``: why the peer can't be talked to (``("", "")``: it can)."""
+        peer_id, config, hash_seed = self.peer_id, self._config, self._host.hash_seed
+        if msg.peer_id != peer_id:
+            return "identity_mismatch", (
+                f"it connected as {msg.peer_id!r} but its connection says {peer_id!r}; "
+                "a peer's id must be the host:port it bound"
+            )
+        if msg.block_len != config.block_len:
+            return "block_size_mismatch", (
+                f"block size differs: {peer_id} uses {msg.block_len}-byte blocks, this node "
+                f"{config.block_len}; every peer must use the same KV block layout"
+            )
+        ours = config.fingerprint
+        if msg.config_fingerprint and ours and msg.config_fingerprint != ours:
+            return "fingerprint_mismatch", (
+                f"config fingerprint differs ({msg.config_fingerprint} vs {ours}): "
+                "the peers run different models, dtypes or block sizes; align them"
+            )
+        if msg.hash_seed != hash_seed:
+            return "seed_mismatch", (
+                f"hash seed differs ({msg.hash_seed!r} vs {hash_seed!r}): the same tokens "
+                "would get different keys; set PYTHONHASHSEED to the same value on every node"
+            )
+        return "", ""
+
     def _accept(self, msg: wire.Connect) -> None:
         """Check the peer's ``connect``; register its memory if it is compatible."""
-        outcome, problem = incompatibility(msg, self.peer_id, self._config, self._host.hash_seed)
+        outcome, problem = self._incompatibility(msg)
         if problem:
             self._host.handshake_ended(self.peer_id, outcome)
             log.error("rejected %s: %s", self.peer_id, problem, extra=self._log_extra)
@@ -249,7 +283,8 @@ class ControlLink(abc.ABC):
             self.peer_process = watch(msg.extension.process)
         if self._config.round_extension:
             self.peer_extension = msg.extension or None
-        self.features = agreed(self._config, self.peer_extension)
+        theirs = self.peer_extension
+        self.features = self._offered() & theirs.features if theirs else frozenset()
         if self.summaries:
             self._host.directory.peer_accepted(self, msg.num_blocks)
         self._nursery.start_soon(self._register_peer, msg)
@@ -296,7 +331,7 @@ class ControlLink(abc.ABC):
         if not self.alive:
             return
         self.last_sent = trio.current_time()
-        frame = wire.encode(to_dialect(msg, self.features))
+        frame = wire.encode(_to_dialect(msg, self.features))
         open_ = self._established.is_set()
         if open_ and not self._backlog:
             assert self._conn is not None
@@ -326,16 +361,6 @@ class ControlLink(abc.ABC):
                 self._die(exc.reason)
                 return
             self._backlog.popleft()
-
-    def _violation(self, what: str) -> None:
-        log.warning(
-            "%s broke the protocol: %s; disconnecting (check that both nodes run compatible "
-            "p2pactor or vLLM versions)",
-            self.peer_id,
-            what,
-            extra=self._log_extra,
-        )
-        self._die(f"protocol violation: {what}", disconnect=True)
 
     def _die(self, reason: str, *, disconnect: bool = False) -> None:
         """The session is dead: ``disconnect`` tells the peer so as it drains."""

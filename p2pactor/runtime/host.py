@@ -33,9 +33,8 @@ from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.logcontext import actor_context, peer_context
 from p2pactor.runtime.loopwatch import LoopWatch
 from p2pactor.runtime.parent import Parent
-from p2pactor.runtime.peers import PeerRegistry
+from p2pactor.runtime.peers import PeerRegistry, SeedRedial
 from p2pactor.runtime.quotas import QuotaLedger
-from p2pactor.runtime.seeds import SeedRedial
 from p2pactor.runtime.serving import ParentService
 from p2pactor.runtime.session import SessionCloseResult
 from p2pactor.runtime.stores import StoreDesk

@@ -1,4 +1,4 @@
-"""The peer registry: a node's sessions, who may connect, and what closed sessions left.
+"""The peer registry: a node's sessions, who may connect, what closed sessions left, seed redials.
 
 One live session per peer. Outbound, :meth:`PeerRegistry.session_for` starts
 one when a request first names a peer; inbound, :meth:`PeerRegistry.accept`
@@ -8,12 +8,15 @@ session, a peer that connects again replaces its old session, and a node at
 ``max_peers`` (or shutting down) turns newcomers away. A node known by a
 loopback address neither dials nor accepts peers on other hosts, decided
 before any socket (:meth:`~p2pactor.runtime.config.NodeConfig.dial_refusal`).
+A seed peer whose session ended is dialed again (:class:`SeedRedial`,
+``docs/sources.md``, "Membership").
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import attrs
@@ -22,6 +25,7 @@ import trio
 from p2pactor.core import protocol as wire
 from p2pactor.runtime.logcontext import peer_context
 from p2pactor.runtime.session import PeerSession, SessionCloseResult
+from p2pactor.runtime.timers import Timers
 from p2pactor.runtime.transport import ControlConnection
 
 if TYPE_CHECKING:
@@ -211,3 +215,63 @@ class PeerRegistry:
             session.close(reason, node_closing=True)
         for session in sessions:
             await session.wait_closed()
+
+
+@attrs.define(eq=False)
+class SeedRedial:
+    """When to dial each seed peer whose session ended again, and the back-off of each.
+
+    The wait doubles per failed attempt, from ``first_s`` up to ``max_s``, and
+    starts over once a handshake with the peer succeeds; peers that are not
+    seeds are not redialed (they dial us, or a request names them).
+
+    Args:
+        seeds: The seed peers.
+        dial: Opens the session with a peer (the node's host does).
+        timers: The node's timer.
+        clock: The node's clock.
+        first_s: The first wait after a session ends.
+        max_s: The longest wait between two attempts.
+    """
+
+    seeds: Collection[str]
+    _dial: Callable[[str], None]
+    _timers: Timers = attrs.field(kw_only=True)
+    _clock: Callable[[], float] = attrs.field(kw_only=True)
+    _first_s: float = attrs.field(default=1.0, kw_only=True)
+    _max_s: float = attrs.field(default=60.0, kw_only=True)
+    _due: dict[str, float] = attrs.field(factory=dict, init=False)
+    # The next back-off of each peer that failed.
+    _wait: dict[str, float] = attrs.field(factory=dict, init=False)
+
+    @property
+    def deadline(self) -> float | None:
+        """When the next seed is dialed again (None: none is waiting)."""
+        return min(self._due.values(), default=None)
+
+    def lost(self, peer: str) -> None:
+        """``peer``'s session ended with no other to replace it: dial it again later."""
+        if peer not in self.seeds or peer in self._due:
+            return
+        wait = self._wait.get(peer, self._first_s)
+        self._wait[peer] = min(self._max_s, wait * 2)
+        self._due[peer] = self._clock() + wait
+        self._timers.arm(self)
+
+    def connected(self, peer: str) -> None:
+        """A handshake with ``peer`` succeeded: its next loss waits ``first_s`` again."""
+        self._wait.pop(peer, None)
+        self._due.pop(peer, None)
+
+    def stop(self) -> None:
+        """The node is closing: dial nobody again."""
+        self._due.clear()
+
+    def expire(self) -> None:
+        """Dial the seeds whose wait is over."""
+        now = self._clock()
+        for peer, when in list(self._due.items()):
+            if when <= now:
+                del self._due[peer]
+                self._dial(peer)
+        self._timers.arm(self)

@@ -27,7 +27,6 @@ from p2pactor.core import protocol as wire
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.producer import ProducerState, pin_expired
 from p2pactor.runtime.actor import ActorInput, RequestActor, Runner
-from p2pactor.runtime.dialect import FEATURE_SESSION_ROUNDS
 from p2pactor.runtime.handshake import ControlLink, SessionState
 from p2pactor.runtime.logcontext import Throttle, actor_context, request_context
 from p2pactor.runtime.transport import ControlConnection
@@ -121,7 +120,7 @@ class SessionActors(ControlLink):
 
     def next_round(self) -> int | None:
         """The round to use after a fetch: session-wide with p2pactor peers."""
-        return next(self._round_counter) if FEATURE_SESSION_ROUNDS in self.features else None
+        return next(self._round_counter) if wire.FEATURE_SESSION_ROUNDS in self.features else None
 
     def live_actors(self) -> list[RequestActor]:
         """Every actor of this session that has not ended."""
@@ -237,6 +236,17 @@ class SessionActors(ControlLink):
         self.runner.deliver(actor, ended)
 
     # --- errors and death ----------------------------------------------------------
+
+    def _violation(self, what: str) -> None:
+        """The peer broke the protocol: say so, and disconnect."""
+        log.warning(
+            "%s broke the protocol: %s; disconnecting (check that both nodes run compatible "
+            "p2pactor or vLLM versions)",
+            self.peer_id,
+            what,
+            extra=self._log_extra,
+        )
+        self._die(f"protocol violation: {what}", disconnect=True)
 
     def _count_error(self) -> None:
         self._dispatch_errors += 1

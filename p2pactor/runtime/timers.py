@@ -1,17 +1,10 @@
 """One timer per node: a heap of deadlines and one task sleeping until the earliest.
 
 Every actor with a deadline (a lookup's 30 s, a pending key's 5 s, a pin's
-expiry) and every other thing of the node that must act at a time (re-polling
-pending keys, reaping stored blocks nobody fetched) is a :class:`Timed` item
-in one heap. One task waits inside a cancel scope whose deadline is the
-heap's earliest: arming an earlier item moves that deadline (trio's own
-deadline bookkeeping, no wake-up); arming a later one only pushes onto the
-heap. So a step that changes its actor's deadline costs a heap push, not a
-cancel scope per actor per step as before.
-
-Entries are never removed when an item's deadline moves: a popped entry whose
-time is no longer its item's deadline is stale and skipped, and the heap is
-rebuilt when stale entries outnumber live ones.
+expiry) and every other thing of the node that must act at a time is a
+:class:`Timed` item in one heap, so a step that changes its actor's deadline
+costs a heap push, not a cancel scope per actor per step. How the task
+sleeps and how stale entries go: ``docs/design.md``, "One timer per node".
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal
 from p2pactor import __version__
 from p2pactor.core.consumer import ConsumerState
 from p2pactor.core.producer import ProducerState
-from p2pactor.runtime.dialect import EXTENSION
+from p2pactor.core.protocol import EXTENSION
 from p2pactor.runtime.handshake import SessionState
 from p2pactor.surface._metrics_scrape import source_state
 

@@ -31,7 +31,16 @@ Keys = tuple[bytes, ...]
 Ints = tuple[int, ...]
 
 
-class ConsumerPhase(IdentityEnum):
+class _Phase(IdentityEnum):
+    """Where a request of either role is in its life. Phases only move forward."""
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the request has ended."""
+        return self in _TERMINAL_PHASES
+
+
+class ConsumerPhase(_Phase):
     """Where a consumer request is in its life. Phases only move forward.
 
     Attributes:
@@ -50,13 +59,27 @@ class ConsumerPhase(IdentityEnum):
     FAILED = "failed"
     ABORTED = "aborted"
 
-    @property
-    def terminal(self) -> bool:
-        """Whether the request has ended."""
-        return self in _TERMINAL_PHASES
+
+class ProducerPhase(_Phase):
+    """Where a producer request is in its life. Phases only move forward.
+
+    Attributes:
+        OPEN: Serving lookups and fetches.
+        CLOSING: Closed by the peer or by the session's end; draining what is in flight.
+        CLOSED: Holds nothing any more. Terminal.
+    """
+
+    OPEN = "open"
+    CLOSING = "closing"
+    CLOSED = "closed"
 
 
-_TERMINAL_PHASES = frozenset({ConsumerPhase.DONE, ConsumerPhase.FAILED, ConsumerPhase.ABORTED})
+# A phase of either role.
+Phase = ConsumerPhase | ProducerPhase
+
+_TERMINAL_PHASES = frozenset(
+    {ConsumerPhase.DONE, ConsumerPhase.FAILED, ConsumerPhase.ABORTED, ProducerPhase.CLOSED}
+)
 
 
 class Violation(IdentityEnum):

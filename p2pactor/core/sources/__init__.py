@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from p2pactor.core.choice import ChoicePolicy, Trust
-from p2pactor.core.sources.arrays import Fingerprints, raw
+from p2pactor.core.sources.claims import Fingerprints, raw
 from p2pactor.core.sources.filter import ClaimFilter
 from p2pactor.core.sources.peer import Delta, Incoming, Part, PeerClaims, Resync
 from p2pactor.core.work_budget import WorkBudget

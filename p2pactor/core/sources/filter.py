@@ -31,7 +31,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from p2pactor.core.sources.arrays import FpArray
+from p2pactor.core.sources.claims import FpArray
 
 # Keys a column's word holds on average before the table doubles its rows (16 to 32 bits a key).
 KEYS_PER_WORD = 3

@@ -1,15 +1,9 @@
 """One peer's claims as its summary messages make them: in order, a bounded slice at a time.
 
-A peer's ``kvsum/1`` messages (deltas, and snapshots in parts) arrive on its
-session. :class:`PeerClaims` queues them and applies them strictly in the
-order they came, but never more than a slice of fingerprints in one call
-(:meth:`PeerClaims.step`): a delta of 65,536 changes, a snapshot's last part
-and the merge of its parts into one sorted array, the deltas buffered while
-it was assembled. So no message of any peer holds the node's thread for
-more than a slice's work, and what a peer has queued is bounded in bytes: a
-peer that sends faster than its messages are applied loses them (a flood,
-struck), and its summary is asked again, at most once a second by the
-sender's own rule.
+A peer's ``kvsum/1`` messages (deltas, and snapshots in parts) are queued
+and applied strictly in the order they came, never more than a slice of
+fingerprints in one call (:meth:`PeerClaims.step`), within bounded bytes
+(``docs/sources.md``, "Work a slice at a time").
 
 What a message means is decided when it reaches the head of the queue,
 exactly as if it were applied on arrival: its epoch (a new one drops the old
@@ -32,8 +26,15 @@ import attrs
 import msgspec
 
 from p2pactor.core.choice import PeerTrust
-from p2pactor.core.sources.arrays import FpArray, MergeRuns, Raw, as_fps, unique
-from p2pactor.core.sources.claims import ClaimSet, Compaction
+from p2pactor.core.sources.claims import (
+    ClaimSet,
+    Compaction,
+    FpArray,
+    MergeRuns,
+    Raw,
+    as_fps,
+    unique,
+)
 from p2pactor.core.sources.filter import ClaimFilter
 from p2pactor.core.work_budget import WorkBudget
 
