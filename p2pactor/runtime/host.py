@@ -76,6 +76,10 @@ class NodeHost(ThreadSafeSources):
         timers: The node's one timer (node's thread only).
         quotas: The per-peer quota counts (see :mod:`p2pactor.runtime.quotas`).
         loop_watch: The slow-step watch on the node's trio thread (its counts: ``snapshot()``).
+        peers: The sessions, one per peer (``sessions()``, ``session(peer)``,
+            ``closed_sessions()``: :class:`~p2pactor.runtime.peers.PeerRegistry`).
+        directory: What this node tells peers it holds, what they claim, and
+            the choices made (:class:`~p2pactor.runtime.directory.SourceDirectory`).
     """
 
     def __init__(
