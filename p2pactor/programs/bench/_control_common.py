@@ -128,27 +128,6 @@ def peak_rss_kib() -> int:
         return next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
 
 
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        # The command name may hold spaces: the fields start after its ")".
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu_ns(pid: int) -> dict[int, int]:
-    """Each live thread of process ``pid``: its CPU nanoseconds so far (schedstat), by id.
-
-    Finer than :func:`process_cpu_s` (clock ticks), but a thread that exits
-    takes its time with it: for processes whose threads live on (idle ones).
-    """
-    out: dict[int, int] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            out[int(tid)] = int(f.read().split()[0])  # unless it just exited
-    return out
-
-
 class ChildError(RuntimeError):
     """A helper process failed, exited or hung; the message says where to look."""
 

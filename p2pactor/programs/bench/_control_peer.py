@@ -17,9 +17,7 @@ agent each, since both handshakes exchange NIXL metadata) on 127.0.0.1, speaking
   ``Node.lookup`` then ``Node.finish`` in C trio tasks. ``vllm``: the tier driven as
   vLLM's scheduler drives it (``on_new_request``, ``lookup`` of every key, RETRY until
   ``on_schedule_end`` has sent it and the answer came, ``on_request_finished``), one
-  loop over the C requests in flight, woken when its ROUTER is readable. ``{"idle":
-  T}`` answers ``{}`` after T seconds of nothing (ours) or of the calls vLLM's
-  tier-poll thread makes every 1 ms for an idle engine (vLLM's).
+  loop over the C requests in flight, woken when its ROUTER is readable.
 """
 
 from __future__ import annotations
@@ -158,12 +156,7 @@ async def _ours(args: argparse.Namespace) -> None:
                 node.finish(kv)
 
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
-            cmd = json.loads(line)
-            if "idle" in cmd:  # nothing calls the node meanwhile
-                await trio.sleep(float(cmd["idle"]))
-                say({})
-                continue
-            tally = Tally(cmd)
+            tally = Tally(json.loads(line))
             async with trio.open_nursery() as nursery:
                 for _ in range(tally.conc):
                     nursery.start_soon(worker, tally)
@@ -206,16 +199,7 @@ def _vllm(args: argparse.Namespace) -> None:
         new_ids.append(ctx.req_id)
 
     while line := sys.stdin.readline():
-        cmd = json.loads(line)
-        if "idle" in cmd:  # as vLLM's tier-poll thread calls an idle engine's tier
-            end = time.perf_counter() + float(cmd["idle"])
-            while time.perf_counter() < end:
-                poller.poll(1)
-                tier.has_pending_work()
-                tier.get_finished_jobs()
-            say({})
-            continue
-        tally = Tally(cmd)
+        tally = Tally(json.loads(line))
         for _ in range(tally.conc):
             begin(tally.keys)
         while flight:

@@ -200,8 +200,7 @@ def merge_honest(windows: list[dict[str, Any]]) -> dict[str, Any]:
 class StepResult:
     """A step of an attack, or the whole attack (its name its label), as the victim lived it.
 
-    RSS in KiB: before the step; its peak (``VmHWM``, started afresh just before it);
-    held once it was over (and what it sent folded in).
+    RSS in KiB: before the step; its peak (``VmHWM``, started afresh just before it).
     """
 
     label: str
@@ -209,7 +208,6 @@ class StepResult:
     """What the hostile peer said of the step (its ``DONE`` line; an attack's: its last)."""
     rss_before_kib: int
     peak_kib: int
-    held_kib: int
     claimed_keys: int | None = None
     """The keys the victim's ``/status`` says the hostile peer claims after the step (None:
     the step had no session of its own)."""
@@ -228,11 +226,6 @@ class StepResult:
     def peak_growth_mib(self) -> float:
         """The victim's peak RSS over what it had before, in MiB."""
         return (self.peak_kib - self.rss_before_kib) / 1024
-
-    @property
-    def held_mib(self) -> float:
-        """The victim's RSS after the (last) step, the session still open, over before, in MiB."""
-        return (self.held_kib - self.rss_before_kib) / 1024
 
     @property
     def kept_mib(self) -> float | None:
@@ -298,7 +291,7 @@ def run_attack(
                 gone = str(done["peer"])
                 victim.wait_status(lambda d: gone in _peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
             claimed = _settled_claims(victim, peer) if peer != "-" else None
-            after, peak = victim.memory_kib()
+            peak = victim.memory_kib()[1]
             longest, task = victim.window(t_go, time.time())  # the step's own
             segments.append(honest.window())
             steps.append(
@@ -307,7 +300,6 @@ def run_attack(
                     hostile=done,
                     rss_before_kib=rss,
                     peak_kib=peak,
-                    held_kib=after,
                     claimed_keys=claimed,
                     honest=segments[-1],
                     longest_step_s=longest,
@@ -335,7 +327,6 @@ def run_attack(
         hostile=last.hostile if last else {},
         rss_before_kib=base,
         peak_kib=max([*peaks, peak_end, *(st.peak_kib for st in steps)]),
-        held_kib=last.held_kib if last else base,
         claimed_keys=last.claimed_keys if last else None,
         honest=merge_honest(segments),
         longest_step_s=longest,

@@ -69,7 +69,6 @@ from p2pactor.programs.bench._control_common import (
     held,
     offload_key,
     percentile,
-    process_cpu_s,
     say,
 )
 from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
@@ -340,8 +339,7 @@ def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> di
     """One consumer of ``kind`` against its producer (on ``port``): warm up, measure, tear down.
 
     The figures: milliseconds of the engine and poll threads in tier calls, the engine
-    steps' p99 in tier calls (us), CPU ms of this process and the producer's, and
-    ``bad``: failed loads and blocks with wrong bytes.
+    steps' p99 in tier calls (us), and ``bad``: failed loads and blocks with wrong bytes.
     """
     specs = workload(args.requests, args.keys)
     try:
@@ -352,9 +350,7 @@ def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> di
         try:
             engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
             engine.bad, engine.poll_meter, meter = 0, Meter(), Meter()
-            cpu0, prod0 = sum(os.times()[:2]), process_cpu_s(producer.pid)
             engine.run([Request(s, kind, "run", port) for s in specs], meter)
-            cpu1, prod1 = sum(os.times()[:2]), process_cpu_s(producer.pid)
         finally:
             engine.stop.set()
             engine.poller.join()
@@ -365,8 +361,6 @@ def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> di
         "engine_ms": meter.ns / 1e6,
         "step_p99_us": percentile(meter.steps, 0.99) / 1e3,
         "poll_ms": engine.poll_meter.ns / 1e6,
-        "process_cpu_ms": (cpu1 - cpu0) * 1e3,
-        "producer_cpu_ms": (prod1 - prod0) * 1e3,
         "bad": engine.bad,
     }
 

@@ -6,10 +6,7 @@ of K keys (every key a hit), processes of :mod:`p2pactor.programs.bench._control
 up; every repeat runs every cell on both sides in turn (alternating which goes first,
 the other side stopped), for a fixed time each: lookups/s, latency p50 and p99, medians
 over repeats with [min..max]; ours/vLLM per cell (the
-median over repeats) and over the cells (their geometric mean, per repeat). Then idle
-CPU: per repeat (at most 3) a window of 10 s (``--quick``: 1 s) in which nothing calls
-our nodes and vLLM's tiers are called every 1 ms as vLLM's tier-poll thread calls an
-idle engine's; every thread's CPU (schedstat) of all four processes.
+median over repeats) and over the cells (their geometric mean, per repeat).
 """
 
 from __future__ import annotations
@@ -17,17 +14,15 @@ from __future__ import annotations
 import itertools
 import json
 import statistics
-import time
 from typing import Any
 
 from p2pactor.programs.bench._control_common import (
     LineProcess,
     free_port,
     take_turns,
-    thread_cpu_ns,
     vllm_missing,
 )
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat, ratio
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "control"
 """The section's name."""
@@ -38,10 +33,6 @@ CELLS = [(k, c) for k in (1, 16, 256) for c in (1, 8, 64)]
 """(keys per lookup, concurrent lookups) of a full run."""
 QUICK_CELLS = [(16, 1), (16, 8)]
 """(keys, concurrent) cells of a quick run."""
-IDLE_S, QUICK_IDLE_S = 10.0, 1.0
-"""The idle window (seconds), full and ``--quick``."""
-IDLE_TARGET_CORES = 0.02
-"""The target for an idle node of ours (a note, never asserted)."""
 
 
 def _side(side: str) -> dict[str, LineProcess]:
@@ -69,10 +60,8 @@ def run(options: BenchOptions) -> SectionResult:
     results: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     leftovers: dict[str, dict[str, Any]] = {}
     try:
-        t0 = time.perf_counter()
         for proc in itertools.chain(*every.values()):
             proc.wait_ready()
-        startup = time.perf_counter() - t0
         for p in procs.values():  # the handshake, and the first lookups' one-off costs
             p["consumer"].ask({"keys": 16, "conc": 1, "seconds": 0.3})
         for rep in range(repeats):
@@ -83,7 +72,6 @@ def run(options: BenchOptions) -> SectionResult:
                     results.setdefault((side, keys, conc), []).append(r)
         for proc in itertools.chain(*every.values()):
             proc.pause(paused=False)
-        idle = _idle(procs, QUICK_IDLE_S if options.quick else IDLE_S, min(repeats, 3))
         for side, p in procs.items():
             p["consumer"].close()
             leftovers[side] = p["producer"].close()
@@ -113,29 +101,7 @@ def run(options: BenchOptions) -> SectionResult:
         for name, per in per_cell.items()
         if per
     }
-    notes = [
-        (
-            f"{repeats} repeat(s) of {seconds:g} s per cell and side; every key a hit; "
-            f"processes started in {startup:.0f} s (both sides at once)"
-        ),
-        (
-            "the side not being measured is stopped (SIGSTOP) meanwhile; "
-            "vLLM side: P2PSecondaryTierManager on both ends, each woken as soon as its ROUTER "
-            "is readable (else every 1 ms); producer parent: a vLLM ParentManager over the same "
-            "EmbeddedCache class"
-        ),
-    ]
-    for role in ("producer", "consumer") if "vllm" in sides else ():
-        if per := ratio(idle[f"ours {role}"], idle[f"vllm {role}"]):
-            ratios[f"idle cores ours/vLLM, {role}"] = per
-    worst = max(Stat.of(idle[f"ours {r}"]).median for r in ("producer", "consumer"))
-    notes.append(
-        "idle CPU ms per s (1000 = one core; every thread's schedstat): "
-        + ", ".join(f"{name} {Stat.of(x * 1e3 for x in v).text()}" for name, v in idle.items())
-        + f"; target ours <= {IDLE_TARGET_CORES:g} core per idle node: "
-        + ("met" if worst <= IDLE_TARGET_CORES else "missed")
-        + f" (highest median {worst:.4f} core)"
-    )
+    notes = []
     if missing:
         notes.append(f"vLLM side skipped: {missing}")
     if misses := sum(
@@ -151,27 +117,6 @@ def run(options: BenchOptions) -> SectionResult:
             + ("met in every cell" if not missed else "missed in " + "; ".join(missed))
         )
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
-
-
-def _idle(
-    procs: dict[str, dict[str, LineProcess]], window: float, repeats: int
-) -> dict[str, list[float]]:
-    """Cores each process (``ours producer``...) spent per idle window, all side by side."""
-    every = {f"{s} {r}": proc for s, side in procs.items() for r, proc in side.items()}
-    cores: dict[str, list[float]] = {}
-    for _ in range(repeats):
-        before = {name: thread_cpu_ns(proc.pid) for name, proc in every.items()}
-        w0 = time.perf_counter()
-        for p in procs.values():
-            p["consumer"].send({"idle": window})
-        for p in procs.values():
-            p["consumer"].answer()
-        wall = time.perf_counter() - w0
-        for name, proc in every.items():
-            was, now = before[name], thread_cpu_ns(proc.pid)
-            ns = sum(n - was.get(tid, 0) for tid, n in now.items())
-            cores.setdefault(name, []).append(ns / 1e9 / wall)
-    return cores
 
 
 def _rate(r: dict[str, Any]) -> float:

@@ -31,7 +31,7 @@ import trio
 import trio.lowlevel
 
 from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node, say
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import chain_keys
 
@@ -295,15 +295,7 @@ def measure_sizes(
         rows.append(row)
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
-    where = "h1 -> h2 over UCX_TLS=tcp,self on eth0 (a veth pair and a bridge); " if across else ""
-    each = "/".join(map(str, ops.values()))
-    notes = [
-        (
-            f"{where}ours = lookup + fetch through the Node API, fetch only = fetch to "
-            "transfer_done, raw NIXL = the same WRITE from bare agents in the same two "
-            f"processes; {options.repeats} repeats of {each} operations each"
-        )
-    ]
+    notes = []
     if any(count * block_len >= target_bytes for count, block_len in sizes):
         least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
         notes.append(f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met")

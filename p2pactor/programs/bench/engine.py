@@ -29,7 +29,7 @@ from p2pactor.programs.bench._control_common import (
     take_turns,
     vllm_missing,
 )
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat, ratio
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat, ratio
 
 NAME = "engine"
 """The section's name."""
@@ -44,8 +44,6 @@ FIGURES: tuple[tuple[str, str, str], ...] = (
     ("engine thread in tier calls", "ms", "engine_ms"),
     ("engine step p99 in tier calls", "us", "step_p99_us"),
     ("poll thread in tier calls", "ms", "poll_ms"),
-    ("CPU: consumer process", "ms", "process_cpu_ms"),
-    ("CPU: producer process", "ms", "producer_cpu_ms"),
 )
 """(row label, unit, key of one run's figures), in table order; each is a ratio ours/vLLM
 too, one per repeat (both tiers run in each repeat)."""
@@ -67,16 +65,8 @@ def run(options: BenchOptions) -> SectionResult:
         if per := ratio(ours, theirs):
             ratios[f"{label} ours/vLLM"] = per
         rows.append({"figure": f"{label} ({unit})", "ours": Stat.of(ours), "vLLM": Stat.of(theirs)})
-    w = WORKLOAD
-    note = (
-        f"{requests} requests x {w['keys']} keys (75% HIT), {w['admit']} admitted per "
-        f"{w['step_ms']:g} ms step, tier-poll every {w['poll_ms']:g} ms; {repeats} repeat(s), "
-        "both tiers in each (taking turns, the other's producer stopped), fresh processes per "
-        "run; engine thread: perf_counter around every tier call; CPU: user + system"
-    )
-    notes = [note]
-    if failed := sum(r["bad"] for r in runs["ours"]):
-        notes.append(f"ours: {failed} failed loads or wrong blocks (should be 0)")
+    failed = sum(r["bad"] for r in runs["ours"])
+    notes = [f"ours: {failed} failed loads or wrong blocks (should be 0)"] if failed else []
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from p2pactor.programs.bench._control_common import spread_ports
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "engine-real"
 """The section's name."""
@@ -157,19 +157,9 @@ def run(options: BenchOptions) -> SectionResult:
     ours_stock = ratios["generate time, p2pactor / vLLM's tier"].median
     notes = [
         (
-            f"model: {shape.layers} layers, hidden {shape.hidden}, about "
-            f"{shape.parameters / 1e6:.0f} M parameters (float32, vLLM's CPU attention); "
-            f"{sets} set(s) of {per_set} prompts of {prefix} + {own} tokens, 8 tokens out; "
-            f"{chunk >> 10} KiB blocks of 32 tokens; B names A in every request"
-        ),
-        (
             f"B's generate time with p2pactor is {ours_stock:.2f}x vLLM's tier's; target "
             f"0.6x: {'met' if ours_stock <= 0.6 else 'MISSED'}; a tier that cost nothing "
             f"(the floor) would be {best:.2f}x"
-        ),
-        (
-            f"B fetches {batch} blocks, {batch * chunk / 1e6:.0f} MB, per set; the floor is B "
-            "running the set again, every block in its own KV cache"
         ),
     ]
     return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)

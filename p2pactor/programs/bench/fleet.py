@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pactor.programs.bench._control_common import child_result, vllm_missing
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "fleet"
 """The section's name."""
@@ -130,7 +130,6 @@ def run(options: BenchOptions) -> SectionResult:
     if missing := vllm_missing():
         return SectionResult(name=NAME, title=TITLE, skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
-    conversations, requests, _, _ = plan(options.quick)
     found = child_result(
         "p2pactor.programs.bench._fleet_run",
         *(str(repeats), *(["--quick"] if options.quick else [])),
@@ -142,20 +141,7 @@ def run(options: BenchOptions) -> SectionResult:
         fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
-    notes = [
-        (
-            f"chat: {conversations} conversations of 2-5 turns; rag: {requests} requests over Zipf "
-            f"documents, a fifth for a prefix nobody holds; {repeats} repeat(s); 10 ms steps, 4 "
-            "requests admitted per step over the fleet, 4 in flight per engine; every engine is "
-            "vLLM's own stack (its LRU, no touch)"
-        ),
-        (
-            "tokens saved: prompt tokens not prefilled (loaded from the engine's own CPU tier, or "
-            "from a peer through it); the oracle names the engine whose CPU tier (vLLM's own "
-            "lookup) holds the longest prefix at admission; a hung request waited 5 s for its "
-            "lookups and was given up (as a client would)"
-        ),
-    ]
+    notes: list[str] = []
     for fleet, runs in fleets.items():
         fleet_rows, fleet_ratios, fleet_notes = _tabulate(fleet, runs)
         rows += fleet_rows

@@ -17,8 +17,8 @@ from typing import Any
 import attrs
 
 from p2pactor.programs.bench._control_common import child_result, nixl_missing
+from p2pactor.programs.bench.cli import BenchOptions, SectionResult
 from p2pactor.programs.bench.dataplane import KIB, MIB, measure_sizes
-from p2pactor.programs.bench.report import BenchOptions, SectionResult
 from p2pactor.programs.hosts import hosts_unavailable, open_hosts
 
 NAME = "hosts"

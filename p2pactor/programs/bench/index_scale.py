@@ -23,7 +23,7 @@ import tracemalloc
 
 from p2pactor.core.protocol_summaries import packed
 from p2pactor.core.sources import SourceIndex
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "index-scale"
 """The section's name."""

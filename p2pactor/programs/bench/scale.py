@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from p2pactor.programs.bench._control_common import child_result, peak_rss_kib, say
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "scale"
 """The section's name."""
@@ -89,14 +89,7 @@ def run(options: BenchOptions) -> SectionResult:
         table += [(f"{mode}: speed", per_s(rs), "events/s")]
         table += [(f"{mode}: peak RSS growth", stat("growth_kib", 1 / 1024, rs), "MiB")]
     rows: list[dict[str, Cell]] = [{"figure": f, "value": v, "unit": u} for f, v, u in table]
-    notes = [
-        (
-            f"{repeats} repeat(s) of the requests and 1 of each replay, each "
-            "in a fresh interpreter; 4 keys per request (3 hits, 1 miss), fetch of the hits; "
-            "both nodes log to disk (Durability.interval)"
-        ),
-        "the replay log repeats the first run's events (both nodes) under fresh request ids",
-    ]
+    notes = []
     failed = sum(int(r["failed"]) for r in runs)
     if failed:
         notes.append(f"{failed} request(s) failed (should be 0)")

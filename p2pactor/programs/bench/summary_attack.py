@@ -6,8 +6,8 @@ p2pactor node looking it up 50 times a second, fetching and checking every byte
 (:mod:`~p2pactor.programs.bench._honest`), the honest peer alone (the baseline), then
 each attack with a fresh hostile process and session
 (:func:`~p2pactor.programs.bench._summary_drive.run_attack`). One row per attack (per
-refused frame), medians over repeats with ``[min..max]``, each row's own figure, and a
-verdict naming every target of issue 30 it missed; the targets are notes, never asserted
+refused frame), medians over repeats with ``[min..max]`` and each row's own figure; a note
+per target of issue 30 names the rows that missed it; the targets are never asserted
 (``tests/test_summary_attack.py`` asserts the outcomes, the liar's quarantine too).
 """
 
@@ -15,16 +15,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
 from p2pactor.programs.bench._control_common import free_port, nixl_missing
-from p2pactor.programs.bench._honest import KEYS as HONEST_KEYS
-from p2pactor.programs.bench._honest import RATE_HZ as HONEST_HZ
 from p2pactor.programs.bench._hostile import FLOOD_KEYS
 from p2pactor.programs.bench._summary_drive import (
     StepResult,
@@ -33,7 +28,7 @@ from p2pactor.programs.bench._summary_drive import (
     merge_honest,
     run_attack,
 )
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "summary-attack"
 """The section's name."""
@@ -109,34 +104,8 @@ def _repeat(work: Path, attacks: Attacks, baseline_s: float) -> Any:
         return baseline, results
 
 
-def run(options: BenchOptions) -> SectionResult:
-    """Run every attack against a fresh victim per repeat, and tabulate."""
-    if missing := nixl_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    attacks = QUICK if options.quick else FULL
-    repeats = 1 if options.quick else max(1, min(options.repeats, MAX_REPEATS))
-    baseline_s = QUICK_BASELINE_S if options.quick else BASELINE_S
-    runs = [_repeat(Path(options.work_dir), attacks, baseline_s) for _ in range(repeats)]
-    return _tabulate(attacks, runs, VictimSettings(port=0, metrics_port=0), baseline_s)
-
-
-def _stat(values: Sequence[float | None]) -> Stat | None:
-    xs = [v for v in values if v is not None]
-    return Stat.of(xs) if xs else None
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else value * 1e3
-
-
-def _missed(checks: Sequence[tuple[Stat | None, float, str, str]]) -> list[tuple[str, str]]:
-    """Each (median, limit, target, how a miss reads) whose median is over its limit."""
-    return [(k, f.format(s.median, t)) for s, t, k, f in checks if s and s.median > t]
-
-
-Target = tuple[float, str, str]
-"""A row's own target: its limit, the target's key in :data:`TARGETS`, how a miss reads."""
+SNAPSHOT_PARTS = parts_per_snapshot(VictimSettings(port=0, metrics_port=0))
+"""Parts of one of the section's victim's snapshots."""
 TARGETS = {
     "rss": f"victim RSS growth <= {RSS_TARGET_MIB:g} MiB per hostile peer",
     "stall": f"no node-thread step over {STALL_TARGET_MS:g} ms",
@@ -145,166 +114,123 @@ TARGETS = {
     "resync": f"resync answers bounded, an epoch flipper <= {EPOCH_TARGET} resyncs",
     "failed": "honest service never stops (no honest lookup fails)",
 }
-"""Issue 30's targets, each a note saying which rows missed it."""
+"""Issue 30's targets, each a note naming the rows that missed it."""
+CHECKS = {
+    "rss": ("RSS peak MiB", RSS_TARGET_MIB, "RSS +{:.0f} MiB > {:g}"),
+    "stall": ("longest step ms", STALL_TARGET_MS, "stall {:.0f} ms > {:g}"),
+    "p99": ("p99 / baseline", P99_TARGET_X, "p99 x{:.1f} > {:g}"),
+    "failed": ("honest failed", 0, "{:.0f} honest lookups failed"),
+}
+"""Every row's targets: (the column it reads, its limit, how a miss reads), by key."""
+OWN = {
+    "refused-frame": ("frame", FRAME_TARGET_X, "x{:.2f} > {:g}"),
+    "epoch-flip": ("resync", EPOCH_TARGET, "{:.0f} resyncs > {:g}"),
+    # One snapshot a second per peer, however often asked.
+    "resync-flood": ("resync", 2 * SNAPSHOT_PARTS, "{:.1f} parts/s > {:g}"),
+}
+"""An attack's own target, read in its ``value`` column: (key, limit, how a miss reads)."""
+FIGURES = {
+    "": "honest lookups",
+    "refused-frame": "RSS peak / frame size",
+    "register-1m": "claims the victim kept",
+    "snapshot-flood": "s until the victim read them",
+    "deltas-mid-snapshot": "resyncs the hostile peer got",
+    "epoch-flip": "resyncs the hostile peer got",
+    "resync-flood": "snapshot parts/s it got",
+    # Cut off as a flood (its frames waited past inbound_bytes), or all answered.
+    "max-lookups": "cut off (1) or all answered (0)",
+    "max-frames": "MB/s the victim read",
+    # Ours answers MISS over the pinned-blocks and open-requests quotas.
+    "lookup-flood": f"keys HIT a hostile lookup (of {FLOOD_KEYS})",
+}
+"""What the ``value`` column is, by attack (``""``: the baseline)."""
 
 
-COLUMNS = (
-    *("RSS peak MiB", "RSS held MiB", "RSS kept MiB", "longest step ms"),
-    *("honest p50 ms", "honest p99 ms", "p99 / baseline", "value"),
-)
-"""The table's columns of figures, one a repeat, in order (but ``honest failed``, a count)."""
+def run(options: BenchOptions) -> SectionResult:
+    """Run every attack against a fresh victim per repeat, and tabulate."""
+    if missing := nixl_missing():
+        return SectionResult(name=NAME, title=TITLE, skipped=missing)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    attacks = QUICK if options.quick else FULL
+    repeats = 1 if options.quick else max(1, min(options.repeats, MAX_REPEATS))
+    baseline_s = QUICK_BASELINE_S if options.quick else BASELINE_S
+    rows: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # name: attack, a dict a repeat
+    for _ in range(repeats):
+        baseline, results = _repeat(Path(options.work_dir), attacks, baseline_s)
+        p99 = baseline["lookup_p99_s"]
+        base = rows.setdefault("none: the honest peer alone (baseline)", ("", []))
+        base[1].append(_figures(baseline, p99, None, float(baseline["lookups"])))
+        for label, attack, _ in attacks:
+            for step in results[label].steps if attack == "refused-frame" else [results[label]]:
+                name, value = _value(attack, step, label)
+                rows.setdefault(name, (attack, []))[1].append(
+                    _figures(step.honest, p99, step, value)
+                )
+    table: list[dict[str, Cell]] = []
+    misses: dict[str, list[str]] = {key: [] for key in TARGETS}
+    for name, (attack, got) in rows.items():
+        row: dict[str, Cell] = {"attack": name}
+        row |= {k: _stat([g[k] for g in got]) for k in got[0] if k != "task"}
+        row |= {"honest failed": sum(g["honest failed"] for g in got), "figure": FIGURES[attack]}
+        row["value"] = row.pop("value")  # the last column, after its figure's name
+        table.append(row)
+        own = [(OWN[attack][0], ("value", *OWN[attack][1:]))] if attack in OWN else []
+        for key, (column, limit, miss) in [*CHECKS.items(), *own]:
+            cell = row[column]
+            median = cell.median if isinstance(cell, Stat) else cell
+            if isinstance(median, int | float) and median > limit:
+                task = max(got, key=lambda g: g["longest step ms"] or 0)["task"]
+                ran = f", in {task}" if key == "stall" and task else ""
+                misses[key].append(f"{name} ({miss.format(median, limit)}{ran})")
+    notes = [
+        f"target {what}: " + ("MISSED by " + "; ".join(misses[key]) if misses[key] else "met")
+        for key, what in TARGETS.items()
+    ]
+    return SectionResult(name=NAME, title=TITLE, rows=table, notes=notes)
 
 
-@attrs.define
-class _Row:
-    """What one row gathers over the repeats, before it becomes a table row."""
-
-    name: str
-    figure: str = ""
-    own: Target | None = None
-    got: dict[str, list[float | None]] = attrs.field(factory=lambda: {c: [] for c in COLUMNS})
-    """Each column's figure, one a repeat."""
-    task: str = ""
-    failed: int = 0
-    misses: list[tuple[str, str]] = attrs.field(factory=list)
-    """Each target its medians missed: (its key in :data:`TARGETS`, how it was missed)."""
-
-    def add(self, m: StepResult, base_p99: float | None, value: float | None) -> None:
-        """Add one repeat's figures: the victim's RSS, node thread, the honest peer's, its own."""
-        step = _ms(m.longest_step_s)
-        was = max((x for x in self.got["longest step ms"] if x is not None), default=0.0)
-        if step is not None and step >= was:
-            self.task = m.longest_task
-        victim = (m.peak_growth_mib, m.held_mib, m.kept_mib, step)
-        for column, figure in zip(COLUMNS[:4], victim, strict=True):
-            self.got[column].append(figure)
-        self.honest(m.honest, base_p99, value)
-
-    def honest(self, honest: dict[str, Any], base_p99: float | None, value: float | None) -> None:
-        """Add one repeat's honest figures (and the row's own value)."""
-        p99 = honest["lookup_p99_s"]
-        ratio = p99 / base_p99 if p99 is not None and base_p99 else None
-        for column, figure in zip(
-            COLUMNS[4:7], (_ms(honest["lookup_p50_s"]), _ms(p99), ratio), strict=True
-        ):
-            self.got[column].append(figure)
-        self.got["value"].append(value)
-        self.failed += int(honest["failed"])
-
-    def cells(self) -> dict[str, Cell]:
-        """The table row; :attr:`misses` names every target its medians missed."""
-        stat = {column: _stat(values) for column, values in self.got.items()}
-        checks = [
-            (stat["RSS peak MiB"], RSS_TARGET_MIB, "rss", "RSS +{:.0f} MiB > {:g}"),
-            (stat["longest step ms"], STALL_TARGET_MS, "stall", "stall {:.0f} ms > {:g}"),
-            (stat["p99 / baseline"], P99_TARGET_X, "p99", "p99 x{:.1f} > {:g}"),
-        ]
-        own = [(stat["value"], *self.own)] if self.own else []
-        failed = [("failed", f"{self.failed} honest lookups failed")] if self.failed else []
-        self.misses = [*_missed(checks), *failed, *_missed(own)]
-        return {
-            "attack": self.name,
-            **{column: stat[column] for column in COLUMNS[:7]},
-            "honest failed": self.failed,
-            "figure": self.figure,
-            "value": stat["value"],
-            "verdict": "; ".join(m for _, m in self.misses) or "ok",
-        }
+def _stat(values: list[float | None]) -> Stat | None:
+    xs = [v for v in values if v is not None]
+    return Stat.of(xs) if xs else None
 
 
-def _figure(attack: str, result: StepResult, settings: VictimSettings) -> tuple[Any, ...]:
-    """The attack's own figure: what it names, its value in one repeat, its own target."""
-    done = result.hostile
+def _figures(
+    honest: dict[str, Any], base_p99: float | None, step: StepResult | None, value: float | None
+) -> dict[str, Any]:
+    """One repeat's figures of a row: the victim's (none for the baseline), the honest peer's."""
+    p50, p99 = honest["lookup_p50_s"], honest["lookup_p99_s"]
+    longest = None if step is None else step.longest_step_s
+    return {
+        "RSS peak MiB": None if step is None else step.peak_growth_mib,
+        "RSS kept MiB": None if step is None else step.kept_mib,
+        "longest step ms": None if longest is None else longest * 1e3,
+        "honest p50 ms": None if p50 is None else p50 * 1e3,
+        "honest p99 ms": None if p99 is None else p99 * 1e3,
+        "p99 / baseline": p99 / base_p99 if p99 is not None and base_p99 else None,
+        "honest failed": int(honest["failed"]),
+        "value": value,
+        "task": "" if step is None else step.longest_task,
+    }
+
+
+def _value(attack: str, step: StepResult, label: str) -> tuple[str, float | None]:
+    """The row an attack (a refused frame: a step of it) is, and its own figure (``value``)."""
+    done = step.hostile
+    if attack == "refused-frame":
+        size = int(done["bytes"])
+        where = "in a session" if done["mode"] == "session" else "first on a new connection"
+        return f"refused frame {where}, {size / MIB:g} MiB", step.peak_growth_mib * MIB / size
     seconds = float(done.get("end", 0)) - float(done.get("start", 0))
     per_s = 1 / seconds if seconds else 0.0
-    most = 2 * parts_per_snapshot(settings)  # one snapshot a second per peer, however asked
-    figures: dict[str, tuple[Any, ...]] = {
-        "register-1m": ("claims the victim kept", result.claimed_keys, None),
-        "snapshot-flood": ("s until the victim read them", seconds, None),
-        "deltas-mid-snapshot": ("resyncs the hostile peer got", done.get("resyncs"), None),
-        "epoch-flip": (
-            "resyncs the hostile peer got",
-            done.get("resyncs"),
-            (EPOCH_TARGET, "resync", "{:.0f} resyncs > {:g}"),
-        ),
-        "resync-flood": (
-            "snapshot parts/s it got",
-            float(done.get("parts", 0)) * per_s or None,
-            (most, "resync", "{:.1f} parts/s > {:g}"),
-        ),
-        # Cut off as a flood (its frames waited past inbound_bytes), or all answered.
-        "max-lookups": ("cut off (1) or all answered (0)", float(bool(done.get("cut"))), None),
-        "max-frames": ("MB/s the victim read", float(done.get("bytes", 0)) * per_s / 1e6, None),
-        # Ours answers MISS over the pinned-blocks and open-requests quotas.
-        "lookup-flood": (
-            f"keys HIT a hostile lookup (of {FLOOD_KEYS})",
-            float(done.get("keys_hit", 0)) / max(1, int(done.get("lookups", 1))),
-            None,
-        ),
+    values = {
+        "register-1m": step.claimed_keys,
+        "snapshot-flood": seconds,
+        "deltas-mid-snapshot": done.get("resyncs"),
+        "epoch-flip": done.get("resyncs"),
+        "resync-flood": float(done.get("parts", 0)) * per_s or None,
+        "max-lookups": float(bool(done.get("cut"))),
+        "max-frames": float(done.get("bytes", 0)) * per_s / 1e6,
+        "lookup-flood": float(done.get("keys_hit", 0)) / max(1, int(done.get("lookups", 1))),
     }
-    return figures.get(attack, ("", None, None))
-
-
-def _tabulate(
-    attacks: Attacks,
-    runs: Sequence[tuple[dict[str, Any], dict[str, StepResult]]],
-    settings: VictimSettings,
-    baseline_s: float,
-) -> SectionResult:
-    base = _Row("none: the honest peer alone (baseline)", figure="honest lookups")
-    rows: dict[str, _Row] = {}
-    frame: Target = (FRAME_TARGET_X, "frame", "x{:.2f} > {:g}")
-    for baseline, results in runs:
-        base_p99 = baseline["lookup_p99_s"]
-        base.honest(baseline, None, float(baseline["lookups"]))
-        for row_name, attack, _ in attacks:
-            result = results[row_name]
-            if attack != "refused-frame":
-                figure, value, own = _figure(attack, result, settings)
-                row = rows.setdefault(row_name, _Row(row_name, figure, own))
-                row.add(result, base_p99, None if value is None else float(value))
-            for step in result.steps if attack == "refused-frame" else ():
-                mode, size = str(step.hostile["mode"]), int(step.hostile["bytes"])
-                where = "in a session" if mode == "session" else "first on a new connection"
-                label = f"refused frame {where}, {size / MIB:g} MiB"
-                row = rows.setdefault(label, _Row(label, "RSS peak / frame size", frame))
-                row.add(step, base_p99, step.peak_growth_mib * MIB / size)
-    table = [base.cells(), *(row.cells() for row in rows.values())]
-    s = settings
-    notes = [
-        (
-            f"{len(runs)} repeat(s), each a fresh victim: p2pactor serve, summaries on, "
-            f"{s.preload:,} preloaded blocks of {s.block_len} B ({parts_per_snapshot(s)} parts a "
-            f"snapshot), --slow-step-ms {s.slow_step_ms:g}, /status asked every 0.1 s; the honest "
-            f"peer alone {baseline_s:g} s (baseline; p99: the median of its 2-s windows'), then "
-            "each attack with a fresh hostile process and session, measured from its connect until "
-            "the victim ended its session"
-        ),
-        (
-            f"honest peer: a p2pactor node looking up {HONEST_KEYS} preloaded keys "
-            f"{HONEST_HZ:g} times a second, fetching them and checking every byte; failed = a "
-            "MISS, a failed fetch or a wrong byte; the "
-            f"processes share this machine's {os.cpu_count()} cores: the hostile process runs at "
-            "idle CPU priority (SCHED_IDLE), as a peer on another host, but for the lookup flood "
-            f"({FLOOD_KEYS} held keys a lookup, vLLM's dialect, never fetched, 256 unanswered)"
-        ),
-        (
-            "RSS over the victim's RSS before the hostile peer connected: peak (VmHWM, started "
-            "afresh before each step, read before each reset), held (its last step done, the "
-            "session open), kept (once the victim ended the session); refused frames: per "
-            "frame, over the RSS just before it"
-        ),
-        (
-            "longest step: the victim's node thread's longest step that began in the attack's "
-            "window (/status lists the last 32; 0 = none over --slow-step-ms); time it waits "
-            "for the GIL between steps is in no step"
-        ),
-    ]
-    every = [base, *rows.values()]
-    for key, what in TARGETS.items():
-        missed = [f"{r.name} ({m})" for r in every for k, m in r.misses if k == key]
-        notes.append(f"target {what}: " + ("MISSED by " + "; ".join(missed) if missed else "met"))
-    stalls = [f"{r.name}: {r.task}" for r in every if r.task and "stall" in dict(r.misses)]
-    if stalls:
-        notes.append("the longest steps over the target ran in: " + "; ".join(stalls))
-    return SectionResult(name=NAME, title=TITLE, rows=table, notes=notes)
+    value = values.get(attack)
+    return label, None if value is None else float(value)
