@@ -10,21 +10,12 @@ its stdin closes. Run as ``python -m p2pactor.programs.bench._vllm_tier JSON``
 workload in a stamped block (nothing evicts, so both tiers' serving is measured alone),
 woken every ``poll_ms`` as vLLM's tier-poll thread is for an idle engine.
 
-The ``engine`` section's consumer is the scripted :class:`Engine`: it makes these calls,
-one step at a time, as vLLM's offloading connector and ``TieringOffloadingManager`` make
-them of a secondary tier, each timed by a :class:`Meter` (:func:`measure`):
-
-1. ``has_pending_work()``, under the lock;
-2. ``admit`` new requests (``remote_kv_source`` naming the producer, ``keys``
-   keys, a prefix of K/2..K on the producer) get ``on_new_request()``;
-3. ``schedule()``, under the lock: ``get_finished_jobs()``, then ``lookup()`` of
-   each waiting request's keys in order (past HIT and RETRY, up to the first MISS); a
-   request with no RETRY left has its HIT prefix queued as one promotion; then
-   ``serve_external_requests(parent)``, a ``submit_load()`` per promotion,
-   ``on_schedule_end()``;
-4. the forward pass: ``step_ms`` of sleep, lock released, while the tier-poll
-   thread (``poll_ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
-5. each request whose load finished gets ``on_request_finished()``.
+The ``engine`` section's consumer is the scripted :class:`Engine`: it makes the calls
+vLLM's offloading connector and ``TieringOffloadingManager`` make of a secondary tier, one
+step at a time (numbered in :meth:`Engine.run`: a ``lookup()`` of each waiting request's
+keys past HIT and RETRY up to the first MISS, its HIT prefix one promotion once no RETRY
+is left), a tier-poll thread calling it every ``poll_ms`` meanwhile; each call is timed
+by a :class:`Meter` (:func:`measure`).
 
 Importing it sets ``NIXL_LOG_LEVEL=WARN``, ``PYTHONHASHSEED=0`` and
 ``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and seeds
@@ -281,7 +272,7 @@ class Engine:
                     new_req_ids=[r.ctx.req_id for r in new], preempted_req_ids=()
                 )
                 meter.call(tier.on_schedule_end, end)
-            time.sleep(args.step_ms / 1000)  # 4. the forward pass
+            time.sleep(args.step_ms / 1000)  # 4. the forward pass (the poll thread runs)
             with lock:  # 5. output processing
                 done, self.done = self.done, []
                 for req in done:

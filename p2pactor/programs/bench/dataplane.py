@@ -256,14 +256,16 @@ def label(count: int, block_len: int) -> str:
 
 
 def measure_sizes(
+    section: str,
+    title: str,
     sizes: Sequence[tuple[int, int]],
     iters: int | None,
     measure_group: Callable[[int, list[int], int], dict[str, Any]],
-    options: BenchOptions,
     *,
+    options: BenchOptions,
     across: str = "",
-) -> tuple[list[dict[str, Cell]], dict[str, Stat], list[str]]:
-    """``sizes`` measured: the section's rows, ratios and notes.
+) -> SectionResult:
+    """``sizes`` measured: the ``section`` (``title``), its rows, ratios and notes.
 
     ``measure_group(block_len, counts, iters)`` measures the counts of one block size
     against one producer process (:func:`measure`'s figures); ``iters``: operations each
@@ -295,11 +297,11 @@ def measure_sizes(
         rows.append(row)
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
-    notes = []
-    if any(count * block_len >= target_bytes for count, block_len in sizes):
-        least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
-        notes.append(f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met")
-    return rows, ratios, notes
+    least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
+    note = f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met"
+    targeted = any(count * block_len >= target_bytes for count, block_len in sizes)
+    notes = [note] if targeted else []
+    return SectionResult(name=section, title=title, rows=rows, ratios=ratios, notes=notes)
 
 
 def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
@@ -316,22 +318,16 @@ def run(options: BenchOptions) -> SectionResult:
         found: dict[str, Any] = trio.run(measure, *spec)
         return found
 
-    rows, ratios, notes = measure_sizes(SIZES, None, group, options)
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+    return measure_sizes(NAME, TITLE, SIZES, None, group, options=options)
 
 
 async def serve(num_blocks: int, block_len: int, address: str) -> None:
     """The producer process (``python -m ...dataplane producer NUM_BLOCKS BLOCK_LEN ADDRESS``).
 
-    It stores ``NUM_BLOCKS`` deterministic blocks (:func:`bench_keys`,
-    :func:`block_content`) in a node bound to ADDRESS, opens a second, bare NIXL agent
-    over the same pool for the raw-NIXL reference, says ``READY {"node_id", "blocks"}``
-    and answers :class:`~p2pactor.programs.bench._control_common.LineProcess` commands
-    until its stdin closes: ``{"cmd": "raw_peer", "metadata": hex, "base_addr": n,
-    "num_blocks": n}`` adds the consumer's bare agent as the raw agent's peer; ``{"cmd":
-    "raw", "local": [...], "remote": [...], "iters": n}``: ``n`` raw WRITEs, each timed
-    alone (post, then poll until DONE, no trio in between: the node's loop is blocked
-    meanwhile on purpose).
+    A node bound to ADDRESS holding ``NUM_BLOCKS`` blocks (:func:`bench_keys`,
+    :func:`block_content`) and a bare :class:`RawAgent` over the same pool; it says
+    ``READY {"node_id", "blocks"}``, then ``raw_peer`` adds the consumer's bare agent,
+    ``raw`` times ``iters`` raw WRITEs (the node's loop blocked meanwhile on purpose).
     """
     import torch  # noqa: PLC0415 - only the benchmark's processes need torch
 

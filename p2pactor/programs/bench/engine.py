@@ -1,16 +1,10 @@
 """Engine-thread cost of the vLLM adapter, against vLLM 0.33.0's own P2P tier.
 
 vLLM calls a secondary tier synchronously from its scheduler thread, under the
-offloading manager's lock: whatever the tier does there delays the step. A scripted
-engine (:mod:`~p2pactor.programs.bench._vllm_tier`, whose docstring lists its calls)
-drives p2pactor's ``P2PActorTierManager`` and vLLM's ``P2PSecondaryTierManager``
-alike, each against a producer tier of its own class in another process
-(the same module's), over real ZeroMQ and NIXL on 127.0.0.1,
-4 KiB blocks: each tier's own calls timed alone (a whole engine is ``engine-real``'s).
-The consumers run in one subprocess (``python -m p2pactor.programs.bench.engine``:
-vLLM's import is heavy, NIXL's state per process); each repeat runs both tiers in
-turn, fresh producers each. Per tier, the median over repeats with [min..max];
-ours/vLLM per repeat.
+offloading manager's lock: whatever the tier does there delays the step. The scripted
+engine of :mod:`~p2pactor.programs.bench._vllm_tier` drives either tier against a
+producer of its own class in another process; the consumers run in one subprocess
+(``python -m p2pactor.programs.bench.engine``), both tiers in turn each repeat.
 """
 
 from __future__ import annotations

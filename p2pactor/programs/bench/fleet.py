@@ -195,11 +195,6 @@ class _Chain:
         self.keys += added
         return added
 
-    def copy(self) -> _Chain:
-        other = _Chain()
-        other.keys, other._parent = list(self.keys), self._parent
-        return other
-
 
 def _tokens(rng: random.Random, blocks: int) -> list[int]:
     return [rng.randrange(1, 150_000) for _ in range(blocks * TOKENS_PER_BLOCK)]
@@ -218,21 +213,21 @@ def chat_turns(engines: int, conversations: int, seed: int) -> list[Turn]:
     rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
     systems = [_tokens(rng, rng.randint(16, 64)) for _ in range(32)]
     weights = [1 / (rank + 1) for rank in range(32)]
-    timed: list[tuple[float, int, int, _Chain, list[bytes], int]] = []
+    timed: list[tuple[float, int, int, tuple[bytes, ...], list[bytes], int]] = []
     for conversation in range(conversations):
         chain = _Chain()
         chain.extend(systems[rng.choices(range(32), weights)[0]])
         at = rng.uniform(0.0, 1.0)
         for turn in range(rng.randint(2, 5)):
             chain.extend(_tokens(rng, rng.randint(2, 6)))
-            prompt = chain.copy()
+            prompt = tuple(chain.keys)
             reply = chain.extend(_tokens(rng, rng.randint(2, 8)))
             think = rng.randint(10, 40) if turn else 0
             timed.append((at, conversation, turn, prompt, reply, think))
             at += rng.uniform(0.05, 0.3)  # arrival order: the next message comes later
     timed.sort(key=lambda t: (t[0], t[1], t[2]))
     return [
-        Turn(i, conversation, turn, rng.randrange(engines), tuple(p.keys), tuple(reply), think)
+        Turn(i, conversation, turn, rng.randrange(engines), p, tuple(reply), think)
         for i, (_, conversation, turn, p, reply, think) in enumerate(timed)
     ]
 
@@ -263,9 +258,9 @@ def rag_turns(engines: int, requests: int, seed: int) -> list[Turn]:
         chain.extend(system)
         chain.extend(document)
         chain.extend(_tokens(rng, rng.randint(1, 4)))
-        prompt = chain.copy()
+        prompt = tuple(chain.keys)
         reply = chain.extend(_tokens(rng, rng.randint(2, 6)))
-        turns.append(Turn(i, i, 0, rng.randrange(engines), tuple(prompt.keys), tuple(reply), 0))
+        turns.append(Turn(i, i, 0, rng.randrange(engines), prompt, tuple(reply), 0))
     return turns
 
 

@@ -1,12 +1,9 @@
 """``p2pactor bench`` section ``hosts``: the data-plane fetch across two hosts, over UCX TCP.
 
-Two namespaced hosts (:mod:`p2pactor.programs.hosts`: each its own network,
-hostname and ``/dev/shm``, UCX limited to ``tcp,self`` on its ``eth0``) are
-joined by a veth pair and a bridge, so the bytes cross the kernel's TCP stack
-as between machines. The measurement is the ``dataplane`` section's own, ours against
-raw NIXL (:func:`p2pactor.programs.bench.dataplane.measure`), its consumer process on
-``h1`` and its producer process on ``h2``: raw NIXL is what TCP over veth reaches here.
-Needs root (namespaces); without it the section is skipped with a note.
+Two namespaced hosts (:mod:`p2pactor.programs.hosts`, joined by a veth pair and a
+bridge: the bytes cross the kernel's TCP stack as between machines) run the
+``dataplane`` section's own measurement (:func:`p2pactor.programs.bench.dataplane.measure`),
+its consumer on ``h1``, its producer on ``h2``. Needs root; else skipped with a note.
 """
 
 from __future__ import annotations
@@ -62,5 +59,5 @@ def run(options: BenchOptions) -> SectionResult:
             return found
 
         sizes, iters = (QUICK_SIZES, 4) if options.quick else (SIZES, 10)
-        rows, ratios, notes = measure_sizes(sizes, iters, group, options, across=" across hosts")
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+        across = " across hosts"
+        return measure_sizes(NAME, TITLE, sizes, iters, group, options=options, across=across)
