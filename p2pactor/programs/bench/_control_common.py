@@ -122,10 +122,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
 
 
-def peak_rss_kib() -> int:
-    """This process's peak resident memory in KiB (VmHWM), 0 where /proc has none."""
-    with open("/proc/self/status") as status:
-        return next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
+def memory_kib(pid: int | str = "self") -> tuple[int, int]:
+    """Process ``pid``'s ``(VmRSS, VmHWM)`` (its peak) in KiB; ``(0, 0)`` once it is gone."""
+    got = {"VmRSS:": 0, "VmHWM:": 0}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+        for fields in map(str.split, status):
+            if fields and fields[0] in got:
+                got[fields[0]] = int(fields[1])
+    return got["VmRSS:"], got["VmHWM:"]
 
 
 class ChildError(RuntimeError):

@@ -24,7 +24,13 @@ from typing import Any
 
 import attrs
 
-from p2pactor.programs.bench._control_common import ChildError, LineProcess, free_port, percentile
+from p2pactor.programs.bench._control_common import (
+    ChildError,
+    LineProcess,
+    free_port,
+    memory_kib,
+    percentile,
+)
 
 STEP_TIMEOUT_S = 300.0
 """The longest a step may take (a flood on a loaded 2-core machine)."""
@@ -49,14 +55,9 @@ class VictimSettings:
     """``serve --slow-step-ms`` (the node's slow-step watch, for the longest step); None: none."""
 
     @property
-    def node_id(self) -> str:
-        """The victim's peer id."""
-        return f"127.0.0.1:{self.port}"
-
-    @property
     def peer_spec(self) -> dict[str, Any]:
         """What the honest and hostile peers are told of the victim (in their JSON argument)."""
-        spec = {"victim": self.node_id, "hash_seed": self.hash_seed}
+        spec = {"victim": f"127.0.0.1:{self.port}", "hash_seed": self.hash_seed}
         return spec | {"preload": self.preload, "block_len": self.block_len}
 
 
@@ -121,15 +122,6 @@ class Victim(LineProcess):
         with self._lock:
             slow = max(((s, t) for at, s, t in self._slow if start <= at <= end), default=None)
         return ((slow[0] if slow else 0.0) if self.watching else None), slow[1] if slow else ""
-
-    def memory_kib(self) -> tuple[int, int]:
-        """Its ``(VmRSS, VmHWM)`` in KiB; ``(0, 0)`` once it is gone."""
-        got = {"VmRSS:": 0, "VmHWM:": 0}
-        with contextlib.suppress(OSError), open(f"/proc/{self.pid}/status") as status:
-            for fields in map(str.split, status):
-                if fields and fields[0] in got:
-                    got[fields[0]] = int(fields[1])
-        return got["VmRSS:"], got["VmHWM:"]
 
     def reset_peak(self) -> None:
         """Start ``VmHWM`` afresh from the RSS now (Linux: ``5`` to ``clear_refs``)."""
@@ -272,15 +264,15 @@ def run_attack(
     try:
         said("LOADED", timeout=120)
         # Its process is up: from here on what the victim does is the attack's.
-        base, _ = victim.memory_kib()
+        base, _ = memory_kib(victim.pid)
         victim.reset_peak()
         honest.window()  # before the attack: not its
         start = time.time()
         hostile.send("go")
         _, peer = said("READY", timeout=120)
-        peaks = [victim.memory_kib()[1]]
+        peaks = [memory_kib(victim.pid)[1]]
         while said("STEP", "RESULT")[0] != "RESULT":
-            rss, hwm = victim.memory_kib()
+            rss, hwm = memory_kib(victim.pid)
             peaks.append(hwm)
             victim.reset_peak()
             segments.append(honest.window())
@@ -291,7 +283,7 @@ def run_attack(
                 gone = str(done["peer"])
                 victim.wait_status(lambda d: gone in _peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
             claimed = _settled_claims(victim, peer) if peer != "-" else None
-            peak = victim.memory_kib()[1]
+            peak = memory_kib(victim.pid)[1]
             longest, task = victim.window(t_go, time.time())  # the step's own
             segments.append(honest.window())
             steps.append(
@@ -306,7 +298,7 @@ def run_attack(
                     longest_task=task,
                 )
             )
-        peaks.append(victim.memory_kib()[1])
+        peaks.append(memory_kib(victim.pid)[1])
         victim.reset_peak()
         assert hostile.proc.stdin is not None
         hostile.proc.stdin.close()  # it says disconnect, then LEFT, and exits
@@ -315,7 +307,7 @@ def run_attack(
         if peer != "-":
             victim.wait_status(lambda d: peer not in _peers(d), 60, f"the end of {peer}")
         time.sleep(0.3)  # what leaving sets off (the session's end) runs its course
-        kept, peak_end = victim.memory_kib()
+        kept, peak_end = memory_kib(victim.pid)
         end = time.time()
         segments.append(honest.window())
     finally:

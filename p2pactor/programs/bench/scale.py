@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from p2pactor.programs.bench._control_common import child_result, peak_rss_kib, say
+from p2pactor.programs.bench._control_common import child_result, memory_kib, say
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
 NAME = "scale"
@@ -155,7 +155,7 @@ async def _requests(n: int, folder: str) -> dict[str, Any]:
         return open_node(config, control=control, data=data, parent=cache, event_log=log)
 
     failed = 0
-    rss0 = peak_rss_kib()
+    rss0 = memory_kib()[1]
     async with node("b", logs[1]), node("a", logs[0]) as a:
 
         async def one(i: int) -> None:
@@ -182,7 +182,7 @@ async def _requests(n: int, folder: str) -> dict[str, Any]:
             for i in range(n):
                 nursery.start_soon(one, i)
         seconds = time.perf_counter() - t0
-        peak = peak_rss_kib()
+        peak = memory_kib()[1]
     return {
         "requests": n,
         "seconds": seconds,
@@ -228,7 +228,7 @@ def _replay(mode: str, path: str) -> dict[str, Any]:
     from p2pactor.runtime.logread import read_log  # noqa: PLC0415
     from p2pactor.surface.replay import replay_logs  # noqa: PLC0415
 
-    before = peak_rss_kib()
+    before = memory_kib()[1]
     t0 = time.perf_counter()
     violations = 0
     if mode == "read":
@@ -244,7 +244,7 @@ def _replay(mode: str, path: str) -> dict[str, Any]:
         "seconds": time.perf_counter() - t0,
         "events": events,
         "violations": violations,
-        "growth_kib": peak_rss_kib() - before,
+        "growth_kib": memory_kib()[1] - before,
     }
 
 
