@@ -1,19 +1,13 @@
 """The fleet benchmark's process (``python -m p2pactor.programs.bench._fleet_run``).
 
-Chat, then RAG fleets, in one process (one import of vLLM). Each arm builds its
-fleet here: per engine, vLLM 0.33's own offloading stack
-(:func:`~p2pactor.programs.vllmstack.build_stack`: ``TieringOffloadingManager`` from
-``get_manager()``, its CPU tier with vLLM's LRU, its tier-poll thread, the P2P tier,
-p2pactor's or vLLM's own, from its ``secondary_tiers`` entry) over its own port on
-127.0.0.1, real ZeroMQ and NIXL between them, driven by a
-:class:`~p2pactor.programs.vllmstack.StackEngine` (the calls of vLLM's connector
-scheduler; nobody calls ``touch``, as vLLM 0.33's scheduler never does; every chunk
-loaded is checked against its key's bytes), the engines stepped in lockstep
-(scheduler calls, a forward-pass sleep, output processing). The arms, on the same
-turns: ``none`` (no P2P tier); ``oracle`` (each request names the engine whose CPU
-tier holds its longest prefix, read at admission); ``auto`` (none named; the tiers
-exchange summaries); ``mixed`` (``auto``, every other engine on vLLM's own tier). It
-prints every run's figures as one line, ``RESULT {"runs": [...]}``.
+Chat, then RAG fleets, in one process (one import of vLLM). Per engine, vLLM 0.33's own
+offloading stack (:func:`~p2pactor.programs.vllmstack.build_stack`) with p2pactor's or
+vLLM's own P2P tier on its own port, real ZeroMQ and NIXL between them, driven by a
+:class:`~p2pactor.programs.vllmstack.StackEngine`, the engines stepped in lockstep. The
+arms, on the same turns: ``none`` (no P2P tier); ``oracle`` (each request names the
+engine whose CPU tier holds its longest prefix at admission); ``auto`` (none named; the
+tiers exchange summaries); ``mixed`` (``auto``, every other engine on vLLM's own tier).
+It prints every run's figures as one line, ``RESULT {"runs": [...]}``.
 """
 
 from __future__ import annotations

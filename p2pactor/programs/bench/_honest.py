@@ -1,18 +1,13 @@
 """The honest peer of the ``summary-attack`` section: a timed p2pactor node, run as a process.
 
-``python -m p2pactor.programs.bench._honest JSON`` (``port``, and ``victim``, ``preload``,
-``hash_seed``, ``block_len``: ``host:port`` and flags of the victim): a node on real ZeroMQ
-and NIXL on 127.0.0.1 (no parent: it only consumes) whose victim is ``p2pactor serve``
-(:func:`~p2pactor.runtime.samples.preload_keys`, their bytes
-:func:`~p2pactor.runtime.samples.block_bytes`). It prints ``READY`` and starts its loop,
-:data:`RATE_HZ` times a second (one that ran late makes no burst): a fresh request id,
-``Node.lookup`` of :data:`KEYS` consecutive held keys (timed from the call to its answers: the
-figure reported), ``Node.fetch`` of their blocks, every byte compared, ``Node.finish``.
-Each line on its stdin asks for what was measured since the start or the last such line
-(every lookup's latency in seconds, failures: a MISS, a failed fetch, a wrong byte, the
-first few described), one JSON line; a new window begins.
-
-It exits when its stdin closes, cancelling the request under way.
+``python -m p2pactor.programs.bench._honest JSON`` (``port``, and the victim's
+:attr:`~p2pactor.programs.bench._summary_drive.VictimSettings.peer_spec`): a node on real
+ZeroMQ and NIXL whose loop, :data:`RATE_HZ` times a second (one that ran late makes no
+burst), looks up :data:`KEYS` consecutive keys ``p2pactor serve --preload`` holds (timed:
+the figure reported), fetches their blocks, compares every byte and finishes. It says
+``READY``; each stdin line ends a window: one JSON line of what was measured (every
+lookup's latency in seconds, failures counted, the first few described). It exits, the
+request under way cancelled, when its stdin closes.
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The hostile peer of ``p2pactor bench``'s ``summary-attack``: raw sockets, run as a process.
 
 ``python -m p2pactor.programs.bench._hostile JSON`` (``victim``, ``hash_seed``,
-``block_len``, ``attack`` and any of :data:`OPTIONS`): a :class:`RawPeer`, bare pyzmq laid
-out as vLLM
-0.33.0 lays a session out, with a real NIXL agent over lazily mapped memory (registered
-by the victim, never written). Its ``connect`` offers ``kvsum/1`` (but for the lookup
-flood, in vLLM's base dialect), so that the victim reads what it sends as summaries.
-The attacks are :data:`ATTACKS`, each said by its function's docstring; every attack but
-the lookup flood runs at idle CPU priority, as a peer on another host, whose sending
-costs the victim nothing (the flood is the victim's load).
-
-It speaks :class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol:
-``LOADED``, then (once a stdin line came: the driver has read the victim) ``READY peer``
-once the handshake is done (and the victim's snapshot arrived); per step ``STEP {label}``,
-then (a stdin line later) ``DONE {...}`` (the step's unix-time window and figures);
-``RESULT {...}`` (messages received, by type); then it holds the session until stdin
-closes; ``LEFT`` as it exits 0; ``ERROR ...``, 1.
+``block_len``, ``attack`` and any of :data:`OPTIONS`): a :class:`RawPeer` (a session laid
+out as vLLM 0.33.0 lays it out) with a real NIXL agent over lazily mapped memory, offering
+``kvsum/1`` (but for the lookup flood), running one of :data:`ATTACKS` at idle CPU priority
+(but the flood, the victim's load), as a peer on another host would. Its lines (see
+:class:`~p2pactor.programs.bench._control_common.LineProcess`): ``LOADED``; after a stdin
+line, ``READY peer`` (the handshake and the victim's snapshot done); per step ``STEP
+label``, after a stdin line ``DONE {...}`` (its unix-time window, figures); ``RESULT``;
+once stdin closes ``LEFT`` (exit 0), or ``ERROR ...`` (exit 1).
 """
 
 from __future__ import annotations
@@ -308,7 +301,7 @@ def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int
             a.peer = a.open_session()
         say(f"READY {a.peer.peer_id if a.peer else '-'}")
         ATTACKS[args.attack](a)
-        say(f"RESULT {json.dumps({'received': dict(a.peer.counts) if a.peer else {}})}")
+        say("RESULT")
         while sys.stdin.readline():  # hold the session until stdin closes
             pass
     except Failure as exc:

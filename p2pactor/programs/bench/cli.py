@@ -82,16 +82,16 @@ class SectionResult:
     """One section's results.
 
     Attributes:
-        name: The section's short name (``dataplane``).
-        title: One line saying what was measured.
+        name: The section's short name (``dataplane``; :func:`run_bench` sets it).
+        title: One line saying what was measured (the section's ``TITLE``, set likewise).
         rows: The table, one mapping per row, same keys in every row.
         ratios: Headline ratios (ours over reference), by a readable name.
         notes: Sentences printed under the table (targets met or missed, skips).
         skipped: Why the whole section did not run (e.g. vLLM not installed), or None.
     """
 
-    name: str
-    title: str
+    name: str = ""
+    title: str = ""
     rows: Sequence[Mapping[str, Cell]] = ()
     ratios: Mapping[str, Stat] = attrs.field(factory=dict)
     notes: Sequence[str] = ()
@@ -187,9 +187,8 @@ def run_bench(
             result = section.run(options)
         except Exception as exc:  # one broken section must not hide the others
             traceback.print_exc(file=sys.stderr)
-            result = SectionResult(
-                name=name, title=section.TITLE, skipped=f"failed: {type(exc).__name__}: {exc}"
-            )
+            result = SectionResult(skipped=f"failed: {type(exc).__name__}: {exc}")
+        result = attrs.evolve(result, name=name, title=section.TITLE)
         results.append(result.to_json() | {"seconds": round(time.perf_counter() - t0, 2)})
         out.write(result.table() + "\n\n")
         out.flush()
@@ -231,11 +230,10 @@ def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "bench",
         help="measure p2pactor against raw NIXL, memcpy and vLLM's own P2P tier",
         description=(
-            "Measure the data plane (vs raw NIXL and memcpy), the control plane, idle CPU "
-            "and engine-thread cost (vs vLLM 0.33.0's P2P tier when vLLM is installed), "
-            "fleets, hostile peers and floods, actor scale and replay, the source index, "
-            "side by side in one run. Results are "
-            "medians over repeats with [min..max]; see docs/benchmarks.md."
+            "Measure the data plane (vs raw NIXL and memcpy), the control plane and "
+            "engine-thread cost (vs vLLM 0.33.0's P2P tier when vLLM is installed), fleets, "
+            "hostile peers and floods, actor scale and replay, the source index, side by side "
+            "in one run. Results are medians over repeats with [min..max]; see docs/benchmarks.md."
         ),
     )
     parser.add_argument(

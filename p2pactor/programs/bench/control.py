@@ -1,30 +1,19 @@
 """Control plane: lookup throughput and latency, ours against vLLM 0.33.0's P2P sessions.
 
-Per side a producer holding 4,096 blocks and a consumer running C concurrent lookup loops
-of K keys (every key a hit), each its own process (``python -m
+Per side a producer and a consumer, each its own process (``python -m
 p2pactor.programs.bench.control '{"side": "ours"|"vllm", "role": "producer"|"consumer",
-"port": N, "peer_port": M}'``, over real ZeroMQ and a NIXL agent each, since both
-handshakes exchange NIXL metadata), speaking
-:class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol:
-
-* **producer**: holds :data:`NUM_KEYS` blocks in an
-  :class:`~p2pactor.runtime.parent.EmbeddedCache` and serves lookups from it until its
-  stdin closes, then says its counters (all 0). ``ours``: a p2pactor node with the
-  cache as its parent. ``vllm``: vLLM 0.33.0's ``P2PSecondaryTierManager``, woken
-  when its ROUTER is readable (else every 1 ms, like vLLM's tier-poll thread), its
-  parent the same cache (:func:`~p2pactor.programs.bench._vllm_tier.serve`).
-* **consumer**: ``{"keys": K, "conc": C, "seconds": T}`` runs C concurrent lookup
-  loops for T seconds (a fresh request id, a lookup of K keys the producer holds, every
-  answer awaited, the request finished) and answers :meth:`Tally.result`. ``ours``:
-  ``Node.lookup`` then ``Node.finish`` in C trio tasks. ``vllm``: the tier driven as
-  vLLM's scheduler drives it (``on_new_request``, ``lookup`` of every key, RETRY until
-  ``on_schedule_end`` has sent it and the answer came, ``on_request_finished``), one
-  loop over the C requests in flight, woken when its ROUTER is readable.
-
-All four processes start together and stay up; every repeat runs every cell on both
-sides in turn (alternating which goes first, the other side stopped), for a fixed time
-each: lookups/s, latency p50 and p99, medians over repeats with [min..max]; ours/vLLM
-per cell (the median over repeats) and over the cells (their geometric mean, per repeat).
+"port": N, "peer_port": M}'``, real ZeroMQ and a NIXL agent each on 127.0.0.1), speaking
+:class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol. The producer
+serves :data:`NUM_KEYS` blocks of an :class:`~p2pactor.runtime.parent.EmbeddedCache`
+until its stdin closes, then says its counters (all 0): ours a node with the cache as
+its parent, vLLM's a ``P2PSecondaryTierManager`` over it
+(:func:`~p2pactor.programs.bench._vllm_tier.serve`), woken when its ROUTER is readable.
+The consumer answers ``{"keys": K, "conc": C, "seconds": T}`` with :meth:`Tally.result`
+of C concurrent lookup loops of K held keys for T seconds: ours ``Node.lookup`` then
+``Node.finish`` in C trio tasks; vLLM's tier driven as vLLM's scheduler drives it, one
+loop over the C requests in flight. All four start together and stay up; every repeat
+runs every cell on both sides in turn, the other side stopped; ours/vLLM per cell and
+over the cells (their geometric mean, per repeat).
 """
 
 from __future__ import annotations
@@ -53,8 +42,6 @@ from p2pactor.programs.bench._control_common import (
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.runtime.parent import EmbeddedCache
 
-NAME = "control"
-"""The section's name."""
 TITLE = "lookup throughput and latency over ZeroMQ vs vLLM 0.33.0's P2P sessions"
 """One line saying what is measured."""
 
@@ -145,7 +132,7 @@ def run(options: BenchOptions) -> SectionResult:
             "targets (throughput >= vLLM, p99 <= vLLM): "
             + ("met in every cell" if not missed else "missed in " + "; ".join(missed))
         )
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)
 
 
 def _rate(r: dict[str, Any]) -> float:

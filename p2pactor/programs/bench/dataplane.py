@@ -1,16 +1,12 @@
 """``p2pactor bench`` section ``dataplane``: a fetch end to end against the physical limit.
 
-Per batch of B blocks of S bytes: a consumer node here, a producer node in another
-process (:func:`serve`), on ZeroMQ over loopback and NIXL over torch pools. Per repeat,
-back to back: **ours** (``Node.lookup`` then ``Node.fetch`` of the B keys, as an engine
-would; bytes checked), **raw NIXL** (the same WRITE between the same blocks of the same
-processes from a bare agent, posted and polled to DONE with no trio, no actor, no
-message: the machine's limit) and **memcpy** (numpy, the same bytes, here). GB/s per
-operation, the median of a few per repeat; ratios per repeat.
-
-:func:`measure` is the ``hosts`` section's too, there run on a namespaced host
-(``python -m p2pactor.programs.bench.dataplane SPEC`` says its figures as one
-``RESULT {json}`` line).
+Per batch of B blocks of S bytes, a consumer node here and a producer node in another
+process (:func:`serve`), back to back per repeat: **ours** (``Node.lookup`` then
+``Node.fetch``, bytes checked), **raw NIXL** (the same WRITE between the same blocks of
+the same processes from bare agents, no trio: the machine's limit) and **memcpy**. GB/s
+per operation, the median of a few per repeat; ratios per repeat. :func:`measure` is the
+``hosts`` section's too (``python -m p2pactor.programs.bench.dataplane SPEC`` says its
+figures as one ``RESULT {json}`` line).
 """
 
 from __future__ import annotations
@@ -35,8 +31,6 @@ from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import chain_keys
 
-NAME = "dataplane"
-"""The section's name."""
 TITLE = "fetch B x S from a node in another process, end to end, vs raw NIXL and memcpy"
 """What the section measures."""
 
@@ -256,16 +250,14 @@ def label(count: int, block_len: int) -> str:
 
 
 def measure_sizes(
-    section: str,
-    title: str,
     sizes: Sequence[tuple[int, int]],
     iters: int | None,
     measure_group: Callable[[int, list[int], int], dict[str, Any]],
-    *,
     options: BenchOptions,
+    *,
     across: str = "",
 ) -> SectionResult:
-    """``sizes`` measured: the ``section`` (``title``), its rows, ratios and notes.
+    """``sizes`` measured: the section's rows, ratios and notes.
 
     ``measure_group(block_len, counts, iters)`` measures the counts of one block size
     against one producer process (:func:`measure`'s figures); ``iters``: operations each
@@ -301,7 +293,7 @@ def measure_sizes(
     note = f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met"
     targeted = any(count * block_len >= target_bytes for count, block_len in sizes)
     notes = [note] if targeted else []
-    return SectionResult(name=section, title=title, rows=rows, ratios=ratios, notes=notes)
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)
 
 
 def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
@@ -311,14 +303,14 @@ def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
 def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (fewer operations with ``--quick``)."""
     if missing := nixl_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
+        return SectionResult(skipped=missing)
 
     def group(block_len: int, counts: list[int], iters: int) -> dict[str, Any]:
         spec = (block_len, counts, options.repeats, iters, options.work_dir)
         found: dict[str, Any] = trio.run(measure, *spec)
         return found
 
-    return measure_sizes(NAME, TITLE, SIZES, None, group, options=options)
+    return measure_sizes(SIZES, None, group, options)
 
 
 async def serve(num_blocks: int, block_len: int, address: str) -> None:

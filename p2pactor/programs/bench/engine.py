@@ -25,8 +25,6 @@ from p2pactor.programs.bench._control_common import (
 )
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat, ratio
 
-NAME = "engine"
-"""The section's name."""
 TITLE = "engine-thread cost of the vLLM adapter vs vLLM 0.33.0's P2P tier (same scripted engine)"
 """One line saying what is measured."""
 
@@ -46,7 +44,7 @@ too, one per repeat (both tiers run in each repeat)."""
 def run(options: BenchOptions) -> SectionResult:
     """Run the engine benchmark in a subprocess and tabulate its figures."""
     if missing := vllm_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
+        return SectionResult(skipped=missing)
     requests = 100 if options.quick else 1000
     repeats = 1 if options.quick else max(1, options.repeats)
     spec = WORKLOAD | {"requests": requests, "repeats": repeats}
@@ -61,7 +59,7 @@ def run(options: BenchOptions) -> SectionResult:
         rows.append({"figure": f"{label} ({unit})", "ours": Stat.of(ours), "vLLM": Stat.of(theirs)})
     failed = sum(r["bad"] for r in runs["ours"])
     notes = [f"ours: {failed} failed loads or wrong blocks (should be 0)"] if failed else []
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)
 
 
 def main() -> int:

@@ -1,13 +1,10 @@
 """Real vLLM engines: what B's prefill of prefixes A computed costs, through each P2P tier.
 
 Two real vLLM 0.33.0 engines, each its own process (:mod:`p2pactor.programs.vllmreal`,
-CPU platform, a Llama of about 20 M parameters made locally, 1,536-token
-prefixes: the prefill shows). Engine A computes every prompt set and serves; a
-fresh engine B then runs each set once, naming A as the source, and its time to
-first token and generate time are measured. The arms, in one run:
-p2pactor's tier on both engines, vLLM's own ``p2p`` tier on both, and no P2P
-(B prefills everything). B's tokens must be A's in every arm (the same model,
-greedy). The ratios are the arms' medians over the sets, in this run.
+CPU platform, a small Llama made locally, long prefixes: the prefill shows). A computes
+every prompt set; a fresh B runs each set once naming A as the source: its time to first
+token and generate time, through p2pactor's tier on both, vLLM's own ``p2p`` tier on
+both, and no P2P. B's tokens must be A's (the same model, greedy).
 """
 
 from __future__ import annotations
@@ -21,8 +18,6 @@ from typing import Any
 from p2pactor.programs.bench._control_common import spread_ports
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "engine-real"
-"""The section's name."""
 TITLE = "real vLLM engines: B's prefill of what A computed, through p2pactor, vLLM's tier, none"
 """One line saying what is measured."""
 
@@ -96,7 +91,7 @@ def run(options: BenchOptions) -> SectionResult:
 
     why = missing()
     if why is not None:
-        return SectionResult(name=NAME, title=TITLE, skipped=f"no real vLLM engine here: {why}")
+        return SectionResult(skipped=f"no real vLLM engine here: {why}")
     from p2pactor.programs.vllmreal.model import ModelShape, make_model  # noqa: PLC0415
 
     if options.quick:
@@ -136,7 +131,7 @@ def run(options: BenchOptions) -> SectionResult:
     ]
     if floor is None:
         notes = [f"--quick: the p2pactor arm alone, {sets} set(s) of {per_set} prompts"]
-        return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
+        return SectionResult(rows=rows, notes=notes)
 
     def over(key: str, a: str, b: str) -> Stat:
         return Stat.of(x / y for x, y in zip(results[a][key], results[b][key], strict=True))
@@ -162,4 +157,4 @@ def run(options: BenchOptions) -> SectionResult:
             f"(the floor) would be {best:.2f}x"
         ),
     ]
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)

@@ -1,15 +1,11 @@
 """Finding the source without a router: fleets of engines on vLLM's own stack, by arm.
 
-The fleets run in one process, each engine vLLM 0.33's own offloading stack
-(:mod:`~p2pactor.programs.bench._fleet_run`, whose docstring says how they are built and
-stepped, and the arms: no P2P, an oracle, automatic choice, a mixed fleet). Per fleet,
-the median over repeats with [min..max]. The workloads (every request lands on an engine
-drawn uniformly at random: no router): chat on 4 and 8 engines, each CPU tier a quarter
-of the working set (:func:`chat_turns`); RAG on 5 engines, tiers a quarter and a tenth
-of it (:func:`rag_turns`). Token ids are synthetic (seeded), every segment a whole number
-of 16-token blocks; the keys are vLLM's: ``hash_block_tokens`` with sha256 chained from
-``NONE_HASH`` (the caller has seeded it, as an engine does at start-up), then
-``make_offload_key(hash, 0)``.
+The fleets and arms run in one process (:mod:`~p2pactor.programs.bench._fleet_run`);
+this module tabulates them (per fleet, the median over repeats with [min..max]) and makes
+their workloads, every request on an engine drawn at random (no router): chat
+(:func:`chat_turns`) and RAG (:func:`rag_turns`), synthetic token ids in whole 16-token
+blocks keyed as vLLM keys them (``hash_block_tokens`` with sha256 chained from
+``NONE_HASH``, seeded by the caller as an engine seeds it, then ``make_offload_key``).
 """
 
 from __future__ import annotations
@@ -23,8 +19,6 @@ from typing import Any
 from p2pactor.programs.bench._control_common import child_result, vllm_missing
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "fleet"
-"""The section's name."""
 TITLE = "finding the source with no router: chat and RAG fleets on vLLM's own stack, by arm"
 """One line saying what is measured."""
 
@@ -128,7 +122,7 @@ def _tabulate(fleet: str, runs: Runs) -> tuple[list[dict[str, Cell]], dict[str, 
 def run(options: BenchOptions) -> SectionResult:
     """Run the fleet benchmark (chat, then RAG) in a subprocess and tabulate its figures."""
     if missing := vllm_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
+        return SectionResult(skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
     found = child_result(
         "p2pactor.programs.bench._fleet_run",
@@ -147,7 +141,7 @@ def run(options: BenchOptions) -> SectionResult:
         rows += fleet_rows
         ratios |= fleet_ratios
         notes += fleet_notes
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)
 
 
 # --- the workloads (needing vLLM: run by _fleet_run) -------------------------------------

@@ -18,8 +18,6 @@ from p2pactor.programs.bench.cli import BenchOptions, SectionResult
 from p2pactor.programs.bench.dataplane import KIB, MIB, measure_sizes
 from p2pactor.programs.hosts import hosts_unavailable, open_hosts
 
-NAME = "hosts"
-"""The section's name."""
 TITLE = "fetch B x S across two namespaced hosts over UCX TCP (veth), vs raw NIXL"
 """What the section measures."""
 
@@ -34,9 +32,9 @@ SKIP = "no namespaced hosts"
 def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (:data:`QUICK_SIZES` with ``--quick``) across hosts."""
     if missing := hosts_unavailable():
-        return SectionResult(name=NAME, title=TITLE, skipped=f"{SKIP}: {missing}")
+        return SectionResult(skipped=f"{SKIP}: {missing}")
     if missing := nixl_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
+        return SectionResult(skipped=missing)
     with open_hosts(2) as (h1, h2):
 
         def group(block_len: int, counts: list[int], iters: int) -> dict[str, Any]:
@@ -59,5 +57,4 @@ def run(options: BenchOptions) -> SectionResult:
             return found
 
         sizes, iters = (QUICK_SIZES, 4) if options.quick else (SIZES, 10)
-        across = " across hosts"
-        return measure_sizes(NAME, TITLE, sizes, iters, group, options=options, across=across)
+        return measure_sizes(sizes, iters, group, options, across=" across hosts")

@@ -1,16 +1,12 @@
 """Index scale: what the source index costs a node as the fleet grows (16, 64, 128 peers).
 
 In-process, no sockets: one :class:`~p2pactor.core.sources.SourceIndex` fed as a node's
-directory feeds it (the fingerprints packed, as the wire carries them; each message, then
-the index's work on it a slice at a time): each peer's whole snapshot (in parts of 8,192),
-then deltas of 1,000 changes (500 added, 500 removed). Each peer holds ``KEYS`` keys, a
-fifth from a pool every peer shares (popular prefixes). Measured per fleet size: bytes per
-claim (``tracemalloc``'s count of what the index holds, over its claims); time per changed
-fingerprint (the deltas' node-thread time over their changes); time per choice (``choose``
-over 128 keys, one peer's claimed run of 96 then 32 nobody claims, median of 1,000); the
-longest single call while the snapshots arrive (the garbage collector included, as on a
-node; the workload's own lists frozen out of its sight). Issue 30's targets are notes:
-<= 24 bytes a claim, <= 0.3 us a changed fingerprint, <= 100 us a choice at 128 peers.
+directory feeds it (packed fingerprints, then the index's work a slice at a time): each
+peer's whole snapshot in parts, then deltas of 1,000 changes; each peer holds ``KEYS``
+keys, a fifth from a pool every peer shares. Per fleet size: bytes per claim
+(``tracemalloc``), time per changed fingerprint, time per choice (``choose`` over 128 keys:
+one peer's claimed run of 96, then 32 nobody claims), the longest single call while the
+snapshots arrive (the garbage collector included, the workload's own lists frozen).
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ from p2pactor.core.protocol_summaries import packed
 from p2pactor.core.sources import SourceIndex
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "index-scale"
-"""The section's name."""
 TITLE = "the source index at 16, 64 and 128 peers: memory per claim, time per change and choice"
 """One line saying what is measured."""
 
@@ -149,4 +143,4 @@ def run(options: BenchOptions) -> SectionResult:
         f"(here {last['change_us'].median:.2f}), <= {TARGET_CHOICE_US:g} us a choice "
         f"(here {last['choice_us'].median:.1f})"
     )
-    return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
+    return SectionResult(rows=rows, notes=notes)

@@ -2,19 +2,11 @@
 
 Each measurement runs in a fresh interpreter, so that its peak RSS is its own: ``python -m
 p2pactor.programs.bench.scale WHAT ARGS...`` prints one ``RESULT {...}`` line
-(:data:`MEASURES`):
-
-* ``requests N DIR``: two nodes in this process over the in-memory
-  transports of :mod:`p2pactor.testing` (the network is not what is measured; the actors
-  are), each writing a real :class:`~p2pactor.runtime.log.EventLog` on disk. Node ``a``
-  starts N requests at once (quick: 1,000) against ``b`` (which holds every key in an
-  embedded cache); each looks up :data:`KEYS_PER_REQUEST` keys, fetches the hits and
-  finishes: seconds until all were done, events appended to both logs, requests failed,
-  peak RSS, growth.
-* ``write M L A B``: a log of M events (1,000,000; quick: 100,000), the events of the logs
-  ``A`` and ``B`` (a real run's actors) repeated under fresh request ids.
-* ``replay MODE LOG``: read (``read``) or replay (``replay``, ``replay --check``) ``LOG``:
-  seconds, events, peak RSS growth (replay streams: memory must not grow with the log).
+(:data:`MEASURES`): ``requests N DIR``, N requests at once (quick: 1,000) from node ``a``
+to node ``b`` in this process over :mod:`p2pactor.testing`'s in-memory transports (the
+actors are measured, not the network), each logging to disk; ``write M OUT A B``, a log
+of M events, the logs ``A`` and ``B`` repeated under fresh request ids; ``replay MODE
+LOG``, reading or replaying it (replay streams: memory must not grow with the log).
 """
 
 from __future__ import annotations
@@ -32,8 +24,6 @@ import trio
 from p2pactor.programs.bench._control_common import child_result, memory_kib, say
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "scale"
-"""The section's name."""
 TITLE = "N concurrent requests on one node (in-memory network, logs on disk); replay speed"
 """One line saying what is measured."""
 
@@ -96,7 +86,7 @@ def run(options: BenchOptions) -> SectionResult:
     violations = sum(int(r["violations"]) for r in replays["replay --check"])
     if violations:
         notes.append(f"replay --check found {violations} violation(s) in the repeated log")
-    return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
+    return SectionResult(rows=rows, notes=notes)
 
 
 KEYS_PER_REQUEST = 4

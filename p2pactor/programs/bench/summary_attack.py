@@ -30,8 +30,6 @@ from p2pactor.programs.bench._summary_drive import (
 )
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "summary-attack"
-"""The section's name."""
 TITLE = (
     "hostile peers (summaries, frames, a lookup flood) against p2pactor serve: victim RSS, "
     "node-thread stalls, an honest peer's lookups"
@@ -149,7 +147,7 @@ FIGURES = {
 def run(options: BenchOptions) -> SectionResult:
     """Run every attack against a fresh victim per repeat, and tabulate."""
     if missing := nixl_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
+        return SectionResult(skipped=missing)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     attacks = QUICK if options.quick else FULL
     repeats = 1 if options.quick else max(1, min(options.repeats, MAX_REPEATS))
@@ -186,7 +184,7 @@ def run(options: BenchOptions) -> SectionResult:
         f"target {what}: " + ("MISSED by " + "; ".join(misses[key]) if misses[key] else "met")
         for key, what in TARGETS.items()
     ]
-    return SectionResult(name=NAME, title=TITLE, rows=table, notes=notes)
+    return SectionResult(rows=table, notes=notes)
 
 
 def _stat(values: list[float | None]) -> Stat | None:
