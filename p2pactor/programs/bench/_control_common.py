@@ -222,22 +222,18 @@ class LineProcess:
         return self.expect("READY", timeout=timeout)[1]
 
     def send(self, cmd: dict[str, Any] | str) -> None:
-        """Send one command (JSON, or a line as it is); its answer: :meth:`answer`."""
+        """Send one command (JSON, or a line as it is)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write((cmd if isinstance(cmd, str) else json.dumps(cmd)) + "\n")
         self.proc.stdin.flush()
 
-    def answer(self, timeout: float | None = None) -> dict[str, Any]:
-        """The next JSON line it says."""
+    def ask(self, cmd: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Send one command; its answer, the next JSON line it says."""
+        self.send(cmd)
         while not (line := self.line(timeout)).startswith("{"):
             pass
         answer: dict[str, Any] = json.loads(line)
         return answer
-
-    def ask(self, cmd: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """Send one command; its JSON answer."""
-        self.send(cmd)
-        return self.answer(timeout)
 
     def close(self, timeout: float = 30) -> dict[str, Any]:
         """Close its stdin and wait; its last JSON line (a producer's counters), if any."""

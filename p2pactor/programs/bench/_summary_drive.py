@@ -43,7 +43,7 @@ overflow between two reads unless slow steps follow each other back to back."""
 
 @attrs.frozen(kw_only=True)
 class VictimSettings:
-    """How the victim is started (``p2pactor serve`` flags)."""
+    """How the victim is started: each field the ``p2pactor serve`` flag of its name."""
 
     port: int
     metrics_port: int
@@ -69,14 +69,9 @@ class Victim(LineProcess):
 
     def __init__(self, settings: VictimSettings, stderr: Path) -> None:
         self.settings = s = settings
-        watch = () if s.slow_step_ms is None else ("--slow-step-ms", f"{s.slow_step_ms:g}")
-        super().__init__(
-            "p2pactor",
-            *("serve", "--host", "127.0.0.1", "--port", str(s.port), "--hash-seed", s.hash_seed),
-            *("--num-blocks", str(s.num_blocks), "--block-len", str(s.block_len)),
-            *("--preload", str(s.preload), "--metrics-port", str(s.metrics_port), *watch),
-            stderr=str(stderr),
-        )
+        given = attrs.asdict(s).items()
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in given if v is not None]
+        super().__init__("p2pactor", "serve", "--host=127.0.0.1", *flags, stderr=str(stderr))
         self.url = f"http://127.0.0.1:{s.metrics_port}/status"
         self._stop, self._lock = threading.Event(), threading.Lock()
         self._asked = 0.0  # when the last /status read that answered was asked (unix s)
@@ -123,10 +118,12 @@ class Victim(LineProcess):
             slow = max(((s, t) for at, s, t in self._slow if start <= at <= end), default=None)
         return ((slow[0] if slow else 0.0) if self.watching else None), slow[1] if slow else ""
 
-    def reset_peak(self) -> None:
-        """Start ``VmHWM`` afresh from the RSS now (Linux: ``5`` to ``clear_refs``)."""
+    def reset_peak(self) -> tuple[int, int]:
+        """Its ``(VmRSS, VmHWM)`` in KiB, then ``VmHWM`` started afresh (``5`` to clear_refs)."""
+        now = memory_kib(self.pid)
         with open(f"/proc/{self.pid}/clear_refs", "w") as f:
             f.write("5")
+        return now
 
     def status(self) -> dict[str, Any]:
         """Its ``/status`` document."""
@@ -264,17 +261,15 @@ def run_attack(
     try:
         said("LOADED", timeout=120)
         # Its process is up: from here on what the victim does is the attack's.
-        base, _ = memory_kib(victim.pid)
-        victim.reset_peak()
+        base = victim.reset_peak()[0]
         honest.window()  # before the attack: not its
         start = time.time()
         hostile.send("go")
         _, peer = said("READY", timeout=120)
-        peaks = [memory_kib(victim.pid)[1]]
+        peaks: list[int] = []  # VmHWM before each reset: between them they saw every peak
         while said("STEP", "RESULT")[0] != "RESULT":
-            rss, hwm = memory_kib(victim.pid)
+            rss, hwm = victim.reset_peak()
             peaks.append(hwm)
-            victim.reset_peak()
             segments.append(honest.window())
             t_go = time.time()
             hostile.send("go")
@@ -298,8 +293,7 @@ def run_attack(
                     longest_task=task,
                 )
             )
-        peaks.append(memory_kib(victim.pid)[1])
-        victim.reset_peak()
+        peaks.append(victim.reset_peak()[1])
         assert hostile.proc.stdin is not None
         hostile.proc.stdin.close()  # it says disconnect, then LEFT, and exits
         said("LEFT", timeout=60)
@@ -318,7 +312,7 @@ def run_attack(
         label=attack,
         hostile=last.hostile if last else {},
         rss_before_kib=base,
-        peak_kib=max([*peaks, peak_end, *(st.peak_kib for st in steps)]),
+        peak_kib=max(*peaks, peak_end),
         claimed_keys=last.claimed_keys if last else None,
         honest=merge_honest(segments),
         longest_step_s=longest,
