@@ -29,7 +29,7 @@ import trio.lowlevel
 from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node, say
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.runtime.quotas import PeerQuotas
-from p2pactor.runtime.samples import chain_keys
+from p2pactor.runtime.samples import block_bytes, preload_keys
 
 TITLE = "fetch B x S from a node in another process, end to end, vs raw NIXL and memcpy"
 """What the section measures."""
@@ -45,16 +45,6 @@ CONFIG: dict[str, Any] = {"hash_seed": HASH_SEED, "quotas": PeerQuotas(pinned_bl
 """Both nodes' :class:`~p2pactor.runtime.config.NodeConfig` fields beyond the pool's.
 
 A peer may pin every block: the bench fetches whole pools at once."""
-
-
-def bench_keys(count: int, block_len: int) -> list[bytes]:
-    """The keys of the ``count`` blocks the producer holds (one prompt's chain)."""
-    return chain_keys(HASH_SEED, [f"bench {block_len} block {i}" for i in range(count)])
-
-
-def block_content(index: int, block_len: int) -> bytes:
-    """The bytes of block ``index`` (cheap to make, different per block)."""
-    return np.random.default_rng(index).bytes(block_len)
 
 
 class RawAgent:
@@ -154,8 +144,8 @@ async def measure(
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
 
     most = max(counts)
-    keys = bench_keys(most, block_len)
-    expected = np.stack([np.frombuffer(block_content(i, block_len), np.uint8) for i in range(most)])
+    keys = preload_keys(HASH_SEED, most)
+    expected = np.stack([np.frombuffer(block_bytes(k, block_len), np.uint8) for k in keys])
     pool = torch.zeros(most * block_len, dtype=torch.uint8)
     blocks_view = pool.numpy().reshape(most, block_len)
     on = None if host is None else Host(**host)
@@ -316,8 +306,8 @@ def run(options: BenchOptions) -> SectionResult:
 async def serve(num_blocks: int, block_len: int, address: str) -> None:
     """The producer process (``python -m ...dataplane producer NUM_BLOCKS BLOCK_LEN ADDRESS``).
 
-    A node bound to ADDRESS holding ``NUM_BLOCKS`` blocks (:func:`bench_keys`,
-    :func:`block_content`) and a bare :class:`RawAgent` over the same pool; it says
+    A node bound to ADDRESS holding ``NUM_BLOCKS`` blocks (their keys ``preload_keys``',
+    their bytes ``block_bytes``') and a bare :class:`RawAgent` over the same pool; it says
     ``READY {"node_id", "blocks"}``, then ``raw_peer`` adds the consumer's bare agent,
     ``raw`` times ``iters`` raw WRITEs (the node's loop blocked meanwhile on purpose).
     """
@@ -328,8 +318,9 @@ async def serve(num_blocks: int, block_len: int, address: str) -> None:
 
     pool = torch.zeros(num_blocks * block_len, dtype=torch.uint8)
     cache = EmbeddedCache(num_blocks, block_len, memory=pool.numpy().data)
-    for i, key in enumerate(bench_keys(num_blocks, block_len)):
-        cache.store(key, block_content(i, block_len))
+    keys = preload_keys(HASH_SEED, num_blocks)
+    for key in keys:
+        cache.store(key, block_bytes(key, block_len))
     raw = RawAgent(pool.data_ptr(), num_blocks, block_len)
     async with (
         open_bench_node(
@@ -337,7 +328,7 @@ async def serve(num_blocks: int, block_len: int, address: str) -> None:
         ) as node,
         open_operator_surface(node),  # as deployed: with its metrics
     ):
-        blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
+        blocks = [cache.block_of(k) for k in keys]
         say("READY " + json.dumps({"node_id": node.node_id, "blocks": blocks}))
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)
