@@ -7,7 +7,7 @@ vLLM's own P2P tier on its own port, real ZeroMQ and NIXL between them, driven b
 arms, on the same turns: ``none`` (no P2P tier); ``oracle`` (each request names the
 engine whose CPU tier holds its longest prefix at admission); ``auto`` (none named; the
 tiers exchange summaries); ``mixed`` (``auto``, every other engine on vLLM's own tier).
-It prints every run's figures as one line, ``RESULT {"runs": [...]}``.
+It prints every run's figures as one line, ``RESULT {fleet: {arm: [figures...]}}``.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from p2pactor.programs.bench.fleet import (
     TOKENS_PER_BLOCK,
     Turn,
     chat_turns,
+    fleet_of,
     plan,
     rag_turns,
     working_set,
@@ -253,8 +254,6 @@ def _figures(engines: Sequence[Engine], seconds: float) -> dict[str, Any]:
     pairs = max(1, len(counts) * (len(counts) - 1))
     probed = sum(c.probed_keys for c in counts)
     return {
-        "engines": len(engines),
-        "requests": len(requests),
         "loaded_tokens": sum(r.req.promoted for r in requests) * TOKENS_PER_BLOCK,
         "saved_tokens": saved * TOKENS_PER_BLOCK,
         "hit_rate": saved / keys if keys else 0.0,
@@ -301,20 +300,17 @@ def run_arm(arm: str, engines_n: int, capacity_share: float, turns: Sequence[Tur
 def main(argv: Sequence[str] | None = None) -> int:
     """``REPEATS [--quick]``: every arm on every fleet of :func:`plan`; print the figures."""
     repeats, *quick = sys.argv[1:] if argv is None else argv
-    conversations, requests, fleets, arms = plan(quick == ["--quick"])
-    runs: list[dict[str, Any]] = []
+    requests, fleets, arms = plan(quick == ["--quick"])
+    runs: dict[str, dict[str, list[Any]]] = {}  # fleet: arm: figures of each repeat
     for repeat in range(int(repeats)):
         # The same turns in every arm of a repeat; another workload per repeat.
         for workload, n, share in fleets:
-            turns = (
-                chat_turns(n, conversations, repeat)
-                if workload == "chat"
-                else rag_turns(n, requests, repeat)
-            )
+            make = chat_turns if workload == "chat" else rag_turns
+            turns = make(n, requests[workload], repeat)
             for arm in arms:
-                figures = run_arm(arm, n, share, turns)
-                runs.append(figures | {"arm": arm, "workload": workload, "capacity_share": share})
-    say(f"RESULT {json.dumps({'runs': runs})}")
+                fleet = runs.setdefault(fleet_of(workload, n, share), {})
+                fleet.setdefault(arm, []).append(run_arm(arm, n, share, turns))
+    say(f"RESULT {json.dumps(runs)}")
     return 0
 
 

@@ -51,21 +51,21 @@ FIGURES: tuple[tuple[str, str, float], ...] = (
 """(row label, key of one run's figures, scale), in table order; a column per arm."""
 
 
-def plan(quick: bool) -> tuple[int, int, list[tuple[str, int, float]], tuple[str, ...]]:
-    """Chat conversations, RAG requests, the fleets (workload, engines, CPU tier share), arms.
+def plan(quick: bool) -> tuple[dict[str, int], list[tuple[str, int, float]], tuple[str, ...]]:
+    """Requests per workload, the fleets (workload, engines, CPU tier share), the arms.
 
-    ``--quick``: one fleet per workload, the arms the ratios need.
+    Chat's requests are conversations; ``--quick``: one fleet per workload, two arms.
     """
     if quick:
-        return 20, 60, [("chat", 4, 0.25), ("rag", 5, 0.25)], ("oracle", "auto")
-    return 160, 480, [("chat", 4, 0.25), ("chat", 8, 0.25), ("rag", 5, 0.25), ("rag", 5, 0.1)], ARMS
+        return {"chat": 20, "rag": 60}, [("chat", 4, 0.25), ("rag", 5, 0.25)], ("oracle", "auto")
+    fleets = [("chat", 4, 0.25), ("chat", 8, 0.25), ("rag", 5, 0.25), ("rag", 5, 0.1)]
+    return {"chat": 160, "rag": 480}, fleets, ARMS
 
 
-def fleet_of(run: Run) -> str:
-    """The fleet a run belongs to, as its rows name it."""
-    if run["workload"] == "rag":
-        return f"rag, {run['engines']} engines, tiers {100 * run['capacity_share']:g}%"
-    return f"chat, {run['engines']} engines"
+def fleet_of(workload: str, engines: int, share: float) -> str:
+    """A fleet's name in the rows."""
+    tiers = f", tiers {100 * share:g}%" if workload == "rag" else ""
+    return f"{workload}, {engines} engines{tiers}"
 
 
 def _verdict(ok: bool) -> str:
@@ -130,18 +130,12 @@ def run(options: BenchOptions) -> SectionResult:
         stderr=os.path.join(options.work_dir, "fleet.err"),
         timeout=300 if options.quick else 1800 * repeats,
     )
-    fleets: dict[str, Runs] = {}
-    for r in found["runs"]:
-        fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
-    rows: list[dict[str, Cell]] = []
-    ratios: dict[str, Stat] = {}
-    notes: list[str] = []
-    for fleet, runs in fleets.items():
-        fleet_rows, fleet_ratios, fleet_notes = _tabulate(fleet, runs)
-        rows += fleet_rows
-        ratios |= fleet_ratios
-        notes += fleet_notes
-    return SectionResult(rows=rows, ratios=ratios, notes=notes)
+    parts = [_tabulate(fleet, runs) for fleet, runs in found.items()]
+    return SectionResult(
+        rows=[row for rows, _, _ in parts for row in rows],
+        ratios={k: v for _, ratios, _ in parts for k, v in ratios.items()},
+        notes=[note for _, _, notes in parts for note in notes],
+    )
 
 
 # --- the workloads (needing vLLM: run by _fleet_run) -------------------------------------
