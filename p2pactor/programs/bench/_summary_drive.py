@@ -107,9 +107,8 @@ class Victim(LineProcess):
     def window(self, start: float, end: float) -> tuple[float | None, str]:
         """Its node thread's longest slow step begun from ``start`` to ``end`` (unix s), its task.
 
-        As its ``/status`` said: None if it has no watch, "" if no step was slow. Waits (at
-        most 10 s) for a read of ``/status`` asked after ``end``: a slow step that ended in
-        the window is listed only by the reads after it.
+        None if it has no watch, "" if no step was slow. Waits (at most 10 s) for a read of
+        ``/status`` asked after ``end``: only those list a slow step that ended in the window.
         """
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and self._asked < end:
@@ -325,9 +324,7 @@ def run_attack(
 def _settled_claims(victim: Victim, peer: str) -> int | None:
     """``peer``'s claims at ``victim`` (None: not listed) once it applied all it read.
 
-    The victim read them all (the step ended with a lookup it answered after them); it
-    applies them a slice at a time, which may outlast the step: ``/status`` says while
-    any wait.
+    It applies them a slice at a time, which may outlast the step: ``/status`` says while.
     """
     deadline = time.monotonic() + SETTLE_CAP_S
     while victim.status().get("sources", {}).get("index_pending") and time.monotonic() < deadline:

@@ -172,8 +172,7 @@ def key_window(n: int, count: int) -> list[bytes]:
 def ready() -> None:
     """Say READY, once set up: the startup heap is frozen first, on both sides alike.
 
-    What is left from importing and setting up never needs collecting, and a full
-    collection that scans it pauses a node for tens of milliseconds, which is every
+    A full collection scanning it would pause a node for tens of milliseconds, every
     lookup's latency then (vLLM's engine freezes its heap the same way once started).
     """
     gc.collect()

@@ -19,14 +19,21 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import trio
 import trio.lowlevel
 
-from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node, say
+from p2pactor.programs.bench._control_common import (
+    LineProcess,
+    child_result,
+    nixl_missing,
+    open_bench_node,
+    say,
+)
 from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.runtime.quotas import PeerQuotas
 from p2pactor.runtime.samples import block_bytes, preload_keys
@@ -109,9 +116,7 @@ def _descs(base: int, num_blocks: int, block_len: int) -> Any:
 async def _progress_until(raw: RawAgent, done: trio.Event) -> None:
     """Drive the raw writes' target's progress, without pause, while they run.
 
-    Over TCP the target's UCX receives the bytes only when progressed: a target
-    progressed every 1 ms paced the raw baseline below the link (ours came out at
-    1.2-1.3x "raw" across namespaced hosts).
+    Over TCP its UCX receives only when progressed: every 1 ms paced "raw" below the link.
     """
     while not done.is_set():
         raw.agent.get_new_notifs()
@@ -242,25 +247,34 @@ def label(count: int, block_len: int) -> str:
 def measure_sizes(
     sizes: Sequence[tuple[int, int]],
     iters: int | None,
-    measure_group: Callable[[int, list[int], int], dict[str, Any]],
     options: BenchOptions,
-    *,
-    across: str = "",
+    hosts: Sequence[Any] = (),
 ) -> SectionResult:
-    """``sizes`` measured: the section's rows, ratios and notes.
+    """``sizes`` measured (:func:`measure`) a block size at a time: the section.
 
-    ``measure_group(block_len, counts, iters)`` measures the counts of one block size
-    against one producer process (:func:`measure`'s figures); ``iters``: operations each
-    (None: by block size, fewer with ``--quick``); ``across``: ``" across hosts"`` (no
-    memcpy there), in the ratios' names and the notes.
+    ``iters``: operations each (None: by block size); ``hosts``: the consumer's
+    :class:`~p2pactor.programs.hosts.Host` and the producer's (else both here, and memcpy).
     """
+    across = " across hosts" if hosts else ""
     groups: dict[int, list[int]] = defaultdict(list)
     for count, block_len in sizes:
         groups[block_len].append(count)
     ops = {b: iters or (15 if not options.quick else 3 if b >= MIB else 8) for b in groups}
     measured: dict[tuple[int, int], dict[str, Any]] = {}
     for block_len, counts in groups.items():
-        found = measure_group(block_len, counts, ops[block_len])
+        spec: dict[str, Any] = {"block_len": block_len, "counts": counts, "iters": ops[block_len]}
+        spec |= {"repeats": options.repeats, "work_dir": options.work_dir}
+        if not hosts:
+            found = trio.run(functools.partial(measure, **spec))
+        else:
+            spec |= {"address": hosts[0].address, "host": attrs.asdict(hosts[1])}
+            found = child_result(
+                __name__,
+                json.dumps(spec),
+                stderr=f"{options.work_dir}/hosts-consumer-{block_len}.stderr",
+                host=hosts[0],
+                timeout=120 if options.quick else 400,
+            )
         measured.update({(c, block_len): found[str(c)] for c in counts})
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
@@ -294,13 +308,7 @@ def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (fewer operations with ``--quick``)."""
     if missing := nixl_missing():
         return SectionResult(skipped=missing)
-
-    def group(block_len: int, counts: list[int], iters: int) -> dict[str, Any]:
-        spec = (block_len, counts, options.repeats, iters, options.work_dir)
-        found: dict[str, Any] = trio.run(measure, *spec)
-        return found
-
-    return measure_sizes(SIZES, None, group, options)
+    return measure_sizes(SIZES, None, options)
 
 
 async def serve(num_blocks: int, block_len: int, address: str) -> None:

@@ -8,12 +8,7 @@ its consumer on ``h1``, its producer on ``h2``. Needs root; else skipped with a 
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-import attrs
-
-from p2pactor.programs.bench._control_common import child_result, nixl_missing
+from p2pactor.programs.bench._control_common import nixl_missing
 from p2pactor.programs.bench.cli import BenchOptions, SectionResult
 from p2pactor.programs.bench.dataplane import KIB, MIB, measure_sizes
 from p2pactor.programs.hosts import hosts_unavailable, open_hosts
@@ -35,26 +30,6 @@ def run(options: BenchOptions) -> SectionResult:
         return SectionResult(skipped=f"{SKIP}: {missing}")
     if missing := nixl_missing():
         return SectionResult(skipped=missing)
-    with open_hosts(2) as (h1, h2):
-
-        def group(block_len: int, counts: list[int], iters: int) -> dict[str, Any]:
-            spec = {
-                "block_len": block_len,
-                "counts": counts,
-                "repeats": options.repeats,
-                "iters": iters,
-                "work_dir": options.work_dir,
-                "address": h1.address,
-                "host": attrs.asdict(h2),
-            }
-            found: dict[str, Any] = child_result(
-                "p2pactor.programs.bench.dataplane",
-                json.dumps(spec),
-                stderr=f"{options.work_dir}/hosts-consumer-{block_len}.stderr",
-                host=h1,
-                timeout=120 if options.quick else 400,
-            )
-            return found
-
+    with open_hosts(2) as hosts:
         sizes, iters = (QUICK_SIZES, 4) if options.quick else (SIZES, 10)
-        return measure_sizes(sizes, iters, group, options, across=" across hosts")
+        return measure_sizes(sizes, iters, options, hosts)
