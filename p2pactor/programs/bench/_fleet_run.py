@@ -60,11 +60,7 @@ class Request:
 
     @property
     def claimed(self) -> bool | None:
-        """Auto requests: whether the tier found a peer claiming the first key it was asked.
-
-        What the tier itself decided (its state on the request): a request whose first
-        key nobody claimed is a MISS at once. None: not an auto request.
-        """
+        """Whether the tier found a peer claiming the first key (else MISS); None: not auto."""
         if not self.auto:
             return None
         from p2pactor.adapters._vllm_auto import Auto  # noqa: PLC0415 - p2pactor's tier only
@@ -99,8 +95,7 @@ class Engine:
     def settled(self) -> bool:
         """Every request done, nothing pinned or loading, no peer's request open.
 
-        vLLM's own tier says it has pending work for as long as it lives: for it,
-        settled is what vLLM's manager tracks.
+        vLLM's own tier has pending work as long as it lives: for it, vLLM's manager says.
         """
         if self.engine.busy:
             return False

@@ -103,8 +103,7 @@ _AS_VLLM = {answer: LookupResult[answer.name] for answer in Answer}
 class CacheParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any to mypy
     """VLLM's ``ParentManager`` over an :class:`~p2pactor.runtime.parent.EmbeddedCache`.
 
-    The cache class our own producer node serves from, so that both sides do the same
-    work per key (a dict lookup, a pin per job).
+    Our producer node serves from the same class: both sides do the same work per key.
     """
 
     def __init__(self, cache: EmbeddedCache) -> None:
@@ -329,8 +328,8 @@ class Engine:
 def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> dict[str, float]:
     """One consumer of ``kind`` against its producer (on ``port``): warm up, measure, tear down.
 
-    The figures: milliseconds of the engine and poll threads in tier calls, the engine
-    steps' p99 in tier calls (us), and ``bad``: failed loads and blocks with wrong bytes.
+    The figures: engine and poll threads' ms in tier calls, the steps' p99 in them (us),
+    ``bad``: failed loads and blocks with wrong bytes.
     """
     specs = workload(args.requests, args.keys)
     try:

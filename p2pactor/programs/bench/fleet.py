@@ -147,10 +147,9 @@ TOKENS_PER_BLOCK = 16
 
 @dataclass(frozen=True)
 class Turn:
-    """One request: a turn of a conversation (a RAG request is its own), on its engine.
+    """One request (``index``, in arrival order): a turn of a conversation, on its engine.
 
-    In arrival order (``index``): its prompt's keys, its reply's (the next turn's
-    history), the engine steps the user takes to write it (none for a first turn).
+    Its prompt's keys, its reply's, the steps the user takes to write it (0 for a first turn).
     """
 
     index: int
@@ -191,12 +190,10 @@ def _tokens(rng: random.Random, blocks: int) -> list[int]:
 def chat_turns(engines: int, conversations: int, seed: int) -> list[Turn]:
     """Every request of a chat run, in arrival order (a conversation's turns in turn order).
 
-    32 system prompts of 16-64 blocks, of Zipf popularity (s = 1), start the
-    conversations; each has 2-5 turns, and every turn's prompt is the system prompt, the
-    whole history (every earlier user message of 2-6 blocks and reply of 2-8) and a new
-    user message, so a follow-up's prefix is the previous turn's prompt and reply. A
-    user takes 10-40 engine steps to write a follow-up (0.1-0.4 s: users take longer,
-    which only leaves the summaries more time).
+    32 system prompts of 16-64 blocks, of Zipf popularity (s = 1), start conversations of
+    2-5 turns; a turn's prompt is the whole history (user messages of 2-6 blocks, replies
+    of 2-8) and a new message. A follow-up comes 10-40 steps after its reply (real users
+    take longer, which only leaves the summaries more time).
     """
     rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
     systems = [_tokens(rng, rng.randint(16, 64)) for _ in range(32)]
@@ -223,10 +220,9 @@ def chat_turns(engines: int, conversations: int, seed: int) -> list[Turn]:
 def rag_turns(engines: int, requests: int, seed: int) -> list[Turn]:
     """Every request of a RAG run, in arrival order (each its own one-turn conversation).
 
-    A shared system prompt of 4 blocks, a retrieved document of 16-64 and a question of
-    1-4; the 64 documents are of Zipf popularity (s = 0.8) and come into use over the
-    run, and a fifth of the requests retrieve a document nobody else ever asks for (a
-    prefix nobody holds). Replies are 2-6 blocks.
+    A shared system prompt of 4 blocks, a document of 16-64 (64 of Zipf popularity, s = 0.8,
+    coming into use over the run; a fifth of the requests one nobody else asks for) and a
+    question of 1-4; replies of 2-6.
     """
     rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
     system = _tokens(rng, 4)
