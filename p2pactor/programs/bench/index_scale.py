@@ -104,12 +104,12 @@ def _one(peers: int, keys: int, deltas: int, seed: int) -> dict[str, float]:
             t0 = time.perf_counter()
             index.choose(wanted, 0.0)
             took.append(time.perf_counter() - t0)
-        return {
-            "bytes": memory / claims,
-            "change_us": spent / changed * 1e6,
-            "choice_us": statistics.median(took) * 1e6,
-            "longest_ms": longest * 1e3,
-            "claims": claims,
+        return {  # the row's columns
+            "bytes per claim": memory / claims,
+            "us per changed fingerprint": spent / changed * 1e6,
+            "us per choice (128 keys)": statistics.median(took) * 1e6,
+            "longest call (ms)": longest * 1e3,
+            "index (MiB)": memory / 2**20,
         }
     finally:
         gc.unfreeze()
@@ -121,26 +121,14 @@ def run(options: BenchOptions) -> SectionResult:
     deltas = QUICK_DELTAS if options.quick else DELTAS_PER_PEER
     repeats = 1 if options.quick else max(1, min(options.repeats, 3))
     rows: list[dict[str, Cell]] = []
-    notes: list[str] = []
     for peers in FLEETS:
         results = [_one(peers, keys, deltas, seed) for seed in range(repeats)]
-        stat = {k: Stat.of(r[k] for r in results) for k in results[0]}
-        rows.append(
-            {
-                "peers": peers,
-                "keys each": keys,
-                "bytes per claim": stat["bytes"],
-                "us per changed fingerprint": stat["change_us"],
-                "us per choice (128 keys)": stat["choice_us"],
-                "longest call (ms)": stat["longest_ms"],
-                "index (MiB)": Stat.of(r["bytes"] * r["claims"] / 2**20 for r in results),
-            }
-        )
-        last = stat
-    notes.append(
+        last = {k: Stat.of(r[k] for r in results) for k in results[0]}
+        rows.append({"peers": peers, "keys each": keys, **last})
+    note = (
         f"targets at {FLEETS[-1]} peers: <= {TARGET_BYTES} bytes a claim "
-        f"(here {last['bytes'].median:.0f}), <= {TARGET_CHANGE_US} us a changed fingerprint "
-        f"(here {last['change_us'].median:.2f}), <= {TARGET_CHOICE_US:g} us a choice "
-        f"(here {last['choice_us'].median:.1f})"
+        f"(here {last['bytes per claim'].median:.0f}), <= {TARGET_CHANGE_US} us a changed "
+        f"fingerprint (here {last['us per changed fingerprint'].median:.2f}), <= "
+        f"{TARGET_CHOICE_US:g} us a choice (here {last['us per choice (128 keys)'].median:.1f})"
     )
-    return SectionResult(rows=rows, notes=notes)
+    return SectionResult(rows=rows, notes=[note])
