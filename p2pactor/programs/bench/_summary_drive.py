@@ -1,7 +1,7 @@
 """The bench's one hostile-peer driver: the victim, the honest peer, an attack run and measured.
 
 The victim is ``p2pactor serve`` as a process (:class:`Victim`: summaries on, preloaded
-so that the honest peer, :mod:`p2pactor.programs.bench._honest`, has something to look
+so that the honest peer, :mod:`p2pactor.programs.bench.summary_attack`'s, has something to look
 up); its memory is read from ``/proc/PID/status`` (``VmRSS``; ``VmHWM``, the peak,
 started afresh before each step), its ``/status`` on a thread for the node thread's
 longest step (the slow-step watch's ``loop.recent_slow``). :func:`run_attack` starts
@@ -159,11 +159,11 @@ class Victim(LineProcess):
 
 
 class HonestPeer(LineProcess):
-    """The honest node's process (:mod:`p2pactor.programs.bench._honest`)."""
+    """The honest node's process (:mod:`p2pactor.programs.bench.summary_attack`'s)."""
 
     def __init__(self, victim: Victim, stderr: Path) -> None:
         spec = json.dumps({"port": free_port(), **victim.settings.peer_spec})
-        super().__init__("p2pactor.programs.bench._honest", spec, stderr=str(stderr))
+        super().__init__("p2pactor.programs.bench.summary_attack", spec, stderr=str(stderr))
         self.wait_ready()  # its lookups have begun
 
     def window(self) -> dict[str, Any]:
