@@ -137,20 +137,18 @@ class ChildError(RuntimeError):
 class LineProcess:
     """A helper process (``python -m module args``) spoken to by lines, the bench's one protocol.
 
-    It says ``READY`` (maybe with more words) when it is set up. A command is one JSON
-    line on its stdin, answered by one JSON line (other lines, a library's logging say,
-    are skipped); a line ``WORD rest`` can be waited for (:meth:`expect`; ``ERROR ...``
-    raises); closing its stdin stops it, and it may print one last JSON line then. A
-    thread queues its stdout so that every read can time out; its stderr goes to a file
-    (whose tail the errors quote) or is dropped.
+    It says ``READY`` once set up; a command is a JSON line on its stdin, answered by a JSON
+    line (other lines skipped); ``WORD rest`` lines can be waited for (``ERROR ...`` raises);
+    closing its stdin stops it (a last JSON line may follow). A thread queues its stdout, so
+    every read can time out; its stderr goes to a file (the errors quote its tail) or nowhere.
     """
 
     def __init__(
         self, module: str, *args: str, stderr: str | None = None, host: Any = None, **env: str
     ) -> None:
-        """Start it; ``stderr``: a file for its stderr (else dropped); ``env``: extra variables.
+        """Start it (on ``host``, a :class:`~p2pactor.programs.hosts.Host`, else here).
 
-        ``host``: a :class:`~p2pactor.programs.hosts.Host` to run it on (else here).
+        ``stderr``: a file for its stderr (else dropped); ``env``: extra variables.
         """
         self.module = module
         self.stderr = stderr

@@ -54,7 +54,6 @@ OPTIONS: dict[str, object] = {
     "sizes": [1 << 20, 4 << 20],  # refused-frame: frame sizes in bytes
     "modes": ["session", "fresh"],  # refused-frame
     "drain_s": 1.5,  # resync-flood: the wait after
-    "preload": 0,  # lookup-flood: serve's --preload
 }
 """The attacks' options, and their defaults."""
 

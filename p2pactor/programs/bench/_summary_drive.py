@@ -1,14 +1,10 @@
 """The bench's one hostile-peer driver: the victim, the honest peer, an attack run and measured.
 
-The victim is ``p2pactor serve`` as a process (:class:`Victim`: summaries on, preloaded
-so that the honest peer, :mod:`p2pactor.programs.bench.summary_attack`'s, has something to look
-up); its memory is read from ``/proc/PID/status`` (``VmRSS``; ``VmHWM``, the peak,
-started afresh before each step), its ``/status`` on a thread for the node thread's
-longest step (the slow-step watch's ``loop.recent_slow``). :func:`run_attack` starts
-the hostile peer (:mod:`p2pactor.programs.bench._hostile`) and measures
-each of its steps and the whole attack, up to what the victim kept once it ended the
-session. The ``summary-attack`` section and ``tests/test_summary_attack.py`` both drive
-their attacks through it.
+The victim is ``p2pactor serve`` as a process (:class:`Victim`), its memory read from
+``/proc/PID/status``, its ``/status`` on a thread for the node thread's longest step.
+:func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._hostile`) and
+measures each of its steps and the whole attack, for the ``summary-attack`` section and
+``tests/test_summary_attack.py`` alike.
 """
 
 from __future__ import annotations

@@ -87,13 +87,11 @@ class RequestSpec:
 
 def workload(requests: int, keys_per_request: int) -> list[RequestSpec]:
     """The deterministic workload: each request's HIT prefix is uniform in [K/2, K] (75% hit)."""
-    rng = random.Random(0)  # noqa: S311 - a reproducible workload, not a secret
-    out = []
-    for i in range(requests):
-        hits = rng.randint(keys_per_request // 2, keys_per_request)
-        keys = tuple(offload_key(f"p2pactor-bench/{i}/{j}") for j in range(keys_per_request))
-        out.append(RequestSpec(i, keys, hits))
-    return out
+    rng, k = random.Random(0), keys_per_request  # noqa: S311 - reproducible, not a secret
+    keys = [
+        tuple(offload_key(f"p2pactor-bench/{i}/{j}") for j in range(k)) for i in range(requests)
+    ]
+    return [RequestSpec(i, keys[i], rng.randint(k // 2, k)) for i in range(requests)]
 
 
 _AS_VLLM = {answer: LookupResult[answer.name] for answer in Answer}

@@ -137,21 +137,6 @@ OWN = {
     "resync-flood": ("resync", 2 * SNAPSHOT_PARTS, "{:.1f} parts/s > {:g}"),
 }
 """An attack's own target, read in its ``value`` column: (key, limit, how a miss reads)."""
-FIGURES = {
-    "": "honest lookups",
-    "refused-frame": "RSS peak / frame size",
-    "register-1m": "claims the victim kept",
-    "snapshot-flood": "s until the victim read them",
-    "deltas-mid-snapshot": "resyncs the hostile peer got",
-    "epoch-flip": "resyncs the hostile peer got",
-    "resync-flood": "snapshot parts/s it got",
-    # Cut off as a flood (its frames waited past inbound_bytes), or all answered.
-    "max-lookups": "cut off (1) or all answered (0)",
-    "max-frames": "MB/s the victim read",
-    # Ours answers MISS over the pinned-blocks and open-requests quotas.
-    "lookup-flood": f"keys HIT a hostile lookup (of {FLOOD_KEYS})",
-}
-"""What the ``value`` column is, by attack (``""``: the baseline)."""
 
 
 def run(options: BenchOptions) -> SectionResult:
@@ -162,24 +147,24 @@ def run(options: BenchOptions) -> SectionResult:
     attacks = QUICK if options.quick else FULL
     repeats = 1 if options.quick else max(1, min(options.repeats, MAX_REPEATS))
     baseline_s = QUICK_BASELINE_S if options.quick else BASELINE_S
-    rows: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # name: attack, a dict a repeat
+    rows: dict[str, tuple[str, str, list[dict[str, Any]]]] = {}  # name: attack, figure, repeats
     for _ in range(repeats):
         baseline, results = _repeat(Path(options.work_dir), attacks, baseline_s)
         p99 = baseline["lookup_p99_s"]
-        base = rows.setdefault("none: the honest peer alone (baseline)", ("", []))
-        base[1].append(_figures(baseline, None, None, float(baseline["lookups"])))
+        base = rows.setdefault("none: the honest peer alone (baseline)", ("", "honest lookups", []))
+        base[2].append(_figures(baseline, None, None, float(baseline["lookups"])))
         for label, attack, _ in attacks:
             for step in results[label].steps if attack == "refused-frame" else [results[label]]:
-                name, value = _value(attack, step, label)
-                rows.setdefault(name, (attack, []))[1].append(
+                name, figure, value = _value(attack, step, label)
+                rows.setdefault(name, (attack, figure, []))[2].append(
                     _figures(step.honest, p99, step, value)
                 )
     table: list[dict[str, Cell]] = []
     misses: dict[str, list[str]] = {key: [] for key in TARGETS}
-    for name, (attack, got) in rows.items():
+    for name, (attack, figure, got) in rows.items():
         row: dict[str, Cell] = {"attack": name}
         row |= {k: _stat([g[k] for g in got]) for k in got[0] if k != "task"}
-        row |= {"honest failed": sum(g["honest failed"] for g in got), "figure": FIGURES[attack]}
+        row |= {"honest failed": sum(g["honest failed"] for g in got), "figure": figure}
         row["value"] = row.pop("value")  # the last column, after its figure's name
         table.append(row)
         own = [(OWN[attack][0], ("value", *OWN[attack][1:]))] if attack in OWN else []
@@ -221,27 +206,33 @@ def _figures(
     }
 
 
-def _value(attack: str, step: StepResult, label: str) -> tuple[str, float | None]:
-    """The row an attack (a refused frame: a step of it) is, and its own figure (``value``)."""
+def _value(attack: str, step: StepResult, label: str) -> tuple[str, str, float | None]:
+    """The row an attack (a refused frame: a step of it) is, its own figure's name, its value."""
     done = step.hostile
     if attack == "refused-frame":
         size = int(done["bytes"])
         where = "in a session" if done["mode"] == "session" else "first on a new connection"
-        return f"refused frame {where}, {size / MIB:g} MiB", step.peak_growth_mib * MIB / size
+        row = f"refused frame {where}, {size / MIB:g} MiB"
+        return row, "RSS peak / frame size", step.peak_growth_mib * MIB / size
     seconds = float(done.get("end", 0)) - float(done.get("start", 0))
     per_s = 1 / seconds if seconds else 0.0
-    values = {
-        "register-1m": step.claimed_keys,
-        "snapshot-flood": seconds,
-        "deltas-mid-snapshot": done.get("resyncs"),
-        "epoch-flip": done.get("resyncs"),
-        "resync-flood": float(done.get("parts", 0)) * per_s or None,
-        "max-lookups": float(bool(done.get("cut"))),
-        "max-frames": float(done.get("bytes", 0)) * per_s / 1e6,
-        "lookup-flood": float(done.get("keys_hit", 0)) / max(1, int(done.get("lookups", 1))),
-    }
-    value = values.get(attack)
-    return label, None if value is None else float(value)
+    parts, hit = float(done.get("parts", 0)) * per_s, float(done.get("keys_hit", 0))
+    figure, value = {
+        "register-1m": ("claims the victim kept", step.claimed_keys),
+        "snapshot-flood": ("s until the victim read them", seconds),
+        "deltas-mid-snapshot": ("resyncs the hostile peer got", done.get("resyncs")),
+        "epoch-flip": ("resyncs the hostile peer got", done.get("resyncs")),
+        "resync-flood": ("snapshot parts/s it got", parts or None),
+        # Cut off as a flood (its frames waited past inbound_bytes), or all answered.
+        "max-lookups": ("cut off (1) or all answered (0)", float(bool(done.get("cut")))),
+        "max-frames": ("MB/s the victim read", float(done.get("bytes", 0)) * per_s / 1e6),
+        # Ours answers MISS over the pinned-blocks and open-requests quotas.
+        "lookup-flood": (
+            f"keys HIT a hostile lookup (of {FLOOD_KEYS})",
+            hit / max(1, int(done.get("lookups", 1))),
+        ),
+    }.get(attack, ("", None))
+    return label, figure, None if value is None else float(value)
 
 
 KEYS, RATE_HZ = 4, 50.0
