@@ -73,8 +73,7 @@ async def open_bench_node(
 ) -> AsyncIterator[Any]:
     """A p2pactor node on ``host:port`` (0: any) over real ZeroMQ, and NIXL over ``pool``.
 
-    ``config``: more :class:`~p2pactor.runtime.config.NodeConfig` fields (its blocks
-    are the pool's); ``name``: the NIXL agent's.
+    ``config``: more :class:`~p2pactor.runtime.config.NodeConfig` fields; ``name``: NIXL's.
     """
     from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415 - loads NIXL
     from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
@@ -282,9 +281,8 @@ def child_result(module: str, *args: str, timeout: float, **options: Any) -> Any
 def take_turns(rep: int, sides: Mapping[str, Sequence[LineProcess]]) -> Iterator[str]:
     """Each side's name in turn (reversed every other ``rep``), its processes alone running.
 
-    The other sides' processes are stopped (SIGSTOP) meanwhile: vLLM's NIXL agent runs
-    a progress thread that spins, and on two cores two idle vLLM processes took half the
-    CPU from our side's run. A turn lasts seconds, well inside the 10 s heartbeat timeout.
+    The others are stopped (SIGSTOP): two idle vLLM processes' spinning NIXL threads took
+    half of two cores. A turn lasts seconds, well inside the 10 s heartbeat timeout.
     """
     for side in list(sides) if rep % 2 == 0 else list(sides)[::-1]:
         for other, procs in sides.items():

@@ -1,13 +1,12 @@
 """The fleet benchmark's process (``python -m p2pactor.programs.bench._fleet_run``).
 
-Chat, then RAG fleets, in one process (one import of vLLM). Per engine, vLLM 0.33's own
+Chat, then RAG fleets, in one process (one import of vLLM): per engine vLLM 0.33's own
 offloading stack (:func:`~p2pactor.programs.vllmstack.build_stack`) with p2pactor's or
-vLLM's own P2P tier on its own port, real ZeroMQ and NIXL between them, driven by a
-:class:`~p2pactor.programs.vllmstack.StackEngine`, the engines stepped in lockstep. The
-arms, on the same turns: ``none`` (no P2P tier); ``oracle`` (each request names the
-engine whose CPU tier holds its longest prefix at admission); ``auto`` (none named; the
-tiers exchange summaries); ``mixed`` (``auto``, every other engine on vLLM's own tier).
-It prints every run's figures as one line, ``RESULT {fleet: {arm: [figures...]}}``.
+vLLM's P2P tier, driven by a :class:`~p2pactor.programs.vllmstack.StackEngine`, the
+engines stepped in lockstep. The arms, on the same turns: ``none`` (no P2P tier),
+``oracle`` (each request names the engine whose CPU tier holds its longest prefix),
+``auto`` (the tiers find it by summaries), ``mixed`` (``auto``, every other engine on
+vLLM's own tier). It says ``RESULT {fleet: {arm: [figures of each repeat]}}``.
 """
 
 from __future__ import annotations

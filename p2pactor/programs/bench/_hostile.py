@@ -1,14 +1,12 @@
 """The hostile peer of ``p2pactor bench``'s ``summary-attack``: raw sockets, run as a process.
 
 ``python -m p2pactor.programs.bench._hostile JSON`` (``victim``, ``hash_seed``,
-``block_len``, ``attack`` and any of :data:`OPTIONS`): a :class:`RawPeer` (a session laid
-out as vLLM 0.33.0 lays it out) with a real NIXL agent over lazily mapped memory, offering
-``kvsum/1`` (but for the lookup flood), running one of :data:`ATTACKS` at idle CPU priority
-(but the flood, the victim's load), as a peer on another host would. Its lines (see
-:class:`~p2pactor.programs.bench._control_common.LineProcess`): ``LOADED``; after a stdin
-line, ``READY peer`` (the handshake and the victim's snapshot done); per step ``STEP
-label``, after a stdin line ``DONE {...}`` (its unix-time window, figures); ``RESULT``;
-once stdin closes ``LEFT`` (exit 0), or ``ERROR ...`` (exit 1).
+``block_len``, ``attack`` and any of :data:`OPTIONS`): a :class:`RawPeer` with a real NIXL
+agent over lazily mapped memory, offering ``kvsum/1`` (but for the lookup flood), running
+one of :data:`ATTACKS` at idle CPU priority (but the flood). Its lines: ``LOADED``; after a
+stdin line ``READY peer`` (the handshake done); per step ``STEP label``, after a stdin line
+``DONE {...}`` (its unix-time window, figures); ``RESULT``; ``LEFT`` once stdin closes
+(exit 0), or ``ERROR ...`` (exit 1).
 """
 
 from __future__ import annotations
@@ -144,8 +142,7 @@ def _register_1m(a: Attack) -> dict[str, object]:
 def _snapshots(a: Attack) -> dict[str, object]:
     """``count`` snapshot parts of 65,536 fingerprints (the largest summary frame).
 
-    ``snapshot-flood``: each a whole snapshot; ``max-frames``: each part 0 of 2, sent as
-    fast as the victim takes them (a send queue of 1,000).
+    ``snapshot-flood``: whole snapshots; ``max-frames``: parts 0 of 2, as fast as taken.
     """
     peer, epoch, parts = a.session, _epoch(), 2 if a.args.attack == "max-frames" else 1
     for i in range(a.args.count):
@@ -169,8 +166,7 @@ def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
 def _refused_frames(a: Attack) -> None:
     """A ``kvsum_delta`` the decoder must refuse (:func:`refused_frame`), a step each.
 
-    Per ``sizes`` (bytes) and ``modes`` (``session``: after a handshake; ``fresh``:
-    a new connection's first frame).
+    Per ``sizes`` and ``modes`` (``session``: after a handshake; ``fresh``: a first frame).
     """
     for size in a.args.sizes:
         frame = refused_frame(size)
@@ -270,24 +266,18 @@ def _lookup_flood(a: Attack) -> dict[str, object]:
     return flood(a.session, a.args.count, lookup)
 
 
-def _stepped(body: Callable[[Attack], dict[str, object]]) -> Callable[[Attack], None]:
-    return lambda a: a.step(a.args.attack, lambda: body(a))
-
-
-ATTACKS: dict[str, Callable[[Attack], None]] = {"refused-frame": _refused_frames} | {
-    name: _stepped(body)
-    for name, body in {
-        "lookup-flood": _lookup_flood,
-        "register-1m": _register_1m,
-        "snapshot-flood": _snapshots,
-        "deltas-mid-snapshot": _deltas_mid_snapshot,
-        "resync-flood": _resync_flood,
-        "epoch-flip": _epoch_flip,
-        "max-frames": _snapshots,
-        "max-lookups": _max_lookups,
-    }.items()
+ATTACKS: dict[str, Callable[[Attack], Any]] = {
+    "refused-frame": _refused_frames,
+    "lookup-flood": _lookup_flood,
+    "register-1m": _register_1m,
+    "snapshot-flood": _snapshots,
+    "deltas-mid-snapshot": _deltas_mid_snapshot,
+    "resync-flood": _resync_flood,
+    "epoch-flip": _epoch_flip,
+    "max-frames": _snapshots,
+    "max-lookups": _max_lookups,
 }
-"""Each attack by its ``attack`` name."""
+"""Each attack by its ``attack`` name: one step (``refused-frame``: its own steps)."""
 
 
 def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int:
@@ -299,7 +289,11 @@ def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int
         if args.attack != "refused-frame":
             a.peer = a.open_session()
         say(f"READY {a.peer.peer_id if a.peer else '-'}")
-        ATTACKS[args.attack](a)
+        body = ATTACKS[args.attack]
+        if args.attack == "refused-frame":
+            body(a)
+        else:
+            a.step(args.attack, lambda: body(a))
         say("RESULT")
         while sys.stdin.readline():  # hold the session until stdin closes
             pass

@@ -1,25 +1,15 @@
 """The vLLM side of the vLLM comparisons (``engine``, ``control``): tiers, producers, an engine.
 
-:func:`make_tier` makes one tier over a pool (``ours``: p2pactor's
-``P2PActorTierManager``; ``vllm``: vLLM 0.33's ``P2PSecondaryTierManager``) from a
-real ``TieringOffloadingSpec`` (:func:`~p2pactor.programs.vllmstack.spec_of`);
-:func:`serve` is a producer: its tier serves peers from an
-:class:`~p2pactor.runtime.parent.EmbeddedCache` through :class:`CacheParent` until
-its stdin closes. Run as ``python -m p2pactor.programs.bench._vllm_tier JSON``
-(:func:`main`) it is the ``engine`` section's producer: every HIT key of the
-workload in a stamped block (nothing evicts, so both tiers' serving is measured alone),
-woken every ``poll_ms`` as vLLM's tier-poll thread is for an idle engine.
+:func:`make_tier` makes p2pactor's or vLLM 0.33's P2P tier over a pool from a real
+``TieringOffloadingSpec``; :func:`serve` is a producer, its tier serving peers from an
+:class:`~p2pactor.runtime.parent.EmbeddedCache` until its stdin closes. Run as ``python -m
+p2pactor.programs.bench._vllm_tier JSON`` (:func:`main`) it is the ``engine`` section's
+producer. The consumer is the scripted :class:`Engine`, making the calls vLLM's
+offloading connector and ``TieringOffloadingManager`` make of a secondary tier (numbered
+in :meth:`Engine.run`), each timed by a :class:`Meter`.
 
-The ``engine`` section's consumer is the scripted :class:`Engine`: it makes the calls
-vLLM's offloading connector and ``TieringOffloadingManager`` make of a secondary tier, one
-step at a time (numbered in :meth:`Engine.run`: a ``lookup()`` of each waiting request's
-keys past HIT and RETRY up to the first MISS, its HIT prefix one promotion once no RETRY
-is left), a tier-poll thread calling it every ``poll_ms`` meanwhile; each call is timed
-by a :class:`Meter` (:func:`measure`).
-
-Importing it sets ``NIXL_LOG_LEVEL=WARN``, ``PYTHONHASHSEED=0`` and
-``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and seeds
-vLLM's ``NONE_HASH`` as an engine does at start-up: import it only where vLLM is.
+Importing it sets the environment vLLM sets (unless set) and seeds vLLM's ``NONE_HASH``
+as an engine does at start-up: import it only where vLLM is.
 """
 
 from __future__ import annotations

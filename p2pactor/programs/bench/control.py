@@ -2,18 +2,13 @@
 
 Per side a producer and a consumer, each its own process (``python -m
 p2pactor.programs.bench.control '{"side": "ours"|"vllm", "role": "producer"|"consumer",
-"port": N, "peer_port": M}'``, real ZeroMQ and a NIXL agent each on 127.0.0.1), speaking
+"port": N, "peer_port": M}'``, real ZeroMQ and NIXL) speaking
 :class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol. The producer
 serves :data:`NUM_KEYS` blocks of an :class:`~p2pactor.runtime.parent.EmbeddedCache`
-until its stdin closes, then says its counters (all 0): ours a node with the cache as
-its parent, vLLM's a ``P2PSecondaryTierManager`` over it
-(:func:`~p2pactor.programs.bench._vllm_tier.serve`), woken when its ROUTER is readable.
-The consumer answers ``{"keys": K, "conc": C, "seconds": T}`` with :meth:`Tally.result`
-of C concurrent lookup loops of K held keys for T seconds: ours ``Node.lookup`` then
-``Node.finish`` in C trio tasks; vLLM's tier driven as vLLM's scheduler drives it, one
-loop over the C requests in flight. All four start together and stay up; every repeat
-runs every cell on both sides in turn, the other side stopped; ours/vLLM per cell and
-over the cells (their geometric mean, per repeat).
+until its stdin closes, then says its counters (all 0). The consumer answers ``{"keys":
+K, "conc": C, "seconds": T}`` with :meth:`Tally.result` of C concurrent lookup loops of
+K held keys for T seconds. All four start together; every repeat runs every cell on both
+sides in turn, the other side stopped.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """``p2pactor bench`` section ``dataplane``: a fetch end to end against the physical limit.
 
-Per batch of B blocks of S bytes, a consumer node here and a producer node in another
-process (:func:`serve`), back to back per repeat: **ours** (``Node.lookup`` then
-``Node.fetch``, bytes checked), **raw NIXL** (the same WRITE between the same blocks of
-the same processes from bare agents, no trio: the machine's limit) and **memcpy**. GB/s
-per operation, the median of a few per repeat; ratios per repeat. :func:`measure` is the
-``hosts`` section's too (``python -m p2pactor.programs.bench.dataplane SPEC`` says its
-figures as one ``RESULT {json}`` line).
+Per batch of B blocks of S bytes, a consumer node here and a producer in another process
+(:func:`serve`), per repeat: **ours** (``Node.lookup`` then ``Node.fetch``, bytes checked),
+**raw NIXL** (the same WRITE from bare agents in the same processes: the machine's limit)
+and **memcpy**. :func:`measure` is the ``hosts`` section's too (``python -m
+p2pactor.programs.bench.dataplane SPEC`` says its figures as ``RESULT {json}``).
 """
 
 from __future__ import annotations

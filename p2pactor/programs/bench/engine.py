@@ -1,10 +1,9 @@
 """Engine-thread cost of the vLLM adapter, against vLLM 0.33.0's own P2P tier.
 
-vLLM calls a secondary tier synchronously from its scheduler thread, under the
-offloading manager's lock: whatever the tier does there delays the step. The scripted
-engine of :mod:`~p2pactor.programs.bench._vllm_tier` drives either tier against a
-producer of its own class in another process; the consumers run in one subprocess
-(``python -m p2pactor.programs.bench.engine``), both tiers in turn each repeat.
+vLLM calls a secondary tier from its scheduler thread, under the offloading manager's lock:
+what the tier does there delays the step. :mod:`~p2pactor.programs.bench._vllm_tier`'s
+scripted engine drives either tier, both in turn each repeat, in one consumer process
+(``python -m p2pactor.programs.bench.engine``) against producers of their own class.
 """
 
 from __future__ import annotations

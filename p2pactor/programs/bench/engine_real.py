@@ -1,10 +1,8 @@
 """Real vLLM engines: what B's prefill of prefixes A computed costs, through each P2P tier.
 
-Two real vLLM 0.33.0 engines, each its own process (:mod:`p2pactor.programs.vllmreal`,
-CPU platform, a small Llama made locally, long prefixes: the prefill shows). A computes
-every prompt set; a fresh B runs each set once naming A as the source: its time to first
-token and generate time, through p2pactor's tier on both, vLLM's own ``p2p`` tier on
-both, and no P2P. B's tokens must be A's (the same model, greedy).
+Two real vLLM 0.33.0 engines (:mod:`p2pactor.programs.vllmreal`, CPU platform, a small
+Llama made locally): A computes every prompt set, a fresh B runs each naming A, through
+p2pactor's tier, vLLM's own ``p2p`` tier or none; B's tokens must be A's (greedy).
 """
 
 from __future__ import annotations

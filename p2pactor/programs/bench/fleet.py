@@ -1,11 +1,9 @@
 """Finding the source without a router: fleets of engines on vLLM's own stack, by arm.
 
-The fleets and arms run in one process (:mod:`~p2pactor.programs.bench._fleet_run`);
-this module tabulates them (per fleet, the median over repeats with [min..max]) and makes
-their workloads, every request on an engine drawn at random (no router): chat
-(:func:`chat_turns`) and RAG (:func:`rag_turns`), synthetic token ids in whole 16-token
-blocks keyed as vLLM keys them (``hash_block_tokens`` with sha256 chained from
-``NONE_HASH``, seeded by the caller as an engine seeds it, then ``make_offload_key``).
+The fleets run in one process (:mod:`~p2pactor.programs.bench._fleet_run`); this module
+tabulates them and makes their workloads, each request on an engine drawn at random:
+chat (:func:`chat_turns`) and RAG (:func:`rag_turns`), keyed as vLLM keys tokens
+(``hash_block_tokens``, sha256 chained from ``NONE_HASH``, then ``make_offload_key``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Index scale: what the source index costs a node as the fleet grows (16, 64, 128 peers).
 
-In-process, no sockets: one :class:`~p2pactor.core.sources.SourceIndex` fed as a node's
-directory feeds it (packed fingerprints, then the index's work a slice at a time): each
-peer's whole snapshot in parts, then deltas of 1,000 changes; each peer holds ``KEYS``
-keys, a fifth from a pool every peer shares. Per fleet size: bytes per claim
-(``tracemalloc``), time per changed fingerprint, time per choice (``choose`` over 128 keys:
-one peer's claimed run of 96, then 32 nobody claims), the longest single call while the
-snapshots arrive (the garbage collector included, the workload's own lists frozen).
+In-process: one :class:`~p2pactor.core.sources.SourceIndex` fed as a node's directory feeds
+it, each peer's snapshot in parts, then deltas of 1,000 changes (``KEYS`` keys a peer, a
+fifth shared): bytes per claim (``tracemalloc``), time per changed fingerprint and per
+choice over 128 keys, the longest single call (the garbage collector included).
 """
 
 from __future__ import annotations

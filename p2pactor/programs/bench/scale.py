@@ -1,12 +1,9 @@
 """Actor scale: 10,000 concurrent requests on one node; replay speed.
 
-Each measurement runs in a fresh interpreter, so that its peak RSS is its own: ``python -m
-p2pactor.programs.bench.scale WHAT ARGS...`` prints one ``RESULT {...}`` line
-(:data:`MEASURES`): ``requests N DIR``, N requests at once (quick: 1,000) from node ``a``
-to node ``b`` in this process over :mod:`p2pactor.testing`'s in-memory transports (the
-actors are measured, not the network), each logging to disk; ``write M OUT A B``, a log
-of M events, the logs ``A`` and ``B`` repeated under fresh request ids; ``replay MODE
-LOG``, reading or replaying it (replay streams: memory must not grow with the log).
+Each measurement runs in a fresh interpreter (its peak RSS its own): ``python -m
+p2pactor.programs.bench.scale WHAT ARGS...`` says one ``RESULT {...}`` line
+(:data:`MEASURES`: N requests at once between two nodes over :mod:`p2pactor.testing`'s
+in-memory transports, logging to disk; writing a long log from theirs; replaying it).
 """
 
 from __future__ import annotations

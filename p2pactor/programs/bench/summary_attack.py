@@ -8,14 +8,11 @@ session (:func:`~p2pactor.programs.bench._summary_drive.run_attack`). One row pe
 note per target of issue 30 names the rows that missed it; the targets are never asserted
 (``tests/test_summary_attack.py`` asserts the outcomes, the liar's quarantine too).
 
-The honest peer is ``python -m p2pactor.programs.bench.summary_attack JSON`` (``port``, and
-the victim's :attr:`~p2pactor.programs.bench._summary_drive.VictimSettings.peer_spec`): a
-node on real ZeroMQ and NIXL whose loop, :data:`RATE_HZ` times a second (one that ran late
-makes no burst), looks up :data:`KEYS` consecutive keys the victim preloaded (timed: the
-figure reported), fetches their blocks, compares every byte and finishes. It says
-``READY``; each stdin line ends a window: one JSON line of what was measured (every
-lookup's latency in seconds, failures counted, the first few described). It exits, the
-request under way cancelled, when its stdin closes.
+The honest peer is ``python -m p2pactor.programs.bench.summary_attack JSON`` (``port`` and
+:attr:`~p2pactor.programs.bench._summary_drive.VictimSettings.peer_spec`): a node looking up
+:data:`KEYS` preloaded keys :data:`RATE_HZ` times a second (the lookup timed), fetching and
+checking them. After ``READY``, each stdin line ends a window: one JSON line of every
+lookup's latency (s) and the failures; it exits when its stdin closes.
 """
 
 from __future__ import annotations
