@@ -267,10 +267,7 @@ class LineProcess:
 
 
 def child_result(module: str, *args: str, timeout: float, **options: Any) -> Any:
-    """The JSON of the ``RESULT {json}`` line a fresh ``python -m module args`` says.
-
-    ``options``: :class:`LineProcess`'s (``stderr``, ``host``, variables); it is killed after.
-    """
+    """The JSON of the ``RESULT {json}`` line a fresh :class:`LineProcess` says; killed after."""
     child = LineProcess(module, *args, **options)
     try:
         return child.expect("RESULT", timeout=timeout)[1]

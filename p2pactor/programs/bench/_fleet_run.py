@@ -94,7 +94,7 @@ class Engine:
     def settled(self) -> bool:
         """Every request done, nothing pinned or loading, no peer's request open.
 
-        vLLM's own tier has pending work as long as it lives: for it, vLLM's manager says.
+        vLLM's own tier has pending work as long as it lives: its manager says instead.
         """
         if self.engine.busy:
             return False

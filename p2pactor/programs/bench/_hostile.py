@@ -72,8 +72,7 @@ def _snapshot(fps: bytes, epoch: bytes, seq: int = 0, part: int = 0, parts: int 
 def refused_frame(size: int) -> bytes:
     """A ``kvsum_delta`` of about ``size`` bytes whose ``add`` is an array of empty maps.
 
-    Written byte by byte (millions of dicts would cost us gigabytes): a map of ``type``,
-    ``epoch``, ``seq``, ``add`` (array32 of ``0x80``, the empty map) and ``remove``.
+    Written byte by byte: millions of dicts would cost us gigabytes.
     """
     head = b"\x85\xa4type\xabkvsum_delta\xa5epoch\xc4\x01e\xa3seq\x01\xa3add"
     tail = b"\xa6remove\xc4\x00"
@@ -126,10 +125,7 @@ def _wait_go() -> None:
 
 
 def _register_1m(a: Attack) -> dict[str, object]:
-    """Register ``blocks`` (1,000,000) blocks; a valid snapshot claiming ``claims``.
-
-    In parts of 65,536 fingerprints paced 10 ms apart (``claims`` 0: every block).
-    """
+    """Register ``blocks`` blocks; a valid snapshot claiming ``claims`` (0: all), paced parts."""
     peer, claims, epoch = a.session, a.args.claims or a.agent[2], _epoch()
     parts = -(-claims // MAX_FPS)
     for part in range(parts):
@@ -226,10 +222,7 @@ def _max_lookups(a: Attack) -> dict[str, object]:
 def flood(
     peer: RawPeer, count: int, lookup: Callable[[int], wire.Lookup], window: int = 256
 ) -> dict[str, object]:
-    """Send ``lookup(i)`` for i below ``count``, at most ``window`` unanswered; the figures.
-
-    Never fetched or closed (``tests/flood_peer.py`` floods through it too).
-    """
+    """Send ``lookup(i)`` for i below ``count``, ``window`` unanswered at most; the figures."""
     sent = answered = hits = 0
     start, last = time.perf_counter(), time.monotonic()
     while answered < count:

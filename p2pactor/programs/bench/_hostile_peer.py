@@ -88,10 +88,7 @@ class RawPeer:
         self.sent_bytes += len(frame)
 
     def handshake(self, blocks: tuple[bytes, int, int, int], seed: str, *, summaries: bool) -> None:
-        """``connect`` offering ``kvsum/1`` (else vLLM's dialect); ack the victim's; its ack.
-
-        ``blocks``: our NIXL agent's metadata, base address, blocks and block size.
-        """
+        """``connect`` with our agent's ``blocks`` (metadata, base, count, size); the acks."""
         metadata, base_addr, num_blocks, block_len = blocks
         ext = wire.ConnectExtension(version=1, features=frozenset({wire.FEATURE_SUMMARIES}))
         self.send(

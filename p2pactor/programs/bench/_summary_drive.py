@@ -58,10 +58,7 @@ class VictimSettings:
 
 
 class Victim(LineProcess):
-    """``p2pactor serve`` as a process, its ``/status`` read on a thread; :meth:`stop` ends both.
-
-    Its RSS needs no polling: its ``VmHWM``, read before each reset, is the exact peak.
-    """
+    """``p2pactor serve`` as a process, its ``/status`` read on a thread; :meth:`stop` ends both."""
 
     def __init__(self, settings: VictimSettings, stderr: Path) -> None:
         self.settings = s = settings

@@ -125,10 +125,7 @@ class CacheParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any t
 
 
 def make_tier(kind: str, pool: Any, port: int) -> Any:
-    """One tier of ``kind`` over ``pool`` (a row per chunk), bound to ``HOST:port``.
-
-    ``ours``: p2pactor's vLLM adapter; ``vllm``: vLLM 0.33's own P2P tier.
-    """
+    """A tier over ``pool`` (a row per chunk) on ``HOST:port``: ``ours``, else vLLM 0.33's."""
     entry = tier_entry("ours" if kind == "ours" else "stock", HOST, port)
     options = StackOptions(
         tiers=[entry],
@@ -344,10 +341,7 @@ def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> di
 
 
 def main() -> int:
-    """The engine section's producer: serve the workload's blocks until stdin closes.
-
-    Its one argument, JSON: ``tier``, ``port``, ``requests``, ``keys``, ``poll_ms``.
-    """
+    """The engine section's producer (JSON: ``tier``, ``port``, the workload), until EOF."""
     args = json.loads(sys.argv[1])
     requests = workload(args["requests"], args["keys"])
     pool = np.zeros((max(1, sum(r.hits for r in requests)), BLOCK_BYTES), dtype=np.uint8)

@@ -137,8 +137,7 @@ async def measure(
 ) -> dict[str, Any]:
     """Every batch of ``block_len`` blocks against one producer process: by count, GB/s of each.
 
-    The producer runs here on loopback, or on ``host`` (a
-    :class:`~p2pactor.programs.hosts.Host`'s fields); we are at ``address``.
+    The producer runs here, or on ``host`` (a ``Host``'s fields); we are at ``address``.
     """
     import torch  # noqa: PLC0415 - heavy; only this section needs it
 
@@ -312,10 +311,9 @@ def run(options: BenchOptions) -> SectionResult:
 async def serve(num_blocks: int, block_len: int, address: str) -> None:
     """The producer process (``python -m ...dataplane producer NUM_BLOCKS BLOCK_LEN ADDRESS``).
 
-    A node bound to ADDRESS holding ``NUM_BLOCKS`` blocks (their keys ``preload_keys``',
-    their bytes ``block_bytes``') and a bare :class:`RawAgent` over the same pool; it says
-    ``READY {"node_id", "blocks"}``, then ``raw_peer`` adds the consumer's bare agent,
-    ``raw`` times ``iters`` raw WRITEs (the node's loop blocked meanwhile on purpose).
+    A node holding ``NUM_BLOCKS`` blocks and a bare :class:`RawAgent` over them; after
+    ``READY {"node_id", "blocks"}``, ``raw_peer`` adds the consumer's bare agent, ``raw``
+    times ``iters`` raw WRITEs (the node's loop blocked meanwhile on purpose).
     """
     import torch  # noqa: PLC0415 - only the benchmark's processes need torch
 

@@ -62,10 +62,9 @@ def run(options: BenchOptions) -> SectionResult:
 
 
 def main() -> int:
-    """The consumers' process: every repeat, both tiers; say every run's figures.
+    """The consumers' process (:data:`WORKLOAD`, ``requests``, ``repeats``: JSON).
 
-    Its one argument: :data:`WORKLOAD` and ``requests``, ``repeats``, as JSON; its
-    answer: one ``RESULT {tier: [figures of each repeat]}`` line.
+    Every repeat runs both tiers; it says ``RESULT {tier: [figures of each repeat]}``.
     """
     args = argparse.Namespace(**json.loads(sys.argv[1]))
     runs: dict[str, list[Any]] = {t: [] for t in TIERS}

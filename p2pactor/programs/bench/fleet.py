@@ -50,10 +50,7 @@ FIGURES: tuple[tuple[str, str, float], ...] = (
 
 
 def plan(quick: bool) -> tuple[dict[str, int], list[tuple[str, int, float]], tuple[str, ...]]:
-    """Requests per workload, the fleets (workload, engines, CPU tier share), the arms.
-
-    Chat's requests are conversations; ``--quick``: one fleet per workload, two arms.
-    """
+    """Requests (chat: conversations) per workload, fleets (workload, engines, tier share), arms."""
     if quick:
         return {"chat": 20, "rag": 60}, [("chat", 4, 0.25), ("rag", 5, 0.25)], ("oracle", "auto")
     fleets = [("chat", 4, 0.25), ("chat", 8, 0.25), ("rag", 5, 0.25), ("rag", 5, 0.1)]
