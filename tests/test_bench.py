@@ -1,7 +1,7 @@
 """CI's smoke test of ``p2pactor bench``: the quick run finishes and writes valid JSON.
 
 No speed thresholds (the machines are shared and noisy): the run must exit 0,
-and the JSON must have the shape ``p2pactor/programs/bench/report.py`` documents, every
+and the JSON must have the shape ``p2pactor/programs/bench/cli.py`` documents, every
 section that ran must have rows, and every ratio must be finite numbers. A vLLM
 comparison may be skipped with a note where vLLM is not importable.
 """
@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2pactor.programs.bench.cli import SECTIONS
-from p2pactor.programs.bench.report import REPORT_VERSION
+from p2pactor.programs.bench.cli import REPORT_VERSION, SECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION_KEYS = {"name", "title", "skipped", "rows", "ratios", "notes", "seconds"}

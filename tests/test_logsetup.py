@@ -28,7 +28,7 @@ from p2pactor.core.inputs import LookupResult
 from p2pactor.errors import ConfigError
 from p2pactor.programs import replay_cli
 from p2pactor.programs.bench import cli as bench_cli
-from p2pactor.programs.bench.report import BenchOptions, SectionResult
+from p2pactor.programs.bench.cli import BenchOptions, SectionResult
 from p2pactor.programs.cli import build_parser, main
 from p2pactor.runtime.logcontext import parent_request_context, peer_context, request_context
 from p2pactor.runtime.quotas import PeerQuotas

@@ -956,7 +956,7 @@ async def test_nixls_progress_thread_sleeps_while_idle_and_the_pump_never_polls(
     (``progress_thread_wakeup``, 0.1 s). The test reads the config NIXL's
     binding receives, and checks that the pump, with a peer's write expected,
     goes idle and never polls: the thread, not the pump, progresses it.
-    (The CPU an idle node takes is ``p2pactor bench --only control``'s idle ratios.)
+    (The CPU an idle node takes: ``docs/benchmarks.md``, control's idle CPU, last figures.)
     """
     api = import_nixl()
     spy = AgentConfigSpy(api.nixlBind)

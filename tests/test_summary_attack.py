@@ -3,7 +3,7 @@
 Each test starts a fresh victim (``p2pactor serve``, summaries on as by
 default, 16,384 preloaded blocks: :class:`p2pactor.programs.bench._summary_drive.Victim`),
 an honest peer that looks it up 50 times a second, fetches and checks every
-byte (:mod:`p2pactor.programs.bench._honest`), and the hostile peer as a
+byte (:mod:`p2pactor.programs.bench.summary_attack`), and the hostile peer as a
 process of its own (:mod:`p2pactor.programs.bench._hostile`), driven
 step by step as the ``summary-attack`` bench section drives it
 (:func:`~p2pactor.programs.bench._summary_drive.run_attack`). The liar's test

@@ -40,10 +40,8 @@ def nixl_missing() -> str:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port that is free on ``host`` now (:func:`spread_ports`' one)."""
+    return spread_ports(1, host)[0]
 
 
 def spread_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -75,8 +73,7 @@ async def open_bench_node(
 ) -> AsyncIterator[Any]:
     """A p2pactor node on ``host:port`` (0: any) over real ZeroMQ, and NIXL over ``pool``.
 
-    ``config``: more :class:`~p2pactor.runtime.config.NodeConfig` fields (its blocks
-    are the pool's); ``name``: the NIXL agent's.
+    ``config``: more :class:`~p2pactor.runtime.config.NodeConfig` fields; ``name``: NIXL's.
     """
     from p2pactor.adapters.nixl import open_nixl_transport  # noqa: PLC0415 - loads NIXL
     from p2pactor.adapters.zmq import open_zmq_transport  # noqa: PLC0415
@@ -122,31 +119,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))])
 
 
-def peak_rss_kib() -> int:
-    """This process's peak resident memory in KiB (VmHWM), 0 where /proc has none."""
-    with open("/proc/self/status") as status:
-        return next((int(line.split()[1]) for line in status if line.startswith("VmHWM:")), 0)
-
-
-def process_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system, every thread) of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        # The command name may hold spaces: the fields start after its ")".
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu_ns(pid: int) -> dict[int, int]:
-    """Each live thread of process ``pid``: its CPU nanoseconds so far (schedstat), by id.
-
-    Finer than :func:`process_cpu_s` (clock ticks), but a thread that exits
-    takes its time with it: for processes whose threads live on (idle ones).
-    """
-    out: dict[int, int] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-            out[int(tid)] = int(f.read().split()[0])  # unless it just exited
-    return out
+def memory_kib(pid: int | str = "self") -> tuple[int, int]:
+    """Process ``pid``'s ``(VmRSS, VmHWM)`` (its peak) in KiB; ``(0, 0)`` once it is gone."""
+    got = {"VmRSS:": 0, "VmHWM:": 0}
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as status:
+        for fields in map(str.split, status):
+            if fields and fields[0] in got:
+                got[fields[0]] = int(fields[1])
+    return got["VmRSS:"], got["VmHWM:"]
 
 
 class ChildError(RuntimeError):
@@ -156,20 +136,18 @@ class ChildError(RuntimeError):
 class LineProcess:
     """A helper process (``python -m module args``) spoken to by lines, the bench's one protocol.
 
-    It says ``READY`` (maybe with more words) when it is set up. A command is one JSON
-    line on its stdin, answered by one JSON line (other lines, a library's logging say,
-    are skipped); a line ``WORD rest`` can be waited for (:meth:`expect`; ``ERROR ...``
-    raises); closing its stdin stops it, and it may print one last JSON line then. A
-    thread queues its stdout so that every read can time out; its stderr goes to a file
-    (whose tail the errors quote) or is dropped.
+    It says ``READY`` once set up; a command is a JSON line on its stdin, answered by a JSON
+    line (other lines skipped); ``WORD rest`` lines can be waited for (``ERROR ...`` raises);
+    closing its stdin stops it (a last JSON line may follow). A thread queues its stdout, so
+    every read can time out; its stderr goes to a file (the errors quote its tail) or nowhere.
     """
 
     def __init__(
         self, module: str, *args: str, stderr: str | None = None, host: Any = None, **env: str
     ) -> None:
-        """Start it; ``stderr``: a file for its stderr (else dropped); ``env``: extra variables.
+        """Start it (on ``host``, a :class:`~p2pactor.programs.hosts.Host`, else here).
 
-        ``host``: a :class:`~p2pactor.programs.hosts.Host` to run it on (else here).
+        ``stderr``: a file for its stderr (else dropped); ``env``: extra variables.
         """
         self.module = module
         self.stderr = stderr
@@ -239,22 +217,18 @@ class LineProcess:
         return self.expect("READY", timeout=timeout)[1]
 
     def send(self, cmd: dict[str, Any] | str) -> None:
-        """Send one command (JSON, or a line as it is); its answer: :meth:`answer`."""
+        """Send one command (JSON, or a line as it is)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write((cmd if isinstance(cmd, str) else json.dumps(cmd)) + "\n")
         self.proc.stdin.flush()
 
-    def answer(self, timeout: float | None = None) -> dict[str, Any]:
-        """The next JSON line it says."""
+    def ask(self, cmd: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """Send one command; its answer, the next JSON line it says."""
+        self.send(cmd)
         while not (line := self.line(timeout)).startswith("{"):
             pass
         answer: dict[str, Any] = json.loads(line)
         return answer
-
-    def ask(self, cmd: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """Send one command; its JSON answer."""
-        self.send(cmd)
-        return self.answer(timeout)
 
     def close(self, timeout: float = 30) -> dict[str, Any]:
         """Close its stdin and wait; its last JSON line (a producer's counters), if any."""
@@ -293,10 +267,7 @@ class LineProcess:
 
 
 def child_result(module: str, *args: str, timeout: float, **options: Any) -> Any:
-    """The JSON of the ``RESULT {json}`` line a fresh ``python -m module args`` says.
-
-    ``options``: :class:`LineProcess`'s (``stderr``, ``host``, variables); it is killed after.
-    """
+    """The JSON of the ``RESULT {json}`` line a fresh :class:`LineProcess` says; killed after."""
     child = LineProcess(module, *args, **options)
     try:
         return child.expect("RESULT", timeout=timeout)[1]
@@ -307,9 +278,8 @@ def child_result(module: str, *args: str, timeout: float, **options: Any) -> Any
 def take_turns(rep: int, sides: Mapping[str, Sequence[LineProcess]]) -> Iterator[str]:
     """Each side's name in turn (reversed every other ``rep``), its processes alone running.
 
-    The other sides' processes are stopped (SIGSTOP) meanwhile: vLLM's NIXL agent runs
-    a progress thread that spins, and on two cores two idle vLLM processes took half the
-    CPU from our side's run. A turn lasts seconds, well inside the 10 s heartbeat timeout.
+    The others are stopped (SIGSTOP): two idle vLLM processes' spinning NIXL threads took
+    half of two cores. A turn lasts seconds, well inside the 10 s heartbeat timeout.
     """
     for side in list(sides) if rep % 2 == 0 else list(sides)[::-1]:
         for other, procs in sides.items():

@@ -1,19 +1,12 @@
 """The fleet benchmark's process (``python -m p2pactor.programs.bench._fleet_run``).
 
-Chat, then RAG fleets, in one process (one import of vLLM). Each arm builds its
-fleet here: per engine, vLLM 0.33's own offloading stack
-(:func:`~p2pactor.programs.vllmstack.build_stack`: ``TieringOffloadingManager`` from
-``get_manager()``, its CPU tier with vLLM's LRU, its tier-poll thread, the P2P tier,
-p2pactor's or vLLM's own, from its ``secondary_tiers`` entry) over its own port on
-127.0.0.1, real ZeroMQ and NIXL between them, driven by a
-:class:`~p2pactor.programs.vllmstack.StackEngine` (the calls of vLLM's connector
-scheduler; nobody calls ``touch``, as vLLM 0.33's scheduler never does; every chunk
-loaded is checked against its key's bytes), the engines stepped in lockstep
-(scheduler calls, a forward-pass sleep, output processing). The arms, on the same
-turns: ``none`` (no P2P tier); ``oracle`` (each request names the engine whose CPU
-tier holds its longest prefix, read at admission); ``auto`` (none named; the tiers
-exchange summaries); ``mixed`` (``auto``, every other engine on vLLM's own tier). It
-prints every run's figures as one line, ``RESULT {"runs": [...]}``.
+Chat, then RAG fleets, in one process (one import of vLLM): per engine vLLM 0.33's own
+offloading stack (:func:`~p2pactor.programs.vllmstack.build_stack`) with p2pactor's or
+vLLM's P2P tier, driven by a :class:`~p2pactor.programs.vllmstack.StackEngine`, the
+engines stepped in lockstep. The arms, on the same turns: ``none`` (no P2P tier),
+``oracle`` (each request names the engine whose CPU tier holds its longest prefix),
+``auto`` (the tiers find it by summaries), ``mixed`` (``auto``, every other engine on
+vLLM's own tier). It says ``RESULT {fleet: {arm: [figures of each repeat]}}``.
 """
 
 from __future__ import annotations
@@ -32,6 +25,7 @@ from p2pactor.programs.bench.fleet import (
     TOKENS_PER_BLOCK,
     Turn,
     chat_turns,
+    fleet_of,
     plan,
     rag_turns,
     working_set,
@@ -65,11 +59,7 @@ class Request:
 
     @property
     def claimed(self) -> bool | None:
-        """Auto requests: whether the tier found a peer claiming the first key it was asked.
-
-        What the tier itself decided (its state on the request): a request whose first
-        key nobody claimed is a MISS at once. None: not an auto request.
-        """
+        """Whether the tier found a peer claiming the first key (else MISS); None: not auto."""
         if not self.auto:
             return None
         from p2pactor.adapters._vllm_auto import Auto  # noqa: PLC0415 - p2pactor's tier only
@@ -104,8 +94,7 @@ class Engine:
     def settled(self) -> bool:
         """Every request done, nothing pinned or loading, no peer's request open.
 
-        vLLM's own tier says it has pending work for as long as it lives: for it,
-        settled is what vLLM's manager tracks.
+        vLLM's own tier has pending work as long as it lives: its manager says instead.
         """
         if self.engine.busy:
             return False
@@ -259,8 +248,6 @@ def _figures(engines: Sequence[Engine], seconds: float) -> dict[str, Any]:
     pairs = max(1, len(counts) * (len(counts) - 1))
     probed = sum(c.probed_keys for c in counts)
     return {
-        "engines": len(engines),
-        "requests": len(requests),
         "loaded_tokens": sum(r.req.promoted for r in requests) * TOKENS_PER_BLOCK,
         "saved_tokens": saved * TOKENS_PER_BLOCK,
         "hit_rate": saved / keys if keys else 0.0,
@@ -307,20 +294,17 @@ def run_arm(arm: str, engines_n: int, capacity_share: float, turns: Sequence[Tur
 def main(argv: Sequence[str] | None = None) -> int:
     """``REPEATS [--quick]``: every arm on every fleet of :func:`plan`; print the figures."""
     repeats, *quick = sys.argv[1:] if argv is None else argv
-    conversations, requests, fleets, arms = plan(quick == ["--quick"])
-    runs: list[dict[str, Any]] = []
+    requests, fleets, arms = plan(quick == ["--quick"])
+    runs: dict[str, dict[str, list[Any]]] = {}  # fleet: arm: figures of each repeat
     for repeat in range(int(repeats)):
         # The same turns in every arm of a repeat; another workload per repeat.
         for workload, n, share in fleets:
-            turns = (
-                chat_turns(n, conversations, repeat)
-                if workload == "chat"
-                else rag_turns(n, requests, repeat)
-            )
+            make = chat_turns if workload == "chat" else rag_turns
+            turns = make(n, requests[workload], repeat)
             for arm in arms:
-                figures = run_arm(arm, n, share, turns)
-                runs.append(figures | {"arm": arm, "workload": workload, "capacity_share": share})
-    say(f"RESULT {json.dumps({'runs': runs})}")
+                fleet = runs.setdefault(fleet_of(workload, n, share), {})
+                fleet.setdefault(arm, []).append(run_arm(arm, n, share, turns))
+    say(f"RESULT {json.dumps(runs)}")
     return 0
 
 

@@ -1,21 +1,12 @@
 """The hostile peer of ``p2pactor bench``'s ``summary-attack``: raw sockets, run as a process.
 
 ``python -m p2pactor.programs.bench._hostile JSON`` (``victim``, ``hash_seed``,
-``block_len``, ``attack`` and any of :data:`OPTIONS`): a :class:`RawPeer`, bare pyzmq laid
-out as vLLM
-0.33.0 lays a session out, with a real NIXL agent over lazily mapped memory (registered
-by the victim, never written). Its ``connect`` offers ``kvsum/1`` (but for the lookup
-flood, in vLLM's base dialect), so that the victim reads what it sends as summaries.
-The attacks are :data:`ATTACKS`, each said by its function's docstring; every attack but
-the lookup flood runs at idle CPU priority, as a peer on another host, whose sending
-costs the victim nothing (the flood is the victim's load).
-
-It speaks :class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol:
-``LOADED``, then (once a stdin line came: the driver has read the victim) ``READY peer``
-once the handshake is done (and the victim's snapshot arrived); per step ``STEP {label}``,
-then (a stdin line later) ``DONE {...}`` (the step's unix-time window and figures);
-``RESULT {...}`` (messages received, by type); then it holds the session until stdin
-closes; ``LEFT`` as it exits 0; ``ERROR ...``, 1.
+``block_len``, ``attack`` and any of :data:`OPTIONS`): a :class:`RawPeer` with a real NIXL
+agent over lazily mapped memory, offering ``kvsum/1`` (but for the lookup flood), running
+one of :data:`ATTACKS` at idle CPU priority (but the flood). Its lines: ``LOADED``; after a
+stdin line ``READY peer`` (the handshake done); per step ``STEP label``, after a stdin line
+``DONE {...}`` (its unix-time window, figures); ``RESULT``; ``LEFT`` once stdin closes
+(exit 0), or ``ERROR ...`` (exit 1).
 """
 
 from __future__ import annotations
@@ -61,7 +52,6 @@ OPTIONS: dict[str, object] = {
     "sizes": [1 << 20, 4 << 20],  # refused-frame: frame sizes in bytes
     "modes": ["session", "fresh"],  # refused-frame
     "drain_s": 1.5,  # resync-flood: the wait after
-    "preload": 0,  # lookup-flood: serve's --preload
 }
 """The attacks' options, and their defaults."""
 
@@ -82,8 +72,7 @@ def _snapshot(fps: bytes, epoch: bytes, seq: int = 0, part: int = 0, parts: int 
 def refused_frame(size: int) -> bytes:
     """A ``kvsum_delta`` of about ``size`` bytes whose ``add`` is an array of empty maps.
 
-    Written byte by byte (millions of dicts would cost us gigabytes): a map of ``type``,
-    ``epoch``, ``seq``, ``add`` (array32 of ``0x80``, the empty map) and ``remove``.
+    Written byte by byte: millions of dicts would cost us gigabytes.
     """
     head = b"\x85\xa4type\xabkvsum_delta\xa5epoch\xc4\x01e\xa3seq\x01\xa3add"
     tail = b"\xa6remove\xc4\x00"
@@ -136,10 +125,7 @@ def _wait_go() -> None:
 
 
 def _register_1m(a: Attack) -> dict[str, object]:
-    """Register ``blocks`` (1,000,000) blocks; a valid snapshot claiming ``claims``.
-
-    In parts of 65,536 fingerprints paced 10 ms apart (``claims`` 0: every block).
-    """
+    """Register ``blocks`` blocks; a valid snapshot claiming ``claims`` (0: all), paced parts."""
     peer, claims, epoch = a.session, a.args.claims or a.agent[2], _epoch()
     parts = -(-claims // MAX_FPS)
     for part in range(parts):
@@ -152,8 +138,7 @@ def _register_1m(a: Attack) -> dict[str, object]:
 def _snapshots(a: Attack) -> dict[str, object]:
     """``count`` snapshot parts of 65,536 fingerprints (the largest summary frame).
 
-    ``snapshot-flood``: each a whole snapshot; ``max-frames``: each part 0 of 2, sent as
-    fast as the victim takes them (a send queue of 1,000).
+    ``snapshot-flood``: whole snapshots; ``max-frames``: parts 0 of 2, as fast as taken.
     """
     peer, epoch, parts = a.session, _epoch(), 2 if a.args.attack == "max-frames" else 1
     for i in range(a.args.count):
@@ -177,8 +162,7 @@ def _deltas_mid_snapshot(a: Attack) -> dict[str, object]:
 def _refused_frames(a: Attack) -> None:
     """A ``kvsum_delta`` the decoder must refuse (:func:`refused_frame`), a step each.
 
-    Per ``sizes`` (bytes) and ``modes`` (``session``: after a handshake; ``fresh``:
-    a new connection's first frame).
+    Per ``sizes`` and ``modes`` (``session``: after a handshake; ``fresh``: a first frame).
     """
     for size in a.args.sizes:
         frame = refused_frame(size)
@@ -238,10 +222,7 @@ def _max_lookups(a: Attack) -> dict[str, object]:
 def flood(
     peer: RawPeer, count: int, lookup: Callable[[int], wire.Lookup], window: int = 256
 ) -> dict[str, object]:
-    """Send ``lookup(i)`` for i below ``count``, at most ``window`` unanswered; the figures.
-
-    Never fetched or closed (``tests/flood_peer.py`` floods through it too).
-    """
+    """Send ``lookup(i)`` for i below ``count``, ``window`` unanswered at most; the figures."""
     sent = answered = hits = 0
     start, last = time.perf_counter(), time.monotonic()
     while answered < count:
@@ -278,24 +259,18 @@ def _lookup_flood(a: Attack) -> dict[str, object]:
     return flood(a.session, a.args.count, lookup)
 
 
-def _stepped(body: Callable[[Attack], dict[str, object]]) -> Callable[[Attack], None]:
-    return lambda a: a.step(a.args.attack, lambda: body(a))
-
-
-ATTACKS: dict[str, Callable[[Attack], None]] = {"refused-frame": _refused_frames} | {
-    name: _stepped(body)
-    for name, body in {
-        "lookup-flood": _lookup_flood,
-        "register-1m": _register_1m,
-        "snapshot-flood": _snapshots,
-        "deltas-mid-snapshot": _deltas_mid_snapshot,
-        "resync-flood": _resync_flood,
-        "epoch-flip": _epoch_flip,
-        "max-frames": _snapshots,
-        "max-lookups": _max_lookups,
-    }.items()
+ATTACKS: dict[str, Callable[[Attack], Any]] = {
+    "refused-frame": _refused_frames,
+    "lookup-flood": _lookup_flood,
+    "register-1m": _register_1m,
+    "snapshot-flood": _snapshots,
+    "deltas-mid-snapshot": _deltas_mid_snapshot,
+    "resync-flood": _resync_flood,
+    "epoch-flip": _epoch_flip,
+    "max-frames": _snapshots,
+    "max-lookups": _max_lookups,
 }
-"""Each attack by its ``attack`` name."""
+"""Each attack by its ``attack`` name: one step (``refused-frame``: its own steps)."""
 
 
 def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int:
@@ -307,8 +282,12 @@ def _attack(args: argparse.Namespace, agent: tuple[bytes, int, int, int]) -> int
         if args.attack != "refused-frame":
             a.peer = a.open_session()
         say(f"READY {a.peer.peer_id if a.peer else '-'}")
-        ATTACKS[args.attack](a)
-        say(f"RESULT {json.dumps({'received': dict(a.peer.counts) if a.peer else {}})}")
+        body = ATTACKS[args.attack]
+        if args.attack == "refused-frame":
+            body(a)
+        else:
+            a.step(args.attack, lambda: body(a))
+        say("RESULT")
         while sys.stdin.readline():  # hold the session until stdin closes
             pass
     except Failure as exc:

@@ -29,11 +29,9 @@ class Failure(Exception):
 class RawPeer:
     """One session's raw sockets: a ROUTER bound on our own ``host:port``, a DEALER to the victim.
 
-    libzmq wants one thread a socket: a reader thread owns the ROUTER and counts every
-    message by type (``undecodable``: a frame that did not decode), queueing all but
-    summary data for the attack's thread (:meth:`take`; a flood of parts must not pile
-    up here). ``send_hwm``: the DEALER's send queue (0: unbounded, as a flooder wants it;
-    libzmq's default 1000 makes a send wait once the victim lags).
+    libzmq wants one thread a socket: a reader thread owns the ROUTER, counts every message
+    by type and queues all but summary data (a flood of parts must not pile up) for
+    :meth:`take`. ``send_hwm``: the DEALER's send queue (0: unbounded, as a flooder wants).
     """
 
     def __init__(
@@ -90,10 +88,7 @@ class RawPeer:
         self.sent_bytes += len(frame)
 
     def handshake(self, blocks: tuple[bytes, int, int, int], seed: str, *, summaries: bool) -> None:
-        """``connect`` offering ``kvsum/1`` (else vLLM's dialect); ack the victim's; its ack.
-
-        ``blocks``: our NIXL agent's metadata, base address, blocks and block size.
-        """
+        """``connect`` with our agent's ``blocks`` (metadata, base, count, size); the acks."""
         metadata, base_addr, num_blocks, block_len = blocks
         ext = wire.ConnectExtension(version=1, features=frozenset({wire.FEATURE_SUMMARIES}))
         self.send(
@@ -119,14 +114,11 @@ class RawPeer:
             acked = acked or isinstance(msg, wire.ConnectAck)
 
     def ping(self, label: str, timeout: float = 120.0, *, may_cut: bool = False) -> bool:
-        """Wait until the victim has stepped everything we sent before this call.
+        """Wait until the victim has stepped everything we sent before: it steps in order.
 
-        The victim steps one connection's frames in order, so its answer to a lookup
-        (of one key nobody holds, closed at once) sent now comes after all of them.
-        False if it cut us off first (only with ``may_cut``): a victim that cuts a
-        flooding peer drops what it had not handled, this lookup too, so it is sent
-        again every :data:`PING_AGAIN_S`, answered on a connection it no longer has
-        with a ``disconnect``. Raises :class:`Failure` past ``timeout``.
+        The ping is a lookup of one key nobody holds. False if it cut us off first (only
+        with ``may_cut``: a cut drops the ping too, so it is sent again every
+        :data:`PING_AGAIN_S`, answered with a ``disconnect``); :class:`Failure` past ``timeout``.
         """
         kv = f"ping-{label}"
         ping = wire.Lookup(kv_request_id=kv, keys=(bytes(36),), round_seq=0)

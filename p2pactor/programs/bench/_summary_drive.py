@@ -1,14 +1,10 @@
 """The bench's one hostile-peer driver: the victim, the honest peer, an attack run and measured.
 
-The victim is ``p2pactor serve`` as a process (:class:`Victim`: summaries on, preloaded
-so that the honest peer, :mod:`p2pactor.programs.bench._honest`, has something to look
-up); its memory is read from ``/proc/PID/status`` (``VmRSS``; ``VmHWM``, the peak,
-started afresh before each step), its ``/status`` on a thread for the node thread's
-longest step (the slow-step watch's ``loop.recent_slow``). :func:`run_attack` starts
-the hostile peer (:mod:`p2pactor.programs.bench._hostile`) and measures
-each of its steps and the whole attack, up to what the victim kept once it ended the
-session. The ``summary-attack`` section and ``tests/test_summary_attack.py`` both drive
-their attacks through it.
+The victim is ``p2pactor serve`` as a process (:class:`Victim`), its memory read from
+``/proc/PID/status``, its ``/status`` on a thread for the node thread's longest step.
+:func:`run_attack` starts the hostile peer (:mod:`p2pactor.programs.bench._hostile`) and
+measures each of its steps and the whole attack, for the ``summary-attack`` section and
+``tests/test_summary_attack.py`` alike.
 """
 
 from __future__ import annotations
@@ -24,7 +20,13 @@ from typing import Any
 
 import attrs
 
-from p2pactor.programs.bench._control_common import ChildError, LineProcess, free_port, percentile
+from p2pactor.programs.bench._control_common import (
+    ChildError,
+    LineProcess,
+    free_port,
+    memory_kib,
+    percentile,
+)
 
 STEP_TIMEOUT_S = 300.0
 """The longest a step may take (a flood on a loaded 2-core machine)."""
@@ -37,7 +39,7 @@ overflow between two reads unless slow steps follow each other back to back."""
 
 @attrs.frozen(kw_only=True)
 class VictimSettings:
-    """How the victim is started (``p2pactor serve`` flags)."""
+    """How the victim is started: each field the ``p2pactor serve`` flag of its name."""
 
     port: int
     metrics_port: int
@@ -49,33 +51,20 @@ class VictimSettings:
     """``serve --slow-step-ms`` (the node's slow-step watch, for the longest step); None: none."""
 
     @property
-    def node_id(self) -> str:
-        """The victim's peer id."""
-        return f"127.0.0.1:{self.port}"
-
-    @property
     def peer_spec(self) -> dict[str, Any]:
         """What the honest and hostile peers are told of the victim (in their JSON argument)."""
-        spec = {"victim": self.node_id, "hash_seed": self.hash_seed}
+        spec = {"victim": f"127.0.0.1:{self.port}", "hash_seed": self.hash_seed}
         return spec | {"preload": self.preload, "block_len": self.block_len}
 
 
 class Victim(LineProcess):
-    """``p2pactor serve`` as a process, its ``/status`` read on a thread; :meth:`stop` ends both.
-
-    Its RSS needs no polling: its ``VmHWM``, read before each reset, is the exact peak.
-    """
+    """``p2pactor serve`` as a process, its ``/status`` read on a thread; :meth:`stop` ends both."""
 
     def __init__(self, settings: VictimSettings, stderr: Path) -> None:
         self.settings = s = settings
-        watch = () if s.slow_step_ms is None else ("--slow-step-ms", f"{s.slow_step_ms:g}")
-        super().__init__(
-            "p2pactor",
-            *("serve", "--host", "127.0.0.1", "--port", str(s.port), "--hash-seed", s.hash_seed),
-            *("--num-blocks", str(s.num_blocks), "--block-len", str(s.block_len)),
-            *("--preload", str(s.preload), "--metrics-port", str(s.metrics_port), *watch),
-            stderr=str(stderr),
-        )
+        given = attrs.asdict(s).items()
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in given if v is not None]
+        super().__init__("p2pactor", "serve", "--host=127.0.0.1", *flags, stderr=str(stderr))
         self.url = f"http://127.0.0.1:{s.metrics_port}/status"
         self._stop, self._lock = threading.Event(), threading.Lock()
         self._asked = 0.0  # when the last /status read that answered was asked (unix s)
@@ -111,9 +100,8 @@ class Victim(LineProcess):
     def window(self, start: float, end: float) -> tuple[float | None, str]:
         """Its node thread's longest slow step begun from ``start`` to ``end`` (unix s), its task.
 
-        As its ``/status`` said: None if it has no watch, "" if no step was slow. Waits (at
-        most 10 s) for a read of ``/status`` asked after ``end``: a slow step that ended in
-        the window is listed only by the reads after it.
+        None if it has no watch, "" if no step was slow. Waits (at most 10 s) for a read of
+        ``/status`` asked after ``end``: only those list a slow step that ended in the window.
         """
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline and self._asked < end:
@@ -122,19 +110,12 @@ class Victim(LineProcess):
             slow = max(((s, t) for at, s, t in self._slow if start <= at <= end), default=None)
         return ((slow[0] if slow else 0.0) if self.watching else None), slow[1] if slow else ""
 
-    def memory_kib(self) -> tuple[int, int]:
-        """Its ``(VmRSS, VmHWM)`` in KiB; ``(0, 0)`` once it is gone."""
-        got = {"VmRSS:": 0, "VmHWM:": 0}
-        with contextlib.suppress(OSError), open(f"/proc/{self.pid}/status") as status:
-            for fields in map(str.split, status):
-                if fields and fields[0] in got:
-                    got[fields[0]] = int(fields[1])
-        return got["VmRSS:"], got["VmHWM:"]
-
-    def reset_peak(self) -> None:
-        """Start ``VmHWM`` afresh from the RSS now (Linux: ``5`` to ``clear_refs``)."""
+    def reset_peak(self) -> tuple[int, int]:
+        """Its ``(VmRSS, VmHWM)`` in KiB, then ``VmHWM`` started afresh (``5`` to clear_refs)."""
+        now = memory_kib(self.pid)
         with open(f"/proc/{self.pid}/clear_refs", "w") as f:
             f.write("5")
+        return now
 
     def status(self) -> dict[str, Any]:
         """Its ``/status`` document."""
@@ -171,11 +152,11 @@ class Victim(LineProcess):
 
 
 class HonestPeer(LineProcess):
-    """The honest node's process (:mod:`p2pactor.programs.bench._honest`)."""
+    """The honest node's process (:mod:`p2pactor.programs.bench.summary_attack`'s)."""
 
     def __init__(self, victim: Victim, stderr: Path) -> None:
         spec = json.dumps({"port": free_port(), **victim.settings.peer_spec})
-        super().__init__("p2pactor.programs.bench._honest", spec, stderr=str(stderr))
+        super().__init__("p2pactor.programs.bench.summary_attack", spec, stderr=str(stderr))
         self.wait_ready()  # its lookups have begun
 
     def window(self) -> dict[str, Any]:
@@ -200,8 +181,7 @@ def merge_honest(windows: list[dict[str, Any]]) -> dict[str, Any]:
 class StepResult:
     """A step of an attack, or the whole attack (its name its label), as the victim lived it.
 
-    RSS in KiB: before the step; its peak (``VmHWM``, started afresh just before it);
-    held once it was over (and what it sent folded in).
+    RSS in KiB: before the step; its peak (``VmHWM``, started afresh just before it).
     """
 
     label: str
@@ -209,7 +189,6 @@ class StepResult:
     """What the hostile peer said of the step (its ``DONE`` line; an attack's: its last)."""
     rss_before_kib: int
     peak_kib: int
-    held_kib: int
     claimed_keys: int | None = None
     """The keys the victim's ``/status`` says the hostile peer claims after the step (None:
     the step had no session of its own)."""
@@ -228,11 +207,6 @@ class StepResult:
     def peak_growth_mib(self) -> float:
         """The victim's peak RSS over what it had before, in MiB."""
         return (self.peak_kib - self.rss_before_kib) / 1024
-
-    @property
-    def held_mib(self) -> float:
-        """The victim's RSS after the (last) step, the session still open, over before, in MiB."""
-        return (self.held_kib - self.rss_before_kib) / 1024
 
     @property
     def kept_mib(self) -> float | None:
@@ -279,17 +253,15 @@ def run_attack(
     try:
         said("LOADED", timeout=120)
         # Its process is up: from here on what the victim does is the attack's.
-        base, _ = victim.memory_kib()
-        victim.reset_peak()
+        base = victim.reset_peak()[0]
         honest.window()  # before the attack: not its
         start = time.time()
         hostile.send("go")
         _, peer = said("READY", timeout=120)
-        peaks = [victim.memory_kib()[1]]
+        peaks: list[int] = []  # VmHWM before each reset: between them they saw every peak
         while said("STEP", "RESULT")[0] != "RESULT":
-            rss, hwm = victim.memory_kib()
+            rss, hwm = victim.reset_peak()
             peaks.append(hwm)
-            victim.reset_peak()
             segments.append(honest.window())
             t_go = time.time()
             hostile.send("go")
@@ -298,7 +270,7 @@ def run_attack(
                 gone = str(done["peer"])
                 victim.wait_status(lambda d: gone in _peers(d, closed=True), 120, "a refusal")  # noqa: B023 - called at once
             claimed = _settled_claims(victim, peer) if peer != "-" else None
-            after, peak = victim.memory_kib()
+            peak = memory_kib(victim.pid)[1]
             longest, task = victim.window(t_go, time.time())  # the step's own
             segments.append(honest.window())
             steps.append(
@@ -307,15 +279,13 @@ def run_attack(
                     hostile=done,
                     rss_before_kib=rss,
                     peak_kib=peak,
-                    held_kib=after,
                     claimed_keys=claimed,
                     honest=segments[-1],
                     longest_step_s=longest,
                     longest_task=task,
                 )
             )
-        peaks.append(victim.memory_kib()[1])
-        victim.reset_peak()
+        peaks.append(victim.reset_peak()[1])
         assert hostile.proc.stdin is not None
         hostile.proc.stdin.close()  # it says disconnect, then LEFT, and exits
         said("LEFT", timeout=60)
@@ -323,7 +293,7 @@ def run_attack(
         if peer != "-":
             victim.wait_status(lambda d: peer not in _peers(d), 60, f"the end of {peer}")
         time.sleep(0.3)  # what leaving sets off (the session's end) runs its course
-        kept, peak_end = victim.memory_kib()
+        kept, peak_end = memory_kib(victim.pid)
         end = time.time()
         segments.append(honest.window())
     finally:
@@ -334,8 +304,7 @@ def run_attack(
         label=attack,
         hostile=last.hostile if last else {},
         rss_before_kib=base,
-        peak_kib=max([*peaks, peak_end, *(st.peak_kib for st in steps)]),
-        held_kib=last.held_kib if last else base,
+        peak_kib=max(*peaks, peak_end),
         claimed_keys=last.claimed_keys if last else None,
         honest=merge_honest(segments),
         longest_step_s=longest,
@@ -348,9 +317,7 @@ def run_attack(
 def _settled_claims(victim: Victim, peer: str) -> int | None:
     """``peer``'s claims at ``victim`` (None: not listed) once it applied all it read.
 
-    The victim read them all (the step ended with a lookup it answered after them); it
-    applies them a slice at a time, which may outlast the step: ``/status`` says while
-    any wait.
+    It applies them a slice at a time, which may outlast the step: ``/status`` says while.
     """
     deadline = time.monotonic() + SETTLE_CAP_S
     while victim.status().get("sources", {}).get("index_pending") and time.monotonic() < deadline:

@@ -1,34 +1,15 @@
 """The vLLM side of the vLLM comparisons (``engine``, ``control``): tiers, producers, an engine.
 
-:func:`make_tier` makes one tier over a pool (``ours``: p2pactor's
-``P2PActorTierManager``; ``vllm``: vLLM 0.33's ``P2PSecondaryTierManager``) from a
-real ``TieringOffloadingSpec`` (:func:`~p2pactor.programs.vllmstack.spec_of`);
-:func:`serve` is a producer: its tier serves peers from an
-:class:`~p2pactor.runtime.parent.EmbeddedCache` through :class:`CacheParent` until
-its stdin closes. Run as ``python -m p2pactor.programs.bench._vllm_tier JSON``
-(:func:`main`) it is the ``engine`` section's producer: every HIT key of the
-workload in a stamped block (nothing evicts, so both tiers' serving is measured alone),
-woken every ``poll_ms`` as vLLM's tier-poll thread is for an idle engine.
+:func:`make_tier` makes p2pactor's or vLLM 0.33's P2P tier over a pool from a real
+``TieringOffloadingSpec``; :func:`serve` is a producer, its tier serving peers from an
+:class:`~p2pactor.runtime.parent.EmbeddedCache` until its stdin closes. Run as ``python -m
+p2pactor.programs.bench._vllm_tier JSON`` (:func:`main`) it is the ``engine`` section's
+producer. The consumer is the scripted :class:`Engine`, making the calls vLLM's
+offloading connector and ``TieringOffloadingManager`` make of a secondary tier (numbered
+in :meth:`Engine.run`), each timed by a :class:`Meter`.
 
-The ``engine`` section's consumer is the scripted :class:`Engine`: it makes these calls,
-one step at a time, as vLLM's offloading connector and ``TieringOffloadingManager`` make
-them of a secondary tier, each timed by a :class:`Meter` (:func:`measure`):
-
-1. ``has_pending_work()``, under the lock;
-2. ``admit`` new requests (``remote_kv_source`` naming the producer, ``keys``
-   keys, a prefix of K/2..K on the producer) get ``on_new_request()``;
-3. ``schedule()``, under the lock: ``get_finished_jobs()``, then ``lookup()`` of
-   each waiting request's keys in order (past HIT and RETRY, up to the first MISS); a
-   request with no RETRY left has its HIT prefix queued as one promotion; then
-   ``serve_external_requests(parent)``, a ``submit_load()`` per promotion,
-   ``on_schedule_end()``;
-4. the forward pass: ``step_ms`` of sleep, lock released, while the tier-poll
-   thread (``poll_ms``) calls ``get_finished_jobs()`` and ``serve_external_requests()``;
-5. each request whose load finished gets ``on_request_finished()``.
-
-Importing it sets ``NIXL_LOG_LEVEL=WARN``, ``PYTHONHASHSEED=0`` and
-``UCX_RCACHE_MAX_UNRELEASED=1024`` (what vLLM sets) unless they are set, and seeds
-vLLM's ``NONE_HASH`` as an engine does at start-up: import it only where vLLM is.
+Importing it sets the environment vLLM sets (unless set) and seeds vLLM's ``NONE_HASH``
+as an engine does at start-up: import it only where vLLM is.
 """
 
 from __future__ import annotations
@@ -69,7 +50,6 @@ from p2pactor.programs.bench._control_common import (
     held,
     offload_key,
     percentile,
-    process_cpu_s,
     say,
 )
 from p2pactor.programs.vllmstack import StackOptions, spec_of, tier_entry
@@ -97,13 +77,11 @@ class RequestSpec:
 
 def workload(requests: int, keys_per_request: int) -> list[RequestSpec]:
     """The deterministic workload: each request's HIT prefix is uniform in [K/2, K] (75% hit)."""
-    rng = random.Random(0)  # noqa: S311 - a reproducible workload, not a secret
-    out = []
-    for i in range(requests):
-        hits = rng.randint(keys_per_request // 2, keys_per_request)
-        keys = tuple(offload_key(f"p2pactor-bench/{i}/{j}") for j in range(keys_per_request))
-        out.append(RequestSpec(i, keys, hits))
-    return out
+    rng, k = random.Random(0), keys_per_request  # noqa: S311 - reproducible, not a secret
+    keys = [
+        tuple(offload_key(f"p2pactor-bench/{i}/{j}") for j in range(k)) for i in range(requests)
+    ]
+    return [RequestSpec(i, keys[i], rng.randint(k // 2, k)) for i in range(requests)]
 
 
 _AS_VLLM = {answer: LookupResult[answer.name] for answer in Answer}
@@ -113,8 +91,7 @@ _AS_VLLM = {answer: LookupResult[answer.name] for answer in Answer}
 class CacheParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any to mypy
     """VLLM's ``ParentManager`` over an :class:`~p2pactor.runtime.parent.EmbeddedCache`.
 
-    The cache class our own producer node serves from, so that both sides do the same
-    work per key (a dict lookup, a pin per job).
+    Our producer node serves from the same class: both sides do the same work per key.
     """
 
     def __init__(self, cache: EmbeddedCache) -> None:
@@ -148,10 +125,7 @@ class CacheParent(ParentManager):  # type: ignore[misc] # vLLM's types are Any t
 
 
 def make_tier(kind: str, pool: Any, port: int) -> Any:
-    """One tier of ``kind`` over ``pool`` (a row per chunk), bound to ``HOST:port``.
-
-    ``ours``: p2pactor's vLLM adapter; ``vllm``: vLLM 0.33's own P2P tier.
-    """
+    """A tier over ``pool`` (a row per chunk) on ``HOST:port``: ``ours``, else vLLM 0.33's."""
     entry = tier_entry("ours" if kind == "ours" else "stock", HOST, port)
     options = StackOptions(
         tiers=[entry],
@@ -282,7 +256,7 @@ class Engine:
                     new_req_ids=[r.ctx.req_id for r in new], preempted_req_ids=()
                 )
                 meter.call(tier.on_schedule_end, end)
-            time.sleep(args.step_ms / 1000)  # 4. the forward pass
+            time.sleep(args.step_ms / 1000)  # 4. the forward pass (the poll thread runs)
             with lock:  # 5. output processing
                 done, self.done = self.done, []
                 for req in done:
@@ -339,8 +313,7 @@ class Engine:
 def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> dict[str, float]:
     """One consumer of ``kind`` against its producer (on ``port``): warm up, measure, tear down.
 
-    The figures: milliseconds of the engine and poll threads in tier calls, the engine
-    steps' p99 in tier calls (us), CPU ms of this process and the producer's, and
+    The figures: engine and poll threads' ms in tier calls, the steps' p99 in them (us),
     ``bad``: failed loads and blocks with wrong bytes.
     """
     specs = workload(args.requests, args.keys)
@@ -352,9 +325,7 @@ def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> di
         try:
             engine.run([Request(s, kind, "warm", port) for s in specs[:8]], Meter())
             engine.bad, engine.poll_meter, meter = 0, Meter(), Meter()
-            cpu0, prod0 = sum(os.times()[:2]), process_cpu_s(producer.pid)
             engine.run([Request(s, kind, "run", port) for s in specs], meter)
-            cpu1, prod1 = sum(os.times()[:2]), process_cpu_s(producer.pid)
         finally:
             engine.stop.set()
             engine.poller.join()
@@ -365,17 +336,12 @@ def measure(kind: str, args: argparse.Namespace, producer: Any, port: int) -> di
         "engine_ms": meter.ns / 1e6,
         "step_p99_us": percentile(meter.steps, 0.99) / 1e3,
         "poll_ms": engine.poll_meter.ns / 1e6,
-        "process_cpu_ms": (cpu1 - cpu0) * 1e3,
-        "producer_cpu_ms": (prod1 - prod0) * 1e3,
         "bad": engine.bad,
     }
 
 
 def main() -> int:
-    """The engine section's producer: serve the workload's blocks until stdin closes.
-
-    Its one argument, JSON: ``tier``, ``port``, ``requests``, ``keys``, ``poll_ms``.
-    """
+    """The engine section's producer (JSON: ``tier``, ``port``, the workload), until EOF."""
     args = json.loads(sys.argv[1])
     requests = workload(args["requests"], args["keys"])
     pool = np.zeros((max(1, sum(r.hits for r in requests)), BLOCK_BYTES), dtype=np.uint8)

@@ -1,36 +1,42 @@
 """Control plane: lookup throughput and latency, ours against vLLM 0.33.0's P2P sessions.
 
-Per side a producer holding 4,096 blocks and a consumer running C concurrent lookup loops
-of K keys (every key a hit), processes of :mod:`p2pactor.programs.bench._control_peer`
-(whose docstring says what each side runs). All four processes start together and stay
-up; every repeat runs every cell on both sides in turn (alternating which goes first,
-the other side stopped), for a fixed time each: lookups/s, latency p50 and p99, medians
-over repeats with [min..max]; ours/vLLM per cell (the
-median over repeats) and over the cells (their geometric mean, per repeat). Then idle
-CPU: per repeat (at most 3) a window of 10 s (``--quick``: 1 s) in which nothing calls
-our nodes and vLLM's tiers are called every 1 ms as vLLM's tier-poll thread calls an
-idle engine's; every thread's CPU (schedstat) of all four processes.
+Per side a producer and a consumer, each its own process (``python -m
+p2pactor.programs.bench.control '{"side": "ours"|"vllm", "role": "producer"|"consumer",
+"port": N, "peer_port": M}'``, real ZeroMQ and NIXL) speaking
+:class:`~p2pactor.programs.bench._control_common.LineProcess`'s protocol. The producer
+serves :data:`NUM_KEYS` blocks of an :class:`~p2pactor.runtime.parent.EmbeddedCache`
+until its stdin closes, then says its counters (all 0). The consumer answers ``{"keys":
+K, "conc": C, "seconds": T}`` with :meth:`Tally.result` of C concurrent lookup loops of
+K held keys for T seconds. All four start together; every repeat runs every cell on both
+sides in turn, the other side stopped.
 """
 
 from __future__ import annotations
 
+import argparse
+import gc
 import itertools
 import json
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
 from p2pactor.programs.bench._control_common import (
     LineProcess,
     free_port,
+    held,
+    offload_key,
+    open_bench_node,
+    percentile,
+    say,
     take_turns,
-    thread_cpu_ns,
     vllm_missing,
 )
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat, ratio
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.runtime.parent import EmbeddedCache
 
-NAME = "control"
-"""The section's name."""
 TITLE = "lookup throughput and latency over ZeroMQ vs vLLM 0.33.0's P2P sessions"
 """One line saying what is measured."""
 
@@ -38,10 +44,6 @@ CELLS = [(k, c) for k in (1, 16, 256) for c in (1, 8, 64)]
 """(keys per lookup, concurrent lookups) of a full run."""
 QUICK_CELLS = [(16, 1), (16, 8)]
 """(keys, concurrent) cells of a quick run."""
-IDLE_S, QUICK_IDLE_S = 10.0, 1.0
-"""The idle window (seconds), full and ``--quick``."""
-IDLE_TARGET_CORES = 0.02
-"""The target for an idle node of ours (a note, never asserted)."""
 
 
 def _side(side: str) -> dict[str, LineProcess]:
@@ -49,7 +51,7 @@ def _side(side: str) -> dict[str, LineProcess]:
     ports = free_port(), free_port()
     return {
         role: LineProcess(
-            "p2pactor.programs.bench._control_peer",
+            __name__,
             json.dumps({"side": side, "role": role, "port": port, "peer_port": ports[0]}),
             PYTHONHASHSEED="0",
         )
@@ -69,10 +71,8 @@ def run(options: BenchOptions) -> SectionResult:
     results: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
     leftovers: dict[str, dict[str, Any]] = {}
     try:
-        t0 = time.perf_counter()
         for proc in itertools.chain(*every.values()):
             proc.wait_ready()
-        startup = time.perf_counter() - t0
         for p in procs.values():  # the handshake, and the first lookups' one-off costs
             p["consumer"].ask({"keys": 16, "conc": 1, "seconds": 0.3})
         for rep in range(repeats):
@@ -83,7 +83,6 @@ def run(options: BenchOptions) -> SectionResult:
                     results.setdefault((side, keys, conc), []).append(r)
         for proc in itertools.chain(*every.values()):
             proc.pause(paused=False)
-        idle = _idle(procs, QUICK_IDLE_S if options.quick else IDLE_S, min(repeats, 3))
         for side, p in procs.items():
             p["consumer"].close()
             leftovers[side] = p["producer"].close()
@@ -113,29 +112,7 @@ def run(options: BenchOptions) -> SectionResult:
         for name, per in per_cell.items()
         if per
     }
-    notes = [
-        (
-            f"{repeats} repeat(s) of {seconds:g} s per cell and side; every key a hit; "
-            f"processes started in {startup:.0f} s (both sides at once)"
-        ),
-        (
-            "the side not being measured is stopped (SIGSTOP) meanwhile; "
-            "vLLM side: P2PSecondaryTierManager on both ends, each woken as soon as its ROUTER "
-            "is readable (else every 1 ms); producer parent: a vLLM ParentManager over the same "
-            "EmbeddedCache class"
-        ),
-    ]
-    for role in ("producer", "consumer") if "vllm" in sides else ():
-        if per := ratio(idle[f"ours {role}"], idle[f"vllm {role}"]):
-            ratios[f"idle cores ours/vLLM, {role}"] = per
-    worst = max(Stat.of(idle[f"ours {r}"]).median for r in ("producer", "consumer"))
-    notes.append(
-        "idle CPU ms per s (1000 = one core; every thread's schedstat): "
-        + ", ".join(f"{name} {Stat.of(x * 1e3 for x in v).text()}" for name, v in idle.items())
-        + f"; target ours <= {IDLE_TARGET_CORES:g} core per idle node: "
-        + ("met" if worst <= IDLE_TARGET_CORES else "missed")
-        + f" (highest median {worst:.4f} core)"
-    )
+    notes = []
     if missing:
         notes.append(f"vLLM side skipped: {missing}")
     if misses := sum(
@@ -143,35 +120,14 @@ def run(options: BenchOptions) -> SectionResult:
     ):
         notes.append(f"ours answered {misses} MISS for keys the producer holds (should be 0)")
     for side, counters in leftovers.items():
-        if held := {k: n for k, n in counters.items() if n}:
-            notes.append(f"{side} producer still held after the run: {held}")
+        if still := {k: n for k, n in counters.items() if n}:
+            notes.append(f"{side} producer still held after the run: {still}")
     if "vllm" in sides:
         notes.append(
             "targets (throughput >= vLLM, p99 <= vLLM): "
             + ("met in every cell" if not missed else "missed in " + "; ".join(missed))
         )
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
-
-
-def _idle(
-    procs: dict[str, dict[str, LineProcess]], window: float, repeats: int
-) -> dict[str, list[float]]:
-    """Cores each process (``ours producer``...) spent per idle window, all side by side."""
-    every = {f"{s} {r}": proc for s, side in procs.items() for r, proc in side.items()}
-    cores: dict[str, list[float]] = {}
-    for _ in range(repeats):
-        before = {name: thread_cpu_ns(proc.pid) for name, proc in every.items()}
-        w0 = time.perf_counter()
-        for p in procs.values():
-            p["consumer"].send({"idle": window})
-        for p in procs.values():
-            p["consumer"].answer()
-        wall = time.perf_counter() - w0
-        for name, proc in every.items():
-            was, now = before[name], thread_cpu_ns(proc.pid)
-            ns = sum(n - was.get(tid, 0) for tid, n in now.items())
-            cores.setdefault(name, []).append(ns / 1e9 / wall)
-    return cores
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)
 
 
 def _rate(r: dict[str, Any]) -> float:
@@ -184,3 +140,202 @@ def _figures(who: str, rs: list[dict[str, Any]]) -> dict[str, Cell]:
         f"{who} p50 ms": Stat.of(r["p50_s"] * 1e3 for r in rs),
         f"{who} p99 ms": Stat.of(r["p99_s"] * 1e3 for r in rs),
     }
+
+
+HOST = "127.0.0.1"
+"""Every process binds here."""
+NUM_KEYS = 4096
+"""Blocks the producer holds; lookups ask for windows of these keys (all hits)."""
+BLOCK_LEN = 1024
+"""Bytes per block: the data plane is not measured here, only registered."""
+HASH_SEED = "0"
+"""Both sides' hash seed (vLLM's comes from PYTHONHASHSEED, set to this)."""
+CONSUMER_BLOCKS = 64
+"""The consumer's own pool (nothing is fetched into it)."""
+
+
+KEYS = tuple(offload_key(f"p2pactor-bench-control/{i}") for i in range(NUM_KEYS))
+"""Every key the producer holds, in order."""
+
+
+def key_window(n: int, count: int) -> list[bytes]:
+    """The keys of lookup number ``n``: ``count`` consecutive keys from a spot that moves."""
+    start = (n * 97) % NUM_KEYS
+    return [KEYS[(start + j) % NUM_KEYS] for j in range(count)]
+
+
+def ready() -> None:
+    """Say READY, once set up: the startup heap is frozen first, on both sides alike.
+
+    A full collection scanning it would pause a node for tens of milliseconds, every
+    lookup's latency then (vLLM's engine freezes its heap the same way once started).
+    """
+    gc.collect()
+    gc.freeze()
+    say("READY")
+
+
+def cache_of(role: str, memory: memoryview) -> EmbeddedCache:
+    """The role's cache over ``memory``; a producer's holds every key, block ``i`` filled with i."""
+    blocks = len(memory) // BLOCK_LEN
+    cache = EmbeddedCache(blocks, BLOCK_LEN, memory=memory)
+    if role == "producer":
+        for i, key in enumerate(KEYS):
+            cache.store(key, i.to_bytes(8, "little") * (BLOCK_LEN // 8))
+    return cache
+
+
+class Tally:
+    """What one cell's lookups measured so far (a cell command: ``keys``, ``conc``, ``seconds``)."""
+
+    def __init__(self, cmd: dict[str, Any]) -> None:
+        self.keys, self.conc = int(cmd["keys"]), int(cmd["conc"])
+        self.latencies: list[float] = []
+        self.misses = 0
+        self.start = time.perf_counter()
+        self.last, self.deadline = self.start, self.start + float(cmd["seconds"])
+
+    def add(self, t0: float, misses: int) -> None:
+        """One lookup started at ``t0`` and answered now, ``misses`` of its keys not HIT."""
+        self.last = time.perf_counter()
+        self.latencies.append(self.last - t0)
+        self.misses += misses
+
+    def result(self) -> dict[str, Any]:
+        """The cell's answer: lookups, elapsed s, latency p50/p99 s, misses."""
+        xs = self.latencies
+        return {
+            "lookups": len(xs),
+            "elapsed_s": self.last - self.start,
+            "p50_s": percentile(xs, 0.5),
+            "p99_s": percentile(xs, 0.99),
+            "misses": self.misses,
+        }
+
+
+async def _ours(args: argparse.Namespace) -> None:
+    import trio  # noqa: PLC0415
+
+    from p2pactor.runtime.quotas import PeerQuotas  # noqa: PLC0415
+    from p2pactor.surface.attach import open_operator_surface  # noqa: PLC0415
+
+    producer = args.role == "producer"
+    pool = bytearray((NUM_KEYS if producer else CONSUMER_BLOCKS) * BLOCK_LEN)
+    cache = cache_of(args.role, memoryview(pool))
+    # No quota may refuse: 64 lookups of 256 keys pin 16,384 blocks at once,
+    # and vLLM's tier has no quotas to compare with.
+    quotas = PeerQuotas(
+        max_pinned_blocks=10**9, max_open_lookups=100_000, max_open_requests=100_000
+    )
+    async with (
+        open_bench_node(
+            args.port,
+            pool,
+            BLOCK_LEN,
+            name=f"bench-{args.role}",
+            parent=cache if producer else None,
+            hash_seed=HASH_SEED,
+            quotas=quotas,
+        ) as node,
+        open_operator_surface(node),  # as deployed (serve, the vLLM adapter): with its metrics
+    ):
+        ready()
+        if producer:
+            await trio.to_thread.run_sync(sys.stdin.read)
+            say(held(cache))
+            return
+        peer = f"{HOST}:{args.peer_port}"
+        counter = itertools.count()
+
+        async def worker(tally: Tally) -> None:
+            while time.perf_counter() < tally.deadline:
+                n = next(counter)
+                kv = f"bench-{n}"
+                t0 = time.perf_counter()
+                answers = await node.lookup(peer, kv, key_window(n, tally.keys))
+                tally.add(t0, sum(1 for a in answers if a.name != "HIT"))
+                node.finish(kv)
+
+        while line := await trio.to_thread.run_sync(sys.stdin.readline):
+            tally = Tally(json.loads(line))
+            async with trio.open_nursery() as nursery:
+                for _ in range(tally.conc):
+                    nursery.start_soon(worker, tally)
+            say(tally.result())
+
+
+def _vllm(args: argparse.Namespace) -> None:
+    os.environ["PYTHONHASHSEED"] = HASH_SEED
+    import numpy as np  # noqa: PLC0415
+    import zmq  # noqa: PLC0415
+
+    from p2pactor.programs.bench import _vllm_tier as shared  # noqa: PLC0415 - imports vLLM
+
+    vbase = sys.modules["vllm.v1.kv_offload.base"]
+    producer = args.role == "producer"
+    pool = np.zeros((NUM_KEYS if producer else CONSUMER_BLOCKS, BLOCK_LEN), dtype=np.uint8)
+    cache = cache_of(args.role, pool.data.cast("B"))
+    tier = shared.make_tier("vllm", pool, args.port)
+    poller = zmq.Poller()
+    poller.register(tier._control._router, zmq.POLLIN)
+    ready()
+    if producer:  # polled every 1 ms (vLLM's tier-poll interval) unless a message comes first
+        shared.serve(tier, cache, lambda: poller.poll(1))
+        return
+    source = {"remote_host": HOST, "remote_port": args.peer_port}
+    counter = itertools.count()
+    flight: list[tuple[Any, list[bytes], float]] = []  # (context, keys, start time)
+    new_ids: list[str] = []
+
+    def begin(keys: int) -> None:
+        n = next(counter)
+        kv = {"remote_kv_source": {**source, "kv_request_id": f"bench-{n}"}}
+        ctx = vbase.ReqContext(req_id=f"req-{n}", kv_transfer_params=kv)
+        wanted = key_window(n, keys)
+        t0 = time.perf_counter()
+        tier.on_new_request(ctx)
+        for key in wanted:
+            tier.lookup(key, ctx)  # registers the key: RETRY until the answer comes
+        flight.append((ctx, wanted, t0))
+        new_ids.append(ctx.req_id)
+
+    while line := sys.stdin.readline():
+        tally = Tally(json.loads(line))
+        for _ in range(tally.conc):
+            begin(tally.keys)
+        while flight:
+            end_ctx = vbase.ScheduleEndContext(new_req_ids=list(new_ids), preempted_req_ids=())
+            tier.on_schedule_end(end_ctx)
+            new_ids.clear()
+            poller.poll(1)
+            tier.get_finished_jobs()
+            still = []
+            for ctx, wanted, t0 in flight:
+                # One LookupResp answers every key of the request at once.
+                if tier.lookup(wanted[0], ctx) is vbase.LookupResult.RETRY:
+                    still.append((ctx, wanted, t0))
+                    continue
+                answers = [tier.lookup(k, ctx) for k in wanted]
+                tally.add(t0, sum(1 for a in answers if a is not vbase.LookupResult.HIT))
+                tier.on_request_finished(ctx)
+            done, flight[:] = len(flight) - len(still), still
+            for _ in range(done if time.perf_counter() < tally.deadline else 0):
+                begin(tally.keys)
+        say(tally.result())
+    tier.shutdown()
+
+
+def main() -> int:
+    """Run one producer or consumer (its argument: the JSON of ``side``, ``role``, ports)."""
+    args = argparse.Namespace(**json.loads(sys.argv[1]))
+    if args.side == "ours":
+        import trio  # noqa: PLC0415
+
+        trio.run(_ours, args)
+    else:
+        _vllm(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

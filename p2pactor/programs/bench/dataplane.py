@@ -1,16 +1,10 @@
 """``p2pactor bench`` section ``dataplane``: a fetch end to end against the physical limit.
 
-Per batch of B blocks of S bytes: a consumer node here, a producer node in another
-process (:func:`serve`), on ZeroMQ over loopback and NIXL over torch pools. Per repeat,
-back to back: **ours** (``Node.lookup`` then ``Node.fetch`` of the B keys, as an engine
-would; bytes checked), **raw NIXL** (the same WRITE between the same blocks of the same
-processes from a bare agent, posted and polled to DONE with no trio, no actor, no
-message: the machine's limit) and **memcpy** (numpy, the same bytes, here). GB/s per
-operation, the median of a few per repeat; ratios per repeat.
-
-:func:`measure` is the ``hosts`` section's too, there run on a namespaced host
-(``python -m p2pactor.programs.bench.dataplane SPEC`` says its figures as one
-``RESULT {json}`` line).
+Per batch of B blocks of S bytes, a consumer node here and a producer in another process
+(:func:`serve`), per repeat: **ours** (``Node.lookup`` then ``Node.fetch``, bytes checked),
+**raw NIXL** (the same WRITE from bare agents in the same processes: the machine's limit)
+and **memcpy**. :func:`measure` is the ``hosts`` section's too (``python -m
+p2pactor.programs.bench.dataplane SPEC`` says its figures as ``RESULT {json}``).
 """
 
 from __future__ import annotations
@@ -23,20 +17,25 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
 import numpy as np
 import trio
 import trio.lowlevel
 
-from p2pactor.programs.bench._control_common import LineProcess, nixl_missing, open_bench_node, say
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench._control_common import (
+    LineProcess,
+    child_result,
+    nixl_missing,
+    open_bench_node,
+    say,
+)
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 from p2pactor.runtime.quotas import PeerQuotas
-from p2pactor.runtime.samples import chain_keys
+from p2pactor.runtime.samples import block_bytes, preload_keys
 
-NAME = "dataplane"
-"""The section's name."""
 TITLE = "fetch B x S from a node in another process, end to end, vs raw NIXL and memcpy"
 """What the section measures."""
 
@@ -51,16 +50,6 @@ CONFIG: dict[str, Any] = {"hash_seed": HASH_SEED, "quotas": PeerQuotas(pinned_bl
 """Both nodes' :class:`~p2pactor.runtime.config.NodeConfig` fields beyond the pool's.
 
 A peer may pin every block: the bench fetches whole pools at once."""
-
-
-def bench_keys(count: int, block_len: int) -> list[bytes]:
-    """The keys of the ``count`` blocks the producer holds (one prompt's chain)."""
-    return chain_keys(HASH_SEED, [f"bench {block_len} block {i}" for i in range(count)])
-
-
-def block_content(index: int, block_len: int) -> bytes:
-    """The bytes of block ``index`` (cheap to make, different per block)."""
-    return np.random.default_rng(index).bytes(block_len)
 
 
 class RawAgent:
@@ -125,9 +114,7 @@ def _descs(base: int, num_blocks: int, block_len: int) -> Any:
 async def _progress_until(raw: RawAgent, done: trio.Event) -> None:
     """Drive the raw writes' target's progress, without pause, while they run.
 
-    Over TCP the target's UCX receives the bytes only when progressed: a target
-    progressed every 1 ms paced the raw baseline below the link (ours came out at
-    1.2-1.3x "raw" across namespaced hosts).
+    Over TCP its UCX receives only when progressed: every 1 ms paced "raw" below the link.
     """
     while not done.is_set():
         raw.agent.get_new_notifs()
@@ -150,8 +137,7 @@ async def measure(
 ) -> dict[str, Any]:
     """Every batch of ``block_len`` blocks against one producer process: by count, GB/s of each.
 
-    The producer runs here on loopback, or on ``host`` (a
-    :class:`~p2pactor.programs.hosts.Host`'s fields); we are at ``address``.
+    The producer runs here, or on ``host`` (a ``Host``'s fields); we are at ``address``.
     """
     import torch  # noqa: PLC0415 - heavy; only this section needs it
 
@@ -160,8 +146,8 @@ async def measure(
     from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
 
     most = max(counts)
-    keys = bench_keys(most, block_len)
-    expected = np.stack([np.frombuffer(block_content(i, block_len), np.uint8) for i in range(most)])
+    keys = preload_keys(HASH_SEED, most)
+    expected = np.stack([np.frombuffer(block_bytes(k, block_len), np.uint8) for k in keys])
     pool = torch.zeros(most * block_len, dtype=torch.uint8)
     blocks_view = pool.numpy().reshape(most, block_len)
     on = None if host is None else Host(**host)
@@ -258,25 +244,34 @@ def label(count: int, block_len: int) -> str:
 def measure_sizes(
     sizes: Sequence[tuple[int, int]],
     iters: int | None,
-    measure_group: Callable[[int, list[int], int], dict[str, Any]],
     options: BenchOptions,
-    *,
-    across: str = "",
-) -> tuple[list[dict[str, Cell]], dict[str, Stat], list[str]]:
-    """``sizes`` measured: the section's rows, ratios and notes.
+    hosts: Sequence[Any] = (),
+) -> SectionResult:
+    """``sizes`` measured (:func:`measure`) a block size at a time: the section.
 
-    ``measure_group(block_len, counts, iters)`` measures the counts of one block size
-    against one producer process (:func:`measure`'s figures); ``iters``: operations each
-    (None: by block size, fewer with ``--quick``); ``across``: ``" across hosts"`` (no
-    memcpy there), in the ratios' names and the notes.
+    ``iters``: operations each (None: by block size); ``hosts``: the consumer's
+    :class:`~p2pactor.programs.hosts.Host` and the producer's (else both here, and memcpy).
     """
+    across = " across hosts" if hosts else ""
     groups: dict[int, list[int]] = defaultdict(list)
     for count, block_len in sizes:
         groups[block_len].append(count)
     ops = {b: iters or (15 if not options.quick else 3 if b >= MIB else 8) for b in groups}
     measured: dict[tuple[int, int], dict[str, Any]] = {}
     for block_len, counts in groups.items():
-        found = measure_group(block_len, counts, ops[block_len])
+        spec: dict[str, Any] = {"block_len": block_len, "counts": counts, "iters": ops[block_len]}
+        spec |= {"repeats": options.repeats, "work_dir": options.work_dir}
+        if not hosts:
+            found = trio.run(functools.partial(measure, **spec))
+        else:
+            spec |= {"address": hosts[0].address, "host": attrs.asdict(hosts[1])}
+            found = child_result(
+                __name__,
+                json.dumps(spec),
+                stderr=f"{options.work_dir}/hosts-consumer-{block_len}.stderr",
+                host=hosts[0],
+                timeout=120 if options.quick else 400,
+            )
         measured.update({(c, block_len): found[str(c)] for c in counts})
     rows: list[dict[str, Cell]] = []
     ratios: dict[str, Stat] = {}
@@ -295,19 +290,11 @@ def measure_sizes(
         rows.append(row)
         if count * block_len >= target_bytes and ours_raw.median < TARGET:
             missed.append(f"{name} at {ours_raw.median:.2f} ({TARGET - ours_raw.median:.2f} short)")
-    where = "h1 -> h2 over UCX_TLS=tcp,self on eth0 (a veth pair and a bridge); " if across else ""
-    each = "/".join(map(str, ops.values()))
-    notes = [
-        (
-            f"{where}ours = lookup + fetch through the Node API, fetch only = fetch to "
-            "transfer_done, raw NIXL = the same WRITE from bare agents in the same two "
-            f"processes; {options.repeats} repeats of {each} operations each"
-        )
-    ]
-    if any(count * block_len >= target_bytes for count, block_len in sizes):
-        least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
-        notes.append(f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met")
-    return rows, ratios, notes
+    least = f"target ours/raw >= {TARGET} for {label(64, target_bytes // 64)} and up"
+    note = f"{least} missed: " + "; ".join(missed) if missed else f"{least}: met"
+    targeted = any(count * block_len >= target_bytes for count, block_len in sizes)
+    notes = [note] if targeted else []
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)
 
 
 def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
@@ -317,29 +304,16 @@ def _per(m: dict[str, Any], ours: str, reference: str) -> Stat:
 def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (fewer operations with ``--quick``)."""
     if missing := nixl_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
-
-    def group(block_len: int, counts: list[int], iters: int) -> dict[str, Any]:
-        spec = (block_len, counts, options.repeats, iters, options.work_dir)
-        found: dict[str, Any] = trio.run(measure, *spec)
-        return found
-
-    rows, ratios, notes = measure_sizes(SIZES, None, group, options)
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+        return SectionResult(skipped=missing)
+    return measure_sizes(SIZES, None, options)
 
 
 async def serve(num_blocks: int, block_len: int, address: str) -> None:
     """The producer process (``python -m ...dataplane producer NUM_BLOCKS BLOCK_LEN ADDRESS``).
 
-    It stores ``NUM_BLOCKS`` deterministic blocks (:func:`bench_keys`,
-    :func:`block_content`) in a node bound to ADDRESS, opens a second, bare NIXL agent
-    over the same pool for the raw-NIXL reference, says ``READY {"node_id", "blocks"}``
-    and answers :class:`~p2pactor.programs.bench._control_common.LineProcess` commands
-    until its stdin closes: ``{"cmd": "raw_peer", "metadata": hex, "base_addr": n,
-    "num_blocks": n}`` adds the consumer's bare agent as the raw agent's peer; ``{"cmd":
-    "raw", "local": [...], "remote": [...], "iters": n}``: ``n`` raw WRITEs, each timed
-    alone (post, then poll until DONE, no trio in between: the node's loop is blocked
-    meanwhile on purpose).
+    A node holding ``NUM_BLOCKS`` blocks and a bare :class:`RawAgent` over them; after
+    ``READY {"node_id", "blocks"}``, ``raw_peer`` adds the consumer's bare agent, ``raw``
+    times ``iters`` raw WRITEs (the node's loop blocked meanwhile on purpose).
     """
     import torch  # noqa: PLC0415 - only the benchmark's processes need torch
 
@@ -348,8 +322,9 @@ async def serve(num_blocks: int, block_len: int, address: str) -> None:
 
     pool = torch.zeros(num_blocks * block_len, dtype=torch.uint8)
     cache = EmbeddedCache(num_blocks, block_len, memory=pool.numpy().data)
-    for i, key in enumerate(bench_keys(num_blocks, block_len)):
-        cache.store(key, block_content(i, block_len))
+    keys = preload_keys(HASH_SEED, num_blocks)
+    for key in keys:
+        cache.store(key, block_bytes(key, block_len))
     raw = RawAgent(pool.data_ptr(), num_blocks, block_len)
     async with (
         open_bench_node(
@@ -357,7 +332,7 @@ async def serve(num_blocks: int, block_len: int, address: str) -> None:
         ) as node,
         open_operator_surface(node),  # as deployed: with its metrics
     ):
-        blocks = [cache.block_of(k) for k in bench_keys(num_blocks, block_len)]
+        blocks = [cache.block_of(k) for k in keys]
         say("READY " + json.dumps({"node_id": node.node_id, "blocks": blocks}))
         while line := await trio.to_thread.run_sync(sys.stdin.readline):
             cmd = json.loads(line)

@@ -1,16 +1,9 @@
 """Engine-thread cost of the vLLM adapter, against vLLM 0.33.0's own P2P tier.
 
-vLLM calls a secondary tier synchronously from its scheduler thread, under the
-offloading manager's lock: whatever the tier does there delays the step. A scripted
-engine (:mod:`~p2pactor.programs.bench._vllm_tier`, whose docstring lists its calls)
-drives p2pactor's ``P2PActorTierManager`` and vLLM's ``P2PSecondaryTierManager``
-alike, each against a producer tier of its own class in another process
-(the same module's), over real ZeroMQ and NIXL on 127.0.0.1,
-4 KiB blocks: each tier's own calls timed alone (a whole engine is ``engine-real``'s).
-The consumers run in one subprocess (``python -m p2pactor.programs.bench.engine``:
-vLLM's import is heavy, NIXL's state per process); each repeat runs both tiers in
-turn, fresh producers each. Per tier, the median over repeats with [min..max];
-ours/vLLM per repeat.
+vLLM calls a secondary tier from its scheduler thread, under the offloading manager's lock:
+what the tier does there delays the step. :mod:`~p2pactor.programs.bench._vllm_tier`'s
+scripted engine drives either tier, both in turn each repeat, in one consumer process
+(``python -m p2pactor.programs.bench.engine``) against producers of their own class.
 """
 
 from __future__ import annotations
@@ -29,10 +22,8 @@ from p2pactor.programs.bench._control_common import (
     take_turns,
     vllm_missing,
 )
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat, ratio
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat, ratio
 
-NAME = "engine"
-"""The section's name."""
 TITLE = "engine-thread cost of the vLLM adapter vs vLLM 0.33.0's P2P tier (same scripted engine)"
 """One line saying what is measured."""
 
@@ -44,8 +35,6 @@ FIGURES: tuple[tuple[str, str, str], ...] = (
     ("engine thread in tier calls", "ms", "engine_ms"),
     ("engine step p99 in tier calls", "us", "step_p99_us"),
     ("poll thread in tier calls", "ms", "poll_ms"),
-    ("CPU: consumer process", "ms", "process_cpu_ms"),
-    ("CPU: producer process", "ms", "producer_cpu_ms"),
 )
 """(row label, unit, key of one run's figures), in table order; each is a ratio ours/vLLM
 too, one per repeat (both tiers run in each repeat)."""
@@ -54,7 +43,7 @@ too, one per repeat (both tiers run in each repeat)."""
 def run(options: BenchOptions) -> SectionResult:
     """Run the engine benchmark in a subprocess and tabulate its figures."""
     if missing := vllm_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
+        return SectionResult(skipped=missing)
     requests = 100 if options.quick else 1000
     repeats = 1 if options.quick else max(1, options.repeats)
     spec = WORKLOAD | {"requests": requests, "repeats": repeats}
@@ -67,24 +56,15 @@ def run(options: BenchOptions) -> SectionResult:
         if per := ratio(ours, theirs):
             ratios[f"{label} ours/vLLM"] = per
         rows.append({"figure": f"{label} ({unit})", "ours": Stat.of(ours), "vLLM": Stat.of(theirs)})
-    w = WORKLOAD
-    note = (
-        f"{requests} requests x {w['keys']} keys (75% HIT), {w['admit']} admitted per "
-        f"{w['step_ms']:g} ms step, tier-poll every {w['poll_ms']:g} ms; {repeats} repeat(s), "
-        "both tiers in each (taking turns, the other's producer stopped), fresh processes per "
-        "run; engine thread: perf_counter around every tier call; CPU: user + system"
-    )
-    notes = [note]
-    if failed := sum(r["bad"] for r in runs["ours"]):
-        notes.append(f"ours: {failed} failed loads or wrong blocks (should be 0)")
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+    failed = sum(r["bad"] for r in runs["ours"])
+    notes = [f"ours: {failed} failed loads or wrong blocks (should be 0)"] if failed else []
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)
 
 
 def main() -> int:
-    """The consumers' process: every repeat, both tiers; say every run's figures.
+    """The consumers' process (:data:`WORKLOAD`, ``requests``, ``repeats``: JSON).
 
-    Its one argument: :data:`WORKLOAD` and ``requests``, ``repeats``, as JSON; its
-    answer: one ``RESULT {tier: [figures of each repeat]}`` line.
+    Every repeat runs both tiers; it says ``RESULT {tier: [figures of each repeat]}``.
     """
     args = argparse.Namespace(**json.loads(sys.argv[1]))
     runs: dict[str, list[Any]] = {t: [] for t in TIERS}

@@ -1,13 +1,8 @@
 """Real vLLM engines: what B's prefill of prefixes A computed costs, through each P2P tier.
 
-Two real vLLM 0.33.0 engines, each its own process (:mod:`p2pactor.programs.vllmreal`,
-CPU platform, a Llama of about 20 M parameters made locally, 1,536-token
-prefixes: the prefill shows). Engine A computes every prompt set and serves; a
-fresh engine B then runs each set once, naming A as the source, and its time to
-first token and generate time are measured. The arms, in one run:
-p2pactor's tier on both engines, vLLM's own ``p2p`` tier on both, and no P2P
-(B prefills everything). B's tokens must be A's in every arm (the same model,
-greedy). The ratios are the arms' medians over the sets, in this run.
+Two real vLLM 0.33.0 engines (:mod:`p2pactor.programs.vllmreal`, CPU platform, a small
+Llama made locally): A computes every prompt set, a fresh B runs each naming A, through
+p2pactor's tier, vLLM's own ``p2p`` tier or none; B's tokens must be A's (greedy).
 """
 
 from __future__ import annotations
@@ -19,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from p2pactor.programs.bench._control_common import spread_ports
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "engine-real"
-"""The section's name."""
 TITLE = "real vLLM engines: B's prefill of what A computed, through p2pactor, vLLM's tier, none"
 """One line saying what is measured."""
 
@@ -96,7 +89,7 @@ def run(options: BenchOptions) -> SectionResult:
 
     why = missing()
     if why is not None:
-        return SectionResult(name=NAME, title=TITLE, skipped=f"no real vLLM engine here: {why}")
+        return SectionResult(skipped=f"no real vLLM engine here: {why}")
     from p2pactor.programs.vllmreal.model import ModelShape, make_model  # noqa: PLC0415
 
     if options.quick:
@@ -134,9 +127,8 @@ def run(options: BenchOptions) -> SectionResult:
     rows = [
         row(ARMS[a], r, str(r["tokens"] == reference), len(r["left"])) for a, r in results.items()
     ]
-    if floor is None:
-        notes = [f"--quick: the p2pactor arm alone, {sets} set(s) of {per_set} prompts"]
-        return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
+    if floor is None:  # --quick: the p2pactor arm alone
+        return SectionResult(rows=rows)
 
     def over(key: str, a: str, b: str) -> Stat:
         return Stat.of(x / y for x, y in zip(results[a][key], results[b][key], strict=True))
@@ -157,19 +149,9 @@ def run(options: BenchOptions) -> SectionResult:
     ours_stock = ratios["generate time, p2pactor / vLLM's tier"].median
     notes = [
         (
-            f"model: {shape.layers} layers, hidden {shape.hidden}, about "
-            f"{shape.parameters / 1e6:.0f} M parameters (float32, vLLM's CPU attention); "
-            f"{sets} set(s) of {per_set} prompts of {prefix} + {own} tokens, 8 tokens out; "
-            f"{chunk >> 10} KiB blocks of 32 tokens; B names A in every request"
-        ),
-        (
             f"B's generate time with p2pactor is {ours_stock:.2f}x vLLM's tier's; target "
             f"0.6x: {'met' if ours_stock <= 0.6 else 'MISSED'}; a tier that cost nothing "
             f"(the floor) would be {best:.2f}x"
         ),
-        (
-            f"B fetches {batch} blocks, {batch * chunk / 1e6:.0f} MB, per set; the floor is B "
-            "running the set again, every block in its own KV cache"
-        ),
     ]
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+    return SectionResult(rows=rows, ratios=ratios, notes=notes)

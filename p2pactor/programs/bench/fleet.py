@@ -1,15 +1,9 @@
 """Finding the source without a router: fleets of engines on vLLM's own stack, by arm.
 
-The fleets run in one process, each engine vLLM 0.33's own offloading stack
-(:mod:`~p2pactor.programs.bench._fleet_run`, whose docstring says how they are built and
-stepped, and the arms: no P2P, an oracle, automatic choice, a mixed fleet). Per fleet,
-the median over repeats with [min..max]. The workloads (every request lands on an engine
-drawn uniformly at random: no router): chat on 4 and 8 engines, each CPU tier a quarter
-of the working set (:func:`chat_turns`); RAG on 5 engines, tiers a quarter and a tenth
-of it (:func:`rag_turns`). Token ids are synthetic (seeded), every segment a whole number
-of 16-token blocks; the keys are vLLM's: ``hash_block_tokens`` with sha256 chained from
-``NONE_HASH`` (the caller has seeded it, as an engine does at start-up), then
-``make_offload_key(hash, 0)``.
+The fleets run in one process (:mod:`~p2pactor.programs.bench._fleet_run`); this module
+tabulates them and makes their workloads, each request on an engine drawn at random:
+chat (:func:`chat_turns`) and RAG (:func:`rag_turns`), keyed as vLLM keys tokens
+(``hash_block_tokens``, sha256 chained from ``NONE_HASH``, then ``make_offload_key``).
 """
 
 from __future__ import annotations
@@ -21,10 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pactor.programs.bench._control_common import child_result, vllm_missing
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "fleet"
-"""The section's name."""
 TITLE = "finding the source with no router: chat and RAG fleets on vLLM's own stack, by arm"
 """One line saying what is measured."""
 
@@ -57,21 +49,18 @@ FIGURES: tuple[tuple[str, str, float], ...] = (
 """(row label, key of one run's figures, scale), in table order; a column per arm."""
 
 
-def plan(quick: bool) -> tuple[int, int, list[tuple[str, int, float]], tuple[str, ...]]:
-    """Chat conversations, RAG requests, the fleets (workload, engines, CPU tier share), arms.
-
-    ``--quick``: one fleet per workload, the arms the ratios need.
-    """
+def plan(quick: bool) -> tuple[dict[str, int], list[tuple[str, int, float]], tuple[str, ...]]:
+    """Requests (chat: conversations) per workload, fleets (workload, engines, tier share), arms."""
     if quick:
-        return 20, 60, [("chat", 4, 0.25), ("rag", 5, 0.25)], ("oracle", "auto")
-    return 160, 480, [("chat", 4, 0.25), ("chat", 8, 0.25), ("rag", 5, 0.25), ("rag", 5, 0.1)], ARMS
+        return {"chat": 20, "rag": 60}, [("chat", 4, 0.25), ("rag", 5, 0.25)], ("oracle", "auto")
+    fleets = [("chat", 4, 0.25), ("chat", 8, 0.25), ("rag", 5, 0.25), ("rag", 5, 0.1)]
+    return {"chat": 160, "rag": 480}, fleets, ARMS
 
 
-def fleet_of(run: Run) -> str:
-    """The fleet a run belongs to, as its rows name it."""
-    if run["workload"] == "rag":
-        return f"rag, {run['engines']} engines, tiers {100 * run['capacity_share']:g}%"
-    return f"chat, {run['engines']} engines"
+def fleet_of(workload: str, engines: int, share: float) -> str:
+    """A fleet's name in the rows."""
+    tiers = f", tiers {100 * share:g}%" if workload == "rag" else ""
+    return f"{workload}, {engines} engines{tiers}"
 
 
 def _verdict(ok: bool) -> str:
@@ -128,40 +117,20 @@ def _tabulate(fleet: str, runs: Runs) -> tuple[list[dict[str, Cell]], dict[str, 
 def run(options: BenchOptions) -> SectionResult:
     """Run the fleet benchmark (chat, then RAG) in a subprocess and tabulate its figures."""
     if missing := vllm_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
+        return SectionResult(skipped=missing)
     repeats = 1 if options.quick else min(3, max(1, options.repeats))
-    conversations, requests, _, _ = plan(options.quick)
     found = child_result(
         "p2pactor.programs.bench._fleet_run",
         *(str(repeats), *(["--quick"] if options.quick else [])),
         stderr=os.path.join(options.work_dir, "fleet.err"),
         timeout=300 if options.quick else 1800 * repeats,
     )
-    fleets: dict[str, Runs] = {}
-    for r in found["runs"]:
-        fleets.setdefault(fleet_of(r), {}).setdefault(r["arm"], []).append(r)
-    rows: list[dict[str, Cell]] = []
-    ratios: dict[str, Stat] = {}
-    notes = [
-        (
-            f"chat: {conversations} conversations of 2-5 turns; rag: {requests} requests over Zipf "
-            f"documents, a fifth for a prefix nobody holds; {repeats} repeat(s); 10 ms steps, 4 "
-            "requests admitted per step over the fleet, 4 in flight per engine; every engine is "
-            "vLLM's own stack (its LRU, no touch)"
-        ),
-        (
-            "tokens saved: prompt tokens not prefilled (loaded from the engine's own CPU tier, or "
-            "from a peer through it); the oracle names the engine whose CPU tier (vLLM's own "
-            "lookup) holds the longest prefix at admission; a hung request waited 5 s for its "
-            "lookups and was given up (as a client would)"
-        ),
-    ]
-    for fleet, runs in fleets.items():
-        fleet_rows, fleet_ratios, fleet_notes = _tabulate(fleet, runs)
-        rows += fleet_rows
-        ratios |= fleet_ratios
-        notes += fleet_notes
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+    parts = [_tabulate(fleet, runs) for fleet, runs in found.items()]
+    return SectionResult(
+        rows=[row for rows, _, _ in parts for row in rows],
+        ratios={k: v for _, ratios, _ in parts for k, v in ratios.items()},
+        notes=[note for _, _, notes in parts for note in notes],
+    )
 
 
 # --- the workloads (needing vLLM: run by _fleet_run) -------------------------------------
@@ -173,10 +142,9 @@ TOKENS_PER_BLOCK = 16
 
 @dataclass(frozen=True)
 class Turn:
-    """One request: a turn of a conversation (a RAG request is its own), on its engine.
+    """One request (``index``, in arrival order): a turn of a conversation, on its engine.
 
-    In arrival order (``index``): its prompt's keys, its reply's (the next turn's
-    history), the engine steps the user takes to write it (none for a first turn).
+    Its prompt's keys, its reply's, the steps the user takes to write it (0 for a first turn).
     """
 
     index: int
@@ -209,11 +177,6 @@ class _Chain:
         self.keys += added
         return added
 
-    def copy(self) -> _Chain:
-        other = _Chain()
-        other.keys, other._parent = list(self.keys), self._parent
-        return other
-
 
 def _tokens(rng: random.Random, blocks: int) -> list[int]:
     return [rng.randrange(1, 150_000) for _ in range(blocks * TOKENS_PER_BLOCK)]
@@ -222,31 +185,29 @@ def _tokens(rng: random.Random, blocks: int) -> list[int]:
 def chat_turns(engines: int, conversations: int, seed: int) -> list[Turn]:
     """Every request of a chat run, in arrival order (a conversation's turns in turn order).
 
-    32 system prompts of 16-64 blocks, of Zipf popularity (s = 1), start the
-    conversations; each has 2-5 turns, and every turn's prompt is the system prompt, the
-    whole history (every earlier user message of 2-6 blocks and reply of 2-8) and a new
-    user message, so a follow-up's prefix is the previous turn's prompt and reply. A
-    user takes 10-40 engine steps to write a follow-up (0.1-0.4 s: users take longer,
-    which only leaves the summaries more time).
+    32 system prompts of 16-64 blocks, of Zipf popularity (s = 1), start conversations of
+    2-5 turns; a turn's prompt is the whole history (user messages of 2-6 blocks, replies
+    of 2-8) and a new message. A follow-up comes 10-40 steps after its reply (real users
+    take longer, which only leaves the summaries more time).
     """
     rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
     systems = [_tokens(rng, rng.randint(16, 64)) for _ in range(32)]
     weights = [1 / (rank + 1) for rank in range(32)]
-    timed: list[tuple[float, int, int, _Chain, list[bytes], int]] = []
+    timed: list[tuple[float, int, int, tuple[bytes, ...], list[bytes], int]] = []
     for conversation in range(conversations):
         chain = _Chain()
         chain.extend(systems[rng.choices(range(32), weights)[0]])
         at = rng.uniform(0.0, 1.0)
         for turn in range(rng.randint(2, 5)):
             chain.extend(_tokens(rng, rng.randint(2, 6)))
-            prompt = chain.copy()
+            prompt = tuple(chain.keys)
             reply = chain.extend(_tokens(rng, rng.randint(2, 8)))
             think = rng.randint(10, 40) if turn else 0
             timed.append((at, conversation, turn, prompt, reply, think))
             at += rng.uniform(0.05, 0.3)  # arrival order: the next message comes later
     timed.sort(key=lambda t: (t[0], t[1], t[2]))
     return [
-        Turn(i, conversation, turn, rng.randrange(engines), tuple(p.keys), tuple(reply), think)
+        Turn(i, conversation, turn, rng.randrange(engines), p, tuple(reply), think)
         for i, (_, conversation, turn, p, reply, think) in enumerate(timed)
     ]
 
@@ -254,10 +215,9 @@ def chat_turns(engines: int, conversations: int, seed: int) -> list[Turn]:
 def rag_turns(engines: int, requests: int, seed: int) -> list[Turn]:
     """Every request of a RAG run, in arrival order (each its own one-turn conversation).
 
-    A shared system prompt of 4 blocks, a retrieved document of 16-64 and a question of
-    1-4; the 64 documents are of Zipf popularity (s = 0.8) and come into use over the
-    run, and a fifth of the requests retrieve a document nobody else ever asks for (a
-    prefix nobody holds). Replies are 2-6 blocks.
+    A shared system prompt of 4 blocks, a document of 16-64 (64 of Zipf popularity, s = 0.8,
+    coming into use over the run; a fifth of the requests one nobody else asks for) and a
+    question of 1-4; replies of 2-6.
     """
     rng = random.Random(seed)  # noqa: S311 - a reproducible workload, not a secret
     system = _tokens(rng, 4)
@@ -277,9 +237,9 @@ def rag_turns(engines: int, requests: int, seed: int) -> list[Turn]:
         chain.extend(system)
         chain.extend(document)
         chain.extend(_tokens(rng, rng.randint(1, 4)))
-        prompt = chain.copy()
+        prompt = tuple(chain.keys)
         reply = chain.extend(_tokens(rng, rng.randint(2, 6)))
-        turns.append(Turn(i, i, 0, rng.randrange(engines), tuple(prompt.keys), tuple(reply), 0))
+        turns.append(Turn(i, i, 0, rng.randrange(engines), prompt, tuple(reply), 0))
     return turns
 
 

@@ -1,28 +1,18 @@
 """``p2pactor bench`` section ``hosts``: the data-plane fetch across two hosts, over UCX TCP.
 
-Two namespaced hosts (:mod:`p2pactor.programs.hosts`: each its own network,
-hostname and ``/dev/shm``, UCX limited to ``tcp,self`` on its ``eth0``) are
-joined by a veth pair and a bridge, so the bytes cross the kernel's TCP stack
-as between machines. The measurement is the ``dataplane`` section's own, ours against
-raw NIXL (:func:`p2pactor.programs.bench.dataplane.measure`), its consumer process on
-``h1`` and its producer process on ``h2``: raw NIXL is what TCP over veth reaches here.
-Needs root (namespaces); without it the section is skipped with a note.
+Two namespaced hosts (:mod:`p2pactor.programs.hosts`, joined by a veth pair and a
+bridge: the bytes cross the kernel's TCP stack as between machines) run the
+``dataplane`` section's own measurement (:func:`p2pactor.programs.bench.dataplane.measure`),
+its consumer on ``h1``, its producer on ``h2``. Needs root; else skipped with a note.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
-import attrs
-
-from p2pactor.programs.bench._control_common import child_result, nixl_missing
+from p2pactor.programs.bench._control_common import nixl_missing
+from p2pactor.programs.bench.cli import BenchOptions, SectionResult
 from p2pactor.programs.bench.dataplane import KIB, MIB, measure_sizes
-from p2pactor.programs.bench.report import BenchOptions, SectionResult
 from p2pactor.programs.hosts import hosts_unavailable, open_hosts
 
-NAME = "hosts"
-"""The section's name."""
 TITLE = "fetch B x S across two namespaced hosts over UCX TCP (veth), vs raw NIXL"
 """What the section measures."""
 
@@ -37,30 +27,9 @@ SKIP = "no namespaced hosts"
 def run(options: BenchOptions) -> SectionResult:
     """Measure every size of :data:`SIZES` (:data:`QUICK_SIZES` with ``--quick``) across hosts."""
     if missing := hosts_unavailable():
-        return SectionResult(name=NAME, title=TITLE, skipped=f"{SKIP}: {missing}")
+        return SectionResult(skipped=f"{SKIP}: {missing}")
     if missing := nixl_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
-    with open_hosts(2) as (h1, h2):
-
-        def group(block_len: int, counts: list[int], iters: int) -> dict[str, Any]:
-            spec = {
-                "block_len": block_len,
-                "counts": counts,
-                "repeats": options.repeats,
-                "iters": iters,
-                "work_dir": options.work_dir,
-                "address": h1.address,
-                "host": attrs.asdict(h2),
-            }
-            found: dict[str, Any] = child_result(
-                "p2pactor.programs.bench.dataplane",
-                json.dumps(spec),
-                stderr=f"{options.work_dir}/hosts-consumer-{block_len}.stderr",
-                host=h1,
-                timeout=120 if options.quick else 400,
-            )
-            return found
-
+        return SectionResult(skipped=missing)
+    with open_hosts(2) as hosts:
         sizes, iters = (QUICK_SIZES, 4) if options.quick else (SIZES, 10)
-        rows, ratios, notes = measure_sizes(sizes, iters, group, options, across=" across hosts")
-    return SectionResult(name=NAME, title=TITLE, rows=rows, ratios=ratios, notes=notes)
+        return measure_sizes(sizes, iters, options, hosts)

@@ -1,16 +1,9 @@
 """Index scale: what the source index costs a node as the fleet grows (16, 64, 128 peers).
 
-In-process, no sockets: one :class:`~p2pactor.core.sources.SourceIndex` fed as a node's
-directory feeds it (the fingerprints packed, as the wire carries them; each message, then
-the index's work on it a slice at a time): each peer's whole snapshot (in parts of 8,192),
-then deltas of 1,000 changes (500 added, 500 removed). Each peer holds ``KEYS`` keys, a
-fifth from a pool every peer shares (popular prefixes). Measured per fleet size: bytes per
-claim (``tracemalloc``'s count of what the index holds, over its claims); time per changed
-fingerprint (the deltas' node-thread time over their changes); time per choice (``choose``
-over 128 keys, one peer's claimed run of 96 then 32 nobody claims, median of 1,000); the
-longest single call while the snapshots arrive (the garbage collector included, as on a
-node; the workload's own lists frozen out of its sight). Issue 30's targets are notes:
-<= 24 bytes a claim, <= 0.3 us a changed fingerprint, <= 100 us a choice at 128 peers.
+In-process: one :class:`~p2pactor.core.sources.SourceIndex` fed as a node's directory feeds
+it, each peer's snapshot in parts, then deltas of 1,000 changes (``KEYS`` keys a peer, a
+fifth shared): bytes per claim (``tracemalloc``), time per changed fingerprint and per
+choice over 128 keys, the longest single call (the garbage collector included).
 """
 
 from __future__ import annotations
@@ -23,10 +16,8 @@ import tracemalloc
 
 from p2pactor.core.protocol_summaries import packed
 from p2pactor.core.sources import SourceIndex
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "index-scale"
-"""The section's name."""
 TITLE = "the source index at 16, 64 and 128 peers: memory per claim, time per change and choice"
 """One line saying what is measured."""
 
@@ -110,12 +101,12 @@ def _one(peers: int, keys: int, deltas: int, seed: int) -> dict[str, float]:
             t0 = time.perf_counter()
             index.choose(wanted, 0.0)
             took.append(time.perf_counter() - t0)
-        return {
-            "bytes": memory / claims,
-            "change_us": spent / changed * 1e6,
-            "choice_us": statistics.median(took) * 1e6,
-            "longest_ms": longest * 1e3,
-            "claims": claims,
+        return {  # the row's columns
+            "bytes per claim": memory / claims,
+            "us per changed fingerprint": spent / changed * 1e6,
+            "us per choice (128 keys)": statistics.median(took) * 1e6,
+            "longest call (ms)": longest * 1e3,
+            "index (MiB)": memory / 2**20,
         }
     finally:
         gc.unfreeze()
@@ -127,26 +118,14 @@ def run(options: BenchOptions) -> SectionResult:
     deltas = QUICK_DELTAS if options.quick else DELTAS_PER_PEER
     repeats = 1 if options.quick else max(1, min(options.repeats, 3))
     rows: list[dict[str, Cell]] = []
-    notes: list[str] = []
     for peers in FLEETS:
         results = [_one(peers, keys, deltas, seed) for seed in range(repeats)]
-        stat = {k: Stat.of(r[k] for r in results) for k in results[0]}
-        rows.append(
-            {
-                "peers": peers,
-                "keys each": keys,
-                "bytes per claim": stat["bytes"],
-                "us per changed fingerprint": stat["change_us"],
-                "us per choice (128 keys)": stat["choice_us"],
-                "longest call (ms)": stat["longest_ms"],
-                "index (MiB)": Stat.of(r["bytes"] * r["claims"] / 2**20 for r in results),
-            }
-        )
-        last = stat
-    notes.append(
+        last = {k: Stat.of(r[k] for r in results) for k in results[0]}
+        rows.append({"peers": peers, "keys each": keys, **last})
+    note = (
         f"targets at {FLEETS[-1]} peers: <= {TARGET_BYTES} bytes a claim "
-        f"(here {last['bytes'].median:.0f}), <= {TARGET_CHANGE_US} us a changed fingerprint "
-        f"(here {last['change_us'].median:.2f}), <= {TARGET_CHOICE_US:g} us a choice "
-        f"(here {last['choice_us'].median:.1f})"
+        f"(here {last['bytes per claim'].median:.0f}), <= {TARGET_CHANGE_US} us a changed "
+        f"fingerprint (here {last['us per changed fingerprint'].median:.2f}), <= "
+        f"{TARGET_CHOICE_US:g} us a choice (here {last['us per choice (128 keys)'].median:.1f})"
     )
-    return SectionResult(name=NAME, title=TITLE, rows=rows, notes=notes)
+    return SectionResult(rows=rows, notes=[note])

@@ -1,30 +1,32 @@
 """Summary attack: hostile peers against ``p2pactor serve``, and an honest peer's lookups meanwhile.
 
 Per repeat a fresh victim (:class:`~p2pactor.programs.bench._summary_drive.Victim`,
-summaries on, 16,384 preloaded blocks of 1 KiB, ``--slow-step-ms 10``), an honest
-p2pactor node looking it up 50 times a second, fetching and checking every byte
-(:mod:`~p2pactor.programs.bench._honest`), the honest peer alone (the baseline), then
-each attack with a fresh hostile process and session
-(:func:`~p2pactor.programs.bench._summary_drive.run_attack`). One row per attack (per
-refused frame), medians over repeats with ``[min..max]``, each row's own figure, and a
-verdict naming every target of issue 30 it missed; the targets are notes, never asserted
+summaries on, 16,384 preloaded blocks of 1 KiB, ``--slow-step-ms 10``) and an honest peer,
+the honest peer alone (the baseline), then each attack with a fresh hostile process and
+session (:func:`~p2pactor.programs.bench._summary_drive.run_attack`). One row per attack
+(per refused frame), medians over repeats with ``[min..max]`` and each row's own figure; a
+note per target of issue 30 names the rows that missed it; the targets are never asserted
 (``tests/test_summary_attack.py`` asserts the outcomes, the liar's quarantine too).
+
+The honest peer is ``python -m p2pactor.programs.bench.summary_attack JSON`` (``port`` and
+:attr:`~p2pactor.programs.bench._summary_drive.VictimSettings.peer_spec`): a node looking up
+:data:`KEYS` preloaded keys :data:`RATE_HZ` times a second (the lookup timed), fetching and
+checking them. After ``READY``, each stdin line ends a window: one JSON line of every
+lookup's latency (s) and the failures; it exits when its stdin closes.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from p2pactor.core.protocol_limits import DEFAULT_MAX_FRAME_BYTES
-from p2pactor.programs.bench._control_common import free_port, nixl_missing
-from p2pactor.programs.bench._honest import KEYS as HONEST_KEYS
-from p2pactor.programs.bench._honest import RATE_HZ as HONEST_HZ
+from p2pactor.programs.bench._control_common import free_port, nixl_missing, open_bench_node, say
 from p2pactor.programs.bench._hostile import FLOOD_KEYS
 from p2pactor.programs.bench._summary_drive import (
     StepResult,
@@ -33,10 +35,8 @@ from p2pactor.programs.bench._summary_drive import (
     merge_honest,
     run_attack,
 )
-from p2pactor.programs.bench.report import BenchOptions, Cell, SectionResult, Stat
+from p2pactor.programs.bench.cli import BenchOptions, Cell, SectionResult, Stat
 
-NAME = "summary-attack"
-"""The section's name."""
 TITLE = (
     "hostile peers (summaries, frames, a lookup flood) against p2pactor serve: victim RSS, "
     "node-thread stalls, an honest peer's lookups"
@@ -109,34 +109,8 @@ def _repeat(work: Path, attacks: Attacks, baseline_s: float) -> Any:
         return baseline, results
 
 
-def run(options: BenchOptions) -> SectionResult:
-    """Run every attack against a fresh victim per repeat, and tabulate."""
-    if missing := nixl_missing():
-        return SectionResult(name=NAME, title=TITLE, skipped=missing)
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-    attacks = QUICK if options.quick else FULL
-    repeats = 1 if options.quick else max(1, min(options.repeats, MAX_REPEATS))
-    baseline_s = QUICK_BASELINE_S if options.quick else BASELINE_S
-    runs = [_repeat(Path(options.work_dir), attacks, baseline_s) for _ in range(repeats)]
-    return _tabulate(attacks, runs, VictimSettings(port=0, metrics_port=0), baseline_s)
-
-
-def _stat(values: Sequence[float | None]) -> Stat | None:
-    xs = [v for v in values if v is not None]
-    return Stat.of(xs) if xs else None
-
-
-def _ms(value: float | None) -> float | None:
-    return None if value is None else value * 1e3
-
-
-def _missed(checks: Sequence[tuple[Stat | None, float, str, str]]) -> list[tuple[str, str]]:
-    """Each (median, limit, target, how a miss reads) whose median is over its limit."""
-    return [(k, f.format(s.median, t)) for s, t, k, f in checks if s and s.median > t]
-
-
-Target = tuple[float, str, str]
-"""A row's own target: its limit, the target's key in :data:`TARGETS`, how a miss reads."""
+SNAPSHOT_PARTS = parts_per_snapshot(VictimSettings(port=0, metrics_port=0))
+"""Parts of one of the section's victim's snapshots."""
 TARGETS = {
     "rss": f"victim RSS growth <= {RSS_TARGET_MIB:g} MiB per hostile peer",
     "stall": f"no node-thread step over {STALL_TARGET_MS:g} ms",
@@ -145,166 +119,224 @@ TARGETS = {
     "resync": f"resync answers bounded, an epoch flipper <= {EPOCH_TARGET} resyncs",
     "failed": "honest service never stops (no honest lookup fails)",
 }
-"""Issue 30's targets, each a note saying which rows missed it."""
+"""Issue 30's targets, each a note naming the rows that missed it."""
+CHECKS = {
+    "rss": ("RSS peak MiB", RSS_TARGET_MIB, "RSS +{:.0f} MiB > {:g}"),
+    "stall": ("longest step ms", STALL_TARGET_MS, "stall {:.0f} ms > {:g}"),
+    "p99": ("p99 / baseline", P99_TARGET_X, "p99 x{:.1f} > {:g}"),
+    "failed": ("honest failed", 0, "{:.0f} honest lookups failed"),
+}
+"""Every row's targets: (the column it reads, its limit, how a miss reads), by key."""
+OWN = {
+    "refused-frame": ("frame", FRAME_TARGET_X, "x{:.2f} > {:g}"),
+    "epoch-flip": ("resync", EPOCH_TARGET, "{:.0f} resyncs > {:g}"),
+    # One snapshot a second per peer, however often asked.
+    "resync-flood": ("resync", 2 * SNAPSHOT_PARTS, "{:.1f} parts/s > {:g}"),
+}
+"""An attack's own target, read in its ``value`` column: (key, limit, how a miss reads)."""
 
 
-COLUMNS = (
-    *("RSS peak MiB", "RSS held MiB", "RSS kept MiB", "longest step ms"),
-    *("honest p50 ms", "honest p99 ms", "p99 / baseline", "value"),
-)
-"""The table's columns of figures, one a repeat, in order (but ``honest failed``, a count)."""
+def run(options: BenchOptions) -> SectionResult:
+    """Run every attack against a fresh victim per repeat, and tabulate."""
+    if missing := nixl_missing():
+        return SectionResult(skipped=missing)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    attacks = QUICK if options.quick else FULL
+    repeats = 1 if options.quick else max(1, min(options.repeats, MAX_REPEATS))
+    baseline_s = QUICK_BASELINE_S if options.quick else BASELINE_S
+    rows: dict[str, tuple[str, str, list[dict[str, Any]]]] = {}  # name: attack, figure, repeats
+    for _ in range(repeats):
+        baseline, results = _repeat(Path(options.work_dir), attacks, baseline_s)
+        p99 = baseline["lookup_p99_s"]
+        base = rows.setdefault("none: the honest peer alone (baseline)", ("", "honest lookups", []))
+        base[2].append(_figures(baseline, None, None, float(baseline["lookups"])))
+        for label, attack, _ in attacks:
+            for step in results[label].steps if attack == "refused-frame" else [results[label]]:
+                name, figure, value = _value(attack, step, label)
+                rows.setdefault(name, (attack, figure, []))[2].append(
+                    _figures(step.honest, p99, step, value)
+                )
+    table: list[dict[str, Cell]] = []
+    misses: dict[str, list[str]] = {key: [] for key in TARGETS}
+    for name, (attack, figure, got) in rows.items():
+        row: dict[str, Cell] = {"attack": name}
+        row |= {k: _stat([g[k] for g in got]) for k in got[0] if k != "task"}
+        row |= {"honest failed": sum(g["honest failed"] for g in got), "figure": figure}
+        row["value"] = row.pop("value")  # the last column, after its figure's name
+        table.append(row)
+        own = [(OWN[attack][0], ("value", *OWN[attack][1:]))] if attack in OWN else []
+        for key, (column, limit, miss) in [*CHECKS.items(), *own]:
+            cell = row[column]
+            median = cell.median if isinstance(cell, Stat) else cell
+            if isinstance(median, int | float) and median > limit:
+                task = max(got, key=lambda g: g["longest step ms"] or 0)["task"]
+                ran = f", in {task}" if key == "stall" and task else ""
+                misses[key].append(f"{name} ({miss.format(median, limit)}{ran})")
+    notes = [
+        f"target {what}: " + ("MISSED by " + "; ".join(misses[key]) if misses[key] else "met")
+        for key, what in TARGETS.items()
+    ]
+    return SectionResult(rows=table, notes=notes)
 
 
-@attrs.define
-class _Row:
-    """What one row gathers over the repeats, before it becomes a table row."""
-
-    name: str
-    figure: str = ""
-    own: Target | None = None
-    got: dict[str, list[float | None]] = attrs.field(factory=lambda: {c: [] for c in COLUMNS})
-    """Each column's figure, one a repeat."""
-    task: str = ""
-    failed: int = 0
-    misses: list[tuple[str, str]] = attrs.field(factory=list)
-    """Each target its medians missed: (its key in :data:`TARGETS`, how it was missed)."""
-
-    def add(self, m: StepResult, base_p99: float | None, value: float | None) -> None:
-        """Add one repeat's figures: the victim's RSS, node thread, the honest peer's, its own."""
-        step = _ms(m.longest_step_s)
-        was = max((x for x in self.got["longest step ms"] if x is not None), default=0.0)
-        if step is not None and step >= was:
-            self.task = m.longest_task
-        victim = (m.peak_growth_mib, m.held_mib, m.kept_mib, step)
-        for column, figure in zip(COLUMNS[:4], victim, strict=True):
-            self.got[column].append(figure)
-        self.honest(m.honest, base_p99, value)
-
-    def honest(self, honest: dict[str, Any], base_p99: float | None, value: float | None) -> None:
-        """Add one repeat's honest figures (and the row's own value)."""
-        p99 = honest["lookup_p99_s"]
-        ratio = p99 / base_p99 if p99 is not None and base_p99 else None
-        for column, figure in zip(
-            COLUMNS[4:7], (_ms(honest["lookup_p50_s"]), _ms(p99), ratio), strict=True
-        ):
-            self.got[column].append(figure)
-        self.got["value"].append(value)
-        self.failed += int(honest["failed"])
-
-    def cells(self) -> dict[str, Cell]:
-        """The table row; :attr:`misses` names every target its medians missed."""
-        stat = {column: _stat(values) for column, values in self.got.items()}
-        checks = [
-            (stat["RSS peak MiB"], RSS_TARGET_MIB, "rss", "RSS +{:.0f} MiB > {:g}"),
-            (stat["longest step ms"], STALL_TARGET_MS, "stall", "stall {:.0f} ms > {:g}"),
-            (stat["p99 / baseline"], P99_TARGET_X, "p99", "p99 x{:.1f} > {:g}"),
-        ]
-        own = [(stat["value"], *self.own)] if self.own else []
-        failed = [("failed", f"{self.failed} honest lookups failed")] if self.failed else []
-        self.misses = [*_missed(checks), *failed, *_missed(own)]
-        return {
-            "attack": self.name,
-            **{column: stat[column] for column in COLUMNS[:7]},
-            "honest failed": self.failed,
-            "figure": self.figure,
-            "value": stat["value"],
-            "verdict": "; ".join(m for _, m in self.misses) or "ok",
-        }
+def _stat(values: list[float | None]) -> Stat | None:
+    xs = [v for v in values if v is not None]
+    return Stat.of(xs) if xs else None
 
 
-def _figure(attack: str, result: StepResult, settings: VictimSettings) -> tuple[Any, ...]:
-    """The attack's own figure: what it names, its value in one repeat, its own target."""
-    done = result.hostile
+def _figures(
+    honest: dict[str, Any], base_p99: float | None, step: StepResult | None, value: float | None
+) -> dict[str, Any]:
+    """One repeat's figures of a row: the victim's (none for the baseline), the honest peer's."""
+    p50, p99 = honest["lookup_p50_s"], honest["lookup_p99_s"]
+    longest = None if step is None else step.longest_step_s
+    return {
+        "RSS peak MiB": None if step is None else step.peak_growth_mib,
+        "RSS kept MiB": None if step is None else step.kept_mib,
+        "longest step ms": None if longest is None else longest * 1e3,
+        "honest p50 ms": None if p50 is None else p50 * 1e3,
+        "honest p99 ms": None if p99 is None else p99 * 1e3,
+        "p99 / baseline": p99 / base_p99 if p99 is not None and base_p99 else None,
+        "honest failed": int(honest["failed"]),
+        "value": value,
+        "task": "" if step is None else step.longest_task,
+    }
+
+
+def _value(attack: str, step: StepResult, label: str) -> tuple[str, str, float | None]:
+    """The row an attack (a refused frame: a step of it) is, its own figure's name, its value."""
+    done = step.hostile
+    if attack == "refused-frame":
+        size = int(done["bytes"])
+        where = "in a session" if done["mode"] == "session" else "first on a new connection"
+        row = f"refused frame {where}, {size / MIB:g} MiB"
+        return row, "RSS peak / frame size", step.peak_growth_mib * MIB / size
     seconds = float(done.get("end", 0)) - float(done.get("start", 0))
     per_s = 1 / seconds if seconds else 0.0
-    most = 2 * parts_per_snapshot(settings)  # one snapshot a second per peer, however asked
-    figures: dict[str, tuple[Any, ...]] = {
-        "register-1m": ("claims the victim kept", result.claimed_keys, None),
-        "snapshot-flood": ("s until the victim read them", seconds, None),
-        "deltas-mid-snapshot": ("resyncs the hostile peer got", done.get("resyncs"), None),
-        "epoch-flip": (
-            "resyncs the hostile peer got",
-            done.get("resyncs"),
-            (EPOCH_TARGET, "resync", "{:.0f} resyncs > {:g}"),
-        ),
-        "resync-flood": (
-            "snapshot parts/s it got",
-            float(done.get("parts", 0)) * per_s or None,
-            (most, "resync", "{:.1f} parts/s > {:g}"),
-        ),
+    parts, hit = float(done.get("parts", 0)) * per_s, float(done.get("keys_hit", 0))
+    figure, value = {
+        "register-1m": ("claims the victim kept", step.claimed_keys),
+        "snapshot-flood": ("s until the victim read them", seconds),
+        "deltas-mid-snapshot": ("resyncs the hostile peer got", done.get("resyncs")),
+        "epoch-flip": ("resyncs the hostile peer got", done.get("resyncs")),
+        "resync-flood": ("snapshot parts/s it got", parts or None),
         # Cut off as a flood (its frames waited past inbound_bytes), or all answered.
-        "max-lookups": ("cut off (1) or all answered (0)", float(bool(done.get("cut"))), None),
-        "max-frames": ("MB/s the victim read", float(done.get("bytes", 0)) * per_s / 1e6, None),
+        "max-lookups": ("cut off (1) or all answered (0)", float(bool(done.get("cut")))),
+        "max-frames": ("MB/s the victim read", float(done.get("bytes", 0)) * per_s / 1e6),
         # Ours answers MISS over the pinned-blocks and open-requests quotas.
         "lookup-flood": (
             f"keys HIT a hostile lookup (of {FLOOD_KEYS})",
-            float(done.get("keys_hit", 0)) / max(1, int(done.get("lookups", 1))),
-            None,
+            hit / max(1, int(done.get("lookups", 1))),
         ),
-    }
-    return figures.get(attack, ("", None, None))
+    }.get(attack, ("", None))
+    return label, figure, None if value is None else float(value)
 
 
-def _tabulate(
-    attacks: Attacks,
-    runs: Sequence[tuple[dict[str, Any], dict[str, StepResult]]],
-    settings: VictimSettings,
-    baseline_s: float,
-) -> SectionResult:
-    base = _Row("none: the honest peer alone (baseline)", figure="honest lookups")
-    rows: dict[str, _Row] = {}
-    frame: Target = (FRAME_TARGET_X, "frame", "x{:.2f} > {:g}")
-    for baseline, results in runs:
-        base_p99 = baseline["lookup_p99_s"]
-        base.honest(baseline, None, float(baseline["lookups"]))
-        for row_name, attack, _ in attacks:
-            result = results[row_name]
-            if attack != "refused-frame":
-                figure, value, own = _figure(attack, result, settings)
-                row = rows.setdefault(row_name, _Row(row_name, figure, own))
-                row.add(result, base_p99, None if value is None else float(value))
-            for step in result.steps if attack == "refused-frame" else ():
-                mode, size = str(step.hostile["mode"]), int(step.hostile["bytes"])
-                where = "in a session" if mode == "session" else "first on a new connection"
-                label = f"refused frame {where}, {size / MIB:g} MiB"
-                row = rows.setdefault(label, _Row(label, "RSS peak / frame size", frame))
-                row.add(step, base_p99, step.peak_growth_mib * MIB / size)
-    table = [base.cells(), *(row.cells() for row in rows.values())]
-    s = settings
-    notes = [
-        (
-            f"{len(runs)} repeat(s), each a fresh victim: p2pactor serve, summaries on, "
-            f"{s.preload:,} preloaded blocks of {s.block_len} B ({parts_per_snapshot(s)} parts a "
-            f"snapshot), --slow-step-ms {s.slow_step_ms:g}, /status asked every 0.1 s; the honest "
-            f"peer alone {baseline_s:g} s (baseline; p99: the median of its 2-s windows'), then "
-            "each attack with a fresh hostile process and session, measured from its connect until "
-            "the victim ended its session"
-        ),
-        (
-            f"honest peer: a p2pactor node looking up {HONEST_KEYS} preloaded keys "
-            f"{HONEST_HZ:g} times a second, fetching them and checking every byte; failed = a "
-            "MISS, a failed fetch or a wrong byte; the "
-            f"processes share this machine's {os.cpu_count()} cores: the hostile process runs at "
-            "idle CPU priority (SCHED_IDLE), as a peer on another host, but for the lookup flood "
-            f"({FLOOD_KEYS} held keys a lookup, vLLM's dialect, never fetched, 256 unanswered)"
-        ),
-        (
-            "RSS over the victim's RSS before the hostile peer connected: peak (VmHWM, started "
-            "afresh before each step, read before each reset), held (its last step done, the "
-            "session open), kept (once the victim ended the session); refused frames: per "
-            "frame, over the RSS just before it"
-        ),
-        (
-            "longest step: the victim's node thread's longest step that began in the attack's "
-            "window (/status lists the last 32; 0 = none over --slow-step-ms); time it waits "
-            "for the GIL between steps is in no step"
-        ),
-    ]
-    every = [base, *rows.values()]
-    for key, what in TARGETS.items():
-        missed = [f"{r.name} ({m})" for r in every for k, m in r.misses if k == key]
-        notes.append(f"target {what}: " + ("MISSED by " + "; ".join(missed) if missed else "met"))
-    stalls = [f"{r.name}: {r.task}" for r in every if r.task and "stall" in dict(r.misses)]
-    if stalls:
-        notes.append("the longest steps over the target ran in: " + "; ".join(stalls))
-    return SectionResult(name=NAME, title=TITLE, rows=table, notes=notes)
+KEYS, RATE_HZ = 4, 50.0
+"""Keys a lookup; lookups a second."""
+FAILURES_KEPT = 5
+"""Failures described in a window (all are counted)."""
+
+
+def _window() -> dict[str, Any]:
+    """A new window's figures, as the driver reads them."""
+    return {"latencies_s": [], "failed": 0, "failures": []}
+
+
+def _fail(window: dict[str, Any], why: str) -> None:
+    window["failed"] += 1
+    if len(window["failures"]) < FAILURES_KEPT:
+        window["failures"].append(why)
+
+
+def _why_failed(node: Any, peer: str, kv: str) -> str:
+    """Why request ``kv`` failed: a lost session, a timed-out lookup, or the victim said so."""
+    from p2pactor.core.consumer import ConsumerState  # noqa: PLC0415
+
+    actor = node.known_consumer(peer, kv)
+    state = actor.state if actor is not None else None
+    if not isinstance(state, ConsumerState):
+        return "no request to the victim"
+    if state.session_lost:
+        ended = [c.reason for c in node.closed_sessions() if c.peer_id == peer]
+        return f"the session to the victim was lost ({ended[-1] if ended else 'closed'})"
+    return "its lookup timed out" if state.lookup_failed else "the victim said so"
+
+
+async def _run(args: argparse.Namespace) -> None:
+    import trio  # noqa: PLC0415
+
+    from p2pactor.core.inputs import LookupResult  # noqa: PLC0415
+    from p2pactor.runtime.node import Node  # noqa: PLC0415
+    from p2pactor.runtime.parent import EmbeddedCache  # noqa: PLC0415
+    from p2pactor.runtime.samples import block_bytes, preload_keys  # noqa: PLC0415
+
+    seed, block_len, victim, per = args.hash_seed, args.block_len, args.victim, KEYS
+    keys = preload_keys(seed, args.preload)
+    blocks = 4 * per
+    pool = bytearray(blocks * block_len)
+    cache = EmbeddedCache(blocks, block_len, memory=memoryview(pool))
+    counter = iter(range(10**12))
+
+    async def one(node: Node, tally: dict[str, Any]) -> None:
+        n = next(counter)
+        kv = f"honest-{n}"
+        first = (n * per) % (len(keys) - per + 1)
+        indexes = range(first, first + per)
+        wanted = [keys[i] for i in indexes]
+        t0 = time.perf_counter()
+        answers = await node.lookup(victim, kv, wanted)
+        t1 = time.perf_counter()
+        tally["latencies_s"].append(round(t1 - t0, 6))
+        if any(a is not LookupResult.HIT for a in answers):
+            misses = sum(1 for a in answers if a is not LookupResult.HIT)
+            why = _why_failed(node, victim, kv)
+            _fail(tally, f"{kv}: {misses} of {per} keys the victim holds answered MISS: {why}")
+            node.finish(kv)
+            return
+        into = cache.allocate(per)
+        try:
+            result = await node.fetch(victim, kv, wanted, into)
+            if not result.success:
+                _fail(tally, f"{kv}: fetch failed: {result.reason}")
+                return
+            for i, block in zip(indexes, into, strict=True):
+                got = pool[block * block_len : (block + 1) * block_len]
+                if got != block_bytes(keys[i], block_len):
+                    _fail(tally, f"{kv}: the block of key {i} differs from what the victim stored")
+        finally:
+            cache.free(into)
+            node.finish(kv)
+
+    async def loop(node: Node, box: list[dict[str, Any]]) -> None:
+        due = trio.current_time()
+        while True:
+            await one(node, box[0])
+            due = max(due + 1.0 / RATE_HZ, trio.current_time())
+            await trio.sleep_until(due)
+
+    async with (
+        open_bench_node(
+            args.port, pool, block_len, name=f"bench-honest-{os.getpid()}", hash_seed=seed
+        ) as node,
+        trio.open_nursery() as nursery,
+    ):
+        box = [_window()]
+        nursery.start_soon(loop, node, box)
+        say("READY")
+        while await trio.to_thread.run_sync(sys.stdin.readline):  # a window ends, one begins
+            ended, box[0] = box[0], _window()
+            say(ended)
+        nursery.cancel_scope.cancel()
+
+
+def main() -> int:
+    """Run the honest peer (its one argument: the JSON of its options) until stdin closes."""
+    import trio  # noqa: PLC0415
+
+    trio.run(_run, argparse.Namespace(**json.loads(sys.argv[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
