@@ -258,7 +258,7 @@ def _why_failed(node: Any, peer: str, kv: str) -> str:
     if not isinstance(state, ConsumerState):
         return "no request to the victim"
     if state.session_lost:
-        ended = [c.reason for c in node.closed_sessions() if c.peer_id == peer]
+        ended = [c.reason for c in node.peers.closed_sessions() if c.peer_id == peer]
         return f"the session to the victim was lost ({ended[-1] if ended else 'closed'})"
     return "its lookup timed out" if state.lookup_failed else "the victim said so"
 
