@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import trio
@@ -81,7 +82,8 @@ class SourceDirectory:
         self._warned: set[tuple[str, str]] = set()  # (peer, what) told once in the log
         self._work_wanted = trio.Event()  # set when summary messages wait for :meth:`run`
         self.deadline: float | None = None
-        self.scrub: list[bytes] = []
+        # One batch at most; a deque, as the engine's thread takes it (popleft is atomic).
+        self.scrub: deque[list[bytes]] = deque()
         self.checked = False
         self.frontier: list[bytes] = []
 
@@ -139,7 +141,7 @@ class SourceDirectory:
 
         A change for :meth:`told` (``Node.drained``).
         """
-        self.scrub = []
+        self.scrub.clear()
         self._send(self.holdings.drain(os.urandom(_EPOCH_BYTES), now, self._peers))
 
     # --- sessions ---------------------------------------------------------------------
@@ -274,8 +276,8 @@ class SourceDirectory:
 
     def _plan_scrub(self, now: float) -> None:
         """A batch of held keys for the engine to check, if one is due and none is out."""
-        if self.checked and not self.scrub:
-            self.scrub = self.holdings.plan_scrub(now)
+        if self.checked and not self.scrub and (batch := self.holdings.plan_scrub(now)):
+            self.scrub.append(batch)
 
     def arm(self) -> None:
         """Arm the timer for what is due first: a flush, a part, a check, a quarantine's end."""

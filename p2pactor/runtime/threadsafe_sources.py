@@ -108,8 +108,10 @@ class ThreadSafeSources(EngineBridge):
         """
         directory = self.directory
         directory.checked = True
-        batch, directory.scrub = directory.scrub, []
-        return batch or None
+        try:
+            return directory.scrub.popleft()
+        except IndexError:
+            return None
 
     def take_frontier(self) -> list[bytes]:
         """The held keys the cache evicts next, to check once it has allocated for its step.
