@@ -319,8 +319,7 @@ class ControlLink(abc.ABC):
         self._host.handshake_ended(self.peer_id, "ok")
         dialect = "p2pactor" if self.extended else "vLLM base"
         log.info("session with %s ready (%s dialect)", self.peer_id, dialect, extra=self._log_extra)
-        if self._backlog:  # what waited for the gate goes first, in order
-            self._nursery.start_soon(self._send_backlog)
+        self._flush()  # what waited for the gate goes first, in order
         if self.summaries:
             self._host.directory.peer_ready(self)
 
@@ -332,15 +331,6 @@ class ControlLink(abc.ABC):
             return
         self.last_sent = trio.current_time()
         frame = wire.encode(_to_dialect(msg, self.features))
-        open_ = self._established.is_set()
-        if open_ and not self._backlog:
-            assert self._conn is not None
-            try:
-                if self._conn.send_nowait(frame):
-                    return
-            except ConnectionLost as exc:
-                self._die(exc.reason)
-                return
         if self.unsent >= self._config.session_outbox:
             self._die(
                 f"the peer is not reading: {self._config.session_outbox} messages queued for it"
@@ -348,7 +338,19 @@ class ControlLink(abc.ABC):
             return
         # Before the gate opens, or behind frames that found the connection's queue full.
         self._backlog.append(frame)
-        if open_ and len(self._backlog) == 1:
+        if self._established.is_set() and len(self._backlog) == 1:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the connection the queued frames that fit now; a sender task waits for the rest."""
+        assert self._conn is not None
+        try:
+            while self._backlog and self._conn.send_nowait(self._backlog[0]):
+                self._backlog.popleft()
+        except ConnectionLost as exc:
+            self._die(exc.reason)
+            return
+        if self._backlog:
             self._nursery.start_soon(self._send_backlog)
 
     async def _send_backlog(self) -> None:
