@@ -14,7 +14,7 @@ import numpy as np
 import trio
 
 from p2pactor.adapters._nixl_agent import Agent, Index, Pool, Posted, nixl_error
-from p2pactor.adapters._nixl_options import NixlStatistics, log, note
+from p2pactor.adapters._nixl_options import Tally, log, note
 from p2pactor.runtime.transport import TransferError, WriteDone
 
 _RATE_WEIGHT = 0.25  # of the newest post in the moving average of post times
@@ -65,7 +65,7 @@ class Writes(Pool):
         self._wireup_until = -math.inf  # progress for peers' connection setup until then
         self._changed = trio.Event()  # some write ended or a peer was settled
         self._closing = False
-        self._tally = NixlStatistics(progress_thread=self._threaded)  # what it counts
+        self._tally = Tally()  # what it counts
         self._post_rate: float | None = None  # seconds per byte of posts, moving average
 
     # --- posting ----------------------------------------------------------------------

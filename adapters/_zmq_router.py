@@ -18,6 +18,7 @@ from p2pactor.adapters._zmq_connection import ZmqConnection
 from p2pactor.adapters._zmq_curve import answer_zap, curve_server, impostor, report_refusals
 from p2pactor.adapters._zmq_socket import (
     COPY_BELOW,
+    Counts,
     ZmqOptions,
     ZmqStatistics,
     ZmqTransportError,
@@ -83,7 +84,7 @@ class ZmqControlTransport:
         )
         self._last_close: dict[str, float] = {}
         self.closed = False
-        self._counts = ZmqStatistics()
+        self._counts = Counts()
         self._allowed: Callable[[str], bool] | None = None
         # Connections with frames read and not yet handed on, in turn (see _receive_loop).
         self._turns: deque[ZmqConnection] = deque()
@@ -105,9 +106,10 @@ class ZmqControlTransport:
 
     def statistics(self) -> ZmqStatistics:
         """Counters, for tests and monitoring."""
-        pending = self._accept_in.statistics().current_buffer_used
-        return attrs.evolve(
-            self._counts, connections=len(self._connections), pending_accepts=pending
+        return ZmqStatistics(
+            connections=len(self._connections),
+            pending_accepts=self._accept_in.statistics().current_buffer_used,
+            **attrs.asdict(self._counts),
         )
 
     async def connect(self, peer_id: str) -> ZmqConnection:

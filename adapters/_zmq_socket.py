@@ -123,11 +123,20 @@ class ZmqOptions:
     batch_io_threads: bool = True
 
 
-@attrs.define(kw_only=True)
+@attrs.define
+class Counts:
+    """The counters of :class:`ZmqStatistics` a transport keeps up to date as it runs."""
+
+    frames_received: int = 0
+    frames_dropped: int = 0
+    connections_opened: int = 0
+    connections_died: int = 0
+    auth_refused: int = 0
+
+
+@attrs.frozen(kw_only=True)
 class ZmqStatistics:
     """Counters of a :class:`ZmqControlTransport`, from :meth:`~ZmqControlTransport.statistics`.
-
-    The transport counts in its own; it hands out copies.
 
     Attributes:
         connections: Live connections.
@@ -143,12 +152,12 @@ class ZmqStatistics:
             or not a CURVE handshake); 0 without CURVE.
     """
 
-    connections: int = 0
-    pending_accepts: int = 0
-    frames_received: int = 0
-    frames_dropped: int = 0
-    connections_opened: int = 0
-    connections_died: int = 0
+    connections: int
+    pending_accepts: int
+    frames_received: int
+    frames_dropped: int
+    connections_opened: int
+    connections_died: int
     auth_refused: int = 0
 
 

@@ -116,12 +116,13 @@ class NixlDataTransport(Writes):
 
     def statistics(self) -> NixlStatistics:
         """Counters, for tests and monitoring."""
-        return attrs.evolve(
-            self._tally,
+        return NixlStatistics(
             peers=len(self._peers),
             remote_agents=len(self._remotes()),
             writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
             zombies=sum(w.zombie for w in self._inflight),
+            progress_thread=self._threaded,
+            **attrs.asdict(self._tally),
         )
 
     async def add_peer(

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+import attrs
 import pytest
 import trio
 
@@ -168,6 +169,8 @@ async def test_write_lands_at_the_given_indexes_and_nowhere_else() -> None:
         assert pool_a == pattern(1)  # the source is only read
         stats = a.statistics()
         assert (stats.writes_done, stats.bytes_written, stats.writes_in_flight) == (1, 4 * BL, 0)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):  # a copy, frozen
+            stats.writes_done = 0  # type: ignore[misc]
 
 
 async def test_torch_tensor_pools() -> None:
