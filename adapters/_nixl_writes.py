@@ -151,18 +151,17 @@ class Writes(Pool):
 
     def _posted(self, agent: Agent, write: _Write, posted: Posted) -> None:
         """Track a posted write (no checkpoint before this: nothing may lose the handle)."""
-        handle, state, why, seconds = posted
-        if seconds is not None:
-            rate = seconds / write.nbytes
+        if posted.seconds is not None:
+            rate = posted.seconds / write.nbytes
             old = self._post_rate
             self._post_rate = rate if old is None else old + _RATE_WEIGHT * (rate - old)
-        if handle is None:
-            self._end(write, why)
+        if posted.handle is None:
+            self._end(write, posted.why)
             return
-        write.handle = handle
+        write.handle = posted.handle
         self._inflight.append(write)
         self._kick.set()
-        self._settle(agent, write, state, why)
+        self._settle(agent, write, posted.state, posted.why)
 
     # --- the pump ---------------------------------------------------------------------
 
