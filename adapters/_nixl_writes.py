@@ -281,6 +281,9 @@ class Writes(Pool):
         self._changed = trio.Event()
 
     async def _wait_until(self, condition: Callable[[], bool]) -> None:
+        """Wait until ``condition()`` holds: a checkpoint even if it already does."""
+        if condition():
+            await trio.lowlevel.checkpoint()
         while not condition():
             await self._changed.wait()
 
