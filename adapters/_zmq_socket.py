@@ -326,10 +326,16 @@ class _Monitor(_AsyncSocket):
     a closed DEALER that reconnects while it lingers still emits them).
     """
 
-    def __init__(self, sock: zmq.Socket[bytes], mask: int) -> None:
-        endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
-        super().__init__(sock.get_monitor_socket(mask, endpoint))
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], mask: int):
+        super().__init__(ctx.socket(zmq.PAIR))
         self._source = sock
+        endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
+        try:
+            sock.monitor(endpoint, mask)
+            self.sock.connect(endpoint)
+        except zmq.ZMQError:
+            self.close()  # an open PAIR would keep ctx.term() waiting
+            raise
 
     async def receive(self) -> list[tuple[int, int]]:
         """The next events, 1 to 16 of them, as ``(event, value)``; a checkpoint.
@@ -379,7 +385,7 @@ def make_socket(
         ):
             sock.setsockopt(option, value)
         if mask:
-            monitor = _Monitor(sock, mask)
+            monitor = _Monitor(ctx, sock, mask)
         (sock.bind if kind == zmq.ROUTER else sock.connect)(address)
     except zmq.ZMQError:
         if monitor is not None:
