@@ -173,7 +173,9 @@ class Pool:
             )
         if nbytes // block_len > MAX_BLOCKS:
             raise ConfigError(f"the block pool has more than {MAX_BLOCKS} blocks")
-        self.agent_name, self.num_blocks, self.block_len = name, nbytes // block_len, block_len
+        self.agent_name = name
+        self.num_blocks = nbytes // block_len
+        self.block_len = block_len
         self._options = options
         self._agent: Agent | None = None  # set once open; None again once closed
         self._registration: object | None = None

@@ -174,7 +174,8 @@ class Writes(Pool):
         """
         intervals = self._options.poll_intervals()
         while True:
-            kick, busy = self._kick, bool(self._inflight)
+            kick = self._kick
+            busy = bool(self._inflight)
             peers = self._expected > 0 or trio.current_time() < self._wireup_until
             interval = math.inf  # nothing to do: sleep until kicked
             if busy or (peers and not self._threaded):

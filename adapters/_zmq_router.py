@@ -178,8 +178,11 @@ class ZmqControlTransport:
     def _start(self, nursery: trio.Nursery, bind_host: str | None) -> None:
         """Start the transport's tasks in ``nursery``; say how it is secured, and bound."""
         self._nursery = nursery
-        node, port = self.local_id, self.port
-        zap, monitor, curve = self._zap, self._monitor, self._curve
+        node = self.local_id
+        port = self.port
+        zap = self._zap
+        monitor = self._monitor
+        curve = self._curve
         if zap is not None and monitor is not None and curve is not None:
             ring = curve.keyring
             nursery.start_soon(answer_zap, zap, ring, self._refuse, name="zmq zap")

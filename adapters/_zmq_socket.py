@@ -386,7 +386,10 @@ def make_socket(
             sock.setsockopt(option, value)
         if mask:
             monitor = _Monitor(ctx, sock, mask)
-        (sock.bind if kind == zmq.ROUTER else sock.connect)(address)
+        if kind == zmq.ROUTER:
+            sock.bind(address)
+        else:
+            sock.connect(address)
     except zmq.ZMQError:
         if monitor is not None:
             monitor.close()

@@ -229,7 +229,8 @@ class ControlLink(abc.ABC):
 
     def _connect_message(self) -> wire.Connect:
         """This node's ``connect``: its memory, its configuration, and what it speaks."""
-        config, data = self._config, self._host.data
+        config = self._config
+        data = self._host.data
         return wire.Connect(
             peer_id=config.node_id,
             agent_metadata=data.agent_metadata,
@@ -245,7 +246,9 @@ class ControlLink(abc.ABC):
 
     def _incompatibility(self, msg: wire.Connect) -> tuple[str, str]:
         """``(outcome, problem)``: why the peer can't be talked to (``("", "")``: it can)."""
-        peer_id, config, hash_seed = self.peer_id, self._config, self._host.hash_seed
+        peer_id = self.peer_id
+        config = self._config
+        hash_seed = self._host.hash_seed
         if msg.peer_id != peer_id:
             return "identity_mismatch", (
                 f"it connected as {msg.peer_id!r} but its connection says {peer_id!r}; "
