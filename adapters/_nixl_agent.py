@@ -9,8 +9,9 @@ import time
 from collections.abc import Callable, Sequence
 from logging import INFO, WARNING
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
+import attrs
 import numpy as np
 import numpy.typing as npt
 
@@ -26,12 +27,45 @@ PER_BLOCK_LIMIT = 65_536
 refuses the pool as one strided row (it spans several registrations): at most about
 6 MiB at the peak and 4-7 ms of a worker thread (measured), whatever the peer advertises."""
 
-Agent = Any  # NIXL's nixl_agent (it has no type stubs); its handles are opaque
 Index = npt.NDArray[np.int32]
-Posted = tuple[object | None, str, str, float | None]
-"""What posting a write gave: its handle (None: NIXL could not prepare it), its state
-(as ``transfer()`` returned it; "ERR" if it raised), what its failure would say, and
-how long the post took (None unless ``transfer()`` returned)."""
+Descs = npt.NDArray[np.uint64]
+
+
+class Agent(Protocol):
+    """The part of ``nixl_agent`` the transport uses, typed (NIXL has no stubs; handles opaque)."""
+
+    def get_agent_metadata(self) -> bytes: ...
+    def register_memory(
+        self, reg_list: list[tuple[int, int, int, str]], mem_type: str
+    ) -> object: ...
+    def deregister_memory(self, dereg_list: object) -> None: ...
+    def prep_xfer_dlist(self, agent_name: str, xfer_list: Descs, mem_type: str) -> object: ...
+    def release_dlist_handle(self, handle: object) -> None: ...
+    def add_remote_agent(self, metadata: bytes) -> str | bytes: ...
+    def remove_remote_agent(self, agent: str) -> None: ...
+    def make_connection(self, remote_agent: str) -> None: ...
+    def make_prepped_xfer(
+        self,
+        operation: str,
+        local_xfer_side: object,
+        local_indices: Index,
+        remote_xfer_side: object,
+        remote_indices: Index,
+    ) -> object: ...
+    def transfer(self, handle: object) -> str: ...
+    def check_xfer_state(self, handle: object) -> str: ...
+    def release_xfer_handle(self, handle: object) -> None: ...
+    def get_new_notifs(self) -> dict[str, list[bytes]]: ...
+
+
+@attrs.frozen
+class Posted:
+    """What posting a write gave: its handle (None: NIXL could not prepare it) and state."""
+
+    handle: object | None
+    state: str  # as transfer() returned it; "ERR" if it raised
+    why: str  # what its failure would say
+    seconds: float | None = None  # how long the post took, if transfer() returned
 
 
 def nixl_error(exc: Exception) -> str:
@@ -54,7 +88,7 @@ def _new_agent(api: ModuleType, name: str, config: object, wakeup: float | None)
     unaffected; the lock keeps two constructions from swapping at once.
     """
     if wakeup is None:
-        return api.nixl_agent(name, config)
+        return cast(Agent, api.nixl_agent(name, config))
     delay_us = max(1, round(wakeup * 1e6))
     binding: Any = getattr(api, "nixlBind")  # noqa: B009 (not in NIXL's stubs)
 
@@ -69,7 +103,7 @@ def _new_agent(api: ModuleType, name: str, config: object, wakeup: float | None)
     with _NEW_AGENT_LOCK:
         setattr(api, "nixlBind", _WithDelay())  # noqa: B010
         try:
-            return api.nixl_agent(name, config)
+            return cast(Agent, api.nixl_agent(name, config))
         finally:
             setattr(api, "nixlBind", binding)  # noqa: B010
 
@@ -102,7 +136,7 @@ def _address(pool: torch.Tensor | bytearray | memoryview) -> tuple[int, int, obj
     return ctypes.addressof(array), view.nbytes, array
 
 
-def _strided(base_addr: int, num_blocks: int, block_len: int) -> npt.NDArray[np.uint64]:
+def _strided(base_addr: int, num_blocks: int, block_len: int) -> Descs:
     """The pool as one strided row, ``(address, length, device 0, stride, count)``.
 
     NIXL (1.5 on, which p2pactor requires) prepares an Nx5 array as a
@@ -139,7 +173,9 @@ class Pool:
             )
         if nbytes // block_len > MAX_BLOCKS:
             raise ConfigError(f"the block pool has more than {MAX_BLOCKS} blocks")
-        self.agent_name, self.num_blocks, self.block_len = name, nbytes // block_len, block_len
+        self.agent_name = name
+        self.num_blocks = nbytes // block_len
+        self.block_len = block_len
         self._options = options
         self._agent: Agent | None = None  # set once open; None again once closed
         self._registration: object | None = None
@@ -286,9 +322,9 @@ class Pool:
         try:
             handle = agent.make_prepped_xfer("WRITE", self._local_dlist, local, peer_dlist, remote)
         except Exception as exc:
-            return None, "ERR", f"NIXL could not prepare the write: {nixl_error(exc)}", None
+            return Posted(None, "ERR", f"NIXL could not prepare the write: {nixl_error(exc)}")
         try:
             state = agent.transfer(handle)
         except Exception as exc:
-            return handle, "ERR", nixl_error(exc), None
-        return handle, state, f"transfer() returned {state}", time.perf_counter() - start
+            return Posted(handle, "ERR", nixl_error(exc))
+        return Posted(handle, state, f"transfer() returned {state}", time.perf_counter() - start)

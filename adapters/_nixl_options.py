@@ -184,8 +184,20 @@ def ucx_tcp_environment(options: NixlOptions) -> float:
 
 
 @attrs.define(kw_only=True)
-class NixlStatistics:
-    """Counters of a NIXL transport: a copy, from its ``statistics()``.
+class Tally:
+    """The part of :class:`NixlStatistics` a transport keeps up to date as it runs."""
+
+    writes_done: int = 0
+    writes_failed: int = 0
+    bytes_written: int = 0
+    posted_inline: int = 0
+    progress_polls: int = 0
+    idle: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class NixlStatistics(Tally):
+    """Counters of a NIXL transport, from its ``statistics()``.
 
     Attributes:
         peers: Peer names registered (or being registered).
@@ -204,14 +216,8 @@ class NixlStatistics:
             NIXL's progress thread on: nothing of its own in flight).
     """
 
-    peers: int = 0
-    remote_agents: int = 0
-    writes_in_flight: int = 0
-    zombies: int = 0
-    progress_thread: bool = False
-    writes_done: int = 0
-    writes_failed: int = 0
-    bytes_written: int = 0
-    posted_inline: int = 0
-    progress_polls: int = 0
-    idle: bool = False
+    peers: int
+    remote_agents: int
+    writes_in_flight: int
+    zombies: int
+    progress_thread: bool

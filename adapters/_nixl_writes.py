@@ -14,7 +14,7 @@ import numpy as np
 import trio
 
 from p2pactor.adapters._nixl_agent import Agent, Index, Pool, Posted, nixl_error
-from p2pactor.adapters._nixl_options import NixlStatistics, log, note
+from p2pactor.adapters._nixl_options import Tally, log, note
 from p2pactor.runtime.transport import TransferError, WriteDone
 
 _RATE_WEIGHT = 0.25  # of the newest post in the moving average of post times
@@ -65,7 +65,7 @@ class Writes(Pool):
         self._wireup_until = -math.inf  # progress for peers' connection setup until then
         self._changed = trio.Event()  # some write ended or a peer was settled
         self._closing = False
-        self._tally = NixlStatistics(progress_thread=self._threaded)  # what it counts
+        self._tally = Tally()  # what it counts
         self._post_rate: float | None = None  # seconds per byte of posts, moving average
 
     # --- posting ----------------------------------------------------------------------
@@ -151,18 +151,17 @@ class Writes(Pool):
 
     def _posted(self, agent: Agent, write: _Write, posted: Posted) -> None:
         """Track a posted write (no checkpoint before this: nothing may lose the handle)."""
-        handle, state, why, seconds = posted
-        if seconds is not None:
-            rate = seconds / write.nbytes
+        if posted.seconds is not None:
+            rate = posted.seconds / write.nbytes
             old = self._post_rate
             self._post_rate = rate if old is None else old + _RATE_WEIGHT * (rate - old)
-        if handle is None:
-            self._end(write, why)
+        if posted.handle is None:
+            self._end(write, posted.why)
             return
-        write.handle = handle
+        write.handle = posted.handle
         self._inflight.append(write)
         self._kick.set()
-        self._settle(agent, write, state, why)
+        self._settle(agent, write, posted.state, posted.why)
 
     # --- the pump ---------------------------------------------------------------------
 
@@ -175,7 +174,8 @@ class Writes(Pool):
         """
         intervals = self._options.poll_intervals()
         while True:
-            kick, busy = self._kick, bool(self._inflight)
+            kick = self._kick
+            busy = bool(self._inflight)
             peers = self._expected > 0 or trio.current_time() < self._wireup_until
             interval = math.inf  # nothing to do: sleep until kicked
             if busy or (peers and not self._threaded):
@@ -282,6 +282,9 @@ class Writes(Pool):
         self._changed = trio.Event()
 
     async def _wait_until(self, condition: Callable[[], bool]) -> None:
+        """Wait until ``condition()`` holds: a checkpoint even if it already does."""
+        if condition():
+            await trio.lowlevel.checkpoint()
         while not condition():
             await self._changed.wait()
 

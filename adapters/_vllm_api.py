@@ -214,8 +214,10 @@ def tier_config(
     # environment's default one.
     hosts = {k: given.pop(k) for k in ("host", "bind_host") if k in given}
     base = NodeConfig.from_env(**hosts, curve_secret_key=None, curve_trusted=None)
-    slow_ms, port = given.pop("slow_step_ms", None), given.pop("port", base.port)
-    summaries, unbound = given.pop("summaries", None), given.pop("unbound_store_timeout_s", 60.0)
+    slow_ms = given.pop("slow_step_ms", None)
+    port = given.pop("port", base.port)
+    summaries = given.pop("summaries", None)
+    unbound = given.pop("unbound_store_timeout_s", 60.0)
     try:
         unbound_s = float(unbound)
     except (TypeError, ValueError):

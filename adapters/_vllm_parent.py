@@ -108,8 +108,11 @@ class JobBook:
 
         With no ``since`` (nothing is known of the job) both are None. Returns the seconds.
         """
-        seconds = None if since is None else _now() - since
-        size = None if since is None else (blocks * self._block_len if success else 0)
+        seconds: float | None = None
+        size: int | None = None
+        if since is not None:
+            seconds = _now() - since
+            size = blocks * self._block_len if success else 0
         self.finished.append(
             api.JobResult(job_id, success, transfer_time=seconds, transfer_bytes=size)
         )

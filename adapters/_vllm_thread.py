@@ -118,7 +118,7 @@ class NodeThread:
         self._thread.start()
         try:
             return self._started.result(_START_TIMEOUT_S)
-        except BaseException as exc:
+        except Exception as exc:  # Ctrl-C while it starts stays Ctrl-C
             if not self._started.done():
                 what = f"did not start within {_START_TIMEOUT_S:g} s"
                 raise P2PActorError(f"the p2pactor node {what}") from None

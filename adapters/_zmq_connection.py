@@ -75,13 +75,16 @@ class ZmqConnection:
         # ZMQ_IMMEDIATE stays 0 (vLLM): frames queue before the connection
         # completes, so the `connect` sent right away fits.
         try:
-            address, ctx = f"tcp://{peer_id}", transport._ctx
-            dealer, monitor = make_socket(ctx, zmq.DEALER, address, options, settings, mask=_EVENTS)
+            address = f"tcp://{peer_id}"
+            dealer, monitor = make_socket(
+                transport._ctx, zmq.DEALER, address, options, settings, mask=_EVENTS
+            )
         except zmq.ZMQError as exc:
             raise ConnectionLost(f"cannot dial {peer_id}: {exc}") from exc
         assert monitor is not None
         self._dealer = _AsyncSocket(dealer, zmq.POLLOUT)
-        self._monitor, self._reached = monitor, False
+        self._monitor = monitor
+        self._reached = False
         transport._nursery.start_soon(self._watch, monitor, name=f"zmq monitor {peer_id}")
 
     def renew(self) -> None:
@@ -128,7 +131,8 @@ class ZmqConnection:
         if self.send_nowait(frame):
             await trio.lowlevel.cancel_shielded_checkpoint()
             return
-        options, dealer = self._options, self._dealer
+        options = self._options
+        dealer = self._dealer
         with trio.move_on_after(options.send_timeout):
             if not dealer.watched:  # the first full queue: start watching it
                 dealer.start_watching(self._transport._nursery, f"zmq dealer fd {self}")
@@ -303,7 +307,9 @@ class ZmqConnection:
 
         None for the one that does not (a handshake that succeeded).
         """
-        peer, curve, opts = self.peer_id, self._transport._curve, self._options
+        peer = self.peer_id
+        curve = self._transport._curve
+        opts = self._options
         if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self._reached = True
             return None

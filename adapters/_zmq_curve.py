@@ -25,6 +25,7 @@ from p2pactor.runtime.transport import ConnectionLost
 ZAP_DOMAIN: bytes = b"p2pactor"
 """The ZAP domain of a CURVE ROUTER: our handler answers for it only."""
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP spec (RFC 27)
+_ZAP_REQUEST_FRAMES = 8  # routing id, delimiter, version, id, domain, address, identity, mechanism
 _ZAP_VERSION = b"1.0"
 # What a CURVE ROUTER turns away before ZAP is asked (see report_refusals).
 _ROUTER_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -169,16 +170,22 @@ async def answer_zap(zap: _AsyncSocket, keyring: Keyring, refuse: Refuse) -> Non
             except zmq.ZMQError as exc:
                 raise ZmqTransportError(f"the CURVE ZAP handler failed: {exc}") from exc
             for request in batch:
+                reply = _zap_answer(request, keyring, refuse)
                 # Room is never short on inproc for one small reply; if
                 # libzmq refuses it, that handshake simply does not finish.
                 with contextlib.suppress(zmq.ZMQError):
-                    zap.sock.send_multipart(_zap_answer(request, keyring, refuse), zmq.NOBLOCK)
+                    if reply is not None:
+                        zap.sock.send_multipart(reply, zmq.NOBLOCK)
 
 
-def _zap_answer(request: list[bytes], keyring: Keyring, refuse: Refuse) -> list[bytes]:
-    """The reply to one ZAP request (RFC 27, version 1.0: libzmq's, the endpoint's only client)."""
-    routing_id, _, _, request_id, domain, address, _, mechanism, *credentials = request
+def _zap_answer(request: list[bytes], keyring: Keyring, refuse: Refuse) -> list[bytes] | None:
+    """The reply to one ZAP request (RFC 27), or None for something that is not one."""
+    if len(request) < _ZAP_REQUEST_FRAMES:
+        return None  # libzmq never sends this; there is no request id to answer
+    routing_id, _, version, request_id, domain, address, _, mechanism, *credentials = request
     head = [routing_id, b"", _ZAP_VERSION, request_id]
+    if version != _ZAP_VERSION:
+        return [*head, b"500", b"unsupported ZAP version", b"", b""]
     if mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
         why = f"it used the {mechanism.decode('ascii', 'replace')} mechanism, not CURVE"
     else:

@@ -18,6 +18,7 @@ from p2pactor.adapters._zmq_connection import ZmqConnection
 from p2pactor.adapters._zmq_curve import answer_zap, curve_server, impostor, report_refusals
 from p2pactor.adapters._zmq_socket import (
     COPY_BELOW,
+    Counts,
     ZmqOptions,
     ZmqStatistics,
     ZmqTransportError,
@@ -83,7 +84,7 @@ class ZmqControlTransport:
         )
         self._last_close: dict[str, float] = {}
         self.closed = False
-        self._counts = ZmqStatistics()
+        self._counts = Counts()
         self._allowed: Callable[[str], bool] | None = None
         # Connections with frames read and not yet handed on, in turn (see _receive_loop).
         self._turns: deque[ZmqConnection] = deque()
@@ -105,9 +106,10 @@ class ZmqControlTransport:
 
     def statistics(self) -> ZmqStatistics:
         """Counters, for tests and monitoring."""
-        pending = self._accept_in.statistics().current_buffer_used
-        return attrs.evolve(
-            self._counts, connections=len(self._connections), pending_accepts=pending
+        return ZmqStatistics(
+            connections=len(self._connections),
+            pending_accepts=self._accept_in.statistics().current_buffer_used,
+            **attrs.asdict(self._counts),
         )
 
     async def connect(self, peer_id: str) -> ZmqConnection:
@@ -176,8 +178,11 @@ class ZmqControlTransport:
     def _start(self, nursery: trio.Nursery, bind_host: str | None) -> None:
         """Start the transport's tasks in ``nursery``; say how it is secured, and bound."""
         self._nursery = nursery
-        node, port = self.local_id, self.port
-        zap, monitor, curve = self._zap, self._monitor, self._curve
+        node = self.local_id
+        port = self.port
+        zap = self._zap
+        monitor = self._monitor
+        curve = self._curve
         if zap is not None and monitor is not None and curve is not None:
             ring = curve.keyring
             nursery.start_soon(answer_zap, zap, ring, self._refuse, name="zmq zap")

@@ -123,11 +123,20 @@ class ZmqOptions:
     batch_io_threads: bool = True
 
 
-@attrs.define(kw_only=True)
+@attrs.define
+class Counts:
+    """The counters of :class:`ZmqStatistics` a transport keeps up to date as it runs."""
+
+    frames_received: int = 0
+    frames_dropped: int = 0
+    connections_opened: int = 0
+    connections_died: int = 0
+    auth_refused: int = 0
+
+
+@attrs.frozen(kw_only=True)
 class ZmqStatistics:
     """Counters of a :class:`ZmqControlTransport`, from :meth:`~ZmqControlTransport.statistics`.
-
-    The transport counts in its own; it hands out copies.
 
     Attributes:
         connections: Live connections.
@@ -143,12 +152,12 @@ class ZmqStatistics:
             or not a CURVE handshake); 0 without CURVE.
     """
 
-    connections: int = 0
-    pending_accepts: int = 0
-    frames_received: int = 0
-    frames_dropped: int = 0
-    connections_opened: int = 0
-    connections_died: int = 0
+    connections: int
+    pending_accepts: int
+    frames_received: int
+    frames_dropped: int
+    connections_opened: int
+    connections_died: int
     auth_refused: int = 0
 
 
@@ -317,10 +326,16 @@ class _Monitor(_AsyncSocket):
     a closed DEALER that reconnects while it lingers still emits them).
     """
 
-    def __init__(self, sock: zmq.Socket[bytes], mask: int) -> None:
-        endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
-        super().__init__(sock.get_monitor_socket(mask, endpoint))
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], sock: zmq.Socket[bytes], mask: int):
+        super().__init__(ctx.socket(zmq.PAIR))
         self._source = sock
+        endpoint = f"inproc://p2pactor-monitor-{next(_monitor_serials)}"
+        try:
+            sock.monitor(endpoint, mask)
+            self.sock.connect(endpoint)
+        except zmq.ZMQError:
+            self.close()  # an open PAIR would keep ctx.term() waiting
+            raise
 
     async def receive(self) -> list[tuple[int, int]]:
         """The next events, 1 to 16 of them, as ``(event, value)``; a checkpoint.
@@ -370,8 +385,11 @@ def make_socket(
         ):
             sock.setsockopt(option, value)
         if mask:
-            monitor = _Monitor(sock, mask)
-        (sock.bind if kind == zmq.ROUTER else sock.connect)(address)
+            monitor = _Monitor(ctx, sock, mask)
+        if kind == zmq.ROUTER:
+            sock.bind(address)
+        else:
+            sock.connect(address)
     except zmq.ZMQError:
         if monitor is not None:
             monitor.close()

@@ -86,27 +86,36 @@ class NixlDataTransport(Writes):
         """Release every NIXL resource (in a worker thread), then fail what was left."""
         async with self._lock:
             unfinished = list(self._inflight)
-            await trio.to_thread.run_sync(self._release_all)
+            # Taken here, on the trio thread: the worker gets lists, not our state.
+            handles = [w.handle for w in unfinished]
+            dlists = [p.dlist for p in self._peers.values() if p.dlist is not None]
+            remotes = list(self._remotes())
+            for peer in self._peers.values():
+                peer.dlist = None  # its wrapper keeps the native agent alive
+            self._peers.clear()
+            assert self._agent is not None  # _close follows a successful open only
+            held = [self._agent]  # the worker takes it out: its last reference goes there
+            self._agent = None
+            await trio.to_thread.run_sync(self._release_all, held, handles, dlists, remotes)
         self._keepalive = None  # a bytearray pool may be resized again
         # Released with the agent: its endpoints are closed, nothing more lands.
         for write in unfinished:
             self._end(write, "the NIXL transport closed while it was in flight")
 
-    def _release_all(self) -> None:
-        """Release every write, peer list and remote agent, then the pool (in a worker thread).
+    def _release_all(
+        self, held: list[Agent], handles: list[object], dlists: list[object], remotes: list[str]
+    ) -> None:
+        """Release the writes, peer lists and remote agents, then the pool (worker thread).
 
         In dependency order, with the lock held; each release is attempted on its own.
         """
-        agent: Agent = self._agent  # open: _close follows a successful open only
-        self._agent = None
-        for write in self._inflight:
-            self._attempt("releasing a write in flight", agent.release_xfer_handle, write.handle)
-        for peer in self._peers.values():
-            self._remove_peer(agent, peer.dlist, None)
-            peer.dlist = None  # its wrapper keeps the native agent alive
-        for remote in self._remotes():  # after the lists prepared for them
+        agent = held.pop()
+        for handle in handles:
+            self._attempt("releasing a write in flight", agent.release_xfer_handle, handle)
+        for dlist in dlists:
+            self._remove_peer(agent, dlist, None)
+        for remote in remotes:  # after the lists prepared for them
             self._remove_peer(agent, None, remote)
-        self._peers.clear()
         self._release_pool(agent)
         # The agent (and its UCX context) goes with its last reference, here, in
         # this thread: tearing UCX down can take a while.
@@ -116,12 +125,13 @@ class NixlDataTransport(Writes):
 
     def statistics(self) -> NixlStatistics:
         """Counters, for tests and monitoring."""
-        return attrs.evolve(
-            self._tally,
+        return NixlStatistics(
             peers=len(self._peers),
             remote_agents=len(self._remotes()),
             writes_in_flight=sum(len(p.writes) for p in self._peers.values()),
             zombies=sum(w.zombie for w in self._inflight),
+            progress_thread=self._threaded,
+            **attrs.asdict(self._tally),
         )
 
     async def add_peer(

@@ -28,16 +28,14 @@ package for its errors) does not pull in trio, pyzmq or NIXL.
 
 from __future__ import annotations
 
-import ast
 import importlib
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2pactor import errors
 from p2pactor.errors import *  # noqa: F403 - errors.__all__ names them
 
-if TYPE_CHECKING:  # what loads lazily (_LAZY reads this block back)
+if TYPE_CHECKING:  # what the table below loads, spelled out for type checkers
     from p2pactor.adapters.nixl import NixlOptions as NixlOptions
     from p2pactor.adapters.nixl import open_nixl_transport as open_nixl_transport
     from p2pactor.adapters.zmq import ZmqOptions as ZmqOptions
@@ -71,22 +69,32 @@ if TYPE_CHECKING:  # what loads lazily (_LAZY reads this block back)
     from p2pactor.surface.logsetup import JsonFormatter as JsonFormatter
     from p2pactor.surface.logsetup import configure_logging as configure_logging
 
-
-def _lazy_names() -> dict[str, str]:
-    """Where each lazily loaded name lives: the type checkers' imports above, read back."""
-    tree = ast.parse(Path(__file__).read_text(encoding="utf-8"))
-    block = next(
-        n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"
-    )
-    return {
-        a.name: i.module
-        for i in block.body
-        if isinstance(i, ast.ImportFrom) and i.module
-        for a in i.names
-    }
-
-
-_LAZY = _lazy_names()
+# Where each lazily loaded name lives; tests/test_public.py checks that it
+# agrees with the imports above.
+_LAZY = {
+    name: module
+    for module, names in {
+        "p2pactor.adapters.nixl": ("NixlOptions", "open_nixl_transport"),
+        "p2pactor.adapters.zmq": ("ZmqOptions", "generate_keypair", "open_zmq_transport"),
+        "p2pactor.core.fold": ("fold",),
+        "p2pactor.core.inputs": ("LookupResult",),
+        "p2pactor.core.protocol": ("Limits",),
+        "p2pactor.core.timings": ("Timings",),
+        "p2pactor.runtime.config": ("DEFAULT_HASH_SEED", "NodeConfig", "fingerprint_of"),
+        "p2pactor.runtime.keys": ("CurveSecurity",),
+        "p2pactor.runtime.log": ("Durability", "EventLog"),
+        "p2pactor.runtime.logread": ("read_log",),
+        "p2pactor.runtime.engine": ("LoadResult",),
+        "p2pactor.runtime.node": ("FetchResult", "Node", "open_node"),
+        "p2pactor.runtime.parent": ("CacheFull", "EmbeddedCache", "Parent"),
+        "p2pactor.runtime.quotas": ("PeerQuotas",),
+        "p2pactor.runtime.samples": ("block_bytes", "chain_keys", "preload_keys"),
+        "p2pactor.runtime.transport": ("TransferError",),
+        "p2pactor.surface.attach": ("OperatorSurface", "open_operator_surface"),
+        "p2pactor.surface.logsetup": ("JsonFormatter", "configure_logging"),
+    }.items()
+    for name in names
+}
 __all__ = list(_LAZY)  # what the table loads, the errors and the version below
 __all__ += errors.__all__
 __all__ += ["__version__"]

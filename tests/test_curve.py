@@ -401,6 +401,34 @@ async def test_curve_peers_talk_and_everyone_else_is_turned_away(
             assert await from_a.receive() == b"still here"
 
 
+async def test_a_malformed_zap_request_is_answered_or_ignored_and_curve_keeps_working(
+    keys: Keys,
+) -> None:
+    """A ZAP request too short to answer is dropped; another version is refused (500)."""
+    ids = {n: f"{HOST}:{free_port()}" for n in ("a", "b")}
+    keys.add("a", ids["a"])
+    keys.add("b", ids["b"])
+    with trio.fail_after(TIMEOUT):
+        async with curve_transport(ids["a"], keys.security("a")) as a:
+            zap = a._ctx.socket(zmq.DEALER)  # a's own context: ZAP is inproc
+            zap.setsockopt(zmq.LINGER, 0)
+            zap.setsockopt(zmq.RCVTIMEO, int(TIMEOUT * 1000))
+            try:
+                zap.connect("inproc://zeromq.zap.01")
+                zap.send_multipart([b"", b"1.0"])
+                request = [b"", b"2.0", b"7", b"p2pactor", b"h", b"", b"CURVE", bytes(32)]
+                zap.send_multipart(request)
+                reply = await trio.to_thread.run_sync(zap.recv_multipart)
+            finally:
+                zap.close()
+            assert reply == [b"", b"1.0", b"7", b"500", b"unsupported ZAP version", b"", b""]
+            async with curve_transport(ids["b"], keys.security("b")) as b:
+                to_a = await b.connect(a.local_id)
+                await to_a.send(b"still admitting")
+                from_b = await a.accept()
+                assert await from_b.receive() == b"still admitting"
+
+
 async def test_a_trusted_key_claiming_another_peers_address_is_dropped(
     keys: Keys, caplog: pytest.LogCaptureFixture
 ) -> None:

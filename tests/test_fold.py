@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from msgspec.structs import replace
 
@@ -52,3 +55,11 @@ def test_an_event_of_another_actor_is_a_replay_error() -> None:
 
 def with_actor(event: ev.KeysResolved, actor: ActorId) -> ev.KeysResolved:
     return replace(event, actor=actor)
+
+
+def test_a_dispatch_table_that_misses_a_type_is_refused_even_under_python_dash_o() -> None:
+    code = "from p2pactor.core.builder import covers; covers({int: 0}, int | str)"
+    argv = [sys.executable, "-O", "-c", code]
+    run = subprocess.run(argv, check=False, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert "P2PActorError: a dispatch table's types differ from its union's: ['str']" in run.stderr

@@ -289,6 +289,9 @@ async def test_the_metrics_port_serves_metrics_and_status_only() -> None:
         assert url is not None
         assert url.startswith("http://127.0.0.1:")
         port = int(url.rsplit(":", 1)[1].strip("/"))
+        server = cluster["a"].surface.metrics_server
+        assert server is not None
+        assert (server.host, server.port) == ("127.0.0.1", port)
         status, ctype, body = await in_thread(url + "metrics")
         assert (status, ctype) == (200, CONTENT_TYPE)
         assert "p2pactor_handshakes_total" in body.decode()

@@ -29,8 +29,10 @@ from typing import Any, NamedTuple
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
+import attrs
 import pytest
 import trio
+import trio.testing
 
 from p2pactor.adapters.nixl import (
     NixlDataTransport,
@@ -168,6 +170,8 @@ async def test_write_lands_at_the_given_indexes_and_nowhere_else() -> None:
         assert pool_a == pattern(1)  # the source is only read
         stats = a.statistics()
         assert (stats.writes_done, stats.bytes_written, stats.writes_in_flight) == (1, 4 * BL, 0)
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):  # a copy, frozen
+            stats.writes_done = 0  # type: ignore[misc]
 
 
 async def test_torch_tensor_pools() -> None:
@@ -218,6 +222,19 @@ async def test_an_empty_write_does_nothing() -> None:
         await a.write("b", [], [])
         assert pool_b == before
         assert a.statistics().writes_done == 0
+
+
+async def test_a_write_refused_at_once_is_still_a_checkpoint() -> None:
+    """Trio's rule for an async call holds when ``start_write`` reports before returning."""
+    async with pair() as (a, _b, _pool_a, _pool_b):
+        with trio.testing.assert_checkpoints(), pytest.raises(TransferError, match="registered"):
+            await a.write("nobody", [0], [0])
+        with trio.testing.assert_checkpoints():
+            await a.write("b", [], [])
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await a.write("b", [], [])
+        assert scope.cancelled_caught
 
 
 # --- refused writes ----------------------------------------------------------------

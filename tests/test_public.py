@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import py_compile
 import subprocess
 import sys
 from pathlib import Path
@@ -110,3 +111,19 @@ def test_importing_the_package_loads_no_runtime() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_the_package_imports_from_bytecode_alone(tmp_path: Path) -> None:
+    """A sourceless install (only ``.pyc`` files) imports and lists its names."""
+    package = tmp_path / "p2pactor"
+    package.mkdir()
+    for module in ("__init__", "errors"):
+        source = package / f"{module}.py"
+        source.write_text((INIT.parent / f"{module}.py").read_text())
+        py_compile.compile(str(source), cfile=str(package / f"{module}.pyc"), doraise=True)
+        source.unlink()
+    code = "import p2pactor; print(p2pactor.__file__, sorted(p2pactor.__all__))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tmp_path
+    ).stdout
+    assert out.strip() == f"{package / '__init__.pyc'} {sorted(PUBLIC)}"

@@ -23,11 +23,12 @@ from p2pactor.core.ids import ActorId
 from p2pactor.core.inputs import LookupResult
 from p2pactor.runtime.actor import RequestActor
 from p2pactor.runtime.config import NodeConfig
+from p2pactor.runtime.handshake import SessionState
 from p2pactor.runtime.log import EventLog
 from p2pactor.runtime.node import Node, open_node
 from p2pactor.runtime.parent import EmbeddedCache
 from p2pactor.testing import MemoryConnection, MemoryDataPlane, MemoryNetwork
-from tests.cluster import BLOCK_LEN, block_bytes, key
+from tests.cluster import BLOCK_LEN, block_bytes, key, open_cluster
 
 NODE = "node:5710"
 PEER = "peer:5710"
@@ -427,3 +428,29 @@ async def test_a_pin_no_fetch_came_for_is_released_with_one_warning(
         assert getattr(lines[0], "kv_request_id", None) == "r0"
         assert "no fetch used it within 30 s" in lines[0].getMessage()
         assert node.peer_usage(PEER).pinned_blocks == 0
+
+
+async def test_a_burst_at_session_start_goes_out_when_the_gate_opens() -> None:
+    """Frames queued before the gate leave at once, so a burst after it does not overflow.
+
+    300 lookups wait for the handshake, 150 more come right after it: 450 frames
+    over ``session_outbox=400``, but the connection takes the 300 as the gate
+    opens, so the peer is reading and the session lives.
+    """
+    async with open_cluster("a", "b", session_outbox=400) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        answers: list[list[LookupResult]] = []
+
+        async def ask(name: str, k: bytes) -> None:
+            answers.append(await a.node.lookup(b.id, name, [k]))
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                for i in range(300):
+                    nursery.start_soon(ask, f"r{i}", key(i))
+                while getattr(a.node.session(b.id), "state", None) is not SessionState.READY:
+                    await trio.lowlevel.checkpoint()
+                for i in range(150):
+                    nursery.start_soon(ask, f"s{i}", key(1000 + i))
+        assert a.node.closed_sessions() == []
+        assert answers == [[MISS]] * 450

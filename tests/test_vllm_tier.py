@@ -93,9 +93,11 @@ from vllm.v1.kv_offload.tiering.base import (
 import p2pactor.adapters._vllm_api as vllm_api
 import p2pactor.adapters._vllm_parent as vllm_jobs
 import p2pactor.adapters.vllm as adapter
+from p2pactor.adapters._vllm_thread import NodeThread
 from p2pactor.adapters.nixl import import_nixl
 from p2pactor.adapters.vllm import P2PActorTierManager
 from p2pactor.errors import DataPlaneError
+from p2pactor.runtime.config import NodeConfig
 from tests.ports import free_port
 
 try:
@@ -1545,3 +1547,16 @@ def test_lookup_results_map_both_ways() -> None:
 
 def test_job_chunk_ids_are_read_from_the_transfer_job() -> None:
     assert vllm_api.job_ids(SimpleNamespace(chunk_ids=np.array([3, 4]))) == [3, 4]
+
+
+def test_ctrl_c_while_the_node_starts_stays_ctrl_c(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waiting for the node's thread, Ctrl-C is not reported as a start that timed out."""
+    node = NodeThread(NodeConfig(host="127.0.0.1"), memoryview(bytearray(64)), None)
+    monkeypatch.setattr(node, "_thread", threading.Thread(target=lambda: None))
+
+    def interrupted(timeout: float | None = None) -> object:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(node._started, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        node.start()

@@ -203,11 +203,15 @@ async def test_frames_queued_before_anyone_waits_are_received() -> None:
     with trio.fail_after(10):
         async with transport() as a, transport() as b:
             a_conn, b_conn = await link(a, b)
-            before = a.statistics().frames_received
+            stats = a.statistics()
+            before = stats.frames_received
             for i in range(100):
                 await b_conn.send(b"%d" % i)
             # All of them have arrived (a's transport read them); nobody waits yet.
             await until(lambda: a.statistics().frames_received == before + 100)
+            assert stats.frames_received == before  # a copy, frozen: the transport counts apart
+            with pytest.raises(attrs.exceptions.FrozenInstanceError):
+                stats.frames_received = 0  # type: ignore[misc]
             assert [await a_conn.receive() for _ in range(100)] == [b"%d" % i for i in range(100)]
 
 

@@ -19,7 +19,7 @@ from p2pactor.core import events as ev
 from p2pactor.core.events import ConsumerPhase, Event, Ignored, Phase, ProducerPhase
 from p2pactor.core.ids import ActorId, Role
 from p2pactor.core.timings import Timings
-from p2pactor.errors import ReplayError
+from p2pactor.errors import P2PActorError, ReplayError
 
 
 class ActorRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
@@ -122,10 +122,13 @@ def drop(mapping: Mapping[K, V], key: K) -> dict[K, V]:
 def covers(table: Mapping[type, object], union: object) -> None:
     """Check that ``table`` has an entry for each type of ``union`` and nothing else.
 
-    mypy cannot see a table's coverage as it sees a match's (``assert_never``).
+    mypy cannot see a table's coverage as it sees a match's (``assert_never``);
+    a raise, not an assert, so that ``python -O`` checks it too.
     """
     unmatched = set(table) ^ set(get_args(union))
-    assert not unmatched, unmatched
+    if unmatched:
+        names = sorted(t.__name__ for t in unmatched)
+        raise P2PActorError(f"a dispatch table's types differ from its union's: {names}")
 
 
 def evolver(

@@ -138,8 +138,10 @@ def _on_lookup_resp(b: _B, msg: wire.LookupResp) -> None:
 
 
 def _submit_load(b: _B, load: inp.SubmitLoad) -> None:
-    s, rnd = b.state, b.rnd
-    reason, success = "", False
+    s = b.state
+    rnd = b.rnd
+    reason = ""
+    success = False
     if s.finishing:
         reason = "the request already finished"
     elif s.session_lost:
@@ -150,7 +152,8 @@ def _submit_load(b: _B, load: inp.SubmitLoad) -> None:
             "pass one destination block per key"
         )
     elif not load.keys:
-        reason, success = "nothing to load", True
+        reason = "nothing to load"
+        success = True
     elif load.next_round is not None and load.next_round <= rnd:
         reason = f"next_round {load.next_round} must be above round {rnd}"
     if reason:
@@ -221,7 +224,8 @@ def _open_round(s: ConsumerState) -> int | None:
 
 
 def _tick(b: _B, _: inp.Tick) -> None:
-    now, t = b.now, b.t
+    now = b.now
+    t = b.t
     for round_seq, load in sorted(b.state.loads.items()):
         if load.ack_deadline is not None:
             if now >= load.ack_deadline:

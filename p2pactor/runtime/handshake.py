@@ -229,7 +229,8 @@ class ControlLink(abc.ABC):
 
     def _connect_message(self) -> wire.Connect:
         """This node's ``connect``: its memory, its configuration, and what it speaks."""
-        config, data = self._config, self._host.data
+        config = self._config
+        data = self._host.data
         return wire.Connect(
             peer_id=config.node_id,
             agent_metadata=data.agent_metadata,
@@ -245,7 +246,9 @@ class ControlLink(abc.ABC):
 
     def _incompatibility(self, msg: wire.Connect) -> tuple[str, str]:
         """``(outcome, problem)``: why the peer can't be talked to (``("", "")``: it can)."""
-        peer_id, config, hash_seed = self.peer_id, self._config, self._host.hash_seed
+        peer_id = self.peer_id
+        config = self._config
+        hash_seed = self._host.hash_seed
         if msg.peer_id != peer_id:
             return "identity_mismatch", (
                 f"it connected as {msg.peer_id!r} but its connection says {peer_id!r}; "
@@ -319,8 +322,7 @@ class ControlLink(abc.ABC):
         self._host.handshake_ended(self.peer_id, "ok")
         dialect = "p2pactor" if self.extended else "vLLM base"
         log.info("session with %s ready (%s dialect)", self.peer_id, dialect, extra=self._log_extra)
-        if self._backlog:  # what waited for the gate goes first, in order
-            self._nursery.start_soon(self._send_backlog)
+        self._flush()  # what waited for the gate goes first, in order
         if self.summaries:
             self._host.directory.peer_ready(self)
 
@@ -332,15 +334,6 @@ class ControlLink(abc.ABC):
             return
         self.last_sent = trio.current_time()
         frame = wire.encode(_to_dialect(msg, self.features))
-        open_ = self._established.is_set()
-        if open_ and not self._backlog:
-            assert self._conn is not None
-            try:
-                if self._conn.send_nowait(frame):
-                    return
-            except ConnectionLost as exc:
-                self._die(exc.reason)
-                return
         if self.unsent >= self._config.session_outbox:
             self._die(
                 f"the peer is not reading: {self._config.session_outbox} messages queued for it"
@@ -348,7 +341,19 @@ class ControlLink(abc.ABC):
             return
         # Before the gate opens, or behind frames that found the connection's queue full.
         self._backlog.append(frame)
-        if open_ and len(self._backlog) == 1:
+        if self._established.is_set() and len(self._backlog) == 1:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Hand the connection the queued frames that fit now; a sender task waits for the rest."""
+        assert self._conn is not None
+        try:
+            while self._backlog and self._conn.send_nowait(self._backlog[0]):
+                self._backlog.popleft()
+        except ConnectionLost as exc:
+            self._die(exc.reason)
+            return
+        if self._backlog:
             self._nursery.start_soon(self._send_backlog)
 
     async def _send_backlog(self) -> None:

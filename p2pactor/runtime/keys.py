@@ -88,7 +88,8 @@ def _parse_zpl(text: str, path: Path) -> dict[str, dict[str, str]]:
                 f"{path}, line {number}: not ZPL as a certificate has it (a name, maybe "
                 '= "value", indented by 4 spaces a level)'
             )
-        depth, name = len(match["indent"]) // 4, match["name"]
+        depth = len(match["indent"]) // 4
+        name = match["name"]
         if depth == 0:  # a section; a value at the root (no certificate has one) is ignored
             current = None if match["eq"] else sections.setdefault(name, {})
         elif depth == 1 and current is not None:
@@ -276,7 +277,10 @@ def _write_new(path: Path, text: str, mode: int, *, replace: bool) -> None:
         finally:
             os.close(fd)
         os.chmod(temp, mode)  # the umask may have narrowed it: public files are world-readable
-        (os.replace if replace else os.link)(temp, path)
+        if replace:
+            os.replace(temp, path)
+        else:
+            os.link(temp, path)
     except FileExistsError:
         raise ConfigError(f"{path} already exists: pass --force to replace it") from None
     except OSError as exc:

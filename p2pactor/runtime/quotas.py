@@ -280,8 +280,10 @@ class QuotaLedger:
             # Not a counted request (a consumer's, or a test's), or the empty
             # fetch that closes one: never refused.
             return message
-        limit, held = self._limits[Quota.ROUNDS_PER_REQUEST], request.held
-        quota, cap = Quota.FETCH_ROUNDS if fetch else Quota.OPEN_LOOKUPS, 0
+        limit = self._limits[Quota.ROUNDS_PER_REQUEST]
+        held = request.held
+        quota = Quota.FETCH_ROUNDS if fetch else Quota.OPEN_LOOKUPS
+        cap = 0
         if request.refusal:
             quota, reason = Quota.OPEN_REQUESTS, request.refusal
         elif message.round_seq not in held and len(held) >= limit:

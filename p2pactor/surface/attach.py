@@ -132,13 +132,14 @@ class MetricsServer(Site):
     """A running metrics-only server: its surface's routes, 404 for any other page.
 
     Attributes:
-        bound_host: The address it is bound to.
+        host: The address it is bound to.
         port: The port it is bound to.
     """
 
     def __init__(self, surface: OperatorSurface, bound_host: str, port: int) -> None:
         super().__init__(bound_host)
         self._surface = surface
+        self.host = bound_host
         self.port = port
 
     @property

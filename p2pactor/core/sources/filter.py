@@ -49,7 +49,8 @@ _FIELD = 4095
 _PAIRS = np.array([(1 << (x & 63)) | (1 << (x >> 6)) for x in range(_FIELD + 1)], np.uint64)
 _FIELDS = np.array([0, 12, 24], np.uint64)
 _PAIRS_INT: list[int] = _PAIRS.tolist()
-_MIX_INT, _MASK64 = int(_MIX), (1 << 64) - 1
+_MIX_INT = int(_MIX)
+_MASK64 = (1 << 64) - 1
 # Indexes into the table: its rows, or its columns.
 Rows = npt.NDArray[np.intp]
 
@@ -194,7 +195,8 @@ class ClaimFilter:
     def holders(self, fp: int) -> list[int]:
         """The columns that may claim ``fp``. Safe from another thread."""
         # Python ints, not arrays: a third of the time for one key (engine threads ask it).
-        table, pairs = self._table, _PAIRS_INT
+        table = self._table
+        pairs = _PAIRS_INT
         mixed = (fp * _MIX_INT) & _MASK64
         low = mixed ^ (mixed >> 32)
         want = np.uint64(
@@ -242,7 +244,8 @@ class ClaimFilter:
         With ``shrink``, the rows are halved while they hold under a quarter of it.
         """
         may = KEYS_PER_WORD * max(1, len(self._load) - len(self._free))  # keys a row may hold
-        words, total = self.words, sum(self._load)
+        words = self.words
+        total = sum(self._load)
         while not shrink and words < MAX_WORDS and total > may * words:
             words *= 2
         while shrink and words > MIN_WORDS and 4 * total < may * (words // 2):

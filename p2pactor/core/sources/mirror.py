@@ -89,7 +89,9 @@ class Mirror:
         """The parent dropped everything (its cache was reset)."""
         for part in (self._ranks, self._requests, self._suspects, self._checked, self._verified):
             part.clear()
-        self._pins, self._pinned, self._heap = {}, Counter(), []
+        self._pins = {}
+        self._pinned = Counter()
+        self._heap = []
         self._churn = 0
         self._changed_at = None
         self._since_frontier = self._churned
@@ -156,7 +158,8 @@ class Mirror:
                     self._rank_afresh(key, now)
                 continue
             seen[key] = position
-            rank, old = (rank_of, -position), ranks.get(key)
+            rank = (rank_of, -position)
+            old = ranks.get(key)
             if old is None and now is not None:
                 self._add(key, rank, now)
             elif old is not None and rank > old:  # vLLM's on_request_access: it only moves up

@@ -213,7 +213,9 @@ class PeerClaims(PeerTrust):
         self.queue.appendleft(job)
 
     def _delta(self, msg: Delta) -> Resync | None:
-        epoch, seq, most = msg.epoch, msg.seq, self.capacity
+        epoch = msg.epoch
+        seq = msg.seq
+        most = self.capacity
         if epoch != self.epoch:
             # A restarted peer: its old summary goes whole, its new one starts
             # with a snapshot (asked once, however often the epoch flips).
@@ -287,7 +289,8 @@ class PeerClaims(PeerTrust):
                 self._filter.fill(assembly.column, run)
             if take < min(most, len(fps)):
                 self.strikes += not assembly.cut
-                assembly.cut, fps = True, fps[:0]
+                assembly.cut = True
+                fps = fps[:0]
             fps = fps[take:]
             if not len(fps):
                 self.queue.popleft()
