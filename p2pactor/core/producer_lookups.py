@@ -19,6 +19,7 @@ from p2pactor.core.producer_state import (
     ProducerState,
     _pinned,
     _release,
+    _renew,
     _round,
     _set_round,
 )
@@ -50,6 +51,7 @@ def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) ->
         quota, reason = verdict.quota, verdict.reason
         b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, quota=quota, reason=reason)
         return
+    _renew(b)  # a lookup admitted: the request is alive (a refused one changes nothing held)
     budget = b.t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
         budget = min(budget, msg.deadline_ms / 1000)
@@ -274,7 +276,7 @@ def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
         return _lookup_ended(s, e, answered=True)  # at its deadline
     # The parent's answer, its pin and the answer in one step: the lookup is
     # over, its synthetic request closed with it.
-    return _forget(s if e.pinned is None else _pinned(s, e.seq, e.round_seq, e.pinned), e)
+    return _forget(s if e.pinned is None else _pinned(s, e, e.round_seq, e.pinned), e)
 
 
 def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:
