@@ -41,9 +41,11 @@ from p2pactor.core.events import Violation
 from p2pactor.core.producer_lookups import (
     LOOKUP_FOLDS,
     _drop_lookups,
+    _expirable,
     _on_lookup,
     _on_parent_answer,
     _reject,
+    _renew,
     _tick_lookups,
 )
 from p2pactor.core.producer_state import (
@@ -52,9 +54,7 @@ from p2pactor.core.producer_state import (
     STATE_FOLDS,
     RoundState,
     Supply,
-    _expirable,
     _release,
-    _renew,
 )
 from p2pactor.core.producer_state import ProducerState as ProducerState
 from p2pactor.core.producer_state import pin_expired as pin_expired

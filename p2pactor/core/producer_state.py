@@ -219,31 +219,6 @@ def _release(b: _B, job_id: int, reason: str, *, served: bool = False) -> None:
     b.emit(ev.PinReleased, job_id=job_id, success=success, reason=reason)
 
 
-def _expirable(s: ProducerState, job: PinJob) -> bool:
-    """A pin no fetch is using or about to use: it may time out.
-
-    A job that a write reads serves the write's round until the round ends,
-    which is after the write: ``serving`` covers the job's readers too.
-    """
-    if job.serving:
-        return False
-    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
-    return rnd is None or not rnd.fetched
-
-
-def _renew(b: _B) -> None:
-    """The request showed it is alive: renew its idle pins' leases, within the lease cap."""
-    s = b.state
-    if s.first_pinned_at is None:
-        return  # it never pinned
-    until = min(b.now + b.t.pin_timeout, s.first_pinned_at + b.t.pin_lease_cap)
-    renewed = tuple(
-        j for j, job in sorted(s.jobs.items()) if job.expires_at < until and _expirable(s, job)
-    )
-    if renewed:
-        b.emit(ev.PinsRenewed, job_ids=renewed, expires_at=until)
-
-
 def _set_round(s: ProducerState, e: ev.Event, rnd: RoundState, **changes: object) -> ProducerState:
     """``s`` after ``e``, with ``rnd`` as its round and the other ``changes``."""
     return replace(s, seq=e.seq, rounds=put(s.rounds, rnd.round_seq, rnd), **changes)
