@@ -616,6 +616,19 @@ class TestPinLeases:
         assert h.released == {FIRST_PIN: 1, FIRST_PIN + 1: 1}
         end_and_check(h)
 
+    def test_one_lookup_then_its_fetch_renews_nothing(self) -> None:
+        # The common request, and a prefill/decode one, log no renewal.
+        h = make(stored=[K1])
+        h.lookup(K1)
+        advance_to(h, 5.0)
+        h.fetch([K1], [5])
+        store(h, 7, [K2], [3])
+        advance_to(h, 6.0)
+        h.fetch([K2], [6], round_seq=1)
+        h.complete_all()
+        assert renewals(h) == []
+        end_and_check(h)
+
     def test_renewals_stop_at_the_lease_cap(self) -> None:
         h = ProducerHarness(timings=Timings(pin_timeout=30.0, pin_lease_cap=60.0))
         h.cache.stored = dict(BLOCK)

@@ -223,7 +223,6 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         # The round fails whole and at once; the sweep ends it, releasing its pins.
         b.emit(ev.FetchRefused, round_seq=r, quota=verdict.quota, reason=verdict.reason)
         return
-    _renew(b)
     matched, unmatched = _plan(b.state, r)
     symmetric = b.state.rounds[r].lookup_supplied or r <= b.state.looked_up_through
     if unmatched and (symmetric or b.state.finishing):
@@ -233,6 +232,7 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         _finalize(b, r, success=False, reason=f"{unmatched} of {len(msg.keys)} keys {what}")
     elif matched:
         _start(b, r, matched)
+    _renew(b)  # after the writes started: a pin they read needs no lease
 
 
 def _close_at_once(b: _B, round_seq: int, reason: str) -> bool:
