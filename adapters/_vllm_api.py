@@ -185,6 +185,7 @@ _VLLM_ONLY = frozenset({"backends", "num_threads", "locality"})
 TIER_OPTIONS = frozenset(
     {"host", "bind_host", "port", "unbound_store_timeout_s", "summaries", "slow_step_ms"}
     | {"allowed_peers", "seed_peers", "curve_secret_key", "curve_trusted"}
+    | {"pin_timeout_s", "pin_lease_cap_s"}
 )
 """The ``secondary_tiers`` options :func:`tier_config` takes (besides vLLM's, ignored)."""
 
@@ -228,6 +229,9 @@ def tier_config(
             "the p2pactor tier keeps a prefill's blocks for their decoder's fetch; 60 if not given)"
         )
     dp_index = int(offloading_spec.config.parallel.data_parallel_index)
+    # The pin timers, in seconds: Timings validates them.
+    timers = ("pin_timeout", "pin_lease_cap")
+    timings = {k: given.pop(f"{k}_s") for k in timers if f"{k}_s" in given}
     try:
         given |= {k: peer_ids(given[k]) for k in ("allowed_peers", "seed_peers") if k in given}
         return NodeConfig.from_env(
@@ -239,6 +243,7 @@ def tier_config(
             fingerprint=layout_fingerprint(offloading_spec),
             sources=source_options(base.sources, offloading_spec, summaries),
             unbound_store_timeout=unbound_s,
+            timings=attrs.evolve(base.timings, **timings),
             drain_timeout=SHUTDOWN_DRAIN_S,
             slow_step_s=base.slow_step_s
             if slow_ms is None

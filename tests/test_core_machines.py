@@ -37,8 +37,9 @@ from p2pactor.core.consumer import (
     step_consumer,
 )
 from p2pactor.core.fold import fold
-from p2pactor.core.producer import ProducerPhase, next_producer_deadline
+from p2pactor.core.producer import ProducerPhase, next_producer_deadline, pin_expired
 from p2pactor.core.serde import decode_event, encode_event
+from p2pactor.core.timings import Timings
 from tests.harness import KV, ConsumerHarness, FakeCache, ProducerHarness, key
 
 KEYS = [key(i) for i in range(6)]
@@ -296,7 +297,9 @@ class ProducerMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.h = ProducerHarness(auto_serve=False, cache=BudgetedCache(budget=2))
+        # A lease cap that renewals 5 s after the first pin reach.
+        timings = Timings(pin_lease_cap=35.0)
+        self.h = ProducerHarness(auto_serve=False, cache=BudgetedCache(budget=2), timings=timings)
         self.h.cache.stored = {KEYS[0]: 0, KEYS[1]: 1, KEYS[2]: 2}
         self.h.cache.pending = {KEYS[3]}
         self.h.cache.retry = {KEYS[4]}
@@ -367,6 +370,19 @@ class ProducerMachine(RuleBasedStateMachine):
                 kv_request_id=KV, keys=keys, round_seq=self._next_round(), deadline_ms=deadline_ms
             )
         )
+
+    @rule(
+        gaps=st.lists(jumps, min_size=1, max_size=6), start=st.integers(0, 5), ahead=st.booleans()
+    )
+    def trickle(self, gaps: list[float], start: int, ahead: bool) -> None:
+        # A slow trickle: the request asks again and again (renewing its pins' leases) as time
+        # passes, one key a step.
+        for i, seconds in enumerate(gaps):
+            k = KEYS[(start + i) % len(KEYS)]
+            round_seq = self._next_round() + ahead
+            self.feed(wire.Lookup(kv_request_id=KV, keys=(k,), round_seq=round_seq))
+            self.h.serve()  # the engine steps
+            self.time_passes(seconds)
 
     @rule(data=st.data())
     def honest_fetch(self, data: st.DataObject) -> None:
@@ -533,6 +549,43 @@ class ProducerMachine(RuleBasedStateMachine):
             assert t.round_seq in s.rounds
             # A job a write reads serves its round (so it never expires under the write).
             assert all(t.round_seq in s.jobs[j].serving for j in t.job_ids)
+
+    @invariant()
+    def leases_renew_within_the_cap_and_only_silence_expires_them(self) -> None:
+        # A renewal extends held pins to pin_timeout from then, never past the cap after the
+        # request's first pin; a pin expires only once its lease ran out; and a lookup pin of a
+        # round not fetched lives at least pin_timeout past the request's last lookup or fetch
+        # admitted (a quota's refusal renews nothing).
+        t = self.h.timings
+        first: float | None = None
+        until: dict[int, float] = {}
+        alive = was_alive = -1.0
+        for e in self.h.log:
+            pin = e.pinned if isinstance(e, ev.LookupAnswered) else e
+            if isinstance(pin, ev.Pinned | ev.KeysPinned | ev.StoreAdded):
+                first = e.at if first is None else first
+                until[pin.job_id] = pin.expires_at
+            match e:
+                case ev.LookupReceived() | ev.LookupLimited():
+                    alive = e.at
+                case ev.FetchReceived():
+                    alive, was_alive = e.at, alive
+                case ev.FetchRefused():  # a refusal renews nothing
+                    alive = was_alive
+                case ev.PinsRenewed():
+                    assert first is not None
+                    assert e.expires_at == min(e.at + t.pin_timeout, first + t.pin_lease_cap)
+                    assert all(until[j] < e.expires_at for j in e.job_ids)
+                    until.update(dict.fromkeys(e.job_ids, e.expires_at))
+                case ev.PinReleased() if pin_expired(e):
+                    assert e.at >= until[e.job_id], "a pin expired before its lease ran out"
+                case _:
+                    pass
+        s = self.h.state
+        for job in s.jobs.values():
+            rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
+            if job.round_seq is not None and (rnd is None or not rnd.fetched) and first:
+                assert job.expires_at >= min(alive + t.pin_timeout, first + t.pin_lease_cap)
 
     @invariant()
     def one_answer_per_lookup(self) -> None:

@@ -184,3 +184,33 @@ async def test_written_logs_replay_to_the_live_states_and_pass_check(
         for actor in member.actors:
             assert result.actor(member.id, actor.id).state == actor.state
     assert main(["replay", "--check", *map(str, paths)]) == 0
+
+
+async def test_a_slow_trickle_keeps_its_pins_and_loads_every_block(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    # vLLM #56836: 40 keys of one request looked up one a second, then one fetch of all of
+    # them. Without leases the first pins ran out at 30 s and the load failed.
+    keys = [key(i) for i in range(40)]
+    async with open_cluster("a", "b", num_blocks=256) as cluster:
+        a, b = cluster["a"], cluster["b"]
+        b.store(*keys)
+        for k in keys:
+            assert await a.node.lookup(b.id, "slow", [k]) == [HIT]
+            await trio.sleep(1.0)
+        assert trio.current_time() >= 40.0
+        blocks = a.cache.allocate(len(keys))
+        result = await a.node.fetch(b.id, "slow", keys, blocks)
+        assert result.success, result.reason
+        assert result.blocks == 40
+        for k, block in zip(keys, blocks, strict=True):
+            a.cache.commit(k, block)
+            assert a.cache.read(k) == block_bytes(k)
+        a.node.finish("slow")
+        await trio.sleep(1)
+    assert_settled(cluster)
+    assert_replay_matches(cluster)
+    (producer,) = [x for x in cluster["b"].actors if isinstance(x.state, ProducerState)]
+    renewed = [e for e in cluster["b"].log.recent() if e.KIND == "PinsRenewed"]
+    assert len(renewed) == 39  # each later lookup renewed the pins before it
+    assert producer.state.phase is ProducerPhase.CLOSED

@@ -32,6 +32,7 @@ from p2pactor.core import events as ev
 from p2pactor.core import inputs as inp
 from p2pactor.core import protocol as wire
 from p2pactor.core.producer import ProducerPhase, next_producer_deadline
+from p2pactor.core.timings import Timings
 from tests.harness import KV, PEER, ProducerHarness, key
 
 K1, K2, K3, K4 = key(1), key(2), key(3), key(4)
@@ -578,6 +579,104 @@ class TestServerFlows:
         end_and_check(h)
 
 
+# --- pin leases (issue 37: a slow trickle, vLLM #56836) ---------------------------------
+
+
+def renewals(h: ProducerHarness) -> list[tuple[float, tuple[int, ...], float]]:
+    """Each PinsRenewed as (when, jobs, until)."""
+    return [(e.at, e.job_ids, e.expires_at) for e in h.events_of(ev.PinsRenewed)]  # type: ignore[attr-defined]
+
+
+class TestPinLeases:
+    def test_a_later_lookup_of_the_request_renews_its_pins(self) -> None:
+        h = make(stored=[K1, K2])
+        h.lookup(K1)
+        advance_to(h, 20.0)
+        h.lookup(K2)  # the same round, as a stock consumer's next step sends it
+        assert renewals(h) == [(20.0, (FIRST_PIN,), 50.0)]
+        tick_at(h, 49.999)
+        assert h.released == {}
+        tick_at(h, 50.0)
+        assert h.released == {FIRST_PIN: 1, FIRST_PIN + 1: 1}, "silent from 20 s: both expire"
+        end_and_check(h)
+
+    def test_a_fetch_renews_the_pins_of_rounds_it_does_not_fetch(self) -> None:
+        h = make(stored=[K1, K2])
+        h.lookup(K1)
+        advance_to(h, 1.0)
+        h.lookup(K2, round_seq=1)
+        advance_to(h, 25.0)
+        h.fetch([K1], [5])
+        # Round 0's pin serves the fetch (no lease); round 1's is renewed.
+        assert renewals(h) == [(1.0, (FIRST_PIN,), 31.0), (25.0, (FIRST_PIN + 1,), 55.0)]
+        h.complete(0)
+        tick_at(h, 54.0)
+        assert h.released == {FIRST_PIN: 1}
+        tick_at(h, 55.0)
+        assert h.released == {FIRST_PIN: 1, FIRST_PIN + 1: 1}
+        end_and_check(h)
+
+    def test_one_lookup_then_its_fetch_renews_nothing(self) -> None:
+        # The common request, and a prefill/decode one, log no renewal.
+        h = make(stored=[K1])
+        h.lookup(K1)
+        advance_to(h, 5.0)
+        h.fetch([K1], [5])
+        store(h, 7, [K2], [3])
+        advance_to(h, 6.0)
+        h.fetch([K2], [6], round_seq=1)
+        h.complete_all()
+        assert renewals(h) == []
+        end_and_check(h)
+
+    def test_renewals_stop_at_the_lease_cap(self) -> None:
+        h = ProducerHarness(timings=Timings(pin_timeout=30.0, pin_lease_cap=60.0))
+        h.cache.stored = dict(BLOCK)
+        h.lookup(K1)
+        for t, k in ((20.0, K2), (40.0, K3), (55.0, K4)):
+            advance_to(h, t)
+            h.lookup(k)
+        # At 55 s every pin's lease already reaches the cap: nothing left to renew.
+        assert [until for _, _, until in renewals(h)] == [50.0, 60.0]
+        tick_at(h, 59.999)
+        assert h.released == {}
+        tick_at(h, 60.0)
+        assert set(h.released) == {FIRST_PIN, FIRST_PIN + 1}, "held past the cap by no renewal"
+        tick_at(h, 70.0)  # a fresh pin keeps its own 30 s
+        assert set(h.released) == {FIRST_PIN, FIRST_PIN + 1, FIRST_PIN + 2}
+        end_and_check(h)
+
+    def test_a_slow_trickle_then_one_fetch_of_all_its_keys_is_served(self) -> None:
+        keys = [key(100 + i) for i in range(40)]
+        h = ProducerHarness()
+        h.cache.stored = {k: i for i, k in enumerate(keys)}
+        for i, k in enumerate(keys):
+            advance_to(h, float(i))
+            h.lookup(k)
+            h.tick()
+        tick_at(h, 45.0)  # 45 s after the first pin, 6 s after the last lookup
+        assert h.released == {}
+        h.fetch(keys, range(40))
+        h.complete_all()
+        assert h.sent[-1] == done(True)
+        assert h.released == {FIRST_PIN + i: 1 for i in range(40)}
+        assert all(h.release_success.values())
+        close_request(h, round_seq=1)
+        assert_settled(h)
+
+    def test_a_pin_renewed_once_is_released_once(self) -> None:
+        h = make(stored=[K1, K2])
+        h.lookup(K1)
+        advance_to(h, 10.0)
+        h.lookup(K2)
+        tick_at(h, 40.0)
+        advance_to(h, 41.0)
+        h.lookup(K1)  # a new pin; the released ones are not renewed
+        assert renewals(h) == [(10.0, (FIRST_PIN,), 40.0)]
+        assert h.released == {FIRST_PIN: 1, FIRST_PIN + 1: 1}
+        end_and_check(h)
+
+
 # --- prefill/decode: stores instead of lookups -----------------------------------------
 
 
@@ -1103,8 +1202,8 @@ class TestNextDeadline:
         advance_to(h, 2.0)
         h.lookup(K1)
         advance_to(h, 3.0)
-        h.lookup(K2)
-        assert next_producer_deadline(h.state) == 32.0
+        h.lookup(K2)  # renews the first pin's lease too
+        assert next_producer_deadline(h.state) == 33.0
 
     def test_pins_of_a_fetched_round_need_no_tick(self) -> None:
         h = make(stored=[K1, K2])

@@ -701,6 +701,18 @@ def test_a_release_of_a_job_never_pinned_is_a_violation(tmp_path: Path) -> None:
     only_violation(result, "PinReleased", i + 2, contains="job 4242 is released but was never")
 
 
+def test_a_renewal_of_a_pin_not_held_is_a_violation(tmp_path: Path) -> None:
+    log = happy("req-x").producers[0].log
+    i = index_of(log, "PinReleased")
+    late = ev.PinsRenewed(actor=log[i].actor, seq=0, at=log[i].at, job_ids=(1000,), expires_at=99.0)
+    broken = renumbered([*log[: i + 1], late, *log[i + 1 :]])
+
+    result = check_one(tmp_path, broken)
+
+    assert any("job 1000 is renewed but not held" in str(v) for v in result.violations)
+    assert all(v.actor.kv_request_id == "req-x" for v in result.violations)
+
+
 def test_the_core_release_of_a_stray_pin_is_allowed(tmp_path: Path) -> None:
     log = two_rounds("req-x").producers[0].log
     i = index_of(log, "Ignored")

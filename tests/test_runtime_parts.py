@@ -189,7 +189,7 @@ def test_every_event_kind_is_either_effectful_or_a_record_only() -> None:
         ev.LookupResp, ev.LookupTimedOut, ev.KeysResolved, ev.KeysPinned, ev.KeysRefused,
         ev.FetchRefused, ev.ParentExpired, ev.PendingExpired, ev.LookupDropped,
         ev.StoreAdded, ev.FetchReceived, ev.TransferCompleted, ev.TransferFailed,
-        ev.AbortReceived, ev.RoundClosed, ev.CloseRequested,
+        ev.AbortReceived, ev.RoundClosed, ev.CloseRequested, ev.PinsRenewed,
     }  # fmt: skip
     assert fx.EFFECTFUL.isdisjoint(record_only)
     assert fx.EFFECTFUL | record_only == set(ev.EVENT_TYPES.values())

@@ -288,6 +288,7 @@ GOLDEN: dict[str, tuple[int, str, str]] = {
     "PendingExpired": (1, "f03887a7fcc7d16b", "6c22425bf5016443"),
     "PendingPolled": (1, "31d5a332d9f70fdf", "387fa5212cfac677"),
     "PinReleased": (1, "4ae98a80f92cd40f", "57bdc7d8a1230961"),
+    "PinsRenewed": (1, "b2cee70a65c263f2", "1a76decfa91b98e2"),
     "Probed": (2, "e5235c6c9c5a6daa", "88a19a840a104756"),
     "Registered": (1, "e3ac9c3285d4acfc", "4f5594644cbd5fe3"),
     "Rejected": (1, "71d5fb7daa0b4b77", "fabc4e2cc1780993"),

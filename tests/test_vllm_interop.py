@@ -36,6 +36,7 @@ from tests.vllm_interop import (
     expected_digest,
     make_key,
     make_keys,
+    open_tier_hosts,
     prefiller_params,
     vllm_p2p_missing,
 )
@@ -463,3 +464,46 @@ def test_killed_producer_turns_lookups_into_misses(
     assert answer["results"] == ["MISS"] * 2
     consumer.finish(f"{tag}-2")
     assert_clean(consumer)
+
+
+def test_a_stock_consumers_slow_trickle_keeps_its_pins_on_our_producer(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """vLLM #56836 at a tenth of its scale: pins of 1 s, 8 keys trickled over 4 s, one fetch.
+
+    A stock consumer sends one lookup per step with the keys new in it, all of one
+    kv_request_id; each renews the pins our producer holds for the request, so
+    the fetch of all 8 finds every one (with leases off, the first pins would be
+    3 s gone). Real time: ``pin_timeout_s`` is scaled down instead of waiting 40 s.
+    """
+    if _ours_missing:
+        pytest.skip(f"{OURS} does not exist yet")
+    specs = (
+        HostSpec(STOCK, name="trickle-stock", chunk_bytes=CHUNK, num_chunks=32),
+        HostSpec(
+            OURS,
+            name="trickle-ours",
+            chunk_bytes=CHUNK,
+            num_chunks=32,
+            kwargs={"pin_timeout_s": 1.0, "pin_lease_cap_s": 60.0},
+        ),
+    )
+    with open_tier_hosts(*specs, log_dir=tmp_path_factory.mktemp("trickle")) as hosts:
+        consumer, producer = hosts
+        keys = make_keys("trickle", 8)
+        producer.store(keys)
+        pull(consumer, producer, "trickle")
+        started = time.monotonic()
+        for i in range(len(keys)):
+            answer = consumer.lookup_until("trickle", keys[: i + 1], timeout=5)
+            assert answer["results"] == ["HIT"] * (i + 1)
+            time.sleep(0.5)
+        assert time.monotonic() - started >= 4.0
+        fetch(consumer, "trickle", keys)
+        consumer.finish("trickle")
+        events = producer.producer_events("kv-trickle")
+        assert events is not None
+        lookups = [e for e in events if e["kind"] == "LookupReceived"]
+        assert len(lookups) == len(keys), "one lookup a step, of the keys new in it"
+        assert len([e for e in events if e["kind"] == "PinsRenewed"]) == len(keys) - 1
+        assert_clean(consumer, producer)

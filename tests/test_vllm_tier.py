@@ -1454,6 +1454,8 @@ def test_backpressure_is_refused() -> None:
         {"slow_step_ms": -1},
         {"slow_step_ms": "often"},
         {"slow_step_ms": True},
+        {"pin_timeout_s": 0},
+        {"pin_lease_cap_s": "long"},
     ],
 )
 def test_bad_options_are_refused(kwargs: dict[str, Any]) -> None:
@@ -1487,6 +1489,16 @@ def test_the_slow_step_watch_is_an_option(h: Harness, monkeypatch: pytest.Monkey
     assert chosen.tier.node.loop_watch.snapshot().slow_step_s == 0.005
     for engine in (by_env, chosen, off):
         h.retire(engine)
+    h.check()
+
+
+def test_the_pin_timers_are_options(h: Harness) -> None:
+    """``pin_timeout_s`` and ``pin_lease_cap_s`` set the producer's pin timers."""
+    engine = h.add(Engine("leases", pin_timeout_s=1.0, pin_lease_cap_s=5))
+    timings = engine.tier.node.config.timings
+    assert (timings.pin_timeout, timings.pin_lease_cap) == (1.0, 5)
+    assert timings.load_timeout == 30.0  # the others keep vLLM's
+    h.retire(engine)
     h.check()
 
 

@@ -13,9 +13,10 @@ Life of a producer (PROTOCOL.md "Lookup", "Fetch, rounds and completion",
   stores, now or later; matched blocks go out in one WRITE per batch;
 * the round ends with ``transfer_done``; an abort is acknowledged only once no
   write into the peer's blocks can still be running;
-* a pin no fetch used for 30 s is released; the empty fetch closes the whole
-  request; every pin is released exactly once and every synthetic parent request
-  that was opened is closed exactly once.
+* a pin no fetch used for 30 s is released; each lookup or fetch of the request
+  renews its pins' 30 s (a lease, for at most 10 minutes after its first pin);
+  the empty fetch closes the whole request; every pin is released exactly once
+  and every synthetic parent request that was opened is closed exactly once.
 
 The producer never touches the parent: it posts
 :class:`~p2pactor.core.effects.ParentLookup` and
@@ -40,16 +41,17 @@ from p2pactor.core.events import Violation
 from p2pactor.core.producer_lookups import (
     LOOKUP_FOLDS,
     _drop_lookups,
+    _expirable,
     _on_lookup,
     _on_parent_answer,
     _reject,
+    _renew,
     _tick_lookups,
 )
 from p2pactor.core.producer_state import (
     _B,
     PIN_EXPIRED,
     STATE_FOLDS,
-    PinJob,
     RoundState,
     Supply,
     _release,
@@ -230,6 +232,7 @@ def _on_fetch(b: _B, msg: wire.Fetch, verdict: inp.OverQuota | None = None) -> N
         _finalize(b, r, success=False, reason=f"{unmatched} of {len(msg.keys)} keys {what}")
     elif matched:
         _start(b, r, matched)
+    _renew(b)  # after the writes started: a pin they read needs no lease
 
 
 def _close_at_once(b: _B, round_seq: int, reason: str) -> bool:
@@ -332,18 +335,6 @@ def _release_round_jobs(
     for job_id, job in sorted(b.state.jobs.items()):
         if job.round_seq == round_seq and job_id not in busy:
             _release(b, job_id, reason, served=served)
-
-
-def _expirable(s: ProducerState, job: PinJob) -> bool:
-    """A pin no fetch is using or about to use: it may time out.
-
-    A job that a write reads serves the write's round until the round ends,
-    which is after the write: ``serving`` covers the job's readers too.
-    """
-    if job.serving:
-        return False
-    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
-    return rnd is None or not rnd.fetched
 
 
 def _release_stores(b: _B) -> None:

@@ -16,6 +16,7 @@ from p2pactor.core.events import ProducerPhase, Quota, Violation
 from p2pactor.core.producer_state import (
     _B,
     ActiveLookup,
+    PinJob,
     ProducerState,
     _pinned,
     _release,
@@ -26,6 +27,31 @@ from p2pactor.core.producer_state import (
 
 def _reject(b: _B, msg: wire.Message, violation: Violation, detail: str) -> None:
     b.emit(ev.Rejected, input=msg.TYPE, violation=violation, detail=detail)
+
+
+def _expirable(s: ProducerState, job: PinJob) -> bool:
+    """A pin no fetch is using or about to use: it may time out.
+
+    A job that a write reads serves the write's round until the round ends,
+    which is after the write: ``serving`` covers the job's readers too.
+    """
+    if job.serving:
+        return False
+    rnd = None if job.round_seq is None else s.rounds.get(job.round_seq)
+    return rnd is None or not rnd.fetched
+
+
+def _renew(b: _B) -> None:
+    """The request showed it is alive: renew its idle pins' leases, within the lease cap."""
+    s = b.state
+    if s.first_pinned_at is None:
+        return  # it never pinned
+    until = min(b.now + b.t.pin_timeout, s.first_pinned_at + b.t.pin_lease_cap)
+    renewed = tuple(
+        j for j, job in sorted(s.jobs.items()) if job.expires_at < until and _expirable(s, job)
+    )
+    if renewed:
+        b.emit(ev.PinsRenewed, job_ids=renewed, expires_at=until)
 
 
 def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) -> None:
@@ -50,6 +76,7 @@ def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) ->
         quota, reason = verdict.quota, verdict.reason
         b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, quota=quota, reason=reason)
         return
+    _renew(b)  # a lookup admitted: the request is alive (a refused one changes nothing held)
     budget = b.t.pending_timeout
     if msg.deadline_ms is not wire.UNSET:
         budget = min(budget, msg.deadline_ms / 1000)
@@ -274,7 +301,7 @@ def _lookup_answered(s: ProducerState, e: ev.LookupAnswered) -> ProducerState:
         return _lookup_ended(s, e, answered=True)  # at its deadline
     # The parent's answer, its pin and the answer in one step: the lookup is
     # over, its synthetic request closed with it.
-    return _forget(s if e.pinned is None else _pinned(s, e.seq, e.round_seq, e.pinned), e)
+    return _forget(s if e.pinned is None else _pinned(s, e, e.round_seq, e.pinned), e)
 
 
 def _context_closed(s: ProducerState, e: ev.ContextClosed) -> ProducerState:

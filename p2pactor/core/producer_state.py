@@ -139,6 +139,8 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
         open_contexts: Lookups whose synthetic parent request is open.
         closed_through: The highest round closed by a fetch (-1: none).
         looked_up_through: The highest round that had a lookup (-1: none).
+        first_pinned_at: When the request's first pin was taken: its leases end by
+            ``pin_lease_cap`` after it.
         finishing: The engine will store no more blocks for the request.
         session_lost: The session ended; nothing can be sent.
         close_reason: Why the request is closing.
@@ -157,6 +159,7 @@ class ProducerState(ActorRecord, frozen=True, kw_only=True, gc=False):
     open_contexts: frozenset[int] = frozenset()
     closed_through: int = -1
     looked_up_through: int = -1
+    first_pinned_at: float | None = None
     finishing: bool = False
     session_lost: bool = False
     close_reason: str = ""
@@ -267,11 +270,11 @@ def _round_ended(s: ProducerState, seq: int, round_seq: int, *, served: bool) ->
 
 def _pinned(
     s: ProducerState,
-    seq: int,
+    e: ev.Event,
     round_seq: int | None,
     pin: ev.Pinned | ev.KeysPinned | ev.StoreAdded,
 ) -> ProducerState:
-    """Blocks pinned: the job held, its blocks a looked-up round's supply or the store's pool."""
+    """Blocks pinned in ``e``: the job held, its blocks a looked-up round's supply or the pool."""
     job_id, keys, blocks = pin.job_id, pin.keys, pin.blocks
     job = PinJob(
         job_id=job_id, round_seq=round_seq, keys=keys, blocks=blocks, expires_at=pin.expires_at
@@ -285,7 +288,9 @@ def _pinned(
         rnd = rounds[round_seq]
         supply = {**rnd.supply, **{k: Supply(job_id, b) for k, b in zip(keys, blocks, strict=True)}}
         rounds = put(rounds, round_seq, replace(rnd, supply=supply))
-    return replace(s, seq=seq, jobs=put(s.jobs, job_id, job), rounds=rounds, pool=pool)
+    first = e.at if s.first_pinned_at is None else s.first_pinned_at
+    jobs = put(s.jobs, job_id, job)
+    return replace(s, seq=e.seq, jobs=jobs, rounds=rounds, pool=pool, first_pinned_at=first)
 
 
 def _closed(s: ProducerState, e: ev.Closed) -> ProducerState:
@@ -355,8 +360,13 @@ STATE_FOLDS: Final[dict[type[ev.Event], Callable[[ProducerState, Any], ProducerS
     ev.CloseRequested: _phase_moved,
     ev.Closed: _closed,
     ev.FinishRequested: lambda s, e: replace(s, seq=e.seq, finishing=True),
-    ev.KeysPinned: lambda s, e: _pinned(s, e.seq, e.round_seq, e),
-    ev.StoreAdded: lambda s, e: _pinned(s, e.seq, None, e),
+    ev.KeysPinned: lambda s, e: _pinned(s, e, e.round_seq, e),
+    ev.StoreAdded: lambda s, e: _pinned(s, e, None, e),
+    ev.PinsRenewed: lambda s, e: replace(
+        s,
+        seq=e.seq,
+        jobs={**s.jobs, **{j: replace(s.jobs[j], expires_at=e.expires_at) for j in e.job_ids}},
+    ),
     ev.PinReleased: lambda s, e: _pin_released(s, e.seq, e.job_id),
     ev.FetchReceived: _fetch_received,
     ev.FetchRefused: _fetch_refused,

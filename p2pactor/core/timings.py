@@ -34,7 +34,10 @@ class Timings:
             about HIT_PENDING/RETRY keys. vLLM asks at every serve (each engine
             step, and every 1 ms on its tier-poll thread).
         pin_timeout: A pin that no fetch has used for this long is released
-            (producer).
+            (producer). Each lookup or fetch of the request renews every pin it
+            holds to this long from then (a lease; vLLM never renews).
+        pin_lease_cap: Renewals never keep a request's pins past this long after
+            its first pin (producer).
     """
 
     load_timeout: float = attrs.field(default=30.0, validator=_positive)
@@ -43,6 +46,7 @@ class Timings:
     pending_timeout: float = attrs.field(default=5.0, validator=_positive)
     pending_poll_interval: float = attrs.field(default=0.005, validator=_positive)
     pin_timeout: float = attrs.field(default=30.0, validator=_positive)
+    pin_lease_cap: float = attrs.field(default=600.0, validator=_positive)
 
 
 # vLLM 0.33.0's timers.

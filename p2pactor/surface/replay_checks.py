@@ -3,7 +3,8 @@
 * a consumer's phase only moves forward, each event comes in a phase that
   allows it, and every load sent ends exactly once and is reported once;
 * a producer releases every pin it created exactly once, closes every
-  synthetic parent request it opened exactly once, ends every fetched round
+  synthetic parent request it opened exactly once, renews only pins it holds,
+  ends every fetched round
   exactly once, and never tells the peer a round is over (``transfer_done``,
   ``abort_ack``) nor releases a pin while a write of it is still in flight.
 """
@@ -226,6 +227,10 @@ class ProducerCheck:
                 self._pin(event.job_id, problems)
             case ev.PinReleased():
                 self._release(event.job_id, prev, problems)
+            case ev.PinsRenewed():
+                problems.extend(
+                    f"job {j} is renewed but not held" for j in event.job_ids if j not in self.held
+                )
             case ev.KeysResolved():
                 self._open_context(event.lookup_id, problems)
             case ev.ContextClosed():

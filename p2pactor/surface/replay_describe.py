@@ -142,6 +142,8 @@ def describe(event: ev.AnyEvent) -> str:
             return f"round {event.round_seq}"
         case ev.RoundClosed():
             return f"round {event.round_seq}: {event.reason}"
+        case ev.PinsRenewed():
+            return f"jobs {','.join(map(str, event.job_ids))} until {event.expires_at:.3f}"
         case ev.PinReleased():
             return f"job {event.job_id}, {_ok(event.success)}: {event.reason}"
         case ev.CloseRequested():

@@ -389,6 +389,7 @@ ProducerEvent = (
     | AbortReceived
     | AbortAckSent
     | RoundClosed
+    | PinsRenewed
     | PinReleased
     | CloseRequested
     | Closed

@@ -274,6 +274,19 @@ class RoundClosed(_OfRound, frozen=True, kw_only=True):
     reason: str
 
 
+class PinsRenewed(Event, frozen=True, kw_only=True):
+    """A lookup or fetch of the request showed it alive: its idle pins' leases were renewed.
+
+    Attributes:
+        job_ids: The pin jobs renewed: each one no fetch is using, whose lease ended sooner.
+        expires_at: When they are now released if no fetch uses them: ``pin_timeout``
+            from now, but never past ``pin_lease_cap`` after the request's first pin.
+    """
+
+    job_ids: Ints
+    expires_at: float
+
+
 class PinReleased(Event, frozen=True, kw_only=True):
     """A pin job was released; its blocks may be evicted again.
 
