@@ -448,9 +448,9 @@ async def test_a_burst_at_session_start_goes_out_when_the_gate_opens() -> None:
             async with trio.open_nursery() as nursery:
                 for i in range(300):
                     nursery.start_soon(ask, f"r{i}", key(i))
-                while getattr(a.node.session(b.id), "state", None) is not SessionState.READY:
+                while getattr(a.node.peers.session(b.id), "state", None) is not SessionState.READY:
                     await trio.lowlevel.checkpoint()
                 for i in range(150):
                     nursery.start_soon(ask, f"s{i}", key(1000 + i))
-        assert a.node.closed_sessions() == []
+        assert a.node.peers.closed_sessions() == []
         assert answers == [[MISS]] * 450
