@@ -357,14 +357,19 @@ def _release_stores(b: _B) -> None:
             _release(b, job_id, "the engine finished and no fetch is waiting for these blocks")
 
 
+def _on_over_quota(b: _B, verdict: inp.OverQuota) -> None:
+    """The verdict on a lookup or fetch over a quota: the message, refused."""
+    if isinstance(verdict.message, wire.Lookup):
+        _on_lookup(b, verdict.message, verdict)
+    else:
+        _on_fetch(b, verdict.message, verdict)
+
+
 # What each input does: a table, not a match (a match tries its arms in turn).
 _ON: Final[Mapping[type, Callable[[_B, Any], None]]] = {
     wire.Lookup: _on_lookup,
     wire.Fetch: _on_fetch,
-    # The verdict on a lookup or fetch over a quota: the message, refused.
-    inp.OverQuota: lambda b, v: (_on_lookup if isinstance(v.message, wire.Lookup) else _on_fetch)(
-        b, v.message, v
-    ),
+    inp.OverQuota: _on_over_quota,
     wire.AbortFetch: _on_abort,
     inp.ParentAnswer: _on_parent_answer,
     inp.AddStore: _on_store,

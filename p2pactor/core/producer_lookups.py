@@ -73,7 +73,8 @@ def _on_lookup(b: _B, msg: wire.Lookup, verdict: inp.OverQuota | None = None) ->
     # quota that also breaks the protocol is still disconnected.
     admit = len(msg.keys) if verdict is None else min(verdict.admit, len(msg.keys))
     if verdict is not None and admit <= 0:
-        quota, reason = verdict.quota, verdict.reason
+        quota = verdict.quota
+        reason = verdict.reason
         b.emit(ev.LookupRefused, round_seq=msg.round_seq, keys=msg.keys, quota=quota, reason=reason)
         return
     _renew(b)  # a lookup admitted: the request is alive (a refused one changes nothing held)
@@ -147,7 +148,8 @@ def _resolve(b: _B, lookup: ActiveLookup, answer: inp.ParentAnswer) -> bool:
             # A hit the parent could not pin may be evicted: a MISS. HIT_PENDING,
             # RETRY, or not answered: still pending.
             resolved[key] = result is inp.LookupResult.HIT and key in pinned
-    held, refusal = None, ""
+    held = None
+    refusal = ""
     if pin is not None:
         held = ev.Pinned(**msgspec.structs.asdict(pin), expires_at=b.now + b.t.pin_timeout)
         refusal = _pin_refusal(b.state, lookup)
@@ -211,9 +213,12 @@ def _answer(
     one, as a lookup may carry 65,536 of them, and what they cost must stay far
     below what the quota admits.
     """
-    keys, admitted, refused = lookup.keys, lookup.admitted, lookup.refused
+    keys = lookup.keys
+    admitted = lookup.admitted
+    refused = lookup.refused
     answers = lookup.resolved if answers is None else answers
-    head, beyond = keys[:admitted], len(keys) - admitted
+    head = keys[:admitted]
+    beyond = len(keys) - admitted
     hits = tuple([answers[k] for k in head]) + (False,) * beyond
     flags = tuple([k in refused for k in head]) + (True,) * beyond if refused or beyond else ()
     b.emit(
@@ -250,7 +255,8 @@ def _tick_lookups(b: _B) -> None:
             else:
                 _settle_lookup(b, lookup_id)
         elif not lookup.outstanding and (poll := lookup.next_poll_at) is not None and now >= poll:
-            keys, not_after = _ordered(lookup), lookup.deadline
+            keys = _ordered(lookup)
+            not_after = lookup.deadline
             b.emit(ev.PendingPolled, lookup_id=lookup_id, keys=keys, not_after=not_after)
 
 
@@ -289,9 +295,11 @@ def _forget(s: ProducerState, e: Any) -> ProducerState:
 
 
 def _keys_resolved(s: ProducerState, e: ev.KeysResolved) -> ProducerState:
-    hits, misses = dict.fromkeys(e.hits, True), dict.fromkeys(e.misses, False)
+    hits = dict.fromkeys(e.hits, True)
+    misses = dict.fromkeys(e.misses, False)
     resolved = {**s.lookups[e.lookup_id].resolved, **hits, **misses}
-    pending, poll = frozenset(e.pending), e.next_poll_at
+    pending = frozenset(e.pending)
+    poll = e.next_poll_at
     s = _lookup(s, e, resolved=resolved, pending=pending, outstanding=False, next_poll_at=poll)
     return replace(s, open_contexts=s.open_contexts | {e.lookup_id})
 

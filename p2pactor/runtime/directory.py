@@ -152,7 +152,8 @@ class SourceDirectory:
         From now on its summary messages are read (they may arrive before our
         side of the handshake is done).
         """
-        peer, most = session.peer_id, self.options.max_claims_per_peer
+        peer = session.peer_id
+        most = self.options.max_claims_per_peer
         if capacity > most and self._first(peer, "cut back"):
             log.warning(
                 "%s registered %d blocks; this node keeps at most %d of its claims "
@@ -183,7 +184,9 @@ class SourceDirectory:
 
     def received(self, session: SummaryPeer, msg: wire.SummaryMessage) -> None:
         """Take one of ``session``'s summary messages: applied now if small, else by :meth:`run`."""
-        peer, index, now = session.peer_id, self.index, self._clock()
+        peer = session.peer_id
+        index = self.index
+        now = self._clock()
         if self._peers.get(peer) is not session:
             return  # an ended session's last frames
         floods = index.peer(peer).floods
@@ -293,7 +296,8 @@ class SourceDirectory:
 
     def _send(self, out: list[Out]) -> None:
         """Send what :attr:`holdings` returned: a delta to every summary peer, a part to one."""
-        counts, peers = self.counts, self._peers
+        counts = self.counts
+        peers = self._peers
         for peer, msg in out:
             if isinstance(msg, wire.KvsumDelta):
                 for each in peers.values():

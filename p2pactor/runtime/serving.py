@@ -72,7 +72,8 @@ def serve_parent_request(
             returned in ``refused`` and not pinned. None: no limit.
         refusal: The reason to give for ``refused`` keys.
     """
-    context, lookup_id = request.context, request.lookup_id
+    context = request.context
+    lookup_id = request.lookup_id
     if request.not_after is not None and now >= request.not_after:
         return inp.ParentAnswer(lookup_id=lookup_id, expired=True)
     if request.open_context:
